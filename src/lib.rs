@@ -1,0 +1,4 @@
+//! sdtrain: a Stable Diffusion fine-tuner (SD1.x, SD2.x, SDXL) on Candle.
+
+pub mod model;
+pub mod nn;

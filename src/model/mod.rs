@@ -1,0 +1,9 @@
+//! Stable Diffusion models written for training, and their loading.
+
+pub mod attention;
+pub mod clip;
+pub mod resnet;
+pub mod sampling;
+pub mod unet;
+pub mod vae;
+pub mod weights;

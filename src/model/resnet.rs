@@ -1,0 +1,77 @@
+//! diffusers' `ResnetBlock2D` (default time-embedding norm, no up/down inside), shared by the UNet
+//! (with a time embedding) and the VAE (without):
+//! `out = shortcut(x) + conv2(silu(norm2(conv1(silu(norm1(x))) + proj(silu(temb)))))`.
+
+use candle_core::{Result, Tensor};
+
+use super::weights::{Weights, WeightsError};
+use crate::nn::{silu, Conv2d, Conv2dConfig, GroupNorm, LayerMut, Linear, VisitLayers};
+
+#[derive(Debug, Clone)]
+pub struct ResnetBlock2D {
+    pub norm1: GroupNorm,
+    pub conv1: Conv2d,
+    pub time_emb_proj: Option<Linear>,
+    pub norm2: GroupNorm,
+    pub conv2: Conv2d,
+    pub conv_shortcut: Option<Conv2d>,
+}
+
+impl ResnetBlock2D {
+    /// `temb_channels` is `None` for the VAE's blocks.
+    pub fn new(
+        w: &Weights,
+        in_ch: usize,
+        out_ch: usize,
+        temb_channels: Option<usize>,
+        groups: usize,
+        eps: f64,
+    ) -> std::result::Result<Self, WeightsError> {
+        let time_emb_proj = match temb_channels {
+            Some(t) => Some(Linear::new(&w.pp("time_emb_proj"), t, out_ch, true)?),
+            None => None,
+        };
+        let conv_shortcut = if in_ch != out_ch {
+            Some(Conv2d::new(
+                &w.pp("conv_shortcut"),
+                in_ch,
+                out_ch,
+                Conv2dConfig::same(1),
+            )?)
+        } else {
+            None
+        };
+        Ok(Self {
+            norm1: GroupNorm::new(&w.pp("norm1"), groups, in_ch, eps)?,
+            conv1: Conv2d::new(&w.pp("conv1"), in_ch, out_ch, Conv2dConfig::same(3))?,
+            time_emb_proj,
+            norm2: GroupNorm::new(&w.pp("norm2"), groups, out_ch, eps)?,
+            conv2: Conv2d::new(&w.pp("conv2"), out_ch, out_ch, Conv2dConfig::same(3))?,
+            conv_shortcut,
+        })
+    }
+
+    /// `x` `[B, C, H, W]`, `temb` `[B, T]` (the UNet's, before its SiLU).
+    pub fn forward(&self, x: &Tensor, temb: Option<&Tensor>) -> Result<Tensor> {
+        let mut h = self.conv1.forward(&silu(&self.norm1.forward(x)?)?)?;
+        if let (Some(proj), Some(t)) = (&self.time_emb_proj, temb) {
+            let t = proj.forward(&silu(t)?)?.unsqueeze(2)?.unsqueeze(3)?;
+            h = h.broadcast_add(&t)?;
+        }
+        let h = self.conv2.forward(&silu(&self.norm2.forward(&h)?)?)?;
+        let shortcut = match &self.conv_shortcut {
+            Some(c) => c.forward(x)?,
+            None => x.clone(),
+        };
+        shortcut + h
+    }
+}
+
+impl VisitLayers for ResnetBlock2D {
+    fn visit_layers(&mut self, f: &mut dyn FnMut(LayerMut<'_>)) {
+        self.conv1.visit_layers(f);
+        self.time_emb_proj.visit_layers(f);
+        self.conv2.visit_layers(f);
+        self.conv_shortcut.visit_layers(f);
+    }
+}

@@ -1,0 +1,498 @@
+//! The UNet2DConditionModel `config.json`, read as diffusers writes it, and resolved into per-block
+//! settings. Mirrors diffusers' `UNet2DConditionModel.__init__` (models/unets/unet_2d_condition.py),
+//! including its quirk `num_attention_heads = num_attention_heads or attention_head_dim`: SD1.5's
+//! `attention_head_dim: 8` means 8 heads, SD2's `[5, 10, 20, 20]` means heads per block.
+//!
+//! Only the options SD1.x, SD2.x and SDXL use are accepted; any other value of an option that would
+//! change the architecture is an error naming the field, never silently ignored.
+
+use std::path::Path;
+
+use serde::Deserialize;
+
+#[derive(Debug, thiserror::Error)]
+pub enum UnetConfigError {
+    #[error("cannot read UNet config {path}: {source}")]
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("invalid UNet config {path}: {source}")]
+    Parse {
+        path: String,
+        source: serde_json::Error,
+    },
+    #[error("UNet config {path}: field `{field}`: {message}")]
+    Field {
+        path: String,
+        field: &'static str,
+        message: String,
+    },
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+enum OneOrMany {
+    One(usize),
+    Many(Vec<usize>),
+    Nested(Vec<Vec<usize>>),
+}
+
+fn default_true() -> bool {
+    true
+}
+fn default_4() -> usize {
+    4
+}
+fn default_2() -> OneOrMany {
+    OneOrMany::One(2)
+}
+fn default_1() -> OneOrMany {
+    OneOrMany::One(1)
+}
+fn default_8() -> OneOrMany {
+    OneOrMany::One(8)
+}
+fn default_1280() -> OneOrMany {
+    OneOrMany::One(1280)
+}
+fn default_groups() -> Option<usize> {
+    Some(32)
+}
+fn default_eps() -> f64 {
+    1e-5
+}
+fn default_pad() -> usize {
+    1
+}
+fn default_one_f() -> f64 {
+    1.0
+}
+fn default_k3() -> usize {
+    3
+}
+fn default_silu() -> String {
+    "silu".into()
+}
+fn default_mid() -> Option<String> {
+    Some("UNetMidBlock2DCrossAttn".into())
+}
+fn default_default() -> String {
+    "default".into()
+}
+fn default_positional() -> String {
+    "positional".into()
+}
+
+/// `config.json` as diffusers writes it. Keys we don't model (`_class_name`, …) are ignored.
+#[derive(Debug, Clone, Deserialize)]
+struct RawUnetConfig {
+    sample_size: Option<usize>,
+    #[serde(default = "default_4")]
+    in_channels: usize,
+    #[serde(default = "default_4")]
+    out_channels: usize,
+    #[serde(default)]
+    center_input_sample: bool,
+    #[serde(default = "default_true")]
+    flip_sin_to_cos: bool,
+    #[serde(default)]
+    freq_shift: usize,
+    down_block_types: Vec<String>,
+    #[serde(default = "default_mid")]
+    mid_block_type: Option<String>,
+    up_block_types: Vec<String>,
+    #[serde(default)]
+    only_cross_attention: serde_json::Value,
+    block_out_channels: Vec<usize>,
+    #[serde(default = "default_2")]
+    layers_per_block: OneOrMany,
+    #[serde(default = "default_pad")]
+    downsample_padding: usize,
+    #[serde(default = "default_one_f")]
+    mid_block_scale_factor: f64,
+    #[serde(default = "default_silu")]
+    act_fn: String,
+    #[serde(default = "default_groups")]
+    norm_num_groups: Option<usize>,
+    #[serde(default = "default_eps")]
+    norm_eps: f64,
+    #[serde(default = "default_1280")]
+    cross_attention_dim: OneOrMany,
+    #[serde(default = "default_1")]
+    transformer_layers_per_block: OneOrMany,
+    reverse_transformer_layers_per_block: Option<serde_json::Value>,
+    #[serde(default = "default_8")]
+    attention_head_dim: OneOrMany,
+    num_attention_heads: Option<OneOrMany>,
+    #[serde(default)]
+    dual_cross_attention: bool,
+    #[serde(default)]
+    use_linear_projection: bool,
+    class_embed_type: Option<String>,
+    addition_embed_type: Option<String>,
+    addition_time_embed_dim: Option<usize>,
+    projection_class_embeddings_input_dim: Option<usize>,
+    #[serde(default)]
+    upcast_attention: bool,
+    #[serde(default = "default_default")]
+    resnet_time_scale_shift: String,
+    #[serde(default = "default_positional")]
+    time_embedding_type: String,
+    time_embedding_dim: Option<usize>,
+    time_cond_proj_dim: Option<usize>,
+    encoder_hid_dim: Option<usize>,
+    #[serde(default = "default_k3")]
+    conv_in_kernel: usize,
+    #[serde(default = "default_k3")]
+    conv_out_kernel: usize,
+    #[serde(default = "default_default")]
+    attention_type: String,
+}
+
+/// The kind of a down or up block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BlockKind {
+    /// `CrossAttnDownBlock2D` / `CrossAttnUpBlock2D`: resnets interleaved with transformers.
+    CrossAttn,
+    /// `DownBlock2D` / `UpBlock2D`: resnets only.
+    Plain,
+}
+
+/// One down block's resolved settings (up blocks use the reversed lists, as diffusers does).
+#[derive(Debug, Clone)]
+pub struct BlockConfig {
+    pub kind: BlockKind,
+    pub layers: usize,
+    pub heads: usize,
+    pub transformer_layers: usize,
+    pub cross_attention_dim: usize,
+}
+
+/// SDXL's `addition_embed_type: "text_time"` settings.
+#[derive(Debug, Clone, Copy)]
+pub struct TextTimeConfig {
+    /// Width of each sinusoidal time-id embedding (256 in SDXL).
+    pub time_embed_dim: usize,
+    /// Input width of `add_embedding` = pooled text width + 6·time_embed_dim (2816 in SDXL).
+    pub input_dim: usize,
+}
+
+/// The resolved, validated UNet architecture.
+#[derive(Debug, Clone)]
+pub struct UnetConfig {
+    pub sample_size: Option<usize>,
+    pub in_channels: usize,
+    pub out_channels: usize,
+    pub flip_sin_to_cos: bool,
+    pub freq_shift: f64,
+    pub block_out_channels: Vec<usize>,
+    pub down_blocks: Vec<BlockConfig>,
+    pub up_kinds: Vec<BlockKind>,
+    pub downsample_padding: usize,
+    pub norm_num_groups: usize,
+    pub norm_eps: f64,
+    pub use_linear_projection: bool,
+    pub upcast_attention: bool,
+    pub text_time: Option<TextTimeConfig>,
+}
+
+impl UnetConfig {
+    pub fn from_file(path: &Path) -> Result<Self, UnetConfigError> {
+        let p = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|source| UnetConfigError::Io {
+            path: p.clone(),
+            source,
+        })?;
+        Self::from_json(&text, &p)
+    }
+
+    /// Parses `text`; `origin` names the file in errors.
+    pub fn from_json(text: &str, origin: &str) -> Result<Self, UnetConfigError> {
+        let raw: RawUnetConfig =
+            serde_json::from_str(text).map_err(|source| UnetConfigError::Parse {
+                path: origin.to_string(),
+                source,
+            })?;
+        resolve(raw, origin)
+    }
+
+    /// Width of the time embedding (`time_embedding.linear_2` out) = 4 · block_out_channels[0].
+    pub fn time_embed_dim(&self) -> usize {
+        self.block_out_channels[0] * 4
+    }
+
+    /// How many times the UNet halves the latent: latents must be a multiple of `2^this`.
+    pub fn num_downsamples(&self) -> usize {
+        self.block_out_channels.len() - 1
+    }
+}
+
+fn resolve(raw: RawUnetConfig, origin: &str) -> Result<UnetConfig, UnetConfigError> {
+    let err = |field: &'static str, message: String| UnetConfigError::Field {
+        path: origin.to_string(),
+        field,
+        message,
+    };
+    let n = raw.block_out_channels.len();
+    if n == 0 {
+        return Err(err("block_out_channels", "must not be empty".into()));
+    }
+    if raw.down_block_types.len() != n || raw.up_block_types.len() != n {
+        return Err(err(
+            "down_block_types",
+            format!(
+                "{} down and {} up block types for {n} block_out_channels",
+                raw.down_block_types.len(),
+                raw.up_block_types.len()
+            ),
+        ));
+    }
+    let expand = |v: &OneOrMany, field: &'static str| -> Result<Vec<usize>, UnetConfigError> {
+        match v {
+            OneOrMany::One(x) => Ok(vec![*x; n]),
+            OneOrMany::Many(xs) if xs.len() == n => Ok(xs.clone()),
+            OneOrMany::Many(xs) => Err(err(
+                field,
+                format!("has {} entries, expected {n}", xs.len()),
+            )),
+            OneOrMany::Nested(_) => Err(err(field, "nested lists are not supported".into())),
+        }
+    };
+    let layers = expand(&raw.layers_per_block, "layers_per_block")?;
+    let heads = match &raw.num_attention_heads {
+        Some(h) => expand(h, "num_attention_heads")?,
+        None => expand(&raw.attention_head_dim, "attention_head_dim")?,
+    };
+    let transformer_layers = expand(
+        &raw.transformer_layers_per_block,
+        "transformer_layers_per_block",
+    )?;
+    let cross = expand(&raw.cross_attention_dim, "cross_attention_dim")?;
+    let down_kind = |t: &str| match t {
+        "CrossAttnDownBlock2D" => Ok(BlockKind::CrossAttn),
+        "DownBlock2D" => Ok(BlockKind::Plain),
+        other => Err(err(
+            "down_block_types",
+            format!("unsupported block `{other}`"),
+        )),
+    };
+    let up_kind = |t: &str| match t {
+        "CrossAttnUpBlock2D" => Ok(BlockKind::CrossAttn),
+        "UpBlock2D" => Ok(BlockKind::Plain),
+        other => Err(err(
+            "up_block_types",
+            format!("unsupported block `{other}`"),
+        )),
+    };
+    let mut down_blocks = Vec::with_capacity(n);
+    for i in 0..n {
+        let (ch, h) = (raw.block_out_channels[i], heads[i]);
+        if h == 0 || ch % h != 0 {
+            return Err(err(
+                "attention_head_dim",
+                format!("{ch} channels cannot be split into {h} heads"),
+            ));
+        }
+        down_blocks.push(BlockConfig {
+            kind: down_kind(&raw.down_block_types[i])?,
+            layers: layers[i],
+            heads: h,
+            transformer_layers: transformer_layers[i],
+            cross_attention_dim: cross[i],
+        });
+    }
+    let up_kinds = raw
+        .up_block_types
+        .iter()
+        .map(|t| up_kind(t))
+        .collect::<std::result::Result<Vec<_>, _>>()?;
+    check_unsupported(&raw, &err)?;
+    let text_time = match raw.addition_embed_type.as_deref() {
+        None => None,
+        Some("text_time") => Some(TextTimeConfig {
+            time_embed_dim: raw.addition_time_embed_dim.ok_or_else(|| {
+                err(
+                    "addition_time_embed_dim",
+                    "required with addition_embed_type text_time".into(),
+                )
+            })?,
+            input_dim: raw.projection_class_embeddings_input_dim.ok_or_else(|| {
+                err(
+                    "projection_class_embeddings_input_dim",
+                    "required with addition_embed_type text_time".into(),
+                )
+            })?,
+        }),
+        Some(other) => {
+            return Err(err(
+                "addition_embed_type",
+                format!("unsupported value `{other}`"),
+            ))
+        }
+    };
+    let norm_num_groups = raw
+        .norm_num_groups
+        .ok_or_else(|| err("norm_num_groups", "null is not supported".into()))?;
+    Ok(UnetConfig {
+        sample_size: raw.sample_size,
+        in_channels: raw.in_channels,
+        out_channels: raw.out_channels,
+        flip_sin_to_cos: raw.flip_sin_to_cos,
+        freq_shift: raw.freq_shift as f64,
+        block_out_channels: raw.block_out_channels,
+        down_blocks,
+        up_kinds,
+        downsample_padding: raw.downsample_padding,
+        norm_num_groups,
+        norm_eps: raw.norm_eps,
+        use_linear_projection: raw.use_linear_projection,
+        upcast_attention: raw.upcast_attention,
+        text_time,
+    })
+}
+
+/// Rejects options that SD1.x/SD2.x/SDXL never set and that this model does not implement.
+fn check_unsupported(
+    raw: &RawUnetConfig,
+    err: &dyn Fn(&'static str, String) -> UnetConfigError,
+) -> Result<(), UnetConfigError> {
+    let only_cross = match &raw.only_cross_attention {
+        serde_json::Value::Null | serde_json::Value::Bool(false) => false,
+        serde_json::Value::Array(a) => a.iter().any(|v| v.as_bool() == Some(true)),
+        _ => true,
+    };
+    if only_cross {
+        return Err(err("only_cross_attention", "true is not supported".into()));
+    }
+    if raw.mid_block_type.as_deref() != Some("UNetMidBlock2DCrossAttn") {
+        return Err(err(
+            "mid_block_type",
+            format!("unsupported value {:?}", raw.mid_block_type),
+        ));
+    }
+    if raw.mid_block_scale_factor != 1.0 {
+        return Err(err(
+            "mid_block_scale_factor",
+            "only 1.0 is supported".into(),
+        ));
+    }
+    if raw.center_input_sample {
+        return Err(err("center_input_sample", "true is not supported".into()));
+    }
+    if raw.act_fn != "silu" {
+        return Err(err("act_fn", format!("unsupported value `{}`", raw.act_fn)));
+    }
+    if raw.dual_cross_attention {
+        return Err(err("dual_cross_attention", "true is not supported".into()));
+    }
+    if let Some(c) = &raw.class_embed_type {
+        return Err(err("class_embed_type", format!("unsupported value `{c}`")));
+    }
+    if raw.resnet_time_scale_shift != "default" {
+        return Err(err(
+            "resnet_time_scale_shift",
+            "only \"default\" is supported".into(),
+        ));
+    }
+    if raw.time_embedding_type != "positional" {
+        return Err(err(
+            "time_embedding_type",
+            "only \"positional\" is supported".into(),
+        ));
+    }
+    if raw.time_embedding_dim.is_some() || raw.time_cond_proj_dim.is_some() {
+        return Err(err(
+            "time_embedding_dim",
+            "custom time embeddings are not supported".into(),
+        ));
+    }
+    if raw.encoder_hid_dim.is_some() {
+        return Err(err(
+            "encoder_hid_dim",
+            "encoder projections are not supported".into(),
+        ));
+    }
+    if raw.conv_in_kernel != 3 || raw.conv_out_kernel != 3 {
+        return Err(err(
+            "conv_in_kernel",
+            "only 3×3 conv_in/conv_out are supported".into(),
+        ));
+    }
+    if raw.attention_type != "default" {
+        return Err(err(
+            "attention_type",
+            "only \"default\" is supported".into(),
+        ));
+    }
+    if raw
+        .reverse_transformer_layers_per_block
+        .as_ref()
+        .is_some_and(|v| !v.is_null())
+    {
+        return Err(err(
+            "reverse_transformer_layers_per_block",
+            "is not supported".into(),
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// runwayml/stable-diffusion-v1-5 unet/config.json (abridged to the keys that matter).
+    const SD15: &str = r#"{"_class_name":"UNet2DConditionModel","act_fn":"silu","attention_head_dim":8,
+        "block_out_channels":[320,640,1280,1280],"center_input_sample":false,"cross_attention_dim":768,
+        "down_block_types":["CrossAttnDownBlock2D","CrossAttnDownBlock2D","CrossAttnDownBlock2D","DownBlock2D"],
+        "downsample_padding":1,"flip_sin_to_cos":true,"freq_shift":0,"in_channels":4,"layers_per_block":2,
+        "mid_block_scale_factor":1,"norm_eps":1e-05,"norm_num_groups":32,"out_channels":4,"sample_size":64,
+        "up_block_types":["UpBlock2D","CrossAttnUpBlock2D","CrossAttnUpBlock2D","CrossAttnUpBlock2D"]}"#;
+
+    /// stabilityai/stable-diffusion-xl-base-1.0 unet/config.json (abridged).
+    const SDXL: &str = r#"{"addition_embed_type":"text_time","addition_time_embed_dim":256,
+        "attention_head_dim":[5,10,20],"block_out_channels":[320,640,1280],"cross_attention_dim":2048,
+        "down_block_types":["DownBlock2D","CrossAttnDownBlock2D","CrossAttnDownBlock2D"],
+        "projection_class_embeddings_input_dim":2816,"sample_size":128,"transformer_layers_per_block":[1,2,10],
+        "up_block_types":["CrossAttnUpBlock2D","CrossAttnUpBlock2D","UpBlock2D"],"use_linear_projection":true,
+        "num_attention_heads":null,"class_embed_type":null}"#;
+
+    #[test]
+    fn sd15_heads_come_from_attention_head_dim() {
+        let c = UnetConfig::from_json(SD15, "sd15").unwrap();
+        assert!(c
+            .down_blocks
+            .iter()
+            .all(|b| b.heads == 8 && b.cross_attention_dim == 768));
+        assert_eq!(c.down_blocks[3].kind, BlockKind::Plain);
+        assert_eq!(c.time_embed_dim(), 1280);
+        assert!(c.text_time.is_none());
+    }
+
+    #[test]
+    fn sdxl_resolves_per_block_lists() {
+        let c = UnetConfig::from_json(SDXL, "sdxl").unwrap();
+        let heads: Vec<usize> = c.down_blocks.iter().map(|b| b.heads).collect();
+        let tl: Vec<usize> = c.down_blocks.iter().map(|b| b.transformer_layers).collect();
+        assert_eq!(heads, vec![5, 10, 20]);
+        assert_eq!(tl, vec![1, 2, 10]);
+        let tt = c.text_time.unwrap();
+        assert_eq!((tt.time_embed_dim, tt.input_dim), (256, 2816));
+    }
+
+    #[test]
+    fn unsupported_options_name_the_field() {
+        let bad = SD15.replace("\"act_fn\":\"silu\"", "\"act_fn\":\"mish\"");
+        let e = UnetConfig::from_json(&bad, "x/unet/config.json")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("x/unet/config.json") && e.contains("act_fn"),
+            "{e}"
+        );
+        let bad = SD15.replace("\"layers_per_block\":2", "\"layers_per_block\":[2,2]");
+        let e = UnetConfig::from_json(&bad, "c").unwrap_err().to_string();
+        assert!(e.contains("layers_per_block"), "{e}");
+    }
+}

@@ -1,0 +1,61 @@
+//! `y = x·Wᵀ + b` over the last dimension, with W `[out, in]` as torch stores it.
+
+use candle_core::{Result, Tensor};
+
+use super::cast_like;
+use crate::model::weights::{Init, Weights, WeightsError};
+
+#[derive(Debug, Clone)]
+pub struct Linear {
+    /// The diffusers/transformers module path, e.g. `down_blocks.1.attentions.0.proj_in`.
+    pub path: String,
+    pub weight: Tensor,
+    pub bias: Option<Tensor>,
+}
+
+impl Linear {
+    /// Loads `<prefix>.weight` `[out, in]` and, if `bias`, `<prefix>.bias` `[out]`.
+    pub fn new(
+        w: &Weights,
+        in_dim: usize,
+        out_dim: usize,
+        bias: bool,
+    ) -> std::result::Result<Self, WeightsError> {
+        let bound = 1.0 / (in_dim as f64).sqrt();
+        let weight = w.get_init((out_dim, in_dim), "weight", Init::Uniform(bound))?;
+        let bias = if bias {
+            Some(w.get_init(out_dim, "bias", Init::Uniform(bound))?)
+        } else {
+            None
+        };
+        Ok(Self {
+            path: w.prefix(),
+            weight,
+            bias,
+        })
+    }
+
+    pub fn in_dim(&self) -> usize {
+        self.weight.dims()[1]
+    }
+
+    pub fn out_dim(&self) -> usize {
+        self.weight.dims()[0]
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let w = cast_like(&self.weight, x)?;
+        let dims = x.dims().to_vec();
+        let in_dim = dims[dims.len() - 1];
+        let rows = x.elem_count() / in_dim.max(1);
+        let y = super::matmul(&x.reshape((rows, in_dim))?, &w.t()?)?;
+        let y = match &self.bias {
+            Some(b) => y.broadcast_add(&cast_like(b, x)?)?,
+            None => y,
+        };
+        let mut out_dims = dims;
+        let last = out_dims.len() - 1;
+        out_dims[last] = self.out_dim();
+        y.reshape(out_dims)
+    }
+}

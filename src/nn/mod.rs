@@ -1,0 +1,88 @@
+//! Trainable building blocks shared by every model: our own Linear, Conv2d, norms, embedding
+//! and attention. Every op here has a backward in candle (see ../shared/NOTES.md: candle-nn's
+//! fused softmax/layer_norm drop gradients, so none of them is used).
+//!
+//! Layers keep their diffusers module path (`path`) so later work (adapters, checkpointing) can
+//! reach them by name through [`VisitLayers`].
+
+mod activation;
+mod attention;
+mod conv;
+mod embedding;
+mod linear;
+mod norm;
+
+pub use activation::{gelu_erf, quick_gelu, silu};
+pub use attention::{attention, causal_mask};
+pub use conv::{Conv2d, Conv2dConfig};
+pub use embedding::Embedding;
+pub use linear::Linear;
+pub use norm::{GroupNorm, LayerNorm};
+
+/// A mutable view of one leaf layer that adapters may wrap.
+pub enum LayerMut<'a> {
+    Linear(&'a mut Linear),
+    Conv2d(&'a mut Conv2d),
+}
+
+/// Walks every Linear and Conv2d leaf of a module, in construction order.
+pub trait VisitLayers {
+    fn visit_layers(&mut self, f: &mut dyn FnMut(LayerMut<'_>));
+}
+
+impl VisitLayers for Linear {
+    fn visit_layers(&mut self, f: &mut dyn FnMut(LayerMut<'_>)) {
+        f(LayerMut::Linear(self))
+    }
+}
+
+impl VisitLayers for Conv2d {
+    fn visit_layers(&mut self, f: &mut dyn FnMut(LayerMut<'_>)) {
+        f(LayerMut::Conv2d(self))
+    }
+}
+
+impl<T: VisitLayers> VisitLayers for Vec<T> {
+    fn visit_layers(&mut self, f: &mut dyn FnMut(LayerMut<'_>)) {
+        for m in self.iter_mut() {
+            m.visit_layers(f)
+        }
+    }
+}
+
+impl<T: VisitLayers> VisitLayers for Option<T> {
+    fn visit_layers(&mut self, f: &mut dyn FnMut(LayerMut<'_>)) {
+        if let Some(m) = self {
+            m.visit_layers(f)
+        }
+    }
+}
+
+/// Casts a parameter to the compute dtype of the activation it meets. A no-op when they agree;
+/// otherwise the cast's backward brings the gradient back to the parameter's (master) dtype.
+pub(crate) fn cast_like(
+    param: &candle_core::Tensor,
+    x: &candle_core::Tensor,
+) -> candle_core::Result<candle_core::Tensor> {
+    if param.dtype() == x.dtype() {
+        Ok(param.clone())
+    } else {
+        param.to_dtype(x.dtype())
+    }
+}
+
+/// `a.matmul(b)`, except that bf16 on the CPU (which candle's CPU gemm lacks) is computed in f32
+/// and rounded back: the same f32 accumulation cuBLAS uses for bf16 on CUDA.
+pub(crate) fn matmul(
+    a: &candle_core::Tensor,
+    b: &candle_core::Tensor,
+) -> candle_core::Result<candle_core::Tensor> {
+    use candle_core::DType;
+    if a.dtype() == DType::BF16 && a.device().is_cpu() {
+        a.to_dtype(DType::F32)?
+            .matmul(&b.to_dtype(DType::F32)?)?
+            .to_dtype(DType::BF16)
+    } else {
+        a.matmul(b)
+    }
+}

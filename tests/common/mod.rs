@@ -1,0 +1,59 @@
+//! Shared helpers for the integration tests: fixture paths, reference tensors, error metrics.
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use candle_core::{DType, Device, Tensor};
+
+/// `tests/fixtures/<name>` (e.g. `tiny-sd15`).
+pub fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name)
+}
+
+/// The reference tensors written by `tests/fixtures/make_fixtures.py` for one fixture.
+pub fn reference(name: &str) -> HashMap<String, Tensor> {
+    let path = fixture("reference").join(format!("{name}.safetensors"));
+    candle_core::safetensors::load(&path, &Device::Cpu)
+        .unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()))
+}
+
+/// A reference tensor by key, panicking with the key's name when it is absent.
+pub fn get(refs: &HashMap<String, Tensor>, key: &str) -> Tensor {
+    refs.get(key)
+        .unwrap_or_else(|| panic!("reference tensor `{key}` missing"))
+        .clone()
+}
+
+/// `‖a − b‖₂ / ‖b‖₂`, computed in f32 on the CPU.
+pub fn rel_err(a: &Tensor, b: &Tensor) -> f32 {
+    let a = a
+        .to_device(&Device::Cpu)
+        .unwrap()
+        .to_dtype(DType::F32)
+        .unwrap();
+    let b = b
+        .to_device(&Device::Cpu)
+        .unwrap()
+        .to_dtype(DType::F32)
+        .unwrap();
+    assert_eq!(a.dims(), b.dims(), "shape mismatch");
+    let num = (&a - &b)
+        .unwrap()
+        .sqr()
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    let den = b
+        .sqr()
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    (num / den.max(1e-30)).sqrt()
+}
