@@ -36,13 +36,13 @@ pub enum WeightsError {
     Open {
         component: String,
         files: String,
-        source: candle_core::Error,
+        source: Box<candle_core::Error>,
     },
     #[error("{component}: cannot load tensor `{name}`: {source}")]
     Load {
         component: String,
         name: String,
-        source: candle_core::Error,
+        source: Box<candle_core::Error>,
     },
     #[error("invalid model config: {0}")]
     Config(String),
@@ -97,7 +97,7 @@ impl Weights {
             unsafe { MmapedSafetensors::multi(files) }.map_err(|source| WeightsError::Open {
                 component: component.to_string(),
                 files: display_files(files),
-                source,
+                source: Box::new(source),
             })?;
         Ok(Self::with_source(
             Source::Files {
@@ -201,10 +201,10 @@ impl Weights {
         let shape: Shape = shape.into();
         let full = self.path(name);
         let inner = &self.inner;
-        let load_err = |source| WeightsError::Load {
+        let load_err = |e| WeightsError::Load {
             component: inner.component.clone(),
             name: full.clone(),
-            source,
+            source: Box::new(e),
         };
         let tensor = match &inner.source {
             Source::Files { files, st } => {

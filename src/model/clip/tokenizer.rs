@@ -1,0 +1,389 @@
+//! The CLIP byte-level BPE tokenizer, producing the fixed-length id rows SD pipelines feed the
+//! text encoders: `BOS + tokens[..max_length − 2] + EOS + pad…` (exactly `max_length` ids).
+//!
+//! A folder with `tokenizer.json` is loaded as is. Otherwise the tokenizer is built from
+//! `vocab.json` + `merges.txt` the way transformers 5's `CLIPTokenizer` builds it (and as the
+//! `tokenizer.json` it writes spells out):
+//! - model: BPE, `continuing_subword_prefix ""`, `end_of_word_suffix "</w>"`, unk `<|endoftext|>`;
+//! - normalizer: NFC, `\s+` → `" "`, lowercase;
+//! - pre-tokenizer: keep the matches of CLIP's regex (special tokens, contractions, letter
+//!   runs, single digits, punctuation runs), then byte-level (no prefix space);
+//! - the BOS, EOS, pad and unk tokens are registered as special tokens, so they are matched
+//!   verbatim in the prompt. With SD2's pad token `!` this splits `"!!!"` into three `!` ids,
+//!   as transformers does (checked by tests/tokenizer_parity.rs).
+//!
+//! BOS/EOS are always added here, never by a `tokenizer.json` post-processor (we encode with
+//! `add_special_tokens = false`), so both folder layouts give the same ids.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use candle_core::{Device, Tensor};
+use serde_json::Value;
+use tokenizers::models::bpe::{Merges, Vocab, BPE};
+use tokenizers::normalizers::replace::ReplacePattern;
+use tokenizers::normalizers::{Lowercase, Replace, Sequence as NormSequence, NFC};
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::pre_tokenizers::sequence::Sequence as PreSequence;
+use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
+use tokenizers::{AddedToken, SplitDelimiterBehavior, Tokenizer};
+
+/// CLIP's pre-tokenizer regex (transformers 5, with the special tokens kept whole).
+const CLIP_PATTERN: &str =
+    r"<\|startoftext\|>|<\|endoftext\|>|'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|[\p{N}]|[^\s\p{L}\p{N}]+";
+const DEFAULT_MAX_LENGTH: usize = 77;
+const DEFAULT_BOS: &str = "<|startoftext|>";
+const DEFAULT_EOS: &str = "<|endoftext|>";
+
+#[derive(Debug, thiserror::Error)]
+pub enum TokenizerError {
+    #[error("tokenizer folder {dir}: {message}")]
+    Missing { dir: PathBuf, message: String },
+    #[error("cannot read {path}: {source}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("cannot parse {path}: {source}")]
+    Json {
+        path: PathBuf,
+        source: serde_json::Error,
+    },
+    #[error("{path}: {message}")]
+    Invalid { path: PathBuf, message: String },
+    #[error("tokenizer folder {dir}: cannot build the CLIP tokenizer: {message}")]
+    Build { dir: PathBuf, message: String },
+    #[error("tokenizer folder {dir}: {role} {token:?} is not in the vocabulary")]
+    UnknownToken {
+        dir: PathBuf,
+        role: &'static str,
+        token: String,
+    },
+    #[error("tokenizer folder {dir}: cannot encode {prompt:?}: {message}")]
+    Encode {
+        dir: PathBuf,
+        prompt: String,
+        message: String,
+    },
+    #[error("cannot build the token tensor: {0}")]
+    Tensor(#[from] candle_core::Error),
+}
+
+/// A CLIP tokenizer with its special-token ids and padded length.
+#[derive(Clone)]
+pub struct ClipTokenizer {
+    tokenizer: Tokenizer,
+    dir: PathBuf,
+    max_length: usize,
+    bos_id: u32,
+    eos_id: u32,
+    pad_id: u32,
+}
+
+/// The special tokens and length read from `tokenizer_config.json` / `special_tokens_map.json`.
+struct SpecialTokens {
+    max_length: usize,
+    bos: String,
+    eos: String,
+    pad: String,
+    unk: String,
+}
+
+impl ClipTokenizer {
+    /// Loads a tokenizer folder (diffusers' `tokenizer/` or `tokenizer_2/`).
+    pub fn from_dir(dir: impl AsRef<Path>) -> Result<Self, TokenizerError> {
+        let dir = dir.as_ref().to_path_buf();
+        if !dir.is_dir() {
+            return Err(TokenizerError::Missing {
+                dir,
+                message: "not a folder".to_string(),
+            });
+        }
+        let special = read_special_tokens(&dir)?;
+        let json = dir.join("tokenizer.json");
+        let tokenizer = if json.is_file() {
+            let invalid = |e: tokenizers::Error| TokenizerError::Invalid {
+                path: json.clone(),
+                message: e.to_string(),
+            };
+            let mut t = Tokenizer::from_file(&json).map_err(invalid)?;
+            // Truncation and padding are ours (encode); a file that configures either would
+            // otherwise pad before BOS/EOS are added.
+            t.with_truncation(None).map_err(invalid)?;
+            t.with_padding(None);
+            t
+        } else {
+            build_from_vocab(&dir, &special)?
+        };
+        let id = |role: &'static str, token: &str| {
+            tokenizer
+                .token_to_id(token)
+                .ok_or_else(|| TokenizerError::UnknownToken {
+                    dir: dir.clone(),
+                    role,
+                    token: token.to_string(),
+                })
+        };
+        let (bos_id, eos_id, pad_id) = (
+            id("bos_token", &special.bos)?,
+            id("eos_token", &special.eos)?,
+            id("pad_token", &special.pad)?,
+        );
+        Ok(Self {
+            tokenizer,
+            dir,
+            max_length: special.max_length,
+            bos_id,
+            eos_id,
+            pad_id,
+        })
+    }
+
+    /// The padded length of every encoded row (`model_max_length`, 77 for SD).
+    pub fn max_length(&self) -> usize {
+        self.max_length
+    }
+
+    pub fn bos_id(&self) -> u32 {
+        self.bos_id
+    }
+
+    pub fn eos_id(&self) -> u32 {
+        self.eos_id
+    }
+
+    pub fn pad_id(&self) -> u32 {
+        self.pad_id
+    }
+
+    /// The folder this tokenizer was read from.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The prompt's BPE ids, without BOS/EOS and untruncated.
+    pub fn tokenize(&self, prompt: &str) -> Result<Vec<u32>, TokenizerError> {
+        let enc = self
+            .tokenizer
+            .encode(prompt, false)
+            .map_err(|e| TokenizerError::Encode {
+                dir: self.dir.clone(),
+                prompt: prompt.to_string(),
+                message: e.to_string(),
+            })?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// Exactly `max_length` ids: BOS, the tokens truncated to `max_length − 2`, EOS, then pad.
+    pub fn encode(&self, prompt: &str) -> Result<Vec<u32>, TokenizerError> {
+        let tokens = self.tokenize(prompt)?;
+        let keep = tokens.len().min(self.max_length - 2);
+        let mut ids = Vec::with_capacity(self.max_length);
+        ids.push(self.bos_id);
+        ids.extend_from_slice(&tokens[..keep]);
+        ids.push(self.eos_id);
+        ids.resize(self.max_length, self.pad_id);
+        Ok(ids)
+    }
+
+    /// `[B, max_length]` u32 ids on `device`.
+    pub fn encode_batch(
+        &self,
+        prompts: &[&str],
+        device: &Device,
+    ) -> Result<Tensor, TokenizerError> {
+        let mut flat = Vec::with_capacity(prompts.len() * self.max_length);
+        for p in prompts {
+            flat.extend(self.encode(p)?);
+        }
+        Ok(Tensor::from_vec(
+            flat,
+            (prompts.len(), self.max_length),
+            device,
+        )?)
+    }
+}
+
+impl std::fmt::Debug for ClipTokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClipTokenizer")
+            .field("dir", &self.dir)
+            .field("max_length", &self.max_length)
+            .field("bos_id", &self.bos_id)
+            .field("eos_id", &self.eos_id)
+            .field("pad_id", &self.pad_id)
+            .finish()
+    }
+}
+
+fn read_json(path: &Path) -> Result<Option<Value>, TokenizerError> {
+    if !path.is_file() {
+        return Ok(None);
+    }
+    let text = std::fs::read_to_string(path).map_err(|source| TokenizerError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let value = serde_json::from_str(&text).map_err(|source| TokenizerError::Json {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    Ok(Some(value))
+}
+
+/// A special token written as `"<|endoftext|>"` or `{"content": "<|endoftext|>", …}`.
+fn token_string(v: &Value) -> Option<String> {
+    match v {
+        Value::String(s) => Some(s.clone()),
+        Value::Object(m) => m.get("content").and_then(Value::as_str).map(str::to_string),
+        _ => None,
+    }
+}
+
+/// `tokenizer_config.json` first, `special_tokens_map.json` as fallback, then CLIPTokenizer's
+/// defaults. transformers writes a huge sentinel (`int(1e30)`) for "no limit"; that means 77.
+fn read_special_tokens(dir: &Path) -> Result<SpecialTokens, TokenizerError> {
+    let cfg_path = dir.join("tokenizer_config.json");
+    let cfg = read_json(&cfg_path)?;
+    let map = read_json(&dir.join("special_tokens_map.json"))?;
+    let lookup = |key: &str| -> Option<String> {
+        [&cfg, &map]
+            .into_iter()
+            .flatten()
+            .find_map(|v| v.get(key).and_then(token_string))
+    };
+    let max_length = match cfg.as_ref().and_then(|c| c.get("model_max_length")) {
+        None | Some(Value::Null) => DEFAULT_MAX_LENGTH,
+        Some(v) => match v.as_f64() {
+            Some(n) if n >= 1e12 => DEFAULT_MAX_LENGTH,
+            Some(n) if n >= 2.0 && n.fract() == 0.0 => n as usize,
+            _ => {
+                return Err(TokenizerError::Invalid {
+                    path: cfg_path,
+                    message: format!("field `model_max_length`: expected an integer ≥ 2, got {v}"),
+                })
+            }
+        },
+    };
+    Ok(SpecialTokens {
+        max_length,
+        bos: lookup("bos_token").unwrap_or_else(|| DEFAULT_BOS.to_string()),
+        eos: lookup("eos_token").unwrap_or_else(|| DEFAULT_EOS.to_string()),
+        pad: lookup("pad_token").unwrap_or_else(|| DEFAULT_EOS.to_string()),
+        unk: lookup("unk_token").unwrap_or_else(|| DEFAULT_EOS.to_string()),
+    })
+}
+
+fn read_vocab(dir: &Path) -> Result<Vocab, TokenizerError> {
+    let path = dir.join("vocab.json");
+    let Some(value) = read_json(&path)? else {
+        return Err(TokenizerError::Missing {
+            dir: dir.to_path_buf(),
+            message: "neither tokenizer.json nor vocab.json is present".to_string(),
+        });
+    };
+    let map: HashMap<String, u32> =
+        serde_json::from_value(value).map_err(|source| TokenizerError::Json {
+            path: path.clone(),
+            source,
+        })?;
+    Ok(map.into_iter().collect())
+}
+
+/// `merges.txt`: an optional `#version` header, then one `left right` pair per line.
+fn read_merges(dir: &Path) -> Result<Merges, TokenizerError> {
+    let path = dir.join("merges.txt");
+    if !path.is_file() {
+        return Err(TokenizerError::Missing {
+            dir: dir.to_path_buf(),
+            message: "vocab.json is present but merges.txt is missing".to_string(),
+        });
+    }
+    let text = std::fs::read_to_string(&path).map_err(|source| TokenizerError::Io {
+        path: path.clone(),
+        source,
+    })?;
+    let mut merges = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        if (i == 0 && line.starts_with("#version")) || line.is_empty() {
+            continue;
+        }
+        match line.split(' ').collect::<Vec<_>>()[..] {
+            [a, b] => merges.push((a.to_string(), b.to_string())),
+            _ => {
+                return Err(TokenizerError::Invalid {
+                    path,
+                    message: format!(
+                        "line {}: expected two space-separated symbols, got {line:?}",
+                        i + 1
+                    ),
+                })
+            }
+        }
+    }
+    Ok(merges)
+}
+
+fn build_from_vocab(dir: &Path, special: &SpecialTokens) -> Result<Tokenizer, TokenizerError> {
+    let vocab = read_vocab(dir)?;
+    let roles = [
+        ("bos_token", &special.bos),
+        ("eos_token", &special.eos),
+        ("pad_token", &special.pad),
+        ("unk_token", &special.unk),
+    ];
+    // Registering a special token that is not in vocab.json would silently give it a new id.
+    for (role, token) in roles {
+        if !vocab.contains_key(token.as_str()) {
+            return Err(TokenizerError::UnknownToken {
+                dir: dir.to_path_buf(),
+                role,
+                token: token.clone(),
+            });
+        }
+    }
+    let merges = read_merges(dir)?;
+    let build_err = |e: tokenizers::Error| TokenizerError::Build {
+        dir: dir.to_path_buf(),
+        message: e.to_string(),
+    };
+    let bpe = BPE::builder()
+        .vocab_and_merges(vocab, merges)
+        .continuing_subword_prefix(String::new())
+        .end_of_word_suffix("</w>".to_string())
+        .unk_token(special.unk.clone())
+        .fuse_unk(false)
+        .build()
+        .map_err(build_err)?;
+    let mut tokenizer = Tokenizer::new(bpe);
+    let normalizer = NormSequence::new(vec![
+        NFC.into(),
+        Replace::new(ReplacePattern::Regex(r"\s+".to_string()), " ")
+            .map_err(build_err)?
+            .into(),
+        Lowercase.into(),
+    ]);
+    let split = Split::new(
+        SplitPattern::Regex(CLIP_PATTERN.to_string()),
+        SplitDelimiterBehavior::Removed,
+        true,
+    )
+    .map_err(build_err)?;
+    let pre = PreSequence::new(vec![split.into(), ByteLevel::new(false, true, true).into()]);
+    tokenizer
+        .with_normalizer(Some(normalizer))
+        .with_pre_tokenizer(Some(pre))
+        .with_decoder(Some(ByteLevel::default()));
+    let mut specials: Vec<&str> = Vec::new();
+    for t in [&special.pad, &special.bos, &special.eos, &special.unk] {
+        if !specials.contains(&t.as_str()) {
+            specials.push(t);
+        }
+    }
+    let added: Vec<AddedToken> = specials
+        .iter()
+        .map(|t| AddedToken::from(t.to_string(), true))
+        .collect();
+    tokenizer.add_special_tokens(&added);
+    Ok(tokenizer)
+}

@@ -1,0 +1,170 @@
+//! Parity of `ClipTokenizer` with transformers' `CLIPTokenizer` on the tiny fixtures.
+//!
+//! Expected ids come from `tests/fixtures/make_fixtures.py` (transformers 5; rerun with the
+//! command in its docstring): `reference/<name>.tokens.json` holds ≥ 24 awkward prompts
+//! (unicode, whitespace, truncation, special-token text, SD2's `!` pad) with `ids` for
+//! `tokenizer/` and, for SDXL, `ids_2` for `tokenizer_2/` (the folder with a `tokenizer.json`).
+
+mod common;
+
+use std::path::Path;
+
+use candle_core::{DType, Device};
+use common::{fixture, get, reference};
+use sdtrain::model::clip::ClipTokenizer;
+use serde_json::Value;
+
+/// The prompts make_fixtures.py encodes into `te.input_ids` / `te2.input_ids`.
+const TE_PROMPTS: [&str; 3] = [
+    "a photo of a cat",
+    "An astronaut riding a horse, highly detailed, 4k",
+    "",
+];
+
+fn token_rows(name: &str) -> Vec<Value> {
+    let path = fixture("reference").join(format!("{name}.tokens.json"));
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let rows: Vec<Value> = serde_json::from_str(&text).unwrap();
+    assert!(
+        rows.len() >= 24,
+        "{}: only {} prompts",
+        path.display(),
+        rows.len()
+    );
+    rows
+}
+
+/// Asserts that `tok` reproduces column `key` of `<name>.tokens.json` for every prompt.
+fn check_rows(name: &str, key: &str, tok: &ClipTokenizer) {
+    let rows = token_rows(name);
+    for row in &rows {
+        let prompt = row["prompt"].as_str().unwrap();
+        let want: Vec<u32> = row[key]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect();
+        let got = tok.encode(prompt).unwrap();
+        assert_eq!(got, want, "{name} {key}: prompt {prompt:?}");
+    }
+}
+
+fn check_input_ids(name: &str, key: &str, tok: &ClipTokenizer) {
+    let want = get(&reference(name), key)
+        .to_dtype(DType::U32)
+        .unwrap()
+        .to_vec2::<u32>()
+        .unwrap();
+    let got = tok.encode_batch(&TE_PROMPTS, &Device::Cpu).unwrap();
+    assert_eq!(got.dims(), &[3, 77]);
+    assert_eq!(got.to_vec2::<u32>().unwrap(), want, "{name} {key}");
+}
+
+#[test]
+fn sd15_tokenizer_matches_transformers() {
+    let tok = ClipTokenizer::from_dir(fixture("tiny-sd15").join("tokenizer")).unwrap();
+    assert_eq!((tok.max_length(), tok.pad_id()), (77, tok.eos_id()));
+    check_rows("tiny-sd15", "ids", &tok);
+    check_input_ids("tiny-sd15", "te.input_ids", &tok);
+}
+
+/// SD2's pad token is `!`, and transformers registers it as a special token: `"!!!"` becomes
+/// three `!` ids rather than one merged token.
+#[test]
+fn sd21_tokenizer_with_bang_pad_matches_transformers() {
+    let tok = ClipTokenizer::from_dir(fixture("tiny-sd21").join("tokenizer")).unwrap();
+    assert_ne!(tok.pad_id(), tok.eos_id());
+    check_rows("tiny-sd21", "ids", &tok);
+    check_input_ids("tiny-sd21", "te.input_ids", &tok);
+}
+
+#[test]
+fn sdxl_tokenizers_match_transformers() {
+    let dir = fixture("tiny-sdxl");
+    let tok = ClipTokenizer::from_dir(dir.join("tokenizer")).unwrap();
+    check_rows("tiny-sdxl", "ids", &tok);
+    check_input_ids("tiny-sdxl", "te.input_ids", &tok);
+    assert!(dir.join("tokenizer_2/tokenizer.json").is_file());
+    let tok2 = ClipTokenizer::from_dir(dir.join("tokenizer_2")).unwrap();
+    check_rows("tiny-sdxl", "ids_2", &tok2);
+    check_input_ids("tiny-sdxl", "te2.input_ids", &tok2);
+}
+
+fn copy_dir(from: &Path, to: &Path, skip: &[&str]) {
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        let name = entry.file_name();
+        if !skip.iter().any(|s| name == *s) {
+            std::fs::copy(entry.path(), to.join(&name)).unwrap();
+        }
+    }
+}
+
+/// tokenizer_2 without its tokenizer.json: our vocab/merges build must give the same ids.
+#[test]
+fn vocab_merges_build_matches_tokenizer_json() {
+    let tmp = tempfile::tempdir().unwrap();
+    copy_dir(
+        &fixture("tiny-sdxl").join("tokenizer_2"),
+        tmp.path(),
+        &["tokenizer.json"],
+    );
+    let tok = ClipTokenizer::from_dir(tmp.path()).unwrap();
+    check_rows("tiny-sdxl", "ids_2", &tok);
+}
+
+/// transformers' "no limit" sentinel for model_max_length, and `{"content": …}` token objects.
+#[test]
+fn sentinel_max_length_and_token_objects() {
+    let tmp = tempfile::tempdir().unwrap();
+    copy_dir(
+        &fixture("tiny-sd21").join("tokenizer"),
+        tmp.path(),
+        &["tokenizer_config.json"],
+    );
+    let cfg = r#"{"model_max_length": 1000000000000000019884624838656,
+        "bos_token": {"content": "<|startoftext|>", "lstrip": false},
+        "eos_token": {"content": "<|endoftext|>"}, "pad_token": "!"}"#;
+    std::fs::write(tmp.path().join("tokenizer_config.json"), cfg).unwrap();
+    let tok = ClipTokenizer::from_dir(tmp.path()).unwrap();
+    assert_eq!(tok.max_length(), 77);
+    check_rows("tiny-sd21", "ids", &tok);
+}
+
+#[test]
+fn missing_vocab_is_an_error_naming_the_folder() {
+    let tmp = tempfile::tempdir().unwrap();
+    copy_dir(
+        &fixture("tiny-sd15").join("tokenizer"),
+        tmp.path(),
+        &["vocab.json", "merges.txt"],
+    );
+    let err = ClipTokenizer::from_dir(tmp.path()).unwrap_err().to_string();
+    assert!(
+        err.contains(&tmp.path().display().to_string()) && err.contains("vocab.json"),
+        "{err}"
+    );
+
+    let err = ClipTokenizer::from_dir(tmp.path().join("absent"))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("absent"), "{err}");
+}
+
+#[test]
+fn special_token_missing_from_vocab_is_an_error() {
+    let tmp = tempfile::tempdir().unwrap();
+    copy_dir(
+        &fixture("tiny-sd15").join("tokenizer"),
+        tmp.path(),
+        &["tokenizer_config.json", "special_tokens_map.json"],
+    );
+    std::fs::write(
+        tmp.path().join("tokenizer_config.json"),
+        r#"{"pad_token": "<pad>"}"#,
+    )
+    .unwrap();
+    let err = ClipTokenizer::from_dir(tmp.path()).unwrap_err().to_string();
+    assert!(err.contains("pad_token") && err.contains("<pad>"), "{err}");
+}
