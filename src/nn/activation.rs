@@ -3,10 +3,16 @@
 //! - `gelu_erf(x) = x·Φ(x)`, the exact GELU that torch's `F.gelu` and diffusers' GEGLU use
 //! - `quick_gelu(x) = x·σ(1.702·x)`, OpenAI CLIP's approximation
 
-use candle_core::{Result, Tensor};
+use candle_core::{DType, Result, Tensor};
 
+/// On the CPU, bf16 is computed in f32 and rounded once, as torch does; candle's CPU bf16 silu
+/// rounds after each of its elementary steps.
 pub fn silu(x: &Tensor) -> Result<Tensor> {
-    x.silu()
+    if super::cpu_bf16(x) {
+        x.to_dtype(DType::F32)?.silu()?.to_dtype(DType::BF16)
+    } else {
+        x.silu()
+    }
 }
 
 pub fn gelu_erf(x: &Tensor) -> Result<Tensor> {

@@ -59,17 +59,13 @@ impl Conv2d {
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        if super::cpu_bf16(x) {
+            return self
+                .forward(&x.to_dtype(DType::F32)?)?
+                .to_dtype(DType::BF16);
+        }
         let w = cast_like(&self.weight, x)?;
-        let (p, st) = (self.cfg.padding, self.cfg.stride);
-        // candle's CPU conv has no bf16 kernel: compute in f32 there (f32 accumulation, as
-        // cuDNN/cuBLAS do for bf16 on CUDA).
-        let y = if x.dtype() == DType::BF16 && x.device().is_cpu() {
-            x.to_dtype(DType::F32)?
-                .conv2d(&w.to_dtype(DType::F32)?, p, st, 1, 1)?
-                .to_dtype(DType::BF16)?
-        } else {
-            x.conv2d(&w, p, st, 1, 1)?
-        };
+        let y = x.conv2d(&w, self.cfg.padding, self.cfg.stride, 1, 1)?;
         match &self.bias {
             Some(b) => {
                 let b = cast_like(b, x)?.reshape((1, self.out_channels(), 1, 1))?;

@@ -1,6 +1,6 @@
 //! `y = x·Wᵀ + b` over the last dimension, with W `[out, in]` as torch stores it.
 
-use candle_core::{Result, Tensor};
+use candle_core::{DType, Result, Tensor};
 
 use super::cast_like;
 use crate::model::weights::{Init, Weights, WeightsError};
@@ -44,11 +44,16 @@ impl Linear {
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        if super::cpu_bf16(x) {
+            return self
+                .forward(&x.to_dtype(DType::F32)?)?
+                .to_dtype(DType::BF16);
+        }
         let w = cast_like(&self.weight, x)?;
         let dims = x.dims().to_vec();
         let in_dim = dims[dims.len() - 1];
         let rows = x.elem_count() / in_dim.max(1);
-        let y = super::matmul(&x.reshape((rows, in_dim))?, &w.t()?)?;
+        let y = x.reshape((rows, in_dim))?.matmul(&w.t()?)?;
         let y = match &self.bias {
             Some(b) => y.broadcast_add(&cast_like(b, x)?)?,
             None => y,

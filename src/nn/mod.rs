@@ -71,14 +71,19 @@ pub(crate) fn cast_like(
     }
 }
 
-/// `a.matmul(b)`, except that bf16 on the CPU (which candle's CPU gemm lacks) is computed in f32
-/// and rounded back: the same f32 accumulation cuBLAS uses for bf16 on CUDA.
+/// Whether `x` is bf16 on the CPU, where candle has no bf16 gemm/conv kernels. Layers then
+/// compute in f32 and round once at the end: the f32 accumulation cuBLAS/cuDNN use for bf16.
+pub(crate) fn cpu_bf16(x: &candle_core::Tensor) -> bool {
+    x.dtype() == candle_core::DType::BF16 && x.device().is_cpu()
+}
+
+/// `a.matmul(b)`, computed in f32 and rounded back for bf16 on the CPU (see [`cpu_bf16`]).
 pub(crate) fn matmul(
     a: &candle_core::Tensor,
     b: &candle_core::Tensor,
 ) -> candle_core::Result<candle_core::Tensor> {
     use candle_core::DType;
-    if a.dtype() == DType::BF16 && a.device().is_cpu() {
+    if cpu_bf16(a) {
         a.to_dtype(DType::F32)?
             .matmul(&b.to_dtype(DType::F32)?)?
             .to_dtype(DType::BF16)
