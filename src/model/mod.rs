@@ -2,8 +2,11 @@
 
 pub mod attention;
 pub mod clip;
+pub mod family;
+pub mod files;
 pub mod resnet;
 pub mod sampling;
+pub mod source;
 pub mod unet;
 pub mod vae;
 pub mod weights;

@@ -60,9 +60,9 @@ pub enum Init {
 enum Source {
     Files {
         files: Vec<PathBuf>,
-        st: MmapedSafetensors,
+        st: Box<MmapedSafetensors>,
     },
-    Random(Mutex<StdRng>),
+    Random(Box<Mutex<StdRng>>),
 }
 
 struct Inner {
@@ -102,7 +102,7 @@ impl Weights {
         Ok(Self::with_source(
             Source::Files {
                 files: files.to_vec(),
-                st,
+                st: Box::new(st),
             },
             component,
             dtype,
@@ -119,7 +119,7 @@ impl Weights {
         device: &Device,
         trainable: bool,
     ) -> Self {
-        let rng = Mutex::new(StdRng::seed_from_u64(seed));
+        let rng = Box::new(Mutex::new(StdRng::seed_from_u64(seed)));
         Self::with_source(Source::Random(rng), component, dtype, device, trainable)
     }
 

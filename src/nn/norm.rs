@@ -23,7 +23,7 @@ impl GroupNorm {
         channels: usize,
         eps: f64,
     ) -> std::result::Result<Self, WeightsError> {
-        if groups == 0 || channels % groups != 0 {
+        if groups == 0 || !channels.is_multiple_of(groups) {
             return Err(WeightsError::Config(format!(
                 "{}: {channels} channels cannot be split into {groups} groups",
                 w.prefix()

@@ -35,7 +35,7 @@ pub enum UnetConfigError {
 enum OneOrMany {
     One(usize),
     Many(Vec<usize>),
-    Nested(Vec<Vec<usize>>),
+    Nested(#[allow(dead_code)] Vec<Vec<usize>>),
 }
 
 fn default_true() -> bool {

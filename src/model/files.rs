@@ -1,0 +1,744 @@
+//! Which files of a diffusers pipeline folder sdtrain reads.
+//!
+//! A pipeline folder (as written by diffusers' `save_pretrained`, or a snapshot in the Hugging Face
+//! cache) holds one sub-folder per component. For each weight-bearing component (`unet`, `vae`,
+//! `text_encoder`, `text_encoder_2`) the rules here pick the safetensors to read, in this order:
+//!
+//! 1. with a variant requested (e.g. `fp16`): `<base>.<variant>.safetensors`, then the sharded
+//!    `<base>.safetensors.index.<variant>.json`;
+//! 2. the plain `<base>.safetensors`, then the sharded `<base>.safetensors.index.json`;
+//! 3. with no variant requested, the `fp16` variant names as a fallback when no plain file exists.
+//!
+//! `<base>` is `diffusion_pytorch_model` (diffusers models) or `model` (transformers models).
+//! Only safetensors is ever read: a component holding only pickle files (`.bin`, `.ckpt`, `.pt`)
+//! is an error that says how to convert it. The same rules run on a hub repo's file list
+//! ([`hub_plan`]) so a download fetches exactly what a local read would open.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+
+/// File names a diffusers model (`diffusion_pytorch_model`) or a transformers model (`model`)
+/// uses for its weights, without extension.
+const WEIGHT_BASES: [&str; 2] = ["diffusion_pytorch_model", "model"];
+
+/// The variant tried when no plain weight file exists and none was requested.
+const FALLBACK_VARIANT: &str = "fp16";
+
+/// Extensions of pickle-based checkpoints, which sdtrain refuses to load.
+const PICKLE_EXTENSIONS: [&str; 5] = ["bin", "ckpt", "pt", "pth", "pkl"];
+
+/// Tokenizer files copied from a pipeline when present. A CLIP tokenizer needs either
+/// `tokenizer.json` or the `vocab.json` + `merges.txt` pair.
+pub const TOKENIZER_FILES: [&str; 6] = [
+    "tokenizer.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+];
+
+/// The scheduler config, relative to the pipeline folder.
+pub const SCHEDULER_CONFIG: &str = "scheduler/scheduler_config.json";
+
+/// The pipeline index, relative to the pipeline folder.
+pub const MODEL_INDEX: &str = "model_index.json";
+
+#[derive(Debug, thiserror::Error)]
+pub enum FilesError {
+    #[error("component folder {} not found", dir.display())]
+    MissingFolder { dir: PathBuf },
+    #[error("{} not found", path.display())]
+    MissingFile { path: PathBuf },
+    #[error(
+        "{location} holds only pickle checkpoints ({}); sdtrain never loads pickle files. \
+         Convert the model to safetensors first, e.g. in Python with diffusers: \
+         `DiffusionPipeline.from_pretrained(path).save_pretrained(out, safe_serialization=True)`",
+        found.join(", ")
+    )]
+    PickleOnly {
+        location: String,
+        found: Vec<String>,
+    },
+    #[error(
+        "{location} has no safetensors weights (expected {expected}); files found: {}",
+        list_or_none(found)
+    )]
+    NoWeights {
+        location: String,
+        expected: String,
+        found: Vec<String>,
+    },
+    #[error(
+        "{location} has no usable tokenizer: expected tokenizer.json or vocab.json + merges.txt; files found: {}",
+        list_or_none(found)
+    )]
+    NoTokenizer {
+        location: String,
+        found: Vec<String>,
+    },
+    #[error("invalid shard index {}: {reason}", path.display())]
+    BadIndex { path: PathBuf, reason: String },
+    #[error("shard {} listed in {} not found", shard.display(), index.display())]
+    MissingShard { index: PathBuf, shard: PathBuf },
+    #[error("invalid variant `{0}`: use letters, digits, `_` or `-` (e.g. `fp16`)")]
+    BadVariant(String),
+    #[error("cannot read {}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("cannot parse {}: {source}", path.display())]
+    Json {
+        path: PathBuf,
+        source: serde_json::Error,
+    },
+}
+
+impl FilesError {
+    /// True when the files say something is wrong with the model the user pointed at (as opposed
+    /// to the machine failing to read it).
+    pub fn is_usage(&self) -> bool {
+        match self {
+            FilesError::Io { .. } => false,
+            FilesError::MissingFolder { .. }
+            | FilesError::MissingFile { .. }
+            | FilesError::PickleOnly { .. }
+            | FilesError::NoWeights { .. }
+            | FilesError::NoTokenizer { .. }
+            | FilesError::BadIndex { .. }
+            | FilesError::MissingShard { .. }
+            | FilesError::BadVariant(_)
+            | FilesError::Json { .. } => true,
+        }
+    }
+
+    /// True when the error means files are absent (a partial download can be completed), not
+    /// that the files present are unusable.
+    pub fn is_incomplete(&self) -> bool {
+        match self {
+            FilesError::MissingFolder { .. }
+            | FilesError::MissingFile { .. }
+            | FilesError::NoWeights { .. }
+            | FilesError::NoTokenizer { .. }
+            | FilesError::MissingShard { .. } => true,
+            FilesError::PickleOnly { .. }
+            | FilesError::BadIndex { .. }
+            | FilesError::BadVariant(_)
+            | FilesError::Io { .. }
+            | FilesError::Json { .. } => false,
+        }
+    }
+}
+
+fn list_or_none(files: &[String]) -> String {
+    if files.is_empty() {
+        "none".to_string()
+    } else {
+        files.join(", ")
+    }
+}
+
+/// A weight-bearing pipeline component, in the order sdtrain reports them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Component {
+    Unet,
+    Vae,
+    TextEncoder,
+    TextEncoder2,
+}
+
+impl Component {
+    pub const ALL: [Component; 4] = [
+        Component::Unet,
+        Component::Vae,
+        Component::TextEncoder,
+        Component::TextEncoder2,
+    ];
+
+    /// The component's folder in a pipeline, which is also its key in `model_index.json`.
+    pub fn folder(self) -> &'static str {
+        match self {
+            Component::Unet => "unet",
+            Component::Vae => "vae",
+            Component::TextEncoder => "text_encoder",
+            Component::TextEncoder2 => "text_encoder_2",
+        }
+    }
+
+    /// The tokenizer folder that feeds this component, if it is a text encoder.
+    pub fn tokenizer_folder(self) -> Option<&'static str> {
+        match self {
+            Component::Unet | Component::Vae => None,
+            Component::TextEncoder => Some("tokenizer"),
+            Component::TextEncoder2 => Some("tokenizer_2"),
+        }
+    }
+}
+
+impl std::fmt::Display for Component {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.folder())
+    }
+}
+
+/// What the rules pick inside one component folder, by file name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WeightChoice {
+    /// One safetensors file.
+    Single(String),
+    /// A `*.safetensors.index*.json` whose `weight_map` names the shard files.
+    Sharded { index: String },
+}
+
+/// The files of one component: its config and the safetensors to read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ComponentFiles {
+    pub component: Component,
+    pub config: PathBuf,
+    /// The shard index, for a sharded component.
+    pub index: Option<PathBuf>,
+    /// The safetensors files to pass to `Weights::from_files`, in a stable order.
+    pub weights: Vec<PathBuf>,
+}
+
+/// The tokenizer files found in one tokenizer folder.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TokenizerFiles {
+    pub folder: String,
+    pub files: Vec<PathBuf>,
+}
+
+/// Checks a variant name before it is spliced into file names.
+pub fn check_variant(variant: Option<&str>) -> Result<(), FilesError> {
+    match variant {
+        Some(v)
+            if v.is_empty()
+                || !v
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-') =>
+        {
+            Err(FilesError::BadVariant(v.to_string()))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// The candidate file names, best first, for the variant rules in the module header.
+fn candidates(variant: Option<&str>) -> Vec<WeightChoice> {
+    let variant_names = |v: &str| -> Vec<WeightChoice> {
+        WEIGHT_BASES
+            .iter()
+            .flat_map(|b| {
+                [
+                    WeightChoice::Single(format!("{b}.{v}.safetensors")),
+                    WeightChoice::Sharded {
+                        index: format!("{b}.safetensors.index.{v}.json"),
+                    },
+                ]
+            })
+            .collect()
+    };
+    let mut out: Vec<WeightChoice> = Vec::new();
+    if let Some(v) = variant {
+        out.extend(variant_names(v));
+    }
+    for b in WEIGHT_BASES {
+        out.push(WeightChoice::Single(format!("{b}.safetensors")));
+        out.push(WeightChoice::Sharded {
+            index: format!("{b}.safetensors.index.json"),
+        });
+    }
+    if variant.is_none() {
+        out.extend(variant_names(FALLBACK_VARIANT));
+    }
+    out
+}
+
+/// Picks the weights among `names` (the file names in one component folder). `location` names
+/// the folder in errors.
+pub fn choose_weights(
+    location: &str,
+    names: &[String],
+    variant: Option<&str>,
+) -> Result<WeightChoice, FilesError> {
+    check_variant(variant)?;
+    let present: BTreeSet<&str> = names.iter().map(String::as_str).collect();
+    let chosen = candidates(variant).into_iter().find(|c| match c {
+        WeightChoice::Single(f) => present.contains(f.as_str()),
+        WeightChoice::Sharded { index } => present.contains(index.as_str()),
+    });
+    if let Some(choice) = chosen {
+        return Ok(choice);
+    }
+    let mut found: Vec<String> = names.to_vec();
+    found.sort();
+    let pickles: Vec<String> = found.iter().filter(|n| is_pickle(n)).cloned().collect();
+    if !pickles.is_empty() {
+        return Err(FilesError::PickleOnly {
+            location: location.to_string(),
+            found: pickles,
+        });
+    }
+    Err(FilesError::NoWeights {
+        location: location.to_string(),
+        expected: "diffusion_pytorch_model.safetensors or model.safetensors, an fp16 variant or a \
+                   sharded *.safetensors.index.json"
+            .to_string(),
+        found,
+    })
+}
+
+fn is_pickle(name: &str) -> bool {
+    Path::new(name)
+        .extension()
+        .and_then(|e| e.to_str())
+        .is_some_and(|e| PICKLE_EXTENSIONS.contains(&e))
+}
+
+/// The unique shard file names of a `*.safetensors.index*.json`, sorted. Shard names must be
+/// plain file names in the index's folder (which also keeps a downloaded index from pointing
+/// outside the cache).
+pub fn read_index(path: &Path) -> Result<Vec<String>, FilesError> {
+    let value = read_json(path)?;
+    let bad = |reason: &str| FilesError::BadIndex {
+        path: path.to_path_buf(),
+        reason: reason.to_string(),
+    };
+    let map = value
+        .get("weight_map")
+        .and_then(Value::as_object)
+        .ok_or_else(|| bad("no `weight_map` object"))?;
+    let mut shards = BTreeSet::new();
+    for (tensor, file) in map {
+        let file = file
+            .as_str()
+            .ok_or_else(|| bad(&format!("`weight_map.{tensor}` is not a file name")))?;
+        if file.is_empty() || file.contains(['/', '\\']) || file == "." || file == ".." {
+            return Err(bad(&format!(
+                "`weight_map.{tensor}` = `{file}` is not a plain file name"
+            )));
+        }
+        shards.insert(file.to_string());
+    }
+    if shards.is_empty() {
+        return Err(bad("`weight_map` is empty"));
+    }
+    Ok(shards.into_iter().collect())
+}
+
+/// The files of `component` under the pipeline folder `dir`: its config and chosen weights, with
+/// every shard checked to exist.
+pub fn component_files(
+    dir: &Path,
+    component: Component,
+    variant: Option<&str>,
+) -> Result<ComponentFiles, FilesError> {
+    let folder = dir.join(component.folder());
+    if !folder.is_dir() {
+        return Err(FilesError::MissingFolder { dir: folder });
+    }
+    let config = folder.join("config.json");
+    if !config.is_file() {
+        return Err(FilesError::MissingFile { path: config });
+    }
+    let names = list_files(&folder)?;
+    match choose_weights(&folder.display().to_string(), &names, variant)? {
+        WeightChoice::Single(file) => Ok(ComponentFiles {
+            component,
+            config,
+            index: None,
+            weights: vec![folder.join(file)],
+        }),
+        WeightChoice::Sharded { index } => {
+            let index = folder.join(index);
+            let mut weights = Vec::new();
+            for shard in read_index(&index)? {
+                let shard = folder.join(shard);
+                if !shard.is_file() {
+                    return Err(FilesError::MissingShard { index, shard });
+                }
+                weights.push(shard);
+            }
+            Ok(ComponentFiles {
+                component,
+                config,
+                index: Some(index),
+                weights,
+            })
+        }
+    }
+}
+
+/// The safetensors files to read for the component folder `component` (e.g. `"unet"`) of the
+/// pipeline folder `dir`.
+pub fn component_weights(
+    dir: &Path,
+    component: &str,
+    variant: Option<&str>,
+) -> Result<Vec<PathBuf>, FilesError> {
+    let component = Component::ALL
+        .into_iter()
+        .find(|c| c.folder() == component)
+        .ok_or_else(|| FilesError::MissingFolder {
+            dir: dir.join(component),
+        })?;
+    Ok(component_files(dir, component, variant)?.weights)
+}
+
+/// The tokenizer files present in `dir/<folder>`.
+pub fn tokenizer_files(dir: &Path, folder: &str) -> Result<TokenizerFiles, FilesError> {
+    let path = dir.join(folder);
+    if !path.is_dir() {
+        return Err(FilesError::MissingFolder { dir: path });
+    }
+    let names = list_files(&path)?;
+    let files = pick_tokenizer_files(&path.display().to_string(), &names)?;
+    Ok(TokenizerFiles {
+        folder: folder.to_string(),
+        files: files.into_iter().map(|f| path.join(f)).collect(),
+    })
+}
+
+fn pick_tokenizer_files<'a>(
+    location: &str,
+    names: &'a [String],
+) -> Result<Vec<&'a str>, FilesError> {
+    let has = |n: &str| names.iter().any(|x| x == n);
+    let usable = has("tokenizer.json") || (has("vocab.json") && has("merges.txt"));
+    if !usable {
+        let mut found = names.to_vec();
+        found.sort();
+        return Err(FilesError::NoTokenizer {
+            location: location.to_string(),
+            found,
+        });
+    }
+    Ok(TOKENIZER_FILES
+        .iter()
+        .filter_map(|t| names.iter().find(|n| n == t).map(String::as_str))
+        .collect())
+}
+
+/// The components a `model_index.json` lists with a class (entries like `[null, null]` mean the
+/// pipeline has no such component).
+pub fn listed_components(model_index: &Value) -> BTreeSet<String> {
+    let Some(map) = model_index.as_object() else {
+        return BTreeSet::new();
+    };
+    map.iter()
+        .filter(|(k, v)| {
+            !k.starts_with('_')
+                && v.as_array()
+                    .is_some_and(|a| a.len() == 2 && a.iter().all(|x| x.is_string()))
+        })
+        .map(|(k, _)| k.clone())
+        .collect()
+}
+
+/// The files to fetch from a hub repo, as repo-relative paths.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct HubPlan {
+    /// Every file to download, indexes included, shards excluded.
+    pub files: Vec<String>,
+    /// Shard indexes (repo-relative): download each, then its shards (see [`read_index`]),
+    /// which live in the same folder.
+    pub indexes: Vec<String>,
+}
+
+/// Picks the files a pipeline needs from a hub repo's file list (`repo_files`, the `rfilename`s
+/// of its siblings), by the same rules as a local read. `repo` names the repo in errors.
+pub fn hub_plan(
+    repo: &str,
+    model_index: &Value,
+    repo_files: &[String],
+    variant: Option<&str>,
+) -> Result<HubPlan, FilesError> {
+    let listed = listed_components(model_index);
+    let mut by_folder: BTreeMap<&str, Vec<String>> = BTreeMap::new();
+    for f in repo_files {
+        if let Some((folder, name)) = f.split_once('/') {
+            if !name.contains('/') {
+                by_folder.entry(folder).or_default().push(name.to_string());
+            }
+        }
+    }
+    let empty = Vec::new();
+    let mut plan = HubPlan {
+        files: vec![MODEL_INDEX.to_string()],
+        indexes: Vec::new(),
+    };
+    for component in Component::ALL {
+        let folder = component.folder();
+        if !listed.contains(folder) {
+            continue;
+        }
+        let names = by_folder.get(folder).unwrap_or(&empty);
+        let location = format!("{repo}/{folder}");
+        if !names.iter().any(|n| n == "config.json") {
+            return Err(FilesError::MissingFile {
+                path: PathBuf::from(format!("{location}/config.json")),
+            });
+        }
+        plan.files.push(format!("{folder}/config.json"));
+        match choose_weights(&location, names, variant)? {
+            WeightChoice::Single(f) => plan.files.push(format!("{folder}/{f}")),
+            WeightChoice::Sharded { index } => {
+                plan.files.push(format!("{folder}/{index}"));
+                plan.indexes.push(format!("{folder}/{index}"));
+            }
+        }
+        if let Some(tok) = component.tokenizer_folder() {
+            if listed.contains(tok) {
+                let names = by_folder.get(tok).unwrap_or(&empty);
+                for f in pick_tokenizer_files(&format!("{repo}/{tok}"), names)? {
+                    plan.files.push(format!("{tok}/{f}"));
+                }
+            }
+        }
+    }
+    if repo_files.iter().any(|f| f == SCHEDULER_CONFIG) {
+        plan.files.push(SCHEDULER_CONFIG.to_string());
+    }
+    Ok(plan)
+}
+
+/// Reads and parses a JSON file.
+pub fn read_json(path: &Path) -> Result<Value, FilesError> {
+    let text = std::fs::read_to_string(path).map_err(|source| {
+        if source.kind() == std::io::ErrorKind::NotFound {
+            FilesError::MissingFile {
+                path: path.to_path_buf(),
+            }
+        } else {
+            FilesError::Io {
+                path: path.to_path_buf(),
+                source,
+            }
+        }
+    })?;
+    serde_json::from_str(&text).map_err(|source| FilesError::Json {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+/// The names of the regular files (or links to them) directly in `dir`, sorted.
+fn list_files(dir: &Path) -> Result<Vec<String>, FilesError> {
+    let io = |source| FilesError::Io {
+        path: dir.to_path_buf(),
+        source,
+    };
+    let mut names = Vec::new();
+    for entry in std::fs::read_dir(dir).map_err(io)? {
+        let entry = entry.map_err(io)?;
+        // `is_file` follows symlinks: hub cache snapshots are links into `blobs/`.
+        if entry.path().is_file() {
+            names.push(entry.file_name().to_string_lossy().into_owned());
+        }
+    }
+    names.sort();
+    Ok(names)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn names(list: &[&str]) -> Vec<String> {
+        list.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn plain_file_wins_over_fp16() {
+        let n = names(&[
+            "config.json",
+            "diffusion_pytorch_model.safetensors",
+            "diffusion_pytorch_model.fp16.safetensors",
+        ]);
+        assert_eq!(
+            choose_weights("unet", &n, None).unwrap(),
+            WeightChoice::Single("diffusion_pytorch_model.safetensors".into())
+        );
+        assert_eq!(
+            choose_weights("unet", &n, Some("fp16")).unwrap(),
+            WeightChoice::Single("diffusion_pytorch_model.fp16.safetensors".into())
+        );
+    }
+
+    #[test]
+    fn fp16_is_the_fallback_when_plain_is_absent() {
+        let n = names(&["config.json", "model.fp16.safetensors"]);
+        assert_eq!(
+            choose_weights("te", &n, None).unwrap(),
+            WeightChoice::Single("model.fp16.safetensors".into())
+        );
+    }
+
+    #[test]
+    fn requested_variant_falls_back_to_plain() {
+        let n = names(&["config.json", "model.safetensors"]);
+        assert_eq!(
+            choose_weights("te", &n, Some("fp16")).unwrap(),
+            WeightChoice::Single("model.safetensors".into())
+        );
+    }
+
+    #[test]
+    fn sharded_indexes_are_found() {
+        let n = names(&[
+            "diffusion_pytorch_model-00001-of-00002.safetensors",
+            "diffusion_pytorch_model-00002-of-00002.safetensors",
+            "diffusion_pytorch_model.safetensors.index.json",
+            "diffusion_pytorch_model.safetensors.index.fp16.json",
+        ]);
+        assert_eq!(
+            choose_weights("unet", &n, None).unwrap(),
+            WeightChoice::Sharded {
+                index: "diffusion_pytorch_model.safetensors.index.json".into()
+            }
+        );
+        assert_eq!(
+            choose_weights("unet", &n, Some("fp16")).unwrap(),
+            WeightChoice::Sharded {
+                index: "diffusion_pytorch_model.safetensors.index.fp16.json".into()
+            }
+        );
+    }
+
+    #[test]
+    fn pickle_only_is_refused_with_a_conversion_hint() {
+        let n = names(&["config.json", "pytorch_model.bin"]);
+        let err = choose_weights("/m/text_encoder", &n, None).unwrap_err();
+        let msg = err.to_string();
+        assert!(matches!(err, FilesError::PickleOnly { .. }));
+        assert!(msg.contains("/m/text_encoder"), "{msg}");
+        assert!(msg.contains("pytorch_model.bin"), "{msg}");
+        assert!(msg.contains("never loads pickle"), "{msg}");
+        assert!(msg.contains("safe_serialization=True"), "{msg}");
+    }
+
+    #[test]
+    fn bad_variant_is_refused() {
+        assert!(matches!(
+            choose_weights("u", &[], Some("../x")),
+            Err(FilesError::BadVariant(_))
+        ));
+    }
+
+    #[test]
+    fn listed_components_skip_nulls_and_metadata() {
+        let idx = json!({
+            "_class_name": "StableDiffusionPipeline",
+            "unet": ["diffusers", "UNet2DConditionModel"],
+            "safety_checker": [null, null],
+            "requires_safety_checker": false,
+        });
+        assert_eq!(
+            listed_components(&idx),
+            BTreeSet::from(["unet".to_string()])
+        );
+    }
+
+    #[test]
+    fn hub_plan_picks_the_same_files_as_a_local_read() {
+        let idx = json!({
+            "unet": ["diffusers", "UNet2DConditionModel"],
+            "vae": ["diffusers", "AutoencoderKL"],
+            "text_encoder": ["transformers", "CLIPTextModel"],
+            "tokenizer": ["transformers", "CLIPTokenizer"],
+            "scheduler": ["diffusers", "PNDMScheduler"],
+            "safety_checker": [null, null],
+        });
+        let files = names(&[
+            ".gitattributes",
+            "README.md",
+            "model_index.json",
+            "v1-5-pruned.ckpt",
+            "v1-5-pruned.safetensors",
+            "scheduler/scheduler_config.json",
+            "safety_checker/model.safetensors",
+            "text_encoder/config.json",
+            "text_encoder/model.safetensors",
+            "text_encoder/model.fp16.safetensors",
+            "text_encoder/pytorch_model.bin",
+            "tokenizer/merges.txt",
+            "tokenizer/special_tokens_map.json",
+            "tokenizer/tokenizer_config.json",
+            "tokenizer/vocab.json",
+            "unet/config.json",
+            "unet/diffusion_pytorch_model.safetensors.index.json",
+            "unet/diffusion_pytorch_model-00001-of-00002.safetensors",
+            "unet/diffusion_pytorch_model-00002-of-00002.safetensors",
+            "unet/diffusion_pytorch_model.bin",
+            "vae/config.json",
+            "vae/diffusion_pytorch_model.fp16.safetensors",
+            "vae/diffusion_pytorch_model.safetensors",
+        ]);
+        let plan = hub_plan("org/sd", &idx, &files, None).unwrap();
+        assert_eq!(
+            plan.files,
+            names(&[
+                "model_index.json",
+                "unet/config.json",
+                "unet/diffusion_pytorch_model.safetensors.index.json",
+                "vae/config.json",
+                "vae/diffusion_pytorch_model.safetensors",
+                "text_encoder/config.json",
+                "text_encoder/model.safetensors",
+                "tokenizer/vocab.json",
+                "tokenizer/merges.txt",
+                "tokenizer/tokenizer_config.json",
+                "tokenizer/special_tokens_map.json",
+                "scheduler/scheduler_config.json",
+            ])
+        );
+        assert_eq!(
+            plan.indexes,
+            names(&["unet/diffusion_pytorch_model.safetensors.index.json"])
+        );
+        let fp16 = hub_plan("org/sd", &idx, &files, Some("fp16")).unwrap();
+        assert!(fp16
+            .files
+            .contains(&"vae/diffusion_pytorch_model.fp16.safetensors".to_string()));
+        assert!(fp16
+            .files
+            .contains(&"text_encoder/model.fp16.safetensors".to_string()));
+    }
+
+    #[test]
+    fn hub_plan_reports_pickle_only_components() {
+        let idx = json!({ "unet": ["diffusers", "UNet2DConditionModel"] });
+        let files = names(&[
+            "model_index.json",
+            "unet/config.json",
+            "unet/diffusion_pytorch_model.bin",
+        ]);
+        let err = hub_plan("org/old", &idx, &files, None).unwrap_err();
+        assert!(err.to_string().contains("org/old/unet"), "{err}");
+        assert!(matches!(err, FilesError::PickleOnly { .. }));
+    }
+
+    #[test]
+    fn index_shards_must_be_plain_names() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("i.json");
+        std::fs::write(
+            &path,
+            r#"{"weight_map": {"a": "s1.safetensors", "b": "s2.safetensors", "c": "s1.safetensors"}}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            read_index(&path).unwrap(),
+            names(&["s1.safetensors", "s2.safetensors"])
+        );
+        std::fs::write(&path, r#"{"weight_map": {"a": "../../etc/passwd"}}"#).unwrap();
+        assert!(matches!(
+            read_index(&path),
+            Err(FilesError::BadIndex { .. })
+        ));
+    }
+}

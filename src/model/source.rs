@@ -1,0 +1,575 @@
+//! Where a model comes from: a local diffusers folder, or a Hugging Face hub repo id
+//! (`org/name[@revision]`) resolved to a snapshot folder in the standard hub cache.
+//!
+//! Cache layout (shared with Python's `huggingface_hub`):
+//! `<cache>/models--org--name/refs/<revision>` holds a commit hash, and
+//! `<cache>/models--org--name/snapshots/<commit>/…` holds the files. The cache is `HF_HUB_CACHE`,
+//! else `$HF_HOME/hub`, else `~/.cache/huggingface/hub`. With `HF_HUB_OFFLINE` set only the cache
+//! is read. Online, a snapshot that already holds every file sdtrain needs is used without touching
+//! the network; otherwise the repo's file list is fetched and only the files the selection rules
+//! pick ([`files::hub_plan`]) are downloaded, with `HF_TOKEN` for gated or private repos.
+
+use std::path::{Path, PathBuf};
+
+use hf_hub::api::sync::ApiBuilder;
+use hf_hub::{Cache, Repo, RepoType};
+
+use super::family::{FamilyError, ModelLayout};
+use super::files::{self, FilesError, MODEL_INDEX};
+
+const DEFAULT_REVISION: &str = "main";
+
+#[derive(Debug, thiserror::Error)]
+pub enum SourceError {
+    #[error(
+        "`{spec}` is neither an existing folder nor a hub repo id (`org/name` or `org/name@revision`)"
+    )]
+    InvalidSpec { spec: String },
+    #[error(
+        "{}: single-file checkpoints are not supported yet; use a diffusers pipeline folder or a \
+         hub repo id",
+        path.display()
+    )]
+    SingleFile { path: PathBuf },
+    #[error("{} is a file, not a diffusers pipeline folder", path.display())]
+    NotAFolder { path: PathBuf },
+    #[error("cannot locate the hub cache: set HF_HUB_CACHE or HF_HOME (HOME is not set either)")]
+    NoCacheDir,
+    #[error(
+        "{repo}@{revision} is not in the hub cache {} and offline mode is on (HF_HUB_OFFLINE); \
+         download it first or unset HF_HUB_OFFLINE",
+        cache_dir.display()
+    )]
+    NotCached {
+        repo: String,
+        revision: String,
+        cache_dir: PathBuf,
+    },
+    #[error(
+        "{repo}@{revision}: the cached snapshot {} is incomplete and offline mode is on \
+         (HF_HUB_OFFLINE)",
+        snapshot.display()
+    )]
+    IncompleteOffline {
+        repo: String,
+        revision: String,
+        snapshot: PathBuf,
+        source: Box<FamilyError>,
+    },
+    #[error("{repo}@{revision}: cannot reach the hub: {source}")]
+    Hub {
+        repo: String,
+        revision: String,
+        source: Box<hf_hub::api::sync::ApiError>,
+    },
+    #[error("{repo}@{revision}: cannot download {file}: {source}")]
+    Download {
+        repo: String,
+        revision: String,
+        file: String,
+        source: Box<hf_hub::api::sync::ApiError>,
+    },
+    #[error("cannot write {}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Layout(#[from] FamilyError),
+    #[error(transparent)]
+    Files(#[from] FilesError),
+}
+
+impl SourceError {
+    /// True when the `--model` argument or the model it names is at fault (exit code 2), false
+    /// when the environment is (cache, network, disk).
+    pub fn is_usage(&self) -> bool {
+        match self {
+            SourceError::InvalidSpec { .. }
+            | SourceError::SingleFile { .. }
+            | SourceError::NotAFolder { .. } => true,
+            SourceError::Layout(e) => e.is_usage(),
+            SourceError::Files(e) => e.is_usage(),
+            SourceError::NoCacheDir
+            | SourceError::NotCached { .. }
+            | SourceError::IncompleteOffline { .. }
+            | SourceError::Hub { .. }
+            | SourceError::Download { .. }
+            | SourceError::Io { .. } => false,
+        }
+    }
+}
+
+/// A parsed `--model` value.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ModelSource {
+    /// A diffusers pipeline folder on disk.
+    Local(PathBuf),
+    /// A hub repo; `revision` is a branch, tag or commit hash (`main` when absent).
+    Hub {
+        repo_id: String,
+        revision: Option<String>,
+    },
+}
+
+impl ModelSource {
+    /// Parses `spec`: an existing folder wins; otherwise it must be `org/name[@revision]`.
+    pub fn parse(spec: &str) -> Result<Self, SourceError> {
+        let path = Path::new(spec);
+        if path.is_dir() {
+            return Ok(ModelSource::Local(path.to_path_buf()));
+        }
+        let single_file = [".safetensors", ".ckpt", ".pt", ".bin", ".pth"]
+            .iter()
+            .any(|ext| spec.to_ascii_lowercase().ends_with(ext));
+        if single_file {
+            return Err(if path.exists() {
+                SourceError::SingleFile {
+                    path: path.to_path_buf(),
+                }
+            } else {
+                SourceError::InvalidSpec {
+                    spec: spec.to_string(),
+                }
+            });
+        }
+        if path.exists() {
+            return Err(SourceError::NotAFolder {
+                path: path.to_path_buf(),
+            });
+        }
+        let (repo_id, revision) = match spec.split_once('@') {
+            Some((repo, rev)) => (repo, Some(rev)),
+            None => (spec, None),
+        };
+        if !is_repo_id(repo_id) || revision.is_some_and(|r| !is_revision(r)) {
+            return Err(SourceError::InvalidSpec {
+                spec: spec.to_string(),
+            });
+        }
+        Ok(ModelSource::Hub {
+            repo_id: repo_id.to_string(),
+            revision: revision.map(str::to_string),
+        })
+    }
+
+    /// Resolves to a local folder using the process environment (see [`HubEnv::from_env`]).
+    pub fn resolve(&self) -> Result<ModelDir, SourceError> {
+        self.resolve_for(None)
+    }
+
+    /// As [`ModelSource::resolve`], making sure the files a read with `variant` needs are there.
+    /// The environment is read only for a hub repo.
+    pub fn resolve_for(&self, variant: Option<&str>) -> Result<ModelDir, SourceError> {
+        match self {
+            ModelSource::Local(path) => Ok(ModelDir {
+                path: path.clone(),
+                origin: Origin::Local,
+            }),
+            ModelSource::Hub { .. } => self.resolve_with(&HubEnv::from_env()?, variant),
+        }
+    }
+
+    /// Resolves to a local folder, downloading (unless `env.offline`) what a read with `variant`
+    /// needs.
+    pub fn resolve_with(
+        &self,
+        env: &HubEnv,
+        variant: Option<&str>,
+    ) -> Result<ModelDir, SourceError> {
+        files::check_variant(variant)?;
+        match self {
+            ModelSource::Local(path) => Ok(ModelDir {
+                path: path.clone(),
+                origin: Origin::Local,
+            }),
+            ModelSource::Hub { repo_id, revision } => {
+                let revision = revision.as_deref().unwrap_or(DEFAULT_REVISION);
+                resolve_hub(repo_id, revision, env, variant)
+            }
+        }
+    }
+}
+
+impl std::fmt::Display for ModelSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ModelSource::Local(p) => write!(f, "{}", p.display()),
+            ModelSource::Hub {
+                repo_id,
+                revision: Some(r),
+            } => write!(f, "{repo_id}@{r}"),
+            ModelSource::Hub {
+                repo_id,
+                revision: None,
+            } => f.write_str(repo_id),
+        }
+    }
+}
+
+/// A hub repo id: `org/name`, each part of letters, digits, `-`, `_`, `.`, not starting or ending
+/// with `-`/`.` and without `--` or `..` (the hub's own rules).
+fn is_repo_id(s: &str) -> bool {
+    let Some((org, name)) = s.split_once('/') else {
+        return false;
+    };
+    let part_ok = |p: &str| {
+        !p.is_empty()
+            && p.len() <= 96
+            && p.chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+            && !p.starts_with(['-', '.'])
+            && !p.ends_with(['-', '.'])
+            && !p.contains("--")
+            && !p.contains("..")
+    };
+    part_ok(org) && part_ok(name)
+}
+
+/// A branch, tag or commit: no empty path segment, no `..`, no backslash (it becomes a path
+/// under `refs/`).
+fn is_revision(s: &str) -> bool {
+    !s.is_empty()
+        && !s.contains('\\')
+        && s.split('/')
+            .all(|seg| !seg.is_empty() && seg != "." && seg != "..")
+}
+
+fn is_commit_hash(s: &str) -> bool {
+    s.len() == 40 && s.chars().all(|c| c.is_ascii_hexdigit())
+}
+
+/// Hub settings, read once from the environment (or built directly by tests).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HubEnv {
+    pub cache_dir: PathBuf,
+    pub token: Option<String>,
+    pub offline: bool,
+    /// `HF_ENDPOINT`, for mirrors; the public hub when `None`.
+    pub endpoint: Option<String>,
+}
+
+impl HubEnv {
+    /// From `HF_HUB_CACHE`, `HF_HOME`, `HOME`, `HF_TOKEN`, `HF_HUB_OFFLINE` and `HF_ENDPOINT`.
+    pub fn from_env() -> Result<Self, SourceError> {
+        Self::from_vars(|k| std::env::var(k).ok())
+    }
+
+    /// As [`HubEnv::from_env`], reading variables through `var` (empty values count as unset).
+    pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<Self, SourceError> {
+        let var = |k: &str| var(k).filter(|v| !v.is_empty());
+        let cache_dir = if let Some(c) = var("HF_HUB_CACHE") {
+            PathBuf::from(c)
+        } else if let Some(h) = var("HF_HOME") {
+            PathBuf::from(h).join("hub")
+        } else if let Some(home) = var("HOME").or_else(|| var("USERPROFILE")) {
+            PathBuf::from(home).join(".cache/huggingface/hub")
+        } else {
+            return Err(SourceError::NoCacheDir);
+        };
+        Ok(Self {
+            cache_dir,
+            token: var("HF_TOKEN"),
+            offline: var("HF_HUB_OFFLINE").is_some_and(|v| is_truthy(&v)),
+            endpoint: var("HF_ENDPOINT"),
+        })
+    }
+
+    /// Reads only the cache at `cache_dir`.
+    pub fn offline(cache_dir: PathBuf) -> Self {
+        Self {
+            cache_dir,
+            token: None,
+            offline: true,
+            endpoint: None,
+        }
+    }
+}
+
+/// `1`, `true`, `yes`, `on` (any case), as `huggingface_hub` reads boolean variables.
+pub fn is_truthy(value: &str) -> bool {
+    matches!(
+        value.trim().to_ascii_lowercase().as_str(),
+        "1" | "true" | "yes" | "on"
+    )
+}
+
+/// A resolved model: the folder to read and where it came from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModelDir {
+    pub path: PathBuf,
+    pub origin: Origin,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Origin {
+    Local,
+    Hub {
+        repo_id: String,
+        revision: String,
+        commit: String,
+    },
+}
+
+/// The cache folder of a model repo: `models--org--name`.
+pub fn repo_cache_dir(cache_dir: &Path, repo_id: &str) -> PathBuf {
+    cache_dir.join(Repo::model(repo_id.to_string()).folder_name())
+}
+
+/// The commit a revision points at in the cache: `refs/<revision>`, or the revision itself when
+/// it is a commit hash with a snapshot.
+pub fn cached_commit(cache_dir: &Path, repo_id: &str, revision: &str) -> Option<String> {
+    let repo_dir = repo_cache_dir(cache_dir, repo_id);
+    if let Ok(commit) = std::fs::read_to_string(repo_dir.join("refs").join(revision)) {
+        let commit = commit.trim();
+        if !commit.is_empty() && !commit.contains(['/', '\\']) && commit != ".." {
+            return Some(commit.to_string());
+        }
+    }
+    if is_commit_hash(revision) && repo_dir.join("snapshots").join(revision).is_dir() {
+        return Some(revision.to_string());
+    }
+    None
+}
+
+fn resolve_hub(
+    repo_id: &str,
+    revision: &str,
+    env: &HubEnv,
+    variant: Option<&str>,
+) -> Result<ModelDir, SourceError> {
+    let hub_dir = |commit: String| ModelDir {
+        path: repo_cache_dir(&env.cache_dir, repo_id)
+            .join("snapshots")
+            .join(&commit),
+        origin: Origin::Hub {
+            repo_id: repo_id.to_string(),
+            revision: revision.to_string(),
+            commit,
+        },
+    };
+    if let Some(commit) = cached_commit(&env.cache_dir, repo_id, revision) {
+        let dir = hub_dir(commit);
+        match ModelLayout::read(&dir.path, variant) {
+            Ok(_) => return Ok(dir),
+            Err(e) if !e.is_incomplete() => return Err(e.into()),
+            Err(source) if env.offline => {
+                return Err(SourceError::IncompleteOffline {
+                    repo: repo_id.to_string(),
+                    revision: revision.to_string(),
+                    snapshot: dir.path,
+                    source: Box::new(source),
+                })
+            }
+            Err(_) => {}
+        }
+    } else if env.offline {
+        return Err(SourceError::NotCached {
+            repo: repo_id.to_string(),
+            revision: revision.to_string(),
+            cache_dir: env.cache_dir.clone(),
+        });
+    }
+    let commit = download(repo_id, revision, env, variant)?;
+    let dir = hub_dir(commit);
+    ModelLayout::read(&dir.path, variant)?;
+    Ok(dir)
+}
+
+/// Fetches the repo's file list and downloads the files the selection rules pick into the cache,
+/// returning the commit they belong to.
+fn download(
+    repo_id: &str,
+    revision: &str,
+    env: &HubEnv,
+    variant: Option<&str>,
+) -> Result<String, SourceError> {
+    let hub_err = |source| SourceError::Hub {
+        repo: repo_id.to_string(),
+        revision: revision.to_string(),
+        source: Box::new(source),
+    };
+    let cache = Cache::new(env.cache_dir.clone());
+    // `from_cache` already reads the token file `huggingface-cli login` writes; HF_TOKEN wins.
+    let mut builder = ApiBuilder::from_cache(cache.clone());
+    if let Some(token) = &env.token {
+        builder = builder.with_token(Some(token.clone()));
+    }
+    if let Some(endpoint) = &env.endpoint {
+        builder = builder.with_endpoint(endpoint.clone());
+    }
+    let api = builder.build().map_err(hub_err)?;
+    let info = api
+        .repo(Repo::with_revision(
+            repo_id.to_string(),
+            RepoType::Model,
+            revision.to_string(),
+        ))
+        .info()
+        .map_err(hub_err)?;
+    let commit = info.sha.clone();
+    // Download from the commit, not the branch, so every file lands in the same snapshot even if
+    // the branch moves meanwhile.
+    let pinned = api.repo(Repo::with_revision(
+        repo_id.to_string(),
+        RepoType::Model,
+        commit.clone(),
+    ));
+    let snapshot = repo_cache_dir(&env.cache_dir, repo_id)
+        .join("snapshots")
+        .join(&commit);
+    let fetch = |file: &str| -> Result<PathBuf, SourceError> {
+        let local = snapshot.join(file);
+        if local.is_file() {
+            return Ok(local);
+        }
+        pinned
+            .download(file)
+            .map_err(|source| SourceError::Download {
+                repo: repo_id.to_string(),
+                revision: revision.to_string(),
+                file: file.to_string(),
+                source: Box::new(source),
+            })
+    };
+
+    let model_index = files::read_json(&fetch(MODEL_INDEX)?)?;
+    let repo_files: Vec<String> = info.siblings.into_iter().map(|s| s.rfilename).collect();
+    let plan = files::hub_plan(repo_id, &model_index, &repo_files, variant)?;
+    for file in &plan.files {
+        fetch(file)?;
+    }
+    for index in &plan.indexes {
+        let folder = index.rsplit_once('/').map_or("", |(f, _)| f);
+        for shard in files::read_index(&snapshot.join(index))? {
+            fetch(&format!("{folder}/{shard}"))?;
+        }
+    }
+    cache
+        .repo(Repo::with_revision(
+            repo_id.to_string(),
+            RepoType::Model,
+            revision.to_string(),
+        ))
+        .create_ref(&commit)
+        .map_err(|source| SourceError::Io {
+            path: repo_cache_dir(&env.cache_dir, repo_id).join("refs"),
+            source,
+        })?;
+    Ok(commit)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_repo_ids_and_revisions() {
+        assert_eq!(
+            ModelSource::parse("stabilityai/stable-diffusion-xl-base-1.0").unwrap(),
+            ModelSource::Hub {
+                repo_id: "stabilityai/stable-diffusion-xl-base-1.0".into(),
+                revision: None
+            }
+        );
+        assert_eq!(
+            ModelSource::parse("org/name@refs/pr/1").unwrap(),
+            ModelSource::Hub {
+                repo_id: "org/name".into(),
+                revision: Some("refs/pr/1".into())
+            }
+        );
+    }
+
+    #[test]
+    fn rejects_specs_that_are_neither_folder_nor_repo_id() {
+        for spec in [
+            "",
+            "nope",
+            "./missing/folder",
+            "a/b/c",
+            "org/name@",
+            "org/name@../x",
+            "-org/name",
+            "org/na--me",
+        ] {
+            let err = ModelSource::parse(spec).unwrap_err();
+            assert!(
+                matches!(err, SourceError::InvalidSpec { .. }),
+                "{spec}: {err}"
+            );
+        }
+    }
+
+    #[test]
+    fn single_file_checkpoints_are_not_supported_yet() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("model.safetensors");
+        std::fs::write(&file, b"x").unwrap();
+        let err = ModelSource::parse(file.to_str().unwrap()).unwrap_err();
+        assert!(matches!(err, SourceError::SingleFile { .. }));
+        assert!(err
+            .to_string()
+            .contains("single-file checkpoints are not supported yet"));
+    }
+
+    #[test]
+    fn cache_dir_precedence() {
+        let env = |pairs: &'static [(&'static str, &'static str)]| {
+            HubEnv::from_vars(move |k| {
+                pairs
+                    .iter()
+                    .find(|(n, _)| *n == k)
+                    .map(|(_, v)| v.to_string())
+            })
+        };
+        let e = env(&[("HF_HUB_CACHE", "/c"), ("HF_HOME", "/h"), ("HOME", "/u")]).unwrap();
+        assert_eq!(e.cache_dir, PathBuf::from("/c"));
+        let e = env(&[("HF_HOME", "/h"), ("HOME", "/u")]).unwrap();
+        assert_eq!(e.cache_dir, PathBuf::from("/h/hub"));
+        let e = env(&[("HOME", "/u"), ("HF_TOKEN", "t"), ("HF_HUB_OFFLINE", "Yes")]).unwrap();
+        assert_eq!(e.cache_dir, PathBuf::from("/u/.cache/huggingface/hub"));
+        assert_eq!(e.token.as_deref(), Some("t"));
+        assert!(e.offline);
+        let e = env(&[("HOME", "/u"), ("HF_HUB_OFFLINE", "0")]).unwrap();
+        assert!(!e.offline);
+        assert!(matches!(env(&[]), Err(SourceError::NoCacheDir)));
+    }
+
+    #[test]
+    fn truthy_values() {
+        for v in ["1", "true", "TRUE", "yes", "on"] {
+            assert!(is_truthy(v), "{v}");
+        }
+        for v in ["0", "false", "no", "off", ""] {
+            assert!(!is_truthy(v), "{v}");
+        }
+    }
+
+    #[test]
+    fn offline_cache_miss_names_repo_revision_and_cache() {
+        let dir = tempfile::tempdir().unwrap();
+        let env = HubEnv::offline(dir.path().to_path_buf());
+        let src = ModelSource::parse("tiny/absent@v2").unwrap();
+        let err = src.resolve_with(&env, None).unwrap_err();
+        let msg = err.to_string();
+        assert!(msg.contains("tiny/absent@v2"), "{msg}");
+        assert!(msg.contains(&dir.path().display().to_string()), "{msg}");
+        assert!(msg.contains("offline"), "{msg}");
+    }
+
+    #[test]
+    fn commit_hash_revisions_resolve_without_a_ref() {
+        let dir = tempfile::tempdir().unwrap();
+        let commit = "0123456789abcdef0123456789abcdef01234567";
+        let snap = repo_cache_dir(dir.path(), "o/n")
+            .join("snapshots")
+            .join(commit);
+        std::fs::create_dir_all(&snap).unwrap();
+        assert_eq!(
+            cached_commit(dir.path(), "o/n", commit).as_deref(),
+            Some(commit)
+        );
+        assert_eq!(cached_commit(dir.path(), "o/n", "main"), None);
+    }
+}
