@@ -4,6 +4,7 @@ pub mod attention;
 pub mod clip;
 pub mod family;
 pub mod files;
+pub mod pipeline;
 pub mod resnet;
 pub mod sampling;
 pub mod source;

@@ -1,0 +1,203 @@
+//! A whole Stable Diffusion pipeline loaded from a diffusers folder ([`ModelLayout`]): the UNet,
+//! the VAE, and one or two text encoders with their tokenizers. Every architecture comes from the
+//! component's own `config.json`.
+//!
+//! Prompt conditioning follows the diffusers pipelines:
+//! - SD1/SD2: `context = final_layer_norm(hidden_states[-(1 + clip_skip)])`
+//!   (with `clip_skip = 0` that is `last_hidden_state`);
+//! - SDXL: `context = cat(te1.hidden_states[-(2 + clip_skip)], te2.hidden_states[-(2 + clip_skip)])`
+//!   without the final norm, and `pooled = te2`'s projected pooled output.
+
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor};
+
+use super::clip::{ClipConfigError, ClipTextConfig, ClipTextModel, ClipTokenizer, TokenizerError};
+use super::family::{ModelFamily, ModelLayout};
+use super::files::{Component, ComponentFiles};
+use super::unet::{UNet2DConditionModel, UnetConfig, UnetConfigError};
+use super::vae::{AutoencoderKL, VaeConfig, VaeConfigError};
+use super::weights::{Weights, WeightsError};
+
+#[derive(Debug, thiserror::Error)]
+pub enum PipelineError {
+    #[error("{} lists no `{component}` component", root.display())]
+    MissingComponent { root: PathBuf, component: Component },
+    #[error(transparent)]
+    UnetConfig(#[from] UnetConfigError),
+    #[error(transparent)]
+    VaeConfig(#[from] VaeConfigError),
+    #[error(transparent)]
+    ClipConfig(#[from] ClipConfigError),
+    #[error(transparent)]
+    Tokenizer(#[from] TokenizerError),
+    #[error("loading {component} from {}: {source}", dir.display())]
+    Weights {
+        component: Component,
+        dir: PathBuf,
+        source: Box<WeightsError>,
+    },
+}
+
+/// How to load: the dtype weights are held in, the device, and which components are trainable
+/// (their weights become `Var`s).
+#[derive(Debug, Clone)]
+pub struct LoadOptions {
+    pub dtype: DType,
+    pub device: Device,
+    pub train_unet: bool,
+    pub train_text_encoders: bool,
+}
+
+/// One text encoder and the tokenizer that feeds it.
+pub struct TextEncoder {
+    pub model: ClipTextModel,
+    pub tokenizer: ClipTokenizer,
+    pub weights: Weights,
+}
+
+/// What the UNet is conditioned on for a batch of prompts.
+#[derive(Debug, Clone)]
+pub struct TextConditioning {
+    /// `[B, 77, cross_attention_dim]`.
+    pub context: Tensor,
+    /// SDXL's pooled text embedding `[B, projection_dim]`.
+    pub pooled: Option<Tensor>,
+}
+
+pub struct StableDiffusion {
+    pub layout: ModelLayout,
+    pub unet: UNet2DConditionModel,
+    pub unet_weights: Weights,
+    pub vae: AutoencoderKL,
+    pub text_encoders: Vec<TextEncoder>,
+}
+
+impl StableDiffusion {
+    pub fn load(layout: ModelLayout, opts: &LoadOptions) -> Result<Self, PipelineError> {
+        let files = |c: Component| {
+            layout
+                .component(c)
+                .ok_or_else(|| PipelineError::MissingComponent {
+                    root: layout.root.clone(),
+                    component: c,
+                })
+        };
+        let unet_files = files(Component::Unet)?;
+        let unet_cfg = UnetConfig::from_file(&unet_files.config)?;
+        let unet_weights = weights(unet_files, opts, opts.train_unet)?;
+        let unet =
+            UNet2DConditionModel::new(&unet_weights, &unet_cfg).map_err(|e| wrap(unet_files, e))?;
+
+        let vae_files = files(Component::Vae)?;
+        let vae_cfg = VaeConfig::from_file(&vae_files.config)?;
+        let vae_weights = weights(vae_files, opts, false)?;
+        let vae = AutoencoderKL::new(&vae_weights, &vae_cfg).map_err(|e| wrap(vae_files, e))?;
+
+        let mut text_encoders = Vec::new();
+        for (i, c) in [Component::TextEncoder, Component::TextEncoder2]
+            .into_iter()
+            .enumerate()
+        {
+            let Some(te_files) = layout.component(c) else {
+                continue;
+            };
+            let cfg = ClipTextConfig::from_file(&te_files.config)?;
+            let w = weights(te_files, opts, opts.train_text_encoders)?;
+            // SDXL's second encoder is CLIPTextModelWithProjection (its pooled output is projected).
+            let projection = i == 1;
+            let model = ClipTextModel::new(&w, &cfg, projection).map_err(|e| wrap(te_files, e))?;
+            let tok_dir = tokenizer_dir(&layout.root, c);
+            let tokenizer = ClipTokenizer::from_dir(&tok_dir)?;
+            text_encoders.push(TextEncoder {
+                model,
+                tokenizer,
+                weights: w,
+            });
+        }
+        Ok(Self {
+            layout,
+            unet,
+            unet_weights,
+            vae,
+            text_encoders,
+        })
+    }
+
+    pub fn family(&self) -> ModelFamily {
+        self.layout.family
+    }
+
+    /// Tokenises and encodes `prompts`. `clip_skip` counts the final text-encoder layers skipped
+    /// beyond the family's default (0: SD1/SD2 use the last layer, SDXL the penultimate).
+    pub fn encode_prompts(
+        &self,
+        prompts: &[&str],
+        clip_skip: usize,
+    ) -> candle_core::Result<TextConditioning> {
+        let device = self.unet.conv_in.weight.device();
+        let ids = |te: &TextEncoder| {
+            te.tokenizer
+                .encode_batch(prompts, device)
+                .map_err(|e| candle_core::Error::Msg(format!("tokenizing prompts: {e}")))
+        };
+        match self.family() {
+            ModelFamily::Sd1 | ModelFamily::Sd2 => {
+                let te = &self.text_encoders[0];
+                let out = te.model.forward(&ids(te)?, clip_skip)?;
+                let context = if clip_skip == 0 {
+                    out.last_hidden_state
+                } else {
+                    te.model.final_layer_norm.forward(&out.hidden)?
+                };
+                Ok(TextConditioning {
+                    context,
+                    pooled: None,
+                })
+            }
+            ModelFamily::Sdxl => {
+                let (te1, te2) = (&self.text_encoders[0], &self.text_encoders[1]);
+                let o1 = te1.model.forward(&ids(te1)?, 1 + clip_skip)?;
+                let o2 = te2.model.forward(&ids(te2)?, 1 + clip_skip)?;
+                let context =
+                    Tensor::cat(&[&o1.hidden, &o2.hidden.to_dtype(o1.hidden.dtype())?], 2)?;
+                Ok(TextConditioning {
+                    context,
+                    pooled: o2.text_embeds,
+                })
+            }
+        }
+    }
+}
+
+fn weights(
+    files: &ComponentFiles,
+    opts: &LoadOptions,
+    trainable: bool,
+) -> Result<Weights, PipelineError> {
+    Weights::from_files(
+        &files.weights,
+        files.component.folder(),
+        opts.dtype,
+        &opts.device,
+        trainable,
+    )
+    .map_err(|e| wrap(files, e))
+}
+
+fn wrap(files: &ComponentFiles, source: WeightsError) -> PipelineError {
+    let dir = files
+        .config
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_default();
+    PipelineError::Weights {
+        component: files.component,
+        dir,
+        source: Box::new(source),
+    }
+}
+
+fn tokenizer_dir(root: &Path, c: Component) -> PathBuf {
+    root.join(c.tokenizer_folder().unwrap_or("tokenizer"))
+}
