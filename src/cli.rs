@@ -10,25 +10,57 @@ use std::process::ExitCode;
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 
+use std::io::IsTerminal;
+use std::path::PathBuf;
+
+use candle_core::Device;
+
+use crate::config::{ConfigError, TrainPlan};
+use crate::data::DataError;
 use crate::inspect::{self, InspectError};
-use crate::model::source::ModelSource;
+use crate::model::family::FamilyError;
+use crate::model::source::{ModelSource, SourceError};
+use crate::train::{self, summary, RunOptions};
 
 #[derive(Debug, Parser)]
 #[command(
     name = "sdtrain",
     version,
-    about = "Stable Diffusion fine-tuner (SD1.x, SD2.x, SDXL) on Candle"
+    about = "Stable Diffusion fine-tuner (SD1.x, SD2.x, SDXL) on Candle",
+    args_conflicts_with_subcommands = true,
+    subcommand_negates_reqs = true
 )]
 pub struct Cli {
     #[command(subcommand)]
-    pub command: Command,
+    pub command: Option<Command>,
+    /// `sdtrain --config train.json` is the same as `sdtrain train --config train.json`.
+    #[command(flatten)]
+    pub train: TrainArgs,
 }
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
+    /// Train from a train.json (the default command).
+    Train(TrainArgs),
     /// Show a model's family, prediction type, resolution, component sizes and the files sdtrain
     /// would load from it.
     Inspect(InspectArgs),
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct TrainArgs {
+    /// The run's train.json (EveryDream2 key names; see docs/config.md).
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// Override a train.json key, e.g. `--set lr=1e-5 --set max_epochs=3`. Repeatable.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub set: Vec<String>,
+    /// Print the resolved plan and exit without training.
+    #[arg(long)]
+    pub dry_run: bool,
+    /// Train on the CPU even when a GPU is available.
+    #[arg(long)]
+    pub cpu: bool,
 }
 
 #[derive(Debug, Args)]
@@ -42,10 +74,15 @@ pub struct InspectArgs {
     pub variant: Option<String>,
 }
 
+/// A command line that names no command and no `--config`.
+#[derive(Debug, thiserror::Error)]
+#[error("nothing to do: give `--config train.json` (or a subcommand; see `sdtrain --help`)")]
+pub struct NoCommand;
+
 /// Runs a parsed command line.
 pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
-        Command::Inspect(args) => {
+        Some(Command::Inspect(args)) => {
             let report = ModelSource::parse(&args.model)
                 .map_err(InspectError::from)
                 .and_then(|source| inspect::inspect(&source, args.variant.as_deref()))
@@ -53,7 +90,35 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             print_stdout(&report)?;
             Ok(ExitCode::SUCCESS)
         }
+        Some(Command::Train(args)) => run_train(&args),
+        None => run_train(&cli.train),
     }
+}
+
+fn run_train(args: &TrainArgs) -> anyhow::Result<ExitCode> {
+    let Some(config) = &args.config else {
+        return Err(NoCommand.into());
+    };
+    let plan = TrainPlan::resolve(config, &args.set)?;
+    if args.dry_run {
+        print_stdout(&format_args!("{plan}\n"))?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    let device = if args.cpu {
+        Device::Cpu
+    } else {
+        Device::cuda_if_available(0)?
+    };
+    let show_progress = std::io::stderr().is_terminal();
+    let outcome = train::train(
+        &plan,
+        &RunOptions {
+            device,
+            show_progress,
+        },
+    )?;
+    print_stdout(&summary::Summary(&outcome))?;
+    Ok(ExitCode::SUCCESS)
 }
 
 /// Writes `value` to stdout. A closed pipe (`sdtrain inspect … | head`) is not an error: like
@@ -68,12 +133,41 @@ fn print_stdout(value: &impl std::fmt::Display) -> anyhow::Result<()> {
     }
 }
 
+/// Whether a data error is the user's input (exit 2) rather than a failure while running (1).
+fn data_error_is_usage(e: &DataError) -> bool {
+    match e {
+        DataError::RootMissing { .. }
+        | DataError::RootNotAFolder { .. }
+        | DataError::Multiply { .. }
+        | DataError::EmptyCaption { .. }
+        | DataError::NoImages { .. }
+        | DataError::NoUsableImages { .. } => true,
+        DataError::ReadDir { .. }
+        | DataError::ReadFile { .. }
+        | DataError::Decode { .. }
+        | DataError::InvalidSize { .. }
+        | DataError::EmptyBatch
+        | DataError::BatchShape { .. }
+        | DataError::PixelBuffer { .. }
+        | DataError::Tensor(_) => false,
+    }
+}
+
 /// The exit code for an error from [`run`]: 2 for usage/config errors, 1 otherwise.
 pub fn exit_code(err: &anyhow::Error) -> ExitCode {
-    let usage = err
-        .chain()
-        .find_map(|e| e.downcast_ref::<InspectError>())
-        .is_some_and(InspectError::is_usage);
+    let usage = err.chain().any(|e| {
+        e.downcast_ref::<InspectError>()
+            .is_some_and(InspectError::is_usage)
+            || e.downcast_ref::<ConfigError>()
+                .is_some_and(ConfigError::is_usage)
+            || e.downcast_ref::<SourceError>()
+                .is_some_and(SourceError::is_usage)
+            || e.downcast_ref::<FamilyError>()
+                .is_some_and(FamilyError::is_usage)
+            || e.downcast_ref::<DataError>()
+                .is_some_and(data_error_is_usage)
+            || e.is::<NoCommand>()
+    });
     if usage {
         ExitCode::from(2)
     } else {

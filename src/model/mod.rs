@@ -2,6 +2,7 @@
 
 pub mod attention;
 pub mod clip;
+pub mod export;
 pub mod family;
 pub mod files;
 pub mod pipeline;

@@ -1,0 +1,25 @@
+//! train.json and optimizer.json: parsing, overrides, validation and the resolved plan.
+//!
+//! Two stages (STYLE.md): serde mirrors of the files ([`TrainFile`], [`OptimizerFile`], every
+//! field optional, `deny_unknown_fields`), then one resolve step, [`TrainPlan::resolve`], that
+//! decides every default and checks every range. The key names and their meanings follow
+//! EveryDream2 (train.py, optimizer/optimizers.py); docs/config.md lists every key.
+
+mod error;
+mod optimizer_file;
+mod optimizer_plan;
+mod overrides;
+mod plan;
+mod strict;
+mod summary;
+mod train_file;
+
+pub use error::{ConfigError, UnsupportedKey};
+pub use optimizer_file::{FreezingFile, GroupFile, OptimizerFile, DEFAULT_OPTIMIZER_JSON};
+pub use optimizer_plan::{
+    OptimizerKind, OptimizerPlan, ParamGroupPlan, ResolvedSchedule, ScheduleKind, ScheduleSpec,
+    StepCount,
+};
+pub use overrides::{apply_all as apply_overrides, Override};
+pub use plan::{DataPlan, ObjectivePlan, TrainMode, TrainPlan};
+pub use train_file::TrainFile;

@@ -1,0 +1,316 @@
+//! [`OptimizerFile`]: the serde mirror of optimizer.json in EveryDream2's layout, and its strict
+//! parse. Resolution (inheritance, defaults, validation) is in [`super::optimizer_plan`].
+//!
+//! ```json
+//! { "doc": …, "base": {optimizer, lr, lr_scheduler, lr_warmup_steps, lr_decay_steps, betas,
+//!   epsilon, weight_decay}, "text_encoder_overrides": {same keys}, "text_encoder_freezing":
+//!   {unfreeze_last_n_layers}, "apply_grad_scaler_step_tweaks": false }
+//! ```
+//!
+//! `doc` is free-form and ignored. In `text_encoder_overrides`, `null` (or absent) inherits from
+//! `base`, and any value, 0 included, is used as written. EveryDream2 used Python's `or`, so a
+//! text-encoder `weight_decay: 0` silently became the base value; here it means 0.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+use super::error::ConfigError;
+use super::strict::{known_keys, Accepts, Section, Unsupported};
+
+/// The repository's `optimizer.json`, used when train.json names none and no `optimizer.json`
+/// sits beside train.json or in the working directory (EveryDream2 also falls back to built-in
+/// defaults there).
+pub const DEFAULT_OPTIMIZER_JSON: &str = include_str!("../../optimizer.json");
+
+/// optimizer.json as written.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OptimizerFile {
+    /// Free-form documentation; ignored.
+    #[serde(default)]
+    pub doc: Value,
+    /// Settings for the UNet, and the defaults the text encoder inherits.
+    #[serde(default)]
+    pub base: Option<GroupFile>,
+    /// Text-encoder settings; each `null` inherits from `base`.
+    #[serde(default)]
+    pub text_encoder_overrides: Option<GroupFile>,
+    #[serde(default)]
+    pub text_encoder_freezing: Option<FreezingFile>,
+    /// EveryDream2 retunes its fp16 grad scaler at steps 500/1000/2000/4000. There is no scaler
+    /// in f32 training, so only absent/null/false is accepted.
+    #[serde(default)]
+    pub apply_grad_scaler_step_tweaks: Option<bool>,
+}
+
+/// One optimizer section (`base` or `text_encoder_overrides`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GroupFile {
+    #[serde(default)]
+    pub optimizer: Option<String>,
+    #[serde(default)]
+    pub lr: Option<f64>,
+    #[serde(default)]
+    pub lr_scheduler: Option<String>,
+    #[serde(default)]
+    pub lr_warmup_steps: Option<i64>,
+    #[serde(default)]
+    pub lr_decay_steps: Option<i64>,
+    /// Checked to have two entries during resolution, with a better message than serde's.
+    #[serde(default)]
+    pub betas: Option<Vec<f64>>,
+    #[serde(default)]
+    pub epsilon: Option<f64>,
+    #[serde(default)]
+    pub weight_decay: Option<f64>,
+}
+
+/// `text_encoder_freezing`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FreezingFile {
+    /// Train only the last N encoder layers (and the final layer norm); null trains all.
+    #[serde(default)]
+    pub unfreeze_last_n_layers: Option<i64>,
+}
+
+const ADAPTIVE: &str = "it only configures EveryDream2's D-Adaptation/Prodigy optimizers, which \
+                        sdtrain does not have";
+
+/// Keys EveryDream2 reads from `base`/`text_encoder_overrides` (optimizer/optimizers.py) that
+/// sdtrain does not implement.
+const GROUP_UNSUPPORTED: &[Unsupported] = &[
+    un("d0", ADAPTIVE),
+    un("decouple", ADAPTIVE),
+    un("growth_rate", ADAPTIVE),
+    un("momentum", ADAPTIVE),
+    un("no_prox", ADAPTIVE),
+    un("safeguard_warmup", ADAPTIVE),
+    un("use_bias_correction", ADAPTIVE),
+];
+
+/// Keys EveryDream2 reads from `text_encoder_freezing` that sdtrain does not implement.
+const FREEZING_UNSUPPORTED: &[Unsupported] = &[
+    un(
+        "freeze_front_n_layers",
+        "EveryDream2 deprecated it; use unfreeze_last_n_layers",
+    ),
+    un(
+        "freeze_embeddings",
+        "the embeddings follow unfreeze_last_n_layers (frozen when fewer than all layers train)",
+    ),
+    un(
+        "freeze_final_layer_norm",
+        "the final layer norm is always trained with the text encoder",
+    ),
+];
+
+/// Top-level keys of EveryDream2's optimizer.json that sdtrain does not implement.
+/// `apply_grad_scaler_step_tweaks` is a field (so its own error can explain it); these are not.
+const TOP_UNSUPPORTED: &[Unsupported] = &[
+    Unsupported {
+        key: "log_grad_norm",
+        accepts: Accepts::NullOrTrue,
+        reason: "the gradient norm is always logged",
+    },
+    un(
+        "text_encoder_lr_scale",
+        "EveryDream2 deprecated it; set text_encoder_overrides.lr",
+    ),
+];
+
+const fn un(key: &'static str, reason: &'static str) -> Unsupported {
+    Unsupported {
+        key,
+        accepts: Accepts::Null,
+        reason,
+    }
+}
+
+const SECTIONS: [&str; 3] = ["base", "text_encoder_overrides", "text_encoder_freezing"];
+
+impl OptimizerFile {
+    /// Checks and parses optimizer.json's top-level object. `file` names it in errors.
+    pub fn from_object(
+        mut obj: Map<String, Value>,
+        file: &Path,
+    ) -> Result<OptimizerFile, ConfigError> {
+        let no_set = HashMap::new();
+        let top = Section {
+            file,
+            prefix: "",
+            set_args: &no_set,
+        };
+        top.check_unknown(
+            &obj,
+            &known_keys::<OptimizerFile>(),
+            TOP_UNSUPPORTED,
+            |_| None,
+        )?;
+        let mut entries = top.take_unsupported(&mut obj, TOP_UNSUPPORTED);
+        for name in SECTIONS {
+            let Some(Value::Object(sub)) = obj.get_mut(name) else {
+                continue;
+            };
+            let section = Section {
+                file,
+                prefix: name,
+                set_args: &no_set,
+            };
+            let (known, unsupported) = match name {
+                "text_encoder_freezing" => (known_keys::<FreezingFile>(), FREEZING_UNSUPPORTED),
+                _ => (known_keys::<GroupFile>(), GROUP_UNSUPPORTED),
+            };
+            section.check_unknown(sub, &known, unsupported, |_| None)?;
+            entries.extend(section.take_unsupported(sub, unsupported));
+        }
+        if !entries.is_empty() {
+            return Err(ConfigError::Unsupported {
+                file: file.to_path_buf(),
+                entries,
+            });
+        }
+        if let Some(err) = type_error(&obj, file) {
+            return Err(err);
+        }
+        serde_json::from_value(Value::Object(obj)).map_err(|e| ConfigError::Invalid {
+            file: file.to_path_buf(),
+            field: "(top level)".to_string(),
+            message: format!("does not parse: {e}"),
+        })
+    }
+
+    /// The built-in default, [`DEFAULT_OPTIMIZER_JSON`].
+    pub fn builtin() -> Result<OptimizerFile, ConfigError> {
+        let file = Path::new("<built-in optimizer.json>");
+        let value = super::strict::parse_json(DEFAULT_OPTIMIZER_JSON, file)?;
+        OptimizerFile::from_object(super::strict::into_object(value, file)?, file)
+    }
+}
+
+/// The first field with a wrong type, looking inside the sections so the error says
+/// `base.lr`, not just `base`.
+fn type_error(obj: &Map<String, Value>, file: &Path) -> Option<ConfigError> {
+    let no_set = HashMap::new();
+    for name in SECTIONS {
+        let Some(Value::Object(sub)) = obj.get(name) else {
+            continue;
+        };
+        let section = Section {
+            file,
+            prefix: name,
+            set_args: &no_set,
+        };
+        let err = match name {
+            "text_encoder_freezing" => section.type_error::<FreezingFile>(sub),
+            _ => section.type_error::<GroupFile>(sub),
+        };
+        if err.is_some() {
+            return err;
+        }
+    }
+    let top = Section {
+        file,
+        prefix: "",
+        set_args: &no_set,
+    };
+    top.type_error::<OptimizerFile>(obj)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+
+    use serde_json::json;
+
+    use super::*;
+
+    fn parse(v: Value) -> Result<OptimizerFile, ConfigError> {
+        let Value::Object(obj) = v else {
+            panic!("test input must be an object")
+        };
+        OptimizerFile::from_object(obj, &PathBuf::from("optimizer.json"))
+    }
+
+    #[test]
+    fn builtin_default_parses() {
+        let file = OptimizerFile::builtin().unwrap();
+        let base = file.base.unwrap();
+        assert_eq!(base.optimizer.as_deref(), Some("adamw"));
+        assert_eq!(file.apply_grad_scaler_step_tweaks, Some(false));
+    }
+
+    #[test]
+    fn doc_may_hold_anything() {
+        let file = parse(json!({"doc": {"x": [1, "y"]}, "base": {"lr": 2e-6}})).unwrap();
+        assert_eq!(file.base.unwrap().lr, Some(2e-6));
+    }
+
+    #[test]
+    fn nested_unknown_key_is_named_with_its_section() {
+        let err = parse(json!({"base": {"lr_sheduler": "cosine"}})).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "unknown key `base.lr_sheduler` in optimizer.json; did you mean `base.lr_scheduler`?"
+        );
+        let err = parse(json!({"text_encoder_override": {}})).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("did you mean `text_encoder_overrides`?"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn nested_wrong_type_is_named_with_its_section() {
+        let err = parse(json!({"text_encoder_overrides": {"weight_decay": "0"}})).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "`text_encoder_overrides.weight_decay` in optimizer.json has the wrong type: \
+             expected a number, found the string \"0\""
+        );
+        let err = parse(json!({"base": 5})).unwrap_err();
+        assert!(err.to_string().contains("`base`"), "{err}");
+        assert!(err.to_string().contains("expected an object"), "{err}");
+    }
+
+    #[test]
+    fn ed2_only_keys_error_unless_null() {
+        let err = parse(json!({"base": {"d0": 1e-6}})).unwrap_err();
+        assert!(
+            err.to_string().contains("`base.d0` is not supported yet"),
+            "{err}"
+        );
+        let err =
+            parse(json!({"text_encoder_freezing": {"freeze_embeddings": false}})).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("text_encoder_freezing.freeze_embeddings"),
+            "{err}"
+        );
+        parse(json!({"base": {"d0": null}, "log_grad_norm": true})).unwrap();
+    }
+
+    #[test]
+    fn ed2_sd21_preset_parses() {
+        // EveryDream2's optimizerSD21.json, minus its doc block.
+        let file = parse(json!({
+            "base": {"optimizer": "adamw8bit", "lr": 1e-6, "lr_scheduler": "constant",
+                     "lr_decay_steps": null, "lr_warmup_steps": null, "betas": [0.9, 0.999],
+                     "epsilon": 1e-8, "weight_decay": 0.010},
+            "text_encoder_overrides": {"optimizer": null, "lr": 3e-7, "lr_scheduler": null,
+                     "lr_decay_steps": null, "lr_warmup_steps": null, "betas": null,
+                     "epsilon": null, "weight_decay": null},
+            "text_encoder_freezing": {"unfreeze_last_n_layers": 2}
+        }))
+        .unwrap();
+        assert_eq!(
+            file.text_encoder_freezing.unwrap().unfreeze_last_n_layers,
+            Some(2)
+        );
+    }
+}

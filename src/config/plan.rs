@@ -1,0 +1,937 @@
+//! [`TrainPlan`]: the resolved, validated training plan, built in one place,
+//! [`TrainPlan::resolve`], from train.json, its `--set` overrides and the optimizer config. Every
+//! default is decided here (EveryDream2's train.py argparser defaults unless noted), every range
+//! is checked here, and the rest of sdtrain reads only the plan. The plan is serializable so it
+//! can be written into the run folder as `plan.json`.
+//!
+//! Relative paths:
+//! - inputs (`data_root`, `optimizer_config`, a local `model`) are looked up beside train.json
+//!   first, then in the working directory (EveryDream2 only uses the working directory);
+//! - outputs (`output_dir`, `logdir`) are relative to the working directory.
+//!
+//! A "step" is one optimizer update (`batch_size × grad_accum` images). Training stops after
+//! `max_epochs` or `max_steps`, whichever comes first.
+
+use std::path::{Path, PathBuf};
+
+use serde::Serialize;
+use serde_json::Value;
+
+use super::error::ConfigError;
+use super::optimizer_file::OptimizerFile;
+use super::optimizer_plan::OptimizerPlan;
+use super::overrides;
+use super::strict::{into_object, read_json};
+use super::train_file::TrainFile;
+
+/// EveryDream2's `--batch_size` default.
+pub const DEFAULT_BATCH_SIZE: u64 = 2;
+/// EveryDream2's `--max_epochs` default, used when neither max_epochs nor max_steps is set.
+pub const DEFAULT_MAX_EPOCHS: u64 = 300;
+/// EveryDream2's `--seed` default.
+pub const DEFAULT_SEED: u64 = 555;
+/// EveryDream2's `--log_step` default.
+pub const DEFAULT_LOG_STEP: u64 = 25;
+/// EveryDream2's `--cond_dropout` default.
+pub const DEFAULT_COND_DROPOUT: f64 = 0.04;
+/// EveryDream2's `--zero_frequency_noise_ratio` default.
+pub const DEFAULT_ZERO_FREQUENCY_NOISE_RATIO: f64 = 0.02;
+/// DDPM's training timesteps in every Stable Diffusion scheduler_config.json; the upper end of
+/// `timestep_end` (EveryDream2 checks the same bound).
+pub const MAX_TIMESTEP: u64 = 1000;
+/// EveryDream2's `--clip_skip` choices are 0–4.
+pub const MAX_CLIP_SKIP: u64 = 4;
+
+/// What is trained.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TrainMode {
+    /// Every weight of the UNet (and of the text encoders, unless disabled).
+    Full,
+}
+
+/// Data loading and augmentation.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct DataPlan {
+    /// Absolute path of an existing folder.
+    pub data_root: PathBuf,
+    /// Square training size in pixels, a multiple of 64 in [64, 4096]; `None` uses the model's
+    /// native resolution.
+    pub resolution: Option<usize>,
+    /// Probability of a horizontal flip, in [0, 1].
+    pub flip_p: f64,
+    /// Probability of training on an empty caption, in [0, 1].
+    pub cond_dropout: f64,
+    /// Shuffle comma-separated caption tags, keeping the first.
+    pub shuffle_tags: bool,
+}
+
+/// The diffusion training objective.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ObjectivePlan {
+    /// Timesteps are drawn uniformly from `[timestep_start, timestep_end)`. The end is exclusive
+    /// (torch.randint, as EveryDream2) and is checked again against the model's
+    /// `num_train_timesteps` once the model is loaded.
+    pub timestep_start: usize,
+    pub timestep_end: usize,
+    /// Noise offset: this fraction of a per-channel constant is added to the noise, in [0, 1].
+    pub zero_frequency_noise_ratio: f64,
+    /// Min-SNR-γ loss weighting (arXiv 2303.09556); `None` disables it.
+    pub min_snr_gamma: Option<f64>,
+    /// As written (EveryDream2): 0 or 1 use the last layer, 2 the penultimate, … up to 4.
+    pub clip_skip: usize,
+    /// Text-encoder layers dropped from the end: `max(clip_skip, 1) − 1`. EveryDream2 applies
+    /// the final layer norm to the chosen layer's hidden state.
+    pub clip_skip_layers: usize,
+}
+
+/// The resolved training plan.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TrainPlan {
+    /// The train.json this plan came from, as given.
+    pub train_config: PathBuf,
+    /// The `--set` arguments applied, in order.
+    pub overrides: Vec<String>,
+    /// Hub id `org/name[@revision]`, or the absolute path of a local folder or .safetensors file.
+    pub model: String,
+    pub mode: TrainMode,
+    /// Absolute; the run folder is `<output_dir>/<project_name>-<timestamp>`.
+    pub output_dir: PathBuf,
+    pub project_name: String,
+    /// Where the JSON-lines log goes, as `<logdir>/<run name>/`; `None` logs into the run folder.
+    pub logdir: Option<PathBuf>,
+    pub seed: u64,
+    /// True when train.json asked for a random seed (`-1`); `seed` then holds the one drawn.
+    pub random_seed: bool,
+    pub batch_size: usize,
+    pub grad_accum: usize,
+    /// At least one of `max_epochs` and `max_steps` is set; training stops at whichever comes
+    /// first.
+    pub max_epochs: Option<u64>,
+    pub max_steps: Option<u64>,
+    /// Save a model every N epochs; `None` saves only at the end (always done).
+    pub save_every_n_epochs: Option<u64>,
+    /// Save the optimizer state beside each saved model.
+    pub save_optimizer: bool,
+    /// Log every N steps.
+    pub log_step: u64,
+    pub data: DataPlan,
+    pub objective: ObjectivePlan,
+    /// `!disable_textenc_training`.
+    pub train_text_encoder: bool,
+    /// From optimizer.json `text_encoder_freezing`: `None` trains every text-encoder layer;
+    /// `Some(n)` trains the last n layers and the final layer norm and, when n is fewer than all
+    /// layers, freezes the embeddings (EveryDream2 `_apply_text_encoder_freeze`).
+    pub unfreeze_last_n_layers: Option<usize>,
+    pub optimizer: OptimizerPlan,
+}
+
+impl TrainPlan {
+    /// Reads train.json (and the optimizer config it names), applies the `--set` overrides, and
+    /// resolves and validates everything.
+    pub fn resolve(train_path: &Path, overrides: &[String]) -> Result<TrainPlan, ConfigError> {
+        TrainPlan::from_value(read_json(train_path)?, train_path, overrides)
+    }
+
+    /// As [`TrainPlan::resolve`], with train.json already parsed. `train_path` names the file in
+    /// errors and anchors its relative paths; it need not exist.
+    pub fn from_value(
+        train: Value,
+        train_path: &Path,
+        overrides: &[String],
+    ) -> Result<TrainPlan, ConfigError> {
+        let mut obj = into_object(train, train_path)?;
+        let set_args = overrides::apply_all(&mut obj, overrides)?;
+        let file = TrainFile::from_object(obj, train_path, &set_args)?;
+        let ctx = Ctx {
+            file: train_path,
+            dir: train_path.parent().unwrap_or(Path::new("")).to_path_buf(),
+        };
+        let (max_epochs, max_steps) = match (file.max_epochs, file.max_steps) {
+            (None, None) => (Some(DEFAULT_MAX_EPOCHS), None),
+            (epochs, steps) => (
+                ctx.opt_at_least("max_epochs", epochs, 1)?,
+                ctx.opt_at_least("max_steps", steps, 1)?,
+            ),
+        };
+        let train_lr = match file.lr {
+            Some(lr) if !(lr.is_finite() && lr > 0.0) => {
+                return Err(ctx.invalid("lr", format!("must be greater than 0 (got {lr})")))
+            }
+            lr => lr,
+        };
+        let (optimizer, unfreeze_last_n_layers) = resolve_optimizer(&file, &ctx, train_lr)?;
+        let (seed, random_seed) = ctx.seed(file.seed)?;
+        Ok(TrainPlan {
+            train_config: train_path.to_path_buf(),
+            overrides: overrides.to_vec(),
+            model: resolve_model(&file, &ctx)?,
+            mode: resolve_mode(file.mode.as_deref(), &ctx)?,
+            output_dir: ctx
+                .output_path("output_dir", file.output_dir.as_deref().unwrap_or("output"))?,
+            project_name: ctx.project_name(file.project_name.as_deref())?,
+            logdir: file
+                .logdir
+                .as_deref()
+                .map(|d| ctx.output_path("logdir", d))
+                .transpose()?,
+            seed,
+            random_seed,
+            batch_size: ctx.at_least("batch_size", file.batch_size, DEFAULT_BATCH_SIZE, 1)?
+                as usize,
+            grad_accum: ctx.at_least("grad_accum", file.grad_accum, 1, 1)? as usize,
+            max_epochs,
+            max_steps,
+            // 0 disables periodic saving, as EveryDream2's `save_every_n_epochs < 1`.
+            save_every_n_epochs: ctx
+                .opt_at_least("save_every_n_epochs", file.save_every_n_epochs, 0)?
+                .filter(|n| *n > 0),
+            save_optimizer: file.save_optimizer.unwrap_or(false),
+            log_step: ctx.at_least("log_step", file.log_step, DEFAULT_LOG_STEP, 1)?,
+            data: resolve_data(&file, &ctx)?,
+            objective: resolve_objective(&file, &ctx)?,
+            train_text_encoder: !file.disable_textenc_training.unwrap_or(false),
+            unfreeze_last_n_layers,
+            optimizer,
+        })
+    }
+
+    /// The number of steps training runs for, given the steps in one epoch: the smaller of
+    /// `max_epochs × steps_per_epoch` and `max_steps`. This is the length the automatic LR
+    /// warmup and decay are computed from ([`super::ScheduleSpec::resolve`]).
+    pub fn total_steps(&self, steps_per_epoch: u64) -> u64 {
+        let by_epochs = self
+            .max_epochs
+            .map(|e| e.saturating_mul(steps_per_epoch))
+            .unwrap_or(u64::MAX);
+        by_epochs.min(self.max_steps.unwrap_or(u64::MAX))
+    }
+
+    /// The run folder name, `<project_name>-<YYYYmmdd-HHMMSS>` (EveryDream2's log folder name).
+    pub fn run_name(&self, started: chrono::DateTime<chrono::Local>) -> String {
+        format!("{}-{}", self.project_name, started.format("%Y%m%d-%H%M%S"))
+    }
+
+    /// Where the JSON-lines log of the run in `run_dir` goes.
+    pub fn log_folder(&self, run_dir: &Path) -> PathBuf {
+        match (&self.logdir, run_dir.file_name()) {
+            (Some(logdir), Some(name)) => logdir.join(name),
+            _ => run_dir.to_path_buf(),
+        }
+    }
+}
+
+/// The file being resolved, for error messages and relative paths.
+struct Ctx<'a> {
+    file: &'a Path,
+    /// train.json's folder ("" when it has none).
+    dir: PathBuf,
+}
+
+impl Ctx<'_> {
+    fn invalid(&self, field: &str, message: String) -> ConfigError {
+        ConfigError::Invalid {
+            file: self.file.to_path_buf(),
+            field: field.to_string(),
+            message,
+        }
+    }
+
+    fn opt_at_least(
+        &self,
+        field: &str,
+        v: Option<i64>,
+        min: i64,
+    ) -> Result<Option<u64>, ConfigError> {
+        match v {
+            Some(n) if n < min => {
+                Err(self.invalid(field, format!("must be at least {min} (got {n})")))
+            }
+            _ => Ok(v.map(i64::unsigned_abs)),
+        }
+    }
+
+    fn at_least(
+        &self,
+        field: &str,
+        v: Option<i64>,
+        default: u64,
+        min: i64,
+    ) -> Result<u64, ConfigError> {
+        Ok(self.opt_at_least(field, v, min)?.unwrap_or(default))
+    }
+
+    fn fraction(&self, field: &str, v: Option<f64>, default: f64) -> Result<f64, ConfigError> {
+        match v {
+            Some(x) if !(0.0..=1.0).contains(&x) => {
+                Err(self.invalid(field, format!("must be between 0 and 1 (got {x})")))
+            }
+            _ => Ok(v.unwrap_or(default)),
+        }
+    }
+
+    /// EveryDream2: 555 by default; -1 draws a random seed in [0, 2^30].
+    fn seed(&self, v: Option<i64>) -> Result<(u64, bool), ConfigError> {
+        match v {
+            None => Ok((DEFAULT_SEED, false)),
+            Some(-1) => Ok((rand::random_range(0..=(1u64 << 30)), true)),
+            Some(n) if n < 0 => Err(self.invalid(
+                "seed",
+                format!("must be 0 or more, or -1 for a random seed (got {n})"),
+            )),
+            Some(n) => Ok((n.unsigned_abs(), false)),
+        }
+    }
+
+    fn project_name(&self, v: Option<&str>) -> Result<String, ConfigError> {
+        let name = v.unwrap_or("sdtrain");
+        if name.is_empty() || name.contains(['/', '\\']) || name == "." || name == ".." {
+            return Err(self.invalid(
+                "project_name",
+                format!("must be a non-empty folder name without `/` or `\\` (got {name:?})"),
+            ));
+        }
+        Ok(name.to_string())
+    }
+
+    /// An input path: beside train.json when it exists there, else relative to the working
+    /// directory. Returned absolute.
+    fn input_path(&self, field: &str, raw: &str) -> Result<PathBuf, ConfigError> {
+        let candidates = self.input_candidates(raw);
+        let found = candidates.iter().find(|p| p.exists()).or(candidates.last());
+        self.absolute(field, found.map_or(Path::new(raw), PathBuf::as_path))
+    }
+
+    /// Where an input path is looked for, in order (one entry for an absolute path).
+    fn input_candidates(&self, raw: &str) -> Vec<PathBuf> {
+        let path = Path::new(raw);
+        if path.is_absolute() || self.dir.as_os_str().is_empty() {
+            vec![path.to_path_buf()]
+        } else {
+            vec![self.dir.join(path), path.to_path_buf()]
+        }
+    }
+
+    fn output_path(&self, field: &str, raw: &str) -> Result<PathBuf, ConfigError> {
+        self.absolute(field, Path::new(raw))
+    }
+
+    fn absolute(&self, field: &str, path: &Path) -> Result<PathBuf, ConfigError> {
+        std::path::absolute(path)
+            .map_err(|e| self.invalid(field, format!("is not a usable path: {e}")))
+    }
+}
+
+fn resolve_model(file: &TrainFile, ctx: &Ctx<'_>) -> Result<String, ConfigError> {
+    let spec = match (&file.model, &file.resume_ckpt) {
+        (Some(m), Some(r)) if m != r => {
+            return Err(ConfigError::ModelConflict {
+                file: ctx.file.to_path_buf(),
+                model: m.clone(),
+                resume_ckpt: r.clone(),
+            })
+        }
+        (Some(m), _) => ("model", m),
+        (None, Some(r)) => ("resume_ckpt", r),
+        (None, None) => {
+            return Err(ConfigError::Missing {
+                file: ctx.file.to_path_buf(),
+                field: "model",
+                hint: "a hub id `org/name[@revision]`, a diffusers folder or a .safetensors file \
+                       (EveryDream2's `resume_ckpt` is accepted too)",
+            })
+        }
+    };
+    let (field, raw) = spec;
+    if raw.trim().is_empty() {
+        return Err(ctx.invalid(field, "is empty".to_string()));
+    }
+    if raw == "findlast" {
+        return Err(ctx.invalid(
+            field,
+            "is \"findlast\" (EveryDream2's search for the last checkpoint), which is not \
+             supported yet; give the model folder"
+                .to_string(),
+        ));
+    }
+    // A local path wins when it exists; anything else is left for the model loader to read as a
+    // hub id (or to report as missing).
+    match ctx.input_candidates(raw).iter().find(|p| p.exists()) {
+        Some(local) => Ok(ctx.absolute(field, local)?.display().to_string()),
+        None => Ok(raw.clone()),
+    }
+}
+
+fn resolve_mode(mode: Option<&str>, ctx: &Ctx<'_>) -> Result<TrainMode, ConfigError> {
+    match mode {
+        None | Some("full") => Ok(TrainMode::Full),
+        Some(m @ ("lora" | "locon")) => Err(ctx.invalid(
+            "mode",
+            format!(
+                "is \"{m}\", which is not available yet: LoRA and LoCon training arrive with the \
+                 adapters issue; use \"full\""
+            ),
+        )),
+        Some(m) => Err(ctx.invalid("mode", format!("is \"{m}\"; allowed: \"full\""))),
+    }
+}
+
+fn resolve_data(file: &TrainFile, ctx: &Ctx<'_>) -> Result<DataPlan, ConfigError> {
+    let Some(raw) = file.data_root.as_deref() else {
+        return Err(ConfigError::Missing {
+            file: ctx.file.to_path_buf(),
+            field: "data_root",
+            hint: "the folder of training images",
+        });
+    };
+    let data_root = ctx.input_path("data_root", raw)?;
+    let problem = if !data_root.exists() {
+        Some("does not exist")
+    } else if !data_root.is_dir() {
+        Some("is not a folder")
+    } else {
+        None
+    };
+    if let Some(problem) = problem {
+        let looked = match ctx.input_candidates(raw).as_slice() {
+            [_, _] => " (relative paths are looked up beside the config file, then in the working directory)",
+            _ => "",
+        };
+        return Err(ConfigError::DataRoot {
+            file: ctx.file.to_path_buf(),
+            path: PathBuf::from(raw),
+            problem: format!("{problem}{looked}"),
+        });
+    }
+    let resolution = match file.resolution {
+        None => None,
+        Some(r) if (64..=4096).contains(&r) && r % 64 == 0 => Some(r.unsigned_abs() as usize),
+        Some(r) => {
+            return Err(ctx.invalid(
+                "resolution",
+                format!("must be a multiple of 64 between 64 and 4096 (got {r})"),
+            ))
+        }
+    };
+    Ok(DataPlan {
+        data_root,
+        resolution,
+        flip_p: ctx.fraction("flip_p", file.flip_p, 0.0)?,
+        cond_dropout: ctx.fraction("cond_dropout", file.cond_dropout, DEFAULT_COND_DROPOUT)?,
+        shuffle_tags: file.shuffle_tags.unwrap_or(false),
+    })
+}
+
+fn resolve_objective(file: &TrainFile, ctx: &Ctx<'_>) -> Result<ObjectivePlan, ConfigError> {
+    let start = ctx.at_least("timestep_start", file.timestep_start, 0, 0)?;
+    let end = ctx.at_least("timestep_end", file.timestep_end, MAX_TIMESTEP, 1)?;
+    if end > MAX_TIMESTEP {
+        return Err(ctx.invalid(
+            "timestep_end",
+            format!("must be at most {MAX_TIMESTEP} (got {end}); it is exclusive"),
+        ));
+    }
+    if start >= end {
+        return Err(ctx.invalid(
+            "timestep_start",
+            format!("must be less than timestep_end (got {start} and {end}; the end is exclusive)"),
+        ));
+    }
+    let clip_skip = ctx.at_least("clip_skip", file.clip_skip, 0, 0)?;
+    if clip_skip > MAX_CLIP_SKIP {
+        return Err(ctx.invalid(
+            "clip_skip",
+            format!("must be between 0 and {MAX_CLIP_SKIP} (got {clip_skip})"),
+        ));
+    }
+    let min_snr_gamma = match file.min_snr_gamma {
+        Some(g) if !(g.is_finite() && g > 0.0) => {
+            return Err(ctx.invalid(
+                "min_snr_gamma",
+                format!("must be greater than 0, or null to disable (got {g})"),
+            ))
+        }
+        g => g,
+    };
+    Ok(ObjectivePlan {
+        timestep_start: start as usize,
+        timestep_end: end as usize,
+        zero_frequency_noise_ratio: ctx.fraction(
+            "zero_frequency_noise_ratio",
+            file.zero_frequency_noise_ratio,
+            DEFAULT_ZERO_FREQUENCY_NOISE_RATIO,
+        )?,
+        min_snr_gamma,
+        clip_skip: clip_skip as usize,
+        clip_skip_layers: clip_skip.max(1) as usize - 1,
+    })
+}
+
+/// Finds, reads and resolves the optimizer config. `optimizer_config` absent or null means
+/// `optimizer.json`, and when none is found the built-in default is used (EveryDream2 also falls
+/// back to defaults); a name given explicitly must exist.
+fn resolve_optimizer(
+    file: &TrainFile,
+    ctx: &Ctx<'_>,
+    train_lr: Option<f64>,
+) -> Result<(OptimizerPlan, Option<usize>), ConfigError> {
+    let written = file.optimizer_config.as_deref();
+    let candidates = ctx.input_candidates(written.unwrap_or("optimizer.json"));
+    let found = candidates.iter().find(|p| p.is_file());
+    let (config, label, source) = match (found, written) {
+        (Some(path), _) => {
+            let path = ctx.absolute("optimizer_config", path)?;
+            let obj = into_object(read_json(&path)?, &path)?;
+            (
+                OptimizerFile::from_object(obj, &path)?,
+                path.clone(),
+                Some(path),
+            )
+        }
+        (None, None) => (
+            OptimizerFile::builtin()?,
+            PathBuf::from("<built-in optimizer.json>"),
+            None,
+        ),
+        (None, Some(w)) => {
+            return Err(ConfigError::OptimizerConfigNotFound {
+                file: ctx.file.to_path_buf(),
+                written: PathBuf::from(w),
+                tried: candidates,
+            })
+        }
+    };
+    let plan = OptimizerPlan::resolve(&config, &label, source, train_lr)?;
+    let unfreeze = config
+        .text_encoder_freezing
+        .as_ref()
+        .and_then(|f| f.unfreeze_last_n_layers);
+    let unfreeze = match unfreeze {
+        Some(n) if n < 1 => {
+            return Err(ConfigError::Invalid {
+                file: label,
+                field: "text_encoder_freezing.unfreeze_last_n_layers".to_string(),
+                message: format!(
+                    "must be 1 or more, or null to train every layer (got {n}); to freeze the \
+                     whole text encoder set `disable_textenc_training` in train.json"
+                ),
+            })
+        }
+        n => n.map(|n| n.unsigned_abs() as usize),
+    };
+    Ok((plan, unfreeze))
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+    use crate::config::{OptimizerKind, ScheduleKind, StepCount};
+
+    /// A temp folder with `data/` and a train.json path inside it (the file is not written:
+    /// `from_value` only needs its location).
+    struct Fixture {
+        dir: tempfile::TempDir,
+    }
+
+    impl Fixture {
+        fn new() -> Fixture {
+            let dir = tempfile::tempdir().unwrap();
+            std::fs::create_dir(dir.path().join("data")).unwrap();
+            Fixture { dir }
+        }
+
+        fn train_path(&self) -> PathBuf {
+            self.dir.path().join("train.json")
+        }
+
+        fn write(&self, name: &str, value: &Value) {
+            std::fs::write(self.dir.path().join(name), value.to_string()).unwrap();
+        }
+
+        /// Resolves `extra` merged over a minimal valid train.json.
+        fn plan(&self, extra: Value, overrides: &[&str]) -> Result<TrainPlan, ConfigError> {
+            let mut train = json!({"model": "org/model", "data_root": "data"});
+            if let (Value::Object(t), Value::Object(e)) = (&mut train, extra) {
+                t.extend(e);
+            }
+            let overrides: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
+            TrainPlan::from_value(train, &self.train_path(), &overrides)
+        }
+
+        fn field_error(&self, extra: Value) -> (String, String) {
+            match self.plan(extra, &[]) {
+                Err(ConfigError::Invalid { field, message, .. }) => (field, message),
+                other => panic!("expected an Invalid error, got {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn defaults_follow_everydream2() {
+        let fx = Fixture::new();
+        let p = fx.plan(json!({}), &[]).unwrap();
+        assert_eq!(p.model, "org/model");
+        assert_eq!(p.mode, TrainMode::Full);
+        assert_eq!(p.batch_size, 2);
+        assert_eq!(p.grad_accum, 1);
+        assert_eq!((p.max_epochs, p.max_steps), (Some(300), None));
+        assert_eq!((p.seed, p.random_seed), (555, false));
+        assert_eq!(p.log_step, 25);
+        assert_eq!(p.save_every_n_epochs, None);
+        assert!(!p.save_optimizer);
+        assert_eq!(p.project_name, "sdtrain");
+        assert!(p.output_dir.is_absolute() && p.output_dir.ends_with("output"));
+        assert_eq!(p.logdir, None);
+        assert!(p.train_text_encoder);
+        assert_eq!(p.unfreeze_last_n_layers, None);
+        assert_eq!(p.data.data_root, fx.dir.path().join("data"));
+        assert_eq!(p.data.resolution, None);
+        assert_eq!((p.data.flip_p, p.data.cond_dropout), (0.0, 0.04));
+        assert!(!p.data.shuffle_tags);
+        let o = &p.objective;
+        assert_eq!((o.timestep_start, o.timestep_end), (0, 1000));
+        assert_eq!(o.zero_frequency_noise_ratio, 0.02);
+        assert_eq!(o.min_snr_gamma, None);
+        assert_eq!((o.clip_skip, o.clip_skip_layers), (0, 0));
+        // No optimizer.json beside train.json: the built-in default (unless the working
+        // directory has one, as the repository root does, which is the same file).
+        assert_eq!(p.optimizer.unet.optimizer, OptimizerKind::AdamW);
+        assert_eq!(p.optimizer.unet.lr, 1e-6);
+        assert_eq!(p.optimizer.text_encoder.lr, 1e-6);
+        assert_eq!(p.optimizer.unet.schedule.kind, ScheduleKind::Constant);
+    }
+
+    #[test]
+    fn every_value_is_carried_through() {
+        let fx = Fixture::new();
+        let p = fx
+            .plan(
+                json!({
+                    "batch_size": 4, "grad_accum": 3, "max_epochs": 10, "max_steps": 50,
+                    "resolution": 768, "seed": 7, "save_every_n_epochs": 5, "logdir": "logs",
+                    "project_name": "p", "flip_p": 0.5, "cond_dropout": 0.1, "shuffle_tags": true,
+                    "clip_skip": 2, "min_snr_gamma": 5.0, "zero_frequency_noise_ratio": 0.1,
+                    "timestep_start": 100, "timestep_end": 900, "disable_textenc_training": true,
+                    "log_step": 1, "save_optimizer": true, "output_dir": "out", "mode": "full"
+                }),
+                &[],
+            )
+            .unwrap();
+        assert_eq!((p.batch_size, p.grad_accum), (4, 3));
+        assert_eq!((p.max_epochs, p.max_steps), (Some(10), Some(50)));
+        assert_eq!(p.data.resolution, Some(768));
+        assert_eq!(p.seed, 7);
+        assert_eq!(p.save_every_n_epochs, Some(5));
+        assert!(p
+            .logdir
+            .as_ref()
+            .is_some_and(|d| d.is_absolute() && d.ends_with("logs")));
+        assert_eq!(p.project_name, "p");
+        assert_eq!((p.data.flip_p, p.data.cond_dropout), (0.5, 0.1));
+        assert!(p.data.shuffle_tags);
+        assert_eq!(
+            (p.objective.clip_skip, p.objective.clip_skip_layers),
+            (2, 1)
+        );
+        assert_eq!(p.objective.min_snr_gamma, Some(5.0));
+        assert_eq!(p.objective.zero_frequency_noise_ratio, 0.1);
+        assert_eq!(
+            (p.objective.timestep_start, p.objective.timestep_end),
+            (100, 900)
+        );
+        assert!(!p.train_text_encoder);
+        assert_eq!(p.log_step, 1);
+        assert!(p.save_optimizer);
+        assert!(p.output_dir.ends_with("out"));
+    }
+
+    #[test]
+    fn clip_skip_layers_follow_ed2() {
+        let fx = Fixture::new();
+        for (skip, layers) in [(0, 0), (1, 0), (2, 1), (3, 2), (4, 3)] {
+            let p = fx.plan(json!({"clip_skip": skip}), &[]).unwrap();
+            assert_eq!(p.objective.clip_skip_layers, layers, "clip_skip {skip}");
+        }
+    }
+
+    #[test]
+    fn set_overrides_apply_before_validation() {
+        let fx = Fixture::new();
+        let p = fx
+            .plan(
+                json!({"lr": 1e-6}),
+                &["lr=1e-5", "seed=7", "project_name=foo", "max_steps=3"],
+            )
+            .unwrap();
+        assert_eq!(p.optimizer.unet.lr, 1e-5);
+        assert_eq!(p.seed, 7);
+        assert_eq!(p.project_name, "foo");
+        assert_eq!(p.max_steps, Some(3));
+        assert_eq!(p.overrides.len(), 4);
+        let err = fx.plan(json!({}), &["batch_size=0"]).unwrap_err();
+        assert!(err.to_string().contains("`batch_size`"), "{err}");
+    }
+
+    #[test]
+    fn set_unknown_key_says_it_came_from_set() {
+        let fx = Fixture::new();
+        let err = fx.plan(json!({}), &["bach_size=4"]).unwrap_err();
+        let msg = err.to_string();
+        assert!(msg.contains("unknown key `bach_size`"), "{msg}");
+        assert!(msg.contains("(from --set bach_size=4)"), "{msg}");
+        assert!(msg.contains("did you mean `batch_size`?"), "{msg}");
+    }
+
+    #[test]
+    fn train_lr_overrides_both_groups() {
+        let fx = Fixture::new();
+        fx.write(
+            "opt.json",
+            &json!({"base": {"lr": 2e-6}, "text_encoder_overrides": {"lr": 5e-7}}),
+        );
+        let p = fx
+            .plan(json!({"optimizer_config": "opt.json"}), &[])
+            .unwrap();
+        assert_eq!(
+            (p.optimizer.unet.lr, p.optimizer.text_encoder.lr),
+            (2e-6, 5e-7)
+        );
+        let p = fx
+            .plan(json!({"optimizer_config": "opt.json", "lr": 4e-6}), &[])
+            .unwrap();
+        assert_eq!(
+            (p.optimizer.unet.lr, p.optimizer.text_encoder.lr),
+            (4e-6, 4e-6)
+        );
+    }
+
+    #[test]
+    fn optimizer_json_beside_train_json_is_found() {
+        let fx = Fixture::new();
+        fx.write(
+            "optimizer.json",
+            &json!({"base": {"lr_scheduler": "cosine"},
+                    "text_encoder_freezing": {"unfreeze_last_n_layers": 2}}),
+        );
+        let p = fx.plan(json!({}), &[]).unwrap();
+        assert_eq!(p.optimizer.unet.schedule.kind, ScheduleKind::Cosine);
+        assert_eq!(
+            p.optimizer.source,
+            Some(fx.dir.path().join("optimizer.json"))
+        );
+        assert_eq!(p.unfreeze_last_n_layers, Some(2));
+    }
+
+    #[test]
+    fn unfreeze_zero_is_rejected() {
+        let fx = Fixture::new();
+        fx.write(
+            "optimizer.json",
+            &json!({"text_encoder_freezing": {"unfreeze_last_n_layers": 0}}),
+        );
+        let (field, message) = fx.field_error(json!({}));
+        assert_eq!(field, "text_encoder_freezing.unfreeze_last_n_layers");
+        assert!(message.contains("disable_textenc_training"), "{message}");
+    }
+
+    #[test]
+    fn explicit_optimizer_config_must_exist() {
+        let fx = Fixture::new();
+        let err = fx
+            .plan(json!({"optimizer_config": "missing.json"}), &[])
+            .unwrap_err();
+        let ConfigError::OptimizerConfigNotFound { tried, .. } = &err else {
+            panic!("{err}")
+        };
+        assert_eq!(tried.len(), 2);
+        assert_eq!(tried[0], fx.dir.path().join("missing.json"));
+    }
+
+    #[test]
+    fn ranges_are_checked() {
+        let fx = Fixture::new();
+        for (extra, field) in [
+            (json!({"batch_size": 0}), "batch_size"),
+            (json!({"grad_accum": 0}), "grad_accum"),
+            (json!({"max_epochs": 0}), "max_epochs"),
+            (json!({"max_steps": 0}), "max_steps"),
+            (json!({"lr": 0}), "lr"),
+            (json!({"lr": -1e-5}), "lr"),
+            (json!({"resolution": 500}), "resolution"),
+            (json!({"resolution": 0}), "resolution"),
+            (json!({"resolution": 4160}), "resolution"),
+            (json!({"flip_p": 1.5}), "flip_p"),
+            (json!({"cond_dropout": -0.1}), "cond_dropout"),
+            (
+                json!({"zero_frequency_noise_ratio": 2}),
+                "zero_frequency_noise_ratio",
+            ),
+            (json!({"min_snr_gamma": 0}), "min_snr_gamma"),
+            (json!({"timestep_start": -1}), "timestep_start"),
+            (json!({"timestep_end": 1001}), "timestep_end"),
+            (
+                json!({"timestep_start": 500, "timestep_end": 500}),
+                "timestep_start",
+            ),
+            (json!({"clip_skip": -1}), "clip_skip"),
+            (json!({"clip_skip": 5}), "clip_skip"),
+            (json!({"log_step": 0}), "log_step"),
+            (json!({"save_every_n_epochs": -1}), "save_every_n_epochs"),
+            (json!({"seed": -2}), "seed"),
+            (json!({"project_name": "a/b"}), "project_name"),
+            (json!({"mode": "dreambooth"}), "mode"),
+        ] {
+            let (got, message) = fx.field_error(extra.clone());
+            assert_eq!(got, field, "{extra}: {message}");
+        }
+    }
+
+    #[test]
+    fn edges_of_ranges_are_allowed() {
+        let fx = Fixture::new();
+        let p = fx
+            .plan(
+                json!({"resolution": 64, "flip_p": 1, "cond_dropout": 0, "timestep_start": 999,
+                       "timestep_end": 1000, "clip_skip": 4, "save_every_n_epochs": 0}),
+                &[],
+            )
+            .unwrap();
+        assert_eq!(p.data.resolution, Some(64));
+        assert_eq!(p.save_every_n_epochs, None);
+        assert!(fx.plan(json!({"resolution": 4096}), &[]).is_ok());
+    }
+
+    #[test]
+    fn max_steps_alone_leaves_epochs_unbounded() {
+        let fx = Fixture::new();
+        let p = fx.plan(json!({"max_steps": 100}), &[]).unwrap();
+        assert_eq!((p.max_epochs, p.max_steps), (None, Some(100)));
+        assert_eq!(p.total_steps(7), 100);
+        let p = fx
+            .plan(json!({"max_steps": 100, "max_epochs": 2}), &[])
+            .unwrap();
+        assert_eq!(p.total_steps(7), 14);
+        assert_eq!(p.total_steps(70), 100);
+    }
+
+    #[test]
+    fn random_seed_is_drawn_and_recorded() {
+        let fx = Fixture::new();
+        let p = fx.plan(json!({"seed": -1}), &[]).unwrap();
+        assert!(p.random_seed);
+        assert!(p.seed <= 1 << 30);
+    }
+
+    #[test]
+    fn model_and_resume_ckpt() {
+        let fx = Fixture::new();
+        let p = fx
+            .plan(json!({"model": null, "resume_ckpt": "org/other@rev"}), &[])
+            .unwrap();
+        assert_eq!(p.model, "org/other@rev");
+        assert!(fx.plan(json!({"resume_ckpt": "org/model"}), &[]).is_ok());
+        let err = fx
+            .plan(json!({"resume_ckpt": "org/other"}), &[])
+            .unwrap_err();
+        assert!(matches!(err, ConfigError::ModelConflict { .. }), "{err}");
+        let err = fx.plan(json!({"model": null}), &[]).unwrap_err();
+        assert!(
+            matches!(err, ConfigError::Missing { field: "model", .. }),
+            "{err}"
+        );
+        let (field, _) = fx.field_error(json!({"model": "findlast"}));
+        assert_eq!(field, "model");
+    }
+
+    #[test]
+    fn local_model_path_is_resolved_beside_the_config() {
+        let fx = Fixture::new();
+        std::fs::create_dir(fx.dir.path().join("base-model")).unwrap();
+        let p = fx.plan(json!({"model": "base-model"}), &[]).unwrap();
+        assert_eq!(
+            p.model,
+            fx.dir.path().join("base-model").display().to_string()
+        );
+    }
+
+    #[test]
+    fn adapter_modes_are_not_available_yet() {
+        let fx = Fixture::new();
+        for mode in ["lora", "locon"] {
+            let (field, message) = fx.field_error(json!({"mode": mode}));
+            assert_eq!(field, "mode");
+            assert!(message.contains("adapters issue"), "{message}");
+        }
+    }
+
+    #[test]
+    fn data_root_must_be_an_existing_folder() {
+        let fx = Fixture::new();
+        let err = fx.plan(json!({"data_root": "nope"}), &[]).unwrap_err();
+        assert!(
+            err.to_string()
+                .starts_with("data_root `nope` does not exist"),
+            "{err}"
+        );
+        fx.write("file.txt", &json!(1));
+        let err = fx.plan(json!({"data_root": "file.txt"}), &[]).unwrap_err();
+        assert!(
+            err.to_string()
+                .starts_with("data_root `file.txt` is not a folder"),
+            "{err}"
+        );
+        let err = fx.plan(json!({"data_root": null}), &[]).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                ConfigError::Missing {
+                    field: "data_root",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn plan_serializes_and_summarizes() {
+        let fx = Fixture::new();
+        let p = fx.plan(json!({"max_steps": 10}), &["seed=3"]).unwrap();
+        let v = serde_json::to_value(&p).unwrap();
+        assert_eq!(v["optimizer"]["unet"]["optimizer"], json!("adamw"));
+        assert_eq!(
+            v["optimizer"]["unet"]["schedule"]["decay_steps"],
+            json!("auto")
+        );
+        assert_eq!(v["optimizer"]["unet"]["betas"], json!([0.9, 0.999]));
+        assert_eq!(v["mode"], json!("full"));
+        assert_eq!(v["seed"], json!(3));
+        let text = p.to_string();
+        for needle in [
+            "org/model",
+            "--set",
+            "seed=3",
+            "10 steps",
+            "adamw lr 1e-6",
+            "constant",
+        ] {
+            assert!(text.contains(needle), "{needle} missing from:\n{text}");
+        }
+        assert_eq!(serde_json::to_value(StepCount::Steps(2)).unwrap(), json!(2));
+    }
+
+    #[test]
+    fn run_name_and_log_folder() {
+        use chrono::TimeZone;
+        let fx = Fixture::new();
+        let p = fx.plan(json!({"project_name": "cat"}), &[]).unwrap();
+        let t = chrono::Local.with_ymd_and_hms(2024, 5, 6, 7, 8, 9).unwrap();
+        assert_eq!(p.run_name(t), "cat-20240506-070809");
+        let run = Path::new("/out/cat-20240506-070809");
+        assert_eq!(p.log_folder(run), run);
+        let p = fx.plan(json!({"logdir": "/logs"}), &[]).unwrap();
+        assert_eq!(p.log_folder(run), Path::new("/logs/cat-20240506-070809"));
+    }
+}

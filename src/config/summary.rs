@@ -1,0 +1,118 @@
+//! The human-readable form of a [`TrainPlan`], printed by `--dry-run` and at the start of a run.
+//! plan.json (the `Serialize` form) is the exact record; this is the one-screen view.
+
+use std::fmt;
+
+use super::plan::{TrainMode, TrainPlan};
+
+impl fmt::Display for TrainPlan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let row = |f: &mut fmt::Formatter<'_>, label: &str, value: &dyn fmt::Display| {
+            writeln!(f, "{label:<15}{value}")
+        };
+        row(f, "config", &self.train_config.display())?;
+        for o in &self.overrides {
+            row(f, "  --set", o)?;
+        }
+        row(f, "model", &self.model)?;
+        row(
+            f,
+            "mode",
+            &match self.mode {
+                TrainMode::Full => "full fine-tune",
+            },
+        )?;
+        let d = &self.data;
+        row(f, "data_root", &d.data_root.display())?;
+        let resolution = d
+            .resolution
+            .map_or("model's native".to_string(), |r| format!("{r} px"));
+        row(f, "resolution", &resolution)?;
+        row(
+            f,
+            "augmentation",
+            &format!(
+                "flip_p {}, cond_dropout {}, shuffle_tags {}",
+                d.flip_p, d.cond_dropout, d.shuffle_tags
+            ),
+        )?;
+        row(
+            f,
+            "batch",
+            &format!(
+                "batch_size {} x grad_accum {} = {} images per step",
+                self.batch_size,
+                self.grad_accum,
+                self.batch_size * self.grad_accum
+            ),
+        )?;
+        let stop = match (self.max_epochs, self.max_steps) {
+            (Some(e), Some(s)) => format!("{e} epochs or {s} steps, whichever comes first"),
+            (Some(e), None) => format!("{e} epochs"),
+            (None, Some(s)) => format!("{s} steps"),
+            (None, None) => "never (invalid plan)".to_string(),
+        };
+        row(f, "stop after", &stop)?;
+        let seed = if self.random_seed {
+            format!("{} (drawn at random)", self.seed)
+        } else {
+            self.seed.to_string()
+        };
+        row(f, "seed", &seed)?;
+        let o = &self.objective;
+        let snr = o.min_snr_gamma.map_or("off".to_string(), |g| g.to_string());
+        row(
+            f,
+            "objective",
+            &format!(
+                "timesteps [{}, {}), zero_frequency_noise_ratio {}, min_snr_gamma {snr}",
+                o.timestep_start, o.timestep_end, o.zero_frequency_noise_ratio
+            ),
+        )?;
+        row(
+            f,
+            "clip_skip",
+            &format!("{} ({} layers dropped)", o.clip_skip, o.clip_skip_layers),
+        )?;
+        let te = match (self.train_text_encoder, self.unfreeze_last_n_layers) {
+            (false, _) => "frozen".to_string(),
+            (true, None) => "trained (every layer)".to_string(),
+            (true, Some(n)) => format!("trained (last {n} layers and the final layer norm)"),
+        };
+        row(f, "text encoder", &te)?;
+        let source = self
+            .optimizer
+            .source
+            .as_ref()
+            .map_or("built-in default".to_string(), |p| p.display().to_string());
+        row(f, "optimizer", &source)?;
+        row(f, "  unet", &self.optimizer.unet)?;
+        row(f, "  text_encoder", &self.optimizer.text_encoder)?;
+        row(
+            f,
+            "output",
+            &format!(
+                "{}/{}-<timestamp>/",
+                self.output_dir.display(),
+                self.project_name
+            ),
+        )?;
+        let saves = match self.save_every_n_epochs {
+            Some(n) => format!("every {n} epochs and at the end"),
+            None => "at the end".to_string(),
+        };
+        let optimizer_state = if self.save_optimizer {
+            ", with optimizer state"
+        } else {
+            ""
+        };
+        row(f, "save", &format!("{saves}{optimizer_state}"))?;
+        let logs = self
+            .logdir
+            .as_ref()
+            .map_or("the run folder".to_string(), |d| {
+                format!("{}/<run name>/", d.display())
+            });
+        row(f, "logs", &format!("{logs}, every {} steps", self.log_step))
+    }
+}

@@ -1,0 +1,382 @@
+//! [`TrainFile`]: the serde mirror of train.json, with EveryDream2's key names, and its strict
+//! parse. Every field is optional here; what is required, the defaults and the allowed ranges are
+//! decided in one place, [`super::plan::TrainPlan`]. `null` means "not set", as in EveryDream2.
+//!
+//! Numbers are read as `i64`/`f64` so that a negative or zero count reaches validation and gets a
+//! range message, rather than a serde "expected u64".
+//!
+//! EveryDream2 keys sdtrain does not implement yet are listed in [`UNSUPPORTED`]: they are an
+//! error unless their value asks for what sdtrain does anyway (EveryDream2's own train.json has
+//! `"wandb": false`, `"ema_decay_rate": null`, …), never silently ignored.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+use super::error::ConfigError;
+use super::strict::{known_keys, Accepts, Section, Unsupported};
+
+/// train.json as written. See docs/config.md for every key.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrainFile {
+    // sdtrain's own keys.
+    /// Hub id `org/name[@revision]`, a diffusers folder, or a single .safetensors file.
+    #[serde(default)]
+    pub model: Option<String>,
+    #[serde(default)]
+    pub output_dir: Option<String>,
+    #[serde(default)]
+    pub mode: Option<String>,
+    #[serde(default)]
+    pub max_steps: Option<i64>,
+    // EveryDream2's keys.
+    /// EveryDream2's name for the base model.
+    #[serde(default)]
+    pub resume_ckpt: Option<String>,
+    #[serde(default)]
+    pub data_root: Option<String>,
+    #[serde(default)]
+    pub batch_size: Option<i64>,
+    #[serde(default)]
+    pub grad_accum: Option<i64>,
+    #[serde(default)]
+    pub max_epochs: Option<i64>,
+    #[serde(default)]
+    pub lr: Option<f64>,
+    #[serde(default)]
+    pub resolution: Option<i64>,
+    #[serde(default)]
+    pub seed: Option<i64>,
+    #[serde(default)]
+    pub save_every_n_epochs: Option<i64>,
+    #[serde(default)]
+    pub optimizer_config: Option<String>,
+    #[serde(default)]
+    pub logdir: Option<String>,
+    #[serde(default)]
+    pub project_name: Option<String>,
+    #[serde(default)]
+    pub flip_p: Option<f64>,
+    #[serde(default)]
+    pub cond_dropout: Option<f64>,
+    #[serde(default)]
+    pub shuffle_tags: Option<bool>,
+    #[serde(default)]
+    pub clip_skip: Option<i64>,
+    #[serde(default)]
+    pub min_snr_gamma: Option<f64>,
+    #[serde(default)]
+    pub zero_frequency_noise_ratio: Option<f64>,
+    #[serde(default)]
+    pub timestep_start: Option<i64>,
+    #[serde(default)]
+    pub timestep_end: Option<i64>,
+    #[serde(default)]
+    pub disable_textenc_training: Option<bool>,
+    #[serde(default)]
+    pub log_step: Option<i64>,
+    #[serde(default)]
+    pub save_optimizer: Option<bool>,
+}
+
+const MEMORY: &str = "it arrives with the memory issue (training runs in f32 for now)";
+const EMA: &str = "EMA weights are not implemented";
+const SAMPLING: &str = "sampling during training is not implemented";
+const SCHEDULE: &str = "set it in the optimizer config's `base` section instead";
+
+/// EveryDream2 train.json keys (train.py's argparser and its sample train.json) that sdtrain
+/// does not implement yet, with the values that are accepted because they change nothing.
+pub(crate) const UNSUPPORTED: &[Unsupported] = &[
+    un("amp", Accepts::NullOrFalse, MEMORY),
+    un(
+        "attn_type",
+        Accepts::NullOrStr("sdp"),
+        "sdtrain has one attention implementation",
+    ),
+    un(
+        "ckpt_every_n_minutes",
+        Accepts::NullOrZero,
+        "time-based saving is not implemented; use save_every_n_epochs",
+    ),
+    un(
+        "clip_grad_norm",
+        Accepts::Null,
+        "gradient clipping is not implemented",
+    ),
+    un("disable_amp", Accepts::NullOrTrue, MEMORY),
+    un(
+        "disable_unet_training",
+        Accepts::NullOrFalse,
+        "the UNet is always trained",
+    ),
+    un("ema_decay_rate", Accepts::Null, EMA),
+    un("ema_device", Accepts::Null, EMA),
+    un("ema_resume_model", Accepts::Null, EMA),
+    un("ema_sample_ema_model", Accepts::NullOrFalse, EMA),
+    un("ema_sample_nonema_model", Accepts::NullOrFalse, EMA),
+    un("ema_strength_target", Accepts::Null, EMA),
+    un("ema_update_interval", Accepts::Null, EMA),
+    un(
+        "embedding_perturbation",
+        Accepts::NullOrZero,
+        "embedding perturbation is not implemented",
+    ),
+    un(
+        "enable_zero_terminal_snr",
+        Accepts::NullOrFalse,
+        "zero terminal SNR is not implemented",
+    ),
+    un(
+        "gpuid",
+        Accepts::NullOrZero,
+        "choosing a GPU is not implemented",
+    ),
+    un("gradient_checkpointing", Accepts::NullOrFalse, MEMORY),
+    un(
+        "keep_tags",
+        Accepts::NullOrZero,
+        "keep_tags is not implemented (shuffle_tags keeps the first tag)",
+    ),
+    un(
+        "load_settings_every_epoch",
+        Accepts::NullOrFalse,
+        "reloading settings is not implemented",
+    ),
+    un(
+        "loss_type",
+        Accepts::NullOrStr("mse"),
+        "only the MSE loss is implemented",
+    ),
+    un("lr_decay_steps", Accepts::Null, SCHEDULE),
+    un("lr_scheduler", Accepts::Null, SCHEDULE),
+    un("lr_warmup_steps", Accepts::Null, SCHEDULE),
+    un(
+        "no_prepend_last",
+        Accepts::Null,
+        "output names are not configurable",
+    ),
+    un(
+        "no_save_ckpt",
+        Accepts::NullOrTrue,
+        "sdtrain saves diffusers folders only, no single-file checkpoint",
+    ),
+    un(
+        "notebook",
+        Accepts::NullOrFalse,
+        "notebook mode is not implemented",
+    ),
+    un("plugins", Accepts::Null, "plugins are not implemented"),
+    un(
+        "pyramid_noise_discount",
+        Accepts::NullOrZero,
+        "pyramid noise is not implemented",
+    ),
+    un(
+        "rated_dataset",
+        Accepts::NullOrFalse,
+        "rated datasets are not implemented",
+    ),
+    un(
+        "rated_dataset_target_dropout_percent",
+        Accepts::Null,
+        "rated datasets are not implemented",
+    ),
+    un(
+        "run_name",
+        Accepts::Null,
+        "wandb/tensorboard run names are not implemented",
+    ),
+    un("sample_prompts", Accepts::Null, SAMPLING),
+    un("sample_steps", Accepts::Null, SAMPLING),
+    un("save_ckpt_dir", Accepts::Null, "use output_dir"),
+    un(
+        "save_ckpts_from_n_epochs",
+        Accepts::NullOrZero,
+        "delayed saving is not implemented",
+    ),
+    un(
+        "save_full_precision",
+        Accepts::NullOrTrue,
+        "models are saved in f32 (training runs in f32)",
+    ),
+    un(
+        "train_sampler",
+        Accepts::NullOrStr("ddpm"),
+        "only the DDPM training noise schedule is implemented",
+    ),
+    un(
+        "validation_config",
+        Accepts::Null,
+        "validation is not implemented",
+    ),
+    un(
+        "wandb",
+        Accepts::NullOrFalse,
+        "wandb logging is not implemented",
+    ),
+    un(
+        "write_schedule",
+        Accepts::NullOrFalse,
+        "writing the batch schedule is not implemented",
+    ),
+];
+
+const fn un(key: &'static str, accepts: Accepts, reason: &'static str) -> Unsupported {
+    Unsupported {
+        key,
+        accepts,
+        reason,
+    }
+}
+
+/// Where a key that belongs to optimizer.json, written in train.json, should go.
+fn misplaced(key: &str) -> Option<String> {
+    let section = match key {
+        "optimizer" | "betas" | "epsilon" | "weight_decay" => "`base` section",
+        "unfreeze_last_n_layers" => "`text_encoder_freezing` section",
+        "base"
+        | "text_encoder_overrides"
+        | "text_encoder_freezing"
+        | "apply_grad_scaler_step_tweaks" => "top level",
+        _ => return None,
+    };
+    Some(format!(
+        "`{key}` belongs in the optimizer config's {section} (the file `optimizer_config` names)"
+    ))
+}
+
+impl TrainFile {
+    /// Checks and parses train.json's top-level object, after `--set` overrides were applied.
+    /// `set_args` maps each overridden top-level key to its `--set` argument.
+    pub fn from_object(
+        mut obj: Map<String, Value>,
+        file: &Path,
+        set_args: &HashMap<String, String>,
+    ) -> Result<TrainFile, ConfigError> {
+        let section = Section {
+            file,
+            prefix: "",
+            set_args,
+        };
+        section.check_unknown(&obj, &known_keys::<TrainFile>(), UNSUPPORTED, misplaced)?;
+        let entries = section.take_unsupported(&mut obj, UNSUPPORTED);
+        if !entries.is_empty() {
+            return Err(ConfigError::Unsupported {
+                file: file.to_path_buf(),
+                entries,
+            });
+        }
+        if let Some(err) = section.type_error::<TrainFile>(&obj) {
+            return Err(err);
+        }
+        serde_json::from_value(Value::Object(obj)).map_err(|e| ConfigError::Invalid {
+            file: file.to_path_buf(),
+            field: "(top level)".to_string(),
+            message: format!("does not parse: {e}"),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+
+    use serde_json::json;
+
+    use super::*;
+
+    fn parse(v: Value) -> Result<TrainFile, ConfigError> {
+        let Value::Object(obj) = v else {
+            panic!("test input must be an object")
+        };
+        TrainFile::from_object(obj, &PathBuf::from("train.json"), &HashMap::new())
+    }
+
+    #[test]
+    fn every_key_parses_as_null() {
+        let obj: Map<String, Value> = known_keys::<TrainFile>()
+            .into_iter()
+            .map(|k| (k, Value::Null))
+            .collect();
+        assert!(obj.len() > 25);
+        assert_eq!(parse(Value::Object(obj)).unwrap(), TrainFile::default());
+    }
+
+    #[test]
+    fn unsupported_and_known_keys_do_not_overlap() {
+        let known = known_keys::<TrainFile>();
+        for u in UNSUPPORTED {
+            assert!(!known.iter().any(|k| k == u.key), "{}", u.key);
+        }
+    }
+
+    #[test]
+    fn unknown_key_suggests_the_closest() {
+        let err = parse(json!({"bach_size": 4})).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "unknown key `bach_size` in train.json; did you mean `batch_size`?"
+        );
+    }
+
+    #[test]
+    fn optimizer_key_in_train_json_points_to_optimizer_config() {
+        let err = parse(json!({"betas": [0.9, 0.99]})).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("belongs in the optimizer config's `base` section"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn unsupported_keys_error_unless_inert() {
+        let err = parse(json!({"gradient_checkpointing": true})).unwrap_err();
+        let msg = err.to_string();
+        assert!(
+            msg.contains("`gradient_checkpointing` is not supported yet"),
+            "{msg}"
+        );
+        assert!(msg.contains("memory issue"), "{msg}");
+        let err = parse(json!({"disable_amp": false})).unwrap_err();
+        assert!(err.to_string().contains("memory issue"), "{err}");
+        let ok = parse(json!({
+            "gradient_checkpointing": false, "disable_amp": true, "wandb": false,
+            "ema_decay_rate": null, "attn_type": "sdp", "loss_type": "mse", "gpuid": 0,
+            "embedding_perturbation": 0.0, "batch_size": 3
+        }))
+        .unwrap();
+        assert_eq!(ok.batch_size, Some(3));
+    }
+
+    #[test]
+    fn all_unsupported_keys_are_reported_together() {
+        let err =
+            parse(json!({"sample_prompts": "p.txt", "validation_config": "v.json"})).unwrap_err();
+        let ConfigError::Unsupported { entries, .. } = &err else {
+            panic!("{err}")
+        };
+        assert_eq!(entries.len(), 2);
+    }
+
+    #[test]
+    fn wrong_type_names_the_field() {
+        let err = parse(json!({"batch_size": "4"})).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "`batch_size` in train.json has the wrong type: expected an integer, found the string \"4\""
+        );
+        let err = parse(json!({"shuffle_tags": 1})).unwrap_err();
+        assert!(err.to_string().contains("`shuffle_tags`"), "{err}");
+        let err = parse(json!({"lr": "fast"})).unwrap_err();
+        assert!(err.to_string().contains("expected a number"), "{err}");
+    }
+
+    #[test]
+    fn integers_are_accepted_for_floats() {
+        assert_eq!(parse(json!({"flip_p": 1})).unwrap().flip_p, Some(1.0));
+    }
+}

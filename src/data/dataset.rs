@@ -1,0 +1,284 @@
+//! The decoded dataset and its per-epoch order.
+//!
+//! [`load_dataset`] decodes every scanned image in parallel (rayon) behind an indicatif bar. A
+//! file that cannot be decoded (corrupt, truncated, empty) is skipped with a warning on stderr
+//! naming it and the reason, and listed in [`LoadedDataset::skipped`]; the kept images stay in
+//! scan order whatever the thread timing.
+//!
+//! An epoch is [`pick_multiplied`] (which images, how often) followed by [`epoch_order`] (in what
+//! order). Both are pure functions of `(seed, epoch)`, so a resumed run replays the data order.
+//! They use `StdRng` (ChaCha12 in rand 0.9), which the lockfile pins.
+
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+use rayon::prelude::*;
+
+use super::image_load::{load_image, TrainImage};
+use super::scan::{scan, ImageRecord};
+use super::DataError;
+
+/// Stream separators mixed into the seed, so the multiplier draw and the shuffle of one epoch
+/// use unrelated random streams.
+const ORDER_STREAM: u64 = 0x006f_7264_6572;
+const MULTIPLY_STREAM: u64 = 0x6d75_6c74_6970_6c79;
+
+/// The decoded images, in scan order, and the files that were skipped with the reason.
+#[derive(Debug, Clone)]
+pub struct LoadedDataset {
+    pub items: Vec<TrainImage>,
+    pub skipped: Vec<(PathBuf, String)>,
+}
+
+impl LoadedDataset {
+    /// The item indices of epoch `epoch`: each image repeated by its multiplier (fractions drawn
+    /// per epoch, see [`pick_multiplied`]), then shuffled by [`epoch_order`].
+    pub fn epoch_indices(&self, seed: u64, epoch: usize) -> Vec<usize> {
+        let multipliers: Vec<f64> = self.items.iter().map(|item| item.multiplier).collect();
+        let mut rng = StdRng::seed_from_u64(mix_seed(seed, epoch, MULTIPLY_STREAM));
+        let picked = pick_multiplied(&multipliers, &mut rng);
+        epoch_order(picked.len(), seed, epoch)
+            .into_iter()
+            .map(|i| picked[i])
+            .collect()
+    }
+
+    /// How many samples an epoch holds: `floor(Σ multipliers)`, as in ED2.
+    pub fn epoch_len(&self) -> usize {
+        let total: f64 = self.items.iter().map(|item| item.multiplier).sum();
+        total.floor() as usize
+    }
+}
+
+/// [`scan`] then [`load_dataset`], with errors naming `data_root`.
+pub fn load_data_root(
+    data_root: &Path,
+    resolution: usize,
+    show_progress: bool,
+) -> Result<LoadedDataset, DataError> {
+    let records = scan(data_root)?;
+    load_records(&records, resolution, show_progress, data_root)
+}
+
+/// Decodes `records` at `resolution × resolution`, skipping (and reporting) files that fail.
+/// The progress bar shows when `show_progress` is set and stderr is a terminal.
+pub fn load_dataset(
+    records: &[ImageRecord],
+    resolution: usize,
+    show_progress: bool,
+) -> Result<LoadedDataset, DataError> {
+    let root = common_folder(records.iter().map(|r| r.path.as_path()));
+    load_records(records, resolution, show_progress, &root)
+}
+
+fn load_records(
+    records: &[ImageRecord],
+    resolution: usize,
+    show_progress: bool,
+    root: &Path,
+) -> Result<LoadedDataset, DataError> {
+    if resolution == 0 {
+        return Err(DataError::InvalidSize {
+            width: 0,
+            height: 0,
+        });
+    }
+    let bar = progress_bar(records.len(), show_progress);
+    // `collect` on an indexed parallel iterator keeps the input order.
+    let results: Vec<Result<TrainImage, DataError>> = records
+        .par_iter()
+        .map(|record| {
+            let loaded = load_image(&record.path, resolution).map(|mut image| {
+                image.caption = record.caption.clone();
+                image.multiplier = record.multiplier;
+                image
+            });
+            bar.inc(1);
+            loaded
+        })
+        .collect();
+    bar.finish_and_clear();
+
+    let mut items = Vec::with_capacity(records.len());
+    let mut skipped = Vec::new();
+    for (record, result) in records.iter().zip(results) {
+        match result {
+            Ok(image) => items.push(image),
+            Err(DataError::Decode { reason, .. }) => {
+                eprintln!("warning: skipping {}: {reason}", record.path.display());
+                skipped.push((record.path.clone(), reason));
+            }
+            Err(other) => return Err(other),
+        }
+    }
+    if items.is_empty() {
+        return Err(DataError::NoUsableImages {
+            root: root.to_path_buf(),
+            found: records.len(),
+            skipped,
+        });
+    }
+    Ok(LoadedDataset { items, skipped })
+}
+
+fn progress_bar(len: usize, show: bool) -> ProgressBar {
+    let target = if show && std::io::stderr().is_terminal() {
+        ProgressDrawTarget::stderr()
+    } else {
+        ProgressDrawTarget::hidden()
+    };
+    let bar = ProgressBar::with_draw_target(Some(len as u64), target);
+    if let Ok(style) =
+        ProgressStyle::with_template("loading images [{bar:30}] {pos}/{len} {per_sec} eta {eta}")
+    {
+        bar.set_style(style.progress_chars("=> "));
+    }
+    bar
+}
+
+/// The deepest folder holding every path (the data_root when they came from one scan).
+fn common_folder<'a>(paths: impl Iterator<Item = &'a Path>) -> PathBuf {
+    let mut common: Option<PathBuf> = None;
+    for path in paths {
+        let parent = path.parent().unwrap_or(Path::new(""));
+        common = Some(match common {
+            None => parent.to_path_buf(),
+            Some(current) => current
+                .components()
+                .zip(parent.components())
+                .take_while(|(a, b)| a == b)
+                .map(|(a, _)| a)
+                .collect(),
+        });
+    }
+    common.unwrap_or_default()
+}
+
+/// A deterministic permutation of `0..n` for `(seed, epoch)`.
+pub fn epoch_order(n: usize, seed: u64, epoch: usize) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..n).collect();
+    let mut rng = StdRng::seed_from_u64(mix_seed(seed, epoch, ORDER_STREAM));
+    order.shuffle(&mut rng);
+    order
+}
+
+/// Which items an epoch trains on, with repeats, in item order (ED2's
+/// `DataLoaderMultiAspect.__pick_multiplied_set`, `data/data_loader.py`): every item appears
+/// `floor(m)` times; then, until the epoch holds `floor(Σ m)` samples, passes over the items add
+/// each one whose fractional part beats a uniform draw, at most once. Multipliers of 1 draw
+/// nothing.
+pub fn pick_multiplied(multipliers: &[f64], rng: &mut impl Rng) -> Vec<usize> {
+    let total: f64 = multipliers.iter().sum();
+    let epoch_len = total.floor() as usize;
+    let mut picked = Vec::with_capacity(epoch_len);
+    let mut fractions = Vec::with_capacity(multipliers.len());
+    for (i, &m) in multipliers.iter().enumerate() {
+        let whole = m.floor();
+        picked.extend(std::iter::repeat_n(i, whole as usize));
+        fractions.push(m - whole);
+    }
+    let mut remaining = epoch_len.saturating_sub(picked.len());
+    // Rounding can leave `remaining` larger than the fractions can fill; stop when none is left.
+    while remaining > 0 && fractions.iter().any(|&f| f > 0.0) {
+        for (i, fraction) in fractions.iter_mut().enumerate() {
+            if rng.random::<f64>() < *fraction {
+                picked.push(i);
+                *fraction = 0.0;
+                remaining -= 1;
+                if remaining == 0 {
+                    break;
+                }
+            }
+        }
+    }
+    picked.sort_unstable();
+    picked
+}
+
+/// splitmix64's finaliser, to spread `(seed, epoch, stream)` over the whole seed space.
+fn mix_seed(seed: u64, epoch: usize, stream: u64) -> u64 {
+    let mut z = seed ^ (epoch as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ stream;
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn epoch_order_is_a_deterministic_permutation() {
+        for n in [0, 1, 2, 7, 100] {
+            let a = epoch_order(n, 42, 3);
+            assert_eq!(a, epoch_order(n, 42, 3));
+            let mut sorted = a.clone();
+            sorted.sort_unstable();
+            assert_eq!(sorted, (0..n).collect::<Vec<_>>());
+        }
+        assert_ne!(epoch_order(100, 42, 3), epoch_order(100, 42, 4));
+        assert_ne!(epoch_order(100, 42, 3), epoch_order(100, 43, 3));
+    }
+
+    #[test]
+    fn whole_multipliers_repeat_exactly() {
+        let mut rng = StdRng::seed_from_u64(0);
+        assert_eq!(
+            pick_multiplied(&[1.0, 3.0, 2.0], &mut rng),
+            vec![0, 1, 1, 1, 2, 2]
+        );
+    }
+
+    #[test]
+    fn fractional_multipliers_fill_floor_of_the_sum_once_each() {
+        // 4 × 0.5 + 1 → floor(3.0) = 3: item 4 once, and two of the four halves.
+        let multipliers = [0.5, 0.5, 0.5, 0.5, 1.0];
+        let mut counts = [0usize; 5];
+        for epoch in 0..200 {
+            let mut rng = StdRng::seed_from_u64(epoch);
+            let picked = pick_multiplied(&multipliers, &mut rng);
+            assert_eq!(picked.len(), 3);
+            let mut dedup = picked.clone();
+            dedup.dedup();
+            assert_eq!(
+                dedup.len(),
+                3,
+                "a fractional item was picked twice: {picked:?}"
+            );
+            for i in picked {
+                counts[i] += 1;
+            }
+        }
+        assert_eq!(counts[4], 200);
+        assert!(counts[..4].iter().all(|&c| c > 40), "{counts:?}");
+    }
+
+    #[test]
+    fn pick_is_deterministic_and_terminates_on_rounding() {
+        let m = [0.1; 10]; // Σ = 0.999… → floor 0
+        let mut rng = StdRng::seed_from_u64(1);
+        assert!(pick_multiplied(&m, &mut rng).is_empty());
+        let m = [1.5, 2.25, 0.75];
+        let a = pick_multiplied(&m, &mut StdRng::seed_from_u64(9));
+        let b = pick_multiplied(&m, &mut StdRng::seed_from_u64(9));
+        assert_eq!(a, b);
+        assert_eq!(a.len(), 4);
+    }
+
+    #[test]
+    fn common_folder_of_scanned_paths() {
+        let paths = [
+            Path::new("/d/root/a.png"),
+            Path::new("/d/root/sub/b.png"),
+            Path::new("/d/root/sub2/c.png"),
+        ];
+        assert_eq!(
+            common_folder(paths.iter().copied()),
+            PathBuf::from("/d/root")
+        );
+    }
+}

@@ -1,0 +1,190 @@
+//! Decoding one training image: EXIF orientation, conversion to 8-bit RGB, resize to cover the
+//! target size and centre crop.
+//!
+//! - Orientation: the decoder's EXIF orientation is applied before anything else, like PIL's
+//!   `ImageOps.exif_transpose` in EveryDream2's `ImageTrainItem.load_image`.
+//! - Colour: grayscale, 16-bit, palette and alpha images become RGB8. Alpha is dropped, not
+//!   composited, as PIL's `.convert("RGB")` (which ED2 uses) does. CMYK and YCCK JPEGs are
+//!   converted to RGB by the `image` crate's decoder (zune-jpeg), which treats them as
+//!   Adobe-inverted like libjpeg/PIL do: `R = C·K/255` on the stored values.
+//! - Resize: the image is scaled by `s = max(tw/w, th/h)` so it covers the target, each side
+//!   rounded half up (kohya's `int(x * s + 0.5)`), with the Catmull-Rom cubic filter — PIL's
+//!   `BICUBIC` (a = −0.5), the default of `Image.resize` that ED2 calls, and like PIL the filter
+//!   widens when downscaling. Then the centre `tw × th` window is cut out.
+//! - SDXL conditioning, recorded in the usual (height, width) / (top, left) order:
+//!   `original_size` of the decoded, oriented image, `crop_top_left` in the resized image's
+//!   coordinates, and the target size `(height, width)`.
+//!
+//! The crop takes any `(width, height)`, so aspect buckets can reuse [`load_image_to`].
+
+use std::path::{Path, PathBuf};
+
+use image::imageops::FilterType;
+use image::{DynamicImage, ImageDecoder, ImageReader, RgbImage};
+
+use super::DataError;
+
+/// The resampling filter, see the header.
+pub const RESIZE_FILTER: FilterType = FilterType::CatmullRom;
+
+/// A decoded, resized and cropped training image with its caption.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TrainImage {
+    /// RGB8, row-major, `height × width × 3` (HWC).
+    pub pixels: Vec<u8>,
+    pub width: usize,
+    pub height: usize,
+    /// `(height, width)` of the decoded image after EXIF orientation.
+    pub original_size: (usize, usize),
+    /// `(height, width)` after the resize, before the crop.
+    pub resized_size: (usize, usize),
+    /// `(top, left)` of the crop window in the resized image.
+    pub crop_top_left: (usize, usize),
+    pub caption: String,
+    pub path: PathBuf,
+    /// How many times an epoch repeats this image (from `multiply.txt`).
+    pub multiplier: f64,
+}
+
+impl TrainImage {
+    /// `(height, width)`, the SDXL "target size" condition.
+    pub fn target_size(&self) -> (usize, usize) {
+        (self.height, self.width)
+    }
+}
+
+/// Loads `path` as a `resolution × resolution` square. The caption is empty and the multiplier 1;
+/// [`super::load_dataset`] fills them from the scan.
+pub fn load_image(path: &Path, resolution: usize) -> Result<TrainImage, DataError> {
+    load_image_to(path, (resolution, resolution))
+}
+
+/// Loads `path` resized to cover `(width, height)` and centre-cropped to it.
+pub fn load_image_to(path: &Path, target: (usize, usize)) -> Result<TrainImage, DataError> {
+    let (target_w, target_h) = target;
+    if target_w == 0 || target_h == 0 {
+        return Err(DataError::InvalidSize {
+            width: target_w,
+            height: target_h,
+        });
+    }
+    let rgb = decode_rgb(path)?;
+    let original_size = (rgb.height() as usize, rgb.width() as usize);
+    let (cropped, resized_size, crop_top_left) = resize_and_crop(&rgb, target_w, target_h);
+    Ok(TrainImage {
+        pixels: cropped.into_raw(),
+        width: target_w,
+        height: target_h,
+        original_size,
+        resized_size,
+        crop_top_left,
+        caption: String::new(),
+        path: path.to_path_buf(),
+        multiplier: 1.0,
+    })
+}
+
+/// Decodes `path` (format guessed from its bytes, falling back to the extension), applies its EXIF
+/// orientation and converts it to RGB8.
+pub fn decode_rgb(path: &Path) -> Result<RgbImage, DataError> {
+    let fail = |reason: String| DataError::Decode {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let len = std::fs::metadata(path)
+        .map_err(|e| fail(format!("cannot read: {e}")))?
+        .len();
+    if len == 0 {
+        return Err(fail("empty file (0 bytes)".into()));
+    }
+    let reader = ImageReader::open(path)
+        .map_err(|e| fail(format!("cannot open: {e}")))?
+        .with_guessed_format()
+        .map_err(|e| fail(format!("cannot read: {e}")))?;
+    let mut decoder = reader
+        .into_decoder()
+        .map_err(|e| fail(format!("not a readable image: {e}")))?;
+    // A broken EXIF block only loses the rotation, as in ED2's `_try_transpose`.
+    let orientation = decoder
+        .orientation()
+        .unwrap_or(image::metadata::Orientation::NoTransforms);
+    let mut image = DynamicImage::from_decoder(decoder)
+        .map_err(|e| fail(format!("corrupt or truncated image: {e}")))?;
+    image.apply_orientation(orientation);
+    Ok(match image {
+        DynamicImage::ImageRgb8(rgb) => rgb,
+        other => other.to_rgb8(),
+    })
+}
+
+/// The size an image of `src` pixels is resized to so that it covers `target` (both `(w, h)`):
+/// scale by `max(tw/w, th/h)`, round half up, never below the target.
+pub fn cover_size(src: (usize, usize), target: (usize, usize)) -> (usize, usize) {
+    let (sw, sh) = (src.0.max(1) as f64, src.1.max(1) as f64);
+    let scale = (target.0 as f64 / sw).max(target.1 as f64 / sh);
+    let w = ((sw * scale + 0.5).floor() as usize).max(target.0);
+    let h = ((sh * scale + 0.5).floor() as usize).max(target.1);
+    (w, h)
+}
+
+/// Resizes `image` to [`cover_size`] and cuts out the centred `target_w × target_h` window.
+/// Returns the crop, the resized `(height, width)` and the crop's `(top, left)`.
+pub fn resize_and_crop(
+    image: &RgbImage,
+    target_w: usize,
+    target_h: usize,
+) -> (RgbImage, (usize, usize), (usize, usize)) {
+    let src = (image.width() as usize, image.height() as usize);
+    let (rw, rh) = cover_size(src, (target_w, target_h));
+    let resized = if (rw, rh) == src {
+        image.clone()
+    } else {
+        image::imageops::resize(image, rw as u32, rh as u32, RESIZE_FILTER)
+    };
+    let left = (rw - target_w) / 2;
+    let top = (rh - target_h) / 2;
+    let cropped = image::imageops::crop_imm(
+        &resized,
+        left as u32,
+        top as u32,
+        target_w as u32,
+        target_h as u32,
+    )
+    .to_image();
+    (cropped, (rh, rw), (top, left))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cover_size_scales_the_short_side_to_the_target() {
+        assert_eq!(cover_size((100, 50), (64, 64)), (128, 64));
+        assert_eq!(cover_size((50, 100), (64, 64)), (64, 128));
+        assert_eq!(cover_size((64, 64), (64, 64)), (64, 64));
+        assert_eq!(cover_size((30, 20), (64, 64)), (96, 64));
+        // 333 * 64/200 = 106.56 → 107
+        assert_eq!(cover_size((333, 200), (64, 64)), (107, 64));
+        // a non-square target: the side that needs more scaling decides
+        assert_eq!(cover_size((200, 200), (128, 64)), (128, 128));
+        assert_eq!(cover_size((400, 100), (128, 64)), (256, 64));
+    }
+
+    #[test]
+    fn crop_is_centred_and_recorded() {
+        // 10×4 image whose pixel value is its x coordinate, cropped to 4×4 (no resize needed).
+        let img = RgbImage::from_fn(10, 4, |x, _| image::Rgb([x as u8, 0, 0]));
+        let (crop, resized, top_left) = resize_and_crop(&img, 4, 4);
+        assert_eq!(resized, (4, 10));
+        assert_eq!(top_left, (0, 3));
+        assert_eq!(crop.get_pixel(0, 0).0[0], 3);
+        assert_eq!(crop.get_pixel(3, 3).0[0], 6);
+    }
+
+    #[test]
+    fn zero_target_is_rejected() {
+        let err = load_image_to(Path::new("x.png"), (0, 64)).unwrap_err();
+        assert!(matches!(err, DataError::InvalidSize { .. }));
+    }
+}

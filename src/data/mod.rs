@@ -1,0 +1,116 @@
+//! Training data: scanning a `data_root`, captions, image decoding, augmentation and the
+//! per-epoch order.
+//!
+//! The flow is [`scan`] (file names, captions and `multiply.txt`, no pixels) →
+//! [`load_dataset`] (parallel decode, resize and centre crop; bad files skipped and counted) →
+//! per step [`LoadedDataset::epoch_indices`], the augmentations in [`augment`] and
+//! [`to_tensor`]. Scanning and captions follow EveryDream2's conventions
+//! (`data/dataset.py`, `utils/fs_helpers.py`); every place that differs on purpose says so.
+
+pub mod augment;
+pub mod caption;
+pub mod dataset;
+pub mod image_load;
+pub mod scan;
+
+use std::path::PathBuf;
+
+pub use augment::{cond_dropout, flip_p, hflip, shuffle_tags, to_tensor};
+pub use dataset::{epoch_order, load_data_root, load_dataset, pick_multiplied, LoadedDataset};
+pub use image_load::{cover_size, load_image, load_image_to, resize_and_crop, TrainImage};
+pub use scan::{scan, ImageRecord, IMAGE_EXTENSIONS};
+
+/// How many skipped files a "no usable image" error lists before it says "and N more".
+const LISTED_SKIPS: usize = 3;
+
+/// Everything that can go wrong between a `data_root` and a batch tensor.
+#[derive(Debug, thiserror::Error)]
+pub enum DataError {
+    #[error("data_root {} does not exist", root.display())]
+    RootMissing { root: PathBuf },
+    #[error("data_root {} is a file, not a folder of images", root.display())]
+    RootNotAFolder { root: PathBuf },
+    #[error("cannot read folder {}: {source}", path.display())]
+    ReadDir {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("cannot read {}: {source}", path.display())]
+    ReadFile {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error(
+        "{}: multiply.txt must hold one finite, non-negative number such as `2` or `0.5`, \
+         found `{text}`",
+        path.display()
+    )]
+    Multiply { path: PathBuf, text: String },
+    #[error(
+        "{}: no caption: there is no sibling .txt or .caption file (or it is empty) and the file \
+         name gives none (the caption is the file name's text before the first `_`)",
+        path.display()
+    )]
+    EmptyCaption { path: PathBuf },
+    #[error(
+        "no images ({}) under data_root {}{}",
+        IMAGE_EXTENSIONS.join(", "),
+        root.display(),
+        if *excluded > 0 {
+            format!(" ({excluded} excluded by a multiply.txt of 0)")
+        } else {
+            String::new()
+        }
+    )]
+    NoImages { root: PathBuf, excluded: usize },
+    #[error("{}: {reason}", path.display())]
+    Decode { path: PathBuf, reason: String },
+    #[error(
+        "no usable image under data_root {}: {found} found, all {} skipped ({})",
+        root.display(),
+        skipped.len(),
+        list_skipped(skipped)
+    )]
+    NoUsableImages {
+        root: PathBuf,
+        found: usize,
+        skipped: Vec<(PathBuf, String)>,
+    },
+    #[error("target size {width}x{height} is invalid: both sides must be at least 1 pixel")]
+    InvalidSize { width: usize, height: usize },
+    #[error("cannot batch zero images")]
+    EmptyBatch,
+    #[error(
+        "cannot batch {}: it is {width}x{height} but the batch is {batch_width}x{batch_height}",
+        path.display()
+    )]
+    BatchShape {
+        path: PathBuf,
+        width: usize,
+        height: usize,
+        batch_width: usize,
+        batch_height: usize,
+    },
+    #[error("{}: pixel buffer holds {len} bytes, expected {expected} for {width}x{height} RGB", path.display())]
+    PixelBuffer {
+        path: PathBuf,
+        len: usize,
+        expected: usize,
+        width: usize,
+        height: usize,
+    },
+    #[error("building the image batch tensor: {0}")]
+    Tensor(#[from] candle_core::Error),
+}
+
+fn list_skipped(skipped: &[(PathBuf, String)]) -> String {
+    let mut parts: Vec<String> = skipped
+        .iter()
+        .take(LISTED_SKIPS)
+        .map(|(path, reason)| format!("{}: {reason}", path.display()))
+        .collect();
+    if skipped.len() > LISTED_SKIPS {
+        parts.push(format!("and {} more", skipped.len() - LISTED_SKIPS));
+    }
+    parts.join("; ")
+}

@@ -1,0 +1,242 @@
+//! Finding the training images under a `data_root`, with their captions and repeat counts.
+//!
+//! EveryDream2's rules (`utils/fs_helpers.py` `walk_and_visit`/`is_image`, `data/dataset.py`
+//! `Dataset.from_path`/`__local_cfg`):
+//! - The walk is recursive; files and folders whose name starts with `.` are skipped.
+//! - Images are recognised by extension, case-insensitively: jpg, jpeg, png, webp, bmp, and jfif
+//!   (ED2's list; JFIF is JPEG).
+//! - `multiply.txt` in a folder holds a number (it may be fractional) that applies to the images
+//!   directly in that folder only: it is a "local" setting in ED2, not inherited by subfolders.
+//!   How a fractional multiplier is honoured each epoch is [`super::pick_multiplied`]'s job.
+//! - Captions: see [`super::caption`].
+//!
+//! Deliberate differences: the order is sorted by path (ED2 uses the file system's order), a
+//! malformed `multiply.txt` is an error naming it (ED2 logs a warning and uses 1), images whose
+//! folder multiplier is 0 are dropped here instead of being carried and never picked, and a folder
+//! reached twice through symbolic links is walked once.
+
+use std::collections::HashSet;
+use std::ffi::{OsStr, OsString};
+use std::path::{Path, PathBuf};
+
+use super::caption::{resolve_caption, CAPTION_EXTENSIONS};
+use super::DataError;
+
+/// Image extensions the scanner picks up, compared case-insensitively.
+pub const IMAGE_EXTENSIONS: [&str; 6] = ["jpg", "jpeg", "png", "webp", "bmp", "jfif"];
+
+/// The per-folder repeat file.
+pub const MULTIPLY_FILE: &str = "multiply.txt";
+
+/// One image found by [`scan`]: where it is, its caption and how many times an epoch repeats it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ImageRecord {
+    pub path: PathBuf,
+    pub caption: String,
+    /// From the folder's `multiply.txt`, else 1. Always finite and positive.
+    pub multiplier: f64,
+}
+
+/// Scans `data_root` recursively and returns its images sorted by path.
+pub fn scan(data_root: &Path) -> Result<Vec<ImageRecord>, DataError> {
+    match std::fs::metadata(data_root) {
+        Err(err) if err.kind() == std::io::ErrorKind::NotFound => {
+            return Err(DataError::RootMissing {
+                root: data_root.to_path_buf(),
+            })
+        }
+        Err(source) => {
+            return Err(DataError::ReadDir {
+                path: data_root.to_path_buf(),
+                source,
+            })
+        }
+        Ok(meta) if !meta.is_dir() => {
+            return Err(DataError::RootNotAFolder {
+                root: data_root.to_path_buf(),
+            })
+        }
+        Ok(_) => {}
+    }
+    let mut walk = Walk::default();
+    walk.visit(data_root)?;
+    if walk.records.is_empty() {
+        return Err(DataError::NoImages {
+            root: data_root.to_path_buf(),
+            excluded: walk.excluded,
+        });
+    }
+    walk.records.sort_by(|a, b| a.path.cmp(&b.path));
+    Ok(walk.records)
+}
+
+/// True when `path` has one of [`IMAGE_EXTENSIONS`], in any case.
+pub fn is_image(path: &Path) -> bool {
+    path.extension().and_then(OsStr::to_str).is_some_and(|ext| {
+        IMAGE_EXTENSIONS
+            .iter()
+            .any(|known| known.eq_ignore_ascii_case(ext))
+    })
+}
+
+/// Parses a `multiply.txt`: one finite, non-negative number, surrounding whitespace allowed
+/// (Python's `float()` accepts the same).
+pub fn read_multiply(path: &Path) -> Result<f64, DataError> {
+    let text = super::caption::read_caption_file(path)?;
+    let trimmed = text.trim();
+    match trimmed.parse::<f64>() {
+        Ok(value) if value.is_finite() && value >= 0.0 => Ok(value),
+        _ => Err(DataError::Multiply {
+            path: path.to_path_buf(),
+            text: trimmed.chars().take(40).collect(),
+        }),
+    }
+}
+
+#[derive(Default)]
+struct Walk {
+    records: Vec<ImageRecord>,
+    /// Images dropped because their folder's multiplier is 0.
+    excluded: usize,
+    /// Canonical folders already walked, so a symbolic-link loop ends.
+    seen: HashSet<PathBuf>,
+}
+
+impl Walk {
+    fn visit(&mut self, dir: &Path) -> Result<(), DataError> {
+        let canonical = std::fs::canonicalize(dir).map_err(|source| DataError::ReadDir {
+            path: dir.to_path_buf(),
+            source,
+        })?;
+        if !self.seen.insert(canonical) {
+            return Ok(());
+        }
+        let read_dir_err = |source| DataError::ReadDir {
+            path: dir.to_path_buf(),
+            source,
+        };
+        let mut names: Vec<OsString> = Vec::new();
+        for entry in std::fs::read_dir(dir).map_err(read_dir_err)? {
+            let name = entry.map_err(read_dir_err)?.file_name();
+            if !name.as_encoded_bytes().starts_with(b".") {
+                names.push(name);
+            }
+        }
+        names.sort();
+        let (dirs, files): (Vec<PathBuf>, Vec<PathBuf>) = names
+            .iter()
+            .map(|name| dir.join(name))
+            .partition(|path| path.is_dir());
+        let file_names: HashSet<&OsStr> = names.iter().map(OsString::as_os_str).collect();
+
+        let multiplier = if file_names.contains(OsStr::new(MULTIPLY_FILE)) {
+            read_multiply(&dir.join(MULTIPLY_FILE))?
+        } else {
+            1.0
+        };
+        for image in files.iter().filter(|path| is_image(path)) {
+            if multiplier == 0.0 {
+                self.excluded += 1;
+                continue;
+            }
+            let sidecar = sidecar_for(dir, image, &file_names);
+            let caption = resolve_caption(image, sidecar.as_deref())?;
+            self.records.push(ImageRecord {
+                path: image.clone(),
+                caption,
+                multiplier,
+            });
+        }
+        for sub in &dirs {
+            self.visit(sub)?;
+        }
+        Ok(())
+    }
+}
+
+/// The first `<stem>.<caption ext>` that exists next to `image` (exact name match, as ED2 looks
+/// names up in the folder listing).
+fn sidecar_for(dir: &Path, image: &Path, file_names: &HashSet<&OsStr>) -> Option<PathBuf> {
+    let stem = image.file_stem()?;
+    CAPTION_EXTENSIONS.iter().find_map(|ext| {
+        let mut name = stem.to_os_string();
+        name.push(".");
+        name.push(ext);
+        let path = dir.join(&name);
+        (file_names.contains(name.as_os_str()) && path.is_file()).then_some(path)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn extensions_match_case_insensitively() {
+        for name in [
+            "a.jpg", "a.JPG", "a.Jpeg", "a.png", "a.WEBP", "a.bmp", "a.jfif",
+        ] {
+            assert!(is_image(Path::new(name)), "{name}");
+        }
+        for name in ["a.txt", "a.gif", "a", "a.png.txt", "a.caption"] {
+            assert!(!is_image(Path::new(name)), "{name}");
+        }
+    }
+
+    #[test]
+    fn multiply_accepts_numbers_and_rejects_the_rest() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(MULTIPLY_FILE);
+        for (text, want) in [("2", 2.0), (" 1.5\n", 1.5), ("0", 0.0), ("3e0", 3.0)] {
+            std::fs::write(&path, text).unwrap();
+            assert_eq!(read_multiply(&path).unwrap(), want, "{text:?}");
+        }
+        for text in ["", "two", "-1", "inf", "NaN", "1 2"] {
+            std::fs::write(&path, text).unwrap();
+            let err = read_multiply(&path).unwrap_err();
+            assert!(err.to_string().contains("multiply.txt"), "{err}");
+        }
+    }
+
+    #[test]
+    fn missing_root_and_file_root_are_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        let missing = dir.path().join("nope");
+        assert!(matches!(
+            scan(&missing).unwrap_err(),
+            DataError::RootMissing { .. }
+        ));
+        let file = dir.path().join("f.txt");
+        std::fs::write(&file, "x").unwrap();
+        assert!(matches!(
+            scan(&file).unwrap_err(),
+            DataError::RootNotAFolder { .. }
+        ));
+        assert!(matches!(
+            scan(dir.path()).unwrap_err(),
+            DataError::NoImages { excluded: 0, .. }
+        ));
+    }
+
+    #[test]
+    fn hidden_files_and_folders_are_skipped() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir(dir.path().join(".cache")).unwrap();
+        std::fs::write(dir.path().join(".cache/x.png"), b"").unwrap();
+        std::fs::write(dir.path().join(".y.png"), b"").unwrap();
+        std::fs::write(dir.path().join("cat.png"), b"").unwrap();
+        let records = scan(dir.path()).unwrap();
+        assert_eq!(records.len(), 1);
+        assert_eq!(records[0].caption, "cat");
+    }
+
+    #[test]
+    fn zero_multiplier_excludes_and_is_reported() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("cat.png"), b"").unwrap();
+        std::fs::write(dir.path().join(MULTIPLY_FILE), "0").unwrap();
+        let err = scan(dir.path()).unwrap_err();
+        assert!(matches!(err, DataError::NoImages { excluded: 1, .. }));
+        assert!(err.to_string().contains("multiply.txt of 0"), "{err}");
+    }
+}

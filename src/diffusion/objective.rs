@@ -1,0 +1,428 @@
+//! The denoising training objective: what one step draws, and the loss it minimises.
+//!
+//! For a batch of clean latents `x₀` `[B, C, H, W]`:
+//! 1. noise `ε ~ N(0, I)`, drawn on the host from the seeded RNG (candle's CPU `randn` cannot be
+//!    seeded), plus EveryDream2's noise offset (`zero_frequency_noise_ratio`, after
+//!    crosslabs.org/blog/diffusion-with-offset-noise): `ε += r · n₂` with `n₂ ~ N(0, I)` of shape
+//!    `[B, C, 1, 1]`, i.e. one constant per sample and channel (EveryDream2 `train.py`
+//!    `get_noise`);
+//! 2. timesteps `t_i ~ U{timestep_start, …, timestep_end − 1}`, one per sample (EveryDream2
+//!    `get_timesteps`, `torch.randint(start, end)`);
+//! 3. `x_t = √ᾱ_t·x₀ + √(1−ᾱ_t)·ε`, and the target `ε` or `v = √ᾱ_t·ε − √(1−ᾱ_t)·x₀`
+//!    ([`NoiseSchedule`]);
+//! 4. the loss `L = (1/B) Σ_i w_i · mean_{c,h,w} (pred_i − target_i)²`, in f32.
+//!
+//! Min-SNR-γ weighting (Hang et al., arXiv 2303.09556, Section 3.4 and 4.2), as in diffusers'
+//! `examples/text_to_image/train_text_to_image.py` with `training_utils.compute_snr`:
+//! `w = min(SNR, γ)/SNR` for an ε target and `w = min(SNR, γ)/(SNR + 1)` for a v target, with
+//! `SNR(t) = ᾱ_t/(1 − ᾱ_t)`; without γ, `w = 1`. At a zero-terminal-SNR step (`SNR = 0`) the ε
+//! weight is its limit 1, where diffusers computes 0/0 = NaN (EveryDream2 clamps SNR to 1e-9,
+//! which gives the same 1).
+
+use candle_core::{DType, Device, Tensor};
+use rand::Rng;
+use rand_distr::StandardNormal;
+
+use super::noise_schedule::{NoiseSchedule, ScheduleError};
+use crate::model::family::PredictionType;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ObjectiveError {
+    #[error(
+        "timestep range [{start}, {end}) is empty or too wide: timestep_start must be below \
+         timestep_end, and timestep_end at most the model's num_train_timesteps ({n})"
+    )]
+    TimestepRange { start: u32, end: u32, n: usize },
+    #[error("zero_frequency_noise_ratio is {0}; it must be a finite number ≥ 0")]
+    NoiseRatio(f64),
+    #[error("min_snr_gamma is {0}; it must be a finite number > 0")]
+    SnrGamma(f64),
+    #[error("loss: prediction {pred:?} and target {target:?} differ in shape")]
+    Shape {
+        pred: Vec<usize>,
+        target: Vec<usize>,
+    },
+    #[error("loss: {weights} weights for a batch of {batch}")]
+    Weights { weights: usize, batch: usize },
+    #[error(transparent)]
+    Schedule(#[from] ScheduleError),
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+}
+
+/// Draws `batch` timesteps uniformly from `start..end` (`end ≤ num_train_timesteps`).
+pub fn sample_timesteps<R: Rng + ?Sized>(
+    rng: &mut R,
+    batch: usize,
+    start: u32,
+    end: u32,
+    num_train_timesteps: usize,
+) -> Result<Vec<u32>, ObjectiveError> {
+    check_timestep_range(start, end, num_train_timesteps)?;
+    Ok((0..batch).map(|_| rng.random_range(start..end)).collect())
+}
+
+fn check_timestep_range(start: u32, end: u32, n: usize) -> Result<(), ObjectiveError> {
+    if start >= end || end as usize > n {
+        return Err(ObjectiveError::TimestepRange { start, end, n });
+    }
+    Ok(())
+}
+
+/// Standard normal noise of shape `dims` = `[B, C, H, W]`, plus `ratio` times a `[B, C, 1, 1]`
+/// offset (EveryDream2's zero-frequency noise), drawn on the host and placed on `device` in
+/// `dtype`. Samples are drawn in row-major order, the offset after the main noise.
+pub fn sample_noise<R: Rng + ?Sized>(
+    rng: &mut R,
+    dims: (usize, usize, usize, usize),
+    zero_frequency_noise_ratio: f64,
+    dtype: DType,
+    device: &Device,
+) -> Result<Tensor, ObjectiveError> {
+    check_noise_ratio(zero_frequency_noise_ratio)?;
+    let (b, c, h, w) = dims;
+    let mut data: Vec<f32> = (0..b * c * h * w)
+        .map(|_| rng.sample::<f32, _>(StandardNormal))
+        .collect();
+    if zero_frequency_noise_ratio > 0.0 && h * w > 0 {
+        let ratio = zero_frequency_noise_ratio as f32;
+        for plane in data.chunks_mut(h * w) {
+            let offset = ratio * rng.sample::<f32, _>(StandardNormal);
+            plane.iter_mut().for_each(|x| *x += offset);
+        }
+    }
+    Ok(Tensor::from_vec(data, (b, c, h, w), device)?.to_dtype(dtype)?)
+}
+
+fn check_noise_ratio(r: f64) -> Result<(), ObjectiveError> {
+    if !r.is_finite() || r < 0.0 {
+        return Err(ObjectiveError::NoiseRatio(r));
+    }
+    Ok(())
+}
+
+/// Per-sample loss weights for min-SNR-γ (module header), one per timestep.
+pub fn min_snr_weights(
+    schedule: &NoiseSchedule,
+    timesteps: &[u32],
+    prediction_type: PredictionType,
+    gamma: f64,
+) -> Result<Vec<f64>, ObjectiveError> {
+    if !gamma.is_finite() || gamma <= 0.0 {
+        return Err(ObjectiveError::SnrGamma(gamma));
+    }
+    timesteps
+        .iter()
+        .map(|&t| {
+            let snr = schedule.snr(t)?;
+            Ok(match prediction_type {
+                PredictionType::Epsilon if snr == 0.0 => 1.0,
+                PredictionType::Epsilon => snr.min(gamma) / snr,
+                PredictionType::VPrediction => snr.min(gamma) / (snr + 1.0),
+            })
+        })
+        .collect()
+}
+
+/// `(1/B) Σ_i w_i · mean_{c,h,w} (pred_i − target_i)²` in f32 (`w_i = 1` without weights), a
+/// scalar that back-propagates into `pred`.
+pub fn mse_loss(
+    pred: &Tensor,
+    target: &Tensor,
+    weights: Option<&[f64]>,
+) -> Result<Tensor, ObjectiveError> {
+    if pred.dims() != target.dims() || pred.rank() == 0 {
+        return Err(ObjectiveError::Shape {
+            pred: pred.dims().to_vec(),
+            target: target.dims().to_vec(),
+        });
+    }
+    let sq = (pred.to_dtype(DType::F32)? - target.to_dtype(DType::F32)?)?.sqr()?;
+    let Some(weights) = weights else {
+        return Ok(sq.mean_all()?);
+    };
+    let batch = pred.dims()[0];
+    if weights.len() != batch {
+        return Err(ObjectiveError::Weights {
+            weights: weights.len(),
+            batch,
+        });
+    }
+    let per_sample = sq.flatten_from(1)?.mean(1)?;
+    let w: Vec<f32> = weights.iter().map(|&w| w as f32).collect();
+    let w = Tensor::from_vec(w, batch, pred.device())?;
+    Ok((per_sample * w)?.mean_all()?)
+}
+
+/// The objective's settings (train.json: timestep_start, timestep_end,
+/// zero_frequency_noise_ratio, min_snr_gamma).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ObjectiveConfig {
+    pub timestep_start: u32,
+    pub timestep_end: u32,
+    pub zero_frequency_noise_ratio: f64,
+    pub min_snr_gamma: Option<f64>,
+}
+
+impl ObjectiveConfig {
+    /// The whole schedule, no offset noise, no weighting.
+    pub fn plain(num_train_timesteps: usize) -> Self {
+        Self {
+            timestep_start: 0,
+            timestep_end: num_train_timesteps as u32,
+            zero_frequency_noise_ratio: 0.0,
+            min_snr_gamma: None,
+        }
+    }
+}
+
+/// One noised batch: the UNet input, its timesteps and what it should predict.
+#[derive(Debug, Clone)]
+pub struct NoisedBatch {
+    pub timesteps: Vec<u32>,
+    /// `x_t`, the UNet input, in x₀'s dtype.
+    pub noisy: Tensor,
+    /// ε or v, in x₀'s dtype.
+    pub target: Tensor,
+}
+
+impl NoisedBatch {
+    /// The timesteps as the UNet takes them: `[B]` f32.
+    pub fn timesteps_tensor(&self, device: &Device) -> Result<Tensor, ObjectiveError> {
+        let t: Vec<f32> = self.timesteps.iter().map(|&t| t as f32).collect();
+        Ok(Tensor::from_vec(t, self.timesteps.len(), device)?)
+    }
+}
+
+/// The objective for one model: its noise schedule, prediction type and settings.
+#[derive(Debug, Clone)]
+pub struct Objective {
+    schedule: NoiseSchedule,
+    prediction_type: PredictionType,
+    config: ObjectiveConfig,
+}
+
+impl Objective {
+    /// Validates `config` against the schedule. The prediction type is the schedule's.
+    pub fn new(schedule: NoiseSchedule, config: ObjectiveConfig) -> Result<Self, ObjectiveError> {
+        check_timestep_range(
+            config.timestep_start,
+            config.timestep_end,
+            schedule.num_train_timesteps(),
+        )?;
+        check_noise_ratio(config.zero_frequency_noise_ratio)?;
+        if let Some(g) = config.min_snr_gamma {
+            if !g.is_finite() || g <= 0.0 {
+                return Err(ObjectiveError::SnrGamma(g));
+            }
+        }
+        Ok(Self {
+            prediction_type: schedule.prediction_type(),
+            schedule,
+            config,
+        })
+    }
+
+    pub fn schedule(&self) -> &NoiseSchedule {
+        &self.schedule
+    }
+
+    pub fn prediction_type(&self) -> PredictionType {
+        self.prediction_type
+    }
+
+    pub fn config(&self) -> &ObjectiveConfig {
+        &self.config
+    }
+
+    /// Draws noise (then timesteps) for the latents `x0` `[B, C, H, W]` and noises them.
+    pub fn noise_batch<R: Rng + ?Sized>(
+        &self,
+        rng: &mut R,
+        x0: &Tensor,
+    ) -> Result<NoisedBatch, ObjectiveError> {
+        let dims = x0.dims4()?;
+        let noise = sample_noise(
+            rng,
+            dims,
+            self.config.zero_frequency_noise_ratio,
+            x0.dtype(),
+            x0.device(),
+        )?;
+        let timesteps = sample_timesteps(
+            rng,
+            dims.0,
+            self.config.timestep_start,
+            self.config.timestep_end,
+            self.schedule.num_train_timesteps(),
+        )?;
+        self.noise_with(x0, &noise, timesteps)
+    }
+
+    /// Noises `x0` with the given noise and timesteps (no randomness).
+    pub fn noise_with(
+        &self,
+        x0: &Tensor,
+        noise: &Tensor,
+        timesteps: Vec<u32>,
+    ) -> Result<NoisedBatch, ObjectiveError> {
+        let noisy = self.schedule.add_noise(x0, noise, &timesteps)?;
+        let target = self
+            .schedule
+            .target(self.prediction_type, x0, noise, &timesteps)?;
+        Ok(NoisedBatch {
+            timesteps,
+            noisy,
+            target,
+        })
+    }
+
+    /// The (min-SNR weighted when configured) MSE of the UNet output `pred` for `batch`.
+    pub fn loss(&self, pred: &Tensor, batch: &NoisedBatch) -> Result<Tensor, ObjectiveError> {
+        let weights = match self.config.min_snr_gamma {
+            Some(gamma) => Some(min_snr_weights(
+                &self.schedule,
+                &batch.timesteps,
+                self.prediction_type,
+                gamma,
+            )?),
+            None => None,
+        };
+        mse_loss(pred, &batch.target, weights.as_deref())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{rngs::StdRng, SeedableRng};
+
+    fn sd_schedule(p: PredictionType) -> NoiseSchedule {
+        let betas: Vec<f64> = (0..1000)
+            .map(|i| {
+                let s =
+                    0.00085f64.sqrt() + (0.012f64.sqrt() - 0.00085f64.sqrt()) * i as f64 / 999.0;
+                s * s
+            })
+            .collect();
+        NoiseSchedule::from_betas(&betas, p)
+    }
+
+    #[test]
+    fn timesteps_are_seeded_and_in_range() {
+        let mut a = StdRng::seed_from_u64(7);
+        let mut b = StdRng::seed_from_u64(7);
+        let ta = sample_timesteps(&mut a, 4096, 100, 300, 1000).unwrap();
+        let tb = sample_timesteps(&mut b, 4096, 100, 300, 1000).unwrap();
+        assert_eq!(ta, tb);
+        assert!(ta.iter().all(|&t| (100..300).contains(&t)));
+        assert!(ta.contains(&100) && ta.contains(&299));
+        assert!(sample_timesteps(&mut a, 1, 0, 1001, 1000).is_err());
+        assert!(sample_timesteps(&mut a, 1, 5, 5, 1000).is_err());
+    }
+
+    #[test]
+    fn noise_is_seeded_standard_normal() {
+        let dev = Device::Cpu;
+        let mut a = StdRng::seed_from_u64(1);
+        let mut b = StdRng::seed_from_u64(1);
+        let na = sample_noise(&mut a, (4, 4, 32, 32), 0.0, DType::F32, &dev).unwrap();
+        let nb = sample_noise(&mut b, (4, 4, 32, 32), 0.0, DType::F32, &dev).unwrap();
+        let va = na.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(va, nb.flatten_all().unwrap().to_vec1::<f32>().unwrap());
+        let n = va.len() as f64;
+        let mean = va.iter().map(|&x| x as f64).sum::<f64>() / n;
+        let var = va.iter().map(|&x| (x as f64 - mean).powi(2)).sum::<f64>() / n;
+        assert!(
+            mean.abs() < 0.05 && (var - 1.0).abs() < 0.05,
+            "{mean} {var}"
+        );
+    }
+
+    #[test]
+    fn zero_frequency_noise_shifts_each_channel_by_a_constant() {
+        let dev = Device::Cpu;
+        let mut a = StdRng::seed_from_u64(3);
+        let mut b = StdRng::seed_from_u64(3);
+        let plain = sample_noise(&mut a, (2, 3, 4, 4), 0.0, DType::F32, &dev).unwrap();
+        let offset = sample_noise(&mut b, (2, 3, 4, 4), 0.5, DType::F32, &dev).unwrap();
+        let d = (offset - plain).unwrap().flatten_from(2).unwrap();
+        let d = d.to_vec3::<f32>().unwrap();
+        for sample in &d {
+            for plane in sample {
+                assert!(plane.iter().all(|&x| (x - plane[0]).abs() < 1e-6));
+                assert!(plane[0] != 0.0);
+            }
+        }
+        assert!(sample_noise(&mut a, (1, 1, 1, 1), -0.1, DType::F32, &dev).is_err());
+    }
+
+    #[test]
+    fn min_snr_weights_by_target() {
+        let s = sd_schedule(PredictionType::Epsilon);
+        let ts = [0u32, 500, 999];
+        let eps = min_snr_weights(&s, &ts, PredictionType::Epsilon, 5.0).unwrap();
+        let v = min_snr_weights(&s, &ts, PredictionType::VPrediction, 5.0).unwrap();
+        for (i, &t) in ts.iter().enumerate() {
+            let snr = s.snr(t).unwrap();
+            assert!((eps[i] - snr.min(5.0) / snr).abs() < 1e-12);
+            assert!((v[i] - snr.min(5.0) / (snr + 1.0)).abs() < 1e-12);
+        }
+        // t = 0 has SNR ≈ 1175: the weight is γ/SNR; at t = 999 SNR < γ: ε weight is 1.
+        assert!(eps[0] < 0.01 && eps[2] == 1.0);
+        assert!(min_snr_weights(&s, &ts, PredictionType::Epsilon, 0.0).is_err());
+    }
+
+    #[test]
+    fn zero_terminal_snr_weights_are_finite() {
+        let s = NoiseSchedule::from_betas(&[0.1, 1.0], PredictionType::Epsilon);
+        assert_eq!(s.snr(1).unwrap(), 0.0);
+        let eps = min_snr_weights(&s, &[1], PredictionType::Epsilon, 5.0).unwrap();
+        let v = min_snr_weights(&s, &[1], PredictionType::VPrediction, 5.0).unwrap();
+        assert_eq!((eps[0], v[0]), (1.0, 0.0));
+    }
+
+    #[test]
+    fn loss_is_weighted_mean_of_per_sample_mse() {
+        let dev = Device::Cpu;
+        let pred = Tensor::new(&[[1f32, 1.0], [0.0, 2.0]], &dev).unwrap();
+        let target = Tensor::zeros((2, 2), DType::F32, &dev).unwrap();
+        let plain = mse_loss(&pred, &target, None)
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        assert_eq!(plain, 1.5);
+        let w = mse_loss(&pred, &target, Some(&[2.0, 0.5]))
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        assert_eq!(w, (2.0 * 1.0 + 0.5 * 2.0) / 2.0);
+        let bf = pred.to_dtype(DType::BF16).unwrap();
+        assert_eq!(mse_loss(&bf, &target, None).unwrap().dtype(), DType::F32);
+        assert!(mse_loss(&pred, &target, Some(&[1.0])).is_err());
+        assert!(mse_loss(&pred, &target.reshape(4).unwrap(), None).is_err());
+    }
+
+    #[test]
+    fn objective_validates_and_runs() {
+        let s = sd_schedule(PredictionType::VPrediction);
+        let bad = ObjectiveConfig {
+            timestep_end: 1001,
+            ..ObjectiveConfig::plain(1000)
+        };
+        assert!(Objective::new(s.clone(), bad).is_err());
+        let cfg = ObjectiveConfig {
+            min_snr_gamma: Some(5.0),
+            zero_frequency_noise_ratio: 0.1,
+            ..ObjectiveConfig::plain(1000)
+        };
+        let obj = Objective::new(s, cfg).unwrap();
+        let x0 = Tensor::ones((2, 4, 8, 8), DType::F32, &Device::Cpu).unwrap();
+        let mut rng = StdRng::seed_from_u64(0);
+        let batch = obj.noise_batch(&mut rng, &x0).unwrap();
+        assert_eq!(batch.noisy.dims(), x0.dims());
+        assert_eq!(batch.timesteps_tensor(&Device::Cpu).unwrap().dims(), [2]);
+        let loss = obj.loss(&batch.noisy, &batch).unwrap();
+        assert!(loss.to_scalar::<f32>().unwrap().is_finite());
+    }
+}

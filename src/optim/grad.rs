@@ -1,0 +1,162 @@
+//! Gradient norms: the global L2 norm the trainer logs, optional max-norm clipping, and the
+//! non-finite check the optimizers run before touching anything.
+//!
+//! `‖g‖ = sqrt(Σ_params Σ_i g_i²)`, with each parameter's sum of squares in f32 on its device and
+//! the sum over parameters in f64 on the host. Clipping follows torch's `clip_grad_norm_`:
+//! `g *= max_norm / (‖g‖ + 1e-6)` when that factor is below 1.
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, Tensor, Var};
+
+use super::Result;
+
+/// Per-gradient sums of squares and the global norm.
+#[derive(Debug, Clone)]
+pub(crate) struct GradSummary {
+    /// Global L2 norm (non-finite if any gradient is non-finite or the sum overflowed).
+    pub norm: f32,
+    /// Indices (into the input slice) of gradients holding NaN or ±inf.
+    pub nonfinite: Vec<usize>,
+}
+
+/// Summarises `grads` with a single device→host copy in the common case.
+///
+/// Why two passes in the rare case: an f32 sum of squares is also non-finite when finite values
+/// overflow it (|g| ≳ 1e19), so a non-finite sum is re-checked exactly with `Σ (g - g)`, which is
+/// 0 for finite values and NaN otherwise. torch would step on huge-but-finite gradients, so we do
+/// too.
+pub(crate) fn summarize(grads: &[&Tensor]) -> candle_core::Result<GradSummary> {
+    let sums = grads
+        .iter()
+        .map(|g| g.to_dtype(DType::F32)?.sqr()?.sum_all())
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    let sums = fetch_scalars(&sums)?;
+    let total: f64 = sums.iter().map(|&s| f64::from(s)).sum();
+    let mut nonfinite = Vec::new();
+    for (i, s) in sums.iter().enumerate() {
+        if !s.is_finite() {
+            let g = grads[i].to_dtype(DType::F32)?;
+            let probe = g.sub(&g)?.sum_all()?.to_scalar::<f32>()?;
+            if !probe.is_finite() {
+                nonfinite.push(i);
+            }
+        }
+    }
+    Ok(GradSummary {
+        norm: total.sqrt() as f32,
+        nonfinite,
+    })
+}
+
+/// Copies 0-d f32 tensors to the host; one copy (one GPU→CPU sync point) when they share a
+/// device.
+fn fetch_scalars(scalars: &[Tensor]) -> candle_core::Result<Vec<f32>> {
+    let Some(first) = scalars.first() else {
+        return Ok(Vec::new());
+    };
+    let dev = first.device();
+    if scalars.iter().all(|s| s.device().same_device(dev)) {
+        Tensor::stack(scalars, 0)?.to_vec1::<f32>()
+    } else {
+        scalars
+            .iter()
+            .map(|s| s.to_device(&Device::Cpu)?.to_scalar::<f32>())
+            .collect()
+    }
+}
+
+/// Global L2 norm, in f32, over the gradients of `vars` found in `grads` (vars without a gradient
+/// contribute nothing). Non-finite if any gradient is.
+pub fn grad_norm<'a>(vars: impl IntoIterator<Item = &'a Var>, grads: &GradStore) -> Result<f32> {
+    let present: Vec<&Tensor> = vars.into_iter().filter_map(|v| grads.get(v)).collect();
+    Ok(summarize(&present)?.norm)
+}
+
+/// Scales the gradients of `vars` in place so their global norm is at most `max_norm`, as torch's
+/// `clip_grad_norm_`, and returns the norm before clipping. A non-finite norm leaves the
+/// gradients unchanged (torch would turn them all into NaN); the optimizer step then skips.
+pub fn clip_grad_norm<'a>(
+    vars: impl IntoIterator<Item = &'a Var>,
+    grads: &mut GradStore,
+    max_norm: f64,
+) -> Result<f32> {
+    let vars: Vec<&Var> = vars.into_iter().collect();
+    let present: Vec<&Tensor> = vars.iter().filter_map(|v| grads.get(v)).collect();
+    let norm = summarize(&present)?.norm;
+    if !norm.is_finite() {
+        return Ok(norm);
+    }
+    let coef = max_norm / (f64::from(norm) + 1e-6);
+    if coef < 1.0 {
+        for v in vars {
+            if let Some(g) = grads.get(v) {
+                let scaled = g.affine(coef, 0.0)?;
+                grads.insert(v, scaled);
+            }
+        }
+    }
+    Ok(norm)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn store(pairs: &[(&Var, &[f32])]) -> GradStore {
+        let mut s = GradStore::default();
+        for (v, g) in pairs {
+            let t = Tensor::from_slice(g, v.shape(), &Device::Cpu).unwrap();
+            s.insert(v, t);
+        }
+        s
+    }
+
+    #[test]
+    fn norm_is_global_l2_over_present_grads() {
+        let a = Var::zeros(2, DType::F32, &Device::Cpu).unwrap();
+        let b = Var::zeros(1, DType::F32, &Device::Cpu).unwrap();
+        let c = Var::zeros(1, DType::F32, &Device::Cpu).unwrap();
+        let g = store(&[(&a, &[3.0, 0.0]), (&b, &[4.0])]);
+        let n = grad_norm([&a, &b, &c], &g).unwrap();
+        assert_eq!(n, 5.0);
+        assert_eq!(grad_norm([&c], &g).unwrap(), 0.0);
+    }
+
+    #[test]
+    fn norm_of_bf16_grads_is_computed_in_f32() {
+        let a = Var::zeros(3, DType::BF16, &Device::Cpu).unwrap();
+        let mut g = GradStore::default();
+        let t = Tensor::new(&[300.0f32, 300.0, 300.0], &Device::Cpu)
+            .unwrap()
+            .to_dtype(DType::BF16)
+            .unwrap();
+        g.insert(&a, t);
+        let n = grad_norm([&a], &g).unwrap();
+        assert!((n - 300.0 * 3f32.sqrt()).abs() < 1e-3, "{n}");
+    }
+
+    #[test]
+    fn huge_finite_grads_are_not_flagged_nonfinite() {
+        let big = Tensor::new(&[1e30f32, -1e30], &Device::Cpu).unwrap();
+        let nan = Tensor::new(&[1.0f32, f32::NAN], &Device::Cpu).unwrap();
+        let inf = Tensor::new(&[f32::INFINITY, 1.0], &Device::Cpu).unwrap();
+        let s = summarize(&[&big, &nan, &inf]).unwrap();
+        assert_eq!(s.nonfinite, vec![1, 2]);
+        let s = summarize(&[&big]).unwrap();
+        assert!(s.nonfinite.is_empty());
+        assert!(!s.norm.is_finite());
+    }
+
+    #[test]
+    fn clip_scales_only_above_max_norm() {
+        let a = Var::zeros(2, DType::F32, &Device::Cpu).unwrap();
+        let mut g = store(&[(&a, &[3.0, 4.0])]);
+        let n = clip_grad_norm([&a], &mut g, 10.0).unwrap();
+        assert_eq!(n, 5.0);
+        assert_eq!(g.get(&a).unwrap().to_vec1::<f32>().unwrap(), vec![3.0, 4.0]);
+        let n = clip_grad_norm([&a], &mut g, 1.0).unwrap();
+        assert_eq!(n, 5.0);
+        let after = grad_norm([&a], &g).unwrap();
+        assert!((after - 1.0).abs() < 1e-5, "{after}");
+    }
+}

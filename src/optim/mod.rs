@@ -1,0 +1,117 @@
+//! Optimizers and learning-rate schedules.
+//!
+//! - [`Optimizer`]: the narrow trait every optimizer implements. It mirrors candle-nn's
+//!   `Optimizer` (`step(&GradStore)`, `learning_rate`, `set_learning_rate`) and adds state
+//!   save/load. Constructors are inherent (`AdamW::new`) rather than a trait method, so the trait
+//!   stays object-safe and the trainer can hold a `Box<dyn Optimizer>` chosen from optimizer.json.
+//! - [`AdamW`]: torch.optim.AdamW semantics, decoupled weight decay (Loshchilov & Hutter,
+//!   arXiv 1711.05101), f32 moments whatever the parameter dtype.
+//! - [`LrSchedule`]: constant/linear/cosine/polynomial with warmup, a pure function of the step,
+//!   matching diffusers' `get_scheduler`.
+//! - [`grad_norm`] / [`clip_grad_norm`]: global L2 norm of the gradients, as the trainer logs it.
+//! - [`state`]: the atomic safetensors file the optimizer state is saved to.
+
+pub mod adamw;
+pub mod grad;
+pub mod schedule;
+pub mod state;
+
+use std::path::{Path, PathBuf};
+
+use candle_core::backprop::GradStore;
+
+pub use adamw::{AdamW, AdamWParams, ParamState};
+pub use grad::{clip_grad_norm, grad_norm};
+pub use schedule::{LrSchedule, ScheduleError, ScheduleKind};
+
+/// Errors from the optimizers and their state files.
+#[derive(Debug, thiserror::Error)]
+pub enum OptimError {
+    #[error("invalid optimizer hyper-parameter {field} = {value}: {allowed}")]
+    InvalidParam {
+        field: &'static str,
+        value: f64,
+        allowed: &'static str,
+    },
+    #[error("parameter name `{0}` appears twice in the optimizer's parameter list")]
+    DuplicateParam(String),
+    #[error("gradient for {name} has shape {grad_shape:?}, the parameter has {param_shape:?}")]
+    GradShape {
+        name: String,
+        grad_shape: Vec<usize>,
+        param_shape: Vec<usize>,
+    },
+    #[error("optimizer step for {name}: {source}")]
+    Tensor {
+        name: String,
+        source: Box<candle_core::Error>,
+    },
+    #[error("{0}")]
+    Candle(#[from] candle_core::Error),
+    #[error("optimizer state {}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("optimizer state {}: not a valid safetensors file: {msg}", path.display())]
+    Format { path: PathBuf, msg: String },
+    #[error("optimizer state {}: written by optimizer `{found}`, this run uses `{want}`", path.display())]
+    WrongOptimizer {
+        path: PathBuf,
+        found: String,
+        want: &'static str,
+    },
+    #[error("optimizer state {}: shape mismatch for {name}: file has {file_shape:?}, model wants {param_shape:?}", path.display())]
+    StateShape {
+        path: PathBuf,
+        name: String,
+        file_shape: Vec<usize>,
+        param_shape: Vec<usize>,
+    },
+    #[error("optimizer state {}: {name} is stored as {dtype}, expected f32", path.display())]
+    StateDType {
+        path: PathBuf,
+        name: String,
+        dtype: String,
+    },
+    #[error("optimizer state {}: no state for {} parameter(s): {}", path.display(), names.len(), names.join(", "))]
+    MissingState { path: PathBuf, names: Vec<String> },
+    #[error("optimizer state {}: state for {} unknown parameter(s): {}", path.display(), names.len(), names.join(", "))]
+    UnknownState { path: PathBuf, names: Vec<String> },
+}
+
+pub type Result<T> = std::result::Result<T, OptimError>;
+
+/// What one call to [`Optimizer::step`] did.
+///
+/// A non-finite gradient is reported here as a flag, not as an `Err`: it is an expected training
+/// event (the loop skips the step, says so, and goes on), whereas `Err` means something is broken.
+/// When `skipped_nonfinite` is true nothing was changed: no parameter, moment or step count.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct StepStats {
+    /// True when some gradient held NaN or ±inf and the whole step was skipped.
+    pub skipped_nonfinite: bool,
+    /// The parameters whose gradients were non-finite (empty unless skipped).
+    pub nonfinite_params: Vec<String>,
+    /// Global L2 norm over every gradient the step saw, computed in f32 (non-finite when skipped).
+    pub grad_norm: f32,
+    /// Parameters updated (those with a gradient in the store).
+    pub updated: usize,
+    /// Parameters without a gradient in the store, left untouched as torch does.
+    pub no_grad: usize,
+}
+
+/// The optimizer interface, mirroring candle-nn's `Optimizer` plus state persistence.
+pub trait Optimizer {
+    /// Applies one update from `grads`. Parameters missing from the store are skipped.
+    fn step(&mut self, grads: &GradStore) -> Result<StepStats>;
+    /// The learning rate the next step will use.
+    fn learning_rate(&self) -> f64;
+    /// Sets the learning rate, e.g. from [`LrSchedule::lr_at`] before each step.
+    fn set_learning_rate(&mut self, lr: f64);
+    /// Writes moments, per-parameter step counts and hyper-parameters atomically to `path`.
+    fn save_state(&self, path: &Path) -> Result<()>;
+    /// Replaces the state with the one in `path`. Fails, changing nothing, unless every parameter
+    /// has state of the right shape and the file holds no state for unknown parameters.
+    fn load_state(&mut self, path: &Path) -> Result<()>;
+}

@@ -1,0 +1,49 @@
+//! The run's JSON-lines log (`train_log.jsonl`): one object per logged optimizer step with step,
+//! epoch, loss, lr, grad norm and wall time. Each line is flushed as written, so a killed run
+//! keeps its log.
+
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+
+use serde::Serialize;
+
+#[derive(Debug, Clone, Serialize)]
+pub struct LogRecord {
+    pub step: usize,
+    pub epoch: usize,
+    pub loss: f64,
+    pub lr_unet: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lr_text_encoder: Option<f64>,
+    pub grad_norm: f64,
+    pub images: usize,
+    pub time_s: f64,
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub skipped_nonfinite: bool,
+}
+
+pub struct JsonlLog {
+    path: PathBuf,
+    out: BufWriter<File>,
+}
+
+impl JsonlLog {
+    pub fn create(path: &Path) -> std::io::Result<Self> {
+        let file = File::create(path)?;
+        Ok(Self {
+            path: path.to_path_buf(),
+            out: BufWriter::new(file),
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn write(&mut self, record: &LogRecord) -> std::io::Result<()> {
+        serde_json::to_writer(&mut self.out, record)?;
+        self.out.write_all(b"\n")?;
+        self.out.flush()
+    }
+}

@@ -1,0 +1,13 @@
+//! The training loop, checkpoints and outputs.
+
+pub mod interrupt;
+pub mod log;
+pub mod loss_stats;
+pub mod progress;
+pub mod run_dir;
+pub mod step;
+pub mod summary;
+pub mod te_freeze;
+pub mod trainer;
+
+pub use trainer::{train, RunOptions, TrainOutcome};

@@ -1,0 +1,56 @@
+//! The one-screen summary printed at the end of a run.
+
+use std::fmt;
+
+use super::trainer::TrainOutcome;
+
+pub struct Summary<'a>(pub &'a TrainOutcome);
+
+impl fmt::Display for Summary<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let o = self.0;
+        let status = if o.interrupted {
+            "interrupted (Ctrl-C), saved"
+        } else {
+            "finished"
+        };
+        writeln!(f, "== sdtrain run {status}")?;
+        writeln!(f, "run folder      {}", o.run_dir.display())?;
+        writeln!(
+            f,
+            "steps           {} ({} epochs completed)",
+            o.steps, o.epochs_completed
+        )?;
+        writeln!(f, "images seen     {}", o.images_seen)?;
+        writeln!(
+            f,
+            "wall time       {:.1} s ({:.2} images/s)",
+            o.wall_secs,
+            o.images_seen as f64 / o.wall_secs.max(1e-9)
+        )?;
+        if let Some((first, last)) = o.first_last_loss() {
+            writeln!(
+                f,
+                "loss            first 20% of steps {first:.4}, last 20% {last:.4}"
+            )?;
+        }
+        if o.skipped_steps > 0 {
+            writeln!(
+                f,
+                "skipped steps   {} (non-finite loss or gradient)",
+                o.skipped_steps
+            )?;
+        }
+        if o.skipped_images > 0 {
+            writeln!(
+                f,
+                "skipped images  {} (unreadable; listed above)",
+                o.skipped_images
+            )?;
+        }
+        for dir in &o.saved {
+            writeln!(f, "saved           {}", dir.display())?;
+        }
+        Ok(())
+    }
+}

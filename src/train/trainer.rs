@@ -1,0 +1,425 @@
+//! The training loop: load the model and data from a [`TrainPlan`], then run optimizer steps of
+//! `batch_size × grad_accum` samples through epochs, logging, saving diffusers folders every
+//! `save_every_n_epochs` and at the end, and saving then stopping cleanly on Ctrl-C.
+//!
+//! A step is an optimizer step; `max_steps`, the LR schedule and `log_step` count these.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{bail, Context};
+use candle_core::{DType, Device, Var};
+use rand::{rngs::StdRng, SeedableRng};
+
+use super::interrupt::Interrupt;
+use super::log::{JsonlLog, LogRecord};
+use super::loss_stats::{first_last_means, Smoothed};
+use super::progress::Progress;
+use super::run_dir::RunDir;
+use super::step::{accumulate, micro_batch, StepSettings};
+use super::te_freeze::text_encoder_param_trains;
+use crate::config::TrainPlan;
+use crate::config::{ParamGroupPlan, ScheduleKind as PlanScheduleKind};
+use crate::data::{load_data_root, LoadedDataset};
+use crate::diffusion::{NoiseSchedule, Objective, ObjectiveConfig};
+use crate::model::family::ModelLayout;
+use crate::model::files::Component;
+use crate::model::pipeline::{LoadOptions, StableDiffusion};
+use crate::model::source::ModelSource;
+use crate::optim::{grad_norm, AdamW, AdamWParams, LrSchedule, Optimizer, ScheduleKind};
+
+/// How to run, beyond the plan.
+#[derive(Debug, Clone)]
+pub struct RunOptions {
+    pub device: Device,
+    pub show_progress: bool,
+}
+
+/// What a finished (or interrupted) run did.
+#[derive(Debug, Clone)]
+pub struct TrainOutcome {
+    pub run_dir: PathBuf,
+    pub steps: usize,
+    pub epochs_completed: usize,
+    pub images_seen: usize,
+    pub losses: Vec<f64>,
+    pub skipped_steps: usize,
+    pub skipped_images: usize,
+    pub saved: Vec<PathBuf>,
+    pub interrupted: bool,
+    pub wall_secs: f64,
+}
+
+impl TrainOutcome {
+    /// Mean loss of the first and last 20% of steps.
+    pub fn first_last_loss(&self) -> Option<(f64, f64)> {
+        first_last_means(&self.losses, 0.2)
+    }
+}
+
+/// One optimizer over one parameter group, with its schedule.
+struct Group {
+    name: &'static str,
+    optimizer: AdamW,
+    schedule: LrSchedule,
+    base_lr: f64,
+}
+
+impl Group {
+    fn new(
+        name: &'static str,
+        params: Vec<(String, Var)>,
+        plan: &ParamGroupPlan,
+        total_steps: u64,
+    ) -> anyhow::Result<Self> {
+        let resolved = plan.schedule.resolve(total_steps);
+        let schedule = LrSchedule {
+            kind: match resolved.kind {
+                PlanScheduleKind::Constant => ScheduleKind::Constant,
+                PlanScheduleKind::Linear => ScheduleKind::Linear,
+                PlanScheduleKind::Cosine => ScheduleKind::Cosine,
+                PlanScheduleKind::Polynomial => ScheduleKind::Polynomial,
+            },
+            warmup_steps: resolved.warmup_steps as usize,
+            decay_steps: resolved.decay_steps as usize,
+        };
+        schedule
+            .validate(plan.lr)
+            .with_context(|| format!("{name} lr schedule"))?;
+        let hyper = AdamWParams {
+            lr: plan.lr,
+            beta1: plan.betas.0,
+            beta2: plan.betas.1,
+            eps: plan.epsilon,
+            weight_decay: plan.weight_decay,
+        };
+        let optimizer = AdamW::new(params, hyper).with_context(|| format!("{name} optimizer"))?;
+        Ok(Self {
+            name,
+            optimizer,
+            schedule,
+            base_lr: plan.lr,
+        })
+    }
+
+    fn set_lr_for_step(&mut self, step: usize) -> f64 {
+        let lr = self.schedule.lr_at(self.base_lr, step);
+        self.optimizer.set_learning_rate(lr);
+        lr
+    }
+}
+
+/// Runs the whole training described by `plan`.
+pub fn train(plan: &TrainPlan, opts: &RunOptions) -> anyhow::Result<TrainOutcome> {
+    let started = Instant::now();
+    let interrupt = Interrupt::install();
+    let source =
+        ModelSource::parse(&plan.model).with_context(|| format!("model `{}`", plan.model))?;
+    let dir = source
+        .resolve()
+        .with_context(|| format!("model `{}`", plan.model))?;
+    let layout = ModelLayout::read(&dir.path, None)?;
+    eprintln!(
+        "model: {} ({}, {} prediction, native {}px)",
+        plan.model,
+        layout.family.name(),
+        layout.prediction_type.name(),
+        layout.native_resolution
+    );
+    let load = LoadOptions {
+        dtype: DType::F32,
+        device: opts.device.clone(),
+        train_unet: true,
+        train_text_encoders: plan.train_text_encoder,
+    };
+    let sd = StableDiffusion::load(layout.clone(), &load)?;
+    let resolution = plan.data.resolution.unwrap_or(layout.native_resolution);
+    check_resolution(&sd, resolution)?;
+
+    let dataset = load_data_root(&plan.data.data_root, resolution, opts.show_progress)?;
+    report_dataset(&dataset);
+    let schedule = NoiseSchedule::from_file(&layout.scheduler_config)?;
+    let objective = Objective::new(
+        schedule,
+        ObjectiveConfig {
+            timestep_start: plan.objective.timestep_start as u32,
+            timestep_end: plan.objective.timestep_end as u32,
+            zero_frequency_noise_ratio: plan.objective.zero_frequency_noise_ratio,
+            min_snr_gamma: plan.objective.min_snr_gamma,
+        },
+    )?;
+
+    let micro_per_epoch = dataset.epoch_len() / plan.batch_size;
+    if micro_per_epoch == 0 {
+        bail!(
+            "data_root {} has {} usable samples per epoch, fewer than batch_size {}",
+            plan.data.data_root.display(),
+            dataset.epoch_len(),
+            plan.batch_size
+        );
+    }
+    let steps_per_epoch = micro_per_epoch.div_ceil(plan.grad_accum);
+    let total_steps = plan.total_steps(steps_per_epoch as u64);
+    let total_steps = usize::try_from(total_steps).unwrap_or(usize::MAX);
+
+    let mut groups = vec![Group::new(
+        "unet",
+        sd.unet_weights.params(),
+        &plan.optimizer.unet,
+        total_steps as u64,
+    )?];
+    let te_params = trainable_text_encoder_params(&sd, plan);
+    if !te_params.is_empty() {
+        groups.push(Group::new(
+            "text_encoder",
+            te_params,
+            &plan.optimizer.text_encoder,
+            total_steps as u64,
+        )?);
+    }
+    let all_vars: Vec<Var> = groups
+        .iter()
+        .flat_map(|g| g.optimizer.vars().cloned())
+        .collect();
+    let var_refs: Vec<&Var> = all_vars.iter().collect();
+
+    let run = RunDir::create(&plan.output_dir, &plan.project_name)?;
+    write_plan(plan, &run, resolution, steps_per_epoch, total_steps)?;
+    let log_dir = plan.log_folder(&run.path);
+    std::fs::create_dir_all(&log_dir)
+        .with_context(|| format!("cannot create {}", log_dir.display()))?;
+    let mut log = JsonlLog::create(&log_dir.join("train_log.jsonl"))?;
+    eprintln!(
+        "run folder: {}\n{} samples/epoch, {} steps/epoch of {}×{}, {} steps in all",
+        run.path.display(),
+        dataset.epoch_len(),
+        steps_per_epoch,
+        plan.batch_size,
+        plan.grad_accum,
+        total_steps
+    );
+
+    let settings = StepSettings {
+        objective: &objective,
+        flip_p: plan.data.flip_p,
+        cond_dropout: plan.data.cond_dropout,
+        shuffle_tags: plan.data.shuffle_tags,
+        clip_skip_layers: plan.objective.clip_skip_layers,
+        train_text_encoder: groups.len() > 1,
+    };
+    let mut rng = StdRng::seed_from_u64(plan.seed);
+    let progress = Progress::new(total_steps, opts.show_progress);
+    let mut smoothed = Smoothed::new(0.9);
+    let mut out = TrainOutcome {
+        run_dir: run.path.clone(),
+        steps: 0,
+        epochs_completed: 0,
+        images_seen: 0,
+        losses: Vec::new(),
+        skipped_steps: 0,
+        skipped_images: dataset.skipped.len(),
+        saved: Vec::new(),
+        interrupted: false,
+        wall_secs: 0.0,
+    };
+    let max_epochs = plan.max_epochs.map_or(usize::MAX, |e| e as usize);
+    'epochs: for epoch in 0..max_epochs {
+        let order = dataset.epoch_indices(plan.seed, epoch);
+        let micro: Vec<&[usize]> = order.chunks_exact(plan.batch_size).collect();
+        for group_batches in micro.chunks(plan.grad_accum) {
+            if out.steps >= total_steps {
+                break 'epochs;
+            }
+            let accum = group_batches.len();
+            let mut acc = None;
+            let mut loss_sum = 0.0;
+            for ids in group_batches {
+                let images: Vec<_> = ids.iter().map(|&i| &dataset.items[i]).collect();
+                let (loss, grads) = micro_batch(&sd, &images, &settings, accum, &mut rng)?;
+                loss_sum += f64::from(loss);
+                match acc.as_mut() {
+                    None => acc = Some(grads),
+                    Some(a) => accumulate(a, &grads, &var_refs)?,
+                }
+                out.images_seen += images.len();
+            }
+            let Some(grads) = acc else { continue };
+            let loss = loss_sum / accum as f64;
+            let norm = f64::from(grad_norm(var_refs.iter().copied(), &grads)?);
+            let lrs: Vec<f64> = groups
+                .iter_mut()
+                .map(|g| g.set_lr_for_step(out.steps))
+                .collect();
+            let finite = norm.is_finite() && loss.is_finite();
+            if finite {
+                for g in groups.iter_mut() {
+                    g.optimizer
+                        .step(&grads)
+                        .with_context(|| format!("{} optimizer step", g.name))?;
+                }
+            } else {
+                out.skipped_steps += 1;
+                progress.println(format!(
+                    "step {}: non-finite loss or gradient, step skipped",
+                    out.steps + 1
+                ));
+            }
+            out.steps += 1;
+            out.losses.push(loss);
+            smoothed.push(loss);
+            progress.update(
+                out.steps,
+                epoch + 1,
+                smoothed.get(),
+                lrs[0],
+                out.images_seen,
+            );
+            if out.steps.is_multiple_of(plan.log_step as usize)
+                || out.steps == 1
+                || out.steps == total_steps
+            {
+                log.write(&LogRecord {
+                    step: out.steps,
+                    epoch: epoch + 1,
+                    loss,
+                    lr_unet: lrs[0],
+                    lr_text_encoder: lrs.get(1).copied(),
+                    grad_norm: norm,
+                    images: out.images_seen,
+                    time_s: started.elapsed().as_secs_f64(),
+                    skipped_nonfinite: !finite,
+                })?;
+            }
+            if interrupt.requested() {
+                out.interrupted = true;
+                let dir = run.interrupted_dir(out.steps);
+                save(&sd, &layout, &groups, plan, &dir, &progress)?;
+                out.saved.push(dir);
+                break 'epochs;
+            }
+        }
+        out.epochs_completed = epoch + 1;
+        let last = out.steps >= total_steps || epoch + 1 == max_epochs;
+        if let Some(every) = plan.save_every_n_epochs {
+            if !last && (epoch + 1).is_multiple_of(every as usize) {
+                let dir = run.epoch_dir(epoch + 1);
+                save(&sd, &layout, &groups, plan, &dir, &progress)?;
+                out.saved.push(dir);
+            }
+        }
+        if last {
+            break;
+        }
+    }
+    if !out.interrupted {
+        let dir = run.final_dir();
+        save(&sd, &layout, &groups, plan, &dir, &progress)?;
+        out.saved.push(dir);
+    }
+    progress.finish();
+    out.wall_secs = started.elapsed().as_secs_f64();
+    Ok(out)
+}
+
+/// The trainable text-encoder parameters: all of them unless `unfreeze_last_n_layers` freezes
+/// the front, as EveryDream2 does.
+fn trainable_text_encoder_params(sd: &StableDiffusion, plan: &TrainPlan) -> Vec<(String, Var)> {
+    if !plan.train_text_encoder {
+        return Vec::new();
+    }
+    let folders = [Component::TextEncoder, Component::TextEncoder2];
+    sd.text_encoders
+        .iter()
+        .zip(folders)
+        .flat_map(|(te, folder)| {
+            let layers = te.model.num_layers();
+            // Prefixed by the component: SDXL's two encoders share checkpoint names.
+            te.weights
+                .params()
+                .into_iter()
+                .filter_map(move |(name, var)| {
+                    text_encoder_param_trains(&name, layers, plan.unfreeze_last_n_layers)
+                        .then(|| (format!("{folder}.{name}"), var))
+                })
+        })
+        .collect()
+}
+
+/// Saves a complete diffusers folder at `dir` with the trained components, plus the optimizer
+/// state when `save_optimizer` is set.
+fn save(
+    sd: &StableDiffusion,
+    layout: &ModelLayout,
+    groups: &[Group],
+    plan: &TrainPlan,
+    dir: &std::path::Path,
+    progress: &Progress,
+) -> anyhow::Result<()> {
+    let mut updated = vec![(Component::Unet, sd.unet_weights.params())];
+    if plan.train_text_encoder {
+        let comps = [Component::TextEncoder, Component::TextEncoder2];
+        for (te, comp) in sd.text_encoders.iter().zip(comps) {
+            updated.push((comp, te.weights.params()));
+        }
+    }
+    crate::model::export::save_diffusers_folder(layout, dir, &updated, DType::F32)
+        .with_context(|| format!("saving {}", dir.display()))?;
+    if plan.save_optimizer {
+        for g in groups {
+            let path = dir.join(format!("optimizer-{}.safetensors", g.name));
+            g.optimizer
+                .save_state(&path)
+                .with_context(|| format!("saving {}", path.display()))?;
+        }
+    }
+    progress.println(format!("saved {}", dir.display()));
+    Ok(())
+}
+
+fn check_resolution(sd: &StableDiffusion, resolution: usize) -> anyhow::Result<()> {
+    let factor = sd.vae.downscale_factor() << sd.unet.config.num_downsamples();
+    if !resolution.is_multiple_of(factor) {
+        bail!(
+            "resolution {resolution} must be a multiple of {factor} for this model (VAE ×{} and UNet ×{})",
+            sd.vae.downscale_factor(),
+            1usize << sd.unet.config.num_downsamples()
+        );
+    }
+    Ok(())
+}
+
+fn report_dataset(dataset: &LoadedDataset) {
+    eprintln!(
+        "data: {} images loaded, {} skipped",
+        dataset.items.len(),
+        dataset.skipped.len()
+    );
+    for (path, why) in &dataset.skipped {
+        eprintln!("  skipped {}: {why}", path.display());
+    }
+}
+
+fn write_plan(
+    plan: &TrainPlan,
+    run: &RunDir,
+    resolution: usize,
+    steps_per_epoch: usize,
+    total_steps: usize,
+) -> anyhow::Result<()> {
+    let mut value = serde_json::to_value(plan)?;
+    if let Some(obj) = value.as_object_mut() {
+        obj.insert(
+            "resolved_at_start".into(),
+            serde_json::json!({
+                "resolution": resolution,
+                "steps_per_epoch": steps_per_epoch,
+                "total_steps": total_steps,
+                "unet_schedule": plan.optimizer.unet.schedule.resolve(total_steps as u64),
+                "text_encoder_schedule": plan.optimizer.text_encoder.schedule.resolve(total_steps as u64),
+            }),
+        );
+    }
+    let text = serde_json::to_string_pretty(&value)?;
+    crate::fsutil::write_atomic(&run.file("plan.json"), text)?;
+    Ok(())
+}

@@ -1,0 +1,396 @@
+//! Config errors end to end: each test writes a train.json (and an optimizer.json when it needs
+//! one) into its own temp folder and resolves it with `TrainPlan::resolve`, as the CLI does, then
+//! checks that the message names the file, the field and what is allowed. Also checks that the
+//! optimizer presets the repository ships resolve.
+
+use std::path::{Path, PathBuf};
+
+use sdtrain::config::{ConfigError, OptimizerKind, ScheduleKind, StepCount, TrainPlan};
+use serde_json::{json, Value};
+
+/// A temp folder holding `data/` and the config files of one test.
+struct Setup {
+    dir: tempfile::TempDir,
+}
+
+impl Setup {
+    fn new() -> Setup {
+        let dir = tempfile::tempdir().expect("temp dir");
+        std::fs::create_dir(dir.path().join("data")).expect("data dir");
+        Setup { dir }
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    fn write(&self, name: &str, value: &Value) -> PathBuf {
+        let path = self.path(name);
+        std::fs::write(&path, serde_json::to_string_pretty(value).expect("json")).expect("write");
+        path
+    }
+
+    /// Writes `extra` over a minimal valid train.json and resolves it.
+    fn resolve(&self, extra: Value, overrides: &[&str]) -> Result<TrainPlan, ConfigError> {
+        let mut train = json!({"model": "org/model", "data_root": "data"});
+        if let (Value::Object(t), Value::Object(e)) = (&mut train, extra) {
+            t.extend(e);
+        }
+        let path = self.write("train.json", &train);
+        let overrides: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
+        TrainPlan::resolve(&path, &overrides)
+    }
+
+    /// The error message, which must be a usage error (exit code 2).
+    fn error(&self, extra: Value, overrides: &[&str]) -> String {
+        match self.resolve(extra, overrides) {
+            Ok(plan) => panic!("expected an error, got a plan:\n{plan}"),
+            Err(err) => {
+                assert!(err.is_usage(), "not a usage error: {err}");
+                err.to_string()
+            }
+        }
+    }
+
+    fn train_json(&self) -> String {
+        self.path("train.json").display().to_string()
+    }
+}
+
+fn repo_file(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join(name)
+}
+
+#[test]
+fn unknown_key_suggests_the_closest_key() {
+    let s = Setup::new();
+    let msg = s.error(json!({"bach_size": 4}), &[]);
+    assert_eq!(
+        msg,
+        format!(
+            "unknown key `bach_size` in {}; did you mean `batch_size`?",
+            s.train_json()
+        )
+    );
+}
+
+#[test]
+fn wrong_type_names_the_field_and_the_expected_type() {
+    let s = Setup::new();
+    let msg = s.error(json!({"batch_size": "4"}), &[]);
+    assert_eq!(
+        msg,
+        format!(
+            "`batch_size` in {} has the wrong type: expected an integer, found the string \"4\"",
+            s.train_json()
+        )
+    );
+}
+
+#[test]
+fn unknown_optimizer_lists_the_valid_names() {
+    let s = Setup::new();
+    s.write("optimizer.json", &json!({"base": {"optimizer": "sgd"}}));
+    let msg = s.error(json!({}), &[]);
+    assert!(msg.starts_with("`base.optimizer` in "), "{msg}");
+    assert!(msg.contains("optimizer.json"), "{msg}");
+    assert!(
+        msg.contains("unknown optimizer; valid names: adamw, adamw8bit, lion, lion8bit"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn not_yet_implemented_optimizer_says_when_it_arrives() {
+    let s = Setup::new();
+    // EveryDream2's stock optimizer.json uses adamw8bit.
+    s.write(
+        "opt.json",
+        &json!({"base": {"optimizer": "adamw8bit"}, "apply_grad_scaler_step_tweaks": false}),
+    );
+    let msg = s.error(json!({"optimizer_config": "opt.json"}), &[]);
+    assert!(msg.starts_with("`base.optimizer` in "), "{msg}");
+    assert!(
+        msg.contains(
+            "\"adamw8bit\", which is not implemented yet (it arrives with the optimizer issue)"
+        ),
+        "{msg}"
+    );
+}
+
+#[test]
+fn grad_scaler_tweaks_need_fp16_amp() {
+    let s = Setup::new();
+    s.write(
+        "optimizer.json",
+        &json!({"apply_grad_scaler_step_tweaks": true}),
+    );
+    let msg = s.error(json!({}), &[]);
+    assert!(
+        msg.starts_with("`apply_grad_scaler_step_tweaks` in "),
+        "{msg}"
+    );
+    assert!(msg.contains("memory issue"), "{msg}");
+}
+
+#[test]
+fn missing_data_root_key() {
+    let s = Setup::new();
+    let msg = s.error(json!({"data_root": null}), &[]);
+    assert_eq!(
+        msg,
+        format!(
+            "`data_root` is missing from {}: the folder of training images",
+            s.train_json()
+        )
+    );
+}
+
+#[test]
+fn data_root_that_does_not_exist() {
+    let s = Setup::new();
+    let msg = s.error(json!({"data_root": "no-such-folder"}), &[]);
+    assert!(
+        msg.starts_with("data_root `no-such-folder` does not exist"),
+        "{msg}"
+    );
+    assert!(msg.contains(&s.train_json()), "{msg}");
+}
+
+#[test]
+fn data_root_that_is_a_file() {
+    let s = Setup::new();
+    std::fs::write(s.path("images.txt"), "not a folder").expect("write");
+    let msg = s.error(json!({"data_root": "images.txt"}), &[]);
+    assert!(
+        msg.starts_with("data_root `images.txt` is not a folder"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn resolution_not_a_multiple_of_64() {
+    let s = Setup::new();
+    let msg = s.error(json!({"resolution": 500}), &[]);
+    assert_eq!(
+        msg,
+        format!(
+            "`resolution` in {} must be a multiple of 64 between 64 and 4096 (got 500)",
+            s.train_json()
+        )
+    );
+}
+
+#[test]
+fn gradient_checkpointing_is_not_supported_yet() {
+    let s = Setup::new();
+    let msg = s.error(json!({"gradient_checkpointing": true}), &[]);
+    assert!(
+        msg.contains("`gradient_checkpointing` is not supported yet"),
+        "{msg}"
+    );
+    assert!(msg.contains("memory issue"), "{msg}");
+    // The value that asks for what sdtrain does anyway is accepted.
+    s.resolve(json!({"gradient_checkpointing": false}), &[])
+        .expect("gradient_checkpointing: false is accepted");
+}
+
+/// EveryDream2's train.json (victorchall/EveryDream2trainer at 5098db8, 2025-05), verbatim
+/// except `data_root`, which points into the test's temp folder.
+const ED2_SAMPLE_TRAIN_JSON: &str = r#"{
+  "attn_type": "sdp",
+  "batch_size": 8,
+  "ckpt_every_n_minutes": null,
+  "clip_grad_norm": null,
+  "clip_skip": 0,
+  "cond_dropout": 0.04,
+  "data_root": "data",
+  "disable_amp": false,
+  "disable_textenc_training": false,
+  "embedding_perturbation": 0.0,
+  "flip_p": 0.0,
+  "gpuid": 0,
+  "gradient_checkpointing": true,
+  "grad_accum": 1,
+  "logdir": "logs",
+  "log_step": 25,
+  "loss_type": "mse",
+  "max_epochs": 40,
+  "notebook": false,
+  "optimizer_config": "optimizer.json",
+  "project_name": "project_abc",
+  "resolution": 512,
+  "resume_ckpt": "panopstor/EveryDream",
+  "run_name": null,
+  "sample_prompts": "sample_prompts.txt",
+  "sample_steps": 300,
+  "save_ckpt_dir": null,
+  "save_ckpts_from_n_epochs": 0,
+  "save_every_n_epochs": 20,
+  "save_optimizer": false,
+  "seed": -1,
+  "timestep_start": 0,
+  "timestep_end": 1000,
+  "shuffle_tags": false,
+  "validation_config": "validation_default.json",
+  "wandb": false,
+  "write_schedule": false,
+  "zero_frequency_noise_ratio": 0.02,
+  "pyramid_noise_discount": 0.03,
+  "enable_zero_terminal_snr": false,
+  "load_settings_every_epoch": false,
+  "min_snr_gamma": 5.0,
+  "ema_decay_rate": null,
+  "ema_strength_target": null,
+  "ema_update_interval": null,
+  "ema_device": null,
+  "ema_sample_nonema_model": false,
+  "ema_sample_ema_model": false,
+  "ema_resume_model" : null
+}"#;
+
+#[test]
+fn everydream2_sample_train_json_lists_what_is_missing() {
+    // Its model key, defaults and nulls are accepted, and each key asking for a feature sdtrain
+    // lacks is reported, all in one message.
+    let s = Setup::new();
+    let ed2: Value = serde_json::from_str(ED2_SAMPLE_TRAIN_JSON).expect("sample parses");
+    let path = s.write("train.json", &ed2);
+    let err = TrainPlan::resolve(&path, &[]).expect_err("unsupported keys");
+    let ConfigError::Unsupported { entries, .. } = &err else {
+        panic!("{err}")
+    };
+    let keys: Vec<&str> = entries.iter().map(|e| e.key.as_str()).collect();
+    assert_eq!(
+        keys,
+        [
+            "disable_amp",
+            "gradient_checkpointing",
+            "pyramid_noise_discount",
+            "sample_prompts",
+            "sample_steps",
+            "validation_config"
+        ]
+    );
+    // With those removed it resolves, `resume_ckpt` naming the model.
+    let mut fixed = ed2;
+    for key in keys {
+        fixed.as_object_mut().expect("object").remove(key);
+    }
+    s.write("optimizer.json", &json!({}));
+    let plan = TrainPlan::resolve(&s.write("train.json", &fixed), &[]).expect("plan");
+    assert_eq!(plan.model, "panopstor/EveryDream");
+    assert!(plan.random_seed);
+    assert_eq!(plan.objective.min_snr_gamma, Some(5.0));
+}
+
+#[test]
+fn set_override_is_applied() {
+    let s = Setup::new();
+    let plan = s
+        .resolve(
+            json!({"lr": 1e-6, "project_name": "a"}),
+            &["lr=1e-5", "project_name=foo", "seed=7", "resolution=768"],
+        )
+        .expect("plan");
+    assert_eq!(plan.optimizer.unet.lr, 1e-5);
+    assert_eq!(plan.optimizer.text_encoder.lr, 1e-5);
+    assert_eq!(plan.project_name, "foo");
+    assert_eq!(plan.seed, 7);
+    assert_eq!(plan.data.resolution, Some(768));
+}
+
+#[test]
+fn set_unknown_key_is_rejected() {
+    let s = Setup::new();
+    let msg = s.error(json!({}), &["learning_rate=1e-5"]);
+    assert!(msg.starts_with("unknown key `learning_rate` in "), "{msg}");
+    assert!(msg.contains("(from --set learning_rate=1e-5)"), "{msg}");
+    let msg = s.error(json!({}), &["max_epoch=3"]);
+    assert!(msg.contains("did you mean `max_epochs`?"), "{msg}");
+}
+
+#[test]
+fn set_without_equals_is_rejected() {
+    let s = Setup::new();
+    let msg = s.error(json!({}), &["lr"]);
+    assert_eq!(msg, "--set `lr`: expected KEY=VALUE, e.g. --set lr=1e-5");
+}
+
+#[test]
+fn invalid_json_reports_line_and_column() {
+    let s = Setup::new();
+    let path = s.path("train.json");
+    std::fs::write(&path, "{\n  \"batch_size\": 4,\n}\n").expect("write");
+    let err = TrainPlan::resolve(&path, &[]).expect_err("syntax error");
+    assert!(err.is_usage());
+    let ConfigError::Syntax { line, .. } = &err else {
+        panic!("{err}")
+    };
+    assert_eq!(*line, 3);
+}
+
+#[test]
+fn missing_train_json_is_a_usage_error() {
+    let s = Setup::new();
+    let err = TrainPlan::resolve(&s.path("nope.json"), &[]).expect_err("missing file");
+    assert!(err.is_usage());
+    assert!(err.to_string().starts_with("cannot read "), "{err}");
+}
+
+#[test]
+fn lora_mode_arrives_with_adapters() {
+    let s = Setup::new();
+    let msg = s.error(json!({"mode": "lora"}), &[]);
+    assert!(msg.contains("adapters issue"), "{msg}");
+}
+
+#[test]
+fn text_encoder_zero_weight_decay_means_zero() {
+    let s = Setup::new();
+    s.write(
+        "optimizer.json",
+        &json!({"base": {"weight_decay": 0.05},
+                "text_encoder_overrides": {"weight_decay": 0, "epsilon": null}}),
+    );
+    let plan = s.resolve(json!({}), &[]).expect("plan");
+    assert_eq!(plan.optimizer.unet.weight_decay, 0.05);
+    assert_eq!(plan.optimizer.text_encoder.weight_decay, 0.0);
+    assert_eq!(plan.optimizer.text_encoder.epsilon, 1e-8);
+}
+
+#[test]
+fn shipped_optimizer_presets_resolve() {
+    let s = Setup::new();
+    let resolve = |name: &str| {
+        let path = repo_file(name);
+        s.resolve(json!({"optimizer_config": path.display().to_string()}), &[])
+            .unwrap_or_else(|e| panic!("{name}: {e}"))
+    };
+    let default = resolve("optimizer.json");
+    assert_eq!(default.optimizer.unet.optimizer, OptimizerKind::AdamW);
+    assert_eq!(default.optimizer.unet, default.optimizer.text_encoder);
+    assert_eq!(default.unfreeze_last_n_layers, None);
+
+    let slower = resolve("configs/optimizer-adamw-te-slower.json");
+    assert_eq!(slower.optimizer.unet.lr, 1e-6);
+    assert_eq!(slower.optimizer.text_encoder.lr, 5e-7);
+
+    let frozen = resolve("configs/optimizer-frozen-te-layers.json");
+    assert_eq!(frozen.unfreeze_last_n_layers, Some(2));
+    assert_eq!(frozen.optimizer.text_encoder.lr, 3e-7);
+
+    let cosine = resolve("configs/optimizer-adamw-cosine.json");
+    assert_eq!(cosine.optimizer.unet.schedule.kind, ScheduleKind::Cosine);
+    assert_eq!(cosine.optimizer.unet.schedule.decay_steps, StepCount::Auto);
+}
+
+#[test]
+fn plan_json_round_trips_through_serde() {
+    let s = Setup::new();
+    let plan = s.resolve(json!({"max_steps": 20}), &[]).expect("plan");
+    let text = serde_json::to_string_pretty(&plan).expect("serialize");
+    let value: Value = serde_json::from_str(&text).expect("valid json");
+    assert_eq!(value["max_steps"], json!(20));
+    assert_eq!(value["model"], json!("org/model"));
+}

@@ -1,0 +1,235 @@
+//! End-to-end `sdtrain --config train.json` runs on the tiny fixtures, each in its own temp dir:
+//! training, outputs, exit codes, skipped images and Ctrl-C.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use candle_core::{DType, Device};
+use sdtrain::model::family::ModelLayout;
+use sdtrain::model::pipeline::{LoadOptions, StableDiffusion};
+
+fn demo_data() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data/demo")
+}
+
+/// Writes train.json into `dir` with the given extra keys, using absolute paths.
+fn write_config(dir: &Path, fixture: &str, data_root: &Path, extra: serde_json::Value) -> PathBuf {
+    let mut cfg = serde_json::json!({
+        "model": common::fixture(fixture),
+        "data_root": data_root,
+        "output_dir": dir.join("out"),
+        "resolution": 64,
+        "batch_size": 1,
+        "max_steps": 2,
+        "lr": 1e-3,
+        "log_step": 1,
+    });
+    if let (Some(c), Some(e)) = (cfg.as_object_mut(), extra.as_object()) {
+        c.extend(e.clone());
+    }
+    let path = dir.join("train.json");
+    std::fs::write(&path, serde_json::to_string_pretty(&cfg).unwrap()).unwrap();
+    path
+}
+
+fn sdtrain(args: &[&str], cwd: &Path) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_sdtrain"))
+        .args(args)
+        .current_dir(cwd)
+        .output()
+        .unwrap()
+}
+
+fn run_folder(dir: &Path) -> PathBuf {
+    let out = dir.join("out");
+    let mut runs: Vec<PathBuf> = std::fs::read_dir(&out)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert_eq!(
+        runs.len(),
+        1,
+        "expected one run folder in {}",
+        out.display()
+    );
+    runs.pop().unwrap()
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+fn check_trained(fixture: &str, extra: serde_json::Value) {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = write_config(tmp.path(), fixture, &demo_data(), extra);
+    let out = sdtrain(&["--config", cfg.to_str().unwrap(), "--cpu"], tmp.path());
+    assert!(out.status.success(), "{fixture}: {}", text(&out));
+    assert!(text(&out).contains("steps           2"), "{}", text(&out));
+    let run = run_folder(tmp.path());
+    let plan: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(run.join("plan.json")).unwrap()).unwrap();
+    assert_eq!(plan["max_steps"], 2);
+    let log = std::fs::read_to_string(run.join("train_log.jsonl")).unwrap();
+    let lines: Vec<serde_json::Value> = log
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 2, "{log}");
+    for l in &lines {
+        assert!(
+            l["loss"].as_f64().unwrap().is_finite() && l["grad_norm"].as_f64().unwrap() > 0.0,
+            "{l}"
+        );
+    }
+    // The saved folder is a complete diffusers pipeline that our loader reads.
+    let layout = ModelLayout::read(&run.join("final"), None).unwrap();
+    let opts = LoadOptions {
+        dtype: DType::F32,
+        device: Device::Cpu,
+        train_unet: false,
+        train_text_encoders: false,
+    };
+    StableDiffusion::load(layout, &opts).unwrap();
+}
+
+#[test]
+fn trains_tiny_sd15_end_to_end() {
+    check_trained("tiny-sd15", serde_json::json!({}));
+}
+
+#[test]
+fn trains_tiny_sdxl_end_to_end_with_accumulation() {
+    check_trained(
+        "tiny-sdxl",
+        serde_json::json!({"grad_accum": 2, "flip_p": 0.5, "shuffle_tags": true}),
+    );
+}
+
+#[test]
+fn dry_run_prints_the_plan_and_trains_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = write_config(tmp.path(), "tiny-sd15", &demo_data(), serde_json::json!({}));
+    let out = sdtrain(
+        &[
+            "train",
+            "--config",
+            cfg.to_str().unwrap(),
+            "--dry-run",
+            "--set",
+            "max_steps=7",
+        ],
+        tmp.path(),
+    );
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(text(&out).contains('7'), "{}", text(&out));
+    assert!(!tmp.path().join("out").exists());
+}
+
+#[test]
+fn config_error_exits_2_with_a_suggestion() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = write_config(
+        tmp.path(),
+        "tiny-sd15",
+        &demo_data(),
+        serde_json::json!({"bach_size": 2}),
+    );
+    let out = sdtrain(&["--config", cfg.to_str().unwrap()], tmp.path());
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(text(&out).contains("batch_size"), "{}", text(&out));
+}
+
+#[test]
+fn corrupt_images_are_skipped_and_counted() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("data");
+    std::fs::create_dir(&data).unwrap();
+    for entry in std::fs::read_dir(demo_data()).unwrap().take(4) {
+        let p = entry.unwrap().path();
+        std::fs::copy(&p, data.join(p.file_name().unwrap())).unwrap();
+    }
+    std::fs::write(data.join("broken_1.png"), b"not a png at all").unwrap();
+    std::fs::write(data.join("empty_2.jpg"), b"").unwrap();
+    let cfg = write_config(
+        tmp.path(),
+        "tiny-sd15",
+        &data,
+        serde_json::json!({"max_steps": 1}),
+    );
+    let out = sdtrain(&["--config", cfg.to_str().unwrap(), "--cpu"], tmp.path());
+    assert!(out.status.success(), "{}", text(&out));
+    let t = text(&out);
+    assert!(
+        t.contains("broken_1.png") && t.contains("empty_2.jpg"),
+        "{t}"
+    );
+    assert!(t.contains("skipped images  2"), "{t}");
+}
+
+#[test]
+fn folder_without_images_exits_2() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("empty");
+    std::fs::create_dir(&data).unwrap();
+    let cfg = write_config(tmp.path(), "tiny-sd15", &data, serde_json::json!({}));
+    let out = sdtrain(&["--config", cfg.to_str().unwrap(), "--cpu"], tmp.path());
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(text(&out).contains("no images"), "{}", text(&out));
+}
+
+#[test]
+fn ctrl_c_saves_then_exits_0() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = write_config(
+        tmp.path(),
+        "tiny-sd15",
+        &demo_data(),
+        serde_json::json!({"max_steps": 1000}),
+    );
+    let child = Command::new(env!("CARGO_BIN_EXE_sdtrain"))
+        .args(["--config", cfg.to_str().unwrap(), "--cpu"])
+        .current_dir(tmp.path())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let start = Instant::now();
+    let logged = || {
+        std::fs::read_dir(tmp.path().join("out"))
+            .ok()
+            .and_then(|mut d| d.next())
+            .is_some_and(|run| {
+                std::fs::read_to_string(run.unwrap().path().join("train_log.jsonl"))
+                    .is_ok_and(|l| !l.is_empty())
+            })
+    };
+    while !logged() {
+        assert!(
+            start.elapsed() < Duration::from_secs(120),
+            "no step logged in 2 minutes"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let killed = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let run = run_folder(tmp.path());
+    let saved: Vec<String> = std::fs::read_dir(&run)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("interrupted-step-"))
+        .collect();
+    assert_eq!(saved.len(), 1, "{}", text(&out));
+    ModelLayout::read(&run.join(&saved[0]), None).unwrap();
+}
