@@ -113,6 +113,22 @@ fn trains_tiny_sdxl_end_to_end_with_accumulation() {
 }
 
 #[test]
+fn frozen_text_encoder_is_saved_unchanged() {
+    let tmp = tempfile::tempdir().unwrap();
+    let extra = serde_json::json!({"disable_textenc_training": true, "max_steps": 1});
+    let cfg = write_config(tmp.path(), "tiny-sd15", &demo_data(), extra);
+    let out = sdtrain(&["--config", cfg.to_str().unwrap(), "--cpu"], tmp.path());
+    assert!(out.status.success(), "{}", text(&out));
+    let saved = run_folder(tmp.path()).join("final");
+    let base = common::fixture("tiny-sd15");
+    let read = |root: &Path, rel: &str| std::fs::read(root.join(rel)).unwrap();
+    let te = "text_encoder/model.safetensors";
+    assert_eq!(read(&saved, te), read(&base, te), "frozen text encoder changed");
+    let unet = "unet/diffusion_pytorch_model.safetensors";
+    assert_ne!(read(&saved, unet), read(&base, unet), "the UNet did not train");
+}
+
+#[test]
 fn dry_run_prints_the_plan_and_trains_nothing() {
     let tmp = tempfile::tempdir().unwrap();
     let cfg = write_config(tmp.path(), "tiny-sd15", &demo_data(), serde_json::json!({}));
