@@ -123,9 +123,17 @@ fn frozen_text_encoder_is_saved_unchanged() {
     let base = common::fixture("tiny-sd15");
     let read = |root: &Path, rel: &str| std::fs::read(root.join(rel)).unwrap();
     let te = "text_encoder/model.safetensors";
-    assert_eq!(read(&saved, te), read(&base, te), "frozen text encoder changed");
+    assert_eq!(
+        read(&saved, te),
+        read(&base, te),
+        "frozen text encoder changed"
+    );
     let unet = "unet/diffusion_pytorch_model.safetensors";
-    assert_ne!(read(&saved, unet), read(&base, unet), "the UNet did not train");
+    assert_ne!(
+        read(&saved, unet),
+        read(&base, unet),
+        "the UNet did not train"
+    );
 }
 
 #[test]

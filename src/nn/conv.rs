@@ -2,7 +2,9 @@
 
 use candle_core::{DType, Result, Tensor};
 
-use super::cast_like;
+use std::sync::Arc;
+
+use super::{cast_like, LayerAdapter};
 use crate::model::weights::{Init, Weights, WeightsError};
 
 #[derive(Debug, Clone, Copy)]
@@ -29,6 +31,8 @@ pub struct Conv2d {
     pub weight: Tensor,
     pub bias: Option<Tensor>,
     pub cfg: Conv2dConfig,
+    /// A trainable addition (LoCon): `y = conv(x) + adapter.delta(x)`.
+    pub adapter: Option<Arc<dyn LayerAdapter>>,
 }
 
 impl Conv2d {
@@ -47,6 +51,7 @@ impl Conv2d {
             weight,
             bias,
             cfg,
+            adapter: None,
         })
     }
 

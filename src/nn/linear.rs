@@ -2,7 +2,9 @@
 
 use candle_core::{DType, Result, Tensor};
 
-use super::cast_like;
+use std::sync::Arc;
+
+use super::{cast_like, LayerAdapter};
 use crate::model::weights::{Init, Weights, WeightsError};
 
 #[derive(Debug, Clone)]
@@ -11,6 +13,8 @@ pub struct Linear {
     pub path: String,
     pub weight: Tensor,
     pub bias: Option<Tensor>,
+    /// A trainable addition (LoRA): `y = x·Wᵀ + b + adapter.delta(x)`.
+    pub adapter: Option<Arc<dyn LayerAdapter>>,
 }
 
 impl Linear {
@@ -32,6 +36,7 @@ impl Linear {
             path: w.prefix(),
             weight,
             bias,
+            adapter: None,
         })
     }
 

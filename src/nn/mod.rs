@@ -14,6 +14,13 @@ mod norm;
 
 pub use activation::{gelu_erf, quick_gelu, silu};
 pub use attention::{attention, causal_mask};
+
+/// A trainable addition to a frozen layer's output, `y = base(x) + delta(x)`: LoRA on a Linear or
+/// a 1×1 conv, LoCon on a 3×3 conv. Implemented in `crate::adapter`.
+pub trait LayerAdapter: std::fmt::Debug + Send + Sync {
+    /// The adapter's contribution for the layer input `x` (same shape as the layer output).
+    fn delta(&self, x: &candle_core::Tensor) -> candle_core::Result<candle_core::Tensor>;
+}
 pub use conv::{Conv2d, Conv2dConfig};
 pub use embedding::Embedding;
 pub use linear::Linear;
