@@ -339,10 +339,16 @@ fn missing_train_json_is_a_usage_error() {
 }
 
 #[test]
-fn lora_mode_arrives_with_adapters() {
+fn adapter_section_is_validated_and_only_for_adapter_modes() {
     let s = Setup::new();
-    let msg = s.error(json!({"mode": "lora"}), &[]);
-    assert!(msg.contains("adapters issue"), "{msg}");
+    let msg = s.error(json!({"mode": "lora", "adapter": {"rank": 0}}), &[]);
+    assert!(msg.contains("adapter.rank"), "{msg}");
+    let msg = s.error(json!({"mode": "lora", "adapter": {"rnak": 4}}), &[]);
+    assert!(msg.contains("did you mean `adapter.rank`"), "{msg}");
+    let msg = s.error(json!({"adapter": {"rank": 4}}), &[]);
+    assert!(msg.contains("adapter") && msg.contains("lora"), "{msg}");
+    let msg = s.error(json!({"mode": "dora"}), &[]);
+    assert!(msg.contains("\"locon\""), "{msg}");
 }
 
 #[test]

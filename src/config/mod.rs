@@ -5,6 +5,7 @@
 //! decides every default and checks every range. The key names and their meanings follow
 //! EveryDream2 (train.py, optimizer/optimizers.py); docs/config.md lists every key.
 
+mod adapter_file;
 mod error;
 mod optimizer_file;
 mod optimizer_plan;
@@ -14,6 +15,7 @@ mod strict;
 mod summary;
 mod train_file;
 
+pub use adapter_file::{AdapterFile, AdapterPlan, SaveDtype};
 pub use error::{ConfigError, UnsupportedKey};
 pub use optimizer_file::{FreezingFile, GroupFile, OptimizerFile, DEFAULT_OPTIMIZER_JSON};
 pub use optimizer_plan::{

@@ -17,6 +17,7 @@ use std::path::{Path, PathBuf};
 use serde::Serialize;
 use serde_json::Value;
 
+use super::adapter_file::{self, AdapterPlan};
 use super::error::ConfigError;
 use super::optimizer_file::OptimizerFile;
 use super::optimizer_plan::OptimizerPlan;
@@ -48,6 +49,10 @@ pub const MAX_CLIP_SKIP: u64 = 4;
 pub enum TrainMode {
     /// Every weight of the UNet (and of the text encoders, unless disabled).
     Full,
+    /// LoRA on the transformer blocks' Linear and 1×1 conv layers (kohya's targets).
+    Lora,
+    /// LoRA plus the resnets', downsamplers' and upsamplers' 3×3 convs (kohya's LoCon).
+    Locon,
 }
 
 /// Data loading and augmentation.
@@ -95,6 +100,8 @@ pub struct TrainPlan {
     /// Hub id `org/name[@revision]`, or the absolute path of a local folder or .safetensors file.
     pub model: String,
     pub mode: TrainMode,
+    /// Adapter settings; `Some` exactly when `mode` is lora or locon.
+    pub adapter: Option<AdapterPlan>,
     /// Absolute; the run folder is `<output_dir>/<project_name>-<timestamp>`.
     pub output_dir: PathBuf,
     pub project_name: String,
@@ -162,11 +169,33 @@ impl TrainPlan {
         };
         let (optimizer, unfreeze_last_n_layers) = resolve_optimizer(&file, &ctx, train_lr)?;
         let (seed, random_seed) = ctx.seed(file.seed)?;
+        let mode = resolve_mode(file.mode.as_deref(), &ctx)?;
+        let train_te = !file.disable_textenc_training.unwrap_or(false);
+        let adapter = match (mode, &file.adapter) {
+            (TrainMode::Full, None) => None,
+            (TrainMode::Full, Some(_)) => {
+                return Err(ctx.invalid(
+                    "adapter",
+                    "is only used with \"mode\": \"lora\" or \"locon\"".into(),
+                ))
+            }
+            (TrainMode::Lora | TrainMode::Locon, raw) => {
+                let raw = raw.clone().unwrap_or_else(adapter_file::empty_section);
+                let parsed = adapter_file::parse_adapter_section(&raw, train_path, &set_args)?;
+                Some(adapter_file::resolve_adapter(
+                    &parsed,
+                    train_path,
+                    train_te,
+                    |field, p| ctx.input_path(field, p),
+                )?)
+            }
+        };
         Ok(TrainPlan {
             train_config: train_path.to_path_buf(),
             overrides: overrides.to_vec(),
             model: resolve_model(&file, &ctx)?,
-            mode: resolve_mode(file.mode.as_deref(), &ctx)?,
+            mode,
+            adapter,
             output_dir: ctx
                 .output_path("output_dir", file.output_dir.as_deref().unwrap_or("output"))?,
             project_name: ctx.project_name(file.project_name.as_deref())?,
@@ -365,14 +394,12 @@ fn resolve_model(file: &TrainFile, ctx: &Ctx<'_>) -> Result<String, ConfigError>
 fn resolve_mode(mode: Option<&str>, ctx: &Ctx<'_>) -> Result<TrainMode, ConfigError> {
     match mode {
         None | Some("full") => Ok(TrainMode::Full),
-        Some(m @ ("lora" | "locon")) => Err(ctx.invalid(
+        Some("lora") => Ok(TrainMode::Lora),
+        Some("locon") => Ok(TrainMode::Locon),
+        Some(m) => Err(ctx.invalid(
             "mode",
-            format!(
-                "is \"{m}\", which is not available yet: LoRA and LoCon training arrive with the \
-                 adapters issue; use \"full\""
-            ),
+            format!("is \"{m}\"; allowed: \"full\", \"lora\", \"locon\""),
         )),
-        Some(m) => Err(ctx.invalid("mode", format!("is \"{m}\"; allowed: \"full\""))),
     }
 }
 
@@ -857,13 +884,17 @@ mod tests {
     }
 
     #[test]
-    fn adapter_modes_are_not_available_yet() {
+    fn adapter_modes_resolve_with_kohya_defaults() {
         let fx = Fixture::new();
-        for mode in ["lora", "locon"] {
-            let (field, message) = fx.field_error(json!({"mode": mode}));
-            assert_eq!(field, "mode");
-            assert!(message.contains("adapters issue"), "{message}");
+        for (mode, want) in [("lora", TrainMode::Lora), ("locon", TrainMode::Locon)] {
+            let p = fx
+                .plan(json!({"mode": mode, "adapter": {"rank": 8}}), &[])
+                .unwrap();
+            assert_eq!(p.mode, want);
+            let a = p.adapter.unwrap();
+            assert_eq!((a.rank, a.alpha, a.conv_rank), (8, 1.0, 8));
         }
+        assert!(fx.plan(json!({}), &[]).unwrap().adapter.is_none());
     }
 
     #[test]

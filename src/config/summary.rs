@@ -19,7 +19,26 @@ impl fmt::Display for TrainPlan {
             f,
             "mode",
             &match self.mode {
-                TrainMode::Full => "full fine-tune",
+                TrainMode::Full => "full fine-tune".to_string(),
+                TrainMode::Lora | TrainMode::Locon => {
+                    let kind = if self.mode == TrainMode::Lora {
+                        "LoRA"
+                    } else {
+                        "LoCon"
+                    };
+                    match &self.adapter {
+                        Some(a) => format!(
+                            "{kind} rank {} alpha {} (conv rank {} alpha {}), text encoder {}, saved as {:?}",
+                            a.rank,
+                            a.alpha,
+                            a.conv_rank,
+                            a.conv_alpha,
+                            if a.train_text_encoder { "trained" } else { "frozen" },
+                            a.save_dtype
+                        ),
+                        None => kind.to_string(),
+                    }
+                }
             },
         )?;
         let d = &self.data;

@@ -32,6 +32,9 @@ pub struct TrainFile {
     pub mode: Option<String>,
     #[serde(default)]
     pub max_steps: Option<i64>,
+    /// The `adapter` section (modes lora/locon), parsed by `adapter_file`.
+    #[serde(default)]
+    pub adapter: Option<serde_json::Value>,
     // EveryDream2's keys.
     /// EveryDream2's name for the base model.
     #[serde(default)]

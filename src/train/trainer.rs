@@ -18,8 +18,8 @@ use super::progress::Progress;
 use super::run_dir::RunDir;
 use super::step::{accumulate, micro_batch, StepSettings};
 use super::te_freeze::text_encoder_param_trains;
-use crate::config::TrainPlan;
 use crate::config::{ParamGroupPlan, ScheduleKind as PlanScheduleKind};
+use crate::config::{TrainMode, TrainPlan};
 use crate::data::{load_data_root, LoadedDataset};
 use crate::diffusion::{NoiseSchedule, Objective, ObjectiveConfig};
 use crate::model::family::ModelLayout;
@@ -112,6 +112,12 @@ impl Group {
 /// Runs the whole training described by `plan`.
 pub fn train(plan: &TrainPlan, opts: &RunOptions) -> anyhow::Result<TrainOutcome> {
     let started = Instant::now();
+    match plan.mode {
+        TrainMode::Full => {}
+        TrainMode::Lora | TrainMode::Locon => {
+            bail!("adapter training is not wired into the loop yet")
+        }
+    }
     let interrupt = Interrupt::install();
     let source =
         ModelSource::parse(&plan.model).with_context(|| format!("model `{}`", plan.model))?;

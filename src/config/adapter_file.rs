@@ -1,0 +1,222 @@
+//! train.json's `adapter` section (modes "lora" and "locon"), parsed strictly like the rest of
+//! the file, and resolved into an [`AdapterPlan`]. Defaults follow kohya sd-scripts' train_network
+//! (network_dim 4, network_alpha 1; conv_dim/conv_alpha default to them for LoCon).
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+use super::error::ConfigError;
+use super::strict::{known_keys, Section};
+
+/// `adapter: {…}` as written.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AdapterFile {
+    #[serde(default)]
+    pub rank: Option<i64>,
+    #[serde(default)]
+    pub alpha: Option<f64>,
+    #[serde(default)]
+    pub conv_rank: Option<i64>,
+    #[serde(default)]
+    pub conv_alpha: Option<f64>,
+    #[serde(default)]
+    pub train_text_encoder: Option<bool>,
+    #[serde(default)]
+    pub unet_lr: Option<f64>,
+    #[serde(default)]
+    pub text_encoder_lr: Option<f64>,
+    #[serde(default)]
+    pub dropout: Option<f64>,
+    /// An existing LoRA/LoCon file (ours or kohya's) to start from.
+    #[serde(default)]
+    pub init_from: Option<String>,
+    /// Dtype of the saved file: "fp16" (default, as kohya), "bf16" or "fp32".
+    #[serde(default)]
+    pub save_dtype: Option<String>,
+}
+
+/// The saved adapter file's dtype.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SaveDtype {
+    Fp16,
+    Bf16,
+    Fp32,
+}
+
+/// The resolved adapter settings.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct AdapterPlan {
+    pub rank: usize,
+    pub alpha: f64,
+    /// Rank and alpha of the 3×3 convs (LoCon only).
+    pub conv_rank: usize,
+    pub conv_alpha: f64,
+    pub train_text_encoder: bool,
+    /// Overrides of the optimizer groups' lr; `None` keeps optimizer.json's (and train.json's `lr`).
+    pub unet_lr: Option<f64>,
+    pub text_encoder_lr: Option<f64>,
+    pub dropout: f64,
+    pub init_from: Option<PathBuf>,
+    pub save_dtype: SaveDtype,
+}
+
+/// Parses the raw `adapter` value of train.json (`file` names it in errors).
+pub fn parse_adapter_section(
+    value: &Value,
+    file: &Path,
+    set_args: &HashMap<String, String>,
+) -> Result<AdapterFile, ConfigError> {
+    let section = Section {
+        file,
+        prefix: "adapter",
+        set_args,
+    };
+    let Value::Object(obj) = value else {
+        return Err(ConfigError::Invalid {
+            file: file.to_path_buf(),
+            field: "adapter".into(),
+            message: "must be an object such as {\"rank\": 16, \"alpha\": 8}".into(),
+        });
+    };
+    section.check_unknown(obj, &known_keys::<AdapterFile>(), &[], |_| None)?;
+    if let Some(err) = section.type_error::<AdapterFile>(obj) {
+        return Err(err);
+    }
+    serde_json::from_value(Value::Object(obj.clone())).map_err(|e| ConfigError::Invalid {
+        file: file.to_path_buf(),
+        field: "adapter".into(),
+        message: format!("does not parse: {e}"),
+    })
+}
+
+/// Validates `a`. `resolve_input` turns a relative `init_from` into an existing file's path.
+pub fn resolve_adapter(
+    a: &AdapterFile,
+    file: &Path,
+    default_train_te: bool,
+    resolve_input: impl Fn(&str, &str) -> Result<PathBuf, ConfigError>,
+) -> Result<AdapterPlan, ConfigError> {
+    let invalid = |field: &str, message: String| ConfigError::Invalid {
+        file: file.to_path_buf(),
+        field: format!("adapter.{field}"),
+        message,
+    };
+    let rank = |field: &str, v: Option<i64>, default: i64| -> Result<usize, ConfigError> {
+        let v = v.unwrap_or(default);
+        if !(1..=4096).contains(&v) {
+            return Err(invalid(field, format!("must be in 1..=4096 (got {v})")));
+        }
+        Ok(v as usize)
+    };
+    let positive = |field: &str, v: Option<f64>, default: f64| -> Result<f64, ConfigError> {
+        let v = v.unwrap_or(default);
+        if !(v.is_finite() && v > 0.0) {
+            return Err(invalid(field, format!("must be greater than 0 (got {v})")));
+        }
+        Ok(v)
+    };
+    let lr = |field: &str, v: Option<f64>| -> Result<Option<f64>, ConfigError> {
+        match v {
+            Some(x) if !(x.is_finite() && x > 0.0) => {
+                Err(invalid(field, format!("must be greater than 0 (got {x})")))
+            }
+            v => Ok(v),
+        }
+    };
+    let r = rank("rank", a.rank, 4)?;
+    let alpha = positive("alpha", a.alpha, 1.0)?;
+    let dropout = a.dropout.unwrap_or(0.0);
+    if !(0.0..1.0).contains(&dropout) {
+        return Err(invalid(
+            "dropout",
+            format!("must be in [0, 1) (got {dropout})"),
+        ));
+    }
+    let save_dtype = match a.save_dtype.as_deref() {
+        None | Some("fp16") | Some("float16") => SaveDtype::Fp16,
+        Some("bf16") | Some("bfloat16") => SaveDtype::Bf16,
+        Some("fp32") | Some("float32") | Some("float") => SaveDtype::Fp32,
+        Some(other) => {
+            return Err(invalid(
+                "save_dtype",
+                format!("is \"{other}\"; allowed: \"fp16\", \"bf16\", \"fp32\""),
+            ))
+        }
+    };
+    let init_from = a
+        .init_from
+        .as_deref()
+        .map(|p| resolve_input("adapter.init_from", p))
+        .transpose()?;
+    Ok(AdapterPlan {
+        rank: r,
+        alpha,
+        conv_rank: rank("conv_rank", a.conv_rank, r as i64)?,
+        conv_alpha: positive("conv_alpha", a.conv_alpha, alpha)?,
+        train_text_encoder: a.train_text_encoder.unwrap_or(default_train_te),
+        unet_lr: lr("unet_lr", a.unet_lr)?,
+        text_encoder_lr: lr("text_encoder_lr", a.text_encoder_lr)?,
+        dropout,
+        init_from,
+        save_dtype,
+    })
+}
+
+/// Convenience for tests: an empty object.
+pub fn empty_section() -> Value {
+    Value::Object(Map::new())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plan(v: Value) -> Result<AdapterPlan, ConfigError> {
+        let f = Path::new("train.json");
+        let a = parse_adapter_section(&v, f, &HashMap::new())?;
+        resolve_adapter(&a, f, true, |_, p| Ok(PathBuf::from(p)))
+    }
+
+    #[test]
+    fn defaults_follow_kohya() {
+        let p = plan(empty_section()).unwrap();
+        assert_eq!(
+            (p.rank, p.alpha, p.conv_rank, p.conv_alpha),
+            (4, 1.0, 4, 1.0)
+        );
+        assert_eq!(p.save_dtype, SaveDtype::Fp16);
+        assert!(p.train_text_encoder);
+        let p = plan(serde_json::json!({"rank": 16, "alpha": 8, "conv_rank": 4})).unwrap();
+        assert_eq!(
+            (p.rank, p.alpha, p.conv_rank, p.conv_alpha),
+            (16, 8.0, 4, 8.0)
+        );
+    }
+
+    #[test]
+    fn bad_values_name_the_field() {
+        for (v, field) in [
+            (serde_json::json!({"rank": 0}), "adapter.rank"),
+            (serde_json::json!({"alpha": -1}), "adapter.alpha"),
+            (serde_json::json!({"dropout": 1.0}), "adapter.dropout"),
+            (serde_json::json!({"unet_lr": 0}), "adapter.unet_lr"),
+            (
+                serde_json::json!({"save_dtype": "int8"}),
+                "adapter.save_dtype",
+            ),
+            (serde_json::json!({"rank": "16"}), "adapter.rank"),
+        ] {
+            let e = plan(v).unwrap_err().to_string();
+            assert!(e.contains(field), "{e}");
+        }
+        let e = plan(serde_json::json!({"rnak": 4}))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("adapter.rank"), "{e}");
+    }
+}
