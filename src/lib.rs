@@ -1,5 +1,6 @@
 //! sdtrain: a Stable Diffusion fine-tuner (SD1.x, SD2.x, SDXL) on Candle.
 
+pub mod adapter;
 pub mod cli;
 pub mod config;
 pub mod data;

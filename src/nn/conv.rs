@@ -63,13 +63,36 @@ impl Conv2d {
         self.weight.dims()[0]
     }
 
+    /// `base(x) + adapter.delta(x)`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let y = self.base_forward(x)?;
+        match &self.adapter {
+            // A frozen layer on an untracked input has an untracked output; a plain add would
+            // store an output-sized gradient for it that nothing reads.
+            Some(a) if !y.track_op() && super::frozen::supported(&y) => {
+                super::frozen_broadcast_add(&a.delta(x)?, &y)
+            }
+            Some(a) => y + a.delta(x)?,
+            None => Ok(y),
+        }
+    }
+
+    /// `conv2d(x, W) + b`. A frozen layer (weight and bias plain tensors, not Vars) goes through
+    /// [`super::frozen_conv2d_bias`], whose backward computes no weight or bias gradient.
+    pub fn base_forward(&self, x: &Tensor) -> Result<Tensor> {
         if super::cpu_bf16(x) {
             return self
-                .forward(&x.to_dtype(DType::F32)?)?
+                .base_forward(&x.to_dtype(DType::F32)?)?
                 .to_dtype(DType::BF16);
         }
         let w = cast_like(&self.weight, x)?;
+        let frozen = super::frozen::is_frozen(&self.weight)
+            && self.bias.as_ref().is_none_or(super::frozen::is_frozen)
+            && super::frozen::supported(x);
+        if frozen {
+            let b = self.bias.as_ref().map(|b| cast_like(b, x)).transpose()?;
+            return super::frozen_conv2d_bias(x, &w, b.as_ref(), self.cfg.padding, self.cfg.stride);
+        }
         let y = x.conv2d(&w, self.cfg.padding, self.cfg.stride, 1, 1)?;
         match &self.bias {
             Some(b) => {

@@ -48,20 +48,45 @@ impl Linear {
         self.weight.dims()[0]
     }
 
+    /// `base(x) + adapter.delta(x)`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let y = self.base_forward(x)?;
+        match &self.adapter {
+            // A frozen layer on an untracked input has an untracked output; a plain add would
+            // store an output-sized gradient for it that nothing reads.
+            Some(a) if !y.track_op() && super::frozen::supported(&y) => {
+                super::frozen_broadcast_add(&a.delta(x)?, &y)
+            }
+            Some(a) => y + a.delta(x)?,
+            None => Ok(y),
+        }
+    }
+
+    /// `x·Wᵀ + b`. A frozen layer (weight and bias plain tensors, not Vars) goes through
+    /// [`super::frozen_linear`], whose backward computes no weight or bias gradient.
+    pub fn base_forward(&self, x: &Tensor) -> Result<Tensor> {
         if super::cpu_bf16(x) {
             return self
-                .forward(&x.to_dtype(DType::F32)?)?
+                .base_forward(&x.to_dtype(DType::F32)?)?
                 .to_dtype(DType::BF16);
         }
         let w = cast_like(&self.weight, x)?;
         let dims = x.dims().to_vec();
         let in_dim = dims[dims.len() - 1];
         let rows = x.elem_count() / in_dim.max(1);
-        let y = x.reshape((rows, in_dim))?.matmul(&w.t()?)?;
-        let y = match &self.bias {
-            Some(b) => y.broadcast_add(&cast_like(b, x)?)?,
-            None => y,
+        let x2d = x.reshape((rows, in_dim))?;
+        let frozen = super::frozen::is_frozen(&self.weight)
+            && self.bias.as_ref().is_none_or(super::frozen::is_frozen)
+            && super::frozen::supported(x);
+        let y = if frozen {
+            let b = self.bias.as_ref().map(|b| cast_like(b, x)).transpose()?;
+            super::frozen_linear(&x2d, &w, b.as_ref())?
+        } else {
+            let y = x2d.matmul(&w.t()?)?;
+            match &self.bias {
+                Some(b) => y.broadcast_add(&cast_like(b, x)?)?,
+                None => y,
+            }
         };
         let mut out_dims = dims;
         let last = out_dims.len() - 1;

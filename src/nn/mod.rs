@@ -9,6 +9,7 @@ mod activation;
 mod attention;
 mod conv;
 mod embedding;
+mod frozen;
 mod linear;
 mod norm;
 
@@ -23,6 +24,11 @@ pub trait LayerAdapter: std::fmt::Debug + Send + Sync {
 }
 pub use conv::{Conv2d, Conv2dConfig};
 pub use embedding::Embedding;
+pub use frozen::{
+    frozen_broadcast_add, frozen_broadcast_mul, frozen_conv2d, frozen_conv2d_bias,
+    frozen_conv2d_reference, frozen_linear, frozen_linear_reference, frozen_matmul,
+    frozen_matmul_reference, set_frozen_ops_enabled,
+};
 pub use linear::Linear;
 pub use norm::{GroupNorm, LayerNorm};
 

@@ -11,6 +11,7 @@ use anyhow::{bail, Context};
 use candle_core::{DType, Device, Var};
 use rand::{rngs::StdRng, SeedableRng};
 
+use super::adapters::{self, SaveInfo, TrainedAdapters};
 use super::interrupt::Interrupt;
 use super::log::{JsonlLog, LogRecord};
 use super::loss_stats::{first_last_means, Smoothed};
@@ -112,12 +113,13 @@ impl Group {
 /// Runs the whole training described by `plan`.
 pub fn train(plan: &TrainPlan, opts: &RunOptions) -> anyhow::Result<TrainOutcome> {
     let started = Instant::now();
-    match plan.mode {
-        TrainMode::Full => {}
-        TrainMode::Lora | TrainMode::Locon => {
-            bail!("adapter training is not wired into the loop yet")
-        }
-    }
+    let started_unix = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64());
+    let full = match plan.mode {
+        TrainMode::Full => true,
+        TrainMode::Lora | TrainMode::Locon => false,
+    };
     let interrupt = Interrupt::install();
     let source =
         ModelSource::parse(&plan.model).with_context(|| format!("model `{}`", plan.model))?;
@@ -135,10 +137,16 @@ pub fn train(plan: &TrainPlan, opts: &RunOptions) -> anyhow::Result<TrainOutcome
     let load = LoadOptions {
         dtype: DType::F32,
         device: opts.device.clone(),
-        train_unet: true,
-        train_text_encoders: plan.train_text_encoder,
+        // Adapter modes keep the base frozen (plain tensors): only the adapters are Vars.
+        train_unet: full,
+        train_text_encoders: full && plan.train_text_encoder,
     };
-    let sd = StableDiffusion::load(layout.clone(), &load)?;
+    let mut sd = StableDiffusion::load(layout.clone(), &load)?;
+    let adapters = if full {
+        None
+    } else {
+        Some(adapters::attach(&mut sd, plan)?)
+    };
     let resolution = plan.data.resolution.unwrap_or(layout.native_resolution);
     check_resolution(&sd, resolution)?;
 
@@ -168,21 +176,7 @@ pub fn train(plan: &TrainPlan, opts: &RunOptions) -> anyhow::Result<TrainOutcome
     let total_steps = plan.total_steps(steps_per_epoch as u64);
     let total_steps = usize::try_from(total_steps).unwrap_or(usize::MAX);
 
-    let mut groups = vec![Group::new(
-        "unet",
-        sd.unet_weights.params(),
-        &plan.optimizer.unet,
-        total_steps as u64,
-    )?];
-    let te_params = trainable_text_encoder_params(&sd, plan);
-    if !te_params.is_empty() {
-        groups.push(Group::new(
-            "text_encoder",
-            te_params,
-            &plan.optimizer.text_encoder,
-            total_steps as u64,
-        )?);
-    }
+    let mut groups = param_groups(&sd, plan, adapters.as_ref(), total_steps as u64)?;
     let all_vars: Vec<Var> = groups
         .iter()
         .flat_map(|g| g.optimizer.vars().cloned())
@@ -298,9 +292,24 @@ pub fn train(plan: &TrainPlan, opts: &RunOptions) -> anyhow::Result<TrainOutcome
             }
             if interrupt.requested() {
                 out.interrupted = true;
-                let dir = run.interrupted_dir(out.steps);
-                save(&sd, &layout, &groups, plan, &dir, &progress)?;
-                out.saved.push(dir);
+                let ctx = SaveCtx {
+                    sd: &sd,
+                    layout: &layout,
+                    groups: &groups,
+                    plan,
+                    adapters: adapters.as_ref(),
+                    run: &run,
+                    resolution,
+                    images: dataset.items.len(),
+                    started_unix,
+                };
+                out.saved.push(save(
+                    &ctx,
+                    SavePoint::Interrupted(out.steps),
+                    out.steps,
+                    epoch + 1,
+                    &progress,
+                )?);
                 break 'epochs;
             }
         }
@@ -308,9 +317,24 @@ pub fn train(plan: &TrainPlan, opts: &RunOptions) -> anyhow::Result<TrainOutcome
         let last = out.steps >= total_steps || epoch + 1 == max_epochs;
         if let Some(every) = plan.save_every_n_epochs {
             if !last && (epoch + 1).is_multiple_of(every as usize) {
-                let dir = run.epoch_dir(epoch + 1);
-                save(&sd, &layout, &groups, plan, &dir, &progress)?;
-                out.saved.push(dir);
+                let ctx = SaveCtx {
+                    sd: &sd,
+                    layout: &layout,
+                    groups: &groups,
+                    plan,
+                    adapters: adapters.as_ref(),
+                    run: &run,
+                    resolution,
+                    images: dataset.items.len(),
+                    started_unix,
+                };
+                out.saved.push(save(
+                    &ctx,
+                    SavePoint::Epoch(epoch + 1),
+                    out.steps,
+                    epoch + 1,
+                    &progress,
+                )?);
             }
         }
         if last {
@@ -318,9 +342,24 @@ pub fn train(plan: &TrainPlan, opts: &RunOptions) -> anyhow::Result<TrainOutcome
         }
     }
     if !out.interrupted {
-        let dir = run.final_dir();
-        save(&sd, &layout, &groups, plan, &dir, &progress)?;
-        out.saved.push(dir);
+        let ctx = SaveCtx {
+            sd: &sd,
+            layout: &layout,
+            groups: &groups,
+            plan,
+            adapters: adapters.as_ref(),
+            run: &run,
+            resolution,
+            images: dataset.items.len(),
+            started_unix,
+        };
+        out.saved.push(save(
+            &ctx,
+            SavePoint::Final,
+            out.steps,
+            out.epochs_completed,
+            &progress,
+        )?);
     }
     progress.finish();
     out.wall_secs = started.elapsed().as_secs_f64();
@@ -351,35 +390,130 @@ fn trainable_text_encoder_params(sd: &StableDiffusion, plan: &TrainPlan) -> Vec<
         .collect()
 }
 
-/// Saves a complete diffusers folder at `dir` with the trained components, plus the optimizer
-/// state when `save_optimizer` is set.
-fn save(
+/// The optimizer groups: the UNet and, when trained, the text encoder(s); for adapter modes, the
+/// adapter parameters with `adapter.unet_lr`/`text_encoder_lr` overriding the groups' lr.
+fn param_groups(
     sd: &StableDiffusion,
-    layout: &ModelLayout,
-    groups: &[Group],
     plan: &TrainPlan,
-    dir: &std::path::Path,
+    adapters: Option<&TrainedAdapters>,
+    total_steps: u64,
+) -> anyhow::Result<Vec<Group>> {
+    let (unet_params, te_params, unet_plan, te_plan) = match adapters {
+        None => (
+            sd.unet_weights.params(),
+            trainable_text_encoder_params(sd, plan),
+            plan.optimizer.unet,
+            plan.optimizer.text_encoder,
+        ),
+        Some(a) => {
+            let mut unet_plan = plan.optimizer.unet;
+            let mut te_plan = plan.optimizer.text_encoder;
+            if let Some(lr) = a.plan.unet_lr {
+                unet_plan.lr = lr;
+            }
+            if let Some(lr) = a.plan.text_encoder_lr {
+                te_plan.lr = lr;
+            }
+            (a.params(false), a.params(true), unet_plan, te_plan)
+        }
+    };
+    let mut groups = vec![Group::new("unet", unet_params, &unet_plan, total_steps)?];
+    if !te_params.is_empty() {
+        groups.push(Group::new(
+            "text_encoder",
+            te_params,
+            &te_plan,
+            total_steps,
+        )?);
+    }
+    Ok(groups)
+}
+
+/// When a save happens.
+#[derive(Debug, Clone, Copy)]
+enum SavePoint {
+    Epoch(usize),
+    Final,
+    Interrupted(usize),
+}
+
+/// Everything a save needs.
+struct SaveCtx<'a> {
+    sd: &'a StableDiffusion,
+    layout: &'a ModelLayout,
+    groups: &'a [Group],
+    plan: &'a TrainPlan,
+    adapters: Option<&'a TrainedAdapters>,
+    run: &'a RunDir,
+    resolution: usize,
+    images: usize,
+    started_unix: f64,
+}
+
+/// Saves the trained weights: a complete diffusers folder (full fine-tune) or a kohya LoRA file
+/// (adapter modes), plus the optimizer state when `save_optimizer` is set. Returns the path.
+fn save(
+    ctx: &SaveCtx<'_>,
+    point: SavePoint,
+    steps: usize,
+    epoch: usize,
     progress: &Progress,
-) -> anyhow::Result<()> {
-    let mut updated = vec![(Component::Unet, sd.unet_weights.params())];
-    if plan.train_text_encoder {
-        let comps = [Component::TextEncoder, Component::TextEncoder2];
-        for (te, comp) in sd.text_encoders.iter().zip(comps) {
-            updated.push((comp, te.weights.params()));
+) -> anyhow::Result<PathBuf> {
+    let plan = ctx.plan;
+    let project = &plan.project_name;
+    let (path, state_dir) = match ctx.adapters {
+        None => {
+            let dir = match point {
+                SavePoint::Epoch(e) => ctx.run.epoch_dir(e),
+                SavePoint::Final => ctx.run.final_dir(),
+                SavePoint::Interrupted(s) => ctx.run.interrupted_dir(s),
+            };
+            let mut updated = vec![(Component::Unet, ctx.sd.unet_weights.params())];
+            if plan.train_text_encoder {
+                let comps = [Component::TextEncoder, Component::TextEncoder2];
+                for (te, comp) in ctx.sd.text_encoders.iter().zip(comps) {
+                    updated.push((comp, te.weights.params()));
+                }
+            }
+            crate::model::export::save_diffusers_folder(ctx.layout, &dir, &updated, DType::F32)
+                .with_context(|| format!("saving {}", dir.display()))?;
+            (dir.clone(), dir)
         }
-    }
-    crate::model::export::save_diffusers_folder(layout, dir, &updated, DType::F32)
-        .with_context(|| format!("saving {}", dir.display()))?;
-    if plan.save_optimizer {
-        for g in groups {
-            let path = dir.join(format!("optimizer-{}.safetensors", g.name));
-            g.optimizer
-                .save_state(&path)
+        Some(a) => {
+            let name = match point {
+                SavePoint::Epoch(e) => format!("{project}-epoch-{e:04}"),
+                SavePoint::Final => project.clone(),
+                SavePoint::Interrupted(s) => format!("{project}-step-{s:06}"),
+            };
+            let path = ctx.run.file(&format!("{name}.safetensors"));
+            let info = SaveInfo {
+                steps,
+                epoch,
+                num_train_images: ctx.images,
+                resolution: ctx.resolution,
+                seed: plan.seed,
+                unet_lr: ctx.groups[0].base_lr,
+                text_encoder_lr: ctx.groups.get(1).map(|g| g.base_lr),
+                output_name: &name,
+                started_at: ctx.started_unix,
+            };
+            a.save(&path, info)
                 .with_context(|| format!("saving {}", path.display()))?;
+            (path, ctx.run.path.join(format!("{name}-optimizer")))
+        }
+    };
+    if plan.save_optimizer {
+        std::fs::create_dir_all(&state_dir)
+            .with_context(|| format!("creating {}", state_dir.display()))?;
+        for g in ctx.groups {
+            let p = state_dir.join(format!("optimizer-{}.safetensors", g.name));
+            g.optimizer
+                .save_state(&p)
+                .with_context(|| format!("saving {}", p.display()))?;
         }
     }
-    progress.println(format!("saved {}", dir.display()));
-    Ok(())
+    progress.println(format!("saved {}", path.display()));
+    Ok(path)
 }
 
 fn check_resolution(sd: &StableDiffusion, resolution: usize) -> anyhow::Result<()> {

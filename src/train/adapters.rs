@@ -1,0 +1,244 @@
+//! Adapter training glue: attaches LoRA/LoCon modules to the loaded (frozen) model as the plan
+//! says, optionally starts them from an existing kohya file (`adapter.init_from`), names their
+//! parameters for the optimizer, and saves them in kohya's format.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use anyhow::Context;
+use candle_core::{DType, Var};
+
+use crate::adapter::kohya_file::{
+    load_kohya, match_to_model, save_kohya, ExpectedModule, KohyaBase, KohyaMetadata,
+    KohyaTensorSet,
+};
+use crate::adapter::kohya_names::{KohyaComponent, KohyaNaming, UnetLayout};
+use crate::adapter::{
+    attach_text_encoder, attach_unet, AdapterComponent, AdapterMode, AdapterSpec, LoraModule,
+};
+use crate::config::{AdapterPlan, SaveDtype, TrainMode, TrainPlan};
+use crate::model::family::{ModelFamily, PredictionType};
+use crate::model::pipeline::StableDiffusion;
+use crate::model::unet::config::BlockKind;
+
+/// The adapters of one run.
+pub struct TrainedAdapters {
+    pub modules: Vec<Arc<LoraModule>>,
+    pub plan: AdapterPlan,
+    naming: KohyaNaming,
+    names: Vec<String>,
+    base: KohyaBase,
+    mode: AdapterMode,
+}
+
+fn kohya_component(c: AdapterComponent) -> KohyaComponent {
+    match c {
+        AdapterComponent::Unet => KohyaComponent::Unet,
+        AdapterComponent::TextEncoder => KohyaComponent::TextEncoder,
+        AdapterComponent::TextEncoder2 => KohyaComponent::TextEncoder2,
+    }
+}
+
+/// Attaches the adapters `plan.adapter` describes to `sd` (whose weights are frozen).
+pub fn attach(sd: &mut StableDiffusion, plan: &TrainPlan) -> anyhow::Result<TrainedAdapters> {
+    let a = plan
+        .adapter
+        .clone()
+        .context("adapter mode without an adapter plan")?;
+    attach_with(sd, plan.mode, a, plan.seed)
+}
+
+/// [`attach`] from its parts: the mode, the adapter settings and the init seed.
+pub fn attach_with(
+    sd: &mut StableDiffusion,
+    mode: TrainMode,
+    a: AdapterPlan,
+    seed: u64,
+) -> anyhow::Result<TrainedAdapters> {
+    let mode = match mode {
+        TrainMode::Lora => AdapterMode::Lora,
+        TrainMode::Locon => AdapterMode::Locon,
+        TrainMode::Full => anyhow::bail!("full fine-tuning has no adapters"),
+    };
+    let spec = AdapterSpec {
+        mode,
+        rank: a.rank,
+        alpha: a.alpha,
+        conv_rank: a.conv_rank,
+        conv_alpha: a.conv_alpha,
+        dropout: a.dropout,
+        seed,
+    };
+    let mut modules = attach_unet(&mut sd.unet, &spec)?;
+    if a.train_text_encoder {
+        let comps = [
+            AdapterComponent::TextEncoder,
+            AdapterComponent::TextEncoder2,
+        ];
+        for (te, comp) in sd.text_encoders.iter_mut().zip(comps) {
+            modules.extend(attach_text_encoder(&mut te.model, comp, &spec)?);
+        }
+    }
+    let family = sd.family();
+    let naming = match family {
+        ModelFamily::Sdxl => {
+            let cfg = &sd.unet.config;
+            let layers = cfg.down_blocks.first().map_or(2, |b| b.layers);
+            let attention: Vec<bool> = cfg
+                .down_blocks
+                .iter()
+                .map(|b| b.kind == BlockKind::CrossAttn)
+                .collect();
+            KohyaNaming::Ldm(UnetLayout::mirrored(layers, &attention))
+        }
+        ModelFamily::Sd1 | ModelFamily::Sd2 => KohyaNaming::Diffusers,
+    };
+    let names = modules
+        .iter()
+        .map(|m| naming.module_name(kohya_component(m.component), &m.module_path))
+        .collect::<Result<Vec<_>, _>>()?;
+    let base = match (family, sd.layout.prediction_type) {
+        (ModelFamily::Sd1, _) => KohyaBase::SdV1,
+        (ModelFamily::Sd2, PredictionType::Epsilon) => KohyaBase::SdV2,
+        (ModelFamily::Sd2, PredictionType::VPrediction) => KohyaBase::SdV2V,
+        (ModelFamily::Sdxl, _) => KohyaBase::SdxlBase,
+    };
+    let adapters = TrainedAdapters {
+        modules,
+        plan: a,
+        naming,
+        names,
+        base,
+        mode,
+    };
+    if let Some(path) = &adapters.plan.init_from {
+        adapters
+            .init_from(path)
+            .with_context(|| format!("adapter.init_from {}", path.display()))?;
+    }
+    crate::adapter::set_training(&adapters.modules, true);
+    Ok(adapters)
+}
+
+impl TrainedAdapters {
+    /// Loads a kohya file into the modules. A file alpha that differs from the configured one is
+    /// folded into `up`, so the module computes exactly what the file describes.
+    fn init_from(&self, path: &Path) -> anyhow::Result<()> {
+        let device = self
+            .modules
+            .first()
+            .map(|m| m.down.device().clone())
+            .unwrap_or(candle_core::Device::Cpu);
+        let file = load_kohya(path, &device)?;
+        let expected: Vec<ExpectedModule> = self
+            .modules
+            .iter()
+            .map(|m| ExpectedModule {
+                component: kohya_component(m.component),
+                module_path: m.module_path.clone(),
+                down_shape: m.down.dims().to_vec(),
+                up_shape: m.up.dims().to_vec(),
+            })
+            .collect();
+        let report = match_to_model(&file, &self.naming, &expected)?;
+        for hit in &report.matched {
+            let m = &self.modules[hit.expected_index];
+            let file_scale = f64::from(hit.alpha) / m.rank as f64;
+            let up = (hit.up.to_dtype(DType::F32)? * (file_scale / m.scale()))?;
+            m.down.set(&hit.down.to_dtype(DType::F32)?)?;
+            m.up.set(&up)?;
+        }
+        eprintln!(
+            "adapter: started from {} ({} modules loaded, {} new)",
+            path.display(),
+            report.matched.len(),
+            report.missing.len()
+        );
+        Ok(())
+    }
+
+    /// Optimizer parameters of the UNet (`text_encoder == false`) or text-encoder modules, named
+    /// by kohya key.
+    pub fn params(&self, text_encoder: bool) -> Vec<(String, Var)> {
+        self.modules
+            .iter()
+            .zip(&self.names)
+            .filter(|(m, _)| (m.component != AdapterComponent::Unet) == text_encoder)
+            .flat_map(|(m, name)| {
+                [
+                    (format!("{name}.lora_down.weight"), m.down.clone()),
+                    (format!("{name}.lora_up.weight"), m.up.clone()),
+                ]
+            })
+            .collect()
+    }
+
+    /// Writes the kohya file atomically.
+    pub fn save(&self, path: &Path, meta: SaveInfo<'_>) -> anyhow::Result<()> {
+        let sets: Vec<KohyaTensorSet> = self
+            .modules
+            .iter()
+            .zip(&self.names)
+            .map(|(m, name)| KohyaTensorSet {
+                name: name.clone(),
+                down: m.down.as_detached_tensor(),
+                up: m.up.as_detached_tensor(),
+                alpha: m.alpha as f32,
+            })
+            .collect();
+        let a = &self.plan;
+        let mut args = Vec::new();
+        if self.mode == AdapterMode::Locon {
+            args.push(("conv_dim".to_string(), a.conv_rank.to_string()));
+            args.push((
+                "conv_alpha".to_string(),
+                crate::adapter::kohya_file::py_float(a.conv_alpha),
+            ));
+        }
+        if a.dropout > 0.0 {
+            args.push((
+                "dropout".to_string(),
+                crate::adapter::kohya_file::py_float(a.dropout),
+            ));
+        }
+        let metadata = KohyaMetadata {
+            base: self.base,
+            network_module: "networks.lora".to_string(),
+            network_dim: a.rank,
+            network_alpha: a.alpha,
+            network_args: args,
+            learning_rate: meta.unet_lr,
+            unet_lr: Some(meta.unet_lr),
+            text_encoder_lr: meta.text_encoder_lr,
+            steps: meta.steps as u64,
+            epoch: meta.epoch as u64,
+            num_train_images: meta.num_train_images as u64,
+            resolution: (meta.resolution as u32, meta.resolution as u32),
+            seed: meta.seed,
+            optimizer: "adamw".to_string(),
+            output_name: meta.output_name.to_string(),
+            training_started_at: meta.started_at,
+            extra: Default::default(),
+        };
+        let dtype = match a.save_dtype {
+            SaveDtype::Fp16 => DType::F16,
+            SaveDtype::Bf16 => DType::BF16,
+            SaveDtype::Fp32 => DType::F32,
+        };
+        save_kohya(path, &sets, &metadata, dtype)?;
+        Ok(())
+    }
+}
+
+/// The run facts a saved adapter file records.
+pub struct SaveInfo<'a> {
+    pub steps: usize,
+    pub epoch: usize,
+    pub num_train_images: usize,
+    pub resolution: usize,
+    pub seed: u64,
+    pub unet_lr: f64,
+    pub text_encoder_lr: Option<f64>,
+    pub output_name: &'a str,
+    pub started_at: f64,
+}
