@@ -176,3 +176,28 @@ fn frozen_layers_store_no_weight_gradients() {
     );
     assert!(diff < 1e-6, "{diff}");
 }
+
+/// `frozen_broadcast_{add,mul}` match candle's broadcast ops in value and in `∂L/∂x`, and leave
+/// no GradStore entry for the constant operand or its broadcast view.
+#[test]
+fn frozen_broadcast_ops_match_reference_and_store_only_the_input_gradient() {
+    let x = randn(&[2, 3, 4], 20);
+    let c = randn(&[3, 1], 21);
+    let r = randn(&[2, 3, 4], 22);
+    type Op = fn(&Tensor, &Tensor) -> candle_core::Result<Tensor>;
+    let cases: [(Op, Op); 2] = [
+        (sdtrain::nn::frozen_broadcast_add, |x, c| x.broadcast_add(c)),
+        (sdtrain::nn::frozen_broadcast_mul, |x, c| x.broadcast_mul(c)),
+    ];
+    for (frozen, reference) in cases {
+        let (y, gx) = fwd_grad(&x, &r, |x| frozen(x, &c).unwrap());
+        let (y_ref, gx_ref) = fwd_grad(&x, &r, |x| reference(x, &c).unwrap());
+        assert!(max_abs_diff(&y, &y_ref) < 1e-6);
+        assert!(max_abs_diff(&gx, &gx_ref) < 1e-6);
+        let xv = Var::from_tensor(&x).unwrap();
+        let loss = frozen(xv.as_tensor(), &c).unwrap().sum_all().unwrap();
+        let grads = loss.backward().unwrap();
+        let ids: Vec<_> = grads.get_ids().collect();
+        assert_eq!(ids, vec![&xv.as_tensor().id()]);
+    }
+}

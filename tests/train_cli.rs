@@ -257,3 +257,97 @@ fn ctrl_c_saves_then_exits_0() {
     assert_eq!(saved.len(), 1, "{}", text(&out));
     ModelLayout::read(&run.join(&saved[0]), None).unwrap();
 }
+
+/// Trains an adapter from the CLI and checks the kohya file: prefixes, alphas and metadata.
+fn check_adapter_run(fixture: &str, mode: &str, prefixes: &[&str], base_version: &str) -> PathBuf {
+    let tmp = tempfile::tempdir().unwrap();
+    let extra =
+        serde_json::json!({"mode": mode, "adapter": {"rank": 4, "alpha": 2, "conv_rank": 2}});
+    let cfg = write_config(tmp.path(), fixture, &demo_data(), extra);
+    let out = sdtrain(&["--config", cfg.to_str().unwrap(), "--cpu"], tmp.path());
+    assert!(out.status.success(), "{fixture}: {}", text(&out));
+    let run = run_folder(tmp.path());
+    let file = run.join("sdtrain.safetensors");
+    let bytes = std::fs::read(&file).unwrap();
+    let (_, header) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+    let meta = header.metadata().clone().unwrap();
+    assert_eq!(meta["ss_base_model_version"], base_version);
+    assert_eq!(meta["ss_network_dim"], "4");
+    assert_eq!(meta["ss_steps"], "2");
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    for p in prefixes {
+        assert!(
+            st.names().iter().any(|n| n.starts_with(p)),
+            "{fixture}: no {p} module"
+        );
+    }
+    assert!(st.names().iter().all(|n| !n.contains("lora_unet_conv_in")));
+    let alpha = st
+        .names()
+        .into_iter()
+        .find(|n| n.ends_with(".alpha"))
+        .unwrap()
+        .to_string();
+    assert!(
+        st.tensor(&alpha).unwrap().shape().is_empty(),
+        "alpha must be 0-d"
+    );
+    // Keep the folder alive for the caller by copying the file out.
+    let keep = std::env::temp_dir().join(format!(
+        "sdtrain-{fixture}-{mode}-{}.safetensors",
+        std::process::id()
+    ));
+    std::fs::copy(&file, &keep).unwrap();
+    keep
+}
+
+#[test]
+fn lora_trains_on_tiny_sd15() {
+    let f = check_adapter_run(
+        "tiny-sd15",
+        "lora",
+        &["lora_unet_down_blocks_", "lora_te_text_model_"],
+        "sd_v1",
+    );
+    std::fs::remove_file(f).ok();
+}
+
+#[test]
+fn locon_trains_on_tiny_sd21_v() {
+    let f = check_adapter_run(
+        "tiny-sd21",
+        "locon",
+        &["lora_unet_down_blocks_0_resnets_0_conv1", "lora_te_"],
+        "sd_v2_v",
+    );
+    std::fs::remove_file(f).ok();
+}
+
+#[test]
+fn lora_trains_on_tiny_sdxl_with_ldm_names_and_resumes_from_its_file() {
+    let f = check_adapter_run(
+        "tiny-sdxl",
+        "lora",
+        &["lora_unet_input_blocks_4_1_", "lora_te1_", "lora_te2_"],
+        "sdxl_base_v1-0",
+    );
+    // init_from: a second run starts from the first run's file.
+    let tmp = tempfile::tempdir().unwrap();
+    let extra = serde_json::json!({"mode": "lora", "max_steps": 1, "adapter": {"rank": 4, "alpha": 2, "init_from": f}});
+    let cfg = write_config(tmp.path(), "tiny-sdxl", &demo_data(), extra);
+    let out = sdtrain(&["--config", cfg.to_str().unwrap(), "--cpu"], tmp.path());
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(text(&out).contains("0 new"), "{}", text(&out));
+    // A rank mismatch is refused with both shapes named.
+    let extra =
+        serde_json::json!({"mode": "lora", "max_steps": 1, "adapter": {"rank": 8, "init_from": f}});
+    let cfg = write_config(tmp.path(), "tiny-sdxl", &demo_data(), extra);
+    let out = sdtrain(&["--config", cfg.to_str().unwrap(), "--cpu"], tmp.path());
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(
+        text(&out).contains("file has [4,") && text(&out).contains("model wants [8,"),
+        "{}",
+        text(&out)
+    );
+    std::fs::remove_file(f).ok();
+}
