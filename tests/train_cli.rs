@@ -351,3 +351,16 @@ fn lora_trains_on_tiny_sdxl_with_ldm_names_and_resumes_from_its_file() {
     );
     std::fs::remove_file(f).ok();
 }
+
+#[test]
+fn shipped_configs_resolve() {
+    let tmp = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(tmp.path().join("data/my-dataset")).unwrap();
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    for name in ["demo-tiny", "sd15-lora-12gb", "sd21-lora", "sdxl-lora-12gb"] {
+        let cfg = root.join("configs").join(format!("{name}.json"));
+        let out = sdtrain(&["--config", cfg.to_str().unwrap(), "--dry-run", "--set", "adapter.rank=32"], tmp.path());
+        assert!(out.status.success(), "{name}: {}", text(&out));
+        assert!(text(&out).contains("rank 32"), "{name}: {}", text(&out));
+    }
+}
