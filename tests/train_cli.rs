@@ -359,7 +359,16 @@ fn shipped_configs_resolve() {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
     for name in ["demo-tiny", "sd15-lora-12gb", "sd21-lora", "sdxl-lora-12gb"] {
         let cfg = root.join("configs").join(format!("{name}.json"));
-        let out = sdtrain(&["--config", cfg.to_str().unwrap(), "--dry-run", "--set", "adapter.rank=32"], tmp.path());
+        let out = sdtrain(
+            &[
+                "--config",
+                cfg.to_str().unwrap(),
+                "--dry-run",
+                "--set",
+                "adapter.rank=32",
+            ],
+            tmp.path(),
+        );
         assert!(out.status.success(), "{name}: {}", text(&out));
         assert!(text(&out).contains("rank 32"), "{name}: {}", text(&out));
     }

@@ -28,7 +28,7 @@
 //!   - conv_in → input_blocks.0.0, time_embedding.linear_1/2 → time_embed.0/2,
 //!     add_embedding.linear_1/2 → label_emb.0.0/0.2, conv_norm_out → out.0, conv_out → out.2.
 //! - Checked against diffusers 0.42.1's SDXL kohya loader (`_maybe_map_sgm_blocks_to_diffusers`
-//!   + `_convert_non_diffusers_lora_to_diffusers`): all 786 LoCon modules of an SDXL-structured
+//!   and `_convert_non_diffusers_lora_to_diffusers`): all 786 LoCon modules of an SDXL-structured
 //!   UNet map back to their paths (`tests/fixtures/kohya_reference.py sdxl-check`, manual).
 //! - Loading inverts the map by building the forward name of every known module path
 //!   ([`KohyaResolver`]): `_` is ambiguous (`to_out_0` vs `to_out.0`, `text_model`), so names are

@@ -171,7 +171,8 @@ impl LoraModule {
                 let dims = x.dims().to_vec();
                 let in_dim = dims[dims.len() - 1];
                 let rows = x.elem_count() / in_dim.max(1);
-                let h = x.reshape((rows, in_dim))?.matmul(&down.t()?)?;
+                // A frozen layer's input is a constant: store no gradient for it.
+                let h = crate::nn::matmul_const_lhs(&x.reshape((rows, in_dim))?, &down)?;
                 let h = self.dropout(&h)?;
                 let y = h.matmul(&up.t()?)?;
                 let mut out_dims = dims;
@@ -182,7 +183,7 @@ impl LoraModule {
             LoraKind::Conv {
                 stride, padding, ..
             } => {
-                let h = x.conv2d(&down, padding, stride, 1, 1)?;
+                let h = crate::nn::conv2d_const_input(x, &down, padding, stride)?;
                 let h = self.dropout(&h)?;
                 h.conv2d(&up, 0, 1, 1, 1)?
             }

@@ -137,7 +137,9 @@ pub fn mse_loss(
             target: target.dims().to_vec(),
         });
     }
-    let sq = (pred.to_dtype(DType::F32)? - target.to_dtype(DType::F32)?)?.sqr()?;
+    // The target is a constant: no gradient is stored for it.
+    let sq =
+        crate::nn::sub_const(&pred.to_dtype(DType::F32)?, &target.to_dtype(DType::F32)?)?.sqr()?;
     let Some(weights) = weights else {
         return Ok(sq.mean_all()?);
     };

@@ -56,14 +56,15 @@ impl ResnetBlock2D {
         let mut h = self.conv1.forward(&silu(&self.norm1.forward(x)?)?)?;
         if let (Some(proj), Some(t)) = (&self.time_emb_proj, temb) {
             let t = proj.forward(&silu(t)?)?.unsqueeze(2)?.unsqueeze(3)?;
-            h = h.broadcast_add(&t)?;
+            // A frozen projection of a frozen embedding is a constant: store no gradient for it.
+            h = crate::nn::broadcast_add_const(&h, &t)?;
         }
         let h = self.conv2.forward(&silu(&self.norm2.forward(&h)?)?)?;
         let shortcut = match &self.conv_shortcut {
             Some(c) => c.forward(x)?,
             None => x.clone(),
         };
-        shortcut + h
+        crate::nn::add_maybe_const(&shortcut, &h)
     }
 }
 

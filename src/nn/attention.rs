@@ -31,7 +31,7 @@ pub fn attention(
     let v = split(v, lk)?;
     let mut scores = q.matmul(&k.t()?)?; // f32 on every backend
     if let Some(m) = mask {
-        scores = scores.broadcast_add(&m.to_dtype(DType::F32)?)?;
+        scores = super::frozen::broadcast_add_const(&scores, &m.to_dtype(DType::F32)?)?;
     }
     let probs = candle_nn::ops::softmax(&scores, D::Minus1)?.to_dtype(dtype)?;
     super::matmul(&probs, &v)?

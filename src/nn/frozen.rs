@@ -262,7 +262,7 @@ impl FrozenConv {
 }
 
 /// An owned copy of a contiguous, offset-0 tensor's storage, as `extract` finds it.
-fn owned_storage<S>(
+pub(crate) fn owned_storage<S>(
     y: &Tensor,
     extract: impl Fn(&Storage) -> Option<Result<S>>,
 ) -> Result<(S, Shape)> {
@@ -428,4 +428,24 @@ pub(crate) fn supported(t: &Tensor) -> bool {
 /// Whether `p` is a frozen parameter: a plain tensor that no gradient flows into.
 pub(crate) fn is_frozen(p: &Tensor) -> bool {
     !p.track_op()
+}
+
+/// `x + c` broadcast, through [`frozen_broadcast_add`] when `c` is a constant (untracked) and the
+/// input is tracked, so no `c`-gradient is stored; the plain op otherwise.
+pub fn broadcast_add_const(x: &Tensor, c: &Tensor) -> Result<Tensor> {
+    if is_frozen(c) && !is_frozen(x) && supported(x) && x.dtype() == c.dtype() {
+        frozen_broadcast_add(x, c)
+    } else {
+        x.broadcast_add(c)
+    }
+}
+
+/// `x · c` broadcast, through [`frozen_broadcast_mul`] when `c` is a constant; see
+/// [`broadcast_add_const`].
+pub fn broadcast_mul_const(x: &Tensor, c: &Tensor) -> Result<Tensor> {
+    if is_frozen(c) && !is_frozen(x) && supported(x) && x.dtype() == c.dtype() {
+        frozen_broadcast_mul(x, c)
+    } else {
+        x.broadcast_mul(c)
+    }
 }

@@ -10,6 +10,7 @@ mod attention;
 mod conv;
 mod embedding;
 mod frozen;
+mod handover;
 mod linear;
 mod norm;
 
@@ -25,9 +26,12 @@ pub trait LayerAdapter: std::fmt::Debug + Send + Sync {
 pub use conv::{Conv2d, Conv2dConfig};
 pub use embedding::Embedding;
 pub use frozen::{
-    frozen_broadcast_add, frozen_broadcast_mul, frozen_conv2d, frozen_conv2d_bias,
-    frozen_conv2d_reference, frozen_linear, frozen_linear_reference, frozen_matmul,
-    frozen_matmul_reference, set_frozen_ops_enabled,
+    broadcast_add_const, broadcast_mul_const, frozen_broadcast_add, frozen_broadcast_mul,
+    frozen_conv2d, frozen_conv2d_bias, frozen_conv2d_reference, frozen_linear,
+    frozen_linear_reference, frozen_matmul, frozen_matmul_reference, set_frozen_ops_enabled,
+};
+pub use handover::{
+    add_maybe_const, cat_with_const, conv2d_const_input, matmul_const_lhs, sub_const,
 };
 pub use linear::Linear;
 pub use norm::{GroupNorm, LayerNorm};

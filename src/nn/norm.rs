@@ -5,6 +5,7 @@
 
 use candle_core::{DType, Result, Tensor, D};
 
+use super::frozen::{broadcast_add_const, broadcast_mul_const};
 use crate::model::weights::{Init, Weights, WeightsError};
 
 #[derive(Debug, Clone)]
@@ -59,8 +60,8 @@ impl GroupNorm {
             .to_dtype(DType::F32)?
             .reshape(affine_shape.as_slice())?;
         xn.reshape(dims.as_slice())?
-            .broadcast_mul(&w)?
-            .broadcast_add(&bias)?
+            .apply(&|t: &Tensor| broadcast_mul_const(t, &w))?
+            .apply(&|t: &Tensor| broadcast_add_const(t, &bias))?
             .to_dtype(dtype)
     }
 }
@@ -93,6 +94,6 @@ impl LayerNorm {
         let xn = xc.broadcast_div(&(var + self.eps)?.sqrt()?)?;
         let w = self.weight.to_dtype(DType::F32)?;
         let b = self.bias.to_dtype(DType::F32)?;
-        xn.broadcast_mul(&w)?.broadcast_add(&b)?.to_dtype(dtype)
+        broadcast_add_const(&broadcast_mul_const(&xn, &w)?, &b)?.to_dtype(dtype)
     }
 }

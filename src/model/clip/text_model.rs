@@ -116,10 +116,12 @@ impl ClipEncoderLayer {
     }
 
     pub fn forward(&self, x: &Tensor, mask: &Tensor) -> candle_core::Result<Tensor> {
-        let h = (x + self
+        // `add_maybe_const`: below the first adapter the residual stream is a constant.
+        let attn = self
             .self_attn
-            .forward(&self.layer_norm1.forward(x)?, mask)?)?;
-        &h + self.mlp.forward(&self.layer_norm2.forward(&h)?)?
+            .forward(&self.layer_norm1.forward(x)?, mask)?;
+        let h = crate::nn::add_maybe_const(x, &attn)?;
+        crate::nn::add_maybe_const(&h, &self.mlp.forward(&self.layer_norm2.forward(&h)?)?)
     }
 }
 

@@ -228,7 +228,8 @@ impl UpBlock {
         let mut h = x.clone();
         for (j, resnet) in self.resnets.iter().enumerate() {
             let skip = &skips[skips.len() - 1 - j];
-            h = resnet.forward(&Tensor::cat(&[&h, skip], 1)?, Some(temb))?;
+            // A skip from below the first adapter is a constant: no gradient is stored for it.
+            h = resnet.forward(&crate::nn::cat_with_const(&h, skip, 1)?, Some(temb))?;
             if let Some(attn) = self.attentions.get(j) {
                 h = attn.forward(&h, context)?;
             }

@@ -10,7 +10,8 @@ use candle_core::{Result, Tensor, D};
 use crate::model::attention::Attention;
 use crate::model::weights::{Weights, WeightsError};
 use crate::nn::{
-    gelu_erf, Conv2d, Conv2dConfig, GroupNorm, LayerMut, LayerNorm, Linear, VisitLayers,
+    add_maybe_const, gelu_erf, Conv2d, Conv2dConfig, GroupNorm, LayerMut, LayerNorm, Linear,
+    VisitLayers,
 };
 
 #[derive(Debug, Clone)]
@@ -76,12 +77,15 @@ impl BasicTransformerBlock {
 
     /// `x` `[B, L, dim]`, `context` `[B, Lc, context_dim]`.
     pub fn forward(&self, x: &Tensor, context: &Tensor) -> Result<Tensor> {
-        let x = (self.attn1.forward(&self.norm1.forward(x)?, None)? + x)?;
-        let x = (self
-            .attn2
-            .forward(&self.norm2.forward(&x)?, Some(context))?
-            + &x)?;
-        self.ff.forward(&self.norm3.forward(&x)?)? + x
+        // Residuals through `add_maybe_const`: below the first adapter they are constants.
+        let x = add_maybe_const(&self.attn1.forward(&self.norm1.forward(x)?, None)?, x)?;
+        let x = add_maybe_const(
+            &self
+                .attn2
+                .forward(&self.norm2.forward(&x)?, Some(context))?,
+            &x,
+        )?;
+        add_maybe_const(&self.ff.forward(&self.norm3.forward(&x)?)?, &x)
     }
 }
 
@@ -182,7 +186,7 @@ impl Transformer2DModel {
             Projection::Conv(conv) => conv.forward(&to_image(&tokens)?)?,
             Projection::Linear(lin) => to_image(&lin.forward(&tokens)?)?,
         };
-        out + x
+        add_maybe_const(&out, x)
     }
 }
 

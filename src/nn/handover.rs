@@ -1,0 +1,169 @@
+//! Graph surgery for frozen bases: an op whose forward result is computed elsewhere (on detached
+//! operands, so candle records nothing) and handed over, attached to ONE tracked argument with a
+//! hand-written backward for that argument only.
+//!
+//! Candle's backward stores a gradient for every operand of an op, tracked or not. Where a
+//! trainable path meets a constant (a LoRA's `down` applied to a frozen layer's input, a skip
+//! connection from before the first adapter, the loss target) that is an activation-sized
+//! gradient nobody reads. These helpers attach the result to the trainable side only:
+//! - `matmul_const_lhs(x, w)` = `x·wᵀ`, gradient for `w` only: `∂L/∂w = gᵀ·x`;
+//! - `conv2d_const_input(x, w)`, gradient for `w` only (candle's own weight-gradient formula);
+//! - `cat_with_const(a, c, dim)` = `cat(a, c)`, gradient for `a` only: `g.narrow(dim, 0, a_len)`;
+//! - `sub_const(a, c)` = `a − c`.
+//!
+//! Forward costs one extra output-sized copy (the handed-over result), which is freed at once.
+
+use std::sync::Mutex;
+
+use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Storage, Tensor};
+
+use super::frozen::owned_storage;
+
+type Backward = Box<dyn Fn(&Tensor, &Tensor) -> Result<Tensor> + Send + Sync>;
+
+struct HandOver {
+    name: &'static str,
+    out: Mutex<Option<Tensor>>,
+    backward: Backward,
+}
+
+impl HandOver {
+    fn take_out(&self) -> Result<Tensor> {
+        let mut slot = self
+            .out
+            .lock()
+            .map_err(|_| candle_core::Error::Msg(format!("{}: poisoned lock", self.name)))?;
+        match slot.take() {
+            Some(y) => Ok(y),
+            None => candle_core::bail!("{}: forward ran twice", self.name),
+        }
+    }
+}
+
+impl CustomOp1 for HandOver {
+    fn name(&self) -> &'static str {
+        self.name
+    }
+
+    fn cpu_fwd(&self, _s: &CpuStorage, _l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let y = self.take_out()?;
+        owned_storage(&y, |s| match s {
+            Storage::Cpu(c) => Some(candle_core::backend::BackendStorage::try_clone(
+                c,
+                &Layout::contiguous(y.shape()),
+            )),
+            _ => None,
+        })
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        _s: &candle_core::CudaStorage,
+        _l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let y = self.take_out()?;
+        owned_storage(&y, |s| match s {
+            Storage::Cuda(c) => Some(candle_core::backend::BackendStorage::try_clone(
+                c,
+                &Layout::contiguous(y.shape()),
+            )),
+            _ => None,
+        })
+    }
+
+    fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        Ok(Some((self.backward)(arg, grad)?))
+    }
+}
+
+/// Attaches the precomputed `out` to `arg` with `backward(arg, grad) -> ∂L/∂arg`.
+fn hand_over(arg: &Tensor, name: &'static str, out: Tensor, backward: Backward) -> Result<Tensor> {
+    let op = HandOver {
+        name,
+        out: Mutex::new(Some(out.contiguous()?)),
+        backward,
+    };
+    arg.apply_op1(op)
+}
+
+/// Whether `t` is a constant here: untracked, on a backend the hand-over supports.
+fn constant(t: &Tensor) -> bool {
+    !t.track_op() && super::frozen::supported(t)
+}
+
+/// `x·wᵀ` (`x` `[N, in]`, `w` `[out, in]`); when `x` is a constant, only `w` gets a gradient.
+pub fn matmul_const_lhs(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    if !constant(x) || !w.track_op() {
+        return x.matmul(&w.t()?);
+    }
+    let out = x.matmul(&w.detach().t()?)?;
+    let x = x.clone();
+    hand_over(
+        w,
+        "matmul-const-lhs",
+        out,
+        Box::new(move |_w, g| g.t()?.matmul(&x)),
+    )
+}
+
+/// `conv2d(x, w)`; when `x` is a constant, only `w` gets a gradient.
+pub fn conv2d_const_input(x: &Tensor, w: &Tensor, padding: usize, stride: usize) -> Result<Tensor> {
+    if !constant(x) || !w.track_op() {
+        return x.conv2d(w, padding, stride, 1, 1);
+    }
+    let out = x.conv2d(&w.detach(), padding, stride, 1, 1)?;
+    let x = x.clone();
+    hand_over(
+        w,
+        "conv2d-const-input",
+        out,
+        Box::new(move |w, g| {
+            // candle's Conv2D weight gradient (backprop.rs), with stride and dilation swapped.
+            let gk = x
+                .transpose(0, 1)?
+                .conv2d(&g.transpose(0, 1)?, padding, 1, stride, 1)?
+                .transpose(0, 1)?;
+            let (_, _, k0, k1) = w.dims4()?;
+            let (_, _, g0, g1) = gk.dims4()?;
+            if g0 != k0 || g1 != k1 {
+                gk.narrow(2, 0, k0)?.narrow(3, 0, k1)
+            } else {
+                Ok(gk)
+            }
+        }),
+    )
+}
+
+/// `cat(a, c)` along `dim`; when `c` is a constant and `a` tracked, only `a` gets a gradient.
+pub fn cat_with_const(a: &Tensor, c: &Tensor, dim: usize) -> Result<Tensor> {
+    if !constant(c) || !a.track_op() {
+        return Tensor::cat(&[a, c], dim);
+    }
+    let out = Tensor::cat(&[&a.detach(), c], dim)?;
+    let len = a.dim(dim)?;
+    hand_over(
+        a,
+        "cat-with-const",
+        out,
+        Box::new(move |_a, g| g.narrow(dim, 0, len)),
+    )
+}
+
+/// `a − c`; when `c` is a constant, only `a` gets a gradient (the loss against its target).
+pub fn sub_const(a: &Tensor, c: &Tensor) -> Result<Tensor> {
+    if !constant(c) || !a.track_op() {
+        return a - c;
+    }
+    let out = (a.detach() - c)?;
+    hand_over(a, "sub-const", out, Box::new(|_a, g| Ok(g.clone())))
+}
+
+/// `a + b` where either side may be a constant: the constant gets no gradient.
+pub fn add_maybe_const(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    match (constant(a) && b.track_op(), constant(b) && a.track_op()) {
+        (true, _) => super::frozen_broadcast_add(b, a),
+        (_, true) => super::frozen_broadcast_add(a, b),
+        _ => a + b,
+    }
+}
