@@ -199,6 +199,16 @@ pub fn train(plan: &TrainPlan, opts: &RunOptions) -> anyhow::Result<TrainOutcome
         total_steps
     );
 
+    let saver = Saver {
+        sd: &sd,
+        layout: &layout,
+        plan,
+        adapters: adapters.as_ref(),
+        run: &run,
+        resolution,
+        images: dataset.items.len(),
+        started_unix,
+    };
     let settings = StepSettings {
         objective: &objective,
         flip_p: plan.data.flip_p,
@@ -292,19 +302,8 @@ pub fn train(plan: &TrainPlan, opts: &RunOptions) -> anyhow::Result<TrainOutcome
             }
             if interrupt.requested() {
                 out.interrupted = true;
-                let ctx = SaveCtx {
-                    sd: &sd,
-                    layout: &layout,
-                    groups: &groups,
-                    plan,
-                    adapters: adapters.as_ref(),
-                    run: &run,
-                    resolution,
-                    images: dataset.items.len(),
-                    started_unix,
-                };
-                out.saved.push(save(
-                    &ctx,
+                out.saved.push(saver.save(
+                    &groups,
                     SavePoint::Interrupted(out.steps),
                     out.steps,
                     epoch + 1,
@@ -317,19 +316,8 @@ pub fn train(plan: &TrainPlan, opts: &RunOptions) -> anyhow::Result<TrainOutcome
         let last = out.steps >= total_steps || epoch + 1 == max_epochs;
         if let Some(every) = plan.save_every_n_epochs {
             if !last && (epoch + 1).is_multiple_of(every as usize) {
-                let ctx = SaveCtx {
-                    sd: &sd,
-                    layout: &layout,
-                    groups: &groups,
-                    plan,
-                    adapters: adapters.as_ref(),
-                    run: &run,
-                    resolution,
-                    images: dataset.items.len(),
-                    started_unix,
-                };
-                out.saved.push(save(
-                    &ctx,
+                out.saved.push(saver.save(
+                    &groups,
                     SavePoint::Epoch(epoch + 1),
                     out.steps,
                     epoch + 1,
@@ -342,19 +330,8 @@ pub fn train(plan: &TrainPlan, opts: &RunOptions) -> anyhow::Result<TrainOutcome
         }
     }
     if !out.interrupted {
-        let ctx = SaveCtx {
-            sd: &sd,
-            layout: &layout,
-            groups: &groups,
-            plan,
-            adapters: adapters.as_ref(),
-            run: &run,
-            resolution,
-            images: dataset.items.len(),
-            started_unix,
-        };
-        out.saved.push(save(
-            &ctx,
+        out.saved.push(saver.save(
+            &groups,
             SavePoint::Final,
             out.steps,
             out.epochs_completed,
@@ -437,11 +414,10 @@ enum SavePoint {
     Interrupted(usize),
 }
 
-/// Everything a save needs.
-struct SaveCtx<'a> {
+/// Everything a save needs but the optimizer groups (which the loop mutates between saves).
+struct Saver<'a> {
     sd: &'a StableDiffusion,
     layout: &'a ModelLayout,
-    groups: &'a [Group],
     plan: &'a TrainPlan,
     adapters: Option<&'a TrainedAdapters>,
     run: &'a RunDir,
@@ -450,70 +426,79 @@ struct SaveCtx<'a> {
     started_unix: f64,
 }
 
-/// Saves the trained weights: a complete diffusers folder (full fine-tune) or a kohya LoRA file
-/// (adapter modes), plus the optimizer state when `save_optimizer` is set. Returns the path.
-fn save(
-    ctx: &SaveCtx<'_>,
-    point: SavePoint,
-    steps: usize,
-    epoch: usize,
-    progress: &Progress,
-) -> anyhow::Result<PathBuf> {
-    let plan = ctx.plan;
-    let project = &plan.project_name;
-    let (path, state_dir) = match ctx.adapters {
-        None => {
-            let dir = match point {
-                SavePoint::Epoch(e) => ctx.run.epoch_dir(e),
-                SavePoint::Final => ctx.run.final_dir(),
-                SavePoint::Interrupted(s) => ctx.run.interrupted_dir(s),
-            };
-            let mut updated = vec![(Component::Unet, ctx.sd.unet_weights.params())];
-            if plan.train_text_encoder {
-                let comps = [Component::TextEncoder, Component::TextEncoder2];
-                for (te, comp) in ctx.sd.text_encoders.iter().zip(comps) {
-                    updated.push((comp, te.weights.params()));
+impl Saver<'_> {
+    /// Saves the trained weights: a complete diffusers folder (full fine-tune) or a kohya LoRA
+    /// file (adapter modes), plus the optimizer state when `save_optimizer` is set. Returns the
+    /// path.
+    fn save(
+        &self,
+        groups: &[Group],
+        point: SavePoint,
+        steps: usize,
+        epoch: usize,
+        progress: &Progress,
+    ) -> anyhow::Result<PathBuf> {
+        let plan = self.plan;
+        let project = &plan.project_name;
+        let (path, state_dir) = match self.adapters {
+            None => {
+                let dir = match point {
+                    SavePoint::Epoch(e) => self.run.epoch_dir(e),
+                    SavePoint::Final => self.run.final_dir(),
+                    SavePoint::Interrupted(s) => self.run.interrupted_dir(s),
+                };
+                let mut updated = vec![(Component::Unet, self.sd.unet_weights.params())];
+                if plan.train_text_encoder {
+                    let comps = [Component::TextEncoder, Component::TextEncoder2];
+                    for (te, comp) in self.sd.text_encoders.iter().zip(comps) {
+                        updated.push((comp, te.weights.params()));
+                    }
                 }
-            }
-            crate::model::export::save_diffusers_folder(ctx.layout, &dir, &updated, DType::F32)
+                crate::model::export::save_diffusers_folder(
+                    self.layout,
+                    &dir,
+                    &updated,
+                    DType::F32,
+                )
                 .with_context(|| format!("saving {}", dir.display()))?;
-            (dir.clone(), dir)
+                (dir.clone(), dir)
+            }
+            Some(a) => {
+                let name = match point {
+                    SavePoint::Epoch(e) => format!("{project}-epoch-{e:04}"),
+                    SavePoint::Final => project.clone(),
+                    SavePoint::Interrupted(s) => format!("{project}-step-{s:06}"),
+                };
+                let path = self.run.file(&format!("{name}.safetensors"));
+                let info = SaveInfo {
+                    steps,
+                    epoch,
+                    num_train_images: self.images,
+                    resolution: self.resolution,
+                    seed: plan.seed,
+                    unet_lr: groups[0].base_lr,
+                    text_encoder_lr: groups.get(1).map(|g| g.base_lr),
+                    output_name: &name,
+                    started_at: self.started_unix,
+                };
+                a.save(&path, info)
+                    .with_context(|| format!("saving {}", path.display()))?;
+                (path, self.run.path.join(format!("{name}-optimizer")))
+            }
+        };
+        if plan.save_optimizer {
+            std::fs::create_dir_all(&state_dir)
+                .with_context(|| format!("creating {}", state_dir.display()))?;
+            for g in groups {
+                let p = state_dir.join(format!("optimizer-{}.safetensors", g.name));
+                g.optimizer
+                    .save_state(&p)
+                    .with_context(|| format!("saving {}", p.display()))?;
+            }
         }
-        Some(a) => {
-            let name = match point {
-                SavePoint::Epoch(e) => format!("{project}-epoch-{e:04}"),
-                SavePoint::Final => project.clone(),
-                SavePoint::Interrupted(s) => format!("{project}-step-{s:06}"),
-            };
-            let path = ctx.run.file(&format!("{name}.safetensors"));
-            let info = SaveInfo {
-                steps,
-                epoch,
-                num_train_images: ctx.images,
-                resolution: ctx.resolution,
-                seed: plan.seed,
-                unet_lr: ctx.groups[0].base_lr,
-                text_encoder_lr: ctx.groups.get(1).map(|g| g.base_lr),
-                output_name: &name,
-                started_at: ctx.started_unix,
-            };
-            a.save(&path, info)
-                .with_context(|| format!("saving {}", path.display()))?;
-            (path, ctx.run.path.join(format!("{name}-optimizer")))
-        }
-    };
-    if plan.save_optimizer {
-        std::fs::create_dir_all(&state_dir)
-            .with_context(|| format!("creating {}", state_dir.display()))?;
-        for g in ctx.groups {
-            let p = state_dir.join(format!("optimizer-{}.safetensors", g.name));
-            g.optimizer
-                .save_state(&p)
-                .with_context(|| format!("saving {}", p.display()))?;
-        }
+        progress.println(format!("saved {}", path.display()));
+        Ok(path)
     }
-    progress.println(format!("saved {}", path.display()));
-    Ok(path)
 }
 
 fn check_resolution(sd: &StableDiffusion, resolution: usize) -> anyhow::Result<()> {
