@@ -9,6 +9,7 @@
 //! (which compute and store weight gradients): the "before" of `nn::frozen`. Prints each step's
 //! time, the median, the GradStore size and the process's peak RSS (VmHWM).
 
+use sdtrain::model::reference_configs::SD15_UNET;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
@@ -16,18 +17,6 @@ use candle_core::{DType, Device, Tensor};
 use sdtrain::adapter::{adapter_vars, attach_unet, AdapterMode, AdapterSpec};
 use sdtrain::model::unet::{UNet2DConditionModel, UnetConfig};
 use sdtrain::model::weights::Weights;
-
-/// runwayml/stable-diffusion-v1-5 `unet/config.json`.
-const SD15_UNET: &str = r#"{
-  "_class_name": "UNet2DConditionModel", "_diffusers_version": "0.6.0", "act_fn": "silu",
-  "attention_head_dim": 8, "block_out_channels": [320, 640, 1280, 1280],
-  "center_input_sample": false, "cross_attention_dim": 768,
-  "down_block_types": ["CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"],
-  "downsample_padding": 1, "flip_sin_to_cos": true, "freq_shift": 0, "in_channels": 4,
-  "layers_per_block": 2, "mid_block_scale_factor": 1, "norm_eps": 1e-05, "norm_num_groups": 32,
-  "out_channels": 4, "sample_size": 64,
-  "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"]
-}"#;
 
 fn arg(args: &[String], name: &str, default: &str) -> String {
     args.iter()

@@ -6,6 +6,7 @@ pub mod export;
 pub mod family;
 pub mod files;
 pub mod pipeline;
+pub mod reference_configs;
 pub mod resnet;
 pub mod sampling;
 pub mod source;
