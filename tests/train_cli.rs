@@ -210,13 +210,23 @@ fn folder_without_images_exits_2() {
 
 #[test]
 fn ctrl_c_saves_then_exits_0() {
-    let tmp = tempfile::tempdir().unwrap();
-    let cfg = write_config(
-        tmp.path(),
-        "tiny-sd15",
-        &demo_data(),
-        serde_json::json!({"max_steps": 1000}),
+    let saved = ctrl_c_run(serde_json::json!({"max_steps": 1000}));
+    assert!(saved.starts_with("interrupted-step-"), "{saved}");
+}
+
+#[test]
+fn ctrl_c_saves_the_lora_then_exits_0() {
+    let saved = ctrl_c_run(serde_json::json!({"max_steps": 1000, "mode": "lora"}));
+    assert!(
+        saved.starts_with("sdtrain-step-") && saved.ends_with(".safetensors"),
+        "{saved}"
     );
+}
+
+/// Starts a long run, sends SIGINT once a step is logged, and returns the name of what it saved.
+fn ctrl_c_run(extra: serde_json::Value) -> String {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = write_config(tmp.path(), "tiny-sd15", &demo_data(), extra);
     let child = Command::new(env!("CARGO_BIN_EXE_sdtrain"))
         .args(["--config", cfg.to_str().unwrap(), "--cpu"])
         .current_dir(tmp.path())
@@ -252,10 +262,13 @@ fn ctrl_c_saves_then_exits_0() {
     let saved: Vec<String> = std::fs::read_dir(&run)
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .filter(|n| n.starts_with("interrupted-step-"))
+        .filter(|n| n.starts_with("interrupted-step-") || n.starts_with("sdtrain-step-"))
         .collect();
     assert_eq!(saved.len(), 1, "{}", text(&out));
-    ModelLayout::read(&run.join(&saved[0]), None).unwrap();
+    if saved[0].starts_with("interrupted-step-") {
+        ModelLayout::read(&run.join(&saved[0]), None).unwrap();
+    }
+    saved[0].clone()
 }
 
 /// Trains an adapter from the CLI and checks the kohya file: prefixes, alphas and metadata.
