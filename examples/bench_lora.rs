@@ -9,29 +9,18 @@
 //! (which compute and store weight gradients): the "before" of `nn::frozen`. Prints each step's
 //! time, the median, the GradStore size and the process's peak RSS (VmHWM).
 
+#[path = "support/bench.rs"]
+mod bench;
+
 use sdtrain::model::reference_configs::SD15_UNET;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
+use bench::{arg, peak_rss_gib};
 use candle_core::{DType, Device, Tensor};
 use sdtrain::adapter::{adapter_vars, attach_unet, AdapterMode, AdapterSpec};
 use sdtrain::model::unet::{UNet2DConditionModel, UnetConfig};
 use sdtrain::model::weights::Weights;
-
-fn arg(args: &[String], name: &str, default: &str) -> String {
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1))
-        .cloned()
-        .unwrap_or_else(|| default.to_string())
-}
-
-fn peak_rss_gib() -> Option<f64> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
-    let kib: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib / (1024.0 * 1024.0))
-}
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().collect();

@@ -52,12 +52,9 @@ impl Linear {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let y = self.base_forward(x)?;
         match &self.adapter {
-            // A frozen layer on an untracked input has an untracked output; a plain add would
-            // store an output-sized gradient for it that nothing reads.
-            Some(a) if !y.track_op() && super::frozen::supported(&y) => {
-                super::frozen_broadcast_add(&a.delta(x)?, &y)
-            }
-            Some(a) => y + a.delta(x)?,
+            // A frozen layer on an untracked input has an untracked output: `add_maybe_const`
+            // stores no gradient for it.
+            Some(a) => super::add_maybe_const(&y, &a.delta(x)?),
             None => Ok(y),
         }
     }
