@@ -14,7 +14,7 @@ use sdtrain::model::reference_configs::SD15_UNET;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
-use bench::{arg, peak_rss_gib};
+use bench::{arg, peak_memory_gib};
 use candle_core::{DType, Device, Tensor};
 use sdtrain::model::unet::{UNet2DConditionModel, UnetConfig};
 use sdtrain::model::weights::Weights;
@@ -69,8 +69,8 @@ fn main() -> Result<()> {
     }
     times.sort_by(|a, b| a.total_cmp(b));
     println!("median step: {:.2} s", times[times.len() / 2]);
-    if let Some(peak) = peak_rss_gib() {
-        println!("peak RSS: {peak:.2} GiB");
+    if let Some(peak) = peak_memory_gib(&device) {
+        println!("peak memory: {peak:.2} GiB");
     }
     Ok(())
 }

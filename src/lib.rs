@@ -7,6 +7,7 @@ pub mod data;
 pub mod diffusion;
 pub mod fsutil;
 pub mod inspect;
+pub mod memory;
 pub mod model;
 pub mod nn;
 pub mod optim;

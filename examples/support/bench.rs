@@ -1,4 +1,4 @@
-//! Helpers shared by the benchmark examples: `--name value` arguments and peak RSS.
+//! Helpers shared by the benchmark examples: `--name value` arguments and peak memory.
 
 /// The value after `name` in `args`, or `default`.
 pub fn arg(args: &[String], name: &str, default: &str) -> String {
@@ -9,10 +9,11 @@ pub fn arg(args: &[String], name: &str, default: &str) -> String {
         .unwrap_or_else(|| default.to_string())
 }
 
-/// The process's peak resident set size (VmHWM) in GiB, on Linux.
-pub fn peak_rss_gib() -> Option<f64> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
-    let kib: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib / (1024.0 * 1024.0))
+/// The peak memory in GiB: the process's peak RSS on the CPU, the CUDA pool's high-water mark on
+/// a CUDA device (see `sdtrain::memory`).
+pub fn peak_memory_gib(device: &candle_core::Device) -> Option<f64> {
+    sdtrain::memory::MemoryUsage::read(device)
+        .ok()
+        .flatten()
+        .map(|m| m.peak_gib())
 }

@@ -10,6 +10,7 @@
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use candle_core::safetensors::MmapedSafetensors;
@@ -73,6 +74,8 @@ struct Inner {
     trainable: bool,
     params: Mutex<Vec<(String, Var)>>,
     used: Mutex<HashSet<String>>,
+    /// Elements handed out so far (each name counted once).
+    elements: AtomicUsize,
 }
 
 /// A cursor into a tensor source at a module path prefix. Cheap to clone.
@@ -139,6 +142,7 @@ impl Weights {
                 trainable,
                 params: Mutex::new(Vec::new()),
                 used: Mutex::new(HashSet::new()),
+                elements: AtomicUsize::new(0),
             }),
             prefix: String::new(),
         }
@@ -230,7 +234,11 @@ impl Weights {
                 random_tensor(rng, &shape, init, inner.dtype, &inner.device).map_err(load_err)?
             }
         };
-        lock(&inner.used).insert(full.clone());
+        if lock(&inner.used).insert(full.clone()) {
+            inner
+                .elements
+                .fetch_add(tensor.elem_count(), Ordering::Relaxed);
+        }
         if inner.trainable {
             let var = Var::from_tensor(&tensor).map_err(load_err)?;
             let t = var.as_tensor().clone();
@@ -239,6 +247,11 @@ impl Weights {
         } else {
             Ok(tensor)
         }
+    }
+
+    /// Elements of every tensor read so far, trainable or frozen (a parameter count).
+    pub fn element_count(&self) -> usize {
+        self.inner.elements.load(Ordering::Relaxed)
     }
 
     /// The trainable parameters created so far, by full name, in construction order.
@@ -287,23 +300,38 @@ fn random_tensor(
     let data: Vec<f32> = match init {
         Init::Zeros => vec![0.0; n],
         Init::Ones => vec![1.0; n],
-        Init::Uniform(bound) => {
-            let mut rng = lock(rng);
-            (0..n)
-                .map(|_| rng.random_range(-bound..bound) as f32)
-                .collect()
-        }
-        Init::Normal(std) => {
-            // Box–Muller: no extra crate for a benchmark-only initialiser.
-            let mut rng = lock(rng);
-            (0..n)
-                .map(|_| {
-                    let u1: f64 = rng.random_range(f64::EPSILON..1.0);
-                    let u2: f64 = rng.random::<f64>();
-                    (std * (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()) as f32
-                })
-                .collect()
-        }
+        Init::Uniform(bound) => random_fill(rng, n, |r| r.random_range(-bound..bound) as f32),
+        // Box–Muller: no extra crate for a benchmark-only initialiser.
+        Init::Normal(std) => random_fill(rng, n, |r| {
+            let u1: f64 = r.random_range(f64::EPSILON..1.0);
+            let u2: f64 = r.random::<f64>();
+            (std * (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()) as f32
+        }),
     };
     Tensor::from_vec(data, shape.clone(), device)?.to_dtype(dtype)
+}
+
+/// `n` values of `sample`, filled in parallel: each 64 Ki-element chunk has its own generator,
+/// seeded from one draw of the source's RNG and the chunk index, so the values depend on the
+/// seed and the order tensors are read, never on the thread count. (A full SDXL UNet is 2.6 G
+/// values: one thread took minutes.)
+fn random_fill(
+    rng: &Mutex<StdRng>,
+    n: usize,
+    sample: impl Fn(&mut StdRng) -> f32 + Sync,
+) -> Vec<f32> {
+    use rayon::prelude::*;
+    const CHUNK: usize = 1 << 16;
+    let base: u64 = lock(rng).random();
+    let mut data = vec![0f32; n];
+    data.par_chunks_mut(CHUNK)
+        .enumerate()
+        .for_each(|(i, chunk)| {
+            let mut r =
+                StdRng::seed_from_u64(base ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+            for v in chunk {
+                *v = sample(&mut r);
+            }
+        });
+    data
 }

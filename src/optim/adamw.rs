@@ -25,7 +25,7 @@ use serde::{Deserialize, Serialize};
 
 use super::grad::summarize;
 use super::state::{self, StateReader, OPTIMIZER_KEY, VERSION_KEY};
-use super::{OptimError, Optimizer, Result, StepStats};
+use super::{Finite, OptimError, Optimizer, Result, StepStats};
 
 const NAME: &str = "adamw";
 const STATE_VERSION: &str = "1";
@@ -330,8 +330,9 @@ impl AdamW {
     }
 }
 
-impl Optimizer for AdamW {
-    fn step(&mut self, grads: &GradStore) -> Result<StepStats> {
+impl AdamW {
+    /// The parameters that have a gradient in `grads`, with it; fails on a shape mismatch.
+    fn with_grads<'g>(&self, grads: &'g GradStore) -> Result<Vec<(usize, &'g Tensor)>> {
         let with_grad: Vec<(usize, &Tensor)> = self
             .params
             .iter()
@@ -348,6 +349,25 @@ impl Optimizer for AdamW {
                 });
             }
         }
+        Ok(with_grad)
+    }
+
+    fn apply(&mut self, with_grad: Vec<(usize, &Tensor)>) -> Result<()> {
+        let hyper = self.hyper;
+        for (i, g) in with_grad {
+            let p = &mut self.params[i];
+            p.update(g, &hyper).map_err(|e| OptimError::Tensor {
+                name: p.name.clone(),
+                source: Box::new(e),
+            })?;
+        }
+        Ok(())
+    }
+}
+
+impl Optimizer for AdamW {
+    fn step(&mut self, grads: &GradStore) -> Result<StepStats> {
+        let with_grad = self.with_grads(grads)?;
         // The finiteness check is a GPU→CPU sync point (one copy of per-parameter sums).
         let gs: Vec<&Tensor> = with_grad.iter().map(|&(_, g)| g).collect();
         let summary = summarize(&gs)?;
@@ -367,14 +387,19 @@ impl Optimizer for AdamW {
                 .collect();
             return Ok(stats);
         }
-        let hyper = self.hyper;
-        for (i, g) in with_grad {
-            let p = &mut self.params[i];
-            p.update(g, &hyper).map_err(|e| OptimError::Tensor {
-                name: p.name.clone(),
-                source: Box::new(e),
-            })?;
-        }
+        self.apply(with_grad)?;
+        Ok(stats)
+    }
+
+    fn step_checked(&mut self, grads: &GradStore, _finite: Finite) -> Result<StepStats> {
+        let with_grad = self.with_grads(grads)?;
+        let stats = StepStats {
+            grad_norm: f32::NAN,
+            updated: with_grad.len(),
+            no_grad: self.params.len() - with_grad.len(),
+            ..StepStats::default()
+        };
+        self.apply(with_grad)?;
         Ok(stats)
     }
 

@@ -26,11 +26,24 @@ pub(crate) struct GradSummary {
 /// 0 for finite values and NaN otherwise. torch would step on huge-but-finite gradients, so we do
 /// too.
 pub(crate) fn summarize(grads: &[&Tensor]) -> candle_core::Result<GradSummary> {
-    let sums = grads
+    Ok(summarize_with(&[], grads)?.1)
+}
+
+/// [`summarize`], fetching the 0-d f32 tensors `extra` (e.g. the step's loss) in the same
+/// device→host copy; returns their values first.
+fn summarize_with(
+    extra: &[&Tensor],
+    grads: &[&Tensor],
+) -> candle_core::Result<(Vec<f32>, GradSummary)> {
+    let mut scalars = extra
         .iter()
-        .map(|g| g.to_dtype(DType::F32)?.sqr()?.sum_all())
+        .map(|t| t.to_dtype(DType::F32)?.reshape(()))
         .collect::<candle_core::Result<Vec<_>>>()?;
-    let sums = fetch_scalars(&sums)?;
+    for g in grads {
+        scalars.push(g.to_dtype(DType::F32)?.sqr()?.sum_all()?);
+    }
+    let mut sums = fetch_scalars(&scalars)?;
+    let extra_values: Vec<f32> = sums.drain(..extra.len()).collect();
     let total: f64 = sums.iter().map(|&s| f64::from(s)).sum();
     let mut nonfinite = Vec::new();
     for (i, s) in sums.iter().enumerate() {
@@ -42,11 +55,47 @@ pub(crate) fn summarize(grads: &[&Tensor]) -> candle_core::Result<GradSummary> {
             }
         }
     }
-    Ok(GradSummary {
+    let summary = GradSummary {
         norm: total.sqrt() as f32,
         nonfinite,
-    })
+    };
+    Ok((extra_values, summary))
 }
+
+/// What the trainer learns from its one device→host copy per optimizer step: the summed loss of
+/// the step's micro-batches and the global gradient norm over every parameter group.
+#[derive(Debug, Clone)]
+pub struct StepCheck {
+    /// The loss tensor's value (the sum the caller passed).
+    pub loss: f64,
+    /// Global L2 norm over all gradients (non-finite if any gradient is).
+    pub grad_norm: f32,
+    finite: bool,
+}
+
+impl StepCheck {
+    /// Fetches `loss` (a 0-d tensor) and summarises `grads` in one copy. Call it once per
+    /// optimizer step, after the last micro-batch's backward.
+    pub fn fetch(loss: &Tensor, grads: &[&Tensor]) -> Result<Self> {
+        let (values, summary) = summarize_with(&[loss], grads)?;
+        let loss = f64::from(values[0]);
+        Ok(Self {
+            loss,
+            grad_norm: summary.norm,
+            finite: summary.nonfinite.is_empty() && loss.is_finite(),
+        })
+    }
+
+    /// Whether the loss and every gradient are finite, so the step may be applied.
+    pub fn finite(&self) -> Option<Finite> {
+        self.finite.then_some(Finite(()))
+    }
+}
+
+/// Proof that the gradients of this step were checked finite, for
+/// [`super::Optimizer::step_checked`]. Only [`StepCheck::finite`] makes one.
+#[derive(Debug, Clone, Copy)]
+pub struct Finite(());
 
 /// Copies 0-d f32 tensors to the host; one copy (one GPU→CPU sync point) when they share a
 /// device.
@@ -145,6 +194,23 @@ mod tests {
         let s = summarize(&[&big]).unwrap();
         assert!(s.nonfinite.is_empty());
         assert!(!s.norm.is_finite());
+    }
+
+    #[test]
+    fn step_check_fetches_loss_and_norm_together() {
+        let loss = Tensor::new(2.5f32, &Device::Cpu).unwrap();
+        let g1 = Tensor::new(&[3.0f32, 0.0], &Device::Cpu).unwrap();
+        let g2 = Tensor::new(&[[4.0f32]], &Device::Cpu).unwrap();
+        let c = StepCheck::fetch(&loss, &[&g1, &g2]).unwrap();
+        assert_eq!(c.loss, 2.5);
+        assert_eq!(c.grad_norm, 5.0);
+        assert!(c.finite().is_some());
+        let nan = Tensor::new(f32::NAN, &Device::Cpu).unwrap();
+        assert!(StepCheck::fetch(&nan, &[&g1]).unwrap().finite().is_none());
+        let bad = Tensor::new(&[f32::INFINITY], &Device::Cpu).unwrap();
+        let c = StepCheck::fetch(&loss, &[&g1, &bad]).unwrap();
+        assert!(c.finite().is_none());
+        assert_eq!(c.loss, 2.5);
     }
 
     #[test]

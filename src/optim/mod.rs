@@ -21,7 +21,7 @@ use std::path::{Path, PathBuf};
 use candle_core::backprop::GradStore;
 
 pub use adamw::{AdamW, AdamWParams, ParamState};
-pub use grad::{clip_grad_norm, grad_norm};
+pub use grad::{clip_grad_norm, grad_norm, Finite, StepCheck};
 pub use schedule::{LrSchedule, ScheduleError, ScheduleKind};
 
 /// Errors from the optimizers and their state files.
@@ -93,7 +93,8 @@ pub struct StepStats {
     pub skipped_nonfinite: bool,
     /// The parameters whose gradients were non-finite (empty unless skipped).
     pub nonfinite_params: Vec<String>,
-    /// Global L2 norm over every gradient the step saw, computed in f32 (non-finite when skipped).
+    /// Global L2 norm over every gradient the step saw, computed in f32 (non-finite when skipped;
+    /// NaN from `step_checked`, whose caller holds the norm in its [`StepCheck`]).
     pub grad_norm: f32,
     /// Parameters updated (those with a gradient in the store).
     pub updated: usize,
@@ -105,6 +106,10 @@ pub struct StepStats {
 pub trait Optimizer {
     /// Applies one update from `grads`. Parameters missing from the store are skipped.
     fn step(&mut self, grads: &GradStore) -> Result<StepStats>;
+    /// [`Optimizer::step`] for gradients the caller already checked finite with
+    /// [`StepCheck::fetch`], which fetched them with the loss in one device→host copy: this skips
+    /// the optimizer's own check and its sync point. Shapes are still checked.
+    fn step_checked(&mut self, grads: &GradStore, finite: Finite) -> Result<StepStats>;
     /// The learning rate the next step will use.
     fn learning_rate(&self) -> f64;
     /// Sets the learning rate, e.g. from [`LrSchedule::lr_at`] before each step.

@@ -1,5 +1,5 @@
 //! The run's JSON-lines log (`train_log.jsonl`): one object per logged optimizer step with step,
-//! epoch, loss, lr, grad norm and wall time. Each line is flushed as written, so a killed run
+//! epoch, loss, lr, grad norm, wall time and memory. Each line is flushed as written, so a killed run
 //! keeps its log.
 
 use std::fs::File;
@@ -7,6 +7,8 @@ use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
 use serde::Serialize;
+
+use crate::memory::MemoryUsage;
 
 #[derive(Debug, Clone, Serialize)]
 pub struct LogRecord {
@@ -21,6 +23,10 @@ pub struct LogRecord {
     pub time_s: f64,
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub skipped_nonfinite: bool,
+    /// Memory in use and the run's peak so far: the CUDA pool (plus the card's free/total) on
+    /// CUDA, the process's RSS on the CPU.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub memory: Option<MemoryUsage>,
 }
 
 pub struct JsonlLog {

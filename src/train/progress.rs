@@ -1,9 +1,12 @@
-//! The progress bar: epoch, step, smoothed loss, lr, it/s and images/s. Hidden when stderr is
+//! The progress bar: epoch, step, smoothed loss, lr, it/s, images/s and memory (device memory in
+//! use / peak on CUDA, the process's RSS on the CPU). Hidden when stderr is
 //! not a terminal (CI, redirected logs); the JSON-lines log carries the same numbers.
 
 use std::time::Instant;
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+
+use crate::memory::MemoryUsage;
 
 pub struct Progress {
     bar: ProgressBar,
@@ -27,15 +30,29 @@ impl Progress {
         }
     }
 
-    /// Updates the bar after optimizer step `step` (1-based).
-    pub fn update(&self, step: usize, epoch: usize, loss: f64, lr: f64, images: usize) {
+    /// Updates the bar after optimizer step `step` (1-based), with the memory in use and its
+    /// peak when a reading exists.
+    pub fn update(
+        &self,
+        step: usize,
+        epoch: usize,
+        loss: f64,
+        lr: f64,
+        images: usize,
+        memory: Option<&MemoryUsage>,
+    ) {
         let secs = self.start.elapsed().as_secs_f64().max(1e-9);
         self.bar.set_position(step as u64);
-        self.bar.set_message(format!(
+        let mut msg = format!(
             "epoch {epoch} loss {loss:.4} lr {lr:.2e} {:.2} it/s {:.2} img/s",
             step as f64 / secs,
             images as f64 / secs
-        ));
+        );
+        if let Some(m) = memory {
+            msg.push(' ');
+            msg.push_str(&m.short());
+        }
+        self.bar.set_message(msg);
     }
 
     /// Prints a line above the bar without breaking it.

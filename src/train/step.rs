@@ -29,15 +29,16 @@ pub struct StepSettings<'a> {
     pub train_text_encoder: bool,
 }
 
-/// Runs forward and backward for one micro-batch; returns the (undivided) loss and the gradients
-/// of `loss / accum`.
+/// Runs forward and backward for one micro-batch; returns the (undivided) loss as a detached 0-d
+/// f32 tensor on the device, and the gradients of `loss / accum`. The loss stays on the device
+/// so the trainer fetches it with the gradient norm in one copy per optimizer step.
 pub fn micro_batch<R: Rng>(
     sd: &StableDiffusion,
     images: &[&TrainImage],
     settings: &StepSettings<'_>,
     accum: usize,
     rng: &mut R,
-) -> anyhow::Result<(f32, GradStore)> {
+) -> anyhow::Result<(Tensor, GradStore)> {
     let device = sd.unet.conv_in.weight.device().clone();
     let dtype = sd.unet.conv_in.weight.dtype();
     let flipped: Vec<std::borrow::Cow<'_, TrainImage>> = images
@@ -85,7 +86,7 @@ pub fn micro_batch<R: Rng>(
         .unet
         .forward(&noised.noisy, &t, &context, added.as_ref())?;
     let loss = settings.objective.loss(&pred, &noised)?;
-    let value = loss.to_dtype(DType::F32)?.to_scalar::<f32>()?;
+    let value = loss.detach().to_dtype(DType::F32)?;
     let grads = (loss / accum as f64)?.backward().context("backward pass")?;
     Ok((value, grads))
 }

@@ -28,6 +28,9 @@ impl fmt::Display for Summary<'_> {
             o.wall_secs,
             o.images_seen as f64 / o.wall_secs.max(1e-9)
         )?;
+        if let Some(m) = &o.memory {
+            writeln!(f, "memory          {}", m.describe())?;
+        }
         if let Some((first, last)) = o.first_last_loss() {
             writeln!(
                 f,

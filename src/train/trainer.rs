@@ -23,11 +23,12 @@ use crate::config::{ParamGroupPlan, ScheduleKind as PlanScheduleKind};
 use crate::config::{TrainMode, TrainPlan};
 use crate::data::{load_data_root, LoadedDataset};
 use crate::diffusion::{NoiseSchedule, Objective, ObjectiveConfig};
+use crate::memory::{prepare_device, DeviceSettings, MemoryUsage};
 use crate::model::family::ModelLayout;
 use crate::model::files::Component;
 use crate::model::pipeline::{LoadOptions, StableDiffusion};
 use crate::model::source::ModelSource;
-use crate::optim::{grad_norm, AdamW, AdamWParams, LrSchedule, Optimizer, ScheduleKind};
+use crate::optim::{AdamW, AdamWParams, LrSchedule, Optimizer, ScheduleKind, StepCheck};
 
 /// How to run, beyond the plan.
 #[derive(Debug, Clone)]
@@ -49,6 +50,8 @@ pub struct TrainOutcome {
     pub saved: Vec<PathBuf>,
     pub interrupted: bool,
     pub wall_secs: f64,
+    /// Memory at the end of the run, with the run's peak (device pool on CUDA, RSS on the CPU).
+    pub memory: Option<MemoryUsage>,
 }
 
 impl TrainOutcome {
@@ -121,6 +124,8 @@ pub fn train(plan: &TrainPlan, opts: &RunOptions) -> anyhow::Result<TrainOutcome
         TrainMode::Lora | TrainMode::Locon => false,
     };
     let interrupt = Interrupt::install();
+    // Before anything is allocated: event tracking applies to tensors created afterwards.
+    prepare_device(&opts.device, DeviceSettings::default()).context("preparing the device")?;
     let source =
         ModelSource::parse(&plan.model).with_context(|| format!("model `{}`", plan.model))?;
     let dir = source
@@ -231,6 +236,7 @@ pub fn train(plan: &TrainPlan, opts: &RunOptions) -> anyhow::Result<TrainOutcome
         saved: Vec::new(),
         interrupted: false,
         wall_secs: 0.0,
+        memory: None,
     };
     let max_epochs = plan.max_epochs.map_or(usize::MAX, |e| e as usize);
     'epochs: for epoch in 0..max_epochs {
@@ -242,29 +248,38 @@ pub fn train(plan: &TrainPlan, opts: &RunOptions) -> anyhow::Result<TrainOutcome
             }
             let accum = group_batches.len();
             let mut acc = None;
-            let mut loss_sum = 0.0;
+            let mut loss_sum: Option<candle_core::Tensor> = None;
             for ids in group_batches {
                 let images: Vec<_> = ids.iter().map(|&i| &dataset.items[i]).collect();
                 let (loss, grads) = micro_batch(&sd, &images, &settings, accum, &mut rng)?;
-                loss_sum += f64::from(loss);
+                loss_sum = Some(match loss_sum {
+                    None => loss,
+                    Some(sum) => (sum + loss)?,
+                });
                 match acc.as_mut() {
                     None => acc = Some(grads),
                     Some(a) => accumulate(a, &grads, &var_refs)?,
                 }
                 out.images_seen += images.len();
             }
-            let Some(grads) = acc else { continue };
-            let loss = loss_sum / accum as f64;
-            let norm = f64::from(grad_norm(var_refs.iter().copied(), &grads)?);
+            let (Some(grads), Some(loss_sum)) = (acc, loss_sum) else {
+                continue;
+            };
+            // The step's one GPU→CPU sync: the loss and every gradient's sum of squares together.
+            let present: Vec<&candle_core::Tensor> =
+                var_refs.iter().filter_map(|v| grads.get(v)).collect();
+            let check = StepCheck::fetch(&loss_sum, &present)?;
+            let loss = check.loss / accum as f64;
+            let norm = f64::from(check.grad_norm);
             let lrs: Vec<f64> = groups
                 .iter_mut()
                 .map(|g| g.set_lr_for_step(out.steps))
                 .collect();
-            let finite = norm.is_finite() && loss.is_finite();
-            if finite {
+            let finite = check.finite();
+            if let Some(finite) = finite {
                 for g in groups.iter_mut() {
                     g.optimizer
-                        .step(&grads)
+                        .step_checked(&grads, finite)
                         .with_context(|| format!("{} optimizer step", g.name))?;
                 }
             } else {
@@ -277,12 +292,15 @@ pub fn train(plan: &TrainPlan, opts: &RunOptions) -> anyhow::Result<TrainOutcome
             out.steps += 1;
             out.losses.push(loss);
             smoothed.push(loss);
+            // Driver counters, not a stream sync.
+            let memory = MemoryUsage::read(&opts.device)?;
             progress.update(
                 out.steps,
                 epoch + 1,
                 smoothed.get(),
                 lrs[0],
                 out.images_seen,
+                memory.as_ref(),
             );
             if out.steps.is_multiple_of(plan.log_step as usize)
                 || out.steps == 1
@@ -297,7 +315,8 @@ pub fn train(plan: &TrainPlan, opts: &RunOptions) -> anyhow::Result<TrainOutcome
                     grad_norm: norm,
                     images: out.images_seen,
                     time_s: started.elapsed().as_secs_f64(),
-                    skipped_nonfinite: !finite,
+                    skipped_nonfinite: finite.is_none(),
+                    memory,
                 })?;
             }
             if interrupt.requested() {
@@ -340,6 +359,7 @@ pub fn train(plan: &TrainPlan, opts: &RunOptions) -> anyhow::Result<TrainOutcome
     }
     progress.finish();
     out.wall_secs = started.elapsed().as_secs_f64();
+    out.memory = MemoryUsage::read(&opts.device)?;
     Ok(out)
 }
 

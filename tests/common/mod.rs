@@ -6,11 +6,37 @@ use std::path::PathBuf;
 
 use candle_core::{DType, Device, Tensor};
 
+/// The repository root: `CARGO_MANIFEST_DIR` at run time (cargo sets it; `scripts/gpu-check`
+/// sets it when it runs a test binary built on another machine), else where it was built.
+pub fn repo_root() -> PathBuf {
+    std::env::var_os("CARGO_MANIFEST_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")))
+}
+
 /// `tests/fixtures/<name>` (e.g. `tiny-sd15`).
 pub fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(name)
+    repo_root().join("tests/fixtures").join(name)
+}
+
+/// The first CUDA device, or `None` after printing why the calling test is skipped (no CUDA
+/// build, no driver, no GPU). CUDA tests return early on `None`, so they pass without a GPU.
+pub fn cuda_device(test: &str) -> Option<Device> {
+    if !cfg!(feature = "cuda") {
+        println!("{test}: skipped: built without the cuda feature");
+        return None;
+    }
+    match Device::new_cuda(0) {
+        Ok(d) => Some(d),
+        Err(e) => {
+            let why = format!("{e}");
+            println!(
+                "{test}: skipped: no CUDA device ({})",
+                why.lines().next().unwrap_or_default()
+            );
+            None
+        }
+    }
 }
 
 /// The reference tensors written by `tests/fixtures/make_fixtures.py` for one fixture.

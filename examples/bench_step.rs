@@ -1,0 +1,311 @@
+//! Training-step benchmark on the real UNet configs, on CUDA or the CPU: one forward, backward
+//! and AdamW step per iteration, as the trainer runs it (the loss and gradient check fetched in
+//! one copy, then `step_checked`). Random weights; the VAE and text encoders are replaced by
+//! random latents and random text conditioning, which is what they feed the UNet.
+//!
+//! ```text
+//! cargo run --release --example bench_step -- --family sd15 --mode lora --res 512 --batch 1 \
+//!     --precision bf16 [--device cuda] [--steps 10] [--warmup 3] [--rank 16] \
+//!     [--pool-cache on|off] [--event-tracking on|off]
+//! ```
+//! - `lora`: frozen base (bf16 under `--precision bf16`), LoRA rank/alpha `--rank` on kohya's
+//!   UNet targets, f32 adapter Vars.
+//! - `full`: every UNet weight an f32 Var; under `bf16` the activations are bf16 and each layer
+//!   casts its f32 weight to bf16 (autocast's scheme; the casts' backward returns f32 grads).
+//!
+//! Prints ONE JSON line: status (`ok`, `oom`, `error: …`), median step time and the phases
+//! (forward, backward, check + optimizer; synchronised at each boundary), peak memory (the CUDA
+//! pool's high-water mark since start, weights and optimizer state included; RSS on the CPU),
+//! the card's memory in use, and the gradient-store census (entries vs trained Vars). It is run
+//! by `scripts/gpu-check`, one process per shape, so one shape's OOM cannot affect the next.
+
+#[path = "support/bench.rs"]
+#[allow(dead_code)]
+mod bench;
+
+use std::process::ExitCode;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use bench::arg;
+use candle_core::{DType, Device, Tensor, Var};
+use sdtrain::adapter::{adapter_vars, attach_unet, AdapterMode, AdapterSpec};
+use sdtrain::memory::{prepare_device, DeviceSettings, MemoryUsage};
+use sdtrain::model::reference_configs::{SD15_UNET, SDXL_UNET};
+use sdtrain::model::unet::{AddedConditions, UNet2DConditionModel, UnetConfig};
+use sdtrain::model::weights::Weights;
+use sdtrain::optim::{AdamW, AdamWParams, Optimizer, StepCheck};
+use serde_json::{json, Value};
+
+struct Shape {
+    family: String,
+    mode: String,
+    res: usize,
+    batch: usize,
+    precision: String,
+    rank: usize,
+}
+
+struct Model {
+    unet: UNet2DConditionModel,
+    vars: Vec<Var>,
+    optimizer: AdamW,
+    params_total: usize,
+    /// Activation dtype.
+    dtype: DType,
+}
+
+struct Inputs {
+    x: Tensor,
+    t: Tensor,
+    ctx: Tensor,
+    added: Option<AddedConditions>,
+    target: Tensor,
+}
+
+#[derive(Default)]
+struct Times {
+    total: Vec<f64>,
+    fwd: Vec<f64>,
+    bwd: Vec<f64>,
+    opt: Vec<f64>,
+}
+
+fn on_off(args: &[String], name: &str, default: &str) -> Result<bool> {
+    match arg(args, name, default).as_str() {
+        "on" => Ok(true),
+        "off" => Ok(false),
+        other => bail!("{name} {other}: use on or off"),
+    }
+}
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().collect();
+    let mut report = json!({ "impl": "sdtrain" });
+    let status = match run(&args, &mut report) {
+        Ok(()) => "ok".to_string(),
+        Err(e) => {
+            // The cause chain without candle's backtrace (RUST_BACKTRACE=1 appends one).
+            let text = format!("{e:#}")
+                .lines()
+                .next()
+                .unwrap_or_default()
+                .to_string();
+            if is_oom(&text) {
+                "oom".to_string()
+            } else {
+                format!("error: {text}")
+            }
+        }
+    };
+    report["status"] = Value::String(status);
+    println!("{report}");
+    ExitCode::SUCCESS
+}
+
+/// Out-of-memory from the driver, cuBLAS or the allocator. (The trainer's typed classifier is
+/// the OOM-retry work; a benchmark only needs to label the row.)
+fn is_oom(text: &str) -> bool {
+    ["OUT_OF_MEMORY", "out of memory", "ALLOC_FAILED"]
+        .iter()
+        .any(|p| text.contains(p))
+}
+
+fn run(args: &[String], report: &mut Value) -> Result<()> {
+    let shape = Shape {
+        family: arg(args, "--family", "sd15"),
+        mode: arg(args, "--mode", "lora"),
+        res: arg(args, "--res", "512").parse().context("--res")?,
+        batch: arg(args, "--batch", "1").parse().context("--batch")?,
+        precision: arg(args, "--precision", "bf16"),
+        rank: arg(args, "--rank", "16").parse().context("--rank")?,
+    };
+    let steps: usize = arg(args, "--steps", "10").parse().context("--steps")?;
+    let warmup: usize = arg(args, "--warmup", "3").parse().context("--warmup")?;
+    let settings = DeviceSettings {
+        pool_cache: on_off(args, "--pool-cache", "on")?,
+        event_tracking: on_off(args, "--event-tracking", "off")?,
+    };
+    for (k, v) in [
+        ("family", json!(shape.family)),
+        ("mode", json!(shape.mode)),
+        ("res", json!(shape.res)),
+        ("batch", json!(shape.batch)),
+        ("precision", json!(shape.precision)),
+        ("pool_cache", json!(settings.pool_cache)),
+        ("event_tracking", json!(settings.event_tracking)),
+    ] {
+        report[k] = v;
+    }
+    let device = match arg(args, "--device", "cuda").as_str() {
+        "cuda" => Device::new_cuda(0).context("no CUDA device")?,
+        "cpu" => Device::Cpu,
+        other => bail!("--device {other}: use cuda or cpu"),
+    };
+    prepare_device(&device, settings)?;
+    let loaded = Instant::now();
+    let mut model = build(&shape, &device)?;
+    report["params_total"] = json!(model.params_total);
+    report["params_trained"] = json!(model.vars.iter().map(|v| v.elem_count()).sum::<usize>());
+    let inputs = inputs(&shape, &device, model.dtype)?;
+    device.synchronize()?;
+    report["load_s"] = json!(loaded.elapsed().as_secs_f64());
+
+    let mut times = Times::default();
+    for i in 0..warmup + steps {
+        let (t, census) = step(&mut model, &inputs, &device)?;
+        if i == 0 {
+            report["grad_entries"] = json!(census.0);
+            report["vars_with_grad"] = json!(census.1);
+            report["vars"] = json!(model.vars.len());
+            report["loss_first"] = json!(census.2);
+        }
+        if i >= warmup {
+            times.total.push(t[0]);
+            times.fwd.push(t[1]);
+            times.bwd.push(t[2]);
+            times.opt.push(t[3]);
+        }
+    }
+    let ms = |v: &mut Vec<f64>| median(v) * 1e3;
+    let step_ms = ms(&mut times.total);
+    report["step_ms_median"] = json!(round2(step_ms));
+    report["fwd_ms"] = json!(round2(ms(&mut times.fwd)));
+    report["bwd_ms"] = json!(round2(ms(&mut times.bwd)));
+    report["opt_ms"] = json!(round2(ms(&mut times.opt)));
+    report["img_per_s"] = json!(round2(shape.batch as f64 * 1e3 / step_ms));
+    if let Some(m) = MemoryUsage::read(&device)? {
+        report["peak_gib"] = json!(round2(m.peak_gib()));
+        report["memory_source"] = json!(m.source);
+        if let (Some(free), Some(total)) = (m.device_free_bytes, m.device_total_bytes) {
+            report["card_used_gib"] = json!(round2((total - free) as f64 / (1u64 << 30) as f64));
+        }
+    }
+    Ok(())
+}
+
+fn build(shape: &Shape, device: &Device) -> Result<Model> {
+    let (config, origin) = match shape.family.as_str() {
+        "sd15" => (SD15_UNET, "SD1.5 unet config"),
+        "sdxl" => (SDXL_UNET, "SDXL unet config"),
+        other => bail!("--family {other}: use sd15 or sdxl"),
+    };
+    let cfg = UnetConfig::from_json(config, origin)?;
+    let dtype = match shape.precision.as_str() {
+        "f32" => DType::F32,
+        "bf16" => DType::BF16,
+        other => bail!("--precision {other}: use f32 or bf16"),
+    };
+    let (unet, vars, params_total) = match shape.mode.as_str() {
+        "full" => {
+            // f32 masters in both precisions; bf16 comes from the activations (see the header).
+            let w = Weights::random(0, "unet", DType::F32, device, true);
+            let unet = UNet2DConditionModel::new(&w, &cfg)?;
+            let vars: Vec<Var> = w.params().into_iter().map(|(_, v)| v).collect();
+            let n = vars.iter().map(|v| v.elem_count()).sum();
+            (unet, vars, n)
+        }
+        "lora" => {
+            let w = Weights::random(0, "unet", dtype, device, false);
+            let mut unet = UNet2DConditionModel::new(&w, &cfg)?;
+            let n = w.element_count();
+            let spec = AdapterSpec {
+                mode: AdapterMode::Lora,
+                rank: shape.rank,
+                alpha: shape.rank as f64,
+                conv_rank: shape.rank,
+                conv_alpha: shape.rank as f64,
+                dropout: 0.0,
+                seed: 0,
+            };
+            let modules = attach_unet(&mut unet, &spec)?;
+            (unet, adapter_vars(&modules), n)
+        }
+        other => bail!("--mode {other}: use lora or full"),
+    };
+    let named = vars
+        .iter()
+        .enumerate()
+        .map(|(i, v)| (format!("p{i}"), v.clone()))
+        .collect();
+    let hyper = AdamWParams {
+        lr: 1e-5,
+        ..AdamWParams::default()
+    };
+    let optimizer = AdamW::new(named, hyper)?;
+    Ok(Model {
+        unet,
+        vars,
+        optimizer,
+        params_total,
+        dtype,
+    })
+}
+
+fn inputs(shape: &Shape, device: &Device, dtype: DType) -> Result<Inputs> {
+    let (b, lat) = (shape.batch, shape.res / 8);
+    let ctx_dim = if shape.family == "sdxl" { 2048 } else { 768 };
+    let randn = |dims: &[usize]| Tensor::randn(0f32, 1.0, dims, device);
+    let added = if shape.family == "sdxl" {
+        let r = shape.res as f32;
+        let ids: Vec<f32> = (0..b).flat_map(|_| [r, r, 0.0, 0.0, r, r]).collect();
+        Some(AddedConditions {
+            text_embeds: randn(&[b, 1280])?.to_dtype(dtype)?,
+            time_ids: Tensor::from_vec(ids, (b, 6), device)?,
+        })
+    } else {
+        None
+    };
+    let t: Vec<f32> = (0..b).map(|i| (97 + 389 * i) as f32 % 1000.0).collect();
+    Ok(Inputs {
+        x: randn(&[b, 4, lat, lat])?.to_dtype(dtype)?,
+        t: Tensor::from_vec(t, b, device)?,
+        ctx: randn(&[b, 77, ctx_dim])?.to_dtype(dtype)?,
+        added,
+        target: randn(&[b, 4, lat, lat])?,
+    })
+}
+
+/// One training step; returns [total, forward, backward, optimizer] seconds and the census
+/// (gradient-store entries, trained Vars with a gradient, loss).
+fn step(m: &mut Model, i: &Inputs, device: &Device) -> Result<([f64; 4], (usize, usize, f64))> {
+    let start = Instant::now();
+    let out = m.unet.forward(&i.x, &i.t, &i.ctx, i.added.as_ref())?;
+    let loss = (out.to_dtype(DType::F32)? - &i.target)?.sqr()?.mean_all()?;
+    device.synchronize()?;
+    let fwd = start.elapsed().as_secs_f64();
+    let grads = loss.backward()?;
+    device.synchronize()?;
+    let bwd = start.elapsed().as_secs_f64() - fwd;
+    let present: Vec<&Tensor> = m.vars.iter().filter_map(|v| grads.get(v)).collect();
+    let census = (grads.get_ids().count(), present.len());
+    let check = StepCheck::fetch(&loss, &present)?;
+    let Some(finite) = check.finite() else {
+        bail!("non-finite loss or gradient (loss {})", check.loss);
+    };
+    m.optimizer.step_checked(&grads, finite)?;
+    drop(grads);
+    device.synchronize()?;
+    let total = start.elapsed().as_secs_f64();
+    Ok((
+        [total, fwd, bwd, total - fwd - bwd],
+        (census.0, census.1, check.loss),
+    ))
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+fn round2(x: f64) -> f64 {
+    (x * 100.0).round() / 100.0
+}

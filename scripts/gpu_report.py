@@ -1,0 +1,96 @@
+#!/usr/bin/env python3
+"""Markdown report of one scripts/gpu-check run: python3 scripts/gpu_report.py OUT_DIR.
+
+Reads OUT_DIR/{device.txt, cuda-tests.log, bench.jsonl, peer.jsonl, profile.md} and prints the
+table docs/BENCHMARKS.md keeps: each shape's median step time and peak device memory for sdtrain
+beside diffusers + PEFT, the CUDA test results with every parity error, and the kernel profile.
+Peak memory: sdtrain's is the CUDA pool's high-water mark (tensors), the peer's is
+torch.cuda.max_memory_allocated; both include the weights and the optimizer state.
+"""
+import json
+import os
+import re
+import sys
+
+
+def read_jsonl(path):
+    rows = []
+    if os.path.exists(path):
+        for line in open(path):
+            line = line.strip()
+            if line.startswith("{"):
+                try:
+                    rows.append(json.loads(line))
+                except ValueError:
+                    pass
+    return rows
+
+
+def key(r):
+    prec = "bf16" if str(r.get("precision", "")).startswith("bf16") else "f32"
+    return (r.get("family"), r.get("mode"), int(r.get("res", 0)), int(r.get("batch", 0)), prec)
+
+
+def cell(r, field, fmt):
+    if r is None:
+        return "—"
+    if r.get("status") != "ok":
+        return r.get("status", "?")[:60]
+    v = r.get(field)
+    return fmt.format(v) if isinstance(v, (int, float)) else "—"
+
+
+def main(out):
+    device = open(os.path.join(out, "device.txt")).read().strip() if os.path.exists(os.path.join(out, "device.txt")) else "?"
+    ours = read_jsonl(os.path.join(out, "bench.jsonl"))
+    peer = {key(r): r for r in read_jsonl(os.path.join(out, "peer.jsonl"))}
+    print(f"## gpu-check on {device}\n")
+    default = [r for r in ours if r.get("pool_cache", True) and not r.get("event_tracking", False)]
+    print("| shape | precision | sdtrain step | diffusers step | time ratio | sdtrain peak | diffusers peak | memory ratio | sdtrain fwd/bwd/opt ms |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in default:
+        k = key(r)
+        p = peer.get(k)
+        ratio_t = ratio_m = "—"
+        if r.get("status") == "ok" and p and p.get("status") == "ok":
+            ratio_t = f"{r['step_ms_median'] / p['step_ms_median']:.2f}×"
+            ratio_m = f"{r['peak_gib'] / max(p['peak_alloc_gib'], 1e-9):.2f}×"
+        phases = "—"
+        if r.get("status") == "ok":
+            phases = f"{r.get('fwd_ms', 0):.0f} / {r.get('bwd_ms', 0):.0f} / {r.get('opt_ms', 0):.0f}"
+        shape = f"{k[0]} {k[1]} {k[2]}px b{k[3]}"
+        print(f"| {shape} | {k[4]} | {cell(r, 'step_ms_median', '{:.0f} ms')} | {cell(p, 'step_ms_median', '{:.0f} ms')} "
+              f"| {ratio_t} | {cell(r, 'peak_gib', '{:.2f} GiB')} | {cell(p, 'peak_alloc_gib', '{:.2f} GiB')} | {ratio_m} | {phases} |")
+    variants = [r for r in ours if r not in default]
+    if variants:
+        print("\nDevice settings (sdtrain, sd15 LoRA 512 px b1 bf16; default: pool cache on, event tracking off):\n")
+        print("| pool cache | event tracking | step | peak |")
+        print("|---|---|---|---|")
+        for r in [x for x in ours if key(x) == ("sd15", "lora", 512, 1, "bf16")]:
+            print(f"| {'on' if r.get('pool_cache') else 'off'} | {'on' if r.get('event_tracking') else 'off'} "
+                  f"| {cell(r, 'step_ms_median', '{:.0f} ms')} | {cell(r, 'peak_gib', '{:.2f} GiB')} |")
+    census = [r for r in ours if r.get("mode") == "lora" and r.get("status") == "ok"]
+    if census:
+        r = census[0]
+        print(f"\nLoRA gradient store: {r.get('grad_entries')} entries for {r.get('vars')} adapter Vars "
+              f"({r.get('vars_with_grad')} with a gradient; the extra entry is the loss itself).")
+    log = os.path.join(out, "cuda-tests.log")
+    if os.path.exists(log):
+        text = open(log).read()
+        print("\n### CUDA test suite\n")
+        for line in text.splitlines():
+            if line.startswith("test result") or "FAILED" in line or "panicked" in line:
+                print(f"- `{line.strip()}`")
+        errs = [l.strip() for l in text.splitlines() if "rel err" in l or "max abs diff" in l or "losses" in l]
+        if errs:
+            print("\n<details><summary>parity errors on CUDA</summary>\n\n```")
+            print("\n".join(errs))
+            print("```\n</details>")
+    prof = os.path.join(out, "profile.md")
+    if os.path.exists(prof) and os.path.getsize(prof) > 0:
+        print()
+        print(open(prof).read())
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "gpu-check-out")

@@ -1,0 +1,12 @@
+//! Memory: what a run uses and how the device's allocator is set up.
+//!
+//! - [`usage`]: memory in use and its peak, read from where it lives: the CUDA memory pool's
+//!   counters and the card's free/total on CUDA, the process's resident set on the CPU.
+//! - [`device_setup`]: one-time settings for a CUDA device before training (pool caching, event
+//!   tracking).
+
+pub mod device_setup;
+pub mod usage;
+
+pub use device_setup::{prepare_device, DeviceSettings};
+pub use usage::{reset_peak, MemorySource, MemoryUsage};
