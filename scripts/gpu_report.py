@@ -42,7 +42,9 @@ def cell(r, field, fmt):
 
 def main(out):
     device = open(os.path.join(out, "device.txt")).read().strip() if os.path.exists(os.path.join(out, "device.txt")) else "?"
-    ours = read_jsonl(os.path.join(out, "bench.jsonl"))
+    rows = read_jsonl(os.path.join(out, "bench.jsonl"))
+    ours = [r for r in rows if "op_ms" not in r]
+    profiles = [r for r in rows if "op_ms" in r]
     peer = {key(r): r for r in read_jsonl(os.path.join(out, "peer.jsonl"))}
     print(f"## gpu-check on {device}\n")
     default = [r for r in ours if r.get("pool_cache", True) and not r.get("event_tracking", False)]
@@ -73,7 +75,7 @@ def main(out):
     if census:
         r = census[0]
         print(f"\nLoRA gradient store: {r.get('grad_entries')} entries for {r.get('vars')} adapter Vars "
-              f"({r.get('vars_with_grad')} with a gradient; the extra entry is the loss itself).")
+              f"({r.get('vars_with_grad')} with a gradient).")
     log = os.path.join(out, "cuda-tests.log")
     if os.path.exists(log):
         text = open(log).read()
@@ -86,6 +88,13 @@ def main(out):
             print("\n<details><summary>parity errors on CUDA</summary>\n\n```")
             print("\n".join(errs))
             print("```\n</details>")
+    if profiles:
+        print("\n### Op profile (SD1.5 at 512 px, batch 1; each op alone, forward + backward, ms)\n")
+        names = sorted({k for r in profiles for k in r["op_ms"]})
+        print("| op | " + " | ".join(r.get("precision", "?") for r in profiles) + " |")
+        print("|---|" + "---|" * len(profiles))
+        for n in names:
+            print(f"| {n} | " + " | ".join(f"{r['op_ms'].get(n, float('nan')):.2f}" for r in profiles) + " |")
     prof = os.path.join(out, "profile.md")
     if os.path.exists(prof) and os.path.getsize(prof) > 0:
         print()

@@ -183,6 +183,16 @@ fn cuda_custom_ops_match_cpu() {
         tol,
         &|a| nn::frozen_conv2d(&a[0], &a[1], 0, 1),
     );
+    // Trainable convs: both gradients, with the GEMM-form input gradient.
+    for (stride, padding) in [(1, 1), (2, 1), (1, 0)] {
+        check_op(
+            &dev,
+            &format!("conv2d_trainable s{stride} p{padding}"),
+            &[var(&[2, 3, 9, 7], 40), var(&[5, 3, 3, 3], 41)],
+            tol,
+            &|a| nn::conv2d_trainable(&a[0], &a[1], padding, stride),
+        );
+    }
     // The norms' frozen γ/β and the resnets' time-embedding add.
     check_op(
         &dev,

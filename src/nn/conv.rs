@@ -90,7 +90,12 @@ impl Conv2d {
             let b = self.bias.as_ref().map(|b| cast_like(b, x)).transpose()?;
             return super::frozen_conv2d_bias(x, &w, b.as_ref(), self.cfg.padding, self.cfg.stride);
         }
-        let y = x.conv2d(&w, self.cfg.padding, self.cfg.stride, 1, 1)?;
+        // Trainable: the same conv with a GEMM-based input gradient (see `conv_grad`).
+        let y = if super::frozen::supported(x) {
+            super::conv_grad::conv2d(x, &w, self.cfg.padding, self.cfg.stride)?
+        } else {
+            x.conv2d(&w, self.cfg.padding, self.cfg.stride, 1, 1)?
+        };
         match &self.bias {
             Some(b) => {
                 let b = cast_like(b, x)?.reshape((1, self.out_channels(), 1, 1))?;

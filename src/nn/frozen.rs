@@ -8,7 +8,8 @@
 //!
 //! - linear: `y = x·Wᵀ (+ b)` with `∂L/∂x = ∂L/∂y · W`, as a `CustomOp2`/`CustomOp3` whose forward
 //!   calls the backend's own matmul (and broadcast add) through `BackendStorage`, on CPU and CUDA;
-//! - conv: `y = conv2d(x, W) (+ b)` with `∂L/∂x = conv_transpose2d(∂L/∂y, W)`. `BackendStorage::
+//! - conv: `y = conv2d(x, W) (+ b)` with `∂L/∂x` a stride-1 conv of the dilated gradient with the
+//!   flipped kernel (`conv_grad`), the GEMM form of `conv_transpose2d(∂L/∂y, W)`. `BackendStorage::
 //!   conv2d` cannot be called from outside candle (its `ParamsConv2D` has crate-private fields),
 //!   so the forward runs candle's own conv on detached tensors and a `CustomOp1` on `x` hands that
 //!   output over (one output-sized copy) and carries the input-only backward. This works on every
@@ -303,32 +304,15 @@ impl CustomOp1 for FrozenConv {
     }
 
     fn bwd(&self, x: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
-        // ∂L/∂x = conv_transpose2d(∂L/∂y, W), as candle's Conv2D backward computes it, except
-        // that the output padding is found per spatial dim (candle's uses the height's for both,
-        // which fails on non-square inputs whose H and W differ in parity at a strided conv).
+        // ∂L/∂x as a stride-1 convolution (im2col + GEMM), not candle's naive conv_transpose2d.
         let (_, _, x_h, x_w) = x.dims4()?;
-        let (_, _, k_h, k_w) = self.w.dims4()?;
-        let (_, _, g_h, g_w) = grad.dims4()?;
-        let span = |g: usize, k: usize| (g - 1) * self.stride + k - 2 * self.padding;
-        let (s_h, s_w) = (span(g_h, k_h), span(g_w, k_w));
-        if s_h > x_h || s_w > x_w {
-            candle_core::bail!(
-                "frozen conv backward: grad {g_h}x{g_w} does not fit input {x_h}x{x_w}"
-            );
-        }
-        let out_padding = (x_h - s_h).max(x_w - s_w);
-        let gx = grad.conv_transpose2d(&self.w, self.padding, out_padding, self.stride, 1)?;
-        // The larger padding only appends rows/columns; trim them back to the input's size.
-        let gx = if gx.dim(2)? != x_h {
-            gx.narrow(2, 0, x_h)?
-        } else {
-            gx
-        };
-        let gx = if gx.dim(3)? != x_w {
-            gx.narrow(3, 0, x_w)?
-        } else {
-            gx
-        };
+        let gx = super::conv_grad::conv2d_input_grad(
+            grad,
+            &self.w,
+            self.padding,
+            self.stride,
+            (x_h, x_w),
+        )?;
         Ok(Some(gx))
     }
 }

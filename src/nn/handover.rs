@@ -120,17 +120,8 @@ pub fn conv2d_const_input(x: &Tensor, w: &Tensor, padding: usize, stride: usize)
         out,
         Box::new(move |w, g| {
             // candle's Conv2D weight gradient (backprop.rs), with stride and dilation swapped.
-            let gk = x
-                .transpose(0, 1)?
-                .conv2d(&g.transpose(0, 1)?, padding, 1, stride, 1)?
-                .transpose(0, 1)?;
-            let (_, _, k0, k1) = w.dims4()?;
-            let (_, _, g0, g1) = gk.dims4()?;
-            if g0 != k0 || g1 != k1 {
-                gk.narrow(2, 0, k0)?.narrow(3, 0, k1)
-            } else {
-                Ok(gk)
-            }
+            let (_, _, k_h, k_w) = w.dims4()?;
+            super::conv_grad::conv2d_weight_grad(&x, g, padding, stride, (k_h, k_w))
         }),
     )
 }

@@ -8,6 +8,7 @@
 mod activation;
 mod attention;
 mod conv;
+mod conv_grad;
 mod embedding;
 mod frozen;
 mod handover;
@@ -24,6 +25,9 @@ pub trait LayerAdapter: std::fmt::Debug + Send + Sync {
     fn delta(&self, x: &candle_core::Tensor) -> candle_core::Result<candle_core::Tensor>;
 }
 pub use conv::{Conv2d, Conv2dConfig};
+pub use conv_grad::{
+    conv2d as conv2d_trainable, conv2d_input_grad, conv2d_input_grad_reference, conv2d_weight_grad,
+};
 pub use embedding::Embedding;
 pub use frozen::{
     broadcast_add_const, broadcast_mul_const, frozen_broadcast_add, frozen_broadcast_mul,
