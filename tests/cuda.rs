@@ -28,38 +28,7 @@ use sdtrain::nn;
 
 const FIXTURES: [&str; 3] = ["tiny-sd15", "tiny-sd21", "tiny-sdxl"];
 
-fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
-    let a = a
-        .to_device(&Device::Cpu)
-        .unwrap()
-        .to_dtype(DType::F32)
-        .unwrap();
-    let b = b
-        .to_device(&Device::Cpu)
-        .unwrap()
-        .to_dtype(DType::F32)
-        .unwrap();
-    assert_eq!(a.dims(), b.dims());
-    (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap()
-}
-
-/// A deterministic fill in [−1, 1) that does not depend on any device RNG.
-fn fill(shape: &[usize], seed: u64) -> Tensor {
-    let n: usize = shape.iter().product();
-    let v: Vec<f32> = (0..n)
-        .map(|i| (((i as u64 * 2654435761 + seed * 97) % 1000) as f32 / 500.0) - 1.0)
-        .collect();
-    Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
-}
+use common::{fill, max_abs_diff};
 
 /// One operand of an op under test: its value, and whether it is a tracked Var.
 struct Operand {

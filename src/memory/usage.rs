@@ -68,18 +68,22 @@ impl MemoryUsage {
         self.peak_bytes as f64 / GIB
     }
 
-    /// The short form for the progress line: `mem 3.21/5.10 GiB` (in use / peak).
+    /// The short form for the progress line: `mem 3.21 GiB/5.10 GiB` (in use / peak).
     pub fn short(&self) -> String {
-        format!("mem {:.2}/{:.2} GiB", self.in_use_gib(), self.peak_gib())
+        format!(
+            "mem {}/{}",
+            human_bytes(self.in_use_bytes),
+            human_bytes(self.peak_bytes)
+        )
     }
 
     /// The summary's line: peak and in-use, plus the card's total and free memory on CUDA.
     pub fn describe(&self) -> String {
         let mut s = format!(
-            "peak {:.2} GiB {} (in use {:.2} GiB)",
-            self.peak_gib(),
+            "peak {} {} (in use {})",
+            human_bytes(self.peak_bytes),
             self.source.label(),
-            self.in_use_gib()
+            human_bytes(self.in_use_bytes)
         );
         if let (Some(free), Some(total)) = (self.device_free_bytes, self.device_total_bytes) {
             s.push_str(&format!(
@@ -89,6 +93,16 @@ impl MemoryUsage {
             ));
         }
         s
+    }
+}
+
+/// `1.25 GiB`, or `312 MiB` below one GiB (a tiny model's use must not read as 0.00 GiB).
+fn human_bytes(bytes: u64) -> String {
+    let gib = bytes as f64 / GIB;
+    if gib >= 1.0 {
+        format!("{gib:.2} GiB")
+    } else {
+        format!("{:.0} MiB", bytes as f64 / (1024.0 * 1024.0))
     }
 }
 
@@ -231,7 +245,7 @@ mod tests {
         assert_eq!(m.source, MemorySource::ProcessRss);
         assert_eq!(m.in_use_bytes, 2048 * 1024);
         assert_eq!(m.peak_bytes, 5120 * 1024);
-        assert_eq!(m.short(), "mem 0.00/0.00 GiB");
+        assert_eq!(m.short(), "mem 2 MiB/5 MiB");
     }
 
     #[test]
@@ -259,7 +273,7 @@ mod tests {
             device_free_bytes: Some(70 << 30),
             device_total_bytes: Some(80 << 30),
         };
-        assert_eq!(m.short(), "mem 3.00/5.00 GiB");
+        assert_eq!(m.short(), "mem 3.00 GiB/5.00 GiB");
         assert_eq!(
             m.describe(),
             "peak 5.00 GiB device (in use 3.00 GiB); card 80.0 GiB, 70.0 GiB free"

@@ -15,11 +15,9 @@
 //!
 //! `conv2d_input_grad_reference` keeps the `conv_transpose2d` form for the comparison test.
 
-use std::sync::Mutex;
+use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
 
-use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Storage, Tensor};
-
-use super::frozen::owned_storage;
+use super::output_slot::OutputSlot;
 
 /// `∂L/∂x` of `y = conv2d(x, w, padding, stride)` for `x` of spatial size `x_hw`, through a
 /// stride-1 convolution of the dilated, padded gradient with the flipped kernel.
@@ -154,13 +152,12 @@ pub fn conv2d(x: &Tensor, w: &Tensor, padding: usize, stride: usize) -> Result<T
     if !x.track_op() && !w.track_op() {
         return Ok(y);
     }
-    let y = y.contiguous()?;
     x.apply_op2(
         w,
         TrainableConv {
             padding,
             stride,
-            out: Mutex::new(Some(y)),
+            out: OutputSlot::new("conv2d", y)?,
         },
     )
 }
@@ -168,20 +165,7 @@ pub fn conv2d(x: &Tensor, w: &Tensor, padding: usize, stride: usize) -> Result<T
 struct TrainableConv {
     padding: usize,
     stride: usize,
-    out: Mutex<Option<Tensor>>,
-}
-
-impl TrainableConv {
-    fn take_out(&self) -> Result<Tensor> {
-        let mut slot = self
-            .out
-            .lock()
-            .map_err(|_| candle_core::Error::Msg("conv2d: poisoned lock".into()))?;
-        match slot.take() {
-            Some(y) => Ok(y),
-            None => candle_core::bail!("conv2d: forward ran twice"),
-        }
-    }
+    out: OutputSlot,
 }
 
 impl CustomOp2 for TrainableConv {
@@ -196,14 +180,7 @@ impl CustomOp2 for TrainableConv {
         _w: &CpuStorage,
         _lw: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let y = self.take_out()?;
-        owned_storage(&y, |s| match s {
-            Storage::Cpu(c) => Some(candle_core::backend::BackendStorage::try_clone(
-                c,
-                &Layout::contiguous(y.shape()),
-            )),
-            _ => None,
-        })
+        self.out.cpu()
     }
 
     #[cfg(feature = "cuda")]
@@ -214,14 +191,7 @@ impl CustomOp2 for TrainableConv {
         _w: &candle_core::CudaStorage,
         _lw: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let y = self.take_out()?;
-        owned_storage(&y, |s| match s {
-            Storage::Cuda(c) => Some(candle_core::backend::BackendStorage::try_clone(
-                c,
-                &Layout::contiguous(y.shape()),
-            )),
-            _ => None,
-        })
+        self.out.cuda()
     }
 
     fn bwd(

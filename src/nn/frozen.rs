@@ -18,13 +18,11 @@
 //! The weight and bias never get a `GradStore` entry. `*_reference` are the ordinary candle ops,
 //! kept for the comparison test in `tests/frozen_op.rs`.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Mutex;
-
 use candle_core::backend::BackendStorage;
-use candle_core::{
-    CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, Shape, Storage, Tensor,
-};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use super::output_slot::OutputSlot;
 
 /// `x2d·wᵀ` for `x2d` `[m, k]` and `w` `[n, k]`; the backward yields only `∂L/∂x`.
 pub fn frozen_matmul(x2d: &Tensor, w: &Tensor) -> Result<Tensor> {
@@ -96,12 +94,11 @@ pub fn frozen_conv2d_bias(
     if !x.track_op() {
         return Ok(y);
     }
-    let y = y.contiguous()?;
     x.apply_op1(FrozenConv {
         w: w.detach(),
         padding,
         stride,
-        out: Mutex::new(Some(y)),
+        out: OutputSlot::new("frozen conv2d", y)?,
     })
 }
 
@@ -246,35 +243,7 @@ struct FrozenConv {
     w: Tensor,
     padding: usize,
     stride: usize,
-    out: Mutex<Option<Tensor>>,
-}
-
-impl FrozenConv {
-    fn take_out(&self) -> Result<Tensor> {
-        let mut slot = self
-            .out
-            .lock()
-            .map_err(|_| candle_core::Error::Msg("frozen conv: poisoned lock".into()))?;
-        match slot.take() {
-            Some(y) => Ok(y),
-            None => candle_core::bail!("frozen conv: forward ran twice"),
-        }
-    }
-}
-
-/// An owned copy of a contiguous, offset-0 tensor's storage, as `extract` finds it.
-pub(crate) fn owned_storage<S>(
-    y: &Tensor,
-    extract: impl Fn(&Storage) -> Option<Result<S>>,
-) -> Result<(S, Shape)> {
-    let (storage, layout) = y.storage_and_layout();
-    if !layout.is_contiguous() || layout.start_offset() != 0 {
-        candle_core::bail!("frozen conv: output is not contiguous from offset 0");
-    }
-    match extract(&storage) {
-        Some(s) => Ok((s?, layout.shape().clone())),
-        None => candle_core::bail!("frozen conv: output is on another device than the input"),
-    }
+    out: OutputSlot,
 }
 
 impl CustomOp1 for FrozenConv {
@@ -283,11 +252,7 @@ impl CustomOp1 for FrozenConv {
     }
 
     fn cpu_fwd(&self, _x: &CpuStorage, _lx: &Layout) -> Result<(CpuStorage, Shape)> {
-        let y = self.take_out()?;
-        owned_storage(&y, |s| match s {
-            Storage::Cpu(c) => Some(c.try_clone(&Layout::contiguous(y.shape()))),
-            _ => None,
-        })
+        self.out.cpu()
     }
 
     #[cfg(feature = "cuda")]
@@ -296,11 +261,7 @@ impl CustomOp1 for FrozenConv {
         _x: &candle_core::CudaStorage,
         _lx: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let y = self.take_out()?;
-        owned_storage(&y, |s| match s {
-            Storage::Cuda(c) => Some(c.try_clone(&Layout::contiguous(y.shape()))),
-            _ => None,
-        })
+        self.out.cuda()
     }
 
     fn bwd(&self, x: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {

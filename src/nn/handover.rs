@@ -13,47 +13,24 @@
 //!
 //! Forward costs one extra output-sized copy (the handed-over result), which is freed at once.
 
-use std::sync::Mutex;
+use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
 
-use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Storage, Tensor};
-
-use super::frozen::owned_storage;
+use super::output_slot::OutputSlot;
 
 type Backward = Box<dyn Fn(&Tensor, &Tensor) -> Result<Tensor> + Send + Sync>;
 
 struct HandOver {
-    name: &'static str,
-    out: Mutex<Option<Tensor>>,
+    out: OutputSlot,
     backward: Backward,
-}
-
-impl HandOver {
-    fn take_out(&self) -> Result<Tensor> {
-        let mut slot = self
-            .out
-            .lock()
-            .map_err(|_| candle_core::Error::Msg(format!("{}: poisoned lock", self.name)))?;
-        match slot.take() {
-            Some(y) => Ok(y),
-            None => candle_core::bail!("{}: forward ran twice", self.name),
-        }
-    }
 }
 
 impl CustomOp1 for HandOver {
     fn name(&self) -> &'static str {
-        self.name
+        "hand-over"
     }
 
     fn cpu_fwd(&self, _s: &CpuStorage, _l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let y = self.take_out()?;
-        owned_storage(&y, |s| match s {
-            Storage::Cpu(c) => Some(candle_core::backend::BackendStorage::try_clone(
-                c,
-                &Layout::contiguous(y.shape()),
-            )),
-            _ => None,
-        })
+        self.out.cpu()
     }
 
     #[cfg(feature = "cuda")]
@@ -62,14 +39,7 @@ impl CustomOp1 for HandOver {
         _s: &candle_core::CudaStorage,
         _l: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let y = self.take_out()?;
-        owned_storage(&y, |s| match s {
-            Storage::Cuda(c) => Some(candle_core::backend::BackendStorage::try_clone(
-                c,
-                &Layout::contiguous(y.shape()),
-            )),
-            _ => None,
-        })
+        self.out.cuda()
     }
 
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
@@ -80,8 +50,7 @@ impl CustomOp1 for HandOver {
 /// Attaches the precomputed `out` to `arg` with `backward(arg, grad) -> ∂L/∂arg`.
 fn hand_over(arg: &Tensor, name: &'static str, out: Tensor, backward: Backward) -> Result<Tensor> {
     let op = HandOver {
-        name,
-        out: Mutex::new(Some(out.contiguous()?)),
+        out: OutputSlot::new(name, out)?,
         backward,
     };
     arg.apply_op1(op)

@@ -14,6 +14,7 @@ mod frozen;
 mod handover;
 mod linear;
 mod norm;
+mod output_slot;
 
 pub use activation::{gelu_erf, quick_gelu, silu};
 pub use attention::{attention, causal_mask};

@@ -83,3 +83,34 @@ pub fn rel_err(a: &Tensor, b: &Tensor) -> f32 {
         .unwrap();
     (num / den.max(1e-30)).sqrt()
 }
+
+/// Largest absolute difference, computed in f32 on the CPU (any device, any dtype).
+pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
+    let cpu = |t: &Tensor| {
+        t.to_device(&Device::Cpu)
+            .unwrap()
+            .to_dtype(DType::F32)
+            .unwrap()
+    };
+    let (a, b) = (cpu(a), cpu(b));
+    assert_eq!(a.dims(), b.dims(), "shape mismatch");
+    (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
+}
+
+/// A deterministic fill in [−1, 1) on the CPU that does not depend on any device RNG.
+pub fn fill(shape: &[usize], seed: u64) -> Tensor {
+    let n: usize = shape.iter().product();
+    let v: Vec<f32> = (0..n)
+        .map(|i| (((i as u64 * 2654435761 + seed * 97) % 1000) as f32 / 500.0) - 1.0)
+        .collect();
+    Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+}
