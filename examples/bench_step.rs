@@ -113,7 +113,8 @@ fn is_oom(text: &str) -> bool {
 
 /// `--op-profile`: each op class of an SD1.5 step at 512 px, batch 1, alone, forward + backward,
 /// synchronised: the 320-channel 3×3 conv (input gradient through candle's conv_transpose2d and
-/// through our GEMM form), self-attention over 4096 tokens, GroupNorm, and one AdamW step over
+/// through our GEMM form), self-attention over 4096 tokens (chunked, and the composed
+/// reference), GroupNorm, and one AdamW step over
 /// the LoRA-sized parameter set. Medians of 5 after 2 warm-ups, in ms.
 fn op_profile(device: &Device, dtype: DType, report: &mut Value) -> Result<()> {
     use sdtrain::nn::{attention, conv2d_input_grad, conv2d_input_grad_reference};
@@ -173,6 +174,14 @@ fn op_profile(device: &Device, dtype: DType, report: &mut Value) -> Result<()> {
         "self_attention_4096_fwd_bwd".into(),
         json!(time(&mut || {
             let o = attention(q.as_tensor(), &k, &v, 8, None)?;
+            o.to_dtype(DType::F32)?.sum_all()?.backward()?;
+            Ok(())
+        })?),
+    );
+    ops.insert(
+        "self_attention_4096_fwd_bwd_composed".into(),
+        json!(time(&mut || {
+            let o = sdtrain::nn::attention_reference(q.as_tensor(), &k, &v, 8, None)?;
             o.to_dtype(DType::F32)?.sum_all()?.backward()?;
             Ok(())
         })?),

@@ -162,6 +162,20 @@ fn cuda_custom_ops_match_cpu() {
             &|a| nn::conv2d_trainable(&a[0], &a[1], padding, stride),
         );
     }
+    // Memory-efficient attention (self and cross, remainder chunks), all operands tracked.
+    for (lq, lk) in [(40, 40), (40, 13)] {
+        check_op(
+            &dev,
+            &format!("chunked_attention {lq}x{lk}"),
+            &[
+                var(&[2, 3, lq, 8], 42),
+                var(&[2, 3, lk, 8], 43),
+                var(&[2, 3, lk, 8], 44),
+            ],
+            tol,
+            &|a| nn::chunked_attention(&a[0], &a[1], &a[2], 0.35, Some(16)),
+        );
+    }
     // The norms' frozen γ/β and the resnets' time-embedding add.
     check_op(
         &dev,

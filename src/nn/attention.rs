@@ -2,14 +2,47 @@
 //! `softmax(q·kᵀ / sqrt(d) + mask) · v`, per head.
 //!
 //! Scores and softmax are computed in f32 whatever the input dtype (diffusers' `upcast_attention`
-//! and `upcast_softmax`), which costs one f32 `[B, H, Lq, Lk]` buffer per layer; chunked or fused
-//! attention is later work (../shared/NOTES.md).
+//! and `upcast_softmax`). Unmasked attention (every UNet layer) goes through
+//! [`super::chunked_attention`], which never keeps the `[B, H, Lq, Lk]` scores for backward; the
+//! composed [`attention_reference`] keeps them (about 2.5 GB per 4096-token layer per sample,
+//! measured on an H100: docs/GPU.md) and serves masked attention (CLIP's 77 tokens).
 
 use candle_core::{DType, Device, Result, Tensor, D};
 
 /// `q` `[B, Lq, H·D]`, `k`/`v` `[B, Lk, H·D]` → `[B, Lq, H·D]`. `mask` is added to the scores and
 /// must broadcast to `[B, H, Lq, Lk]`.
 pub fn attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    heads: usize,
+    mask: Option<&Tensor>,
+) -> Result<Tensor> {
+    if mask.is_some() || !super::frozen::supported(q) {
+        return attention_reference(q, k, v, heads, mask);
+    }
+    let (b, lq, inner) = q.dims3()?;
+    let lk = k.dim(1)?;
+    let head_dim = inner / heads;
+    let split = |t: &Tensor, l: usize| -> Result<Tensor> {
+        t.reshape((b, l, heads, head_dim))?
+            .transpose(1, 2)?
+            .contiguous()
+    };
+    let scale = 1.0 / (head_dim as f64).sqrt();
+    super::chunked_attention::chunked_attention(
+        &split(q, lq)?,
+        &split(k, lk)?,
+        &split(v, lk)?,
+        scale,
+        None,
+    )?
+    .transpose(1, 2)?
+    .reshape((b, lq, inner))
+}
+
+/// [`attention`] from composed candle ops, keeping every intermediate for backward.
+pub fn attention_reference(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,

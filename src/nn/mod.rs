@@ -7,6 +7,7 @@
 
 mod activation;
 mod attention;
+mod chunked_attention;
 mod conv;
 mod conv_grad;
 mod embedding;
@@ -17,7 +18,8 @@ mod norm;
 mod output_slot;
 
 pub use activation::{gelu_erf, quick_gelu, silu};
-pub use attention::{attention, causal_mask};
+pub use attention::{attention, attention_reference, causal_mask};
+pub use chunked_attention::chunked_attention;
 
 /// A trainable addition to a frozen layer's output, `y = base(x) + delta(x)`: LoRA on a Linear or
 /// a 1×1 conv, LoCon on a 3×3 conv. Implemented in `crate::adapter`.

@@ -1,0 +1,321 @@
+//! Memory-efficient attention: queries in chunks, the score matrix never kept for backward.
+//!
+//! Rabe & Staats, "Self-attention does not need O(n²) memory", arXiv 2112.05682; the backward is
+//! flash-attention's (Dao et al., arXiv 2205.14135). For `q` `[.., Lq, D]`, `k`, `v` `[.., Lk, D]`
+//! and scale `s`, per query chunk `c`:
+//!
+//! ```text
+//! forward:  S = s·q_c·kᵀ (f32);  m = rowmax S;  P̃ = exp(S − m);  l = rowsum P̃
+//!           o_c = (P̃ / l)·v;     L_c = m + ln l                        (saved: L, the output)
+//! backward: D = rowsum(dO ∘ O);  P = exp(s·q_c·kᵀ − L_c)                (recomputed per chunk)
+//!           dV += Pᵀ·dO_c;  dP = dO_c·vᵀ;  dS = P ∘ (dP − D_c)·s;  dQ_c = dS·k;  dK += dSᵀ·q_c
+//! ```
+//!
+//! Only one chunk's `[.., C, Lk]` scores exist at a time, in forward and in backward; the graph
+//! keeps `q`, `k`, `v`, the output and `L` (one f32 per query row). The chunk is sized so its
+//! f32 scores stay under [`SCORE_BUDGET`] elements. Scores and softmax are f32 whatever the input
+//! dtype, as in the composed reference (`super::attention::attention_reference`).
+//!
+//! The op is built from candle tensor ops, so it runs on every backend; the forward runs on
+//! detached operands and hands its output over through an [`OutputSlot`].
+
+use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, D};
+
+use super::output_slot::OutputSlot;
+
+/// The most f32 score elements one chunk may hold (64 Mi = 256 MiB).
+pub const SCORE_BUDGET: usize = 1 << 26;
+
+/// Query rows per chunk for `batch_heads` heads of `lk` keys: as many as fit in the budget.
+fn chunk_rows(batch_heads: usize, lq: usize, lk: usize) -> usize {
+    (SCORE_BUDGET / (batch_heads * lk).max(1)).clamp(1, lq.max(1))
+}
+
+/// `softmax(s·q·kᵀ)·v` for `q` `[B, H, Lq, D]`, `k`/`v` `[B, H, Lk, D]` (same dtype), computed in
+/// query chunks of `chunk` rows (`None`: sized by [`SCORE_BUDGET`]).
+pub fn chunked_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f64,
+    chunk: Option<usize>,
+) -> Result<Tensor> {
+    let (b, h, lq, _) = q.dims4()?;
+    let lk = k.dim(2)?;
+    let chunk = chunk.unwrap_or_else(|| chunk_rows(b * h, lq, lk)).max(1);
+    let (out, lse) = forward(&q.detach(), &k.detach(), &v.detach(), scale, chunk)?;
+    if !(q.track_op() || k.track_op() || v.track_op()) {
+        return Ok(out);
+    }
+    q.apply_op3(
+        k,
+        v,
+        ChunkedAttention {
+            scale,
+            chunk,
+            lse,
+            out: OutputSlot::new("chunked attention", out)?,
+        },
+    )
+}
+
+/// The output and the row log-sum-exp `[B, H, Lq, 1]` (f32).
+fn forward(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f64,
+    chunk: usize,
+) -> Result<(Tensor, Tensor)> {
+    let lq = q.dim(2)?;
+    let dtype = v.dtype();
+    let kt = k.to_dtype(DType::F32)?.t()?.contiguous()?;
+    let (mut outs, mut lses) = (Vec::new(), Vec::new());
+    for start in (0..lq).step_by(chunk) {
+        let len = chunk.min(lq - start);
+        let qc = (q.narrow(2, start, len)?.to_dtype(DType::F32)? * scale)?;
+        let s = qc.matmul(&kt)?;
+        let m = s.max_keepdim(D::Minus1)?;
+        let p = s.broadcast_sub(&m)?.exp()?;
+        let l = p.sum_keepdim(D::Minus1)?;
+        let probs = p.broadcast_div(&l)?.to_dtype(dtype)?;
+        outs.push(super::matmul(&probs, v)?);
+        lses.push((m + l.log()?)?);
+    }
+    Ok((Tensor::cat(&outs, 2)?, Tensor::cat(&lses, 2)?))
+}
+
+struct ChunkedAttention {
+    scale: f64,
+    chunk: usize,
+    /// Row log-sum-exp of the scaled scores, `[B, H, Lq, 1]`, f32.
+    lse: Tensor,
+    out: OutputSlot,
+}
+
+impl ChunkedAttention {
+    /// The gradients of `q`, `k`, `v` for the upstream gradient `g` of output `o`; only for the
+    /// tracked operands (candle stores whatever a backward returns, tracked or not).
+    #[allow(clippy::type_complexity)]
+    fn backward(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        o: &Tensor,
+        g: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let f32 = |t: &Tensor| t.detach().to_dtype(DType::F32);
+        let (q32, k32, v32, g32) = (f32(q)?, f32(k)?, f32(v)?, f32(g)?);
+        let d_rows = (&g32 * f32(o)?)?.sum_keepdim(D::Minus1)?;
+        let kt = k32.t()?.contiguous()?;
+        let vt = v32.t()?.contiguous()?;
+        let lq = q.dim(2)?;
+        let mut dq = Vec::new();
+        let mut dk = k32.zeros_like()?;
+        let mut dv = v32.zeros_like()?;
+        for start in (0..lq).step_by(self.chunk) {
+            let len = self.chunk.min(lq - start);
+            let qc = q32.narrow(2, start, len)?;
+            let gc = g32.narrow(2, start, len)?;
+            let s = (qc.matmul(&kt)? * self.scale)?;
+            let p = s.broadcast_sub(&self.lse.narrow(2, start, len)?)?.exp()?;
+            if v.track_op() {
+                dv = (dv + p.t()?.matmul(&gc)?)?;
+            }
+            let dp = gc.matmul(&vt)?;
+            let ds = ((p * dp.broadcast_sub(&d_rows.narrow(2, start, len)?)?)? * self.scale)?;
+            if q.track_op() {
+                dq.push(ds.matmul(&k32)?);
+            }
+            if k.track_op() {
+                dk = (dk + ds.t()?.matmul(&qc)?)?;
+            }
+        }
+        let dq = if q.track_op() {
+            Some(Tensor::cat(&dq, 2)?.to_dtype(q.dtype())?)
+        } else {
+            None
+        };
+        let dk = if k.track_op() {
+            Some(dk.to_dtype(k.dtype())?)
+        } else {
+            None
+        };
+        let dv = if v.track_op() {
+            Some(dv.to_dtype(v.dtype())?)
+        } else {
+            None
+        };
+        Ok((dq, dk, dv))
+    }
+}
+
+impl CustomOp3 for ChunkedAttention {
+    fn name(&self) -> &'static str {
+        "chunked-attention"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _q: &CpuStorage,
+        _lq: &Layout,
+        _k: &CpuStorage,
+        _lk: &Layout,
+        _v: &CpuStorage,
+        _lv: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        self.out.cpu()
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        _q: &candle_core::CudaStorage,
+        _lq: &Layout,
+        _k: &candle_core::CudaStorage,
+        _lk: &Layout,
+        _v: &candle_core::CudaStorage,
+        _lv: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        self.out.cuda()
+    }
+
+    fn bwd(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        self.backward(q, k, v, res, grad)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Var};
+
+    fn fill(shape: &[usize], seed: u64) -> Tensor {
+        let n: usize = shape.iter().product();
+        let v: Vec<f32> = (0..n)
+            .map(|i| (((i as u64 * 2654435761 + seed * 97) % 1000) as f32 / 250.0) - 2.0)
+            .collect();
+        Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+    }
+
+    fn max_abs(a: &Tensor, b: &Tensor) -> f32 {
+        let f = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+        (f(a) - f(b))
+            .unwrap()
+            .abs()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap()
+    }
+
+    /// The composed attention: `softmax(s·q·kᵀ)·v` with every intermediate kept.
+    fn reference(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Tensor {
+        let s = (q.to_dtype(DType::F32).unwrap() * scale)
+            .unwrap()
+            .matmul(&k.to_dtype(DType::F32).unwrap().t().unwrap())
+            .unwrap();
+        let p = candle_nn::ops::softmax(&s, D::Minus1).unwrap();
+        p.matmul(&v.to_dtype(DType::F32).unwrap()).unwrap()
+    }
+
+    fn check(lq: usize, lk: usize, chunk: usize, track: [bool; 3]) {
+        let (b, h, d) = (2, 3, 8);
+        let scale = 1.0 / (d as f64).sqrt();
+        let vals = [
+            fill(&[b, h, lq, d], 1),
+            fill(&[b, h, lk, d], 2),
+            fill(&[b, h, lk, d], 3),
+        ];
+        let r = fill(&[b, h, lq, d], 4);
+        let run = |chunked: bool| {
+            let vars: Vec<Var> = vals.iter().map(|t| Var::from_tensor(t).unwrap()).collect();
+            let args: Vec<Tensor> = vars
+                .iter()
+                .zip(track)
+                .map(|(v, t)| {
+                    if t {
+                        v.as_tensor().clone()
+                    } else {
+                        v.as_tensor().detach()
+                    }
+                })
+                .collect();
+            let y = if chunked {
+                chunked_attention(&args[0], &args[1], &args[2], scale, Some(chunk)).unwrap()
+            } else {
+                reference(&args[0], &args[1], &args[2], scale)
+            };
+            let grads = (&y * &r).unwrap().sum_all().unwrap().backward().unwrap();
+            let gs: Vec<Option<Tensor>> = vars.iter().map(|v| grads.get(v).cloned()).collect();
+            (y, gs, grads.get_ids().count())
+        };
+        let (y, g, n) = run(true);
+        let (y_ref, g_ref, _) = run(false);
+        assert!(
+            max_abs(&y, &y_ref) < 1e-5,
+            "lq {lq} lk {lk} chunk {chunk}: forward"
+        );
+        for (i, (a, b)) in g.iter().zip(&g_ref).enumerate() {
+            match (a, b) {
+                (Some(a), Some(b)) => {
+                    let e = max_abs(a, b);
+                    assert!(
+                        e < 1e-4,
+                        "lq {lq} lk {lk} chunk {chunk}: grad {i} differs by {e}"
+                    );
+                }
+                (None, None) => {}
+                _ => panic!("grad {i}: presence differs (tracked {track:?})"),
+            }
+        }
+        // The gradient store holds the tracked operands and one graph node (the product with
+        // `r`), never an entry for an untracked operand.
+        assert_eq!(
+            n,
+            track.iter().filter(|t| **t).count() + 1,
+            "track {track:?}"
+        );
+    }
+
+    #[test]
+    fn matches_composed_attention_forward_and_backward() {
+        check(16, 16, 5, [true; 3]); // self-attention, a remainder chunk
+        check(12, 7, 4, [true; 3]); // cross-attention
+        check(9, 9, 64, [true; 3]); // one chunk
+        check(10, 6, 3, [true, false, false]); // constant keys and values
+        check(10, 6, 3, [false, true, true]);
+    }
+
+    #[test]
+    fn bf16_stays_close_to_f32() {
+        let (q, k, v) = (
+            fill(&[1, 2, 20, 8], 5),
+            fill(&[1, 2, 20, 8], 6),
+            fill(&[1, 2, 20, 8], 7),
+        );
+        let want = reference(&q, &k, &v, 0.35);
+        let bf = |t: &Tensor| t.to_dtype(DType::BF16).unwrap();
+        let got = chunked_attention(&bf(&q), &bf(&k), &bf(&v), 0.35, Some(6)).unwrap();
+        assert_eq!(got.dtype(), DType::BF16);
+        assert!(max_abs(&got, &want) < 3e-2);
+    }
+
+    #[test]
+    fn chunks_fit_the_score_budget() {
+        assert_eq!(chunk_rows(8, 4096, 4096), SCORE_BUDGET / (8 * 4096));
+        assert_eq!(chunk_rows(1, 77, 77), 77);
+        assert_eq!(chunk_rows(1 << 20, 4096, 1 << 10), 1);
+    }
+}
