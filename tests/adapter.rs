@@ -8,6 +8,8 @@
 
 mod common;
 
+use common::max_abs_diff;
+
 use sdtrain::model::reference_configs::{CLIP_BIGG, CLIP_L, SD15_UNET, SDXL_UNET};
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -68,19 +70,6 @@ fn inputs() -> Inputs {
         ids: get("te.input_ids").narrow(0, 0, b).unwrap(),
         ctx: get("unet.encoder_hidden_states"),
     }
-}
-
-fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
-    (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap()
 }
 
 fn set_random(v: &Var, seed: u64) {

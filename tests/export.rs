@@ -10,6 +10,8 @@
 
 mod common;
 
+use common::max_abs_diff;
+
 use std::collections::{BTreeMap, HashMap};
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -56,19 +58,6 @@ fn unet_out(sd: &StableDiffusion, fixture: &str) -> Tensor {
             &common::get(&refs, "unet.encoder_hidden_states"),
             added.as_ref(),
         )
-        .unwrap()
-}
-
-fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
-    (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f32>()
         .unwrap()
 }
 

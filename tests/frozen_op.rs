@@ -1,35 +1,15 @@
 //! The frozen linear/conv ops against candle's ordinary ops (`*_reference`): same forward, same
 //! input gradient, and no gradient for the frozen weight or bias.
 
+mod common;
+
 use candle_core::{DType, Device, Tensor, Var};
+use common::{fill as randn, max_abs_diff};
 use sdtrain::model::weights::Weights;
 use sdtrain::nn::{
     frozen_conv2d, frozen_conv2d_bias, frozen_conv2d_reference, frozen_linear,
     frozen_linear_reference, frozen_matmul, frozen_matmul_reference, Conv2d, Conv2dConfig, Linear,
 };
-
-fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
-    assert_eq!(a.dims(), b.dims());
-    (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap()
-}
-
-fn randn(shape: &[usize], seed: u64) -> Tensor {
-    // A cheap deterministic fill so the test does not depend on the device RNG.
-    let n: usize = shape.iter().product();
-    let v: Vec<f32> = (0..n)
-        .map(|i| (((i as u64 * 2654435761 + seed * 97) % 1000) as f32 / 500.0) - 1.0)
-        .collect();
-    Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
-}
 
 /// Forward and `∂L/∂x` of `f` for `L = sum(f(x) * r)`, with `x` a Var.
 fn fwd_grad(x: &Tensor, r: &Tensor, f: impl Fn(&Tensor) -> Tensor) -> (Tensor, Tensor) {

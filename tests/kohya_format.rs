@@ -3,6 +3,9 @@
 //! `tests/fixtures/kohya_reference.py`), and the errors for unknown modules, shape mismatches,
 //! incomplete modules and LyCORIS keys.
 
+mod common;
+
+use common::max_abs_diff;
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
@@ -57,19 +60,6 @@ fn set(name: &str, down: &[usize], up: &[usize], alpha: f32) -> KohyaTensorSet {
         up: randn(up),
         alpha,
     }
-}
-
-fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
-    (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap()
 }
 
 /// Writes `tensors` as a plain safetensors file (candle's writer, no metadata).

@@ -87,7 +87,22 @@ fn check_trained(fixture: &str, extra: serde_json::Value) {
             l["loss"].as_f64().unwrap().is_finite() && l["grad_norm"].as_f64().unwrap() > 0.0,
             "{l}"
         );
+        // On the CPU the memory is the process's resident set: in use ≤ peak, both non-zero.
+        let m = &l["memory"];
+        assert_eq!(m["source"], "process_rss", "{l}");
+        let (in_use, peak) = (
+            m["in_use_bytes"].as_u64().unwrap(),
+            m["peak_bytes"].as_u64().unwrap(),
+        );
+        assert!(in_use > 0 && in_use <= peak, "{l}");
     }
+    let summary = text(&out);
+    assert!(
+        summary
+            .lines()
+            .any(|l| l.starts_with("memory          peak ") && l.contains(" RSS (in use ")),
+        "{summary}"
+    );
     // The saved folder is a complete diffusers pipeline that our loader reads.
     let layout = ModelLayout::read(&run.join("final"), None).unwrap();
     let opts = LoadOptions {

@@ -24,11 +24,7 @@ pub fn attention(
     let (b, lq, inner) = q.dims3()?;
     let lk = k.dim(1)?;
     let head_dim = inner / heads;
-    let split = |t: &Tensor, l: usize| -> Result<Tensor> {
-        t.reshape((b, l, heads, head_dim))?
-            .transpose(1, 2)?
-            .contiguous()
-    };
+    let split = |t: &Tensor, l: usize| split_heads(t, (b, l, heads, head_dim));
     let scale = 1.0 / (head_dim as f64).sqrt();
     super::chunked_attention::chunked_attention(
         &split(q, lq)?,
@@ -53,11 +49,7 @@ pub fn attention_reference(
     let (b, lq, inner) = q.dims3()?;
     let lk = k.dim(1)?;
     let head_dim = inner / heads;
-    let split = |t: &Tensor, l: usize| -> Result<Tensor> {
-        t.reshape((b, l, heads, head_dim))?
-            .transpose(1, 2)?
-            .contiguous()
-    };
+    let split = |t: &Tensor, l: usize| split_heads(t, (b, l, heads, head_dim));
     let scale = 1.0 / (head_dim as f64).sqrt();
     let q = (split(q, lq)?.to_dtype(DType::F32)? * scale)?;
     let k = split(k, lk)?.to_dtype(DType::F32)?;
@@ -70,6 +62,11 @@ pub fn attention_reference(
     super::matmul(&probs, &v)?
         .transpose(1, 2)?
         .reshape((b, lq, inner))
+}
+
+/// `[B, L, H·D]` → `[B, H, L, D]`, contiguous.
+fn split_heads(t: &Tensor, shape: (usize, usize, usize, usize)) -> Result<Tensor> {
+    t.reshape(shape)?.transpose(1, 2)?.contiguous()
 }
 
 /// The causal mask CLIP's text transformer uses: `[1, 1, L, L]` with the most negative f32 above the diagonal.

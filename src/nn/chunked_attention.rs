@@ -196,28 +196,11 @@ impl CustomOp3 for ChunkedAttention {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::{Device, Var};
+    use crate::nn::test_util::max_abs;
+    use candle_core::Var;
 
     fn fill(shape: &[usize], seed: u64) -> Tensor {
-        let n: usize = shape.iter().product();
-        let v: Vec<f32> = (0..n)
-            .map(|i| (((i as u64 * 2654435761 + seed * 97) % 1000) as f32 / 250.0) - 2.0)
-            .collect();
-        Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
-    }
-
-    fn max_abs(a: &Tensor, b: &Tensor) -> f32 {
-        let f = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
-        (f(a) - f(b))
-            .unwrap()
-            .abs()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .max(0)
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap()
+        crate::nn::test_util::fill(shape, seed, 2.0)
     }
 
     /// The composed attention: `softmax(s·q·kᵀ)·v` with every intermediate kept.

@@ -232,28 +232,11 @@ impl CustomOp2 for TrainableConv {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::nn::test_util::max_abs;
     use candle_core::{Device, Var};
 
     fn fill(shape: &[usize], seed: u64) -> Tensor {
-        let n: usize = shape.iter().product();
-        let v: Vec<f32> = (0..n)
-            .map(|i| (((i as u64 * 2654435761 + seed * 97) % 1000) as f32 / 500.0) - 1.0)
-            .collect();
-        Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
-    }
-
-    fn max_abs(a: &Tensor, b: &Tensor) -> f32 {
-        assert_eq!(a.dims(), b.dims());
-        (a - b)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .max(0)
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap()
+        crate::nn::test_util::fill(shape, seed, 1.0)
     }
 
     /// Every (kernel, padding, stride) SD models use, on odd, even and non-square inputs.

@@ -16,6 +16,8 @@ mod handover;
 mod linear;
 mod norm;
 mod output_slot;
+#[cfg(test)]
+mod test_util;
 
 pub use activation::{gelu_erf, quick_gelu, silu};
 pub use attention::{attention, attention_reference, causal_mask};
