@@ -18,7 +18,7 @@
 # (3060 12 GB), 89 an RTX 40xx (4070 12 GB), 80 an A100. A binary built for one does not load on
 # another.
 #
-# Usage (from the repo root): scripts/build-cuda.sh [build|test|check] [cargo args...]
+# Usage (from the repo root): scripts/build-cuda.sh [build|test|check|clippy] [cargo args...]
 #   The default subcommand is build and the default args --release --features cuda. With `test`,
 #   the test binaries run against the stub libraries: without a GPU every CUDA test reports itself
 #   skipped, which checks that they load and start.
@@ -33,7 +33,7 @@ VENV=$CACHE/venv
 STUBS=$CACHE/stubs
 export CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP:-90}
 CARGO_CMD=build
-case "${1:-}" in build | test | check) CARGO_CMD=$1; shift ;; esac
+case "${1:-}" in build | test | check | clippy) CARGO_CMD=$1; shift ;; esac
 BUILD_ARGS=("$@")
 [ ${#BUILD_ARGS[@]} -gt 0 ] || BUILD_ARGS=(--release --features cuda)
 

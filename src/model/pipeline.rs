@@ -135,10 +135,11 @@ impl StableDiffusion {
         prompts: &[&str],
         clip_skip: usize,
     ) -> candle_core::Result<TextConditioning> {
-        let device = self.unet.conv_in.weight.device();
+        // Ids stay on the host: the text model reads its pooled positions from them without a
+        // device sync, then uploads them.
         let ids = |te: &TextEncoder| {
             te.tokenizer
-                .encode_batch(prompts, device)
+                .encode_batch(prompts, &Device::Cpu)
                 .map_err(|e| candle_core::Error::Msg(format!("tokenizing prompts: {e}")))
         };
         match self.family() {

@@ -202,8 +202,10 @@ impl ClipTextModel {
         self.layers.len()
     }
 
-    /// `ids` `[B, L]` (u32 or i64). `skip` picks [`ClipTextOutput::hidden`]: 0 is the last
-    /// layer, 1 the penultimate, up to `num_layers()` (the embeddings).
+    /// `ids` `[B, L]` (u32 or i64), on the CPU or the model's device. `skip` picks
+    /// [`ClipTextOutput::hidden`]: 0 is the last layer, 1 the penultimate, up to `num_layers()`
+    /// (the embeddings). Ids on the CPU (as the tokenizer makes them) cost no device sync: the
+    /// pooled positions are read from them before they are uploaded.
     pub fn forward(&self, ids: &Tensor, skip: usize) -> candle_core::Result<ClipTextOutput> {
         let (b, len) = ids.dims2()?;
         if len > self.config.max_position_embeddings {
@@ -216,7 +218,11 @@ impl ClipTextModel {
         if skip > n {
             bail!("CLIP text model: skip {skip} is more than its {n} layers");
         }
-        let device = ids.device();
+        // Read on the host before any work is queued: with ids already on a GPU this is the
+        // forward's one device→host copy, with ids on the CPU it is free.
+        let rows = eos_positions(ids, self.config.eos_token_id)?;
+        let device = self.token_embedding.weight.device();
+        let ids = &ids.to_device(device)?;
         let positions = Tensor::arange(0u32, len as u32, device)?;
         let tok = self
             .token_embedding
@@ -242,7 +248,6 @@ impl ClipTextModel {
             None => bail!("CLIP text model: no hidden state kept for skip {skip}"),
         };
         let last_hidden_state = self.final_layer_norm.forward(&h)?;
-        let rows = eos_positions(ids, self.config.eos_token_id)?;
         let flat_index: Vec<u32> = rows
             .iter()
             .enumerate()
