@@ -1,5 +1,12 @@
 //! sdtrain: a Stable Diffusion fine-tuner (SD1.x, SD2.x, SDXL) on Candle.
 
+// `--features mimalloc`: candle allocates a fresh buffer for every op, and mimalloc reuses freed
+// pages where glibc's malloc returns large blocks to the kernel. Set here so the binary, the
+// examples and the tests all run with it. Measured both ways in docs/BENCHMARKS.md.
+#[cfg(feature = "mimalloc")]
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 pub mod adapter;
 pub mod cli;
 pub mod config;

@@ -203,3 +203,60 @@ impl LayerAdapter for LoraModule {
         self.delta_in_dtype(x)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::SeedableRng;
+
+    fn module(dropout: f64) -> LoraModule {
+        let shape = LoraShape {
+            module_path: "t.to_q".into(),
+            component: AdapterComponent::Unet,
+            kind: LoraKind::Linear,
+            in_dim: 4,
+            out_dim: 4,
+        };
+        let mut rng = StdRng::seed_from_u64(1);
+        LoraModule::new(shape, 2, 2.0, dropout, &mut rng, &Device::Cpu).unwrap()
+    }
+
+    #[test]
+    fn dropout_scales_kept_elements_by_inverse_keep_probability() {
+        let m = module(0.25);
+        m.set_training(true);
+        let h = Tensor::ones((64, 64), DType::F32, &Device::Cpu).unwrap();
+        let v = m
+            .dropout(&h)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        let kept: Vec<f32> = v.iter().copied().filter(|&x| x != 0.0).collect();
+        assert!(
+            kept.iter().all(|&x| (x - 1.0 / 0.75).abs() < 1e-6),
+            "{:?}",
+            &kept[..4]
+        );
+        let dropped = (v.len() - kept.len()) as f64 / v.len() as f64;
+        assert!((dropped - 0.25).abs() < 0.03, "dropped fraction {dropped}");
+        // The mean is preserved in expectation (inverted dropout).
+        let mean = v.iter().map(|&x| f64::from(x)).sum::<f64>() / v.len() as f64;
+        assert!((mean - 1.0).abs() < 0.05, "mean {mean}");
+    }
+
+    #[test]
+    fn dropout_is_identity_when_evaluating() {
+        let m = module(0.5);
+        let h = Tensor::ones((8, 8), DType::F32, &Device::Cpu).unwrap();
+        let v = m
+            .dropout(&h)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        assert!(v.iter().all(|&x| x == 1.0));
+    }
+}

@@ -31,7 +31,8 @@ pub trait LayerAdapter: std::fmt::Debug + Send + Sync {
 }
 pub use conv::{Conv2d, Conv2dConfig};
 pub use conv_grad::{
-    conv2d as conv2d_trainable, conv2d_input_grad, conv2d_input_grad_reference, conv2d_weight_grad,
+    conv2d as conv2d_trainable, conv2d_input_grad, conv2d_input_grad_gemm,
+    conv2d_input_grad_reference, conv2d_weight_grad,
 };
 pub use embedding::Embedding;
 pub use frozen::{
