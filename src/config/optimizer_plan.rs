@@ -68,28 +68,9 @@ const ED2_ONLY_OPTIMIZERS: &[&str] = &[
     "adacoor",
 ];
 
-/// LR schedules (diffusers' `get_scheduler` names), each with a linear warmup from 0.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum ScheduleKind {
-    Constant,
-    Linear,
-    /// Half a cosine period from the peak to 0 over the decay length.
-    Cosine,
-    /// diffusers' defaults, which EveryDream2 uses: power 1.0, end lr 1e-7.
-    Polynomial,
-}
-
-impl ScheduleKind {
-    pub fn name(self) -> &'static str {
-        match self {
-            ScheduleKind::Constant => "constant",
-            ScheduleKind::Linear => "linear",
-            ScheduleKind::Cosine => "cosine",
-            ScheduleKind::Polynomial => "polynomial",
-        }
-    }
-}
+/// LR schedules (diffusers' `get_scheduler` names), each with a linear warmup from 0: the
+/// optimizer's own enum, so the plan and the schedule cannot drift apart.
+pub use crate::optim::ScheduleKind;
 
 const SCHEDULE_NAMES: &str = "constant, linear, cosine, polynomial";
 

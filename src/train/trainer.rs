@@ -19,7 +19,7 @@ use super::progress::Progress;
 use super::run_dir::RunDir;
 use super::step::{accumulate, micro_batch, StepSettings};
 use super::te_freeze::text_encoder_param_trains;
-use crate::config::{ParamGroupPlan, ScheduleKind as PlanScheduleKind};
+use crate::config::ParamGroupPlan;
 use crate::config::{TrainMode, TrainPlan};
 use crate::data::{load_data_root, LoadedDataset};
 use crate::diffusion::{NoiseSchedule, Objective, ObjectiveConfig};
@@ -28,7 +28,7 @@ use crate::model::family::ModelLayout;
 use crate::model::files::Component;
 use crate::model::pipeline::{LoadOptions, StableDiffusion};
 use crate::model::source::ModelSource;
-use crate::optim::{AdamW, AdamWParams, LrSchedule, Optimizer, ScheduleKind, StepCheck};
+use crate::optim::{AdamW, AdamWParams, LrSchedule, Optimizer, StepCheck};
 
 /// How to run, beyond the plan.
 #[derive(Debug, Clone)]
@@ -78,12 +78,7 @@ impl Group {
     ) -> anyhow::Result<Self> {
         let resolved = plan.schedule.resolve(total_steps);
         let schedule = LrSchedule {
-            kind: match resolved.kind {
-                PlanScheduleKind::Constant => ScheduleKind::Constant,
-                PlanScheduleKind::Linear => ScheduleKind::Linear,
-                PlanScheduleKind::Cosine => ScheduleKind::Cosine,
-                PlanScheduleKind::Polynomial => ScheduleKind::Polynomial,
-            },
+            kind: resolved.kind,
             warmup_steps: resolved.warmup_steps as usize,
             decay_steps: resolved.decay_steps as usize,
         };
