@@ -79,23 +79,35 @@ where
     E: From<FsError>,
     F: FnOnce(&mut BufWriter<File>) -> Result<(), E>,
 {
-    let tmp = temp_sibling(path)?;
-    let result = (|| {
-        let file = File::create(&tmp).map_err(io_err("create", &tmp))?;
+    write_atomic_to_path(path, |tmp| {
+        let file = File::create(tmp).map_err(io_err("create", tmp))?;
         let mut w = BufWriter::with_capacity(1 << 20, file);
         write(&mut w)?;
-        let file = w
-            .into_inner()
-            .map_err(|e| io_err("write", &tmp)(e.into_error()))?;
-        file.sync_all().map_err(io_err("sync", &tmp))?;
-        drop(file);
+        w.into_inner()
+            .map_err(|e| io_err("write", tmp)(e.into_error()))?;
+        Ok(())
+    })
+}
+
+/// Writes `path` atomically where the writer needs a file path (e.g. safetensors'
+/// `serialize_to_file`): `write` creates the temporary file it is given, which is then
+/// `fsync`ed and renamed over `path`. On error the temporary file is removed.
+pub fn write_atomic_to_path<E, F>(path: &Path, write: F) -> Result<(), E>
+where
+    E: From<FsError>,
+    F: FnOnce(&Path) -> Result<(), E>,
+{
+    let tmp = temp_sibling(path)?;
+    let result = (|| {
+        write(&tmp)?;
+        File::open(&tmp)
+            .and_then(|f| f.sync_all())
+            .map_err(io_err("sync", &tmp))?;
         fs::rename(&tmp, path).map_err(io_err("rename into place", path))?;
         sync_dir(parent_of(path))?;
         Ok(())
     })();
     if result.is_err() {
-        // Best effort: the temporary file is garbage either way, and the original error is
-        // the one worth reporting.
         let _ = fs::remove_file(&tmp);
     }
     result

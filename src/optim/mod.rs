@@ -48,6 +48,8 @@ pub enum OptimError {
     },
     #[error("{0}")]
     Candle(#[from] candle_core::Error),
+    #[error("optimizer state: {0}")]
+    File(#[from] crate::fsutil::FsError),
     #[error("optimizer state {}: {source}", path.display())]
     Io {
         path: PathBuf,

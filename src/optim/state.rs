@@ -12,7 +12,7 @@ use std::borrow::Cow;
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::fs::File;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use candle_core::{DType, Device, Tensor};
 use safetensors::tensor::{Dtype, SafeTensors, View};
@@ -29,13 +29,6 @@ fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> OptimError + '_ {
         path: path.to_path_buf(),
         source,
     }
-}
-
-/// `<path>.tmp`, beside `path`.
-pub fn tmp_path(path: &Path) -> PathBuf {
-    let mut s = path.as_os_str().to_os_string();
-    s.push(".tmp");
-    PathBuf::from(s)
 }
 
 /// A tensor viewed as f32 little-endian bytes, converted lazily so only one tensor at a time is
@@ -82,48 +75,28 @@ pub fn write_atomic(
     tensors: &[(String, Tensor)],
     metadata: HashMap<String, String>,
 ) -> Result<()> {
-    let tmp = tmp_path(path);
-    let err = RefCell::new(None);
-    let views = tensors.iter().map(|(name, t)| {
-        (
-            name.clone(),
-            F32View {
-                tensor: t,
-                shape: t.dims().to_vec(),
-                err: &err,
-            },
-        )
-    });
-    let written = safetensors::tensor::serialize_to_file(views, Some(metadata), &tmp);
-    let result = match (written, err.into_inner()) {
-        (Err(e), _) => Err(OptimError::Format {
-            path: tmp.clone(),
-            msg: e.to_string(),
-        }),
-        (Ok(()), Some(e)) => Err(OptimError::Candle(e)),
-        (Ok(()), None) => finish_atomic(&tmp, path),
-    };
-    if result.is_err() {
-        // Best effort: the temp file is garbage either way; the real error is the one returned.
-        let _ = std::fs::remove_file(&tmp);
-    }
-    result
-}
-
-fn finish_atomic(tmp: &Path, path: &Path) -> Result<()> {
-    File::open(tmp)
-        .and_then(|f| f.sync_all())
-        .map_err(io_err(tmp))?;
-    std::fs::rename(tmp, path).map_err(io_err(path))?;
-    let dir = match path.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p,
-        _ => Path::new("."),
-    };
-    // Persist the rename itself. Directories cannot be opened for sync on every platform.
-    if let Ok(d) = File::open(dir) {
-        d.sync_all().map_err(io_err(dir))?;
-    }
-    Ok(())
+    crate::fsutil::write_atomic_to_path(path, |tmp| {
+        let err = RefCell::new(None);
+        let views = tensors.iter().map(|(name, t)| {
+            (
+                name.clone(),
+                F32View {
+                    tensor: t,
+                    shape: t.dims().to_vec(),
+                    err: &err,
+                },
+            )
+        });
+        let written = safetensors::tensor::serialize_to_file(views, Some(metadata), tmp);
+        match (written, err.into_inner()) {
+            (Err(e), _) => Err(OptimError::Format {
+                path: path.to_path_buf(),
+                msg: e.to_string(),
+            }),
+            (Ok(()), Some(e)) => Err(OptimError::Candle(e)),
+            (Ok(()), None) => Ok(()),
+        }
+    })
 }
 
 /// A state file opened for reading (memory-mapped).
@@ -212,7 +185,11 @@ mod tests {
             .unwrap();
         let meta = HashMap::from([("k".to_string(), "v".to_string())]);
         write_atomic(&path, &[("a".into(), a.clone()), ("b".into(), b)], meta).unwrap();
-        assert!(!tmp_path(&path).exists());
+        let names: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names, vec![std::ffi::OsString::from("s.safetensors")]);
         read(&path, |r| {
             assert_eq!(r.meta("k").unwrap(), "v");
             assert!(r.meta("nope").is_err());
