@@ -19,3 +19,4 @@ pub mod model;
 pub mod nn;
 pub mod optim;
 pub mod train;
+pub mod weights;

@@ -12,4 +12,6 @@ pub mod sampling;
 pub mod source;
 pub mod unet;
 pub mod vae;
-pub mod weights;
+// Weight loading lives at the crate root so `nn` does not depend on `model`; re-exported here
+// for the model-facing path `model::weights`.
+pub use crate::weights;

@@ -3,7 +3,7 @@
 
 use candle_core::{Result, Tensor};
 
-use crate::model::weights::{Init, Weights, WeightsError};
+use crate::weights::{Init, Weights, WeightsError};
 
 #[derive(Debug, Clone)]
 pub struct Embedding {

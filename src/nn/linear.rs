@@ -5,7 +5,7 @@ use candle_core::{DType, Result, Tensor};
 use std::sync::Arc;
 
 use super::{cast_like, LayerAdapter};
-use crate::model::weights::{Init, Weights, WeightsError};
+use crate::weights::{Init, Weights, WeightsError};
 
 #[derive(Debug, Clone)]
 pub struct Linear {

@@ -6,7 +6,7 @@
 use candle_core::{DType, Result, Tensor, D};
 
 use super::frozen::{broadcast_add_const, broadcast_mul_const};
-use crate::model::weights::{Init, Weights, WeightsError};
+use crate::weights::{Init, Weights, WeightsError};
 
 #[derive(Debug, Clone)]
 pub struct GroupNorm {
