@@ -4,13 +4,13 @@
 //!
 //! The expected numbers come from `tests/fixtures/adamw_reference.py`, pasted below verbatim
 //! (`pasted_script_matches_fixture` keeps the two copies equal). Rerun it with
-//! `/work/pyenv/bin/python tests/fixtures/adamw_reference.py` and paste its output over the
+//! `python3 tests/fixtures/adamw_reference.py` (with `pip install -r tests/fixtures/requirements.txt`) and paste its output over the
 //! `BEGIN GENERATED` block.
 //!
 //! ```python
 //! """Expected numbers for tests/adamw_parity.rs, from torch.optim.AdamW.
 //!
-//! Rerun: /work/pyenv/bin/python tests/fixtures/adamw_reference.py   (torch 2.15, CPU)
+//! Rerun: python3 tests/fixtures/adamw_reference.py   (torch 2.15, CPU)
 //! and paste its output over the `// BEGIN GENERATED` .. `// END GENERATED` block of the test.
 //! """
 //! import numpy as np

@@ -326,7 +326,7 @@ mod tests {
         assert!(sched(Linear, 0, 10).validate(-1.0).is_err());
     }
 
-    // Cross-check against diffusers 0.42.1 / torch 2.15, made with /work/pyenv/bin/python:
+    // Cross-check against diffusers 0.42.1 / torch 2.15, made with python3 and tests/fixtures/requirements.txt:
     //
     // ```python
     // # diffusers 0.42.1, torch 2.15: lr at scheduler step s (after s calls of scheduler.step()).
