@@ -9,4 +9,4 @@ pub mod device_setup;
 pub mod usage;
 
 pub use device_setup::{prepare_device, DeviceSettings};
-pub use usage::{reset_peak, MemorySource, MemoryUsage};
+pub use usage::{MemorySource, MemoryUsage};

@@ -7,7 +7,7 @@
 //!   free and total memory, which also counts the CUDA context, cuBLAS workspaces and loaded
 //!   kernels.
 //! - CPU: the process's resident set (`VmRSS`) and its high-water mark (`VmHWM`) from
-//!   `/proc/self/status`. Writing `5` to `/proc/self/clear_refs` resets the mark.
+//!   `/proc/self/status`.
 //!
 //! None of these reads synchronises the CUDA stream.
 
@@ -60,10 +60,6 @@ impl MemoryUsage {
         }
     }
 
-    pub fn in_use_gib(&self) -> f64 {
-        self.in_use_bytes as f64 / GIB
-    }
-
     pub fn peak_gib(&self) -> f64 {
         self.peak_bytes as f64 / GIB
     }
@@ -103,19 +99,6 @@ fn human_bytes(bytes: u64) -> String {
         format!("{gib:.2} GiB")
     } else {
         format!("{:.0} MiB", bytes as f64 / (1024.0 * 1024.0))
-    }
-}
-
-/// Resets the peak so the next reading's peak starts from what is in use now.
-pub fn reset_peak(device: &Device) -> candle_core::Result<()> {
-    match device {
-        // Best effort: kernels before 4.0 lack clear_refs value 5; the peak then stays
-        // process-wide, which only overstates it.
-        Device::Cpu | Device::Metal(_) => {
-            let _ = std::fs::write("/proc/self/clear_refs", "5");
-            Ok(())
-        }
-        Device::Cuda(dev) => cuda::reset_peak(dev),
     }
 }
 
@@ -202,16 +185,6 @@ mod cuda {
             device_total_bytes: Some(total as u64),
         })
     }
-
-    pub(super) fn reset_peak(dev: &CudaDevice) -> candle_core::Result<()> {
-        // The driver only accepts 0 for the high-water marks: it resets them to the current use.
-        let pool = pool(dev)?;
-        set_attribute(
-            pool,
-            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
-            0,
-        )
-    }
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -221,10 +194,6 @@ mod cuda {
     use super::MemoryUsage;
 
     pub(super) fn read(_dev: &CudaDevice) -> candle_core::Result<MemoryUsage> {
-        Err(candle_core::Error::NotCompiledWithCudaSupport)
-    }
-
-    pub(super) fn reset_peak(_dev: &CudaDevice) -> candle_core::Result<()> {
         Err(candle_core::Error::NotCompiledWithCudaSupport)
     }
 }

@@ -18,7 +18,7 @@ pub fn attention(
     heads: usize,
     mask: Option<&Tensor>,
 ) -> Result<Tensor> {
-    if mask.is_some() || !super::frozen::supported(q) {
+    if mask.is_some() || !super::frozen::custom_op_device(q) {
         return attention_reference(q, k, v, heads, mask);
     }
     let (b, lq, inner) = q.dims3()?;

@@ -91,7 +91,7 @@ impl Conv2d {
             return super::frozen_conv2d_bias(x, &w, b.as_ref(), self.cfg.padding, self.cfg.stride);
         }
         // Trainable: the same conv with a GEMM-based input gradient (see `conv_grad`).
-        let y = if super::frozen::supported(x) {
+        let y = if super::frozen::custom_op_device(x) {
             super::conv_grad::conv2d(x, &w, self.cfg.padding, self.cfg.stride)?
         } else {
             x.conv2d(&w, self.cfg.padding, self.cfg.stride, 1, 1)?

@@ -366,8 +366,14 @@ pub fn set_frozen_ops_enabled(on: bool) {
 /// Whether layers use the frozen ops for `t`: enabled, and on a device they run on (CPU always;
 /// CUDA with the `cuda` feature). Elsewhere (Metal) layers keep the plain ops.
 pub(crate) fn supported(t: &Tensor) -> bool {
-    ENABLED.load(Ordering::Relaxed)
-        && (t.device().is_cpu() || (cfg!(feature = "cuda") && t.device().is_cuda()))
+    ENABLED.load(Ordering::Relaxed) && custom_op_device(t)
+}
+
+/// Whether `t` is on a device our custom ops have forwards for (CPU always; CUDA with the `cuda`
+/// feature). The trainable conv and chunked attention use it directly: they are not frozen ops,
+/// so [`set_frozen_ops_enabled`] does not switch them.
+pub(crate) fn custom_op_device(t: &Tensor) -> bool {
+    t.device().is_cpu() || (cfg!(feature = "cuda") && t.device().is_cuda())
 }
 
 /// Whether `p` is a frozen parameter: a plain tensor that no gradient flows into.

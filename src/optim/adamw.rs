@@ -489,6 +489,33 @@ mod tests {
     }
 
     #[test]
+    fn step_checked_updates_exactly_as_step() {
+        let (a, b) = (var(&[0.5, -1.0]), var(&[0.5, -1.0]));
+        let mut plain = AdamW::new(vec![("w".into(), a.clone())], AdamWParams::default()).unwrap();
+        let mut checked =
+            AdamW::new(vec![("w".into(), b.clone())], AdamWParams::default()).unwrap();
+        for k in 0..3 {
+            let grad = |v: &Var| {
+                let mut g = GradStore::default();
+                let t = Tensor::new(&[2.0f32 - k as f32, 0.25 * k as f32], &Device::Cpu).unwrap();
+                g.insert(v, t);
+                g
+            };
+            plain.step(&grad(&a)).unwrap();
+            let (ga, loss) = (grad(&b), Tensor::new(1f32, &Device::Cpu).unwrap());
+            let g: Vec<&Tensor> = ga.get(&b).into_iter().collect();
+            let finite = crate::optim::StepCheck::fetch(&loss, &g)
+                .unwrap()
+                .finite()
+                .unwrap();
+            let stats = checked.step_checked(&ga, finite).unwrap();
+            assert_eq!(stats.updated, 1);
+        }
+        assert_eq!(a.to_vec1::<f32>().unwrap(), b.to_vec1::<f32>().unwrap());
+        assert_eq!(checked.state("w").unwrap().step(), 3);
+    }
+
+    #[test]
     fn param_without_grad_is_untouched_and_its_step_does_not_advance() {
         let a = var(&[1.0]);
         let b = var(&[1.0]);

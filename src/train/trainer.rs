@@ -287,8 +287,9 @@ pub fn train(plan: &TrainPlan, opts: &RunOptions) -> anyhow::Result<TrainOutcome
             out.steps += 1;
             out.losses.push(loss);
             smoothed.push(loss);
-            // Driver counters, not a stream sync.
-            let memory = MemoryUsage::read(&opts.device)?;
+            // Driver counters, not a stream sync. A failed reading only costs the display: it
+            // must not end a run.
+            let memory = read_memory(&opts.device);
             progress.update(
                 out.steps,
                 epoch + 1,
@@ -354,7 +355,7 @@ pub fn train(plan: &TrainPlan, opts: &RunOptions) -> anyhow::Result<TrainOutcome
     }
     progress.finish();
     out.wall_secs = started.elapsed().as_secs_f64();
-    out.memory = MemoryUsage::read(&opts.device)?;
+    out.memory = read_memory(&opts.device);
     Ok(out)
 }
 
@@ -514,6 +515,11 @@ impl Saver<'_> {
         progress.println(format!("saved {}", path.display()));
         Ok(path)
     }
+}
+
+/// The device's memory reading, or none where it cannot be read.
+fn read_memory(device: &Device) -> Option<MemoryUsage> {
+    MemoryUsage::read(device).ok().flatten()
 }
 
 fn check_resolution(sd: &StableDiffusion, resolution: usize) -> anyhow::Result<()> {
