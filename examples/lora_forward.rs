@@ -49,6 +49,7 @@ fn main() -> anyhow::Result<()> {
     let layout = ModelLayout::read(&PathBuf::from(&args[1]), None)?;
     let opts = LoadOptions {
         dtype: DType::F32,
+        vae_dtype: None,
         device: Device::Cpu,
         train_unet: false,
         train_text_encoders: false,

@@ -18,5 +18,6 @@ pub mod memory;
 pub mod model;
 pub mod nn;
 pub mod optim;
+pub mod precision;
 pub mod train;
 pub mod weights;

@@ -16,6 +16,7 @@ fn load(name: &str) -> StableDiffusion {
     let layout = ModelLayout::read(&common::fixture(name), None).unwrap();
     let opts = LoadOptions {
         dtype: DType::F32,
+        vae_dtype: None,
         device: Device::Cpu,
         train_unet: false,
         train_text_encoders: false,

@@ -119,18 +119,14 @@ fn not_yet_implemented_optimizer_says_when_it_arrives() {
 }
 
 #[test]
-fn grad_scaler_tweaks_need_fp16_amp() {
+fn grad_scaler_tweaks_are_accepted() {
     let s = Setup::new();
     s.write(
         "optimizer.json",
         &json!({"apply_grad_scaler_step_tweaks": true}),
     );
-    let msg = s.error(json!({}), &[]);
-    assert!(
-        msg.starts_with("`apply_grad_scaler_step_tweaks` in "),
-        "{msg}"
-    );
-    assert!(msg.contains("memory issue"), "{msg}");
+    let plan = s.resolve(json!({"amp": "fp16"}), &[]).expect("plan");
+    assert!(plan.optimizer.grad_scaler_step_tweaks);
 }
 
 #[test]
@@ -182,17 +178,24 @@ fn resolution_not_a_multiple_of_64() {
 }
 
 #[test]
-fn gradient_checkpointing_is_not_supported_yet() {
+fn amp_and_checkpointing_keys_resolve() {
     let s = Setup::new();
-    let msg = s.error(json!({"gradient_checkpointing": true}), &[]);
-    assert!(
-        msg.contains("`gradient_checkpointing` is not supported yet"),
-        "{msg}"
+    let plan = s
+        .resolve(
+            json!({"gradient_checkpointing": true, "amp": "bf16", "grad_scaler_growth_interval": 7}),
+            &[],
+        )
+        .expect("plan");
+    assert!(plan.precision.gradient_checkpointing);
+    assert_eq!(
+        plan.precision.amp,
+        sdtrain::config::AmpChoice::Set(sdtrain::precision::Amp::Bf16)
     );
-    assert!(msg.contains("memory issue"), "{msg}");
-    // The value that asks for what sdtrain does anyway is accepted.
-    s.resolve(json!({"gradient_checkpointing": false}), &[])
-        .expect("gradient_checkpointing: false is accepted");
+    assert_eq!(plan.precision.scaler.growth_interval, 7);
+    let msg = s.error(json!({"amp": "bf16", "disable_amp": true}), &[]);
+    assert!(msg.contains("disable_amp"), "{msg}");
+    let msg = s.error(json!({"amp": "int8"}), &[]);
+    assert!(msg.contains("`amp`") || msg.contains("amp"), "{msg}");
 }
 
 /// EveryDream2's train.json (victorchall/EveryDream2trainer at 5098db8, 2025-05), verbatim
@@ -264,8 +267,6 @@ fn everydream2_sample_train_json_lists_what_is_missing() {
     assert_eq!(
         keys,
         [
-            "disable_amp",
-            "gradient_checkpointing",
             "pyramid_noise_discount",
             "sample_prompts",
             "sample_steps",
@@ -282,6 +283,11 @@ fn everydream2_sample_train_json_lists_what_is_missing() {
     assert_eq!(plan.model, "panopstor/EveryDream");
     assert!(plan.random_seed);
     assert_eq!(plan.objective.min_snr_gamma, Some(5.0));
+    assert!(plan.precision.gradient_checkpointing);
+    assert_eq!(
+        plan.precision.amp,
+        sdtrain::config::AmpChoice::DeviceDefault
+    );
 }
 
 #[test]

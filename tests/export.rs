@@ -30,6 +30,7 @@ fn load(dir: &Path, train_unet: bool, train_text_encoders: bool) -> StableDiffus
     let layout = ModelLayout::read(dir, None).unwrap();
     let opts = LoadOptions {
         dtype: DType::F32,
+        vae_dtype: None,
         device: Device::Cpu,
         train_unet,
         train_text_encoders,

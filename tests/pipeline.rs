@@ -20,6 +20,7 @@ fn load(name: &str, dtype: DType, train: bool) -> StableDiffusion {
     let layout = ModelLayout::read(&dir.path, None).unwrap();
     let opts = LoadOptions {
         dtype,
+        vae_dtype: None,
         device: Device::Cpu,
         train_unet: train,
         train_text_encoders: train,
@@ -79,7 +80,7 @@ fn clip_skip_uses_an_earlier_layer_with_the_final_norm() {
 }
 
 #[test]
-fn trainable_load_registers_unet_and_text_encoder_params_in_bf16() {
+fn bf16_load_keeps_trainable_params_as_f32_masters() {
     let sd = load("tiny-sdxl", DType::BF16, true);
     assert!(!sd.unet_weights.params().is_empty());
     assert!(sd
@@ -90,7 +91,17 @@ fn trainable_load_registers_unet_and_text_encoder_params_in_bf16() {
         .unet_weights
         .params()
         .iter()
-        .all(|(_, v)| v.dtype() == DType::BF16));
+        .all(|(_, v)| v.dtype() == DType::F32));
+    assert_eq!(
+        sd.vae.dtype(),
+        DType::BF16,
+        "frozen weights in the compute dtype"
+    );
     let cond = sd.encode_prompts(&["a cat"], 0).unwrap();
     assert_eq!(cond.context.dims(), &[1, 77, 64]);
+    assert_eq!(
+        cond.context.dtype(),
+        DType::BF16,
+        "activations in the compute dtype"
+    );
 }

@@ -107,6 +107,7 @@ fn check_trained(fixture: &str, extra: serde_json::Value) {
     let layout = ModelLayout::read(&run.join("final"), None).unwrap();
     let opts = LoadOptions {
         dtype: DType::F32,
+        vae_dtype: None,
         device: Device::Cpu,
         train_unet: false,
         train_text_encoders: false,

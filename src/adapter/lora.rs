@@ -155,9 +155,13 @@ impl LoraModule {
                 .rng
                 .lock()
                 .map_err(|_| candle_core::Error::Msg("LoRA dropout: poisoned RNG lock".into()))?;
-            (0..h.elem_count())
-                .map(|_| if rng.random::<f64>() < p { 0.0 } else { keep })
-                .collect()
+            // Recorded and replayed under gradient checkpointing: the recomputation draws the
+            // same mask.
+            crate::nn::replayable(&mut rng, |rng| {
+                (0..h.elem_count())
+                    .map(|_| if rng.random::<f64>() < p { 0.0 } else { keep })
+                    .collect()
+            })
         };
         let mask = Tensor::from_vec(mask, h.shape(), h.device())?.to_dtype(h.dtype())?;
         h * mask

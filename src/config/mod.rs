@@ -11,6 +11,7 @@ mod optimizer_file;
 mod optimizer_plan;
 mod overrides;
 mod plan;
+mod precision_plan;
 mod strict;
 mod summary;
 mod train_file;
@@ -24,4 +25,5 @@ pub use optimizer_plan::{
 };
 pub use overrides::{apply_all as apply_overrides, Override};
 pub use plan::{DataPlan, ObjectivePlan, TrainMode, TrainPlan};
+pub use precision_plan::{AmpChoice, PrecisionPlan};
 pub use train_file::TrainFile;

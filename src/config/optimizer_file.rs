@@ -40,8 +40,7 @@ pub struct OptimizerFile {
     pub text_encoder_overrides: Option<GroupFile>,
     #[serde(default)]
     pub text_encoder_freezing: Option<FreezingFile>,
-    /// EveryDream2 retunes its fp16 grad scaler at steps 500/1000/2000/4000. There is no scaler
-    /// in f32 training, so only absent/null/false is accepted.
+    /// EveryDream2 retunes its fp16 grad scaler at steps 500/1000/2000/4000.
     #[serde(default)]
     pub apply_grad_scaler_step_tweaks: Option<bool>,
 }

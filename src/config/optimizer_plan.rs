@@ -181,6 +181,9 @@ pub struct OptimizerPlan {
     pub source: Option<PathBuf>,
     pub unet: ParamGroupPlan,
     pub text_encoder: ParamGroupPlan,
+    /// EveryDream2's `apply_grad_scaler_step_tweaks`: retune the fp16 loss scaler at steps 500,
+    /// 1000, 2000 and 4000 (no effect in bf16 or f32, which have no scaler).
+    pub grad_scaler_step_tweaks: bool,
 }
 
 /// A section's values after validation; `None` inherits.
@@ -205,14 +208,6 @@ impl OptimizerPlan {
         source: Option<PathBuf>,
         train_lr: Option<f64>,
     ) -> Result<OptimizerPlan, ConfigError> {
-        if config.apply_grad_scaler_step_tweaks == Some(true) {
-            return Err(invalid(
-                file,
-                "apply_grad_scaler_step_tweaks",
-                "is true, but it tunes the fp16 grad scaler, and training runs in f32 with no \
-                 scaler (fp16 AMP arrives with the memory issue); remove it or set it to false",
-            ));
-        }
         let empty = GroupFile::default();
         let base = check_group(config.base.as_ref().unwrap_or(&empty), "base", file)?;
         let text = check_group(
@@ -225,6 +220,7 @@ impl OptimizerPlan {
             source,
             unet: merge(&base, &no_parent, train_lr),
             text_encoder: merge(&text, &base, train_lr),
+            grad_scaler_step_tweaks: config.apply_grad_scaler_step_tweaks.unwrap_or(false),
         })
     }
 }
@@ -551,11 +547,17 @@ mod tests {
     }
 
     #[test]
-    fn grad_scaler_tweaks_need_amp() {
-        plan(json!({"apply_grad_scaler_step_tweaks": false}), None).unwrap();
-        plan(json!({"apply_grad_scaler_step_tweaks": null}), None).unwrap();
-        let err = plan(json!({"apply_grad_scaler_step_tweaks": true}), None).unwrap_err();
-        assert!(err.to_string().contains("memory issue"), "{err}");
+    fn grad_scaler_tweaks_are_read() {
+        assert!(
+            !plan(json!({"apply_grad_scaler_step_tweaks": null}), None)
+                .unwrap()
+                .grad_scaler_step_tweaks
+        );
+        assert!(
+            plan(json!({"apply_grad_scaler_step_tweaks": true}), None)
+                .unwrap()
+                .grad_scaler_step_tweaks
+        );
     }
 
     #[test]

@@ -22,6 +22,7 @@ use super::error::ConfigError;
 use super::optimizer_file::OptimizerFile;
 use super::optimizer_plan::OptimizerPlan;
 use super::overrides;
+use super::precision_plan::PrecisionPlan;
 use super::strict::{into_object, read_json};
 use super::train_file::TrainFile;
 
@@ -131,6 +132,8 @@ pub struct TrainPlan {
     /// layers, freezes the embeddings (EveryDream2 `_apply_text_encoder_freeze`).
     pub unfreeze_last_n_layers: Option<usize>,
     pub optimizer: OptimizerPlan,
+    /// `amp`, the fp16 loss scaler and `gradient_checkpointing`.
+    pub precision: PrecisionPlan,
 }
 
 impl TrainPlan {
@@ -222,6 +225,7 @@ impl TrainPlan {
             train_text_encoder: !file.disable_textenc_training.unwrap_or(false),
             unfreeze_last_n_layers,
             optimizer,
+            precision: super::precision_plan::resolve_precision(&file, train_path)?,
         })
     }
 

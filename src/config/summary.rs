@@ -126,6 +126,23 @@ impl fmt::Display for TrainPlan {
             ""
         };
         row(f, "save", &format!("{saves}{optimizer_state}"))?;
+        let amp = match self.precision.amp {
+            super::AmpChoice::DeviceDefault => {
+                "device default (bf16 on CUDA 8.0+, fp16 on older cards, f32 on the CPU)"
+                    .to_string()
+            }
+            super::AmpChoice::Set(a) => a.name().to_string(),
+        };
+        let ckpt = if self.precision.gradient_checkpointing {
+            "on"
+        } else {
+            "off"
+        };
+        row(
+            f,
+            "precision",
+            &format!("amp {amp}; gradient checkpointing {ckpt}"),
+        )?;
         let logs = self
             .logdir
             .as_ref()

@@ -83,9 +83,24 @@ pub struct TrainFile {
     pub log_step: Option<i64>,
     #[serde(default)]
     pub save_optimizer: Option<bool>,
+    /// `"bf16"`, `"fp16"`, `"off"`, or a bool (true: the device's default, false: off).
+    #[serde(default)]
+    pub amp: Option<Value>,
+    /// EveryDream2's switch: true is `amp: "off"`.
+    #[serde(default)]
+    pub disable_amp: Option<bool>,
+    #[serde(default)]
+    pub gradient_checkpointing: Option<bool>,
+    #[serde(default)]
+    pub grad_scaler_init_scale: Option<f64>,
+    #[serde(default)]
+    pub grad_scaler_growth_factor: Option<f64>,
+    #[serde(default)]
+    pub grad_scaler_backoff_factor: Option<f64>,
+    #[serde(default)]
+    pub grad_scaler_growth_interval: Option<i64>,
 }
 
-const MEMORY: &str = "it arrives with the memory issue (training runs in f32 for now)";
 const EMA: &str = "EMA weights are not implemented";
 const SAMPLING: &str = "sampling during training is not implemented";
 const SCHEDULE: &str = "set it in the optimizer config's `base` section instead";
@@ -93,7 +108,6 @@ const SCHEDULE: &str = "set it in the optimizer config's `base` section instead"
 /// EveryDream2 train.json keys (train.py's argparser and its sample train.json) that sdtrain
 /// does not implement yet, with the values that are accepted because they change nothing.
 pub(crate) const UNSUPPORTED: &[Unsupported] = &[
-    un("amp", Accepts::NullOrFalse, MEMORY),
     un(
         "attn_type",
         Accepts::NullOrStr("sdp"),
@@ -109,7 +123,6 @@ pub(crate) const UNSUPPORTED: &[Unsupported] = &[
         Accepts::Null,
         "gradient clipping is not implemented",
     ),
-    un("disable_amp", Accepts::NullOrTrue, MEMORY),
     un(
         "disable_unet_training",
         Accepts::NullOrFalse,
@@ -137,7 +150,6 @@ pub(crate) const UNSUPPORTED: &[Unsupported] = &[
         Accepts::NullOrZero,
         "choosing a GPU is not implemented",
     ),
-    un("gradient_checkpointing", Accepts::NullOrFalse, MEMORY),
     un(
         "keep_tags",
         Accepts::NullOrZero,
@@ -203,7 +215,7 @@ pub(crate) const UNSUPPORTED: &[Unsupported] = &[
     un(
         "save_full_precision",
         Accepts::NullOrTrue,
-        "models are saved in f32 (training runs in f32)",
+        "models are saved in f32 (the f32 masters)",
     ),
     un(
         "train_sampler",
@@ -337,17 +349,14 @@ mod tests {
 
     #[test]
     fn unsupported_keys_error_unless_inert() {
-        let err = parse(json!({"gradient_checkpointing": true})).unwrap_err();
+        let err = parse(json!({"ema_decay_rate": 0.999})).unwrap_err();
         let msg = err.to_string();
         assert!(
-            msg.contains("`gradient_checkpointing` is not supported yet"),
+            msg.contains("`ema_decay_rate` is not supported yet"),
             "{msg}"
         );
-        assert!(msg.contains("memory issue"), "{msg}");
-        let err = parse(json!({"disable_amp": false})).unwrap_err();
-        assert!(err.to_string().contains("memory issue"), "{err}");
         let ok = parse(json!({
-            "gradient_checkpointing": false, "disable_amp": true, "wandb": false,
+            "wandb": false,
             "ema_decay_rate": null, "attn_type": "sdp", "loss_type": "mse", "gpuid": 0,
             "embedding_perturbation": 0.0, "batch_size": 3
         }))

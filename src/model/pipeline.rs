@@ -43,7 +43,12 @@ pub enum PipelineError {
 /// (their weights become `Var`s).
 #[derive(Debug, Clone)]
 pub struct LoadOptions {
+    /// The dtype frozen weights are held in. Trainable components are always f32 (masters,
+    /// cast to the input's dtype in the forward).
     pub dtype: DType,
+    /// The VAE's dtype when it differs from `dtype` (fp16 training keeps it in f32, as
+    /// diffusers' scripts and kohya's `--no_half_vae` do: SD's VAE overflows in f16).
+    pub vae_dtype: Option<DType>,
     pub device: Device,
     pub train_unet: bool,
     pub train_text_encoders: bool,
@@ -91,7 +96,11 @@ impl StableDiffusion {
 
         let vae_files = files(Component::Vae)?;
         let vae_cfg = VaeConfig::from_file(&vae_files.config)?;
-        let vae_weights = weights(vae_files, opts, false)?;
+        let vae_opts = LoadOptions {
+            dtype: opts.vae_dtype.unwrap_or(opts.dtype),
+            ..opts.clone()
+        };
+        let vae_weights = weights(vae_files, &vae_opts, false)?;
         let vae = AutoencoderKL::new(&vae_weights, &vae_cfg).map_err(|e| wrap(vae_files, e))?;
 
         let mut text_encoders = Vec::new();
@@ -106,7 +115,10 @@ impl StableDiffusion {
             let w = weights(te_files, opts, opts.train_text_encoders)?;
             // SDXL's second encoder is CLIPTextModelWithProjection (its pooled output is projected).
             let projection = i == 1;
-            let model = ClipTextModel::new(&w, &cfg, projection).map_err(|e| wrap(te_files, e))?;
+            let mut model =
+                ClipTextModel::new(&w, &cfg, projection).map_err(|e| wrap(te_files, e))?;
+            // Trainable weights are f32 masters; activations run in the requested dtype.
+            model.compute_dtype = opts.dtype;
             let tok_dir = tokenizer_dir(&layout.root, c);
             let tokenizer = ClipTokenizer::from_dir(&tok_dir)?;
             text_encoders.push(TextEncoder {
@@ -179,7 +191,7 @@ fn weights(
     Weights::from_files(
         &files.weights,
         files.component.folder(),
-        opts.dtype,
+        if trainable { DType::F32 } else { opts.dtype },
         &opts.device,
         trainable,
     )

@@ -66,7 +66,16 @@ impl Upsample2D {
                  is a multiple of the UNet's total downsampling"
             );
         }
-        self.conv.forward(&x.upsample_nearest2d(th, tw)?)
+        // Candle's upsample backward is a grouped conv2d, which has no bf16 kernel on the CPU:
+        // upsample in f32 there (exact: nearest upsampling only copies values).
+        let up = if x.dtype() == candle_core::DType::BF16 && x.device().is_cpu() {
+            x.to_dtype(candle_core::DType::F32)?
+                .upsample_nearest2d(th, tw)?
+                .to_dtype(candle_core::DType::BF16)?
+        } else {
+            x.upsample_nearest2d(th, tw)?
+        };
+        self.conv.forward(&up)
     }
 }
 

@@ -7,6 +7,7 @@
 
 mod activation;
 mod attention;
+mod checkpoint;
 mod chunked_attention;
 mod conv;
 mod conv_grad;
@@ -21,6 +22,7 @@ mod test_util;
 
 pub use activation::{gelu_erf, quick_gelu, silu};
 pub use attention::{attention, attention_reference, causal_mask};
+pub use checkpoint::{replayable, Checkpointing, Segment};
 pub use chunked_attention::chunked_attention;
 
 /// A trainable addition to a frozen layer's output, `y = base(x) + delta(x)`: LoRA on a Linear or

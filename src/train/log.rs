@@ -23,6 +23,9 @@ pub struct LogRecord {
     pub time_s: f64,
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub skipped_nonfinite: bool,
+    /// fp16's loss scale after this step (absent in bf16 and f32, which do not scale).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub loss_scale: Option<f64>,
     /// Memory in use and the run's peak so far: the CUDA pool (plus the card's free/total) on
     /// CUDA, the process's RSS on the CPU.
     #[serde(skip_serializing_if = "Option::is_none")]

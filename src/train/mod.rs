@@ -1,5 +1,6 @@
 //! The training loop, checkpoints and outputs.
 
+pub mod accumulate;
 pub mod adapters;
 pub mod interrupt;
 pub mod log;

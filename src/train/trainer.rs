@@ -8,16 +8,17 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context};
-use candle_core::{DType, Device, Var};
-use rand::{rngs::StdRng, SeedableRng};
+use candle_core::{DType, Device, Tensor, Var};
+use rand::{rngs::StdRng, Rng, SeedableRng};
 
+use super::accumulate::GradAccumulator;
 use super::adapters::{self, SaveInfo, TrainedAdapters};
 use super::interrupt::Interrupt;
 use super::log::{JsonlLog, LogRecord};
 use super::loss_stats::{first_last_means, Smoothed};
 use super::progress::Progress;
 use super::run_dir::RunDir;
-use super::step::{accumulate, micro_batch, StepSettings};
+use super::step::{forward_backward, prepare_batch, StepSettings};
 use super::te_freeze::text_encoder_param_trains;
 use crate::config::ParamGroupPlan;
 use crate::config::{TrainMode, TrainPlan};
@@ -28,7 +29,9 @@ use crate::model::family::ModelLayout;
 use crate::model::files::Component;
 use crate::model::pipeline::{LoadOptions, StableDiffusion};
 use crate::model::source::ModelSource;
+use crate::nn::Checkpointing;
 use crate::optim::{AdamW, AdamWParams, LrSchedule, Optimizer, StepCheck};
+use crate::precision::{scaler_for, Amp, LossScaler, ScaleChange};
 
 /// How to run, beyond the plan.
 #[derive(Debug, Clone)]
@@ -108,52 +111,397 @@ impl Group {
     }
 }
 
-/// Runs the whole training described by `plan`.
+/// Runs the whole training described by `plan`: setup, optimizer steps through the epochs, and
+/// saves.
 pub fn train(plan: &TrainPlan, opts: &RunOptions) -> anyhow::Result<TrainOutcome> {
-    let started = Instant::now();
-    let started_unix = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0.0, |d| d.as_secs_f64());
-    let full = match plan.mode {
-        TrainMode::Full => true,
-        TrainMode::Lora | TrainMode::Locon => false,
-    };
-    let interrupt = Interrupt::install();
-    // Before anything is allocated: event tracking applies to tensors created afterwards.
-    prepare_device(&opts.device, DeviceSettings::default()).context("preparing the device")?;
-    let source =
-        ModelSource::parse(&plan.model).with_context(|| format!("model `{}`", plan.model))?;
-    let dir = source
-        .resolve()
-        .with_context(|| format!("model `{}`", plan.model))?;
-    let layout = ModelLayout::read(&dir.path, None)?;
-    eprintln!(
-        "model: {} ({}, {} prediction, native {}px)",
-        plan.model,
-        layout.family.name(),
-        layout.prediction_type.name(),
-        layout.native_resolution
-    );
+    let session = Session::setup(plan, opts)?;
+    session.run()
+}
+
+/// Everything a run holds between setup and the final save.
+struct Session<'a> {
+    plan: &'a TrainPlan,
+    opts: &'a RunOptions,
+    started: Instant,
+    started_unix: f64,
+    interrupt: Interrupt,
+    layout: ModelLayout,
+    sd: StableDiffusion,
+    adapters: Option<TrainedAdapters>,
+    resolution: usize,
+    dataset: LoadedDataset,
+    objective: Objective,
+    total_steps: usize,
+    groups: Vec<Group>,
+    /// Every trainable parameter, over all groups.
+    params: Vec<Var>,
+    run: RunDir,
+    log: JsonlLog,
+    amp: Amp,
+    scaler: Box<dyn LossScaler>,
+    checkpointing: Option<Checkpointing>,
+}
+
+/// What one optimizer step did.
+struct StepReport {
+    loss: f64,
+    grad_norm: f64,
+    /// False when a gradient or the loss was non-finite and the update was skipped.
+    applied: bool,
+    lrs: Vec<f64>,
+    images: usize,
+    scale: ScaleChange,
+}
+
+impl<'a> Session<'a> {
+    /// Loads the model (frozen weights in the compute dtype, trainable ones as f32 masters),
+    /// attaches adapters, reads the data, builds the optimizer groups and creates the run folder.
+    fn setup(plan: &'a TrainPlan, opts: &'a RunOptions) -> anyhow::Result<Self> {
+        let started = Instant::now();
+        let started_unix = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64());
+        let full = plan.mode == TrainMode::Full;
+        let interrupt = Interrupt::install();
+        // Before anything is allocated: event tracking applies to tensors created afterwards.
+        prepare_device(&opts.device, DeviceSettings::default()).context("preparing the device")?;
+        let amp = plan.precision.amp.resolve(&opts.device);
+        let source =
+            ModelSource::parse(&plan.model).with_context(|| format!("model `{}`", plan.model))?;
+        let dir = source
+            .resolve()
+            .with_context(|| format!("model `{}`", plan.model))?;
+        let layout = ModelLayout::read(&dir.path, None)?;
+        eprintln!(
+            "model: {} ({}, {} prediction, native {}px); precision {}{}",
+            plan.model,
+            layout.family.name(),
+            layout.prediction_type.name(),
+            layout.native_resolution,
+            amp.name(),
+            if plan.precision.gradient_checkpointing {
+                ", gradient checkpointing"
+            } else {
+                ""
+            }
+        );
+        let mut sd = load_model(&layout, plan, opts, amp)?;
+        let adapters = if full {
+            None
+        } else {
+            Some(adapters::attach(&mut sd, plan)?)
+        };
+        let resolution = plan.data.resolution.unwrap_or(layout.native_resolution);
+        check_resolution(&sd, resolution)?;
+        let dataset = load_data_root(&plan.data.data_root, resolution, opts.show_progress)?;
+        report_dataset(&dataset);
+        let objective = build_objective(plan, &layout)?;
+        let micro_per_epoch = dataset.epoch_len() / plan.batch_size;
+        if micro_per_epoch == 0 {
+            bail!(
+                "data_root {} has {} usable samples per epoch, fewer than batch_size {}",
+                plan.data.data_root.display(),
+                dataset.epoch_len(),
+                plan.batch_size
+            );
+        }
+        let steps_per_epoch = micro_per_epoch.div_ceil(plan.grad_accum);
+        let total_steps = plan.total_steps(steps_per_epoch as u64);
+        let total_steps = usize::try_from(total_steps).unwrap_or(usize::MAX);
+        let groups = param_groups(&sd, plan, adapters.as_ref(), total_steps as u64)?;
+        let params: Vec<Var> = groups
+            .iter()
+            .flat_map(|g| g.optimizer.vars().cloned())
+            .collect();
+        let checkpointing = if plan.precision.gradient_checkpointing {
+            let ck = Checkpointing::new(params.clone(), &opts.device)?;
+            sd.unet.checkpointing = Some(ck.clone());
+            if groups.len() > 1 {
+                for te in sd.text_encoders.iter_mut() {
+                    te.model.checkpointing = Some(ck.clone());
+                }
+            }
+            Some(ck)
+        } else {
+            None
+        };
+        let run = RunDir::create(&plan.output_dir, &plan.project_name)?;
+        write_plan(plan, &run, resolution, steps_per_epoch, total_steps, amp)?;
+        let log_dir = plan.log_folder(&run.path);
+        std::fs::create_dir_all(&log_dir)
+            .with_context(|| format!("cannot create {}", log_dir.display()))?;
+        let log = JsonlLog::create(&log_dir.join("train_log.jsonl"))?;
+        eprintln!(
+            "run folder: {}\n{} samples/epoch, {} steps/epoch of {}×{}, {} steps in all",
+            run.path.display(),
+            dataset.epoch_len(),
+            steps_per_epoch,
+            plan.batch_size,
+            plan.grad_accum,
+            total_steps
+        );
+        let scaler = scaler_for(
+            amp,
+            plan.precision.scaler,
+            plan.optimizer.grad_scaler_step_tweaks,
+        );
+        Ok(Self {
+            plan,
+            opts,
+            started,
+            started_unix,
+            interrupt,
+            layout,
+            sd,
+            adapters,
+            resolution,
+            dataset,
+            objective,
+            total_steps,
+            groups,
+            params,
+            run,
+            log,
+            amp,
+            scaler,
+            checkpointing,
+        })
+    }
+
+    fn saver(&self) -> Saver<'_> {
+        Saver {
+            sd: &self.sd,
+            layout: &self.layout,
+            plan: self.plan,
+            adapters: self.adapters.as_ref(),
+            run: &self.run,
+            resolution: self.resolution,
+            images: self.dataset.items.len(),
+            started_unix: self.started_unix,
+        }
+    }
+
+    /// One optimizer step over `batches` (dataset indices per micro-batch): each micro-batch's
+    /// draws, forward and backward, accumulation, the one device→host check, the scaler's update
+    /// and, when everything is finite, the optimizer update.
+    fn optimizer_step<R: Rng>(
+        &mut self,
+        batches: &[&[usize]],
+        step: usize,
+        rng: &mut R,
+    ) -> anyhow::Result<StepReport> {
+        let settings = StepSettings {
+            objective: &self.objective,
+            flip_p: self.plan.data.flip_p,
+            cond_dropout: self.plan.data.cond_dropout,
+            shuffle_tags: self.plan.data.shuffle_tags,
+            clip_skip_layers: self.plan.objective.clip_skip_layers,
+            train_text_encoder: self.groups.len() > 1,
+            compute_dtype: self.amp.compute_dtype(),
+            checkpointing: self.checkpointing.as_ref(),
+        };
+        self.scaler.begin_step(step);
+        let loss_scale = self.scaler.scale();
+        let effective: usize = batches.iter().map(|b| b.len()).sum();
+        let mut acc = GradAccumulator::new(&self.params);
+        for ids in batches {
+            let images: Vec<_> = ids.iter().map(|&i| &self.dataset.items[i]).collect();
+            let batch = prepare_batch(&self.sd, &images, &settings, rng)?;
+            let weight = batch.len() as f64 / effective as f64;
+            let (loss, grads) = forward_backward(&self.sd, &batch, &settings, weight, loss_scale)?;
+            acc.add(loss, grads, batch.len())?;
+        }
+        let Some(done) = acc.finish(loss_scale)? else {
+            bail!("optimizer step {} had no micro-batches", step + 1);
+        };
+        // The step's one device→host sync: the loss and every gradient's sum of squares.
+        let present: Vec<&Tensor> = self
+            .params
+            .iter()
+            .filter_map(|v| done.grads.get(v))
+            .collect();
+        let check = StepCheck::fetch(&done.loss, &present)?;
+        let lrs: Vec<f64> = self
+            .groups
+            .iter_mut()
+            .map(|g| g.set_lr_for_step(step))
+            .collect();
+        let finite = check.finite();
+        let scale = self.scaler.update(finite.is_some());
+        if let Some(finite) = finite {
+            for g in self.groups.iter_mut() {
+                g.optimizer
+                    .step_checked(&done.grads, finite)
+                    .with_context(|| format!("{} optimizer step", g.name))?;
+            }
+        }
+        Ok(StepReport {
+            loss: check.loss,
+            grad_norm: f64::from(check.grad_norm),
+            applied: finite.is_some(),
+            lrs,
+            images: done.samples,
+            scale,
+        })
+    }
+
+    /// The epoch loop: steps, progress, logs, periodic and final saves, Ctrl-C.
+    fn run(mut self) -> anyhow::Result<TrainOutcome> {
+        let plan = self.plan;
+        let total_steps = self.total_steps;
+        let mut rng = StdRng::seed_from_u64(plan.seed);
+        let progress = Progress::new(total_steps, self.opts.show_progress);
+        let mut smoothed = Smoothed::new(0.9);
+        let mut out = TrainOutcome {
+            run_dir: self.run.path.clone(),
+            steps: 0,
+            epochs_completed: 0,
+            images_seen: 0,
+            losses: Vec::new(),
+            skipped_steps: 0,
+            skipped_images: self.dataset.skipped.len(),
+            saved: Vec::new(),
+            interrupted: false,
+            wall_secs: 0.0,
+            memory: None,
+        };
+        let max_epochs = plan.max_epochs.map_or(usize::MAX, |e| e as usize);
+        'epochs: for epoch in 0..max_epochs {
+            let order = self.dataset.epoch_indices(plan.seed, epoch);
+            let micro: Vec<&[usize]> = order.chunks_exact(plan.batch_size).collect();
+            for group_batches in micro.chunks(plan.grad_accum) {
+                if out.steps >= total_steps {
+                    break 'epochs;
+                }
+                let report = self.optimizer_step(group_batches, out.steps, &mut rng)?;
+                out.images_seen += report.images;
+                if !report.applied {
+                    out.skipped_steps += 1;
+                    progress.println(skipped_message(out.steps + 1, report.scale));
+                }
+                out.steps += 1;
+                out.losses.push(report.loss);
+                smoothed.push(report.loss);
+                self.record_step(&report, &out, epoch, &progress, smoothed.get())?;
+                if self.interrupt.requested() {
+                    out.interrupted = true;
+                    let point = SavePoint::Interrupted(out.steps);
+                    let saved =
+                        self.saver()
+                            .save(&self.groups, point, out.steps, epoch + 1, &progress)?;
+                    out.saved.push(saved);
+                    break 'epochs;
+                }
+            }
+            out.epochs_completed = epoch + 1;
+            let last = out.steps >= total_steps || epoch + 1 == max_epochs;
+            if let Some(every) = plan.save_every_n_epochs {
+                if !last && (epoch + 1).is_multiple_of(every as usize) {
+                    let point = SavePoint::Epoch(epoch + 1);
+                    let saved =
+                        self.saver()
+                            .save(&self.groups, point, out.steps, epoch + 1, &progress)?;
+                    out.saved.push(saved);
+                }
+            }
+            if last {
+                break;
+            }
+        }
+        if !out.interrupted {
+            let saved = self.saver().save(
+                &self.groups,
+                SavePoint::Final,
+                out.steps,
+                out.epochs_completed,
+                &progress,
+            )?;
+            out.saved.push(saved);
+        }
+        progress.finish();
+        out.wall_secs = self.started.elapsed().as_secs_f64();
+        out.memory = read_memory(&self.opts.device);
+        Ok(out)
+    }
+
+    /// The progress line and, every `log_step` steps, the JSONL record.
+    fn record_step(
+        &mut self,
+        report: &StepReport,
+        out: &TrainOutcome,
+        epoch: usize,
+        progress: &Progress,
+        smoothed: f64,
+    ) -> anyhow::Result<()> {
+        // Driver counters, not a stream sync. A failed reading only costs the display: it must
+        // not end a run.
+        let memory = read_memory(&self.opts.device);
+        progress.update(
+            out.steps,
+            epoch + 1,
+            smoothed,
+            report.lrs[0],
+            out.images_seen,
+            memory.as_ref(),
+        );
+        if out.steps.is_multiple_of(self.plan.log_step as usize)
+            || out.steps == 1
+            || out.steps == self.total_steps
+        {
+            self.log.write(&LogRecord {
+                step: out.steps,
+                epoch: epoch + 1,
+                loss: report.loss,
+                lr_unet: report.lrs[0],
+                lr_text_encoder: report.lrs.get(1).copied(),
+                grad_norm: report.grad_norm,
+                images: out.images_seen,
+                time_s: self.started.elapsed().as_secs_f64(),
+                skipped_nonfinite: !report.applied,
+                loss_scale: (self.amp == Amp::Fp16).then(|| self.scaler.scale()),
+                memory,
+            })?;
+        }
+        Ok(())
+    }
+}
+
+/// The line printed for a skipped step.
+fn skipped_message(step: usize, scale: ScaleChange) -> String {
+    match scale {
+        ScaleChange::BackedOff(s) => format!(
+            "step {step}: gradients overflowed in fp16, step skipped; loss scale lowered to {s}"
+        ),
+        ScaleChange::Unchanged | ScaleChange::Grew(_) => {
+            format!("step {step}: non-finite loss or gradient, step skipped")
+        }
+    }
+}
+
+/// Loads the model for `amp`: frozen weights in the compute dtype (the VAE in f32 under fp16),
+/// trainable components as f32 masters; the text encoders compute in the compute dtype.
+fn load_model(
+    layout: &ModelLayout,
+    plan: &TrainPlan,
+    opts: &RunOptions,
+    amp: Amp,
+) -> anyhow::Result<StableDiffusion> {
+    let full = plan.mode == TrainMode::Full;
+    let compute = amp.compute_dtype();
     let load = LoadOptions {
-        dtype: DType::F32,
+        dtype: compute,
+        vae_dtype: (amp == Amp::Fp16).then_some(DType::F32),
         device: opts.device.clone(),
         // Adapter modes keep the base frozen (plain tensors): only the adapters are Vars.
         train_unet: full,
         train_text_encoders: full && plan.train_text_encoder,
     };
-    let mut sd = StableDiffusion::load(layout.clone(), &load)?;
-    let adapters = if full {
-        None
-    } else {
-        Some(adapters::attach(&mut sd, plan)?)
-    };
-    let resolution = plan.data.resolution.unwrap_or(layout.native_resolution);
-    check_resolution(&sd, resolution)?;
+    Ok(StableDiffusion::load(layout.clone(), &load)?)
+}
 
-    let dataset = load_data_root(&plan.data.data_root, resolution, opts.show_progress)?;
-    report_dataset(&dataset);
+fn build_objective(plan: &TrainPlan, layout: &ModelLayout) -> anyhow::Result<Objective> {
     let schedule = NoiseSchedule::from_file(&layout.scheduler_config)?;
-    let objective = Objective::new(
+    Ok(Objective::new(
         schedule,
         ObjectiveConfig {
             timestep_start: plan.objective.timestep_start as u32,
@@ -161,202 +509,7 @@ pub fn train(plan: &TrainPlan, opts: &RunOptions) -> anyhow::Result<TrainOutcome
             zero_frequency_noise_ratio: plan.objective.zero_frequency_noise_ratio,
             min_snr_gamma: plan.objective.min_snr_gamma,
         },
-    )?;
-
-    let micro_per_epoch = dataset.epoch_len() / plan.batch_size;
-    if micro_per_epoch == 0 {
-        bail!(
-            "data_root {} has {} usable samples per epoch, fewer than batch_size {}",
-            plan.data.data_root.display(),
-            dataset.epoch_len(),
-            plan.batch_size
-        );
-    }
-    let steps_per_epoch = micro_per_epoch.div_ceil(plan.grad_accum);
-    let total_steps = plan.total_steps(steps_per_epoch as u64);
-    let total_steps = usize::try_from(total_steps).unwrap_or(usize::MAX);
-
-    let mut groups = param_groups(&sd, plan, adapters.as_ref(), total_steps as u64)?;
-    let all_vars: Vec<Var> = groups
-        .iter()
-        .flat_map(|g| g.optimizer.vars().cloned())
-        .collect();
-    let var_refs: Vec<&Var> = all_vars.iter().collect();
-
-    let run = RunDir::create(&plan.output_dir, &plan.project_name)?;
-    write_plan(plan, &run, resolution, steps_per_epoch, total_steps)?;
-    let log_dir = plan.log_folder(&run.path);
-    std::fs::create_dir_all(&log_dir)
-        .with_context(|| format!("cannot create {}", log_dir.display()))?;
-    let mut log = JsonlLog::create(&log_dir.join("train_log.jsonl"))?;
-    eprintln!(
-        "run folder: {}\n{} samples/epoch, {} steps/epoch of {}×{}, {} steps in all",
-        run.path.display(),
-        dataset.epoch_len(),
-        steps_per_epoch,
-        plan.batch_size,
-        plan.grad_accum,
-        total_steps
-    );
-
-    let saver = Saver {
-        sd: &sd,
-        layout: &layout,
-        plan,
-        adapters: adapters.as_ref(),
-        run: &run,
-        resolution,
-        images: dataset.items.len(),
-        started_unix,
-    };
-    let settings = StepSettings {
-        objective: &objective,
-        flip_p: plan.data.flip_p,
-        cond_dropout: plan.data.cond_dropout,
-        shuffle_tags: plan.data.shuffle_tags,
-        clip_skip_layers: plan.objective.clip_skip_layers,
-        train_text_encoder: groups.len() > 1,
-    };
-    let mut rng = StdRng::seed_from_u64(plan.seed);
-    let progress = Progress::new(total_steps, opts.show_progress);
-    let mut smoothed = Smoothed::new(0.9);
-    let mut out = TrainOutcome {
-        run_dir: run.path.clone(),
-        steps: 0,
-        epochs_completed: 0,
-        images_seen: 0,
-        losses: Vec::new(),
-        skipped_steps: 0,
-        skipped_images: dataset.skipped.len(),
-        saved: Vec::new(),
-        interrupted: false,
-        wall_secs: 0.0,
-        memory: None,
-    };
-    let max_epochs = plan.max_epochs.map_or(usize::MAX, |e| e as usize);
-    'epochs: for epoch in 0..max_epochs {
-        let order = dataset.epoch_indices(plan.seed, epoch);
-        let micro: Vec<&[usize]> = order.chunks_exact(plan.batch_size).collect();
-        for group_batches in micro.chunks(plan.grad_accum) {
-            if out.steps >= total_steps {
-                break 'epochs;
-            }
-            let accum = group_batches.len();
-            let mut acc = None;
-            let mut loss_sum: Option<candle_core::Tensor> = None;
-            for ids in group_batches {
-                let images: Vec<_> = ids.iter().map(|&i| &dataset.items[i]).collect();
-                let (loss, grads) = micro_batch(&sd, &images, &settings, accum, &mut rng)?;
-                loss_sum = Some(match loss_sum {
-                    None => loss,
-                    Some(sum) => (sum + loss)?,
-                });
-                match acc.as_mut() {
-                    None => acc = Some(grads),
-                    Some(a) => accumulate(a, &grads, &var_refs)?,
-                }
-                out.images_seen += images.len();
-            }
-            let (Some(grads), Some(loss_sum)) = (acc, loss_sum) else {
-                continue;
-            };
-            // The step's one GPU→CPU sync: the loss and every gradient's sum of squares together.
-            let present: Vec<&candle_core::Tensor> =
-                var_refs.iter().filter_map(|v| grads.get(v)).collect();
-            let check = StepCheck::fetch(&loss_sum, &present)?;
-            let loss = check.loss / accum as f64;
-            let norm = f64::from(check.grad_norm);
-            let lrs: Vec<f64> = groups
-                .iter_mut()
-                .map(|g| g.set_lr_for_step(out.steps))
-                .collect();
-            let finite = check.finite();
-            if let Some(finite) = finite {
-                for g in groups.iter_mut() {
-                    g.optimizer
-                        .step_checked(&grads, finite)
-                        .with_context(|| format!("{} optimizer step", g.name))?;
-                }
-            } else {
-                out.skipped_steps += 1;
-                progress.println(format!(
-                    "step {}: non-finite loss or gradient, step skipped",
-                    out.steps + 1
-                ));
-            }
-            out.steps += 1;
-            out.losses.push(loss);
-            smoothed.push(loss);
-            // Driver counters, not a stream sync. A failed reading only costs the display: it
-            // must not end a run.
-            let memory = read_memory(&opts.device);
-            progress.update(
-                out.steps,
-                epoch + 1,
-                smoothed.get(),
-                lrs[0],
-                out.images_seen,
-                memory.as_ref(),
-            );
-            if out.steps.is_multiple_of(plan.log_step as usize)
-                || out.steps == 1
-                || out.steps == total_steps
-            {
-                log.write(&LogRecord {
-                    step: out.steps,
-                    epoch: epoch + 1,
-                    loss,
-                    lr_unet: lrs[0],
-                    lr_text_encoder: lrs.get(1).copied(),
-                    grad_norm: norm,
-                    images: out.images_seen,
-                    time_s: started.elapsed().as_secs_f64(),
-                    skipped_nonfinite: finite.is_none(),
-                    memory,
-                })?;
-            }
-            if interrupt.requested() {
-                out.interrupted = true;
-                out.saved.push(saver.save(
-                    &groups,
-                    SavePoint::Interrupted(out.steps),
-                    out.steps,
-                    epoch + 1,
-                    &progress,
-                )?);
-                break 'epochs;
-            }
-        }
-        out.epochs_completed = epoch + 1;
-        let last = out.steps >= total_steps || epoch + 1 == max_epochs;
-        if let Some(every) = plan.save_every_n_epochs {
-            if !last && (epoch + 1).is_multiple_of(every as usize) {
-                out.saved.push(saver.save(
-                    &groups,
-                    SavePoint::Epoch(epoch + 1),
-                    out.steps,
-                    epoch + 1,
-                    &progress,
-                )?);
-            }
-        }
-        if last {
-            break;
-        }
-    }
-    if !out.interrupted {
-        out.saved.push(saver.save(
-            &groups,
-            SavePoint::Final,
-            out.steps,
-            out.epochs_completed,
-            &progress,
-        )?);
-    }
-    progress.finish();
-    out.wall_secs = started.elapsed().as_secs_f64();
-    out.memory = read_memory(&opts.device);
-    Ok(out)
+    )?)
 }
 
 /// The trainable text-encoder parameters: all of them unless `unfreeze_last_n_layers` freezes
@@ -551,6 +704,7 @@ fn write_plan(
     resolution: usize,
     steps_per_epoch: usize,
     total_steps: usize,
+    amp: Amp,
 ) -> anyhow::Result<()> {
     let mut value = serde_json::to_value(plan)?;
     if let Some(obj) = value.as_object_mut() {
@@ -558,6 +712,7 @@ fn write_plan(
             "resolved_at_start".into(),
             serde_json::json!({
                 "resolution": resolution,
+                "amp": amp.name(),
                 "steps_per_epoch": steps_per_epoch,
                 "total_steps": total_steps,
                 "unet_schedule": plan.optimizer.unet.schedule.resolve(total_steps as u64),

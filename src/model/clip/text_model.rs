@@ -150,6 +150,8 @@ pub struct ClipTextModel {
     /// weights for mixed precision (each layer casts its weights, and the cast's backward
     /// returns f32 gradients).
     pub compute_dtype: DType,
+    /// Gradient checkpointing of every encoder layer, when set.
+    pub checkpointing: Option<crate::nn::Checkpointing>,
 }
 
 impl ClipTextModel {
@@ -195,6 +197,7 @@ impl ClipTextModel {
             )?,
             text_projection,
             compute_dtype: w.dtype(),
+            checkpointing: None,
         })
     }
 
@@ -238,7 +241,19 @@ impl ClipTextModel {
         let keep = n - skip;
         let mut hidden = if keep == 0 { Some(h.clone()) } else { None };
         for (i, layer) in self.layers.iter().enumerate() {
-            h = layer.forward(&h, &mask)?;
+            h = match &self.checkpointing {
+                None => layer.forward(&h, &mask)?,
+                Some(ck) => {
+                    let (layer, mask) = (layer.clone(), mask.clone());
+                    ck.run(
+                        &h,
+                        None,
+                        std::sync::Arc::new(move |x: &Tensor, _: Option<&Tensor>| {
+                            layer.forward(x, &mask)
+                        }),
+                    )?
+                }
+            };
             if i + 1 == keep {
                 hidden = Some(h.clone());
             }

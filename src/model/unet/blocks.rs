@@ -9,7 +9,50 @@ use super::transformer::{Transformer2DModel, TransformerSpec};
 use crate::model::resnet::ResnetBlock2D;
 use crate::model::sampling::{Downsample2D, Upsample2D};
 use crate::model::weights::{Weights, WeightsError};
-use crate::nn::{LayerMut, VisitLayers};
+use crate::nn::{Checkpointing, LayerMut, VisitLayers};
+
+/// `resnet(x, temb)`, recomputed in backward under checkpointing.
+fn run_resnet(
+    resnet: &ResnetBlock2D,
+    x: &Tensor,
+    temb: &Tensor,
+    ck: Option<&Checkpointing>,
+) -> Result<Tensor> {
+    match ck {
+        None => resnet.forward(x, Some(temb)),
+        Some(ck) => {
+            let r = resnet.clone();
+            ck.run(
+                x,
+                Some(temb),
+                std::sync::Arc::new(move |x: &Tensor, t: Option<&Tensor>| r.forward(x, t)),
+            )
+        }
+    }
+}
+
+/// `attn(x, context)`, recomputed in backward under checkpointing.
+fn run_attention(
+    attn: &Transformer2DModel,
+    x: &Tensor,
+    context: &Tensor,
+    ck: Option<&Checkpointing>,
+) -> Result<Tensor> {
+    match ck {
+        None => attn.forward(x, context),
+        Some(ck) => {
+            let a = attn.clone();
+            ck.run(
+                x,
+                Some(context),
+                std::sync::Arc::new(move |x: &Tensor, c: Option<&Tensor>| match c {
+                    Some(c) => a.forward(x, c),
+                    None => candle_core::bail!("checkpointed attention lost its context"),
+                }),
+            )
+        }
+    }
+}
 
 /// Settings every block shares.
 #[derive(Debug, Clone, Copy)]
@@ -82,19 +125,20 @@ impl DownBlock {
     }
 
     /// Returns the block output and the skip tensors it adds (one per resnet, plus the
-    /// downsampled output).
+    /// downsampled output). With `ck`, each resnet and attention is checkpointed.
     pub fn forward(
         &self,
         x: &Tensor,
         temb: &Tensor,
         context: &Tensor,
+        ck: Option<&Checkpointing>,
     ) -> Result<(Tensor, Vec<Tensor>)> {
         let mut h = x.clone();
         let mut skips = Vec::with_capacity(self.resnets.len() + 1);
         for (j, resnet) in self.resnets.iter().enumerate() {
-            h = resnet.forward(&h, Some(temb))?;
+            h = run_resnet(resnet, &h, temb, ck)?;
             if let Some(attn) = self.attentions.get(j) {
-                h = attn.forward(&h, context)?;
+                h = run_attention(attn, &h, context, ck)?;
             }
             skips.push(h.clone());
         }
@@ -137,11 +181,17 @@ impl MidBlock {
         })
     }
 
-    pub fn forward(&self, x: &Tensor, temb: &Tensor, context: &Tensor) -> Result<Tensor> {
-        let mut h = self.resnets[0].forward(x, Some(temb))?;
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        temb: &Tensor,
+        context: &Tensor,
+        ck: Option<&Checkpointing>,
+    ) -> Result<Tensor> {
+        let mut h = run_resnet(&self.resnets[0], x, temb, ck)?;
         for (attn, resnet) in self.attentions.iter().zip(&self.resnets[1..]) {
-            h = attn.forward(&h, context)?;
-            h = resnet.forward(&h, Some(temb))?;
+            h = run_attention(attn, &h, context, ck)?;
+            h = run_resnet(resnet, &h, temb, ck)?;
         }
         Ok(h)
     }
@@ -217,6 +267,7 @@ impl UpBlock {
         temb: &Tensor,
         context: &Tensor,
         upsample_to: Option<(usize, usize)>,
+        ck: Option<&Checkpointing>,
     ) -> Result<Tensor> {
         if skips.len() != self.resnets.len() {
             candle_core::bail!(
@@ -229,9 +280,9 @@ impl UpBlock {
         for (j, resnet) in self.resnets.iter().enumerate() {
             let skip = &skips[skips.len() - 1 - j];
             // A skip from below the first adapter is a constant: no gradient is stored for it.
-            h = resnet.forward(&crate::nn::cat_with_const(&h, skip, 1)?, Some(temb))?;
+            h = run_resnet(resnet, &crate::nn::cat_with_const(&h, skip, 1)?, temb, ck)?;
             if let Some(attn) = self.attentions.get(j) {
-                h = attn.forward(&h, context)?;
+                h = run_attention(attn, &h, context, ck)?;
             }
         }
         match &self.upsampler {

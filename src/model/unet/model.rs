@@ -30,6 +30,8 @@ pub struct UNet2DConditionModel {
     pub up_blocks: Vec<UpBlock>,
     pub conv_norm_out: GroupNorm,
     pub conv_out: Conv2d,
+    /// Gradient checkpointing of every resnet and transformer block, when set.
+    pub checkpointing: Option<crate::nn::Checkpointing>,
 }
 
 impl UNet2DConditionModel {
@@ -125,6 +127,7 @@ impl UNet2DConditionModel {
                 cfg.out_channels,
                 Conv2dConfig::same(3),
             )?,
+            checkpointing: None,
         })
     }
 
@@ -187,14 +190,15 @@ impl UNet2DConditionModel {
         }
         let context = context.to_dtype(sample.dtype())?;
         let temb = self.time_embed(timesteps, added, sample)?;
+        let ck = self.checkpointing.as_ref();
         let mut x = self.conv_in.forward(sample)?;
         let mut skips = vec![x.clone()];
         for block in &self.down_blocks {
-            let (out, s) = block.forward(&x, &temb, &context)?;
+            let (out, s) = block.forward(&x, &temb, &context, ck)?;
             x = out;
             skips.extend(s);
         }
-        x = self.mid_block.forward(&x, &temb, &context)?;
+        x = self.mid_block.forward(&x, &temb, &context, ck)?;
         for block in &self.up_blocks {
             let take = block.resnets.len();
             let rest = skips.len() - take;
@@ -204,7 +208,7 @@ impl UNet2DConditionModel {
                 Some((Ok(h), Ok(w))) => Some((h, w)),
                 _ => None,
             };
-            x = block.forward(&x, &mine, &temb, &context, upsample_to)?;
+            x = block.forward(&x, &mine, &temb, &context, upsample_to, ck)?;
         }
         self.conv_out
             .forward(&silu(&self.conv_norm_out.forward(&x)?)?)

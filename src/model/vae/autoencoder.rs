@@ -113,6 +113,11 @@ impl AutoencoderKL {
         })
     }
 
+    /// The dtype the VAE's weights are stored in (its input's dtype).
+    pub fn dtype(&self) -> candle_core::DType {
+        self.encoder.conv_in.weight.dtype()
+    }
+
     /// `x` `[B, in, H, W]` in [−1, 1] → the posterior over raw (unscaled) latents.
     pub fn encode(&self, x: &Tensor) -> Result<DiagonalGaussian> {
         let h = self.encoder.forward(x)?;

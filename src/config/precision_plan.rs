@@ -1,0 +1,207 @@
+//! The memory and precision keys of train.json: `amp` (or EveryDream2's `disable_amp`),
+//! `gradient_checkpointing` and the fp16 loss scaler's `grad_scaler_*`.
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use super::error::ConfigError;
+use super::train_file::TrainFile;
+use crate::precision::{Amp, ScalerSettings};
+
+/// How `amp` was asked for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AmpChoice {
+    /// Not set (or `true`): bf16 on CUDA cards that have it, fp16 on older ones, off on the CPU.
+    DeviceDefault,
+    Set(Amp),
+}
+
+impl AmpChoice {
+    /// The precision on `device`.
+    pub fn resolve(self, device: &candle_core::Device) -> Amp {
+        match self {
+            Self::DeviceDefault => Amp::default_for(device),
+            Self::Set(amp) => amp,
+        }
+    }
+}
+
+/// The resolved memory and precision settings.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct PrecisionPlan {
+    pub amp: AmpChoice,
+    /// Used only when the resolved precision is fp16.
+    pub scaler: ScalerSettings,
+    pub gradient_checkpointing: bool,
+}
+
+impl Default for PrecisionPlan {
+    fn default() -> Self {
+        Self {
+            amp: AmpChoice::DeviceDefault,
+            scaler: ScalerSettings::default(),
+            gradient_checkpointing: false,
+        }
+    }
+}
+
+fn invalid(file: &Path, field: &str, message: String) -> ConfigError {
+    ConfigError::Invalid {
+        file: file.to_path_buf(),
+        field: field.to_string(),
+        message,
+    }
+}
+
+fn resolve_amp(f: &TrainFile, file: &Path) -> Result<AmpChoice, ConfigError> {
+    let asked = match &f.amp {
+        None | Some(Value::Null) | Some(Value::Bool(true)) => None,
+        Some(Value::Bool(false)) => Some(Amp::Off),
+        Some(Value::String(s)) => Some(Amp::parse(s).ok_or_else(|| {
+            invalid(
+                file,
+                "amp",
+                format!("is \"{s}\"; use \"bf16\", \"fp16\" or \"off\""),
+            )
+        })?),
+        Some(other) => {
+            return Err(invalid(
+                file,
+                "amp",
+                format!("is {other}; use \"bf16\", \"fp16\", \"off\" or a boolean"),
+            ))
+        }
+    };
+    match (asked, f.disable_amp) {
+        (Some(amp), Some(true)) if amp != Amp::Off => Err(invalid(
+            file,
+            "disable_amp",
+            format!("is true, but amp is \"{}\"; remove one of them", amp.name()),
+        )),
+        (_, Some(true)) => Ok(AmpChoice::Set(Amp::Off)),
+        (Some(amp), _) => Ok(AmpChoice::Set(amp)),
+        (None, _) => Ok(AmpChoice::DeviceDefault),
+    }
+}
+
+fn resolve_scaler(f: &TrainFile, file: &Path) -> Result<ScalerSettings, ConfigError> {
+    let d = ScalerSettings::default();
+    let interval = match f.grad_scaler_growth_interval {
+        None => d.growth_interval,
+        Some(n) => u32::try_from(n).ok().filter(|n| *n >= 1).ok_or_else(|| {
+            invalid(
+                file,
+                "grad_scaler_growth_interval",
+                format!("must be a whole number of steps of at least 1 (got {n})"),
+            )
+        })?,
+    };
+    let s = ScalerSettings {
+        init_scale: f.grad_scaler_init_scale.unwrap_or(d.init_scale),
+        growth_factor: f.grad_scaler_growth_factor.unwrap_or(d.growth_factor),
+        backoff_factor: f.grad_scaler_backoff_factor.unwrap_or(d.backoff_factor),
+        growth_interval: interval,
+    };
+    s.validate().map_err(|m| {
+        let field = m.split_whitespace().next().unwrap_or("grad_scaler");
+        invalid(file, field, m.clone())
+    })?;
+    Ok(s)
+}
+
+/// Resolves and checks the keys; errors name train.json and the key.
+pub fn resolve_precision(f: &TrainFile, file: &Path) -> Result<PrecisionPlan, ConfigError> {
+    Ok(PrecisionPlan {
+        amp: resolve_amp(f, file)?,
+        scaler: resolve_scaler(f, file)?,
+        gradient_checkpointing: f.gradient_checkpointing.unwrap_or(false),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn plan(v: Value) -> Result<PrecisionPlan, ConfigError> {
+        let f: TrainFile = serde_json::from_value(v).unwrap();
+        resolve_precision(&f, Path::new("train.json"))
+    }
+
+    #[test]
+    fn amp_names_booleans_and_disable_amp() {
+        assert_eq!(plan(json!({})).unwrap().amp, AmpChoice::DeviceDefault);
+        assert_eq!(
+            plan(json!({"amp": true})).unwrap().amp,
+            AmpChoice::DeviceDefault
+        );
+        assert_eq!(
+            plan(json!({"amp": false})).unwrap().amp,
+            AmpChoice::Set(Amp::Off)
+        );
+        assert_eq!(
+            plan(json!({"amp": "fp16"})).unwrap().amp,
+            AmpChoice::Set(Amp::Fp16)
+        );
+        assert_eq!(
+            plan(json!({"disable_amp": true})).unwrap().amp,
+            AmpChoice::Set(Amp::Off)
+        );
+        assert_eq!(
+            plan(json!({"disable_amp": false, "amp": "bf16"}))
+                .unwrap()
+                .amp,
+            AmpChoice::Set(Amp::Bf16)
+        );
+        let err = plan(json!({"amp": "bf16", "disable_amp": true})).unwrap_err();
+        assert!(err.to_string().contains("disable_amp"), "{err}");
+        let err = plan(json!({"amp": "fp8"})).unwrap_err();
+        assert!(
+            err.to_string().contains("amp") && err.to_string().contains("fp8"),
+            "{err}"
+        );
+        assert!(plan(json!({"amp": 3})).is_err());
+    }
+
+    #[test]
+    fn scaler_keys_are_checked_and_named() {
+        let p = plan(json!({"grad_scaler_init_scale": 1024.0, "grad_scaler_growth_interval": 10}))
+            .unwrap();
+        assert_eq!(p.scaler.init_scale, 1024.0);
+        assert_eq!(p.scaler.growth_interval, 10);
+        for (v, key) in [
+            (
+                json!({"grad_scaler_growth_interval": 0}),
+                "grad_scaler_growth_interval",
+            ),
+            (
+                json!({"grad_scaler_backoff_factor": 2.0}),
+                "grad_scaler_backoff_factor",
+            ),
+            (
+                json!({"grad_scaler_growth_factor": 0.5}),
+                "grad_scaler_growth_factor",
+            ),
+            (
+                json!({"grad_scaler_init_scale": -1.0}),
+                "grad_scaler_init_scale",
+            ),
+        ] {
+            let err = plan(v).unwrap_err().to_string();
+            assert!(err.contains(key), "{err}");
+        }
+    }
+
+    #[test]
+    fn checkpointing_defaults_off() {
+        assert!(!plan(json!({})).unwrap().gradient_checkpointing);
+        assert!(
+            plan(json!({"gradient_checkpointing": true}))
+                .unwrap()
+                .gradient_checkpointing
+        );
+    }
+}

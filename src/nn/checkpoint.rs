@@ -1,0 +1,347 @@
+//! Gradient checkpointing: a segment (a resnet, a transformer block, a text-encoder layer) keeps
+//! only its inputs in the forward and is recomputed in backward.
+//!
+//! Candle has no facility for this, so it is built from its pieces (../shared/NOTES.md):
+//! - the forward runs the segment on detached inputs; its graph is dropped at once and only the
+//!   output is handed to a custom op (`(a, b, anchor) → out`), so the outer graph holds the
+//!   segment's inputs and nothing inside it;
+//! - the op's backward reruns the segment with the tracked inputs as fresh Vars, injects the
+//!   upstream gradient with the surrogate `Σ(out · grad)`, and runs an inner backward. The
+//!   inputs' gradients go back to candle's backward; the parameters' gradients (which candle's
+//!   backward cannot return from a custom op) are summed into this object's store, which the
+//!   step merges after the outer backward ([`Checkpointing::take_grads`]);
+//! - `anchor` is a 1-element Var, so the op joins the graph even when no input is tracked (the
+//!   first resnet of a LoRA run sees a constant input, yet its adapters train).
+//!
+//! Randomness replays: a draw made through [`replayable`] while a segment runs forward is
+//! recorded as the RNG's state before it, and the recomputation draws from that state again,
+//! so LoRA dropout picks the same mask twice.
+
+use std::cell::RefCell;
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+
+use candle_core::backprop::GradStore;
+use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Result, Shape, Tensor, Var};
+use rand::rngs::StdRng;
+
+use super::output_slot::OutputSlot;
+
+/// A segment: inputs `(a, b)` → output. `b` is `None` for one-input segments.
+pub type Segment = Arc<dyn Fn(&Tensor, Option<&Tensor>) -> Result<Tensor> + Send + Sync>;
+
+/// The checkpointing context of one model: the trainable parameters and the gradients the
+/// recomputations produced for them. Cheap to clone (shared).
+#[derive(Clone)]
+pub struct Checkpointing {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    params: Vec<Var>,
+    grads: Mutex<GradStore>,
+    anchor: Var,
+}
+
+impl std::fmt::Debug for Checkpointing {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Checkpointing({} params)", self.inner.params.len())
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> Result<std::sync::MutexGuard<'_, T>> {
+    m.lock()
+        .map_err(|_| candle_core::Error::Msg("checkpointing: poisoned lock".into()))
+}
+
+impl Checkpointing {
+    /// Checkpointing for segments whose trainable parameters are among `params`.
+    pub fn new(params: Vec<Var>, device: &Device) -> Result<Self> {
+        Ok(Self {
+            inner: Arc::new(Inner {
+                params,
+                grads: Mutex::new(GradStore::default()),
+                anchor: Var::zeros(1, DType::F32, device)?,
+            }),
+        })
+    }
+
+    /// The parameter gradients the recomputations produced since the last call (summed over
+    /// segments), leaving the store empty.
+    pub fn take_grads(&self) -> Result<GradStore> {
+        Ok(std::mem::take(&mut *lock(&self.inner.grads)?))
+    }
+
+    /// Runs `segment(a, b)` keeping only `a` and `b` for backward.
+    pub fn run(&self, a: &Tensor, b: Option<&Tensor>, segment: Segment) -> Result<Tensor> {
+        let (out, tape) = record(|| segment(&a.detach(), b.map(Tensor::detach).as_ref()))?;
+        let op = CheckpointOp {
+            out: OutputSlot::new("checkpoint", out.detach())?,
+            ctx: self.clone(),
+            segment,
+            tape: Mutex::new(tape),
+            has_b: b.is_some(),
+        };
+        drop(out);
+        let anchor = self.inner.anchor.as_tensor();
+        let b = b.unwrap_or(anchor);
+        a.apply_op3(b, anchor, op)
+    }
+
+    fn add_param_grads(&self, mut inner: GradStore) -> Result<()> {
+        let mut store = lock(&self.inner.grads)?;
+        for var in &self.inner.params {
+            if let Some(g) = inner.remove(var) {
+                let sum = match store.remove(var) {
+                    Some(acc) => (acc + g)?.detach(),
+                    None => g.detach(),
+                };
+                store.insert(var, sum);
+            }
+        }
+        Ok(())
+    }
+}
+
+struct CheckpointOp {
+    out: OutputSlot,
+    ctx: Checkpointing,
+    segment: Segment,
+    tape: Mutex<VecDeque<StdRng>>,
+    has_b: bool,
+}
+
+/// `t` as a recomputation input: a fresh Var when the outer graph wants its gradient, else a
+/// constant.
+fn recompute_input(t: &Tensor) -> Result<(Tensor, Option<Var>)> {
+    if t.track_op() {
+        let v = Var::from_tensor(&t.detach())?;
+        Ok((v.as_tensor().clone(), Some(v)))
+    } else {
+        Ok((t.detach(), None))
+    }
+}
+
+impl CustomOp3 for CheckpointOp {
+    fn name(&self) -> &'static str {
+        "checkpoint"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        self.out.cpu()
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        self.out.cuda()
+    }
+
+    fn bwd(
+        &self,
+        a: &Tensor,
+        b: &Tensor,
+        _anchor: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (a_in, a_var) = recompute_input(a)?;
+        let (b_in, b_var) = if self.has_b {
+            let (t, v) = recompute_input(b)?;
+            (Some(t), v)
+        } else {
+            (None, None)
+        };
+        let tape = std::mem::take(&mut *lock(&self.tape)?);
+        let out = replay(tape, || (self.segment)(&a_in, b_in.as_ref()))?;
+        let surrogate =
+            (out.to_dtype(DType::F32)? * grad.detach().to_dtype(DType::F32)?)?.sum_all()?;
+        let mut grads = surrogate.backward()?;
+        drop(surrogate);
+        let ga = a_var.and_then(|v| grads.remove(v.as_tensor()));
+        let gb = b_var.and_then(|v| grads.remove(v.as_tensor()));
+        self.ctx.add_param_grads(grads)?;
+        Ok((ga, gb, None))
+    }
+}
+
+/// What [`replayable`] does on this thread right now.
+enum TapeMode {
+    Off,
+    Record(VecDeque<StdRng>),
+    Replay(VecDeque<StdRng>),
+}
+
+thread_local! {
+    static TAPE: RefCell<TapeMode> = const { RefCell::new(TapeMode::Off) };
+}
+
+/// Runs `f` with `mode` as the tape, restoring the previous one after; returns the tape left.
+fn with_tape<T>(mode: TapeMode, f: impl FnOnce() -> Result<T>) -> Result<(T, TapeMode)> {
+    let previous = TAPE.with(|t| std::mem::replace(&mut *t.borrow_mut(), mode));
+    let result = f();
+    let tape = TAPE.with(|t| std::mem::replace(&mut *t.borrow_mut(), previous));
+    Ok((result?, tape))
+}
+
+fn record<T>(f: impl FnOnce() -> Result<T>) -> Result<(T, VecDeque<StdRng>)> {
+    let (value, tape) = with_tape(TapeMode::Record(VecDeque::new()), f)?;
+    match tape {
+        TapeMode::Record(states) => Ok((value, states)),
+        _ => candle_core::bail!("checkpointing: the RNG tape changed mode while recording"),
+    }
+}
+
+fn replay<T>(states: VecDeque<StdRng>, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    let (value, left) = with_tape(TapeMode::Replay(states), f)?;
+    match left {
+        TapeMode::Replay(s) if s.is_empty() => Ok(value),
+        _ => candle_core::bail!("checkpointing: the recomputation drew a different number of random values than the forward"),
+    }
+}
+
+/// Draws with `draw` from `rng` so that a checkpointed segment's recomputation draws the same
+/// values: recorded (the state before the draw) inside a segment's forward, replayed from that
+/// state inside its recomputation, a plain draw elsewhere.
+pub fn replayable<T>(rng: &mut StdRng, draw: impl FnOnce(&mut StdRng) -> T) -> T {
+    TAPE.with(|t| {
+        let mut mode = t.borrow_mut();
+        match &mut *mode {
+            TapeMode::Off => draw(rng),
+            TapeMode::Record(states) => {
+                states.push_back(rng.clone());
+                draw(rng)
+            }
+            TapeMode::Replay(states) => match states.pop_front() {
+                Some(mut saved) => draw(&mut saved),
+                // More draws than recorded: `replay` reports it after the segment.
+                None => draw(&mut rng.clone()),
+            },
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    fn rel_diff(a: &Tensor, b: &Tensor) -> f32 {
+        let d = (a - b).unwrap().abs().unwrap().max_all().unwrap();
+        let m = b.abs().unwrap().max_all().unwrap();
+        (d.to_scalar::<f32>().unwrap()) / m.to_scalar::<f32>().unwrap().max(1e-12)
+    }
+
+    /// Gradients of a two-input segment with its own parameter, checkpointed and plain.
+    #[test]
+    fn gradients_match_the_plain_path_for_inputs_and_parameters() {
+        let dev = Device::Cpu;
+        let w = Var::from_tensor(&Tensor::randn(0f32, 1.0, (6, 6), &dev).unwrap()).unwrap();
+        let a = Var::from_tensor(&Tensor::randn(0f32, 1.0, (3, 6), &dev).unwrap()).unwrap();
+        let b = Var::from_tensor(&Tensor::randn(0f32, 1.0, (3, 6), &dev).unwrap()).unwrap();
+        let wt = w.as_tensor().clone();
+        let seg: Segment = Arc::new(move |x: &Tensor, y: Option<&Tensor>| {
+            let h = x.matmul(&wt)?.tanh()?;
+            (h * y.unwrap())?.matmul(&wt.t()?)
+        });
+        let plain = seg(a.as_tensor(), Some(b.as_tensor()))
+            .unwrap()
+            .sqr()
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        let ck = Checkpointing::new(vec![w.clone()], &dev).unwrap();
+        let out = ck.run(a.as_tensor(), Some(b.as_tensor()), seg).unwrap();
+        let mut outer = out.sqr().unwrap().sum_all().unwrap().backward().unwrap();
+        let inner = ck.take_grads().unwrap();
+        assert!(outer.get(w.as_tensor()).is_none());
+        for v in [&a, &b] {
+            let d = rel_diff(
+                outer.remove(v.as_tensor()).as_ref().unwrap(),
+                plain.get(v).unwrap(),
+            );
+            assert!(d < 1e-6, "input grad differs by {d}");
+        }
+        let d = rel_diff(inner.get(w.as_tensor()).unwrap(), plain.get(&w).unwrap());
+        assert!(d < 1e-6, "parameter grad differs by {d}");
+        assert!(
+            ck.take_grads().unwrap().get(w.as_tensor()).is_none(),
+            "taken once"
+        );
+    }
+
+    /// A constant input (no tracked op) still lets the segment's parameters train, and gets no
+    /// gradient itself.
+    #[test]
+    fn a_constant_input_still_trains_the_segment() {
+        let dev = Device::Cpu;
+        let w = Var::from_tensor(&Tensor::randn(0f32, 1.0, (4, 4), &dev).unwrap()).unwrap();
+        let x = Tensor::randn(0f32, 1.0, (2, 4), &dev).unwrap();
+        let wt = w.as_tensor().clone();
+        let seg: Segment = Arc::new(move |x: &Tensor, _| x.matmul(&wt)?.sin());
+        let plain = seg(&x, None)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        let ck = Checkpointing::new(vec![w.clone()], &dev).unwrap();
+        let out = ck.run(&x, None, seg).unwrap();
+        let outer = out.sum_all().unwrap().backward().unwrap();
+        assert!(outer.get(&x).is_none());
+        let inner = ck.take_grads().unwrap();
+        assert!(rel_diff(inner.get(w.as_tensor()).unwrap(), plain.get(&w).unwrap()) < 1e-6);
+    }
+
+    /// The recomputation sees the forward's random draws, not fresh ones.
+    #[test]
+    fn random_draws_replay_in_the_recomputation() {
+        let dev = Device::Cpu;
+        let rng = Arc::new(Mutex::new(StdRng::seed_from_u64(7)));
+        let w = Var::from_tensor(&Tensor::ones(5, DType::F32, &dev).unwrap()).unwrap();
+        let wt = w.as_tensor().clone();
+        let r = rng.clone();
+        let seg: Segment = Arc::new(move |x: &Tensor, _| {
+            let mask: Vec<f32> = {
+                let mut g = r.lock().unwrap();
+                replayable(&mut g, |g| {
+                    (0..5).map(|_| g.random_range(0.0..1.0f32)).collect()
+                })
+            };
+            let m = Tensor::new(mask.as_slice(), x.device())?;
+            (x * m)?.mul(&wt)
+        });
+        let x = Tensor::ones(5, DType::F32, &dev).unwrap();
+        let ck = Checkpointing::new(vec![w.clone()], &dev).unwrap();
+        let out = ck.run(&x, None, seg).unwrap();
+        let mask = out.to_vec1::<f32>().unwrap();
+        out.sum_all().unwrap().backward().unwrap();
+        let g = ck.take_grads().unwrap();
+        // d/dw Σ x·m·w = m: the forward's mask, drawn once.
+        assert_eq!(
+            g.get(w.as_tensor()).unwrap().to_vec1::<f32>().unwrap(),
+            mask
+        );
+        // The module's RNG advanced by one draw only: the replay did not consume it.
+        let mut fresh = StdRng::seed_from_u64(7);
+        let _: Vec<f32> = (0..5).map(|_| fresh.random_range(0.0..1.0f32)).collect();
+        assert_eq!(rng.lock().unwrap().random::<u64>(), fresh.random::<u64>());
+    }
+}

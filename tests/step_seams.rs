@@ -1,0 +1,271 @@
+//! The training step's seams on the tiny fixtures, through the trainer's own functions:
+//! - gradient accumulation: a batch of 4 cut into micro-batches (4×1, or 3+1) gives the
+//!   gradients, loss and logged grad norm of the batch of 4 (same images, noise, timesteps);
+//! - gradient checkpointing: gradients equal the plain path (≤ 1e-5 relative, f32) in full,
+//!   LoRA and LoCon modes, with LoRA dropout on (its masks must replay in the recomputation).
+
+mod common;
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, Tensor, Var};
+use rand::{rngs::StdRng, SeedableRng};
+use sdtrain::adapter::AdapterComponent;
+use sdtrain::config::{AdapterPlan, SaveDtype, TrainMode};
+use sdtrain::data::{load_data_root, LoadedDataset};
+use sdtrain::diffusion::{NoiseSchedule, Objective, ObjectiveConfig};
+use sdtrain::model::family::ModelLayout;
+use sdtrain::model::pipeline::{LoadOptions, StableDiffusion};
+use sdtrain::model::source::ModelSource;
+use sdtrain::nn::Checkpointing;
+use sdtrain::optim::StepCheck;
+use sdtrain::train::accumulate::GradAccumulator;
+use sdtrain::train::adapters::attach_with;
+use sdtrain::train::step::{forward_backward, prepare_batch, PreparedBatch, StepSettings};
+
+struct Model {
+    sd: StableDiffusion,
+    params: Vec<Var>,
+    objective: Objective,
+    train_te: bool,
+}
+
+fn adapter_plan(dropout: f64) -> AdapterPlan {
+    AdapterPlan {
+        rank: 4,
+        alpha: 2.0,
+        conv_rank: 2,
+        conv_alpha: 1.0,
+        train_text_encoder: true,
+        unet_lr: None,
+        text_encoder_lr: None,
+        dropout,
+        init_from: None,
+        save_dtype: SaveDtype::Fp32,
+    }
+}
+
+/// The fixture `name` in `mode`, every trainable parameter listed; LoRA modes with `dropout`.
+fn model(name: &str, mode: TrainMode, dropout: f64) -> Model {
+    let spec = common::fixture(name).display().to_string();
+    let dir = ModelSource::parse(&spec).unwrap().resolve().unwrap();
+    let layout = ModelLayout::read(&dir.path, None).unwrap();
+    let full = mode == TrainMode::Full;
+    let opts = LoadOptions {
+        dtype: DType::F32,
+        vae_dtype: None,
+        device: Device::Cpu,
+        train_unet: full,
+        train_text_encoders: full,
+    };
+    let mut sd = StableDiffusion::load(layout.clone(), &opts).unwrap();
+    let params: Vec<Var> = if full {
+        let mut p: Vec<Var> = sd
+            .unet_weights
+            .params()
+            .into_iter()
+            .map(|(_, v)| v)
+            .collect();
+        for te in &sd.text_encoders {
+            p.extend(te.weights.params().into_iter().map(|(_, v)| v));
+        }
+        p
+    } else {
+        let a = attach_with(&mut sd, mode, adapter_plan(dropout), 17).unwrap();
+        for m in &a.modules {
+            m.set_training(true);
+        }
+        let mut p: Vec<Var> = a.params(false).into_iter().map(|(_, v)| v).collect();
+        p.extend(a.params(true).into_iter().map(|(_, v)| v));
+        assert!(a
+            .modules
+            .iter()
+            .any(|m| m.component != AdapterComponent::Unet));
+        p
+    };
+    let schedule = NoiseSchedule::from_file(&layout.scheduler_config).unwrap();
+    let objective = Objective::new(schedule, ObjectiveConfig::plain(1000)).unwrap();
+    Model {
+        sd,
+        params,
+        objective,
+        train_te: true,
+    }
+}
+
+fn settings<'a>(m: &'a Model, ck: Option<&'a Checkpointing>) -> StepSettings<'a> {
+    StepSettings {
+        objective: &m.objective,
+        flip_p: 0.5,
+        cond_dropout: 0.0,
+        shuffle_tags: false,
+        clip_skip_layers: 0,
+        train_text_encoder: m.train_te,
+        compute_dtype: DType::F32,
+        checkpointing: ck,
+    }
+}
+
+fn data() -> LoadedDataset {
+    load_data_root(&common::repo_root().join("data/demo"), 32, false).unwrap()
+}
+
+fn prepared(m: &Model, data: &LoadedDataset, n: usize) -> PreparedBatch {
+    let images: Vec<_> = data.items.iter().take(n).collect();
+    assert_eq!(images.len(), n, "the demo set has at least {n} images");
+    let mut rng = StdRng::seed_from_u64(5);
+    prepare_batch(&m.sd, &images, &settings(m, None), &mut rng).unwrap()
+}
+
+fn max_abs(t: &Tensor) -> f32 {
+    t.abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
+}
+
+/// `max|a − b| / max(max|b|, floor)`. The floor (1% of the largest gradient element of the
+/// step) keeps gradients that are zero in exact arithmetic (a bias just before a norm, CLIP's
+/// key bias), where both sides hold rounding noise near 1e-9, from failing on that noise.
+fn rel(a: &Tensor, b: &Tensor, floor: f32) -> f32 {
+    max_abs(&(a - b).unwrap()) / max_abs(b).max(floor).max(1e-30)
+}
+
+/// Every parameter with a gradient in `want` has one within `tol` in `got`, and vice versa.
+fn assert_same_grads(got: &GradStore, want: &GradStore, params: &[Var], tol: f32, what: &str) {
+    assert_same_grads_of(got, params, want, params, tol, what)
+}
+
+/// As [`assert_same_grads`] for two models' parameter lists, matched by position.
+fn assert_same_grads_of(
+    got: &GradStore,
+    got_params: &[Var],
+    want: &GradStore,
+    want_params: &[Var],
+    tol: f32,
+    what: &str,
+) {
+    assert_eq!(got_params.len(), want_params.len());
+    let largest = want_params
+        .iter()
+        .filter_map(|v| want.get(v))
+        .map(max_abs)
+        .fold(0f32, f32::max);
+    let mut compared = 0;
+    for (i, (gv, v)) in got_params.iter().zip(want_params).enumerate() {
+        match (got.get(gv), want.get(v)) {
+            (Some(g), Some(w)) => {
+                let e = rel(g, w, 0.01 * largest);
+                assert!(
+                    e <= tol,
+                    "{what}: parameter {i} {:?} differs by {e}",
+                    v.dims()
+                );
+                compared += 1;
+            }
+            (None, None) => {}
+            (g, w) => panic!(
+                "{what}: parameter {i} has a gradient on one side only ({} vs {})",
+                g.is_some(),
+                w.is_some()
+            ),
+        }
+    }
+    assert!(compared > 0, "{what}: no gradients compared");
+}
+
+fn norm(grads: &GradStore, params: &[Var], loss: &Tensor) -> (f64, f32) {
+    let present: Vec<&Tensor> = params.iter().filter_map(|v| grads.get(v)).collect();
+    let c = StepCheck::fetch(loss, &present).unwrap();
+    (c.loss, c.grad_norm)
+}
+
+#[test]
+fn accumulating_micro_batches_equals_one_batch() {
+    let data = data();
+    for mode in [TrainMode::Full, TrainMode::Lora] {
+        let m = model("tiny-sd15", mode, 0.0);
+        let s = settings(&m, None);
+        let batch = prepared(&m, &data, 4);
+        let (loss, whole) = forward_backward(&m.sd, &batch, &s, 1.0, 1.0).unwrap();
+        let (want_loss, want_norm) = norm(&whole, &m.params, &loss);
+        for size in [1, 3] {
+            let mut acc = GradAccumulator::new(&m.params);
+            for part in batch.split(size).unwrap() {
+                let w = part.len() as f64 / batch.len() as f64;
+                let (l, g) = forward_backward(&m.sd, &part, &s, w, 1.0).unwrap();
+                acc.add(l, g, part.len()).unwrap();
+            }
+            let done = acc.finish(1.0).unwrap().unwrap();
+            assert_eq!(done.samples, 4);
+            let what = format!("{mode:?}, micro-batches of {size}");
+            assert_same_grads(&done.grads, &whole, &m.params, 1e-5, &what);
+            let (got_loss, got_norm) = norm(&done.grads, &m.params, &done.loss);
+            assert!(
+                (got_loss - want_loss).abs() <= 1e-6 * want_loss.abs(),
+                "{what}: loss"
+            );
+            assert!(
+                (got_norm - want_norm).abs() <= 1e-5 * want_norm,
+                "{what}: grad norm {got_norm} vs {want_norm}"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_loss_scale_is_divided_back_out() {
+    let data = data();
+    let m = model("tiny-sd15", TrainMode::Lora, 0.0);
+    let s = settings(&m, None);
+    let batch = prepared(&m, &data, 2);
+    let (l, plain) = forward_backward(&m.sd, &batch, &s, 1.0, 1.0).unwrap();
+    let (ls, scaled) = forward_backward(&m.sd, &batch, &s, 1.0, 1024.0).unwrap();
+    assert_eq!(
+        l.to_scalar::<f32>().unwrap(),
+        ls.to_scalar::<f32>().unwrap()
+    );
+    let mut acc = GradAccumulator::new(&m.params);
+    acc.add(ls, scaled, 2).unwrap();
+    let done = acc.finish(1024.0).unwrap().unwrap();
+    assert_same_grads(&done.grads, &plain, &m.params, 1e-6, "scale 1024");
+}
+
+fn checkpointed_matches_plain(name: &str, mode: TrainMode, dropout: f64) {
+    let data = data();
+    // Two models with the same seed: the same adapter init and the same dropout streams.
+    let plain = model(name, mode, dropout);
+    let mut ck_model = model(name, mode, dropout);
+    let ck = Checkpointing::new(ck_model.params.clone(), &Device::Cpu).unwrap();
+    ck_model.sd.unet.checkpointing = Some(ck.clone());
+    for te in ck_model.sd.text_encoders.iter_mut() {
+        te.model.checkpointing = Some(ck.clone());
+    }
+    let batch = prepared(&plain, &data, 2);
+    let (l0, g0) = forward_backward(&plain.sd, &batch, &settings(&plain, None), 1.0, 1.0).unwrap();
+    let s = settings(&ck_model, Some(&ck));
+    let (l1, g1) = forward_backward(&ck_model.sd, &batch, &s, 1.0, 1.0).unwrap();
+    let what = format!("{name} {mode:?} dropout {dropout}");
+    assert_eq!(
+        l0.to_scalar::<f32>().unwrap(),
+        l1.to_scalar::<f32>().unwrap(),
+        "{what}: loss"
+    );
+    assert_same_grads_of(&g1, &ck_model.params, &g0, &plain.params, 1e-5, &what);
+}
+
+#[test]
+fn checkpointing_matches_the_plain_path_full() {
+    checkpointed_matches_plain("tiny-sd15", TrainMode::Full, 0.0);
+}
+
+#[test]
+fn checkpointing_matches_the_plain_path_lora_with_dropout() {
+    checkpointed_matches_plain("tiny-sd15", TrainMode::Lora, 0.3);
+}
+
+#[test]
+fn checkpointing_matches_the_plain_path_locon_sdxl() {
+    checkpointed_matches_plain("tiny-sdxl", TrainMode::Locon, 0.1);
+}
