@@ -20,6 +20,7 @@ mod layer_norm;
 mod linear;
 mod norm;
 mod output_slot;
+mod softmax;
 #[cfg(test)]
 mod test_util;
 
@@ -54,6 +55,7 @@ pub use handover::{
 pub use layer_norm::{layer_norm, layer_norm_reference};
 pub use linear::Linear;
 pub use norm::{GroupNorm, LayerNorm};
+pub use softmax::{softmax_last_dim, softmax_last_dim_reference};
 
 /// A mutable view of one leaf layer that adapters may wrap.
 pub enum LayerMut<'a> {
