@@ -14,6 +14,7 @@ mod conv_grad;
 mod embedding;
 mod frozen;
 mod fused_op;
+mod geglu;
 mod group_norm;
 mod handover;
 mod layer_norm;
@@ -46,6 +47,7 @@ pub use frozen::{
     frozen_linear_reference, frozen_matmul, frozen_matmul_reference, set_frozen_ops_enabled,
 };
 pub use fused_op::set_fused_ops_enabled;
+pub use geglu::{geglu, geglu_layer, geglu_reference};
 pub use group_norm::{
     group_norm, group_norm_reference, group_norm_silu, group_norm_silu_reference,
 };
