@@ -6,12 +6,19 @@
 //! ```text
 //! cargo run --release --example bench_step -- --family sd15 --mode lora --res 512 --batch 1 \
 //!     --precision bf16 [--device cuda] [--steps 10] [--warmup 3] [--rank 16] \
-//!     [--pool-cache on|off] [--event-tracking on|off]
+//!     [--pool-cache on|off] [--event-tracking on|off] [--fused-ops on|off] \
+//!     [--unet-config PATH]
 //! ```
 //! - `lora`: frozen base (bf16 under `--precision bf16`), LoRA rank/alpha `--rank` on kohya's
 //!   UNet targets, f32 adapter Vars.
 //! - `full`: every UNet weight an f32 Var; under `bf16` the activations are bf16 and each layer
 //!   casts its f32 weight to bf16 (autocast's scheme; the casts' backward returns f32 grads).
+//!
+//! - `--fused-ops off`: the norms, masked softmax and GEGLU run their composed `*_reference`
+//!   ops instead of the fused ones (`nn::set_fused_ops_enabled`), for before/after figures.
+//! - `--unet-config PATH`: a diffusers UNet `config.json` instead of the family's (e.g. the tiny
+//!   test fixture, for a CPU benchmark whose memory is dominated by activations); the text
+//!   conditioning width follows its `cross_attention_dim`.
 //!
 //! Prints ONE JSON line: status (`ok`, `oom`, `error: …`), median step time and the phases
 //! (forward, backward, check + optimizer; synchronised at each boundary), peak memory (the CUDA
@@ -44,6 +51,7 @@ struct Shape {
     batch: usize,
     precision: String,
     rank: usize,
+    unet_config: Option<String>,
 }
 
 struct Model {
@@ -53,6 +61,8 @@ struct Model {
     params_total: usize,
     /// Activation dtype.
     dtype: DType,
+    /// Width of the text conditioning.
+    ctx_dim: usize,
 }
 
 struct Inputs {
@@ -215,7 +225,14 @@ fn run(args: &[String], report: &mut Value) -> Result<()> {
         batch: arg(args, "--batch", "1").parse().context("--batch")?,
         precision: arg(args, "--precision", "bf16"),
         rank: arg(args, "--rank", "16").parse().context("--rank")?,
+        unet_config: args
+            .iter()
+            .position(|a| a == "--unet-config")
+            .and_then(|i| args.get(i + 1).cloned()),
     };
+    let fused_ops = on_off(args, "--fused-ops", "on")?;
+    sdtrain::nn::set_fused_ops_enabled(fused_ops);
+    report["fused_ops"] = json!(fused_ops);
     let steps: usize = arg(args, "--steps", "10").parse().context("--steps")?;
     let warmup: usize = arg(args, "--warmup", "3").parse().context("--warmup")?;
     let settings = DeviceSettings {
@@ -251,7 +268,7 @@ fn run(args: &[String], report: &mut Value) -> Result<()> {
     let mut model = build(&shape, &device)?;
     report["params_total"] = json!(model.params_total);
     report["params_trained"] = json!(model.vars.iter().map(|v| v.elem_count()).sum::<usize>());
-    let inputs = inputs(&shape, &device, model.dtype)?;
+    let inputs = inputs(&shape, &device, model.dtype, model.ctx_dim)?;
     device.synchronize()?;
     report["load_s"] = json!(loaded.elapsed().as_secs_f64());
 
@@ -289,12 +306,16 @@ fn run(args: &[String], report: &mut Value) -> Result<()> {
 }
 
 fn build(shape: &Shape, device: &Device) -> Result<Model> {
-    let (config, origin) = match shape.family.as_str() {
-        "sd15" => (SD15_UNET, "SD1.5 unet config"),
-        "sdxl" => (SDXL_UNET, "SDXL unet config"),
-        other => bail!("--family {other}: use sd15 or sdxl"),
+    let cfg = match (&shape.unet_config, shape.family.as_str()) {
+        (Some(path), _) => UnetConfig::from_file(std::path::Path::new(path))?,
+        (None, "sd15") => UnetConfig::from_json(SD15_UNET, "SD1.5 unet config")?,
+        (None, "sdxl") => UnetConfig::from_json(SDXL_UNET, "SDXL unet config")?,
+        (None, other) => bail!("--family {other}: use sd15 or sdxl"),
     };
-    let cfg = UnetConfig::from_json(config, origin)?;
+    let ctx_dim = cfg
+        .down_blocks
+        .first()
+        .map_or(768, |b| b.cross_attention_dim);
     let dtype = match shape.precision.as_str() {
         "f32" => DType::F32,
         "bf16" => DType::BF16,
@@ -343,12 +364,12 @@ fn build(shape: &Shape, device: &Device) -> Result<Model> {
         optimizer,
         params_total,
         dtype,
+        ctx_dim,
     })
 }
 
-fn inputs(shape: &Shape, device: &Device, dtype: DType) -> Result<Inputs> {
+fn inputs(shape: &Shape, device: &Device, dtype: DType, ctx_dim: usize) -> Result<Inputs> {
     let (b, lat) = (shape.batch, shape.res / 8);
-    let ctx_dim = if shape.family == "sdxl" { 2048 } else { 768 };
     let randn = |dims: &[usize]| Tensor::randn(0f32, 1.0, dims, device);
     let added = if shape.family == "sdxl" {
         let r = shape.res as f32;

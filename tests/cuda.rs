@@ -2,7 +2,8 @@
 //! suite, run on the first CUDA device and compared with the CPU path.
 //!
 //! - every custom op (frozen linear/conv, the frozen norm affine and residual adds, the
-//!   hand-over ops): forward and the gradients of the tracked operand, CUDA against CPU;
+//!   hand-over ops, the fused norms, softmax and GEGLU): forward and the gradients of the tracked
+//!   operands, CUDA against CPU;
 //! - UNet, text-encoder and VAE parity with the diffusers/transformers references on the three
 //!   fixtures, in f32 (≤ 1e-4) and bf16 (≤ 3e-2);
 //! - a tiny LoRA run and a tiny full fine-tune from the CLI entry point, whose per-step losses
@@ -176,6 +177,48 @@ fn cuda_custom_ops_match_cpu() {
             &|a| nn::chunked_attention(&a[0], &a[1], &a[2], 0.35, Some(16)),
         );
     }
+    // The fused norms (full fine-tune: every operand tracked; LoRA: frozen γ/β), softmax and
+    // GEGLU.
+    for (name, tracked) in [("all tracked", true), ("frozen affine", false)] {
+        let affine = |seed| {
+            if tracked {
+                var(&[12], seed)
+            } else {
+                constant(&[12], seed)
+            }
+        };
+        check_op(
+            &dev,
+            &format!("group_norm {name}"),
+            &[var(&[3, 12, 5, 7], 50), affine(51), affine(52)],
+            tol,
+            &|a| nn::group_norm(&a[0], &a[1], &a[2], 4, 1e-5),
+        );
+        check_op(
+            &dev,
+            &format!("group_norm_silu {name}"),
+            &[var(&[3, 12, 5, 7], 53), affine(54), affine(55)],
+            tol,
+            &|a| nn::group_norm_silu(&a[0], &a[1], &a[2], 4, 1e-5),
+        );
+        check_op(
+            &dev,
+            &format!("layer_norm {name}"),
+            &[var(&[2, 5, 12], 56), affine(57), affine(58)],
+            tol,
+            &|a| nn::layer_norm(&a[0], &a[1], &a[2], 1e-5),
+        );
+    }
+    check_op(
+        &dev,
+        "softmax_last_dim",
+        &[var(&[2, 3, 5, 11], 59)],
+        tol,
+        &|a| nn::softmax_last_dim(&(&a[0] * 4.0)?),
+    );
+    check_op(&dev, "geglu", &[var(&[2, 3, 14], 60)], tol, &|a| {
+        nn::geglu(&(&a[0] * 3.0)?)
+    });
     // The norms' frozen γ/β and the resnets' time-embedding add.
     check_op(
         &dev,

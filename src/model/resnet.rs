@@ -53,13 +53,13 @@ impl ResnetBlock2D {
 
     /// `x` `[B, C, H, W]`, `temb` `[B, T]` (the UNet's, before its SiLU).
     pub fn forward(&self, x: &Tensor, temb: Option<&Tensor>) -> Result<Tensor> {
-        let mut h = self.conv1.forward(&silu(&self.norm1.forward(x)?)?)?;
+        let mut h = self.conv1.forward(&self.norm1.forward_silu(x)?)?;
         if let (Some(proj), Some(t)) = (&self.time_emb_proj, temb) {
             let t = proj.forward(&silu(t)?)?.unsqueeze(2)?.unsqueeze(3)?;
             // A frozen projection of a frozen embedding is a constant: store no gradient for it.
             h = crate::nn::broadcast_add_const(&h, &t)?;
         }
-        let h = self.conv2.forward(&silu(&self.norm2.forward(&h)?)?)?;
+        let h = self.conv2.forward(&self.norm2.forward_silu(&h)?)?;
         let shortcut = match &self.conv_shortcut {
             Some(c) => c.forward(x)?,
             None => x.clone(),

@@ -1,6 +1,7 @@
 //! Trainable building blocks shared by every model: our own Linear, Conv2d, norms, embedding
-//! and attention. Every op here has a backward in candle (see ../shared/NOTES.md: candle-nn's
-//! fused softmax/layer_norm drop gradients, so none of them is used).
+//! and attention. Every op here has a backward (see ../shared/NOTES.md: candle-nn's fused
+//! softmax/layer_norm drop gradients, so they are only ever called on detached operands inside
+//! our own fused ops, whose backward is analytic).
 //!
 //! Layers keep their diffusers module path (`path`) so later work (adapters, checkpointing) can
 //! reach them by name through [`VisitLayers`].
@@ -13,10 +14,15 @@ mod conv;
 mod conv_grad;
 mod embedding;
 mod frozen;
+mod fused_op;
+mod geglu;
+mod group_norm;
 mod handover;
+mod layer_norm;
 mod linear;
 mod norm;
 mod output_slot;
+mod softmax;
 #[cfg(test)]
 mod test_util;
 
@@ -42,11 +48,18 @@ pub use frozen::{
     frozen_conv2d, frozen_conv2d_bias, frozen_conv2d_reference, frozen_linear,
     frozen_linear_reference, frozen_matmul, frozen_matmul_reference, set_frozen_ops_enabled,
 };
+pub use fused_op::set_fused_ops_enabled;
+pub use geglu::{geglu, geglu_layer, geglu_reference};
+pub use group_norm::{
+    group_norm, group_norm_reference, group_norm_silu, group_norm_silu_reference,
+};
 pub use handover::{
     add_maybe_const, cat_with_const, conv2d_const_input, matmul_const_lhs, sub_const,
 };
+pub use layer_norm::{layer_norm, layer_norm_reference};
 pub use linear::Linear;
 pub use norm::{GroupNorm, LayerNorm};
+pub use softmax::{softmax_last_dim, softmax_last_dim_reference};
 
 /// A mutable view of one leaf layer that adapters may wrap.
 pub enum LayerMut<'a> {

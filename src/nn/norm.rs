@@ -1,11 +1,16 @@
-//! GroupNorm and LayerNorm written from differentiable primitives. Statistics are taken in f32
-//! whatever the activation dtype (as torch does for half inputs on CUDA), then cast back.
-//!
-//! `y = (x − mean) / sqrt(var + eps) · γ + β`, with the biased variance.
+//! The GroupNorm and LayerNorm layers: `y = (x − mean) / sqrt(var + eps) · γ + β`, with the
+//! biased variance, statistics in f32 whatever the activation dtype (as torch does for half
+//! inputs on CUDA). They run the fused ops of `group_norm.rs`/`layer_norm.rs` (analytic backward,
+//! only `x`, `γ`, `β` and per-group statistics kept), or their composed references where custom
+//! ops have no forward (Metal) or the fused ops are switched off.
 
-use candle_core::{DType, Result, Tensor, D};
+use candle_core::{Result, Tensor};
 
-use super::frozen::{broadcast_add_const, broadcast_mul_const};
+use super::fused_op::use_fused;
+use super::group_norm::{
+    group_norm, group_norm_reference, group_norm_silu, group_norm_silu_reference,
+};
+use super::layer_norm::{layer_norm, layer_norm_reference};
 use crate::weights::{Init, Weights, WeightsError};
 
 #[derive(Debug, Clone)]
@@ -41,28 +46,22 @@ impl GroupNorm {
 
     /// `x`: `[B, C, ...]`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let dtype = x.dtype();
-        let dims = x.dims().to_vec();
-        let (b, c) = (dims[0], dims[1]);
-        let xg = x.to_dtype(DType::F32)?.reshape((b, self.groups, ()))?;
-        let mean = xg.mean_keepdim(2)?;
-        let xc = xg.broadcast_sub(&mean)?;
-        let var = xc.sqr()?.mean_keepdim(2)?;
-        let xn = xc.broadcast_div(&(var + self.eps)?.sqrt()?)?;
-        let mut affine_shape = vec![1usize; dims.len()];
-        affine_shape[1] = c;
-        let w = self
-            .weight
-            .to_dtype(DType::F32)?
-            .reshape(affine_shape.as_slice())?;
-        let bias = self
-            .bias
-            .to_dtype(DType::F32)?
-            .reshape(affine_shape.as_slice())?;
-        xn.reshape(dims.as_slice())?
-            .apply(&|t: &Tensor| broadcast_mul_const(t, &w))?
-            .apply(&|t: &Tensor| broadcast_add_const(t, &bias))?
-            .to_dtype(dtype)
+        let (w, b, g, eps) = (&self.weight, &self.bias, self.groups, self.eps);
+        if use_fused(x) {
+            group_norm(x, w, b, g, eps)
+        } else {
+            group_norm_reference(x, w, b, g, eps)
+        }
+    }
+
+    /// `silu(self.forward(x))` as one fused op, as diffusers' resnets and `conv_norm_out`s use it.
+    pub fn forward_silu(&self, x: &Tensor) -> Result<Tensor> {
+        let (w, b, g, eps) = (&self.weight, &self.bias, self.groups, self.eps);
+        if use_fused(x) {
+            group_norm_silu(x, w, b, g, eps)
+        } else {
+            group_norm_silu_reference(x, w, b, g, eps)
+        }
     }
 }
 
@@ -86,14 +85,10 @@ impl LayerNorm {
 
     /// Normalises over the last dimension.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let dtype = x.dtype();
-        let x32 = x.to_dtype(DType::F32)?;
-        let mean = x32.mean_keepdim(D::Minus1)?;
-        let xc = x32.broadcast_sub(&mean)?;
-        let var = xc.sqr()?.mean_keepdim(D::Minus1)?;
-        let xn = xc.broadcast_div(&(var + self.eps)?.sqrt()?)?;
-        let w = self.weight.to_dtype(DType::F32)?;
-        let b = self.bias.to_dtype(DType::F32)?;
-        broadcast_add_const(&broadcast_mul_const(&xn, &w)?, &b)?.to_dtype(dtype)
+        if use_fused(x) {
+            layer_norm(x, &self.weight, &self.bias, self.eps)
+        } else {
+            layer_norm_reference(x, &self.weight, &self.bias, self.eps)
+        }
     }
 }

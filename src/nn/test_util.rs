@@ -26,3 +26,87 @@ pub(crate) fn max_abs(a: &Tensor, b: &Tensor) -> f32 {
         .to_scalar::<f32>()
         .unwrap()
 }
+
+/// Largest absolute difference relative to the largest magnitude of `want`.
+pub(crate) fn rel_err(got: &Tensor, want: &Tensor) -> f32 {
+    let scale = want
+        .to_dtype(DType::F32)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    max_abs(got, want) / scale.max(1e-12)
+}
+
+/// The output of `f` on `inputs` and the gradient of every input for `L = Σ f(inputs)·r`, with
+/// `r` a fixed fill (a plain sum would hide terms whose gradient sums to zero, such as a norm's
+/// mean). Inputs with `track[i]` false are passed as constants; the test fails if one of them
+/// gets a gradient-store entry, and their gradient is reported as `None`.
+pub(crate) fn output_and_grads(
+    inputs: &[Tensor],
+    track: &[bool],
+    f: &dyn Fn(&[Tensor]) -> candle_core::Result<Tensor>,
+) -> (Tensor, Vec<Option<Tensor>>) {
+    let args: Vec<Tensor> = inputs
+        .iter()
+        .zip(track)
+        .map(|(t, &tr)| {
+            if tr {
+                candle_core::Var::from_tensor(t)
+                    .unwrap()
+                    .as_tensor()
+                    .clone()
+            } else {
+                t.clone()
+            }
+        })
+        .collect();
+    let y = f(&args).unwrap();
+    let r = fill(y.dims(), 99, 1.0);
+    let loss = (y.to_dtype(DType::F32).unwrap() * r).unwrap();
+    let grads = loss.sum_all().unwrap().backward().unwrap();
+    let gs = args
+        .iter()
+        .zip(track)
+        .map(|(a, &tr)| {
+            let g = grads.get(a).cloned();
+            assert_eq!(g.is_some(), tr, "gradient presence differs from tracking");
+            g
+        })
+        .collect();
+    (y, gs)
+}
+
+/// Runs `fused` and `reference` through [`output_and_grads`] and asserts the outputs and every
+/// gradient agree to `tol` relative ([`rel_err`]); `what` names the case in failures.
+pub(crate) fn assert_parity(
+    what: &str,
+    inputs: &[Tensor],
+    track: &[bool],
+    tol: f32,
+    fused: &dyn Fn(&[Tensor]) -> candle_core::Result<Tensor>,
+    reference: &dyn Fn(&[Tensor]) -> candle_core::Result<Tensor>,
+) {
+    let (y, g) = output_and_grads(inputs, track, fused);
+    let (y_ref, g_ref) = output_and_grads(inputs, track, reference);
+    assert_eq!(y.dtype(), y_ref.dtype(), "{what}: output dtype");
+    let e = rel_err(&y, &y_ref);
+    assert!(e <= tol, "{what}: forward differs by {e:.2e} (relative)");
+    for (i, (a, b)) in g.iter().zip(&g_ref).enumerate() {
+        if let (Some(a), Some(b)) = (a, b) {
+            assert_eq!(a.dtype(), b.dtype(), "{what}: grad {i} dtype");
+            assert_eq!(
+                a.dtype(),
+                inputs[i].dtype(),
+                "{what}: grad {i} dtype vs input"
+            );
+            let e = rel_err(a, b);
+            assert!(e <= tol, "{what}: grad {i} differs by {e:.2e} (relative)");
+        }
+    }
+}

@@ -8,7 +8,7 @@ use super::blocks::{BlockCommon, DownBlock, MidBlock, UpBlock, UpChannels};
 use super::config::{BlockConfig, UnetConfig};
 use super::embeddings::{timestep_embedding, TimestepEmbedding};
 use crate::model::weights::{Weights, WeightsError};
-use crate::nn::{silu, Conv2d, Conv2dConfig, GroupNorm, LayerMut, VisitLayers};
+use crate::nn::{Conv2d, Conv2dConfig, GroupNorm, LayerMut, VisitLayers};
 
 /// SDXL's added conditions.
 #[derive(Debug, Clone)]
@@ -210,8 +210,7 @@ impl UNet2DConditionModel {
             };
             x = block.forward(&x, &mine, &temb, &context, upsample_to, ck)?;
         }
-        self.conv_out
-            .forward(&silu(&self.conv_norm_out.forward(&x)?)?)
+        self.conv_out.forward(&self.conv_norm_out.forward_silu(&x)?)
     }
 }
 

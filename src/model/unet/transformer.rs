@@ -5,13 +5,12 @@
 //! - Block: self-attention, cross-attention and a GEGLU feed-forward, each pre-LayerNorm with a
 //!   residual. GEGLU: `h, g = proj(x).chunk(2); h · gelu_erf(g)` (exact GELU, as diffusers).
 
-use candle_core::{Result, Tensor, D};
+use candle_core::{Result, Tensor};
 
 use crate::model::attention::Attention;
 use crate::model::weights::{Weights, WeightsError};
 use crate::nn::{
-    add_maybe_const, gelu_erf, Conv2d, Conv2dConfig, GroupNorm, LayerMut, LayerNorm, Linear,
-    VisitLayers,
+    add_maybe_const, Conv2d, Conv2dConfig, GroupNorm, LayerMut, LayerNorm, Linear, VisitLayers,
 };
 
 #[derive(Debug, Clone)]
@@ -32,11 +31,8 @@ impl FeedForward {
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let hg = self.proj.forward(x)?;
-        let inner = hg.dim(D::Minus1)? / 2;
-        let h = hg.narrow(D::Minus1, 0, inner)?;
-        let g = hg.narrow(D::Minus1, inner, inner)?;
-        self.out.forward(&(h * gelu_erf(&g)?)?)
+        self.out
+            .forward(&crate::nn::geglu_layer(&self.proj.forward(x)?)?)
     }
 }
 

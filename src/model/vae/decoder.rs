@@ -14,7 +14,7 @@ use super::mid_block::{VaeMidBlock, VAE_EPS};
 use crate::model::resnet::ResnetBlock2D;
 use crate::model::sampling::Upsample2D;
 use crate::model::weights::{Weights, WeightsError};
-use crate::nn::{silu, Conv2d, Conv2dConfig, GroupNorm, LayerMut, VisitLayers};
+use crate::nn::{Conv2d, Conv2dConfig, GroupNorm, LayerMut, VisitLayers};
 
 /// diffusers' `UpDecoderBlock2D`.
 #[derive(Debug, Clone)]
@@ -136,7 +136,7 @@ impl Decoder {
         for block in &self.up_blocks {
             h = block.forward(&h)?;
         }
-        let h = silu(&self.conv_norm_out.forward(&h)?)?;
+        let h = self.conv_norm_out.forward_silu(&h)?;
         self.conv_out.forward(&h)
     }
 }

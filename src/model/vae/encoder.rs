@@ -12,7 +12,7 @@ use super::mid_block::{VaeMidBlock, VAE_EPS};
 use crate::model::resnet::ResnetBlock2D;
 use crate::model::sampling::Downsample2D;
 use crate::model::weights::{Weights, WeightsError};
-use crate::nn::{silu, Conv2d, Conv2dConfig, GroupNorm, LayerMut, VisitLayers};
+use crate::nn::{Conv2d, Conv2dConfig, GroupNorm, LayerMut, VisitLayers};
 
 /// diffusers' `DownEncoderBlock2D`.
 #[derive(Debug, Clone)]
@@ -139,7 +139,7 @@ impl Encoder {
             h = block.forward(&h)?;
         }
         let h = self.mid_block.forward(&h)?;
-        let h = silu(&self.conv_norm_out.forward(&h)?)?;
+        let h = self.conv_norm_out.forward_silu(&h)?;
         self.conv_out.forward(&h)
     }
 }
