@@ -7,7 +7,7 @@
 //! cargo run --release --example bench_step -- --family sd15 --mode lora --res 512 --batch 1 \
 //!     --precision bf16 [--device cuda] [--steps 10] [--warmup 3] [--rank 16] \
 //!     [--pool-cache on|off] [--event-tracking on|off] [--fused-ops on|off] \
-//!     [--unet-config PATH]
+//!     [--unet-config PATH] [--checkpointing on|off]
 //! ```
 //! - `lora`: frozen base (bf16 under `--precision bf16`), LoRA rank/alpha `--rank` on kohya's
 //!   UNet targets, f32 adapter Vars.
@@ -16,6 +16,9 @@
 //!
 //! - `--fused-ops off`: the norms, masked softmax and GEGLU run their composed `*_reference`
 //!   ops instead of the fused ones (`nn::set_fused_ops_enabled`), for before/after figures.
+//! - `--checkpointing on`: gradient checkpointing of every resnet and transformer block, as
+//!   the trainer's `gradient_checkpointing` (the recomputed parameter gradients are merged into
+//!   the store before the check and the optimizer step).
 //! - `--unet-config PATH`: a diffusers UNet `config.json` instead of the family's (e.g. the tiny
 //!   test fixture, for a CPU benchmark whose memory is dominated by activations); the text
 //!   conditioning width follows its `cross_attention_dim`.
@@ -63,6 +66,7 @@ struct Model {
     dtype: DType,
     /// Width of the text conditioning.
     ctx_dim: usize,
+    checkpointing: Option<sdtrain::nn::Checkpointing>,
 }
 
 struct Inputs {
@@ -230,6 +234,8 @@ fn run(args: &[String], report: &mut Value) -> Result<()> {
             .position(|a| a == "--unet-config")
             .and_then(|i| args.get(i + 1).cloned()),
     };
+    let checkpointing = on_off(args, "--checkpointing", "off")?;
+    report["checkpointing"] = json!(checkpointing);
     let fused_ops = on_off(args, "--fused-ops", "on")?;
     sdtrain::nn::set_fused_ops_enabled(fused_ops);
     report["fused_ops"] = json!(fused_ops);
@@ -266,6 +272,11 @@ fn run(args: &[String], report: &mut Value) -> Result<()> {
     }
     let loaded = Instant::now();
     let mut model = build(&shape, &device)?;
+    if checkpointing {
+        let ck = sdtrain::nn::Checkpointing::new(model.vars.clone(), &device)?;
+        model.unet.checkpointing = Some(ck.clone());
+        model.checkpointing = Some(ck);
+    }
     report["params_total"] = json!(model.params_total);
     report["params_trained"] = json!(model.vars.iter().map(|v| v.elem_count()).sum::<usize>());
     let inputs = inputs(&shape, &device, model.dtype, model.ctx_dim)?;
@@ -365,6 +376,7 @@ fn build(shape: &Shape, device: &Device) -> Result<Model> {
         params_total,
         dtype,
         ctx_dim,
+        checkpointing: None,
     })
 }
 
@@ -400,7 +412,10 @@ fn step(m: &mut Model, i: &Inputs, device: &Device) -> Result<([f64; 4], (usize,
     let loss = sdtrain::diffusion::objective::mse_loss(&out, &i.target, None)?;
     device.synchronize()?;
     let fwd = start.elapsed().as_secs_f64();
-    let grads = loss.backward()?;
+    let mut grads = loss.backward()?;
+    if let Some(ck) = &m.checkpointing {
+        grads.extend(ck.take_grads()?)?;
+    }
     device.synchronize()?;
     let bwd = start.elapsed().as_secs_f64() - fwd;
     let present: Vec<&Tensor> = m.vars.iter().filter_map(|v| grads.get(v)).collect();

@@ -28,7 +28,8 @@ def read_jsonl(path):
 
 def key(r):
     prec = "bf16" if str(r.get("precision", "")).startswith("bf16") else "f32"
-    return (r.get("family"), r.get("mode"), int(r.get("res", 0)), int(r.get("batch", 0)), prec)
+    gc = bool(r.get("gc", r.get("checkpointing", False)))
+    return (r.get("family"), r.get("mode"), int(r.get("res", 0)), int(r.get("batch", 0)), prec, gc)
 
 
 def cell(r, field, fmt):
@@ -60,7 +61,7 @@ def main(out):
         phases = "—"
         if r.get("status") == "ok":
             phases = f"{r.get('fwd_ms', 0):.0f} / {r.get('bwd_ms', 0):.0f} / {r.get('opt_ms', 0):.0f}"
-        shape = f"{k[0]} {k[1]} {k[2]}px b{k[3]}"
+        shape = f"{k[0]} {k[1]} {k[2]}px b{k[3]}" + (" checkpointing" if k[5] else "")
         print(f"| {shape} | {k[4]} | {cell(r, 'step_ms_median', '{:.0f} ms')} | {cell(p, 'step_ms_median', '{:.0f} ms')} "
               f"| {ratio_t} | {cell(r, 'peak_gib', '{:.2f} GiB')} | {cell(p, 'peak_alloc_gib', '{:.2f} GiB')} | {ratio_m} | {phases} |")
     variants = [r for r in ours if r not in default]
@@ -68,7 +69,7 @@ def main(out):
         print("\nDevice settings (sdtrain, sd15 LoRA 512 px b1 bf16; default: pool cache on, event tracking off):\n")
         print("| pool cache | event tracking | step | peak |")
         print("|---|---|---|---|")
-        for r in [x for x in ours if key(x) == ("sd15", "lora", 512, 1, "bf16")]:
+        for r in [x for x in ours if key(x) == ("sd15", "lora", 512, 1, "bf16", False)]:
             print(f"| {'on' if r.get('pool_cache') else 'off'} | {'on' if r.get('event_tracking') else 'off'} "
                   f"| {cell(r, 'step_ms_median', '{:.0f} ms')} | {cell(r, 'peak_gib', '{:.2f} GiB')} |")
     census = [r for r in ours if r.get("mode") == "lora" and r.get("status") == "ok"]

@@ -65,15 +65,7 @@ impl Amp {
 fn compute_capability(device: &Device) -> Option<(i32, i32)> {
     #[cfg(feature = "cuda")]
     if let Device::Cuda(dev) = device {
-        use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute as A;
-        let ctx = dev.cuda_stream().context().clone();
-        let major = ctx
-            .attribute(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
-            .ok()?;
-        let minor = ctx
-            .attribute(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)
-            .ok()?;
-        return Some((major, minor));
+        return dev.cuda_stream().context().compute_capability().ok();
     }
     let _ = device;
     None

@@ -538,12 +538,30 @@ fn train_losses(tmp: &Path, tag: &str, extra: serde_json::Value, cpu: bool) -> (
     (losses, source)
 }
 
+/// A CUDA run with `extra` plus `cuda_extra` tracks the CPU f32 run with `extra` within `tol`
+/// (relative, per step).
 fn check_run_tracks_cpu(test: &str, extra: serde_json::Value) {
+    check_run_tracks_cpu_with(test, extra, serde_json::json!({}), 2e-3)
+}
+
+fn check_run_tracks_cpu_with(
+    test: &str,
+    extra: serde_json::Value,
+    cuda_extra: serde_json::Value,
+    tol: f64,
+) {
     if common::cuda_device(test).is_none() {
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
-    let (gpu, gpu_source) = train_losses(tmp.path(), "cuda", extra.clone(), false);
+    // f32 on both sides unless `cuda_extra` says otherwise (CUDA's default is bf16).
+    let mut extra = extra;
+    extra["amp"] = "off".into();
+    let mut on_cuda = extra.clone();
+    if let (Some(c), Some(e)) = (on_cuda.as_object_mut(), cuda_extra.as_object()) {
+        c.extend(e.clone());
+    }
+    let (gpu, gpu_source) = train_losses(tmp.path(), "cuda", on_cuda, false);
     let (cpu, cpu_source) = train_losses(tmp.path(), "cpu", extra, true);
     println!("{test}: cuda losses {gpu:?}\n{test}: cpu losses  {cpu:?}");
     assert_eq!(gpu_source, "cuda_pool", "the CUDA run logs device memory");
@@ -553,7 +571,7 @@ fn check_run_tracks_cpu(test: &str, extra: serde_json::Value) {
     for (i, (g, c)) in gpu.iter().zip(&cpu).enumerate() {
         let rel = (g - c).abs() / c.abs().max(1e-6);
         assert!(
-            rel <= 2e-3,
+            rel <= tol,
             "{test}: step {} loss {g} on CUDA vs {c} on CPU",
             i + 1
         );
@@ -573,5 +591,35 @@ fn cuda_full_finetune_tracks_cpu_run() {
     check_run_tracks_cpu(
         "cuda_full_finetune_tracks_cpu_run",
         serde_json::json!({ "mode": "full", "lr": 1e-4 }),
+    );
+}
+
+#[test]
+fn cuda_checkpointed_lora_run_tracks_cpu_run() {
+    check_run_tracks_cpu_with(
+        "cuda_checkpointed_lora_run_tracks_cpu_run",
+        serde_json::json!({ "mode": "locon", "adapter": { "rank": 4, "alpha": 4, "dropout": 0.1 } }),
+        serde_json::json!({ "gradient_checkpointing": true }),
+        2e-3,
+    );
+}
+
+#[test]
+fn cuda_bf16_checkpointed_full_run_tracks_cpu_f32_run() {
+    check_run_tracks_cpu_with(
+        "cuda_bf16_checkpointed_full_run_tracks_cpu_f32_run",
+        serde_json::json!({ "mode": "full", "lr": 1e-4 }),
+        serde_json::json!({ "amp": "bf16", "gradient_checkpointing": true }),
+        3e-2,
+    );
+}
+
+#[test]
+fn cuda_fp16_lora_run_tracks_cpu_f32_run() {
+    check_run_tracks_cpu_with(
+        "cuda_fp16_lora_run_tracks_cpu_f32_run",
+        serde_json::json!({ "mode": "lora", "adapter": { "rank": 4, "alpha": 4 } }),
+        serde_json::json!({ "amp": "fp16" }),
+        3e-2,
     );
 }

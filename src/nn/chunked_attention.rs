@@ -13,7 +13,7 @@
 //!
 //! Only one chunk's `[.., C, Lk]` scores exist at a time, in forward and in backward; the graph
 //! keeps `q`, `k`, `v`, the output and `L` (one f32 per query row). The chunk is sized so its
-//! f32 scores stay under [`SCORE_BUDGET`] elements. Scores and softmax are f32 whatever the input
+//! f32 scores stay under [`SCORE_BUDGET`] elements on CUDA and [`CPU_SCORE_BUDGET`] on the CPU. Scores and softmax are f32 whatever the input
 //! dtype, as in the composed reference (`super::attention::attention_reference`).
 //!
 //! The op is built from candle tensor ops, so it runs on every backend; the forward runs on
@@ -23,12 +23,18 @@ use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, D
 
 use super::output_slot::OutputSlot;
 
-/// The most f32 score elements one chunk may hold (64 Mi = 256 MiB).
+/// The most f32 score elements one chunk may hold on CUDA (64 Mi = 256 MiB), where fewer, larger
+/// chunks mean fewer kernel launches (measured on the H100, docs/BENCHMARKS.md).
 pub const SCORE_BUDGET: usize = 1 << 26;
 
-/// Query rows per chunk for `batch_heads` heads of `lk` keys: as many as fit in the budget.
-fn chunk_rows(batch_heads: usize, lq: usize, lk: usize) -> usize {
-    (SCORE_BUDGET / (batch_heads * lk).max(1)).clamp(1, lq.max(1))
+/// The CPU's budget (16 Mi = 64 MiB): backward holds three chunk-sized f32 buffers (P, dP, dS), so
+/// the larger budget cost about 0.75 GiB of peak RSS at 64×64 latents; the CPU's GEMMs are as
+/// fast on the smaller chunks.
+pub const CPU_SCORE_BUDGET: usize = 1 << 24;
+
+/// Query rows per chunk for `batch_heads` heads of `lk` keys: as many as fit in `budget`.
+fn chunk_rows(budget: usize, batch_heads: usize, lq: usize, lk: usize) -> usize {
+    (budget / (batch_heads * lk).max(1)).clamp(1, lq.max(1))
 }
 
 /// `softmax(s·q·kᵀ)·v` for `q` `[B, H, Lq, D]`, `k`/`v` `[B, H, Lk, D]` (same dtype), computed in
@@ -42,7 +48,14 @@ pub fn chunked_attention(
 ) -> Result<Tensor> {
     let (b, h, lq, _) = q.dims4()?;
     let lk = k.dim(2)?;
-    let chunk = chunk.unwrap_or_else(|| chunk_rows(b * h, lq, lk)).max(1);
+    let budget = if q.device().is_cpu() {
+        CPU_SCORE_BUDGET
+    } else {
+        SCORE_BUDGET
+    };
+    let chunk = chunk
+        .unwrap_or_else(|| chunk_rows(budget, b * h, lq, lk))
+        .max(1);
     let (out, lse) = forward(&q.detach(), &k.detach(), &v.detach(), scale, chunk)?;
     if !(q.track_op() || k.track_op() || v.track_op()) {
         return Ok(out);
@@ -297,8 +310,12 @@ mod tests {
 
     #[test]
     fn chunks_fit_the_score_budget() {
-        assert_eq!(chunk_rows(8, 4096, 4096), SCORE_BUDGET / (8 * 4096));
-        assert_eq!(chunk_rows(1, 77, 77), 77);
-        assert_eq!(chunk_rows(1 << 20, 4096, 1 << 10), 1);
+        assert_eq!(
+            chunk_rows(SCORE_BUDGET, 8, 4096, 4096),
+            SCORE_BUDGET / (8 * 4096)
+        );
+        assert_eq!(chunk_rows(CPU_SCORE_BUDGET, 8, 4096, 4096), 512);
+        assert_eq!(chunk_rows(SCORE_BUDGET, 1, 77, 77), 77);
+        assert_eq!(chunk_rows(SCORE_BUDGET, 1 << 20, 4096, 1 << 10), 1);
     }
 }

@@ -78,6 +78,17 @@ impl Conv2d {
     /// [`super::frozen_conv2d_bias`], whose backward computes no weight or bias gradient.
     pub fn base_forward(&self, x: &Tensor) -> Result<Tensor> {
         if super::cpu_bf16(x) {
+            let frozen = super::frozen::is_frozen(&self.weight)
+                && self.bias.as_ref().is_none_or(super::frozen::is_frozen);
+            if x.track_op() && frozen {
+                return super::handover::frozen_conv2d_cpu_bf16(
+                    x,
+                    &self.weight,
+                    self.bias.as_ref(),
+                    self.cfg.padding,
+                    self.cfg.stride,
+                );
+            }
             return self
                 .base_forward(&x.to_dtype(DType::F32)?)?
                 .to_dtype(DType::BF16);

@@ -127,3 +127,81 @@ pub fn add_maybe_const(a: &Tensor, b: &Tensor) -> Result<Tensor> {
         _ => a + b,
     }
 }
+
+/// A frozen `x·Wᵀ + b` for a bf16 `x` on the CPU, where candle has no bf16 GEMM: computed in f32
+/// and rounded to bf16 once, with only `x` getting a gradient. The graph keeps `x` and the stored
+/// (bf16) weight; the f32 copies of both live only inside the forward and the backward, where the
+/// plain upcast path kept them for the whole step (an f32 copy of every frozen weight).
+pub fn frozen_linear_cpu_bf16(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+    let x_dims = x.dims().to_vec();
+    let (n, k) = w.dims2()?;
+    let rows = x.elem_count() / k.max(1);
+    let f32 = candle_core::DType::F32;
+    let mut y = x
+        .detach()
+        .to_dtype(f32)?
+        .reshape((rows, k))?
+        .matmul(&w.detach().to_dtype(f32)?.t()?)?;
+    if let Some(b) = b {
+        y = y.broadcast_add(&b.detach().to_dtype(f32)?)?;
+    }
+    let mut out_dims = x_dims.clone();
+    if let Some(last) = out_dims.last_mut() {
+        *last = n;
+    }
+    let out = y.to_dtype(x.dtype())?.reshape(out_dims)?;
+    let w = w.detach();
+    hand_over(
+        x,
+        "frozen-linear-cpu-bf16",
+        out,
+        Box::new(move |x, g| {
+            g.to_dtype(f32)?
+                .reshape((rows, n))?
+                .matmul(&w.to_dtype(f32)?)?
+                .to_dtype(x.dtype())?
+                .reshape(x_dims.as_slice())
+        }),
+    )
+}
+
+/// A frozen `conv2d(x, W) + b` for a bf16 `x` on the CPU, as [`frozen_linear_cpu_bf16`]: f32
+/// inside the forward and the backward, only `x` and the stored weight kept.
+pub fn frozen_conv2d_cpu_bf16(
+    x: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    padding: usize,
+    stride: usize,
+) -> Result<Tensor> {
+    let f32 = candle_core::DType::F32;
+    let mut y =
+        x.detach()
+            .to_dtype(f32)?
+            .conv2d(&w.detach().to_dtype(f32)?, padding, stride, 1, 1)?;
+    if let Some(b) = b {
+        let b = b
+            .detach()
+            .to_dtype(f32)?
+            .reshape((1, b.elem_count(), 1, 1))?;
+        y = y.broadcast_add(&b)?;
+    }
+    let out = y.to_dtype(x.dtype())?;
+    let (_, _, h, wd) = x.dims4()?;
+    let w = w.detach();
+    hand_over(
+        x,
+        "frozen-conv2d-cpu-bf16",
+        out,
+        Box::new(move |x, g| {
+            super::conv_grad::conv2d_input_grad(
+                &g.to_dtype(f32)?,
+                &w.to_dtype(f32)?,
+                padding,
+                stride,
+                (h, wd),
+            )?
+            .to_dtype(x.dtype())
+        }),
+    )
+}

@@ -59,10 +59,23 @@ impl Linear {
         }
     }
 
+    /// Whether the weight and the bias are plain tensors (no gradient wanted).
+    fn is_frozen(&self) -> bool {
+        super::frozen::is_frozen(&self.weight)
+            && self.bias.as_ref().is_none_or(super::frozen::is_frozen)
+    }
+
     /// `x·Wᵀ + b`. A frozen layer (weight and bias plain tensors, not Vars) goes through
     /// [`super::frozen_linear`], whose backward computes no weight or bias gradient.
     pub fn base_forward(&self, x: &Tensor) -> Result<Tensor> {
         if super::cpu_bf16(x) {
+            if x.track_op() && self.is_frozen() {
+                return super::handover::frozen_linear_cpu_bf16(
+                    x,
+                    &self.weight,
+                    self.bias.as_ref(),
+                );
+            }
             return self
                 .base_forward(&x.to_dtype(DType::F32)?)?
                 .to_dtype(DType::BF16);

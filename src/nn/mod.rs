@@ -54,7 +54,8 @@ pub use group_norm::{
     group_norm, group_norm_reference, group_norm_silu, group_norm_silu_reference,
 };
 pub use handover::{
-    add_maybe_const, cat_with_const, conv2d_const_input, matmul_const_lhs, sub_const,
+    add_maybe_const, cat_with_const, conv2d_const_input, frozen_conv2d_cpu_bf16,
+    frozen_linear_cpu_bf16, matmul_const_lhs, sub_const,
 };
 pub use layer_norm::{layer_norm, layer_norm_reference};
 pub use linear::Linear;
