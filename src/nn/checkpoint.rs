@@ -3,7 +3,7 @@
 //!
 //! Candle has no facility for this, so it is built from its pieces (../shared/NOTES.md):
 //! - the forward runs the segment on detached inputs; its graph is dropped at once and only the
-//!   output is handed to a custom op (`(a, b, anchor) → out`), so the outer graph holds the
+//!   output is handed (through the fused ops' carrier, `super::fused_op`) to a custom op (`(a, b, anchor) → out`), so the outer graph holds the
 //!   segment's inputs and nothing inside it;
 //! - the op's backward reruns the segment with the tracked inputs as fresh Vars, injects the
 //!   upstream gradient with the surrogate `Σ(out · grad)`, and runs an inner backward. The
@@ -22,10 +22,10 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 
 use candle_core::backprop::GradStore;
-use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Result, Shape, Tensor, Var};
+use candle_core::{DType, Device, Result, Tensor, Var};
 use rand::rngs::StdRng;
 
-use super::output_slot::OutputSlot;
+use super::fused_op::{attach3, Backward3, Grads3};
 
 /// A segment: inputs `(a, b)` → output. `b` is `None` for one-input segments.
 pub type Segment = Arc<dyn Fn(&Tensor, Option<&Tensor>) -> Result<Tensor> + Send + Sync>;
@@ -75,17 +75,18 @@ impl Checkpointing {
     /// Runs `segment(a, b)` keeping only `a` and `b` for backward.
     pub fn run(&self, a: &Tensor, b: Option<&Tensor>, segment: Segment) -> Result<Tensor> {
         let (out, tape) = record(|| segment(&a.detach(), b.map(Tensor::detach).as_ref()))?;
-        let op = CheckpointOp {
-            out: OutputSlot::new("checkpoint", out.detach())?,
+        let recompute = Recompute {
             ctx: self.clone(),
             segment,
             tape: Mutex::new(tape),
             has_b: b.is_some(),
         };
+        // Detached: the segment's forward graph is dropped with `out`.
+        let held = out.detach();
         drop(out);
         let anchor = self.inner.anchor.as_tensor();
         let b = b.unwrap_or(anchor);
-        a.apply_op3(b, anchor, op)
+        attach3((a, b, anchor), "checkpoint", held, recompute)
     }
 
     fn add_param_grads(&self, mut inner: GradStore) -> Result<()> {
@@ -103,8 +104,8 @@ impl Checkpointing {
     }
 }
 
-struct CheckpointOp {
-    out: OutputSlot,
+/// The backward of a checkpointed segment: rerun it, then backpropagate through the rerun.
+struct Recompute {
     ctx: Checkpointing,
     segment: Segment,
     tape: Mutex<VecDeque<StdRng>>,
@@ -122,44 +123,15 @@ fn recompute_input(t: &Tensor) -> Result<(Tensor, Option<Var>)> {
     }
 }
 
-impl CustomOp3 for CheckpointOp {
-    fn name(&self) -> &'static str {
-        "checkpoint"
-    }
-
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        self.out.cpu()
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        _: &candle_core::CudaStorage,
-        _: &Layout,
-        _: &candle_core::CudaStorage,
-        _: &Layout,
-        _: &candle_core::CudaStorage,
-        _: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        self.out.cuda()
-    }
-
-    fn bwd(
+impl Backward3 for Recompute {
+    fn backward(
         &self,
         a: &Tensor,
         b: &Tensor,
         _anchor: &Tensor,
         _res: &Tensor,
         grad: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+    ) -> Result<Grads3> {
         let (a_in, a_var) = recompute_input(a)?;
         let (b_in, b_var) = if self.has_b {
             let (t, v) = recompute_input(b)?;

@@ -13,47 +13,25 @@
 //!
 //! Forward costs one extra output-sized copy (the handed-over result), which is freed at once.
 
-use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
+use candle_core::{Result, Tensor};
 
-use super::output_slot::OutputSlot;
+use super::fused_op::{attach1, Backward1};
 
 type Backward = Box<dyn Fn(&Tensor, &Tensor) -> Result<Tensor> + Send + Sync>;
 
-struct HandOver {
-    out: OutputSlot,
-    backward: Backward,
-}
+/// A hand-written backward for the one tracked argument: `backward(arg, grad) -> ∂L/∂arg`.
+struct HandOver(Backward);
 
-impl CustomOp1 for HandOver {
-    fn name(&self) -> &'static str {
-        "hand-over"
-    }
-
-    fn cpu_fwd(&self, _s: &CpuStorage, _l: &Layout) -> Result<(CpuStorage, Shape)> {
-        self.out.cpu()
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        _s: &candle_core::CudaStorage,
-        _l: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        self.out.cuda()
-    }
-
-    fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
-        Ok(Some((self.backward)(arg, grad)?))
+impl Backward1 for HandOver {
+    fn backward(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Tensor> {
+        (self.0)(arg, grad)
     }
 }
 
-/// Attaches the precomputed `out` to `arg` with `backward(arg, grad) -> ∂L/∂arg`.
+/// Attaches the precomputed `out` to `arg` with `backward(arg, grad) -> ∂L/∂arg`, through the
+/// fused ops' carrier (`super::fused_op`).
 fn hand_over(arg: &Tensor, name: &'static str, out: Tensor, backward: Backward) -> Result<Tensor> {
-    let op = HandOver {
-        out: OutputSlot::new(name, out)?,
-        backward,
-    };
-    arg.apply_op1(op)
+    attach1(arg, name, out, HandOver(backward))
 }
 
 /// Whether `t` is a constant here: untracked, on a backend the hand-over supports.
