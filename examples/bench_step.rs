@@ -131,7 +131,9 @@ fn is_oom(text: &str) -> bool {
 /// reference), GroupNorm, and one AdamW step over
 /// the LoRA-sized parameter set. Medians of 5 after 2 warm-ups, in ms.
 fn op_profile(device: &Device, dtype: DType, report: &mut Value) -> Result<()> {
-    use sdtrain::nn::{attention, conv2d_input_grad_gemm, conv2d_input_grad_reference};
+    use sdtrain::nn::{
+        attention, conv2d_input_grad_col2im, conv2d_input_grad_gemm, conv2d_input_grad_reference,
+    };
     let time = |f: &mut dyn FnMut() -> Result<()>| -> Result<f64> {
         let mut t = Vec::new();
         for i in 0..7 {
@@ -175,6 +177,15 @@ fn op_profile(device: &Device, dtype: DType, report: &mut Value) -> Result<()> {
             Ok(())
         })?),
     );
+    if device.is_cpu() {
+        ops.insert(
+            "conv3x3_input_grad_col2im".into(),
+            json!(time(&mut || {
+                conv2d_input_grad_col2im(&g, &w, 1, 1, (64, 64))?;
+                Ok(())
+            })?),
+        );
+    }
     ops.insert(
         "conv3x3_weight_grad".into(),
         json!(time(&mut || {

@@ -10,6 +10,7 @@ mod activation;
 mod attention;
 mod checkpoint;
 mod chunked_attention;
+mod col2im;
 mod conv;
 mod conv_grad;
 mod embedding;
@@ -39,7 +40,7 @@ pub trait LayerAdapter: std::fmt::Debug + Send + Sync {
 }
 pub use conv::{Conv2d, Conv2dConfig};
 pub use conv_grad::{
-    conv2d as conv2d_trainable, conv2d_input_grad, conv2d_input_grad_gemm,
+    conv2d as conv2d_trainable, conv2d_input_grad, conv2d_input_grad_col2im, conv2d_input_grad_gemm,
     conv2d_input_grad_reference, conv2d_weight_grad,
 };
 pub use embedding::Embedding;

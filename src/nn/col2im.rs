@@ -1,0 +1,156 @@
+//! `col2im` for the CPU conv input gradient: the adjoint of im2col.
+//!
+//! For `y = conv2d(x, w)` (groups 1, dilation 1), one image's input gradient is
+//!
+//! ```text
+//! cols = Wᵀ · G          Wᵀ: [c_in·k_h·k_w, c_out],  G: [c_out, g_h·g_w]
+//! ∂L/∂x[c, oy·s + u − p, ox·s + v − p] += cols[(c, u, v), (oy, ox)]
+//! ```
+//!
+//! The GEMM is the same size as the forward's, and the scatter-add is one pass over `cols`. Unlike
+//! the correlation form (`conv2d_input_grad_gemm`) there is no flipped kernel copy and no dilated
+//! or padded gradient copy; unlike candle's CPU `conv_transpose2d` it is not a loop of dot
+//! products. Each input channel's plane is written by one task, so the channels run in parallel
+//! without atomics.
+
+use rayon::prelude::*;
+
+/// Geometry of one 2-D convolution, as the input gradient sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConvGeometry {
+    pub c_in: usize,
+    pub x_hw: (usize, usize),
+    pub k_hw: (usize, usize),
+    pub g_hw: (usize, usize),
+    pub padding: usize,
+    pub stride: usize,
+}
+
+impl ConvGeometry {
+    /// The output size of the forward conv for this input, kernel, padding and stride, or `None`
+    /// if the kernel does not fit the padded input.
+    pub fn output_len(x_len: usize, k: usize, padding: usize, stride: usize) -> Option<usize> {
+        (x_len + 2 * padding)
+            .checked_sub(k)
+            .map(|span| span / stride + 1)
+    }
+
+    fn col_len(&self) -> usize {
+        self.g_hw.0 * self.g_hw.1
+    }
+
+    fn plane_len(&self) -> usize {
+        self.x_hw.0 * self.x_hw.1
+    }
+
+    /// The output positions `o` in `0..g_len` whose tap `t` lands inside the input,
+    /// `0 ≤ o·s + t − p < x_len`, as a range.
+    fn valid(&self, g_len: usize, x_len: usize, t: usize) -> std::ops::Range<usize> {
+        let s = self.stride;
+        // o·s ≥ p − t
+        let lo = self.padding.saturating_sub(t).div_ceil(s);
+        // o·s < x_len + p − t
+        let hi = (x_len + self.padding)
+            .checked_sub(t)
+            .map_or(0, |lim| lim.div_ceil(s));
+        lo.min(g_len)..hi.min(g_len)
+    }
+}
+
+/// Scatter-adds `cols` (`[c_in·k_h·k_w, g_h·g_w]`, row-major) onto a zeroed `[c_in, x_h, x_w]`
+/// input gradient and returns it.
+pub fn col2im(cols: &[f32], geo: &ConvGeometry) -> Vec<f32> {
+    let (k_h, k_w) = geo.k_hw;
+    let taps = k_h * k_w;
+    assert_eq!(cols.len(), geo.c_in * taps * geo.col_len(), "col2im: cols size");
+    let mut out = vec![0f32; geo.c_in * geo.plane_len()];
+    out.par_chunks_mut(geo.plane_len())
+        .zip(cols.par_chunks(taps * geo.col_len()))
+        .for_each(|(plane, rows)| {
+            for (tap, row) in rows.chunks(geo.col_len()).enumerate() {
+                scatter_tap(plane, row, geo, tap / k_w, tap % k_w);
+            }
+        });
+    out
+}
+
+/// Adds one kernel tap's row (`[g_h·g_w]`) into one input plane.
+fn scatter_tap(plane: &mut [f32], row: &[f32], geo: &ConvGeometry, u: usize, v: usize) {
+    let (x_h, x_w) = geo.x_hw;
+    let (g_h, g_w) = geo.g_hw;
+    let (s, p) = (geo.stride, geo.padding);
+    let cols = geo.valid(g_w, x_w, v);
+    if cols.is_empty() {
+        return;
+    }
+    for oy in geo.valid(g_h, x_h, u) {
+        let iy = oy * s + u - p;
+        let src = &row[oy * g_w + cols.start..oy * g_w + cols.end];
+        let x0 = cols.start * s + v - p;
+        let dst = &mut plane[iy * x_w..(iy + 1) * x_w];
+        if s == 1 {
+            for (d, g) in dst[x0..x0 + src.len()].iter_mut().zip(src) {
+                *d += g;
+            }
+        } else {
+            for (d, g) in dst[x0..].iter_mut().step_by(s).zip(src) {
+                *d += g;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The definition, one element at a time, with signed indices.
+    fn col2im_naive(cols: &[f32], geo: &ConvGeometry) -> Vec<f32> {
+        let ((x_h, x_w), (k_h, k_w), (g_h, g_w)) = (geo.x_hw, geo.k_hw, geo.g_hw);
+        let mut out = vec![0f32; geo.c_in * x_h * x_w];
+        for c in 0..geo.c_in {
+            for u in 0..k_h {
+                for v in 0..k_w {
+                    for oy in 0..g_h {
+                        for ox in 0..g_w {
+                            let iy = (oy * geo.stride + u) as i64 - geo.padding as i64;
+                            let ix = (ox * geo.stride + v) as i64 - geo.padding as i64;
+                            if iy < 0 || ix < 0 || iy >= x_h as i64 || ix >= x_w as i64 {
+                                continue;
+                            }
+                            let r = (c * k_h + u) * k_w + v;
+                            out[(c * x_h + iy as usize) * x_w + ix as usize] +=
+                                cols[r * g_h * g_w + oy * g_w + ox];
+                        }
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn matches_the_definition() {
+        for (k, p, s) in [(3, 1, 1), (3, 1, 2), (1, 0, 1), (3, 0, 1), (3, 2, 1), (3, 0, 2)] {
+            for (x_h, x_w) in [(8, 8), (7, 9), (6, 5), (5, 12), (3, 3)] {
+                let g_h = ConvGeometry::output_len(x_h, k, p, s).unwrap();
+                let g_w = ConvGeometry::output_len(x_w, k, p, s).unwrap();
+                let geo = ConvGeometry {
+                    c_in: 3,
+                    x_hw: (x_h, x_w),
+                    k_hw: (k, k),
+                    g_hw: (g_h, g_w),
+                    padding: p,
+                    stride: s,
+                };
+                let n = 3 * k * k * g_h * g_w;
+                let cols: Vec<f32> = (0..n).map(|i| ((i * 37 % 101) as f32) - 50.0).collect();
+                assert_eq!(
+                    col2im(&cols, &geo),
+                    col2im_naive(&cols, &geo),
+                    "k{k} p{p} s{s} {x_h}x{x_w}"
+                );
+            }
+        }
+    }
+}
