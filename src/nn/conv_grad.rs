@@ -15,9 +15,9 @@
 //!
 //! `conv2d_input_grad_reference` keeps the `conv_transpose2d` form for the comparison test.
 
-use candle_core::{CpuStorage, CustomOp2, DType, Device, Layout, Result, Shape, Storage, Tensor};
+use candle_core::{CpuStorage, CustomOp2, Device, Layout, Result, Shape, Tensor};
 
-use super::col2im::{col2im, ConvGeometry};
+use super::cpu_conv::{conv2d_detached, conv2d_input_grad_col2im, conv2d_weight_grad_im2col};
 
 use super::output_slot::OutputSlot;
 
@@ -36,66 +36,6 @@ pub fn conv2d_input_grad(
     match grad.device() {
         Device::Cpu => conv2d_input_grad_col2im(grad, w, padding, stride, x_hw),
         _ => conv2d_input_grad_gemm(grad, w, padding, stride, x_hw),
-    }
-}
-
-/// `∂L/∂x` per image as `col2im(Wᵀ · G)` (see [`super::col2im`]), computed in f32 and returned
-/// in the gradient's dtype. CPU only: it reads the columns from host memory.
-pub fn conv2d_input_grad_col2im(
-    grad: &Tensor,
-    w: &Tensor,
-    padding: usize,
-    stride: usize,
-    x_hw: (usize, usize),
-) -> Result<Tensor> {
-    let (c_out, c_in, k_h, k_w) = w.dims4()?;
-    let (batch, g_c, g_h, g_w) = grad.dims4()?;
-    let fits = |x_len: usize, k: usize, g_len: usize| {
-        ConvGeometry::output_len(x_len, k, padding, stride) == Some(g_len)
-    };
-    if g_c != c_out || !fits(x_hw.0, k_h, g_h) || !fits(x_hw.1, k_w, g_w) {
-        candle_core::bail!(
-            "conv2d input grad: gradient {:?} does not match weight {:?} on a {}x{} input \
-             (padding {padding}, stride {stride})",
-            grad.dims(),
-            w.dims(),
-            x_hw.0,
-            x_hw.1
-        );
-    }
-    let geo = ConvGeometry {
-        c_in,
-        x_hw,
-        k_hw: (k_h, k_w),
-        g_hw: (g_h, g_w),
-        padding,
-        stride,
-    };
-    let f32 = DType::F32;
-    let w_t = w.to_dtype(f32)?.reshape((c_out, c_in * k_h * k_w))?.t()?;
-    let grad32 = grad.to_dtype(f32)?;
-    let identity = k_h == 1 && k_w == 1 && padding == 0 && stride == 1;
-    let mut images = Vec::with_capacity(batch);
-    for i in 0..batch {
-        let g = grad32.get(i)?.reshape((c_out, g_h * g_w))?;
-        let cols = w_t.matmul(&g)?;
-        let gx = if identity {
-            cols
-        } else {
-            let data = with_cpu_f32(&cols, |c| col2im(c, &geo))?;
-            Tensor::from_vec(data, (c_in, x_hw.0, x_hw.1), grad.device())?
-        };
-        images.push(gx.reshape((1, c_in, x_hw.0, x_hw.1))?);
-    }
-    Tensor::cat(&images, 0)?.to_dtype(grad.dtype())
-}
-
-/// Calls `f` on a contiguous f32 CPU tensor's elements, borrowed from its storage.
-fn with_cpu_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
-    let (storage, layout) = t.storage_and_layout();
-    match (&*storage, layout.contiguous_offsets()) {
-        (Storage::Cpu(CpuStorage::F32(v)), Some((start, end))) => Ok(f(&v[start..end])),
-        _ => candle_core::bail!("conv2d input grad: expected a contiguous f32 CPU tensor"),
     }
 }
 
@@ -168,10 +108,25 @@ pub fn conv2d_input_grad_reference(
     }
 }
 
+/// `∂L/∂w` of `y = conv2d(x, w, padding, stride)` for a `k_hw` kernel, by the faster form for
+/// the device: `G · im2col(x)ᵀ` on the CPU, candle's formula elsewhere.
+pub fn conv2d_weight_grad(
+    x: &Tensor,
+    grad: &Tensor,
+    padding: usize,
+    stride: usize,
+    k_hw: (usize, usize),
+) -> Result<Tensor> {
+    match grad.device() {
+        Device::Cpu => conv2d_weight_grad_im2col(x, grad, padding, stride, k_hw),
+        _ => conv2d_weight_grad_reference(x, grad, padding, stride, k_hw),
+    }
+}
+
 /// `∂L/∂w` of `y = conv2d(x, w, padding, stride)` for a `k_hw` kernel: candle's own formula (a
 /// convolution of the transposed input with the transposed gradient, stride and dilation
 /// swapped), trimmed to the kernel size.
-pub fn conv2d_weight_grad(
+pub fn conv2d_weight_grad_reference(
     x: &Tensor,
     grad: &Tensor,
     padding: usize,
@@ -228,7 +183,7 @@ fn flip_spatial(w: &Tensor) -> Result<Tensor> {
 /// gradients with the functions above. The forward runs candle's own conv on detached operands
 /// and hands the output over (one output-sized copy), as the frozen conv does.
 pub fn conv2d(x: &Tensor, w: &Tensor, padding: usize, stride: usize) -> Result<Tensor> {
-    let y = x.detach().conv2d(&w.detach(), padding, stride, 1, 1)?;
+    let y = conv2d_detached(x, w, padding, stride)?;
     if !x.track_op() && !w.track_op() {
         return Ok(y);
     }
@@ -312,6 +267,7 @@ impl CustomOp2 for TrainableConv {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::nn::conv2d_input_grad_col2im;
     use crate::nn::test_util::max_abs;
     use candle_core::{Device, Var};
 
@@ -341,17 +297,6 @@ mod tests {
                 assert!(e < 1e-4, "col2im k{k} p{p} s{s} {h}x{w}: {e}");
             }
         }
-    }
-
-    #[test]
-    fn col2im_input_grad_keeps_the_dtype_and_rejects_a_wrong_shape() {
-        let wt = fill(&[4, 3, 3, 3], 2);
-        let g = fill(&[2, 4, 8, 8], 3).to_dtype(candle_core::DType::BF16).unwrap();
-        let gx = conv2d_input_grad_col2im(&g, &wt, 1, 1, (8, 8)).unwrap();
-        assert_eq!(gx.dtype(), candle_core::DType::BF16);
-        assert_eq!(gx.dims(), &[2, 3, 8, 8]);
-        let err = conv2d_input_grad_col2im(&g, &wt, 1, 1, (9, 9)).unwrap_err();
-        assert!(err.to_string().contains("does not match"), "{err}");
     }
 
     #[test]

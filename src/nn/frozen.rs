@@ -85,7 +85,7 @@ pub fn frozen_conv2d_bias(
 ) -> Result<Tensor> {
     check_dtype("frozen conv2d weight", x, w)?;
     // Forward on detached operands: no graph node, so nothing here is differentiated.
-    let mut y = x.detach().conv2d(&w.detach(), padding, stride, 1, 1)?;
+    let mut y = super::conv2d_detached(x, w, padding, stride)?;
     if let Some(b) = bias {
         check_dtype("frozen conv2d bias", x, b)?;
         let b = b.detach().reshape((1, b.elem_count(), 1, 1))?;

@@ -19,8 +19,12 @@ use super::fused_op::{attach1, Backward1};
 
 /// `a · gelu_erf(z)` for `p = [a, z]` `[..., 2·I]` → `[..., I]`.
 pub fn geglu(p: &Tensor) -> Result<Tensor> {
-    let (a, z) = halves(&p.detach().to_dtype(DType::F32)?)?;
-    let out = (a * z.gelu_erf()?)?.to_dtype(p.dtype())?;
+    let out = if p.device().is_cpu() {
+        cpu::run(p, None)?
+    } else {
+        let (a, z) = halves(&p.detach().to_dtype(DType::F32)?)?;
+        (a * z.gelu_erf()?)?.to_dtype(p.dtype())?
+    };
     attach1(p, "geglu", out, GegluBackward)
 }
 
@@ -56,6 +60,9 @@ struct GegluBackward;
 
 impl Backward1 for GegluBackward {
     fn backward(&self, p: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Tensor> {
+        if p.device().is_cpu() {
+            return cpu::run(p, Some(grad));
+        }
         let (a, z) = halves(&p.detach().to_dtype(DType::F32)?)?;
         let g = grad.detach().to_dtype(DType::F32)?;
         let cdf = (((&z * FRAC_1_SQRT_2)?.erf()? + 1.0)? * 0.5)?;
@@ -64,6 +71,75 @@ impl Backward1 for GegluBackward {
         let da = (&g * z.gelu_erf()?)?;
         let dz = ((g * a)? * dgelu)?;
         Tensor::cat(&[da, dz], D::Minus1)?.to_dtype(p.dtype())
+    }
+}
+
+/// The CPU kernels: one pass over each row of `p`, in f32.
+mod cpu {
+    use candle_core::{DType, Result, Tensor, D};
+
+    use super::INV_SQRT_2PI;
+    use crate::nn::with_cpu_f32;
+
+    /// The forward (`grad` None, `[..., I]`) or the backward (`[..., 2·I]`), in `p`'s dtype.
+    pub(super) fn run(p: &Tensor, grad: Option<&Tensor>) -> Result<Tensor> {
+        let p32 = p.detach().to_dtype(DType::F32)?.contiguous()?;
+        let two_i = p.dim(D::Minus1)?;
+        if two_i % 2 != 0 {
+            candle_core::bail!("geglu: last dimension of {:?} is odd", p.dims());
+        }
+        let i = two_i / 2;
+        let mut dims = p.dims().to_vec();
+        let out = match grad {
+            None => {
+                *dims.last_mut().expect("p has a last dim") = i;
+                with_cpu_f32(&p32, |p| forward(p, i))?
+            }
+            Some(g) => {
+                let g = g.detach().to_dtype(DType::F32)?.contiguous()?;
+                with_cpu_f32(&p32, |p| with_cpu_f32(&g, |g| backward(p, g, i)))??
+            }
+        };
+        Tensor::from_vec(out, dims, p.device())?.to_dtype(p.dtype())
+    }
+
+    /// `Φ(z)` and `φ(z)`.
+    fn cdf_pdf(z: f32) -> (f32, f32) {
+        let cdf = 0.5 * (1.0 + libm::erff(z * std::f32::consts::FRAC_1_SQRT_2));
+        let pdf = (-0.5 * z * z).exp() * INV_SQRT_2PI as f32;
+        (cdf, pdf)
+    }
+
+    fn forward(p: &[f32], i: usize) -> Vec<f32> {
+        use rayon::prelude::*;
+        let mut out = vec![0f32; p.len() / 2];
+        out.par_chunks_mut(i)
+            .zip(p.par_chunks(2 * i))
+            .for_each(|(o, row)| {
+                let (a, z) = row.split_at(i);
+                for ((o, &a), &z) in o.iter_mut().zip(a).zip(z) {
+                    *o = a * z * cdf_pdf(z).0;
+                }
+            });
+        out
+    }
+
+    fn backward(p: &[f32], g: &[f32], i: usize) -> Vec<f32> {
+        use rayon::prelude::*;
+        let mut out = vec![0f32; p.len()];
+        out.par_chunks_mut(2 * i)
+            .zip(p.par_chunks(2 * i))
+            .zip(g.par_chunks(i))
+            .for_each(|((o, row), g)| {
+                let (a, z) = row.split_at(i);
+                let (da, dz) = o.split_at_mut(i);
+                for j in 0..i {
+                    let (cdf, pdf) = cdf_pdf(z[j]);
+                    da[j] = g[j] * z[j] * cdf;
+                    dz[j] = g[j] * a[j] * (cdf + z[j] * pdf);
+                }
+            });
+        out
     }
 }
 

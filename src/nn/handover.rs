@@ -59,7 +59,7 @@ pub fn conv2d_const_input(x: &Tensor, w: &Tensor, padding: usize, stride: usize)
     if !constant(x) || !w.track_op() {
         return x.conv2d(w, padding, stride, 1, 1);
     }
-    let out = x.conv2d(&w.detach(), padding, stride, 1, 1)?;
+    let out = super::conv2d_detached(x, w, padding, stride)?;
     let x = x.clone();
     hand_over(
         w,
@@ -153,10 +153,7 @@ pub fn frozen_conv2d_cpu_bf16(
     stride: usize,
 ) -> Result<Tensor> {
     let f32 = candle_core::DType::F32;
-    let mut y =
-        x.detach()
-            .to_dtype(f32)?
-            .conv2d(&w.detach().to_dtype(f32)?, padding, stride, 1, 1)?;
+    let mut y = super::conv2d_detached(&x.to_dtype(f32)?, &w.to_dtype(f32)?, padding, stride)?;
     if let Some(b) = b {
         let b = b
             .detach()

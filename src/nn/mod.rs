@@ -10,15 +10,16 @@ mod activation;
 mod attention;
 mod checkpoint;
 mod chunked_attention;
-mod col2im;
 mod conv;
 mod conv_grad;
+mod cpu_conv;
 mod embedding;
 mod frozen;
 mod fused_op;
 mod geglu;
 mod group_norm;
 mod handover;
+mod im2col;
 mod layer_norm;
 mod linear;
 mod norm;
@@ -40,8 +41,11 @@ pub trait LayerAdapter: std::fmt::Debug + Send + Sync {
 }
 pub use conv::{Conv2d, Conv2dConfig};
 pub use conv_grad::{
-    conv2d as conv2d_trainable, conv2d_input_grad, conv2d_input_grad_col2im, conv2d_input_grad_gemm,
-    conv2d_input_grad_reference, conv2d_weight_grad,
+    conv2d as conv2d_trainable, conv2d_input_grad, conv2d_input_grad_gemm,
+    conv2d_input_grad_reference, conv2d_weight_grad, conv2d_weight_grad_reference,
+};
+pub use cpu_conv::{
+    conv2d_detached, conv2d_im2col, conv2d_input_grad_col2im, conv2d_weight_grad_im2col,
 };
 pub use embedding::Embedding;
 pub use frozen::{
@@ -119,6 +123,20 @@ pub(crate) fn cast_like(
 /// compute in f32 and round once at the end: the f32 accumulation cuBLAS/cuDNN use for bf16.
 pub(crate) fn cpu_bf16(x: &candle_core::Tensor) -> bool {
     x.dtype() == candle_core::DType::BF16 && x.device().is_cpu()
+}
+
+/// Calls `f` on a contiguous f32 CPU tensor's elements, borrowed from its storage (the CPU
+/// kernels' input; an error for any other tensor).
+pub(crate) fn with_cpu_f32<R>(
+    t: &candle_core::Tensor,
+    f: impl FnOnce(&[f32]) -> R,
+) -> candle_core::Result<R> {
+    use candle_core::{CpuStorage, Storage};
+    let (storage, layout) = t.storage_and_layout();
+    match (&*storage, layout.contiguous_offsets()) {
+        (Storage::Cpu(CpuStorage::F32(v)), Some((start, end))) => Ok(f(&v[start..end])),
+        _ => candle_core::bail!("CPU kernel: expected a contiguous f32 CPU tensor"),
+    }
 }
 
 /// `a.matmul(b)`, computed in f32 and rounded back for bf16 on the CPU (see [`cpu_bf16`]).

@@ -1,17 +1,17 @@
-//! `col2im` for the CPU conv input gradient: the adjoint of im2col.
+//! im2col and its adjoint col2im, for convolution on the CPU as GEMM (`cpu_conv`).
 //!
-//! For `y = conv2d(x, w)` (groups 1, dilation 1), one image's input gradient is
+//! For `y = conv2d(x, w)` (groups 1, dilation 1) on one image, with the columns' rows ordered
+//! `(c, u, v)` as the weight's `[c_out, c_in, k_h, k_w]` layout flattens:
 //!
 //! ```text
-//! cols = Wᵀ · G          Wᵀ: [c_in·k_h·k_w, c_out],  G: [c_out, g_h·g_w]
-//! ∂L/∂x[c, oy·s + u − p, ox·s + v − p] += cols[(c, u, v), (oy, ox)]
+//! cols[(c, u, v), (oy, ox)] = x[c, oy·s + u − p, ox·s + v − p]   (0 outside the input)  im2col
+//! y  = W · cols                    W: [c_out, c_in·k_h·k_w]
+//! ∂L/∂W = G · colsᵀ                G: [c_out, g_h·g_w]
+//! ∂L/∂x = col2im(Wᵀ · G)           col2im scatter-adds each entry back where im2col read it
 //! ```
 //!
-//! The GEMM is the same size as the forward's, and the scatter-add is one pass over `cols`. Unlike
-//! the correlation form (`conv2d_input_grad_gemm`) there is no flipped kernel copy and no dilated
-//! or padded gradient copy; unlike candle's CPU `conv_transpose2d` it is not a loop of dot
-//! products. Each input channel's plane is written by one task, so the channels run in parallel
-//! without atomics.
+//! Each input channel's rows (im2col) or plane (col2im) is handled by one task, so channels run
+//! in parallel without atomics. For stride 1 every valid run of a row is one contiguous copy.
 
 use rayon::prelude::*;
 
@@ -57,12 +57,56 @@ impl ConvGeometry {
     }
 }
 
+/// The columns of one `[c_in, x_h, x_w]` image: `[c_in·k_h·k_w, g_h·g_w]`, row-major.
+pub fn im2col(x: &[f32], geo: &ConvGeometry) -> Vec<f32> {
+    let (k_h, k_w) = geo.k_hw;
+    let taps = k_h * k_w;
+    assert_eq!(x.len(), geo.c_in * geo.plane_len(), "im2col: input size");
+    let mut cols = vec![0f32; geo.c_in * taps * geo.col_len()];
+    cols.par_chunks_mut(taps * geo.col_len())
+        .zip(x.par_chunks(geo.plane_len()))
+        .for_each(|(rows, plane)| {
+            for (tap, row) in rows.chunks_mut(geo.col_len()).enumerate() {
+                gather_tap(row, plane, geo, tap / k_w, tap % k_w);
+            }
+        });
+    cols
+}
+
+/// Fills one kernel tap's row (`[g_h·g_w]`, zeroed) from one input plane.
+fn gather_tap(row: &mut [f32], plane: &[f32], geo: &ConvGeometry, u: usize, v: usize) {
+    let (x_h, x_w) = geo.x_hw;
+    let (g_h, g_w) = geo.g_hw;
+    let (s, p) = (geo.stride, geo.padding);
+    let cols = geo.valid(g_w, x_w, v);
+    if cols.is_empty() {
+        return;
+    }
+    for oy in geo.valid(g_h, x_h, u) {
+        let iy = oy * s + u - p;
+        let dst = &mut row[oy * g_w + cols.start..oy * g_w + cols.end];
+        let x0 = cols.start * s + v - p;
+        let src = &plane[iy * x_w..(iy + 1) * x_w];
+        if s == 1 {
+            dst.copy_from_slice(&src[x0..x0 + dst.len()]);
+        } else {
+            for (d, x) in dst.iter_mut().zip(src[x0..].iter().step_by(s)) {
+                *d = *x;
+            }
+        }
+    }
+}
+
 /// Scatter-adds `cols` (`[c_in·k_h·k_w, g_h·g_w]`, row-major) onto a zeroed `[c_in, x_h, x_w]`
 /// input gradient and returns it.
 pub fn col2im(cols: &[f32], geo: &ConvGeometry) -> Vec<f32> {
     let (k_h, k_w) = geo.k_hw;
     let taps = k_h * k_w;
-    assert_eq!(cols.len(), geo.c_in * taps * geo.col_len(), "col2im: cols size");
+    assert_eq!(
+        cols.len(),
+        geo.c_in * taps * geo.col_len(),
+        "col2im: cols size"
+    );
     let mut out = vec![0f32; geo.c_in * geo.plane_len()];
     out.par_chunks_mut(geo.plane_len())
         .zip(cols.par_chunks(taps * geo.col_len()))
@@ -129,9 +173,41 @@ mod tests {
         out
     }
 
+    /// im2col by its definition, with signed indices.
+    fn im2col_naive(x: &[f32], geo: &ConvGeometry) -> Vec<f32> {
+        let ((x_h, x_w), (k_h, k_w), (g_h, g_w)) = (geo.x_hw, geo.k_hw, geo.g_hw);
+        let mut cols = vec![0f32; geo.c_in * k_h * k_w * g_h * g_w];
+        for c in 0..geo.c_in {
+            for u in 0..k_h {
+                for v in 0..k_w {
+                    for oy in 0..g_h {
+                        for ox in 0..g_w {
+                            let iy = (oy * geo.stride + u) as i64 - geo.padding as i64;
+                            let ix = (ox * geo.stride + v) as i64 - geo.padding as i64;
+                            if iy < 0 || ix < 0 || iy >= x_h as i64 || ix >= x_w as i64 {
+                                continue;
+                            }
+                            let r = (c * k_h + u) * k_w + v;
+                            cols[r * g_h * g_w + oy * g_w + ox] =
+                                x[(c * x_h + iy as usize) * x_w + ix as usize];
+                        }
+                    }
+                }
+            }
+        }
+        cols
+    }
+
     #[test]
     fn matches_the_definition() {
-        for (k, p, s) in [(3, 1, 1), (3, 1, 2), (1, 0, 1), (3, 0, 1), (3, 2, 1), (3, 0, 2)] {
+        for (k, p, s) in [
+            (3, 1, 1),
+            (3, 1, 2),
+            (1, 0, 1),
+            (3, 0, 1),
+            (3, 2, 1),
+            (3, 0, 2),
+        ] {
             for (x_h, x_w) in [(8, 8), (7, 9), (6, 5), (5, 12), (3, 3)] {
                 let g_h = ConvGeometry::output_len(x_h, k, p, s).unwrap();
                 let g_w = ConvGeometry::output_len(x_w, k, p, s).unwrap();
@@ -148,7 +224,13 @@ mod tests {
                 assert_eq!(
                     col2im(&cols, &geo),
                     col2im_naive(&cols, &geo),
-                    "k{k} p{p} s{s} {x_h}x{x_w}"
+                    "col2im k{k} p{p} s{s} {x_h}x{x_w}"
+                );
+                let x: Vec<f32> = (0..3 * x_h * x_w).map(|i| (i * 13 % 29) as f32).collect();
+                assert_eq!(
+                    im2col(&x, &geo),
+                    im2col_naive(&x, &geo),
+                    "im2col k{k} p{p} s{s} {x_h}x{x_w}"
                 );
             }
         }

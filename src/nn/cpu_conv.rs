@@ -1,0 +1,226 @@
+//! 2-D convolution on the CPU as im2col + one GEMM per image, with both gradients in the same
+//! form (see [`super::im2col`] for the equations).
+//!
+//! Candle 0.11's CPU conv2d (`conv2d_tiled`) re-lays the weight out element by element on every
+//! call, transposes the input to NHWC single-threaded, and runs one small GEMM per 512-pixel tile:
+//! measured at 72% of an SD1.5 LoRA forward (perf, docs/BENCHMARKS.md). Here the weight is used
+//! in its own layout, the columns come from contiguous row copies, and each image is one GEMM.
+//! Its `conv_transpose2d` (the input gradient) is a loop of dot products; col2im replaces it.
+//!
+//! Everything here computes in f32 and returns the input's dtype; the operands are detached
+//! (these are the kernels inside our custom ops, not differentiable ops themselves).
+
+use candle_core::{DType, Device, Result, Tensor};
+
+use super::im2col::{col2im, im2col, ConvGeometry};
+use super::with_cpu_f32;
+
+/// `conv2d(x, w, padding, stride)` (groups 1, dilation 1) on detached operands, by the faster
+/// kernel for the device: ours on the CPU, candle's elsewhere (im2col + cuBLAS on CUDA).
+pub fn conv2d_detached(x: &Tensor, w: &Tensor, padding: usize, stride: usize) -> Result<Tensor> {
+    let (x, w) = (x.detach(), w.detach());
+    match x.device() {
+        Device::Cpu => conv2d_im2col(&x, &w, padding, stride),
+        _ => x.conv2d(&w, padding, stride, 1, 1),
+    }
+}
+
+/// The forward conv as `W · im2col(x)` per image.
+pub fn conv2d_im2col(x: &Tensor, w: &Tensor, padding: usize, stride: usize) -> Result<Tensor> {
+    let (c_out, c_in, k_h, k_w) = w.dims4()?;
+    let (batch, x_c, x_h, x_w) = x.dims4()?;
+    if x_c != c_in {
+        candle_core::bail!(
+            "conv2d: input {:?} has {x_c} channels, the weight {:?} wants {c_in}",
+            x.dims(),
+            w.dims()
+        );
+    }
+    let out_len = |len: usize, k: usize| {
+        ConvGeometry::output_len(len, k, padding, stride).ok_or_else(|| {
+            candle_core::Error::Msg(format!(
+                "conv2d: kernel {k_h}x{k_w} does not fit the {x_h}x{x_w} input (padding {padding})"
+            ))
+        })
+    };
+    let geo = ConvGeometry {
+        c_in,
+        x_hw: (x_h, x_w),
+        k_hw: (k_h, k_w),
+        g_hw: (out_len(x_h, k_h)?, out_len(x_w, k_w)?),
+        padding,
+        stride,
+    };
+    let (g_h, g_w) = geo.g_hw;
+    let w_mat = w
+        .to_dtype(DType::F32)?
+        .reshape((c_out, c_in * k_h * k_w))?
+        .contiguous()?;
+    let x32 = x.to_dtype(DType::F32)?.contiguous()?;
+    let mut images = Vec::with_capacity(batch);
+    for i in 0..batch {
+        let cols = with_cpu_f32(&x32.get(i)?, |plane| im2col(plane, &geo))?;
+        let cols = Tensor::from_vec(cols, (c_in * k_h * k_w, g_h * g_w), &Device::Cpu)?;
+        images.push(w_mat.matmul(&cols)?.reshape((1, c_out, g_h, g_w))?);
+    }
+    cat_images(images)?.to_dtype(x.dtype())
+}
+
+/// `∂L/∂x` per image as `col2im(Wᵀ · G)`, in the gradient's dtype.
+pub fn conv2d_input_grad_col2im(
+    grad: &Tensor,
+    w: &Tensor,
+    padding: usize,
+    stride: usize,
+    x_hw: (usize, usize),
+) -> Result<Tensor> {
+    let (c_out, c_in, k_h, k_w) = w.dims4()?;
+    let (batch, g_c, g_h, g_w) = grad.dims4()?;
+    let fits = |x_len: usize, k: usize, g_len: usize| {
+        ConvGeometry::output_len(x_len, k, padding, stride) == Some(g_len)
+    };
+    if g_c != c_out || !fits(x_hw.0, k_h, g_h) || !fits(x_hw.1, k_w, g_w) {
+        candle_core::bail!(
+            "conv2d input grad: gradient {:?} does not match weight {:?} on a {}x{} input \
+             (padding {padding}, stride {stride})",
+            grad.dims(),
+            w.dims(),
+            x_hw.0,
+            x_hw.1
+        );
+    }
+    let geo = ConvGeometry {
+        c_in,
+        x_hw,
+        k_hw: (k_h, k_w),
+        g_hw: (g_h, g_w),
+        padding,
+        stride,
+    };
+    let w_t = w
+        .to_dtype(DType::F32)?
+        .reshape((c_out, c_in * k_h * k_w))?
+        .t()?;
+    let grad32 = grad.to_dtype(DType::F32)?;
+    let identity = k_h == 1 && k_w == 1 && padding == 0 && stride == 1;
+    let mut images = Vec::with_capacity(batch);
+    for i in 0..batch {
+        let g = grad32.get(i)?.reshape((c_out, g_h * g_w))?;
+        let cols = w_t.matmul(&g)?;
+        let gx = if identity {
+            cols
+        } else {
+            let data = with_cpu_f32(&cols, |c| col2im(c, &geo))?;
+            Tensor::from_vec(data, (c_in, x_hw.0, x_hw.1), &Device::Cpu)?
+        };
+        images.push(gx.reshape((1, c_in, x_hw.0, x_hw.1))?);
+    }
+    cat_images(images)?.to_dtype(grad.dtype())
+}
+
+/// `∂L/∂w = Σ_images G · im2col(x)ᵀ`, in the weight-gradient shape `[c_out, c_in, k_h, k_w]`
+/// and the gradient's dtype.
+pub fn conv2d_weight_grad_im2col(
+    x: &Tensor,
+    grad: &Tensor,
+    padding: usize,
+    stride: usize,
+    k_hw: (usize, usize),
+) -> Result<Tensor> {
+    let (batch, c_in, x_h, x_w) = x.dims4()?;
+    let (g_b, c_out, g_h, g_w) = grad.dims4()?;
+    let (k_h, k_w) = k_hw;
+    let fits = |x_len: usize, k: usize, g_len: usize| {
+        ConvGeometry::output_len(x_len, k, padding, stride) == Some(g_len)
+    };
+    if g_b != batch || !fits(x_h, k_h, g_h) || !fits(x_w, k_w, g_w) {
+        candle_core::bail!(
+            "conv2d weight grad: gradient {:?} does not match input {:?} for a {k_h}x{k_w} \
+             kernel (padding {padding}, stride {stride})",
+            grad.dims(),
+            x.dims()
+        );
+    }
+    let geo = ConvGeometry {
+        c_in,
+        x_hw: (x_h, x_w),
+        k_hw,
+        g_hw: (g_h, g_w),
+        padding,
+        stride,
+    };
+    let x32 = x.to_dtype(DType::F32)?.contiguous()?;
+    let grad32 = grad.to_dtype(DType::F32)?;
+    let mut sum: Option<Tensor> = None;
+    for i in 0..batch {
+        let cols = with_cpu_f32(&x32.get(i)?, |plane| im2col(plane, &geo))?;
+        let cols = Tensor::from_vec(cols, (c_in * k_h * k_w, g_h * g_w), &Device::Cpu)?;
+        let g = grad32.get(i)?.reshape((c_out, g_h * g_w))?;
+        let gw = g.matmul(&cols.t()?)?;
+        sum = Some(match sum {
+            Some(s) => (s + gw)?,
+            None => gw,
+        });
+    }
+    let Some(gw) = sum else {
+        candle_core::bail!("conv2d weight grad: empty batch");
+    };
+    gw.reshape((c_out, c_in, k_h, k_w))?.to_dtype(grad.dtype())
+}
+
+/// Stacks `[1, …]` images along dim 0 (no copy for a batch of one).
+fn cat_images(mut images: Vec<Tensor>) -> Result<Tensor> {
+    if images.len() == 1 {
+        if let Some(only) = images.pop() {
+            return Ok(only);
+        }
+    }
+    Tensor::cat(&images, 0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::nn::test_util::{fill, max_abs};
+
+    /// Every (kernel, padding, stride) SD models use, on odd, even and non-square inputs.
+    const CASES: [(usize, usize, usize); 4] = [(3, 1, 1), (3, 1, 2), (1, 0, 1), (3, 0, 1)];
+    const SIZES: [(usize, usize); 4] = [(8, 8), (7, 9), (6, 5), (5, 12)];
+
+    #[test]
+    fn forward_and_weight_grad_match_candle() {
+        for (k, p, s) in CASES {
+            for (h, w) in SIZES {
+                let x = fill(&[2, 3, h, w], 1, 1.0);
+                let wt = fill(&[4, 3, k, k], 2, 1.0);
+                let want = x.conv2d(&wt, p, s, 1, 1).unwrap();
+                let ours = conv2d_im2col(&x, &wt, p, s).unwrap();
+                assert_eq!(ours.dims(), want.dims());
+                let e = max_abs(&ours, &want);
+                assert!(e < 1e-4, "forward k{k} p{p} s{s} {h}x{w}: {e}");
+                let g = fill(want.dims(), 3, 1.0);
+                let gw = conv2d_weight_grad_im2col(&x, &g, p, s, (k, k)).unwrap();
+                let want = crate::nn::conv2d_weight_grad_reference(&x, &g, p, s, (k, k)).unwrap();
+                let e = max_abs(&gw, &want);
+                assert!(e < 1e-4, "weight grad k{k} p{p} s{s} {h}x{w}: {e}");
+            }
+        }
+    }
+
+    #[test]
+    fn keeps_the_dtype_and_rejects_wrong_shapes() {
+        let wt = fill(&[4, 3, 3, 3], 2, 1.0);
+        let x = fill(&[2, 3, 8, 8], 1, 1.0).to_dtype(DType::BF16).unwrap();
+        assert_eq!(conv2d_im2col(&x, &wt, 1, 1).unwrap().dtype(), DType::BF16);
+        let g = fill(&[2, 4, 8, 8], 3, 1.0).to_dtype(DType::BF16).unwrap();
+        let gx = conv2d_input_grad_col2im(&g, &wt, 1, 1, (8, 8)).unwrap();
+        assert_eq!((gx.dtype(), gx.dims()), (DType::BF16, &[2, 3, 8, 8][..]));
+        let err = conv2d_input_grad_col2im(&g, &wt, 1, 1, (9, 9)).unwrap_err();
+        assert!(err.to_string().contains("does not match"), "{err}");
+        let err = conv2d_weight_grad_im2col(&x, &g, 1, 2, (3, 3)).unwrap_err();
+        assert!(err.to_string().contains("does not match"), "{err}");
+        let wide = fill(&[4, 5, 3, 3], 2, 1.0);
+        let err = conv2d_im2col(&x, &wide, 1, 1).unwrap_err();
+        assert!(err.to_string().contains("channels"), "{err}");
+    }
+}
