@@ -44,7 +44,10 @@ use sdtrain::memory::{prepare_device, DeviceSettings, MemoryUsage};
 use sdtrain::model::reference_configs::{SD15_UNET, SDXL_UNET};
 use sdtrain::model::unet::{AddedConditions, UNet2DConditionModel, UnetConfig};
 use sdtrain::model::weights::Weights;
-use sdtrain::optim::{AdamW, AdamWParams, Optimizer, StepCheck};
+use sdtrain::optim::{
+    Adafactor, AdafactorParams, AdamW, AdamW8bit, AdamWParams, GroupOptimizer, Lion, LionParams,
+    Optimizer, StepCheck, UpdateRule,
+};
 use serde_json::{json, Value};
 
 struct Shape {
@@ -55,12 +58,14 @@ struct Shape {
     precision: String,
     rank: usize,
     unet_config: Option<String>,
+    /// adamw (default), adamw8bit, lion, lion8bit or adafactor.
+    optimizer: String,
 }
 
 struct Model {
     unet: UNet2DConditionModel,
     vars: Vec<Var>,
-    optimizer: AdamW,
+    optimizer: GroupOptimizer,
     params_total: usize,
     /// Activation dtype.
     dtype: DType,
@@ -244,7 +249,9 @@ fn run(args: &[String], report: &mut Value) -> Result<()> {
             .iter()
             .position(|a| a == "--unet-config")
             .and_then(|i| args.get(i + 1).cloned()),
+        optimizer: arg(args, "--optimizer", "adamw"),
     };
+    report["optimizer"] = json!(shape.optimizer);
     let checkpointing = on_off(args, "--checkpointing", "off")?;
     report["checkpointing"] = json!(checkpointing);
     let fused_ops = on_off(args, "--fused-ops", "on")?;
@@ -375,11 +382,7 @@ fn build(shape: &Shape, device: &Device) -> Result<Model> {
         .enumerate()
         .map(|(i, v)| (format!("p{i}"), v.clone()))
         .collect();
-    let hyper = AdamWParams {
-        lr: 1e-5,
-        ..AdamWParams::default()
-    };
-    let optimizer = AdamW::new(named, hyper)?;
+    let optimizer = GroupOptimizer::new(update_rule(&shape.optimizer)?, named, 1e-5)?;
     Ok(Model {
         unet,
         vars,
@@ -460,4 +463,21 @@ fn median(v: &mut [f64]) -> f64 {
 
 fn round2(x: f64) -> f64 {
     (x * 100.0).round() / 100.0
+}
+
+/// `--optimizer`: the rule with its default hyper-parameters (AdamW's weight decay for all).
+fn update_rule(name: &str) -> Result<Box<dyn UpdateRule>> {
+    let adam = AdamWParams::default();
+    let lion = LionParams {
+        weight_decay: 0.01,
+        ..LionParams::default()
+    };
+    Ok(match name {
+        "adamw" => Box::new(AdamW::rule(adam)?),
+        "adamw8bit" => Box::new(AdamW8bit::rule(adam)?),
+        "lion" => Box::new(Lion::rule(lion, false)?),
+        "lion8bit" => Box::new(Lion::rule(lion, true)?),
+        "adafactor" => Box::new(Adafactor::rule(AdafactorParams::default())?),
+        other => bail!("--optimizer {other}: use adamw, adamw8bit, lion, lion8bit or adafactor"),
+    })
 }

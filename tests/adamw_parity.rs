@@ -114,7 +114,7 @@ use std::path::Path;
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
-use sdtrain::optim::{AdamW, AdamWParams, OptimError, Optimizer};
+use sdtrain::optim::{AdamW, AdamWParams, GroupOptimizer, OptimError, Optimizer};
 
 const W: &str = "down_blocks.0.resnets.0.conv1.weight";
 const B: &str = "down_blocks.0.resnets.0.conv1.bias";
@@ -192,10 +192,10 @@ fn assert_rel(what: &str, got: &[f32], want: &[f32], tol: f64) -> f64 {
 }
 
 /// The f32 optimizer over a [3, 4] weight and a [4] bias at their initial values.
-fn f32_setup() -> (AdamW, Var, Var) {
+fn f32_setup() -> (GroupOptimizer, Var, Var) {
     let w = var(&W0, &[3, 4], DType::F32);
     let b = var(&B0, &[4], DType::F32);
-    let opt = AdamW::new(vec![(W.into(), w.clone()), (B.into(), b.clone())], hp()).unwrap();
+    let opt = AdamW::group(vec![(W.into(), w.clone()), (B.into(), b.clone())], hp()).unwrap();
     (opt, w, b)
 }
 
@@ -211,7 +211,7 @@ fn grads(k: usize, w: &Var, b: &Var) -> GradStore {
 }
 
 #[track_caller]
-fn check_f32_step(opt: &AdamW, w: &Var, b: &Var, want: &F32Step, label: &str) -> f64 {
+fn check_f32_step(opt: &GroupOptimizer, w: &Var, b: &Var, want: &F32Step, label: &str) -> f64 {
     let sw = opt.state(W).unwrap();
     let sb = opt.state(B).unwrap();
     let tol = 1e-6;
@@ -220,25 +220,25 @@ fn check_f32_step(opt: &AdamW, w: &Var, b: &Var, want: &F32Step, label: &str) ->
         assert_rel(&format!("{label} b"), &values(b), &want.b, tol),
         assert_rel(
             &format!("{label} w.exp_avg"),
-            &values(sw.exp_avg()),
+            &values(sw.tensor("exp_avg").unwrap()),
             &want.w_exp_avg,
             tol,
         ),
         assert_rel(
             &format!("{label} w.exp_avg_sq"),
-            &values(sw.exp_avg_sq()),
+            &values(sw.tensor("exp_avg_sq").unwrap()),
             &want.w_exp_avg_sq,
             tol,
         ),
         assert_rel(
             &format!("{label} b.exp_avg"),
-            &values(sb.exp_avg()),
+            &values(sb.tensor("exp_avg").unwrap()),
             &want.b_exp_avg,
             tol,
         ),
         assert_rel(
             &format!("{label} b.exp_avg_sq"),
-            &values(sb.exp_avg_sq()),
+            &values(sb.tensor("exp_avg_sq").unwrap()),
             &want.b_exp_avg_sq,
             tol,
         ),
@@ -252,15 +252,16 @@ fn check_f32_step(opt: &AdamW, w: &Var, b: &Var, want: &F32Step, label: &str) ->
 /// (param, exp_avg, exp_avg_sq, step) per parameter.
 type Snapshot = Vec<(Vec<f32>, Vec<f32>, Vec<f32>, u64)>;
 
-fn snapshot(opt: &AdamW) -> Snapshot {
-    opt.params()
-        .iter()
-        .map(|p| {
+fn snapshot(opt: &GroupOptimizer, vars: &[&Var]) -> Snapshot {
+    opt.param_names()
+        .zip(vars)
+        .map(|(name, var)| {
+            let s = opt.state(name).unwrap();
             (
-                values(p.var().as_tensor()),
-                values(p.exp_avg()),
-                values(p.exp_avg_sq()),
-                p.step(),
+                values(var.as_tensor()),
+                values(s.tensor("exp_avg").unwrap()),
+                values(s.tensor("exp_avg_sq").unwrap()),
+                s.step(),
             )
         })
         .collect()
@@ -292,7 +293,7 @@ fn f32_three_steps_match_torch_adamw() {
 #[test]
 fn bf16_var_is_updated_in_f32_and_rounded_like_torch() {
     let v = var(&V0, &[3, 4], DType::BF16);
-    let mut opt = AdamW::new(vec![(W.into(), v.clone())], hp()).unwrap();
+    let mut opt = AdamW::group(vec![(W.into(), v.clone())], hp()).unwrap();
     let mut prev = values(v.as_tensor());
     for (k, want) in BF16_STEPS.iter().enumerate() {
         let mut g = GradStore::default();
@@ -301,7 +302,7 @@ fn bf16_var_is_updated_in_f32_and_rounded_like_torch() {
         opt.step(&g).unwrap();
         assert_eq!(v.dtype(), DType::BF16);
         let s = opt.state(W).unwrap();
-        assert_eq!(s.exp_avg().dtype(), DType::F32);
+        assert_eq!(s.tensor("exp_avg").unwrap().dtype(), DType::F32);
         let label = format!("bf16 step {}", k + 1);
         let now = values(v.as_tensor());
         assert_rel(&format!("{label} v"), &now, &want.v, 1.0 / 128.0);
@@ -309,13 +310,13 @@ fn bf16_var_is_updated_in_f32_and_rounded_like_torch() {
         eprintln!("{label}: {exact}/12 bf16 values bit-identical to torch");
         assert_rel(
             &format!("{label} exp_avg"),
-            &values(s.exp_avg()),
+            &values(s.tensor("exp_avg").unwrap()),
             &want.exp_avg,
             1e-6,
         );
         assert_rel(
             &format!("{label} exp_avg_sq"),
-            &values(s.exp_avg_sq()),
+            &values(s.tensor("exp_avg_sq").unwrap()),
             &want.exp_avg_sq,
             1e-6,
         );
@@ -355,14 +356,18 @@ fn save_then_load_into_fresh_optimizer_gives_identical_next_step() {
     // A fresh optimizer over fresh Vars holding the same values, as after a resume.
     let wb = Var::from_tensor(&wa.as_tensor().copy().unwrap()).unwrap();
     let bb = Var::from_tensor(&ba.as_tensor().copy().unwrap()).unwrap();
-    let mut b = AdamW::new(vec![(W.into(), wb.clone()), (B.into(), bb.clone())], hp()).unwrap();
+    let mut b = AdamW::group(vec![(W.into(), wb.clone()), (B.into(), bb.clone())], hp()).unwrap();
     b.load_state(&path).unwrap();
-    assert_eq!(snapshot(&a), snapshot(&b));
+    assert_eq!(snapshot(&a, &[&wa, &ba]), snapshot(&b, &[&wb, &bb]));
     assert_eq!(b.state(B).unwrap().step(), 1, "per-parameter step restored");
 
     a.step(&grads(2, &wa, &ba)).unwrap();
     b.step(&grads(2, &wb, &bb)).unwrap();
-    assert_eq!(snapshot(&a), snapshot(&b), "next step after load differs");
+    assert_eq!(
+        snapshot(&a, &[&wa, &ba]),
+        snapshot(&b, &[&wb, &bb]),
+        "next step after load differs"
+    );
     check_f32_step(&b, &wb, &bb, &F32_STEPS[2], "resumed step 3");
 }
 
@@ -380,8 +385,8 @@ fn load_with_wrong_shape_names_the_param_and_both_shapes() {
     let path = saved_state(dir.path());
     let w = var(&W0, &[4, 3], DType::F32);
     let b = var(&B0, &[4], DType::F32);
-    let mut opt = AdamW::new(vec![(W.into(), w), (B.into(), b)], hp()).unwrap();
-    let before = snapshot(&opt);
+    let mut opt = AdamW::group(vec![(W.into(), w.clone()), (B.into(), b.clone())], hp()).unwrap();
+    let before = snapshot(&opt, &[&w, &b]);
     let err = opt.load_state(&path).unwrap_err();
     let msg = err.to_string();
     eprintln!("{msg}");
@@ -402,7 +407,11 @@ fn load_with_wrong_shape_names_the_param_and_both_shapes() {
         msg.contains(W) && msg.contains("[3, 4]") && msg.contains("[4, 3]"),
         "{msg}"
     );
-    assert_eq!(before, snapshot(&opt), "a failed load must change nothing");
+    assert_eq!(
+        before,
+        snapshot(&opt, &[&w, &b]),
+        "a failed load must change nothing"
+    );
 }
 
 #[test]
@@ -412,7 +421,7 @@ fn load_with_missing_state_lists_the_params_without_state() {
     let w = var(&W0, &[3, 4], DType::F32);
     let b = var(&B0, &[4], DType::F32);
     let extra = var(&[1.0], &[1], DType::F32);
-    let mut opt = AdamW::new(
+    let mut opt = AdamW::group(
         vec![
             (W.into(), w),
             (B.into(), b),
@@ -436,7 +445,7 @@ fn load_with_state_for_unknown_params_lists_them() {
     let dir = tempfile::tempdir().unwrap();
     let path = saved_state(dir.path());
     let w = var(&W0, &[3, 4], DType::F32);
-    let mut opt = AdamW::new(vec![(W.into(), w)], hp()).unwrap();
+    let mut opt = AdamW::group(vec![(W.into(), w)], hp()).unwrap();
     let err = opt.load_state(&path).unwrap_err();
     eprintln!("{err}");
     match &err {
@@ -470,7 +479,7 @@ fn non_finite_gradient_skips_the_step_and_changes_nothing() {
     let (mut opt, w, b) = f32_setup();
     opt.step(&grads(0, &w, &b)).unwrap();
     for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
-        let before = snapshot(&opt);
+        let before = snapshot(&opt, &[&w, &b]);
         let mut g = grads(0, &w, &b);
         g.insert(
             b.as_tensor(),
@@ -481,7 +490,11 @@ fn non_finite_gradient_skips_the_step_and_changes_nothing() {
         assert_eq!(stats.nonfinite_params, vec![B.to_string()]);
         assert_eq!(stats.updated, 0);
         assert!(!stats.grad_norm.is_finite());
-        assert_eq!(before, snapshot(&opt), "skipped step changed state ({bad})");
+        assert_eq!(
+            before,
+            snapshot(&opt, &[&w, &b]),
+            "skipped step changed state ({bad})"
+        );
     }
     // The skipped steps left no trace: the next real step is torch's step 2.
     opt.step(&grads(1, &w, &b)).unwrap();

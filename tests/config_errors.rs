@@ -101,21 +101,35 @@ fn unknown_optimizer_lists_the_valid_names() {
 }
 
 #[test]
-fn not_yet_implemented_optimizer_says_when_it_arrives() {
+fn ed2_stock_optimizer_resolves_and_bad_optimizer_settings_are_named() {
     let s = Setup::new();
     // EveryDream2's stock optimizer.json uses adamw8bit.
     s.write(
         "opt.json",
         &json!({"base": {"optimizer": "adamw8bit"}, "apply_grad_scaler_step_tweaks": false}),
     );
-    let msg = s.error(json!({"optimizer_config": "opt.json"}), &[]);
-    assert!(msg.starts_with("`base.optimizer` in "), "{msg}");
-    assert!(
-        msg.contains(
-            "\"adamw8bit\", which is not implemented yet (it arrives with the optimizer issue)"
-        ),
-        "{msg}"
+    let plan = s
+        .resolve(json!({"optimizer_config": "opt.json"}), &[])
+        .expect("plan");
+    assert_eq!(plan.optimizer.unet.optimizer, OptimizerKind::AdamW8bit);
+    s.write(
+        "bad.json",
+        &json!({"base": {"optimizer": "adafactor", "adafactor": {"decay_rate": 0.8}}}),
     );
+    let msg = s.error(json!({"optimizer_config": "bad.json"}), &[]);
+    assert!(msg.starts_with("`base.adafactor.decay_rate` in "), "{msg}");
+    s.write(
+        "typo.json",
+        &json!({"base": {"optimizer": "adafactor", "adafactor": {"beta_1": 0.9}}}),
+    );
+    let msg = s.error(json!({"optimizer_config": "typo.json"}), &[]);
+    assert!(msg.contains("beta_1"), "{msg}");
+    let msg = s.error(json!({"clip_grad_norm": 0.0}), &[]);
+    assert!(msg.starts_with("`clip_grad_norm` in "), "{msg}");
+    let plan = s
+        .resolve(json!({"clip_grad_norm": 1.5}), &[])
+        .expect("plan");
+    assert_eq!(plan.clip_grad_norm, Some(1.5));
 }
 
 #[test]
@@ -380,7 +394,7 @@ fn shipped_optimizer_presets_resolve() {
             .unwrap_or_else(|e| panic!("{name}: {e}"))
     };
     let default = resolve("optimizer.json");
-    assert_eq!(default.optimizer.unet.optimizer, OptimizerKind::AdamW);
+    assert_eq!(default.optimizer.unet.optimizer, OptimizerKind::AdamW8bit);
     assert_eq!(default.optimizer.unet, default.optimizer.text_encoder);
     assert_eq!(default.unfreeze_last_n_layers, None);
 
@@ -395,6 +409,18 @@ fn shipped_optimizer_presets_resolve() {
     let cosine = resolve("configs/optimizer-adamw-cosine.json");
     assert_eq!(cosine.optimizer.unet.schedule.kind, ScheduleKind::Cosine);
     assert_eq!(cosine.optimizer.unet.schedule.decay_steps, StepCount::Auto);
+
+    let adamw = resolve("configs/optimizer-adamw.json");
+    assert_eq!(adamw.optimizer.unet.optimizer, OptimizerKind::AdamW);
+    let lion = resolve("configs/optimizer-lion.json");
+    assert_eq!(lion.optimizer.unet.optimizer, OptimizerKind::Lion8bit);
+    assert_eq!(lion.optimizer.unet.betas, (0.9, 0.99));
+    // Lion: a smaller lr and a larger weight decay than the AdamW preset.
+    assert!(lion.optimizer.unet.lr * 3.0 <= adamw.optimizer.unet.lr);
+    assert!(lion.optimizer.unet.weight_decay >= 3.0 * adamw.optimizer.unet.weight_decay);
+    let adafactor = resolve("configs/optimizer-adafactor.json");
+    assert_eq!(adafactor.optimizer.unet.optimizer, OptimizerKind::Adafactor);
+    assert!(!adafactor.optimizer.unet.adafactor.scale_parameter);
 }
 
 #[test]

@@ -66,6 +66,25 @@ pub struct GroupFile {
     pub epsilon: Option<f64>,
     #[serde(default)]
     pub weight_decay: Option<f64>,
+    /// Adafactor's own settings; ignored by the other optimizers.
+    #[serde(default)]
+    pub adafactor: Option<AdafactorFile>,
+}
+
+/// A group's `adafactor` object (transformers' `Adafactor` arguments; the lr is the group's).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AdafactorFile {
+    #[serde(default)]
+    pub eps: Option<Vec<f64>>,
+    #[serde(default)]
+    pub clip_threshold: Option<f64>,
+    #[serde(default)]
+    pub decay_rate: Option<f64>,
+    #[serde(default)]
+    pub beta1: Option<f64>,
+    #[serde(default)]
+    pub scale_parameter: Option<bool>,
 }
 
 /// `text_encoder_freezing`.
@@ -239,7 +258,7 @@ mod tests {
     fn builtin_default_parses() {
         let file = OptimizerFile::builtin().unwrap();
         let base = file.base.unwrap();
-        assert_eq!(base.optimizer.as_deref(), Some("adamw"));
+        assert_eq!(base.optimizer.as_deref(), Some("adamw8bit"));
         assert_eq!(file.apply_grad_scaler_step_tweaks, Some(false));
     }
 

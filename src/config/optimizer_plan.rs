@@ -10,7 +10,7 @@
 //! - Defaults when neither file sets a value: lr 1e-6, betas (0.9, 0.999), epsilon 1e-8,
 //!   weight_decay 0.01, scheduler constant (EveryDream2's `LR_DEFAULT`, `BETAS_DEFAULT`,
 //!   `EPSILON_DEFAULT`, `WEIGHT_DECAY_DEFAULT` and `--lr_scheduler` default). The optimizer
-//!   defaults to adamw; EveryDream2's default is adamw8bit, which is not implemented yet.
+//!   defaults to adamw8bit, as in EveryDream2; Lion's betas default to the paper's (0.9, 0.99).
 //! - Warmup and decay lengths that are not set are automatic, and only become numbers once the
 //!   training length is known: see [`ScheduleSpec::resolve`].
 
@@ -44,18 +44,64 @@ pub const AUTO_WARMUP_DIVISOR: u64 = 50;
 pub enum OptimizerKind {
     /// torch.optim.AdamW semantics (decoupled weight decay, bias correction, amsgrad off).
     AdamW,
+    /// bitsandbytes' AdamW8bit: blockwise 8-bit moments (EveryDream2's default).
+    AdamW8bit,
+    /// Lion with an f32 momentum (lucidrains' lion-pytorch, EveryDream2's `lion`).
+    Lion,
+    /// Lion with a blockwise 8-bit momentum (bitsandbytes' Lion8bit).
+    Lion8bit,
+    /// transformers' Adafactor with an external lr.
+    Adafactor,
 }
 
 impl OptimizerKind {
     pub fn name(self) -> &'static str {
         match self {
             OptimizerKind::AdamW => "adamw",
+            OptimizerKind::AdamW8bit => "adamw8bit",
+            OptimizerKind::Lion => "lion",
+            OptimizerKind::Lion8bit => "lion8bit",
+            OptimizerKind::Adafactor => "adafactor",
+        }
+    }
+
+    /// The betas when neither group sets them: Lion's paper values for Lion, EveryDream2's
+    /// `BETAS_DEFAULT` otherwise (Adafactor uses no betas).
+    pub fn default_betas(self) -> (f64, f64) {
+        match self {
+            OptimizerKind::Lion | OptimizerKind::Lion8bit => (0.9, 0.99),
+            OptimizerKind::AdamW | OptimizerKind::AdamW8bit | OptimizerKind::Adafactor => {
+                BETAS_DEFAULT
+            }
+        }
+    }
+}
+
+/// Adafactor's settings (the `adafactor` object of a group); defaults are transformers' with
+/// `scale_parameter` off for an external lr (kohya's recommendation).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct AdafactorPlan {
+    pub eps: (f64, f64),
+    pub clip_threshold: f64,
+    pub decay_rate: f64,
+    pub beta1: Option<f64>,
+    pub scale_parameter: bool,
+}
+
+impl Default for AdafactorPlan {
+    fn default() -> Self {
+        Self {
+            eps: (1e-30, 1e-3),
+            clip_threshold: 1.0,
+            decay_rate: -0.8,
+            beta1: None,
+            scale_parameter: false,
         }
     }
 }
 
 /// The names accepted in `optimizer`, for error messages.
-const OPTIMIZER_NAMES: &str = "adamw, adamw8bit, lion, lion8bit (only adamw is implemented yet)";
+const OPTIMIZER_NAMES: &str = "adamw, adamw8bit, lion, lion8bit, adafactor";
 /// Optimizer names EveryDream2 accepts that sdtrain will not have.
 const ED2_ONLY_OPTIMIZERS: &[&str] = &[
     "prodigy",
@@ -153,6 +199,7 @@ pub struct ParamGroupPlan {
     pub epsilon: f64,
     pub weight_decay: f64,
     pub schedule: ScheduleSpec,
+    pub adafactor: AdafactorPlan,
 }
 
 impl fmt::Display for ParamGroupPlan {
@@ -197,6 +244,7 @@ struct CheckedGroup {
     betas: Option<(f64, f64)>,
     epsilon: Option<f64>,
     weight_decay: Option<f64>,
+    adafactor: Option<AdafactorPlan>,
 }
 
 impl OptimizerPlan {
@@ -227,13 +275,18 @@ impl OptimizerPlan {
 
 /// `own` over `parent` over the defaults; `train_lr` over everything.
 fn merge(own: &CheckedGroup, parent: &CheckedGroup, train_lr: Option<f64>) -> ParamGroupPlan {
+    let optimizer = own
+        .optimizer
+        .or(parent.optimizer)
+        .unwrap_or(OptimizerKind::AdamW8bit);
     ParamGroupPlan {
-        optimizer: own
-            .optimizer
-            .or(parent.optimizer)
-            .unwrap_or(OptimizerKind::AdamW),
+        optimizer,
         lr: train_lr.or(own.lr).or(parent.lr).unwrap_or(LR_DEFAULT),
-        betas: own.betas.or(parent.betas).unwrap_or(BETAS_DEFAULT),
+        betas: own
+            .betas
+            .or(parent.betas)
+            .unwrap_or(optimizer.default_betas()),
+        adafactor: own.adafactor.or(parent.adafactor).unwrap_or_default(),
         epsilon: own.epsilon.or(parent.epsilon).unwrap_or(EPSILON_DEFAULT),
         weight_decay: own
             .weight_decay
@@ -305,6 +358,61 @@ fn check_group(g: &GroupFile, section: &str, file: &Path) -> Result<CheckedGroup
             .transpose()?,
         epsilon: positive("epsilon", g.epsilon)?,
         weight_decay,
+        adafactor: g
+            .adafactor
+            .as_ref()
+            .map(|a| check_adafactor(a, file, &field("adafactor")))
+            .transpose()?,
+    })
+}
+
+fn check_adafactor(
+    a: &super::optimizer_file::AdafactorFile,
+    file: &Path,
+    field: &str,
+) -> Result<AdafactorPlan, ConfigError> {
+    let d = AdafactorPlan::default();
+    let key = |k: &str| format!("{field}.{k}");
+    let eps = match a.eps.as_deref() {
+        None => d.eps,
+        Some([e1, e2]) if *e1 >= 0.0 && *e2 >= 0.0 => (*e1, *e2),
+        Some(other) => {
+            return Err(invalid(
+                file,
+                &key("eps"),
+                &format!("must be two numbers [eps1, eps2], each 0 or more (got {other:?})"),
+            ))
+        }
+    };
+    let clip_threshold = a.clip_threshold.unwrap_or(d.clip_threshold);
+    if !(clip_threshold.is_finite() && clip_threshold > 0.0) {
+        return Err(invalid(
+            file,
+            &key("clip_threshold"),
+            &format!("must be greater than 0 (got {clip_threshold})"),
+        ));
+    }
+    let decay_rate = a.decay_rate.unwrap_or(d.decay_rate);
+    if !(decay_rate.is_finite() && decay_rate < 0.0) {
+        return Err(invalid(
+            file,
+            &key("decay_rate"),
+            &format!("must be below 0, e.g. -0.8 (got {decay_rate})"),
+        ));
+    }
+    if let Some(b) = a.beta1.filter(|b| !(0.0..1.0).contains(b)) {
+        return Err(invalid(
+            file,
+            &key("beta1"),
+            &format!("must be in [0, 1), or null for no first moment (got {b})"),
+        ));
+    }
+    Ok(AdafactorPlan {
+        eps,
+        clip_threshold,
+        decay_rate,
+        beta1: a.beta1,
+        scale_parameter: a.scale_parameter.unwrap_or(d.scale_parameter),
     })
 }
 
@@ -331,14 +439,10 @@ fn parse_optimizer(name: &str, file: &Path, field: &str) -> Result<OptimizerKind
     let lower = name.to_ascii_lowercase();
     match lower.as_str() {
         "adamw" => Ok(OptimizerKind::AdamW),
-        "adamw8bit" | "lion" | "lion8bit" => Err(invalid(
-            file,
-            field,
-            &format!(
-                "is \"{name}\", which is not implemented yet (it arrives with the optimizer \
-                 issue); use \"adamw\""
-            ),
-        )),
+        "adamw8bit" => Ok(OptimizerKind::AdamW8bit),
+        "lion" => Ok(OptimizerKind::Lion),
+        "lion8bit" => Ok(OptimizerKind::Lion8bit),
+        "adafactor" => Ok(OptimizerKind::Adafactor),
         other if ED2_ONLY_OPTIMIZERS.contains(&other) => Err(invalid(
             file,
             field,
@@ -405,7 +509,7 @@ mod tests {
     fn empty_file_gives_ed2_defaults() {
         let p = plan(json!({}), None).unwrap();
         for g in [p.unet, p.text_encoder] {
-            assert_eq!(g.optimizer, OptimizerKind::AdamW);
+            assert_eq!(g.optimizer, OptimizerKind::AdamW8bit);
             assert_eq!(g.lr, 1e-6);
             assert_eq!(g.betas, (0.9, 0.999));
             assert_eq!(g.epsilon, 1e-8);
@@ -466,18 +570,33 @@ mod tests {
     fn optimizer_names() {
         let p = plan(json!({"base": {"optimizer": "AdamW"}}), None).unwrap();
         assert_eq!(p.unet.optimizer, OptimizerKind::AdamW);
-        for name in ["adamw8bit", "lion", "lion8bit"] {
-            let err = plan(json!({"base": {"optimizer": name}}), None).unwrap_err();
-            let msg = err.to_string();
-            assert!(
-                msg.contains("not implemented yet (it arrives with the optimizer issue)"),
-                "{msg}"
-            );
-            assert!(
-                msg.starts_with("`base.optimizer` in optimizer.json"),
-                "{msg}"
-            );
+        for (name, kind) in [
+            ("adamw8bit", OptimizerKind::AdamW8bit),
+            ("Lion", OptimizerKind::Lion),
+            ("lion8bit", OptimizerKind::Lion8bit),
+            ("adafactor", OptimizerKind::Adafactor),
+        ] {
+            let p = plan(json!({"base": {"optimizer": name}}), None).unwrap();
+            assert_eq!((p.unet.optimizer, p.text_encoder.optimizer), (kind, kind));
         }
+        // Lion's betas default to the paper's; set betas win.
+        let p = plan(json!({"base": {"optimizer": "lion"}}), None).unwrap();
+        assert_eq!(p.unet.betas, (0.9, 0.99));
+        let p = plan(
+            json!({"base": {"optimizer": "lion", "betas": [0.8, 0.9]}}),
+            None,
+        )
+        .unwrap();
+        assert_eq!(p.unet.betas, (0.8, 0.9));
+        // The text encoder may use another optimizer than the UNet.
+        let p = plan(
+            json!({"base": {"optimizer": "adamw"}, "text_encoder_overrides": {"optimizer": "lion8bit"}}),
+            None,
+        )
+        .unwrap();
+        assert_eq!(p.unet.optimizer, OptimizerKind::AdamW);
+        assert_eq!(p.text_encoder.optimizer, OptimizerKind::Lion8bit);
+        assert_eq!(p.text_encoder.betas, (0.9, 0.99));
         let err = plan(
             json!({"text_encoder_overrides": {"optimizer": "sgd"}}),
             None,

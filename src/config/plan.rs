@@ -132,6 +132,9 @@ pub struct TrainPlan {
     /// layers, freezes the embeddings (EveryDream2 `_apply_text_encoder_freeze`).
     pub unfreeze_last_n_layers: Option<usize>,
     pub optimizer: OptimizerPlan,
+    /// EveryDream2's `clip_grad_norm`: the UNet's and the text encoder's gradients are each
+    /// clipped to this L2 norm before the step; `None` does not clip.
+    pub clip_grad_norm: Option<f64>,
     /// `amp`, the fp16 loss scaler and `gradient_checkpointing`.
     pub precision: PrecisionPlan,
 }
@@ -225,6 +228,15 @@ impl TrainPlan {
             train_text_encoder: !file.disable_textenc_training.unwrap_or(false),
             unfreeze_last_n_layers,
             optimizer,
+            clip_grad_norm: match file.clip_grad_norm {
+                Some(x) if !(x.is_finite() && x > 0.0) => {
+                    return Err(ctx.invalid(
+                        "clip_grad_norm",
+                        format!("must be greater than 0, or null for no clipping (got {x})"),
+                    ))
+                }
+                other => other,
+            },
             precision: super::precision_plan::resolve_precision(&file, train_path)?,
         })
     }
@@ -628,7 +640,7 @@ mod tests {
         assert_eq!((o.clip_skip, o.clip_skip_layers), (0, 0));
         // No optimizer.json beside train.json: the built-in default (unless the working
         // directory has one, as the repository root does, which is the same file).
-        assert_eq!(p.optimizer.unet.optimizer, OptimizerKind::AdamW);
+        assert_eq!(p.optimizer.unet.optimizer, OptimizerKind::AdamW8bit);
         assert_eq!(p.optimizer.unet.lr, 1e-6);
         assert_eq!(p.optimizer.text_encoder.lr, 1e-6);
         assert_eq!(p.optimizer.unet.schedule.kind, ScheduleKind::Constant);
@@ -935,7 +947,7 @@ mod tests {
         let fx = Fixture::new();
         let p = fx.plan(json!({"max_steps": 10}), &["seed=3"]).unwrap();
         let v = serde_json::to_value(&p).unwrap();
-        assert_eq!(v["optimizer"]["unet"]["optimizer"], json!("adamw"));
+        assert_eq!(v["optimizer"]["unet"]["optimizer"], json!("adamw8bit"));
         assert_eq!(
             v["optimizer"]["unet"]["schedule"]["decay_steps"],
             json!("auto")
@@ -949,7 +961,7 @@ mod tests {
             "--set",
             "seed=3",
             "10 steps",
-            "adamw lr 1e-6",
+            "adamw8bit lr 1e-6",
             "constant",
         ] {
             assert!(text.contains(needle), "{needle} missing from:\n{text}");

@@ -49,6 +49,9 @@ pub struct TrainFile {
     pub max_epochs: Option<i64>,
     #[serde(default)]
     pub lr: Option<f64>,
+    /// EveryDream2's `clip_grad_norm`: clip each group's gradient norm to this; null is off.
+    #[serde(default)]
+    pub clip_grad_norm: Option<f64>,
     #[serde(default)]
     pub resolution: Option<i64>,
     #[serde(default)]
@@ -117,11 +120,6 @@ pub(crate) const UNSUPPORTED: &[Unsupported] = &[
         "ckpt_every_n_minutes",
         Accepts::NullOrZero,
         "time-based saving is not implemented; use save_every_n_epochs",
-    ),
-    un(
-        "clip_grad_norm",
-        Accepts::Null,
-        "gradient clipping is not implemented",
     ),
     un(
         "disable_unet_training",

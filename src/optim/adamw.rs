@@ -15,24 +15,22 @@
 //! The moments `m`, `v` are f32 whatever the parameter dtype. A bf16/f16 parameter is upcast,
 //! updated in f32, and rounded back once per step (there is no f32 master copy: an update smaller
 //! than half a bf16 ulp of `p` is lost, as with torch on a bf16 parameter with f32 state).
+//!
+//! An f32 CPU parameter is updated by one fused pass in its own storage (`adamw_kernel`); any
+//! other keeps its moments on its device and is updated with candle ops (`adamw_reference`, which
+//! the kernel is tested against).
 
-use std::collections::{BTreeMap, HashMap, HashSet};
-use std::path::Path;
-
-use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
 use serde::{Deserialize, Serialize};
 
-use super::grad::summarize;
-use super::state::{self, StateReader, OPTIMIZER_KEY, VERSION_KEY};
-use super::{Finite, OptimError, Optimizer, Result, StepStats};
+use super::group::GroupOptimizer;
+use super::host;
+use super::rule::{ParamState, UpdateRule};
+use super::{OptimError, Result};
 
 const NAME: &str = "adamw";
-const STATE_VERSION: &str = "1";
-const HYPER_KEY: &str = "adamw.hyperparams";
-const STEPS_KEY: &str = "adamw.steps";
-const EXP_AVG: &str = ".exp_avg";
-const EXP_AVG_SQ: &str = ".exp_avg_sq";
+const EXP_AVG: &str = "exp_avg";
+const EXP_AVG_SQ: &str = "exp_avg_sq";
 
 /// AdamW hyper-parameters. `Default` is torch's: lr 1e-3, betas (0.9, 0.999), eps 1e-8,
 /// weight_decay 1e-2.
@@ -95,349 +93,209 @@ impl AdamWParams {
     }
 }
 
-/// One parameter and its optimizer state, kept side by side.
-#[derive(Debug)]
-pub struct ParamState {
-    name: String,
-    var: Var,
-    /// First moment, f32, same shape and device as `var`.
-    exp_avg: Tensor,
-    /// Second moment, f32, same shape and device as `var`.
-    exp_avg_sq: Tensor,
-    /// Steps this parameter has been updated (torch's per-parameter `state["step"]`).
-    step: u64,
-}
-
-impl ParamState {
-    fn new(name: String, var: Var) -> Result<Self> {
-        let zeros = Tensor::zeros(var.shape(), DType::F32, var.device())?;
-        Ok(Self {
-            name,
-            var,
-            exp_avg: zeros.clone(),
-            exp_avg_sq: zeros,
-            step: 0,
-        })
-    }
-
-    pub fn name(&self) -> &str {
-        &self.name
-    }
-    pub fn var(&self) -> &Var {
-        &self.var
-    }
-    pub fn exp_avg(&self) -> &Tensor {
-        &self.exp_avg
-    }
-    pub fn exp_avg_sq(&self) -> &Tensor {
-        &self.exp_avg_sq
-    }
-    pub fn step(&self) -> u64 {
-        self.step
-    }
-
-    /// One AdamW update of this parameter from `grad`, computed in f32.
-    fn update(&mut self, grad: &Tensor, h: &AdamWParams) -> candle_core::Result<()> {
-        // A Var's gradient from candle's backward still tracks the ops that made it (only
-        // intermediate gradients are detached): keeping it in the moments would chain every
-        // step's forward graph into the state, a leak of one activation set per step.
-        let g = grad.detach().to_dtype(DType::F32)?;
-        let t = self.step + 1;
-        let m = (&self.exp_avg + ((&g - &self.exp_avg)? * (1.0 - h.beta1))?)?;
-        let v = ((&self.exp_avg_sq * h.beta2)? + (g.sqr()? * (1.0 - h.beta2))?)?;
-        // Bias corrections in f64 on the host, as torch computes them from a Python float step
-        // (`beta ** step` is C `pow`, hence powf and not powi).
-        let bc1 = 1.0 - h.beta1.powf(t as f64);
-        let bc2_sqrt = (1.0 - h.beta2.powf(t as f64)).sqrt();
-        let step_size = h.lr / bc1;
-        let denom = ((v.sqrt()? / bc2_sqrt)? + h.eps)?;
-        let p = self.var.as_detached_tensor().to_dtype(DType::F32)?;
-        let p = (p * (1.0 - h.lr * h.weight_decay))?;
-        let p = (p - ((&m / &denom)? * step_size)?)?;
-        // Write back only after every fallible op, so an error leaves this parameter unchanged.
-        let p = p.to_dtype(self.var.dtype())?;
-        self.var.set(&p)?;
-        self.exp_avg = m;
-        self.exp_avg_sq = v;
-        self.step = t;
-        Ok(())
-    }
-}
-
-/// AdamW over a named parameter list. See the module docs for the update.
-#[derive(Debug)]
+/// The AdamW rule (see the module docs). Construct a group with [`AdamW::group`].
+#[derive(Debug, Clone, Copy)]
 pub struct AdamW {
-    params: Vec<ParamState>,
     hyper: AdamWParams,
 }
 
 impl AdamW {
-    /// Creates the optimizer with zeroed f32 moments for every parameter. Names must be unique:
-    /// they key the saved state.
-    pub fn new(params: Vec<(String, Var)>, hyper: AdamWParams) -> Result<Self> {
+    /// An AdamW optimizer over `params` at `hyper.lr`. Names must be unique: they key the saved
+    /// state.
+    pub fn group(params: Vec<(String, Var)>, hyper: AdamWParams) -> Result<GroupOptimizer> {
+        GroupOptimizer::new(Box::new(Self::rule(hyper)?), params, hyper.lr)
+    }
+
+    /// The rule alone, for [`GroupOptimizer::new`]; `hyper.lr` is the group's business.
+    pub fn rule(hyper: AdamWParams) -> Result<Self> {
         hyper.validate()?;
-        let mut seen = HashSet::new();
-        let mut states = Vec::with_capacity(params.len());
-        for (name, var) in params {
-            if !seen.insert(name.clone()) {
-                return Err(OptimError::DuplicateParam(name));
+        Ok(Self { hyper })
+    }
+}
+
+impl UpdateRule for AdamW {
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    fn init(&self, var: &Var) -> candle_core::Result<Box<dyn ParamState>> {
+        let moments = if host_kernel(var) {
+            Moments::Host {
+                m: vec![0.0; var.elem_count()],
+                v: vec![0.0; var.elem_count()],
             }
-            states.push(ParamState::new(name, var)?);
+        } else {
+            let zeros = Tensor::zeros(var.shape(), DType::F32, var.device())?;
+            Moments::Device {
+                m: zeros.clone(),
+                v: zeros,
+            }
+        };
+        Ok(Box::new(AdamWState {
+            hyper: self.hyper,
+            shape: var.dims().to_vec(),
+            moments,
+        }))
+    }
+
+    fn hyper_json(&self) -> serde_json::Value {
+        serde_json::to_value(self.hyper).unwrap_or_default()
+    }
+
+    fn state_bytes(&self, shape: &[usize]) -> usize {
+        2 * 4 * shape.iter().product::<usize>()
+    }
+}
+
+/// Whether a parameter is updated by the host kernel in its own storage (a contiguous f32 CPU
+/// Var); otherwise the moments stay on its device and the update is candle ops.
+fn host_kernel(var: &Var) -> bool {
+    var.device().is_cpu() && var.dtype() == DType::F32
+}
+
+/// The f32 moments, on the host for the kernel or on the parameter's device.
+#[derive(Debug)]
+enum Moments {
+    Host { m: Vec<f32>, v: Vec<f32> },
+    Device { m: Tensor, v: Tensor },
+}
+
+#[derive(Debug)]
+struct AdamWState {
+    hyper: AdamWParams,
+    shape: Vec<usize>,
+    moments: Moments,
+}
+
+/// The bias-corrected step's scalars for update `t`, in f64 on the host as torch computes them
+/// from a Python float step (`beta ** step` is C `pow`, hence powf and not powi).
+struct StepScalars {
+    step_size: f64,
+    bc2_sqrt: f64,
+    decay: f64,
+}
+
+impl StepScalars {
+    fn new(h: &AdamWParams, lr: f64, t: u64) -> Self {
+        Self {
+            step_size: lr / (1.0 - h.beta1.powf(t as f64)),
+            bc2_sqrt: (1.0 - h.beta2.powf(t as f64)).sqrt(),
+            decay: 1.0 - lr * h.weight_decay,
         }
-        Ok(Self {
-            params: states,
-            hyper,
+    }
+}
+
+impl ParamState for AdamWState {
+    fn update(&mut self, var: &Var, grad: &Tensor, lr: f64, t: u64) -> candle_core::Result<()> {
+        let h = self.hyper;
+        let k = StepScalars::new(&h, lr, t);
+        match &mut self.moments {
+            Moments::Host { m, v } => {
+                super::host::update_in_place(var, grad, |p, g| adamw_kernel(p, g, m, v, &h, &k))
+            }
+            Moments::Device { m, v } => {
+                let (m2, v2) = adamw_reference(var, grad, m, v, &h, &k)?;
+                *m = m2;
+                *v = v2;
+                Ok(())
+            }
+        }
+    }
+
+    fn save(&self) -> candle_core::Result<Vec<(&'static str, Tensor)>> {
+        Ok(match &self.moments {
+            Moments::Host { m, v } => vec![
+                (EXP_AVG, host::tensor_f32(m, &self.shape)?),
+                (EXP_AVG_SQ, host::tensor_f32(v, &self.shape)?),
+            ],
+            Moments::Device { m, v } => vec![(EXP_AVG, m.clone()), (EXP_AVG_SQ, v.clone())],
         })
     }
 
-    pub fn hyper(&self) -> &AdamWParams {
-        &self.hyper
-    }
-
-    /// Every parameter with its state, in construction order.
-    pub fn params(&self) -> &[ParamState] {
-        &self.params
-    }
-
-    /// The state of the parameter called `name`.
-    pub fn state(&self, name: &str) -> Option<&ParamState> {
-        self.params.iter().find(|p| p.name == name)
-    }
-
-    /// The parameters, for [`super::grad_norm`] / [`super::clip_grad_norm`].
-    pub fn vars(&self) -> impl Iterator<Item = &Var> {
-        self.params.iter().map(|p| &p.var)
-    }
-
-    fn metadata(&self) -> Result<HashMap<String, String>> {
-        let steps: BTreeMap<&str, u64> = self
-            .params
-            .iter()
-            .map(|p| (p.name.as_str(), p.step))
-            .collect();
-        let json = |e: serde_json::Error| OptimError::Format {
-            path: Default::default(),
-            msg: e.to_string(),
+    fn load(&mut self, tensors: Vec<Tensor>) -> candle_core::Result<()> {
+        let [m, v] = <[Tensor; 2]>::try_from(tensors)
+            .map_err(|_| candle_core::Error::Msg("adamw state: expected 2 tensors".into()))?;
+        self.moments = match &self.moments {
+            Moments::Host { .. } => Moments::Host {
+                m: host::host_f32(&m)?,
+                v: host::host_f32(&v)?,
+            },
+            Moments::Device { m: old, .. } => Moments::Device {
+                m: m.to_device(old.device())?,
+                v: v.to_device(old.device())?,
+            },
         };
-        Ok(HashMap::from([
-            (OPTIMIZER_KEY.to_string(), NAME.to_string()),
-            (VERSION_KEY.to_string(), STATE_VERSION.to_string()),
-            (
-                HYPER_KEY.to_string(),
-                serde_json::to_string(&self.hyper).map_err(json)?,
-            ),
-            (
-                STEPS_KEY.to_string(),
-                serde_json::to_string(&steps).map_err(json)?,
-            ),
-        ]))
+        Ok(())
     }
 
-    /// Reads and checks the whole file before anything is replaced.
-    fn read_state(&self, r: &StateReader<'_>) -> Result<Vec<(Tensor, Tensor, u64)>> {
-        let path = r.path().to_path_buf();
-        let found = r.meta(OPTIMIZER_KEY)?;
-        if found != NAME {
-            return Err(OptimError::WrongOptimizer {
-                path,
-                found: found.to_string(),
-                want: NAME,
-            });
-        }
-        let version = r.meta(VERSION_KEY)?;
-        if version != STATE_VERSION {
-            return Err(OptimError::Format {
-                path,
-                msg: format!("state version {version}, this build reads {STATE_VERSION}"),
-            });
-        }
-        let steps: HashMap<String, u64> =
-            serde_json::from_str(r.meta(STEPS_KEY)?).map_err(|e| OptimError::Format {
-                path: path.clone(),
-                msg: format!("metadata `{STEPS_KEY}`: {e}"),
-            })?;
-
-        let known: HashSet<&str> = self.params.iter().map(|p| p.name.as_str()).collect();
-        let mut unknown: Vec<String> = r
-            .names()
-            .into_iter()
-            .filter(|t| {
-                let base = t
-                    .strip_suffix(EXP_AVG_SQ)
-                    .or_else(|| t.strip_suffix(EXP_AVG));
-                !base.is_some_and(|b| known.contains(b))
-            })
-            .chain(
-                steps
-                    .keys()
-                    .filter(|k| !known.contains(k.as_str()))
-                    .map(|k| format!("{k} (step count)")),
-            )
-            .collect();
-        if !unknown.is_empty() {
-            unknown.sort();
-            return Err(OptimError::UnknownState {
-                path,
-                names: unknown,
-            });
-        }
-
-        let mut missing = Vec::new();
-        for p in &self.params {
-            let mut lacks = Vec::new();
-            for suffix in [EXP_AVG, EXP_AVG_SQ] {
-                if r.shape(&format!("{}{suffix}", p.name)).is_none() {
-                    lacks.push(&suffix[1..]);
-                }
-            }
-            if !steps.contains_key(&p.name) {
-                lacks.push("step");
-            }
-            if !lacks.is_empty() {
-                missing.push(format!("{} ({})", p.name, lacks.join(", ")));
-            }
-        }
-        if !missing.is_empty() {
-            return Err(OptimError::MissingState {
-                path,
-                names: missing,
-            });
-        }
-
-        // All shapes first, so a mismatch fails before any state is copied to the device.
-        for p in &self.params {
-            for suffix in [EXP_AVG, EXP_AVG_SQ] {
-                let name = format!("{}{suffix}", p.name);
-                let file_shape = r.shape(&name).unwrap_or_default();
-                if file_shape != p.var.dims() {
-                    return Err(OptimError::StateShape {
-                        path,
-                        name,
-                        file_shape,
-                        param_shape: p.var.dims().to_vec(),
-                    });
-                }
-            }
-        }
-        let mut out = Vec::with_capacity(self.params.len());
-        for p in &self.params {
-            let load = |suffix: &str| r.load_f32(&format!("{}{suffix}", p.name), p.var.device());
-            // Presence of every step count was checked above.
-            let step = steps.get(&p.name).copied().unwrap_or_default();
-            out.push((load(EXP_AVG)?, load(EXP_AVG_SQ)?, step));
-        }
-        Ok(out)
+    fn bytes(&self) -> usize {
+        2 * 4 * self.shape.iter().product::<usize>()
     }
 }
 
-impl AdamW {
-    /// The parameters that have a gradient in `grads`, with it; fails on a shape mismatch.
-    fn with_grads<'g>(&self, grads: &'g GradStore) -> Result<Vec<(usize, &'g Tensor)>> {
-        let with_grad: Vec<(usize, &Tensor)> = self
-            .params
-            .iter()
-            .enumerate()
-            .filter_map(|(i, p)| grads.get(p.var.as_tensor()).map(|g| (i, g)))
-            .collect();
-        for &(i, g) in &with_grad {
-            let p = &self.params[i];
-            if g.dims() != p.var.dims() {
-                return Err(OptimError::GradShape {
-                    name: p.name.clone(),
-                    grad_shape: g.dims().to_vec(),
-                    param_shape: p.var.dims().to_vec(),
-                });
+/// The fused host kernel: one pass over each chunk of `p`, `g`, `m`, `v`, in place.
+fn adamw_kernel(
+    p: &mut [f32],
+    g: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    h: &AdamWParams,
+    k: &StepScalars,
+) {
+    use rayon::prelude::*;
+    // The weights are rounded from f64, as torch passes `1 − β` as a Python float.
+    let b2 = h.beta2 as f32;
+    let (w1, w2) = ((1.0 - h.beta1) as f32, (1.0 - h.beta2) as f32);
+    let (step_size, bc2_sqrt, eps, decay) = (
+        k.step_size as f32,
+        k.bc2_sqrt as f32,
+        h.eps as f32,
+        k.decay as f32,
+    );
+    const CHUNK: usize = 1 << 14;
+    p.par_chunks_mut(CHUNK)
+        .zip(g.par_chunks(CHUNK))
+        .zip(m.par_chunks_mut(CHUNK).zip(v.par_chunks_mut(CHUNK)))
+        .for_each(|((p, g), (m, v))| {
+            for i in 0..p.len() {
+                let gi = g[i];
+                // torch: exp_avg.lerp_(g, 1 − β1); exp_avg_sq.mul_(β2).addcmul_(g, g, 1 − β2)
+                m[i] += w1 * (gi - m[i]);
+                v[i] = v[i] * b2 + w2 * gi * gi;
+                let denom = v[i].sqrt() / bc2_sqrt + eps;
+                p[i] = p[i] * decay - step_size * (m[i] / denom);
             }
-        }
-        Ok(with_grad)
-    }
-
-    fn apply(&mut self, with_grad: Vec<(usize, &Tensor)>) -> Result<()> {
-        let hyper = self.hyper;
-        for (i, g) in with_grad {
-            let p = &mut self.params[i];
-            p.update(g, &hyper).map_err(|e| OptimError::Tensor {
-                name: p.name.clone(),
-                source: Box::new(e),
-            })?;
-        }
-        Ok(())
-    }
+        });
 }
 
-impl Optimizer for AdamW {
-    fn step(&mut self, grads: &GradStore) -> Result<StepStats> {
-        let with_grad = self.with_grads(grads)?;
-        // The finiteness check is a GPU→CPU sync point (one copy of per-parameter sums).
-        let gs: Vec<&Tensor> = with_grad.iter().map(|&(_, g)| g).collect();
-        let summary = summarize(&gs)?;
-        let mut stats = StepStats {
-            grad_norm: summary.norm,
-            updated: with_grad.len(),
-            no_grad: self.params.len() - with_grad.len(),
-            ..StepStats::default()
-        };
-        if !summary.nonfinite.is_empty() {
-            stats.skipped_nonfinite = true;
-            stats.updated = 0;
-            stats.nonfinite_params = summary
-                .nonfinite
-                .iter()
-                .map(|&k| self.params[with_grad[k].0].name.clone())
-                .collect();
-            return Ok(stats);
-        }
-        self.apply(with_grad)?;
-        Ok(stats)
-    }
-
-    fn step_checked(&mut self, grads: &GradStore, _finite: Finite) -> Result<StepStats> {
-        let with_grad = self.with_grads(grads)?;
-        let stats = StepStats {
-            grad_norm: f32::NAN,
-            updated: with_grad.len(),
-            no_grad: self.params.len() - with_grad.len(),
-            ..StepStats::default()
-        };
-        self.apply(with_grad)?;
-        Ok(stats)
-    }
-
-    fn learning_rate(&self) -> f64 {
-        self.hyper.lr
-    }
-
-    fn set_learning_rate(&mut self, lr: f64) {
-        self.hyper.lr = lr;
-    }
-
-    /// The saved hyper-parameters are informational: on load the running configuration stays the
-    /// source of truth (torch's `load_state_dict` would restore them; the trainer's config-hash
-    /// check is what guards a resume against changed settings).
-    fn save_state(&self, path: &Path) -> Result<()> {
-        let mut tensors = Vec::with_capacity(2 * self.params.len());
-        for p in &self.params {
-            tensors.push((format!("{}{EXP_AVG}", p.name), p.exp_avg.clone()));
-            tensors.push((format!("{}{EXP_AVG_SQ}", p.name), p.exp_avg_sq.clone()));
-        }
-        let meta = self.metadata()?;
-        state::write_atomic(path, &tensors, meta)
-    }
-
-    fn load_state(&mut self, path: &Path) -> Result<()> {
-        let loaded = state::read(path, |r| self.read_state(r))?;
-        for (p, (m, v, step)) in self.params.iter_mut().zip(loaded) {
-            p.exp_avg = m;
-            p.exp_avg_sq = v;
-            p.step = step;
-        }
-        Ok(())
-    }
+/// The same update as candle ops on the parameter's device: the reference the kernel is tested
+/// against, and the path for parameters the kernel does not take. Returns the new moments; the
+/// parameter is written only after every fallible op.
+fn adamw_reference(
+    var: &Var,
+    grad: &Tensor,
+    m: &Tensor,
+    v: &Tensor,
+    h: &AdamWParams,
+    k: &StepScalars,
+) -> candle_core::Result<(Tensor, Tensor)> {
+    // A Var's gradient from candle's backward still tracks the ops that made it: keeping it in
+    // the moments would chain every step's forward graph into the state.
+    let g = grad.detach().to_dtype(DType::F32)?;
+    let m = (m + ((&g - m)? * (1.0 - h.beta1))?)?;
+    let v = ((v * h.beta2)? + (g.sqr()? * (1.0 - h.beta2))?)?;
+    let denom = ((v.sqrt()? / k.bc2_sqrt)? + h.eps)?;
+    let p = var.as_detached_tensor().to_dtype(DType::F32)?;
+    let p = ((p * k.decay)? - ((&m / &denom)? * k.step_size)?)?;
+    var.set(&p.to_dtype(var.dtype())?)?;
+    Ok((m, v))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::optim::{OptimError, Optimizer};
+    use candle_core::backprop::GradStore;
     use candle_core::Device;
 
     fn var(vals: &[f32]) -> Var {
@@ -450,7 +308,7 @@ mod tests {
             beta2: 1.0,
             ..AdamWParams::default()
         };
-        let err = AdamW::new(vec![], bad).unwrap_err();
+        let err = AdamW::group(vec![], bad).unwrap_err();
         assert!(err.to_string().contains("beta2"), "{err}");
     }
 
@@ -460,7 +318,7 @@ mod tests {
             ("a".to_string(), var(&[1.0])),
             ("a".to_string(), var(&[2.0])),
         ];
-        let err = AdamW::new(p, AdamWParams::default()).unwrap_err();
+        let err = AdamW::group(p, AdamWParams::default()).unwrap_err();
         assert!(
             matches!(err, OptimError::DuplicateParam(ref n) if n == "a"),
             "{err}"
@@ -471,7 +329,7 @@ mod tests {
     #[test]
     fn first_step_matches_closed_form() {
         let w = var(&[0.5, -1.0]);
-        let mut opt = AdamW::new(vec![("w".into(), w.clone())], AdamWParams::default()).unwrap();
+        let mut opt = AdamW::group(vec![("w".into(), w.clone())], AdamWParams::default()).unwrap();
         let mut g = GradStore::default();
         g.insert(&w, Tensor::new(&[2.0f32, -0.25], &Device::Cpu).unwrap());
         let stats = opt.step(&g).unwrap();
@@ -491,9 +349,10 @@ mod tests {
     #[test]
     fn step_checked_updates_exactly_as_step() {
         let (a, b) = (var(&[0.5, -1.0]), var(&[0.5, -1.0]));
-        let mut plain = AdamW::new(vec![("w".into(), a.clone())], AdamWParams::default()).unwrap();
+        let mut plain =
+            AdamW::group(vec![("w".into(), a.clone())], AdamWParams::default()).unwrap();
         let mut checked =
-            AdamW::new(vec![("w".into(), b.clone())], AdamWParams::default()).unwrap();
+            AdamW::group(vec![("w".into(), b.clone())], AdamWParams::default()).unwrap();
         for k in 0..3 {
             let grad = |v: &Var| {
                 let mut g = GradStore::default();
@@ -519,7 +378,7 @@ mod tests {
     fn param_without_grad_is_untouched_and_its_step_does_not_advance() {
         let a = var(&[1.0]);
         let b = var(&[1.0]);
-        let mut opt = AdamW::new(
+        let mut opt = AdamW::group(
             vec![("a".into(), a.clone()), ("b".into(), b.clone())],
             AdamWParams::default(),
         )
@@ -536,7 +395,7 @@ mod tests {
     #[test]
     fn grad_with_wrong_shape_is_an_error_naming_the_param() {
         let a = var(&[1.0, 2.0]);
-        let mut opt = AdamW::new(vec![("a".into(), a.clone())], AdamWParams::default()).unwrap();
+        let mut opt = AdamW::group(vec![("a".into(), a.clone())], AdamWParams::default()).unwrap();
         let mut g = GradStore::default();
         g.insert(&a, Tensor::new(&[1.0f32], &Device::Cpu).unwrap());
         let err = opt.step(&g).unwrap_err();

@@ -2,17 +2,28 @@
 //!
 //! - [`Optimizer`]: the narrow trait every optimizer implements. It mirrors candle-nn's
 //!   `Optimizer` (`step(&GradStore)`, `learning_rate`, `set_learning_rate`) and adds state
-//!   save/load. Constructors are inherent (`AdamW::new`) rather than a trait method, so the trait
+//!   save/load. Constructors are inherent (`AdamW::rule`, `GroupOptimizer::new`) rather than a trait method, so the trait
 //!   stays object-safe and the trainer can hold a `Box<dyn Optimizer>` chosen from optimizer.json.
-//! - [`AdamW`]: torch.optim.AdamW semantics, decoupled weight decay (Loshchilov & Hutter,
-//!   arXiv 1711.05101), f32 moments whatever the parameter dtype.
+//! - [`GroupOptimizer`]: one parameter group under one [`UpdateRule`], with every check the
+//!   optimizers share (shapes, the non-finite skip, step counts, the state file).
+//! - The rules: [`AdamW`] (torch.optim.AdamW), [`AdamW8bit`] (bitsandbytes' blockwise 8-bit
+//!   AdamW, [`quant8`]), [`Lion`] (f32 or 8-bit momentum) and [`Adafactor`] (transformers'). Each
+//!   updates one tensor from its own gradient, through a fused host kernel ([`host`]) with a plain
+//!   reference beside it.
 //! - [`LrSchedule`]: constant/linear/cosine/polynomial with warmup, a pure function of the step,
 //!   matching diffusers' `get_scheduler`.
 //! - [`grad_norm`] / [`clip_grad_norm`]: global L2 norm of the gradients, as the trainer logs it.
 //! - [`state`]: the atomic safetensors file the optimizer state is saved to.
 
+pub mod adafactor;
 pub mod adamw;
+pub mod adamw8bit;
 pub mod grad;
+pub mod group;
+pub mod host;
+pub mod lion;
+pub mod quant8;
+pub mod rule;
 pub mod schedule;
 pub mod state;
 
@@ -20,8 +31,13 @@ use std::path::{Path, PathBuf};
 
 use candle_core::backprop::GradStore;
 
-pub use adamw::{AdamW, AdamWParams, ParamState};
+pub use adafactor::{Adafactor, AdafactorParams};
+pub use adamw::{AdamW, AdamWParams};
+pub use adamw8bit::AdamW8bit;
 pub use grad::{clip_grad_norm, grad_norm, Finite, StepCheck};
+pub use group::{GroupOptimizer, StateView};
+pub use lion::{Lion, LionParams};
+pub use rule::{ParamState, UpdateRule};
 pub use schedule::{LrSchedule, ScheduleError, ScheduleKind};
 
 /// Errors from the optimizers and their state files.
@@ -70,12 +86,17 @@ pub enum OptimError {
         file_shape: Vec<usize>,
         param_shape: Vec<usize>,
     },
-    #[error("optimizer state {}: {name} is stored as {dtype}, expected f32", path.display())]
+    #[error("optimizer state {}: {name} is stored as {found}, expected {want}", path.display())]
     StateDType {
         path: PathBuf,
         name: String,
-        dtype: String,
+        found: String,
+        want: String,
     },
+    #[error("the optimizer holds no parameter of shape {0}")]
+    UnknownParam(String),
+    #[error("gradient for {0} holds NaN or infinity; the update was refused")]
+    NonFinite(String),
     #[error("optimizer state {}: no state for {} parameter(s): {}", path.display(), names.len(), names.join(", "))]
     MissingState { path: PathBuf, names: Vec<String> },
     #[error("optimizer state {}: state for {} unknown parameter(s): {}", path.display(), names.len(), names.join(", "))]
@@ -121,4 +142,6 @@ pub trait Optimizer {
     /// Replaces the state with the one in `path`. Fails, changing nothing, unless every parameter
     /// has state of the right shape and the file holds no state for unknown parameters.
     fn load_state(&mut self, path: &Path) -> Result<()>;
+    /// Bytes of optimizer state held.
+    fn state_bytes(&self) -> usize;
 }

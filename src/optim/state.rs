@@ -1,4 +1,4 @@
-//! The on-disk optimizer state: one safetensors file of f32 tensors plus string metadata.
+//! The on-disk optimizer state: one safetensors file of f32 and u8 tensors plus string metadata.
 //!
 //! Tensors are named as torch names them in `Optimizer.state_dict()`, prefixed by the parameter
 //! name (`<param>.exp_avg`, `<param>.exp_avg_sq`). Per-parameter step counts and the
@@ -31,18 +31,41 @@ fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> OptimError + '_ {
     }
 }
 
-/// A tensor viewed as f32 little-endian bytes, converted lazily so only one tensor at a time is
-/// copied to the host while the file is written. `View::data` cannot fail, so a conversion error
-/// is parked in `err` and reported after serialisation.
-struct F32View<'a> {
+/// A tensor viewed as little-endian bytes of its own dtype, copied to the host lazily so only one
+/// tensor at a time is on the host while the file is written. `View::data` cannot fail, so a
+/// conversion error is parked in `err` and reported after serialisation.
+struct TensorView<'a> {
     tensor: &'a Tensor,
+    dtype: Dtype,
     shape: Vec<usize>,
     err: &'a RefCell<Option<candle_core::Error>>,
 }
 
-impl View for F32View<'_> {
+/// The safetensors dtype a state tensor is stored as: f32 moments, u8 codes.
+fn file_dtype(d: DType) -> candle_core::Result<Dtype> {
+    match d {
+        DType::F32 => Ok(Dtype::F32),
+        DType::U8 => Ok(Dtype::U8),
+        other => candle_core::bail!("optimizer state of dtype {other:?} cannot be saved"),
+    }
+}
+
+fn host_bytes(t: &Tensor) -> candle_core::Result<Vec<u8>> {
+    let t = t.flatten_all()?;
+    Ok(match t.dtype() {
+        DType::U8 => t.to_vec1::<u8>()?,
+        _ => t
+            .to_dtype(DType::F32)?
+            .to_vec1::<f32>()?
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect(),
+    })
+}
+
+impl View for TensorView<'_> {
     fn dtype(&self) -> Dtype {
-        Dtype::F32
+        self.dtype
     }
 
     fn shape(&self) -> &[usize] {
@@ -50,13 +73,8 @@ impl View for F32View<'_> {
     }
 
     fn data(&self) -> Cow<'_, [u8]> {
-        let values = self
-            .tensor
-            .to_dtype(DType::F32)
-            .and_then(|t| t.flatten_all())
-            .and_then(|t| t.to_vec1::<f32>());
-        match values {
-            Ok(v) => Cow::Owned(v.iter().flat_map(|x| x.to_le_bytes()).collect()),
+        match host_bytes(self.tensor) {
+            Ok(v) => Cow::Owned(v),
             Err(e) => {
                 self.err.borrow_mut().get_or_insert(e);
                 Cow::Owned(vec![0u8; self.data_len()])
@@ -65,30 +83,35 @@ impl View for F32View<'_> {
     }
 
     fn data_len(&self) -> usize {
-        self.shape.iter().product::<usize>() * 4
+        self.shape.iter().product::<usize>() * self.dtype.bitsize() / 8
     }
 }
 
-/// Writes `tensors` (stored as f32) and `metadata` to `path` atomically.
+/// Writes `tensors` (f32 or u8; other float dtypes are stored as f32) and `metadata` to `path`
+/// atomically.
 pub fn write_atomic(
     path: &Path,
     tensors: &[(String, Tensor)],
     metadata: HashMap<String, String>,
 ) -> Result<()> {
+    let mut views = Vec::with_capacity(tensors.len());
+    let err = RefCell::new(None);
+    for (name, t) in tensors {
+        let dtype = match t.dtype() {
+            DType::BF16 | DType::F16 => Dtype::F32,
+            d => file_dtype(d)?,
+        };
+        let view = TensorView {
+            tensor: t,
+            dtype,
+            shape: t.dims().to_vec(),
+            err: &err,
+        };
+        views.push((name.clone(), view));
+    }
     crate::fsutil::write_atomic_to_path(path, |tmp| {
-        let err = RefCell::new(None);
-        let views = tensors.iter().map(|(name, t)| {
-            (
-                name.clone(),
-                F32View {
-                    tensor: t,
-                    shape: t.dims().to_vec(),
-                    err: &err,
-                },
-            )
-        });
         let written = safetensors::tensor::serialize_to_file(views, Some(metadata), tmp);
-        match (written, err.into_inner()) {
+        match (written, err.take()) {
             (Err(e), _) => Err(OptimError::Format {
                 path: path.to_path_buf(),
                 msg: e.to_string(),
@@ -127,29 +150,41 @@ impl StateReader<'_> {
         self.st.names().into_iter().map(String::from).collect()
     }
 
-    /// Shape of tensor `name`, if present.
-    pub fn shape(&self, name: &str) -> Option<Vec<usize>> {
-        self.st.tensor(name).ok().map(|v| v.shape().to_vec())
+    /// Shape and dtype of tensor `name`, if present (a dtype sdtrain never writes reads as
+    /// `None` too, so it is reported as missing state).
+    pub fn shape_and_dtype(&self, name: &str) -> Option<(Vec<usize>, DType)> {
+        let v = self.st.tensor(name).ok()?;
+        let dtype = match v.dtype() {
+            Dtype::F32 => DType::F32,
+            Dtype::U8 => DType::U8,
+            _ => return None,
+        };
+        Some((v.shape().to_vec(), dtype))
     }
 
-    /// Loads tensor `name` (which must be f32) onto `device`.
-    pub fn load_f32(&self, name: &str, device: &Device) -> Result<Tensor> {
+    /// Loads tensor `name` onto the CPU in its stored dtype (f32 or u8).
+    pub fn load(&self, name: &str) -> Result<Tensor> {
         let view = self.st.tensor(name).map_err(|e| OptimError::Format {
             path: self.path.to_path_buf(),
             msg: format!("{name}: {e}"),
         })?;
-        if view.dtype() != Dtype::F32 {
-            return Err(OptimError::StateDType {
-                path: self.path.to_path_buf(),
-                name: name.to_string(),
-                dtype: format!("{:?}", view.dtype()),
-            });
-        }
+        let dtype = match view.dtype() {
+            Dtype::F32 => DType::F32,
+            Dtype::U8 => DType::U8,
+            other => {
+                return Err(OptimError::StateDType {
+                    path: self.path.to_path_buf(),
+                    name: name.to_string(),
+                    found: format!("{other:?}"),
+                    want: "F32 or U8".to_string(),
+                })
+            }
+        };
         Ok(Tensor::from_raw_buffer(
             view.data(),
-            DType::F32,
+            dtype,
             view.shape(),
-            device,
+            &Device::Cpu,
         )?)
     }
 }
@@ -184,7 +219,9 @@ mod tests {
             .to_dtype(DType::BF16)
             .unwrap();
         let meta = HashMap::from([("k".to_string(), "v".to_string())]);
-        write_atomic(&path, &[("a".into(), a.clone()), ("b".into(), b)], meta).unwrap();
+        let c = Tensor::new(&[0u8, 7, 255], &Device::Cpu).unwrap();
+        let tensors = [("a".into(), a.clone()), ("b".into(), b), ("c".into(), c)];
+        write_atomic(&path, &tensors, meta).unwrap();
         let names: Vec<_> = std::fs::read_dir(dir.path())
             .unwrap()
             .map(|e| e.unwrap().file_name())
@@ -195,12 +232,17 @@ mod tests {
             assert!(r.meta("nope").is_err());
             let mut names = r.names();
             names.sort();
-            assert_eq!(names, vec!["a", "b"]);
-            assert_eq!(r.shape("a"), Some(vec![2, 2]));
-            let a2 = r.load_f32("a", &Device::Cpu).unwrap();
+            assert_eq!(names, vec!["a", "b", "c"]);
+            assert_eq!(r.shape_and_dtype("a"), Some((vec![2, 2], DType::F32)));
+            let a2 = r.load("a").unwrap();
             assert_eq!(a2.to_vec2::<f32>().unwrap(), a.to_vec2::<f32>().unwrap());
-            let b2 = r.load_f32("b", &Device::Cpu).unwrap();
+            let b2 = r.load("b").unwrap();
             assert_eq!(b2.to_vec1::<f32>().unwrap(), vec![7.0]);
+            let c2 = r.load("c").unwrap();
+            assert_eq!(
+                (c2.dtype(), c2.to_vec1::<u8>().unwrap()),
+                (DType::U8, vec![0, 7, 255])
+            );
             Ok(())
         })
         .unwrap();

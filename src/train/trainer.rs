@@ -20,7 +20,7 @@ use super::progress::Progress;
 use super::run_dir::RunDir;
 use super::step::{forward_backward, prepare_batch, StepSettings};
 use super::te_freeze::text_encoder_param_trains;
-use crate::config::ParamGroupPlan;
+use crate::config::{OptimizerKind, ParamGroupPlan};
 use crate::config::{TrainMode, TrainPlan};
 use crate::data::{load_data_root, LoadedDataset};
 use crate::diffusion::{NoiseSchedule, Objective, ObjectiveConfig};
@@ -30,7 +30,10 @@ use crate::model::files::Component;
 use crate::model::pipeline::{LoadOptions, StableDiffusion};
 use crate::model::source::ModelSource;
 use crate::nn::Checkpointing;
-use crate::optim::{AdamW, AdamWParams, LrSchedule, Optimizer, StepCheck};
+use crate::optim::{
+    clip_grad_norm, Adafactor, AdafactorParams, AdamW, AdamW8bit, AdamWParams, GroupOptimizer,
+    Lion, LionParams, LrSchedule, Optimizer, StepCheck, UpdateRule,
+};
 use crate::precision::{scaler_for, Amp, LossScaler, ScaleChange};
 
 /// How to run, beyond the plan.
@@ -67,9 +70,49 @@ impl TrainOutcome {
 /// One optimizer over one parameter group, with its schedule.
 struct Group {
     name: &'static str,
-    optimizer: AdamW,
+    optimizer: Box<dyn Optimizer>,
+    /// The group's parameters, for clipping and the gradient check.
+    vars: Vec<Var>,
     schedule: LrSchedule,
     base_lr: f64,
+}
+
+/// The optimizer a group's plan names, over `params`.
+pub(crate) fn build_optimizer(
+    plan: &ParamGroupPlan,
+    params: Vec<(String, Var)>,
+) -> crate::optim::Result<GroupOptimizer> {
+    GroupOptimizer::new(update_rule(plan)?, params, plan.lr)
+}
+
+/// The update rule a group's plan names.
+pub(crate) fn update_rule(plan: &ParamGroupPlan) -> crate::optim::Result<Box<dyn UpdateRule>> {
+    let adam = AdamWParams {
+        lr: plan.lr,
+        beta1: plan.betas.0,
+        beta2: plan.betas.1,
+        eps: plan.epsilon,
+        weight_decay: plan.weight_decay,
+    };
+    let lion = LionParams {
+        beta1: plan.betas.0,
+        beta2: plan.betas.1,
+        weight_decay: plan.weight_decay,
+    };
+    Ok(match plan.optimizer {
+        OptimizerKind::AdamW => Box::new(AdamW::rule(adam)?),
+        OptimizerKind::AdamW8bit => Box::new(AdamW8bit::rule(adam)?),
+        OptimizerKind::Lion => Box::new(Lion::rule(lion, false)?),
+        OptimizerKind::Lion8bit => Box::new(Lion::rule(lion, true)?),
+        OptimizerKind::Adafactor => Box::new(Adafactor::rule(AdafactorParams {
+            eps: plan.adafactor.eps,
+            clip_threshold: plan.adafactor.clip_threshold,
+            decay_rate: plan.adafactor.decay_rate,
+            beta1: plan.adafactor.beta1,
+            weight_decay: plan.weight_decay,
+            scale_parameter: plan.adafactor.scale_parameter,
+        })?),
+    })
 }
 
 impl Group {
@@ -88,17 +131,13 @@ impl Group {
         schedule
             .validate(plan.lr)
             .with_context(|| format!("{name} lr schedule"))?;
-        let hyper = AdamWParams {
-            lr: plan.lr,
-            beta1: plan.betas.0,
-            beta2: plan.betas.1,
-            eps: plan.epsilon,
-            weight_decay: plan.weight_decay,
-        };
-        let optimizer = AdamW::new(params, hyper).with_context(|| format!("{name} optimizer"))?;
+        let vars = params.iter().map(|(_, v)| v.clone()).collect();
+        let optimizer =
+            build_optimizer(plan, params).with_context(|| format!("{name} optimizer"))?;
         Ok(Self {
             name,
-            optimizer,
+            optimizer: Box::new(optimizer),
+            vars,
             schedule,
             base_lr: plan.lr,
         })
@@ -209,10 +248,7 @@ impl<'a> Session<'a> {
         let total_steps = plan.total_steps(steps_per_epoch as u64);
         let total_steps = usize::try_from(total_steps).unwrap_or(usize::MAX);
         let groups = param_groups(&sd, plan, adapters.as_ref(), total_steps as u64)?;
-        let params: Vec<Var> = groups
-            .iter()
-            .flat_map(|g| g.optimizer.vars().cloned())
-            .collect();
+        let params: Vec<Var> = groups.iter().flat_map(|g| g.vars.iter().cloned()).collect();
         let checkpointing = if plan.precision.gradient_checkpointing {
             let ck = Checkpointing::new(params.clone(), &opts.device)?;
             sd.unet.checkpointing = Some(ck.clone());
@@ -311,8 +347,22 @@ impl<'a> Session<'a> {
             let (loss, grads) = forward_backward(&self.sd, &batch, &settings, weight, loss_scale)?;
             acc.add(loss, grads, batch.len())?;
         }
-        let Some(done) = acc.finish(loss_scale)? else {
+        let Some(mut done) = acc.finish(loss_scale)? else {
             bail!("optimizer step {} had no micro-batches", step + 1);
+        };
+        // EveryDream2's clip_grad_norm: each group clipped to the norm on its own (UNet, text
+        // encoder); the logged norm is the global one before clipping.
+        let pre_clip = match self.plan.clip_grad_norm {
+            Some(max) => {
+                let mut sq = 0f64;
+                for g in &self.groups {
+                    let n = clip_grad_norm(&g.vars, &mut done.grads, max)
+                        .with_context(|| format!("{} gradient clipping", g.name))?;
+                    sq += f64::from(n).powi(2);
+                }
+                Some(sq.sqrt())
+            }
+            None => None,
         };
         // The step's one device→host sync: the loss and every gradient's sum of squares.
         let present: Vec<&Tensor> = self
@@ -337,7 +387,7 @@ impl<'a> Session<'a> {
         }
         Ok(StepReport {
             loss: check.loss,
-            grad_norm: f64::from(check.grad_norm),
+            grad_norm: pre_clip.unwrap_or(f64::from(check.grad_norm)),
             applied: finite.is_some(),
             lrs,
             images: done.samples,
