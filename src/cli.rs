@@ -101,7 +101,14 @@ fn run_train(args: &TrainArgs) -> anyhow::Result<ExitCode> {
     };
     let plan = TrainPlan::resolve(config, &args.set)?;
     if args.dry_run {
-        print_stdout(&format_args!("{plan}\n"))?;
+        print_stdout(&format_args!("{plan}"))?;
+        // The state size needs the model's headers; a model that is not at hand only costs
+        // this line.
+        match train::state_estimate::estimate(&plan) {
+            Ok(estimate) => print_stdout(&estimate)?,
+            Err(e) => print_stdout(&format_args!("{:<15}unknown: {e:#}\n", "optim. state"))?,
+        }
+        print_stdout(&"\n")?;
         return Ok(ExitCode::SUCCESS);
     }
     let device = if args.cpu {

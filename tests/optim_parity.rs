@@ -259,3 +259,39 @@ fn adamw8bit_state_is_at_most_2_05_bytes_per_parameter() {
     let opt = GroupOptimizer::new(Box::new(rule), vec![("w".into(), v)], 1e-3).unwrap();
     assert_eq!(opt.state_bytes(), rule.state_bytes(&[1280, 512]));
 }
+
+/// `update_one` (what a fused backward pass calls as each gradient is ready) does exactly what a
+/// step with that gradient alone does, and refuses a non-finite gradient without a change.
+#[test]
+fn update_one_equals_a_step_with_that_gradient_alone() {
+    let rule =
+        || -> Box<dyn UpdateRule> { Box::new(AdamW8bit::rule(AdamWParams::default()).unwrap()) };
+    let make = || {
+        let t = Tensor::arange(0f32, 5000.0, &Device::Cpu).unwrap();
+        Var::from_tensor(&(t / 5000.0).unwrap()).unwrap()
+    };
+    let (a, b, other) = (make(), make(), make());
+    let mut by_step = GroupOptimizer::new(rule(), vec![("a".into(), a.clone())], 1e-2).unwrap();
+    let mut by_one = GroupOptimizer::new(
+        rule(),
+        vec![("b".into(), b.clone()), ("other".into(), other.clone())],
+        1e-2,
+    )
+    .unwrap();
+    let g = Tensor::full(0.5f32, 5000, &Device::Cpu).unwrap();
+    let mut store = GradStore::default();
+    store.insert(a.as_tensor(), g.clone());
+    by_step.step(&store).unwrap();
+    by_one.update_one(&b, &g).unwrap();
+    let values = |v: &Var| v.to_vec1::<f32>().unwrap();
+    assert_eq!(values(&a), values(&b));
+    assert_eq!(by_one.param_step("b"), Some(1));
+    assert_eq!(by_one.param_step("other"), Some(0));
+    let bad = Tensor::full(f32::NAN, 5000, &Device::Cpu).unwrap();
+    let before = values(&b);
+    assert!(by_one.update_one(&b, &bad).is_err());
+    assert_eq!(values(&b), before);
+    assert_eq!(by_one.param_step("b"), Some(1));
+    let stranger = make();
+    assert!(by_one.update_one(&stranger, &g).is_err());
+}

@@ -169,6 +169,14 @@ fn dry_run_prints_the_plan_and_trains_nothing() {
     );
     assert!(out.status.success(), "{}", text(&out));
     assert!(text(&out).contains('7'), "{}", text(&out));
+    // The optimizer state each group will hold, priced from the model's headers: the tiny UNet's
+    // 8-bit state is 2.03 bytes per parameter over its tensors of 4096 elements and up, f32 below.
+    let t = text(&out);
+    let line = t
+        .lines()
+        .find(|l| l.starts_with("optim. state   unet: adamw8bit, "))
+        .unwrap_or_else(|| panic!("{t}"));
+    assert!(line.contains("bytes/parameter"), "{line}");
     assert!(!tmp.path().join("out").exists());
 }
 
@@ -400,5 +408,60 @@ fn shipped_configs_resolve() {
         );
         assert!(out.status.success(), "{name}: {}", text(&out));
         assert!(text(&out).contains("rank 32"), "{name}: {}", text(&out));
+    }
+}
+
+/// Every optimizer trains a LoRA on the tiny fixture from its optimizer.json and writes its
+/// state: at rank 128 some adapters of both models reach 4096 elements, so the 8-bit optimizers
+/// hold u8 codes for them (smaller tensors keep f32 state, as bitsandbytes does). One run clips.
+#[test]
+fn every_optimizer_trains_from_optimizer_json_and_saves_its_state() {
+    for name in ["adamw", "adamw8bit", "lion", "lion8bit", "adafactor"] {
+        let tmp = tempfile::tempdir().unwrap();
+        let opt = tmp.path().join("optimizer.json");
+        let group = serde_json::json!({"optimizer": name, "lr": 1e-4});
+        std::fs::write(&opt, serde_json::json!({"base": group}).to_string()).unwrap();
+        let clip = name == "lion8bit";
+        let extra = serde_json::json!({
+            "mode": "lora",
+            "adapter": {"rank": 128, "alpha": 128},
+            "optimizer_config": opt,
+            "save_optimizer": true,
+            "clip_grad_norm": if clip { serde_json::json!(1e-3) } else { serde_json::Value::Null },
+        });
+        let cfg = write_config(tmp.path(), "tiny-sd15", &demo_data(), extra);
+        let out = sdtrain(&["--config", cfg.to_str().unwrap(), "--cpu"], tmp.path());
+        assert!(out.status.success(), "{name}: {}", text(&out));
+        let run = run_folder(tmp.path());
+        let log = std::fs::read_to_string(run.join("train_log.jsonl")).unwrap();
+        for l in log.lines() {
+            let l: serde_json::Value = serde_json::from_str(l).unwrap();
+            assert!(l["loss"].as_f64().unwrap().is_finite(), "{name}: {l}");
+            if clip {
+                // The logged norm is the one before clipping.
+                assert!(l["grad_norm"].as_f64().unwrap() > 1e-3, "{name}: {l}");
+            }
+        }
+        let states: Vec<PathBuf> = std::fs::read_dir(run.join("sdtrain-optimizer"))
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .collect();
+        assert_eq!(states.len(), 2, "{name}: {states:?}");
+        for path in states {
+            let bytes = std::fs::read(&path).unwrap();
+            let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+            let md = meta.metadata().clone().unwrap_or_default();
+            assert_eq!(md["sdtrain.optimizer"], name, "{}", path.display());
+            let has_codes = meta
+                .tensors()
+                .values()
+                .any(|t| t.dtype == safetensors::Dtype::U8);
+            assert_eq!(
+                has_codes,
+                name.ends_with("8bit"),
+                "{name} {}",
+                path.display()
+            );
+        }
     }
 }

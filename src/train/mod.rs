@@ -7,6 +7,7 @@ pub mod log;
 pub mod loss_stats;
 pub mod progress;
 pub mod run_dir;
+pub mod state_estimate;
 pub mod step;
 pub mod summary;
 pub mod te_freeze;

@@ -1,0 +1,235 @@
+//! The optimizer state a plan will hold, from the model's safetensors headers alone (no weights
+//! are read): the trained tensors of each group, as the trainer would choose them, priced by the
+//! group's optimizer. `--dry-run` prints it.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::Path;
+
+use anyhow::Context;
+use safetensors::SafeTensors;
+
+use crate::adapter::attach::{
+    text_encoder_target, unet_target, AdapterMode, AdapterSpec, LayerGeometry,
+};
+use crate::adapter::lora::LoraKind;
+use crate::config::{ParamGroupPlan, TrainMode, TrainPlan};
+use crate::model::family::ModelLayout;
+use crate::model::files::Component;
+use crate::model::source::ModelSource;
+
+use super::te_freeze::text_encoder_param_trains;
+use super::trainer::update_rule;
+
+/// One group's trained parameters and the bytes of optimizer state they take.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GroupState {
+    pub name: &'static str,
+    pub optimizer: &'static str,
+    pub params: u64,
+    pub bytes: u64,
+}
+
+/// Every group of a plan.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StateEstimate(pub Vec<GroupState>);
+
+impl fmt::Display for StateEstimate {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for g in &self.0 {
+            let per = if g.params == 0 {
+                0.0
+            } else {
+                g.bytes as f64 / g.params as f64
+            };
+            writeln!(
+                f,
+                "{:<15}{}: {}, {} trained parameters, {:.2} MiB ({per:.2} bytes/parameter)",
+                "optim. state",
+                g.name,
+                g.optimizer,
+                g.params,
+                g.bytes as f64 / (1u64 << 20) as f64
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// Tensor name → shape over a component's files.
+fn shapes(files: &[impl AsRef<Path>]) -> anyhow::Result<BTreeMap<String, Vec<usize>>> {
+    let mut out = BTreeMap::new();
+    for path in files {
+        let path = path.as_ref();
+        let file =
+            std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
+        // SAFETY: mapped read-only and dropped at the end of the iteration; only the header
+        // pages are touched.
+        let map = unsafe { memmap2::Mmap::map(&file) }
+            .with_context(|| format!("mapping {}", path.display()))?;
+        let (_, meta) = SafeTensors::read_metadata(&map)
+            .with_context(|| format!("{}: not a safetensors file", path.display()))?;
+        for (name, info) in meta.tensors() {
+            out.insert(name, info.shape.clone());
+        }
+    }
+    Ok(out)
+}
+
+/// Resolves the plan's model (offline from a local folder or the hub cache) and prices each
+/// group's trained tensors.
+pub fn estimate(plan: &TrainPlan) -> anyhow::Result<StateEstimate> {
+    let source = ModelSource::parse(&plan.model)?;
+    let dir = source.resolve()?;
+    let layout = ModelLayout::read(&dir.path, None)?;
+    let mut unet = Vec::new();
+    let mut text = Vec::new();
+    for files in &layout.components {
+        let component = files.component;
+        let is_te = matches!(component, Component::TextEncoder | Component::TextEncoder2);
+        if !(component == Component::Unet || is_te) {
+            continue;
+        }
+        let tensors = shapes(&files.weights)?;
+        let trained = if is_te {
+            text_encoder_shapes(&tensors, plan)
+        } else {
+            unet_shapes(&tensors, plan)
+        };
+        if is_te {
+            text.extend(trained);
+        } else {
+            unet.extend(trained);
+        }
+    }
+    let price =
+        |name, group: &ParamGroupPlan, shapes: &[Vec<usize>]| -> anyhow::Result<GroupState> {
+            let rule = update_rule(group)?;
+            Ok(GroupState {
+                name,
+                optimizer: group.optimizer.name(),
+                params: shapes
+                    .iter()
+                    .map(|s| s.iter().product::<usize>() as u64)
+                    .sum(),
+                bytes: shapes.iter().map(|s| rule.state_bytes(s) as u64).sum(),
+            })
+        };
+    let mut groups = vec![price("unet", &plan.optimizer.unet, &unet)?];
+    if !text.is_empty() {
+        groups.push(price("text_encoder", &plan.optimizer.text_encoder, &text)?);
+    }
+    Ok(StateEstimate(groups))
+}
+
+fn spec(plan: &TrainPlan) -> Option<AdapterSpec> {
+    let a = plan.adapter.as_ref()?;
+    let mode = match plan.mode {
+        TrainMode::Lora => AdapterMode::Lora,
+        TrainMode::Locon => AdapterMode::Locon,
+        TrainMode::Full => return None,
+    };
+    Some(AdapterSpec {
+        mode,
+        rank: a.rank,
+        alpha: a.alpha,
+        conv_rank: a.conv_rank,
+        conv_alpha: a.conv_alpha,
+        dropout: a.dropout,
+        seed: 0,
+    })
+}
+
+/// The adapter's two tensors for a base layer of weight shape `w` at `rank`.
+fn adapter_shapes(w: &[usize], rank: usize) -> Vec<Vec<usize>> {
+    match w {
+        [out, inp] => vec![vec![rank, *inp], vec![*out, rank]],
+        [out, inp, kh, kw] => vec![vec![rank, *inp, *kh, *kw], vec![*out, rank, 1, 1]],
+        _ => Vec::new(),
+    }
+}
+
+fn geometry(w: &[usize]) -> Option<LayerGeometry> {
+    match w {
+        [out, inp] => Some(LayerGeometry {
+            kind: LoraKind::Linear,
+            in_dim: *inp,
+            out_dim: *out,
+        }),
+        [out, inp, k, _] => Some(LayerGeometry {
+            kind: LoraKind::Conv {
+                kernel: *k,
+                stride: 1,
+                padding: k / 2,
+            },
+            in_dim: *inp,
+            out_dim: *out,
+        }),
+        _ => None,
+    }
+}
+
+fn unet_shapes(tensors: &BTreeMap<String, Vec<usize>>, plan: &TrainPlan) -> Vec<Vec<usize>> {
+    let Some(spec) = spec(plan) else {
+        return tensors.values().cloned().collect();
+    };
+    tensors
+        .iter()
+        .filter_map(|(name, w)| {
+            let path = name.strip_suffix(".weight")?;
+            let (rank, _) = unet_target(path, &geometry(w)?, &spec)?;
+            Some(adapter_shapes(w, rank))
+        })
+        .flatten()
+        .collect()
+}
+
+fn text_encoder_shapes(
+    tensors: &BTreeMap<String, Vec<usize>>,
+    plan: &TrainPlan,
+) -> Vec<Vec<usize>> {
+    // transformers writes the names with or without the `text_model.` prefix.
+    let named = |name: &String| {
+        if name.starts_with("text_model.") || name.starts_with("text_projection") {
+            name.clone()
+        } else {
+            format!("text_model.{name}")
+        }
+    };
+    match spec(plan) {
+        Some(spec) => {
+            if !plan.adapter.as_ref().is_some_and(|a| a.train_text_encoder) {
+                return Vec::new();
+            }
+            tensors
+                .iter()
+                .filter_map(|(name, w)| {
+                    let full = named(name);
+                    let path = full.strip_suffix(".weight")?;
+                    let (rank, _) = text_encoder_target(path, &spec)?;
+                    Some(adapter_shapes(w, rank))
+                })
+                .flatten()
+                .collect()
+        }
+        None if !plan.train_text_encoder => Vec::new(),
+        None => {
+            let layers = tensors
+                .keys()
+                .filter_map(|n| {
+                    let rest = named(n);
+                    let rest = rest.strip_prefix("text_model.encoder.layers.")?.to_string();
+                    rest.split('.').next()?.parse::<usize>().ok()
+                })
+                .max()
+                .map_or(0, |m| m + 1);
+            tensors
+                .iter()
+                .filter(|(name, _)| {
+                    text_encoder_param_trains(&named(name), layers, plan.unfreeze_last_n_layers)
+                })
+                .map(|(_, s)| s.clone())
+                .collect()
+        }
+    }
+}
