@@ -88,12 +88,16 @@ fn forward(
         let len = chunk.min(lq - start);
         let qc = (q.narrow(2, start, len)?.to_dtype(DType::F32)? * scale)?;
         let s = qc.matmul(&kt)?;
-        let m = s.max_keepdim(D::Minus1)?;
-        let p = s.broadcast_sub(&m)?.exp()?;
-        let l = p.sum_keepdim(D::Minus1)?;
-        let probs = p.broadcast_div(&l)?.to_dtype(dtype)?;
-        outs.push(super::matmul(&probs, v)?);
-        lses.push((m + l.log()?)?);
+        let (probs, lse) = if s.device().is_cpu() {
+            super::attention_cpu::softmax_lse(&s)?
+        } else {
+            let m = s.max_keepdim(D::Minus1)?;
+            let p = s.broadcast_sub(&m)?.exp()?;
+            let l = p.sum_keepdim(D::Minus1)?;
+            (p.broadcast_div(&l)?, (m + l.log()?)?)
+        };
+        outs.push(super::matmul(&probs.to_dtype(dtype)?, v)?);
+        lses.push(lse);
     }
     Ok((Tensor::cat(&outs, 2)?, Tensor::cat(&lses, 2)?))
 }
@@ -131,13 +135,27 @@ impl ChunkedAttention {
             let len = self.chunk.min(lq - start);
             let qc = q32.narrow(2, start, len)?;
             let gc = g32.narrow(2, start, len)?;
-            let s = (qc.matmul(&kt)? * self.scale)?;
-            let p = s.broadcast_sub(&self.lse.narrow(2, start, len)?)?.exp()?;
+            let lse = self.lse.narrow(2, start, len)?;
+            let d = d_rows.narrow(2, start, len)?;
+            let cpu = q32.device().is_cpu();
+            let p = if cpu {
+                // One in-place pass over the fresh score buffer.
+                let s = qc.matmul(&kt)?;
+                super::attention_cpu::probs_from_scores(&s, &lse, self.scale as f32)?;
+                s
+            } else {
+                (qc.matmul(&kt)? * self.scale)?.broadcast_sub(&lse)?.exp()?
+            };
             if v.track_op() {
                 dv = (dv + p.t()?.matmul(&gc)?)?;
             }
             let dp = gc.matmul(&vt)?;
-            let ds = ((p * dp.broadcast_sub(&d_rows.narrow(2, start, len)?)?)? * self.scale)?;
+            let ds = if cpu {
+                super::attention_cpu::score_grad(&dp, &p, &d, self.scale as f32)?;
+                dp
+            } else {
+                ((p * dp.broadcast_sub(&d)?)? * self.scale)?
+            };
             if q.track_op() {
                 dq.push(ds.matmul(&k32)?);
             }

@@ -8,6 +8,7 @@
 
 mod activation;
 mod attention;
+mod attention_cpu;
 mod checkpoint;
 mod chunked_attention;
 mod conv;
