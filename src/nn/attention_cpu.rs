@@ -82,12 +82,22 @@ impl InplaceOp2 for ProbsFromScores {
         "attention-probs-from-scores"
     }
 
-    fn cpu_fwd(&self, s1: &mut CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<()> {
+    fn cpu_fwd(
+        &self,
+        s1: &mut CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<()> {
         let lse = f32_slice(s2, l2, "lse")?;
         let s = f32_slice_mut(s1, l1, "scores")?;
         let row = s.len() / lse.len().max(1);
         if row * lse.len() != s.len() {
-            candle_core::bail!("attention kernel: {} scores for {} rows", s.len(), lse.len());
+            candle_core::bail!(
+                "attention kernel: {} scores for {} rows",
+                s.len(),
+                lse.len()
+            );
         }
         let scale = self.scale;
         s.par_chunks_mut(row * ROWS_PER_TASK)

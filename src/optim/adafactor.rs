@@ -144,6 +144,9 @@ struct State {
     m: Option<Vec<f32>>,
 }
 
+/// Elements per rayon task at least.
+const MIN_TASK: usize = 1 << 14;
+
 fn rms(x: &[f32]) -> f32 {
     let ss: f64 = x.par_iter().map(|&v| f64::from(v) * f64::from(v)).sum();
     (ss / x.len().max(1) as f64).sqrt() as f32
@@ -163,31 +166,44 @@ fn kernel(st: &mut State, p: &mut [f32], g: &[f32], lr: f64, t: u64) {
     let (rf, cf, (rows, cols)) = match (&mut st.second, factoring(&st.shape)) {
         (Second::Factored { row, col }, Some((_, r, c))) => {
             // Row means over each row's C entries; column means over each matrix's R rows.
+            // Items per rayon task, so a conv's 3×3 matrices are not one task each.
+            let per_task = |item: usize| (MIN_TASK / item.max(1)).max(1);
             row.par_iter_mut()
                 .zip(g.par_chunks(c))
+                .with_min_len(per_task(c))
                 .for_each(|(row, gr)| {
                     let mean = gr.iter().map(|x| x * x + eps1).sum::<f32>() / c as f32;
                     *row = beta2t * *row + (1.0 - beta2t) * mean;
                 });
             col.par_chunks_mut(c)
                 .zip(g.par_chunks(r * c))
+                .with_min_len(per_task(r * c))
                 .for_each(|(col, gm)| {
-                    let mut sums = vec![0f32; c];
+                    let mut small = [0f32; 16];
+                    let mut large = Vec::new();
+                    let sums: &mut [f32] = if c <= small.len() {
+                        &mut small[..c]
+                    } else {
+                        large.resize(c, 0f32);
+                        &mut large
+                    };
                     for gr in gm.chunks(c) {
                         for (s, x) in sums.iter_mut().zip(gr) {
                             *s += x * x + eps1;
                         }
                     }
-                    for (cv, s) in col.iter_mut().zip(sums) {
+                    for (cv, s) in col.iter_mut().zip(sums.iter()) {
                         *cv = beta2t * *cv + (1.0 - beta2t) * (s / r as f32);
                     }
                 });
             let mut rf = row.clone();
-            rf.par_chunks_mut(r).for_each(|rows| {
-                let mean = rows.iter().sum::<f32>() / r as f32;
-                rows.iter_mut()
-                    .for_each(|x| *x = (*x / mean).sqrt().recip());
-            });
+            rf.par_chunks_mut(r)
+                .with_min_len(per_task(r))
+                .for_each(|rows| {
+                    let mean = rows.iter().sum::<f32>() / r as f32;
+                    rows.iter_mut()
+                        .for_each(|x| *x = (*x / mean).sqrt().recip());
+                });
             let cf: Vec<f32> = col.par_iter().map(|x| x.sqrt().recip()).collect();
             (rf, cf, (r, c))
         }
@@ -195,25 +211,31 @@ fn kernel(st: &mut State, p: &mut [f32], g: &[f32], lr: f64, t: u64) {
             v.par_iter_mut().zip(g).for_each(|(v, x)| {
                 *v = beta2t * *v + (1.0 - beta2t) * (x * x + eps1);
             });
-            (Vec::new(), Vec::new(), (1, 1))
+            (Vec::new(), Vec::new(), (1, 0))
         }
         (Second::Factored { .. }, None) => unreachable!("factored state for a 1-d tensor"),
     };
+    // The preconditioner for one row of C (factored) or one chunk (not): u = pre ∘ g, computed
+    // again in each pass instead of held in a full-size buffer.
+    let width = if cols == 0 { 1 << 14 } else { cols };
     let second = &st.second;
-    // u for element i, recomputed in each pass instead of held in a full-size buffer.
-    let u_at = |i: usize, x: f32| -> f32 {
+    let pre = |row: usize, j: usize, x: f32| -> f32 {
         match second {
-            Second::Factored { .. } => {
-                let row = i / cols;
-                rf[row] * cf[(row / rows) * cols + i % cols] * x
-            }
-            Second::Full(v) => v[i].sqrt().recip() * x,
+            Second::Factored { .. } => rf[row] * cf[(row / rows) * cols + j] * x,
+            Second::Full(v) => v[row * width + j].sqrt().recip() * x,
         }
     };
+    let min_rows = (MIN_TASK / width).max(1);
     let ss: f64 = g
-        .par_iter()
+        .par_chunks(width)
+        .with_min_len(min_rows)
         .enumerate()
-        .map(|(i, &x)| f64::from(u_at(i, x)).powi(2))
+        .map(|(row, gr)| {
+            gr.iter()
+                .enumerate()
+                .map(|(j, &x)| f64::from(pre(row, j, x)).powi(2))
+                .sum::<f64>()
+        })
         .sum();
     let rms_u = (ss / g.len().max(1) as f64).sqrt() as f32;
     let clip = (rms_u / h.clip_threshold as f32).max(1.0);
@@ -227,19 +249,29 @@ fn kernel(st: &mut State, p: &mut [f32], g: &[f32], lr: f64, t: u64) {
     match (&mut st.m, h.beta1) {
         (Some(m), Some(b1)) => {
             let b1 = b1 as f32;
-            p.par_iter_mut()
-                .zip(m.par_iter_mut())
+            p.par_chunks_mut(width)
+                .zip(m.par_chunks_mut(width))
+                .zip(g.par_chunks(width))
+                .with_min_len(min_rows)
                 .enumerate()
-                .for_each(|(i, (p, m))| {
-                    let u = u_at(i, g[i]) / clip * lr_eff;
-                    *m = *m * b1 + (1.0 - b1) * u;
-                    apply(p, *m);
+                .for_each(|(row, ((p, m), g))| {
+                    for (j, ((p, m), &x)) in p.iter_mut().zip(m).zip(g).enumerate() {
+                        let u = pre(row, j, x) / clip * lr_eff;
+                        *m = *m * b1 + (1.0 - b1) * u;
+                        apply(p, *m);
+                    }
                 });
         }
-        _ => p.par_iter_mut().enumerate().for_each(|(i, p)| {
-            let u = u_at(i, g[i]) / clip * lr_eff;
-            apply(p, u);
-        }),
+        _ => p
+            .par_chunks_mut(width)
+            .zip(g.par_chunks(width))
+            .with_min_len(min_rows)
+            .enumerate()
+            .for_each(|(row, (p, g))| {
+                for (j, (p, &x)) in p.iter_mut().zip(g).enumerate() {
+                    apply(p, pre(row, j, x) / clip * lr_eff);
+                }
+            }),
     }
 }
 

@@ -19,11 +19,16 @@ pub const BLOCK: usize = 256;
 /// Tensors with fewer elements keep f32 state (bitsandbytes' `min_8bit_size`).
 pub const MIN_8BIT_SIZE: usize = 4096;
 
-/// A 256-entry quantization map, sorted ascending.
+/// A 256-entry quantization map, sorted ascending, with its lookup table for quantizing.
 #[derive(Debug, Clone, PartialEq)]
 pub struct DynamicMap {
     pub signed: bool,
     pub code: [f32; 256],
+    /// `(code[k] + code[k+1]) / 2`, in f32 as bitsandbytes computes it; `mid[255]` is +∞.
+    mid: [f32; 256],
+    /// For the top 16 bits of an f32 (sign, exponent, 7 mantissa bits): the nearest code to the
+    /// smallest value with those bits. A value then moves up past at most a few midpoints.
+    start: Vec<u8>,
 }
 
 /// `torch.linspace(start, end, steps, dtype=float32)` as torch's CPU kernel computes it: the
@@ -67,7 +72,44 @@ impl DynamicMap {
         data.sort_by(f32::total_cmp);
         let mut code = [0f32; 256];
         code.copy_from_slice(&data);
-        Self { signed, code }
+        let mut mid = [f32::INFINITY; 256];
+        for k in 0..255 {
+            mid[k] = (code[k] + code[k + 1]) * 0.5;
+        }
+        let mut map = Self {
+            signed,
+            code,
+            mid,
+            start: Vec::new(),
+        };
+        map.start = (0..=u16::MAX)
+            .map(|key| {
+                let bits = u32::from(key) << 16;
+                // The bucket's smallest value: its largest magnitude when negative.
+                let lowest = if key & 0x8000 != 0 {
+                    bits | 0xFFFF
+                } else {
+                    bits
+                };
+                let x = f32::from_bits(lowest);
+                if x.is_nan() {
+                    0
+                } else {
+                    map.nearest_from(0, x)
+                }
+            })
+            .collect();
+        map
+    }
+
+    /// The nearest code at or above `from` for `x`: the first code whose upper midpoint `x`
+    /// does not pass (ties to the lower code).
+    fn nearest_from(&self, from: u8, x: f32) -> u8 {
+        let mut k = from as usize;
+        while k < 255 && x > self.mid[k] {
+            k += 1;
+        }
+        k as u8
     }
 
     /// The code of 0.
@@ -79,9 +121,30 @@ impl DynamicMap {
         }
     }
 
-    /// The nearest code to `x` (|x| ≤ 1), by bitsandbytes' `quantize_2D` search, with the
-    /// signed map's sign fix.
+    /// The nearest code to `x` (|x| ≤ 1) through the lookup table, with the signed map's sign
+    /// fix: bitsandbytes' result but at exact midpoints, where either neighbour is nearest.
     pub fn quantize(&self, x: f32) -> u8 {
+        let start = self.start[(x.to_bits() >> 16) as usize];
+        self.sign_fix(self.nearest_from(start, x), x)
+    }
+
+    /// bitsandbytes' fix: a code whose sign differs from the value's moves one step toward it,
+    /// so a small moment never flips sign or becomes 0 (signed map only).
+    fn sign_fix(&self, q: u8, x: f32) -> u8 {
+        if self.signed && self.code[q as usize].is_sign_negative() != x.is_sign_negative() {
+            if x > 0.0 {
+                q.wrapping_add(1)
+            } else {
+                q.wrapping_sub(1)
+            }
+        } else {
+            q
+        }
+    }
+
+    /// The nearest code to `x` by bitsandbytes' `quantize_2D` binary search (`csrc/kernels.cu`),
+    /// with the sign fix: [`DynamicMap::quantize`] is tested against it.
+    pub fn quantize_search(&self, x: f32) -> u8 {
         let c = &self.code;
         let (mut pivot, mut upper_pivot, mut lower_pivot) = (127usize, 255usize, 0usize);
         let (mut lower, mut upper) = (if self.signed { -1.0f32 } else { 0.0 }, 1.0f32);
@@ -109,15 +172,7 @@ impl DynamicMap {
         } else {
             pivot
         };
-        let mut q = q as u8;
-        if self.signed && c[q as usize].is_sign_negative() != x.is_sign_negative() {
-            q = if x > 0.0 {
-                q.wrapping_add(1)
-            } else {
-                q.wrapping_sub(1)
-            };
-        }
-        q
+        self.sign_fix(q as u8, x)
     }
 
     /// The nearest code by exhaustive search (ties to the lower index), with the sign fix: the
@@ -129,15 +184,7 @@ impl DynamicMap {
                 best = i;
             }
         }
-        let mut q = best as u8;
-        if self.signed && self.code[best].is_sign_negative() != x.is_sign_negative() {
-            q = if x > 0.0 {
-                q.wrapping_add(1)
-            } else {
-                q.wrapping_sub(1)
-            };
-        }
-        q
+        self.sign_fix(best as u8, x)
     }
 }
 
@@ -268,8 +315,8 @@ mod tests {
         }
     }
 
-    /// The search equals the exhaustive nearest code everywhere but at exact midpoints, and the
-    /// sign fix keeps the sign of every nonzero value.
+    /// The lookup table and bitsandbytes' search both equal the exhaustive nearest code
+    /// everywhere but at exact midpoints, and the sign fix keeps the sign of every nonzero value.
     #[test]
     fn search_finds_the_nearest_code() {
         for signed in [true, false] {
@@ -293,6 +340,14 @@ mod tests {
                     }
                 };
                 let (a, b) = (m.quantize(x), m.quantize_reference(x));
+                let s = m.quantize_search(x);
+                if s != b {
+                    let (ds, db) = (
+                        (m.code[s as usize] - x).abs(),
+                        (m.code[b as usize] - x).abs(),
+                    );
+                    assert_eq!(ds, db, "x={x} signed={signed}: bnb search {s}, nearest {b}");
+                }
                 if a != b {
                     let (da, db) = (
                         (m.code[a as usize] - x).abs(),
