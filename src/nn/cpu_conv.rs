@@ -76,10 +76,8 @@ pub fn conv2d_input_grad_col2im(
 ) -> Result<Tensor> {
     let (c_out, c_in, k_h, k_w) = w.dims4()?;
     let (batch, g_c, g_h, g_w) = grad.dims4()?;
-    let fits = |x_len: usize, k: usize, g_len: usize| {
-        ConvGeometry::output_len(x_len, k, padding, stride) == Some(g_len)
-    };
-    if g_c != c_out || !fits(x_hw.0, k_h, g_h) || !fits(x_hw.1, k_w, g_w) {
+    let geo = ConvGeometry::for_gradient(c_in, x_hw, (k_h, k_w), (g_h, g_w), padding, stride);
+    let Some(geo) = geo.filter(|_| g_c == c_out) else {
         candle_core::bail!(
             "conv2d input grad: gradient {:?} does not match weight {:?} on a {}x{} input \
              (padding {padding}, stride {stride})",
@@ -88,14 +86,6 @@ pub fn conv2d_input_grad_col2im(
             x_hw.0,
             x_hw.1
         );
-    }
-    let geo = ConvGeometry {
-        c_in,
-        x_hw,
-        k_hw: (k_h, k_w),
-        g_hw: (g_h, g_w),
-        padding,
-        stride,
     };
     let w_t = w
         .to_dtype(DType::F32)?
@@ -130,24 +120,14 @@ pub fn conv2d_weight_grad_im2col(
     let (batch, c_in, x_h, x_w) = x.dims4()?;
     let (g_b, c_out, g_h, g_w) = grad.dims4()?;
     let (k_h, k_w) = k_hw;
-    let fits = |x_len: usize, k: usize, g_len: usize| {
-        ConvGeometry::output_len(x_len, k, padding, stride) == Some(g_len)
-    };
-    if g_b != batch || !fits(x_h, k_h, g_h) || !fits(x_w, k_w, g_w) {
+    let geo = ConvGeometry::for_gradient(c_in, (x_h, x_w), k_hw, (g_h, g_w), padding, stride);
+    let Some(geo) = geo.filter(|_| g_b == batch) else {
         candle_core::bail!(
             "conv2d weight grad: gradient {:?} does not match input {:?} for a {k_h}x{k_w} \
              kernel (padding {padding}, stride {stride})",
             grad.dims(),
             x.dims()
         );
-    }
-    let geo = ConvGeometry {
-        c_in,
-        x_hw: (x_h, x_w),
-        k_hw,
-        g_hw: (g_h, g_w),
-        padding,
-        stride,
     };
     let x32 = x.to_dtype(DType::F32)?.contiguous()?;
     let grad32 = grad.to_dtype(DType::F32)?;

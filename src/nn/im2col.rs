@@ -35,6 +35,28 @@ impl ConvGeometry {
             .map(|span| span / stride + 1)
     }
 
+    /// The geometry of a gradient `g_hw` for an `x_hw` input and `k_hw` kernel, or `None` when
+    /// that is not the forward's output size.
+    pub fn for_gradient(
+        c_in: usize,
+        x_hw: (usize, usize),
+        k_hw: (usize, usize),
+        g_hw: (usize, usize),
+        padding: usize,
+        stride: usize,
+    ) -> Option<Self> {
+        let fits =
+            |x: usize, k: usize, g: usize| Self::output_len(x, k, padding, stride) == Some(g);
+        (fits(x_hw.0, k_hw.0, g_hw.0) && fits(x_hw.1, k_hw.1, g_hw.1)).then_some(Self {
+            c_in,
+            x_hw,
+            k_hw,
+            g_hw,
+            padding,
+            stride,
+        })
+    }
+
     fn col_len(&self) -> usize {
         self.g_hw.0 * self.g_hw.1
     }

@@ -393,19 +393,8 @@ impl ParamState for State {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::optim::test_values;
     use candle_core::Device;
-
-    fn values(seed: u64, n: usize, scale: f32) -> Vec<f32> {
-        let mut s = seed;
-        (0..n)
-            .map(|_| {
-                s = s
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                ((s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
-            })
-            .collect()
-    }
 
     /// The host kernel against transformers' step in candle ops, over a matrix, a conv weight
     /// (factored over its kernel dims) and a vector, 4 steps, with and without β1, scaling and
@@ -425,8 +414,8 @@ mod tests {
         for h in settings {
             for shape in [vec![6usize, 5], vec![2, 3, 3, 3], vec![7]] {
                 let n: usize = shape.iter().product();
-                let p0 =
-                    Tensor::from_vec(values(1, n, 1.0), shape.as_slice(), &Device::Cpu).unwrap();
+                let p0 = Tensor::from_vec(test_values(1, n, 1.0), shape.as_slice(), &Device::Cpu)
+                    .unwrap();
                 let var = Var::from_tensor(&p0).unwrap();
                 let rule = Adafactor::rule(h).unwrap();
                 let mut st = rule.init(&var).unwrap();
@@ -448,9 +437,12 @@ mod tests {
                     Tensor::zeros(shape.as_slice(), candle_core::DType::F32, &Device::Cpu).unwrap()
                 });
                 for t in 1..=4u64 {
-                    let g =
-                        Tensor::from_vec(values(10 + t, n, 0.1), shape.as_slice(), &Device::Cpu)
-                            .unwrap();
+                    let g = Tensor::from_vec(
+                        test_values(10 + t, n, 0.1),
+                        shape.as_slice(),
+                        &Device::Cpu,
+                    )
+                    .unwrap();
                     st.update(&var, &g, 1e-2, t).unwrap();
                     let (p, a, b, mm) =
                         reference(&h, &p_ref, &g, (&s1, s2.as_ref(), m.as_ref()), 1e-2, t).unwrap();

@@ -157,38 +157,11 @@ fn kernel(p: &mut [f32], g: &[f32], m: &mut Moment, v: &mut Moment, k: &Scalars)
 /// against it.
 #[cfg(test)]
 fn reference(p: &mut [f32], g: &[f32], m: &mut Moment, v: &mut Moment, k: &Scalars) {
-    use super::quant8::DynamicMap;
     let (signed, unsigned) = maps();
-    let deq = |mo: &Moment, map: &DynamicMap| -> Vec<f32> {
-        match mo {
-            Moment::F32(x) => x.clone(),
-            Moment::Q8 { codes, absmax } => codes
-                .iter()
-                .enumerate()
-                .map(|(i, &c)| map.code[c as usize] * absmax[i / BLOCK])
-                .collect(),
-        }
-    };
-    let (mut mf, mut vf) = (deq(m, signed), deq(v, unsigned));
+    let (mut mf, mut vf) = (m.values(signed), v.values(unsigned));
     adam_elements(p, g, &mut mf, &mut vf, k);
-    for (mo, vals, map) in [(m, mf, signed), (v, vf, unsigned)] {
-        match mo {
-            Moment::F32(x) => *x = vals,
-            Moment::Q8 { codes, absmax } => {
-                for (b, block) in vals.chunks(BLOCK).enumerate() {
-                    let a = block.iter().fold(0f32, |a, x| a.max(x.abs()));
-                    absmax[b] = a;
-                    for (j, &x) in block.iter().enumerate() {
-                        codes[b * BLOCK + j] = if a == 0.0 {
-                            map.zero_code()
-                        } else {
-                            map.quantize_reference(x / a)
-                        };
-                    }
-                }
-            }
-        }
-    }
+    m.store_reference(mf, signed);
+    v.store_reference(vf, unsigned);
 }
 
 impl ParamState for State {
@@ -218,18 +191,7 @@ impl ParamState for State {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn lcg(seed: u64, n: usize, scale: f32) -> Vec<f32> {
-        let mut s = seed;
-        (0..n)
-            .map(|_| {
-                s = s
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                ((s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
-            })
-            .collect()
-    }
+    use crate::optim::test_values;
 
     /// Kernel vs reference over 5 steps on a tensor of 8-bit size with a ragged last block, and
     /// on one small enough for f32 state: parameters identical, codes identical but for exact
@@ -243,14 +205,14 @@ mod tests {
         };
         for n in [5000usize, 300] {
             let (signed, unsigned) = maps();
-            let (mut pa, mut pb) = (lcg(1, n, 1.0), lcg(1, n, 1.0));
+            let (mut pa, mut pb) = (test_values(1, n, 1.0), test_values(1, n, 1.0));
             let (mut ma, mut va) = (
                 Moment::zeros(n, true, signed),
                 Moment::zeros(n, true, unsigned),
             );
             let (mut mb, mut vb) = (ma.clone(), va.clone());
             for t in 1..=5 {
-                let g = lcg(100 + t, n, 0.01);
+                let g = test_values(100 + t, n, 0.01);
                 let k = Scalars::new(&h, h.lr, t);
                 kernel(&mut pa, &g, &mut ma, &mut va, &k);
                 reference(&mut pb, &g, &mut mb, &mut vb, &k);

@@ -172,36 +172,14 @@ fn kernel(p: &mut [f32], g: &[f32], m: &mut Moment, k: &Scalars) {
 #[cfg(test)]
 fn reference(p: &mut [f32], g: &[f32], m: &mut Moment, k: &Scalars) {
     let map = &maps().0;
-    let mut mf: Vec<f32> = match m {
-        Moment::F32(x) => x.clone(),
-        Moment::Q8 { codes, absmax } => codes
-            .iter()
-            .enumerate()
-            .map(|(i, &c)| map.code[c as usize] * absmax[i / BLOCK])
-            .collect(),
-    };
+    let mut mf = m.values(map);
     for i in 0..p.len() {
         let update = sign(k.b1 * mf[i] + (1.0 - k.b1) * g[i]);
         p[i] *= k.decay;
         p[i] -= k.lr * update;
         mf[i] = k.b2 * mf[i] + (1.0 - k.b2) * g[i];
     }
-    match m {
-        Moment::F32(x) => *x = mf,
-        Moment::Q8 { codes, absmax } => {
-            for (b, block) in mf.chunks(BLOCK).enumerate() {
-                let a = block.iter().fold(0f32, |a, x| a.max(x.abs()));
-                absmax[b] = a;
-                for (j, &x) in block.iter().enumerate() {
-                    codes[b * BLOCK + j] = if a == 0.0 {
-                        map.zero_code()
-                    } else {
-                        map.quantize_reference(x / a)
-                    };
-                }
-            }
-        }
-    }
+    m.store_reference(mf, map);
 }
 
 impl ParamState for State {
@@ -227,18 +205,7 @@ impl ParamState for State {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn lcg(seed: u64, n: usize, scale: f32) -> Vec<f32> {
-        let mut s = seed;
-        (0..n)
-            .map(|_| {
-                s = s
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                ((s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
-            })
-            .collect()
-    }
+    use crate::optim::test_values;
 
     /// The paper's update on fixture numbers, by hand: two steps from m = 0.
     #[test]
@@ -285,11 +252,11 @@ mod tests {
             ..LionParams::default()
         };
         for (n, eight_bit) in [(5000usize, true), (5000, false), (100, true)] {
-            let (mut pa, mut pb) = (lcg(3, n, 1.0), lcg(3, n, 1.0));
+            let (mut pa, mut pb) = (test_values(3, n, 1.0), test_values(3, n, 1.0));
             let mut ma = Moment::zeros(n, eight_bit, &maps().0);
             let mut mb = ma.clone();
             for t in 1..=5 {
-                let g = lcg(50 + t, n, 0.01);
+                let g = test_values(50 + t, n, 0.01);
                 let k = Scalars::new(&h, 1e-3);
                 kernel(&mut pa, &g, &mut ma, &k);
                 reference(&mut pb, &g, &mut mb, &k);

@@ -145,3 +145,17 @@ pub trait Optimizer {
     /// Bytes of optimizer state held.
     fn state_bytes(&self) -> usize;
 }
+
+/// Deterministic values in `[−scale, scale)` from a seed, for the optimizers' tests.
+#[cfg(test)]
+pub(crate) fn test_values(seed: u64, n: usize, scale: f32) -> Vec<f32> {
+    let mut s = seed;
+    (0..n)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
+        })
+        .collect()
+}

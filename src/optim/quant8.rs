@@ -249,6 +249,39 @@ impl Moment {
         }
     }
 
+    /// Every value as f32: the whole-tensor view the references update.
+    pub fn values(&self, map: &DynamicMap) -> Vec<f32> {
+        match self {
+            Moment::F32(x) => x.clone(),
+            Moment::Q8 { codes, absmax } => codes
+                .iter()
+                .enumerate()
+                .map(|(i, &c)| map.code[c as usize] * absmax[i / BLOCK])
+                .collect(),
+        }
+    }
+
+    /// Stores `vals`, requantizing block by block with the exhaustive nearest-code search (the
+    /// references' requantization; the kernels use [`requantize`]).
+    pub fn store_reference(&mut self, vals: Vec<f32>, map: &DynamicMap) {
+        match self {
+            Moment::F32(x) => *x = vals,
+            Moment::Q8 { codes, absmax } => {
+                for (b, block) in vals.chunks(BLOCK).enumerate() {
+                    let a = block.iter().fold(0f32, |a, x| a.max(x.abs()));
+                    absmax[b] = a;
+                    for (j, &x) in block.iter().enumerate() {
+                        codes[b * BLOCK + j] = if a == 0.0 {
+                            map.zero_code()
+                        } else {
+                            map.quantize_reference(x / a)
+                        };
+                    }
+                }
+            }
+        }
+    }
+
     pub fn bytes(&self) -> usize {
         match self {
             Moment::F32(v) => 4 * v.len(),

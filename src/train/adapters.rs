@@ -48,19 +48,14 @@ pub fn attach(sd: &mut StableDiffusion, plan: &TrainPlan) -> anyhow::Result<Trai
     attach_with(sd, plan.mode, a, plan.seed)
 }
 
-/// [`attach`] from its parts: the mode, the adapter settings and the init seed.
-pub fn attach_with(
-    sd: &mut StableDiffusion,
-    mode: TrainMode,
-    a: AdapterPlan,
-    seed: u64,
-) -> anyhow::Result<TrainedAdapters> {
+/// The attach spec for an adapter mode (`None` for a full fine-tune).
+pub fn adapter_spec(mode: TrainMode, a: &AdapterPlan, seed: u64) -> Option<AdapterSpec> {
     let mode = match mode {
         TrainMode::Lora => AdapterMode::Lora,
         TrainMode::Locon => AdapterMode::Locon,
-        TrainMode::Full => anyhow::bail!("full fine-tuning has no adapters"),
+        TrainMode::Full => return None,
     };
-    let spec = AdapterSpec {
+    Some(AdapterSpec {
         mode,
         rank: a.rank,
         alpha: a.alpha,
@@ -68,6 +63,18 @@ pub fn attach_with(
         conv_alpha: a.conv_alpha,
         dropout: a.dropout,
         seed,
+    })
+}
+
+/// [`attach`] from its parts: the mode, the adapter settings and the init seed.
+pub fn attach_with(
+    sd: &mut StableDiffusion,
+    mode: TrainMode,
+    a: AdapterPlan,
+    seed: u64,
+) -> anyhow::Result<TrainedAdapters> {
+    let Some(spec) = adapter_spec(mode, &a, seed) else {
+        anyhow::bail!("full fine-tuning has no adapters");
     };
     let mut modules = attach_unet(&mut sd.unet, &spec)?;
     if a.train_text_encoder {
@@ -109,7 +116,7 @@ pub fn attach_with(
         naming,
         names,
         base,
-        mode,
+        mode: spec.mode,
     };
     if let Some(path) = &adapters.plan.init_from {
         adapters

@@ -9,11 +9,9 @@ use std::path::Path;
 use anyhow::Context;
 use safetensors::SafeTensors;
 
-use crate::adapter::attach::{
-    text_encoder_target, unet_target, AdapterMode, AdapterSpec, LayerGeometry,
-};
+use crate::adapter::attach::{text_encoder_target, unet_target, AdapterSpec, LayerGeometry};
 use crate::adapter::lora::LoraKind;
-use crate::config::{ParamGroupPlan, TrainMode, TrainPlan};
+use crate::config::{ParamGroupPlan, TrainPlan};
 use crate::model::family::ModelLayout;
 use crate::model::files::Component;
 use crate::model::source::ModelSource;
@@ -123,21 +121,7 @@ pub fn estimate(plan: &TrainPlan) -> anyhow::Result<StateEstimate> {
 }
 
 fn spec(plan: &TrainPlan) -> Option<AdapterSpec> {
-    let a = plan.adapter.as_ref()?;
-    let mode = match plan.mode {
-        TrainMode::Lora => AdapterMode::Lora,
-        TrainMode::Locon => AdapterMode::Locon,
-        TrainMode::Full => return None,
-    };
-    Some(AdapterSpec {
-        mode,
-        rank: a.rank,
-        alpha: a.alpha,
-        conv_rank: a.conv_rank,
-        conv_alpha: a.conv_alpha,
-        dropout: a.dropout,
-        seed: 0,
-    })
+    super::adapters::adapter_spec(plan.mode, plan.adapter.as_ref()?, 0)
 }
 
 /// The adapter's two tensors for a base layer of weight shape `w` at `rank`.
