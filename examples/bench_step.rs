@@ -297,6 +297,7 @@ fn run(args: &[String], report: &mut Value) -> Result<()> {
     }
     report["params_total"] = json!(model.params_total);
     report["params_trained"] = json!(model.vars.iter().map(|v| v.elem_count()).sum::<usize>());
+    report["optimizer_state_bytes"] = json!(model.optimizer.state_bytes());
     let inputs = inputs(&shape, &device, model.dtype, model.ctx_dim)?;
     device.synchronize()?;
     report["load_s"] = json!(loaded.elapsed().as_secs_f64());
