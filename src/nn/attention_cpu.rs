@@ -56,7 +56,9 @@ pub fn softmax_lse(s: &Tensor) -> Result<(Tensor, Tensor)> {
         (probs, lse)
     })?;
     let mut lse_dims = s.dims().to_vec();
-    *lse_dims.last_mut().expect("scores have a last dim") = 1;
+    if let Some(last) = lse_dims.last_mut() {
+        *last = 1;
+    }
     Ok((
         Tensor::from_vec(probs, s.shape(), s.device())?,
         Tensor::from_vec(lse, lse_dims, s.device())?,
