@@ -8,12 +8,16 @@
 //!   fixtures, in f32 (≤ 1e-4) and bf16 (≤ 3e-2);
 //! - a tiny LoRA run and a tiny full fine-tune from the CLI entry point, whose per-step losses
 //!   track the same run on the CPU with the same seed;
-//! - the gradient store of a LoRA step holds exactly the adapter Vars.
+//! - the gradient store of a LoRA step holds exactly the adapter Vars;
+//! - every optimizer's CUDA kernel against its host kernel, and its state resumed across devices
+//!   (tests/cuda/optim.rs).
 //!
 //! Without a CUDA device (or without the `cuda` feature) each test prints that it was skipped
 //! and passes. `scripts/gpu-check` runs this binary on a GPU machine.
 
 mod common;
+#[path = "cuda/optim.rs"]
+mod optim;
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};

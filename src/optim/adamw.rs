@@ -16,9 +16,10 @@
 //! updated in f32, and rounded back once per step (there is no f32 master copy: an update smaller
 //! than half a bf16 ulp of `p` is lost, as with torch on a bf16 parameter with f32 state).
 //!
-//! An f32 CPU parameter is updated by one fused pass in its own storage (`adamw_kernel`); any
-//! other keeps its moments on its device and is updated with candle ops (`adamw_reference`, which
-//! the kernel is tested against).
+//! An f32 CPU parameter is updated by one fused pass in its own storage (`adamw_kernel`); a CUDA
+//! parameter (f32, bf16 or f16) by the same pass as a CUDA kernel (`adamw_f32_*` in kernels.cu),
+//! its moments in device memory; any other keeps its moments on its device and is updated with
+//! candle ops (`adamw_reference`, which the kernels are tested against).
 
 use candle_core::{DType, Tensor, Var};
 use serde::{Deserialize, Serialize};
@@ -119,6 +120,18 @@ impl UpdateRule for AdamW {
     }
 
     fn init(&self, var: &Var) -> candle_core::Result<Box<dyn ParamState>> {
+        #[cfg(feature = "cuda")]
+        if let candle_core::Device::Cuda(dev) = var.device() {
+            let zeros = super::quant8::Moment::F32(vec![0.0; var.elem_count()]);
+            return Ok(Box::new(AdamWState {
+                hyper: self.hyper,
+                shape: var.dims().to_vec(),
+                moments: Moments::Cuda {
+                    m: Box::new(super::cuda::CudaMoment::upload(&zeros, dev)?),
+                    v: Box::new(super::cuda::CudaMoment::upload(&zeros, dev)?),
+                },
+            }));
+        }
         let moments = if host_kernel(var) {
             Moments::Host {
                 m: vec![0.0; var.elem_count()],
@@ -153,11 +166,23 @@ fn host_kernel(var: &Var) -> bool {
     var.device().is_cpu() && var.dtype() == DType::F32
 }
 
-/// The f32 moments, on the host for the kernel or on the parameter's device.
+/// The f32 moments: on the host for the host kernel, in CUDA memory for the CUDA kernel, or as
+/// tensors on the parameter's device for candle ops.
 #[derive(Debug)]
 enum Moments {
-    Host { m: Vec<f32>, v: Vec<f32> },
-    Device { m: Tensor, v: Tensor },
+    Host {
+        m: Vec<f32>,
+        v: Vec<f32>,
+    },
+    #[cfg(feature = "cuda")]
+    Cuda {
+        m: Box<super::cuda::CudaMoment>,
+        v: Box<super::cuda::CudaMoment>,
+    },
+    Device {
+        m: Tensor,
+        v: Tensor,
+    },
 }
 
 #[derive(Debug)]
@@ -183,6 +208,21 @@ impl StepScalars {
             decay: 1.0 - lr * h.weight_decay,
         }
     }
+
+    /// The f32 scalars of the fused kernels (host and kernels.cu's `adamw_f32_*`), in the CUDA
+    /// entry point's argument order: `1 − β1`, `1 − β2`, `β2` (rounded from f64, as torch passes
+    /// them as Python floats), the step size, `sqrt(1 − β2^t)`, `ε` and the decay factor.
+    fn device_args(&self, h: &AdamWParams) -> [f32; 7] {
+        [
+            (1.0 - h.beta1) as f32,
+            (1.0 - h.beta2) as f32,
+            h.beta2 as f32,
+            self.step_size as f32,
+            self.bc2_sqrt as f32,
+            h.eps as f32,
+            self.decay as f32,
+        ]
+    }
 }
 
 impl ParamState for AdamWState {
@@ -191,7 +231,12 @@ impl ParamState for AdamWState {
         let k = StepScalars::new(&h, lr, t);
         match &mut self.moments {
             Moments::Host { m, v } => {
-                super::host::update_in_place(var, grad, |p, g| adamw_kernel(p, g, m, v, &h, &k))
+                let args = k.device_args(&h);
+                super::host::update_in_place(var, grad, |p, g| adamw_kernel(p, g, m, v, &args))
+            }
+            #[cfg(feature = "cuda")]
+            Moments::Cuda { m, v } => {
+                super::cuda::update(var, grad, NAME, &mut [m, v], &k.device_args(&h))
             }
             Moments::Device { m, v } => {
                 let (m2, v2) = adamw_reference(var, grad, m, v, &h, &k)?;
@@ -208,6 +253,12 @@ impl ParamState for AdamWState {
                 (EXP_AVG, host::tensor_f32(m, &self.shape)?),
                 (EXP_AVG_SQ, host::tensor_f32(v, &self.shape)?),
             ],
+            #[cfg(feature = "cuda")]
+            Moments::Cuda { m, v } => {
+                let mut out = m.download()?.save((EXP_AVG, ""), &self.shape)?;
+                out.extend(v.download()?.save((EXP_AVG_SQ, ""), &self.shape)?);
+                out
+            }
             Moments::Device { m, v } => vec![(EXP_AVG, m.clone()), (EXP_AVG_SQ, v.clone())],
         })
     }
@@ -220,6 +271,18 @@ impl ParamState for AdamWState {
                 m: host::host_f32(&m)?,
                 v: host::host_f32(&v)?,
             },
+            #[cfg(feature = "cuda")]
+            Moments::Cuda { m: old, .. } => {
+                let dev = old.device().clone();
+                let upload = |t: &Tensor| -> candle_core::Result<_> {
+                    let host = super::quant8::Moment::F32(host::host_f32(t)?);
+                    Ok(Box::new(super::cuda::CudaMoment::upload(&host, &dev)?))
+                };
+                Moments::Cuda {
+                    m: upload(&m)?,
+                    v: upload(&v)?,
+                }
+            }
             Moments::Device { m: old, .. } => Moments::Device {
                 m: m.to_device(old.device())?,
                 v: v.to_device(old.device())?,
@@ -234,24 +297,9 @@ impl ParamState for AdamWState {
 }
 
 /// The fused host kernel: one pass over each chunk of `p`, `g`, `m`, `v`, in place.
-fn adamw_kernel(
-    p: &mut [f32],
-    g: &[f32],
-    m: &mut [f32],
-    v: &mut [f32],
-    h: &AdamWParams,
-    k: &StepScalars,
-) {
+fn adamw_kernel(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], args: &[f32; 7]) {
     use rayon::prelude::*;
-    // The weights are rounded from f64, as torch passes `1 − β` as a Python float.
-    let b2 = h.beta2 as f32;
-    let (w1, w2) = ((1.0 - h.beta1) as f32, (1.0 - h.beta2) as f32);
-    let (step_size, bc2_sqrt, eps, decay) = (
-        k.step_size as f32,
-        k.bc2_sqrt as f32,
-        h.eps as f32,
-        k.decay as f32,
-    );
+    let [w1, w2, b2, step_size, bc2_sqrt, eps, decay] = *args;
     const CHUNK: usize = 1 << 14;
     p.par_chunks_mut(CHUNK)
         .zip(g.par_chunks(CHUNK))
@@ -294,7 +342,46 @@ fn adamw_reference(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::optim::quant8::Moment;
+    use crate::optim::{kernel_emu, test_values};
     use crate::optim::{OptimError, Optimizer};
+
+    /// kernels.cu's `adamw_f32_*` under the host emulation against the host kernel, 5 steps, on
+    /// the launch grid and on a grid of 2 blocks (the grid-stride loop going round): bit for bit.
+    #[test]
+    fn cuda_kernel_under_emulation_matches_host_kernel() {
+        let h = AdamWParams {
+            weight_decay: 0.05,
+            ..AdamWParams::default()
+        };
+        let n = 1500;
+        for grid in [None, Some(2)] {
+            let (mut pa, mut pb) = (test_values(5, n, 1.0), test_values(5, n, 1.0));
+            let (mut ma, mut va) = (vec![0f32; n], vec![0f32; n]);
+            let (mut mb, mut vb) = (Moment::F32(ma.clone()), Moment::F32(va.clone()));
+            for t in 1..=5 {
+                let g = test_values(300 + t, n, 0.01);
+                let args = StepScalars::new(&h, 2e-3, t).device_args(&h);
+                adamw_kernel(&mut pa, &g, &mut ma, &mut va, &args);
+                kernel_emu::run_moments(
+                    NAME,
+                    &mut pb,
+                    &g,
+                    &mut [&mut mb, &mut vb],
+                    &[],
+                    &args,
+                    grid,
+                );
+                let (ha, hv) = (Moment::F32(ma.clone()), Moment::F32(va.clone()));
+                let gap = kernel_emu::gap(&pa, &pb, &[&ha, &hv], &[&mb, &vb]);
+                assert_eq!(
+                    (gap.param, gap.state),
+                    (0.0, 0.0),
+                    "grid {grid:?} t={t}: {gap:?}"
+                );
+            }
+        }
+    }
     use candle_core::backprop::GradStore;
     use candle_core::Device;
 

@@ -18,6 +18,7 @@ use rayon::prelude::*;
 use serde::Serialize;
 
 use super::host;
+use super::placed::PlacedMoment;
 use super::quant8::{dequantize, maps, requantize, Moment, BLOCK};
 use super::rule::{ParamState, UpdateRule};
 use super::{OptimError, Result};
@@ -83,7 +84,7 @@ impl UpdateRule for Lion {
         Ok(Box::new(State {
             hyper: self.hyper,
             shape: var.dims().to_vec(),
-            m: Moment::zeros(var.elem_count(), self.eight_bit, &maps().0),
+            m: PlacedMoment::zeros(var, self.eight_bit, &maps().0)?,
         }))
     }
 
@@ -100,7 +101,7 @@ impl UpdateRule for Lion {
 struct State {
     hyper: LionParams,
     shape: Vec<usize>,
-    m: Moment,
+    m: PlacedMoment,
 }
 
 /// The f32 scalars of one update.
@@ -120,6 +121,12 @@ impl Scalars {
             lr: lr as f32,
             decay: (1.0 - lr * h.weight_decay) as f32,
         }
+    }
+
+    /// The scalars of kernels.cu's `lion_*` entry points, in argument order.
+    #[cfg(any(test, feature = "cuda"))]
+    pub(crate) fn device_args(&self) -> [f32; 4] {
+        [self.b1, self.b2, self.lr, self.decay]
     }
 }
 
@@ -185,8 +192,13 @@ fn reference(p: &mut [f32], g: &[f32], m: &mut Moment, k: &Scalars) {
 impl ParamState for State {
     fn update(&mut self, var: &Var, grad: &Tensor, lr: f64, _t: u64) -> candle_core::Result<()> {
         let k = Scalars::new(&self.hyper, lr);
-        let m = &mut self.m;
-        host::update_in_place(var, grad, |p, g| kernel(p, g, m, &k))
+        match &mut self.m {
+            PlacedMoment::Host(m) => host::update_in_place(var, grad, |p, g| kernel(p, g, m, &k)),
+            #[cfg(feature = "cuda")]
+            PlacedMoment::Cuda(m) => {
+                super::cuda::update(var, grad, "lion", &mut [m], &k.device_args())
+            }
+        }
     }
 
     fn save(&self) -> candle_core::Result<Vec<(&'static str, Tensor)>> {
@@ -205,7 +217,54 @@ impl ParamState for State {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::optim::kernel_emu;
     use crate::optim::test_values;
+
+    /// kernels.cu's `lion_*` entry points under the host emulation against the host kernel, f32
+    /// and 8-bit momentum: bit for bit but for codes of values exactly on a midpoint.
+    #[test]
+    fn cuda_kernel_under_emulation_matches_host_kernel() {
+        let h = LionParams {
+            weight_decay: 0.3,
+            ..LionParams::default()
+        };
+        let map_buf = kernel_emu::map_buffer();
+        // The third case's gradients span 9 decades per block: the sign fix decides most codes.
+        for (n, eight_bit, spread) in [
+            (5000usize, true, false),
+            (5000, false, false),
+            (5000, true, true),
+        ] {
+            let (mut pa, mut pb) = (test_values(3, n, 1.0), test_values(3, n, 1.0));
+            let mut ma = Moment::zeros(n, eight_bit, &maps().0);
+            let mut mb = ma.clone();
+            for t in 1..=5 {
+                let g = crate::optim::adamw8bit::tests::spread_values(200 + t, n, spread);
+                let k = Scalars::new(&h, 1e-3);
+                kernel(&mut pa, &g, &mut ma, &k);
+                // f32 state on a grid of 2 blocks, so the grid-stride loop goes round.
+                let grid = (!eight_bit).then_some(2);
+                kernel_emu::run_moments(
+                    "lion",
+                    &mut pb,
+                    &g,
+                    &mut [&mut mb],
+                    &map_buf,
+                    &k.device_args(),
+                    grid,
+                );
+                let gap = kernel_emu::gap(&pa, &pb, &[&ma], &[&mb]);
+                assert!(gap.codes <= n / 1000, "n={n} t={t}: {gap:?}");
+                assert!(
+                    gap.param <= 1e-6 && gap.state <= 1e-6,
+                    "n={n} t={t}: {gap:?}"
+                );
+                if t == 1 {
+                    assert_eq!((gap.param, gap.state), (0.0, 0.0), "n={n}: {gap:?}");
+                }
+            }
+        }
+    }
 
     /// The paper's update on fixture numbers, by hand: two steps from m = 0.
     #[test]

@@ -8,8 +8,9 @@
 //!   optimizers share (shapes, the non-finite skip, step counts, the state file).
 //! - The rules: [`AdamW`] (torch.optim.AdamW), [`AdamW8bit`] (bitsandbytes' blockwise 8-bit
 //!   AdamW, [`quant8`]), [`Lion`] (f32 or 8-bit momentum) and [`Adafactor`] (transformers'). Each
-//!   updates one tensor from its own gradient, through a fused host kernel ([`host`]) with a plain
-//!   reference beside it.
+//!   updates one tensor from its own gradient, through a fused host kernel ([`host`]) or, for a
+//!   CUDA parameter, a fused CUDA kernel (`cuda`, src/optim/kernels.cu), with a plain reference
+//!   beside it.
 //! - [`LrSchedule`]: constant/linear/cosine/polynomial with warmup, a pure function of the step,
 //!   matching diffusers' `get_scheduler`.
 //! - [`grad_norm`] / [`clip_grad_norm`]: global L2 norm of the gradients, as the trainer logs it.
@@ -18,10 +19,16 @@
 pub mod adafactor;
 pub mod adamw;
 pub mod adamw8bit;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod grad;
 pub mod group;
 pub mod host;
+#[cfg(test)]
+mod kernel_emu;
+pub mod launch;
 pub mod lion;
+pub mod placed;
 pub mod quant8;
 pub mod rule;
 pub mod schedule;

@@ -1,0 +1,265 @@
+//! The optimizers on CUDA: state in device memory, each parameter updated by one launch of a fused
+//! kernel from src/optim/kernels.cu (PTX compiled by build.rs, loaded as a candle custom kernel).
+//!
+//! An 8-bit kernel dequantizes, updates and requantizes in one pass, as bitsandbytes' do; the
+//! parameter is updated in place in the Var's own storage (f32, bf16 or f16), so a step makes no
+//! parameter-sized copy. The host kernels are the reference: tests/cuda.rs compares the two on
+//! every optimizer, and the unit tests run the same kernels under a host emulation.
+
+use std::cell::RefCell;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaFunction, CudaSlice, CudaStream, CudaView, LaunchConfig, PushKernelArg,
+};
+use candle_core::cuda_backend::{DeviceId, WrapErr};
+use candle_core::{
+    bail, CpuStorage, CudaDevice, CudaStorage, DType, InplaceOp2, Layout, Result, Tensor, Var,
+};
+
+use super::launch;
+use super::quant8::{maps, Moment};
+
+const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/optim.ptx"));
+const MODULE: &str = "sdtrain_optim";
+
+/// One moment of one parameter in device memory: f32 values, or blockwise 8-bit codes and absmax
+/// (the layout of [`Moment`]).
+pub struct CudaMoment {
+    dev: CudaDevice,
+    data: Data,
+}
+
+enum Data {
+    F32(CudaSlice<f32>),
+    Q8 {
+        codes: CudaSlice<u8>,
+        absmax: CudaSlice<f32>,
+        maps: Arc<CudaSlice<f32>>,
+    },
+}
+
+impl std::fmt::Debug for CudaMoment {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let kind = if self.is_q8() { "q8" } else { "f32" };
+        write!(f, "CudaMoment({kind}, {} bytes)", self.bytes())
+    }
+}
+
+/// The two dynamic maps (signed, then unsigned) on `dev`, uploaded once per device.
+fn device_maps(dev: &CudaDevice) -> Result<Arc<CudaSlice<f32>>> {
+    type Cache = Mutex<Vec<(DeviceId, Arc<CudaSlice<f32>>)>>;
+    static CACHE: OnceLock<Cache> = OnceLock::new();
+    let mut cache = CACHE
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    if let Some((_, m)) = cache.iter().find(|(id, _)| *id == dev.id()) {
+        return Ok(m.clone());
+    }
+    let (signed, unsigned) = maps();
+    let both: Vec<f32> = signed.code.iter().chain(&unsigned.code).copied().collect();
+    let m = Arc::new(dev.clone_htod(both.as_slice())?);
+    cache.push((dev.id(), m.clone()));
+    Ok(m)
+}
+
+impl CudaMoment {
+    /// A copy of `m` on `dev`.
+    pub fn upload(m: &Moment, dev: &CudaDevice) -> Result<Self> {
+        let data = match m {
+            Moment::F32(v) => Data::F32(dev.clone_htod(v.as_slice())?),
+            Moment::Q8 { codes, absmax } => Data::Q8 {
+                codes: dev.clone_htod(codes.as_slice())?,
+                absmax: dev.clone_htod(absmax.as_slice())?,
+                maps: device_maps(dev)?,
+            },
+        };
+        Ok(Self {
+            dev: dev.clone(),
+            data,
+        })
+    }
+
+    /// A host copy.
+    pub fn download(&self) -> Result<Moment> {
+        Ok(match &self.data {
+            Data::F32(v) => Moment::F32(self.dev.clone_dtoh(v)?),
+            Data::Q8 { codes, absmax, .. } => Moment::Q8 {
+                codes: self.dev.clone_dtoh(codes)?,
+                absmax: self.dev.clone_dtoh(absmax)?,
+            },
+        })
+    }
+
+    /// An empty host moment of this kind, for [`Moment::load`] to fill.
+    pub fn host_kind(&self) -> Moment {
+        match self.data {
+            Data::F32(_) => Moment::F32(Vec::new()),
+            Data::Q8 { .. } => Moment::Q8 {
+                codes: Vec::new(),
+                absmax: Vec::new(),
+            },
+        }
+    }
+
+    pub fn device(&self) -> &CudaDevice {
+        &self.dev
+    }
+
+    pub fn is_q8(&self) -> bool {
+        matches!(self.data, Data::Q8 { .. })
+    }
+
+    pub fn bytes(&self) -> usize {
+        match &self.data {
+            Data::F32(v) => 4 * v.len(),
+            Data::Q8 { codes, absmax, .. } => codes.len() + 4 * absmax.len(),
+        }
+    }
+}
+
+/// Updates `var` in place from `grad` with entry point `kernel` (without its `_q8`/`_f32` and
+/// dtype suffixes) over `moments` (all of one kind) and the f32 `scalars`, in kernels.cu's
+/// argument order.
+pub fn update(
+    var: &Var,
+    grad: &Tensor,
+    kernel: &str,
+    moments: &mut [&mut CudaMoment],
+    scalars: &[f32],
+) -> Result<()> {
+    let q8 = moments.first().is_some_and(|m| m.is_q8());
+    if moments.iter().any(|m| m.is_q8() != q8) {
+        bail!("{kernel}: moments of different kinds");
+    }
+    let grad = grad.detach().to_dtype(DType::F32)?.contiguous()?;
+    let op = Launch {
+        entry: launch::entry(kernel, q8),
+        q8,
+        moments: RefCell::new(moments),
+        scalars,
+    };
+    var.inplace_op2(&grad, &op)
+}
+
+/// The in-place op that launches one kernel on the parameter's storage.
+struct Launch<'a, 'b> {
+    entry: String,
+    q8: bool,
+    moments: RefCell<&'a mut [&'b mut CudaMoment]>,
+    scalars: &'a [f32],
+}
+
+impl InplaceOp2 for Launch<'_, '_> {
+    fn name(&self) -> &'static str {
+        "optimizer-cuda-kernel"
+    }
+
+    fn cpu_fwd(&self, _: &mut CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> Result<()> {
+        bail!("{}: the CUDA kernel got a CPU tensor", self.entry)
+    }
+
+    fn cuda_fwd(
+        &self,
+        p: &mut CudaStorage,
+        pl: &Layout,
+        g: &CudaStorage,
+        gl: &Layout,
+    ) -> Result<()> {
+        let (Some((p0, p1)), Some((g0, g1))) = (pl.contiguous_offsets(), gl.contiguous_offsets())
+        else {
+            bail!("{}: the parameter is not contiguous", self.entry);
+        };
+        let n = p1 - p0;
+        if g1 - g0 != n {
+            bail!("{}: gradient of {} values for {n}", self.entry, g1 - g0);
+        }
+        let mut moments = self.moments.borrow_mut();
+        if n == 0 {
+            return Ok(());
+        }
+        let dev = p.device.clone();
+        let suffix = match p.dtype() {
+            DType::F32 => "f32",
+            DType::BF16 => "bf16",
+            DType::F16 => "f16",
+            other => bail!("{}: no kernel for {other:?} parameters", self.entry),
+        };
+        let func = dev
+            .get_or_load_custom_func(&format!("{}_{suffix}", self.entry), MODULE, PTX)?
+            .into_cuda_function();
+        let stream = dev.cuda_stream();
+        let g = g.as_cuda_slice::<f32>()?.slice(g0..g1);
+        let cfg = LaunchConfig {
+            grid_dim: (launch::grid(n, self.q8), 1, 1),
+            block_dim: (launch::THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let args = Args {
+            stream: &stream,
+            func: &func,
+            g: &g,
+            n: n as u64,
+            scalars: self.scalars,
+            cfg,
+        };
+        match p.dtype() {
+            DType::F32 => args.launch(p.as_cuda_slice_mut::<f32>()?, p0..p1, &mut moments),
+            DType::BF16 => args.launch(p.as_cuda_slice_mut::<half::bf16>()?, p0..p1, &mut moments),
+            _ => args.launch(p.as_cuda_slice_mut::<half::f16>()?, p0..p1, &mut moments),
+        }
+    }
+}
+
+/// Everything but the parameter and the state, for [`Args::launch`].
+struct Args<'a> {
+    stream: &'a CudaStream,
+    func: &'a CudaFunction,
+    g: &'a CudaView<'a, f32>,
+    n: u64,
+    scalars: &'a [f32],
+    cfg: LaunchConfig,
+}
+
+impl Args<'_> {
+    fn launch<P>(
+        &self,
+        p: &mut CudaSlice<P>,
+        range: std::ops::Range<usize>,
+        moments: &mut [&mut CudaMoment],
+    ) -> Result<()> {
+        let maps = moments.iter().find_map(|m| match &m.data {
+            Data::Q8 { maps, .. } => Some(maps.clone()),
+            Data::F32(_) => None,
+        });
+        let mut p = p.slice_mut(range);
+        let mut b = self.stream.launch_builder(self.func);
+        b.arg(&mut p);
+        b.arg(self.g);
+        for m in moments.iter_mut() {
+            match &mut m.data {
+                Data::F32(v) => {
+                    b.arg(v);
+                }
+                Data::Q8 { codes, absmax, .. } => {
+                    b.arg(codes);
+                    b.arg(absmax);
+                }
+            }
+        }
+        if let Some(m) = &maps {
+            b.arg(m.as_ref());
+        }
+        for s in self.scalars {
+            b.arg(s);
+        }
+        b.arg(&self.n);
+        // SAFETY: the arguments match the entry point's signature in kernels.cu (launch.rs gives
+        // the order), every buffer holds `n` values (or a block count of absmax) on this device,
+        // and the grid covers exactly `n` elements.
+        unsafe { b.launch(self.cfg) }.w()?;
+        Ok(())
+    }
+}

@@ -1,0 +1,177 @@
+//! The optimizers' CUDA kernels (src/optim/kernels.cu) against the host kernels: every optimizer,
+//! f32 and bf16 parameters, a tensor with 8-bit state (ragged last block) and one with f32 state.
+//! Then the state file crosses devices: CUDA state saved and resumed on the CPU continues as the
+//! CUDA run does.
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, Tensor, Var};
+use sdtrain::optim::{
+    Adafactor, AdafactorParams, AdamW, AdamW8bit, AdamWParams, GroupOptimizer, Lion, LionParams,
+    Optimizer, UpdateRule,
+};
+
+use super::common;
+
+type MakeRule = fn() -> Box<dyn UpdateRule>;
+
+fn rules() -> [(&'static str, MakeRule); 5] {
+    const ADAM: AdamWParams = AdamWParams {
+        lr: 1e-2,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        weight_decay: 0.1,
+    };
+    const LION: LionParams = LionParams {
+        beta1: 0.9,
+        beta2: 0.99,
+        weight_decay: 0.1,
+    };
+    [
+        ("adamw", || Box::new(AdamW::rule(ADAM).unwrap())),
+        ("adamw8bit", || Box::new(AdamW8bit::rule(ADAM).unwrap())),
+        ("lion", || Box::new(Lion::rule(LION, false).unwrap())),
+        ("lion8bit", || Box::new(Lion::rule(LION, true).unwrap())),
+        ("adafactor", || {
+            let p = AdafactorParams {
+                beta1: Some(0.9),
+                weight_decay: 0.1,
+                ..AdafactorParams::default()
+            };
+            Box::new(Adafactor::rule(p).unwrap())
+        }),
+    ]
+}
+
+const SHAPES: [&[usize]; 2] = [&[70, 80], &[7, 3]];
+
+fn vars(init: &[Tensor], dev: &Device) -> Vec<(String, Var)> {
+    init.iter()
+        .enumerate()
+        .map(|(i, t)| {
+            let t = t.to_device(dev).unwrap();
+            (format!("p{i}"), Var::from_tensor(&t).unwrap())
+        })
+        .collect()
+}
+
+/// Gradients of step `k`, in each parameter's dtype, spanning four decades.
+fn grads(k: usize, vars: &[(String, Var)]) -> GradStore {
+    let mut g = GradStore::default();
+    for (i, (_, v)) in vars.iter().enumerate() {
+        let vals: Vec<f32> = (0..v.elem_count())
+            .map(|j| {
+                let x = (((j * 31 + k * 17 + i * 7) % 97) as f32 - 48.0) / 48.0;
+                x * if j % 50 == 0 { 1.0 } else { 1e-3 }
+            })
+            .collect();
+        let t = Tensor::from_vec(vals, v.shape(), &Device::Cpu)
+            .unwrap()
+            .to_dtype(v.dtype())
+            .unwrap()
+            .to_device(v.device())
+            .unwrap();
+        g.insert(v.as_tensor(), t);
+    }
+    g
+}
+
+fn host_f32(t: &Tensor) -> Vec<f32> {
+    t.to_device(&Device::Cpu)
+        .unwrap()
+        .to_dtype(DType::F32)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap()
+}
+
+/// Parameters within `tol`; state codes equal but for midpoint ties; f32 state within 1e-5
+/// relative to its largest value.
+fn assert_same(
+    what: &str,
+    a: (&GroupOptimizer, &[(String, Var)]),
+    b: (&GroupOptimizer, &[(String, Var)]),
+    tol: f32,
+) {
+    for ((name, va), (_, vb)) in a.1.iter().zip(b.1) {
+        let (x, y) = (host_f32(va.as_tensor()), host_f32(vb.as_tensor()));
+        let worst = x
+            .iter()
+            .zip(&y)
+            .map(|(p, q)| (p - q).abs())
+            .fold(0f32, f32::max);
+        assert!(worst <= tol, "{what}: {name} differs by {worst}");
+        let (sa, sb) = (a.0.state(name).unwrap(), b.0.state(name).unwrap());
+        assert_eq!(sa.step(), sb.step(), "{what}: {name} step");
+        for ((s, ta), (_, tb)) in sa.tensors().iter().zip(sb.tensors()) {
+            assert_eq!(ta.dtype(), tb.dtype(), "{what}: {name}.{s}");
+            let (x, y) = (host_f32(ta), host_f32(tb));
+            if ta.dtype() == DType::U8 {
+                let diff = x.iter().zip(&y).filter(|(p, q)| p != q).count();
+                assert!(
+                    diff <= 1 + x.len() / 1000,
+                    "{what}: {name}.{s}: {diff} codes differ"
+                );
+            } else {
+                let scale = x.iter().fold(1e-30f32, |m, v| m.max(v.abs()));
+                let worst = x
+                    .iter()
+                    .zip(&y)
+                    .map(|(p, q)| (p - q).abs())
+                    .fold(0f32, f32::max);
+                assert!(
+                    worst <= 1e-5 * scale,
+                    "{what}: {name}.{s} differs by {worst} (scale {scale})"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn cuda_optimizers_match_cpu_and_resume_across_devices() {
+    let Some(dev) = common::cuda_device("cuda_optimizers_match_cpu_and_resume_across_devices")
+    else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    for (name, make) in rules() {
+        for (dtype, tol) in [(DType::F32, 1e-6), (DType::BF16, 1e-2)] {
+            let what = format!("{name} {dtype:?}");
+            let init: Vec<Tensor> = SHAPES
+                .iter()
+                .enumerate()
+                .map(|(i, s)| common::fill(s, i as u64 + 1).to_dtype(dtype).unwrap())
+                .collect();
+            let (cpu, gpu) = (vars(&init, &Device::Cpu), vars(&init, &dev));
+            let mut a = GroupOptimizer::new(make(), cpu.clone(), 1e-2).unwrap();
+            let mut b = GroupOptimizer::new(make(), gpu.clone(), 1e-2).unwrap();
+            assert_eq!(a.state_bytes(), b.state_bytes(), "{what}: state bytes");
+            for k in 0..3 {
+                a.step(&grads(k, &cpu)).unwrap();
+                b.step(&grads(k, &gpu)).unwrap();
+            }
+            assert_same(&format!("{what}, 3 steps"), (&a, &cpu), (&b, &gpu), tol);
+
+            // The CUDA state, resumed on the CPU over copies of the CUDA parameters.
+            let path = dir.path().join(format!("{name}-{dtype:?}.safetensors"));
+            b.save_state(&path).unwrap();
+            let copies: Vec<Tensor> = gpu.iter().map(|(_, v)| v.as_tensor().clone()).collect();
+            let resumed = vars(&copies, &Device::Cpu);
+            let mut c = GroupOptimizer::new(make(), resumed.clone(), 1e-2).unwrap();
+            c.load_state(&path).unwrap();
+            for k in 3..5 {
+                b.step(&grads(k, &gpu)).unwrap();
+                c.step(&grads(k, &resumed)).unwrap();
+            }
+            assert_same(
+                &format!("{what}, resumed on the CPU"),
+                (&c, &resumed),
+                (&b, &gpu),
+                tol,
+            );
+        }
+    }
+}
