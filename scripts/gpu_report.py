@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Markdown report of one scripts/gpu-check run: python3 scripts/gpu_report.py OUT_DIR.
 
-Reads OUT_DIR/{device.txt, cuda-tests.log, bench.jsonl, peer.jsonl, profile.md} and prints the
+Reads OUT_DIR/{device.txt, cuda-tests.log, bench.jsonl, peer.jsonl, optim.jsonl, profile.md} and prints the
 table docs/BENCHMARKS.md keeps: each shape's median step time and peak device memory for sdtrain
 beside diffusers + PEFT, the CUDA test results with every parity error, and the kernel profile.
 Peak memory: sdtrain's is the CUDA pool's high-water mark (tensors), the peer's is
@@ -41,6 +41,24 @@ def cell(r, field, fmt):
     return fmt.format(v) if isinstance(v, (int, float)) else "—"
 
 
+def print_optimizers(rows):
+    """One optimizer step over SD1.5's parameters: sdtrain's optimizers and torch's."""
+    print("\n### One optimizer step over SD1.5's 860M parameters (f32 parameters)\n")
+    peer = next((r for r in rows if r.get("optimizer") == "adamw-fused" and r.get("status") == "ok"), None)
+    print("| implementation | optimizer | step | vs torch fused AdamW | state bytes/param |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        ok = r.get("status") == "ok"
+        ms = r.get("opt_ms_median", r.get("opt_ms"))
+        ratio = f"{ms / peer['opt_ms_median']:.2f}×" if ok and peer and ms else "—"
+        if r.get("impl") == "sdtrain":
+            per = r.get("optimizer_state_bytes", 0) / max(r.get("params_trained", 1), 1)
+        else:
+            per = r.get("state_bytes_per_param", 0)
+        step = f"{ms:.1f} ms" if ok and ms is not None else r.get("status", "?")[:60]
+        print(f"| {r.get('impl')} | {r.get('optimizer')} | {step} | {ratio} | {per:.2f} |")
+
+
 def main(out):
     device = open(os.path.join(out, "device.txt")).read().strip() if os.path.exists(os.path.join(out, "device.txt")) else "?"
     rows = read_jsonl(os.path.join(out, "bench.jsonl"))
@@ -77,6 +95,9 @@ def main(out):
         r = census[0]
         print(f"\nLoRA gradient store: {r.get('grad_entries')} entries for {r.get('vars')} adapter Vars "
               f"({r.get('vars_with_grad')} with a gradient).")
+    optim = read_jsonl(os.path.join(out, "optim.jsonl"))
+    if optim:
+        print_optimizers(optim)
     log = os.path.join(out, "cuda-tests.log")
     if os.path.exists(log):
         text = open(log).read()

@@ -17,11 +17,16 @@
 //! Defaults: ε = (1e-30, 1e-3), clip_threshold 1, decay_rate −0.8, β1 off, scale_parameter off
 //! (kohya's recommendation for an external lr). State per parameter: (R + C)·4 bytes per matrix
 //! instead of 4·R·C, plus 4 bytes per element with β1.
+//!
+//! A CPU parameter is updated by a fused host kernel; one on a device (CUDA) keeps its state there
+//! and is updated by transformers' step in candle ops ([`super::adafactor_device`]), which is also
+//! the reference the host kernel is tested against.
 
 use candle_core::{Tensor, Var};
 use rayon::prelude::*;
 use serde::Serialize;
 
+use super::adafactor_device::DeviceState;
 use super::host;
 use super::rule::{ParamState, UpdateRule};
 use super::{OptimError, Result};
@@ -87,7 +92,7 @@ impl Adafactor {
 }
 
 /// How a tensor's second moment is stored: `(lead, rows, cols)` when factored.
-fn factoring(shape: &[usize]) -> Option<(usize, usize, usize)> {
+pub(crate) fn factoring(shape: &[usize]) -> Option<(usize, usize, usize)> {
     match shape {
         [lead @ .., r, c] => Some((lead.iter().product(), *r, *c)),
         _ => None,
@@ -100,6 +105,9 @@ impl UpdateRule for Adafactor {
     }
 
     fn init(&self, var: &Var) -> candle_core::Result<Box<dyn ParamState>> {
+        if !var.device().is_cpu() {
+            return Ok(Box::new(DeviceState::zeros(self.hyper, var)?));
+        }
         let n = var.elem_count();
         let second = match factoring(var.dims()) {
             Some((l, r, c)) => Second::Factored {
@@ -275,65 +283,6 @@ fn kernel(st: &mut State, p: &mut [f32], g: &[f32], lr: f64, t: u64) {
     }
 }
 
-/// transformers' `Adafactor.step` for one parameter, literally, in candle ops on the CPU: the
-/// reference the kernel is tested against. Returns the new parameter and state.
-#[cfg(test)]
-fn reference(
-    h: &AdafactorParams,
-    p: &Tensor,
-    g: &Tensor,
-    state: (&Tensor, Option<&Tensor>, Option<&Tensor>),
-    lr: f64,
-    t: u64,
-) -> candle_core::Result<(Tensor, Tensor, Option<Tensor>, Option<Tensor>)> {
-    use candle_core::D;
-    let rms = |x: &Tensor| -> candle_core::Result<f64> {
-        Ok((x.sqr()?.sum_all()?.to_scalar::<f32>()? as f64 / x.elem_count() as f64).sqrt())
-    };
-    let lr_eff = if h.scale_parameter {
-        lr * h.eps.1.max(rms(p)?)
-    } else {
-        lr
-    };
-    let beta2t = 1.0 - (t as f64).powf(h.decay_rate);
-    let update = (g.sqr()? + h.eps.0)?;
-    let (first, second_col, m) = state;
-    let (u, s1, s2) = match second_col {
-        Some(col) => {
-            let row = ((first * beta2t)? + (update.mean(D::Minus1)? * (1.0 - beta2t))?)?;
-            let col = ((col * beta2t)? + (update.mean(D::Minus2)? * (1.0 - beta2t))?)?;
-            let rf = row
-                .broadcast_div(&row.mean_keepdim(D::Minus1)?)?
-                .sqrt()?
-                .recip()?
-                .unsqueeze(D::Minus1)?;
-            let cf = col.unsqueeze(D::Minus2)?.sqrt()?.recip()?;
-            let u = rf.broadcast_mul(&cf)?.mul(g)?;
-            (u, row, Some(col))
-        }
-        None => {
-            let v = ((first * beta2t)? + (update * (1.0 - beta2t))?)?;
-            let u = v.sqrt()?.recip()?.mul(g)?;
-            (u, v, None)
-        }
-    };
-    let clip = (rms(&u)? / h.clip_threshold).max(1.0);
-    let mut u = ((u / clip)? * lr_eff)?;
-    let m = match (m, h.beta1) {
-        (Some(m), Some(b1)) => {
-            let m = ((m * b1)? + (u * (1.0 - b1))?)?;
-            u = m.clone();
-            Some(m)
-        }
-        _ => None,
-    };
-    let mut p = p.clone();
-    if h.weight_decay != 0.0 {
-        p = (&p + (&p * (-h.weight_decay * lr_eff))?)?;
-    }
-    Ok(((p - u)?, s1, s2, m))
-}
-
 impl ParamState for State {
     fn update(&mut self, var: &Var, grad: &Tensor, lr: f64, t: u64) -> candle_core::Result<()> {
         host::update_in_place(var, grad, |p, g| kernel(self, p, g, lr, t))
@@ -392,6 +341,7 @@ impl ParamState for State {
 
 #[cfg(test)]
 mod tests {
+    use super::super::adafactor_device::tensor_step;
     use super::*;
     use crate::optim::test_values;
     use candle_core::Device;
@@ -445,7 +395,8 @@ mod tests {
                     .unwrap();
                     st.update(&var, &g, 1e-2, t).unwrap();
                     let (p, a, b, mm) =
-                        reference(&h, &p_ref, &g, (&s1, s2.as_ref(), m.as_ref()), 1e-2, t).unwrap();
+                        tensor_step(&h, &p_ref, &g, (&s1, s2.as_ref(), m.as_ref()), 1e-2, t)
+                            .unwrap();
                     (p_ref, s1, s2, m) = (p, a, b, mm);
                     let got = var.flatten_all().unwrap().to_vec1::<f32>().unwrap();
                     let want = p_ref.flatten_all().unwrap().to_vec1::<f32>().unwrap();

@@ -2,9 +2,9 @@
 //!
 //! Every optimizer here has its update as a kernel over flat f32 slices (`p` mutable, `g` read).
 //! For a contiguous f32 parameter on the CPU the kernel runs directly in the Var's storage, shared
-//! with the model, so the step makes no parameter-sized copy. Anywhere else (a bf16 parameter, a
-//! CUDA device) the values go through a host copy that is written back with `Var::set`; CUDA's
-//! own kernels are the remaining part of the optimizer work.
+//! with the model, so the step makes no parameter-sized copy. A bf16/f16 CPU parameter goes
+//! through an f32 copy written back with `Var::set` (so would a parameter on any device without
+//! kernels of its own; CUDA parameters take the CUDA kernels of `optim::cuda` instead).
 
 use std::cell::RefCell;
 

@@ -17,6 +17,7 @@
 //! - [`state`]: the atomic safetensors file the optimizer state is saved to.
 
 pub mod adafactor;
+pub mod adafactor_device;
 pub mod adamw;
 pub mod adamw8bit;
 #[cfg(feature = "cuda")]
