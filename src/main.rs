@@ -11,7 +11,7 @@ fn main() -> ExitCode {
     match sdtrain::cli::run(cli) {
         Ok(code) => code,
         Err(err) => {
-            eprintln!("error: {err:#}");
+            eprintln!("error: {}", sdtrain::cli::error_text(&err));
             sdtrain::cli::exit_code(&err)
         }
     }

@@ -80,6 +80,23 @@ pub trait LossScaler {
     fn update(&mut self, finite: bool) -> ScaleChange;
     /// Called before optimizer step `step` (0-based) runs; EveryDream2's step tweaks hook here.
     fn begin_step(&mut self, _step: usize) {}
+    /// Everything that changes during a run, for a save point (`None` when nothing does).
+    fn state(&self) -> Option<ScalerState> {
+        None
+    }
+    /// Restores what [`LossScaler::state`] saved.
+    fn restore(&mut self, _state: &ScalerState) {}
+}
+
+/// The dynamic scaler's running state: its scale, the clean steps since the last change, and
+/// the growth settings (EveryDream2's step tweaks change them during a run).
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct ScalerState {
+    pub scale: f64,
+    pub clean_steps: u32,
+    pub growth_factor: f64,
+    pub backoff_factor: f64,
+    pub growth_interval: u32,
 }
 
 /// What [`LossScaler::update`] did.
@@ -211,6 +228,24 @@ impl LossScaler for DynamicScaler {
         ScaleChange::Unchanged
     }
 
+    fn state(&self) -> Option<ScalerState> {
+        Some(ScalerState {
+            scale: self.scale,
+            clean_steps: self.clean_steps,
+            growth_factor: self.settings.growth_factor,
+            backoff_factor: self.settings.backoff_factor,
+            growth_interval: self.settings.growth_interval,
+        })
+    }
+
+    fn restore(&mut self, s: &ScalerState) {
+        self.scale = s.scale;
+        self.clean_steps = s.clean_steps;
+        self.settings.growth_factor = s.growth_factor;
+        self.settings.backoff_factor = s.backoff_factor;
+        self.settings.growth_interval = s.growth_interval;
+    }
+
     fn begin_step(&mut self, step: usize) {
         if !self.step_tweaks {
             return;
@@ -252,6 +287,25 @@ mod tests {
         s.update(false);
         assert_eq!(s.update(true), ScaleChange::Unchanged);
         assert_eq!(s.scale(), 32768.0);
+    }
+
+    #[test]
+    fn dynamic_scaler_state_round_trips() {
+        let mut a = DynamicScaler::new(ScalerSettings {
+            growth_interval: 3,
+            ..Default::default()
+        })
+        .with_step_tweaks(true);
+        a.begin_step(500);
+        a.update(false);
+        a.update(true);
+        let mut b = DynamicScaler::new(ScalerSettings::default());
+        b.restore(&a.state().unwrap());
+        assert_eq!(b.state(), a.state());
+        for finite in [true, true, false, true] {
+            assert_eq!(a.update(finite), b.update(finite));
+        }
+        assert!(NoScaler.state().is_none());
     }
 
     #[test]

@@ -49,6 +49,15 @@ pub enum WeightsError {
     Config(String),
 }
 
+/// A candle error without its `WithPath` layers: the message already names the file, and
+/// candle's `path: "…"` would say it twice.
+fn without_path(e: candle_core::Error) -> candle_core::Error {
+    match e {
+        candle_core::Error::WithPath { inner, .. } => without_path(*inner),
+        other => other,
+    }
+}
+
 /// How a tensor is filled when weights are generated rather than read.
 #[derive(Debug, Clone, Copy)]
 pub enum Init {
@@ -100,7 +109,7 @@ impl Weights {
             unsafe { MmapedSafetensors::multi(files) }.map_err(|source| WeightsError::Open {
                 component: component.to_string(),
                 files: display_files(files),
-                source: Box::new(source),
+                source: Box::new(without_path(source)),
             })?;
         Ok(Self::with_source(
             Source::Files {

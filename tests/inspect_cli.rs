@@ -35,19 +35,6 @@ fn sdtrain(cwd: &Path, args: &[&str]) -> Run {
     }
 }
 
-fn copy_dir(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for entry in std::fs::read_dir(from).unwrap() {
-        let entry = entry.unwrap();
-        let target = to.join(entry.file_name());
-        if entry.file_type().unwrap().is_dir() {
-            copy_dir(&entry.path(), &target);
-        } else {
-            std::fs::copy(entry.path(), &target).unwrap();
-        }
-    }
-}
-
 /// Element count of every tensor in the safetensors files of `dir/<component>`.
 fn fixture_params(dir: &Path, component: &str) -> u64 {
     let mut total = 0u64;
@@ -139,7 +126,7 @@ fn inspect_reports_each_fixture() {
 fn hub_cache(cwd: &Path) -> PathBuf {
     let repo = cwd.join("hub/models--tiny--sd15");
     let snapshot = repo.join("snapshots").join(COMMIT);
-    copy_dir(&common::fixture("tiny-sd15"), &snapshot);
+    common::copy_dir(&common::fixture("tiny-sd15"), &snapshot);
     std::fs::create_dir_all(repo.join("refs")).unwrap();
     std::fs::write(repo.join("refs/main"), COMMIT).unwrap();
     std::fs::write(repo.join("refs/v1"), format!("{COMMIT}\n")).unwrap();
@@ -223,7 +210,7 @@ fn inspect_usage_errors_exit_2() {
 fn inspect_pickle_only_model_exits_2() {
     let tmp = tempfile::tempdir().unwrap();
     let model = tmp.path().join("model");
-    copy_dir(&common::fixture("tiny-sd15"), &model);
+    common::copy_dir(&common::fixture("tiny-sd15"), &model);
     std::fs::remove_file(model.join("unet/diffusion_pytorch_model.safetensors")).unwrap();
     std::fs::write(model.join("unet/diffusion_pytorch_model.bin"), b"pickle").unwrap();
     let run = sdtrain(tmp.path(), &["inspect", "--model", "model"]);

@@ -16,24 +16,11 @@ use sdtrain::model::weights::Weights;
 const COMMIT_MAIN: &str = "1111111111111111111111111111111111111111";
 const COMMIT_V1: &str = "2222222222222222222222222222222222222222";
 
-fn copy_dir(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for entry in std::fs::read_dir(from).unwrap() {
-        let entry = entry.unwrap();
-        let target = to.join(entry.file_name());
-        if entry.file_type().unwrap().is_dir() {
-            copy_dir(&entry.path(), &target);
-        } else {
-            std::fs::copy(entry.path(), &target).unwrap();
-        }
-    }
-}
-
 /// A copy of a fixture pipeline in a fresh temp directory.
 fn fixture_copy(name: &str) -> (tempfile::TempDir, PathBuf) {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join(name);
-    copy_dir(&common::fixture(name), &dir);
+    common::copy_dir(&common::fixture(name), &dir);
     (tmp, dir)
 }
 
@@ -43,7 +30,7 @@ fn fixture_copy(name: &str) -> (tempfile::TempDir, PathBuf) {
 fn hub_cache(cache: &Path) -> PathBuf {
     let repo = cache.join("models--tiny--sd15");
     std::fs::create_dir_all(repo.join("refs")).unwrap();
-    copy_dir(
+    common::copy_dir(
         &common::fixture("tiny-sd15"),
         &repo.join("snapshots").join(COMMIT_MAIN),
     );
@@ -82,7 +69,7 @@ fn link_snapshot(from: &Path, repo: &Path, snapshot: &Path, up: &Path) {
 
 #[cfg(not(unix))]
 fn link_snapshot(from: &Path, _repo: &Path, snapshot: &Path, _up: &Path) {
-    copy_dir(from, snapshot);
+    common::copy_dir(from, snapshot);
 }
 
 fn load_all(path: &Path) -> HashMap<String, Tensor> {

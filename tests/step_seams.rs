@@ -8,7 +8,6 @@ mod common;
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
-use rand::{rngs::StdRng, SeedableRng};
 use sdtrain::adapter::AdapterComponent;
 use sdtrain::config::{AdapterPlan, SaveDtype, TrainMode};
 use sdtrain::data::{load_data_root, LoadedDataset};
@@ -20,7 +19,9 @@ use sdtrain::nn::Checkpointing;
 use sdtrain::optim::StepCheck;
 use sdtrain::train::accumulate::GradAccumulator;
 use sdtrain::train::adapters::attach_with;
-use sdtrain::train::step::{forward_backward, prepare_batch, PreparedBatch, StepSettings};
+use sdtrain::train::step::{
+    forward_backward, prepare_batch, sample_rngs, step_seeds, PreparedBatch, StepSettings,
+};
 
 struct Model {
     sd: StableDiffusion,
@@ -112,8 +113,9 @@ fn data() -> LoadedDataset {
 fn prepared(m: &Model, data: &LoadedDataset, n: usize) -> PreparedBatch {
     let images: Vec<_> = data.items.iter().take(n).collect();
     assert_eq!(images.len(), n, "the demo set has at least {n} images");
-    let mut rng = StdRng::seed_from_u64(5);
-    prepare_batch(&m.sd, &images, &settings(m, None), &mut rng).unwrap()
+    let seeds: Vec<u64> = (0..n as u64).map(|i| 5 + i).collect();
+    let mut rngs = sample_rngs(&seeds);
+    prepare_batch(&m.sd, &images, &settings(m, None), &mut rngs).unwrap()
 }
 
 fn max_abs(t: &Tensor) -> f32 {
@@ -179,6 +181,59 @@ fn norm(grads: &GradStore, params: &[Var], loss: &Tensor) -> (f64, f32) {
     let present: Vec<&Tensor> = params.iter().filter_map(|v| grads.get(v)).collect();
     let c = StepCheck::fetch(loss, &present).unwrap();
     (c.loss, c.grad_norm)
+}
+
+/// Each sample draws from its own generator: a batch prepared whole equals the same samples
+/// prepared in two halves, captions, timesteps, noised latents and targets (the OOM retry's
+/// guarantee that retried samples get the same draws).
+#[test]
+fn a_batch_prepared_in_halves_draws_what_the_whole_batch_draws() {
+    let data = data();
+    let m = model("tiny-sd15", TrainMode::Lora, 0.0);
+    let s = StepSettings {
+        cond_dropout: 0.5,
+        shuffle_tags: true,
+        ..settings(&m, None)
+    };
+    let images: Vec<_> = data.items.iter().take(4).collect();
+    let seeds = step_seeds(3, 5, 4);
+    let whole = prepare_batch(&m.sd, &images, &s, &mut sample_rngs(&seeds)).unwrap();
+    let halves: Vec<PreparedBatch> = [0..2, 2..4]
+        .into_iter()
+        .map(|r| {
+            let mut rngs = sample_rngs(&seeds[r.clone()]);
+            prepare_batch(&m.sd, &images[r], &s, &mut rngs).unwrap()
+        })
+        .collect();
+    let captions: Vec<String> = halves.iter().flat_map(|h| h.captions.clone()).collect();
+    assert_eq!(captions, whole.captions);
+    let timesteps: Vec<u32> = halves
+        .iter()
+        .flat_map(|h| h.noised.timesteps.clone())
+        .collect();
+    assert_eq!(timesteps, whole.noised.timesteps);
+    for (what, got, want) in [
+        (
+            "noisy",
+            cat(&halves, |h| &h.noised.noisy),
+            &whole.noised.noisy,
+        ),
+        (
+            "target",
+            cat(&halves, |h| &h.noised.target),
+            &whole.noised.target,
+        ),
+    ] {
+        let diff = max_abs(&(got - want).unwrap());
+        assert!(diff <= 1e-6 * max_abs(want), "{what} differs by {diff}");
+    }
+    // Different seeds draw differently.
+    let other = prepare_batch(&m.sd, &images, &s, &mut sample_rngs(&step_seeds(3, 6, 4))).unwrap();
+    assert_ne!(other.noised.timesteps, whole.noised.timesteps);
+}
+
+fn cat(parts: &[PreparedBatch], f: impl Fn(&PreparedBatch) -> &Tensor) -> Tensor {
+    Tensor::cat(&parts.iter().map(f).collect::<Vec<_>>(), 0).unwrap()
 }
 
 #[test]

@@ -240,7 +240,9 @@ fn ctrl_c_saves_then_exits_0() {
 
 #[test]
 fn ctrl_c_saves_the_lora_then_exits_0() {
-    let saved = ctrl_c_run(serde_json::json!({"max_steps": 1000, "mode": "lora"}));
+    // log_step 1000: only step 1 is logged by the rule; the save must log its own step.
+    let saved =
+        ctrl_c_run(serde_json::json!({"max_steps": 1000, "mode": "lora", "log_step": 1000}));
     assert!(
         saved.starts_with("sdtrain-step-") && saved.ends_with(".safetensors"),
         "{saved}"
@@ -289,6 +291,16 @@ fn ctrl_c_run(extra: serde_json::Value) -> String {
         .filter(|n| n.starts_with("interrupted-step-") || n.starts_with("sdtrain-step-"))
         .collect();
     assert_eq!(saved.len(), 1, "{}", text(&out));
+    // The log holds every step the save holds: it ends at the saved step.
+    let step: usize = saved[0]
+        .trim_end_matches(".safetensors")
+        .rsplit('-')
+        .next()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no step in {}", saved[0]));
+    let log = std::fs::read_to_string(run.join("train_log.jsonl")).unwrap();
+    let last: serde_json::Value = serde_json::from_str(log.lines().last().unwrap()).unwrap();
+    assert_eq!(last["step"].as_u64(), Some(step as u64), "{log}");
     if saved[0].starts_with("interrupted-step-") {
         ModelLayout::read(&run.join(&saved[0]), None).unwrap();
     }
@@ -464,4 +476,53 @@ fn every_optimizer_trains_from_optimizer_json_and_saves_its_state() {
             );
         }
     }
+}
+
+/// Bad inputs a new user tries: each is reported once, early, with the right exit code.
+#[test]
+fn bad_inputs_are_reported_early_and_once() {
+    let tmp = tempfile::tempdir().unwrap();
+    // An adapter.init_from that does not exist is a config error, found by --dry-run (exit 2).
+    let missing = tmp.path().join("no-such-lora.safetensors");
+    let extra = serde_json::json!({"mode": "lora", "adapter": {"init_from": missing}});
+    let cfg = write_config(tmp.path(), "tiny-sd15", &demo_data(), extra);
+    for args in [vec!["--dry-run"], vec!["--cpu"]] {
+        let mut all = vec!["--config", cfg.to_str().unwrap()];
+        all.extend(args);
+        let out = sdtrain(&all, tmp.path());
+        assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+        assert!(text(&out).contains("adapter.init_from"), "{}", text(&out));
+        assert!(text(&out).contains("does not exist"), "{}", text(&out));
+    }
+    // An output_dir that is a file: exit 2 before the model loads.
+    let file = tmp.path().join("taken");
+    std::fs::write(&file, b"x").unwrap();
+    let extra = serde_json::json!({"output_dir": file});
+    let cfg = write_config(tmp.path(), "tiny-sd15", &demo_data(), extra);
+    let out = sdtrain(&["--config", cfg.to_str().unwrap(), "--cpu"], tmp.path());
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(text(&out).contains("output_dir"), "{}", text(&out));
+    assert!(
+        !text(&out).contains("model:"),
+        "the model loaded first: {}",
+        text(&out)
+    );
+    // A truncated safetensors: the cause appears once, and the file once.
+    let model = tmp.path().join("model");
+    common::copy_dir(&common::fixture("tiny-sd15"), &model);
+    let unet = std::fs::read_dir(model.join("unet"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.extension().is_some_and(|e| e == "safetensors"))
+        .unwrap();
+    let bytes = std::fs::read(&unet).unwrap();
+    std::fs::write(&unet, &bytes[..100]).unwrap();
+    let extra = serde_json::json!({"model": model});
+    let cfg = write_config(tmp.path(), "tiny-sd15", &demo_data(), extra);
+    let out = sdtrain(&["--config", cfg.to_str().unwrap(), "--cpu"], tmp.path());
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    let err = text(&out);
+    let line = err.lines().find(|l| l.starts_with("error:")).unwrap();
+    assert_eq!(line.matches("invalid header length").count(), 1, "{line}");
+    assert_eq!(line.matches(unet.to_str().unwrap()).count(), 1, "{line}");
 }

@@ -153,6 +153,17 @@ pub fn resolve_adapter(
         .as_deref()
         .map(|p| resolve_input("adapter.init_from", p))
         .transpose()?;
+    if let Some(p) = init_from.as_ref().filter(|p| !p.is_file()) {
+        let why = if p.exists() {
+            "is not a file"
+        } else {
+            "does not exist"
+        };
+        return Err(invalid(
+            "init_from",
+            format!("is {}, which {why}", p.display()),
+        ));
+    }
     Ok(AdapterPlan {
         rank: r,
         alpha,

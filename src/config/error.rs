@@ -2,7 +2,8 @@
 //! override. Every variant names the file (or the `--set` argument) and the field, so the message
 //! alone tells the user what to edit. The CLI maps all of them to exit code 2.
 
-use std::path::PathBuf;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
 
 /// An error in the training configuration.
 #[derive(Debug, thiserror::Error)]
@@ -90,6 +91,24 @@ pub enum ConfigError {
     },
     #[error("--set `{arg}`: {reason}")]
     BadOverride { arg: String, reason: String },
+    /// An [`ConfigError::Invalid`] or [`ConfigError::WrongType`] value given by `--set`.
+    #[error("{}", render_from_set(arg, inner))]
+    FromSet {
+        arg: String,
+        inner: Box<ConfigError>,
+    },
+}
+
+fn render_from_set(arg: &str, inner: &ConfigError) -> String {
+    match inner {
+        ConfigError::Invalid { field, message, .. } => {
+            format!("`{field}` from `--set {arg}` {message}")
+        }
+        ConfigError::WrongType { field, message, .. } => {
+            format!("`{field}` from `--set {arg}` has the wrong type: {message}")
+        }
+        other => format!("{other} (after `--set {arg}`)"),
+    }
 }
 
 /// One EveryDream2 key that sdtrain knows but does not implement yet, with a value that would
@@ -121,6 +140,24 @@ fn render_unsupported(entries: &[UnsupportedKey]) -> String {
 }
 
 impl ConfigError {
+    /// A bad value that a `--set` argument gave is blamed on that argument, not on train.json
+    /// (which may hold a good value): `` `lr` from `--set lr=-0.01` must be … ``.
+    pub fn blame_set(self, train_path: &Path, set_args: &HashMap<String, String>) -> Self {
+        let (file, field) = match &self {
+            ConfigError::Invalid { file, field, .. }
+            | ConfigError::WrongType { file, field, .. } => (file, field),
+            _ => return self,
+        };
+        let top = field.split('.').next().unwrap_or_default();
+        match set_args.get(top) {
+            Some(arg) if file == train_path => ConfigError::FromSet {
+                arg: arg.clone(),
+                inner: Box::new(self),
+            },
+            _ => self,
+        }
+    }
+
     /// True when the user's configuration is at fault (exit code 2); false for an I/O failure
     /// other than a missing file.
     pub fn is_usage(&self) -> bool {
@@ -136,7 +173,8 @@ impl ConfigError {
             | ConfigError::ModelConflict { .. }
             | ConfigError::DataRoot { .. }
             | ConfigError::OptimizerConfigNotFound { .. }
-            | ConfigError::BadOverride { .. } => true,
+            | ConfigError::BadOverride { .. }
+            | ConfigError::FromSet { .. } => true,
         }
     }
 }

@@ -155,7 +155,19 @@ impl TrainPlan {
     ) -> Result<TrainPlan, ConfigError> {
         let mut obj = into_object(train, train_path)?;
         let set_args = overrides::apply_all(&mut obj, overrides)?;
-        let file = TrainFile::from_object(obj, train_path, &set_args)?;
+        Self::from_object(obj, train_path, overrides, &set_args)
+            .map_err(|e| e.blame_set(train_path, &set_args))
+    }
+
+    /// [`TrainPlan::from_value`] after the overrides are applied; `set_args` maps each
+    /// overridden top-level key to its `--set` argument.
+    fn from_object(
+        obj: serde_json::Map<String, Value>,
+        train_path: &Path,
+        overrides: &[String],
+        set_args: &std::collections::HashMap<String, String>,
+    ) -> Result<TrainPlan, ConfigError> {
+        let file = TrainFile::from_object(obj, train_path, set_args)?;
         let ctx = Ctx {
             file: train_path,
             dir: train_path.parent().unwrap_or(Path::new("")).to_path_buf(),
@@ -187,7 +199,7 @@ impl TrainPlan {
             }
             (TrainMode::Lora | TrainMode::Locon, raw) => {
                 let raw = raw.clone().unwrap_or_else(adapter_file::empty_section);
-                let parsed = adapter_file::parse_adapter_section(&raw, train_path, &set_args)?;
+                let parsed = adapter_file::parse_adapter_section(&raw, train_path, set_args)?;
                 Some(adapter_file::resolve_adapter(
                     &parsed,
                     train_path,
@@ -715,6 +727,32 @@ mod tests {
         assert_eq!(p.overrides.len(), 4);
         let err = fx.plan(json!({}), &["batch_size=0"]).unwrap_err();
         assert!(err.to_string().contains("`batch_size`"), "{err}");
+    }
+
+    /// A bad value from `--set` names the argument, not train.json (whose value is fine); a
+    /// bad value in the file still names the file.
+    #[test]
+    fn set_bad_value_is_blamed_on_the_set_argument() {
+        let fx = Fixture::new();
+        let err = fx.plan(json!({"lr": 0.01}), &["lr=-0.01"]).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "`lr` from `--set lr=-0.01` must be greater than 0 (got -0.01)"
+        );
+        assert!(err.is_usage());
+        let err = fx
+            .plan(json!({}), &["adapter.rank=x", "mode=lora"])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("from `--set adapter.rank=x`"), "{err}");
+        let err = fx
+            .plan(json!({"lr": -1.0}), &["seed=3"])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("train.json") && !err.contains("--set"),
+            "{err}"
+        );
     }
 
     #[test]

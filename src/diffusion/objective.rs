@@ -44,6 +44,8 @@ pub enum ObjectiveError {
     },
     #[error("loss: {weights} weights for a batch of {batch}")]
     Weights { weights: usize, batch: usize },
+    #[error("noise: {rngs} per-sample generators for a batch of {batch}")]
+    Generators { rngs: usize, batch: usize },
     #[error(transparent)]
     Schedule(#[from] ScheduleError),
     #[error(transparent)]
@@ -259,6 +261,41 @@ impl Objective {
             self.schedule.num_train_timesteps(),
         )?;
         self.noise_with(x0, &noise, timesteps)
+    }
+
+    /// [`Objective::noise_batch`] with one generator per sample: sample `i`'s noise, then its
+    /// timestep, come from `rngs[i]` alone, so any split of the batch draws the same values.
+    pub fn noise_per_sample<R: Rng>(
+        &self,
+        rngs: &mut [R],
+        x0: &Tensor,
+    ) -> Result<NoisedBatch, ObjectiveError> {
+        let (b, c, h, w) = x0.dims4()?;
+        if rngs.len() != b {
+            return Err(ObjectiveError::Generators {
+                rngs: rngs.len(),
+                batch: b,
+            });
+        }
+        let mut noise = Vec::with_capacity(b);
+        let mut timesteps = Vec::with_capacity(b);
+        for rng in rngs.iter_mut() {
+            noise.push(sample_noise(
+                rng,
+                (1, c, h, w),
+                self.config.zero_frequency_noise_ratio,
+                x0.dtype(),
+                x0.device(),
+            )?);
+            timesteps.extend(sample_timesteps(
+                rng,
+                1,
+                self.config.timestep_start,
+                self.config.timestep_end,
+                self.schedule.num_train_timesteps(),
+            )?);
+        }
+        self.noise_with(x0, &Tensor::cat(&noise, 0)?, timesteps)
     }
 
     /// Noises `x0` with the given noise and timesteps (no randomness).

@@ -4,9 +4,12 @@
 //!   counters and the card's free/total on CUDA, the process's resident set on the CPU.
 //! - [`device_setup`]: one-time settings for a CUDA device before training (pool caching, event
 //!   tracking).
+//! - [`trim`]: giving freed pool memory back after an out-of-memory error.
 
 pub mod device_setup;
+pub mod trim;
 pub mod usage;
 
 pub use device_setup::{prepare_device, DeviceSettings};
+pub use trim::trim_pool;
 pub use usage::{MemorySource, MemoryUsage};

@@ -365,7 +365,12 @@ impl Optimizer for GroupOptimizer {
         Ok(stats)
     }
 
-    fn step_checked(&mut self, grads: &GradStore, _finite: Finite) -> Result<StepStats> {
+    fn step_checked_from(
+        &mut self,
+        grads: &GradStore,
+        _finite: Finite,
+        done: usize,
+    ) -> Result<StepStats> {
         let with_grad = self.with_grads(grads)?;
         let stats = StepStats {
             grad_norm: f32::NAN,
@@ -373,8 +378,12 @@ impl Optimizer for GroupOptimizer {
             no_grad: self.slots.len() - with_grad.len(),
             ..StepStats::default()
         };
-        for (i, g) in with_grad {
-            self.apply_one(i, g)?;
+        for (k, (i, g)) in with_grad.into_iter().enumerate().skip(done) {
+            self.apply_one(i, g)
+                .map_err(|source| OptimError::Interrupted {
+                    updated: k,
+                    source: Box::new(source),
+                })?;
         }
         Ok(stats)
     }

@@ -26,10 +26,20 @@ pub struct LogRecord {
     /// fp16's loss scale after this step (absent in bf16 and f32, which do not scale).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub loss_scale: Option<f64>,
+    /// The micro-batch size in force, once an out-of-memory retry has changed it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub micro_batch: Option<usize>,
+    /// Out-of-memory retries in the run so far.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub oom_retries: usize,
     /// Memory in use and the run's peak so far: the CUDA pool (plus the card's free/total) on
     /// CUDA, the process's RSS on the CPU.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub memory: Option<MemoryUsage>,
+}
+
+fn is_zero(n: &usize) -> bool {
+    *n == 0
 }
 
 pub struct JsonlLog {

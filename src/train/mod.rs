@@ -5,7 +5,11 @@ pub mod adapters;
 pub mod interrupt;
 pub mod log;
 pub mod loss_stats;
+pub mod micro_batch;
+pub mod oom;
 pub mod progress;
+#[cfg(test)]
+mod retry_tests;
 pub mod run_dir;
 pub mod state_estimate;
 pub mod step;

@@ -1,10 +1,31 @@
 //! The run folder `output_dir/<project_name>-<timestamp>/` and what lives in it:
 //! `plan.json` (the resolved plan), `train_log.jsonl`, and the saved model folders
-//! (`epoch-0001/`, `final/`, `interrupted-step-000123/`).
+//! (`epoch-0001/`, `final/`, `interrupted-step-000123/`, `errored-step-000123/`).
 
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
+
+/// `output_dir` cannot be created or written: checked before the model and the data load.
+#[derive(Debug, thiserror::Error)]
+#[error("output_dir {} cannot be used: {source}", path.display())]
+pub struct OutputDirError {
+    pub path: PathBuf,
+    #[source]
+    pub source: std::io::Error,
+}
+
+/// Creates `output_dir` (with its parents) and checks a file can be written in it.
+pub fn ensure_output_dir(output_dir: &Path) -> Result<(), OutputDirError> {
+    let err = |source| OutputDirError {
+        path: output_dir.to_path_buf(),
+        source,
+    };
+    std::fs::create_dir_all(output_dir).map_err(err)?;
+    let probe = output_dir.join(format!(".sdtrain-write-check-{}", std::process::id()));
+    std::fs::write(&probe, b"").map_err(err)?;
+    std::fs::remove_file(&probe).map_err(err)
+}
 
 #[derive(Debug, Clone)]
 pub struct RunDir {
@@ -51,5 +72,29 @@ impl RunDir {
 
     pub fn interrupted_dir(&self, step: usize) -> PathBuf {
         self.path.join(format!("interrupted-step-{step:06}"))
+    }
+
+    /// The last completed step of a run that stopped on an out-of-memory error.
+    pub fn errored_dir(&self, step: usize) -> PathBuf {
+        self.path.join(format!("errored-step-{step:06}"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_unusable_output_dir_is_reported() {
+        let tmp = tempfile::tempdir().unwrap();
+        let file = tmp.path().join("a-file");
+        std::fs::write(&file, b"x").unwrap();
+        for bad in [file.clone(), file.join("below")] {
+            let err = ensure_output_dir(&bad).unwrap_err();
+            assert!(err.to_string().contains("a-file"), "{err}");
+        }
+        let good = tmp.path().join("new/out");
+        ensure_output_dir(&good).unwrap();
+        assert_eq!(std::fs::read_dir(&good).unwrap().count(), 0);
     }
 }

@@ -1,7 +1,8 @@
 //! One micro-batch of the training step, straight-line (nanoGPT's shape), in two parts:
 //! - [`prepare_batch`] makes every random draw (flip, caption dropout and shuffle, the VAE
 //!   posterior sample, noise and timesteps): images → VAE latents (frozen, detached) → noised
-//!   latents and captions;
+//!   latents and captions. Each sample draws from its own generator ([`sample_rngs`]), so a
+//!   batch prepared whole or in any split sees the same draws;
 //! - [`forward_backward`] has no randomness of its own: text conditioning → UNet → (min-SNR
 //!   weighted) MSE, weighted by the micro-batch's share of the effective batch and by the loss
 //!   scale, then backward.
@@ -15,7 +16,8 @@
 use anyhow::Context;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor};
-use rand::Rng;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
 use rand_distr::StandardNormal;
 
 use crate::data::augment;
@@ -93,41 +95,63 @@ impl PreparedBatch {
     }
 }
 
-/// Makes every random draw for `images`, in a fixed order, and encodes them with the VAE.
+/// The seeds of (0-based) step `step`'s `n` samples: a pure function of the run's seed and the
+/// step, so an OOM retry, and a resumed run, draw exactly what an uninterrupted run draws.
+pub fn step_seeds(seed: u64, step: usize, n: usize) -> Vec<u64> {
+    let mix = (step as u64)
+        .wrapping_add(1)
+        .wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    let mut rng = StdRng::seed_from_u64(seed ^ mix);
+    (0..n).map(|_| rng.random()).collect()
+}
+
+/// One generator per sample, from the sample's seed: every draw a sample needs comes from its own
+/// generator, so a batch cut into micro-batches of any size (the OOM retry) draws the same.
+pub fn sample_rngs(seeds: &[u64]) -> Vec<StdRng> {
+    seeds.iter().map(|&s| StdRng::seed_from_u64(s)).collect()
+}
+
+/// Makes every random draw for `images`, sample `i` from `rngs[i]` in a fixed order (flip,
+/// caption dropout, tag shuffle, the VAE posterior sample, noise, timestep), and encodes them
+/// with the VAE.
 pub fn prepare_batch<R: Rng>(
     sd: &StableDiffusion,
     images: &[&TrainImage],
     settings: &StepSettings<'_>,
-    rng: &mut R,
+    rngs: &mut [R],
 ) -> anyhow::Result<PreparedBatch> {
+    if rngs.len() != images.len() {
+        anyhow::bail!("{} generators for {} images", rngs.len(), images.len());
+    }
     let device = sd.unet.conv_in.weight.device().clone();
-    let flipped: Vec<std::borrow::Cow<'_, TrainImage>> = images
-        .iter()
-        .map(|im| augment::flip_p(im, settings.flip_p, rng))
-        .collect();
+    let mut flipped: Vec<std::borrow::Cow<'_, TrainImage>> = Vec::with_capacity(images.len());
+    let mut captions = Vec::with_capacity(images.len());
+    for (im, rng) in images.iter().zip(rngs.iter_mut()) {
+        flipped.push(augment::flip_p(im, settings.flip_p, rng));
+        let caption = augment::cond_dropout(&im.caption, settings.cond_dropout, rng);
+        captions.push(if settings.shuffle_tags {
+            augment::shuffle_tags(caption, rng)
+        } else {
+            caption.to_string()
+        });
+    }
     let batch: Vec<&TrainImage> = flipped.iter().map(|c| c.as_ref()).collect();
-    let captions: Vec<String> = batch
-        .iter()
-        .map(|im| {
-            let caption = augment::cond_dropout(&im.caption, settings.cond_dropout, rng);
-            if settings.shuffle_tags {
-                augment::shuffle_tags(caption, rng)
-            } else {
-                caption.to_string()
-            }
-        })
-        .collect();
 
     let vae_dtype = sd.vae.dtype();
     let pixels = augment::to_tensor(&batch, &device)?.to_dtype(vae_dtype)?;
     let posterior = sd.vae.encode(&pixels)?;
-    let eps = host_randn(rng, posterior.mean.dims(), &device)?.to_dtype(posterior.mean.dtype())?;
+    let (_, c, h, w) = posterior.mean.dims4()?;
+    let eps = rngs
+        .iter_mut()
+        .map(|rng| host_randn(rng, &[1, c, h, w], &device))
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    let eps = Tensor::cat(&eps, 0)?.to_dtype(posterior.mean.dtype())?;
     let latents = sd
         .vae
         .scale_latents(&posterior.sample_with_noise(&eps)?)?
         .detach()
         .to_dtype(settings.compute_dtype)?;
-    let noised = settings.objective.noise_batch(rng, &latents)?;
+    let noised = settings.objective.noise_per_sample(rngs, &latents)?;
     Ok(PreparedBatch {
         noised,
         captions,

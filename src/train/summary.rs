@@ -44,6 +44,13 @@ impl fmt::Display for Summary<'_> {
                 o.skipped_steps
             )?;
         }
+        if o.micro.oom_retries > 0 {
+            writeln!(
+                f,
+                "oom retries     {} (micro-batch now {}; effective batch unchanged)",
+                o.micro.oom_retries, o.micro.size
+            )?;
+        }
         if o.skipped_images > 0 {
             writeln!(
                 f,

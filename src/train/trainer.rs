@@ -9,22 +9,23 @@ use std::time::Instant;
 
 use anyhow::{bail, Context};
 use candle_core::{DType, Device, Tensor, Var};
-use rand::{rngs::StdRng, Rng, SeedableRng};
 
 use super::accumulate::GradAccumulator;
 use super::adapters::{self, SaveInfo, TrainedAdapters};
 use super::interrupt::Interrupt;
 use super::log::{JsonlLog, LogRecord};
 use super::loss_stats::{first_last_means, Smoothed};
+use super::micro_batch::{next_rungs, rung_lines, GaveUp, MicroBatching};
+use super::oom::{find_oom, injected, OutOfMemory};
 use super::progress::Progress;
 use super::run_dir::RunDir;
-use super::step::{forward_backward, prepare_batch, StepSettings};
+use super::step::{forward_backward, prepare_batch, sample_rngs, step_seeds, StepSettings};
 use super::te_freeze::text_encoder_param_trains;
 use crate::config::{OptimizerKind, ParamGroupPlan};
 use crate::config::{TrainMode, TrainPlan};
 use crate::data::{load_data_root, LoadedDataset};
 use crate::diffusion::{NoiseSchedule, Objective, ObjectiveConfig};
-use crate::memory::{prepare_device, DeviceSettings, MemoryUsage};
+use crate::memory::{prepare_device, trim_pool, DeviceSettings, MemoryUsage};
 use crate::model::family::ModelLayout;
 use crate::model::files::Component;
 use crate::model::pipeline::{LoadOptions, StableDiffusion};
@@ -32,7 +33,7 @@ use crate::model::source::ModelSource;
 use crate::nn::Checkpointing;
 use crate::optim::{
     clip_grad_norm, Adafactor, AdafactorParams, AdamW, AdamW8bit, AdamWParams, GroupOptimizer,
-    Lion, LionParams, LrSchedule, Optimizer, StepCheck, UpdateRule,
+    Lion, LionParams, LrSchedule, OptimError, Optimizer, StepCheck, UpdateRule,
 };
 use crate::precision::{scaler_for, Amp, LossScaler, ScaleChange};
 
@@ -58,6 +59,8 @@ pub struct TrainOutcome {
     pub wall_secs: f64,
     /// Memory at the end of the run, with the run's peak (device pool on CUDA, RSS on the CPU).
     pub memory: Option<MemoryUsage>,
+    /// The micro-batch size at the end and the out-of-memory retries that set it.
+    pub micro: MicroBatching,
 }
 
 impl TrainOutcome {
@@ -179,6 +182,18 @@ struct Session<'a> {
     amp: Amp,
     scaler: Box<dyn LossScaler>,
     checkpointing: Option<Checkpointing>,
+    /// The micro-batch size in force (halved by out-of-memory retries).
+    micro: MicroBatching,
+    /// The last step's log record when `log_step` skipped it, until a save writes it.
+    unlogged: Option<LogRecord>,
+}
+
+/// The run ran out of memory where halving cannot help: [`Session::run`] saves and stops.
+#[derive(Debug, thiserror::Error)]
+#[error("out of device memory {place}: {oom}")]
+struct OomExhausted {
+    place: String,
+    oom: OutOfMemory,
 }
 
 /// What one optimizer step did.
@@ -190,6 +205,8 @@ struct StepReport {
     lrs: Vec<f64>,
     images: usize,
     scale: ScaleChange,
+    /// One line per out-of-memory retry during the step.
+    retries: Vec<String>,
 }
 
 impl<'a> Session<'a> {
@@ -201,6 +218,8 @@ impl<'a> Session<'a> {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0.0, |d| d.as_secs_f64());
         let full = plan.mode == TrainMode::Full;
+        // Before anything slow loads: a run that cannot save should not start.
+        super::run_dir::ensure_output_dir(&plan.output_dir)?;
         let interrupt = Interrupt::install();
         // Before anything is allocated: event tracking applies to tensors created afterwards.
         prepare_device(&opts.device, DeviceSettings::default()).context("preparing the device")?;
@@ -301,6 +320,8 @@ impl<'a> Session<'a> {
             amp,
             scaler,
             checkpointing,
+            micro: MicroBatching::new(plan.batch_size),
+            unlogged: None,
         })
     }
 
@@ -317,15 +338,12 @@ impl<'a> Session<'a> {
         }
     }
 
-    /// One optimizer step over `batches` (dataset indices per micro-batch): each micro-batch's
-    /// draws, forward and backward, accumulation, the one device→host check, the scaler's update
-    /// and, when everything is finite, the optimizer update.
-    fn optimizer_step<R: Rng>(
-        &mut self,
-        batches: &[&[usize]],
-        step: usize,
-        rng: &mut R,
-    ) -> anyhow::Result<StepReport> {
+    /// One optimizer step over `batches` (dataset indices per configured micro-batch): the
+    /// step's samples go through forward and backward `self.micro.size` at a time, each with its
+    /// own seeded draws; an out-of-memory error halves the micro-batch and retries the same
+    /// samples, keeping the gradients already accumulated. Then the one device→host check, the
+    /// scaler's update and, when everything is finite, the optimizer update.
+    fn optimizer_step(&mut self, batches: &[&[usize]], step: usize) -> anyhow::Result<StepReport> {
         let settings = StepSettings {
             objective: &self.objective,
             flip_p: self.plan.data.flip_p,
@@ -338,14 +356,45 @@ impl<'a> Session<'a> {
         };
         self.scaler.begin_step(step);
         let loss_scale = self.scaler.scale();
-        let effective: usize = batches.iter().map(|b| b.len()).sum();
+        let ids: Vec<usize> = batches.concat();
+        let seeds = step_seeds(self.plan.seed, step, ids.len());
+        let effective = ids.len();
         let mut acc = GradAccumulator::new(&self.params);
-        for ids in batches {
+        let mut retries = Vec::new();
+        let mut start = 0;
+        while start < effective {
+            let n = self.micro.size.min(effective - start);
+            let (ids, seeds) = (&ids[start..start + n], &seeds[start..start + n]);
             let images: Vec<_> = ids.iter().map(|&i| &self.dataset.items[i]).collect();
-            let batch = prepare_batch(&self.sd, &images, &settings, rng)?;
-            let weight = batch.len() as f64 / effective as f64;
-            let (loss, grads) = forward_backward(&self.sd, &batch, &settings, weight, loss_scale)?;
-            acc.add(loss, grads, batch.len())?;
+            let result = micro_batch(&self.sd, &images, seeds, &settings, effective, loss_scale)
+                .and_then(|r| match injected(step, ids) {
+                    true => Err(anyhow::Error::new(OutOfMemory {
+                        detail: "injected by a test".into(),
+                    })),
+                    false => Ok(r),
+                });
+            match result {
+                Ok((loss, grads)) => {
+                    acc.add(loss, grads, n)?;
+                    start += n;
+                }
+                Err(e) => {
+                    let Some(oom) = find_oom(&e) else {
+                        return Err(e);
+                    };
+                    // The failed micro-batch's graph is gone with `e`'s stack frame.
+                    trim_pool(&self.opts.device).context("freeing memory after an OOM")?;
+                    let old = self.micro.size;
+                    if !self.micro.halve() {
+                        return Err(OomExhausted {
+                            place: format!("at step {} with batch 1", step + 1),
+                            oom,
+                        }
+                        .into());
+                    }
+                    retries.push(self.micro.retry_line(step + 1, old, effective));
+                }
+            }
         }
         let Some(mut done) = acc.finish(loss_scale)? else {
             bail!("optimizer step {} had no micro-batches", step + 1);
@@ -380,9 +429,7 @@ impl<'a> Session<'a> {
         let scale = self.scaler.update(finite.is_some());
         if let Some(finite) = finite {
             for g in self.groups.iter_mut() {
-                g.optimizer
-                    .step_checked(&done.grads, finite)
-                    .with_context(|| format!("{} optimizer step", g.name))?;
+                update_group(g, &done.grads, finite, &self.opts.device, step)?;
             }
         }
         Ok(StepReport {
@@ -392,6 +439,7 @@ impl<'a> Session<'a> {
             lrs,
             images: done.samples,
             scale,
+            retries,
         })
     }
 
@@ -399,7 +447,6 @@ impl<'a> Session<'a> {
     fn run(mut self) -> anyhow::Result<TrainOutcome> {
         let plan = self.plan;
         let total_steps = self.total_steps;
-        let mut rng = StdRng::seed_from_u64(plan.seed);
         let progress = Progress::new(total_steps, self.opts.show_progress);
         let mut smoothed = Smoothed::new(0.9);
         let mut out = TrainOutcome {
@@ -414,6 +461,7 @@ impl<'a> Session<'a> {
             interrupted: false,
             wall_secs: 0.0,
             memory: None,
+            micro: self.micro,
         };
         let max_epochs = plan.max_epochs.map_or(usize::MAX, |e| e as usize);
         'epochs: for epoch in 0..max_epochs {
@@ -423,7 +471,14 @@ impl<'a> Session<'a> {
                 if out.steps >= total_steps {
                     break 'epochs;
                 }
-                let report = self.optimizer_step(group_batches, out.steps, &mut rng)?;
+                let report = match self.optimizer_step(group_batches, out.steps) {
+                    Ok(report) => report,
+                    Err(e) => return Err(self.stop_after_oom(e, &out, epoch, &progress)),
+                };
+                for line in &report.retries {
+                    progress.println(line.clone());
+                }
+                out.micro = self.micro;
                 out.images_seen += report.images;
                 if !report.applied {
                     out.skipped_steps += 1;
@@ -436,9 +491,7 @@ impl<'a> Session<'a> {
                 if self.interrupt.requested() {
                     out.interrupted = true;
                     let point = SavePoint::Interrupted(out.steps);
-                    let saved =
-                        self.saver()
-                            .save(&self.groups, point, out.steps, epoch + 1, &progress)?;
+                    let saved = self.save_point(point, out.steps, epoch + 1, &progress)?;
                     out.saved.push(saved);
                     break 'epochs;
                 }
@@ -448,9 +501,7 @@ impl<'a> Session<'a> {
             if let Some(every) = plan.save_every_n_epochs {
                 if !last && (epoch + 1).is_multiple_of(every as usize) {
                     let point = SavePoint::Epoch(epoch + 1);
-                    let saved =
-                        self.saver()
-                            .save(&self.groups, point, out.steps, epoch + 1, &progress)?;
+                    let saved = self.save_point(point, out.steps, epoch + 1, &progress)?;
                     out.saved.push(saved);
                 }
             }
@@ -459,13 +510,8 @@ impl<'a> Session<'a> {
             }
         }
         if !out.interrupted {
-            let saved = self.saver().save(
-                &self.groups,
-                SavePoint::Final,
-                out.steps,
-                out.epochs_completed,
-                &progress,
-            )?;
+            let point = SavePoint::Final;
+            let saved = self.save_point(point, out.steps, out.epochs_completed, &progress)?;
             out.saved.push(saved);
         }
         progress.finish();
@@ -494,26 +540,154 @@ impl<'a> Session<'a> {
             out.images_seen,
             memory.as_ref(),
         );
+        let record = LogRecord {
+            step: out.steps,
+            epoch: epoch + 1,
+            loss: report.loss,
+            lr_unet: report.lrs[0],
+            lr_text_encoder: report.lrs.get(1).copied(),
+            grad_norm: report.grad_norm,
+            images: out.images_seen,
+            time_s: self.started.elapsed().as_secs_f64(),
+            skipped_nonfinite: !report.applied,
+            loss_scale: (self.amp == Amp::Fp16).then(|| self.scaler.scale()),
+            micro_batch: (self.micro.oom_retries > 0).then_some(self.micro.size),
+            oom_retries: self.micro.oom_retries,
+            memory,
+        };
         if out.steps.is_multiple_of(self.plan.log_step as usize)
             || out.steps == 1
             || out.steps == self.total_steps
+            || !report.retries.is_empty()
         {
-            self.log.write(&LogRecord {
-                step: out.steps,
-                epoch: epoch + 1,
-                loss: report.loss,
-                lr_unet: report.lrs[0],
-                lr_text_encoder: report.lrs.get(1).copied(),
-                grad_norm: report.grad_norm,
-                images: out.images_seen,
-                time_s: self.started.elapsed().as_secs_f64(),
-                skipped_nonfinite: !report.applied,
-                loss_scale: (self.amp == Amp::Fp16).then(|| self.scaler.scale()),
-                memory,
-            })?;
+            self.log.write(&record)?;
+            self.unlogged = None;
+        } else {
+            // Written if a save comes before the next logged step: the log then holds every
+            // step a save holds.
+            self.unlogged = Some(record);
         }
         Ok(())
     }
+
+    /// Saves at `point` (see [`Saver::save`]) after writing the log record of the step being
+    /// saved. An out-of-memory error frees the pool and retries once; a second one gives up.
+    fn save_point(
+        &mut self,
+        point: SavePoint,
+        steps: usize,
+        epoch: usize,
+        progress: &Progress,
+    ) -> anyhow::Result<PathBuf> {
+        if let Some(record) = self.unlogged.take() {
+            self.log.write(&record)?;
+        }
+        match self
+            .saver()
+            .save(&self.groups, point, steps, epoch, progress)
+        {
+            Ok(path) => Ok(path),
+            Err(e) if find_oom(&e).is_some() => {
+                trim_pool(&self.opts.device).context("freeing memory after an OOM")?;
+                self.saver()
+                    .save(&self.groups, point, steps, epoch, progress)
+                    .map_err(|e| match find_oom(&e) {
+                        Some(oom) => OomExhausted {
+                            place: format!("while saving at step {steps}"),
+                            oom,
+                        }
+                        .into(),
+                        None => e,
+                    })
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// What a failed step becomes. An [`OomExhausted`] saves the last completed step as an
+    /// `errored` checkpoint and becomes [`GaveUp`], with the rungs to take for this run; any
+    /// other error is returned as it is.
+    fn stop_after_oom(
+        &mut self,
+        e: anyhow::Error,
+        out: &TrainOutcome,
+        epoch: usize,
+        progress: &Progress,
+    ) -> anyhow::Error {
+        let Some(exhausted) = e.downcast_ref::<OomExhausted>() else {
+            return e;
+        };
+        let place = format!("{} ({})", exhausted.place, exhausted.oom.detail);
+        let point = SavePoint::Errored(out.steps);
+        let saved = match self.save_point(point, out.steps, epoch + 1, progress) {
+            Ok(path) => format!(
+                "the last completed step ({}) is saved in {}",
+                out.steps,
+                path.display()
+            ),
+            Err(err) => format!(
+                "saving the last completed step failed too: {}",
+                crate::cli::error_text(&err)
+            ),
+        };
+        progress.finish();
+        GaveUp {
+            place,
+            saved,
+            rungs: rung_lines(&next_rungs(self.plan, self.amp, self.resolution)),
+        }
+        .into()
+    }
+}
+
+/// Draws, forward and backward for one micro-batch of `images` with their seeds; the loss is
+/// weighted by the micro-batch's share of the `effective` batch.
+fn micro_batch(
+    sd: &StableDiffusion,
+    images: &[&crate::data::TrainImage],
+    seeds: &[u64],
+    settings: &StepSettings<'_>,
+    effective: usize,
+    loss_scale: f64,
+) -> anyhow::Result<(Tensor, candle_core::backprop::GradStore)> {
+    let mut rngs = sample_rngs(seeds);
+    let batch = prepare_batch(sd, images, settings, &mut rngs)?;
+    let weight = batch.len() as f64 / effective as f64;
+    forward_backward(sd, &batch, settings, weight, loss_scale)
+}
+
+/// The group's optimizer update. An out-of-memory error frees the pool and resumes the update
+/// once from the parameter it stopped at (none is updated twice); a second one gives up.
+fn update_group(
+    g: &mut Group,
+    grads: &candle_core::backprop::GradStore,
+    finite: crate::optim::Finite,
+    device: &Device,
+    step: usize,
+) -> anyhow::Result<()> {
+    let mut done = 0;
+    for attempt in 0..2 {
+        let err = match g.optimizer.step_checked_from(grads, finite, done) {
+            Ok(_) => return Ok(()),
+            Err(e) => e,
+        };
+        if let OptimError::Interrupted { updated, .. } = &err {
+            done = *updated;
+        }
+        let err = anyhow::Error::new(err).context(format!("{} optimizer step", g.name));
+        let Some(oom) = find_oom(&err) else {
+            return Err(err);
+        };
+        if attempt == 1 {
+            return Err(OomExhausted {
+                place: format!("in the {} optimizer step at step {}", g.name, step + 1),
+                oom,
+            }
+            .into());
+        }
+        trim_pool(device).context("freeing memory after an OOM")?;
+    }
+    Ok(())
 }
 
 /// The line printed for a skipped step.
@@ -631,6 +805,8 @@ enum SavePoint {
     Epoch(usize),
     Final,
     Interrupted(usize),
+    /// The last completed step, saved when a run gives up on an out-of-memory error.
+    Errored(usize),
 }
 
 /// Everything a save needs but the optimizer groups (which the loop mutates between saves).
@@ -665,6 +841,7 @@ impl Saver<'_> {
                     SavePoint::Epoch(e) => self.run.epoch_dir(e),
                     SavePoint::Final => self.run.final_dir(),
                     SavePoint::Interrupted(s) => self.run.interrupted_dir(s),
+                    SavePoint::Errored(s) => self.run.errored_dir(s),
                 };
                 let mut updated = vec![(Component::Unet, self.sd.unet_weights.params())];
                 if plan.train_text_encoder {
@@ -687,6 +864,7 @@ impl Saver<'_> {
                     SavePoint::Epoch(e) => format!("{project}-epoch-{e:04}"),
                     SavePoint::Final => project.clone(),
                     SavePoint::Interrupted(s) => format!("{project}-step-{s:06}"),
+                    SavePoint::Errored(s) => format!("{project}-errored-step-{s:06}"),
                 };
                 let path = self.run.file(&format!("{name}.safetensors"));
                 let info = SaveInfo {

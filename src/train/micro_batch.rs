@@ -1,0 +1,148 @@
+//! How an optimizer step's samples are cut into micro-batches, and what an out-of-memory error
+//! changes about it.
+//!
+//! An optimizer step always covers the same samples (`batch_size × grad_accum` of the epoch's
+//! order). They go through forward and backward `size` at a time; each micro-batch's loss is
+//! weighted by its share of the step, so the update does not depend on `size`. An OOM halves
+//! `size` (and so doubles the accumulation) for the rest of the run; at 1 there is nothing left
+//! to halve, and the run saves and stops with [`GaveUp`], which lists what to change.
+
+use serde::{Deserialize, Serialize};
+
+use crate::config::{OptimizerKind, TrainMode, TrainPlan};
+use crate::precision::Amp;
+
+/// The micro-batch size in force, and the OOM retries that set it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MicroBatching {
+    /// Samples per forward/backward pass: `batch_size`, halved by each retry.
+    pub size: usize,
+    /// Out-of-memory retries so far in the run.
+    pub oom_retries: usize,
+}
+
+impl MicroBatching {
+    pub fn new(batch_size: usize) -> Self {
+        Self {
+            size: batch_size.max(1),
+            oom_retries: 0,
+        }
+    }
+
+    /// Halves the micro-batch after an OOM (rounding up) and counts the retry; `false` at 1.
+    pub fn halve(&mut self) -> bool {
+        if self.size <= 1 {
+            return false;
+        }
+        self.size = self.size.div_ceil(2);
+        self.oom_retries += 1;
+        true
+    }
+
+    /// Micro-batches for a step of `effective` samples.
+    pub fn accumulation(&self, effective: usize) -> usize {
+        effective.div_ceil(self.size)
+    }
+
+    /// The line logged for a retry at (1-based) `step`, from micro-batch `old` to this one.
+    pub fn retry_line(&self, step: usize, old: usize, effective: usize) -> String {
+        format!(
+            "out of memory at step {step} with batch {old}: continuing with batch {} × \
+             accumulation {} (effective {effective})",
+            self.size,
+            self.accumulation(effective)
+        )
+    }
+}
+
+/// The run ran out of memory at a micro-batch of 1 sample (or twice outside the step).
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "out of device memory {place}, with nothing left to halve; {saved}.\n\
+     To fit this run, try, in this order:\n{rungs}"
+)]
+pub struct GaveUp {
+    /// Where it happened: `at step 12 with batch 1`, `in the optimizer step at step 12`, …
+    pub place: String,
+    /// What was saved (`saved …/errored-step-000011`) or why not.
+    pub saved: String,
+    /// The rungs, one `  - …` line each.
+    pub rungs: String,
+}
+
+/// What to change to use less memory, for this plan, most effective first: the rungs of the
+/// ladder it is not on yet.
+pub fn next_rungs(plan: &TrainPlan, amp: Amp, resolution: usize) -> Vec<String> {
+    let mut rungs = Vec::new();
+    if !plan.precision.gradient_checkpointing {
+        rungs.push("turn gradient checkpointing on (`gradient_checkpointing: true`)".to_string());
+    }
+    if amp == Amp::Off {
+        rungs.push("compute in bf16 (`amp: \"bf16\"`; fp16 on cards without bf16)".to_string());
+    }
+    let groups = [
+        plan.optimizer.unet.optimizer,
+        plan.optimizer.text_encoder.optimizer,
+    ];
+    if groups.contains(&OptimizerKind::AdamW) {
+        rungs.push(
+            "use adamw8bit instead of adamw (`\"optimizer\": \"adamw8bit\"` in optimizer.json): \
+             2 bytes of state per parameter instead of 8"
+                .to_string(),
+        );
+    }
+    if plan.mode == TrainMode::Full {
+        rungs.push(if plan.train_text_encoder {
+            "stop training the text encoder (`train_text_encoder: false`), or train a LoRA \
+             (`mode: \"lora\"`)"
+                .to_string()
+        } else {
+            "train a LoRA instead of the whole UNet (`mode: \"lora\"`)".to_string()
+        });
+    }
+    let lower = (resolution * 3 / 4) / 64 * 64;
+    if lower >= 256 {
+        rungs.push(format!(
+            "train at a lower resolution (`resolution: {lower}` instead of {resolution})"
+        ));
+    }
+    rungs
+}
+
+/// The rungs as the `  - …` lines of [`GaveUp`].
+pub fn rung_lines(rungs: &[String]) -> String {
+    if rungs.is_empty() {
+        return "  - this configuration is already on every rung: it needs a card with more \
+                memory"
+            .to_string();
+    }
+    rungs
+        .iter()
+        .map(|r| format!("  - {r}"))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn halving_keeps_the_effective_batch_and_stops_at_one() {
+        let mut m = MicroBatching::new(4);
+        assert_eq!(m.accumulation(8), 2);
+        assert!(m.halve());
+        assert_eq!((m.size, m.accumulation(8), m.oom_retries), (2, 4, 1));
+        assert_eq!(
+            m.retry_line(120, 4, 8),
+            "out of memory at step 120 with batch 4: continuing with batch 2 × accumulation 4 \
+             (effective 8)"
+        );
+        assert!(m.halve());
+        assert!(!m.halve());
+        assert_eq!((m.size, m.oom_retries), (1, 2));
+        let mut odd = MicroBatching::new(3);
+        assert!(odd.halve());
+        assert_eq!((odd.size, odd.accumulation(3)), (2, 2));
+    }
+}
