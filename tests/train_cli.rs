@@ -4,67 +4,14 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+
+use common::cli::{demo_data, run_folder, sdtrain, text, write_config};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device};
 use sdtrain::model::family::ModelLayout;
 use sdtrain::model::pipeline::{LoadOptions, StableDiffusion};
-
-fn demo_data() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data/demo")
-}
-
-/// Writes train.json into `dir` with the given extra keys, using absolute paths.
-fn write_config(dir: &Path, fixture: &str, data_root: &Path, extra: serde_json::Value) -> PathBuf {
-    let mut cfg = serde_json::json!({
-        "model": common::fixture(fixture),
-        "data_root": data_root,
-        "output_dir": dir.join("out"),
-        "resolution": 64,
-        "batch_size": 1,
-        "max_steps": 2,
-        "lr": 1e-3,
-        "log_step": 1,
-    });
-    if let (Some(c), Some(e)) = (cfg.as_object_mut(), extra.as_object()) {
-        c.extend(e.clone());
-    }
-    let path = dir.join("train.json");
-    std::fs::write(&path, serde_json::to_string_pretty(&cfg).unwrap()).unwrap();
-    path
-}
-
-fn sdtrain(args: &[&str], cwd: &Path) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_sdtrain"))
-        .args(args)
-        .current_dir(cwd)
-        .output()
-        .unwrap()
-}
-
-fn run_folder(dir: &Path) -> PathBuf {
-    let out = dir.join("out");
-    let mut runs: Vec<PathBuf> = std::fs::read_dir(&out)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .collect();
-    assert_eq!(
-        runs.len(),
-        1,
-        "expected one run folder in {}",
-        out.display()
-    );
-    runs.pop().unwrap()
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
 
 fn check_trained(fixture: &str, extra: serde_json::Value) {
     let tmp = tempfile::tempdir().unwrap();
@@ -454,9 +401,16 @@ fn every_optimizer_trains_from_optimizer_json_and_saves_its_state() {
                 assert!(l["grad_norm"].as_f64().unwrap() > 1e-3, "{name}: {l}");
             }
         }
-        let states: Vec<PathBuf> = std::fs::read_dir(run.join("sdtrain-optimizer"))
+        // save_optimizer: the final save writes a resume save point too.
+        let states: Vec<PathBuf> = std::fs::read_dir(run.join("state-step-000002"))
             .unwrap()
             .map(|e| e.unwrap().path())
+            .filter(|p| {
+                p.file_name()
+                    .unwrap()
+                    .to_string_lossy()
+                    .starts_with("optimizer-")
+            })
             .collect();
         assert_eq!(states.len(), 2, "{name}: {states:?}");
         for path in states {
@@ -494,6 +448,24 @@ fn bad_inputs_are_reported_early_and_once() {
         assert!(text(&out).contains("adapter.init_from"), "{}", text(&out));
         assert!(text(&out).contains("does not exist"), "{}", text(&out));
     }
+    // vram_limit_gb must be positive; on the CPU it is noted and has no effect.
+    let cfg = write_config(
+        tmp.path(),
+        "tiny-sd15",
+        &demo_data(),
+        serde_json::json!({"vram_limit_gb": 0}),
+    );
+    let out = sdtrain(
+        &["--config", cfg.to_str().unwrap(), "--dry-run"],
+        tmp.path(),
+    );
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(text(&out).contains("`vram_limit_gb`"), "{}", text(&out));
+    let extra = serde_json::json!({"vram_limit_gb": 12, "max_steps": 1});
+    let cfg = write_config(tmp.path(), "tiny-sd15", &demo_data(), extra);
+    let out = sdtrain(&["--config", cfg.to_str().unwrap(), "--cpu"], tmp.path());
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(text(&out).contains("not on the CPU"), "{}", text(&out));
     // An output_dir that is a file: exit 2 before the model loads.
     let file = tmp.path().join("taken");
     std::fs::write(&file, b"x").unwrap();

@@ -59,6 +59,8 @@ pub struct LoraModule {
     pub kind: LoraKind,
     training: AtomicBool,
     rng: Mutex<StdRng>,
+    /// The dropout stream's seed: [`LoraModule::begin_step`] restarts the stream from it.
+    dropout_seed: u64,
 }
 
 /// Where and how big one module is; see [`LoraModule::new`].
@@ -119,6 +121,7 @@ impl LoraModule {
             kind: shape.kind,
             training: AtomicBool::new(false),
             rng: Mutex::new(StdRng::seed_from_u64(dropout_seed)),
+            dropout_seed,
         })
     }
 
@@ -130,6 +133,18 @@ impl LoraModule {
     /// `[down, up]`, the trainable parameters.
     pub fn vars(&self) -> [&Var; 2] {
         [&self.down, &self.up]
+    }
+
+    /// Restarts the dropout mask stream for optimizer step `step`: the masks of a step depend
+    /// only on the module's seed and the step, so a resumed run draws what the uninterrupted one
+    /// drew.
+    pub fn begin_step(&self, step: usize) {
+        let mix = (step as u64)
+            .wrapping_add(1)
+            .wrapping_mul(0xD1B5_4A32_D192_ED03);
+        if let Ok(mut rng) = self.rng.lock() {
+            *rng = StdRng::seed_from_u64(self.dropout_seed ^ mix);
+        }
     }
 
     /// Turns dropout on (training) or off (evaluation, sampling). Off by default.

@@ -119,6 +119,15 @@ pub struct TrainPlan {
     pub max_steps: Option<u64>,
     /// Save a model every N epochs; `None` saves only at the end (always done).
     pub save_every_n_epochs: Option<u64>,
+    /// Save the weights and a resume state every N optimizer steps.
+    pub save_every_n_steps: Option<u64>,
+    /// Keep only the newest N resume states; the step saves they belong to go with them.
+    pub checkpoints_total_limit: Option<usize>,
+    /// CUDA: the GiB of the card the run may use; the rest is held back at the start.
+    pub vram_limit_gb: Option<f64>,
+    /// The run to continue: a run folder (its newest complete save point) or one save point's
+    /// `state-step-NNNNNN` folder, from `resume_ckpt`.
+    pub resume: Option<PathBuf>,
     /// Save the optimizer state beside each saved model.
     pub save_optimizer: bool,
     /// Log every N steps.
@@ -208,10 +217,12 @@ impl TrainPlan {
                 )?)
             }
         };
+        let resume = resolve_resume(&file, &ctx)?;
         Ok(TrainPlan {
             train_config: train_path.to_path_buf(),
             overrides: overrides.to_vec(),
-            model: resolve_model(&file, &ctx)?,
+            model: resolve_model(&file, &ctx, resume.as_deref())?,
+            resume,
             mode,
             adapter,
             output_dir: ctx
@@ -233,7 +244,24 @@ impl TrainPlan {
             save_every_n_epochs: ctx
                 .opt_at_least("save_every_n_epochs", file.save_every_n_epochs, 0)?
                 .filter(|n| *n > 0),
+            save_every_n_steps: ctx.opt_at_least(
+                "save_every_n_steps",
+                file.save_every_n_steps,
+                1,
+            )?,
+            checkpoints_total_limit: ctx
+                .opt_at_least("checkpoints_total_limit", file.checkpoints_total_limit, 1)?
+                .map(|n| n as usize),
             save_optimizer: file.save_optimizer.unwrap_or(false),
+            vram_limit_gb: match file.vram_limit_gb {
+                Some(x) if !(x.is_finite() && x > 0.0) => {
+                    return Err(ctx.invalid(
+                        "vram_limit_gb",
+                        format!("must be a number of GiB greater than 0 (got {x})"),
+                    ))
+                }
+                x => x,
+            },
             log_step: ctx.at_least("log_step", file.log_step, DEFAULT_LOG_STEP, 1)?,
             data: resolve_data(&file, &ctx)?,
             objective: resolve_objective(&file, &ctx)?,
@@ -379,8 +407,48 @@ impl Ctx<'_> {
     }
 }
 
-fn resolve_model(file: &TrainFile, ctx: &Ctx<'_>) -> Result<String, ConfigError> {
-    let spec = match (&file.model, &file.resume_ckpt) {
+/// `resume_ckpt` naming a run folder (with `plan.json`) or a save point's state folder: the
+/// run to continue. Anything else is EveryDream2's meaning, the base model.
+fn resolve_resume(file: &TrainFile, ctx: &Ctx<'_>) -> Result<Option<PathBuf>, ConfigError> {
+    let Some(raw) = file.resume_ckpt.as_deref() else {
+        return Ok(None);
+    };
+    if raw == "findlast" {
+        let out = ctx.output_path("output_dir", file.output_dir.as_deref().unwrap_or("output"))?;
+        return match crate::train::resume::find_last_run(&out) {
+            Some(run) => Ok(Some(run)),
+            None => Err(ctx.invalid(
+                "resume_ckpt",
+                format!(
+                    "is \"findlast\", but output_dir {} holds no run with a save point",
+                    out.display()
+                ),
+            )),
+        };
+    }
+    let path = ctx.input_path("resume_ckpt", raw)?;
+    let is_run = |p: &Path| p.join("plan.json").is_file();
+    let is_state = |p: &Path| p.join(crate::train::resume::STATE_FILE).is_file();
+    Ok((path.is_dir() && (is_run(&path) || is_state(&path))).then_some(path))
+}
+
+/// The base model: `model`, else `resume_ckpt` as EveryDream2 uses it, else the model of the
+/// run being resumed (from its `plan.json`).
+fn resolve_model(
+    file: &TrainFile,
+    ctx: &Ctx<'_>,
+    resume: Option<&Path>,
+) -> Result<String, ConfigError> {
+    let resume_ckpt = if resume.is_some() {
+        None
+    } else {
+        file.resume_ckpt.clone()
+    };
+    if let (None, Some(run)) = (&file.model, resume) {
+        return crate::train::resume::model_of(run)
+            .map_err(|message| ctx.invalid("resume_ckpt", message));
+    }
+    let spec = match (&file.model, &resume_ckpt) {
         (Some(m), Some(r)) if m != r => {
             return Err(ConfigError::ModelConflict {
                 file: ctx.file.to_path_buf(),

@@ -116,16 +116,32 @@ impl fmt::Display for TrainPlan {
                 self.project_name
             ),
         )?;
-        let saves = match self.save_every_n_epochs {
-            Some(n) => format!("every {n} epochs and at the end"),
-            None => "at the end".to_string(),
-        };
-        let optimizer_state = if self.save_optimizer {
-            ", with optimizer state"
-        } else {
-            ""
-        };
-        row(f, "save", &format!("{saves}{optimizer_state}"))?;
+        let mut saves: Vec<String> = Vec::new();
+        if let Some(n) = self.save_every_n_steps {
+            saves.push(format!("every {n} steps"));
+        }
+        if let Some(n) = self.save_every_n_epochs {
+            saves.push(format!("every {n} epochs"));
+        }
+        saves.push("at the end".to_string());
+        let mut save = saves.join(", ");
+        if self.save_optimizer {
+            save.push_str(" (with a save point)");
+        }
+        if let Some(n) = self.checkpoints_total_limit {
+            save.push_str(&format!("; keep the newest {n} save points"));
+        }
+        row(f, "save", &save)?;
+        if let Some(gb) = self.vram_limit_gb {
+            row(
+                f,
+                "vram limit",
+                &format!("{gb} GiB (CUDA; the rest of the card is held back)"),
+            )?;
+        }
+        if let Some(r) = &self.resume {
+            row(f, "resume", &r.display().to_string())?;
+        }
         let amp = match self.precision.amp {
             super::AmpChoice::DeviceDefault => {
                 "device default (bf16 on CUDA 8.0+, fp16 on older cards, f32 on the CPU)"

@@ -35,8 +35,17 @@ pub struct TrainFile {
     /// The `adapter` section (modes lora/locon), parsed by `adapter_file`.
     #[serde(default)]
     pub adapter: Option<serde_json::Value>,
+    /// Save the weights and a resume state every N optimizer steps.
+    #[serde(default)]
+    pub save_every_n_steps: Option<i64>,
+    /// Keep only the newest N resume states (diffusers' name); older step saves are deleted.
+    #[serde(default)]
+    pub checkpoints_total_limit: Option<i64>,
+    /// CUDA: hold back all of the card beyond this many GiB, to rehearse a smaller card.
+    #[serde(default)]
+    pub vram_limit_gb: Option<f64>,
     // EveryDream2's keys.
-    /// EveryDream2's name for the base model.
+    /// EveryDream2's name for the base model; a run folder or a saved state resumes that run.
     #[serde(default)]
     pub resume_ckpt: Option<String>,
     #[serde(default)]
@@ -119,7 +128,7 @@ pub(crate) const UNSUPPORTED: &[Unsupported] = &[
     un(
         "ckpt_every_n_minutes",
         Accepts::NullOrZero,
-        "time-based saving is not implemented; use save_every_n_epochs",
+        "time-based saving is not implemented; use save_every_n_steps or save_every_n_epochs",
     ),
     un(
         "disable_unet_training",

@@ -5,10 +5,12 @@
 //! - [`device_setup`]: one-time settings for a CUDA device before training (pool caching, event
 //!   tracking).
 //! - [`trim`]: giving freed pool memory back after an out-of-memory error.
+//! - [`vram_cap`]: `vram_limit_gb`, a big card made to behave like a small one.
 
 pub mod device_setup;
 pub mod trim;
 pub mod usage;
+pub mod vram_cap;
 
 pub use device_setup::{prepare_device, DeviceSettings};
 pub use trim::trim_pool;

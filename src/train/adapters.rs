@@ -166,6 +166,14 @@ impl TrainedAdapters {
 
     /// Optimizer parameters of the UNet (`text_encoder == false`) or text-encoder modules, named
     /// by kohya key.
+    /// Restarts every module's dropout stream for optimizer step `step` (see
+    /// [`LoraModule::begin_step`]).
+    pub fn begin_step(&self, step: usize) {
+        for m in &self.modules {
+            m.begin_step(step);
+        }
+    }
+
     pub fn params(&self, text_encoder: bool) -> Vec<(String, Var)> {
         self.modules
             .iter()

@@ -56,6 +56,28 @@ impl JsonlLog {
         })
     }
 
+    /// Opens the log of a run resumed after `steps` steps: records of later steps (made after
+    /// the save point, then lost with the run) are dropped, and new records are appended.
+    pub fn resume(path: &Path, steps: usize) -> std::io::Result<Self> {
+        let text = std::fs::read_to_string(path).unwrap_or_default();
+        let kept: String = text
+            .lines()
+            .filter(|l| {
+                serde_json::from_str::<serde_json::Value>(l)
+                    .ok()
+                    .and_then(|v| v["step"].as_u64())
+                    .is_some_and(|s| s as usize <= steps)
+            })
+            .map(|l| format!("{l}\n"))
+            .collect();
+        crate::fsutil::write_atomic(path, kept).map_err(std::io::Error::other)?;
+        let file = std::fs::OpenOptions::new().append(true).open(path)?;
+        Ok(Self {
+            path: path.to_path_buf(),
+            out: BufWriter::new(file),
+        })
+    }
+
     pub fn path(&self) -> &Path {
         &self.path
     }
@@ -64,5 +86,26 @@ impl JsonlLog {
         serde_json::to_writer(&mut self.out, record)?;
         self.out.write_all(b"\n")?;
         self.out.flush()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_resumed_log_drops_the_steps_after_the_save_point() {
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("train_log.jsonl");
+        let lines: String = (1..=5).map(|s| format!("{{\"step\":{s}}}\n")).collect();
+        std::fs::write(&path, lines).unwrap();
+        let mut log = JsonlLog::resume(&path, 3).unwrap();
+        log.out.write_all(b"{\"step\":4}\n").unwrap();
+        log.out.flush().unwrap();
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert_eq!(
+            text,
+            "{\"step\":1}\n{\"step\":2}\n{\"step\":3}\n{\"step\":4}\n"
+        );
     }
 }

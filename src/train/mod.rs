@@ -8,6 +8,7 @@ pub mod loss_stats;
 pub mod micro_batch;
 pub mod oom;
 pub mod progress;
+pub mod resume;
 #[cfg(test)]
 mod retry_tests;
 pub mod run_dir;

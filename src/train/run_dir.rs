@@ -74,6 +74,11 @@ impl RunDir {
         self.path.join(format!("interrupted-step-{step:06}"))
     }
 
+    /// A step save (`save_every_n_steps`).
+    pub fn step_dir(&self, step: usize) -> PathBuf {
+        self.path.join(format!("step-{step:06}"))
+    }
+
     /// The last completed step of a run that stopped on an out-of-memory error.
     pub fn errored_dir(&self, step: usize) -> PathBuf {
         self.path.join(format!("errored-step-{step:06}"))

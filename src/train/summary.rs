@@ -31,6 +31,9 @@ impl fmt::Display for Summary<'_> {
         if let Some(m) = &o.memory {
             writeln!(f, "memory          {}", m.describe())?;
         }
+        if let Some(cap) = &o.vram_cap {
+            writeln!(f, "vram cap        {cap}; the peak above is under it")?;
+        }
         if let Some((first, last)) = o.first_last_loss() {
             writeln!(
                 f,

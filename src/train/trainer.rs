@@ -18,6 +18,7 @@ use super::loss_stats::{first_last_means, Smoothed};
 use super::micro_batch::{next_rungs, rung_lines, GaveUp, MicroBatching};
 use super::oom::{find_oom, injected, OutOfMemory};
 use super::progress::Progress;
+use super::resume::{self, RunKey, TrainerState};
 use super::run_dir::RunDir;
 use super::step::{forward_backward, prepare_batch, sample_rngs, step_seeds, StepSettings};
 use super::te_freeze::text_encoder_param_trains;
@@ -61,6 +62,8 @@ pub struct TrainOutcome {
     pub memory: Option<MemoryUsage>,
     /// The micro-batch size at the end and the out-of-memory retries that set it.
     pub micro: MicroBatching,
+    /// `vram_limit_gb` in force, described (`12.0 GiB of a 79.6 GiB card …`).
+    pub vram_cap: Option<String>,
 }
 
 impl TrainOutcome {
@@ -76,6 +79,8 @@ struct Group {
     optimizer: Box<dyn Optimizer>,
     /// The group's parameters, for clipping and the gradient check.
     vars: Vec<Var>,
+    /// Their names in the optimizer state (and, prefixed by the group, in a save point).
+    names: Vec<String>,
     schedule: LrSchedule,
     base_lr: f64,
 }
@@ -135,12 +140,14 @@ impl Group {
             .validate(plan.lr)
             .with_context(|| format!("{name} lr schedule"))?;
         let vars = params.iter().map(|(_, v)| v.clone()).collect();
+        let names = params.iter().map(|(n, _)| n.clone()).collect();
         let optimizer =
             build_optimizer(plan, params).with_context(|| format!("{name} optimizer"))?;
         Ok(Self {
             name,
             optimizer: Box::new(optimizer),
             vars,
+            names,
             schedule,
             base_lr: plan.lr,
         })
@@ -186,6 +193,25 @@ struct Session<'a> {
     micro: MicroBatching,
     /// The last step's log record when `log_step` skipped it, until a save writes it.
     unlogged: Option<LogRecord>,
+    /// The run's seed: the plan's, or the save point's when resuming.
+    seed: u64,
+    /// What a resume must share with this run.
+    key: RunKey,
+    /// The (0-based) epoch of the next step, and the steps of it already done.
+    position: (usize, usize),
+    /// The save point this run resumed from.
+    start: Option<TrainerState>,
+    /// The progress bar's smoothed loss.
+    smoothed: Smoothed,
+    /// `vram_limit_gb`'s hold on the rest of the card, for the whole run.
+    vram_cap: Option<crate::memory::vram_cap::VramCap>,
+}
+
+/// Whether the epoch loop goes on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Flow {
+    Continue,
+    Stop,
 }
 
 /// The run ran out of memory where halving cannot help: [`Session::run`] saves and stops.
@@ -218,11 +244,31 @@ impl<'a> Session<'a> {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0.0, |d| d.as_secs_f64());
         let full = plan.mode == TrainMode::Full;
-        // Before anything slow loads: a run that cannot save should not start.
+        // Before anything slow loads: a run that cannot save, or resume, should not start.
         super::run_dir::ensure_output_dir(&plan.output_dir)?;
+        let resume_from = match &plan.resume {
+            Some(r) => {
+                let dir = resume::locate(r)?;
+                let state = resume::read_state(&dir)?;
+                Some((dir, state))
+            }
+            None => None,
+        };
         let interrupt = Interrupt::install();
         // Before anything is allocated: event tracking applies to tensors created afterwards.
         prepare_device(&opts.device, DeviceSettings::default()).context("preparing the device")?;
+        let vram_cap = match plan.vram_limit_gb {
+            Some(gb) => {
+                let cap =
+                    crate::memory::vram_cap::cap(&opts.device, gb).context("vram_limit_gb")?;
+                match &cap {
+                    Some(c) => eprintln!("vram_limit_gb: this run has {}", c.describe()),
+                    None => eprintln!("vram_limit_gb {gb} applies to CUDA cards; not on the CPU"),
+                }
+                cap
+            }
+            None => None,
+        };
         let amp = plan.precision.amp.resolve(&opts.device);
         let source =
             ModelSource::parse(&plan.model).with_context(|| format!("model `{}`", plan.model))?;
@@ -280,12 +326,25 @@ impl<'a> Session<'a> {
         } else {
             None
         };
-        let run = RunDir::create(&plan.output_dir, &plan.project_name)?;
-        write_plan(plan, &run, resolution, steps_per_epoch, total_steps, amp)?;
+        // A resumed run continues in its own folder and log.
+        let run = match &resume_from {
+            Some((dir, _)) => RunDir {
+                path: dir.parent().unwrap_or(dir).to_path_buf(),
+            },
+            None => {
+                let run = RunDir::create(&plan.output_dir, &plan.project_name)?;
+                write_plan(plan, &run, resolution, steps_per_epoch, total_steps, amp)?;
+                run
+            }
+        };
         let log_dir = plan.log_folder(&run.path);
         std::fs::create_dir_all(&log_dir)
             .with_context(|| format!("cannot create {}", log_dir.display()))?;
-        let log = JsonlLog::create(&log_dir.join("train_log.jsonl"))?;
+        let log_path = log_dir.join("train_log.jsonl");
+        let log = match &resume_from {
+            Some((_, state)) => JsonlLog::resume(&log_path, state.steps)?,
+            None => JsonlLog::create(&log_path)?,
+        };
         eprintln!(
             "run folder: {}\n{} samples/epoch, {} steps/epoch of {}×{}, {} steps in all",
             run.path.display(),
@@ -300,7 +359,15 @@ impl<'a> Session<'a> {
             plan.precision.scaler,
             plan.optimizer.grad_scaler_step_tweaks,
         );
-        Ok(Self {
+        let key = RunKey {
+            model: plan.model.clone(),
+            mode: format!("{:?}", plan.mode).to_lowercase(),
+            data_root: plan.data.data_root.clone(),
+            resolution,
+            batch_size: plan.batch_size,
+            grad_accum: plan.grad_accum,
+        };
+        let mut session = Self {
             plan,
             opts,
             started,
@@ -322,7 +389,86 @@ impl<'a> Session<'a> {
             checkpointing,
             micro: MicroBatching::new(plan.batch_size),
             unlogged: None,
-        })
+            seed: plan.seed,
+            key,
+            position: (0, 0),
+            start: None,
+            smoothed: Smoothed::new(0.9),
+            vram_cap,
+        };
+        if let Some((dir, state)) = resume_from {
+            session.restore(&dir, state)?;
+        }
+        Ok(session)
+    }
+
+    /// Every trained parameter, named `<group>/<name>` as a save point stores it.
+    fn named_params(&self) -> Vec<(String, Var)> {
+        self.groups
+            .iter()
+            .flat_map(|g| {
+                g.names
+                    .iter()
+                    .zip(&g.vars)
+                    .map(|(n, v)| (format!("{}/{n}", g.name), v.clone()))
+            })
+            .collect()
+    }
+
+    /// Continues from save point `dir`: parameters, optimizer states, the loss scaler, the
+    /// micro-batch, the seed and the position in the data order.
+    fn restore(&mut self, dir: &std::path::Path, state: TrainerState) -> anyhow::Result<()> {
+        let groups: Vec<String> = self.groups.iter().map(|g| g.name.to_string()).collect();
+        if groups != state.groups {
+            bail!(
+                "{} was saved with optimizer groups {:?}, this run has {:?} (train_text_encoder                  differs?)",
+                dir.display(),
+                state.groups,
+                groups
+            );
+        }
+        resume::load_params(dir, &self.named_params())?;
+        for g in self.groups.iter_mut() {
+            let path = resume::optimizer_file(dir, g.name);
+            g.optimizer
+                .load_state(&path)
+                .with_context(|| format!("resuming the {} optimizer", g.name))?;
+        }
+        if let Some(s) = &state.scaler {
+            self.scaler.restore(s);
+        }
+        for d in state.key.differences(&self.key) {
+            eprintln!("warning: resumed run changed {d}; the resume is not exact");
+        }
+        if state.seed != self.seed {
+            eprintln!("resume: seed {} from the save point", state.seed);
+        }
+        self.seed = state.seed;
+        self.micro = state.micro;
+        self.position = (state.epoch, state.steps_in_epoch);
+        eprintln!(
+            "resumed from {} at step {} (epoch {}, {} steps into it)",
+            dir.display(),
+            state.steps,
+            state.epoch + 1,
+            state.steps_in_epoch
+        );
+        self.start = Some(state);
+        Ok(())
+    }
+
+    /// The trainer's state after `out`'s steps, for a save point.
+    fn trainer_state(&self, out: &TrainOutcome) -> TrainerState {
+        let groups = self.groups.iter().map(|g| g.name.to_string()).collect();
+        let mut st = TrainerState::new(out.steps, self.key.clone(), groups, self.seed);
+        (st.epoch, st.steps_in_epoch) = self.position;
+        st.epochs_completed = out.epochs_completed;
+        st.images_seen = out.images_seen;
+        st.skipped_steps = out.skipped_steps;
+        st.losses = out.losses.clone();
+        st.micro = self.micro;
+        st.scaler = self.scaler.state();
+        st
     }
 
     fn saver(&self) -> Saver<'_> {
@@ -335,6 +481,7 @@ impl<'a> Session<'a> {
             resolution: self.resolution,
             images: self.dataset.items.len(),
             started_unix: self.started_unix,
+            seed: self.seed,
         }
     }
 
@@ -355,9 +502,12 @@ impl<'a> Session<'a> {
             checkpointing: self.checkpointing.as_ref(),
         };
         self.scaler.begin_step(step);
+        if let Some(a) = &self.adapters {
+            a.begin_step(step);
+        }
         let loss_scale = self.scaler.scale();
         let ids: Vec<usize> = batches.concat();
-        let seeds = step_seeds(self.plan.seed, step, ids.len());
+        let seeds = step_seeds(self.seed, step, ids.len());
         let effective = ids.len();
         let mut acc = GradAccumulator::new(&self.params);
         let mut retries = Vec::new();
@@ -443,12 +593,46 @@ impl<'a> Session<'a> {
         })
     }
 
-    /// The epoch loop: steps, progress, logs, periodic and final saves, Ctrl-C.
+    /// The epoch loop: steps, progress, logs, periodic and final saves, Ctrl-C. A resumed run
+    /// starts at its save point's epoch, past the steps of it already done.
     fn run(mut self) -> anyhow::Result<TrainOutcome> {
         let plan = self.plan;
-        let total_steps = self.total_steps;
-        let progress = Progress::new(total_steps, self.opts.show_progress);
-        let mut smoothed = Smoothed::new(0.9);
+        let progress = Progress::new(self.total_steps, self.opts.show_progress);
+        let mut out = self.initial_outcome();
+        let max_epochs = plan.max_epochs.map_or(usize::MAX, |e| e as usize);
+        let (first_epoch, skip) = self.position;
+        for epoch in first_epoch..max_epochs {
+            let skip = if epoch == first_epoch { skip } else { 0 };
+            if self.train_epoch(epoch, skip, &mut out, &progress)? == Flow::Stop {
+                break;
+            }
+            out.epochs_completed = epoch + 1;
+            self.position = (epoch + 1, 0);
+            let last = out.steps >= self.total_steps || epoch + 1 == max_epochs;
+            if let Some(every) = plan.save_every_n_epochs {
+                if !last && (epoch + 1).is_multiple_of(every as usize) {
+                    let saved =
+                        self.save_point(SavePoint::Epoch(epoch + 1), &out, epoch + 1, &progress)?;
+                    out.saved.push(saved);
+                }
+            }
+            if last {
+                break;
+            }
+        }
+        if !out.interrupted {
+            let epochs = out.epochs_completed;
+            let saved = self.save_point(SavePoint::Final, &out, epochs, &progress)?;
+            out.saved.push(saved);
+        }
+        progress.finish();
+        out.wall_secs = self.started.elapsed().as_secs_f64();
+        out.memory = read_memory(&self.opts.device);
+        Ok(out)
+    }
+
+    /// The outcome before the first step: empty, or the save point's counters when resuming.
+    fn initial_outcome(&self) -> TrainOutcome {
         let mut out = TrainOutcome {
             run_dir: self.run.path.clone(),
             steps: 0,
@@ -462,62 +646,72 @@ impl<'a> Session<'a> {
             wall_secs: 0.0,
             memory: None,
             micro: self.micro,
+            vram_cap: self.vram_cap.as_ref().map(|c| c.describe()),
         };
-        let max_epochs = plan.max_epochs.map_or(usize::MAX, |e| e as usize);
-        'epochs: for epoch in 0..max_epochs {
-            let order = self.dataset.epoch_indices(plan.seed, epoch);
-            let micro: Vec<&[usize]> = order.chunks_exact(plan.batch_size).collect();
-            for group_batches in micro.chunks(plan.grad_accum) {
-                if out.steps >= total_steps {
-                    break 'epochs;
-                }
-                let report = match self.optimizer_step(group_batches, out.steps) {
-                    Ok(report) => report,
-                    Err(e) => return Err(self.stop_after_oom(e, &out, epoch, &progress)),
-                };
-                for line in &report.retries {
-                    progress.println(line.clone());
-                }
-                out.micro = self.micro;
-                out.images_seen += report.images;
-                if !report.applied {
-                    out.skipped_steps += 1;
-                    progress.println(skipped_message(out.steps + 1, report.scale));
-                }
-                out.steps += 1;
-                out.losses.push(report.loss);
-                smoothed.push(report.loss);
-                self.record_step(&report, &out, epoch, &progress, smoothed.get())?;
-                if self.interrupt.requested() {
-                    out.interrupted = true;
-                    let point = SavePoint::Interrupted(out.steps);
-                    let saved = self.save_point(point, out.steps, epoch + 1, &progress)?;
-                    out.saved.push(saved);
-                    break 'epochs;
-                }
+        if let Some(st) = &self.start {
+            out.steps = st.steps;
+            out.epochs_completed = st.epochs_completed;
+            out.images_seen = st.images_seen;
+            out.losses = st.losses.clone();
+            out.skipped_steps = st.skipped_steps;
+        }
+        out
+    }
+
+    /// The steps of `epoch`, from its `skip`-th: each step, its log, a step save every
+    /// `save_every_n_steps`, and the save and stop on Ctrl-C or at the last step.
+    fn train_epoch(
+        &mut self,
+        epoch: usize,
+        skip: usize,
+        out: &mut TrainOutcome,
+        progress: &Progress,
+    ) -> anyhow::Result<Flow> {
+        let plan = self.plan;
+        let order = self.dataset.epoch_indices(self.seed, epoch);
+        let micro: Vec<&[usize]> = order.chunks_exact(plan.batch_size).collect();
+        let steps_in_epoch = micro.len().div_ceil(plan.grad_accum);
+        for (i, group_batches) in micro.chunks(plan.grad_accum).enumerate().skip(skip) {
+            if out.steps >= self.total_steps {
+                return Ok(Flow::Stop);
             }
-            out.epochs_completed = epoch + 1;
-            let last = out.steps >= total_steps || epoch + 1 == max_epochs;
-            if let Some(every) = plan.save_every_n_epochs {
-                if !last && (epoch + 1).is_multiple_of(every as usize) {
-                    let point = SavePoint::Epoch(epoch + 1);
-                    let saved = self.save_point(point, out.steps, epoch + 1, &progress)?;
-                    out.saved.push(saved);
-                }
+            let report = match self.optimizer_step(group_batches, out.steps) {
+                Ok(report) => report,
+                Err(e) => return Err(self.stop_after_oom(e, out, epoch, progress)),
+            };
+            for line in &report.retries {
+                progress.println(line.clone());
             }
-            if last {
-                break;
+            out.micro = self.micro;
+            out.images_seen += report.images;
+            if !report.applied {
+                out.skipped_steps += 1;
+                progress.println(skipped_message(out.steps + 1, report.scale));
+            }
+            out.steps += 1;
+            out.losses.push(report.loss);
+            self.position = if i + 1 == steps_in_epoch {
+                out.epochs_completed = epoch + 1;
+                (epoch + 1, 0)
+            } else {
+                (epoch, i + 1)
+            };
+            self.record_step(&report, out, epoch, progress)?;
+            if self.interrupt.requested() {
+                out.interrupted = true;
+                let point = SavePoint::Interrupted(out.steps);
+                let saved = self.save_point(point, out, epoch + 1, progress)?;
+                out.saved.push(saved);
+                return Ok(Flow::Stop);
+            }
+            let every = plan.save_every_n_steps.map_or(0, |n| n as usize);
+            if every > 0 && out.steps.is_multiple_of(every) && out.steps < self.total_steps {
+                let saved =
+                    self.save_point(SavePoint::Step(out.steps), out, epoch + 1, progress)?;
+                out.saved.push(saved);
             }
         }
-        if !out.interrupted {
-            let point = SavePoint::Final;
-            let saved = self.save_point(point, out.steps, out.epochs_completed, &progress)?;
-            out.saved.push(saved);
-        }
-        progress.finish();
-        out.wall_secs = self.started.elapsed().as_secs_f64();
-        out.memory = read_memory(&self.opts.device);
-        Ok(out)
+        Ok(Flow::Continue)
     }
 
     /// The progress line and, every `log_step` steps, the JSONL record.
@@ -527,8 +721,9 @@ impl<'a> Session<'a> {
         out: &TrainOutcome,
         epoch: usize,
         progress: &Progress,
-        smoothed: f64,
     ) -> anyhow::Result<()> {
+        self.smoothed.push(report.loss);
+        let smoothed = self.smoothed.get();
         // Driver counters, not a stream sync. A failed reading only costs the display: it must
         // not end a run.
         let memory = read_memory(&self.opts.device);
@@ -570,30 +765,27 @@ impl<'a> Session<'a> {
         Ok(())
     }
 
-    /// Saves at `point` (see [`Saver::save`]) after writing the log record of the step being
-    /// saved. An out-of-memory error frees the pool and retries once; a second one gives up.
+    /// Saves at `point`: the weights ([`Saver::save`]) and, except at the end of a run without
+    /// `save_optimizer`, a resume save point; the log record of the step comes first. An
+    /// out-of-memory error frees the pool and retries once; a second one gives up.
     fn save_point(
         &mut self,
         point: SavePoint,
-        steps: usize,
+        out: &TrainOutcome,
         epoch: usize,
         progress: &Progress,
     ) -> anyhow::Result<PathBuf> {
         if let Some(record) = self.unlogged.take() {
             self.log.write(&record)?;
         }
-        match self
-            .saver()
-            .save(&self.groups, point, steps, epoch, progress)
-        {
+        match self.save_once(point, out, epoch, progress) {
             Ok(path) => Ok(path),
             Err(e) if find_oom(&e).is_some() => {
                 trim_pool(&self.opts.device).context("freeing memory after an OOM")?;
-                self.saver()
-                    .save(&self.groups, point, steps, epoch, progress)
+                self.save_once(point, out, epoch, progress)
                     .map_err(|e| match find_oom(&e) {
                         Some(oom) => OomExhausted {
-                            place: format!("while saving at step {steps}"),
+                            place: format!("while saving at step {}", out.steps),
                             oom,
                         }
                         .into(),
@@ -602,6 +794,41 @@ impl<'a> Session<'a> {
             }
             Err(e) => Err(e),
         }
+    }
+
+    fn save_once(
+        &self,
+        point: SavePoint,
+        out: &TrainOutcome,
+        epoch: usize,
+        progress: &Progress,
+    ) -> anyhow::Result<PathBuf> {
+        let path = self
+            .saver()
+            .save(&self.groups, point, out.steps, epoch, progress)?;
+        if matches!(point, SavePoint::Final) && !self.plan.save_optimizer {
+            return Ok(path);
+        }
+        let dir = resume::state_dir(&self.run.path, out.steps);
+        let groups = &self.groups;
+        resume::write(&dir, &self.trainer_state(out), &self.named_params(), |d| {
+            for g in groups {
+                let p = resume::optimizer_file(d, g.name);
+                g.optimizer
+                    .save_state(&p)
+                    .with_context(|| format!("saving {}", p.display()))?;
+            }
+            Ok(())
+        })?;
+        if let Some(keep) = self.plan.checkpoints_total_limit {
+            let saver = self.saver();
+            for step in resume::prune(&self.run.path, keep, |s| saver.step_outputs(s))? {
+                progress.println(format!(
+                    "removed the save point of step {step} (checkpoints_total_limit {keep})"
+                ));
+            }
+        }
+        Ok(path)
     }
 
     /// What a failed step becomes. An [`OomExhausted`] saves the last completed step as an
@@ -619,7 +846,7 @@ impl<'a> Session<'a> {
         };
         let place = format!("{} ({})", exhausted.place, exhausted.oom.detail);
         let point = SavePoint::Errored(out.steps);
-        let saved = match self.save_point(point, out.steps, epoch + 1, progress) {
+        let saved = match self.save_point(point, out, epoch + 1, progress) {
             Ok(path) => format!(
                 "the last completed step ({}) is saved in {}",
                 out.steps,
@@ -807,6 +1034,8 @@ enum SavePoint {
     Interrupted(usize),
     /// The last completed step, saved when a run gives up on an out-of-memory error.
     Errored(usize),
+    /// Every `save_every_n_steps`.
+    Step(usize),
 }
 
 /// Everything a save needs but the optimizer groups (which the loop mutates between saves).
@@ -819,12 +1048,26 @@ struct Saver<'a> {
     resolution: usize,
     images: usize,
     started_unix: f64,
+    seed: u64,
 }
 
 impl Saver<'_> {
+    /// The weights a step save of `step` wrote (removed with its save point by
+    /// `checkpoints_total_limit`).
+    fn step_outputs(&self, step: usize) -> Vec<PathBuf> {
+        match self.adapters {
+            None => vec![self.run.step_dir(step)],
+            Some(_) => {
+                let project = &self.plan.project_name;
+                vec![self
+                    .run
+                    .file(&format!("{project}-step-{step:06}.safetensors"))]
+            }
+        }
+    }
+
     /// Saves the trained weights: a complete diffusers folder (full fine-tune) or a kohya LoRA
-    /// file (adapter modes), plus the optimizer state when `save_optimizer` is set. Returns the
-    /// path.
+    /// file (adapter modes). Returns the path.
     fn save(
         &self,
         groups: &[Group],
@@ -835,13 +1078,14 @@ impl Saver<'_> {
     ) -> anyhow::Result<PathBuf> {
         let plan = self.plan;
         let project = &plan.project_name;
-        let (path, state_dir) = match self.adapters {
+        let path = match self.adapters {
             None => {
                 let dir = match point {
                     SavePoint::Epoch(e) => self.run.epoch_dir(e),
                     SavePoint::Final => self.run.final_dir(),
                     SavePoint::Interrupted(s) => self.run.interrupted_dir(s),
                     SavePoint::Errored(s) => self.run.errored_dir(s),
+                    SavePoint::Step(s) => self.run.step_dir(s),
                 };
                 let mut updated = vec![(Component::Unet, self.sd.unet_weights.params())];
                 if plan.train_text_encoder {
@@ -857,7 +1101,7 @@ impl Saver<'_> {
                     DType::F32,
                 )
                 .with_context(|| format!("saving {}", dir.display()))?;
-                (dir.clone(), dir)
+                dir
             }
             Some(a) => {
                 let name = match point {
@@ -865,6 +1109,7 @@ impl Saver<'_> {
                     SavePoint::Final => project.clone(),
                     SavePoint::Interrupted(s) => format!("{project}-step-{s:06}"),
                     SavePoint::Errored(s) => format!("{project}-errored-step-{s:06}"),
+                    SavePoint::Step(s) => format!("{project}-step-{s:06}"),
                 };
                 let path = self.run.file(&format!("{name}.safetensors"));
                 let info = SaveInfo {
@@ -872,7 +1117,7 @@ impl Saver<'_> {
                     epoch,
                     num_train_images: self.images,
                     resolution: self.resolution,
-                    seed: plan.seed,
+                    seed: self.seed,
                     unet_lr: groups[0].base_lr,
                     text_encoder_lr: groups.get(1).map(|g| g.base_lr),
                     output_name: &name,
@@ -880,19 +1125,9 @@ impl Saver<'_> {
                 };
                 a.save(&path, info)
                     .with_context(|| format!("saving {}", path.display()))?;
-                (path, self.run.path.join(format!("{name}-optimizer")))
+                path
             }
         };
-        if plan.save_optimizer {
-            std::fs::create_dir_all(&state_dir)
-                .with_context(|| format!("creating {}", state_dir.display()))?;
-            for g in groups {
-                let p = state_dir.join(format!("optimizer-{}.safetensors", g.name));
-                g.optimizer
-                    .save_state(&p)
-                    .with_context(|| format!("saving {}", p.display()))?;
-            }
-        }
         progress.println(format!("saved {}", path.display()));
         Ok(path)
     }

@@ -6,6 +6,8 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
 
+pub mod cli;
+
 /// The repository root: `CARGO_MANIFEST_DIR` at run time (cargo sets it; `scripts/gpu-check`
 /// sets it when it runs a test binary built on another machine), else where it was built.
 pub fn repo_root() -> PathBuf {

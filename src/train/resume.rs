@@ -1,0 +1,445 @@
+//! Save points for an exact resume: `state-step-NNNNNN/` in the run folder, beside the saved
+//! weights.
+//!
+//! A save point holds everything the next step depends on:
+//! - `params.safetensors`: every trained parameter, f32, by `<group>/<name>`;
+//! - `optimizer-<group>.safetensors`: each group's optimizer state (`Optimizer::save_state`);
+//! - `trainer_state.json`: the step, the epoch and the position in its data order, the seed, the
+//!   loss scaler, the OOM-adjusted micro-batch, and the counters and losses the summary reports.
+//!
+//! Every random draw is a function of the seed and the step (the data order of the epoch, each
+//! sample's seeds), so no generator state needs saving: a resumed run makes the same draws.
+//!
+//! Writes are atomic: the folder is written as `state-step-NNNNNN.partial` (trainer_state.json
+//! last, every file fsynced) and renamed. A kill during a save leaves a `.partial` folder that
+//! resume ignores and the next save removes; the previous save point stays loadable.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context};
+use candle_core::{DType, Device, Tensor, Var};
+use serde::{Deserialize, Serialize};
+
+use super::micro_batch::MicroBatching;
+use crate::precision::ScalerState;
+
+/// The file that makes a folder a complete save point (written last).
+pub const STATE_FILE: &str = "trainer_state.json";
+const PARAMS_FILE: &str = "params.safetensors";
+const PREFIX: &str = "state-step-";
+const PARTIAL: &str = "partial";
+const VERSION: u32 = 1;
+
+/// What a resumed run must share with the saved one for the resume to be exact. A difference
+/// is reported; the run goes on with the new value.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RunKey {
+    pub model: String,
+    pub mode: String,
+    pub data_root: PathBuf,
+    pub resolution: usize,
+    pub batch_size: usize,
+    pub grad_accum: usize,
+}
+
+impl RunKey {
+    /// `key: saved → now` for each field that differs.
+    pub fn differences(&self, now: &RunKey) -> Vec<String> {
+        let mut out = Vec::new();
+        let mut check = |key: &str, a: String, b: String| {
+            if a != b {
+                out.push(format!("{key}: {a} → {b}"));
+            }
+        };
+        check("model", self.model.clone(), now.model.clone());
+        check("mode", self.mode.clone(), now.mode.clone());
+        check(
+            "data_root",
+            self.data_root.display().to_string(),
+            now.data_root.display().to_string(),
+        );
+        check(
+            "resolution",
+            self.resolution.to_string(),
+            now.resolution.to_string(),
+        );
+        check(
+            "batch_size",
+            self.batch_size.to_string(),
+            now.batch_size.to_string(),
+        );
+        check(
+            "grad_accum",
+            self.grad_accum.to_string(),
+            now.grad_accum.to_string(),
+        );
+        out
+    }
+}
+
+/// The trainer's state at a save point.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TrainerState {
+    pub version: u32,
+    /// Optimizer steps completed.
+    pub steps: usize,
+    /// The (0-based) epoch the next step belongs to, and how many of its steps are done.
+    pub epoch: usize,
+    pub steps_in_epoch: usize,
+    pub epochs_completed: usize,
+    pub images_seen: usize,
+    pub skipped_steps: usize,
+    /// Every step's loss, for the summary.
+    pub losses: Vec<f64>,
+    pub micro: MicroBatching,
+    pub scaler: Option<ScalerState>,
+    /// The run's seed (a random seed, `-1`, was drawn once and is kept).
+    pub seed: u64,
+    pub key: RunKey,
+    /// The optimizer groups, in order.
+    pub groups: Vec<String>,
+}
+
+impl TrainerState {
+    pub fn new(steps: usize, key: RunKey, groups: Vec<String>, seed: u64) -> Self {
+        Self {
+            version: VERSION,
+            steps,
+            epoch: 0,
+            steps_in_epoch: 0,
+            epochs_completed: 0,
+            images_seen: 0,
+            skipped_steps: 0,
+            losses: Vec::new(),
+            micro: MicroBatching::new(key.batch_size),
+            scaler: None,
+            seed,
+            key,
+            groups,
+        }
+    }
+}
+
+/// The save point folder for `steps` completed steps in `run`.
+pub fn state_dir(run: &Path, steps: usize) -> PathBuf {
+    run.join(format!("{PREFIX}{steps:06}"))
+}
+
+/// A group's optimizer state file in save point `dir`.
+pub fn optimizer_file(dir: &Path, group: &str) -> PathBuf {
+    dir.join(format!("optimizer-{group}.safetensors"))
+}
+
+/// Writes the save point `dir` atomically. `params` are the trained parameters by name;
+/// `write_optimizers` writes each group's file into the folder it is given.
+pub fn write(
+    dir: &Path,
+    state: &TrainerState,
+    params: &[(String, Var)],
+    write_optimizers: impl FnOnce(&Path) -> anyhow::Result<()>,
+) -> anyhow::Result<()> {
+    let partial = dir.with_extension(PARTIAL);
+    if partial.exists() {
+        std::fs::remove_dir_all(&partial)
+            .with_context(|| format!("removing the unfinished {}", partial.display()))?;
+    }
+    std::fs::create_dir_all(&partial).with_context(|| format!("creating {}", partial.display()))?;
+    let tensors: HashMap<String, Tensor> = params
+        .iter()
+        .map(|(name, var)| Ok((name.clone(), var.as_tensor().to_dtype(DType::F32)?)))
+        .collect::<candle_core::Result<_>>()?;
+    let params_path = partial.join(PARAMS_FILE);
+    candle_core::safetensors::save(&tensors, &params_path)
+        .with_context(|| format!("writing {}", params_path.display()))?;
+    sync_file(&params_path)?;
+    write_optimizers(&partial)?;
+    let json = serde_json::to_string_pretty(state)?;
+    crate::fsutil::write_atomic(&partial.join(STATE_FILE), json)?;
+    if dir.exists() {
+        // Saved before at this step (a step save, then Ctrl-C): the same state.
+        std::fs::remove_dir_all(dir).with_context(|| format!("replacing {}", dir.display()))?;
+    }
+    std::fs::rename(&partial, dir)
+        .with_context(|| format!("renaming {} to {}", partial.display(), dir.display()))?;
+    if let Some(parent) = dir.parent() {
+        sync_dir(parent)?;
+    }
+    Ok(())
+}
+
+fn sync_file(path: &Path) -> anyhow::Result<()> {
+    std::fs::File::open(path)
+        .and_then(|f| f.sync_all())
+        .with_context(|| format!("syncing {}", path.display()))
+}
+
+fn sync_dir(path: &Path) -> anyhow::Result<()> {
+    // Directories cannot be opened for syncing everywhere; where they can, make the rename
+    // durable.
+    if let Ok(d) = std::fs::File::open(path) {
+        d.sync_all().ok();
+    }
+    Ok(())
+}
+
+/// The complete save points in `run`, by step, oldest first.
+pub fn save_points(run: &Path) -> Vec<(usize, PathBuf)> {
+    let Ok(entries) = std::fs::read_dir(run) else {
+        return Vec::new();
+    };
+    let mut out: Vec<(usize, PathBuf)> = entries
+        .filter_map(|e| {
+            let path = e.ok()?.path();
+            let name = path.file_name()?.to_str()?;
+            let step: usize = name.strip_prefix(PREFIX)?.parse().ok()?;
+            path.join(STATE_FILE).is_file().then_some((step, path))
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+/// The save point `resume` names: a state folder itself, or a run folder's newest one.
+pub fn locate(resume: &Path) -> anyhow::Result<PathBuf> {
+    if resume.join(STATE_FILE).is_file() {
+        return Ok(resume.to_path_buf());
+    }
+    match save_points(resume).pop() {
+        Some((_, dir)) => Ok(dir),
+        None => bail!(
+            "resume_ckpt {} has no complete save point (a `{PREFIX}NNNNNN` folder with {STATE_FILE}); \
+             runs write one with save_every_n_steps, at each save_every_n_epochs and on Ctrl-C",
+            resume.display()
+        ),
+    }
+}
+
+/// Reads a save point's trainer state.
+pub fn read_state(dir: &Path) -> anyhow::Result<TrainerState> {
+    let path = dir.join(STATE_FILE);
+    let text =
+        std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    let state: TrainerState = serde_json::from_str(&text)
+        .with_context(|| format!("{} is not a trainer state", path.display()))?;
+    if state.version != VERSION {
+        bail!(
+            "{} has format version {}, this build reads {VERSION}",
+            path.display(),
+            state.version
+        );
+    }
+    Ok(state)
+}
+
+/// Sets every parameter in `params` from the save point's `params.safetensors`; the file must
+/// hold exactly these names with these shapes.
+pub fn load_params(dir: &Path, params: &[(String, Var)]) -> anyhow::Result<()> {
+    let path = dir.join(PARAMS_FILE);
+    let saved = candle_core::safetensors::load(&path, &Device::Cpu)
+        .with_context(|| format!("reading {}", path.display()))?;
+    let mut unknown: Vec<&String> = saved
+        .keys()
+        .filter(|k| !params.iter().any(|(n, _)| n == *k))
+        .collect();
+    if !unknown.is_empty() {
+        unknown.sort();
+        bail!(
+            "{} holds {} parameter(s) this run does not train, e.g. `{}`: was it saved by a \
+             run with another mode or adapter?",
+            path.display(),
+            unknown.len(),
+            unknown[0]
+        );
+    }
+    for (name, var) in params {
+        let Some(t) = saved.get(name) else {
+            bail!("{} has no parameter `{name}`", path.display());
+        };
+        if t.dims() != var.dims() {
+            bail!(
+                "{}: `{name}` is {:?}, this run's is {:?}",
+                path.display(),
+                t.dims(),
+                var.dims()
+            );
+        }
+        var.set(&t.to_dtype(var.dtype())?.to_device(var.device())?)?;
+    }
+    Ok(())
+}
+
+/// The base model of the run `resume` names (a run folder or one of its save points), from the
+/// run's `plan.json`.
+pub fn model_of(resume: &Path) -> Result<String, String> {
+    let run = if resume.join(STATE_FILE).is_file() {
+        resume.parent().unwrap_or(resume)
+    } else {
+        resume
+    };
+    let plan = run.join("plan.json");
+    let text = std::fs::read_to_string(&plan).map_err(|e| {
+        format!(
+            "names a run, but its {} cannot be read: {e}",
+            plan.display()
+        )
+    })?;
+    let value: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| format!("names a run, but its {} is not JSON: {e}", plan.display()))?;
+    value["model"]
+        .as_str()
+        .map(str::to_string)
+        .ok_or_else(|| format!("names a run, but its {} has no `model`", plan.display()))
+}
+
+/// The newest run folder under `output_dir` with a complete save point (EveryDream2's
+/// `findlast`).
+pub fn find_last_run(output_dir: &Path) -> Option<PathBuf> {
+    let entries = std::fs::read_dir(output_dir).ok()?;
+    entries
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| !save_points(p).is_empty())
+        .max_by_key(|p| {
+            let newest = save_points(p).pop().map(|(_, d)| d.join(STATE_FILE));
+            newest.and_then(|f| std::fs::metadata(f).and_then(|m| m.modified()).ok())
+        })
+}
+
+/// Deletes all but the newest `keep` save points in `run`; `also(step)` names what else goes
+/// with each (the step's saved weights). Returns the steps removed.
+pub fn prune(
+    run: &Path,
+    keep: usize,
+    also: impl Fn(usize) -> Vec<PathBuf>,
+) -> anyhow::Result<Vec<usize>> {
+    let points = save_points(run);
+    let excess = points.len().saturating_sub(keep);
+    let mut removed = Vec::new();
+    for (step, dir) in points.into_iter().take(excess) {
+        std::fs::remove_dir_all(&dir).with_context(|| format!("removing {}", dir.display()))?;
+        for extra in also(step) {
+            if extra.is_dir() {
+                std::fs::remove_dir_all(&extra).ok();
+            } else if extra.is_file() {
+                std::fs::remove_file(&extra).ok();
+            }
+        }
+        removed.push(step);
+    }
+    Ok(removed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key() -> RunKey {
+        RunKey {
+            model: "m".into(),
+            mode: "lora".into(),
+            data_root: "data".into(),
+            resolution: 64,
+            batch_size: 2,
+            grad_accum: 1,
+        }
+    }
+
+    fn params() -> Vec<(String, Var)> {
+        vec![
+            (
+                "unet/a".into(),
+                Var::new(&[1f32, 2.0], &Device::Cpu).unwrap(),
+            ),
+            ("unet/b".into(), Var::new(&[[3f32]], &Device::Cpu).unwrap()),
+        ]
+    }
+
+    /// Written, found, read back; a `.partial` folder (a kill during a save) and a folder
+    /// without its state file are ignored; pruning keeps the newest.
+    #[test]
+    fn save_points_round_trip_and_survive_a_killed_save() {
+        let tmp = tempfile::tempdir().unwrap();
+        let run = tmp.path();
+        std::fs::write(run.join("plan.json"), r#"{"model": "org/base"}"#).unwrap();
+        let p = params();
+        for steps in [2, 4] {
+            let mut st = TrainerState::new(steps, key(), vec!["unet".into()], 7);
+            st.losses = vec![0.5; steps];
+            write(&state_dir(run, steps), &st, &p, |d| {
+                std::fs::write(optimizer_file(d, "unet"), b"opt").map_err(Into::into)
+            })
+            .unwrap();
+        }
+        // A save killed half-way (no state file yet), and a stray folder without one.
+        let killed = state_dir(run, 6).with_extension(PARTIAL);
+        std::fs::create_dir_all(&killed).unwrap();
+        std::fs::write(killed.join(PARAMS_FILE), b"trunc").unwrap();
+        std::fs::create_dir_all(state_dir(run, 8)).unwrap();
+        let found = locate(run).unwrap();
+        assert_eq!(found, state_dir(run, 4));
+        let st = read_state(&found).unwrap();
+        assert_eq!((st.steps, st.losses.len(), st.seed), (4, 4, 7));
+        assert!(optimizer_file(&found, "unet").is_file());
+        let fresh = vec![
+            (
+                "unet/a".into(),
+                Var::new(&[0f32, 0.0], &Device::Cpu).unwrap(),
+            ),
+            ("unet/b".into(), Var::new(&[[0f32]], &Device::Cpu).unwrap()),
+        ];
+        load_params(&found, &fresh).unwrap();
+        assert_eq!(fresh[0].1.to_vec1::<f32>().unwrap(), vec![1.0, 2.0]);
+        assert_eq!(model_of(&found).unwrap(), "org/base");
+        assert_eq!(model_of(run).unwrap(), "org/base");
+        // A save at step 6 replaces the killed one.
+        write(
+            &state_dir(run, 6),
+            &TrainerState::new(6, key(), vec![], 7),
+            &p,
+            |_| Ok(()),
+        )
+        .unwrap();
+        assert!(!killed.exists());
+        assert_eq!(save_points(run).len(), 3);
+        let gone = run.join("weights-2");
+        std::fs::write(&gone, b"w").unwrap();
+        let removed = prune(run, 2, |s| vec![run.join(format!("weights-{s}"))]).unwrap();
+        assert_eq!(removed, vec![2]);
+        assert!(!gone.exists());
+        assert_eq!(locate(run).unwrap(), state_dir(run, 6));
+    }
+
+    #[test]
+    fn mismatched_params_are_refused_by_name() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = state_dir(tmp.path(), 1);
+        write(
+            &dir,
+            &TrainerState::new(1, key(), vec![], 1),
+            &params(),
+            |_| Ok(()),
+        )
+        .unwrap();
+        let other = vec![(
+            "unet/a".into(),
+            Var::new(&[0f32, 0.0, 0.0], &Device::Cpu).unwrap(),
+        )];
+        let err = load_params(&dir, &other).unwrap_err().to_string();
+        assert!(err.contains("unet/b"), "{err}");
+        let wrong_shape = vec![
+            (
+                "unet/a".into(),
+                Var::new(&[0f32, 0.0, 0.0], &Device::Cpu).unwrap(),
+            ),
+            ("unet/b".into(), Var::new(&[[0f32]], &Device::Cpu).unwrap()),
+        ];
+        let err = load_params(&dir, &wrong_shape).unwrap_err().to_string();
+        assert!(err.contains("`unet/a` is [2]"), "{err}");
+        assert!(locate(tmp.path().join("nothing").as_path()).is_err());
+        let d = key().differences(&RunKey {
+            batch_size: 4,
+            ..key()
+        });
+        assert_eq!(d, vec!["batch_size: 2 → 4"]);
+    }
+}

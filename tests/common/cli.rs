@@ -1,0 +1,65 @@
+//! Running the `sdtrain` binary from the integration tests: a train.json in a temp folder, the
+//! run, its output and its run folder.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+pub fn demo_data() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data/demo")
+}
+
+/// Writes train.json into `dir` with the given extra keys, using absolute paths.
+pub fn write_config(
+    dir: &Path,
+    fixture: &str,
+    data_root: &Path,
+    extra: serde_json::Value,
+) -> PathBuf {
+    let mut cfg = serde_json::json!({
+        "model": super::fixture(fixture),
+        "data_root": data_root,
+        "output_dir": dir.join("out"),
+        "resolution": 64,
+        "batch_size": 1,
+        "max_steps": 2,
+        "lr": 1e-3,
+        "log_step": 1,
+    });
+    if let (Some(c), Some(e)) = (cfg.as_object_mut(), extra.as_object()) {
+        c.extend(e.clone());
+    }
+    let path = dir.join("train.json");
+    std::fs::write(&path, serde_json::to_string_pretty(&cfg).unwrap()).unwrap();
+    path
+}
+
+pub fn sdtrain(args: &[&str], cwd: &Path) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_sdtrain"))
+        .args(args)
+        .current_dir(cwd)
+        .output()
+        .unwrap()
+}
+
+pub fn run_folder(dir: &Path) -> PathBuf {
+    let out = dir.join("out");
+    let mut runs: Vec<PathBuf> = std::fs::read_dir(&out)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert_eq!(
+        runs.len(),
+        1,
+        "expected one run folder in {}",
+        out.display()
+    );
+    runs.pop().unwrap()
+}
+
+pub fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}

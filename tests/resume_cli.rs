@@ -1,0 +1,197 @@
+//! Exact resume from the CLI: a run stopped (SIGKILL for a LoRA, Ctrl-C for a full fine-tune)
+//! and resumed with `resume_ckpt` gives the same per-step losses and the same final weights,
+//! bit for bit on the CPU, as the run that never stopped; `checkpoints_total_limit` keeps the
+//! newest save points.
+
+mod common;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use candle_core::{Device, Tensor};
+use common::cli::{demo_data, run_folder, sdtrain, text, write_config};
+
+const STEPS: u64 = 6;
+
+fn config(dir: &Path, extra: serde_json::Value) -> PathBuf {
+    std::fs::create_dir_all(dir).unwrap();
+    let mut cfg = serde_json::json!({
+        "max_steps": STEPS,
+        "save_every_n_steps": 2,
+        "seed": 11,
+        "batch_size": 2,
+        "log_step": 1,
+    });
+    if let (Some(c), Some(e)) = (cfg.as_object_mut(), extra.as_object()) {
+        c.extend(e.clone());
+    }
+    write_config(dir, "tiny-sd15", &demo_data(), cfg)
+}
+
+/// Each logged step's loss, by step.
+fn losses(run: &Path) -> Vec<(u64, f64)> {
+    std::fs::read_to_string(run.join("train_log.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            (v["step"].as_u64().unwrap(), v["loss"].as_f64().unwrap())
+        })
+        .collect()
+}
+
+fn tensors(path: &Path) -> HashMap<String, Tensor> {
+    if path.is_dir() {
+        let file = path.join("unet/diffusion_pytorch_model.safetensors");
+        return candle_core::safetensors::load(file, &Device::Cpu).unwrap();
+    }
+    candle_core::safetensors::load(path, &Device::Cpu).unwrap()
+}
+
+fn assert_bit_equal(a: &Path, b: &Path) {
+    let (x, y) = (tensors(a), tensors(b));
+    assert_eq!(x.len(), y.len());
+    for (name, t) in &x {
+        let (p, q) = (
+            t.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            y[name].flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+        );
+        let same = p.iter().zip(&q).all(|(u, v)| u.to_bits() == v.to_bits());
+        assert!(
+            same,
+            "{name} differs between {} and {}",
+            a.display(),
+            b.display()
+        );
+    }
+}
+
+/// Starts the run, waits for save point `state-step-000002`, stops it with `signal`, checks it
+/// stopped before the end, then resumes it with `resume_ckpt` and returns its run folder.
+fn stop_and_resume(dir: &Path, cfg: &Path, signal: &str) -> PathBuf {
+    let child = Command::new(env!("CARGO_BIN_EXE_sdtrain"))
+        .args(["--config", cfg.to_str().unwrap(), "--cpu"])
+        .current_dir(dir)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let start = Instant::now();
+    let saved = |d: &Path| {
+        std::fs::read_dir(d.join("out"))
+            .ok()
+            .and_then(|mut r| r.next())
+            .is_some_and(|run| run.unwrap().path().join("state-step-000002").is_dir())
+    };
+    while !saved(dir) {
+        assert!(
+            start.elapsed() < Duration::from_secs(180),
+            "no save point in 3 minutes"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let sent = Command::new("kill")
+        .args([signal, &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(sent.success());
+    let status = child.wait_with_output().unwrap().status;
+    let run = run_folder(dir);
+    let done = losses(&run).last().map_or(0, |l| l.0);
+    assert!(
+        done < STEPS,
+        "the run ended ({status:?}) before it was stopped: pick more steps"
+    );
+    let resume = format!("resume_ckpt={}", run.display());
+    let out = sdtrain(
+        &["--config", cfg.to_str().unwrap(), "--cpu", "--set", &resume],
+        dir,
+    );
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(text(&out).contains("resumed from"), "{}", text(&out));
+    assert_eq!(
+        run_folder(dir),
+        run,
+        "a resumed run continues in its own folder"
+    );
+    run
+}
+
+fn check_resume(mode: &str, signal: &str, final_weights: &str) {
+    let tmp = tempfile::tempdir().unwrap();
+    // LoRA with dropout: its masks must be drawn again exactly too.
+    let extra =
+        serde_json::json!({"mode": mode, "adapter": {"save_dtype": "fp32", "dropout": 0.2}});
+    let extra = if mode == "full" {
+        serde_json::json!({"mode": "full"})
+    } else {
+        extra
+    };
+    let (a, b) = (tmp.path().join("straight"), tmp.path().join("stopped"));
+    let out = sdtrain(
+        &[
+            "--config",
+            config(&a, extra.clone()).to_str().unwrap(),
+            "--cpu",
+        ],
+        &a,
+    );
+    assert!(out.status.success(), "{}", text(&out));
+    let straight = run_folder(&a);
+    let resumed = stop_and_resume(&b, &config(&b, extra), signal);
+    let (want, got) = (losses(&straight), losses(&resumed));
+    assert_eq!(want.len(), STEPS as usize);
+    // Identical f64s, every step once.
+    assert_eq!(got, want, "{mode}: per-step losses");
+    assert_bit_equal(&straight.join(final_weights), &resumed.join(final_weights));
+}
+
+#[test]
+fn a_killed_lora_run_resumes_exactly() {
+    check_resume("lora", "-KILL", "sdtrain.safetensors");
+}
+
+#[test]
+fn an_interrupted_full_run_resumes_exactly() {
+    check_resume("full", "-INT", "final");
+}
+
+/// `checkpoints_total_limit` keeps the newest save points and the step saves that go with them;
+/// `resume_ckpt: "findlast"` finds the run.
+#[test]
+fn old_save_points_are_pruned_and_findlast_resumes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let extra = serde_json::json!({"mode": "lora", "checkpoints_total_limit": 1});
+    let cfg = config(tmp.path(), extra);
+    let out = sdtrain(&["--config", cfg.to_str().unwrap(), "--cpu"], tmp.path());
+    assert!(out.status.success(), "{}", text(&out));
+    let run = run_folder(tmp.path());
+    let mut names: Vec<String> = std::fs::read_dir(&run)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains("step-"))
+        .collect();
+    names.sort();
+    // Saves at steps 2 and 4 (6 is the final one, which keeps no state): step 2's went.
+    assert_eq!(
+        names,
+        ["sdtrain-step-000004.safetensors", "state-step-000004"]
+    );
+    // The run is finished: findlast resumes at step 4 and trains steps 5 and 6 again.
+    let out = sdtrain(
+        &[
+            "--config",
+            cfg.to_str().unwrap(),
+            "--cpu",
+            "--set",
+            "resume_ckpt=findlast",
+        ],
+        tmp.path(),
+    );
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(text(&out).contains("at step 4"), "{}", text(&out));
+    let steps: Vec<u64> = losses(&run).iter().map(|l| l.0).collect();
+    assert_eq!(steps, vec![1, 2, 3, 4, 5, 6]);
+}
