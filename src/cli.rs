@@ -102,10 +102,20 @@ fn run_train(args: &TrainArgs) -> anyhow::Result<ExitCode> {
     let plan = TrainPlan::resolve(config, &args.set)?;
     if args.dry_run {
         print_stdout(&format_args!("{plan}"))?;
-        // The state size needs the model's headers; a model that is not at hand only costs
-        // this line.
+        // The state size and the memory plan need the model's headers; a model that is not
+        // at hand only costs these lines.
         match train::state_estimate::estimate(&plan) {
-            Ok(estimate) => print_stdout(&estimate)?,
+            Ok(estimate) => {
+                print_stdout(&estimate.state)?;
+                match memory_plan(&plan, &estimate) {
+                    Ok(mem) => print_stdout(&mem)?,
+                    Err(e) => print_stdout(&format_args!(
+                        "{:<15}unknown: {}\n",
+                        "memory plan",
+                        error_text(&e)
+                    ))?,
+                }
+            }
             Err(e) => print_stdout(&format_args!(
                 "{:<15}unknown: {}\n",
                 "optim. state",
@@ -130,6 +140,54 @@ fn run_train(args: &TrainArgs) -> anyhow::Result<ExitCode> {
     )?;
     print_stdout(&summary::Summary(&outcome))?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// The memory plan of a `--dry-run`, for a CUDA card: `vram_limit_gb` if set, else the card
+/// this machine has, else a 12 GiB card (the product's target).
+fn memory_plan(
+    plan: &TrainPlan,
+    estimate: &train::state_estimate::ModelEstimate,
+) -> anyhow::Result<train::memory_plan::MemoryPlan> {
+    use crate::model::files::Component;
+    const GIB: f64 = (1u64 << 30) as f64;
+    let unet = estimate
+        .layout
+        .components
+        .iter()
+        .find(|c| c.component == Component::Unet)
+        .context("the model has no UNet")?;
+    let cfg = crate::model::unet::UnetConfig::from_file(&unet.config)?;
+    let amp = match plan.precision.amp {
+        crate::config::AmpChoice::Set(a) => a,
+        crate::config::AmpChoice::DeviceDefault => crate::precision::Amp::Bf16,
+    };
+    let resolution = plan
+        .data
+        .resolution
+        .unwrap_or(estimate.layout.native_resolution);
+    let card = match plan.vram_limit_gb {
+        Some(gb) => (gb * GIB, "vram_limit_gb".to_string()),
+        None => detected_card().unwrap_or((
+            12.0 * GIB,
+            "a 12 GiB card; set vram_limit_gb for another".to_string(),
+        )),
+    };
+    Ok(train::memory_plan::plan_memory(
+        plan,
+        amp,
+        &cfg,
+        resolution,
+        &estimate.census,
+        Some(card),
+    ))
+}
+
+/// The first CUDA card's memory, when this build and machine have one.
+fn detected_card() -> Option<(f64, String)> {
+    let device = Device::new_cuda(0).ok()?;
+    let usage = crate::memory::MemoryUsage::read(&device).ok()??;
+    let total = usage.device_total_bytes? as f64;
+    Some((total, "the detected card".to_string()))
 }
 
 /// Writes `value` to stdout. A closed pipe (`sdtrain inspect … | head`) is not an error: like

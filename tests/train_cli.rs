@@ -124,6 +124,31 @@ fn dry_run_prints_the_plan_and_trains_nothing() {
         .find(|l| l.starts_with("optim. state   unet: adamw8bit, "))
         .unwrap_or_else(|| panic!("{t}"));
     assert!(line.contains("bytes/parameter"), "{line}");
+    // The memory plan, by term, checked against a card.
+    for term in [
+        "memory plan    weights ",
+        "optimizer state",
+        "activations",
+        "expected peak",
+    ] {
+        assert!(t.contains(term), "{term}: {t}");
+    }
+    assert!(t.contains("fits 12.00 GiB"), "{t}");
+    let small = sdtrain(
+        &[
+            "--config",
+            cfg.to_str().unwrap(),
+            "--dry-run",
+            "--set",
+            "vram_limit_gb=0.1",
+        ],
+        tmp.path(),
+    );
+    let t = text(&small);
+    assert!(
+        t.contains("does NOT fit") && t.contains("first rung to take"),
+        "{t}"
+    );
     assert!(!tmp.path().join("out").exists());
 }
 

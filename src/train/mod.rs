@@ -5,6 +5,7 @@ pub mod adapters;
 pub mod interrupt;
 pub mod log;
 pub mod loss_stats;
+pub mod memory_plan;
 pub mod micro_batch;
 pub mod oom;
 pub mod progress;

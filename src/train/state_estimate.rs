@@ -16,6 +16,7 @@ use crate::model::family::ModelLayout;
 use crate::model::files::Component;
 use crate::model::source::ModelSource;
 
+use super::memory_plan::Census;
 use super::te_freeze::text_encoder_param_trains;
 use super::trainer::update_rule;
 
@@ -74,21 +75,38 @@ fn shapes(files: &[impl AsRef<Path>]) -> anyhow::Result<BTreeMap<String, Vec<usi
     Ok(out)
 }
 
+/// What `--dry-run` reads from the model's headers: each group's optimizer state, the element
+/// count of each component, and the model's layout.
+pub struct ModelEstimate {
+    pub state: StateEstimate,
+    pub census: Census,
+    pub layout: ModelLayout,
+}
+
 /// Resolves the plan's model (offline from a local folder or the hub cache) and prices each
 /// group's trained tensors.
-pub fn estimate(plan: &TrainPlan) -> anyhow::Result<StateEstimate> {
+pub fn estimate(plan: &TrainPlan) -> anyhow::Result<ModelEstimate> {
     let source = ModelSource::parse(&plan.model)?;
     let dir = source.resolve()?;
     let layout = ModelLayout::read(&dir.path, None)?;
     let mut unet = Vec::new();
     let mut text = Vec::new();
+    let mut census = Census::default();
     for files in &layout.components {
         let component = files.component;
         let is_te = matches!(component, Component::TextEncoder | Component::TextEncoder2);
+        if component == Component::Vae {
+            census.vae = elements(&shapes(&files.weights)?);
+        }
         if !(component == Component::Unet || is_te) {
             continue;
         }
         let tensors = shapes(&files.weights)?;
+        if is_te {
+            census.text_encoders += elements(&tensors);
+        } else {
+            census.unet = elements(&tensors);
+        }
         let trained = if is_te {
             text_encoder_shapes(&tensors, plan)
         } else {
@@ -117,7 +135,20 @@ pub fn estimate(plan: &TrainPlan) -> anyhow::Result<StateEstimate> {
     if !text.is_empty() {
         groups.push(price("text_encoder", &plan.optimizer.text_encoder, &text)?);
     }
-    Ok(StateEstimate(groups))
+    census.trained = groups.iter().map(|g| g.params).sum();
+    census.state_bytes = groups.iter().map(|g| g.bytes).sum();
+    Ok(ModelEstimate {
+        state: StateEstimate(groups),
+        census,
+        layout,
+    })
+}
+
+fn elements(tensors: &BTreeMap<String, Vec<usize>>) -> u64 {
+    tensors
+        .values()
+        .map(|s| s.iter().product::<usize>() as u64)
+        .sum()
 }
 
 fn spec(plan: &TrainPlan) -> Option<AdapterSpec> {
