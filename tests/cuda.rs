@@ -10,12 +10,16 @@
 //!   track the same run on the CPU with the same seed;
 //! - the gradient store of a LoRA step holds exactly the adapter Vars;
 //! - every optimizer's CUDA kernel against its host kernel, and its state resumed across devices
-//!   (tests/cuda/optim.rs).
+//!   (tests/cuda/optim.rs);
+//! - the out-of-memory classifier on the real CUDA error types (tests/cuda/oom.rs; no device
+//!   needed).
 //!
 //! Without a CUDA device (or without the `cuda` feature) each test prints that it was skipped
 //! and passes. `scripts/gpu-check` runs this binary on a GPU machine.
 
 mod common;
+#[path = "cuda/oom.rs"]
+mod oom;
 #[path = "cuda/optim.rs"]
 mod optim;
 
