@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Markdown report of one scripts/gpu-check run: python3 scripts/gpu_report.py OUT_DIR.
 
-Reads OUT_DIR/{device.txt, cuda-tests.log, bench.jsonl, peer.jsonl, optim.jsonl, profile.md} and prints the
+Reads OUT_DIR/{device.txt, cuda-tests.log, bench.jsonl, peer.jsonl, optim.jsonl, vram.jsonl,
+profile.md} and prints the
 table docs/BENCHMARKS.md keeps: each shape's median step time and peak device memory for sdtrain
 beside diffusers + PEFT, the CUDA test results with every parity error, and the kernel profile.
 Peak memory: sdtrain's is the CUDA pool's high-water mark (tensors), the peer's is
@@ -39,6 +40,22 @@ def cell(r, field, fmt):
         return r.get("status", "?")[:60]
     v = r.get(field)
     return fmt.format(v) if isinstance(v, (int, float)) else "—"
+
+
+def print_vram(rows):
+    """The vram_limit_gb rehearsal: plan vs measured peak, and the OOM retries."""
+    print("\n### vram_limit_gb 12 on a random SD1.5, LoRA 512 px bf16, 4 steps\n")
+    print("| case | status | plan peak | measured peak | plan vs measured | OOM retries | micro-batch at the end |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        p, m = r.get("plan_gib"), r.get("measured_gib")
+        ratio = f"{(p / m - 1) * 100:+.1f}%" if p and m else "—"
+        fmt = lambda v: f"{v:.2f} GiB" if isinstance(v, (int, float)) else "—"
+        print(f"| {r.get('case')} | {r.get('status')} | {fmt(p)} | {fmt(m)} | {ratio} "
+              f"| {r.get('oom_retries', '—')} | {r.get('micro_batch', '—')} |")
+    for r in rows:
+        for line in r.get("retry_lines", []):
+            print(f"\n`{line}`")
 
 
 def print_optimizers(rows):
@@ -95,6 +112,9 @@ def main(out):
         r = census[0]
         print(f"\nLoRA gradient store: {r.get('grad_entries')} entries for {r.get('vars')} adapter Vars "
               f"({r.get('vars_with_grad')} with a gradient).")
+    vram = read_jsonl(os.path.join(out, "vram.jsonl"))
+    if vram:
+        print_vram(vram)
     optim = read_jsonl(os.path.join(out, "optim.jsonl"))
     if optim:
         print_optimizers(optim)

@@ -167,6 +167,22 @@ fn max_diff(a: &[f32], b: &[f32]) -> f32 {
         .fold(0f32, f32::max)
 }
 
+impl Gap {
+    /// The emulated kernel's bound against the host kernel at update `t`: codes equal but for
+    /// midpoint ties (at most 1 in 1000), everything else within 1e-6, and bit for bit on the
+    /// first update (nothing has diverged through a tie yet).
+    pub fn assert_tracks(&self, n: usize, t: u64) {
+        assert!(self.codes <= n / 1000, "n={n} t={t}: {self:?}");
+        assert!(
+            self.param <= 1e-6 && self.state <= 1e-6,
+            "n={n} t={t}: {self:?}"
+        );
+        if t == 1 {
+            assert_eq!((self.param, self.state), (0.0, 0.0), "n={n}: {self:?}");
+        }
+    }
+}
+
 pub fn gap(p_host: &[f32], p_emu: &[f32], m_host: &[&Moment], m_emu: &[&Moment]) -> Gap {
     let mut gap = Gap {
         param: max_diff(p_host, p_emu),

@@ -119,7 +119,7 @@ pub fn plan_memory(
         assumptions: format!(
             "batch {} at {resolution} px, {}, checkpointing {}",
             plan.batch_size,
-            amp.name(),
+            if amp == Amp::Off { "f32" } else { amp.name() },
             if ck { "on" } else { "off" }
         ),
         card: card.clone(),

@@ -84,6 +84,15 @@ fn samples_per_step(seen: &[Micro]) -> Vec<Vec<usize>> {
     steps
 }
 
+fn max_abs(t: &Tensor) -> f32 {
+    t.abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
+}
+
 fn lora(path: &Path) -> HashMap<String, Tensor> {
     candle_core::safetensors::load(path, &Device::Cpu).unwrap()
 }
@@ -138,22 +147,7 @@ fn an_oom_retry_trains_the_same_samples_to_the_same_weights() {
     );
     assert_eq!(got.len(), want.len());
     for (name, w) in &want {
-        let g = &got[name];
-        let scale = w
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap();
-        let diff = (g - w)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap();
+        let (scale, diff) = (max_abs(w), max_abs(&(&got[name] - w).unwrap()));
         assert!(
             diff <= 1e-4 * scale.max(1e-3),
             "{name}: differs by {diff} (scale {scale})"
