@@ -479,6 +479,80 @@ fn corrupt_truncated_and_empty_files_are_skipped_and_counted() {
     );
 }
 
+/// A JPEG cut to 45% of its bytes: the `image` crate's decoder can fill the missing part with
+/// grey and succeed (it did on a user's photo); Pillow refuses it, and so do we, from the missing
+/// end marker, with a warning.
+#[test]
+fn a_truncated_jpeg_is_skipped_with_a_warning() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    solid(&root.join("good.png"));
+    let mut jpeg = Vec::new();
+    RgbImage::from_fn(96, 64, |x, y| Rgb([x as u8 * 2, y as u8 * 3, 40]))
+        .write_to(&mut Cursor::new(&mut jpeg), image::ImageFormat::Jpeg)
+        .unwrap();
+    let cut = root.join("cut.jpg");
+    std::fs::write(&cut, &jpeg[..jpeg.len() * 45 / 100]).unwrap();
+    let loaded = load_data_root(root, 8, false).unwrap();
+    assert_eq!(loaded.items.len(), 1);
+    assert_eq!(loaded.skipped.len(), 1);
+    assert_eq!(loaded.skipped[0].0, cut);
+    assert!(
+        loaded.skipped[0].1.contains("truncated JPEG"),
+        "{}",
+        loaded.skipped[0].1
+    );
+}
+
+/// CRC-32 (PNG's), for patching a chunk.
+fn crc32(bytes: &[u8]) -> u32 {
+    let mut c = 0xFFFF_FFFFu32;
+    for &b in bytes {
+        c ^= u32::from(b);
+        for _ in 0..8 {
+            c = if c & 1 != 0 {
+                0xEDB8_8320 ^ (c >> 1)
+            } else {
+                c >> 1
+            };
+        }
+    }
+    !c
+}
+
+/// An image over `max_image_pixels` is refused from its header, before any decoding: a PNG
+/// whose header says 30000×30000 (its data is a few bytes), and a real 16×16 under a limit of
+/// 100 pixels, which a raised limit then accepts.
+#[test]
+fn images_over_the_pixel_limit_are_skipped_before_decoding() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    let mut png = Vec::new();
+    RgbImage::from_pixel(1, 1, Rgb([1, 2, 3]))
+        .write_to(&mut Cursor::new(&mut png), image::ImageFormat::Png)
+        .unwrap();
+    // IHDR is the first chunk: length (4) "IHDR" width height … CRC, from byte 8.
+    png[16..20].copy_from_slice(&30000u32.to_be_bytes());
+    png[20..24].copy_from_slice(&30000u32.to_be_bytes());
+    let crc = crc32(&png[12..29]);
+    png[29..33].copy_from_slice(&crc.to_be_bytes());
+    let bomb = root.join("bomb.png");
+    std::fs::write(&bomb, &png).unwrap();
+    write_rgb(&root.join("small.png"), 16, 16, |_, _| [9, 9, 9]);
+    let loaded = load_data_root(root, 8, false).unwrap();
+    assert_eq!(loaded.skipped.len(), 1);
+    let (path, reason) = &loaded.skipped[0];
+    assert_eq!(path, &bomb);
+    assert!(
+        reason.contains("30000×30000") && reason.contains("max_image_pixels"),
+        "{reason}"
+    );
+    let err = data::load_data_root_limited(root, 8, false, 100).unwrap_err();
+    assert!(err.to_string().contains("all 2 skipped"), "{err}");
+    let raised = data::load_data_root_limited(root, 8, false, 256).unwrap();
+    assert_eq!(raised.items.len(), 1);
+}
+
 #[test]
 fn folder_with_only_bad_images_is_a_clear_error() {
     let dir = tempfile::tempdir().unwrap();

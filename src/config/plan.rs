@@ -70,6 +70,8 @@ pub struct DataPlan {
     pub cond_dropout: f64,
     /// Shuffle comma-separated caption tags, keeping the first.
     pub shuffle_tags: bool,
+    /// Images with more pixels are skipped, from their header, before decoding.
+    pub max_image_pixels: u64,
 }
 
 /// The diffusion training objective.
@@ -542,6 +544,12 @@ fn resolve_data(file: &TrainFile, ctx: &Ctx<'_>) -> Result<DataPlan, ConfigError
         flip_p: ctx.fraction("flip_p", file.flip_p, 0.0)?,
         cond_dropout: ctx.fraction("cond_dropout", file.cond_dropout, DEFAULT_COND_DROPOUT)?,
         shuffle_tags: file.shuffle_tags.unwrap_or(false),
+        max_image_pixels: ctx.at_least(
+            "max_image_pixels",
+            file.max_image_pixels,
+            crate::data::DEFAULT_MAX_PIXELS,
+            1,
+        )?,
     })
 }
 

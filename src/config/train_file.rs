@@ -44,6 +44,9 @@ pub struct TrainFile {
     /// CUDA: hold back all of the card beyond this many GiB, to rehearse a smaller card.
     #[serde(default)]
     pub vram_limit_gb: Option<f64>,
+    /// Images with more pixels are skipped before decoding (Pillow's limit by default).
+    #[serde(default)]
+    pub max_image_pixels: Option<i64>,
     // EveryDream2's keys.
     /// EveryDream2's name for the base model; a run folder or a saved state resumes that run.
     #[serde(default)]

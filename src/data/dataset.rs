@@ -18,7 +18,7 @@ use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use rayon::prelude::*;
 
-use super::image_load::{load_image, TrainImage};
+use super::image_load::{load_image_limited, TrainImage, DEFAULT_MAX_PIXELS};
 use super::scan::{scan, ImageRecord};
 use super::DataError;
 
@@ -60,8 +60,18 @@ pub fn load_data_root(
     resolution: usize,
     show_progress: bool,
 ) -> Result<LoadedDataset, DataError> {
+    load_data_root_limited(data_root, resolution, show_progress, DEFAULT_MAX_PIXELS)
+}
+
+/// [`load_data_root`] skipping images of more than `max_pixels` pixels (`max_image_pixels`).
+pub fn load_data_root_limited(
+    data_root: &Path,
+    resolution: usize,
+    show_progress: bool,
+    max_pixels: u64,
+) -> Result<LoadedDataset, DataError> {
     let records = scan(data_root)?;
-    load_records(&records, resolution, show_progress, data_root)
+    load_records(&records, resolution, show_progress, data_root, max_pixels)
 }
 
 /// Decodes `records` at `resolution × resolution`, skipping (and reporting) files that fail.
@@ -72,7 +82,13 @@ pub fn load_dataset(
     show_progress: bool,
 ) -> Result<LoadedDataset, DataError> {
     let root = common_folder(records.iter().map(|r| r.path.as_path()));
-    load_records(records, resolution, show_progress, &root)
+    load_records(
+        records,
+        resolution,
+        show_progress,
+        &root,
+        DEFAULT_MAX_PIXELS,
+    )
 }
 
 fn load_records(
@@ -80,6 +96,7 @@ fn load_records(
     resolution: usize,
     show_progress: bool,
     root: &Path,
+    max_pixels: u64,
 ) -> Result<LoadedDataset, DataError> {
     if resolution == 0 {
         return Err(DataError::InvalidSize {
@@ -92,7 +109,8 @@ fn load_records(
     let results: Vec<Result<TrainImage, DataError>> = records
         .par_iter()
         .map(|record| {
-            let loaded = load_image(&record.path, resolution).map(|mut image| {
+            let target = (resolution, resolution);
+            let loaded = load_image_limited(&record.path, target, max_pixels).map(|mut image| {
                 image.caption = record.caption.clone();
                 image.multiplier = record.multiplier;
                 image

@@ -20,9 +20,15 @@
 use std::path::{Path, PathBuf};
 
 use image::imageops::FilterType;
-use image::{DynamicImage, ImageDecoder, ImageReader, RgbImage};
+use image::{DynamicImage, ImageDecoder, ImageFormat, ImageReader, RgbImage};
 
+use super::truncation::truncated_jpeg;
 use super::DataError;
+
+/// Images with more pixels than this are skipped unless `max_image_pixels` raises it: Pillow's
+/// decompression-bomb error threshold (2 × `Image.MAX_IMAGE_PIXELS`), which EveryDream2 and
+/// kohya run under. A 30000 × 30000 PNG is 900 M pixels, 2.7 GB decoded.
+pub const DEFAULT_MAX_PIXELS: u64 = 178_956_970;
 
 /// The resampling filter, see the header.
 pub const RESIZE_FILTER: FilterType = FilterType::CatmullRom;
@@ -61,6 +67,15 @@ pub fn load_image(path: &Path, resolution: usize) -> Result<TrainImage, DataErro
 
 /// Loads `path` resized to cover `(width, height)` and centre-cropped to it.
 pub fn load_image_to(path: &Path, target: (usize, usize)) -> Result<TrainImage, DataError> {
+    load_image_limited(path, target, DEFAULT_MAX_PIXELS)
+}
+
+/// [`load_image_to`] refusing images of more than `max_pixels` pixels before decoding them.
+pub fn load_image_limited(
+    path: &Path,
+    target: (usize, usize),
+    max_pixels: u64,
+) -> Result<TrainImage, DataError> {
     let (target_w, target_h) = target;
     if target_w == 0 || target_h == 0 {
         return Err(DataError::InvalidSize {
@@ -68,7 +83,7 @@ pub fn load_image_to(path: &Path, target: (usize, usize)) -> Result<TrainImage, 
             height: target_h,
         });
     }
-    let rgb = decode_rgb(path)?;
+    let rgb = decode_rgb_limited(path, max_pixels)?;
     let original_size = (rgb.height() as usize, rgb.width() as usize);
     let (cropped, resized_size, crop_top_left) = resize_and_crop(&rgb, target_w, target_h);
     Ok(TrainImage {
@@ -87,23 +102,44 @@ pub fn load_image_to(path: &Path, target: (usize, usize)) -> Result<TrainImage, 
 /// Decodes `path` (format guessed from its bytes, falling back to the extension), applies its EXIF
 /// orientation and converts it to RGB8.
 pub fn decode_rgb(path: &Path) -> Result<RgbImage, DataError> {
+    decode_rgb_limited(path, DEFAULT_MAX_PIXELS)
+}
+
+/// [`decode_rgb`], refusing a truncated JPEG (which the decoder would fill with grey) and, from
+/// its header alone, an image of more than `max_pixels` pixels.
+pub fn decode_rgb_limited(path: &Path, max_pixels: u64) -> Result<RgbImage, DataError> {
     let fail = |reason: String| DataError::Decode {
         path: path.to_path_buf(),
         reason,
     };
-    let len = std::fs::metadata(path)
-        .map_err(|e| fail(format!("cannot read: {e}")))?
-        .len();
-    if len == 0 {
+    let bytes = std::fs::read(path).map_err(|e| fail(format!("cannot read: {e}")))?;
+    if bytes.is_empty() {
         return Err(fail("empty file (0 bytes)".into()));
     }
-    let reader = ImageReader::open(path)
-        .map_err(|e| fail(format!("cannot open: {e}")))?
+    let mut reader = ImageReader::new(std::io::Cursor::new(&bytes[..]))
         .with_guessed_format()
         .map_err(|e| fail(format!("cannot read: {e}")))?;
+    if reader.format().is_none() {
+        if let Ok(format) = ImageFormat::from_path(path) {
+            reader.set_format(format);
+        }
+    }
+    if reader.format() == Some(ImageFormat::Jpeg) {
+        if let Some(why) = truncated_jpeg(&bytes) {
+            return Err(fail(why));
+        }
+    }
     let mut decoder = reader
         .into_decoder()
         .map_err(|e| fail(format!("not a readable image: {e}")))?;
+    let (w, h) = decoder.dimensions();
+    let pixels = u64::from(w) * u64::from(h);
+    if pixels > max_pixels {
+        return Err(fail(format!(
+            "{w}×{h} is {pixels} pixels, over the limit of {max_pixels} (max_image_pixels; \
+             Pillow's default); raise max_image_pixels to train on it"
+        )));
+    }
     // A broken EXIF block only loses the rotation, as in ED2's `_try_transpose`.
     let orientation = decoder
         .orientation()

@@ -12,12 +12,19 @@ pub mod caption;
 pub mod dataset;
 pub mod image_load;
 pub mod scan;
+pub mod truncation;
 
 use std::path::PathBuf;
 
 pub use augment::{cond_dropout, flip_p, hflip, shuffle_tags, to_tensor};
-pub use dataset::{epoch_order, load_data_root, load_dataset, pick_multiplied, LoadedDataset};
-pub use image_load::{cover_size, load_image, load_image_to, resize_and_crop, TrainImage};
+pub use dataset::{
+    epoch_order, load_data_root, load_data_root_limited, load_dataset, pick_multiplied,
+    LoadedDataset,
+};
+pub use image_load::{
+    cover_size, load_image, load_image_limited, load_image_to, resize_and_crop, TrainImage,
+    DEFAULT_MAX_PIXELS,
+};
 pub use scan::{scan, ImageRecord, IMAGE_EXTENSIONS};
 
 /// How many skipped files a "no usable image" error lists before it says "and N more".

@@ -24,7 +24,7 @@ use super::step::{forward_backward, prepare_batch, sample_rngs, step_seeds, Step
 use super::te_freeze::text_encoder_param_trains;
 use crate::config::{OptimizerKind, ParamGroupPlan};
 use crate::config::{TrainMode, TrainPlan};
-use crate::data::{load_data_root, LoadedDataset};
+use crate::data::{load_data_root_limited, LoadedDataset};
 use crate::diffusion::{NoiseSchedule, Objective, ObjectiveConfig};
 use crate::memory::{prepare_device, trim_pool, DeviceSettings, MemoryUsage};
 use crate::model::family::ModelLayout;
@@ -297,7 +297,12 @@ impl<'a> Session<'a> {
         };
         let resolution = plan.data.resolution.unwrap_or(layout.native_resolution);
         check_resolution(&sd, resolution)?;
-        let dataset = load_data_root(&plan.data.data_root, resolution, opts.show_progress)?;
+        let dataset = load_data_root_limited(
+            &plan.data.data_root,
+            resolution,
+            opts.show_progress,
+            plan.data.max_image_pixels,
+        )?;
         report_dataset(&dataset);
         let objective = build_objective(plan, &layout)?;
         let micro_per_epoch = dataset.epoch_len() / plan.batch_size;
