@@ -118,6 +118,33 @@ fn zero_snr_rescale_and_cosine_reach_diffusers_terminal_values() {
     }
 }
 
+/// `zero_terminal_snr` rescales a schedule read without `rescale_betas_zero_snr`: the result
+/// equals diffusers' `rescale_zero_terminal_snr` schedule (the "zero-snr-v" reference), every ᾱ,
+/// and rescaling it again changes nothing.
+#[test]
+fn zero_terminal_snr_on_a_plain_schedule_matches_diffusers() {
+    let r = reference();
+    let (_, s, _) = schedules(&r)
+        .into_iter()
+        .find(|(n, _, _)| n == "zero-snr-v")
+        .expect("the zero-snr-v reference");
+    let mut plain = s["config"].clone();
+    plain["rescale_betas_zero_snr"] = Value::Bool(false);
+    let base = NoiseSchedule::from_config(&plain, Path::new("plain")).unwrap();
+    assert!(base.alphas_cumprod()[999] > 0.0);
+    let ours = base.with_zero_terminal_snr();
+    let want = floats(&s["alphas_cumprod"]);
+    for (t, (a, b)) in ours.alphas_cumprod().iter().zip(&want).enumerate() {
+        // diffusers computes in f32: a few ulps.
+        assert!((a - b).abs() <= 1e-6, "t={t}: {a} vs {b}");
+    }
+    assert_eq!(ours.alphas_cumprod()[999], 0.0);
+    let again = ours.with_zero_terminal_snr();
+    for (a, b) in again.alphas_cumprod().iter().zip(ours.alphas_cumprod()) {
+        assert!((a - b).abs() <= 1e-12, "{a} vs {b}");
+    }
+}
+
 #[test]
 fn add_noise_and_velocity_match_diffusers() {
     let r = reference();

@@ -523,3 +523,38 @@ fn bad_inputs_are_reported_early_and_once() {
     assert_eq!(line.matches("invalid header length").count(), 1, "{line}");
     assert_eq!(line.matches(unet.to_str().unwrap()).count(), 1, "{line}");
 }
+
+/// `zero_terminal_snr` (and EveryDream2's `enable_zero_terminal_snr`) trains on the rescaled
+/// schedule: on the v-prediction SD2.1 fixture quietly, on the epsilon SD1.5 one with a warning;
+/// the two keys must agree.
+#[test]
+fn zero_terminal_snr_trains_from_either_key() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (fixture, key, warns) in [
+        ("tiny-sd21", "zero_terminal_snr", false),
+        ("tiny-sd15", "enable_zero_terminal_snr", true),
+    ] {
+        let extra = serde_json::json!({ key: true, "max_steps": 1 });
+        let cfg = write_config(tmp.path(), fixture, &demo_data(), extra);
+        let out = sdtrain(&["--config", cfg.to_str().unwrap(), "--cpu"], tmp.path());
+        assert!(out.status.success(), "{fixture}: {}", text(&out));
+        assert_eq!(
+            text(&out).contains("epsilon-prediction model"),
+            warns,
+            "{}",
+            text(&out)
+        );
+        let dry = sdtrain(
+            &["--config", cfg.to_str().unwrap(), "--dry-run"],
+            tmp.path(),
+        );
+        assert!(text(&dry).contains("zero terminal SNR"), "{}", text(&dry));
+    }
+    let extra = serde_json::json!({"zero_terminal_snr": true, "enable_zero_terminal_snr": false});
+    let cfg = write_config(tmp.path(), "tiny-sd21", &demo_data(), extra);
+    let out = sdtrain(
+        &["--config", cfg.to_str().unwrap(), "--dry-run"],
+        tmp.path(),
+    );
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+}

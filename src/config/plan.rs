@@ -86,6 +86,9 @@ pub struct ObjectivePlan {
     pub zero_frequency_noise_ratio: f64,
     /// Min-SNR-γ loss weighting (arXiv 2303.09556); `None` disables it.
     pub min_snr_gamma: Option<f64>,
+    /// Train on the schedule rescaled to zero terminal SNR (arXiv 2305.08891); `zero_terminal_snr`
+    /// or EveryDream2's `enable_zero_terminal_snr`.
+    pub zero_terminal_snr: bool,
     /// As written (EveryDream2): 0 or 1 use the last layer, 2 the penultimate, … up to 4.
     pub clip_skip: usize,
     /// Text-encoder layers dropped from the end: `max(clip_skip, 1) − 1`. EveryDream2 applies
@@ -593,6 +596,15 @@ fn resolve_objective(file: &TrainFile, ctx: &Ctx<'_>) -> Result<ObjectivePlan, C
             DEFAULT_ZERO_FREQUENCY_NOISE_RATIO,
         )?,
         min_snr_gamma,
+        zero_terminal_snr: match (file.zero_terminal_snr, file.enable_zero_terminal_snr) {
+            (Some(a), Some(b)) if a != b => {
+                return Err(ctx.invalid(
+                    "zero_terminal_snr",
+                    format!("is {a} but EveryDream2's `enable_zero_terminal_snr` is {b}; give one"),
+                ))
+            }
+            (a, b) => a.or(b).unwrap_or(false),
+        },
         clip_skip: clip_skip as usize,
         clip_skip_layers: clip_skip.max(1) as usize - 1,
     })

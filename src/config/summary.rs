@@ -79,7 +79,10 @@ impl fmt::Display for TrainPlan {
         };
         row(f, "seed", &seed)?;
         let o = &self.objective;
-        let snr = o.min_snr_gamma.map_or("off".to_string(), |g| g.to_string());
+        let mut snr = o.min_snr_gamma.map_or("off".to_string(), |g| g.to_string());
+        if o.zero_terminal_snr {
+            snr.push_str(", zero terminal SNR");
+        }
         row(
             f,
             "objective",

@@ -47,6 +47,12 @@ pub struct TrainFile {
     /// Images with more pixels are skipped before decoding (Pillow's limit by default).
     #[serde(default)]
     pub max_image_pixels: Option<i64>,
+    /// Rescale the noise schedule to zero terminal SNR (arXiv 2305.08891).
+    #[serde(default)]
+    pub zero_terminal_snr: Option<bool>,
+    /// EveryDream2's name for `zero_terminal_snr`.
+    #[serde(default)]
+    pub enable_zero_terminal_snr: Option<bool>,
     // EveryDream2's keys.
     /// EveryDream2's name for the base model; a run folder or a saved state resumes that run.
     #[serde(default)]
@@ -149,11 +155,6 @@ pub(crate) const UNSUPPORTED: &[Unsupported] = &[
         "embedding_perturbation",
         Accepts::NullOrZero,
         "embedding perturbation is not implemented",
-    ),
-    un(
-        "enable_zero_terminal_snr",
-        Accepts::NullOrFalse,
-        "zero terminal SNR is not implemented",
     ),
     un(
         "gpuid",

@@ -263,6 +263,24 @@ impl NoiseSchedule {
         Ok(Self::from_betas(&betas, prediction_type))
     }
 
+    /// This schedule with zero terminal SNR (Lin et al. 2023, arXiv 2305.08891, Algorithm 1):
+    /// the betas recovered from `ᾱ`, rescaled by [`rescale_zero_terminal_snr`] (diffusers'
+    /// function, tested against it), so `ᾱ` ends at exactly 0. A schedule already at zero
+    /// terminal SNR is unchanged.
+    pub fn with_zero_terminal_snr(&self) -> Self {
+        let mut prev = 1.0;
+        let betas: Vec<f64> = self
+            .alphas_cumprod
+            .iter()
+            .map(|&ab| {
+                let beta = if prev > 0.0 { 1.0 - ab / prev } else { 1.0 };
+                prev = ab;
+                beta
+            })
+            .collect();
+        Self::from_betas(&rescale_zero_terminal_snr(&betas), self.prediction_type)
+    }
+
     /// A schedule from explicit betas (each in `[0, 1]`).
     pub fn from_betas(betas: &[f64], prediction_type: PredictionType) -> Self {
         Self {

@@ -956,7 +956,17 @@ fn load_model(
 }
 
 fn build_objective(plan: &TrainPlan, layout: &ModelLayout) -> anyhow::Result<Objective> {
-    let schedule = NoiseSchedule::from_file(&layout.scheduler_config)?;
+    let mut schedule = NoiseSchedule::from_file(&layout.scheduler_config)?;
+    if plan.objective.zero_terminal_snr {
+        schedule = schedule.with_zero_terminal_snr();
+        if schedule.prediction_type() == crate::model::family::PredictionType::Epsilon {
+            eprintln!(
+                "warning: zero_terminal_snr on an epsilon-prediction model: at the last timestep \
+                 the noisy latent is the noise itself, so that step teaches nothing; the paper \
+                 pairs zero terminal SNR with v-prediction (SD2.x-v)"
+            );
+        }
+    }
     Ok(Objective::new(
         schedule,
         ObjectiveConfig {
