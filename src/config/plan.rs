@@ -72,6 +72,19 @@ pub struct DataPlan {
     pub shuffle_tags: bool,
     /// Images with more pixels are skipped, from their header, before decoding.
     pub max_image_pixels: u64,
+    /// The validation loss, when `validation_split` or `validation_data_root` is set.
+    pub validation: Option<ValidationPlan>,
+}
+
+/// The validation loss: which images, and how often.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ValidationPlan {
+    /// A seeded fraction of `data_root` held out of training, in (0, 1).
+    pub split: Option<f64>,
+    /// Or a folder of its own.
+    pub data_root: Option<PathBuf>,
+    /// Every N optimizer steps; `None`: at the end of each epoch.
+    pub every_n_steps: Option<u64>,
 }
 
 /// The diffusion training objective.
@@ -553,7 +566,54 @@ fn resolve_data(file: &TrainFile, ctx: &Ctx<'_>) -> Result<DataPlan, ConfigError
             crate::data::DEFAULT_MAX_PIXELS,
             1,
         )?,
+        validation: resolve_validation(file, ctx)?,
     })
+}
+
+fn resolve_validation(
+    file: &TrainFile,
+    ctx: &Ctx<'_>,
+) -> Result<Option<ValidationPlan>, ConfigError> {
+    let split = match file.validation_split {
+        Some(x) if !(x > 0.0 && x < 1.0) => {
+            return Err(ctx.invalid(
+                "validation_split",
+                format!("must be a fraction between 0 and 1, exclusive (got {x})"),
+            ))
+        }
+        x => x,
+    };
+    let data_root = match file.validation_data_root.as_deref() {
+        Some(raw) => {
+            let path = ctx.input_path("validation_data_root", raw)?;
+            if !path.is_dir() {
+                return Err(ctx.invalid(
+                    "validation_data_root",
+                    format!("is {}, which is not a folder", path.display()),
+                ));
+            }
+            Some(path)
+        }
+        None => None,
+    };
+    let every_n_steps =
+        ctx.opt_at_least("validation_every_n_steps", file.validation_every_n_steps, 1)?;
+    match (split, &data_root) {
+        (Some(_), Some(_)) => Err(ctx.invalid(
+            "validation_split",
+            "and `validation_data_root` are both set; give one".into(),
+        )),
+        (None, None) if every_n_steps.is_some() => Err(ctx.invalid(
+            "validation_every_n_steps",
+            "needs `validation_split` or `validation_data_root`".into(),
+        )),
+        (None, None) => Ok(None),
+        _ => Ok(Some(ValidationPlan {
+            split,
+            data_root,
+            every_n_steps,
+        })),
+    }
 }
 
 fn resolve_objective(file: &TrainFile, ctx: &Ctx<'_>) -> Result<ObjectivePlan, ConfigError> {

@@ -135,6 +135,19 @@ impl fmt::Display for TrainPlan {
             save.push_str(&format!("; keep the newest {n} save points"));
         }
         row(f, "save", &save)?;
+        if let Some(v) = &self.data.validation {
+            let set = match (&v.data_root, v.split) {
+                (Some(root), _) => root.display().to_string(),
+                (None, Some(s)) => format!("{:.0}% of data_root", s * 100.0),
+                (None, None) => "—".to_string(),
+            };
+            let when = v
+                .every_n_steps
+                .map_or("at each epoch's end".to_string(), |n| {
+                    format!("every {n} steps")
+                });
+            row(f, "validation", &format!("{set}, {when}"))?;
+        }
         if let Some(gb) = self.vram_limit_gb {
             row(
                 f,

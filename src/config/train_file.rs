@@ -53,6 +53,15 @@ pub struct TrainFile {
     /// EveryDream2's name for `zero_terminal_snr`.
     #[serde(default)]
     pub enable_zero_terminal_snr: Option<bool>,
+    /// Hold out this fraction of the images (seeded) for the validation loss.
+    #[serde(default)]
+    pub validation_split: Option<f64>,
+    /// A folder of validation images instead of a split.
+    #[serde(default)]
+    pub validation_data_root: Option<String>,
+    /// Compute the validation loss every N steps (default: at the end of each epoch).
+    #[serde(default)]
+    pub validation_every_n_steps: Option<i64>,
     // EveryDream2's keys.
     /// EveryDream2's name for the base model; a run folder or a saved state resumes that run.
     #[serde(default)]
@@ -236,7 +245,8 @@ pub(crate) const UNSUPPORTED: &[Unsupported] = &[
     un(
         "validation_config",
         Accepts::Null,
-        "validation is not implemented",
+        "EveryDream2's validation file is not read; use validation_split or validation_data_root \
+         and validation_every_n_steps",
     ),
     un(
         "wandb",

@@ -32,6 +32,9 @@ pub struct LogRecord {
     /// Out-of-memory retries in the run so far.
     #[serde(skip_serializing_if = "is_zero")]
     pub oom_retries: usize,
+    /// The validation loss, on steps where it was computed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub val_loss: Option<f64>,
     /// Memory in use and the run's peak so far: the CUDA pool (plus the card's free/total) on
     /// CUDA, the process's RSS on the CPU.
     #[serde(skip_serializing_if = "Option::is_none")]

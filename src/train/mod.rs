@@ -18,5 +18,6 @@ pub mod step;
 pub mod summary;
 pub mod te_freeze;
 pub mod trainer;
+pub mod validation;
 
 pub use trainer::{train, RunOptions, TrainOutcome};

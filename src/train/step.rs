@@ -159,18 +159,13 @@ pub fn prepare_batch<R: Rng>(
     })
 }
 
-/// Forward and backward for one prepared micro-batch. The loss is multiplied by `weight` (the
-/// micro-batch's share of the effective batch, `len / effective`) and by `loss_scale` before
-/// backward. Returns the weighted (unscaled) loss as a detached 0-d f32 tensor on the device,
-/// and the gradients of `loss · weight · loss_scale`. The loss stays on the device so the
-/// trainer fetches it with the gradient norm in one copy per optimizer step.
-pub fn forward_backward(
+/// The forward pass for one prepared micro-batch: text conditioning → UNet → the (min-SNR
+/// weighted) MSE, still attached to the graph. Validation uses it alone.
+pub fn forward_loss(
     sd: &StableDiffusion,
     batch: &PreparedBatch,
     settings: &StepSettings<'_>,
-    weight: f64,
-    loss_scale: f64,
-) -> anyhow::Result<(Tensor, GradStore)> {
+) -> anyhow::Result<Tensor> {
     if let Some(ck) = settings.checkpointing {
         // Left over from a micro-batch that failed part-way: not this one's.
         drop(ck.take_grads()?);
@@ -205,6 +200,22 @@ pub fn forward_backward(
         .unet
         .forward(&batch.noised.noisy, &t, &context, added.as_ref())?;
     let loss = settings.objective.loss(&pred, &batch.noised)?;
+    Ok(loss)
+}
+
+/// Forward and backward for one prepared micro-batch. The loss is multiplied by `weight` (the
+/// micro-batch's share of the effective batch, `len / effective`) and by `loss_scale` before
+/// backward. Returns the weighted (unscaled) loss as a detached 0-d f32 tensor on the device,
+/// and the gradients of `loss · weight · loss_scale`. The loss stays on the device so the
+/// trainer fetches it with the gradient norm in one copy per optimizer step.
+pub fn forward_backward(
+    sd: &StableDiffusion,
+    batch: &PreparedBatch,
+    settings: &StepSettings<'_>,
+    weight: f64,
+    loss_scale: f64,
+) -> anyhow::Result<(Tensor, GradStore)> {
+    let loss = forward_loss(sd, batch, settings)?;
     let value = (loss.detach().to_dtype(DType::F32)? * weight)?;
     let mut grads = (loss * (weight * loss_scale))?
         .backward()

@@ -40,6 +40,18 @@ impl fmt::Display for Summary<'_> {
                 "loss            first 20% of steps {first:.4}, last 20% {last:.4}"
             )?;
         }
+        if let (Some(first), Some(last)) = (o.val_losses.first(), o.val_losses.last()) {
+            writeln!(
+                f,
+                "validation      loss {:.4} at step {}, {:.4} at step {} ({} images, {} evaluations)",
+                first.1,
+                first.0,
+                last.1,
+                last.0,
+                o.val_images,
+                o.val_losses.len()
+            )?;
+        }
         if o.skipped_steps > 0 {
             writeln!(
                 f,

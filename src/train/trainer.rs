@@ -22,6 +22,7 @@ use super::resume::{self, RunKey, TrainerState};
 use super::run_dir::RunDir;
 use super::step::{forward_backward, prepare_batch, sample_rngs, step_seeds, StepSettings};
 use super::te_freeze::text_encoder_param_trains;
+use super::validation::Validation;
 use crate::config::{OptimizerKind, ParamGroupPlan};
 use crate::config::{TrainMode, TrainPlan};
 use crate::data::{load_data_root_limited, LoadedDataset};
@@ -64,6 +65,9 @@ pub struct TrainOutcome {
     pub micro: MicroBatching,
     /// `vram_limit_gb` in force, described (`12.0 GiB of a 79.6 GiB card …`).
     pub vram_cap: Option<String>,
+    /// `(step, loss)` of each validation, and the validation set's size.
+    pub val_losses: Vec<(usize, f64)>,
+    pub val_images: usize,
 }
 
 impl TrainOutcome {
@@ -205,6 +209,10 @@ struct Session<'a> {
     smoothed: Smoothed,
     /// `vram_limit_gb`'s hold on the rest of the card, for the whole run.
     vram_cap: Option<crate::memory::vram_cap::VramCap>,
+    /// The held-out set, when validation is on.
+    validation: Option<Validation>,
+    /// The validation loss computed after the current step, for its log record.
+    val_loss: Option<f64>,
 }
 
 /// Whether the epoch loop goes on.
@@ -297,12 +305,33 @@ impl<'a> Session<'a> {
         };
         let resolution = plan.data.resolution.unwrap_or(layout.native_resolution);
         check_resolution(&sd, resolution)?;
-        let dataset = load_data_root_limited(
+        let mut dataset = load_data_root_limited(
             &plan.data.data_root,
             resolution,
             opts.show_progress,
             plan.data.max_image_pixels,
         )?;
+        // Held out before anything counts the training set; a resumed run holds out the same.
+        let data_seed = resume_from.as_ref().map_or(plan.seed, |(_, st)| st.seed);
+        let validation = match &plan.data.validation {
+            Some(v) => {
+                let val = Validation::setup(
+                    v,
+                    &mut dataset,
+                    data_seed,
+                    resolution,
+                    plan.data.max_image_pixels,
+                )?;
+                let when = v
+                    .every_n_steps
+                    .map_or("at the end of each epoch".to_string(), |n| {
+                        format!("every {n} steps")
+                    });
+                eprintln!("validation: {} images, {when}", val.images.len());
+                Some(val)
+            }
+            None => None,
+        };
         report_dataset(&dataset);
         let objective = build_objective(plan, &layout)?;
         let micro_per_epoch = dataset.epoch_len() / plan.batch_size;
@@ -400,6 +429,8 @@ impl<'a> Session<'a> {
             start: None,
             smoothed: Smoothed::new(0.9),
             vram_cap,
+            validation,
+            val_loss: None,
         };
         if let Some((dir, state)) = resume_from {
             session.restore(&dir, state)?;
@@ -636,6 +667,48 @@ impl<'a> Session<'a> {
         Ok(out)
     }
 
+    /// The validation loss after this step when it is due (every `validation_every_n_steps`, or
+    /// at the end of each epoch), printed and kept for the step's log record.
+    fn validate_if_due(
+        &mut self,
+        out: &mut TrainOutcome,
+        last_of_epoch: bool,
+        progress: &Progress,
+    ) -> anyhow::Result<()> {
+        let Some(val) = &self.validation else {
+            return Ok(());
+        };
+        let due = match val.every_n_steps {
+            Some(n) => out.steps.is_multiple_of(n),
+            None => last_of_epoch,
+        };
+        if !due {
+            return Ok(());
+        }
+        let settings = StepSettings {
+            objective: &self.objective,
+            flip_p: 0.0,
+            cond_dropout: 0.0,
+            shuffle_tags: false,
+            clip_skip_layers: self.plan.objective.clip_skip_layers,
+            train_text_encoder: false,
+            compute_dtype: self.amp.compute_dtype(),
+            checkpointing: self.checkpointing.as_ref(),
+        };
+        if let Some(a) = &self.adapters {
+            crate::adapter::set_training(&a.modules, false);
+        }
+        let loss = val.loss(&self.sd, &settings, self.micro.size);
+        if let Some(a) = &self.adapters {
+            crate::adapter::set_training(&a.modules, true);
+        }
+        let loss = loss.context("validation loss")?;
+        progress.println(format!("step {}: validation loss {loss:.4}", out.steps));
+        out.val_losses.push((out.steps, loss));
+        self.val_loss = Some(loss);
+        Ok(())
+    }
+
     /// The outcome before the first step: empty, or the save point's counters when resuming.
     fn initial_outcome(&self) -> TrainOutcome {
         let mut out = TrainOutcome {
@@ -652,6 +725,8 @@ impl<'a> Session<'a> {
             memory: None,
             micro: self.micro,
             vram_cap: self.vram_cap.as_ref().map(|c| c.describe()),
+            val_losses: Vec::new(),
+            val_images: self.validation.as_ref().map_or(0, |v| v.images.len()),
         };
         if let Some(st) = &self.start {
             out.steps = st.steps;
@@ -701,6 +776,8 @@ impl<'a> Session<'a> {
             } else {
                 (epoch, i + 1)
             };
+            let last_of_epoch = i + 1 == steps_in_epoch;
+            self.validate_if_due(out, last_of_epoch, progress)?;
             self.record_step(&report, out, epoch, progress)?;
             if self.interrupt.requested() {
                 out.interrupted = true;
@@ -752,6 +829,7 @@ impl<'a> Session<'a> {
             skipped_nonfinite: !report.applied,
             loss_scale: (self.amp == Amp::Fp16).then(|| self.scaler.scale()),
             micro_batch: (self.micro.oom_retries > 0).then_some(self.micro.size),
+            val_loss: self.val_loss.take(),
             oom_retries: self.micro.oom_retries,
             memory,
         };
@@ -759,6 +837,7 @@ impl<'a> Session<'a> {
             || out.steps == 1
             || out.steps == self.total_steps
             || !report.retries.is_empty()
+            || record.val_loss.is_some()
         {
             self.log.write(&record)?;
             self.unlogged = None;
