@@ -533,6 +533,7 @@ fn zero_terminal_snr_trains_from_either_key() {
     for (fixture, key, warns) in [
         ("tiny-sd21", "zero_terminal_snr", false),
         ("tiny-sd15", "enable_zero_terminal_snr", true),
+        ("tiny-sdxl", "zero_terminal_snr", true),
     ] {
         let extra = serde_json::json!({ key: true, "max_steps": 1 });
         let cfg = write_config(tmp.path(), fixture, &demo_data(), extra);
@@ -603,6 +604,16 @@ fn validation_loss_is_logged_and_repeats_exactly() {
                 "same seed, same weights: same loss"
             );
         }
+    }
+    // The other two families, from a validation folder.
+    for fixture in ["tiny-sd21", "tiny-sdxl"] {
+        let tmp = tempfile::tempdir().unwrap();
+        let extra = serde_json::json!({"mode": "lora", "max_steps": 1, "validation_data_root": demo_data()});
+        let cfg = write_config(tmp.path(), fixture, &demo_data(), extra);
+        let out = sdtrain(&["--config", cfg.to_str().unwrap(), "--cpu"], tmp.path());
+        assert!(out.status.success(), "{fixture}: {}", text(&out));
+        let log = std::fs::read_to_string(run_folder(tmp.path()).join("train_log.jsonl")).unwrap();
+        assert!(log.contains("\"val_loss\""), "{fixture}: {log}");
     }
     // Both sources at once is a config error.
     let tmp = tempfile::tempdir().unwrap();

@@ -668,7 +668,8 @@ impl<'a> Session<'a> {
     }
 
     /// The validation loss after this step when it is due (every `validation_every_n_steps`, or
-    /// at the end of each epoch), printed and kept for the step's log record.
+    /// at the end of each epoch, and after the last step), printed and kept for the step's log
+    /// record.
     fn validate_if_due(
         &mut self,
         out: &mut TrainOutcome,
@@ -678,10 +679,12 @@ impl<'a> Session<'a> {
         let Some(val) = &self.validation else {
             return Ok(());
         };
-        let due = match val.every_n_steps {
-            Some(n) => out.steps.is_multiple_of(n),
-            None => last_of_epoch,
-        };
+        // And always after the run's last step, so a run that ends mid-epoch reports one.
+        let due = out.steps >= self.total_steps
+            || match val.every_n_steps {
+                Some(n) => out.steps.is_multiple_of(n),
+                None => last_of_epoch,
+            };
         if !due {
             return Ok(());
         }
