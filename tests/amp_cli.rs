@@ -12,25 +12,13 @@ use std::process::Command;
 use sdtrain::config::TrainPlan;
 use sdtrain::train::{train, RunOptions, TrainOutcome};
 
+/// `common::cli::write_config` with no flips and no caption dropout, so runs compare exactly.
 fn write_config(dir: &Path, fixture: &str, extra: serde_json::Value) -> PathBuf {
-    let mut cfg = serde_json::json!({
-        "model": common::fixture(fixture),
-        "data_root": common::repo_root().join("data/demo"),
-        "output_dir": dir.join("out"),
-        "resolution": 64,
-        "batch_size": 1,
-        "max_steps": 2,
-        "lr": 1e-3,
-        "log_step": 1,
-        "flip_p": 0.0,
-        "cond_dropout": 0.0,
-    });
+    let mut cfg = serde_json::json!({"flip_p": 0.0, "cond_dropout": 0.0});
     if let (Some(c), Some(e)) = (cfg.as_object_mut(), extra.as_object()) {
         c.extend(e.clone());
     }
-    let path = dir.join("train.json");
-    std::fs::write(&path, serde_json::to_string_pretty(&cfg).unwrap()).unwrap();
-    path
+    common::cli::write_config(dir, fixture, &common::cli::demo_data(), cfg)
 }
 
 fn log_lines(run_dir: &Path) -> Vec<serde_json::Value> {
