@@ -193,3 +193,56 @@ fn an_oom_at_batch_one_saves_and_names_the_next_rungs() {
     assert_eq!(log.lines().count(), 1, "{log}");
     assert_eq!(crate::cli::exit_code(&err), std::process::ExitCode::FAILURE);
 }
+
+/// Outside the micro-batches (optimizer step, saves): one retry after an OOM, then give up
+/// naming the place; any other error is returned at once, untried again.
+#[test]
+fn outside_the_step_an_oom_is_retried_once() {
+    use super::oom::OutOfMemory;
+    use super::trainer::retry_once_on_oom;
+    let oom = || {
+        anyhow::Error::new(OutOfMemory {
+            detail: "test".into(),
+        })
+    };
+    let mut calls = 0;
+    let ok = retry_once_on_oom(
+        &Device::Cpu,
+        || "here".into(),
+        || {
+            calls += 1;
+            if calls == 1 {
+                Err(oom())
+            } else {
+                Ok(calls)
+            }
+        },
+    );
+    assert_eq!(ok.unwrap(), 2);
+    let mut calls = 0;
+    let err = retry_once_on_oom(
+        &Device::Cpu,
+        || "in the unet optimizer step".into(),
+        || {
+            calls += 1;
+            Err::<(), _>(oom())
+        },
+    )
+    .unwrap_err();
+    assert_eq!(calls, 2);
+    assert!(
+        err.to_string().contains("in the unet optimizer step"),
+        "{err}"
+    );
+    let mut calls = 0;
+    let err = retry_once_on_oom(
+        &Device::Cpu,
+        || "x".into(),
+        || {
+            calls += 1;
+            Err::<(), _>(anyhow::anyhow!("disk full"))
+        },
+    )
+    .unwrap_err();
+    assert_eq!((calls, err.to_string()), (1, "disk full".to_string()));
+}

@@ -865,22 +865,10 @@ impl<'a> Session<'a> {
         if let Some(record) = self.unlogged.take() {
             self.log.write(&record)?;
         }
-        match self.save_once(point, out, epoch, progress) {
-            Ok(path) => Ok(path),
-            Err(e) if find_oom(&e).is_some() => {
-                trim_pool(&self.opts.device).context("freeing memory after an OOM")?;
-                self.save_once(point, out, epoch, progress)
-                    .map_err(|e| match find_oom(&e) {
-                        Some(oom) => OomExhausted {
-                            place: format!("while saving at step {}", out.steps),
-                            oom,
-                        }
-                        .into(),
-                        None => e,
-                    })
-            }
-            Err(e) => Err(e),
-        }
+        let place = || format!("while saving at step {}", out.steps);
+        retry_once_on_oom(&self.opts.device, place, || {
+            self.save_once(point, out, epoch, progress)
+        })
     }
 
     fn save_once(
@@ -970,8 +958,32 @@ fn micro_batch(
     forward_backward(sd, &batch, settings, weight, loss_scale)
 }
 
-/// The group's optimizer update. An out-of-memory error frees the pool and resumes the update
-/// once from the parameter it stopped at (none is updated twice); a second one gives up.
+/// `f`, retried once after an out-of-memory error with the device's pool trimmed; a second
+/// out-of-memory error becomes [`OomExhausted`] at `place`. Outside the micro-batches (the
+/// optimizer step, saves) there is nothing to halve, so this is the whole policy there.
+pub(super) fn retry_once_on_oom<T>(
+    device: &Device,
+    place: impl FnOnce() -> String,
+    mut f: impl FnMut() -> anyhow::Result<T>,
+) -> anyhow::Result<T> {
+    match f() {
+        Err(e) if find_oom(&e).is_some() => {
+            trim_pool(device).context("freeing memory after an OOM")?;
+            f().map_err(|e| match find_oom(&e) {
+                Some(oom) => OomExhausted {
+                    place: place(),
+                    oom,
+                }
+                .into(),
+                None => e,
+            })
+        }
+        result => result,
+    }
+}
+
+/// The group's optimizer update, with [`retry_once_on_oom`]: a retry resumes from the
+/// parameter the failed attempt stopped at, so none is updated twice.
 fn update_group(
     g: &mut Group,
     grads: &candle_core::backprop::GradStore,
@@ -979,29 +991,20 @@ fn update_group(
     device: &Device,
     step: usize,
 ) -> anyhow::Result<()> {
+    let name = g.name;
     let mut done = 0;
-    for attempt in 0..2 {
-        let err = match g.optimizer.step_checked_from(grads, finite, done) {
-            Ok(_) => return Ok(()),
-            Err(e) => e,
-        };
-        if let OptimError::Interrupted { updated, .. } = &err {
-            done = *updated;
-        }
-        let err = anyhow::Error::new(err).context(format!("{} optimizer step", g.name));
-        let Some(oom) = find_oom(&err) else {
-            return Err(err);
-        };
-        if attempt == 1 {
-            return Err(OomExhausted {
-                place: format!("in the {} optimizer step at step {}", g.name, step + 1),
-                oom,
+    let place = || format!("in the {name} optimizer step at step {}", step + 1);
+    retry_once_on_oom(device, place, || {
+        match g.optimizer.step_checked_from(grads, finite, done) {
+            Ok(_) => Ok(()),
+            Err(e) => {
+                if let OptimError::Interrupted { updated, .. } = &e {
+                    done = *updated;
+                }
+                Err(anyhow::Error::new(e).context(format!("{name} optimizer step")))
             }
-            .into());
         }
-        trim_pool(device).context("freeing memory after an OOM")?;
-    }
-    Ok(())
+    })
 }
 
 /// The line printed for a skipped step.
