@@ -144,7 +144,7 @@ fn multiply_txt_repeats_its_folder_only() {
         ]
     );
 
-    let loaded = load_dataset(&records, 8, false).unwrap();
+    let loaded = load_dataset(&records, false).unwrap();
     // floor(0.5 + 0.5 + 3 + 3 + 1 + 1) = 9: a and b three times, c and top once, one of d/e.
     assert_eq!(loaded.epoch_len(), 9);
     for epoch in 0..5 {
@@ -463,7 +463,7 @@ fn corrupt_truncated_and_empty_files_are_skipped_and_counted() {
 
     let records = scan(root).unwrap();
     assert_eq!(records.len(), 5);
-    let loaded = load_dataset(&records, 8, false).unwrap();
+    let loaded = load_dataset(&records, false).unwrap();
     let kept: Vec<String> = loaded.items.iter().map(|i| rel(root, &i.path)).collect();
     assert_eq!(kept, ["good_1.png", "sub/good_2.jpg"]);
     assert_eq!(loaded.items[0].caption, "good");
@@ -493,7 +493,7 @@ fn a_truncated_jpeg_is_skipped_with_a_warning() {
         .unwrap();
     let cut = root.join("cut.jpg");
     std::fs::write(&cut, &jpeg[..jpeg.len() * 45 / 100]).unwrap();
-    let loaded = load_data_root(root, 8, false).unwrap();
+    let loaded = load_data_root(root, false).unwrap();
     assert_eq!(loaded.items.len(), 1);
     assert_eq!(loaded.skipped.len(), 1);
     assert_eq!(loaded.skipped[0].0, cut);
@@ -539,7 +539,7 @@ fn images_over_the_pixel_limit_are_skipped_before_decoding() {
     let bomb = root.join("bomb.png");
     std::fs::write(&bomb, &png).unwrap();
     write_rgb(&root.join("small.png"), 16, 16, |_, _| [9, 9, 9]);
-    let loaded = load_data_root(root, 8, false).unwrap();
+    let loaded = load_data_root(root, false).unwrap();
     assert_eq!(loaded.skipped.len(), 1);
     let (path, reason) = &loaded.skipped[0];
     assert_eq!(path, &bomb);
@@ -547,9 +547,9 @@ fn images_over_the_pixel_limit_are_skipped_before_decoding() {
         reason.contains("30000×30000") && reason.contains("max_image_pixels"),
         "{reason}"
     );
-    let err = data::load_data_root_limited(root, 8, false, 100).unwrap_err();
+    let err = data::load_data_root_limited(root, false, 100).unwrap_err();
     assert!(err.to_string().contains("all 2 skipped"), "{err}");
-    let raised = data::load_data_root_limited(root, 8, false, 256).unwrap();
+    let raised = data::load_data_root_limited(root, false, 256).unwrap();
     assert_eq!(raised.items.len(), 1);
 }
 
@@ -560,7 +560,7 @@ fn folder_with_only_bad_images_is_a_clear_error() {
     std::fs::create_dir_all(root.join("sub")).unwrap();
     std::fs::write(root.join("a.png"), b"not a png at all").unwrap();
     std::fs::write(root.join("sub/b.jpg"), b"").unwrap();
-    let err = load_data_root(&root, 64, false).unwrap_err();
+    let err = load_data_root(&root, false).unwrap_err();
     match &err {
         DataError::NoUsableImages { found, skipped, .. } => {
             assert_eq!(*found, 2);
@@ -574,7 +574,7 @@ fn folder_with_only_bad_images_is_a_clear_error() {
     assert!(msg.contains("a.png"), "{msg}");
 
     // The same through load_dataset, which names the records' common folder.
-    let err = load_dataset(&scan(&root).unwrap(), 64, false).unwrap_err();
+    let err = load_dataset(&scan(&root).unwrap(), false).unwrap_err();
     assert!(
         err.to_string().contains(&root.display().to_string()),
         "{err}"
@@ -602,11 +602,13 @@ fn load_keeps_scan_order_under_parallel_decode() {
             |_, _| [i as u8, 0, 0],
         );
     }
-    let loaded = load_data_root(dir.path(), 8, false).unwrap();
+    let loaded = load_data_root(dir.path(), false).unwrap();
     assert!(loaded.skipped.is_empty());
     for (i, item) in loaded.items.iter().enumerate() {
         assert_eq!(item.caption, format!("img{i:02}"));
-        assert_eq!(px(item, 4, 4)[0], i as u8);
+        let size = 8 + (i as u32 * 37 % 11) * 16;
+        assert_eq!(item.size, (size as usize, size as usize));
+        assert_eq!(px(&load_image(&item.path, 8).unwrap(), 4, 4)[0], i as u8);
     }
 }
 
@@ -669,8 +671,13 @@ fn loaded_images_batch_into_a_tensor() {
     write_rgb(&dir.path().join("white.png"), 16, 16, |_, _| {
         [255, 255, 255]
     });
-    let loaded = load_data_root(dir.path(), 16, false).unwrap();
-    let refs: Vec<&data::TrainImage> = loaded.items.iter().collect();
+    let loaded = load_data_root(dir.path(), false).unwrap();
+    let images: Vec<data::TrainImage> = loaded
+        .items
+        .iter()
+        .map(|i| load_image(&i.path, 16).unwrap())
+        .collect();
+    let refs: Vec<&data::TrainImage> = images.iter().collect();
     let batch = to_tensor(&refs, &Device::Cpu).unwrap();
     assert_eq!(batch.dims(), &[2, 3, 16, 16]);
     let means: Vec<f32> = batch
@@ -691,7 +698,7 @@ fn shipped_demo_dataset_scans_and_loads() {
     for record in &records {
         assert!(record.caption.len() > 5, "{}", record.path.display());
     }
-    let loaded = load_dataset(&records, 64, false).unwrap();
+    let loaded = load_dataset(&records, false).unwrap();
     assert!(loaded.skipped.is_empty(), "{:?}", loaded.skipped);
     assert_eq!(loaded.items.len(), records.len());
 }

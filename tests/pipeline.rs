@@ -93,7 +93,7 @@ fn bf16_load_keeps_trainable_params_as_f32_masters() {
         .iter()
         .all(|(_, v)| v.dtype() == DType::F32));
     assert_eq!(
-        sd.vae.dtype(),
+        sd.vae().unwrap().dtype(),
         DType::BF16,
         "frozen weights in the compute dtype"
     );

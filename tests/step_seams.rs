@@ -10,7 +10,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 use sdtrain::adapter::AdapterComponent;
 use sdtrain::config::{AdapterPlan, SaveDtype, TrainMode};
-use sdtrain::data::{load_data_root, LoadedDataset};
+use sdtrain::data::{load_data_root, load_image};
 use sdtrain::diffusion::{NoiseSchedule, Objective, ObjectiveConfig};
 use sdtrain::model::family::ModelLayout;
 use sdtrain::model::pipeline::{LoadOptions, StableDiffusion};
@@ -20,7 +20,8 @@ use sdtrain::optim::StepCheck;
 use sdtrain::train::accumulate::GradAccumulator;
 use sdtrain::train::adapters::attach_with;
 use sdtrain::train::step::{
-    forward_backward, prepare_batch, sample_rngs, step_seeds, PreparedBatch, StepSettings,
+    forward_backward, prepare_batch, sample_rngs, step_seeds, PreparedBatch, SampleData,
+    StepSettings,
 };
 
 struct Model {
@@ -103,15 +104,26 @@ fn settings<'a>(m: &'a Model, ck: Option<&'a Checkpointing>) -> StepSettings<'a>
         train_text_encoder: m.train_te,
         compute_dtype: DType::F32,
         checkpointing: ck,
+        text_cache: None,
     }
 }
 
-fn data() -> LoadedDataset {
-    load_data_root(&common::repo_root().join("data/demo"), 32, false).unwrap()
+/// The demo images, decoded as 32 px squares.
+fn data() -> Vec<SampleData> {
+    let loaded = load_data_root(&common::repo_root().join("data/demo"), false).unwrap();
+    loaded
+        .items
+        .iter()
+        .map(|item| {
+            let mut image = load_image(&item.path, 32).unwrap();
+            image.caption = item.caption.clone();
+            SampleData::Pixels(image)
+        })
+        .collect()
 }
 
-fn prepared(m: &Model, data: &LoadedDataset, n: usize) -> PreparedBatch {
-    let images: Vec<_> = data.items.iter().take(n).collect();
+fn prepared(m: &Model, data: &[SampleData], n: usize) -> PreparedBatch {
+    let images: Vec<_> = data.iter().take(n).collect();
     assert_eq!(images.len(), n, "the demo set has at least {n} images");
     let seeds: Vec<u64> = (0..n as u64).map(|i| 5 + i).collect();
     let mut rngs = sample_rngs(&seeds);
@@ -195,7 +207,7 @@ fn a_batch_prepared_in_halves_draws_what_the_whole_batch_draws() {
         shuffle_tags: true,
         ..settings(&m, None)
     };
-    let images: Vec<_> = data.items.iter().take(4).collect();
+    let images: Vec<_> = data.iter().take(4).collect();
     let seeds = step_seeds(3, 5, 4);
     let whole = prepare_batch(&m.sd, &images, &s, &mut sample_rngs(&seeds)).unwrap();
     let halves: Vec<PreparedBatch> = [0..2, 2..4]

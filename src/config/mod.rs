@@ -24,6 +24,9 @@ pub use optimizer_plan::{
     StepCount,
 };
 pub use overrides::{apply_all as apply_overrides, Override};
-pub use plan::{DataPlan, ObjectivePlan, TrainMode, TrainPlan, ValidationPlan};
+pub use plan::{
+    BucketPlan, CacheLatents, DataPlan, ObjectivePlan, TrainMode, TrainPlan, ValidationPlan,
+    DEFAULT_CROP_JITTER,
+};
 pub use precision_plan::{AmpChoice, PrecisionPlan};
 pub use train_file::TrainFile;

@@ -74,7 +74,36 @@ pub struct DataPlan {
     pub max_image_pixels: u64,
     /// The validation loss, when `validation_split` or `validation_data_root` is set.
     pub validation: Option<ValidationPlan>,
+    /// Aspect-ratio buckets; `None` trains squares (`enable_bucket: false`).
+    pub buckets: Option<BucketPlan>,
+    /// EveryDream2's `crop_jitter`, in [0, 0.5]; 0 centres every crop.
+    pub crop_jitter: f64,
+    /// VAE latents computed once per image and flip.
+    pub cache_latents: CacheLatents,
+    /// Caption encodings computed once, when nothing changes them (see the trainer).
+    pub cache_text_encoder_outputs: bool,
 }
+
+/// Which aspect buckets a run uses.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct BucketPlan {
+    /// The sizes given by `aspects`, `(width, height)`; `None`: generated for the resolution.
+    pub aspects: Option<Vec<(usize, usize)>>,
+    /// `max_aspect_ratio`.
+    pub max_ratio: Option<f64>,
+}
+
+/// Where cached latents live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CacheLatents {
+    Off,
+    Memory,
+    Disk,
+}
+
+/// EveryDream2's default `crop_jitter`.
+pub const DEFAULT_CROP_JITTER: f64 = 0.02;
 
 /// The validation loss: which images, and how often.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -554,6 +583,32 @@ fn resolve_data(file: &TrainFile, ctx: &Ctx<'_>) -> Result<DataPlan, ConfigError
             ))
         }
     };
+    let cache_latents = match (file.cache_latents, file.cache_latents_to_disk) {
+        (_, Some(true)) => CacheLatents::Disk,
+        (Some(true), _) => CacheLatents::Memory,
+        _ => CacheLatents::Off,
+    };
+    let crop_jitter = match (file.crop_jitter, cache_latents) {
+        (Some(j), _) if !(0.0..=0.5).contains(&j) => {
+            return Err(ctx.invalid(
+                "crop_jitter",
+                format!("must be between 0 and 0.5 (got {j})"),
+            ))
+        }
+        (Some(j), CacheLatents::Memory | CacheLatents::Disk) if j > 0.0 => {
+            return Err(ctx.invalid(
+                "crop_jitter",
+                format!(
+                    "is {j}, but cached latents hold one crop per image; set crop_jitter to 0 or \
+                     turn cache_latents off"
+                ),
+            ))
+        }
+        (Some(j), _) => j,
+        // A cache holds the centre crop; without one, EveryDream2's default.
+        (None, CacheLatents::Off) => DEFAULT_CROP_JITTER,
+        (None, _) => 0.0,
+    };
     Ok(DataPlan {
         data_root,
         resolution,
@@ -567,7 +622,61 @@ fn resolve_data(file: &TrainFile, ctx: &Ctx<'_>) -> Result<DataPlan, ConfigError
             1,
         )?,
         validation: resolve_validation(file, ctx)?,
+        buckets: resolve_buckets(file, ctx)?,
+        crop_jitter,
+        cache_latents,
+        cache_text_encoder_outputs: file.cache_text_encoder_outputs.unwrap_or(true),
     })
+}
+
+fn resolve_buckets(file: &TrainFile, ctx: &Ctx<'_>) -> Result<Option<BucketPlan>, ConfigError> {
+    let max_ratio = match file.max_aspect_ratio {
+        Some(r) if !(r >= 1.0 && r.is_finite()) => {
+            return Err(ctx.invalid(
+                "max_aspect_ratio",
+                format!("must be a ratio of at least 1, such as 2 for 2:1 (got {r})"),
+            ))
+        }
+        r => r,
+    };
+    let aspects = match &file.aspects {
+        None => None,
+        Some(list) if list.is_empty() => {
+            return Err(ctx.invalid("aspects", "must list at least one [width, height]".into()))
+        }
+        Some(list) => {
+            let mut sizes = Vec::with_capacity(list.len());
+            for (i, pair) in list.iter().enumerate() {
+                match pair.as_slice() {
+                    [w, h] if (8..=8192).contains(w) && (8..=8192).contains(h) => {
+                        sizes.push((*w as usize, *h as usize))
+                    }
+                    _ => {
+                        return Err(ctx.invalid(
+                            "aspects",
+                            format!(
+                                "entry {i} must be [width, height] in pixels, each 8 to 8192 \
+                                 (got {pair:?})"
+                            ),
+                        ))
+                    }
+                }
+            }
+            Some(sizes)
+        }
+    };
+    if file.enable_bucket == Some(false) {
+        if aspects.is_some() || max_ratio.is_some() {
+            return Err(ctx.invalid(
+                "enable_bucket",
+                "is false, so aspects and max_aspect_ratio would have no effect; remove them or \
+                 turn buckets on"
+                    .into(),
+            ));
+        }
+        return Ok(None);
+    }
+    Ok(Some(BucketPlan { aspects, max_ratio }))
 }
 
 fn resolve_validation(

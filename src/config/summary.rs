@@ -47,14 +47,44 @@ impl fmt::Display for TrainPlan {
             .resolution
             .map_or("model's native".to_string(), |r| format!("{r} px"));
         row(f, "resolution", &resolution)?;
+        let buckets = match &d.buckets {
+            None => "off: centre-cropped squares".to_string(),
+            Some(b) => {
+                let sizes = match &b.aspects {
+                    Some(a) => format!("{} sizes from aspects", a.len()),
+                    None => "EveryDream2's sizes for the resolution".to_string(),
+                };
+                match b.max_ratio {
+                    Some(r) => format!("{sizes}, up to {r}:1"),
+                    None => sizes,
+                }
+            }
+        };
+        row(f, "aspect buckets", &buckets)?;
         row(
             f,
             "augmentation",
             &format!(
-                "flip_p {}, cond_dropout {}, shuffle_tags {}",
-                d.flip_p, d.cond_dropout, d.shuffle_tags
+                "flip_p {}, cond_dropout {}, shuffle_tags {}, crop_jitter {}",
+                d.flip_p, d.cond_dropout, d.shuffle_tags, d.crop_jitter
             ),
         )?;
+        let latents = match d.cache_latents {
+            crate::config::CacheLatents::Off => "off (the VAE encodes every step)",
+            crate::config::CacheLatents::Memory => "in memory",
+            crate::config::CacheLatents::Disk => "on disk, beside the runs in output_dir",
+        };
+        row(f, "latent cache", &latents)?;
+        let text = match crate::train::text_cache::why_off(
+            d.cache_text_encoder_outputs,
+            self.train_text_encoder,
+            d.shuffle_tags,
+            d.cond_dropout,
+        ) {
+            Some(why) => format!("off: {why}"),
+            None => "on: each caption encoded once, text encoders released".to_string(),
+        };
+        row(f, "text-encoder cache", &text)?;
         row(
             f,
             "batch",

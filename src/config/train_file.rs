@@ -62,7 +62,29 @@ pub struct TrainFile {
     /// Compute the validation loss every N steps (default: at the end of each epoch).
     #[serde(default)]
     pub validation_every_n_steps: Option<i64>,
+    /// Aspect-ratio buckets (kohya's name); false trains every image as a centre-cropped square.
+    #[serde(default)]
+    pub enable_bucket: Option<bool>,
+    /// The bucket sizes, `[[width, height], …]`, instead of the generated ones.
+    #[serde(default)]
+    pub aspects: Option<Vec<Vec<i64>>>,
+    /// Leave out buckets wider or taller than this ratio (e.g. 2 keeps 2:1 … 1:2).
+    #[serde(default)]
+    pub max_aspect_ratio: Option<f64>,
+    /// Encode each image (and its flip) with the VAE once, before training.
+    #[serde(default)]
+    pub cache_latents: Option<bool>,
+    /// Keep the cached latents in safetensors files beside the runs, reused by later runs.
+    #[serde(default)]
+    pub cache_latents_to_disk: Option<bool>,
+    /// Encode each caption once when no text encoder trains and captions never change
+    /// (default on); false turns it off.
+    #[serde(default)]
+    pub cache_text_encoder_outputs: Option<bool>,
     // EveryDream2's keys.
+    /// EveryDream2's random crop: up to this fraction of the short side off each edge.
+    #[serde(default)]
+    pub crop_jitter: Option<f64>,
     /// EveryDream2's name for the base model; a run folder or a saved state resumes that run.
     #[serde(default)]
     pub resume_ckpt: Option<String>,

@@ -1,9 +1,12 @@
-//! The decoded dataset and its per-epoch order.
+//! The dataset (what each image is, not its pixels) and its per-epoch order.
 //!
-//! [`load_dataset`] decodes every scanned image in parallel (rayon) behind an indicatif bar. A
-//! file that cannot be decoded (corrupt, truncated, empty) is skipped with a warning on stderr
-//! naming it and the reason, and listed in [`LoadedDataset::skipped`]; the kept images stay in
-//! scan order whatever the thread timing.
+//! [`load_dataset`] reads every scanned image's header in parallel (rayon) behind an indicatif
+//! bar: its upright size, for the aspect bucket, without decoding it, so a set of 10,000 photos
+//! costs a few hundred bytes each in memory. A file that cannot be read (corrupt, truncated by
+//! its container, empty, over the pixel limit) is skipped with a warning on stderr naming it and
+//! the reason, and listed in [`LoadedDataset::skipped`]; the kept images stay in scan order
+//! whatever the thread timing. Pixels are decoded when a batch needs them (see
+//! [`super::prefetch`]).
 //!
 //! An epoch is [`pick_multiplied`] (which images, how often) followed by [`epoch_order`] (in what
 //! order). Both are pure functions of `(seed, epoch)`, so a resumed run replays the data order.
@@ -18,7 +21,7 @@ use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use rayon::prelude::*;
 
-use super::image_load::{load_image_limited, TrainImage, DEFAULT_MAX_PIXELS};
+use super::image_load::{probe_image, DEFAULT_MAX_PIXELS};
 use super::scan::{scan, ImageRecord};
 use super::DataError;
 
@@ -27,10 +30,21 @@ use super::DataError;
 const ORDER_STREAM: u64 = 0x006f_7264_6572;
 const MULTIPLY_STREAM: u64 = 0x6d75_6c74_6970_6c79;
 
-/// The decoded images, in scan order, and the files that were skipped with the reason.
+/// One usable training image: where it is, its caption, its repeat count and its upright size.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ImageMeta {
+    pub path: PathBuf,
+    pub caption: String,
+    /// How many times an epoch repeats this image (from `multiply.txt`).
+    pub multiplier: f64,
+    /// `(width, height)` after EXIF orientation, from the header.
+    pub size: (usize, usize),
+}
+
+/// The usable images, in scan order, and the files that were skipped with the reason.
 #[derive(Debug, Clone)]
 pub struct LoadedDataset {
-    pub items: Vec<TrainImage>,
+    pub items: Vec<ImageMeta>,
     pub skipped: Vec<(PathBuf, String)>,
 }
 
@@ -55,68 +69,49 @@ impl LoadedDataset {
 }
 
 /// [`scan`] then [`load_dataset`], with errors naming `data_root`.
-pub fn load_data_root(
-    data_root: &Path,
-    resolution: usize,
-    show_progress: bool,
-) -> Result<LoadedDataset, DataError> {
-    load_data_root_limited(data_root, resolution, show_progress, DEFAULT_MAX_PIXELS)
+pub fn load_data_root(data_root: &Path, show_progress: bool) -> Result<LoadedDataset, DataError> {
+    load_data_root_limited(data_root, show_progress, DEFAULT_MAX_PIXELS)
 }
 
 /// [`load_data_root`] skipping images of more than `max_pixels` pixels (`max_image_pixels`).
 pub fn load_data_root_limited(
     data_root: &Path,
-    resolution: usize,
     show_progress: bool,
     max_pixels: u64,
 ) -> Result<LoadedDataset, DataError> {
     let records = scan(data_root)?;
-    load_records(&records, resolution, show_progress, data_root, max_pixels)
+    load_records(&records, show_progress, data_root, max_pixels)
 }
 
-/// Decodes `records` at `resolution × resolution`, skipping (and reporting) files that fail.
-/// The progress bar shows when `show_progress` is set and stderr is a terminal.
+/// Reads the headers of `records`, skipping (and reporting) files that fail. The progress bar
+/// shows when `show_progress` is set and stderr is a terminal.
 pub fn load_dataset(
     records: &[ImageRecord],
-    resolution: usize,
     show_progress: bool,
 ) -> Result<LoadedDataset, DataError> {
     let root = common_folder(records.iter().map(|r| r.path.as_path()));
-    load_records(
-        records,
-        resolution,
-        show_progress,
-        &root,
-        DEFAULT_MAX_PIXELS,
-    )
+    load_records(records, show_progress, &root, DEFAULT_MAX_PIXELS)
 }
 
 fn load_records(
     records: &[ImageRecord],
-    resolution: usize,
     show_progress: bool,
     root: &Path,
     max_pixels: u64,
 ) -> Result<LoadedDataset, DataError> {
-    if resolution == 0 {
-        return Err(DataError::InvalidSize {
-            width: 0,
-            height: 0,
-        });
-    }
     let bar = progress_bar(records.len(), show_progress);
     // `collect` on an indexed parallel iterator keeps the input order.
-    let results: Vec<Result<TrainImage, DataError>> = records
+    let results: Vec<Result<ImageMeta, DataError>> = records
         .par_iter()
         .map(|record| {
-            let target = (resolution, resolution);
-            let loaded = load_image_limited(&record.path, target, max_pixels).map(|mut image| {
-                image.caption = record.caption.clone();
-                image.multiplier = record.multiplier;
-                image
+            let meta = probe_image(&record.path, max_pixels).map(|size| ImageMeta {
+                path: record.path.clone(),
+                caption: record.caption.clone(),
+                multiplier: record.multiplier,
+                size,
             });
             bar.inc(1);
-            loaded
+            meta
         })
         .collect();
     bar.finish_and_clear();
@@ -151,7 +146,7 @@ fn progress_bar(len: usize, show: bool) -> ProgressBar {
     };
     let bar = ProgressBar::with_draw_target(Some(len as u64), target);
     if let Ok(style) =
-        ProgressStyle::with_template("loading images [{bar:30}] {pos}/{len} {per_sec} eta {eta}")
+        ProgressStyle::with_template("reading images [{bar:30}] {pos}/{len} {per_sec} eta {eta}")
     {
         bar.set_style(style.progress_chars("=> "));
     }
@@ -218,7 +213,7 @@ pub fn pick_multiplied(multipliers: &[f64], rng: &mut impl Rng) -> Vec<usize> {
 }
 
 /// splitmix64's finaliser, to spread `(seed, epoch, stream)` over the whole seed space.
-fn mix_seed(seed: u64, epoch: usize, stream: u64) -> u64 {
+pub(crate) fn mix_seed(seed: u64, epoch: usize, stream: u64) -> u64 {
     let mut z = seed ^ (epoch as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ stream;
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);

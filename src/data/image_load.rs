@@ -22,7 +22,7 @@ use std::path::{Path, PathBuf};
 use image::imageops::FilterType;
 use image::{DynamicImage, ImageDecoder, ImageFormat, ImageReader, RgbImage};
 
-use super::truncation::truncated_jpeg;
+use super::truncation::{truncated_container, truncated_jpeg};
 use super::DataError;
 
 /// Images with more pixels than this are skipped unless `max_image_pixels` raises it: Pillow's
@@ -99,6 +99,95 @@ pub fn load_image_limited(
     })
 }
 
+/// [`load_image_limited`] with EveryDream2's crop jitter (`crop_jitter`, see [`jittered_crop`])
+/// when `jitter > 0`; the centre crop when it is 0.
+pub fn load_image_jittered(
+    path: &Path,
+    target: (usize, usize),
+    jitter: f64,
+    rng: &mut impl rand::Rng,
+    max_pixels: u64,
+) -> Result<TrainImage, DataError> {
+    if jitter <= 0.0 {
+        return load_image_limited(path, target, max_pixels);
+    }
+    let (target_w, target_h) = target;
+    if target_w == 0 || target_h == 0 {
+        return Err(DataError::InvalidSize {
+            width: target_w,
+            height: target_h,
+        });
+    }
+    let rgb = decode_rgb_limited(path, max_pixels)?;
+    let original_size = (rgb.height() as usize, rgb.width() as usize);
+    let (cropped, resized_size, crop_top_left) =
+        jittered_crop(&rgb, target_w, target_h, jitter, rng);
+    Ok(TrainImage {
+        pixels: cropped.into_raw(),
+        width: target_w,
+        height: target_h,
+        original_size,
+        resized_size,
+        crop_top_left,
+        caption: String::new(),
+        path: path.to_path_buf(),
+        multiplier: 1.0,
+    })
+}
+
+/// EveryDream2's random crop (`ImageTrainItem.hydrate`): up to `jitter · min(w, h)` pixels, each
+/// drawn uniformly and rounded, come off each of the four sides (no more than the image exceeds
+/// the target by); then the window of the target's aspect is placed along the long side at a
+/// triangular draw over `[0, overhang]` with its mode in the middle (`random.triangular`), and
+/// resized to the target. The SDXL conditions are expressed as if the whole image had been
+/// resized by the same scale: `resized_size` and the window's `crop_top_left` in it.
+pub fn jittered_crop(
+    image: &RgbImage,
+    target_w: usize,
+    target_h: usize,
+    jitter: f64,
+    rng: &mut impl rand::Rng,
+) -> (RgbImage, (usize, usize), (usize, usize)) {
+    let (w, h) = (image.width() as usize, image.height() as usize);
+    let excess = ((w as f64 - target_w as f64) / target_w as f64)
+        .min((h as f64 - target_h as f64) / target_h as f64);
+    let jitter = jitter.min(excess).max(0.0);
+    let max_crop = (w.min(h) as f64 * jitter) as usize;
+    let mut side = || (rng.random::<f64>() * max_crop as f64).round() as usize;
+    let (l, r, t, b) = (side(), side(), side(), side());
+    let (mut left, mut top) = (l, t);
+    let (mut bw, mut bh) = (w - l - r, h - t - b);
+    let target_aspect = target_w as f64 / target_h as f64;
+    let aspect = bw as f64 / bh as f64;
+    if aspect > target_aspect {
+        let keep = ((bh as f64 * target_aspect) as usize).clamp(1, bw);
+        left += triangular_offset(bw - keep, rng);
+        bw = keep;
+    } else if aspect < target_aspect {
+        let keep = ((bw as f64 / target_aspect) as usize).clamp(1, bh);
+        top += triangular_offset(bh - keep, rng);
+        bh = keep;
+    }
+    let window =
+        image::imageops::crop_imm(image, left as u32, top as u32, bw as u32, bh as u32).to_image();
+    let out = image::imageops::resize(&window, target_w as u32, target_h as u32, RESIZE_FILTER);
+    let scale = target_w as f64 / bw as f64;
+    let round = |v: usize| (v as f64 * scale).round() as usize;
+    let resized = (round(h).max(target_h), round(w).max(target_w));
+    (out, resized, (round(top), round(left)))
+}
+
+/// `int(random.triangular(0, over))`: a triangular draw over `[0, over]` with its mode at `over/2`.
+fn triangular_offset(over: usize, rng: &mut impl rand::Rng) -> usize {
+    let u: f64 = rng.random();
+    let x = if u < 0.5 {
+        (u / 2.0).sqrt()
+    } else {
+        1.0 - ((1.0 - u) / 2.0).sqrt()
+    };
+    ((x * over as f64) as usize).min(over)
+}
+
 /// Decodes `path` (format guessed from its bytes, falling back to the extension), applies its EXIF
 /// orientation and converts it to RGB8.
 pub fn decode_rgb(path: &Path) -> Result<RgbImage, DataError> {
@@ -113,33 +202,7 @@ pub fn decode_rgb_limited(path: &Path, max_pixels: u64) -> Result<RgbImage, Data
         reason,
     };
     let bytes = std::fs::read(path).map_err(|e| fail(format!("cannot read: {e}")))?;
-    if bytes.is_empty() {
-        return Err(fail("empty file (0 bytes)".into()));
-    }
-    let mut reader = ImageReader::new(std::io::Cursor::new(&bytes[..]))
-        .with_guessed_format()
-        .map_err(|e| fail(format!("cannot read: {e}")))?;
-    if reader.format().is_none() {
-        if let Ok(format) = ImageFormat::from_path(path) {
-            reader.set_format(format);
-        }
-    }
-    if reader.format() == Some(ImageFormat::Jpeg) {
-        if let Some(why) = truncated_jpeg(&bytes) {
-            return Err(fail(why));
-        }
-    }
-    let mut decoder = reader
-        .into_decoder()
-        .map_err(|e| fail(format!("not a readable image: {e}")))?;
-    let (w, h) = decoder.dimensions();
-    let pixels = u64::from(w) * u64::from(h);
-    if pixels > max_pixels {
-        return Err(fail(format!(
-            "{w}×{h} is {pixels} pixels, over the limit of {max_pixels} (max_image_pixels; \
-             Pillow's default); raise max_image_pixels to train on it"
-        )));
-    }
+    let mut decoder = header_decoder(path, &bytes, max_pixels)?;
     // A broken EXIF block only loses the rotation, as in ED2's `_try_transpose`.
     let orientation = decoder
         .orientation()
@@ -151,6 +214,74 @@ pub fn decode_rgb_limited(path: &Path, max_pixels: u64) -> Result<RgbImage, Data
         DynamicImage::ImageRgb8(rgb) => rgb,
         other => other.to_rgb8(),
     })
+}
+
+/// The upright `(width, height)` of `path` from its header alone (EXIF rotations by 90° swap the
+/// sides), refusing what [`decode_rgb_limited`] would refuse without decoding: an unreadable or
+/// empty file, a truncated JPEG, an unknown format, or more than `max_pixels` pixels.
+pub fn probe_image(path: &Path, max_pixels: u64) -> Result<(usize, usize), DataError> {
+    let fail = |reason: String| DataError::Decode {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let bytes = std::fs::read(path).map_err(|e| fail(format!("cannot read: {e}")))?;
+    let mut decoder = header_decoder(path, &bytes, max_pixels)?;
+    let (w, h) = decoder.dimensions();
+    let orientation = decoder
+        .orientation()
+        .unwrap_or(image::metadata::Orientation::NoTransforms);
+    use image::metadata::Orientation::*;
+    let upright = match orientation {
+        Rotate90 | Rotate270 | Rotate90FlipH | Rotate270FlipH => (h as usize, w as usize),
+        _ => (w as usize, h as usize),
+    };
+    if upright.0 == 0 || upright.1 == 0 {
+        return Err(fail(format!("{w}×{h} has no pixels")));
+    }
+    Ok(upright)
+}
+
+/// A decoder positioned after the header of `bytes`, once the checks that need no pixels pass.
+fn header_decoder<'a>(
+    path: &Path,
+    bytes: &'a [u8],
+    max_pixels: u64,
+) -> Result<Box<dyn ImageDecoder + 'a>, DataError> {
+    let fail = |reason: String| DataError::Decode {
+        path: path.to_path_buf(),
+        reason,
+    };
+    if bytes.is_empty() {
+        return Err(fail("empty file (0 bytes)".into()));
+    }
+    let mut reader = ImageReader::new(std::io::Cursor::new(bytes))
+        .with_guessed_format()
+        .map_err(|e| fail(format!("cannot read: {e}")))?;
+    if reader.format().is_none() {
+        if let Ok(format) = ImageFormat::from_path(path) {
+            reader.set_format(format);
+        }
+    }
+    if reader.format() == Some(ImageFormat::Jpeg) {
+        if let Some(why) = truncated_jpeg(bytes) {
+            return Err(fail(why));
+        }
+    }
+    if let Some(why) = truncated_container(bytes) {
+        return Err(fail(why));
+    }
+    let decoder = reader
+        .into_decoder()
+        .map_err(|e| fail(format!("not a readable image: {e}")))?;
+    let (w, h) = decoder.dimensions();
+    let pixels = u64::from(w) * u64::from(h);
+    if pixels > max_pixels {
+        return Err(fail(format!(
+            "{w}×{h} is {pixels} pixels, over the limit of {max_pixels} (max_image_pixels; \
+             Pillow's default); raise max_image_pixels to train on it"
+        )));
+    }
+    Ok(Box::new(decoder))
 }
 
 /// The size an image of `src` pixels is resized to so that it covers `target` (both `(w, h)`):
@@ -216,6 +347,47 @@ mod tests {
         assert_eq!(top_left, (0, 3));
         assert_eq!(crop.get_pixel(0, 0).0[0], 3);
         assert_eq!(crop.get_pixel(3, 3).0[0], 6);
+    }
+
+    #[test]
+    fn jittered_crop_stays_inside_and_keeps_the_aspect() {
+        use rand::SeedableRng;
+        // pixel value = x coordinate, so the crop's left edge shows in the first column
+        let img = RgbImage::from_fn(400, 200, |x, _| image::Rgb([(x / 2) as u8, 0, 0]));
+        let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+        let mut lefts = Vec::new();
+        for _ in 0..200 {
+            let (crop, resized, (top, left)) = jittered_crop(&img, 64, 64, 0.1, &mut rng);
+            assert_eq!((crop.width(), crop.height()), (64, 64));
+            assert!(resized.0 >= 64 && resized.1 >= 64, "{resized:?}");
+            assert!(left + 64 <= resized.1 + 1 && top + 64 <= resized.0 + 1);
+            lefts.push(left);
+        }
+        // a 2:1 image in a square: the window slides along x, mostly near the middle
+        let mean = lefts.iter().sum::<usize>() as f64 / lefts.len() as f64;
+        let (lo, hi) = (*lefts.iter().min().unwrap(), *lefts.iter().max().unwrap());
+        assert!(hi > lo + 20, "{lo}..{hi}");
+        assert!((mean - 32.0).abs() < 8.0, "{mean}");
+        // no jitter room (the image is the target's size): no side comes off
+        let exact = RgbImage::from_fn(64, 64, |x, y| image::Rgb([x as u8, y as u8, 0]));
+        let (crop, _, tl) = jittered_crop(&exact, 64, 64, 0.1, &mut rng);
+        assert_eq!(tl, (0, 0));
+        assert_eq!(crop, exact);
+    }
+
+    #[test]
+    fn triangular_offset_spans_and_centres() {
+        use rand::SeedableRng;
+        let mut rng = rand::rngs::StdRng::seed_from_u64(1);
+        let draws: Vec<usize> = (0..4000)
+            .map(|_| triangular_offset(100, &mut rng))
+            .collect();
+        assert!(draws.iter().all(|&d| d <= 100));
+        let mean = draws.iter().sum::<usize>() as f64 / draws.len() as f64;
+        assert!((mean - 49.5).abs() < 2.0, "{mean}");
+        let central = draws.iter().filter(|&&d| (25..75).contains(&d)).count();
+        assert!(central > 2800, "{central}"); // 75% of a triangle's mass lies in its middle half
+        assert_eq!(triangular_offset(0, &mut rng), 0);
     }
 
     #[test]

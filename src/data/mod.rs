@@ -2,28 +2,35 @@
 //! per-epoch order.
 //!
 //! The flow is [`scan`] (file names, captions and `multiply.txt`, no pixels) →
-//! [`load_dataset`] (parallel decode, resize and centre crop; bad files skipped and counted) →
-//! per step [`LoadedDataset::epoch_indices`], the augmentations in [`augment`] and
+//! [`load_dataset`] (each header read in parallel for the upright size; bad files skipped and
+//! counted) → [`bucket`] (each image's aspect bucket) → per epoch [`epoch_plan`] (micro-batches
+//! of one bucket each) → [`prefetch`] (decode, crop and resize of the next step's images on a
+//! background thread while the current step runs) → the augmentations in [`augment`] and
 //! [`to_tensor`]. Scanning and captions follow EveryDream2's conventions
 //! (`data/dataset.py`, `utils/fs_helpers.py`); every place that differs on purpose says so.
 
 pub mod augment;
+pub mod bucket;
 pub mod caption;
 pub mod dataset;
+pub mod epoch_plan;
 pub mod image_load;
+pub mod prefetch;
 pub mod scan;
 pub mod truncation;
 
 use std::path::PathBuf;
 
 pub use augment::{cond_dropout, flip_p, hflip, shuffle_tags, to_tensor};
+pub use bucket::{aspect_buckets, nearest_bucket, Bucket};
 pub use dataset::{
-    epoch_order, load_data_root, load_data_root_limited, load_dataset, pick_multiplied,
+    epoch_order, load_data_root, load_data_root_limited, load_dataset, pick_multiplied, ImageMeta,
     LoadedDataset,
 };
+pub use epoch_plan::{epoch_batches, EpochBatches, MicroBatch};
 pub use image_load::{
-    cover_size, load_image, load_image_limited, load_image_to, resize_and_crop, TrainImage,
-    DEFAULT_MAX_PIXELS,
+    cover_size, jittered_crop, load_image, load_image_jittered, load_image_limited, load_image_to,
+    probe_image, resize_and_crop, TrainImage, DEFAULT_MAX_PIXELS,
 };
 pub use scan::{scan, ImageRecord, IMAGE_EXTENSIONS};
 

@@ -8,6 +8,43 @@
 //! literal `FF` byte is always followed by `00` (byte stuffing) or a restart marker, so `FF D9`
 //! there is the end marker.
 
+/// `Some(reason)` when `bytes` is a truncated PNG or WebP: checks from the container alone, so the
+/// loader can refuse a cut file without decoding it. A PNG must walk chunk by chunk (length +
+/// type + data + CRC) to its `IEND` chunk; a WebP's RIFF header gives its length.
+pub fn truncated_container(bytes: &[u8]) -> Option<String> {
+    const PNG: &[u8] = b"\x89PNG\r\n\x1a\n";
+    if bytes.starts_with(PNG) {
+        let mut pos = PNG.len();
+        while pos + 8 <= bytes.len() {
+            let len =
+                u32::from_be_bytes([bytes[pos], bytes[pos + 1], bytes[pos + 2], bytes[pos + 3]]);
+            let kind = &bytes[pos + 4..pos + 8];
+            let next = pos + 12 + len as usize;
+            if next > bytes.len() {
+                break;
+            }
+            if kind == b"IEND" {
+                return None;
+            }
+            pos = next;
+        }
+        return Some(format!(
+            "truncated PNG: the file ends at byte {} before its IEND chunk",
+            bytes.len()
+        ));
+    }
+    if bytes.len() >= 12 && &bytes[..4] == b"RIFF" && &bytes[8..12] == b"WEBP" {
+        let declared = u32::from_le_bytes([bytes[4], bytes[5], bytes[6], bytes[7]]) as usize + 8;
+        if bytes.len() < declared {
+            return Some(format!(
+                "truncated WebP: {} of the {declared} bytes its header declares",
+                bytes.len()
+            ));
+        }
+    }
+    None
+}
+
 /// `Some(reason)` when `bytes` is a JPEG (starts with `FF D8`) whose end is missing.
 pub fn truncated_jpeg(bytes: &[u8]) -> Option<String> {
     if bytes.len() < 4 || bytes[0] != 0xFF || bytes[1] != 0xD8 {
@@ -103,5 +140,25 @@ mod tests {
         assert_eq!(truncated_jpeg(&with_thumb), None);
         let cut = &with_thumb[..with_thumb.len() / 2];
         assert!(truncated_jpeg(cut).is_some());
+    }
+
+    #[test]
+    fn truncated_png_and_webp_are_recognised() {
+        let mut png = Vec::new();
+        image::RgbImage::from_fn(16, 16, |x, y| image::Rgb([x as u8, y as u8, 3]))
+            .write_to(&mut std::io::Cursor::new(&mut png), image::ImageFormat::Png)
+            .unwrap();
+        assert_eq!(truncated_container(&png), None);
+        for cut in [png.len() - 1, png.len() - 12, png.len() / 2, 20] {
+            let why = truncated_container(&png[..cut]).unwrap();
+            assert!(why.contains("truncated PNG"), "{why}");
+        }
+        let mut webp = b"RIFF".to_vec();
+        webp.extend_from_slice(&100u32.to_le_bytes());
+        webp.extend_from_slice(b"WEBP");
+        webp.resize(108, 0);
+        assert_eq!(truncated_container(&webp), None);
+        assert!(truncated_container(&webp[..60]).unwrap().contains("WebP"));
+        assert_eq!(truncated_container(b"not an image"), None);
     }
 }

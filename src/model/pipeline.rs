@@ -74,11 +74,37 @@ pub struct StableDiffusion {
     pub layout: ModelLayout,
     pub unet: UNet2DConditionModel,
     pub unet_weights: Weights,
-    pub vae: AutoencoderKL,
+    /// `None` once released ([`StableDiffusion::release_vae`]).
+    pub vae: Option<AutoencoderKL>,
+    /// Empty once released ([`StableDiffusion::release_text_encoders`]).
     pub text_encoders: Vec<TextEncoder>,
+    /// The VAE's pixels per latent, kept when the VAE is released.
+    pub vae_scale: usize,
+    /// The VAE's config (latent scaling), kept when the VAE is released.
+    pub vae_config: VaeConfig,
 }
 
 impl StableDiffusion {
+    /// The VAE, or an error saying it was released.
+    pub fn vae(&self) -> candle_core::Result<&AutoencoderKL> {
+        self.vae.as_ref().ok_or_else(|| {
+            candle_core::Error::Msg(
+                "the VAE was released after the latents were cached; this image was not cached"
+                    .into(),
+            )
+        })
+    }
+
+    /// Frees the VAE's weights (device memory included) once every latent is cached.
+    pub fn release_vae(&mut self) {
+        self.vae = None;
+    }
+
+    /// Frees the text encoders once every caption's encoding is cached.
+    pub fn release_text_encoders(&mut self) {
+        self.text_encoders.clear();
+    }
+
     pub fn load(layout: ModelLayout, opts: &LoadOptions) -> Result<Self, PipelineError> {
         let files = |c: Component| {
             layout
@@ -131,7 +157,9 @@ impl StableDiffusion {
             layout,
             unet,
             unet_weights,
-            vae,
+            vae_scale: vae.downscale_factor(),
+            vae_config: vae_cfg.clone(),
+            vae: Some(vae),
             text_encoders,
         })
     }
@@ -147,6 +175,16 @@ impl StableDiffusion {
         prompts: &[&str],
         clip_skip: usize,
     ) -> candle_core::Result<TextConditioning> {
+        let needed = match self.family() {
+            ModelFamily::Sd1 | ModelFamily::Sd2 => 1,
+            ModelFamily::Sdxl => 2,
+        };
+        if self.text_encoders.len() < needed {
+            candle_core::bail!(
+                "the text encoders were released (their outputs are cached); this caption was \
+                 not in the cache"
+            );
+        }
         // Ids stay on the host: the text model reads its pooled positions from them without a
         // device sync, then uploads them.
         let ids = |te: &TextEncoder| {

@@ -101,12 +101,9 @@ impl Conv2d {
             let b = self.bias.as_ref().map(|b| cast_like(b, x)).transpose()?;
             return super::frozen_conv2d_bias(x, &w, b.as_ref(), self.cfg.padding, self.cfg.stride);
         }
-        // Trainable: the same conv with a GEMM-based input gradient (see `conv_grad`).
-        let y = if super::frozen::custom_op_device(x) {
-            super::conv_grad::conv2d(x, &w, self.cfg.padding, self.cfg.stride)?
-        } else {
-            x.conv2d(&w, self.cfg.padding, self.cfg.stride, 1, 1)?
-        };
+        // Trainable: the same conv with a GEMM-based input gradient, right for every input shape
+        // (candle's own backward is not: see `conv_grad`).
+        let y = super::conv_grad::conv2d(x, &w, self.cfg.padding, self.cfg.stride)?;
         match &self.bias {
             Some(b) => {
                 let b = cast_like(b, x)?.reshape((1, self.out_channels(), 1, 1))?;

@@ -14,6 +14,14 @@
 //! ```
 //!
 //! `conv2d_input_grad_reference` keeps the `conv_transpose2d` form for the comparison test.
+//!
+//! Candle's `Conv2D` backward also picks `conv_transpose2d`'s output padding from the height
+//! alone (`x_h − ((g_h − 1)·s + k − 2p)`) and uses it for the width too, so at a strided conv an
+//! input whose H and W differ in parity (a 12×5 latent level at stride 2) gets a gradient one
+//! column too wide or too narrow and the backward fails. Every gradient here is found per spatial
+//! dim, and [`conv2d`] is the one entry point for a conv with a trainable operand (a trainable
+//! layer, a LoCon `down` on a tracked input): where our custom op has no forward it falls back to
+//! [`conv2d_parity_safe`], which never meets that output padding.
 
 use candle_core::{CpuStorage, CustomOp2, Device, Layout, Result, Shape, Tensor};
 
@@ -181,8 +189,12 @@ fn flip_spatial(w: &Tensor) -> Result<Tensor> {
 
 /// `conv2d(x, w, padding, stride)` (groups 1, dilation 1) whose backward computes both
 /// gradients with the functions above. The forward runs candle's own conv on detached operands
-/// and hands the output over (one output-sized copy), as the frozen conv does.
+/// and hands the output over (one output-sized copy), as the frozen conv does. On a device our
+/// custom ops have no forward for, [`conv2d_parity_safe`].
 pub fn conv2d(x: &Tensor, w: &Tensor, padding: usize, stride: usize) -> Result<Tensor> {
+    if !super::frozen::custom_op_device(x) {
+        return conv2d_parity_safe(x, w, padding, stride);
+    }
     let y = conv2d_detached(x, w, padding, stride)?;
     if !x.track_op() && !w.track_op() {
         return Ok(y);
@@ -195,6 +207,41 @@ pub fn conv2d(x: &Tensor, w: &Tensor, padding: usize, stride: usize) -> Result<T
             out: OutputSlot::new("conv2d", y)?,
         },
     )
+}
+
+/// `conv2d(x, w, padding, stride)` from candle's own ops only (any device), laid out so that
+/// candle's `Conv2D` backward is right for every input shape: `x` is zero-padded explicitly and
+/// its trailing rows/columns that no output reads are cut off, so the conv runs unpadded with
+/// `(len − k) % s == 0` in both dims, where candle's output padding is 0 for height and width
+/// alike. Costs a padded copy of `x`; only the fallback of [`conv2d`].
+pub fn conv2d_parity_safe(x: &Tensor, w: &Tensor, padding: usize, stride: usize) -> Result<Tensor> {
+    let (_, _, k_h, k_w) = w.dims4()?;
+    let (_, _, x_h, x_w) = x.dims4()?;
+    // The padded length the taps of the last output end at: (g − 1)·s + k.
+    let used = |x_len: usize, k: usize| match (x_len + 2 * padding).checked_sub(k) {
+        Some(span) => Ok(span / stride * stride + k),
+        None => candle_core::bail!(
+            "conv2d: kernel {k_h}x{k_w} does not fit the {x_h}x{x_w} input (padding {padding})"
+        ),
+    };
+    let (u_h, u_w) = (used(x_h, k_h)?, used(x_w, k_w)?);
+    let x = if padding > 0 {
+        x.pad_with_zeros(2, padding, padding)?
+            .pad_with_zeros(3, padding, padding)?
+    } else {
+        x.clone()
+    };
+    let x = if x.dim(2)? != u_h {
+        x.narrow(2, 0, u_h)?
+    } else {
+        x
+    };
+    let x = if x.dim(3)? != u_w {
+        x.narrow(3, 0, u_w)?
+    } else {
+        x
+    };
+    x.conv2d(w, 0, stride, 1, 1)
 }
 
 struct TrainableConv {
@@ -315,6 +362,25 @@ mod tests {
                     let e = max_abs(ga.get(v).unwrap(), gb.get(v).unwrap());
                     assert!(e < 1e-4, "k{k} p{p} s{s} {h}x{w}: {e}");
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn parity_safe_conv_matches_the_trainable_conv() {
+        // (3, 0, 2) cuts an unread input row/column off (8 → 7) rather than padding.
+        for (k, p, s) in CASES.into_iter().chain([(3, 0, 2)]) {
+            for (h, w) in SIZES {
+                let what = format!("k{k} p{p} s{s} {h}x{w}");
+                let inputs = [fill(&[2, 3, h, w], 7), fill(&[4, 3, k, k], 8)];
+                crate::nn::test_util::assert_parity(
+                    &what,
+                    &inputs,
+                    &[true, true],
+                    1e-5,
+                    &|a| conv2d_parity_safe(&a[0], &a[1], p, s),
+                    &|a| conv2d(&a[0], &a[1], p, s),
+                );
             }
         }
     }

@@ -8,6 +8,8 @@
 //! gradient nobody reads. These helpers attach the result to the trainable side only:
 //! - `matmul_const_lhs(x, w)` = `x·wᵀ`, gradient for `w` only: `∂L/∂w = gᵀ·x`;
 //! - `conv2d_const_input(x, w)`, gradient for `w` only (candle's own weight-gradient formula);
+//!   on a tracked `x` the trainable conv (`conv_grad::conv2d`), never candle's `Conv2D`, whose
+//!   backward fails on inputs whose H and W differ in parity at stride 2;
 //! - `cat_with_const(a, c, dim)` = `cat(a, c)`, gradient for `a` only: `g.narrow(dim, 0, a_len)`;
 //! - `sub_const(a, c)` = `a − c`.
 //!
@@ -54,10 +56,11 @@ pub fn matmul_const_lhs(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     )
 }
 
-/// `conv2d(x, w)`; when `x` is a constant, only `w` gets a gradient.
+/// `conv2d(x, w)`; when `x` is a constant, only `w` gets a gradient. Otherwise the trainable
+/// conv [`super::conv2d_trainable`], whose backward is right for every input shape.
 pub fn conv2d_const_input(x: &Tensor, w: &Tensor, padding: usize, stride: usize) -> Result<Tensor> {
     if !constant(x) || !w.track_op() {
-        return x.conv2d(w, padding, stride, 1, 1);
+        return super::conv_grad::conv2d(x, w, padding, stride);
     }
     let out = super::conv2d_detached(x, w, padding, stride)?;
     let x = x.clone();

@@ -43,7 +43,8 @@ pub trait LayerAdapter: std::fmt::Debug + Send + Sync {
 pub use conv::{Conv2d, Conv2dConfig};
 pub use conv_grad::{
     conv2d as conv2d_trainable, conv2d_input_grad, conv2d_input_grad_gemm,
-    conv2d_input_grad_reference, conv2d_weight_grad, conv2d_weight_grad_reference,
+    conv2d_input_grad_reference, conv2d_parity_safe, conv2d_weight_grad,
+    conv2d_weight_grad_reference,
 };
 pub use cpu_conv::{
     conv2d_detached, conv2d_im2col, conv2d_input_grad_col2im, conv2d_weight_grad_im2col,

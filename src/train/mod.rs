@@ -2,7 +2,9 @@
 
 pub mod accumulate;
 pub mod adapters;
+pub mod data_feed;
 pub mod interrupt;
+pub mod latent_cache;
 pub mod log;
 pub mod loss_stats;
 pub mod memory_plan;
@@ -17,6 +19,7 @@ pub mod state_estimate;
 pub mod step;
 pub mod summary;
 pub mod te_freeze;
+pub mod text_cache;
 pub mod trainer;
 pub mod validation;
 

@@ -20,12 +20,17 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use rand_distr::StandardNormal;
 
+use std::sync::Arc;
+
 use crate::data::augment;
 use crate::data::TrainImage;
 use crate::diffusion::objective::{NoisedBatch, Objective};
 use crate::model::pipeline::StableDiffusion;
 use crate::model::unet::AddedConditions;
+use crate::model::vae::DiagonalGaussian;
 use crate::nn::Checkpointing;
+use crate::train::latent_cache::CachedLatent;
+use crate::train::text_cache::TextCache;
 
 /// What the step needs besides the model and the batch.
 pub struct StepSettings<'a> {
@@ -41,6 +46,24 @@ pub struct StepSettings<'a> {
     pub compute_dtype: DType,
     /// The checkpointing context the models use, whose parameter gradients the step collects.
     pub checkpointing: Option<&'a Checkpointing>,
+    /// Cached caption encodings, when the text encoders were released.
+    pub text_cache: Option<&'a TextCache>,
+}
+
+/// What one training sample brings to a step: decoded pixels, or its cached VAE posterior.
+#[derive(Debug, Clone)]
+pub enum SampleData {
+    Pixels(TrainImage),
+    Latent(Arc<CachedLatent>),
+}
+
+impl SampleData {
+    fn caption(&self) -> &str {
+        match self {
+            Self::Pixels(im) => &im.caption,
+            Self::Latent(l) => &l.geometry.caption,
+        }
+    }
 }
 
 /// A micro-batch with every random choice made: what [`forward_backward`] consumes.
@@ -111,52 +134,95 @@ pub fn sample_rngs(seeds: &[u64]) -> Vec<StdRng> {
     seeds.iter().map(|&s| StdRng::seed_from_u64(s)).collect()
 }
 
-/// Makes every random draw for `images`, sample `i` from `rngs[i]` in a fixed order (flip,
-/// caption dropout, tag shuffle, the VAE posterior sample, noise, timestep), and encodes them
-/// with the VAE.
+/// Makes every random draw for `samples`, sample `i` from `rngs[i]` in a fixed order (flip,
+/// caption dropout, tag shuffle, the VAE posterior sample, noise, timestep), and encodes the
+/// pixels with the VAE or takes the cached posterior: the same draws either way.
 pub fn prepare_batch<R: Rng>(
     sd: &StableDiffusion,
-    images: &[&TrainImage],
+    samples: &[&SampleData],
     settings: &StepSettings<'_>,
     rngs: &mut [R],
 ) -> anyhow::Result<PreparedBatch> {
-    if rngs.len() != images.len() {
-        anyhow::bail!("{} generators for {} images", rngs.len(), images.len());
+    if rngs.len() != samples.len() || samples.is_empty() {
+        anyhow::bail!("{} generators for {} samples", rngs.len(), samples.len());
     }
     let device = sd.unet.conv_in.weight.device().clone();
-    let mut flipped: Vec<std::borrow::Cow<'_, TrainImage>> = Vec::with_capacity(images.len());
-    let mut captions = Vec::with_capacity(images.len());
-    for (im, rng) in images.iter().zip(rngs.iter_mut()) {
-        flipped.push(augment::flip_p(im, settings.flip_p, rng));
-        let caption = augment::cond_dropout(&im.caption, settings.cond_dropout, rng);
+    let mut flips = Vec::with_capacity(samples.len());
+    let mut captions = Vec::with_capacity(samples.len());
+    for (sample, rng) in samples.iter().zip(rngs.iter_mut()) {
+        // One draw whatever `flip_p`, as augment::flip_p makes.
+        flips.push(rng.random::<f64>() < settings.flip_p);
+        let caption = augment::cond_dropout(sample.caption(), settings.cond_dropout, rng);
         captions.push(if settings.shuffle_tags {
             augment::shuffle_tags(caption, rng)
         } else {
             caption.to_string()
         });
     }
-    let batch: Vec<&TrainImage> = flipped.iter().map(|c| c.as_ref()).collect();
-
-    let vae_dtype = sd.vae.dtype();
-    let pixels = augment::to_tensor(&batch, &device)?.to_dtype(vae_dtype)?;
-    let posterior = sd.vae.encode(&pixels)?;
+    let (moments, time_ids) = posterior_moments(sd, samples, &flips, &device)?;
+    let posterior = DiagonalGaussian::from_moments(&moments)?;
     let (_, c, h, w) = posterior.mean.dims4()?;
     let eps = rngs
         .iter_mut()
         .map(|rng| host_randn(rng, &[1, c, h, w], &device))
         .collect::<candle_core::Result<Vec<_>>>()?;
     let eps = Tensor::cat(&eps, 0)?.to_dtype(posterior.mean.dtype())?;
-    let latents = sd
-        .vae
-        .scale_latents(&posterior.sample_with_noise(&eps)?)?
+    let latents = scale_latents(sd, &posterior.sample_with_noise(&eps)?)?
         .detach()
         .to_dtype(settings.compute_dtype)?;
     let noised = settings.objective.noise_per_sample(rngs, &latents)?;
     Ok(PreparedBatch {
         noised,
         captions,
-        time_ids: batch.iter().map(|im| time_ids_row(im)).collect(),
+        time_ids,
     })
+}
+
+/// `(z − shift) · scale` with the VAE's constants, kept when the VAE itself was released.
+fn scale_latents(sd: &StableDiffusion, z: &Tensor) -> candle_core::Result<Tensor> {
+    crate::model::vae::scale_latents_with(&sd.vae_config, z)
+}
+
+/// The posterior moments `[B, 2·latent, h, w]` of the (flipped where `flips` says) samples on
+/// `device`, and their SDXL `time_ids`: from the VAE for pixels, from the cache for latents.
+fn posterior_moments(
+    sd: &StableDiffusion,
+    samples: &[&SampleData],
+    flips: &[bool],
+    device: &candle_core::Device,
+) -> anyhow::Result<(Tensor, Vec<[f32; 6]>)> {
+    let mut pixels: Vec<std::borrow::Cow<'_, TrainImage>> = Vec::new();
+    let mut cached = Vec::new();
+    let mut time_ids = Vec::with_capacity(samples.len());
+    for (sample, &flip) in samples.iter().zip(flips) {
+        match sample {
+            SampleData::Pixels(im) => {
+                let im = if flip {
+                    std::borrow::Cow::Owned(augment::hflip(im))
+                } else {
+                    std::borrow::Cow::Borrowed(im)
+                };
+                time_ids.push(time_ids_row(&im));
+                pixels.push(im);
+            }
+            SampleData::Latent(l) => {
+                let (moments, geometry) = l.variant(flip)?;
+                time_ids.push(time_ids_row(&geometry));
+                cached.push(moments.unsqueeze(0)?);
+            }
+        }
+    }
+    let moments = match (pixels.is_empty(), cached.is_empty()) {
+        (false, true) => {
+            let vae = sd.vae()?;
+            let batch: Vec<&TrainImage> = pixels.iter().map(|c| c.as_ref()).collect();
+            let x = augment::to_tensor(&batch, device)?.to_dtype(vae.dtype())?;
+            vae.encode_moments(&x)?
+        }
+        (true, false) => Tensor::cat(&cached, 0)?.to_device(device)?,
+        _ => anyhow::bail!("a micro-batch mixes cached latents and pixels"),
+    };
+    Ok((moments, time_ids))
 }
 
 /// The forward pass for one prepared micro-batch: text conditioning → UNet → the (min-SNR
@@ -172,7 +238,10 @@ pub fn forward_loss(
     }
     let device = batch.noised.noisy.device().clone();
     let prompts: Vec<&str> = batch.captions.iter().map(String::as_str).collect();
-    let cond = sd.encode_prompts(&prompts, settings.clip_skip_layers)?;
+    let cond = match settings.text_cache {
+        Some(cache) => cache.lookup(&prompts, &device)?,
+        None => sd.encode_prompts(&prompts, settings.clip_skip_layers)?,
+    };
     let (context, pooled) = if settings.train_text_encoder {
         (cond.context, cond.pooled)
     } else {

@@ -52,6 +52,31 @@ impl fmt::Display for Summary<'_> {
                 o.val_losses.len()
             )?;
         }
+        if o.buckets.len() > 1 {
+            let list: Vec<String> = o
+                .buckets
+                .iter()
+                .map(|c| format!("{} ×{}", c.bucket, c.images))
+                .collect();
+            writeln!(f, "aspect buckets  {}", list.join(", "))?;
+        }
+        if o.repeated_samples > 0 {
+            writeln!(
+                f,
+                "runt batches    {} samples repeated to fill them (EveryDream2's rule; none dropped)",
+                o.repeated_samples
+            )?;
+        }
+        for line in &o.caches {
+            writeln!(f, "cache           {line}")?;
+        }
+        if o.failed_samples > 0 {
+            writeln!(
+                f,
+                "left out        {} samples whose file failed to decode (listed above)",
+                o.failed_samples
+            )?;
+        }
         if o.skipped_steps > 0 {
             writeln!(
                 f,

@@ -12,7 +12,9 @@ use candle_core::{DType, Device, Tensor, Var};
 
 use super::accumulate::GradAccumulator;
 use super::adapters::{self, SaveInfo, TrainedAdapters};
+use super::data_feed::{self, DataFeed, StepData};
 use super::interrupt::Interrupt;
+use super::latent_cache::{self, CacheSpec};
 use super::log::{JsonlLog, LogRecord};
 use super::loss_stats::{first_last_means, Smoothed};
 use super::micro_batch::{next_rungs, rung_lines, GaveUp, MicroBatching};
@@ -20,11 +22,14 @@ use super::oom::{find_oom, injected, OutOfMemory};
 use super::progress::Progress;
 use super::resume::{self, RunKey, TrainerState};
 use super::run_dir::RunDir;
-use super::step::{forward_backward, prepare_batch, sample_rngs, step_seeds, StepSettings};
+use super::step::{forward_backward, prepare_batch, sample_rngs, SampleData, StepSettings};
 use super::te_freeze::text_encoder_param_trains;
+use super::text_cache::{self, TextCache};
 use super::validation::Validation;
+use crate::config::CacheLatents;
 use crate::config::{OptimizerKind, ParamGroupPlan};
 use crate::config::{TrainMode, TrainPlan};
+use crate::data::epoch_plan::BucketCount;
 use crate::data::{load_data_root_limited, LoadedDataset};
 use crate::diffusion::{NoiseSchedule, Objective, ObjectiveConfig};
 use crate::memory::{prepare_device, trim_pool, DeviceSettings, MemoryUsage};
@@ -68,6 +73,14 @@ pub struct TrainOutcome {
     /// `(step, loss)` of each validation, and the validation set's size.
     pub val_losses: Vec<(usize, f64)>,
     pub val_images: usize,
+    /// Images per aspect bucket.
+    pub buckets: Vec<BucketCount>,
+    /// Samples repeated to fill runt batches, over the run's epochs.
+    pub repeated_samples: usize,
+    /// Samples left out of a step because their file failed to decode.
+    pub failed_samples: usize,
+    /// What the latent and text-encoder caches did, in words.
+    pub caches: Vec<String>,
 }
 
 impl TrainOutcome {
@@ -182,7 +195,11 @@ struct Session<'a> {
     sd: StableDiffusion,
     adapters: Option<TrainedAdapters>,
     resolution: usize,
-    dataset: LoadedDataset,
+    feed: DataFeed,
+    /// Cached caption encodings, when the text encoders were released.
+    text_cache: Option<TextCache>,
+    /// What the caches did, for the summary.
+    caches: Vec<String>,
     objective: Objective,
     total_steps: usize,
     groups: Vec<Group>,
@@ -307,10 +324,11 @@ impl<'a> Session<'a> {
         check_resolution(&sd, resolution)?;
         let mut dataset = load_data_root_limited(
             &plan.data.data_root,
-            resolution,
             opts.show_progress,
             plan.data.max_image_pixels,
         )?;
+        let align = sd.vae_scale << sd.unet.config.num_downsamples();
+        let bucket_list = data_feed::bucket_list(plan.data.buckets.as_ref(), resolution, align)?;
         // Held out before anything counts the training set; a resumed run holds out the same.
         let data_seed = resume_from.as_ref().map_or(plan.seed, |(_, st)| st.seed);
         let validation = match &plan.data.validation {
@@ -319,7 +337,7 @@ impl<'a> Session<'a> {
                     v,
                     &mut dataset,
                     data_seed,
-                    resolution,
+                    &bucket_list,
                     plan.data.max_image_pixels,
                 )?;
                 let when = v
@@ -327,25 +345,30 @@ impl<'a> Session<'a> {
                     .map_or("at the end of each epoch".to_string(), |n| {
                         format!("every {n} steps")
                     });
-                eprintln!("validation: {} images, {when}", val.images.len());
+                eprintln!("validation: {} images, {when}", val.items.len());
                 Some(val)
             }
             None => None,
         };
         report_dataset(&dataset);
         let objective = build_objective(plan, &layout)?;
-        let micro_per_epoch = dataset.epoch_len() / plan.batch_size;
-        if micro_per_epoch == 0 {
+        if dataset.epoch_len() == 0 {
             bail!(
-                "data_root {} has {} usable samples per epoch, fewer than batch_size {}",
+                "data_root {} has no samples per epoch (the multipliers add up to less than 1)",
                 plan.data.data_root.display(),
-                dataset.epoch_len(),
-                plan.batch_size
             );
         }
-        let steps_per_epoch = micro_per_epoch.div_ceil(plan.grad_accum);
-        let total_steps = plan.total_steps(steps_per_epoch as u64);
-        let total_steps = usize::try_from(total_steps).unwrap_or(usize::MAX);
+        let buckets = data_feed::assign(&dataset.items, &bucket_list);
+        let feed = DataFeed::new(
+            dataset,
+            buckets,
+            &plan.data,
+            plan.batch_size,
+            plan.grad_accum,
+        );
+        report_buckets(&feed, plan.data.buckets.is_some());
+        let steps_per_epoch = feed.steps_in(&feed.epoch(data_seed, 0));
+        let total_steps = total_steps(plan, &feed, data_seed);
         let groups = param_groups(&sd, plan, adapters.as_ref(), total_steps as u64)?;
         let params: Vec<Var> = groups.iter().flat_map(|g| g.vars.iter().cloned()).collect();
         let checkpointing = if plan.precision.gradient_checkpointing {
@@ -382,7 +405,7 @@ impl<'a> Session<'a> {
         eprintln!(
             "run folder: {}\n{} samples/epoch, {} steps/epoch of {}×{}, {} steps in all",
             run.path.display(),
-            dataset.epoch_len(),
+            feed.dataset.epoch_len(),
             steps_per_epoch,
             plan.batch_size,
             plan.grad_accum,
@@ -411,7 +434,9 @@ impl<'a> Session<'a> {
             sd,
             adapters,
             resolution,
-            dataset,
+            feed,
+            text_cache: None,
+            caches: Vec::new(),
             objective,
             total_steps,
             groups,
@@ -435,6 +460,7 @@ impl<'a> Session<'a> {
         if let Some((dir, state)) = resume_from {
             session.restore(&dir, state)?;
         }
+        session.build_caches()?;
         Ok(session)
     }
 
@@ -515,72 +541,76 @@ impl<'a> Session<'a> {
             adapters: self.adapters.as_ref(),
             run: &self.run,
             resolution: self.resolution,
-            images: self.dataset.items.len(),
+            images: self.feed.dataset.items.len(),
             started_unix: self.started_unix,
             seed: self.seed,
         }
     }
 
-    /// One optimizer step over `batches` (dataset indices per configured micro-batch): the
-    /// step's samples go through forward and backward `self.micro.size` at a time, each with its
-    /// own seeded draws; an out-of-memory error halves the micro-batch and retries the same
-    /// samples, keeping the gradients already accumulated. Then the one device→host check, the
-    /// scaler's update and, when everything is finite, the optimizer update.
-    fn optimizer_step(&mut self, batches: &[&[usize]], step: usize) -> anyhow::Result<StepReport> {
-        let settings = StepSettings {
-            objective: &self.objective,
-            flip_p: self.plan.data.flip_p,
-            cond_dropout: self.plan.data.cond_dropout,
-            shuffle_tags: self.plan.data.shuffle_tags,
-            clip_skip_layers: self.plan.objective.clip_skip_layers,
-            train_text_encoder: self.groups.len() > 1,
-            compute_dtype: self.amp.compute_dtype(),
-            checkpointing: self.checkpointing.as_ref(),
-        };
+    /// One optimizer step over `data` (the step's micro-batches, each of one bucket, and their
+    /// samples): the samples go through forward and backward `self.micro.size` at a time, each
+    /// with its own seeded draws; an out-of-memory error halves the micro-batch and retries the
+    /// same samples, keeping the gradients already accumulated. Then the one device→host check,
+    /// the scaler's update and, when everything is finite, the optimizer update.
+    fn optimizer_step(&mut self, data: &StepData, step: usize) -> anyhow::Result<StepReport> {
+        // Field by field, so the settings' borrows leave the scaler and micro-batch free.
+        let settings = settings_of(
+            self.plan,
+            &self.objective,
+            self.groups.len() > 1,
+            self.amp,
+            self.checkpointing.as_ref(),
+            self.text_cache.as_ref(),
+        );
         self.scaler.begin_step(step);
         if let Some(a) = &self.adapters {
             a.begin_step(step);
         }
         let loss_scale = self.scaler.scale();
-        let ids: Vec<usize> = batches.concat();
-        let seeds = step_seeds(self.seed, step, ids.len());
-        let effective = ids.len();
+        let effective = data.samples.len();
         let mut acc = GradAccumulator::new(&self.params);
         let mut retries = Vec::new();
-        let mut start = 0;
-        while start < effective {
-            let n = self.micro.size.min(effective - start);
-            let (ids, seeds) = (&ids[start..start + n], &seeds[start..start + n]);
-            let images: Vec<_> = ids.iter().map(|&i| &self.dataset.items[i]).collect();
-            let result = micro_batch(&self.sd, &images, seeds, &settings, effective, loss_scale)
-                .and_then(|r| match injected(step, ids) {
-                    true => Err(anyhow::Error::new(OutOfMemory {
-                        detail: "injected by a test".into(),
-                    })),
-                    false => Ok(r),
-                });
-            match result {
-                Ok((loss, grads)) => {
-                    acc.add(loss, grads, n)?;
-                    start += n;
-                }
-                Err(e) => {
-                    let Some(oom) = find_oom(&e) else {
-                        return Err(e);
-                    };
-                    // The failed micro-batch's graph is gone with `e`'s stack frame.
-                    trim_pool(&self.opts.device).context("freeing memory after an OOM")?;
-                    let old = self.micro.size;
-                    if !self.micro.halve() {
-                        return Err(OomExhausted {
-                            place: format!("at step {} with batch 1", step + 1),
-                            oom,
-                        }
-                        .into());
+        let mut offset = 0;
+        for mb in &data.micro {
+            let end = offset + mb.ids.len();
+            let mut start = offset;
+            while start < end {
+                let n = self.micro.size.min(end - start);
+                let ids = &mb.ids[start - offset..start - offset + n];
+                let samples: Vec<&SampleData> = data.samples[start..start + n].iter().collect();
+                let seeds = &data.seeds[start..start + n];
+                let share = n as f64 / effective as f64 * mb.weight;
+                let result = micro_batch(&self.sd, &samples, seeds, &settings, share, loss_scale)
+                    .and_then(|r| match injected(step, ids) {
+                        true => Err(anyhow::Error::new(OutOfMemory {
+                            detail: "injected by a test".into(),
+                        })),
+                        false => Ok(r),
+                    });
+                match result {
+                    Ok((loss, grads)) => {
+                        acc.add(loss, grads, n)?;
+                        start += n;
                     }
-                    retries.push(self.micro.retry_line(step + 1, old, effective));
+                    Err(e) => {
+                        let Some(oom) = find_oom(&e) else {
+                            return Err(e);
+                        };
+                        // The failed micro-batch's graph is gone with `e`'s stack frame.
+                        trim_pool(&self.opts.device).context("freeing memory after an OOM")?;
+                        let old = self.micro.size;
+                        if !self.micro.halve() {
+                            return Err(OomExhausted {
+                                place: format!("at step {} with batch 1", step + 1),
+                                oom,
+                            }
+                            .into());
+                        }
+                        retries.push(self.micro.retry_line(step + 1, old, effective));
+                    }
                 }
             }
+            offset = end;
         }
         let Some(mut done) = acc.finish(loss_scale)? else {
             bail!("optimizer step {} had no micro-batches", step + 1);
@@ -667,6 +697,103 @@ impl<'a> Session<'a> {
         Ok(out)
     }
 
+    /// The step's settings from the plan.
+    fn step_settings(&self) -> StepSettings<'_> {
+        settings_of(
+            self.plan,
+            &self.objective,
+            self.groups.len() > 1,
+            self.amp,
+            self.checkpointing.as_ref(),
+            self.text_cache.as_ref(),
+        )
+    }
+
+    /// The text-encoder output cache and the latent cache, when they apply; each releases the
+    /// model it replaces.
+    fn build_caches(&mut self) -> anyhow::Result<()> {
+        let data = &self.plan.data;
+        let batch = self.plan.batch_size.max(1);
+        let te_trains = self.groups.len() > 1;
+        let why = text_cache::why_off(
+            data.cache_text_encoder_outputs,
+            te_trains,
+            data.shuffle_tags,
+            data.cond_dropout,
+        );
+        let line = match why {
+            Some(why) => format!("text-encoder cache: off ({why})"),
+            None => {
+                let started = Instant::now();
+                let mut captions: Vec<&str> = self
+                    .feed
+                    .dataset
+                    .items
+                    .iter()
+                    .map(|i| i.caption.as_str())
+                    .collect();
+                if let Some(v) = &self.validation {
+                    captions.extend(v.items.iter().map(|i| i.caption.as_str()));
+                }
+                let cache = TextCache::build(
+                    &self.sd,
+                    captions,
+                    self.plan.objective.clip_skip_layers,
+                    batch,
+                )
+                .context("caching the text encoders' outputs")?;
+                self.sd.release_text_encoders();
+                let line = format!(
+                    "text-encoder cache: {} captions encoded in {:.1} s; text encoders released",
+                    cache.len(),
+                    started.elapsed().as_secs_f64()
+                );
+                self.text_cache = Some(cache);
+                line
+            }
+        };
+        eprintln!("{line}");
+        self.caches.push(line);
+        if data.cache_latents == CacheLatents::Off {
+            self.caches
+                .push("latent cache: off (the VAE encodes every step)".into());
+            return Ok(());
+        }
+        let started = Instant::now();
+        let dir = (data.cache_latents == CacheLatents::Disk)
+            .then(|| self.plan.output_dir.join(latent_cache::CACHE_DIR));
+        let spec = CacheSpec {
+            items: &self.feed.dataset.items,
+            buckets: &self.feed.buckets,
+            with_flip: data.flip_p > 0.0,
+            dir: dir.clone(),
+            max_pixels: data.max_image_pixels,
+            batch,
+        };
+        let (store, stats) =
+            latent_cache::build(&self.sd, &spec, &self.opts.device).context("caching latents")?;
+        self.feed.use_latents(store);
+        if let Some(v) = &mut self.validation {
+            v.cache_latents(&self.sd, dir.clone(), batch, &self.opts.device)
+                .context("caching the validation images' latents")?;
+        }
+        self.sd.release_vae();
+        trim_pool(&self.opts.device).context("freeing the VAE")?;
+        let place = match &dir {
+            Some(d) => format!("in {}", d.display()),
+            None => "in memory".into(),
+        };
+        let line = format!(
+            "latent cache {place}: {} encoded, {} reused, in {:.1} s; VAE released",
+            stats.encoded,
+            stats.reused,
+            started.elapsed().as_secs_f64()
+        );
+        eprintln!("{line}");
+        self.caches.push(line);
+        Ok(())
+    }
+
     /// The validation loss after this step when it is due (every `validation_every_n_steps`, or
     /// at the end of each epoch, and after the last step), printed and kept for the step's log
     /// record.
@@ -688,16 +815,7 @@ impl<'a> Session<'a> {
         if !due {
             return Ok(());
         }
-        let settings = StepSettings {
-            objective: &self.objective,
-            flip_p: 0.0,
-            cond_dropout: 0.0,
-            shuffle_tags: false,
-            clip_skip_layers: self.plan.objective.clip_skip_layers,
-            train_text_encoder: false,
-            compute_dtype: self.amp.compute_dtype(),
-            checkpointing: self.checkpointing.as_ref(),
-        };
+        let settings = self.step_settings();
         if let Some(a) = &self.adapters {
             crate::adapter::set_training(&a.modules, false);
         }
@@ -721,7 +839,7 @@ impl<'a> Session<'a> {
             images_seen: 0,
             losses: Vec::new(),
             skipped_steps: 0,
-            skipped_images: self.dataset.skipped.len(),
+            skipped_images: self.feed.dataset.skipped.len(),
             saved: Vec::new(),
             interrupted: false,
             wall_secs: 0.0,
@@ -729,7 +847,11 @@ impl<'a> Session<'a> {
             micro: self.micro,
             vram_cap: self.vram_cap.as_ref().map(|c| c.describe()),
             val_losses: Vec::new(),
-            val_images: self.validation.as_ref().map_or(0, |v| v.images.len()),
+            val_images: self.validation.as_ref().map_or(0, |v| v.items.len()),
+            buckets: self.feed.bucket_counts(),
+            repeated_samples: 0,
+            failed_samples: 0,
+            caches: self.caches.clone(),
         };
         if let Some(st) = &self.start {
             out.steps = st.steps;
@@ -751,14 +873,33 @@ impl<'a> Session<'a> {
         progress: &Progress,
     ) -> anyhow::Result<Flow> {
         let plan = self.plan;
-        let order = self.dataset.epoch_indices(self.seed, epoch);
-        let micro: Vec<&[usize]> = order.chunks_exact(plan.batch_size).collect();
-        let steps_in_epoch = micro.len().div_ceil(plan.grad_accum);
-        for (i, group_batches) in micro.chunks(plan.grad_accum).enumerate().skip(skip) {
+        let batches = self.feed.epoch(self.seed, epoch);
+        out.repeated_samples += batches.repeated;
+        let steps_in_epoch = self.feed.steps_in(&batches);
+        let steps = self.feed.steps(&batches, skip);
+        let left = self.total_steps.saturating_sub(out.steps);
+        self.feed
+            .start(self.seed, &steps[..steps.len().min(left)], out.steps);
+        for (i, micro) in steps.iter().enumerate().map(|(k, m)| (k + skip, m)) {
             if out.steps >= self.total_steps {
                 return Ok(Flow::Stop);
             }
-            let report = match self.optimizer_step(group_batches, out.steps) {
+            let data = self.feed.next(self.seed, out.steps, micro)?;
+            for (path, why) in &data.failed {
+                progress.println(format!(
+                    "warning: step {}: left out {}: {why}",
+                    out.steps + 1,
+                    path.display()
+                ));
+            }
+            out.failed_samples += data.failed.len();
+            if data.samples.is_empty() {
+                bail!(
+                    "step {}: no image of the step could be decoded (see the warnings above)",
+                    out.steps + 1
+                );
+            }
+            let report = match self.optimizer_step(&data, out.steps) {
                 Ok(report) => report,
                 Err(e) => return Err(self.stop_after_oom(e, out, epoch, progress)),
             };
@@ -942,20 +1083,72 @@ impl<'a> Session<'a> {
     }
 }
 
-/// Draws, forward and backward for one micro-batch of `images` with their seeds; the loss is
-/// weighted by the micro-batch's share of the `effective` batch.
+/// The step's settings from the plan and the session's parts.
+fn settings_of<'s>(
+    plan: &TrainPlan,
+    objective: &'s Objective,
+    train_text_encoder: bool,
+    amp: Amp,
+    checkpointing: Option<&'s Checkpointing>,
+    text_cache: Option<&'s TextCache>,
+) -> StepSettings<'s> {
+    StepSettings {
+        objective,
+        flip_p: plan.data.flip_p,
+        cond_dropout: plan.data.cond_dropout,
+        shuffle_tags: plan.data.shuffle_tags,
+        clip_skip_layers: plan.objective.clip_skip_layers,
+        train_text_encoder,
+        compute_dtype: amp.compute_dtype(),
+        checkpointing,
+        text_cache,
+    }
+}
+
+/// Draws, forward and backward for one micro-batch of `samples` with their seeds; the loss is
+/// weighted by `weight` (the micro-batch's share of the effective batch, times a runt batch's
+/// discount).
 fn micro_batch(
     sd: &StableDiffusion,
-    images: &[&crate::data::TrainImage],
+    samples: &[&SampleData],
     seeds: &[u64],
     settings: &StepSettings<'_>,
-    effective: usize,
+    weight: f64,
     loss_scale: f64,
 ) -> anyhow::Result<(Tensor, candle_core::backprop::GradStore)> {
     let mut rngs = sample_rngs(seeds);
-    let batch = prepare_batch(sd, images, settings, &mut rngs)?;
-    let weight = batch.len() as f64 / effective as f64;
+    let batch = prepare_batch(sd, samples, settings, &mut rngs)?;
     forward_backward(sd, &batch, settings, weight, loss_scale)
+}
+
+/// The run's steps: `max_steps`, or the steps of `max_epochs` epochs, whichever is fewer. The
+/// epochs are counted one by one, since runt batches and fractional multipliers make their
+/// lengths differ.
+fn total_steps(plan: &TrainPlan, feed: &DataFeed, seed: u64) -> usize {
+    let by_steps = plan.max_steps.map_or(usize::MAX, |s| s as usize);
+    let Some(epochs) = plan.max_epochs else {
+        return by_steps;
+    };
+    let mut total = 0usize;
+    for epoch in 0..epochs as usize {
+        total += feed.steps_in(&feed.epoch(seed, epoch));
+        if total >= by_steps {
+            return by_steps;
+        }
+    }
+    total
+}
+
+fn report_buckets(feed: &DataFeed, bucketing: bool) {
+    if !bucketing {
+        return;
+    }
+    let counts = feed.bucket_counts();
+    let list: Vec<String> = counts
+        .iter()
+        .map(|c| format!("{} ×{}", c.bucket, c.images))
+        .collect();
+    eprintln!("aspect buckets: {}", list.join(", "));
 }
 
 /// `f`, retried once after an out-of-memory error with the device's pool trimmed; a second
@@ -1239,11 +1432,11 @@ fn read_memory(device: &Device) -> Option<MemoryUsage> {
 }
 
 fn check_resolution(sd: &StableDiffusion, resolution: usize) -> anyhow::Result<()> {
-    let factor = sd.vae.downscale_factor() << sd.unet.config.num_downsamples();
+    let factor = sd.vae_scale << sd.unet.config.num_downsamples();
     if !resolution.is_multiple_of(factor) {
         bail!(
             "resolution {resolution} must be a multiple of {factor} for this model (VAE ×{} and UNet ×{})",
-            sd.vae.downscale_factor(),
+            sd.vae_scale,
             1usize << sd.unet.config.num_downsamples()
         );
     }

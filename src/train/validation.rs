@@ -7,16 +7,20 @@
 //!   (the run's seed and the sample's index), with no flip, caption dropout or tag shuffle, and
 //!   LoRA dropout off. Only the weights change between two evaluations.
 //! - The loss is the mean over the set of the training loss (min-SNR weighting included), in
-//!   micro-batches of the training micro-batch size, forward only.
+//!   micro-batches of the training micro-batch size (each of one aspect bucket), forward only.
+//! - Images are centre-cropped to their bucket and decoded at each evaluation, or taken from the
+//!   latent cache when the run has one.
 
 use anyhow::{bail, Context};
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 
-use super::step::{forward_loss, prepare_batch, sample_rngs, step_seeds, StepSettings};
+use super::data_feed;
+use super::latent_cache::{self, CacheSpec, LatentStore};
+use super::step::{forward_loss, prepare_batch, sample_rngs, step_seeds, SampleData, StepSettings};
 use crate::config::ValidationPlan;
-use crate::data::{load_data_root_limited, LoadedDataset, TrainImage};
+use crate::data::{load_data_root_limited, load_image_limited, Bucket, ImageMeta, LoadedDataset};
 use crate::model::pipeline::StableDiffusion;
 
 /// Mixed into the run's seed for everything validation draws.
@@ -24,8 +28,11 @@ const STREAM: u64 = 0x5641_4C49_4441_5445;
 
 /// The held-out images and their fixed seeds.
 pub struct Validation {
-    pub images: Vec<TrainImage>,
+    pub items: Vec<ImageMeta>,
+    buckets: Vec<Bucket>,
     seeds: Vec<u64>,
+    max_pixels: u64,
+    latents: Option<LatentStore>,
     /// Every N optimizer steps; `None`: at the end of each epoch.
     pub every_n_steps: Option<usize>,
 }
@@ -36,7 +43,7 @@ pub fn split_off(
     dataset: &mut LoadedDataset,
     split: f64,
     seed: u64,
-) -> anyhow::Result<Vec<TrainImage>> {
+) -> anyhow::Result<Vec<ImageMeta>> {
     let n = dataset.items.len();
     if n < 2 {
         bail!("validation_split needs at least 2 images in data_root, found {n}");
@@ -67,24 +74,60 @@ impl Validation {
         plan: &ValidationPlan,
         dataset: &mut LoadedDataset,
         seed: u64,
-        resolution: usize,
+        buckets: &[Bucket],
         max_pixels: u64,
     ) -> anyhow::Result<Self> {
-        let images = match (&plan.data_root, plan.split) {
+        let items = match (&plan.data_root, plan.split) {
             (Some(root), _) => {
-                load_data_root_limited(root, resolution, false, max_pixels)
+                load_data_root_limited(root, false, max_pixels)
                     .with_context(|| format!("validation_data_root {}", root.display()))?
                     .items
             }
             (None, Some(split)) => split_off(dataset, split, seed)?,
             (None, None) => bail!("validation needs validation_split or validation_data_root"),
         };
-        let seeds = step_seeds(seed ^ STREAM, 0, images.len());
+        let seeds = step_seeds(seed ^ STREAM, 0, items.len());
         Ok(Self {
-            images,
+            buckets: data_feed::assign(&items, buckets),
+            items,
             seeds,
+            max_pixels,
+            latents: None,
             every_n_steps: plan.every_n_steps.map(|n| n as usize),
         })
+    }
+
+    /// Encodes the set's latents once (in `dir` for a disk cache), for runs that release the VAE.
+    pub fn cache_latents(
+        &mut self,
+        sd: &StableDiffusion,
+        dir: Option<std::path::PathBuf>,
+        batch: usize,
+        device: &candle_core::Device,
+    ) -> anyhow::Result<()> {
+        let spec = CacheSpec {
+            items: &self.items,
+            buckets: &self.buckets,
+            with_flip: false,
+            dir,
+            max_pixels: self.max_pixels,
+            batch,
+        };
+        self.latents = Some(latent_cache::build(sd, &spec, device)?.0);
+        Ok(())
+    }
+
+    /// Sample `i` as the step takes it: from the cache, or decoded and centre-cropped.
+    fn sample(&self, i: usize) -> anyhow::Result<SampleData> {
+        if let Some(store) = &self.latents {
+            return Ok(SampleData::Latent(store.get(i)?));
+        }
+        let item = &self.items[i];
+        let b = self.buckets[i];
+        let mut image = load_image_limited(&item.path, (b.width, b.height), self.max_pixels)
+            .with_context(|| format!("validation image {}", item.path.display()))?;
+        image.caption = item.caption.clone();
+        Ok(SampleData::Pixels(image))
     }
 
     /// The mean loss over the set, `micro` samples per forward pass. `settings` are the
@@ -103,13 +146,25 @@ impl Validation {
             ..*settings
         };
         let mut sum = 0.0;
-        for (images, seeds) in self
-            .images
-            .chunks(micro.max(1))
-            .zip(self.seeds.chunks(micro.max(1)))
-        {
-            let refs: Vec<&TrainImage> = images.iter().collect();
-            let batch = prepare_batch(sd, &refs, &fixed, &mut sample_rngs(seeds))?;
+        // Micro-batches of one bucket each, buckets in order of first appearance.
+        let mut by_bucket: Vec<(Bucket, Vec<usize>)> = Vec::new();
+        for (i, &b) in self.buckets.iter().enumerate() {
+            match by_bucket.iter_mut().find(|(k, _)| *k == b) {
+                Some((_, ids)) => ids.push(i),
+                None => by_bucket.push((b, vec![i])),
+            }
+        }
+        let chunks = by_bucket
+            .iter()
+            .flat_map(|(_, ids)| ids.chunks(micro.max(1)));
+        for ids in chunks {
+            let images = ids
+                .iter()
+                .map(|&i| self.sample(i))
+                .collect::<anyhow::Result<Vec<_>>>()?;
+            let seeds: Vec<u64> = ids.iter().map(|&i| self.seeds[i]).collect();
+            let refs: Vec<&SampleData> = images.iter().collect();
+            let batch = prepare_batch(sd, &refs, &fixed, &mut sample_rngs(&seeds))?;
             let loss = forward_loss(sd, &batch, &fixed)?;
             let value = f64::from(
                 loss.detach()
@@ -118,7 +173,7 @@ impl Validation {
             );
             sum += value * images.len() as f64;
         }
-        Ok(sum / self.images.len().max(1) as f64)
+        Ok(sum / self.items.len().max(1) as f64)
     }
 }
 
@@ -126,17 +181,12 @@ impl Validation {
 mod tests {
     use super::*;
 
-    fn image(i: usize) -> TrainImage {
-        TrainImage {
-            pixels: vec![i as u8; 3],
-            width: 1,
-            height: 1,
-            original_size: (1, 1),
-            resized_size: (1, 1),
-            crop_top_left: (0, 0),
-            caption: format!("c{i}"),
+    fn image(i: usize) -> ImageMeta {
+        ImageMeta {
             path: format!("{i}.png").into(),
+            caption: format!("c{i}"),
             multiplier: 1.0,
+            size: (1, 1),
         }
     }
 

@@ -66,6 +66,15 @@ impl DiagonalGaussian {
 }
 
 /// diffusers' `AutoencoderKL`.
+/// [`AutoencoderKL::scale_latents`] from the config alone (the VAE may be released).
+pub fn scale_latents_with(config: &VaeConfig, z: &Tensor) -> Result<Tensor> {
+    let z = match config.shift_factor {
+        Some(shift) => (z - shift)?,
+        None => z.clone(),
+    };
+    z * config.scaling_factor
+}
+
 #[derive(Debug, Clone)]
 pub struct AutoencoderKL {
     pub encoder: Encoder,
@@ -120,12 +129,17 @@ impl AutoencoderKL {
 
     /// `x` `[B, in, H, W]` in [−1, 1] → the posterior over raw (unscaled) latents.
     pub fn encode(&self, x: &Tensor) -> Result<DiagonalGaussian> {
+        DiagonalGaussian::from_moments(&self.encode_moments(x)?)
+    }
+
+    /// The posterior's moments `[B, 2·latent, h, w]` (mean, then log-variance), what
+    /// [`DiagonalGaussian::from_moments`] takes: what a latent cache keeps.
+    pub fn encode_moments(&self, x: &Tensor) -> Result<Tensor> {
         let h = self.encoder.forward(x)?;
-        let moments = match &self.quant_conv {
-            Some(q) => q.forward(&h)?,
-            None => h,
-        };
-        DiagonalGaussian::from_moments(&moments)
+        match &self.quant_conv {
+            Some(q) => q.forward(&h),
+            None => Ok(h),
+        }
     }
 
     /// Raw (unscaled) latents `[B, latent, h, w]` → image `[B, out, h·f, w·f]`, roughly in [−1, 1].
@@ -152,11 +166,7 @@ impl AutoencoderKL {
 
     /// Raw latents → the UNet's: `(z − shift)·scaling_factor`.
     pub fn scale_latents(&self, z: &Tensor) -> Result<Tensor> {
-        let z = match self.config.shift_factor {
-            Some(shift) => (z - shift)?,
-            None => z.clone(),
-        };
-        z * self.config.scaling_factor
+        scale_latents_with(&self.config, z)
     }
 
     /// The UNet's latents → raw: `latents / scaling_factor + shift`.

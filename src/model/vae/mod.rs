@@ -12,7 +12,7 @@ pub mod decoder;
 pub mod encoder;
 pub mod mid_block;
 
-pub use autoencoder::{AutoencoderKL, DiagonalGaussian};
+pub use autoencoder::{scale_latents_with, AutoencoderKL, DiagonalGaussian};
 pub use config::{SampleSize, VaeConfig, VaeConfigError};
 pub use decoder::{Decoder, UpDecoderBlock2D};
 pub use encoder::{DownEncoderBlock2D, Encoder};

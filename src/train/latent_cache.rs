@@ -1,0 +1,459 @@
+//! The latent cache (`cache_latents`, `cache_latents_to_disk`): each image's VAE posterior,
+//! computed once before training, so the VAE leaves the device for the rest of the run.
+//!
+//! - What is kept is the posterior's moments (mean and log-variance, `[2·latent, h, w]` f32) of
+//!   the centre crop at the image's bucket, and of its mirror image when `flip_p > 0` (kohya's
+//!   `flip_aug` caches both the same way). The posterior is still sampled at every step, with
+//!   the same seeded draws as without a cache, so a cached run trains on what an uncached one
+//!   would (to the rounding of encoding images one batch or another).
+//! - On disk, each image is one safetensors file in `<output_dir>/latent_cache/`, shared by the
+//!   runs of that folder. Its name is a hash of the key: the image file's content (SHA-256),
+//!   the bucket, the crop, whether the flip is included, and the VAE's identity (a SHA-256 of its
+//!   weight files and config, and the dtype it encodes in). A changed image, bucket or VAE makes
+//!   another name, so nothing stale is served; the file also stores the key, checked on load.
+//!   Files are written to a temporary name and renamed. The cache's files are read back one step
+//!   at a time, so memory holds a few steps of latents, not the dataset.
+//! - In memory, the moments of every image stay in host RAM: `2·4·(h/8)·(w/8)` f32 per image and
+//!   variant, 128 KiB at 512² (256 KiB with the flip).
+
+use std::collections::HashMap;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::{bail, Context};
+use candle_core::{DType, Device, Tensor};
+use rayon::prelude::*;
+use sha2::{Digest, Sha256};
+
+use crate::data::{augment, load_image_limited, Bucket, ImageMeta, TrainImage};
+use crate::model::pipeline::StableDiffusion;
+
+/// The folder under `output_dir` that holds cached latents.
+pub const CACHE_DIR: &str = "latent_cache";
+
+/// Bumped when what a file holds changes meaning.
+const FORMAT: &str = "sdtrain-latents-v1";
+
+/// One image's cached posterior and what the step needs besides it.
+#[derive(Debug, Clone)]
+pub struct CachedLatent {
+    /// Caption, sizes and crop of the image as trained (its `pixels` are empty).
+    pub geometry: TrainImage,
+    /// `[2·latent, h, w]` f32 on the host.
+    pub moments: Tensor,
+    /// The mirror image's, when flips are on.
+    pub flipped: Option<Tensor>,
+}
+
+impl CachedLatent {
+    /// The moments and geometry of the sample as drawn: mirrored when `flip`.
+    pub fn variant(&self, flip: bool) -> anyhow::Result<(Tensor, TrainImage)> {
+        if !flip {
+            return Ok((self.moments.clone(), self.geometry.clone()));
+        }
+        match &self.flipped {
+            Some(m) => Ok((m.clone(), augment::hflip(&self.geometry))),
+            None => bail!(
+                "{}: the latent cache holds no flipped latents (flip_p was 0 when it was built)",
+                self.geometry.path.display()
+            ),
+        }
+    }
+}
+
+/// Where the cached latents are.
+pub enum LatentStore {
+    Memory(Vec<Arc<CachedLatent>>),
+    /// One file per item, and the item's caption.
+    Disk(Vec<(PathBuf, String)>),
+}
+
+impl LatentStore {
+    /// Item `i`'s latents (read from disk for a disk cache).
+    pub fn get(&self, i: usize) -> anyhow::Result<Arc<CachedLatent>> {
+        match self {
+            Self::Memory(v) => v
+                .get(i)
+                .cloned()
+                .with_context(|| format!("no cached latents for item {i}")),
+            Self::Disk(files) => {
+                let (path, caption) = files
+                    .get(i)
+                    .with_context(|| format!("no cached latents for item {i}"))?;
+                let (mut latent, _) = read_entry(path)?;
+                latent.geometry.caption = caption.clone();
+                Ok(Arc::new(latent))
+            }
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        match self {
+            Self::Memory(v) => v.len(),
+            Self::Disk(v) => v.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// What building a cache did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CacheStats {
+    pub encoded: usize,
+    pub reused: usize,
+}
+
+/// How to build a cache.
+pub struct CacheSpec<'a> {
+    pub items: &'a [ImageMeta],
+    pub buckets: &'a [Bucket],
+    /// Also cache the mirror images.
+    pub with_flip: bool,
+    /// `Some(folder)` for a disk cache.
+    pub dir: Option<PathBuf>,
+    pub max_pixels: u64,
+    /// Images encoded per VAE call.
+    pub batch: usize,
+}
+
+/// The VAE's identity for cache keys: a SHA-256 of its config and weight files, and the dtype
+/// it encodes in.
+pub fn vae_identity(sd: &StableDiffusion) -> anyhow::Result<String> {
+    let files = sd
+        .layout
+        .component(crate::model::files::Component::Vae)
+        .context("the model has no VAE")?;
+    let mut h = Sha256::new();
+    let mut paths = vec![files.config.clone()];
+    paths.extend(files.weights.iter().cloned());
+    for path in &paths {
+        hash_file(&mut h, path)?;
+    }
+    let dtype = sd.vae()?.dtype();
+    Ok(format!("{}-{dtype:?}", hex(&h.finalize())))
+}
+
+fn hash_file(h: &mut Sha256, path: &Path) -> anyhow::Result<()> {
+    let mut f =
+        std::fs::File::open(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = f
+            .read(&mut buf)
+            .with_context(|| format!("cannot read {}", path.display()))?;
+        if n == 0 {
+            return Ok(());
+        }
+        h.update(&buf[..n]);
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The cache key of one image: see the module header.
+pub fn entry_key(
+    image: &Path,
+    bucket: Bucket,
+    with_flip: bool,
+    vae_id: &str,
+) -> anyhow::Result<String> {
+    let mut h = Sha256::new();
+    hash_file(&mut h, image)?;
+    Ok(format!(
+        "{FORMAT}|image {}|bucket {bucket}|crop centre|flip {with_flip}|vae {vae_id}",
+        hex(&h.finalize())
+    ))
+}
+
+/// The file of `key` in `dir`.
+pub fn entry_path(dir: &Path, key: &str) -> PathBuf {
+    let name = hex(&Sha256::digest(key.as_bytes())[..16]);
+    dir.join(format!("{name}.safetensors"))
+}
+
+/// Encodes (or, on disk, finds) every item's latents with `sd`'s VAE.
+pub fn build(
+    sd: &StableDiffusion,
+    spec: &CacheSpec<'_>,
+    device: &Device,
+) -> anyhow::Result<(LatentStore, CacheStats)> {
+    let mut stats = CacheStats::default();
+    match &spec.dir {
+        None => {
+            let all: Vec<usize> = (0..spec.items.len()).collect();
+            let mut encoded = encode_items(sd, spec, &all, device)?;
+            stats.encoded = encoded.len();
+            encoded.sort_by_key(|(i, _)| *i);
+            let store = encoded.into_iter().map(|(_, l)| Arc::new(l)).collect();
+            Ok((LatentStore::Memory(store), stats))
+        }
+        Some(dir) => {
+            std::fs::create_dir_all(dir)
+                .with_context(|| format!("cannot create {}", dir.display()))?;
+            let vae_id = vae_identity(sd)?;
+            let keys: Vec<anyhow::Result<(String, PathBuf)>> = spec
+                .items
+                .par_iter()
+                .zip(spec.buckets.par_iter())
+                .map(|(item, &bucket)| {
+                    let key = entry_key(&item.path, bucket, spec.with_flip, &vae_id)?;
+                    let path = entry_path(dir, &key);
+                    Ok((key, path))
+                })
+                .collect();
+            let keys = keys.into_iter().collect::<anyhow::Result<Vec<_>>>()?;
+            let missing: Vec<usize> = (0..keys.len())
+                .filter(|&i| !entry_is_valid(&keys[i].1, &keys[i].0))
+                .collect();
+            stats.reused = keys.len() - missing.len();
+            for (i, latent) in encode_items(sd, spec, &missing, device)? {
+                write_entry(&keys[i].1, &keys[i].0, &latent)?;
+                stats.encoded += 1;
+            }
+            let files = keys
+                .into_iter()
+                .zip(spec.items)
+                .map(|((_, path), item)| (path, item.caption.clone()))
+                .collect();
+            Ok((LatentStore::Disk(files), stats))
+        }
+    }
+}
+
+/// Encodes `which` items, a bucket at a time in batches of `spec.batch`, decoding each batch's
+/// images in parallel. Returns `(item, latents)` in no particular order.
+fn encode_items(
+    sd: &StableDiffusion,
+    spec: &CacheSpec<'_>,
+    which: &[usize],
+    device: &Device,
+) -> anyhow::Result<Vec<(usize, CachedLatent)>> {
+    let mut by_bucket: HashMap<Bucket, Vec<usize>> = HashMap::new();
+    for &i in which {
+        by_bucket.entry(spec.buckets[i]).or_default().push(i);
+    }
+    let mut groups: Vec<(Bucket, Vec<usize>)> = by_bucket.into_iter().collect();
+    groups.sort_by_key(|(b, _)| *b);
+    let vae = sd.vae()?;
+    let mut out = Vec::with_capacity(which.len());
+    for (bucket, ids) in groups {
+        for chunk in ids.chunks(spec.batch.max(1)) {
+            let images: Vec<TrainImage> = chunk
+                .par_iter()
+                .map(|&i| {
+                    let item = &spec.items[i];
+                    let mut im = load_image_limited(
+                        &item.path,
+                        (bucket.width, bucket.height),
+                        spec.max_pixels,
+                    )?;
+                    im.caption = item.caption.clone();
+                    im.multiplier = item.multiplier;
+                    Ok(im)
+                })
+                .collect::<Result<_, crate::data::DataError>>()?;
+            let refs: Vec<&TrainImage> = images.iter().collect();
+            let moments = encode(vae, &refs, device)?;
+            let flipped = if spec.with_flip {
+                let mirrored: Vec<TrainImage> = images.iter().map(augment::hflip).collect();
+                let refs: Vec<&TrainImage> = mirrored.iter().collect();
+                Some(encode(vae, &refs, device)?)
+            } else {
+                None
+            };
+            for (k, (&i, mut geometry)) in chunk.iter().zip(images).enumerate() {
+                geometry.pixels = Vec::new();
+                out.push((
+                    i,
+                    CachedLatent {
+                        geometry,
+                        moments: moments.get(k)?,
+                        flipped: flipped.as_ref().map(|f| f.get(k)).transpose()?,
+                    },
+                ));
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The moments of `images` as f32 on the host.
+fn encode(
+    vae: &crate::model::vae::AutoencoderKL,
+    images: &[&TrainImage],
+    device: &Device,
+) -> anyhow::Result<Tensor> {
+    let x = augment::to_tensor(images, device)?.to_dtype(vae.dtype())?;
+    Ok(vae
+        .encode_moments(&x)?
+        .to_dtype(DType::F32)?
+        .to_device(&Device::Cpu)?)
+}
+
+fn entry_is_valid(path: &Path, key: &str) -> bool {
+    matches!(read_entry(path), Ok((_, stored)) if stored == key)
+}
+
+/// Writes one entry: the moments, the flipped ones, and the key and geometry as metadata.
+fn write_entry(path: &Path, key: &str, latent: &CachedLatent) -> anyhow::Result<()> {
+    let g = &latent.geometry;
+    let pair = |(a, b): (usize, usize)| format!("{a},{b}");
+    let metadata: HashMap<String, String> = [
+        ("key", key.to_string()),
+        ("path", g.path.display().to_string()),
+        ("size", pair((g.width, g.height))),
+        ("original_size", pair(g.original_size)),
+        ("resized_size", pair(g.resized_size)),
+        ("crop_top_left", pair(g.crop_top_left)),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect();
+    let mut tensors = vec![("moments".to_string(), latent.moments.clone())];
+    if let Some(f) = &latent.flipped {
+        tensors.push(("moments_flipped".to_string(), f.clone()));
+    }
+    let tmp = path.with_extension("safetensors.partial");
+    candle_core::safetensors::save(&tensors.iter().cloned().collect::<HashMap<_, _>>(), &tmp)
+        .with_context(|| format!("cannot write {}", tmp.display()))?;
+    // candle's save has no metadata: rewrite with it through the safetensors crate.
+    let bytes = std::fs::read(&tmp)?;
+    let st = safetensors::SafeTensors::deserialize(&bytes)
+        .with_context(|| format!("reading back {}", tmp.display()))?;
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = st
+        .tensors()
+        .into_iter()
+        .map(|(n, v)| (n.to_string(), v))
+        .collect();
+    safetensors::serialize_to_file(views, Some(metadata), &tmp)
+        .with_context(|| format!("cannot write {}", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("cannot write {}", path.display()))?;
+    Ok(())
+}
+
+/// Reads one entry and the key it was written for.
+fn read_entry(path: &Path) -> anyhow::Result<(CachedLatent, String)> {
+    let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes)
+        .with_context(|| format!("{} is not a latent cache file", path.display()))?;
+    let meta = meta.metadata().clone().unwrap_or_default();
+    let field = |k: &str| -> anyhow::Result<String> {
+        meta.get(k)
+            .cloned()
+            .with_context(|| format!("{}: no `{k}` in its metadata", path.display()))
+    };
+    let pair = |k: &str| -> anyhow::Result<(usize, usize)> {
+        let v = field(k)?;
+        let parsed = v
+            .split_once(',')
+            .and_then(|(a, b)| Some((a.parse().ok()?, b.parse().ok()?)));
+        parsed.with_context(|| format!("{}: bad `{k}` {v:?}", path.display()))
+    };
+    let tensors = candle_core::safetensors::load_buffer(&bytes, &Device::Cpu)
+        .with_context(|| format!("cannot read {}", path.display()))?;
+    let moments = tensors
+        .get("moments")
+        .cloned()
+        .with_context(|| format!("{}: no `moments` tensor", path.display()))?;
+    let (width, height) = pair("size")?;
+    let geometry = TrainImage {
+        pixels: Vec::new(),
+        width,
+        height,
+        original_size: pair("original_size")?,
+        resized_size: pair("resized_size")?,
+        crop_top_left: pair("crop_top_left")?,
+        caption: String::new(),
+        path: PathBuf::from(field("path")?),
+        multiplier: 1.0,
+    };
+    let latent = CachedLatent {
+        geometry,
+        moments,
+        flipped: tensors.get("moments_flipped").cloned(),
+    };
+    Ok((latent, field("key")?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn latent(path: &str) -> CachedLatent {
+        CachedLatent {
+            geometry: TrainImage {
+                pixels: Vec::new(),
+                width: 16,
+                height: 8,
+                original_size: (30, 50),
+                resized_size: (8, 13),
+                crop_top_left: (0, 2),
+                caption: "c".into(),
+                path: PathBuf::from(path),
+                multiplier: 1.0,
+            },
+            moments: Tensor::arange(0f32, 8.0 * 4.0, &Device::Cpu)
+                .unwrap()
+                .reshape((8, 2, 2))
+                .unwrap(),
+            flipped: Some(Tensor::zeros((8, 2, 2), DType::F32, &Device::Cpu).unwrap()),
+        }
+    }
+
+    #[test]
+    fn an_entry_round_trips_with_its_key_and_geometry() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("e.safetensors");
+        let l = latent("img.png");
+        write_entry(&path, "k1", &l).unwrap();
+        assert!(entry_is_valid(&path, "k1"));
+        assert!(!entry_is_valid(&path, "k2"));
+        let (back, key) = read_entry(&path).unwrap();
+        assert_eq!(key, "k1");
+        assert_eq!(back.geometry.original_size, (30, 50));
+        assert_eq!(back.geometry.crop_top_left, (0, 2));
+        let a: Vec<f32> = back.moments.flatten_all().unwrap().to_vec1().unwrap();
+        let b: Vec<f32> = l.moments.flatten_all().unwrap().to_vec1().unwrap();
+        assert_eq!(a, b);
+        // the flipped variant mirrors the crop
+        let (_, g) = back.variant(true).unwrap();
+        assert_eq!(g.crop_top_left, (0, 0)); // 13 − 2 − 16, saturated
+        assert!(!path.with_extension("safetensors.partial").exists());
+    }
+
+    #[test]
+    fn a_truncated_entry_is_not_valid() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("e.safetensors");
+        write_entry(&path, "k", &latent("a.png")).unwrap();
+        let bytes = std::fs::read(&path).unwrap();
+        std::fs::write(&path, &bytes[..bytes.len() / 2]).unwrap();
+        assert!(!entry_is_valid(&path, "k"));
+        assert!(!entry_is_valid(&dir.path().join("absent.safetensors"), "k"));
+    }
+
+    #[test]
+    fn the_key_changes_with_image_bucket_flip_and_vae() {
+        let dir = tempfile::tempdir().unwrap();
+        let img = dir.path().join("a.png");
+        std::fs::write(&img, b"first").unwrap();
+        let b = Bucket::new(64, 64);
+        let k = entry_key(&img, b, false, "vae1").unwrap();
+        assert_eq!(k, entry_key(&img, b, false, "vae1").unwrap());
+        assert_ne!(
+            k,
+            entry_key(&img, Bucket::new(72, 56), false, "vae1").unwrap()
+        );
+        assert_ne!(k, entry_key(&img, b, true, "vae1").unwrap());
+        assert_ne!(k, entry_key(&img, b, false, "vae2").unwrap());
+        std::fs::write(&img, b"second").unwrap();
+        assert_ne!(k, entry_key(&img, b, false, "vae1").unwrap());
+        assert_ne!(entry_path(dir.path(), "x"), entry_path(dir.path(), "y"));
+    }
+}
