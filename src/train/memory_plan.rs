@@ -4,7 +4,10 @@
 //! - weights, gradients and optimizer state are exact, from the model's safetensors headers and
 //!   the plan (frozen weights in the compute dtype, trained ones as f32 masters, f32 gradients,
 //!   the optimizer's own state formula; a second gradient buffer while micro-batches accumulate);
-//! - activations are `batch · (resolution/8)² · bytes · κ · width(UNet)`. `width` sums, over the
+//! - frozen weights leave out what a cache releases: the VAE with `cache_latents`, the text
+//!   encoders when their outputs are cached;
+//! - activations are `batch · (largest bucket's pixels / 64) · bytes · κ · width(UNet)` (a
+//!   square bucket: `(resolution/8)²`). `width` sums, over the
 //!   UNet's levels, channels/4^level × blocks × (1 + 3·transformer depth), so it follows the
 //!   architecture (SD1.5: 11300, SDXL: 19600). κ, the elements kept per unit of width, was fitted
 //!   on measured peaks of SD1.5 steps (docs/BENCHMARKS.md, "Memory plan"), per mode and
@@ -98,14 +101,31 @@ pub fn plan_memory(
         census.unet
     };
     let trained_te = plan.mode == TrainMode::Full && plan.train_text_encoder;
-    let frozen_te = if trained_te { 0 } else { census.text_encoders };
+    let d = &plan.data;
+    let te_cached = crate::train::text_cache::why_off(
+        d.cache_text_encoder_outputs,
+        plan.train_text_encoder,
+        d.shuffle_tags,
+        d.cond_dropout,
+    )
+    .is_none();
+    let frozen_te = if trained_te || te_cached {
+        0
+    } else {
+        census.text_encoders
+    };
+    let vae = if d.cache_latents == crate::config::CacheLatents::Off {
+        census.vae
+    } else {
+        0
+    };
     let weights = compute * (frozen_unet + frozen_te) as f64
-        + vae_bytes * census.vae as f64
+        + vae_bytes * vae as f64
         + 4.0 * census.trained as f64;
     // While micro-batches accumulate, the sum and the new micro-batch's gradients coexist.
     let grad_buffers = if plan.grad_accum > 1 { 2.0 } else { 1.0 };
     let gradients = grad_buffers * 4.0 * census.trained as f64;
-    let latent_px = (resolution / 8).pow(2) as f64;
+    let latent_px = largest_bucket_pixels(plan, resolution) as f64 / 64.0;
     let ck = plan.precision.gradient_checkpointing;
     let activations =
         plan.batch_size as f64 * latent_px * compute * kappa(plan.mode, ck) * unet_width(cfg);
@@ -133,6 +153,18 @@ pub fn plan_memory(
         }
     }
     out
+}
+
+/// The pixels of the largest bucket the plan can produce at `resolution` (SD/SDXL take
+/// multiples of 64); `resolution²` without buckets.
+fn largest_bucket_pixels(plan: &TrainPlan, resolution: usize) -> usize {
+    let buckets = super::data_feed::bucket_list(plan.data.buckets.as_ref(), resolution, 64)
+        .unwrap_or_else(|_| vec![crate::data::Bucket::new(resolution, resolution)]);
+    buckets
+        .iter()
+        .map(|b| b.width * b.height)
+        .max()
+        .unwrap_or(resolution * resolution)
 }
 
 impl fmt::Display for MemoryPlan {
