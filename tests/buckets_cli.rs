@@ -1,8 +1,8 @@
 //! Aspect buckets and the latent and text-encoder caches, end to end from the CLI on the three
 //! tiny fixtures, with a set of photos of mixed shapes:
 //! - a run buckets them (one bucket per micro-batch, runts filled) on SD1.5, SD2.1 and SDXL;
-//! - a cached run trains on what an uncached one does: the same per-step losses, to the
-//!   rounding of encoding images in other batches;
+//! - a cached run trains on what an uncached one does: the same per-step training and
+//!   validation losses, to the rounding of encoding images in other batches;
 //! - a disk cache is reused by the next run, and an image whose content changed, or a run at
 //!   another bucket size, is encoded again, never served stale.
 
@@ -40,15 +40,16 @@ fn mixed_data(root: &Path) -> PathBuf {
     data
 }
 
+/// Each step's training loss, then each step's validation loss.
 fn losses(run: &Path) -> Vec<f64> {
-    std::fs::read_to_string(run.join("train_log.jsonl"))
+    let records: Vec<serde_json::Value> = std::fs::read_to_string(run.join("train_log.jsonl"))
         .unwrap()
         .lines()
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).unwrap();
-            v["loss"].as_f64().unwrap()
-        })
-        .collect()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let train = records.iter().map(|v| v["loss"].as_f64().unwrap());
+    let val = records.iter().map(|v| v["val_loss"].as_f64().unwrap());
+    train.chain(val).collect()
 }
 
 /// Trains in `dir` and returns (output, run folder).
@@ -72,6 +73,8 @@ fn base() -> serde_json::Value {
         "disable_textenc_training": true,
         "cond_dropout": 0.0,
         "seed": 11,
+        "validation_split": 0.3,
+        "validation_every_n_steps": 1,
     })
 }
 
@@ -127,7 +130,8 @@ fn buckets_and_both_caches_on_every_fixture() {
             &data,
             with(base(), serde_json::json!({"cache_latents": true})),
         );
-        assert!(log.contains("7 encoded, 0 reused"), "{fixture}: {log}");
+        // 5 training images (2 held out for validation, cached on their own)
+        assert!(log.contains("5 encoded, 0 reused"), "{fixture}: {log}");
         assert!(log.contains("VAE released"), "{fixture}: {log}");
         assert!(log.contains("text encoders released"), "{fixture}: {log}");
         assert_close(&losses(&run), &want, fixture);
@@ -147,6 +151,8 @@ fn the_disk_cache_is_reused_and_never_stale() {
                     "cache_latents_to_disk": true,
                     "output_dir": out,
                     "max_steps": 1,
+                    "validation_split": null,
+                    "validation_every_n_steps": null,
                 }),
             ),
             extra,
@@ -202,4 +208,49 @@ fn crop_jitter_with_a_latent_cache_is_refused() {
         log.contains("crop_jitter") && log.contains("cache_latents"),
         "{log}"
     );
+}
+
+/// A file whose header reads fine but whose pixels do not decode is left out of its step with a
+/// warning naming it, and the run goes on; the summary counts it.
+#[test]
+fn an_image_that_fails_to_decode_mid_run_is_left_out() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = mixed_data(dir.path());
+    let mut png = Vec::new();
+    RgbImage::from_fn(64, 64, |x, y| Rgb([x as u8 * 3, y as u8 * 3, 9]))
+        .write_to(&mut std::io::Cursor::new(&mut png), image::ImageFormat::Png)
+        .unwrap();
+    // Scramble the compressed pixel data inside IDAT; the chunk structure (and IEND) stay.
+    let idat = png.windows(4).position(|w| w == b"IDAT").unwrap() + 4;
+    for b in &mut png[idat + 2..idat + 40] {
+        *b ^= 0x5a;
+    }
+    let bad = data.join("broken.png");
+    std::fs::write(&bad, &png).unwrap();
+    let cfg_for = |steps: u64| {
+        let extra = with(
+            base(),
+            serde_json::json!({"max_steps": steps, "batch_size": 1, "validation_split": null,
+                               "validation_every_n_steps": null}),
+        );
+        write_config(dir.path(), "tiny-sd15", &data, extra)
+    };
+    let dry = sdtrain(
+        &["--config", cfg_for(1).to_str().unwrap(), "--dry-run"],
+        dir.path(),
+    );
+    assert!(dry.status.success(), "{}", text(&dry));
+    // 8 single-image steps: one epoch is every image once, so the broken one comes up.
+    let out = sdtrain(&["--config", cfg_for(8).to_str().unwrap()], dir.path());
+    let log = text(&out);
+    assert!(out.status.success(), "{log}");
+    assert!(log.contains("8 images loaded, 0 skipped"), "{log}");
+    assert!(
+        log.contains("left out") && log.contains("broken.png"),
+        "{log}"
+    );
+    // At batch 1 its step has nothing to train on: skipped, and counted.
+    assert!(log.contains("none of its images could be decoded"), "{log}");
+    assert!(log.contains("skipped steps   1"), "{log}");
+    assert!(log.contains("left out        1 samples"), "{log}");
 }

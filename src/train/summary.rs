@@ -80,7 +80,7 @@ impl fmt::Display for Summary<'_> {
         if o.skipped_steps > 0 {
             writeln!(
                 f,
-                "skipped steps   {} (non-finite loss or gradient)",
+                "skipped steps   {} (non-finite loss or gradient, or no decodable image)",
                 o.skipped_steps
             )?;
         }

@@ -894,10 +894,19 @@ impl<'a> Session<'a> {
             }
             out.failed_samples += data.failed.len();
             if data.samples.is_empty() {
-                bail!(
-                    "step {}: no image of the step could be decoded (see the warnings above)",
+                // Nothing to train on: the step passes with no update, as a non-finite one does.
+                progress.println(format!(
+                    "warning: step {}: skipped, none of its images could be decoded",
                     out.steps + 1
-                );
+                ));
+                out.skipped_steps += 1;
+                out.steps += 1;
+                self.position = if i + 1 == steps_in_epoch {
+                    (epoch + 1, 0)
+                } else {
+                    (epoch, i + 1)
+                };
+                continue;
             }
             let report = match self.optimizer_step(&data, out.steps) {
                 Ok(report) => report,
