@@ -84,19 +84,28 @@ pub fn load_image_limited(
         });
     }
     let rgb = decode_rgb_limited(path, max_pixels)?;
-    let original_size = (rgb.height() as usize, rgb.width() as usize);
-    let (cropped, resized_size, crop_top_left) = resize_and_crop(&rgb, target_w, target_h);
-    Ok(TrainImage {
+    let crop = resize_and_crop(&rgb, target_w, target_h);
+    Ok(train_image(path, &rgb, crop))
+}
+
+/// The training image of `path` from its decoded `rgb` and the crop made of it (the pixels, the
+/// resized size and the crop's top-left).
+fn train_image(
+    path: &Path,
+    rgb: &RgbImage,
+    (cropped, resized_size, crop_top_left): (RgbImage, (usize, usize), (usize, usize)),
+) -> TrainImage {
+    TrainImage {
+        width: cropped.width() as usize,
+        height: cropped.height() as usize,
         pixels: cropped.into_raw(),
-        width: target_w,
-        height: target_h,
-        original_size,
+        original_size: (rgb.height() as usize, rgb.width() as usize),
         resized_size,
         crop_top_left,
         caption: String::new(),
         path: path.to_path_buf(),
         multiplier: 1.0,
-    })
+    }
 }
 
 /// [`load_image_limited`] with EveryDream2's crop jitter (`crop_jitter`, see [`jittered_crop`])
@@ -119,20 +128,8 @@ pub fn load_image_jittered(
         });
     }
     let rgb = decode_rgb_limited(path, max_pixels)?;
-    let original_size = (rgb.height() as usize, rgb.width() as usize);
-    let (cropped, resized_size, crop_top_left) =
-        jittered_crop(&rgb, target_w, target_h, jitter, rng);
-    Ok(TrainImage {
-        pixels: cropped.into_raw(),
-        width: target_w,
-        height: target_h,
-        original_size,
-        resized_size,
-        crop_top_left,
-        caption: String::new(),
-        path: path.to_path_buf(),
-        multiplier: 1.0,
-    })
+    let crop = jittered_crop(&rgb, target_w, target_h, jitter, rng);
+    Ok(train_image(path, &rgb, crop))
 }
 
 /// EveryDream2's random crop (`ImageTrainItem.hydrate`): up to `jitter · min(w, h)` pixels, each

@@ -10,7 +10,7 @@ use std::time::Instant;
 use anyhow::{bail, Context};
 use candle_core::{DType, Device, Tensor, Var};
 
-use super::accumulate::GradAccumulator;
+use super::accumulate::{Accumulated, GradAccumulator};
 use super::adapters::{self, SaveInfo, TrainedAdapters};
 use super::data_feed::{self, DataFeed, StepData};
 use super::interrupt::Interrupt;
@@ -547,26 +547,17 @@ impl<'a> Session<'a> {
         }
     }
 
-    /// One optimizer step over `data` (the step's micro-batches, each of one bucket, and their
-    /// samples): the samples go through forward and backward `self.micro.size` at a time, each
-    /// with its own seeded draws; an out-of-memory error halves the micro-batch and retries the
-    /// same samples, keeping the gradients already accumulated. Then the one device→host check,
-    /// the scaler's update and, when everything is finite, the optimizer update.
-    fn optimizer_step(&mut self, data: &StepData, step: usize) -> anyhow::Result<StepReport> {
-        // Field by field, so the settings' borrows leave the scaler and micro-batch free.
-        let settings = settings_of(
-            self.plan,
-            &self.objective,
-            self.groups.len() > 1,
-            self.amp,
-            self.checkpointing.as_ref(),
-            self.text_cache.as_ref(),
-        );
-        self.scaler.begin_step(step);
-        if let Some(a) = &self.adapters {
-            a.begin_step(step);
-        }
-        let loss_scale = self.scaler.scale();
+    /// Forward and backward over every sample of `data`, `micro.size` at a time within each
+    /// micro-batch, halving `micro` on an out-of-memory error and retrying the same samples.
+    /// Returns the accumulated loss and gradients, and one line per retry.
+    fn forward_backward_all(
+        &self,
+        data: &StepData,
+        step: usize,
+        micro: &mut MicroBatching,
+        loss_scale: f64,
+    ) -> anyhow::Result<(Accumulated, Vec<String>)> {
+        let settings = self.step_settings();
         let effective = data.samples.len();
         let mut acc = GradAccumulator::new(&self.params);
         let mut retries = Vec::new();
@@ -575,7 +566,7 @@ impl<'a> Session<'a> {
             let end = offset + mb.ids.len();
             let mut start = offset;
             while start < end {
-                let n = self.micro.size.min(end - start);
+                let n = micro.size.min(end - start);
                 let ids = &mb.ids[start - offset..start - offset + n];
                 let samples: Vec<&SampleData> = data.samples[start..start + n].iter().collect();
                 let seeds = &data.seeds[start..start + n];
@@ -598,23 +589,42 @@ impl<'a> Session<'a> {
                         };
                         // The failed micro-batch's graph is gone with `e`'s stack frame.
                         trim_pool(&self.opts.device).context("freeing memory after an OOM")?;
-                        let old = self.micro.size;
-                        if !self.micro.halve() {
+                        let old = micro.size;
+                        if !micro.halve() {
                             return Err(OomExhausted {
                                 place: format!("at step {} with batch 1", step + 1),
                                 oom,
                             }
                             .into());
                         }
-                        retries.push(self.micro.retry_line(step + 1, old, effective));
+                        retries.push(micro.retry_line(step + 1, old, effective));
                     }
                 }
             }
             offset = end;
         }
-        let Some(mut done) = acc.finish(loss_scale)? else {
-            bail!("optimizer step {} had no micro-batches", step + 1);
-        };
+        match acc.finish(loss_scale)? {
+            Some(done) => Ok((done, retries)),
+            None => bail!("optimizer step {} had no micro-batches", step + 1),
+        }
+    }
+
+    /// One optimizer step over `data` (the step's micro-batches, each of one bucket, and their
+    /// samples): the samples go through forward and backward `self.micro.size` at a time, each
+    /// with its own seeded draws; an out-of-memory error halves the micro-batch and retries the
+    /// same samples, keeping the gradients already accumulated. Then the one device→host check,
+    /// the scaler's update and, when everything is finite, the optimizer update.
+    fn optimizer_step(&mut self, data: &StepData, step: usize) -> anyhow::Result<StepReport> {
+        self.scaler.begin_step(step);
+        if let Some(a) = &self.adapters {
+            a.begin_step(step);
+        }
+        let loss_scale = self.scaler.scale();
+        let mut micro = self.micro;
+        let result = self.forward_backward_all(data, step, &mut micro, loss_scale);
+        // Kept whether the step succeeded or ran out of memory at batch 1: the save says so.
+        self.micro = micro;
+        let (mut done, retries) = result?;
         // EveryDream2's clip_grad_norm: each group clipped to the norm on its own (UNet, text
         // encoder); the logged norm is the global one before clipping.
         let pre_clip = match self.plan.clip_grad_norm {
@@ -699,14 +709,18 @@ impl<'a> Session<'a> {
 
     /// The step's settings from the plan.
     fn step_settings(&self) -> StepSettings<'_> {
-        settings_of(
-            self.plan,
-            &self.objective,
-            self.groups.len() > 1,
-            self.amp,
-            self.checkpointing.as_ref(),
-            self.text_cache.as_ref(),
-        )
+        let data = &self.plan.data;
+        StepSettings {
+            objective: &self.objective,
+            flip_p: data.flip_p,
+            cond_dropout: data.cond_dropout,
+            shuffle_tags: data.shuffle_tags,
+            clip_skip_layers: self.plan.objective.clip_skip_layers,
+            train_text_encoder: self.groups.len() > 1,
+            compute_dtype: self.amp.compute_dtype(),
+            checkpointing: self.checkpointing.as_ref(),
+            text_cache: self.text_cache.as_ref(),
+        }
     }
 
     /// The text-encoder output cache and the latent cache, when they apply; each releases the
@@ -1089,28 +1103,6 @@ impl<'a> Session<'a> {
             rungs: rung_lines(&next_rungs(self.plan, self.amp, self.resolution)),
         }
         .into()
-    }
-}
-
-/// The step's settings from the plan and the session's parts.
-fn settings_of<'s>(
-    plan: &TrainPlan,
-    objective: &'s Objective,
-    train_text_encoder: bool,
-    amp: Amp,
-    checkpointing: Option<&'s Checkpointing>,
-    text_cache: Option<&'s TextCache>,
-) -> StepSettings<'s> {
-    StepSettings {
-        objective,
-        flip_p: plan.data.flip_p,
-        cond_dropout: plan.data.cond_dropout,
-        shuffle_tags: plan.data.shuffle_tags,
-        clip_skip_layers: plan.objective.clip_skip_layers,
-        train_text_encoder,
-        compute_dtype: amp.compute_dtype(),
-        checkpointing,
-        text_cache,
     }
 }
 
