@@ -10,7 +10,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 use sdtrain::adapter::AdapterComponent;
 use sdtrain::config::{AdapterPlan, SaveDtype, TrainMode};
-use sdtrain::data::{load_data_root, load_image};
+use sdtrain::data::{load_data_root, load_image, load_image_jittered};
 use sdtrain::diffusion::{NoiseSchedule, Objective, ObjectiveConfig};
 use sdtrain::model::family::ModelLayout;
 use sdtrain::model::pipeline::{LoadOptions, StableDiffusion};
@@ -335,4 +335,36 @@ fn checkpointing_matches_the_plain_path_lora_with_dropout() {
 #[test]
 fn checkpointing_matches_the_plain_path_locon_sdxl() {
     checkpointed_matches_plain("tiny-sdxl", TrainMode::Locon, 0.1);
+}
+
+/// SDXL's `time_ids` carry a bucketed image's real original size, its crop in the resized image
+/// and the bucket as target; a flip mirrors the crop's left edge.
+#[test]
+fn time_ids_carry_the_original_size_and_crop() {
+    use rand::SeedableRng;
+    let m = model("tiny-sdxl", TrainMode::Lora, 0.0);
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("wide.png");
+    image::RgbImage::from_fn(300, 100, |x, y| image::Rgb([x as u8, y as u8, 0]))
+        .save(&path)
+        .unwrap();
+    // An off-centre jittered crop into the 96×40 bucket.
+    let mut rng = rand::rngs::StdRng::seed_from_u64(4);
+    let mut im = load_image_jittered(&path, (96, 40), 0.2, &mut rng, u64::MAX).unwrap();
+    im.caption = "a wide image".into();
+    let (top, left) = im.crop_top_left;
+    let resized_w = im.resized_size.1;
+    assert_ne!(
+        left,
+        resized_w - left - 96,
+        "pick a crop that is not centred"
+    );
+    let sample = SampleData::Pixels(im);
+    let mut s = settings(&m, None);
+    for (flip_p, want_left) in [(0.0, left), (1.0, resized_w - left - 96)] {
+        s.flip_p = flip_p;
+        let b = prepare_batch(&m.sd, &[&sample], &s, &mut sample_rngs(&[1])).unwrap();
+        let want = [100, 300, top, want_left, 40, 96].map(|v| v as f32);
+        assert_eq!(b.time_ids[0], want, "flip_p {flip_p}");
+    }
 }
