@@ -41,6 +41,10 @@ pub struct RunKey {
     pub resolution: usize,
     pub batch_size: usize,
     pub grad_accum: usize,
+    /// The settings that shape the data order and crops (buckets, `crop_jitter`); empty in save
+    /// points written before they were recorded.
+    #[serde(default)]
+    pub data_shape: String,
 }
 
 impl RunKey {
@@ -74,6 +78,13 @@ impl RunKey {
             self.grad_accum.to_string(),
             now.grad_accum.to_string(),
         );
+        if !self.data_shape.is_empty() {
+            check(
+                "buckets or crop_jitter",
+                self.data_shape.clone(),
+                now.data_shape.clone(),
+            );
+        }
         out
     }
 }
@@ -341,6 +352,7 @@ mod tests {
             resolution: 64,
             batch_size: 2,
             grad_accum: 1,
+            data_shape: "buckets off, crop_jitter 0".into(),
         }
     }
 
@@ -441,5 +453,16 @@ mod tests {
             ..key()
         });
         assert_eq!(d, vec!["batch_size: 2 → 4"]);
+        let changed = RunKey {
+            data_shape: "buckets None up to None, crop_jitter 0".into(),
+            ..key()
+        };
+        assert_eq!(key().differences(&changed).len(), 1);
+        // A save point from before the field existed compares nothing there.
+        let old = RunKey {
+            data_shape: String::new(),
+            ..key()
+        };
+        assert!(old.differences(&changed).is_empty());
     }
 }

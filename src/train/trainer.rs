@@ -423,6 +423,14 @@ impl<'a> Session<'a> {
             resolution,
             batch_size: plan.batch_size,
             grad_accum: plan.grad_accum,
+            data_shape: format!(
+                "buckets {}, crop_jitter {}",
+                match &plan.data.buckets {
+                    None => "off".to_string(),
+                    Some(b) => format!("{:?} up to {:?}", b.aspects, b.max_ratio),
+                },
+                plan.data.crop_jitter
+            ),
         };
         let mut session = Self {
             plan,
