@@ -52,7 +52,12 @@ impl fmt::Display for TrainPlan {
             Some(b) => {
                 let sizes = match &b.aspects {
                     Some(a) => format!("{} sizes from aspects", a.len()),
-                    None => "EveryDream2's sizes for the resolution".to_string(),
+                    None => match d.resolution {
+                        Some(r) if !crate::data::bucket::has_ed2_table(r) => {
+                            format!("generated for {r} px (kohya's rule; EveryDream2 has no table)")
+                        }
+                        _ => "EveryDream2's table for the resolution".to_string(),
+                    },
                 };
                 match b.max_ratio {
                     Some(r) => format!("{sizes}, up to {r}:1"),
@@ -84,7 +89,7 @@ impl fmt::Display for TrainPlan {
             Some(why) => format!("off: {why}"),
             None => "on: each caption encoded once, text encoders released".to_string(),
         };
-        row(f, "text-encoder cache", &text)?;
+        row(f, "text cache", &text)?;
         row(
             f,
             "batch",

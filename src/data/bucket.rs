@@ -238,6 +238,11 @@ const ED2_LANDSCAPE: &[(usize, &[(usize, usize)])] = &[
     ),
 ];
 
+/// Whether EveryDream2 has a table for `resolution` (used for models taking multiples of 64).
+pub fn has_ed2_table(resolution: usize) -> bool {
+    ED2_LANDSCAPE.iter().any(|(r, _)| *r == resolution)
+}
+
 /// The ratio limit of generated buckets when none is set: ED2's tables reach about 4:1.
 pub const DEFAULT_MAX_RATIO: f64 = 4.0;
 
