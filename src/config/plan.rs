@@ -76,7 +76,7 @@ pub struct DataPlan {
     pub validation: Option<ValidationPlan>,
     /// Aspect-ratio buckets; `None` trains squares (`enable_bucket: false`).
     pub buckets: Option<BucketPlan>,
-    /// EveryDream2's `crop_jitter`, in [0, 0.5]; 0 centres every crop.
+    /// EveryDream2's `crop_jitter`, in [0, 0.25]; 0 centres every crop.
     pub crop_jitter: f64,
     /// VAE latents computed once per image and flip.
     pub cache_latents: CacheLatents,
@@ -589,10 +589,10 @@ fn resolve_data(file: &TrainFile, ctx: &Ctx<'_>) -> Result<DataPlan, ConfigError
         _ => CacheLatents::Off,
     };
     let crop_jitter = match (file.crop_jitter, cache_latents) {
-        (Some(j), _) if !(0.0..=0.5).contains(&j) => {
+        (Some(j), _) if !(0.0..=0.25).contains(&j) => {
             return Err(ctx.invalid(
                 "crop_jitter",
-                format!("must be between 0 and 0.5 (got {j})"),
+                format!("must be between 0 and 0.25 (got {j})"),
             ))
         }
         (Some(j), CacheLatents::Memory | CacheLatents::Disk) if j > 0.0 => {

@@ -148,7 +148,8 @@ pub fn jittered_crop(
     let (w, h) = (image.width() as usize, image.height() as usize);
     let excess = ((w as f64 - target_w as f64) / target_w as f64)
         .min((h as f64 - target_h as f64) / target_h as f64);
-    let jitter = jitter.min(excess).max(0.0);
+    // At most a quarter of the short side per edge, so a window is always left.
+    let jitter = jitter.min(excess).clamp(0.0, 0.25);
     let max_crop = (w.min(h) as f64 * jitter) as usize;
     let mut side = || (rng.random::<f64>() * max_crop as f64).round() as usize;
     let (l, r, t, b) = (side(), side(), side(), side());
@@ -370,6 +371,19 @@ mod tests {
         let (crop, _, tl) = jittered_crop(&exact, 64, 64, 0.1, &mut rng);
         assert_eq!(tl, (0, 0));
         assert_eq!(crop, exact);
+    }
+
+    #[test]
+    fn the_largest_jitter_always_leaves_a_window() {
+        use rand::SeedableRng;
+        let mut rng = rand::rngs::StdRng::seed_from_u64(9);
+        for (w, h) in [(200, 200), (9, 300), (300, 9), (65, 64)] {
+            let img = RgbImage::new(w, h);
+            for _ in 0..300 {
+                let (crop, _, _) = jittered_crop(&img, 8, 8, 1.0, &mut rng);
+                assert_eq!((crop.width(), crop.height()), (8, 8));
+            }
+        }
     }
 
     #[test]
