@@ -6,7 +6,11 @@
 //!   the file and both shapes;
 //! - when `trainable`, each tensor becomes a `Var`, recorded with its full name, so the trainer
 //!   gets the parameter list in construction order;
-//! - every name read is recorded, so the loader can report tensors the model never used.
+//! - every name read is recorded, so the loader can report tensors the model never used;
+//! - a module's tensors may be stored with or without its own name as a prefix
+//!   ([`Weights::pp_or_flat`]: transformers 5 saves `CLIPTextModel` without `text_model.`). Names
+//!   given out (parameters, layer paths) are the module paths either way; lookups, the unused
+//!   check and [`Weights::checkpoint_params`] use the names the files store.
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
@@ -47,6 +51,26 @@ pub enum WeightsError {
     },
     #[error("invalid model config: {0}")]
     Config(String),
+    #[error(
+        "{component}: neither `{nested}` nor `{flat}` is in {files}: not a checkpoint of this model"
+    )]
+    NoLayout {
+        component: String,
+        files: String,
+        nested: String,
+        flat: String,
+    },
+    #[error(
+        "{component}: {files} holds both `{nested}` and `{flat}`: tensors saved with and without \
+         the `{prefix}.` prefix cannot be told apart"
+    )]
+    MixedLayout {
+        component: String,
+        files: String,
+        prefix: String,
+        nested: String,
+        flat: String,
+    },
 }
 
 /// A candle error without its `WithPath` layers: the message already names the file, and
@@ -81,17 +105,29 @@ struct Inner {
     dtype: DType,
     device: Device,
     trainable: bool,
-    params: Mutex<Vec<(String, Var)>>,
+    params: Mutex<Vec<Param>>,
+    /// Stored names read so far.
     used: Mutex<HashSet<String>>,
     /// Elements handed out so far (each name counted once).
     elements: AtomicUsize,
+}
+
+/// One trainable parameter: its module path name, the name its file stores it under.
+struct Param {
+    name: String,
+    stored: String,
+    var: Var,
 }
 
 /// A cursor into a tensor source at a module path prefix. Cheap to clone.
 #[derive(Clone)]
 pub struct Weights {
     inner: Arc<Inner>,
+    /// The module path (`text_model.encoder.layers.0`): parameter and layer names.
     prefix: String,
+    /// The prefix the files store this module's tensors under: `prefix`, less the levels a
+    /// [`Weights::pp_or_flat`] found stored flat.
+    stored: String,
 }
 
 impl Weights {
@@ -154,14 +190,56 @@ impl Weights {
                 elements: AtomicUsize::new(0),
             }),
             prefix: String::new(),
+            stored: String::new(),
         }
     }
 
     /// A cursor one level down: `pp("down_blocks").pp(0)` reads `down_blocks.0.*`.
     pub fn pp(&self, name: impl std::fmt::Display) -> Self {
+        let name = name.to_string();
         Self {
             inner: self.inner.clone(),
-            prefix: self.path(&name.to_string()),
+            prefix: self.path(&name),
+            stored: self.stored_path(&name),
+        }
+    }
+
+    /// A cursor at module path `name` whose tensors the files hold either under `name.` (as
+    /// [`Weights::pp`] reads them) or directly at this cursor, without the `name.` level.
+    /// `probe`, a tensor every checkpoint of the module has, picks the layout once for the whole
+    /// module. Either way the cursor's names are `name.*`. Random sources use the `name.` layout.
+    pub fn pp_or_flat(&self, name: &str, probe: &str) -> Result<Self, WeightsError> {
+        let nested = self.pp(name);
+        let Source::Files { files, .. } = &self.inner.source else {
+            return Ok(nested);
+        };
+        match (nested.contains(probe), self.contains(probe)) {
+            (true, false) => Ok(nested),
+            (false, true) => Ok(Self {
+                stored: self.stored.clone(),
+                ..nested
+            }),
+            (both, _) => {
+                let component = self.inner.component.clone();
+                let files = display_files(files);
+                let (nested, flat) = (nested.stored_path(probe), self.stored_path(probe));
+                Err(if both {
+                    WeightsError::MixedLayout {
+                        component,
+                        files,
+                        prefix: self.path(name),
+                        nested,
+                        flat,
+                    }
+                } else {
+                    WeightsError::NoLayout {
+                        component,
+                        files,
+                        nested,
+                        flat,
+                    }
+                })
+            }
         }
     }
 
@@ -172,11 +250,13 @@ impl Weights {
 
     /// The full tensor name of `name` under this cursor.
     pub fn path(&self, name: &str) -> String {
-        if self.prefix.is_empty() {
-            name.to_string()
-        } else {
-            format!("{}.{name}", self.prefix)
-        }
+        join(&self.prefix, name)
+    }
+
+    /// The name the files store `name` under (the same as [`Weights::path`] unless a
+    /// [`Weights::pp_or_flat`] above this cursor found a flat layout).
+    pub fn stored_path(&self, name: &str) -> String {
+        join(&self.stored, name)
     }
 
     pub fn component(&self) -> &str {
@@ -194,7 +274,7 @@ impl Weights {
     /// Whether the source holds `name` under this cursor (always true for random weights).
     pub fn contains(&self, name: &str) -> bool {
         match &self.inner.source {
-            Source::Files { st, .. } => st.get(&self.path(name)).is_ok(),
+            Source::Files { st, .. } => st.get(&self.stored_path(name)).is_ok(),
             Source::Random(_) => true,
         }
     }
@@ -213,29 +293,31 @@ impl Weights {
     ) -> Result<Tensor, WeightsError> {
         let shape: Shape = shape.into();
         let full = self.path(name);
+        // Errors name the tensor as the files store it: that is the name a user can look up.
+        let stored = self.stored_path(name);
         let inner = &self.inner;
         let load_err = |e| WeightsError::Load {
             component: inner.component.clone(),
-            name: full.clone(),
+            name: stored.clone(),
             source: Box::new(e),
         };
         let tensor = match &inner.source {
             Source::Files { files, st } => {
-                let view = st.get(&full).map_err(|_| WeightsError::Missing {
+                let view = st.get(&stored).map_err(|_| WeightsError::Missing {
                     component: inner.component.clone(),
-                    name: full.clone(),
+                    name: stored.clone(),
                     files: display_files(files),
                 })?;
                 if view.shape() != shape.dims() {
                     return Err(WeightsError::Shape {
                         component: inner.component.clone(),
-                        name: full.clone(),
+                        name: stored.clone(),
                         file: display_files(files),
                         found: view.shape().to_vec(),
                         want: shape.dims().to_vec(),
                     });
                 }
-                st.load(&full, &inner.device)
+                st.load(&stored, &inner.device)
                     .and_then(|t| t.to_dtype(inner.dtype))
                     .map_err(load_err)?
             }
@@ -243,7 +325,7 @@ impl Weights {
                 random_tensor(rng, &shape, init, inner.dtype, &inner.device).map_err(load_err)?
             }
         };
-        if lock(&inner.used).insert(full.clone()) {
+        if lock(&inner.used).insert(stored.clone()) {
             inner
                 .elements
                 .fetch_add(tensor.elem_count(), Ordering::Relaxed);
@@ -251,7 +333,11 @@ impl Weights {
         if inner.trainable {
             let var = Var::from_tensor(&tensor).map_err(load_err)?;
             let t = var.as_tensor().clone();
-            lock(&inner.params).push((full, var));
+            lock(&inner.params).push(Param {
+                name: full,
+                stored,
+                var,
+            });
             Ok(t)
         } else {
             Ok(tensor)
@@ -263,9 +349,23 @@ impl Weights {
         self.inner.elements.load(Ordering::Relaxed)
     }
 
-    /// The trainable parameters created so far, by full name, in construction order.
+    /// The trainable parameters created so far, by module path name, in construction order.
     pub fn params(&self) -> Vec<(String, Var)> {
-        lock(&self.inner.params).clone()
+        let params = lock(&self.inner.params);
+        params
+            .iter()
+            .map(|p| (p.name.clone(), p.var.clone()))
+            .collect()
+    }
+
+    /// [`Weights::params`] under the names the files store them: what an export writes back
+    /// into a copy of the loaded checkpoint, in the checkpoint's own layout.
+    pub fn checkpoint_params(&self) -> Vec<(String, Var)> {
+        let params = lock(&self.inner.params);
+        params
+            .iter()
+            .map(|p| (p.stored.clone(), p.var.clone()))
+            .collect()
     }
 
     /// Tensors present in the files that no layer read (sorted). Empty for random sources.
@@ -282,6 +382,14 @@ impl Weights {
         };
         out.sort();
         out
+    }
+}
+
+fn join(prefix: &str, name: &str) -> String {
+    if prefix.is_empty() {
+        name.to_string()
+    } else {
+        format!("{prefix}.{name}")
     }
 }
 
@@ -343,4 +451,85 @@ fn random_fill(
             }
         });
     data
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Writes `names` (each a `[2]` f32 tensor of ones) into `dir/model.safetensors`.
+    fn file(dir: &Path, names: &[&str]) -> PathBuf {
+        let path = dir.join("model.safetensors");
+        let tensors: Vec<(String, Tensor)> = names
+            .iter()
+            .map(|n| {
+                (
+                    n.to_string(),
+                    Tensor::ones(2, DType::F32, &Device::Cpu).unwrap(),
+                )
+            })
+            .collect();
+        candle_core::safetensors::save(&tensors.into_iter().collect(), &path).unwrap();
+        path
+    }
+
+    fn open(path: &Path) -> Weights {
+        Weights::from_files(&[path.to_path_buf()], "te", DType::F32, &Device::Cpu, true).unwrap()
+    }
+
+    #[test]
+    fn pp_or_flat_reads_either_layout_under_module_names() {
+        let dir = tempfile::tempdir().unwrap();
+        for (names, stored) in [
+            (["m.a.w", "m.b.w", "m.extra", "top.w"], "m."),
+            (["a.w", "b.w", "extra", "top.w"], ""),
+        ] {
+            let w = open(&file(dir.path(), &names));
+            let m = w.pp_or_flat("m", "a.w").unwrap();
+            m.pp("a").get(2, "w").unwrap();
+            m.pp("b").get(2, "w").unwrap();
+            w.pp("top").get(2, "w").unwrap();
+            let params: Vec<String> = w.params().into_iter().map(|(n, _)| n).collect();
+            assert_eq!(params, ["m.a.w", "m.b.w", "top.w"]);
+            let in_file: Vec<String> = w.checkpoint_params().into_iter().map(|(n, _)| n).collect();
+            assert_eq!(
+                in_file,
+                [
+                    format!("{stored}a.w"),
+                    format!("{stored}b.w"),
+                    "top.w".into()
+                ]
+            );
+            // The unused check compares stored names, so it works in both layouts.
+            assert_eq!(w.unused(), [format!("{stored}extra")]);
+            // Errors name the tensor as stored.
+            let err = m.get(2, "absent").unwrap_err().to_string();
+            assert!(err.contains(&format!("`{stored}absent`")), "{err}");
+        }
+    }
+
+    #[test]
+    fn pp_or_flat_refuses_unknown_and_mixed_layouts() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = file(dir.path(), &["x.w"]);
+        let err = open(&path)
+            .pp_or_flat("m", "a.w")
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            err.contains("neither `m.a.w` nor `a.w`") && err.contains(&path.display().to_string()),
+            "{err}"
+        );
+        let path = file(dir.path(), &["m.a.w", "a.w"]);
+        let err = open(&path)
+            .pp_or_flat("m", "a.w")
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(err.contains("both `m.a.w` and `a.w`"), "{err}");
+        // Random weights have no layout to detect.
+        let w = Weights::random(0, "te", DType::F32, &Device::Cpu, false);
+        assert_eq!(w.pp_or_flat("m", "a.w").unwrap().stored_path("w"), "m.w");
+    }
 }

@@ -6,9 +6,11 @@
 //!   `<component>/diffusion_pytorch_model.safetensors` (UNet, VAE) or `model.safetensors`
 //!   (text encoders), holding every tensor of the base checkpoint under its checkpoint name: the
 //!   updated values where given, the base values otherwise (buffers the model never reads, such
-//!   as an old CLIP `position_ids`, survive). Float tensors are written in the requested dtype;
-//!   integer tensors keep theirs. The base's shards, shard index or `.fp16` variant names are not
-//!   carried over for that component;
+//!   as an old CLIP `position_ids`, survive). Callers name tensors as the base stores them
+//!   (`Weights::checkpoint_params`), so a text encoder keeps its key layout, with or without
+//!   `text_model.`, and loads wherever the base did. Float tensors are written in the requested
+//!   dtype; integer tensors keep theirs. The base's shards, shard index or `.fp16` variant names
+//!   are not carried over for that component;
 //! - every other component's weights are copied byte for byte, under the plain names diffusers
 //!   loads without a `variant` argument (`<base>.fp16.safetensors` → `<base>.safetensors`, a
 //!   variant shard index → `<base>.safetensors.index.json`, shards under their own names);

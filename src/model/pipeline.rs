@@ -130,21 +130,11 @@ impl StableDiffusion {
         let vae = AutoencoderKL::new(&vae_weights, &vae_cfg).map_err(|e| wrap(vae_files, e))?;
 
         let mut text_encoders = Vec::new();
-        for (i, c) in [Component::TextEncoder, Component::TextEncoder2]
-            .into_iter()
-            .enumerate()
-        {
+        for c in [Component::TextEncoder, Component::TextEncoder2] {
             let Some(te_files) = layout.component(c) else {
                 continue;
             };
-            let cfg = ClipTextConfig::from_file(&te_files.config)?;
-            let w = weights(te_files, opts, opts.train_text_encoders)?;
-            // SDXL's second encoder is CLIPTextModelWithProjection (its pooled output is projected).
-            let projection = i == 1;
-            let mut model =
-                ClipTextModel::new(&w, &cfg, projection).map_err(|e| wrap(te_files, e))?;
-            // Trainable weights are f32 masters; activations run in the requested dtype.
-            model.compute_dtype = opts.dtype;
+            let (model, w) = load_text_encoder(te_files, opts)?;
             let tok_dir = tokenizer_dir(&layout.root, c);
             let tokenizer = ClipTokenizer::from_dir(&tok_dir)?;
             text_encoders.push(TextEncoder {
@@ -219,6 +209,26 @@ impl StableDiffusion {
             }
         }
     }
+}
+
+/// Loads one text encoder from its component files, in either key layout
+/// ([`ClipTextModel::new`]). SDXL's `text_encoder_2` is a `CLIPTextModelWithProjection` (its
+/// pooled output is projected); `text_encoder` is a `CLIPTextModel`, and a `text_projection` its
+/// file may carry is not read, as diffusers does not read it.
+pub fn load_text_encoder(
+    files: &ComponentFiles,
+    opts: &LoadOptions,
+) -> Result<(ClipTextModel, Weights), PipelineError> {
+    let projection = match files.component {
+        Component::TextEncoder2 => true,
+        Component::TextEncoder | Component::Unet | Component::Vae => false,
+    };
+    let cfg = ClipTextConfig::from_file(&files.config)?;
+    let w = weights(files, opts, opts.train_text_encoders)?;
+    let mut model = ClipTextModel::new(&w, &cfg, projection).map_err(|e| wrap(files, e))?;
+    // Trainable weights are f32 masters; activations run in the requested dtype.
+    model.compute_dtype = opts.dtype;
+    Ok((model, w))
 }
 
 fn weights(

@@ -1389,11 +1389,13 @@ impl Saver<'_> {
                     SavePoint::Errored(s) => self.run.errored_dir(s),
                     SavePoint::Step(s) => self.run.step_dir(s),
                 };
-                let mut updated = vec![(Component::Unet, self.sd.unet_weights.params())];
+                // Under the names the base files store them, so each component keeps its
+                // checkpoint's key layout (a text encoder with or without `text_model.`).
+                let mut updated = vec![(Component::Unet, self.sd.unet_weights.checkpoint_params())];
                 if plan.train_text_encoder {
                     let comps = [Component::TextEncoder, Component::TextEncoder2];
                     for (te, comp) in self.sd.text_encoders.iter().zip(comps) {
-                        updated.push((comp, te.weights.params()));
+                        updated.push((comp, te.weights.checkpoint_params()));
                     }
                 }
                 crate::model::export::save_diffusers_folder(

@@ -9,8 +9,18 @@
 //! pooled = last_hidden_state[b, eos position of row b]
 //! text_embeds = text_projection(pooled)               (no bias; WithProjection only)
 //! ```
-//! Tensor names are transformers' (`text_model.encoder.layers.N.self_attn.q_proj.weight`, …);
-//! `text_model.embeddings.position_ids`, a buffer some files carry, is not read.
+//! Tensor names are transformers' (`text_model.encoder.layers.N.self_attn.q_proj.weight`, …).
+//! Files hold them in one of two layouts, told apart by where the token embedding is:
+//! - `text_model.*` (+ `text_projection.weight`): transformers 4, every SD/SDXL checkpoint, and
+//!   transformers 5's `CLIPTextModelWithProjection` or a `CLIPTextModel` it loaded from such a file;
+//! - no `text_model.` prefix (+ `text_projection.weight`): transformers 5's `CLIPTextModel` built
+//!   from a config or saved with `save_original_format=False`. transformers 5 loads it into either
+//!   class.
+//!
+//! Parameter and layer names are `text_model.*` either way (LoRA names, freezing rules and resume
+//! state do not depend on the file). Not read: the `position_ids` buffer transformers < 4.31
+//! saved (positions are `0..L`, as transformers computes them now), and a full `CLIPModel` file's
+//! vision tower and `logit_scale`.
 
 use candle_core::{bail, DType, Tensor};
 
@@ -155,13 +165,13 @@ pub struct ClipTextModel {
 }
 
 impl ClipTextModel {
-    /// `w` is at the checkpoint root (keys `text_model.*`, `text_projection.weight`).
+    /// `w` is at the checkpoint root, in either layout (module header).
     pub fn new(
         w: &Weights,
         cfg: &ClipTextConfig,
         with_projection: bool,
     ) -> std::result::Result<Self, WeightsError> {
-        let tm = w.pp("text_model");
+        let tm = w.pp_or_flat("text_model", "embeddings.token_embedding.weight")?;
         let emb = tm.pp("embeddings");
         let enc = tm.pp("encoder").pp("layers");
         let layers = (0..cfg.num_hidden_layers)
