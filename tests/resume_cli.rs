@@ -1,7 +1,7 @@
 //! Exact resume from the CLI: a run stopped (SIGKILL for a LoRA, Ctrl-C for a full fine-tune)
 //! and resumed with `resume_ckpt` gives the same per-step losses and the same final weights,
 //! bit for bit on the CPU, as the run that never stopped; `checkpoints_total_limit` keeps the
-//! newest save points.
+//! newest save points; the EMA copy survives a save point.
 
 mod common;
 
@@ -119,16 +119,20 @@ fn stop_and_resume(dir: &Path, cfg: &Path, signal: &str) -> PathBuf {
     run
 }
 
-fn check_resume(mode: &str, signal: &str, final_weights: &str) {
+/// `extra` keys beyond the mode; `final_weights` are compared bit for bit.
+fn check_resume(mode: &str, signal: &str, more: serde_json::Value, final_weights: &[&str]) {
     let tmp = tempfile::tempdir().unwrap();
     // LoRA with dropout: its masks must be drawn again exactly too.
     let extra =
         serde_json::json!({"mode": mode, "adapter": {"save_dtype": "fp32", "dropout": 0.2}});
-    let extra = if mode == "full" {
+    let mut extra = if mode == "full" {
         serde_json::json!({"mode": "full"})
     } else {
         extra
     };
+    if let (Some(e), Some(m)) = (extra.as_object_mut(), more.as_object()) {
+        e.extend(m.clone());
+    }
     let (a, b) = (tmp.path().join("straight"), tmp.path().join("stopped"));
     let out = sdtrain(
         &[
@@ -145,17 +149,37 @@ fn check_resume(mode: &str, signal: &str, final_weights: &str) {
     assert_eq!(want.len(), STEPS as usize);
     // Identical f64s, every step once.
     assert_eq!(got, want, "{mode}: per-step losses");
-    assert_bit_equal(&straight.join(final_weights), &resumed.join(final_weights));
+    for w in final_weights {
+        assert_bit_equal(&straight.join(w), &resumed.join(w));
+    }
 }
 
 #[test]
 fn a_killed_lora_run_resumes_exactly() {
-    check_resume("lora", "-KILL", "sdtrain.safetensors");
+    check_resume(
+        "lora",
+        "-KILL",
+        serde_json::json!({}),
+        &["sdtrain.safetensors"],
+    );
+}
+
+/// The EMA is saved into the save point and restored: the resumed run's EMA file equals the
+/// uninterrupted run's. Catches an EMA restarted from the resumed weights, or not saved.
+#[test]
+fn a_killed_lora_run_with_ema_resumes_exactly() {
+    let ema = serde_json::json!({"ema_decay_rate": 0.9, "ema_update_interval": 1});
+    check_resume(
+        "lora",
+        "-KILL",
+        ema,
+        &["sdtrain.safetensors", "sdtrain-ema.safetensors"],
+    );
 }
 
 #[test]
 fn an_interrupted_full_run_resumes_exactly() {
-    check_resume("full", "-INT", "final");
+    check_resume("full", "-INT", serde_json::json!({}), &["final"]);
 }
 
 /// `checkpoints_total_limit` keeps the newest save points and the step saves that go with them;

@@ -6,6 +6,7 @@
 //! EveryDream2 (train.py, optimizer/optimizers.py); docs/config.md lists every key.
 
 mod adapter_file;
+mod ema_plan;
 mod error;
 mod optimizer_file;
 mod optimizer_plan;
@@ -17,6 +18,7 @@ mod summary;
 mod train_file;
 
 pub use adapter_file::{AdapterFile, AdapterPlan, SaveDtype};
+pub use ema_plan::{EmaDecay, EmaDevice, EmaPlan, DEFAULT_EMA_UPDATE_INTERVAL};
 pub use error::{ConfigError, UnsupportedKey};
 pub use optimizer_file::{FreezingFile, GroupFile, OptimizerFile, DEFAULT_OPTIMIZER_JSON};
 pub use optimizer_plan::{

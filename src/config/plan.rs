@@ -18,6 +18,7 @@ use serde::Serialize;
 use serde_json::Value;
 
 use super::adapter_file::{self, AdapterPlan};
+use super::ema_plan::EmaPlan;
 use super::error::ConfigError;
 use super::optimizer_file::OptimizerFile;
 use super::optimizer_plan::OptimizerPlan;
@@ -193,6 +194,8 @@ pub struct TrainPlan {
     pub clip_grad_norm: Option<f64>,
     /// `amp`, the fp16 loss scaler and `gradient_checkpointing`.
     pub precision: PrecisionPlan,
+    /// The EMA copy of the trained weights; `None` is off.
+    pub ema: Option<EmaPlan>,
 }
 
 impl TrainPlan {
@@ -325,6 +328,7 @@ impl TrainPlan {
                 other => other,
             },
             precision: super::precision_plan::resolve_precision(&file, train_path)?,
+            ema: super::ema_plan::resolve_ema(&file, train_path)?,
         })
     }
 
@@ -1262,6 +1266,25 @@ mod tests {
             assert!(text.contains(needle), "{needle} missing from:\n{text}");
         }
         assert_eq!(serde_json::to_value(StepCount::Steps(2)).unwrap(), json!(2));
+    }
+
+    #[test]
+    fn ema_keys_reach_the_plan_and_the_summary() {
+        let fx = Fixture::new();
+        let p = fx.plan(json!({"max_steps": 10}), &[]).unwrap();
+        assert_eq!(p.ema, None);
+        let p = fx
+            .plan(
+                json!({"max_steps": 10, "ema_decay_rate": 0.99, "ema_update_interval": 2}),
+                &["ema_device=device"],
+            )
+            .unwrap();
+        let ema = p.ema.unwrap();
+        assert_eq!(ema.decay, crate::config::EmaDecay::Rate(0.99));
+        assert_eq!(ema.update_interval, 2);
+        assert_eq!(ema.device, crate::config::EmaDevice::Training);
+        let text = p.to_string();
+        assert!(text.contains("decay 0.99, every 2 steps"), "{text}");
     }
 
     #[test]

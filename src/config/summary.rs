@@ -170,6 +170,26 @@ impl fmt::Display for TrainPlan {
             save.push_str(&format!("; keep the newest {n} save points"));
         }
         row(f, "save", &save)?;
+        if let Some(ema) = &self.ema {
+            let decay = match ema.decay {
+                super::EmaDecay::Rate(d) => format!("decay {d}"),
+                super::EmaDecay::StrengthTarget(t) => {
+                    format!("strength target {t} (decay from the run's length)")
+                }
+            };
+            let device = match ema.device {
+                super::EmaDevice::Cpu => "on the CPU",
+                super::EmaDevice::Training => "on the training device",
+            };
+            row(
+                f,
+                "ema",
+                &format!(
+                    "{decay}, every {} steps, {device}; saved beside the weights as `-ema`",
+                    ema.update_interval
+                ),
+            )?;
+        }
         if let Some(v) = &self.data.validation {
             let set = match (&v.data_root, v.split) {
                 (Some(root), _) => root.display().to_string(),

@@ -151,9 +151,21 @@ pub struct TrainFile {
     pub grad_scaler_backoff_factor: Option<f64>,
     #[serde(default)]
     pub grad_scaler_growth_interval: Option<i64>,
+    /// EveryDream2's EMA decay per update; setting it (or `ema_strength_target`) turns EMA on.
+    #[serde(default)]
+    pub ema_decay_rate: Option<f64>,
+    /// The share of the starting weights left in the EMA at the end of the run; overrides
+    /// `ema_decay_rate`.
+    #[serde(default)]
+    pub ema_strength_target: Option<f64>,
+    /// Update the EMA every N optimizer steps (EveryDream2's default 500).
+    #[serde(default)]
+    pub ema_update_interval: Option<i64>,
+    /// `"cpu"` (default) or `"cuda"`/`"device"`: where the EMA copy lives.
+    #[serde(default)]
+    pub ema_device: Option<String>,
 }
 
-const EMA: &str = "EMA weights are not implemented";
 const SAMPLING: &str = "sampling during training is not implemented";
 const SCHEDULE: &str = "set it in the optimizer config's `base` section instead";
 
@@ -175,13 +187,13 @@ pub(crate) const UNSUPPORTED: &[Unsupported] = &[
         Accepts::NullOrFalse,
         "the UNet is always trained",
     ),
-    un("ema_decay_rate", Accepts::Null, EMA),
-    un("ema_device", Accepts::Null, EMA),
-    un("ema_resume_model", Accepts::Null, EMA),
-    un("ema_sample_ema_model", Accepts::NullOrFalse, EMA),
-    un("ema_sample_nonema_model", Accepts::NullOrFalse, EMA),
-    un("ema_strength_target", Accepts::Null, EMA),
-    un("ema_update_interval", Accepts::Null, EMA),
+    un(
+        "ema_resume_model",
+        Accepts::Null,
+        "resuming the EMA from a model is not implemented; a save point keeps the EMA",
+    ),
+    un("ema_sample_ema_model", Accepts::NullOrFalse, SAMPLING),
+    un("ema_sample_nonema_model", Accepts::NullOrFalse, SAMPLING),
     un(
         "embedding_perturbation",
         Accepts::NullOrZero,
@@ -392,10 +404,10 @@ mod tests {
 
     #[test]
     fn unsupported_keys_error_unless_inert() {
-        let err = parse(json!({"ema_decay_rate": 0.999})).unwrap_err();
+        let err = parse(json!({"ema_resume_model": "m.safetensors"})).unwrap_err();
         let msg = err.to_string();
         assert!(
-            msg.contains("`ema_decay_rate` is not supported yet"),
+            msg.contains("`ema_resume_model` is not supported yet"),
             "{msg}"
         );
         let ok = parse(json!({

@@ -3,6 +3,7 @@
 pub mod accumulate;
 pub mod adapters;
 pub mod data_feed;
+pub mod ema;
 pub mod interrupt;
 pub mod latent_cache;
 pub mod log;

@@ -4,6 +4,7 @@
 //! A save point holds everything the next step depends on:
 //! - `params.safetensors`: every trained parameter, f32, by `<group>/<name>`;
 //! - `optimizer-<group>.safetensors`: each group's optimizer state (`Optimizer::save_state`);
+//! - `ema.safetensors`, with EMA on: the EMA copy, by the same names as `params.safetensors`;
 //! - `trainer_state.json`: the step, the epoch and the position in its data order, the seed, the
 //!   loss scaler, the OOM-adjusted micro-batch, and the counters and losses the summary reports.
 //!
@@ -27,6 +28,8 @@ use crate::precision::ScalerState;
 /// The file that makes a folder a complete save point (written last).
 pub const STATE_FILE: &str = "trainer_state.json";
 const PARAMS_FILE: &str = "params.safetensors";
+/// The EMA copy in a save point (with `ema_decay_rate` or `ema_strength_target`).
+pub const EMA_FILE: &str = "ema.safetensors";
 const PREFIX: &str = "state-step-";
 const PARTIAL: &str = "partial";
 const VERSION: u32 = 1;

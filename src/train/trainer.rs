@@ -1,6 +1,7 @@
 //! The training loop: load the model and data from a [`TrainPlan`], then run optimizer steps of
 //! `batch_size × grad_accum` samples through epochs, logging, saving diffusers folders every
-//! `save_every_n_epochs` and at the end, and saving then stopping cleanly on Ctrl-C.
+//! `save_every_n_epochs` and at the end, and saving then stopping cleanly on Ctrl-C. With EMA on
+//! ([`super::ema`]), each save also writes the EMA weights under an `-ema` name.
 //!
 //! A step is an optimizer step; `max_steps`, the LR schedule and `log_step` count these.
 
@@ -13,6 +14,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use super::accumulate::{Accumulated, GradAccumulator};
 use super::adapters::{self, SaveInfo, TrainedAdapters};
 use super::data_feed::{self, DataFeed, StepData};
+use super::ema::Ema;
 use super::interrupt::Interrupt;
 use super::latent_cache::{self, CacheSpec};
 use super::log::{JsonlLog, LogRecord};
@@ -26,7 +28,7 @@ use super::step::{forward_backward, prepare_batch, sample_rngs, SampleData, Step
 use super::te_freeze::text_encoder_param_trains;
 use super::text_cache::{self, TextCache};
 use super::validation::Validation;
-use crate::config::CacheLatents;
+use crate::config::{CacheLatents, EmaDevice};
 use crate::config::{OptimizerKind, ParamGroupPlan};
 use crate::config::{TrainMode, TrainPlan};
 use crate::data::epoch_plan::BucketCount;
@@ -230,6 +232,8 @@ struct Session<'a> {
     validation: Option<Validation>,
     /// The validation loss computed after the current step, for its log record.
     val_loss: Option<f64>,
+    /// The EMA copy of `params`, when `ema_decay_rate` or `ema_strength_target` is set.
+    ema: Option<Ema>,
 }
 
 /// Whether the epoch loop goes on.
@@ -464,10 +468,16 @@ impl<'a> Session<'a> {
             vram_cap,
             validation,
             val_loss: None,
+            ema: None,
         };
-        if let Some((dir, state)) = resume_from {
-            session.restore(&dir, state)?;
-        }
+        let resumed_dir = match resume_from {
+            Some((dir, state)) => {
+                session.restore(&dir, state)?;
+                Some(dir)
+            }
+            None => None,
+        };
+        session.ema = session.start_ema(resumed_dir.as_deref())?;
         session.build_caches()?;
         Ok(session)
     }
@@ -527,6 +537,53 @@ impl<'a> Session<'a> {
         Ok(())
     }
 
+    /// The EMA copy, when asked for: the trainable weights as they start this run, or a resumed
+    /// run's save point's `ema.safetensors`, which must then exist.
+    fn start_ema(&self, resumed: Option<&std::path::Path>) -> anyhow::Result<Option<Ema>> {
+        let ema_file = resumed.map(|d| d.join(resume::EMA_FILE));
+        let Some(plan) = &self.plan.ema else {
+            if let Some(f) = ema_file.filter(|f| f.is_file()) {
+                eprintln!(
+                    "warning: {} is not continued: this run has no ema_decay_rate",
+                    f.display()
+                );
+            }
+            return Ok(None);
+        };
+        let device = match plan.device {
+            EmaDevice::Cpu => Device::Cpu,
+            EmaDevice::Training => self.opts.device.clone(),
+        };
+        let decay = plan.decay_for_run(self.total_steps);
+        let mut ema = Ema::new(&self.named_params(), decay, plan.update_interval, &device)?;
+        if let Some(f) = &ema_file {
+            if !f.is_file() {
+                bail!(
+                    "{} is missing: the save point was written without EMA, this run has it on",
+                    f.display()
+                );
+            }
+            ema.load(f).context("resuming the EMA")?;
+        }
+        eprintln!(
+            "ema: decay {decay} every {} steps, on {}",
+            plan.update_interval,
+            if device.is_cpu() {
+                "the CPU"
+            } else {
+                "the device"
+            }
+        );
+        if self.total_steps < plan.update_interval {
+            eprintln!(
+                "warning: ema_update_interval {} is more than the run's {} steps: the EMA \
+                 weights will equal the starting ones",
+                plan.update_interval, self.total_steps
+            );
+        }
+        Ok(Some(ema))
+    }
+
     /// The trainer's state after `out`'s steps, for a save point.
     fn trainer_state(&self, out: &TrainOutcome) -> TrainerState {
         let groups = self.groups.iter().map(|g| g.name.to_string()).collect();
@@ -552,6 +609,7 @@ impl<'a> Session<'a> {
             images: self.feed.dataset.items.len(),
             started_unix: self.started_unix,
             seed: self.seed,
+            ema: self.ema.is_some(),
         }
     }
 
@@ -945,6 +1003,13 @@ impl<'a> Session<'a> {
             }
             out.steps += 1;
             out.losses.push(report.loss);
+            if let Some(ema) = &mut self.ema {
+                // After the update the step applied; a skipped step leaves the EMA as it is.
+                if report.applied && ema.due(out.steps) {
+                    ema.update(&self.params)
+                        .with_context(|| format!("EMA update at step {}", out.steps))?;
+                }
+            }
             self.position = if i + 1 == steps_in_epoch {
                 out.epochs_completed = epoch + 1;
                 (epoch + 1, 0)
@@ -1050,14 +1115,19 @@ impl<'a> Session<'a> {
         epoch: usize,
         progress: &Progress,
     ) -> anyhow::Result<PathBuf> {
-        let path = self
-            .saver()
-            .save(&self.groups, point, out.steps, epoch, progress)?;
+        let saver = self.saver();
+        let path = saver.save(&self.groups, point, out.steps, epoch, progress, "")?;
+        if let Some(ema) = &self.ema {
+            ema.with_weights(&self.params, || {
+                saver.save(&self.groups, point, out.steps, epoch, progress, EMA_SUFFIX)
+            })?;
+        }
         if matches!(point, SavePoint::Final) && !self.plan.save_optimizer {
             return Ok(path);
         }
         let dir = resume::state_dir(&self.run.path, out.steps);
         let groups = &self.groups;
+        let ema = self.ema.as_ref();
         resume::write(&dir, &self.trainer_state(out), &self.named_params(), |d| {
             for g in groups {
                 let p = resume::optimizer_file(d, g.name);
@@ -1065,10 +1135,12 @@ impl<'a> Session<'a> {
                     .save_state(&p)
                     .with_context(|| format!("saving {}", p.display()))?;
             }
+            if let Some(ema) = ema {
+                ema.save(&d.join(resume::EMA_FILE))?;
+            }
             Ok(())
         })?;
         if let Some(keep) = self.plan.checkpoints_total_limit {
-            let saver = self.saver();
             for step in resume::prune(&self.run.path, keep, |s| saver.step_outputs(s))? {
                 progress.println(format!(
                     "removed the save point of step {step} (checkpoints_total_limit {keep})"
@@ -1351,25 +1423,32 @@ struct Saver<'a> {
     images: usize,
     started_unix: f64,
     seed: u64,
+    /// Whether each save also writes the EMA weights (under [`EMA_SUFFIX`]).
+    ema: bool,
 }
+
+/// What the EMA weights' folder or file adds to the normal name (EveryDream2 saves `<name>_ema`).
+const EMA_SUFFIX: &str = "-ema";
 
 impl Saver<'_> {
     /// The weights a step save of `step` wrote (removed with its save point by
     /// `checkpoints_total_limit`).
     fn step_outputs(&self, step: usize) -> Vec<PathBuf> {
-        match self.adapters {
-            None => vec![self.run.step_dir(step)],
-            Some(_) => {
-                let project = &self.plan.project_name;
-                vec![self
+        let suffixes: &[&str] = if self.ema { &["", EMA_SUFFIX] } else { &[""] };
+        let project = &self.plan.project_name;
+        suffixes
+            .iter()
+            .map(|sfx| match self.adapters {
+                None => with_suffix(&self.run.step_dir(step), sfx),
+                Some(_) => self
                     .run
-                    .file(&format!("{project}-step-{step:06}.safetensors"))]
-            }
-        }
+                    .file(&format!("{project}-step-{step:06}{sfx}.safetensors")),
+            })
+            .collect()
     }
 
     /// Saves the trained weights: a complete diffusers folder (full fine-tune) or a kohya LoRA
-    /// file (adapter modes). Returns the path.
+    /// file (adapter modes), its name followed by `suffix`. Returns the path.
     fn save(
         &self,
         groups: &[Group],
@@ -1377,6 +1456,7 @@ impl Saver<'_> {
         steps: usize,
         epoch: usize,
         progress: &Progress,
+        suffix: &str,
     ) -> anyhow::Result<PathBuf> {
         let plan = self.plan;
         let project = &plan.project_name;
@@ -1389,6 +1469,7 @@ impl Saver<'_> {
                     SavePoint::Errored(s) => self.run.errored_dir(s),
                     SavePoint::Step(s) => self.run.step_dir(s),
                 };
+                let dir = with_suffix(&dir, suffix);
                 // Under the names the base files store them, so each component keeps its
                 // checkpoint's key layout (a text encoder with or without `text_model.`).
                 let mut updated = vec![(Component::Unet, self.sd.unet_weights.checkpoint_params())];
@@ -1414,7 +1495,7 @@ impl Saver<'_> {
                     SavePoint::Interrupted(s) => format!("{project}-step-{s:06}"),
                     SavePoint::Errored(s) => format!("{project}-errored-step-{s:06}"),
                     SavePoint::Step(s) => format!("{project}-step-{s:06}"),
-                };
+                } + suffix;
                 let path = self.run.file(&format!("{name}.safetensors"));
                 let info = SaveInfo {
                     steps,
@@ -1435,6 +1516,13 @@ impl Saver<'_> {
         progress.println(format!("saved {}", path.display()));
         Ok(path)
     }
+}
+
+/// `path` with `suffix` added to its last component (`final` → `final-ema`).
+fn with_suffix(path: &std::path::Path, suffix: &str) -> PathBuf {
+    let mut name = path.file_name().unwrap_or_default().to_os_string();
+    name.push(suffix);
+    path.with_file_name(name)
 }
 
 /// The device's memory reading, or none where it cannot be read.
