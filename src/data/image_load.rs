@@ -77,15 +77,21 @@ pub fn load_image_limited(
     max_pixels: u64,
 ) -> Result<TrainImage, DataError> {
     let (target_w, target_h) = target;
-    if target_w == 0 || target_h == 0 {
-        return Err(DataError::InvalidSize {
-            width: target_w,
-            height: target_h,
-        });
-    }
-    let rgb = decode_rgb_limited(path, max_pixels)?;
+    let rgb = decode_for(path, target, max_pixels)?;
     let crop = resize_and_crop(&rgb, target_w, target_h);
     Ok(train_image(path, &rgb, crop))
+}
+
+/// `path` decoded for a crop to `target`, which must have both sides.
+fn decode_for(
+    path: &Path,
+    (width, height): (usize, usize),
+    max_pixels: u64,
+) -> Result<RgbImage, DataError> {
+    if width == 0 || height == 0 {
+        return Err(DataError::InvalidSize { width, height });
+    }
+    decode_rgb_limited(path, max_pixels)
 }
 
 /// The training image of `path` from its decoded `rgb` and the crop made of it (the pixels, the
@@ -121,13 +127,7 @@ pub fn load_image_jittered(
         return load_image_limited(path, target, max_pixels);
     }
     let (target_w, target_h) = target;
-    if target_w == 0 || target_h == 0 {
-        return Err(DataError::InvalidSize {
-            width: target_w,
-            height: target_h,
-        });
-    }
-    let rgb = decode_rgb_limited(path, max_pixels)?;
+    let rgb = decode_for(path, target, max_pixels)?;
     let crop = jittered_crop(&rgb, target_w, target_h, jitter, rng);
     Ok(train_image(path, &rgb, crop))
 }
