@@ -1,0 +1,259 @@
+//! One image from a prompt, as diffusers' `StableDiffusionPipeline` / `StableDiffusionXLPipeline`
+//! make it:
+//! - classifier-free guidance when `cfg > 1`: the UNet sees `[uncond, cond]` and the guided
+//!   output is `u + cfg·(c − u)`;
+//! - the negative conditioning is the negative prompt's encoding (`""` when none), except that
+//!   SDXL pipelines with `force_zeros_for_empty_prompt` use zeros for an empty negative prompt;
+//! - SDXL's `time_ids` are `(h, w, 0, 0, h, w)` for both halves;
+//! - initial latents are standard normal noise times the sampler's `init_noise_sigma`;
+//! - the image is `clamp(decode(latents)/2 + 0.5, 0, 1)`.
+//!
+//! Noise comes from a host RNG seeded by the request's seed (the initial latents first, then
+//! the ancestral sampler's per-step draws), so a seed gives the same image on any device up to
+//! arithmetic differences.
+
+use candle_core::{DType, Device, Tensor};
+use rand::rngs::StdRng;
+use rand::SeedableRng;
+
+use super::sampler::{NoiseFn, Sampler, SamplerKind};
+use crate::model::family::ModelFamily;
+use crate::model::pipeline::{StableDiffusion, TextConditioning};
+use crate::model::unet::AddedConditions;
+use crate::model::vae::AutoencoderKL;
+use crate::train::step::host_randn;
+
+/// What to draw.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SampleRequest {
+    pub prompt: String,
+    /// `""`: none.
+    pub negative_prompt: String,
+    pub seed: u64,
+    pub width: usize,
+    pub height: usize,
+    pub steps: usize,
+    /// Guidance scale; ≤ 1 runs the conditional half alone.
+    pub cfg: f64,
+    pub sampler: SamplerKind,
+}
+
+impl SampleRequest {
+    pub fn guided(&self) -> bool {
+        self.cfg > 1.0
+    }
+}
+
+/// A request's text conditioning: the prompt's, and the negative one under guidance.
+#[derive(Debug, Clone)]
+pub struct PromptConds {
+    pub cond: TextConditioning,
+    pub uncond: Option<TextConditioning>,
+}
+
+impl PromptConds {
+    /// Encodes `prompt` (and `negative` when `guided`) with the model's text encoders.
+    /// `zero_empty_negative` is the SDXL pipeline's `force_zeros_for_empty_prompt`.
+    pub fn encode(
+        sd: &StableDiffusion,
+        prompt: &str,
+        negative: &str,
+        guided: bool,
+        clip_skip: usize,
+        zero_empty_negative: bool,
+    ) -> candle_core::Result<Self> {
+        let cond = detach(sd.encode_prompts(&[prompt], clip_skip)?)?;
+        let uncond = match guided {
+            false => None,
+            true if negative.is_empty() && zero_empty_negative => Some(TextConditioning {
+                context: cond.context.zeros_like()?,
+                pooled: cond.pooled.as_ref().map(Tensor::zeros_like).transpose()?,
+            }),
+            true => Some(detach(sd.encode_prompts(&[negative], clip_skip)?)?),
+        };
+        Ok(Self { cond, uncond })
+    }
+
+    /// The same conditioning on `device` (cached encodings live on the host).
+    pub fn to_device(&self, device: &Device) -> candle_core::Result<Self> {
+        Ok(Self {
+            cond: move_cond(&self.cond, device)?,
+            uncond: self
+                .uncond
+                .as_ref()
+                .map(|u| move_cond(u, device))
+                .transpose()?,
+        })
+    }
+}
+
+fn detach(c: TextConditioning) -> candle_core::Result<TextConditioning> {
+    Ok(TextConditioning {
+        context: c.context.detach(),
+        pooled: c.pooled.map(|p| p.detach()),
+    })
+}
+
+fn move_cond(c: &TextConditioning, device: &Device) -> candle_core::Result<TextConditioning> {
+    Ok(TextConditioning {
+        context: c.context.to_device(device)?,
+        pooled: c.pooled.as_ref().map(|p| p.to_device(device)).transpose()?,
+    })
+}
+
+/// Whether SDXL's empty negative prompt is zeros: the pipeline's `force_zeros_for_empty_prompt`
+/// in `model_index.json` (true when absent, diffusers' default). Always false for SD1/SD2.
+pub fn zero_empty_negative(sd: &StableDiffusion) -> bool {
+    if sd.family() != ModelFamily::Sdxl {
+        return false;
+    }
+    std::fs::read_to_string(&sd.layout.model_index)
+        .ok()
+        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+        .and_then(|v| {
+            v.get("force_zeros_for_empty_prompt")
+                .and_then(|b| b.as_bool())
+        })
+        .unwrap_or(true)
+}
+
+/// How the UNet runs while sampling.
+#[derive(Debug, Clone, Copy)]
+pub struct UnetRun {
+    /// The UNet's input dtype (the training compute dtype).
+    pub dtype: DType,
+    /// Run the two guidance halves as one batch of 2 (else one after the other, which needs
+    /// no more memory than a training micro-batch of 1).
+    pub batch_halves: bool,
+}
+
+/// The model's guided prediction for latents `x` at timestep `t`.
+fn predict(
+    sd: &StableDiffusion,
+    run: UnetRun,
+    x: &Tensor,
+    t: f64,
+    conds: &PromptConds,
+    req: &SampleRequest,
+) -> candle_core::Result<Tensor> {
+    let one = |x: &Tensor, c: &TextConditioning| -> candle_core::Result<Tensor> {
+        let b = x.dim(0)?;
+        let device = x.device();
+        let ts = Tensor::from_vec(vec![t as f32; b], b, device)?;
+        let added = match &c.pooled {
+            Some(p) => {
+                let (h, w) = (req.height as f32, req.width as f32);
+                let row = [h, w, 0.0, 0.0, h, w];
+                let ids: Vec<f32> = (0..b).flat_map(|_| row).collect();
+                Some(AddedConditions {
+                    text_embeds: p.clone(),
+                    time_ids: Tensor::from_vec(ids, (b, 6), device)?,
+                })
+            }
+            None => None,
+        };
+        let out = sd.unet.forward(
+            &x.to_dtype(run.dtype)?,
+            &ts,
+            &c.context.to_dtype(run.dtype)?,
+            added.as_ref(),
+        )?;
+        // Detached: the UNet's weights may be training variables, and a graph kept alive here
+        // would hold every activation of the forward.
+        Ok(out.to_dtype(DType::F32)?.detach())
+    };
+    let Some(u) = &conds.uncond else {
+        return one(x, &conds.cond);
+    };
+    let (out_u, out_c) = if run.batch_halves {
+        let both = TextConditioning {
+            context: Tensor::cat(&[&u.context, &conds.cond.context], 0)?,
+            pooled: match (&u.pooled, &conds.cond.pooled) {
+                (Some(a), Some(b)) => Some(Tensor::cat(&[a, b], 0)?),
+                _ => None,
+            },
+        };
+        let out = one(&Tensor::cat(&[x, x], 0)?, &both)?;
+        (out.narrow(0, 0, 1)?, out.narrow(0, 1, 1)?)
+    } else {
+        (one(x, u)?, one(x, &conds.cond)?)
+    };
+    &out_u + ((&out_c - &out_u)? * req.cfg)?
+}
+
+/// Checks that `req`'s size fits the model: multiples of the VAE's and UNet's combined factor.
+pub fn check_size(sd: &StableDiffusion, req: &SampleRequest) -> Result<(), String> {
+    let align = sd.vae_scale << sd.unet.config.num_downsamples();
+    if req.width == 0
+        || req.height == 0
+        || !req.width.is_multiple_of(align)
+        || !req.height.is_multiple_of(align)
+    {
+        return Err(format!(
+            "sample size {}x{} must be a positive multiple of {align} for this model",
+            req.width, req.height
+        ));
+    }
+    Ok(())
+}
+
+/// The denoising loop from `latents` (already times `init_noise_sigma`), calling `on_step` with
+/// the latents after each step. Returns the final latents (f32).
+#[allow(clippy::too_many_arguments)]
+pub fn denoise(
+    sd: &StableDiffusion,
+    run: UnetRun,
+    sampler: &dyn Sampler,
+    conds: &PromptConds,
+    req: &SampleRequest,
+    latents: Tensor,
+    noise: &mut NoiseFn<'_>,
+    on_step: &mut dyn FnMut(usize, &Tensor),
+) -> candle_core::Result<Tensor> {
+    let mut x = latents;
+    for (i, &t) in sampler.timesteps().iter().enumerate() {
+        let input = sampler.scale_model_input(&x, i)?;
+        let out = predict(sd, run, &input, t, conds, req)?;
+        x = sampler.step(i, &out, &x, noise)?;
+        on_step(i, &x);
+    }
+    Ok(x)
+}
+
+/// Latents → image `[3, H, W]` f32 in `[0, 1]` on the host.
+pub fn decode(vae: &AutoencoderKL, latents: &Tensor) -> candle_core::Result<Tensor> {
+    let image = vae.image_from_latents(&latents.to_dtype(vae.dtype())?)?;
+    let image = ((image.to_dtype(DType::F32)? * 0.5)? + 0.5)?.clamp(0f32, 1f32)?;
+    image.squeeze(0)?.to_device(&Device::Cpu)
+}
+
+/// One image for `req`: seeded noise, the denoising loop and the VAE decode.
+pub fn generate(
+    sd: &StableDiffusion,
+    vae: &AutoencoderKL,
+    run: UnetRun,
+    sampler: &dyn Sampler,
+    conds: &PromptConds,
+    req: &SampleRequest,
+) -> anyhow::Result<Tensor> {
+    check_size(sd, req).map_err(anyhow::Error::msg)?;
+    let device = sd.unet.conv_in.weight.device().clone();
+    let f = sd.vae_scale;
+    let c = sd.unet.config.in_channels;
+    let mut rng = StdRng::seed_from_u64(req.seed);
+    let latents = host_randn(&mut rng, &[1, c, req.height / f, req.width / f], &device)?;
+    let latents = (latents * sampler.init_noise_sigma())?;
+    let mut noise = |dims: &[usize]| host_randn(&mut rng, dims, &device);
+    let conds = conds.to_device(&device)?;
+    let x = denoise(
+        sd,
+        run,
+        sampler,
+        &conds,
+        req,
+        latents,
+        &mut noise,
+        &mut |_, _| {},
+    )?;
+    Ok(decode(vae, &x)?)
+}

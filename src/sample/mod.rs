@@ -1,0 +1,12 @@
+//! Image sampling: DDIM and Euler ancestral samplers with classifier-free guidance, the sample
+//! prompts file, and the PNGs a run or `sdtrain sample` writes.
+
+pub mod ddim;
+pub mod euler_ancestral;
+pub mod generate;
+pub mod sampler;
+pub mod scheduler_config;
+
+pub use generate::{generate, PromptConds, SampleRequest, UnetRun};
+pub use sampler::{NoiseFn, Sampler, SamplerKind};
+pub use scheduler_config::{SchedulerConfig, Spacing};

@@ -1,0 +1,208 @@
+//! The inference-time fields of a diffusers `scheduler_config.json` and the timestep spacings
+//! both samplers share.
+//!
+//! A model's config is usually saved by another scheduler class (SD1.5's by PNDM, SDXL's by
+//! Euler), so fields the file lacks take the defaults of the class being built, as diffusers'
+//! `SchedulerClass.from_config(config)` does:
+//!
+//! | field | DDIM | Euler ancestral |
+//! |---|---|---|
+//! | `timestep_spacing` | `leading` | `linspace` |
+//! | `steps_offset` | 0 | 0 |
+//! | `set_alpha_to_one` | true | — |
+//! | `clip_sample` (`clip_sample_range`) | true (1.0) | — |
+
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+
+use crate::diffusion::{NoiseSchedule, ScheduleError};
+
+/// How inference timesteps are spread over the training ones (diffusers' `timestep_spacing`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Spacing {
+    /// `round(linspace(0, N − 1, n))`, descending.
+    Linspace,
+    /// `k·(N // n) + steps_offset` for `k = n − 1 … 0`.
+    Leading,
+    /// `round(arange(N, 0, −N/n)) − 1`.
+    Trailing,
+}
+
+impl Spacing {
+    fn parse(s: &str) -> Option<Self> {
+        match s {
+            "linspace" => Some(Self::Linspace),
+            "leading" => Some(Self::Leading),
+            "trailing" => Some(Self::Trailing),
+            _ => None,
+        }
+    }
+
+    /// The `n` inference timesteps (descending, as f64) of a schedule with `train` steps.
+    /// `integer` rounds the linspace values as DDIM does; Euler keeps them fractional.
+    pub fn timesteps(self, train: usize, n: usize, offset: usize, integer: bool) -> Vec<f64> {
+        let nf = train as f64;
+        let mut t: Vec<f64> = match self {
+            Spacing::Linspace => (0..n)
+                .map(|k| {
+                    let v = if n == 1 {
+                        0.0
+                    } else {
+                        (nf - 1.0) * k as f64 / (n - 1) as f64
+                    };
+                    if integer {
+                        round_half_even(v)
+                    } else {
+                        f64::from(v as f32)
+                    }
+                })
+                .collect(),
+            Spacing::Leading => {
+                let ratio = train / n;
+                (0..n).map(|k| (k * ratio + offset) as f64).collect()
+            }
+            Spacing::Trailing => {
+                let ratio = nf / n as f64;
+                // numpy's `arange(N, 0, −ratio)`: `N − i·ratio` while positive.
+                let mut v: Vec<f64> = (0..)
+                    .map(|i| nf - i as f64 * ratio)
+                    .take_while(|&x| x > 0.0)
+                    .map(|x| round_half_even(x) - 1.0)
+                    .collect();
+                v.reverse();
+                v
+            }
+        };
+        t.reverse();
+        t
+    }
+}
+
+/// numpy's `round` (half to even).
+fn round_half_even(x: f64) -> f64 {
+    let r = x.round();
+    if (x - x.trunc()).abs() == 0.5 && r % 2.0 != 0.0 {
+        r - x.signum()
+    } else {
+        r
+    }
+}
+
+/// The scheduler config's fields a sampler reads, with the noise schedule they describe.
+#[derive(Debug, Clone)]
+pub struct SchedulerConfig {
+    pub file: PathBuf,
+    pub schedule: NoiseSchedule,
+    /// `rescale_betas_zero_snr`.
+    pub zero_terminal_snr: bool,
+    pub spacing: Option<Spacing>,
+    pub steps_offset: usize,
+    pub set_alpha_to_one: Option<bool>,
+    pub clip_sample: Option<bool>,
+    pub clip_sample_range: f64,
+}
+
+impl SchedulerConfig {
+    pub fn from_file(path: &Path) -> Result<Self, ScheduleError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ScheduleError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let config: Value = serde_json::from_str(&text).map_err(|source| ScheduleError::Json {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Self::from_config(&config, path)
+    }
+
+    /// Reads `config` (`file` names it in errors).
+    pub fn from_config(config: &Value, file: &Path) -> Result<Self, ScheduleError> {
+        let bad = |field: &'static str, problem: &str| ScheduleError::BadField {
+            file: file.to_path_buf(),
+            field,
+            problem: problem.to_string(),
+        };
+        let field = |name: &str| config.get(name).filter(|v| !v.is_null());
+        let flag = |name: &'static str| -> Result<Option<bool>, ScheduleError> {
+            field(name)
+                .map(|v| v.as_bool().ok_or_else(|| bad(name, "is not true or false")))
+                .transpose()
+        };
+        let spacing = field("timestep_spacing")
+            .map(|v| {
+                v.as_str().and_then(Spacing::parse).ok_or_else(|| {
+                    bad(
+                        "timestep_spacing",
+                        "is not \"linspace\", \"leading\" or \"trailing\"",
+                    )
+                })
+            })
+            .transpose()?;
+        let steps_offset = match field("steps_offset") {
+            None => 0,
+            Some(v) => v
+                .as_u64()
+                .filter(|&n| n < 1000)
+                .ok_or_else(|| bad("steps_offset", "is not a small non-negative integer"))?
+                as usize,
+        };
+        let clip_sample_range = match field("clip_sample_range") {
+            None => 1.0,
+            Some(v) => v
+                .as_f64()
+                .filter(|x| x.is_finite() && *x > 0.0)
+                .ok_or_else(|| bad("clip_sample_range", "is not a positive number"))?,
+        };
+        if flag("thresholding")? == Some(true) {
+            return Err(bad(
+                "thresholding",
+                "is true; dynamic thresholding (for pixel-space models) is not supported",
+            ));
+        }
+        Ok(Self {
+            file: file.to_path_buf(),
+            schedule: NoiseSchedule::from_config(config, file)?,
+            zero_terminal_snr: flag("rescale_betas_zero_snr")?.unwrap_or(false),
+            spacing,
+            steps_offset,
+            set_alpha_to_one: flag("set_alpha_to_one")?,
+            clip_sample: flag("clip_sample")?,
+            clip_sample_range,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn spacings_match_diffusers_for_ten_steps() {
+        // DDIMScheduler.set_timesteps(10) with N = 1000.
+        assert_eq!(
+            Spacing::Leading.timesteps(1000, 10, 1, true),
+            [901., 801., 701., 601., 501., 401., 301., 201., 101., 1.]
+        );
+        assert_eq!(
+            Spacing::Trailing.timesteps(1000, 10, 0, true),
+            [999., 899., 799., 699., 599., 499., 399., 299., 199., 99.]
+        );
+        assert_eq!(
+            Spacing::Linspace.timesteps(1000, 10, 0, true),
+            [999., 888., 777., 666., 555., 444., 333., 222., 111., 0.]
+        );
+        // Euler keeps linspace's fractions (as f32).
+        let t = Spacing::Linspace.timesteps(1000, 4, 0, false);
+        assert_eq!(t, [999.0, 666.0, 333.0, 0.0]);
+        let t = Spacing::Linspace.timesteps(1000, 7, 0, false);
+        assert!((t[1] - 832.5).abs() < 1e-9, "{t:?}");
+    }
+
+    #[test]
+    fn rounding_is_half_to_even_as_numpy() {
+        assert_eq!(round_half_even(832.5), 832.0);
+        assert_eq!(round_half_even(833.5), 834.0);
+        assert_eq!(round_half_even(2.4), 2.0);
+    }
+}

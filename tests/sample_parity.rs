@@ -1,0 +1,182 @@
+//! The samplers against diffusers (`tests/fixtures/sample_reference.py`):
+//! - each scheduler step (DDIM, Euler ancestral; several spacings, both prediction types, zero
+//!   terminal SNR) from the same latents, model outputs and noise;
+//! - whole pipelines on the tiny fixtures from the same initial latents and ancestral noise: the
+//!   latents after every step and the decoded image.
+
+mod common;
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use candle_core::{DType, Device, Tensor};
+use sdtrain::model::family::ModelLayout;
+use sdtrain::model::pipeline::{LoadOptions, StableDiffusion};
+use sdtrain::sample::generate::{decode, denoise, zero_empty_negative};
+use sdtrain::sample::{PromptConds, SampleRequest, SamplerKind, SchedulerConfig, UnetRun};
+use serde_json::Value;
+
+fn reference() -> (HashMap<String, Tensor>, Value) {
+    let dir = common::fixture("reference");
+    let tensors =
+        candle_core::safetensors::load(dir.join("sample_reference.safetensors"), &Device::Cpu)
+            .expect("sample_reference.safetensors");
+    let meta = std::fs::read_to_string(dir.join("sample_reference.json")).unwrap();
+    (tensors, serde_json::from_str(&meta).unwrap())
+}
+
+fn steps_of(t: &Tensor) -> Vec<Tensor> {
+    (0..t.dim(0).unwrap()).map(|i| t.get(i).unwrap()).collect()
+}
+
+/// `max |x|`, at least 1.
+fn magnitude(t: &Tensor) -> f32 {
+    max_diff(t, &t.zeros_like().unwrap()).max(1.0)
+}
+
+fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+    common::max_abs_diff(a, b)
+}
+
+#[test]
+fn scheduler_steps_match_diffusers() {
+    let (refs, meta) = reference();
+    let cases = meta["schedulers"].as_array().unwrap();
+    assert_eq!(cases.len(), 8);
+    for case in cases {
+        let name = case["name"].as_str().unwrap();
+        let get = |k: &str| common::get(&refs, &format!("{name}.{k}"));
+        let cfg = SchedulerConfig::from_config(&case["config"], Path::new(name)).unwrap();
+        let kind = SamplerKind::parse(case["sampler"].as_str().unwrap()).unwrap();
+        let steps = case["steps"].as_u64().unwrap() as usize;
+        let sampler = kind.build(&cfg, steps).unwrap();
+
+        let want_t: Vec<f32> = get("timesteps").to_vec1().unwrap();
+        let got_t: Vec<f32> = sampler.timesteps().iter().map(|&t| t as f32).collect();
+        assert_eq!(got_t, want_t, "{name}: timesteps");
+        let init = case["init_noise_sigma"].as_f64().unwrap();
+        assert!(
+            (sampler.init_noise_sigma() - init).abs() <= 1e-5 * init,
+            "{name}: init_noise_sigma {} vs {init}",
+            sampler.init_noise_sigma()
+        );
+
+        let outs = steps_of(&get("out"));
+        let noises = steps_of(&get("noise"));
+        let inputs = steps_of(&get("input"));
+        let prevs = steps_of(&get("prev"));
+        let mut used = 0;
+        let mut noise = |dims: &[usize]| {
+            let n = noises[used].clone();
+            used += 1;
+            assert_eq!(n.dims(), dims);
+            Ok(n)
+        };
+        let mut x = get("x");
+        for i in 0..steps {
+            // Relative to the values' size: DDIM without clipping grows them to ~10³ here.
+            let input = sampler.scale_model_input(&x, i).unwrap();
+            let scale = magnitude(&inputs[i]);
+            let d = max_diff(&input, &inputs[i]);
+            assert!(
+                d < 2e-5 * scale,
+                "{name} step {i}: model input differs by {d}"
+            );
+            x = sampler.step(i, &outs[i], &x, &mut noise).unwrap();
+            let scale = magnitude(&prevs[i]);
+            let d = max_diff(&x, &prevs[i]);
+            assert!(
+                d < 2e-5 * scale,
+                "{name} step {i}: latents differ by {d} (scale {scale})"
+            );
+        }
+        if kind == SamplerKind::EulerAncestral {
+            assert_eq!(used, steps, "{name}: one noise draw per step");
+        }
+    }
+}
+
+fn load(fixture: &str) -> StableDiffusion {
+    let layout = ModelLayout::read(&common::fixture(fixture), None).unwrap();
+    let opts = LoadOptions {
+        dtype: DType::F32,
+        vae_dtype: None,
+        device: Device::Cpu,
+        train_unet: false,
+        train_text_encoders: false,
+    };
+    StableDiffusion::load(layout, &opts).unwrap()
+}
+
+#[test]
+fn pipelines_match_diffusers_step_by_step() {
+    let (refs, meta) = reference();
+    let cases = meta["pipelines"].as_array().unwrap();
+    assert_eq!(cases.len(), 6);
+    for case in cases {
+        let name = case["name"].as_str().unwrap();
+        let get = |k: &str| common::get(&refs, &format!("{name}.{k}"));
+        let sd = load(case["fixture"].as_str().unwrap());
+        let req = SampleRequest {
+            prompt: case["prompt"].as_str().unwrap().into(),
+            negative_prompt: case["negative_prompt"].as_str().unwrap().into(),
+            seed: 0,
+            width: 32,
+            height: 32,
+            steps: case["steps"].as_u64().unwrap() as usize,
+            cfg: case["cfg"].as_f64().unwrap(),
+            sampler: SamplerKind::parse(case["sampler"].as_str().unwrap()).unwrap(),
+        };
+        let cfg = SchedulerConfig::from_file(&sd.layout.scheduler_config).unwrap();
+        let sampler = req.sampler.build(&cfg, req.steps).unwrap();
+        let conds = PromptConds::encode(
+            &sd,
+            &req.prompt,
+            &req.negative_prompt,
+            req.guided(),
+            0,
+            zero_empty_negative(&sd),
+        )
+        .unwrap();
+        let latents = (get("latents") * sampler.init_noise_sigma()).unwrap();
+        let noises = steps_of(&get("noise"));
+        let want_steps = steps_of(&get("steps"));
+        for batch_halves in [true, false] {
+            let mut used = 0;
+            let mut noise = |_: &[usize]| {
+                used += 1;
+                Ok(noises[used - 1].clone())
+            };
+            let mut diffs = Vec::new();
+            let mut on_step = |i: usize, x: &Tensor| diffs.push((i, max_diff(x, &want_steps[i])));
+            let run = UnetRun {
+                dtype: DType::F32,
+                batch_halves,
+            };
+            let x = denoise(
+                &sd,
+                run,
+                sampler.as_ref(),
+                &conds,
+                &req,
+                latents.clone(),
+                &mut noise,
+                &mut on_step,
+            )
+            .unwrap();
+            assert_eq!(diffs.len(), req.steps, "{name}");
+            for &(i, d) in &diffs {
+                assert!(
+                    d < 1e-4,
+                    "{name} (halves batched: {batch_halves}) step {i}: latents differ by {d}"
+                );
+            }
+            let image = decode(sd.vae().unwrap(), &x)
+                .unwrap()
+                .permute((1, 2, 0))
+                .unwrap();
+            let d = max_diff(&image, &get("image"));
+            assert!(d < 1e-4, "{name}: image differs by {d}");
+        }
+    }
+}
