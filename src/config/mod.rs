@@ -13,6 +13,7 @@ mod optimizer_plan;
 mod overrides;
 mod plan;
 mod precision_plan;
+mod sample_plan;
 mod strict;
 mod summary;
 mod train_file;
@@ -31,4 +32,5 @@ pub use plan::{
     DEFAULT_CROP_JITTER,
 };
 pub use precision_plan::{AmpChoice, PrecisionPlan};
+pub use sample_plan::{SamplePlan, DEFAULT_SAMPLE_STEPS};
 pub use train_file::TrainFile;

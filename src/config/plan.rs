@@ -24,6 +24,7 @@ use super::optimizer_file::OptimizerFile;
 use super::optimizer_plan::OptimizerPlan;
 use super::overrides;
 use super::precision_plan::PrecisionPlan;
+use super::sample_plan::SamplePlan;
 use super::strict::{into_object, read_json};
 use super::train_file::TrainFile;
 
@@ -196,6 +197,8 @@ pub struct TrainPlan {
     pub precision: PrecisionPlan,
     /// The EMA copy of the trained weights; `None` is off.
     pub ema: Option<EmaPlan>,
+    /// Sample images during training; `None` is off.
+    pub samples: Option<SamplePlan>,
 }
 
 impl TrainPlan {
@@ -268,6 +271,7 @@ impl TrainPlan {
             }
         };
         let resume = resolve_resume(&file, &ctx)?;
+        let ema = super::ema_plan::resolve_ema(&file, train_path)?;
         Ok(TrainPlan {
             train_config: train_path.to_path_buf(),
             overrides: overrides.to_vec(),
@@ -328,7 +332,13 @@ impl TrainPlan {
                 other => other,
             },
             precision: super::precision_plan::resolve_precision(&file, train_path)?,
-            ema: super::ema_plan::resolve_ema(&file, train_path)?,
+            ema,
+            samples: super::sample_plan::resolve_samples(
+                &file,
+                train_path,
+                ema.is_some(),
+                |field, p| ctx.input_path(field, p),
+            )?,
         })
     }
 

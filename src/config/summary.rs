@@ -190,6 +190,29 @@ impl fmt::Display for TrainPlan {
                 ),
             )?;
         }
+        if let Some(sp) = &self.samples {
+            let models = match (sp.trained_model, sp.ema_model) {
+                (true, true) => ", trained and EMA weights",
+                (false, true) => ", EMA weights",
+                _ => "",
+            };
+            row(
+                f,
+                "samples",
+                &format!(
+                    "{} prompts from {} every {} steps{}{models}; {} by default",
+                    sp.set.prompts.len(),
+                    sp.prompts_file.display(),
+                    sp.every_n_steps,
+                    if sp.set.at_start {
+                        " and before training"
+                    } else {
+                        ""
+                    },
+                    sp.set.sampler,
+                ),
+            )?;
+        }
         if let Some(v) = &self.data.validation {
             let set = match (&v.data_root, v.split) {
                 (Some(root), _) => root.display().to_string(),

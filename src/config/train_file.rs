@@ -164,9 +164,19 @@ pub struct TrainFile {
     /// `"cpu"` (default) or `"cuda"`/`"device"`: where the EMA copy lives.
     #[serde(default)]
     pub ema_device: Option<String>,
+    /// EveryDream2's sample prompts file (.txt or .json); sampling is off without it.
+    #[serde(default)]
+    pub sample_prompts: Option<String>,
+    /// Sample every N steps (EveryDream2's default 250).
+    #[serde(default)]
+    pub sample_steps: Option<i64>,
+    /// With EMA on, also sample the trained (non-EMA) weights.
+    #[serde(default)]
+    pub ema_sample_nonema_model: Option<bool>,
+    /// With EMA on, sample the EMA weights.
+    #[serde(default)]
+    pub ema_sample_ema_model: Option<bool>,
 }
-
-const SAMPLING: &str = "sampling during training is not implemented";
 const SCHEDULE: &str = "set it in the optimizer config's `base` section instead";
 
 /// EveryDream2 train.json keys (train.py's argparser and its sample train.json) that sdtrain
@@ -192,8 +202,6 @@ pub(crate) const UNSUPPORTED: &[Unsupported] = &[
         Accepts::Null,
         "resuming the EMA from a model is not implemented; a save point keeps the EMA",
     ),
-    un("ema_sample_ema_model", Accepts::NullOrFalse, SAMPLING),
-    un("ema_sample_nonema_model", Accepts::NullOrFalse, SAMPLING),
     un(
         "embedding_perturbation",
         Accepts::NullOrZero,
@@ -258,8 +266,6 @@ pub(crate) const UNSUPPORTED: &[Unsupported] = &[
         Accepts::Null,
         "wandb/tensorboard run names are not implemented",
     ),
-    un("sample_prompts", Accepts::Null, SAMPLING),
-    un("sample_steps", Accepts::Null, SAMPLING),
     un("save_ckpt_dir", Accepts::Null, "use output_dir"),
     un(
         "save_ckpts_from_n_epochs",
@@ -421,8 +427,7 @@ mod tests {
 
     #[test]
     fn all_unsupported_keys_are_reported_together() {
-        let err =
-            parse(json!({"sample_prompts": "p.txt", "validation_config": "v.json"})).unwrap_err();
+        let err = parse(json!({"wandb": true, "validation_config": "v.json"})).unwrap_err();
         let ConfigError::Unsupported { entries, .. } = &err else {
             panic!("{err}")
         };

@@ -120,14 +120,8 @@ impl StableDiffusion {
         let unet =
             UNet2DConditionModel::new(&unet_weights, &unet_cfg).map_err(|e| wrap(unet_files, e))?;
 
-        let vae_files = files(Component::Vae)?;
-        let vae_cfg = VaeConfig::from_file(&vae_files.config)?;
-        let vae_opts = LoadOptions {
-            dtype: opts.vae_dtype.unwrap_or(opts.dtype),
-            ..opts.clone()
-        };
-        let vae_weights = weights(vae_files, &vae_opts, false)?;
-        let vae = AutoencoderKL::new(&vae_weights, &vae_cfg).map_err(|e| wrap(vae_files, e))?;
+        let vae = load_vae(files(Component::Vae)?, opts)?;
+        let vae_cfg = vae.config.clone();
 
         let mut text_encoders = Vec::new();
         for c in [Component::TextEncoder, Component::TextEncoder2] {
@@ -229,6 +223,21 @@ pub fn load_text_encoder(
     // Trainable weights are f32 masters; activations run in the requested dtype.
     model.compute_dtype = opts.dtype;
     Ok((model, w))
+}
+
+/// Loads the (always frozen) VAE in `opts.vae_dtype`, else `opts.dtype`. Also how a run that
+/// released its VAE gets it back for samples.
+pub fn load_vae(
+    files: &ComponentFiles,
+    opts: &LoadOptions,
+) -> Result<AutoencoderKL, PipelineError> {
+    let cfg = VaeConfig::from_file(&files.config)?;
+    let vae_opts = LoadOptions {
+        dtype: opts.vae_dtype.unwrap_or(opts.dtype),
+        ..opts.clone()
+    };
+    let w = weights(files, &vae_opts, false)?;
+    AutoencoderKL::new(&w, &cfg).map_err(|e| wrap(files, e))
 }
 
 fn weights(

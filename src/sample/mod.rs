@@ -4,6 +4,9 @@
 pub mod ddim;
 pub mod euler_ancestral;
 pub mod generate;
+pub mod image_out;
+pub mod jobs;
+pub mod prompts;
 pub mod sampler;
 pub mod scheduler_config;
 

@@ -16,6 +16,7 @@ pub mod resume;
 #[cfg(test)]
 mod retry_tests;
 pub mod run_dir;
+pub mod samples;
 pub mod state_estimate;
 pub mod step;
 pub mod summary;

@@ -24,6 +24,7 @@ use super::oom::{find_oom, injected, OutOfMemory};
 use super::progress::Progress;
 use super::resume::{self, RunKey, TrainerState};
 use super::run_dir::RunDir;
+use super::samples::TrainingSamples;
 use super::step::{forward_backward, prepare_batch, sample_rngs, SampleData, StepSettings};
 use super::te_freeze::text_encoder_param_trains;
 use super::text_cache::{self, TextCache};
@@ -45,6 +46,7 @@ use crate::optim::{
     Lion, LionParams, LrSchedule, OptimError, Optimizer, StepCheck, UpdateRule,
 };
 use crate::precision::{scaler_for, Amp, LossScaler, ScaleChange};
+use crate::sample::UnetRun;
 
 /// How to run, beyond the plan.
 #[derive(Debug, Clone)]
@@ -234,6 +236,8 @@ struct Session<'a> {
     val_loss: Option<f64>,
     /// The EMA copy of `params`, when `ema_decay_rate` or `ema_strength_target` is set.
     ema: Option<Ema>,
+    /// Sample images every `sample_steps`, when `sample_prompts` is set.
+    samples: Option<TrainingSamples>,
 }
 
 /// Whether the epoch loop goes on.
@@ -469,6 +473,7 @@ impl<'a> Session<'a> {
             validation,
             val_loss: None,
             ema: None,
+            samples: None,
         };
         let resumed_dir = match resume_from {
             Some((dir, state)) => {
@@ -478,6 +483,8 @@ impl<'a> Session<'a> {
             None => None,
         };
         session.ema = session.start_ema(resumed_dir.as_deref())?;
+        // Before the caches: a text cache releases the encoders the prompts need.
+        session.samples = session.start_samples()?;
         session.build_caches()?;
         Ok(session)
     }
@@ -582,6 +589,118 @@ impl<'a> Session<'a> {
             );
         }
         Ok(Some(ema))
+    }
+
+    /// The sampling state, when `sample_prompts` is set.
+    fn start_samples(&self) -> anyhow::Result<Option<TrainingSamples>> {
+        let Some(plan) = &self.plan.samples else {
+            return Ok(None);
+        };
+        let captions: Vec<String> = self
+            .feed
+            .dataset
+            .items
+            .iter()
+            .map(|m| m.caption.clone())
+            .collect();
+        let vae_load = LoadOptions {
+            dtype: self.amp.compute_dtype(),
+            vae_dtype: (self.amp == Amp::Fp16).then_some(DType::F32),
+            device: self.opts.device.clone(),
+            train_unet: false,
+            train_text_encoders: false,
+        };
+        let samples = TrainingSamples::setup(
+            plan,
+            &self.sd,
+            &self.run.path,
+            self.seed,
+            self.resolution,
+            &captions,
+            self.groups.len() > 1,
+            self.plan.objective.clip_skip_layers,
+            vae_load,
+        )
+        .context("sample_prompts")?;
+        eprintln!(
+            "samples: {} prompts every {} steps into {}",
+            plan.set.prompts.len(),
+            plan.every_n_steps,
+            super::samples::samples_dir(&self.run.path).display()
+        );
+        Ok(Some(samples))
+    }
+
+    /// Draws the samples of step `step` when they are due (or `force`d, before the first step).
+    /// Running out of memory skips the round with a warning; the run goes on.
+    fn sample_if_due(
+        &mut self,
+        step: usize,
+        force: bool,
+        progress: &Progress,
+    ) -> anyhow::Result<()> {
+        let Some(samples) = &mut self.samples else {
+            return Ok(());
+        };
+        if !force && !samples.due(step) {
+            return Ok(());
+        }
+        let started = Instant::now();
+        if let Some(a) = &self.adapters {
+            crate::adapter::set_training(&a.modules, false);
+        }
+        let own_checkpointing = self.sd.unet.checkpointing.is_none();
+        if own_checkpointing {
+            self.sd.unet.checkpointing = Some(Checkpointing::new(Vec::new(), &self.opts.device)?);
+        }
+        let run = UnetRun {
+            dtype: self.amp.compute_dtype(),
+            batch_halves: self.micro.size >= 2,
+        };
+        let (trained, ema_too) = (samples.plan.trained_model, samples.plan.ema_model);
+        let sd = &self.sd;
+        let mut result = Ok(Vec::new());
+        if trained {
+            result = samples.round(sd, run, step, "").map(|r| vec![r]);
+        }
+        if let (Ok(rounds), true, Some(ema)) = (&mut result, ema_too, &self.ema) {
+            match ema.with_weights(&self.params, || samples.round(sd, run, step, "ema")) {
+                Ok(r) => rounds.push(r),
+                Err(e) => result = Err(e),
+            }
+        }
+        if own_checkpointing {
+            self.sd.unet.checkpointing = None;
+        }
+        if let Some(a) = &self.adapters {
+            crate::adapter::set_training(&a.modules, true);
+        }
+        match result {
+            Ok(rounds) => {
+                let grids: Vec<String> = rounds
+                    .iter()
+                    .filter_map(|r| r.paths.last())
+                    .map(|p| p.display().to_string())
+                    .collect();
+                progress.println(format!(
+                    "step {step}: samples in {} ({:.1}s)",
+                    grids.join(", "),
+                    started.elapsed().as_secs_f64()
+                ));
+                Ok(())
+            }
+            Err(e) => match find_oom(&e) {
+                Some(oom) => {
+                    trim_pool(&self.opts.device).context("freeing memory after an OOM")?;
+                    progress.println(format!(
+                        "warning: step {step}: samples skipped, out of device memory ({})",
+                        oom.detail
+                    ));
+                    Ok(())
+                }
+                None => Err(e.context(format!("drawing the samples of step {step}"))),
+            },
+        }
     }
 
     /// The trainer's state after `out`'s steps, for a save point.
@@ -743,6 +862,9 @@ impl<'a> Session<'a> {
         let mut out = self.initial_outcome();
         let max_epochs = plan.max_epochs.map_or(usize::MAX, |e| e as usize);
         let (first_epoch, skip) = self.position;
+        if out.steps == 0 && self.samples.as_ref().is_some_and(|s| s.plan.set.at_start) {
+            self.sample_if_due(0, true, &progress)?;
+        }
         for epoch in first_epoch..max_epochs {
             let skip = if epoch == first_epoch { skip } else { 0 };
             if self.train_epoch(epoch, skip, &mut out, &progress)? == Flow::Stop {
@@ -1019,6 +1141,7 @@ impl<'a> Session<'a> {
             let last_of_epoch = i + 1 == steps_in_epoch;
             self.validate_if_due(out, last_of_epoch, progress)?;
             self.record_step(&report, out, epoch, progress)?;
+            self.sample_if_due(out.steps, false, progress)?;
             if self.interrupt.requested() {
                 out.interrupted = true;
                 let point = SavePoint::Interrupted(out.steps);

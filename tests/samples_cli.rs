@@ -1,0 +1,184 @@
+//! Samples during training from the CLI, on the three tiny fixtures: which rounds run, the files
+//! each writes (a strip per prompt with one image per guidance scale, a `.txt`, a grid), the
+//! EMA weights' samples, a released VAE and text encoders (caches), and that sampling leaves
+//! training's numbers alone.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::cli::{demo_data, run_folder, sdtrain, text, write_config};
+
+fn train(dir: &Path, fixture: &str, prompts: (&str, &str), extra: serde_json::Value) -> PathBuf {
+    let file = dir.join(prompts.0);
+    std::fs::write(&file, prompts.1).unwrap();
+    let mut cfg = serde_json::json!({"sample_prompts": file});
+    if let (Some(c), Some(e)) = (cfg.as_object_mut(), extra.as_object()) {
+        c.extend(e.clone());
+    }
+    let cfg = write_config(dir, fixture, &demo_data(), cfg);
+    let out = sdtrain(&["--config", cfg.to_str().unwrap(), "--cpu"], dir);
+    assert!(out.status.success(), "{}", text(&out));
+    run_folder(dir)
+}
+
+fn names(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    v.sort();
+    v
+}
+
+fn losses(run: &Path) -> Vec<f64> {
+    std::fs::read_to_string(run.join("train_log.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"]
+                .as_f64()
+                .unwrap()
+        })
+        .collect()
+}
+
+fn dims(path: &Path) -> (u32, u32) {
+    image::image_dimensions(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// A full fine-tune of tiny SD1.5 with samples before training and after each step: two
+/// prompts, one at 64x32 and one a random caption at the file's resolution, each at cfg 1 and
+/// 4 side by side. The losses equal those of the same run without samples.
+#[test]
+fn full_fine_tune_samples_each_step_and_keeps_training_unchanged() {
+    let tmp = tempfile::tempdir().unwrap();
+    let prompts = r#"{"cfgs": [1, 4], "num_inference_steps": 2, "resolution": 32,
+        "generate_pretrain_samples": true, "seed": 7,
+        "samples": [{"prompt": "a red cat", "size": [64, 32], "negative_prompt": "blurry"},
+                    {"random_caption": true, "scheduler": "euler_a"}]}"#;
+    let run = train(
+        tmp.path(),
+        "tiny-sd15",
+        ("prompts.json", prompts),
+        serde_json::json!({"sample_steps": 1}),
+    );
+    let got = names(&run.join("samples"));
+    for step in ["00000", "00001", "00002"] {
+        let grid = format!("gs{step}-grid.png");
+        assert!(got.contains(&grid), "{grid} missing from {got:?}");
+        let cat = format!("gs{step}-000-a_red_cat.png");
+        assert!(got.contains(&cat), "{cat} missing from {got:?}");
+        assert!(
+            got.contains(&format!("gs{step}-000-a_red_cat.txt")),
+            "{got:?}"
+        );
+    }
+    // 3 rounds × (2 strips + 2 txt + 1 grid).
+    assert_eq!(got.len(), 15, "{got:?}");
+    let s = run.join("samples");
+    assert_eq!(dims(&s.join("gs00001-000-a_red_cat.png")), (128, 32));
+    assert_eq!(dims(&s.join("gs00001-grid.png")), (128, 64));
+    let txt = std::fs::read_to_string(s.join("gs00002-000-a_red_cat.txt")).unwrap();
+    assert!(
+        txt.contains("negative prompt: blurry") && txt.contains("seed: 7"),
+        "{txt}"
+    );
+
+    let plain = tempfile::tempdir().unwrap();
+    let cfg = write_config(
+        plain.path(),
+        "tiny-sd15",
+        &demo_data(),
+        serde_json::json!({}),
+    );
+    let out = sdtrain(&["--config", cfg.to_str().unwrap(), "--cpu"], plain.path());
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(losses(&run), losses(&run_folder(plain.path())));
+}
+
+/// LoRA on tiny SDXL with EMA, latents and captions cached (so the VAE and the text encoders
+/// are released): both the trained and the EMA weights are sampled, the VAE is loaded again.
+#[test]
+fn sdxl_lora_samples_trained_and_ema_weights_with_caches() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = train(
+        tmp.path(),
+        "tiny-sdxl",
+        ("prompts.txt", "a house by the sea\n"),
+        serde_json::json!({
+            "mode": "lora", "sample_steps": 2, "cache_latents": true,
+            "disable_textenc_training": true, "ema_decay_rate": 0.5, "ema_update_interval": 1,
+            "ema_sample_ema_model": true, "ema_sample_nonema_model": true,
+        }),
+    );
+    let got = names(&run.join("samples"));
+    // The default cfgs [7, 4, 1.01] side by side at the run's 64 px.
+    let trained = run.join("samples/gs00002-000-a_house_by_the_sea.png");
+    let ema = run.join("samples/gs00002-000-ema-a_house_by_the_sea.png");
+    assert_eq!(dims(&trained), (192, 64), "{got:?}");
+    assert_eq!(dims(&ema), (192, 64), "{got:?}");
+    assert!(got.contains(&"gs00002-ema-grid.png".to_string()), "{got:?}");
+    assert!(!got.iter().any(|n| n.starts_with("gs00001")), "{got:?}");
+}
+
+/// SD2.1 (v-prediction) with Euler ancestral from a `.txt`: rounds every 2 steps only.
+#[test]
+fn sd21_euler_ancestral_samples_on_schedule() {
+    let tmp = tempfile::tempdir().unwrap();
+    let prompts = r#"{"scheduler": "euler_a", "cfgs": [5], "num_inference_steps": 3,
+        "samples": [{"prompt": "a dog"}, {"prompt": "a tree", "seed": -1}]}"#;
+    let run = train(
+        tmp.path(),
+        "tiny-sd21",
+        ("p.json", prompts),
+        serde_json::json!({"sample_steps": 2, "max_steps": 3}),
+    );
+    let got = names(&run.join("samples"));
+    assert_eq!(
+        got,
+        [
+            "gs00002-000-a_dog.png",
+            "gs00002-000-a_dog.txt",
+            "gs00002-001-a_tree.png",
+            "gs00002-001-a_tree.txt",
+            "gs00002-grid.png"
+        ]
+    );
+}
+
+/// A prompts file with an error stops the run before any step, naming the file and the key.
+#[test]
+fn a_bad_prompts_file_is_refused_up_front() {
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("p.json");
+    std::fs::write(&file, r#"{"samples": [{"prompt": "x", "size": [30, 30]}]}"#).unwrap();
+    let cfg = write_config(
+        tmp.path(),
+        "tiny-sd15",
+        &demo_data(),
+        serde_json::json!({"sample_prompts": file}),
+    );
+    let out = sdtrain(&["--config", cfg.to_str().unwrap(), "--cpu"], tmp.path());
+    assert!(!out.status.success());
+    let msg = text(&out);
+    assert!(
+        msg.contains("p.json: samples[0]: size 30x30 must be a positive multiple of 8"),
+        "{msg}"
+    );
+    let file = tmp.path().join("q.json");
+    std::fs::write(&file, r#"{"scheduler": "dpm++"}"#).unwrap();
+    let cfg = write_config(
+        tmp.path(),
+        "tiny-sd15",
+        &demo_data(),
+        serde_json::json!({"sample_prompts": file}),
+    );
+    let out = sdtrain(&["--config", cfg.to_str().unwrap(), "--cpu"], tmp.path());
+    assert!(!out.status.success());
+    let msg = text(&out);
+    assert!(
+        msg.contains("q.json") && msg.contains("`scheduler` is \"dpm++\""),
+        "{msg}"
+    );
+}
