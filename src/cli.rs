@@ -45,6 +45,9 @@ pub enum Command {
     /// Show a model's family, prediction type, resolution, component sizes and the files sdtrain
     /// would load from it.
     Inspect(InspectArgs),
+    /// Draw images from a model (optionally with LoRA/LoCon files merged in), with the samplers
+    /// a run's samples use.
+    Sample(crate::sample::command::SampleArgs),
 }
 
 #[derive(Debug, Clone, Args)]
@@ -88,6 +91,10 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 .and_then(|source| inspect::inspect(&source, args.variant.as_deref()))
                 .with_context(|| format!("cannot inspect `{}`", args.model))?;
             print_stdout(&report)?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Some(Command::Sample(args)) => {
+            crate::sample::command::run(&args)?;
             Ok(ExitCode::SUCCESS)
         }
         Some(Command::Train(args)) => run_train(&args),

@@ -1,5 +1,7 @@
 //! LoRA/LoCon files round-trip: adapters with trained (non-zero) weights are saved in kohya's
-//! format, loaded into a fresh model with `init_from`, and give the same UNet output.
+//! format, loaded into a fresh model with `init_from`, and give the same UNet output. The same
+//! file merged into a fresh model's weights (`sdtrain sample --lora`) gives that output too, and
+//! the same text-encoder outputs.
 
 mod common;
 
@@ -97,6 +99,26 @@ fn round_trip(name: &str, mode: TrainMode, dtype: SaveDtype, tol: f32) {
         err <= tol,
         "{name} {mode:?} {dtype:?}: round-trip rel err {err}"
     );
+    let te_adapters = fresh.encode_prompts(&["a cat on a mat"], 0).unwrap();
+
+    let file = tmp.path().join("lora.safetensors");
+    let kohya = sdtrain::adapter::kohya_file::load_kohya(&file, &Device::Cpu).unwrap();
+    let mut merged = load(name);
+    let naming = sdtrain::train::adapters::kohya_naming(&merged);
+    let n = sdtrain::adapter::merge::merge_kohya(&mut merged, &naming, &kohya, 1.0).unwrap();
+    assert_eq!(n, b.modules.len(), "{name}: every module merged");
+    let err = common::rel_err(&unet_out(&merged, name), &after);
+    assert!(err <= 1e-5, "{name} {mode:?}: merged UNet rel err {err}");
+    let te_merged = merged.encode_prompts(&["a cat on a mat"], 0).unwrap();
+    let err = common::rel_err(&te_merged.context, &te_adapters.context);
+    assert!(
+        err <= 1e-5,
+        "{name} {mode:?}: merged text encoder rel err {err}"
+    );
+    // Multiplier 0 leaves the base model.
+    let mut zero = load(name);
+    sdtrain::adapter::merge::merge_kohya(&mut zero, &naming, &kohya, 0.0).unwrap();
+    assert!(common::rel_err(&unet_out(&zero, name), &base) <= 1e-6);
 }
 
 #[test]

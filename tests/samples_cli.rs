@@ -182,3 +182,71 @@ fn a_bad_prompts_file_is_refused_up_front() {
         "{msg}"
     );
 }
+
+/// `sdtrain sample`: numbered PNGs at the asked size, the same seed gives the same image, a LoRA
+/// merged in changes it, and bad sizes or a LoRA for another model are refused with the reason.
+#[test]
+fn sample_command_draws_pngs_with_and_without_a_lora() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = common::fixture("tiny-sd15").display().to_string();
+    let lora = common::fixture("kohya_tiny_sd15.safetensors")
+        .display()
+        .to_string();
+    let run = |extra: &[&str]| {
+        let mut args = vec![
+            "sample",
+            "--model",
+            &model,
+            "--prompt",
+            "a red cat",
+            "--steps",
+            "3",
+            "--width",
+            "32",
+            "--height",
+            "48",
+            "--cpu",
+        ];
+        args.extend_from_slice(extra);
+        sdtrain(&args, tmp.path())
+    };
+    let out = run(&["--count", "2", "--out", "a.png"]);
+    assert!(out.status.success(), "{}", text(&out));
+    let a0 = image::open(tmp.path().join("a-0.png")).unwrap().to_rgb8();
+    assert_eq!(a0.dimensions(), (32, 48));
+    let a1 = image::open(tmp.path().join("a-1.png")).unwrap().to_rgb8();
+    assert_ne!(a0, a1, "seeds 555 and 556 drew the same image");
+    let out = run(&["--out", "b.png"]);
+    assert!(out.status.success(), "{}", text(&out));
+    let b = image::open(tmp.path().join("b.png")).unwrap().to_rgb8();
+    assert_eq!(a0, b, "the same seed drew another image");
+    let out = run(&["--out", "c.png", "--lora", &lora, "--sampler", "euler_a"]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(text(&out).contains("merged 8 modules"), "{}", text(&out));
+    let out = run(&["--out", "d.png", "--lora", &lora, "--lora-scale", "3"]);
+    assert!(out.status.success(), "{}", text(&out));
+    let d = image::open(tmp.path().join("d.png")).unwrap().to_rgb8();
+    assert_ne!(b, d, "the LoRA changed nothing");
+
+    let out = sdtrain(
+        &[
+            "sample", "--model", &model, "--prompt", "x", "--width", "30", "--cpu",
+        ],
+        tmp.path(),
+    );
+    assert!(!out.status.success());
+    assert!(text(&out).contains("multiple of 8"), "{}", text(&out));
+    let sdxl = common::fixture("tiny-sdxl").display().to_string();
+    let out = sdtrain(
+        &[
+            "sample", "--model", &sdxl, "--prompt", "x", "--lora", &lora, "--cpu",
+        ],
+        tmp.path(),
+    );
+    assert!(!out.status.success());
+    assert!(
+        text(&out).contains("kohya_tiny_sd15.safetensors") && text(&out).contains("name nothing"),
+        "{}",
+        text(&out)
+    );
+}

@@ -9,6 +9,7 @@ pub mod attach;
 pub mod kohya_file;
 pub mod kohya_names;
 pub mod lora;
+pub mod merge;
 
 pub use attach::{
     attach_text_encoder, attach_unet, AdapterMode, AdapterSpec, AttachError, LayerGeometry,

@@ -1,6 +1,7 @@
 //! Image sampling: DDIM and Euler ancestral samplers with classifier-free guidance, the sample
 //! prompts file, and the PNGs a run or `sdtrain sample` writes.
 
+pub mod command;
 pub mod ddim;
 pub mod euler_ancestral;
 pub mod generate;

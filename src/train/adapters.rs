@@ -66,6 +66,24 @@ pub fn adapter_spec(mode: TrainMode, a: &AdapterPlan, seed: u64) -> Option<Adapt
     })
 }
 
+/// How kohya files name this model's modules: diffusers paths for SD1/SD2, LDM block names laid
+/// out from the UNet's own config for SDXL.
+pub fn kohya_naming(sd: &StableDiffusion) -> KohyaNaming {
+    match sd.family() {
+        ModelFamily::Sdxl => {
+            let cfg = &sd.unet.config;
+            let layers = cfg.down_blocks.first().map_or(2, |b| b.layers);
+            let attention: Vec<bool> = cfg
+                .down_blocks
+                .iter()
+                .map(|b| b.kind == BlockKind::CrossAttn)
+                .collect();
+            KohyaNaming::Ldm(UnetLayout::mirrored(layers, &attention))
+        }
+        ModelFamily::Sd1 | ModelFamily::Sd2 => KohyaNaming::Diffusers,
+    }
+}
+
 /// [`attach`] from its parts: the mode, the adapter settings and the init seed.
 pub fn attach_with(
     sd: &mut StableDiffusion,
@@ -87,19 +105,7 @@ pub fn attach_with(
         }
     }
     let family = sd.family();
-    let naming = match family {
-        ModelFamily::Sdxl => {
-            let cfg = &sd.unet.config;
-            let layers = cfg.down_blocks.first().map_or(2, |b| b.layers);
-            let attention: Vec<bool> = cfg
-                .down_blocks
-                .iter()
-                .map(|b| b.kind == BlockKind::CrossAttn)
-                .collect();
-            KohyaNaming::Ldm(UnetLayout::mirrored(layers, &attention))
-        }
-        ModelFamily::Sd1 | ModelFamily::Sd2 => KohyaNaming::Diffusers,
-    };
+    let naming = kohya_naming(sd);
     let names = modules
         .iter()
         .map(|m| naming.module_name(kohya_component(m.component), &m.module_path))

@@ -1,0 +1,201 @@
+//! `sdtrain sample`: one or more images from a model (optionally with kohya LoRA/LoCon files
+//! merged in), with the sampler a run uses for its samples.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::Context;
+use candle_core::{DType, Device};
+use clap::Args;
+
+use super::generate::{zero_empty_negative, PromptConds, SampleRequest, UnetRun};
+use super::image_out;
+use super::sampler::SamplerKind;
+use super::scheduler_config::SchedulerConfig;
+use crate::adapter::kohya_file::load_kohya;
+use crate::adapter::merge::merge_kohya;
+use crate::model::family::ModelLayout;
+use crate::model::pipeline::{LoadOptions, StableDiffusion};
+use crate::model::source::ModelSource;
+
+#[derive(Debug, Clone, Args)]
+pub struct SampleArgs {
+    /// A diffusers pipeline folder, or a Hugging Face repo id `org/name[@revision]`.
+    #[arg(long, value_name = "HUB_ID[@REV]|FOLDER")]
+    pub model: String,
+    /// Prefer weight files of this variant (e.g. `fp16`) where the model has them.
+    #[arg(long, value_name = "NAME")]
+    pub variant: Option<String>,
+    /// A kohya LoRA/LoCon .safetensors to merge into the weights. Repeatable.
+    #[arg(long = "lora", value_name = "FILE")]
+    pub loras: Vec<PathBuf>,
+    /// The LoRA multiplier (A1111's `<lora:name:m>`), one for all files.
+    #[arg(long, default_value_t = 1.0)]
+    pub lora_scale: f64,
+    #[arg(long)]
+    pub prompt: String,
+    #[arg(long, default_value = "")]
+    pub negative_prompt: String,
+    /// The first image's seed; image i uses seed + i.
+    #[arg(long, default_value_t = 555)]
+    pub seed: u64,
+    #[arg(long, default_value_t = 30)]
+    pub steps: usize,
+    /// Classifier-free guidance scale (≤ 1: none).
+    #[arg(long, default_value_t = 7.0)]
+    pub cfg: f64,
+    /// `ddim` or `euler_a`.
+    #[arg(long, default_value = "ddim", value_parser = parse_sampler)]
+    pub sampler: SamplerKind,
+    /// Width in pixels (default: the model's native resolution).
+    #[arg(long)]
+    pub width: Option<usize>,
+    /// Height in pixels (default: the model's native resolution).
+    #[arg(long)]
+    pub height: Option<usize>,
+    /// How many images.
+    #[arg(long, default_value_t = 1)]
+    pub count: usize,
+    /// Text-encoder layers skipped from the end (0: the model's default layer).
+    #[arg(long, default_value_t = 0)]
+    pub clip_skip: usize,
+    /// `bf16`, `fp16` or `fp32` (default: bf16 on a GPU, fp32 on the CPU).
+    #[arg(long, value_parser = parse_precision)]
+    pub precision: Option<DType>,
+    /// The PNG to write; with `--count` above 1, `<stem>-<i>.png`.
+    #[arg(long, default_value = "sample.png")]
+    pub out: PathBuf,
+    /// Run on the CPU even when a GPU is available.
+    #[arg(long)]
+    pub cpu: bool,
+}
+
+fn parse_sampler(s: &str) -> Result<SamplerKind, String> {
+    SamplerKind::parse(s).ok_or_else(|| format!("the samplers are {}", SamplerKind::NAMES))
+}
+
+fn parse_precision(s: &str) -> Result<DType, String> {
+    match s {
+        "bf16" => Ok(DType::BF16),
+        "fp16" => Ok(DType::F16),
+        "fp32" | "f32" | "no" => Ok(DType::F32),
+        _ => Err("must be bf16, fp16 or fp32".into()),
+    }
+}
+
+/// The output path of image `i` of `count`.
+fn out_path(out: &Path, i: usize, count: usize) -> PathBuf {
+    if count <= 1 {
+        return out.to_path_buf();
+    }
+    let stem = out
+        .file_stem()
+        .map_or("sample".into(), |s| s.to_string_lossy());
+    out.with_file_name(format!("{stem}-{i}.png"))
+}
+
+/// Runs the command; returns the written files.
+pub fn run(args: &SampleArgs) -> anyhow::Result<Vec<PathBuf>> {
+    if args.count == 0 {
+        anyhow::bail!("--count must be at least 1");
+    }
+    let device = if args.cpu {
+        Device::Cpu
+    } else {
+        Device::cuda_if_available(0)?
+    };
+    let dtype = args.precision.unwrap_or(if device.is_cpu() {
+        DType::F32
+    } else {
+        DType::BF16
+    });
+    let source =
+        ModelSource::parse(&args.model).with_context(|| format!("model `{}`", args.model))?;
+    let dir = source
+        .resolve()
+        .with_context(|| format!("model `{}`", args.model))?;
+    let layout = ModelLayout::read(&dir.path, args.variant.as_deref())?;
+    let native = layout.native_resolution;
+    let opts = LoadOptions {
+        dtype,
+        // SD's VAE overflows in f16 (diffusers' `force_upcast`).
+        vae_dtype: (dtype == DType::F16).then_some(DType::F32),
+        device: device.clone(),
+        train_unet: false,
+        train_text_encoders: false,
+    };
+    let mut sd = StableDiffusion::load(layout, &opts)?;
+    let naming = crate::train::adapters::kohya_naming(&sd);
+    for path in &args.loras {
+        let file = load_kohya(path, &device)?;
+        let n = merge_kohya(&mut sd, &naming, &file, args.lora_scale)?;
+        eprintln!(
+            "lora: merged {n} modules of {} (×{})",
+            path.display(),
+            args.lora_scale
+        );
+    }
+    let req0 = SampleRequest {
+        prompt: args.prompt.clone(),
+        negative_prompt: args.negative_prompt.clone(),
+        seed: args.seed,
+        width: args.width.unwrap_or(native),
+        height: args.height.unwrap_or(native),
+        steps: args.steps,
+        cfg: args.cfg,
+        sampler: args.sampler,
+    };
+    super::generate::check_size(&sd, &req0).map_err(anyhow::Error::msg)?;
+    let scheduler = SchedulerConfig::from_file(&sd.layout.scheduler_config)?;
+    let sampler = args
+        .sampler
+        .build(&scheduler, args.steps)
+        .map_err(anyhow::Error::msg)?;
+    let conds = PromptConds::encode(
+        &sd,
+        &req0.prompt,
+        &req0.negative_prompt,
+        req0.guided(),
+        args.clip_skip,
+        zero_empty_negative(&sd),
+    )?;
+    let run = UnetRun {
+        dtype,
+        batch_halves: true,
+    };
+    let vae = sd.vae()?;
+    let mut written = Vec::new();
+    for i in 0..args.count {
+        let started = std::time::Instant::now();
+        let req = SampleRequest {
+            seed: args.seed + i as u64,
+            ..req0.clone()
+        };
+        let image = super::generate(&sd, vae, run, sampler.as_ref(), &conds, &req)?;
+        let path = out_path(&args.out, i, args.count);
+        image_out::write_png(&path, &image_out::to_rgb(&image)?)?;
+        eprintln!(
+            "{} (seed {}, {}x{}, {} {} steps, cfg {}): {:.2}s",
+            path.display(),
+            req.seed,
+            req.width,
+            req.height,
+            req.sampler,
+            req.steps,
+            req.cfg,
+            started.elapsed().as_secs_f64()
+        );
+        written.push(path);
+    }
+    Ok(written)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn numbered_outputs_only_for_several_images() {
+        assert_eq!(out_path(Path::new("d/x.png"), 0, 1), Path::new("d/x.png"));
+        assert_eq!(out_path(Path::new("d/x.png"), 2, 3), Path::new("d/x-2.png"));
+    }
+}
