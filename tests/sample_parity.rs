@@ -180,3 +180,59 @@ fn pipelines_match_diffusers_step_by_step() {
         }
     }
 }
+
+/// An unguided pipeline (guidance amplifies bf16's rounding fivefold) with bf16 weights and UNet
+/// inputs ends near the f32 reference, with f32 latents: the scheduler's arithmetic stays f32.
+#[test]
+fn bf16_sampling_stays_near_the_f32_reference() {
+    let (refs, meta) = reference();
+    let case = &meta["pipelines"][3];
+    assert_eq!(case["cfg"].as_f64(), Some(1.0));
+    let name = case["name"].as_str().unwrap();
+    let get = |k: &str| common::get(&refs, &format!("{name}.{k}"));
+    let layout =
+        ModelLayout::read(&common::fixture(case["fixture"].as_str().unwrap()), None).unwrap();
+    let opts = LoadOptions {
+        dtype: DType::BF16,
+        vae_dtype: Some(DType::F32),
+        device: Device::Cpu,
+        train_unet: false,
+        train_text_encoders: false,
+    };
+    let sd = StableDiffusion::load(layout, &opts).unwrap();
+    let req = SampleRequest {
+        prompt: case["prompt"].as_str().unwrap().into(),
+        negative_prompt: String::new(),
+        seed: 0,
+        width: 32,
+        height: 32,
+        steps: case["steps"].as_u64().unwrap() as usize,
+        cfg: case["cfg"].as_f64().unwrap(),
+        sampler: SamplerKind::Ddim,
+    };
+    let cfg = SchedulerConfig::from_file(&sd.layout.scheduler_config).unwrap();
+    let sampler = req.sampler.build(&cfg, req.steps).unwrap();
+    let conds = PromptConds::encode(&sd, &req.prompt, "", false, 0, false).unwrap();
+    let run = UnetRun {
+        dtype: DType::BF16,
+        batch_halves: true,
+    };
+    let mut no_noise = |_: &[usize]| -> candle_core::Result<Tensor> { unreachable!() };
+    let x = denoise(
+        &sd,
+        run,
+        sampler.as_ref(),
+        &conds,
+        &req,
+        get("latents"),
+        &mut no_noise,
+        &mut |_, _| {},
+    )
+    .unwrap();
+    assert_eq!(x.dtype(), DType::F32);
+    let want = common::get(&refs, &format!("{name}.steps"))
+        .get(req.steps - 1)
+        .unwrap();
+    let err = common::rel_err(&x, &want);
+    assert!(err < 3e-2, "bf16 latents rel err {err}");
+}
