@@ -177,9 +177,12 @@ fn a_killed_lora_run_with_ema_resumes_exactly() {
     );
 }
 
+/// With EMA on: the EMA folder matches too (a full fine-tune's EMA covers the UNet and the text
+/// encoder).
 #[test]
-fn an_interrupted_full_run_resumes_exactly() {
-    check_resume("full", "-INT", serde_json::json!({}), &["final"]);
+fn an_interrupted_full_run_with_ema_resumes_exactly() {
+    let ema = serde_json::json!({"ema_decay_rate": 0.9, "ema_update_interval": 1});
+    check_resume("full", "-INT", ema, &["final", "final-ema"]);
 }
 
 /// `checkpoints_total_limit` keeps the newest save points and the step saves that go with them;

@@ -122,7 +122,7 @@ fn sdxl_lora_samples_trained_and_ema_weights_with_caches() {
     assert!(!got.iter().any(|n| n.starts_with("gs00001")), "{got:?}");
 }
 
-/// SD2.1 (v-prediction) with Euler ancestral, in bf16: rounds every 2 steps only.
+/// LoCon on SD2.1 (v-prediction) with Euler ancestral, in bf16: rounds every 2 steps only.
 #[test]
 fn sd21_euler_ancestral_samples_on_schedule() {
     let tmp = tempfile::tempdir().unwrap();
@@ -132,7 +132,7 @@ fn sd21_euler_ancestral_samples_on_schedule() {
         tmp.path(),
         "tiny-sd21",
         ("p.json", prompts),
-        serde_json::json!({"sample_steps": 2, "max_steps": 3, "amp": "bf16"}),
+        serde_json::json!({"sample_steps": 2, "max_steps": 3, "amp": "bf16", "mode": "locon"}),
     );
     let got = names(&run.join("samples"));
     assert_eq!(

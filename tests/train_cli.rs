@@ -149,6 +149,28 @@ fn dry_run_prints_the_plan_and_trains_nothing() {
         t.contains("does NOT fit") && t.contains("first rung to take"),
         "{t}"
     );
+    assert!(!t.contains("EMA on the device"), "{t}");
+    // An EMA on the device is an f32 copy of the trained weights.
+    let ema = sdtrain(
+        &[
+            "--config",
+            cfg.to_str().unwrap(),
+            "--dry-run",
+            "--set",
+            "ema_decay_rate=0.9",
+            "--set",
+            "ema_device=cuda",
+        ],
+        tmp.path(),
+    );
+    let t = text(&ema);
+    assert!(ema.status.success(), "{t}");
+    // f32 like the gradients (one buffer at grad_accum 1): the two figures print the same.
+    let after = |key: &str| {
+        let i = t.find(key).unwrap_or_else(|| panic!("{key}: {t}")) + key.len();
+        t[i..].split([',', '\n']).next().unwrap().trim().to_string()
+    };
+    assert_eq!(after("EMA on the device "), after("gradients "), "{t}");
     assert!(!tmp.path().join("out").exists());
 }
 

@@ -12,7 +12,8 @@
 //!   architecture (SD1.5: 11300, SDXL: 19600). κ, the elements kept per unit of width, was fitted
 //!   on measured peaks of SD1.5 steps (docs/BENCHMARKS.md, "Memory plan"), per mode and
 //!   checkpointing; SDXL and other shapes are extrapolated through `width`;
-//! - workspace: the CUDA context, cuBLAS' workspace and the allocator's slack.
+//! - workspace: the CUDA context, cuBLAS' workspace and the allocator's slack;
+//! - an EMA kept on the device (`ema_device: "cuda"`) is an f32 copy of the trained weights.
 
 use std::fmt;
 
@@ -69,6 +70,8 @@ pub struct MemoryPlan {
     pub optimizer: f64,
     pub activations: f64,
     pub workspace: f64,
+    /// The EMA copy on the device (0 on the host or off).
+    pub ema: f64,
     /// What the activation term assumed: `batch 1 at 512 px, bf16, checkpointing off`.
     pub assumptions: String,
     /// The card checked against, in bytes, and where that figure came from.
@@ -79,7 +82,12 @@ pub struct MemoryPlan {
 
 impl MemoryPlan {
     pub fn total(&self) -> f64 {
-        self.weights + self.gradients + self.optimizer + self.activations + self.workspace
+        self.weights
+            + self.gradients
+            + self.optimizer
+            + self.activations
+            + self.workspace
+            + self.ema
     }
 }
 
@@ -136,6 +144,12 @@ pub fn plan_memory(
         optimizer: census.state_bytes as f64,
         activations,
         workspace,
+        ema: match plan.ema {
+            Some(e) if e.device == crate::config::EmaDevice::Training => {
+                4.0 * census.trained as f64
+            }
+            _ => 0.0,
+        },
         assumptions: format!(
             "batch {} at {resolution} px, {}, checkpointing {}",
             plan.batch_size,
@@ -188,6 +202,9 @@ impl fmt::Display for MemoryPlan {
             self.assumptions,
             g(self.workspace)
         )?;
+        if self.ema > 0.0 {
+            writeln!(f, "{:<15}EMA on the device {}", "", g(self.ema))?;
+        }
         let verdict = match &self.card {
             Some((bytes, source)) if self.total() <= *bytes => {
                 format!("fits {} ({source})", g(*bytes))
