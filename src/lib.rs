@@ -19,5 +19,6 @@ pub mod model;
 pub mod nn;
 pub mod optim;
 pub mod precision;
+pub mod tensorboard;
 pub mod train;
 pub mod weights;
