@@ -20,5 +20,6 @@ pub mod nn;
 pub mod optim;
 pub mod precision;
 pub mod sample;
+pub mod tensorboard;
 pub mod train;
 pub mod weights;

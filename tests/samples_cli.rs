@@ -8,6 +8,7 @@ mod common;
 use std::path::{Path, PathBuf};
 
 use common::cli::{demo_data, run_folder, sdtrain, text, write_config};
+use sdtrain::tensorboard::event::{ValueData, What};
 
 fn train(dir: &Path, fixture: &str, prompts: (&str, &str), extra: serde_json::Value) -> PathBuf {
     let file = dir.join(prompts.0);
@@ -84,6 +85,23 @@ fn full_fine_tune_samples_each_step_and_keeps_training_unchanged() {
         txt.contains("negative prompt: blurry") && txt.contains("seed: 7"),
         "{txt}"
     );
+    // TensorBoard has each strip, as the PNG on disk, at each round's step.
+    let events = sdtrain::tensorboard::reader::read_dir(&run).unwrap();
+    let mut seen = Vec::new();
+    for e in &events {
+        let What::Summary(values) = &e.what else {
+            continue;
+        };
+        for v in values {
+            if let (ValueData::Image(im), "samples/000_a_red_cat") = (&v.data, v.tag.as_str()) {
+                assert_eq!((im.width, im.height), (128, 32));
+                let png = format!("gs{:05}-000-a_red_cat.png", e.step);
+                assert_eq!(im.encoded, std::fs::read(s.join(png)).unwrap());
+                seen.push(e.step);
+            }
+        }
+    }
+    assert_eq!(seen, [0, 1, 2]);
 
     let plain = tempfile::tempdir().unwrap();
     let cfg = write_config(

@@ -181,6 +181,8 @@ pub struct TrainPlan {
     pub save_optimizer: bool,
     /// Log every N steps.
     pub log_step: u64,
+    /// Write TensorBoard event files beside the JSON-lines log (`log_with`).
+    pub tensorboard: bool,
     pub data: DataPlan,
     pub objective: ObjectivePlan,
     /// `!disable_textenc_training`.
@@ -317,6 +319,7 @@ impl TrainPlan {
                 x => x,
             },
             log_step: ctx.at_least("log_step", file.log_step, DEFAULT_LOG_STEP, 1)?,
+            tensorboard: resolve_log_with(&file, &ctx)?,
             data: resolve_data(&file, &ctx)?,
             objective: resolve_objective(&file, &ctx)?,
             train_text_encoder: !file.disable_textenc_training.unwrap_or(false),
@@ -465,6 +468,23 @@ impl Ctx<'_> {
     fn absolute(&self, field: &str, path: &Path) -> Result<PathBuf, ConfigError> {
         std::path::absolute(path)
             .map_err(|e| self.invalid(field, format!("is not a usable path: {e}")))
+    }
+}
+
+/// `log_with`: TensorBoard unless `"none"`. kohya's `"wandb"` and `"all"` are refused, not
+/// quietly dropped.
+fn resolve_log_with(file: &TrainFile, ctx: &Ctx<'_>) -> Result<bool, ConfigError> {
+    match file.log_with.as_deref() {
+        None | Some("tensorboard") => Ok(true),
+        Some("none") => Ok(false),
+        Some(w @ ("wandb" | "all")) => Err(ctx.invalid(
+            "log_with",
+            format!("\"{w}\": wandb logging is not implemented; use \"tensorboard\" or \"none\""),
+        )),
+        Some(other) => Err(ctx.invalid(
+            "log_with",
+            format!("must be \"tensorboard\" or \"none\" (got \"{other}\")"),
+        )),
     }
 }
 
@@ -910,6 +930,7 @@ mod tests {
         assert_eq!(p.project_name, "sdtrain");
         assert!(p.output_dir.is_absolute() && p.output_dir.ends_with("output"));
         assert_eq!(p.logdir, None);
+        assert!(p.tensorboard);
         assert!(p.train_text_encoder);
         assert_eq!(p.unfreeze_last_n_layers, None);
         assert_eq!(p.data.data_root, fx.dir.path().join("data"));
@@ -940,7 +961,8 @@ mod tests {
                     "project_name": "p", "flip_p": 0.5, "cond_dropout": 0.1, "shuffle_tags": true,
                     "clip_skip": 2, "min_snr_gamma": 5.0, "zero_frequency_noise_ratio": 0.1,
                     "timestep_start": 100, "timestep_end": 900, "disable_textenc_training": true,
-                    "log_step": 1, "save_optimizer": true, "output_dir": "out", "mode": "full"
+                    "log_step": 1, "save_optimizer": true, "output_dir": "out", "mode": "full",
+                    "log_with": "none"
                 }),
                 &[],
             )
@@ -969,6 +991,7 @@ mod tests {
         );
         assert!(!p.train_text_encoder);
         assert_eq!(p.log_step, 1);
+        assert!(!p.tensorboard);
         assert!(p.save_optimizer);
         assert!(p.output_dir.ends_with("out"));
     }
@@ -1134,6 +1157,8 @@ mod tests {
             (json!({"seed": -2}), "seed"),
             (json!({"project_name": "a/b"}), "project_name"),
             (json!({"mode": "dreambooth"}), "mode"),
+            (json!({"log_with": "wandb"}), "log_with"),
+            (json!({"log_with": "TensorBoard"}), "log_with"),
         ] {
             let (got, message) = fx.field_error(extra.clone());
             assert_eq!(got, field, "{extra}: {message}");

@@ -259,6 +259,15 @@ impl fmt::Display for TrainPlan {
             .map_or("the run folder".to_string(), |d| {
                 format!("{}/<run name>/", d.display())
             });
-        row(f, "logs", &format!("{logs}, every {} steps", self.log_step))
+        let tensorboard = if self.tensorboard {
+            " (JSON lines and TensorBoard)"
+        } else {
+            " (JSON lines)"
+        };
+        row(
+            f,
+            "logs",
+            &format!("{logs}{tensorboard}, every {} steps", self.log_step),
+        )
     }
 }

@@ -133,6 +133,10 @@ pub struct TrainFile {
     pub disable_textenc_training: Option<bool>,
     #[serde(default)]
     pub log_step: Option<i64>,
+    /// kohya's `log_with`: `"tensorboard"` (the default: EveryDream2 always writes TensorBoard
+    /// files) or `"none"`.
+    #[serde(default)]
+    pub log_with: Option<String>,
     #[serde(default)]
     pub save_optimizer: Option<bool>,
     /// `"bf16"`, `"fp16"`, `"off"`, or a bool (true: the device's default, false: off).

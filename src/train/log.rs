@@ -1,6 +1,6 @@
 //! The run's JSON-lines log (`train_log.jsonl`): one object per logged optimizer step with step,
 //! epoch, loss, lr, grad norm, wall time and memory. Each line is flushed as written, so a killed run
-//! keeps its log.
+//! keeps its log. [`tensorboard_scalars`] names the same numbers for TensorBoard.
 
 use std::fs::File;
 use std::io::{BufWriter, Write};
@@ -19,7 +19,10 @@ pub struct LogRecord {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub lr_text_encoder: Option<f64>,
     pub grad_norm: f64,
+    /// Images seen in the run so far.
     pub images: usize,
+    /// This step's images over its wall time.
+    pub images_per_s: f64,
     pub time_s: f64,
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub skipped_nonfinite: bool,
@@ -39,6 +42,38 @@ pub struct LogRecord {
     /// CUDA, the process's RSS on the CPU.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub memory: Option<MemoryUsage>,
+}
+
+const MIB: f64 = 1024.0 * 1024.0;
+
+/// A record's TensorBoard scalars: `loss`, `lr/<group>` for each optimizer group (`lr/unet`,
+/// `lr/text_encoder`), `grad_norm`, `images_per_s`, `memory/in_use_mib` and `memory/peak_mib`
+/// (the CUDA pool, or the process's RSS on the CPU) and `memory/device_free_mib` (CUDA), and,
+/// when the step has them, `loss_scale` (fp16) and `val_loss`.
+pub fn tensorboard_scalars(r: &LogRecord) -> Vec<(String, f64)> {
+    let mut s = vec![
+        ("loss".to_string(), r.loss),
+        ("lr/unet".to_string(), r.lr_unet),
+    ];
+    if let Some(lr) = r.lr_text_encoder {
+        s.push(("lr/text_encoder".into(), lr));
+    }
+    s.push(("grad_norm".into(), r.grad_norm));
+    s.push(("images_per_s".into(), r.images_per_s));
+    if let Some(scale) = r.loss_scale {
+        s.push(("loss_scale".into(), scale));
+    }
+    if let Some(v) = r.val_loss {
+        s.push(("val_loss".into(), v));
+    }
+    if let Some(m) = &r.memory {
+        s.push(("memory/in_use_mib".into(), m.in_use_bytes as f64 / MIB));
+        s.push(("memory/peak_mib".into(), m.peak_bytes as f64 / MIB));
+        if let Some(free) = m.device_free_bytes {
+            s.push(("memory/device_free_mib".into(), free as f64 / MIB));
+        }
+    }
+    s
 }
 
 fn is_zero(n: &usize) -> bool {
@@ -95,6 +130,81 @@ impl JsonlLog {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::memory::MemorySource;
+
+    fn record() -> LogRecord {
+        LogRecord {
+            step: 3,
+            epoch: 1,
+            loss: 0.5,
+            lr_unet: 1e-4,
+            lr_text_encoder: None,
+            grad_norm: 2.0,
+            images: 6,
+            images_per_s: 4.0,
+            time_s: 1.0,
+            skipped_nonfinite: false,
+            loss_scale: None,
+            micro_batch: None,
+            oom_retries: 0,
+            val_loss: None,
+            memory: None,
+        }
+    }
+
+    fn tags(r: &LogRecord) -> Vec<String> {
+        tensorboard_scalars(r).into_iter().map(|(t, _)| t).collect()
+    }
+
+    #[test]
+    fn tensorboard_scalars_of_a_plain_step() {
+        assert_eq!(
+            tensorboard_scalars(&record()),
+            [
+                ("loss".to_string(), 0.5),
+                ("lr/unet".to_string(), 1e-4),
+                ("grad_norm".to_string(), 2.0),
+                ("images_per_s".to_string(), 4.0),
+            ]
+        );
+    }
+
+    /// The optional numbers appear exactly when the record has them, memory in MiB.
+    #[test]
+    fn tensorboard_scalars_with_everything() {
+        let mut r = record();
+        r.lr_text_encoder = Some(5e-5);
+        r.loss_scale = Some(65536.0);
+        r.val_loss = Some(0.25);
+        r.memory = Some(MemoryUsage {
+            source: MemorySource::CudaPool,
+            in_use_bytes: 3 << 20,
+            peak_bytes: 5 << 20,
+            device_free_bytes: Some(7 << 20),
+            device_total_bytes: Some(8 << 20),
+        });
+        let s = tensorboard_scalars(&r);
+        assert_eq!(
+            tags(&r),
+            [
+                "loss",
+                "lr/unet",
+                "lr/text_encoder",
+                "grad_norm",
+                "images_per_s",
+                "loss_scale",
+                "val_loss",
+                "memory/in_use_mib",
+                "memory/peak_mib",
+                "memory/device_free_mib"
+            ]
+        );
+        let values: Vec<f64> = s.iter().map(|(_, v)| *v).collect();
+        assert_eq!(
+            values,
+            [0.5, 1e-4, 5e-5, 2.0, 4.0, 65536.0, 0.25, 3.0, 5.0, 7.0]
+        );
+    }
 
     #[test]
     fn a_resumed_log_drops_the_steps_after_the_save_point() {

@@ -17,7 +17,7 @@ use super::data_feed::{self, DataFeed, StepData};
 use super::ema::Ema;
 use super::interrupt::Interrupt;
 use super::latent_cache::{self, CacheSpec};
-use super::log::{JsonlLog, LogRecord};
+use super::log::{tensorboard_scalars, JsonlLog, LogRecord};
 use super::loss_stats::{first_last_means, Smoothed};
 use super::micro_batch::{next_rungs, rung_lines, GaveUp, MicroBatching};
 use super::oom::{find_oom, injected, OutOfMemory};
@@ -47,6 +47,7 @@ use crate::optim::{
 };
 use crate::precision::{scaler_for, Amp, LossScaler, ScaleChange};
 use crate::sample::UnetRun;
+use crate::tensorboard::EventWriter;
 
 /// How to run, beyond the plan.
 #[derive(Debug, Clone)]
@@ -211,6 +212,9 @@ struct Session<'a> {
     params: Vec<Var>,
     run: RunDir,
     log: JsonlLog,
+    /// TensorBoard event files beside the log (`log_with`); `None` when off. Anything may add to
+    /// them, e.g. sample images with [`EventWriter::add_image_png`].
+    tensorboard: Option<EventWriter>,
     amp: Amp,
     scaler: Box<dyn LossScaler>,
     checkpointing: Option<Checkpointing>,
@@ -263,6 +267,9 @@ struct StepReport {
     applied: bool,
     lrs: Vec<f64>,
     images: usize,
+    /// The step's wall time: forward, backward and update (the data is decoded ahead, on its
+    /// own thread).
+    secs: f64,
     scale: ScaleChange,
     /// One line per out-of-memory retry during the step.
     retries: Vec<String>,
@@ -410,6 +417,11 @@ impl<'a> Session<'a> {
             Some((_, state)) => JsonlLog::resume(&log_path, state.steps)?,
             None => JsonlLog::create(&log_path)?,
         };
+        let tensorboard = match (plan.tensorboard, &resume_from) {
+            (false, _) => None,
+            (true, Some((_, state))) => Some(EventWriter::resume(&log_dir, state.steps)?),
+            (true, None) => Some(EventWriter::create(&log_dir)?),
+        };
         eprintln!(
             "run folder: {}\n{} samples/epoch, {} steps/epoch of {}×{}, {} steps in all",
             run.path.display(),
@@ -459,6 +471,7 @@ impl<'a> Session<'a> {
             params,
             run,
             log,
+            tensorboard,
             amp,
             scaler,
             checkpointing,
@@ -677,6 +690,13 @@ impl<'a> Session<'a> {
         }
         match result {
             Ok(rounds) => {
+                if let Some(tb) = &mut self.tensorboard {
+                    for (tag, strip) in rounds.iter().flat_map(|r| &r.strips) {
+                        let png = crate::sample::image_out::encode_png(strip)
+                            .with_context(|| format!("encoding {tag} for TensorBoard"))?;
+                        tb.add_image_png(tag, step, &png, strip.width(), strip.height())?;
+                    }
+                }
                 let grids: Vec<String> = rounds
                     .iter()
                     .filter_map(|r| r.paths.last())
@@ -800,6 +820,7 @@ impl<'a> Session<'a> {
     /// same samples, keeping the gradients already accumulated. Then the one device→host check,
     /// the scaler's update and, when everything is finite, the optimizer update.
     fn optimizer_step(&mut self, data: &StepData, step: usize) -> anyhow::Result<StepReport> {
+        let started = Instant::now();
         self.scaler.begin_step(step);
         if let Some(a) = &self.adapters {
             a.begin_step(step);
@@ -849,6 +870,7 @@ impl<'a> Session<'a> {
             applied: finite.is_some(),
             lrs,
             images: done.samples,
+            secs: started.elapsed().as_secs_f64(),
             scale,
             retries,
         })
@@ -1188,6 +1210,7 @@ impl<'a> Session<'a> {
             lr_text_encoder: report.lrs.get(1).copied(),
             grad_norm: report.grad_norm,
             images: out.images_seen,
+            images_per_s: report.images as f64 / report.secs.max(1e-9),
             time_s: self.started.elapsed().as_secs_f64(),
             skipped_nonfinite: !report.applied,
             loss_scale: (self.amp == Amp::Fp16).then(|| self.scaler.scale()),
@@ -1202,12 +1225,23 @@ impl<'a> Session<'a> {
             || !report.retries.is_empty()
             || record.val_loss.is_some()
         {
-            self.log.write(&record)?;
+            self.write_log(&record)?;
             self.unlogged = None;
         } else {
             // Written if a save comes before the next logged step: the log then holds every
             // step a save holds.
             self.unlogged = Some(record);
+        }
+        Ok(())
+    }
+
+    /// Writes a step's record to the JSON-lines log and, when on, to TensorBoard.
+    fn write_log(&mut self, record: &LogRecord) -> anyhow::Result<()> {
+        self.log
+            .write(record)
+            .with_context(|| format!("writing {}", self.log.path().display()))?;
+        if let Some(tb) = &mut self.tensorboard {
+            tb.add_scalars(record.step, &tensorboard_scalars(record))?;
         }
         Ok(())
     }
@@ -1223,7 +1257,7 @@ impl<'a> Session<'a> {
         progress: &Progress,
     ) -> anyhow::Result<PathBuf> {
         if let Some(record) = self.unlogged.take() {
-            self.log.write(&record)?;
+            self.write_log(&record)?;
         }
         let place = || format!("while saving at step {}", out.steps);
         retry_once_on_oom(&self.opts.device, place, || {
