@@ -19,5 +19,6 @@ pub mod model;
 pub mod nn;
 pub mod optim;
 pub mod precision;
+pub mod tensor_view;
 pub mod train;
 pub mod weights;

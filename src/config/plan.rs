@@ -196,9 +196,19 @@ pub struct TrainPlan {
     pub precision: PrecisionPlan,
     /// The EMA copy of the trained weights; `None` is off.
     pub ema: Option<EmaPlan>,
+    /// How a single-file model is read, and the formats a full fine-tune is saved in.
+    pub model_file: super::ModelFilePlan,
 }
 
 impl TrainPlan {
+    /// How the model is opened if it is a single file.
+    pub fn single_file_options(&self) -> crate::model::single_file::SingleFileOptions {
+        crate::model::single_file::SingleFileOptions {
+            model_config: self.model_file.model_config.clone(),
+            prediction_type: self.model_file.prediction_type,
+        }
+    }
+
     /// Reads train.json (and the optimizer config it names), applies the `--set` overrides, and
     /// resolves and validates everything.
     pub fn resolve(train_path: &Path, overrides: &[String]) -> Result<TrainPlan, ConfigError> {
@@ -329,6 +339,9 @@ impl TrainPlan {
             },
             precision: super::precision_plan::resolve_precision(&file, train_path)?,
             ema: super::ema_plan::resolve_ema(&file, train_path)?,
+            model_file: super::model_plan::resolve_model_file(&file, train_path, mode, |f, p| {
+                ctx.input_path(f, p)
+            })?,
         })
     }
 

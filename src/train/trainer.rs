@@ -304,7 +304,7 @@ impl<'a> Session<'a> {
         let dir = source
             .resolve()
             .with_context(|| format!("model `{}`", plan.model))?;
-        let layout = ModelLayout::read(&dir.path, None)?;
+        let layout = ModelLayout::read_with(&dir.path, None, &plan.single_file_options())?;
         eprintln!(
             "model: {} ({}, {} prediction, native {}px); precision {}{}",
             plan.model,
@@ -1315,7 +1315,8 @@ fn load_model(
 }
 
 fn build_objective(plan: &TrainPlan, layout: &ModelLayout) -> anyhow::Result<Objective> {
-    let mut schedule = NoiseSchedule::from_file(&layout.scheduler_config)?;
+    let mut schedule =
+        NoiseSchedule::from_config(&layout.scheduler_json()?, &layout.scheduler_config)?;
     if plan.objective.zero_terminal_snr {
         schedule = schedule.with_zero_terminal_snr();
         if schedule.prediction_type() == crate::model::family::PredictionType::Epsilon {

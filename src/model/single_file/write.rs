@@ -1,0 +1,1 @@
+//! Writing single-file checkpoints (placeholder).
