@@ -366,3 +366,78 @@ fn files_that_are_not_checkpoints_are_refused() {
     let err = ModelLayout::read(&ckpt, None).unwrap_err().to_string();
     assert!(err.contains("never loads them"), "{err}");
 }
+
+/// diffusers folder → single file (sdtrain's writer) → diffusers folder (sdtrain's export) is
+/// exact for all three fixtures: every tensor bit for bit, every config equal, the same token
+/// ids; and the single file reopens from its metadata with the folder's configs.
+#[test]
+fn diffusers_to_single_file_to_diffusers_is_exact() {
+    use sdtrain::model::export::save_diffusers_folder;
+    use sdtrain::model::single_file::write::save_single_file;
+    let tmp = tempfile::tempdir().unwrap();
+    let none: &[(Component, Vec<(String, Tensor)>)] = &[];
+    for (name, family) in FIXTURES {
+        let folder = ModelLayout::read(&common::fixture(name), None).unwrap();
+        let file = tmp.path().join(format!("{name}.safetensors"));
+        save_single_file(&folder, &file, none, DType::F32).unwrap();
+        let single = ModelLayout::read(&file, None).unwrap();
+        let sf = single.single_file.as_ref().unwrap();
+        assert_eq!(sf.origin, ConfigOrigin::Metadata, "{name}");
+        assert_eq!(single.family, family);
+        assert!(sf.skipped.is_empty(), "{name}: {:?}", sf.skipped);
+        // The LDM names are the ones diffusers' scripts write.
+        let ours: Vec<String> = candle_core::safetensors::load(&file, &Device::Cpu)
+            .unwrap()
+            .into_keys()
+            .collect();
+        let theirs = candle_core::safetensors::load(script_file(name), &Device::Cpu).unwrap();
+        let mut ours_sorted = ours.clone();
+        ours_sorted.sort();
+        let mut theirs_sorted: Vec<String> = theirs.into_keys().collect();
+        theirs_sorted.sort();
+        if name != "tiny-sdxl" {
+            assert_eq!(ours_sorted, theirs_sorted, "{name}");
+        } else {
+            // diffusers' SDXL script writes the projection as the linear weight
+            // (`text_projection.weight`); the original layout (and ours) stores `x @ P`.
+            let fix =
+                |n: &String| n.replace("model.text_projection.weight", "model.text_projection");
+            let theirs_fixed: Vec<String> = theirs_sorted.iter().map(fix).collect();
+            assert_eq!(ours_sorted, theirs_fixed, "{name}");
+        }
+
+        let back = tmp.path().join(format!("{name}-back"));
+        save_diffusers_folder(&single, &back, none, DType::F32).unwrap();
+        let back = ModelLayout::read(&back, None).unwrap();
+        assert_eq!(back.family, family);
+        for c in &folder.components {
+            let b = back.component(c.component).unwrap();
+            assert_eq!(
+                b.config_json().unwrap(),
+                c.config_json().unwrap(),
+                "{name} {}",
+                c.component
+            );
+            let (x, y) = (tensors(c), tensors(b));
+            assert_eq!(x.keys().collect::<Vec<_>>(), y.keys().collect::<Vec<_>>());
+            for (n, v) in &x {
+                assert!(y[n] == *v, "{name} {}: `{n}` differs", c.component);
+            }
+        }
+        assert_eq!(
+            back.scheduler_json().unwrap(),
+            folder.scheduler_json().unwrap()
+        );
+        assert_eq!(
+            back.model_index_json().unwrap(),
+            folder.model_index_json().unwrap()
+        );
+        for (t, f) in back.tokenizers.iter().zip(&folder.tokenizers) {
+            let a = ClipTokenizer::from_dir(t.dir().unwrap()).unwrap();
+            let b = ClipTokenizer::from_dir(f.dir().unwrap()).unwrap();
+            for p in ["a photo of a cat!!", "An astronaut, riding", ""] {
+                assert_eq!(a.encode(p).unwrap(), b.encode(p).unwrap(), "{name} {p}");
+            }
+        }
+    }
+}

@@ -1439,11 +1439,14 @@ impl Saver<'_> {
         let project = &self.plan.project_name;
         suffixes
             .iter()
-            .map(|sfx| match self.adapters {
-                None => with_suffix(&self.run.step_dir(step), sfx),
-                Some(_) => self
+            .flat_map(|sfx| match self.adapters {
+                None => {
+                    let dir = with_suffix(&self.run.step_dir(step), sfx);
+                    vec![single_file_path(&dir), dir]
+                }
+                Some(_) => vec![self
                     .run
-                    .file(&format!("{project}-step-{step:06}{sfx}.safetensors")),
+                    .file(&format!("{project}-step-{step:06}{sfx}.safetensors"))],
             })
             .collect()
     }
@@ -1480,14 +1483,32 @@ impl Saver<'_> {
                         updated.push((comp, te.weights.checkpoint_params()));
                     }
                 }
-                crate::model::export::save_diffusers_folder(
-                    self.layout,
-                    &dir,
-                    &updated,
-                    DType::F32,
-                )
-                .with_context(|| format!("saving {}", dir.display()))?;
-                dir
+                let format = plan.model_file.save_ckpt_format;
+                let file = single_file_path(&dir);
+                if format.single_file() {
+                    crate::model::single_file::write::save_single_file(
+                        self.layout,
+                        &file,
+                        &updated,
+                        DType::F32,
+                    )
+                    .with_context(|| format!("saving {}", file.display()))?;
+                }
+                if format.diffusers() {
+                    crate::model::export::save_diffusers_folder(
+                        self.layout,
+                        &dir,
+                        &updated,
+                        DType::F32,
+                    )
+                    .with_context(|| format!("saving {}", dir.display()))?;
+                    if format.single_file() {
+                        progress.println(format!("saved {}", file.display()));
+                    }
+                    dir
+                } else {
+                    file
+                }
             }
             Some(a) => {
                 let name = match point {
@@ -1517,6 +1538,11 @@ impl Saver<'_> {
         progress.println(format!("saved {}", path.display()));
         Ok(path)
     }
+}
+
+/// The single-file checkpoint saved beside a diffusers folder: `final/` → `final.safetensors`.
+fn single_file_path(dir: &std::path::Path) -> PathBuf {
+    with_suffix(dir, ".safetensors")
 }
 
 /// `path` with `suffix` added to its last component (`final` → `final-ema`).
