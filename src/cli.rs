@@ -163,7 +163,8 @@ fn memory_plan(
         .iter()
         .find(|c| c.component == Component::Unet)
         .context("the model has no UNet")?;
-    let cfg = crate::model::unet::UnetConfig::from_file(&unet.config)?;
+    let (text, origin) = unet.config_text()?;
+    let cfg = crate::model::unet::UnetConfig::from_json(&text, &origin.display().to_string())?;
     let amp = match plan.precision.amp {
         crate::config::AmpChoice::Set(a) => a,
         crate::config::AmpChoice::DeviceDefault => crate::precision::Amp::Bf16,

@@ -13,6 +13,8 @@ use safetensors::SafeTensors;
 
 use crate::model::family::{FamilyError, ModelLayout};
 use crate::model::files::ComponentFiles;
+use crate::model::single_file::SingleFile;
+use crate::model::single_file::SingleFileOptions;
 use crate::model::source::{ModelDir, ModelSource, Origin, SourceError};
 
 #[derive(Debug, thiserror::Error)]
@@ -123,8 +125,17 @@ impl InspectReport {
 /// Resolves `source` (reading the hub settings from the environment when it is a repo id) and
 /// inspects it.
 pub fn inspect(source: &ModelSource, variant: Option<&str>) -> Result<InspectReport, InspectError> {
+    inspect_with(source, variant, &SingleFileOptions::default())
+}
+
+/// As [`inspect`], opening a single file with `single`.
+pub fn inspect_with(
+    source: &ModelSource,
+    variant: Option<&str>,
+    single: &SingleFileOptions,
+) -> Result<InspectReport, InspectError> {
     let dir = source.resolve_for(variant)?;
-    inspect_dir(source.clone(), dir, variant)
+    inspect_dir_with(source.clone(), dir, variant, single)
 }
 
 /// Inspects an already resolved model folder.
@@ -133,11 +144,29 @@ pub fn inspect_dir(
     dir: ModelDir,
     variant: Option<&str>,
 ) -> Result<InspectReport, InspectError> {
-    let layout = ModelLayout::read(&dir.path, variant)?;
+    inspect_dir_with(source, dir, variant, &SingleFileOptions::default())
+}
+
+/// As [`inspect_dir`], opening a single file with `single`.
+pub fn inspect_dir_with(
+    source: ModelSource,
+    dir: ModelDir,
+    variant: Option<&str>,
+    single: &SingleFileOptions,
+) -> Result<InspectReport, InspectError> {
+    let layout = ModelLayout::read_with(&dir.path, variant, single)?;
     let mut components = Vec::new();
     for files in &layout.components {
         let mut stats = TensorStats::default();
-        for w in &files.weights {
+        if files.packed.is_some() {
+            for (shape, dtype) in files.tensor_shapes().map_err(FamilyError::from)?.values() {
+                let count: u64 = shape.iter().map(|&d| d as u64).product();
+                stats.tensors += 1;
+                stats.params += count;
+                *stats.dtypes.entry(dtype.clone()).or_default() += count;
+            }
+        }
+        for w in files.weights.iter().filter(|_| files.packed.is_none()) {
             stats.add(&read_header(w)?);
         }
         components.push(ComponentReport {
@@ -170,6 +199,9 @@ fn human(n: u64) -> String {
 impl fmt::Display for InspectReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let layout = &self.layout;
+        if let Some(sf) = &layout.single_file {
+            return self.fmt_single_file(f, sf);
+        }
         match &self.dir.origin {
             Origin::Local => writeln!(f, "model       {} (local folder)", self.source)?,
             Origin::Hub { commit, .. } => writeln!(
@@ -179,6 +211,21 @@ impl fmt::Display for InspectReport {
             )?,
         }
         writeln!(f, "folder      {}", self.dir.path.display())?;
+        self.fmt_model(f)?;
+        writeln!(f)?;
+        writeln!(f, "files it would load (under the folder above):")?;
+        for path in layout.all_files() {
+            let shown = path.strip_prefix(&self.dir.path).unwrap_or(&path);
+            writeln!(f, "  {}", shown.display())?;
+        }
+        Ok(())
+    }
+}
+
+impl InspectReport {
+    /// Family, prediction, resolution and the component table.
+    fn fmt_model(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let layout = &self.layout;
         writeln!(f, "family      {}", layout.family)?;
         writeln!(f, "prediction  {}", layout.prediction_type)?;
         writeln!(f, "resolution  {0}x{0}", layout.native_resolution)?;
@@ -200,12 +247,50 @@ impl fmt::Display for InspectReport {
             )?;
         }
         let total = self.total_params();
-        writeln!(f, "{:<16}{:>14}  {:>8}", "total", total, human(total))?;
+        writeln!(f, "{:<16}{:>14}  {:>8}", "total", total, human(total))
+    }
+
+    /// A single-file checkpoint: the file, where its configs came from, the model, each
+    /// component's config, the tokenizers and the tensors left out.
+    fn fmt_single_file(&self, f: &mut fmt::Formatter<'_>, sf: &SingleFile) -> fmt::Result {
+        writeln!(f, "model       {} (single-file checkpoint)", self.source)?;
+        writeln!(f, "file        {}", sf.path.display())?;
+        writeln!(f, "configs     {}", sf.origin)?;
+        self.fmt_model(f)?;
         writeln!(f)?;
-        writeln!(f, "files it would load (under the folder above):")?;
-        for path in layout.all_files() {
-            let shown = path.strip_prefix(&self.dir.path).unwrap_or(&path);
-            writeln!(f, "  {}", shown.display())?;
+        writeln!(f, "configs (diffusers):")?;
+        for (c, p) in &sf.components {
+            writeln!(f, "  {:<15} {}", c.folder(), p.config)?;
+        }
+        writeln!(f, "  {:<15} {}", "scheduler", sf.scheduler)?;
+        for t in &self.layout.tokenizers {
+            match (&t.builtin, t.dir()) {
+                (Some(b), _) => writeln!(
+                    f,
+                    "  {:<15} built-in CLIP BPE, {} tokens, pad {:?}, length {}",
+                    t.folder, b.vocab_size, b.pad, b.max_length
+                )?,
+                (None, Some(dir)) => writeln!(f, "  {:<15} {}", t.folder, dir.display())?,
+                (None, None) => {}
+            }
+        }
+        if !sf.skipped.is_empty() {
+            writeln!(f)?;
+            writeln!(f, "left out ({} tensors):", sf.skipped.len())?;
+            let mut reasons: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+            for (name, why) in &sf.skipped {
+                reasons.entry(why).or_default().push(name);
+            }
+            for (why, names) in reasons {
+                let shown = names.iter().take(3).copied().collect::<Vec<_>>().join(", ");
+                let more = names.len().saturating_sub(3);
+                let more = if more > 0 {
+                    format!(" and {more} more")
+                } else {
+                    String::new()
+                };
+                writeln!(f, "  {why}: {shown}{more}")?;
+            }
         }
         Ok(())
     }

@@ -20,6 +20,7 @@ pub mod nn;
 pub mod optim;
 pub mod precision;
 pub mod sample;
+pub mod tensor_view;
 pub mod tensorboard;
 pub mod train;
 pub mod weights;

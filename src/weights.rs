@@ -7,6 +7,8 @@
 //! - when `trainable`, each tensor becomes a `Var`, recorded with its full name, so the trainer
 //!   gets the parameter list in construction order;
 //! - every name read is recorded, so the loader can report tensors the model never used;
+//! - or from a [`TensorView`] of a single-file checkpoint, which shows the file's LDM-named
+//!   tensors under the diffusers names the models ask for; shape errors then name both;
 //! - a module's tensors may be stored with or without its own name as a prefix
 //!   ([`Weights::pp_or_flat`]: transformers 5 saves `CLIPTextModel` without `text_model.`). Names
 //!   given out (parameters, layer paths) are the module paths either way; lookups, the unused
@@ -19,6 +21,8 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device, Shape, Tensor, Var};
+
+use crate::tensor_view::TensorView;
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
 #[derive(Debug, thiserror::Error)]
@@ -96,7 +100,19 @@ enum Source {
         files: Vec<PathBuf>,
         st: Box<MmapedSafetensors>,
     },
+    View(Arc<TensorView>),
     Random(Box<Mutex<StdRng>>),
+}
+
+impl Source {
+    /// The files, for messages.
+    fn describe(&self) -> String {
+        match self {
+            Source::Files { files, .. } => display_files(files),
+            Source::View(v) => format!("{} (single-file checkpoint)", v.file().display()),
+            Source::Random(_) => "random weights".to_string(),
+        }
+    }
 }
 
 struct Inner {
@@ -159,6 +175,17 @@ impl Weights {
         ))
     }
 
+    /// Reads through `view` (a component of a single-file checkpoint): names are the view's.
+    pub fn from_view(
+        view: Arc<TensorView>,
+        component: &str,
+        dtype: DType,
+        device: &Device,
+        trainable: bool,
+    ) -> Self {
+        Self::with_source(Source::View(view), component, dtype, device, trainable)
+    }
+
     /// Generates every tensor from a seeded RNG, using each layer's own init.
     pub fn random(
         seed: u64,
@@ -210,9 +237,9 @@ impl Weights {
     /// module. Either way the cursor's names are `name.*`. Random sources use the `name.` layout.
     pub fn pp_or_flat(&self, name: &str, probe: &str) -> Result<Self, WeightsError> {
         let nested = self.pp(name);
-        let Source::Files { files, .. } = &self.inner.source else {
+        if matches!(self.inner.source, Source::Random(_)) {
             return Ok(nested);
-        };
+        }
         match (nested.contains(probe), self.contains(probe)) {
             (true, false) => Ok(nested),
             (false, true) => Ok(Self {
@@ -221,7 +248,7 @@ impl Weights {
             }),
             (both, _) => {
                 let component = self.inner.component.clone();
-                let files = display_files(files);
+                let files = self.inner.source.describe();
                 let (nested, flat) = (nested.stored_path(probe), self.stored_path(probe));
                 Err(if both {
                     WeightsError::MixedLayout {
@@ -275,6 +302,7 @@ impl Weights {
     pub fn contains(&self, name: &str) -> bool {
         match &self.inner.source {
             Source::Files { st, .. } => st.get(&self.stored_path(name)).is_ok(),
+            Source::View(v) => v.entry(&self.stored_path(name)).is_some(),
             Source::Random(_) => true,
         }
     }
@@ -318,6 +346,26 @@ impl Weights {
                     });
                 }
                 st.load(&stored, &inner.device)
+                    .and_then(|t| t.to_dtype(inner.dtype))
+                    .map_err(load_err)?
+            }
+            Source::View(view) => {
+                let entry = view.entry(&stored).ok_or_else(|| WeightsError::Missing {
+                    component: inner.component.clone(),
+                    name: stored.clone(),
+                    files: inner.source.describe(),
+                })?;
+                if entry.shape != shape.dims() {
+                    return Err(WeightsError::Shape {
+                        component: inner.component.clone(),
+                        // Rendered inside the message's backticks: `x` (stored as `y`).
+                        name: format!("{stored}` (stored as `{}", entry.stored),
+                        file: inner.source.describe(),
+                        found: entry.shape.clone(),
+                        want: shape.dims().to_vec(),
+                    });
+                }
+                view.load(&stored, &inner.device)
                     .and_then(|t| t.to_dtype(inner.dtype))
                     .map_err(load_err)?
             }
@@ -376,6 +424,11 @@ impl Weights {
                 .tensors()
                 .into_iter()
                 .map(|(n, _)| n)
+                .filter(|n| !used.contains(n))
+                .collect(),
+            Source::View(v) => v
+                .entries()
+                .map(|(n, _)| n.clone())
                 .filter(|n| !used.contains(n))
                 .collect(),
             Source::Random(_) => Vec::new(),

@@ -194,16 +194,21 @@ fn inspect_usage_errors_exit_2() {
     // Missing argument (clap).
     let run = sdtrain(tmp.path(), &["inspect"]);
     assert_eq!(run.code, 2, "{}", run.stderr);
-    // Single-file checkpoint.
+    // A .safetensors file that is not one.
     std::fs::write(tmp.path().join("model.safetensors"), b"x").unwrap();
     let run = sdtrain(tmp.path(), &["inspect", "--model", "model.safetensors"]);
     assert_eq!(run.code, 2, "{}", run.stderr);
     assert!(
         run.stderr
-            .contains("single-file checkpoints are not supported yet"),
+            .contains("model.safetensors: not a valid safetensors file"),
         "{}",
         run.stderr
     );
+    // A pickle checkpoint.
+    std::fs::write(tmp.path().join("model.ckpt"), b"x").unwrap();
+    let run = sdtrain(tmp.path(), &["inspect", "--model", "model.ckpt"]);
+    assert_eq!(run.code, 2, "{}", run.stderr);
+    assert!(run.stderr.contains("never loads them"), "{}", run.stderr);
 }
 
 #[test]

@@ -127,7 +127,7 @@ fn pipelines_match_diffusers_step_by_step() {
             cfg: case["cfg"].as_f64().unwrap(),
             sampler: SamplerKind::parse(case["sampler"].as_str().unwrap()).unwrap(),
         };
-        let cfg = SchedulerConfig::from_file(&sd.layout.scheduler_config).unwrap();
+        let cfg = SchedulerConfig::from_layout(&sd.layout).unwrap();
         let sampler = req.sampler.build(&cfg, req.steps).unwrap();
         let conds = PromptConds::encode(
             &sd,
@@ -210,7 +210,7 @@ fn bf16_sampling_stays_near_the_f32_reference() {
         cfg: case["cfg"].as_f64().unwrap(),
         sampler: SamplerKind::Ddim,
     };
-    let cfg = SchedulerConfig::from_file(&sd.layout.scheduler_config).unwrap();
+    let cfg = SchedulerConfig::from_layout(&sd.layout).unwrap();
     let sampler = req.sampler.build(&cfg, req.steps).unwrap();
     let conds = PromptConds::encode(&sd, &req.prompt, "", false, 0, false).unwrap();
     let run = UnetRun {

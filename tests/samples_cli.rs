@@ -246,6 +246,20 @@ fn sample_command_draws_pngs_with_and_without_a_lora() {
     let d = image::open(tmp.path().join("d.png")).unwrap().to_rgb8();
     assert_ne!(b, d, "the LoRA changed nothing");
 
+    // A single-file checkpoint (SD2.1, v-prediction detected) draws too.
+    let single = common::fixture("single-file/tiny-sd21.safetensors")
+        .display()
+        .to_string();
+    let out = sdtrain(
+        &[
+            "sample", "--model", &single, "--prompt", "a dog", "--steps", "2", "--width", "32",
+            "--height", "32", "--out", "e.png", "--cpu",
+        ],
+        tmp.path(),
+    );
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(dims(&tmp.path().join("e.png")), (32, 32));
+
     let out = sdtrain(
         &[
             "sample", "--model", &model, "--prompt", "x", "--width", "30", "--cpu",

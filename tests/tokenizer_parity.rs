@@ -168,3 +168,19 @@ fn special_token_missing_from_vocab_is_an_error() {
     let err = ClipTokenizer::from_dir(tmp.path()).unwrap_err().to_string();
     assert!(err.contains("pad_token") && err.contains("<pad>"), "{err}");
 }
+
+/// The tokenizer built from the embedded CLIP merges (for single-file checkpoints) with the
+/// fixtures' 2514-row vocabulary gives transformers' ids, with either pad token.
+#[test]
+fn builtin_bpe_tokenizer_matches_transformers() {
+    let origin = Path::new("model.safetensors");
+    let eot = ClipTokenizer::builtin(2514, "<|endoftext|>", 77, origin).unwrap();
+    check_rows("tiny-sd15", "ids", &eot);
+    check_rows("tiny-sdxl", "ids", &eot);
+    let bang = ClipTokenizer::builtin(2514, "!", 77, origin).unwrap();
+    assert_eq!(bang.pad_id(), 0);
+    check_rows("tiny-sd21", "ids", &bang);
+    check_rows("tiny-sdxl", "ids_2", &bang);
+    let err = ClipTokenizer::builtin(60000, "!", 77, origin).unwrap_err();
+    assert!(err.to_string().contains("model_config"), "{err}");
+}

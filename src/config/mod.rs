@@ -8,6 +8,7 @@
 mod adapter_file;
 mod ema_plan;
 mod error;
+mod model_plan;
 mod optimizer_file;
 mod optimizer_plan;
 mod overrides;
@@ -21,6 +22,7 @@ mod train_file;
 pub use adapter_file::{AdapterFile, AdapterPlan, SaveDtype};
 pub use ema_plan::{EmaDecay, EmaDevice, EmaPlan, DEFAULT_EMA_UPDATE_INTERVAL};
 pub use error::{ConfigError, UnsupportedKey};
+pub use model_plan::{ModelFilePlan, SaveFormat};
 pub use optimizer_file::{FreezingFile, GroupFile, OptimizerFile, DEFAULT_OPTIMIZER_JSON};
 pub use optimizer_plan::{
     OptimizerKind, OptimizerPlan, ParamGroupPlan, ResolvedSchedule, ScheduleKind, ScheduleSpec,

@@ -201,9 +201,19 @@ pub struct TrainPlan {
     pub ema: Option<EmaPlan>,
     /// Sample images during training; `None` is off.
     pub samples: Option<SamplePlan>,
+    /// How a single-file model is read, and the formats a full fine-tune is saved in.
+    pub model_file: super::ModelFilePlan,
 }
 
 impl TrainPlan {
+    /// How the model is opened if it is a single file.
+    pub fn single_file_options(&self) -> crate::model::single_file::SingleFileOptions {
+        crate::model::single_file::SingleFileOptions {
+            model_config: self.model_file.model_config.clone(),
+            prediction_type: self.model_file.prediction_type,
+        }
+    }
+
     /// Reads train.json (and the optimizer config it names), applies the `--set` overrides, and
     /// resolves and validates everything.
     pub fn resolve(train_path: &Path, overrides: &[String]) -> Result<TrainPlan, ConfigError> {
@@ -342,6 +352,9 @@ impl TrainPlan {
                 ema.is_some(),
                 |field, p| ctx.input_path(field, p),
             )?,
+            model_file: super::model_plan::resolve_model_file(&file, train_path, mode, |f, p| {
+                ctx.input_path(f, p)
+            })?,
         })
     }
 

@@ -81,7 +81,21 @@ pub struct TrainFile {
     /// (default on); false turns it off.
     #[serde(default)]
     pub cache_text_encoder_outputs: Option<bool>,
+    /// A diffusers folder whose configs and tokenizers describe a single-file `model`.
+    #[serde(default)]
+    pub model_config: Option<String>,
+    /// `"epsilon"` or `"v_prediction"`: what a single-file `model` predicts, when its own
+    /// metadata or the detection default is not right.
+    #[serde(default)]
+    pub prediction_type: Option<String>,
+    /// Full fine-tunes: `"diffusers"`, `"safetensors"` (a single LDM-layout file) or `"both"`.
+    #[serde(default)]
+    pub save_ckpt_format: Option<String>,
     // EveryDream2's keys.
+    /// EveryDream2: true writes no single-file checkpoint, false writes one beside the
+    /// diffusers folder (`save_ckpt_format: "both"`).
+    #[serde(default)]
+    pub no_save_ckpt: Option<bool>,
     /// EveryDream2's random crop: up to this fraction of the short side off each edge.
     #[serde(default)]
     pub crop_jitter: Option<f64>,
@@ -240,11 +254,6 @@ pub(crate) const UNSUPPORTED: &[Unsupported] = &[
         "output names are not configurable",
     ),
     un(
-        "no_save_ckpt",
-        Accepts::NullOrTrue,
-        "sdtrain saves diffusers folders only, no single-file checkpoint",
-    ),
-    un(
         "notebook",
         Accepts::NullOrFalse,
         "notebook mode is not implemented",
@@ -270,7 +279,11 @@ pub(crate) const UNSUPPORTED: &[Unsupported] = &[
         Accepts::Null,
         "wandb/tensorboard run names are not implemented",
     ),
-    un("save_ckpt_dir", Accepts::Null, "use output_dir"),
+    un(
+        "save_ckpt_dir",
+        Accepts::Null,
+        "single files are saved beside the diffusers folders in the run folder",
+    ),
     un(
         "save_ckpts_from_n_epochs",
         Accepts::NullOrZero,

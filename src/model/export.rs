@@ -28,6 +28,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fs;
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device, Tensor, Var};
@@ -36,6 +37,7 @@ use serde_json::{json, Value};
 use super::family::ModelLayout;
 use super::files::{self, Component, ComponentFiles, FilesError};
 use crate::fsutil::{self, FsError, StagedDir};
+use crate::tensor_view::TensorView;
 
 /// JSON files larger than this are not "small" and are not copied beside the listed files.
 const SMALL_JSON_BYTES: u64 = 16 << 20;
@@ -97,6 +99,8 @@ pub enum ExportError {
         path: PathBuf,
         source: std::io::Error,
     },
+    #[error("{folder}: {message}")]
+    Tokenizer { folder: String, message: String },
     #[error(transparent)]
     Fs(#[from] FsError),
     #[error(transparent)]
@@ -155,6 +159,9 @@ pub fn save_diffusers_folder<T: ExportTensor>(
         }
     }
     check_not_base(base, out_dir)?;
+    if base.single_file.is_some() {
+        return save_from_single_file(base, out_dir, &updates, dtype);
+    }
 
     let stage = StagedDir::new(out_dir)?;
     let root = stage.path();
@@ -173,7 +180,7 @@ pub fn save_diffusers_folder<T: ExportTensor>(
         copy_folder_files(base, root, folder, std::slice::from_ref(&c.config))?;
         let dst = root.join(folder);
         match updates.get(&c.component) {
-            Some(tensors) => write_component(c, tensors, dtype, &dst)?,
+            Some(tensors) => write_component(c, tensors, Some(dtype), &dst)?,
             None => copy_weights(c, &dst)?,
         }
     }
@@ -189,6 +196,71 @@ pub fn save_diffusers_folder<T: ExportTensor>(
     let index = rewrite_model_index(index, &folders);
     let text = serde_json::to_string_pretty(&index).unwrap_or_default() + "\n";
     fsutil::write_atomic(&root.join(files::MODEL_INDEX), text)?;
+    stage.commit()?;
+    Ok(())
+}
+
+/// [`save_diffusers_folder`] for a single-file base: the configs it was opened with become the
+/// folder's JSON files, the built-in tokenizer is written out as `vocab.json` + `merges.txt`,
+/// and every component is written from the file's views (updated ones in `dtype`, the others
+/// as stored).
+fn save_from_single_file<T: ExportTensor>(
+    base: &ModelLayout,
+    out_dir: &Path,
+    updates: &BTreeMap<Component, &[(String, T)]>,
+    dtype: DType,
+) -> Result<(), ExportError> {
+    let stage = StagedDir::new(out_dir)?;
+    let root = stage.path();
+    let write_json = |rel: &str, v: &Value| -> Result<(), ExportError> {
+        let path = root.join(rel);
+        if let Some(dir) = path.parent() {
+            fs::create_dir_all(dir).map_err(|source| ExportError::Write {
+                path: dir.to_path_buf(),
+                source,
+            })?;
+        }
+        let text = serde_json::to_string_pretty(v).unwrap_or_default() + "\n";
+        Ok(fsutil::write_atomic(&path, text)?)
+    };
+    write_json(files::MODEL_INDEX, &base.model_index_json()?)?;
+    write_json(files::SCHEDULER_CONFIG, &base.scheduler_json()?)?;
+    for c in &base.components {
+        let folder = c.component.folder();
+        write_json(&format!("{folder}/config.json"), &c.config_json()?)?;
+        let none: &[(String, T)] = &[];
+        match updates.get(&c.component) {
+            Some(tensors) => write_component(c, tensors, Some(dtype), &root.join(folder))?,
+            None => write_component(c, none, None, &root.join(folder))?,
+        }
+    }
+    for t in &base.tokenizers {
+        let dst = root.join(&t.folder);
+        fs::create_dir_all(&dst).map_err(|source| ExportError::Write {
+            path: dst.clone(),
+            source,
+        })?;
+        match &t.builtin {
+            Some(b) => {
+                let files =
+                    super::clip::builtin_bpe::tokenizer_files(b.vocab_size, &b.pad, b.max_length)
+                        .map_err(|m| ExportError::Tokenizer {
+                        folder: t.folder.clone(),
+                        message: m,
+                    })?;
+                for (name, text) in files {
+                    fsutil::write_atomic(&dst.join(name), text)?;
+                }
+            }
+            None => {
+                for f in &t.files {
+                    if let Some(name) = f.file_name() {
+                        fsutil::copy_atomic(f, &dst.join(name))?;
+                    }
+                }
+            }
+        }
+    }
     stage.commit()?;
     Ok(())
 }
@@ -321,44 +393,134 @@ fn copy_weights(c: &ComponentFiles, dst: &Path) -> Result<(), ExportError> {
     Ok(())
 }
 
-/// Where one output tensor comes from.
-enum Source<'a> {
-    Updated(&'a Tensor),
-    Base,
+/// The base tensors of a component: its safetensors files, or a single file's view.
+pub(crate) enum BaseTensors {
+    Files {
+        st: Box<MmapedSafetensors>,
+        files: String,
+    },
+    View(Arc<TensorView>),
 }
 
-/// One tensor of the output file, in header order.
-struct Entry<'a> {
-    name: String,
-    shape: Vec<usize>,
-    dtype: DType,
-    source: Source<'a>,
+impl BaseTensors {
+    pub(crate) fn open(c: &ComponentFiles) -> Result<Self, ExportError> {
+        if let Some(p) = &c.packed {
+            return Ok(BaseTensors::View(p.view.clone()));
+        }
+        let files = c
+            .weights
+            .iter()
+            .map(|p| p.display().to_string())
+            .collect::<Vec<_>>()
+            .join(", ");
+        // SAFETY: the base files are memory-mapped read-only and only read here; sdtrain never
+        // writes to a base model file (the export goes to a new path, checked not to be the
+        // base).
+        let st =
+            unsafe { MmapedSafetensors::multi(&c.weights) }.map_err(|e| ExportError::Base {
+                component: c.component,
+                files: files.clone(),
+                source: Box::new(e),
+            })?;
+        Ok(BaseTensors::Files {
+            st: Box::new(st),
+            files,
+        })
+    }
+
+    pub(crate) fn describe(&self) -> String {
+        match self {
+            BaseTensors::Files { files, .. } => files.clone(),
+            BaseTensors::View(v) => v.file().display().to_string(),
+        }
+    }
+
+    /// Every tensor: name, shape, stored dtype.
+    pub(crate) fn list(&self) -> candle_core::Result<Vec<(String, Vec<usize>, DType)>> {
+        match self {
+            BaseTensors::Files { st, .. } => st
+                .tensors()
+                .into_iter()
+                .map(|(n, v)| Ok((n, v.shape().to_vec(), DType::try_from(v.dtype())?)))
+                .collect(),
+            BaseTensors::View(v) => Ok(v
+                .entries()
+                .map(|(n, e)| (n.clone(), e.shape.clone(), e.dtype))
+                .collect()),
+        }
+    }
+
+    /// Loads `name` on the host.
+    pub(crate) fn load(&self, name: &str) -> candle_core::Result<Tensor> {
+        match self {
+            BaseTensors::Files { st, .. } => st.load(name, &Device::Cpu),
+            BaseTensors::View(v) => v.load(name, &Device::Cpu),
+        }
+    }
 }
 
-/// Writes `dst/<plain weights name>` for an updated component: the base tensors with `tensors`
-/// replacing those of the same name.
-fn write_component<T: ExportTensor>(
-    c: &ComponentFiles,
-    tensors: &[(String, T)],
-    dtype: DType,
-    dst: &Path,
+/// One tensor to write: where it comes from and what it is written as.
+pub(crate) struct OutTensor<'a> {
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub dtype: DType,
+    pub component: Component,
+    pub load: Box<dyn Fn() -> candle_core::Result<Tensor> + 'a>,
+}
+
+/// Writes `path` atomically: the safetensors header (with `metadata`, `format: pt` added) and
+/// each tensor in turn, streamed (a device tensor is copied to the host only while written).
+pub(crate) fn write_safetensors(
+    path: &Path,
+    mut metadata: serde_json::Map<String, Value>,
+    tensors: &[OutTensor<'_>],
 ) -> Result<(), ExportError> {
+    metadata.insert("format".into(), json!("pt"));
+    let header = safetensors_header(metadata, tensors)?;
+    let write_err = |source| ExportError::Write {
+        path: path.to_path_buf(),
+        source,
+    };
+    fsutil::write_atomic_with(path, |w| {
+        w.write_all(&(header.len() as u64).to_le_bytes())
+            .map_err(write_err)?;
+        w.write_all(&header).map_err(write_err)?;
+        for t in tensors {
+            let tensor_err = |err: candle_core::Error| ExportError::Tensor {
+                component: t.component,
+                name: t.name.clone(),
+                source: Box::new(err),
+            };
+            let tensor = (t.load)().map_err(tensor_err)?;
+            if tensor.dims() != t.shape.as_slice() {
+                return Err(ExportError::Shape {
+                    component: t.component,
+                    name: t.name.clone(),
+                    got: tensor.dims().to_vec(),
+                    want: t.shape.clone(),
+                });
+            }
+            let bytes = tensor_bytes(&tensor, t.dtype).map_err(tensor_err)?;
+            w.write_all(&bytes).map_err(write_err)?;
+        }
+        Ok(())
+    })
+}
+
+/// The diffusers-named tensors of component `c` with `tensors` replacing those of the same name,
+/// float tensors in `dtype` (`None`: as stored), sorted by name.
+pub(crate) fn merged_tensors<'a, T: ExportTensor>(
+    c: &ComponentFiles,
+    base: &'a BaseTensors,
+    tensors: &'a [(String, T)],
+    dtype: Option<DType>,
+) -> Result<Vec<OutTensor<'a>>, ExportError> {
     let component = c.component;
-    let files = c
-        .weights
-        .iter()
-        .map(|p| p.display().to_string())
-        .collect::<Vec<_>>()
-        .join(", ");
     let base_err = |e: candle_core::Error| ExportError::Base {
         component,
-        files: files.clone(),
+        files: base.describe(),
         source: Box::new(e),
     };
-    // SAFETY: the base files are memory-mapped read-only and only read here; sdtrain never
-    // writes to a base model file (the export goes to a new folder, checked not to be the base).
-    let st = unsafe { MmapedSafetensors::multi(&c.weights) }.map_err(base_err)?;
-
     let mut updates: HashMap<&str, &Tensor> = HashMap::new();
     for (name, t) in tensors {
         if updates.insert(name, t.export_tensor()).is_some() {
@@ -368,69 +530,64 @@ fn write_component<T: ExportTensor>(
             });
         }
     }
-    let mut entries = Vec::new();
-    for (name, view) in st.tensors() {
-        let base_dtype = DType::try_from(view.dtype()).map_err(base_err)?;
-        let source = match updates.remove(name.as_str()) {
-            Some(t) => {
-                if t.dims() != view.shape() {
-                    return Err(ExportError::Shape {
-                        component,
-                        name,
-                        got: t.dims().to_vec(),
-                        want: view.shape().to_vec(),
-                    });
+    let mut out = Vec::new();
+    for (name, shape, base_dtype) in base.list().map_err(base_err)? {
+        let load: Box<dyn Fn() -> candle_core::Result<Tensor> + 'a> =
+            match updates.remove(name.as_str()) {
+                Some(t) => {
+                    if t.dims() != shape.as_slice() {
+                        return Err(ExportError::Shape {
+                            component,
+                            name,
+                            got: t.dims().to_vec(),
+                            want: shape,
+                        });
+                    }
+                    Box::new(move || Ok(t.clone()))
                 }
-                Source::Updated(t)
-            }
-            None => Source::Base,
+                None => {
+                    let n = name.clone();
+                    Box::new(move || base.load(&n))
+                }
+            };
+        let out_dtype = match dtype {
+            Some(d) if base_dtype.is_float() => d,
+            _ => base_dtype,
         };
-        let out_dtype = if base_dtype.is_float() {
-            dtype
-        } else {
-            base_dtype
-        };
-        entries.push(Entry {
-            shape: view.shape().to_vec(),
-            dtype: out_dtype,
-            source,
+        out.push(OutTensor {
             name,
+            shape,
+            dtype: out_dtype,
+            component,
+            load,
         });
     }
     if let Some(name) = updates.keys().min() {
         return Err(ExportError::UnknownTensor {
             component,
             name: name.to_string(),
-            files,
+            files: base.describe(),
         });
     }
-    entries.sort_by(|a, b| a.name.cmp(&b.name));
+    out.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(out)
+}
 
-    let header = safetensors_header(component, &entries)?;
-    let path = dst.join(weights_file_name(component));
-    let write_err = |source| ExportError::Write {
-        path: path.clone(),
-        source,
-    };
-    fsutil::write_atomic_with(&path, |w| {
-        w.write_all(&(header.len() as u64).to_le_bytes())
-            .map_err(write_err)?;
-        w.write_all(&header).map_err(write_err)?;
-        for e in &entries {
-            let tensor_err = |err: candle_core::Error| ExportError::Tensor {
-                component,
-                name: e.name.clone(),
-                source: Box::new(err),
-            };
-            let tensor = match e.source {
-                Source::Updated(t) => t.clone(),
-                Source::Base => st.load(&e.name, &Device::Cpu).map_err(tensor_err)?,
-            };
-            let bytes = tensor_bytes(&tensor, e.dtype).map_err(tensor_err)?;
-            w.write_all(&bytes).map_err(write_err)?;
-        }
-        Ok(())
-    })
+/// Writes `dst/<plain weights name>` for a component: the base tensors with `tensors`
+/// replacing those of the same name, floats in `dtype` (`None`: as stored).
+fn write_component<T: ExportTensor>(
+    c: &ComponentFiles,
+    tensors: &[(String, T)],
+    dtype: Option<DType>,
+    dst: &Path,
+) -> Result<(), ExportError> {
+    let base = BaseTensors::open(c)?;
+    let entries = merged_tensors(c, &base, tensors, dtype)?;
+    write_safetensors(
+        &dst.join(weights_file_name(c.component)),
+        serde_json::Map::new(),
+        &entries,
+    )
 }
 
 /// The safetensors name of a dtype the export writes.
@@ -452,13 +609,23 @@ fn st_dtype(dtype: DType) -> Option<&'static str> {
 
 /// The JSON header (safetensors format: `{name: {dtype, shape, data_offsets}}` with offsets
 /// into the data section, plus `__metadata__`), padded with spaces to a multiple of 8 bytes.
-fn safetensors_header(component: Component, entries: &[Entry<'_>]) -> Result<Vec<u8>, ExportError> {
+fn safetensors_header(
+    metadata: serde_json::Map<String, Value>,
+    entries: &[OutTensor<'_>],
+) -> Result<Vec<u8>, ExportError> {
     let mut map = serde_json::Map::new();
-    map.insert("__metadata__".into(), json!({"format": "pt"}));
+    let metadata: serde_json::Map<String, Value> = metadata
+        .into_iter()
+        .map(|(k, v)| match v {
+            Value::String(s) => (k, Value::String(s)),
+            other => (k, Value::String(other.to_string())),
+        })
+        .collect();
+    map.insert("__metadata__".into(), Value::Object(metadata));
     let mut offset = 0usize;
     for e in entries {
         let name = st_dtype(e.dtype).ok_or_else(|| ExportError::TensorDtype {
-            component,
+            component: e.component,
             name: e.name.clone(),
             dtype: e.dtype,
         })?;
@@ -504,27 +671,24 @@ mod tests {
 
     #[test]
     fn header_offsets_are_contiguous_and_padded() {
+        let entry = |name: &str, shape: Vec<usize>, dtype| OutTensor {
+            name: name.into(),
+            shape,
+            dtype,
+            component: Component::Unet,
+            load: Box::new(|| candle_core::bail!("not loaded")),
+        };
         let entries = [
-            Entry {
-                name: "a".into(),
-                shape: vec![2, 3],
-                dtype: DType::F16,
-                source: Source::Base,
-            },
-            Entry {
-                name: "b".into(),
-                shape: vec![1],
-                dtype: DType::I64,
-                source: Source::Base,
-            },
+            entry("a", vec![2, 3], DType::F16),
+            entry("b", vec![1], DType::I64),
         ];
-        let h = safetensors_header(Component::Unet, &entries).unwrap();
+        let h = safetensors_header(serde_json::Map::new(), &entries).unwrap();
         assert_eq!(h.len() % 8, 0);
         let v: Value = serde_json::from_slice(&h).unwrap();
         assert_eq!(v["a"]["data_offsets"], json!([0, 12]));
         assert_eq!(v["b"]["data_offsets"], json!([12, 20]));
         assert_eq!(v["b"]["dtype"], "I64");
-        assert_eq!(v["__metadata__"]["format"], "pt");
+        assert_eq!(v["__metadata__"], json!({}));
     }
 
     #[test]

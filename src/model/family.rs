@@ -14,12 +14,15 @@
 //!   downsampling factor (64 × 8 = 512 for SD1.5, 128 × 8 = 1024 for SDXL).
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use serde_json::Value;
 
 use super::files::{
-    self, Component, ComponentFiles, FilesError, TokenizerFiles, MODEL_INDEX, SCHEDULER_CONFIG,
+    self, BuiltinTokenizer, Component, ComponentFiles, FilesError, TokenizerFiles, MODEL_INDEX,
+    SCHEDULER_CONFIG,
 };
+use super::single_file::{SingleFile, SingleFileError, SingleFileOptions, TokenizerSource};
 
 #[derive(Debug, thiserror::Error)]
 pub enum FamilyError {
@@ -43,6 +46,20 @@ pub enum FamilyError {
     },
     #[error(transparent)]
     Files(#[from] FilesError),
+    #[error(transparent)]
+    SingleFile(Box<SingleFileError>),
+    #[error(
+        "{}: `{option}` applies to single-file checkpoints; a diffusers folder's own configs \
+         decide (edit them instead)",
+        dir.display()
+    )]
+    SingleFileOption { dir: PathBuf, option: &'static str },
+}
+
+impl From<SingleFileError> for FamilyError {
+    fn from(e: SingleFileError) -> Self {
+        FamilyError::SingleFile(Box::new(e))
+    }
 }
 
 impl FamilyError {
@@ -51,7 +68,9 @@ impl FamilyError {
     pub fn is_usage(&self) -> bool {
         match self {
             FamilyError::Files(e) => e.is_usage(),
-            FamilyError::NotAPipeline { .. }
+            FamilyError::SingleFile(e) => e.is_usage(),
+            FamilyError::SingleFileOption { .. }
+            | FamilyError::NotAPipeline { .. }
             | FamilyError::Undetectable { .. }
             | FamilyError::UnsupportedPrediction { .. }
             | FamilyError::BadField { .. } => true,
@@ -63,7 +82,9 @@ impl FamilyError {
         match self {
             FamilyError::Files(e) => e.is_incomplete(),
             FamilyError::NotAPipeline { .. } => true,
-            FamilyError::Undetectable { .. }
+            FamilyError::SingleFile(_)
+            | FamilyError::SingleFileOption { .. }
+            | FamilyError::Undetectable { .. }
             | FamilyError::UnsupportedPrediction { .. }
             | FamilyError::BadField { .. } => false,
         }
@@ -277,12 +298,41 @@ pub struct ModelLayout {
     pub components: Vec<ComponentFiles>,
     /// One entry per text encoder, in the same order.
     pub tokenizers: Vec<TokenizerFiles>,
+    /// Set when the model is a single-file checkpoint; `root`, `model_index`,
+    /// `scheduler_config` and every component's `config`/`weights` are then the file itself.
+    pub single_file: Option<Arc<SingleFile>>,
 }
 
 impl ModelLayout {
     /// Reads the pipeline folder `root`, choosing weights by the rules in [`files`] (`variant`,
     /// e.g. `fp16`, prefers those files where present).
     pub fn read(root: &Path, variant: Option<&str>) -> Result<Self, FamilyError> {
+        Self::read_with(root, variant, &SingleFileOptions::default())
+    }
+
+    /// As [`ModelLayout::read`]; `root` may also be a single-file checkpoint, opened with
+    /// `single` (options that are an error for a folder).
+    pub fn read_with(
+        root: &Path,
+        variant: Option<&str>,
+        single: &SingleFileOptions,
+    ) -> Result<Self, FamilyError> {
+        if root.is_file() {
+            return Self::from_single_file(SingleFile::open(root, single)?);
+        }
+        let option = if single.model_config.is_some() {
+            Some("model_config")
+        } else if single.prediction_type.is_some() {
+            Some("prediction_type")
+        } else {
+            None
+        };
+        if let Some(option) = option {
+            return Err(FamilyError::SingleFileOption {
+                dir: root.to_path_buf(),
+                option,
+            });
+        }
         files::check_variant(variant)?;
         let model_index = root.join(MODEL_INDEX);
         if !model_index.is_file() {
@@ -331,7 +381,87 @@ impl ModelLayout {
             scheduler_config,
             components,
             tokenizers,
+            single_file: None,
         })
+    }
+
+    /// The layout of an opened single file: configs in memory, weights through its views.
+    pub fn from_single_file(sf: SingleFile) -> Result<Self, FamilyError> {
+        let path = sf.path.clone();
+        let named = |what: &str| path.join(format!("<{what}>"));
+        let unet = sf
+            .component(Component::Unet)
+            .map(|p| p.config.clone())
+            .unwrap_or_default();
+        let vae = sf
+            .component(Component::Vae)
+            .map(|p| p.config.clone())
+            .unwrap_or_default();
+        let native_resolution =
+            native_resolution(&unet, &named("unet config"), &vae, &named("vae config"))?;
+        let prediction_type =
+            PredictionType::from_scheduler_config(&sf.scheduler, &named("scheduler config"))?;
+        let components = sf
+            .components
+            .iter()
+            .map(|(c, p)| ComponentFiles {
+                component: *c,
+                config: path.clone(),
+                index: None,
+                weights: vec![path.clone()],
+                packed: Some(p.clone()),
+            })
+            .collect();
+        let tokenizers = sf
+            .tokenizers
+            .iter()
+            .map(|(folder, src)| match src {
+                TokenizerSource::Builtin {
+                    vocab_size,
+                    pad,
+                    max_length,
+                } => Ok(TokenizerFiles {
+                    folder: folder.clone(),
+                    files: Vec::new(),
+                    builtin: Some(BuiltinTokenizer {
+                        vocab_size: *vocab_size,
+                        pad: pad.clone(),
+                        max_length: *max_length,
+                    }),
+                }),
+                TokenizerSource::Folder(dir) => {
+                    let parent = dir.parent().unwrap_or(Path::new("."));
+                    files::tokenizer_files(parent, folder)
+                }
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Self {
+            root: path.clone(),
+            family: sf.family,
+            prediction_type,
+            native_resolution,
+            model_index: path.clone(),
+            scheduler_config: path,
+            components,
+            tokenizers,
+            single_file: Some(Arc::new(sf)),
+        })
+    }
+
+    /// The scheduler config.
+    pub fn scheduler_json(&self) -> Result<Value, FilesError> {
+        match &self.single_file {
+            Some(sf) => Ok(sf.scheduler.clone()),
+            None => files::read_json(&self.scheduler_config),
+        }
+    }
+
+    /// `model_index.json`.
+    pub fn model_index_json(&self) -> Result<Value, FilesError> {
+        match &self.single_file {
+            Some(sf) => Ok(sf.model_index.clone()),
+            None => files::read_json(&self.model_index),
+        }
     }
 
     pub fn component(&self, component: Component) -> Option<&ComponentFiles> {
@@ -340,6 +470,13 @@ impl ModelLayout {
 
     /// Every file sdtrain would open, configs first, then weights and tokenizer files.
     pub fn all_files(&self) -> Vec<PathBuf> {
+        if self.single_file.is_some() {
+            let mut out = vec![self.root.clone()];
+            for t in &self.tokenizers {
+                out.extend(t.files.iter().cloned());
+            }
+            return out;
+        }
         let mut out = vec![self.model_index.clone(), self.scheduler_config.clone()];
         for c in &self.components {
             out.push(c.config.clone());

@@ -16,8 +16,11 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use serde_json::Value;
+
+use super::single_file::PackedComponent;
 
 /// File names a diffusers model (`diffusion_pytorch_model`) or a transformers model (`model`)
 /// uses for its weights, without extension.
@@ -83,6 +86,8 @@ pub enum FilesError {
     BadIndex { path: PathBuf, reason: String },
     #[error("shard {} listed in {} not found", shard.display(), index.display())]
     MissingShard { index: PathBuf, shard: PathBuf },
+    #[error("{}: not a valid safetensors file: {message}", path.display())]
+    BadSafetensors { path: PathBuf, message: String },
     #[error("invalid variant `{0}`: use letters, digits, `_` or `-` (e.g. `fp16`)")]
     BadVariant(String),
     #[error("cannot read {}: {source}", path.display())]
@@ -111,6 +116,7 @@ impl FilesError {
             | FilesError::BadIndex { .. }
             | FilesError::MissingShard { .. }
             | FilesError::BadVariant(_)
+            | FilesError::BadSafetensors { .. }
             | FilesError::Json { .. } => true,
         }
     }
@@ -127,6 +133,7 @@ impl FilesError {
             FilesError::PickleOnly { .. }
             | FilesError::BadIndex { .. }
             | FilesError::BadVariant(_)
+            | FilesError::BadSafetensors { .. }
             | FilesError::Io { .. }
             | FilesError::Json { .. } => false,
         }
@@ -197,18 +204,106 @@ pub enum WeightChoice {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ComponentFiles {
     pub component: Component,
+    /// The `config.json`; for a single-file checkpoint, the file itself.
     pub config: PathBuf,
     /// The shard index, for a sharded component.
     pub index: Option<PathBuf>,
-    /// The safetensors files to pass to `Weights::from_files`, in a stable order.
+    /// The safetensors files to pass to `Weights::from_files`, in a stable order; for a
+    /// single-file checkpoint, the file.
     pub weights: Vec<PathBuf>,
+    /// Set for a component of a single-file checkpoint: its config and its tensors under
+    /// diffusers names, which replace `config` and `weights`.
+    pub packed: Option<Arc<PackedComponent>>,
+}
+
+impl ComponentFiles {
+    /// The parsed config.
+    pub fn config_json(&self) -> Result<Value, FilesError> {
+        match &self.packed {
+            Some(p) => Ok(p.config.clone()),
+            None => read_json(&self.config),
+        }
+    }
+
+    /// The config as JSON text and the name of where it came from, for the config parsers.
+    pub fn config_text(&self) -> Result<(String, PathBuf), FilesError> {
+        match &self.packed {
+            Some(p) => Ok((
+                serde_json::to_string(&p.config).unwrap_or_default(),
+                self.config.join(format!("<{} config>", self.component)),
+            )),
+            None => {
+                let text =
+                    std::fs::read_to_string(&self.config).map_err(|source| FilesError::Io {
+                        path: self.config.clone(),
+                        source,
+                    })?;
+                Ok((text, self.config.clone()))
+            }
+        }
+    }
+
+    /// Tensor name → (shape, stored dtype name) over the weights, from the headers only.
+    pub fn tensor_shapes(&self) -> Result<BTreeMap<String, (Vec<usize>, String)>, FilesError> {
+        if let Some(p) = &self.packed {
+            return Ok(p
+                .view
+                .entries()
+                .map(|(n, e)| {
+                    (
+                        n.clone(),
+                        (e.shape.clone(), format!("{:?}", e.dtype).to_uppercase()),
+                    )
+                })
+                .collect());
+        }
+        let mut out = BTreeMap::new();
+        for path in &self.weights {
+            let io = |source| FilesError::Io {
+                path: path.clone(),
+                source,
+            };
+            let file = std::fs::File::open(path).map_err(io)?;
+            // SAFETY: mapped read-only and dropped at the end of the iteration; only the header
+            // pages are touched.
+            let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io)?;
+            let (_, meta) = safetensors::SafeTensors::read_metadata(&map).map_err(|e| {
+                FilesError::BadSafetensors {
+                    path: path.clone(),
+                    message: e.to_string(),
+                }
+            })?;
+            for (name, info) in meta.tensors() {
+                out.insert(name, (info.shape.clone(), info.dtype.to_string()));
+            }
+        }
+        Ok(out)
+    }
 }
 
 /// The tokenizer files found in one tokenizer folder.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TokenizerFiles {
     pub folder: String,
+    /// Empty for a built-in tokenizer.
     pub files: Vec<PathBuf>,
+    /// Set when the tokenizer is sdtrain's built-in CLIP BPE (single-file checkpoints).
+    pub builtin: Option<BuiltinTokenizer>,
+}
+
+/// sdtrain's built-in CLIP BPE for a text encoder (see `ClipTokenizer::builtin`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BuiltinTokenizer {
+    pub vocab_size: usize,
+    pub pad: String,
+    pub max_length: usize,
+}
+
+impl TokenizerFiles {
+    /// The folder holding the files, if the tokenizer is not built in.
+    pub fn dir(&self) -> Option<&Path> {
+        self.files.first().and_then(|f| f.parent())
+    }
 }
 
 /// Checks a variant name before it is spliced into file names.
@@ -351,6 +446,7 @@ pub fn component_files(
             config,
             index: None,
             weights: vec![folder.join(file)],
+            packed: None,
         }),
         WeightChoice::Sharded { index } => {
             let index = folder.join(index);
@@ -367,6 +463,7 @@ pub fn component_files(
                 config,
                 index: Some(index),
                 weights,
+                packed: None,
             })
         }
     }
@@ -399,6 +496,7 @@ pub fn tokenizer_files(dir: &Path, folder: &str) -> Result<TokenizerFiles, Files
     Ok(TokenizerFiles {
         folder: folder.to_string(),
         files: files.into_iter().map(|f| path.join(f)).collect(),
+        builtin: None,
     })
 }
 

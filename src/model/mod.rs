@@ -9,6 +9,7 @@ pub mod pipeline;
 pub mod reference_configs;
 pub mod resnet;
 pub mod sampling;
+pub mod single_file;
 pub mod source;
 pub mod unet;
 pub mod vae;

@@ -14,7 +14,7 @@ use candle_core::{DType, Device, Tensor};
 
 use super::clip::{ClipConfigError, ClipTextConfig, ClipTextModel, ClipTokenizer, TokenizerError};
 use super::family::{ModelFamily, ModelLayout};
-use super::files::{Component, ComponentFiles};
+use super::files::{Component, ComponentFiles, FilesError, TokenizerFiles};
 use super::unet::{UNet2DConditionModel, UnetConfig, UnetConfigError};
 use super::vae::{AutoencoderKL, VaeConfig, VaeConfigError};
 use super::weights::{Weights, WeightsError};
@@ -31,6 +31,8 @@ pub enum PipelineError {
     ClipConfig(#[from] ClipConfigError),
     #[error(transparent)]
     Tokenizer(#[from] TokenizerError),
+    #[error(transparent)]
+    Files(#[from] FilesError),
     #[error("loading {component} from {}: {source}", dir.display())]
     Weights {
         component: Component,
@@ -115,7 +117,8 @@ impl StableDiffusion {
                 })
         };
         let unet_files = files(Component::Unet)?;
-        let unet_cfg = UnetConfig::from_file(&unet_files.config)?;
+        let (text, origin) = unet_files.config_text()?;
+        let unet_cfg = UnetConfig::from_json(&text, &origin.display().to_string())?;
         let unet_weights = weights(unet_files, opts, opts.train_unet)?;
         let unet =
             UNet2DConditionModel::new(&unet_weights, &unet_cfg).map_err(|e| wrap(unet_files, e))?;
@@ -124,13 +127,24 @@ impl StableDiffusion {
         let vae_cfg = vae.config.clone();
 
         let mut text_encoders = Vec::new();
-        for c in [Component::TextEncoder, Component::TextEncoder2] {
+        for (i, c) in [Component::TextEncoder, Component::TextEncoder2]
+            .into_iter()
+            .enumerate()
+        {
             let Some(te_files) = layout.component(c) else {
                 continue;
             };
             let (model, w) = load_text_encoder(te_files, opts)?;
-            let tok_dir = tokenizer_dir(&layout.root, c);
-            let tokenizer = ClipTokenizer::from_dir(&tok_dir)?;
+            let tokenizer = match layout.tokenizers.get(i) {
+                Some(TokenizerFiles {
+                    builtin: Some(b), ..
+                }) => ClipTokenizer::builtin(b.vocab_size, &b.pad, b.max_length, &layout.root)?,
+                Some(t) => match t.dir() {
+                    Some(dir) => ClipTokenizer::from_dir(dir)?,
+                    None => ClipTokenizer::from_dir(tokenizer_dir(&layout.root, c))?,
+                },
+                None => ClipTokenizer::from_dir(tokenizer_dir(&layout.root, c))?,
+            };
             text_encoders.push(TextEncoder {
                 model,
                 tokenizer,
@@ -217,7 +231,8 @@ pub fn load_text_encoder(
         Component::TextEncoder2 => true,
         Component::TextEncoder | Component::Unet | Component::Vae => false,
     };
-    let cfg = ClipTextConfig::from_file(&files.config)?;
+    let (text, origin) = files.config_text()?;
+    let cfg = ClipTextConfig::from_json(&text, &origin)?;
     let w = weights(files, opts, opts.train_text_encoders)?;
     let mut model = ClipTextModel::new(&w, &cfg, projection).map_err(|e| wrap(files, e))?;
     // Trainable weights are f32 masters; activations run in the requested dtype.
@@ -231,7 +246,8 @@ pub fn load_vae(
     files: &ComponentFiles,
     opts: &LoadOptions,
 ) -> Result<AutoencoderKL, PipelineError> {
-    let cfg = VaeConfig::from_file(&files.config)?;
+    let (text, origin) = files.config_text()?;
+    let cfg = VaeConfig::from_json(&text, &origin)?;
     let vae_opts = LoadOptions {
         dtype: opts.vae_dtype.unwrap_or(opts.dtype),
         ..opts.clone()
@@ -245,6 +261,16 @@ fn weights(
     opts: &LoadOptions,
     trainable: bool,
 ) -> Result<Weights, PipelineError> {
+    let dtype = if trainable { DType::F32 } else { opts.dtype };
+    if let Some(packed) = &files.packed {
+        return Ok(Weights::from_view(
+            packed.view.clone(),
+            files.component.folder(),
+            dtype,
+            &opts.device,
+            trainable,
+        ));
+    }
     Weights::from_files(
         &files.weights,
         files.component.folder(),
@@ -256,11 +282,15 @@ fn weights(
 }
 
 fn wrap(files: &ComponentFiles, source: WeightsError) -> PipelineError {
-    let dir = files
-        .config
-        .parent()
-        .map(Path::to_path_buf)
-        .unwrap_or_default();
+    let dir = if files.packed.is_some() {
+        files.config.clone()
+    } else {
+        files
+            .config
+            .parent()
+            .map(Path::to_path_buf)
+            .unwrap_or_default()
+    };
     PipelineError::Weights {
         component: files.component,
         dir,

@@ -1,5 +1,6 @@
-//! Where a model comes from: a local diffusers folder, or a Hugging Face hub repo id
-//! (`org/name[@revision]`) resolved to a snapshot folder in the standard hub cache.
+//! Where a model comes from: a local diffusers folder, a local single-file `.safetensors`
+//! checkpoint ([`super::single_file`]), or a Hugging Face hub repo id (`org/name[@revision]`)
+//! resolved to a snapshot folder in the standard hub cache.
 //!
 //! Cache layout (shared with Python's `huggingface_hub`):
 //! `<cache>/models--org--name/refs/<revision>` holds a commit hash, and
@@ -26,12 +27,16 @@ pub enum SourceError {
     )]
     InvalidSpec { spec: String },
     #[error(
-        "{}: single-file checkpoints are not supported yet; use a diffusers pipeline folder or a \
-         hub repo id",
+        "{}: pickle checkpoints (.ckpt, .pt, .pth, .bin) can run code when loaded; sdtrain never \
+         loads them. Convert it to .safetensors first, e.g. in Python: \
+         `safetensors.torch.save_file(torch.load(path, weights_only=True)[\"state_dict\"], out)`",
         path.display()
     )]
-    SingleFile { path: PathBuf },
-    #[error("{} is a file, not a diffusers pipeline folder", path.display())]
+    Pickle { path: PathBuf },
+    #[error(
+        "{} is a file, neither a diffusers pipeline folder nor a .safetensors checkpoint",
+        path.display()
+    )]
     NotAFolder { path: PathBuf },
     #[error("cannot locate the hub cache: set HF_HUB_CACHE or HF_HOME (HOME is not set either)")]
     NoCacheDir,
@@ -86,7 +91,7 @@ impl SourceError {
     pub fn is_usage(&self) -> bool {
         match self {
             SourceError::InvalidSpec { .. }
-            | SourceError::SingleFile { .. }
+            | SourceError::Pickle { .. }
             | SourceError::NotAFolder { .. } => true,
             SourceError::Layout(e) => e.is_usage(),
             SourceError::Files(e) => e.is_usage(),
@@ -103,7 +108,7 @@ impl SourceError {
 /// A parsed `--model` value.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ModelSource {
-    /// A diffusers pipeline folder on disk.
+    /// A diffusers pipeline folder, or a single-file `.safetensors` checkpoint, on disk.
     Local(PathBuf),
     /// A hub repo; `revision` is a branch, tag or commit hash (`main` when absent).
     Hub {
@@ -113,18 +118,23 @@ pub enum ModelSource {
 }
 
 impl ModelSource {
-    /// Parses `spec`: an existing folder wins; otherwise it must be `org/name[@revision]`.
+    /// Parses `spec`: an existing folder or `.safetensors` file wins; otherwise it must be
+    /// `org/name[@revision]`.
     pub fn parse(spec: &str) -> Result<Self, SourceError> {
         let path = Path::new(spec);
         if path.is_dir() {
             return Ok(ModelSource::Local(path.to_path_buf()));
         }
-        let single_file = [".safetensors", ".ckpt", ".pt", ".bin", ".pth"]
+        let lower = spec.to_ascii_lowercase();
+        if lower.ends_with(".safetensors") && path.is_file() {
+            return Ok(ModelSource::Local(path.to_path_buf()));
+        }
+        let pickle = [".ckpt", ".pt", ".bin", ".pth"]
             .iter()
-            .any(|ext| spec.to_ascii_lowercase().ends_with(ext));
-        if single_file {
+            .any(|ext| lower.ends_with(ext));
+        if pickle || lower.ends_with(".safetensors") {
             return Err(if path.exists() {
-                SourceError::SingleFile {
+                SourceError::Pickle {
                     path: path.to_path_buf(),
                 }
             } else {
@@ -501,16 +511,27 @@ mod tests {
         }
     }
 
+    /// A `.safetensors` file is a local model (opened as a single-file checkpoint); a pickle
+    /// is refused with a conversion hint; a missing file is an invalid spec.
     #[test]
-    fn single_file_checkpoints_are_not_supported_yet() {
+    fn single_files_are_local_models_and_pickles_are_refused() {
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join("model.safetensors");
         std::fs::write(&file, b"x").unwrap();
-        let err = ModelSource::parse(file.to_str().unwrap()).unwrap_err();
-        assert!(matches!(err, SourceError::SingleFile { .. }));
-        assert!(err
-            .to_string()
-            .contains("single-file checkpoints are not supported yet"));
+        assert_eq!(
+            ModelSource::parse(file.to_str().unwrap()).unwrap(),
+            ModelSource::Local(file.clone())
+        );
+        let ckpt = dir.path().join("model.ckpt");
+        std::fs::write(&ckpt, b"x").unwrap();
+        let err = ModelSource::parse(ckpt.to_str().unwrap()).unwrap_err();
+        assert!(matches!(err, SourceError::Pickle { .. }));
+        assert!(err.to_string().contains("never loads them"), "{err}");
+        let missing = dir.path().join("absent.safetensors");
+        assert!(matches!(
+            ModelSource::parse(missing.to_str().unwrap()),
+            Err(SourceError::InvalidSpec { .. })
+        ));
     }
 
     #[test]

@@ -13,8 +13,9 @@ use super::sampler::SamplerKind;
 use super::scheduler_config::SchedulerConfig;
 use crate::adapter::kohya_file::load_kohya;
 use crate::adapter::merge::merge_kohya;
-use crate::model::family::ModelLayout;
+use crate::model::family::{ModelLayout, PredictionType};
 use crate::model::pipeline::{LoadOptions, StableDiffusion};
+use crate::model::single_file::SingleFileOptions;
 use crate::model::source::ModelSource;
 
 #[derive(Debug, Clone, Args)]
@@ -25,6 +26,12 @@ pub struct SampleArgs {
     /// Prefer weight files of this variant (e.g. `fp16`) where the model has them.
     #[arg(long, value_name = "NAME")]
     pub variant: Option<String>,
+    /// For a single-file `--model`: a diffusers folder whose configs and tokenizers describe it.
+    #[arg(long, value_name = "FOLDER")]
+    pub model_config: Option<PathBuf>,
+    /// For a single-file `--model`: `epsilon` or `v_prediction`, overriding what is detected.
+    #[arg(long, value_parser = parse_prediction)]
+    pub prediction_type: Option<PredictionType>,
     /// A kohya LoRA/LoCon .safetensors to merge into the weights. Repeatable.
     #[arg(long = "lora", value_name = "FILE")]
     pub loras: Vec<PathBuf>,
@@ -73,6 +80,14 @@ fn parse_sampler(s: &str) -> Result<SamplerKind, String> {
     SamplerKind::parse(s).ok_or_else(|| format!("the samplers are {}", SamplerKind::NAMES))
 }
 
+fn parse_prediction(s: &str) -> Result<PredictionType, String> {
+    match s {
+        "epsilon" => Ok(PredictionType::Epsilon),
+        "v_prediction" | "v" => Ok(PredictionType::VPrediction),
+        _ => Err("must be epsilon or v_prediction".into()),
+    }
+}
+
 fn parse_precision(s: &str) -> Result<DType, String> {
     match s {
         "bf16" => Ok(DType::BF16),
@@ -113,7 +128,11 @@ pub fn run(args: &SampleArgs) -> anyhow::Result<Vec<PathBuf>> {
     let dir = source
         .resolve()
         .with_context(|| format!("model `{}`", args.model))?;
-    let layout = ModelLayout::read(&dir.path, args.variant.as_deref())?;
+    let single = SingleFileOptions {
+        model_config: args.model_config.clone(),
+        prediction_type: args.prediction_type,
+    };
+    let layout = ModelLayout::read_with(&dir.path, args.variant.as_deref(), &single)?;
     let native = layout.native_resolution;
     let opts = LoadOptions {
         dtype,
@@ -145,7 +164,7 @@ pub fn run(args: &SampleArgs) -> anyhow::Result<Vec<PathBuf>> {
         sampler: args.sampler,
     };
     super::generate::check_size(&sd, &req0).map_err(anyhow::Error::msg)?;
-    let scheduler = SchedulerConfig::from_file(&sd.layout.scheduler_config)?;
+    let scheduler = SchedulerConfig::from_layout(&sd.layout)?;
     let sampler = args
         .sampler
         .build(&scheduler, args.steps)

@@ -107,9 +107,9 @@ pub fn zero_empty_negative(sd: &StableDiffusion) -> bool {
     if sd.family() != ModelFamily::Sdxl {
         return false;
     }
-    std::fs::read_to_string(&sd.layout.model_index)
+    sd.layout
+        .model_index_json()
         .ok()
-        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
         .and_then(|v| {
             v.get("force_zeros_for_empty_prompt")
                 .and_then(|b| b.as_bool())

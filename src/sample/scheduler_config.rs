@@ -116,6 +116,19 @@ impl SchedulerConfig {
         Self::from_config(&config, path)
     }
 
+    /// The scheduler config of a loaded model: its `scheduler_config.json`, or the one a
+    /// single-file checkpoint carries or was given.
+    pub fn from_layout(layout: &crate::model::family::ModelLayout) -> Result<Self, ScheduleError> {
+        let config = layout
+            .scheduler_json()
+            .map_err(|e| ScheduleError::BadField {
+                file: layout.scheduler_config.clone(),
+                field: "scheduler",
+                problem: format!("cannot be read: {e}"),
+            })?;
+        Self::from_config(&config, &layout.scheduler_config)
+    }
+
     /// Reads `config` (`file` names it in errors).
     pub fn from_config(config: &Value, file: &Path) -> Result<Self, ScheduleError> {
         let bad = |field: &'static str, problem: &str| ScheduleError::BadField {

@@ -61,7 +61,7 @@ impl TrainingSamples {
         let align = sd.vae_scale << sd.unet.config.num_downsamples();
         let jobs = jobs::resolve(&plan.set, seed, resolution, align, captions)
             .map_err(anyhow::Error::msg)?;
-        let scheduler = SchedulerConfig::from_file(&sd.layout.scheduler_config)?;
+        let scheduler = SchedulerConfig::from_layout(&sd.layout)?;
         for j in &jobs {
             j.sampler
                 .build(&scheduler, j.steps)

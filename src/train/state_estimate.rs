@@ -4,16 +4,12 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
-use std::path::Path;
-
-use anyhow::Context;
-use safetensors::SafeTensors;
 
 use crate::adapter::attach::{text_encoder_target, unet_target, AdapterSpec, LayerGeometry};
 use crate::adapter::lora::LoraKind;
 use crate::config::{ParamGroupPlan, TrainPlan};
 use crate::model::family::ModelLayout;
-use crate::model::files::Component;
+use crate::model::files::{Component, ComponentFiles};
 use crate::model::source::ModelSource;
 
 use super::memory_plan::Census;
@@ -55,24 +51,13 @@ impl fmt::Display for StateEstimate {
     }
 }
 
-/// Tensor name → shape over a component's files.
-fn shapes(files: &[impl AsRef<Path>]) -> anyhow::Result<BTreeMap<String, Vec<usize>>> {
-    let mut out = BTreeMap::new();
-    for path in files {
-        let path = path.as_ref();
-        let file =
-            std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
-        // SAFETY: mapped read-only and dropped at the end of the iteration; only the header
-        // pages are touched.
-        let map = unsafe { memmap2::Mmap::map(&file) }
-            .with_context(|| format!("mapping {}", path.display()))?;
-        let (_, meta) = SafeTensors::read_metadata(&map)
-            .with_context(|| format!("{}: not a safetensors file", path.display()))?;
-        for (name, info) in meta.tensors() {
-            out.insert(name, info.shape.clone());
-        }
-    }
-    Ok(out)
+/// Tensor name → shape over a component's files (for a single file, its diffusers view).
+fn shapes(files: &ComponentFiles) -> anyhow::Result<BTreeMap<String, Vec<usize>>> {
+    Ok(files
+        .tensor_shapes()?
+        .into_iter()
+        .map(|(n, (shape, _))| (n, shape))
+        .collect())
 }
 
 /// What `--dry-run` reads from the model's headers: each group's optimizer state, the element
@@ -88,7 +73,7 @@ pub struct ModelEstimate {
 pub fn estimate(plan: &TrainPlan) -> anyhow::Result<ModelEstimate> {
     let source = ModelSource::parse(&plan.model)?;
     let dir = source.resolve()?;
-    let layout = ModelLayout::read(&dir.path, None)?;
+    let layout = ModelLayout::read_with(&dir.path, None, &plan.single_file_options())?;
     let mut unet = Vec::new();
     let mut text = Vec::new();
     let mut census = Census::default();
@@ -96,12 +81,12 @@ pub fn estimate(plan: &TrainPlan) -> anyhow::Result<ModelEstimate> {
         let component = files.component;
         let is_te = matches!(component, Component::TextEncoder | Component::TextEncoder2);
         if component == Component::Vae {
-            census.vae = elements(&shapes(&files.weights)?);
+            census.vae = elements(&shapes(files)?);
         }
         if !(component == Component::Unet || is_te) {
             continue;
         }
-        let tensors = shapes(&files.weights)?;
+        let tensors = shapes(files)?;
         if is_te {
             census.text_encoders += elements(&tensors);
         } else {

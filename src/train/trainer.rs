@@ -315,7 +315,7 @@ impl<'a> Session<'a> {
         let dir = source
             .resolve()
             .with_context(|| format!("model `{}`", plan.model))?;
-        let layout = ModelLayout::read(&dir.path, None)?;
+        let layout = ModelLayout::read_with(&dir.path, None, &plan.single_file_options())?;
         eprintln!(
             "model: {} ({}, {} prediction, native {}px); precision {}{}",
             plan.model,
@@ -1472,7 +1472,8 @@ fn load_model(
 }
 
 fn build_objective(plan: &TrainPlan, layout: &ModelLayout) -> anyhow::Result<Objective> {
-    let mut schedule = NoiseSchedule::from_file(&layout.scheduler_config)?;
+    let mut schedule =
+        NoiseSchedule::from_config(&layout.scheduler_json()?, &layout.scheduler_config)?;
     if plan.objective.zero_terminal_snr {
         schedule = schedule.with_zero_terminal_snr();
         if schedule.prediction_type() == crate::model::family::PredictionType::Epsilon {
@@ -1595,11 +1596,14 @@ impl Saver<'_> {
         let project = &self.plan.project_name;
         suffixes
             .iter()
-            .map(|sfx| match self.adapters {
-                None => with_suffix(&self.run.step_dir(step), sfx),
-                Some(_) => self
+            .flat_map(|sfx| match self.adapters {
+                None => {
+                    let dir = with_suffix(&self.run.step_dir(step), sfx);
+                    vec![single_file_path(&dir), dir]
+                }
+                Some(_) => vec![self
                     .run
-                    .file(&format!("{project}-step-{step:06}{sfx}.safetensors")),
+                    .file(&format!("{project}-step-{step:06}{sfx}.safetensors"))],
             })
             .collect()
     }
@@ -1636,14 +1640,32 @@ impl Saver<'_> {
                         updated.push((comp, te.weights.checkpoint_params()));
                     }
                 }
-                crate::model::export::save_diffusers_folder(
-                    self.layout,
-                    &dir,
-                    &updated,
-                    DType::F32,
-                )
-                .with_context(|| format!("saving {}", dir.display()))?;
-                dir
+                let format = plan.model_file.save_ckpt_format;
+                let file = single_file_path(&dir);
+                if format.single_file() {
+                    crate::model::single_file::write::save_single_file(
+                        self.layout,
+                        &file,
+                        &updated,
+                        DType::F32,
+                    )
+                    .with_context(|| format!("saving {}", file.display()))?;
+                }
+                if format.diffusers() {
+                    crate::model::export::save_diffusers_folder(
+                        self.layout,
+                        &dir,
+                        &updated,
+                        DType::F32,
+                    )
+                    .with_context(|| format!("saving {}", dir.display()))?;
+                    if format.single_file() {
+                        progress.println(format!("saved {}", file.display()));
+                    }
+                    dir
+                } else {
+                    file
+                }
             }
             Some(a) => {
                 let name = match point {
@@ -1673,6 +1695,11 @@ impl Saver<'_> {
         progress.println(format!("saved {}", path.display()));
         Ok(path)
     }
+}
+
+/// The single-file checkpoint saved beside a diffusers folder: `final/` → `final.safetensors`.
+fn single_file_path(dir: &std::path::Path) -> PathBuf {
+    with_suffix(dir, ".safetensors")
 }
 
 /// `path` with `suffix` added to its last component (`final` → `final-ema`).

@@ -1,6 +1,7 @@
 //! CLIP text encoders (transformers' `CLIPTextModel` / `CLIPTextModelWithProjection`), their
 //! config, and the CLIP BPE tokenizer.
 
+pub mod builtin_bpe;
 mod config;
 mod text_model;
 mod tokenizer;

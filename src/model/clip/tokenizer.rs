@@ -115,6 +115,14 @@ impl ClipTokenizer {
         } else {
             build_from_vocab(&dir, &special)?
         };
+        Self::with_special(tokenizer, dir, &special)
+    }
+
+    fn with_special(
+        tokenizer: Tokenizer,
+        dir: PathBuf,
+        special: &SpecialTokens,
+    ) -> Result<Self, TokenizerError> {
         let id = |role: &'static str, token: &str| {
             tokenizer
                 .token_to_id(token)
@@ -137,6 +145,44 @@ impl ClipTokenizer {
             eos_id,
             pad_id,
         })
+    }
+
+    /// The tokenizer of a single-file checkpoint, which carries none: OpenAI CLIP's BPE
+    /// ([`super::builtin_bpe`]) with as many merges as a `vocab_size`-row token embedding was
+    /// trained with, padding with `pad` (`<|endoftext|>` for OpenAI CLIP, `!` for OpenCLIP) to
+    /// `max_length`. `origin` (the checkpoint) names it in errors.
+    pub fn builtin(
+        vocab_size: usize,
+        pad: &str,
+        max_length: usize,
+        origin: &Path,
+    ) -> Result<Self, TokenizerError> {
+        use super::builtin_bpe::{self, BYTE_TOKENS, FULL_VOCAB, SPECIAL_TOKENS};
+        let dir = origin.to_path_buf();
+        if !(BYTE_TOKENS + SPECIAL_TOKENS..=FULL_VOCAB).contains(&vocab_size) || max_length < 2 {
+            return Err(TokenizerError::Build {
+                dir,
+                message: format!(
+                    "a token embedding of {vocab_size} rows is not a CLIP vocabulary (514 to \
+                     {FULL_VOCAB} rows); give the model's tokenizer with `model_config`"
+                ),
+            });
+        }
+        let n = vocab_size - BYTE_TOKENS - SPECIAL_TOKENS;
+        let vocab: Vocab = builtin_bpe::vocab(n)
+            .into_iter()
+            .enumerate()
+            .map(|(i, t)| (t, i as u32))
+            .collect();
+        let special = SpecialTokens {
+            max_length,
+            bos: DEFAULT_BOS.to_string(),
+            eos: DEFAULT_EOS.to_string(),
+            pad: pad.to_string(),
+            unk: DEFAULT_EOS.to_string(),
+        };
+        let tokenizer = build_bpe(vocab, builtin_bpe::merges(n), &special, &dir)?;
+        Self::with_special(tokenizer, dir, &special)
     }
 
     /// The padded length of every encoded row (`model_max_length`, 77 for SD).
@@ -326,6 +372,17 @@ fn read_merges(dir: &Path) -> Result<Merges, TokenizerError> {
 
 fn build_from_vocab(dir: &Path, special: &SpecialTokens) -> Result<Tokenizer, TokenizerError> {
     let vocab = read_vocab(dir)?;
+    let merges = read_merges(dir)?;
+    build_bpe(vocab, merges, special, dir)
+}
+
+/// The CLIP tokenizer of `vocab` and `merges` (module header); `dir` names the origin in errors.
+fn build_bpe(
+    vocab: Vocab,
+    merges: Merges,
+    special: &SpecialTokens,
+    dir: &Path,
+) -> Result<Tokenizer, TokenizerError> {
     let roles = [
         ("bos_token", &special.bos),
         ("eos_token", &special.eos),
@@ -342,7 +399,6 @@ fn build_from_vocab(dir: &Path, special: &SpecialTokens) -> Result<Tokenizer, To
             });
         }
     }
-    let merges = read_merges(dir)?;
     let build_err = |e: tokenizers::Error| TokenizerError::Build {
         dir: dir.to_path_buf(),
         message: e.to_string(),

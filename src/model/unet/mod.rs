@@ -6,5 +6,5 @@ pub mod embeddings;
 pub mod model;
 pub mod transformer;
 
-pub use config::{UnetConfig, UnetConfigError};
+pub use config::{BlockKind, UnetConfig, UnetConfigError};
 pub use model::{AddedConditions, UNet2DConditionModel};

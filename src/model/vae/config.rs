@@ -159,11 +159,16 @@ impl VaeConfig {
             path: path.to_path_buf(),
             source,
         })?;
-        let cfg: Self = serde_json::from_str(&text).map_err(|source| VaeConfigError::Parse {
-            path: path.to_path_buf(),
+        Self::from_json(&text, path)
+    }
+
+    /// Parses and validates `text`; `origin` names where it came from in errors.
+    pub fn from_json(text: &str, origin: &Path) -> Result<Self, VaeConfigError> {
+        let cfg: Self = serde_json::from_str(text).map_err(|source| VaeConfigError::Parse {
+            path: origin.to_path_buf(),
             source,
         })?;
-        cfg.validate(&path.display().to_string())?;
+        cfg.validate(&origin.display().to_string())?;
         Ok(cfg)
     }
 

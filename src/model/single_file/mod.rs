@@ -1,0 +1,758 @@
+//! Single-file checkpoints in the A1111/ComfyUI (LDM) layout: one `.safetensors` holding the
+//! UNet (`model.diffusion_model.*`), the VAE (`first_stage_model.*`) and the text encoders
+//! (`cond_stage_model.*` for SD1/SD2, `conditioner.embedders.{0,1}.*` for SDXL).
+//!
+//! Opening one gives what a diffusers folder gives ([`ModelLayout`](super::family::ModelLayout)):
+//! one config per component and, instead of weight files, a [`TensorView`] per component that
+//! shows the file's LDM names under diffusers names ([`names`]). The configs come from, in order:
+//! 1. `model_config`, a diffusers folder whose configs and tokenizers describe the file
+//!    (diffusers' `from_single_file(config=…)`);
+//! 2. the file's `sdtrain.*` metadata, which sdtrain writes into every single file it saves
+//!    ([`write`]), so sdtrain's own files load exactly as they were saved;
+//! 3. detection from the tensor names and shapes ([`detect`]).
+//!
+//! Every tensor of the file is accounted for: a component's weight, a known non-weight
+//! ([`skip_reason`], reported as skipped) or an error naming the file and the unknown names, so
+//! a LoRA or a UNet-only file is refused rather than half-loaded. Tokenizers: a single file has
+//! none; each text encoder gets the CLIP BPE built into sdtrain
+//! ([`ClipTokenizer::builtin`](super::clip::ClipTokenizer::builtin)) sized to its token
+//! embedding, unless `model_config` has tokenizer folders.
+
+pub mod detect;
+pub mod names;
+pub mod write;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use candle_core::safetensors::MmapedSafetensors;
+use serde_json::Value;
+
+use self::detect::Shapes;
+use self::names::{Mapped, UnetBlocks, VaeBlocks};
+use super::clip::ClipTextConfig;
+use super::family::{self, FamilyError, ModelFamily, PredictionType};
+use super::files::{self, Component, FilesError, MODEL_INDEX, SCHEDULER_CONFIG};
+use super::unet::{BlockKind, UnetConfig};
+use super::vae::VaeConfig;
+use crate::tensor_view::{TensorView, ViewError, ViewOp};
+
+/// UNet names start with this.
+pub const UNET: &str = "model.diffusion_model.";
+/// VAE names start with this.
+pub const VAE: &str = "first_stage_model.";
+/// The namespace of sdtrain's metadata keys.
+pub const META_PREFIX: &str = "sdtrain.";
+
+/// Extensions of pickle checkpoints, refused with a conversion hint.
+pub const PICKLE_EXTENSIONS: [&str; 4] = ["ckpt", "pt", "pth", "bin"];
+
+/// How a text encoder is stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TextEncoderKind {
+    /// OpenAI CLIP in transformers' names, `text_model.` included or not.
+    Clip { text_model: bool },
+    /// OpenCLIP; `projection`: the diffusers model has a `text_projection` (SDXL's second).
+    OpenClip { projection: bool },
+}
+
+/// Where a text encoder of `family` lives in the file.
+pub fn text_encoder_prefix(family: ModelFamily, component: Component) -> Option<&'static str> {
+    match (family, component) {
+        (ModelFamily::Sd1, Component::TextEncoder) => Some("cond_stage_model.transformer."),
+        (ModelFamily::Sd2, Component::TextEncoder) => Some("cond_stage_model.model."),
+        (ModelFamily::Sdxl, Component::TextEncoder) => Some("conditioner.embedders.0.transformer."),
+        (ModelFamily::Sdxl, Component::TextEncoder2) => Some("conditioner.embedders.1.model."),
+        (ModelFamily::Sd1 | ModelFamily::Sd2, Component::TextEncoder2)
+        | (_, Component::Unet | Component::Vae) => None,
+    }
+}
+
+/// The text-encoder kind of `component` in `family`; `text_model` is for OpenAI CLIP names.
+pub fn text_encoder_kind(
+    family: ModelFamily,
+    component: Component,
+    text_model: bool,
+) -> TextEncoderKind {
+    match (family, component) {
+        (ModelFamily::Sd2, _) => TextEncoderKind::OpenClip { projection: false },
+        (ModelFamily::Sdxl, Component::TextEncoder2) => {
+            TextEncoderKind::OpenClip { projection: true }
+        }
+        (ModelFamily::Sd1 | ModelFamily::Sdxl, _) => TextEncoderKind::Clip { text_model },
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SingleFileError {
+    #[error(
+        "{}: pickle checkpoints (.ckpt, .pt, .pth, .bin) can run code when loaded; sdtrain never \
+         loads them. Convert it to .safetensors first, e.g. in Python: \
+         `safetensors.torch.save_file(torch.load(path, weights_only=True)[\"state_dict\"], out)`",
+        path.display()
+    )]
+    Pickle { path: PathBuf },
+    #[error("{}: not a .safetensors file", path.display())]
+    NotSafetensors { path: PathBuf },
+    #[error("cannot read {}: {message}", path.display())]
+    Read { path: PathBuf, message: String },
+    #[error("{}: not a valid safetensors file: {message}", path.display())]
+    Invalid { path: PathBuf, message: String },
+    #[error("{}: not a full Stable Diffusion checkpoint: {message}", path.display())]
+    NotACheckpoint { path: PathBuf, message: String },
+    #[error("{}: cannot detect the {what} config: {message}; give the configs with `model_config` (a diffusers folder)", path.display())]
+    Detect {
+        path: PathBuf,
+        what: &'static str,
+        message: String,
+    },
+    #[error(
+        "{}: {count} tensor(s) belong to no component and are no known non-weight: {}",
+        path.display(),
+        names.join(", ")
+    )]
+    Unknown {
+        path: PathBuf,
+        count: usize,
+        names: Vec<String>,
+    },
+    #[error("{}: metadata `{key}`: {message}", path.display())]
+    Metadata {
+        path: PathBuf,
+        key: String,
+        message: String,
+    },
+    #[error(
+        "{}: the file is {file_family} (by its keys) but model_config {} describes {config_family}",
+        path.display(),
+        config.display()
+    )]
+    FamilyMismatch {
+        path: PathBuf,
+        config: PathBuf,
+        file_family: ModelFamily,
+        config_family: ModelFamily,
+    },
+    #[error("{}: the {component} config: {message}", path.display())]
+    Config {
+        path: PathBuf,
+        component: Component,
+        message: String,
+    },
+    #[error(transparent)]
+    View(Box<ViewError>),
+    #[error(transparent)]
+    Family(#[from] Box<FamilyError>),
+    #[error(transparent)]
+    Files(#[from] FilesError),
+}
+
+impl From<ViewError> for SingleFileError {
+    fn from(e: ViewError) -> Self {
+        SingleFileError::View(Box::new(e))
+    }
+}
+
+impl SingleFileError {
+    /// True when the file (or the options) are at fault, false when reading failed.
+    pub fn is_usage(&self) -> bool {
+        match self {
+            SingleFileError::Read { .. } => false,
+            SingleFileError::Family(e) => e.is_usage(),
+            SingleFileError::Files(e) => e.is_usage(),
+            SingleFileError::Pickle { .. }
+            | SingleFileError::NotSafetensors { .. }
+            | SingleFileError::Invalid { .. }
+            | SingleFileError::NotACheckpoint { .. }
+            | SingleFileError::Detect { .. }
+            | SingleFileError::Unknown { .. }
+            | SingleFileError::Metadata { .. }
+            | SingleFileError::FamilyMismatch { .. }
+            | SingleFileError::Config { .. }
+            | SingleFileError::View(_) => true,
+        }
+    }
+}
+
+/// What the user may say about a single file that the file does not.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SingleFileOptions {
+    /// A diffusers folder whose configs (and tokenizers) describe the file.
+    pub model_config: Option<PathBuf>,
+    /// Overrides the prediction type from the metadata, the config folder or detection.
+    pub prediction_type: Option<PredictionType>,
+}
+
+/// Where the configs of an opened single file came from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ConfigOrigin {
+    /// `model_config`.
+    ModelConfig(PathBuf),
+    /// The file's `sdtrain.*` metadata.
+    Metadata,
+    /// Detected from the names and shapes.
+    Detected,
+}
+
+impl std::fmt::Display for ConfigOrigin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ConfigOrigin::ModelConfig(p) => write!(f, "model_config {}", p.display()),
+            ConfigOrigin::Metadata => f.write_str("the file's sdtrain metadata"),
+            ConfigOrigin::Detected => f.write_str("detected from the tensor shapes"),
+        }
+    }
+}
+
+/// One component of a single file: its diffusers config and its tensors under diffusers names.
+#[derive(Debug, PartialEq, Eq)]
+pub struct PackedComponent {
+    pub config: Value,
+    pub view: Arc<TensorView>,
+}
+
+/// Where a text encoder's tokenizer comes from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TokenizerSource {
+    /// sdtrain's built-in CLIP BPE for a `vocab_size`-row embedding.
+    Builtin {
+        vocab_size: usize,
+        pad: String,
+        max_length: usize,
+    },
+    /// A tokenizer folder (of `model_config`).
+    Folder(PathBuf),
+}
+
+/// An opened single-file checkpoint.
+#[derive(Debug, PartialEq, Eq)]
+pub struct SingleFile {
+    pub path: PathBuf,
+    pub family: ModelFamily,
+    pub origin: ConfigOrigin,
+    pub model_index: Value,
+    pub scheduler: Value,
+    /// In [`ModelFamily::components`] order.
+    pub components: Vec<(Component, Arc<PackedComponent>)>,
+    /// One per text encoder, in order.
+    pub tokenizers: Vec<(String, TokenizerSource)>,
+    /// Tensors of the file that are deliberately not loaded, with the reason.
+    pub skipped: Vec<(String, &'static str)>,
+}
+
+/// Why a tensor outside every component may be left out, or `None` if it may not.
+pub fn skip_reason(name: &str) -> Option<&'static str> {
+    const SCHEDULE: [&str; 13] = [
+        "betas",
+        "alphas_cumprod",
+        "alphas_cumprod_prev",
+        "sqrt_alphas_cumprod",
+        "sqrt_one_minus_alphas_cumprod",
+        "log_one_minus_alphas_cumprod",
+        "sqrt_recip_alphas_cumprod",
+        "sqrt_recipm1_alphas_cumprod",
+        "posterior_variance",
+        "posterior_log_variance_clipped",
+        "posterior_mean_coef1",
+        "posterior_mean_coef2",
+        "logvar",
+    ];
+    if SCHEDULE.contains(&name) {
+        return Some(
+            "a noise-schedule buffer of the LDM code (the scheduler config holds the schedule)",
+        );
+    }
+    if name.starts_with("model_ema.") {
+        return Some("the LDM trainer's EMA copy of the UNet");
+    }
+    match name {
+        "v_pred" => Some("ComfyUI's v-prediction marker (read: the model predicts v)"),
+        "ztsnr" => Some("ComfyUI's zero-terminal-SNR marker (read: the schedule is rescaled)"),
+        _ => None,
+    }
+}
+
+/// The header of a safetensors file: shapes and `__metadata__`.
+fn read_header(path: &Path) -> Result<(Shapes, BTreeMap<String, String>), SingleFileError> {
+    let read = |message: String| SingleFileError::Read {
+        path: path.to_path_buf(),
+        message,
+    };
+    let file = std::fs::File::open(path).map_err(|e| read(e.to_string()))?;
+    // SAFETY: mapped read-only and dropped before returning; only the header is read.
+    let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| read(e.to_string()))?;
+    let (_, meta) =
+        safetensors::SafeTensors::read_metadata(&mmap).map_err(|e| SingleFileError::Invalid {
+            path: path.to_path_buf(),
+            message: e.to_string(),
+        })?;
+    let shapes = meta
+        .tensors()
+        .into_iter()
+        .map(|(n, info)| (n, info.shape.clone()))
+        .collect();
+    let metadata = meta
+        .metadata()
+        .clone()
+        .unwrap_or_default()
+        .into_iter()
+        .collect();
+    Ok((shapes, metadata))
+}
+
+/// The family by which text-encoder keys the file has.
+fn family_of(path: &Path, h: &Shapes) -> Result<ModelFamily, SingleFileError> {
+    let has = |p: &str| {
+        h.range(p.to_string()..)
+            .next()
+            .is_some_and(|(k, _)| k.starts_with(p))
+    };
+    let not = |message: String| SingleFileError::NotACheckpoint {
+        path: path.to_path_buf(),
+        message,
+    };
+    if h.keys()
+        .any(|k| k.starts_with("lora_") || k.contains(".lora_"))
+    {
+        return Err(not(
+            "it holds LoRA tensors (`lora_*`): a LoRA file, not a model; load it with \
+             `adapter.init_from`"
+                .into(),
+        ));
+    }
+    let mut missing = Vec::new();
+    if !has(UNET) {
+        missing.push(format!("no UNet (`{UNET}*`)"));
+    }
+    if !has(VAE) {
+        missing.push(format!("no VAE (`{VAE}*`)"));
+    }
+    let family = if has("conditioner.embedders.") {
+        Some(ModelFamily::Sdxl)
+    } else if has("cond_stage_model.model.") {
+        Some(ModelFamily::Sd2)
+    } else if has("cond_stage_model.transformer.") {
+        Some(ModelFamily::Sd1)
+    } else {
+        missing.push(
+            "no text encoder (`cond_stage_model.*` or `conditioner.embedders.*`)".to_string(),
+        );
+        None
+    };
+    match family {
+        Some(f) if missing.is_empty() => Ok(f),
+        _ => Err(not(missing.join(", "))),
+    }
+}
+
+impl SingleFile {
+    /// Opens `path` (see the module header).
+    pub fn open(path: &Path, opts: &SingleFileOptions) -> Result<Self, SingleFileError> {
+        let ext = path
+            .extension()
+            .and_then(|e| e.to_str())
+            .map(str::to_ascii_lowercase)
+            .unwrap_or_default();
+        if PICKLE_EXTENSIONS.contains(&ext.as_str()) {
+            return Err(SingleFileError::Pickle {
+                path: path.to_path_buf(),
+            });
+        }
+        if ext != "safetensors" {
+            return Err(SingleFileError::NotSafetensors {
+                path: path.to_path_buf(),
+            });
+        }
+        let (shapes, metadata) = read_header(path)?;
+        let family = family_of(path, &shapes)?;
+        let mut configs = match &opts.model_config {
+            Some(dir) => Configs::from_folder(path, dir, family)?,
+            None if metadata.contains_key(&meta_key("unet_config")) => {
+                Configs::from_metadata(path, &metadata, family)?
+            }
+            None => Configs::detect(path, &shapes, family, opts.prediction_type)?,
+        };
+        if let Some(p) = opts.prediction_type {
+            configs.scheduler["prediction_type"] = Value::String(p.name().to_string());
+        }
+        // SAFETY: mapped read-only for the life of the views; sdtrain never writes into a model
+        // file it has loaded (saves go to a temp file and are renamed).
+        let st = Arc::new(unsafe { MmapedSafetensors::new(path) }.map_err(|e| {
+            SingleFileError::Read {
+                path: path.to_path_buf(),
+                message: e.to_string(),
+            }
+        })?);
+        let (maps, skipped) = map_tensors(path, &shapes, family, &configs)?;
+        let mut components = Vec::new();
+        for (&component, config) in family.components().iter().zip(&configs.components) {
+            let map = maps.get(&component).cloned().unwrap_or_default();
+            let view = TensorView::new(path, st.clone(), map)?;
+            components.push((
+                component,
+                Arc::new(PackedComponent {
+                    config: config.clone(),
+                    view: Arc::new(view),
+                }),
+            ));
+        }
+        Ok(Self {
+            path: path.to_path_buf(),
+            family,
+            origin: configs.origin,
+            model_index: configs.model_index,
+            scheduler: configs.scheduler,
+            components,
+            tokenizers: configs.tokenizers,
+            skipped,
+        })
+    }
+
+    pub fn component(&self, c: Component) -> Option<&Arc<PackedComponent>> {
+        self.components
+            .iter()
+            .find(|(k, _)| *k == c)
+            .map(|(_, p)| p)
+    }
+}
+
+/// `sdtrain.<name>`.
+pub fn meta_key(name: &str) -> String {
+    format!("{META_PREFIX}{name}")
+}
+
+/// The metadata key of a component's config.
+pub fn config_key(component: Component) -> String {
+    meta_key(&format!("{}_config", component.folder()))
+}
+
+/// The configs of a single file, from wherever they came.
+struct Configs {
+    origin: ConfigOrigin,
+    model_index: Value,
+    scheduler: Value,
+    /// In [`ModelFamily::components`] order.
+    components: Vec<Value>,
+    tokenizers: Vec<(String, TokenizerSource)>,
+}
+
+impl Configs {
+    fn from_folder(path: &Path, dir: &Path, family: ModelFamily) -> Result<Self, SingleFileError> {
+        let model_index = files::read_json(&dir.join(MODEL_INDEX))?;
+        let unet = files::read_json(&dir.join("unet/config.json"))?;
+        let te_file = dir.join("text_encoder/config.json");
+        let te = files::read_json(&te_file)?;
+        let config_family = family::detect_family(&family::Configs {
+            model_index: &model_index,
+            unet: &unet,
+            text_encoder: Some(&te),
+        })
+        .map_err(Box::new)?;
+        if config_family != family {
+            return Err(SingleFileError::FamilyMismatch {
+                path: path.to_path_buf(),
+                config: dir.to_path_buf(),
+                file_family: family,
+                config_family,
+            });
+        }
+        let mut components = Vec::new();
+        let mut tokenizers = Vec::new();
+        for &c in family.components() {
+            components.push(files::read_json(&dir.join(c.folder()).join("config.json"))?);
+            if let Some(tok) = c.tokenizer_folder() {
+                files::tokenizer_files(dir, tok)?;
+                tokenizers.push((tok.to_string(), TokenizerSource::Folder(dir.join(tok))));
+            }
+        }
+        Ok(Self {
+            origin: ConfigOrigin::ModelConfig(dir.to_path_buf()),
+            model_index,
+            scheduler: files::read_json(&dir.join(SCHEDULER_CONFIG))?,
+            components,
+            tokenizers,
+        })
+    }
+
+    fn from_metadata(
+        path: &Path,
+        meta: &BTreeMap<String, String>,
+        family: ModelFamily,
+    ) -> Result<Self, SingleFileError> {
+        let get = |key: String| -> Result<Value, SingleFileError> {
+            let bad = |message: String| SingleFileError::Metadata {
+                path: path.to_path_buf(),
+                key: key.clone(),
+                message,
+            };
+            let text = meta.get(&key).ok_or_else(|| bad("missing".into()))?;
+            serde_json::from_str(text).map_err(|e| bad(e.to_string()))
+        };
+        let mut components = Vec::new();
+        let mut tokenizers = Vec::new();
+        for &c in family.components() {
+            let config = get(config_key(c))?;
+            if let Some(tok) = c.tokenizer_folder() {
+                let t = get(meta_key(tok))?;
+                let vocab_size = config
+                    .get("vocab_size")
+                    .and_then(Value::as_u64)
+                    .unwrap_or(49408) as usize;
+                tokenizers.push((
+                    tok.to_string(),
+                    TokenizerSource::Builtin {
+                        vocab_size,
+                        pad: t
+                            .get("pad_token")
+                            .and_then(Value::as_str)
+                            .unwrap_or("<|endoftext|>")
+                            .to_string(),
+                        max_length: t
+                            .get("model_max_length")
+                            .and_then(Value::as_u64)
+                            .unwrap_or(77) as usize,
+                    },
+                ));
+            }
+            components.push(config);
+        }
+        Ok(Self {
+            origin: ConfigOrigin::Metadata,
+            model_index: get(meta_key("model_index"))?,
+            scheduler: get(meta_key("scheduler_config"))?,
+            components,
+            tokenizers,
+        })
+    }
+
+    fn detect(
+        path: &Path,
+        h: &Shapes,
+        family: ModelFamily,
+        prediction: Option<PredictionType>,
+    ) -> Result<Self, SingleFileError> {
+        let fail = |what: &'static str| {
+            move |message: String| SingleFileError::Detect {
+                path: path.to_path_buf(),
+                what,
+                message,
+            }
+        };
+        let prediction = prediction.unwrap_or(if h.contains_key("v_pred") {
+            PredictionType::VPrediction
+        } else {
+            match family {
+                ModelFamily::Sd2 => PredictionType::VPrediction,
+                ModelFamily::Sd1 | ModelFamily::Sdxl => PredictionType::Epsilon,
+            }
+        });
+        let mut tes = Vec::new();
+        let mut pooled = None;
+        for c in [Component::TextEncoder, Component::TextEncoder2] {
+            let Some(prefix) = text_encoder_prefix(family, c) else {
+                continue;
+            };
+            let text_model = h.contains_key(&format!(
+                "{prefix}text_model.embeddings.token_embedding.weight"
+            ));
+            let kind = text_encoder_kind(family, c, text_model);
+            let (cfg, proj) =
+                detect::text_encoder(h, prefix, kind).map_err(fail("text encoder"))?;
+            pooled = proj.or(pooled);
+            tes.push((c, cfg, detect::pad_token(kind)));
+        }
+        let unet = detect::unet(h, family, prediction, pooled).map_err(fail("UNet"))?;
+        let resolution = unet["sample_size"].as_u64().unwrap_or(64) as usize * 8;
+        let vae = detect::vae(h, family, resolution).map_err(fail("VAE"))?;
+        let mut scheduler = detect::scheduler(family, prediction);
+        if h.contains_key("ztsnr") {
+            scheduler["rescale_betas_zero_snr"] = Value::Bool(true);
+        }
+        let mut components = vec![unet, vae];
+        let mut tokenizers = Vec::new();
+        for (c, cfg, pad) in tes {
+            let vocab_size = cfg["vocab_size"].as_u64().unwrap_or(0) as usize;
+            let max_length = cfg["max_position_embeddings"].as_u64().unwrap_or(77) as usize;
+            tokenizers.push((
+                c.tokenizer_folder().unwrap_or("tokenizer").to_string(),
+                TokenizerSource::Builtin {
+                    vocab_size,
+                    pad: pad.to_string(),
+                    max_length,
+                },
+            ));
+            components.push(cfg);
+        }
+        Ok(Self {
+            origin: ConfigOrigin::Detected,
+            model_index: detect::model_index(family),
+            scheduler,
+            components,
+            tokenizers,
+        })
+    }
+}
+
+/// Per component: diffusers name → (stored name, op). A [`BTreeMap`] so views list in order.
+type ComponentMaps = BTreeMap<Component, BTreeMap<String, (String, ViewOp)>>;
+
+/// Tensors left out, with the reason.
+type Skipped = Vec<(String, &'static str)>;
+
+/// Assigns every tensor of the file to a component (or a skip reason) using the configs.
+fn map_tensors(
+    path: &Path,
+    h: &Shapes,
+    family: ModelFamily,
+    configs: &Configs,
+) -> Result<(ComponentMaps, Skipped), SingleFileError> {
+    let config_err = |component: Component, message: String| SingleFileError::Config {
+        path: path.to_path_buf(),
+        component,
+        message,
+    };
+    let cfg = |c: Component| {
+        family
+            .components()
+            .iter()
+            .position(|&k| k == c)
+            .and_then(|i| configs.components.get(i))
+            .ok_or_else(|| config_err(c, "missing".into()))
+    };
+    let unet_cfg = UnetConfig::from_json(&cfg(Component::Unet)?.to_string(), "unet config")
+        .map_err(|e| config_err(Component::Unet, e.to_string()))?;
+    let unet_blocks = unet_blocks(&unet_cfg).map_err(|m| config_err(Component::Unet, m))?;
+    let vae_cfg = VaeConfig::from_json(&cfg(Component::Vae)?.to_string(), Path::new("vae config"))
+        .map_err(|e| config_err(Component::Vae, e.to_string()))?;
+    let vae_blocks = VaeBlocks {
+        levels: vae_cfg.block_out_channels.len(),
+    };
+    let mut text = Vec::new();
+    for c in [Component::TextEncoder, Component::TextEncoder2] {
+        let Some(prefix) = text_encoder_prefix(family, c) else {
+            continue;
+        };
+        let te = ClipTextConfig::from_json(&cfg(c)?.to_string(), Path::new("text encoder config"))
+            .map_err(|e| config_err(c, e.to_string()))?;
+        let kind = text_encoder_kind(family, c, true);
+        text.push((c, prefix, kind, te.num_hidden_layers));
+    }
+
+    let mut maps: ComponentMaps = BTreeMap::new();
+    let mut skipped = Vec::new();
+    let mut unknown = Vec::new();
+    for (name, shape) in h {
+        let (component, mapped) = if let Some(rest) = name.strip_prefix(UNET) {
+            let m = names::unet_to_diffusers(rest, &unet_blocks)
+                .map_or(Mapped::Unknown, |d| Mapped::To(vec![(d, ViewOp::Same)]));
+            (Some(Component::Unet), m)
+        } else if let Some(rest) = name.strip_prefix(VAE) {
+            let m = match names::vae_to_diffusers(rest, vae_blocks) {
+                Some((d, true)) if shape.len() == 4 => {
+                    Mapped::To(vec![(d, ViewOp::Reshape(shape[..2].to_vec()))])
+                }
+                Some((d, _)) => Mapped::To(vec![(d, ViewOp::Same)]),
+                None => Mapped::Unknown,
+            };
+            (Some(Component::Vae), m)
+        } else if let Some((c, rest, kind, layers)) = text
+            .iter()
+            .find_map(|(c, p, k, l)| name.strip_prefix(p).map(|r| (*c, r, *k, *l)))
+        {
+            let m = match kind {
+                TextEncoderKind::Clip { .. } => names::clip_to_diffusers(rest),
+                TextEncoderKind::OpenClip { projection } => {
+                    names::openclip_to_diffusers(rest, shape, layers, projection)
+                }
+            };
+            (Some(c), m)
+        } else {
+            match skip_reason(name) {
+                Some(r) => (None, Mapped::Skip(r)),
+                None => (None, Mapped::Unknown),
+            }
+        };
+        match (component, mapped) {
+            (Some(c), Mapped::To(list)) => {
+                let map = maps.entry(c).or_default();
+                for (d, op) in list {
+                    map.insert(d, (name.clone(), op));
+                }
+            }
+            (_, Mapped::Skip(reason)) => skipped.push((name.clone(), reason)),
+            (_, Mapped::Unknown) | (None, Mapped::To(_)) => unknown.push(name.clone()),
+        }
+    }
+    if !unknown.is_empty() {
+        let count = unknown.len();
+        unknown.truncate(8);
+        return Err(SingleFileError::Unknown {
+            path: path.to_path_buf(),
+            count,
+            names: unknown,
+        });
+    }
+    Ok((maps, skipped))
+}
+
+/// The UNet's block structure for [`names`]: every down block must have the same layer count
+/// (the LDM numbering assumes it).
+pub fn unet_blocks(cfg: &UnetConfig) -> Result<UnetBlocks, String> {
+    let layers: BTreeSet<usize> = cfg.down_blocks.iter().map(|b| b.layers).collect();
+    let [layers] = layers.into_iter().collect::<Vec<_>>()[..] else {
+        return Err("down blocks with different layer counts have no LDM names".into());
+    };
+    Ok(UnetBlocks {
+        layers,
+        down_attn: cfg
+            .down_blocks
+            .iter()
+            .map(|b| b.kind == BlockKind::CrossAttn)
+            .collect(),
+        up_attn: cfg
+            .up_kinds
+            .iter()
+            .map(|k| *k == BlockKind::CrossAttn)
+            .collect(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn known_non_weights_have_reasons_and_nothing_else_does() {
+        assert!(skip_reason("alphas_cumprod").is_some());
+        assert!(skip_reason("model_ema.diffusion_modelinput_blocks00weight").is_some());
+        assert!(skip_reason("v_pred").is_some());
+        assert!(skip_reason("model.diffusion_model.x").is_none());
+        assert!(skip_reason("lora_unet_x.alpha").is_none());
+        assert!(skip_reason("betas2").is_none());
+    }
+
+    #[test]
+    fn family_needs_unet_vae_and_a_text_encoder() {
+        let h =
+            |names: &[&str]| -> Shapes { names.iter().map(|n| (n.to_string(), vec![1])).collect() };
+        let p = Path::new("m.safetensors");
+        let err = family_of(p, &h(&["model.diffusion_model.out.2.weight"]))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("no VAE") && err.contains("no text encoder"),
+            "{err}"
+        );
+        let err = family_of(p, &h(&["lora_unet_down_blocks_0.alpha"]))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("LoRA"), "{err}");
+        let sd2 = h(&[
+            "model.diffusion_model.out.2.weight",
+            "first_stage_model.x",
+            "cond_stage_model.model.ln_final.weight",
+        ]);
+        assert_eq!(family_of(p, &sd2).unwrap(), ModelFamily::Sd2);
+    }
+}
