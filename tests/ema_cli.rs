@@ -58,6 +58,15 @@ fn train(dir: &Path, extra: serde_json::Value) -> std::path::PathBuf {
     let cfg = write_config(dir, "tiny-sd15", &demo_data(), cfg);
     let out = sdtrain(&["--config", cfg.to_str().unwrap(), "--cpu"], dir);
     assert!(out.status.success(), "{}", text(&out));
+    // The summary lists the EMA weights among what was saved.
+    let summary = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        summary
+            .lines()
+            .any(|l| l.starts_with("saved ")
+                && (l.ends_with("-ema") || l.ends_with("-ema.safetensors"))),
+        "{summary}"
+    );
     run_folder(dir)
 }
 

@@ -54,6 +54,17 @@ fn full_finetune_reads_and_writes_single_files() {
         let out = sdtrain(&["--config", cfg.to_str().unwrap()], tmp.path());
         assert!(out.status.success(), "{name}: {}", text(&out));
         let run = run_folder(tmp.path());
+        // The summary lists every output of the final save.
+        let summary = String::from_utf8_lossy(&out.stdout);
+        let saved: Vec<&str> = summary
+            .lines()
+            .filter(|l| l.starts_with("saved "))
+            .collect();
+        assert_eq!(saved.len(), if folder_too { 2 } else { 1 }, "{summary}");
+        assert!(
+            saved.iter().any(|l| l.ends_with("final.safetensors")),
+            "{summary}"
+        );
         let file = run.join("final.safetensors");
         assert!(file.is_file(), "{name}: no final.safetensors");
         assert_eq!(run.join("final").is_dir(), folder_too, "{name}");

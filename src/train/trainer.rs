@@ -899,7 +899,7 @@ impl<'a> Session<'a> {
                 if !last && (epoch + 1).is_multiple_of(every as usize) {
                     let saved =
                         self.save_point(SavePoint::Epoch(epoch + 1), &out, epoch + 1, &progress)?;
-                    out.saved.push(saved);
+                    out.saved.extend(saved);
                 }
             }
             if last {
@@ -909,7 +909,7 @@ impl<'a> Session<'a> {
         if !out.interrupted {
             let epochs = out.epochs_completed;
             let saved = self.save_point(SavePoint::Final, &out, epochs, &progress)?;
-            out.saved.push(saved);
+            out.saved.extend(saved);
         }
         progress.finish();
         out.wall_secs = self.started.elapsed().as_secs_f64();
@@ -1168,14 +1168,14 @@ impl<'a> Session<'a> {
                 out.interrupted = true;
                 let point = SavePoint::Interrupted(out.steps);
                 let saved = self.save_point(point, out, epoch + 1, progress)?;
-                out.saved.push(saved);
+                out.saved.extend(saved);
                 return Ok(Flow::Stop);
             }
             let every = plan.save_every_n_steps.map_or(0, |n| n as usize);
             if every > 0 && out.steps.is_multiple_of(every) && out.steps < self.total_steps {
                 let saved =
                     self.save_point(SavePoint::Step(out.steps), out, epoch + 1, progress)?;
-                out.saved.push(saved);
+                out.saved.extend(saved);
             }
         }
         Ok(Flow::Continue)
@@ -1255,7 +1255,7 @@ impl<'a> Session<'a> {
         out: &TrainOutcome,
         epoch: usize,
         progress: &Progress,
-    ) -> anyhow::Result<PathBuf> {
+    ) -> anyhow::Result<Vec<PathBuf>> {
         if let Some(record) = self.unlogged.take() {
             self.write_log(&record)?;
         }
@@ -1271,16 +1271,16 @@ impl<'a> Session<'a> {
         out: &TrainOutcome,
         epoch: usize,
         progress: &Progress,
-    ) -> anyhow::Result<PathBuf> {
+    ) -> anyhow::Result<Vec<PathBuf>> {
         let saver = self.saver();
-        let path = saver.save(&self.groups, point, out.steps, epoch, progress, "")?;
+        let mut paths = saver.save(&self.groups, point, out.steps, epoch, progress, "")?;
         if let Some(ema) = &self.ema {
-            ema.with_weights(&self.params, || {
+            paths.extend(ema.with_weights(&self.params, || {
                 saver.save(&self.groups, point, out.steps, epoch, progress, EMA_SUFFIX)
-            })?;
+            })?);
         }
         if matches!(point, SavePoint::Final) && !self.plan.save_optimizer {
-            return Ok(path);
+            return Ok(paths);
         }
         let dir = resume::state_dir(&self.run.path, out.steps);
         let groups = &self.groups;
@@ -1304,7 +1304,7 @@ impl<'a> Session<'a> {
                 ));
             }
         }
-        Ok(path)
+        Ok(paths)
     }
 
     /// What a failed step becomes. An [`OomExhausted`] saves the last completed step as an
@@ -1323,10 +1323,14 @@ impl<'a> Session<'a> {
         let place = format!("{} ({})", exhausted.place, exhausted.oom.detail);
         let point = SavePoint::Errored(out.steps);
         let saved = match self.save_point(point, out, epoch + 1, progress) {
-            Ok(path) => format!(
+            Ok(paths) => format!(
                 "the last completed step ({}) is saved in {}",
                 out.steps,
-                path.display()
+                paths
+                    .iter()
+                    .map(|p| p.display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
             ),
             Err(err) => format!(
                 "saving the last completed step failed too: {}",
@@ -1618,10 +1622,10 @@ impl Saver<'_> {
         epoch: usize,
         progress: &Progress,
         suffix: &str,
-    ) -> anyhow::Result<PathBuf> {
+    ) -> anyhow::Result<Vec<PathBuf>> {
         let plan = self.plan;
         let project = &plan.project_name;
-        let path = match self.adapters {
+        let paths = match self.adapters {
             None => {
                 let dir = match point {
                     SavePoint::Epoch(e) => self.run.epoch_dir(e),
@@ -1651,6 +1655,7 @@ impl Saver<'_> {
                     )
                     .with_context(|| format!("saving {}", file.display()))?;
                 }
+                let mut written = Vec::new();
                 if format.diffusers() {
                     crate::model::export::save_diffusers_folder(
                         self.layout,
@@ -1659,13 +1664,12 @@ impl Saver<'_> {
                         DType::F32,
                     )
                     .with_context(|| format!("saving {}", dir.display()))?;
-                    if format.single_file() {
-                        progress.println(format!("saved {}", file.display()));
-                    }
-                    dir
-                } else {
-                    file
+                    written.push(dir);
                 }
+                if format.single_file() {
+                    written.push(file);
+                }
+                written
             }
             Some(a) => {
                 let name = match point {
@@ -1689,11 +1693,13 @@ impl Saver<'_> {
                 };
                 a.save(&path, info)
                     .with_context(|| format!("saving {}", path.display()))?;
-                path
+                vec![path]
             }
         };
-        progress.println(format!("saved {}", path.display()));
-        Ok(path)
+        for p in &paths {
+            progress.println(format!("saved {}", p.display()));
+        }
+        Ok(paths)
     }
 }
 
