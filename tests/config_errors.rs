@@ -278,23 +278,19 @@ fn everydream2_sample_train_json_lists_what_is_missing() {
         panic!("{err}")
     };
     let keys: Vec<&str> = entries.iter().map(|e| e.key.as_str()).collect();
-    assert_eq!(
-        keys,
-        [
-            "pyramid_noise_discount",
-            "sample_prompts",
-            "sample_steps",
-            "validation_config"
-        ]
-    );
+    assert_eq!(keys, ["pyramid_noise_discount", "validation_config"]);
     // With those removed it resolves, `resume_ckpt` naming the model.
     let mut fixed = ed2;
     for key in keys {
         fixed.as_object_mut().expect("object").remove(key);
     }
     s.write("optimizer.json", &json!({}));
+    // Its sample prompts file is read beside it (EveryDream2 ships one).
+    std::fs::write(s.path("sample_prompts.txt"), "a photo of ted bennet\n").expect("write");
     let plan = TrainPlan::resolve(&s.write("train.json", &fixed), &[]).expect("plan");
     assert_eq!(plan.model, "panopstor/EveryDream");
+    let samples = plan.samples.as_ref().expect("sampling on");
+    assert_eq!((samples.every_n_steps, samples.set.prompts.len()), (300, 1));
     assert!(plan.random_seed);
     assert_eq!(plan.objective.min_snr_gamma, Some(5.0));
     assert!(plan.precision.gradient_checkpointing);

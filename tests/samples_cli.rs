@@ -140,7 +140,8 @@ fn sdxl_lora_samples_trained_and_ema_weights_with_caches() {
     assert!(!got.iter().any(|n| n.starts_with("gs00001")), "{got:?}");
 }
 
-/// LoCon on SD2.1 (v-prediction) with Euler ancestral, in bf16: rounds every 2 steps only.
+/// LoCon on SD2.1 (v-prediction) with Euler ancestral, in bf16, with an EMA on the device: rounds
+/// every 2 steps only, of the trained weights.
 #[test]
 fn sd21_euler_ancestral_samples_on_schedule() {
     let tmp = tempfile::tempdir().unwrap();
@@ -150,8 +151,14 @@ fn sd21_euler_ancestral_samples_on_schedule() {
         tmp.path(),
         "tiny-sd21",
         ("p.json", prompts),
-        serde_json::json!({"sample_steps": 2, "max_steps": 3, "amp": "bf16", "mode": "locon"}),
+        serde_json::json!({
+            "sample_steps": 2, "max_steps": 3, "amp": "bf16", "mode": "locon",
+            "ema_decay_rate": 0.9, "ema_update_interval": 1, "ema_device": "cuda",
+        }),
     );
+    // EMA on: its LoCon file is saved beside the trained one; only the trained weights are
+    // sampled (neither ema_sample_* key is set).
+    assert!(run.join("sdtrain-ema.safetensors").is_file());
     let got = names(&run.join("samples"));
     assert_eq!(
         got,

@@ -104,18 +104,6 @@ pub struct SchedulerConfig {
 }
 
 impl SchedulerConfig {
-    pub fn from_file(path: &Path) -> Result<Self, ScheduleError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ScheduleError::Read {
-            path: path.to_path_buf(),
-            source,
-        })?;
-        let config: Value = serde_json::from_str(&text).map_err(|source| ScheduleError::Json {
-            path: path.to_path_buf(),
-            source,
-        })?;
-        Self::from_config(&config, path)
-    }
-
     /// The scheduler config of a loaded model: its `scheduler_config.json`, or the one a
     /// single-file checkpoint carries or was given.
     pub fn from_layout(layout: &crate::model::family::ModelLayout) -> Result<Self, ScheduleError> {
