@@ -75,6 +75,12 @@ pub struct InspectArgs {
     /// Prefer weight files of this variant (e.g. `fp16`) where the model has them.
     #[arg(long, value_name = "NAME")]
     pub variant: Option<String>,
+    /// For a single-file `--model`: a diffusers folder whose configs and tokenizers describe it.
+    #[arg(long, value_name = "FOLDER")]
+    pub model_config: Option<PathBuf>,
+    /// For a single-file `--model`: `epsilon` or `v_prediction`, overriding what is detected.
+    #[arg(long, value_parser = crate::sample::command::parse_prediction)]
+    pub prediction_type: Option<crate::model::family::PredictionType>,
 }
 
 /// A command line that names no command and no `--config`.
@@ -88,7 +94,13 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Some(Command::Inspect(args)) => {
             let report = ModelSource::parse(&args.model)
                 .map_err(InspectError::from)
-                .and_then(|source| inspect::inspect(&source, args.variant.as_deref()))
+                .and_then(|source| {
+                    let single = crate::model::single_file::SingleFileOptions {
+                        model_config: args.model_config.clone(),
+                        prediction_type: args.prediction_type,
+                    };
+                    inspect::inspect_with(&source, args.variant.as_deref(), &single)
+                })
                 .with_context(|| format!("cannot inspect `{}`", args.model))?;
             print_stdout(&report)?;
             Ok(ExitCode::SUCCESS)

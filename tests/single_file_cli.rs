@@ -118,4 +118,38 @@ fn inspect_reports_a_single_file() {
     ] {
         assert!(stdout.contains(want), "missing {want:?} in:\n{stdout}");
     }
+    // The single-file options apply to inspect too; a folder refuses them.
+    let sd21 = script_file("tiny-sd21");
+    let args = |model: &str, extra: &[&str]| {
+        let mut a = vec!["inspect", "--model"];
+        a.push(model);
+        a.extend_from_slice(extra);
+        a.iter().map(|s| s.to_string()).collect::<Vec<_>>()
+    };
+    let run = |a: Vec<String>| {
+        let refs: Vec<&str> = a.iter().map(String::as_str).collect();
+        sdtrain(&refs, tmp.path())
+    };
+    let out = run(args(sd21.to_str().unwrap(), &[]));
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("prediction  v_prediction"),
+        "{}",
+        text(&out)
+    );
+    let out = run(args(
+        sd21.to_str().unwrap(),
+        &["--prediction-type", "epsilon"],
+    ));
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("prediction  epsilon"),
+        "{}",
+        text(&out)
+    );
+    let folder = common::fixture("tiny-sd21");
+    let out = run(args(
+        folder.to_str().unwrap(),
+        &["--prediction-type", "epsilon"],
+    ));
+    assert!(!out.status.success(), "{}", text(&out));
+    assert!(text(&out).contains("prediction_type"), "{}", text(&out));
 }

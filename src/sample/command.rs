@@ -80,7 +80,8 @@ fn parse_sampler(s: &str) -> Result<SamplerKind, String> {
     SamplerKind::parse(s).ok_or_else(|| format!("the samplers are {}", SamplerKind::NAMES))
 }
 
-fn parse_prediction(s: &str) -> Result<PredictionType, String> {
+/// `--prediction-type`'s values.
+pub fn parse_prediction(s: &str) -> Result<PredictionType, String> {
     match s {
         "epsilon" => Ok(PredictionType::Epsilon),
         "v_prediction" | "v" => Ok(PredictionType::VPrediction),
