@@ -297,38 +297,9 @@ impl<'a> Session<'a> {
         let interrupt = Interrupt::install();
         // Before anything is allocated: event tracking applies to tensors created afterwards.
         prepare_device(&opts.device, DeviceSettings::default()).context("preparing the device")?;
-        let vram_cap = match plan.vram_limit_gb {
-            Some(gb) => {
-                let cap =
-                    crate::memory::vram_cap::cap(&opts.device, gb).context("vram_limit_gb")?;
-                match &cap {
-                    Some(c) => eprintln!("vram_limit_gb: this run has {}", c.describe()),
-                    None => eprintln!("vram_limit_gb {gb} applies to CUDA cards; not on the CPU"),
-                }
-                cap
-            }
-            None => None,
-        };
+        let vram_cap = vram_limit(plan, &opts.device)?;
         let amp = plan.precision.amp.resolve(&opts.device);
-        let source =
-            ModelSource::parse(&plan.model).with_context(|| format!("model `{}`", plan.model))?;
-        let dir = source
-            .resolve()
-            .with_context(|| format!("model `{}`", plan.model))?;
-        let layout = ModelLayout::read_with(&dir.path, None, &plan.single_file_options())?;
-        eprintln!(
-            "model: {} ({}, {} prediction, native {}px); precision {}{}",
-            plan.model,
-            layout.family.name(),
-            layout.prediction_type.name(),
-            layout.native_resolution,
-            amp.name(),
-            if plan.precision.gradient_checkpointing {
-                ", gradient checkpointing"
-            } else {
-                ""
-            }
-        );
+        let layout = open_model(plan, amp)?;
         let mut sd = load_model(&layout, plan, opts, amp)?;
         let adapters = if full {
             None
@@ -346,25 +317,7 @@ impl<'a> Session<'a> {
         let bucket_list = data_feed::bucket_list(plan.data.buckets.as_ref(), resolution, align)?;
         // Held out before anything counts the training set; a resumed run holds out the same.
         let data_seed = resume_from.as_ref().map_or(plan.seed, |(_, st)| st.seed);
-        let validation = match &plan.data.validation {
-            Some(v) => {
-                let val = Validation::setup(
-                    v,
-                    &mut dataset,
-                    data_seed,
-                    &bucket_list,
-                    plan.data.max_image_pixels,
-                )?;
-                let when = v
-                    .every_n_steps
-                    .map_or("at the end of each epoch".to_string(), |n| {
-                        format!("every {n} steps")
-                    });
-                eprintln!("validation: {} images, {when}", val.items.len());
-                Some(val)
-            }
-            None => None,
-        };
+        let validation = hold_out_validation(plan, &mut dataset, data_seed, &bucket_list)?;
         report_dataset(&dataset);
         let objective = build_objective(plan, &layout)?;
         if dataset.epoch_len() == 0 {
@@ -386,17 +339,14 @@ impl<'a> Session<'a> {
         let total_steps = total_steps(plan, &feed, data_seed);
         let groups = param_groups(&sd, plan, adapters.as_ref(), total_steps as u64)?;
         let params: Vec<Var> = groups.iter().flat_map(|g| g.vars.iter().cloned()).collect();
-        let checkpointing = if plan.precision.gradient_checkpointing {
-            let ck = Checkpointing::new(params.clone(), &opts.device)?;
-            sd.unet.checkpointing = Some(ck.clone());
-            if groups.len() > 1 {
-                for te in sd.text_encoders.iter_mut() {
-                    te.model.checkpointing = Some(ck.clone());
-                }
-            }
-            Some(ck)
-        } else {
-            None
+        let checkpointing = match plan.precision.gradient_checkpointing {
+            true => Some(attach_checkpointing(
+                &mut sd,
+                &params,
+                groups.len() > 1,
+                &opts.device,
+            )?),
+            false => None,
         };
         // A resumed run continues in its own folder and log.
         let run = match &resume_from {
@@ -409,19 +359,8 @@ impl<'a> Session<'a> {
                 run
             }
         };
-        let log_dir = plan.log_folder(&run.path);
-        std::fs::create_dir_all(&log_dir)
-            .with_context(|| format!("cannot create {}", log_dir.display()))?;
-        let log_path = log_dir.join("train_log.jsonl");
-        let log = match &resume_from {
-            Some((_, state)) => JsonlLog::resume(&log_path, state.steps)?,
-            None => JsonlLog::create(&log_path)?,
-        };
-        let tensorboard = match (plan.tensorboard, &resume_from) {
-            (false, _) => None,
-            (true, Some((_, state))) => Some(EventWriter::resume(&log_dir, state.steps)?),
-            (true, None) => Some(EventWriter::create(&log_dir)?),
-        };
+        let resumed_steps = resume_from.as_ref().map(|(_, state)| state.steps);
+        let (log, tensorboard) = open_logs(plan, &run, resumed_steps)?;
         eprintln!(
             "run folder: {}\n{} samples/epoch, {} steps/epoch of {}×{}, {} steps in all",
             run.path.display(),
@@ -436,22 +375,7 @@ impl<'a> Session<'a> {
             plan.precision.scaler,
             plan.optimizer.grad_scaler_step_tweaks,
         );
-        let key = RunKey {
-            model: plan.model.clone(),
-            mode: format!("{:?}", plan.mode).to_lowercase(),
-            data_root: plan.data.data_root.clone(),
-            resolution,
-            batch_size: plan.batch_size,
-            grad_accum: plan.grad_accum,
-            data_shape: format!(
-                "buckets {}, crop_jitter {}",
-                match &plan.data.buckets {
-                    None => "off".to_string(),
-                    Some(b) => format!("{:?} up to {:?}", b.aspects, b.max_ratio),
-                },
-                plan.data.crop_jitter
-            ),
-        };
+        let key = run_key(plan, resolution);
         let mut session = Self {
             plan,
             opts,
@@ -1344,6 +1268,127 @@ impl<'a> Session<'a> {
             rungs: rung_lines(&next_rungs(self.plan, self.amp, self.resolution)),
         }
         .into()
+    }
+}
+
+/// `vram_limit_gb`'s hold on the rest of the card, when set (a note on the CPU).
+fn vram_limit(
+    plan: &TrainPlan,
+    device: &Device,
+) -> anyhow::Result<Option<crate::memory::vram_cap::VramCap>> {
+    let Some(gb) = plan.vram_limit_gb else {
+        return Ok(None);
+    };
+    let cap = crate::memory::vram_cap::cap(device, gb).context("vram_limit_gb")?;
+    match &cap {
+        Some(c) => eprintln!("vram_limit_gb: this run has {}", c.describe()),
+        None => eprintln!("vram_limit_gb {gb} applies to CUDA cards; not on the CPU"),
+    }
+    Ok(cap)
+}
+
+/// The plan's model, resolved (hub cache, folder or single file) and described on stderr.
+fn open_model(plan: &TrainPlan, amp: Amp) -> anyhow::Result<ModelLayout> {
+    let source =
+        ModelSource::parse(&plan.model).with_context(|| format!("model `{}`", plan.model))?;
+    let dir = source
+        .resolve()
+        .with_context(|| format!("model `{}`", plan.model))?;
+    let layout = ModelLayout::read_with(&dir.path, None, &plan.single_file_options())?;
+    eprintln!(
+        "model: {} ({}, {} prediction, native {}px); precision {}{}",
+        plan.model,
+        layout.family.name(),
+        layout.prediction_type.name(),
+        layout.native_resolution,
+        amp.name(),
+        if plan.precision.gradient_checkpointing {
+            ", gradient checkpointing"
+        } else {
+            ""
+        }
+    );
+    Ok(layout)
+}
+
+/// The validation set, when asked for: held out of `dataset` (or read from its own folder).
+fn hold_out_validation(
+    plan: &TrainPlan,
+    dataset: &mut LoadedDataset,
+    data_seed: u64,
+    buckets: &[crate::data::Bucket],
+) -> anyhow::Result<Option<Validation>> {
+    let Some(v) = &plan.data.validation else {
+        return Ok(None);
+    };
+    let val = Validation::setup(v, dataset, data_seed, buckets, plan.data.max_image_pixels)?;
+    let when = v
+        .every_n_steps
+        .map_or("at the end of each epoch".to_string(), |n| {
+            format!("every {n} steps")
+        });
+    eprintln!("validation: {} images, {when}", val.items.len());
+    Ok(Some(val))
+}
+
+/// Gradient checkpointing of the UNet's blocks, and of the text encoders' layers when they
+/// train, for the trainable `params`.
+fn attach_checkpointing(
+    sd: &mut StableDiffusion,
+    params: &[Var],
+    text_encoders_train: bool,
+    device: &Device,
+) -> anyhow::Result<Checkpointing> {
+    let ck = Checkpointing::new(params.to_vec(), device)?;
+    sd.unet.checkpointing = Some(ck.clone());
+    if text_encoders_train {
+        for te in sd.text_encoders.iter_mut() {
+            te.model.checkpointing = Some(ck.clone());
+        }
+    }
+    Ok(ck)
+}
+
+/// The run's JSON-lines log and TensorBoard events in its log folder: new, or continued after
+/// `resumed_steps` (later records dropped).
+fn open_logs(
+    plan: &TrainPlan,
+    run: &RunDir,
+    resumed_steps: Option<usize>,
+) -> anyhow::Result<(JsonlLog, Option<EventWriter>)> {
+    let log_dir = plan.log_folder(&run.path);
+    std::fs::create_dir_all(&log_dir)
+        .with_context(|| format!("cannot create {}", log_dir.display()))?;
+    let log_path = log_dir.join("train_log.jsonl");
+    let log = match resumed_steps {
+        Some(steps) => JsonlLog::resume(&log_path, steps)?,
+        None => JsonlLog::create(&log_path)?,
+    };
+    let tensorboard = match (plan.tensorboard, resumed_steps) {
+        (false, _) => None,
+        (true, Some(steps)) => Some(EventWriter::resume(&log_dir, steps)?),
+        (true, None) => Some(EventWriter::create(&log_dir)?),
+    };
+    Ok((log, tensorboard))
+}
+
+/// What a resume must share with this run.
+fn run_key(plan: &TrainPlan, resolution: usize) -> RunKey {
+    RunKey {
+        model: plan.model.clone(),
+        mode: format!("{:?}", plan.mode).to_lowercase(),
+        data_root: plan.data.data_root.clone(),
+        resolution,
+        batch_size: plan.batch_size,
+        grad_accum: plan.grad_accum,
+        data_shape: format!(
+            "buckets {}, crop_jitter {}",
+            match &plan.data.buckets {
+                None => "off".to_string(),
+                Some(b) => format!("{:?} up to {:?}", b.aspects, b.max_ratio),
+            },
+            plan.data.crop_jitter
+        ),
     }
 }
 
