@@ -75,14 +75,15 @@ pub enum WriteError {
     Fs(#[from] FsError),
 }
 
-/// Writes `image` as a PNG at `path` (atomically: a partial file never has the name).
-pub fn write_png(path: &Path, image: &RgbImage) -> Result<(), WriteError> {
+/// Writes `image` as a PNG at `path` (atomically: a partial file never has the name); returns
+/// the bytes written.
+pub fn write_png(path: &Path, image: &RgbImage) -> Result<Vec<u8>, WriteError> {
     let bytes = encode_png(image).map_err(|source| WriteError::Encode {
         path: path.to_path_buf(),
         source,
     })?;
-    fsutil::write_atomic(path, bytes)?;
-    Ok(())
+    fsutil::write_atomic(path, &bytes)?;
+    Ok(bytes)
 }
 
 /// A prompt as a file-name part: letters, digits and spaces kept (spaces as `_`), at most 100

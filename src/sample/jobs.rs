@@ -139,11 +139,19 @@ pub struct PromptImages<'a> {
     pub images: Vec<RgbImage>,
 }
 
-/// What a round wrote: the files, and each prompt's strip for the log.
+/// One prompt's strip of a round, for the log.
+pub struct Strip {
+    /// `samples/<index>_<prompt>` (with `_ema` for the EMA model's).
+    pub tag: String,
+    pub image: RgbImage,
+    /// The PNG written to disk.
+    pub png: Vec<u8>,
+}
+
+/// What a round wrote: the files, and each prompt's strip.
 pub struct RoundFiles {
     pub paths: Vec<PathBuf>,
-    /// `(tag, strip)`: `samples/<index>_<prompt>` (with `_ema` for the EMA model's).
-    pub strips: Vec<(String, RgbImage)>,
+    pub strips: Vec<Strip>,
 }
 
 /// Writes a round's images into `dir`: per prompt `gsSSSSS-III[-label]-<prompt>.png` (the
@@ -177,7 +185,7 @@ pub fn write_round(
             file_part(&r.job.prompt)
         );
         let png = dir.join(format!("{stem}.png"));
-        image_out::write_png(&png, &strip)?;
+        let bytes = image_out::write_png(&png, &strip)?;
         let txt = dir.join(format!("{stem}.txt"));
         crate::fsutil::write_atomic(&txt, r.job.describe(r.seed))?;
         paths.push(png);
@@ -186,16 +194,17 @@ pub fn write_round(
         } else {
             format!("_{label}")
         };
-        strips.push((
-            format!(
+        strips.push(Strip {
+            tag: format!(
                 "samples/{:03}{tag_label}_{}",
                 r.job.index,
                 file_part(&r.job.prompt)
             ),
-            strip,
-        ));
+            image: strip,
+            png: bytes,
+        });
     }
-    let rows: Vec<RgbImage> = strips.iter().map(|(_, s)| s.clone()).collect();
+    let rows: Vec<RgbImage> = strips.iter().map(|s| s.image.clone()).collect();
     let grid = dir.join(format!("gs{step:05}{tagged}-grid.png"));
     image_out::write_png(&grid, &image_out::stacked(&rows))?;
     paths.push(grid);
@@ -279,6 +288,7 @@ mod tests {
             txt.contains("seed: 5") && txt.contains("cfg (left to right): 7, 4"),
             "{txt}"
         );
-        assert_eq!(files.strips[1].0, "samples/001_ema_b");
+        assert_eq!(files.strips[1].tag, "samples/001_ema_b");
+        assert_eq!(files.strips[0].png, std::fs::read(&files.paths[0]).unwrap());
     }
 }

@@ -615,10 +615,9 @@ impl<'a> Session<'a> {
         match result {
             Ok(rounds) => {
                 if let Some(tb) = &mut self.tensorboard {
-                    for (tag, strip) in rounds.iter().flat_map(|r| &r.strips) {
-                        let png = crate::sample::image_out::encode_png(strip)
-                            .with_context(|| format!("encoding {tag} for TensorBoard"))?;
-                        tb.add_image_png(tag, step, &png, strip.width(), strip.height())?;
+                    for s in rounds.iter().flat_map(|r| &r.strips) {
+                        let (w, h) = s.image.dimensions();
+                        tb.add_image_png(&s.tag, step, &s.png, w, h)?;
                     }
                 }
                 let grids: Vec<String> = rounds

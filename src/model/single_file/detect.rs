@@ -134,7 +134,7 @@ pub fn unet(
         .find(|&&n| h.contains_key(&p(&format!("input_blocks.{n}.0.op.weight"))))
         .copied();
     // Without a downsampler there is one level holding every input block.
-    let layers = first_op.map_or(max_n, |n| n - 1);
+    let layers = first_op.map_or(max_n, |n| n.saturating_sub(1));
     let l1 = layers + 1;
     if layers == 0 || !(max_n + 1).is_multiple_of(l1) {
         return Err(format!(
@@ -462,5 +462,21 @@ mod tests {
         .map(|n| (n.to_string(), vec![1]))
         .collect();
         assert_eq!(indices(&h, "a.blocks."), BTreeSet::from([0, 1, 10]));
+    }
+
+    /// A downsampler on the first input block (where conv_in is) is an error, not an underflow.
+    #[test]
+    fn a_downsampler_at_block_zero_is_an_error() {
+        let h: Shapes = [
+            ("input_blocks.0.0.weight", vec![8, 4, 3, 3]),
+            ("input_blocks.0.0.op.weight", vec![8, 8, 3, 3]),
+            ("input_blocks.1.0.in_layers.2.weight", vec![8, 8, 3, 3]),
+            ("out.2.weight", vec![4, 8, 3, 3]),
+        ]
+        .into_iter()
+        .map(|(n, s)| (format!("{UNET}{n}"), s))
+        .collect();
+        let e = unet(&h, ModelFamily::Sd1, PredictionType::Epsilon, None).unwrap_err();
+        assert!(e.contains("do not form levels"), "{e}");
     }
 }
