@@ -14,6 +14,8 @@ pub mod data;
 pub mod diffusion;
 pub mod fsutil;
 pub mod inspect;
+#[cfg(test)]
+pub(crate) mod kernel_emu;
 pub mod memory;
 pub mod model;
 pub mod nn;

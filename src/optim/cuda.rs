@@ -21,7 +21,7 @@ use candle_core::{
 use super::launch;
 use super::quant8::{maps, Moment};
 
-const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/optim.ptx"));
+const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/optim_kernels.ptx"));
 const MODULE: &str = "sdtrain_optim";
 
 /// One moment of one parameter in device memory: f32 values, or blockwise 8-bit codes and absmax

@@ -1,23 +1,13 @@
-//! Runs src/optim/kernels.cu on the host, for the unit tests: the file is compiled as C++ against
-//! tests/kernel_emu/emu.h (every CUDA thread an OS thread, `__syncthreads` a barrier) with the
-//! system C++ compiler (`CXX`, else `c++`), so the CUDA kernels are checked against the host
-//! kernels on a machine without a GPU.
-//!
-//! The driver is built once per source version into the temp directory and reused.
+//! The optimizer kernels (src/optim/kernels.cu) under the host emulation ([`crate::kernel_emu`]),
+//! in the optimizers' terms: a parameter, its gradient, its moments and the dynamic maps, launched
+//! as the CUDA path launches them; and how far a run is from the host kernels'.
 
-use std::hash::{Hash, Hasher};
-use std::path::{Path, PathBuf};
-use std::process::Command;
-use std::sync::OnceLock;
+use crate::kernel_emu::{self, Arg};
 
 use super::launch;
 use super::quant8::Moment;
 
-const SOURCES: [&str; 3] = [
-    "src/optim/kernels.cu",
-    "tests/kernel_emu/emu.h",
-    "tests/kernel_emu/driver.cpp",
-];
+const SOURCE: &str = "src/optim/kernels.cu";
 
 /// One of a kernel's buffer arguments, in argument order.
 pub enum Buf<'a> {
@@ -26,49 +16,6 @@ pub enum Buf<'a> {
     U8(&'a mut [u8]),
     /// Read only.
     In(&'a [f32]),
-}
-
-fn root() -> &'static Path {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-}
-
-/// The built driver: compiled on first use, keyed by a hash of its sources.
-fn driver() -> &'static Path {
-    static DRIVER: OnceLock<PathBuf> = OnceLock::new();
-    DRIVER.get_or_init(|| {
-        let mut h = std::collections::hash_map::DefaultHasher::new();
-        for s in SOURCES {
-            std::fs::read(root().join(s))
-                .unwrap_or_else(|e| panic!("kernel emulation: reading {s}: {e}"))
-                .hash(&mut h);
-        }
-        let exe = std::env::temp_dir().join(format!("sdtrain-kernel-emu-{:016x}", h.finish()));
-        if exe.exists() {
-            return exe;
-        }
-        let tmp = exe.with_extension(format!("tmp{}", std::process::id()));
-        let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
-        let out = Command::new(&cxx)
-            .args(["-std=c++20", "-O1", "-pthread", "-DSDTRAIN_EMULATE"])
-            .arg("-I")
-            .arg(root().join("src/optim"))
-            .arg("-I")
-            .arg(root().join("tests/kernel_emu"))
-            .arg(root().join("tests/kernel_emu/driver.cpp"))
-            .arg("-o")
-            .arg(&tmp)
-            .output()
-            .unwrap_or_else(|e| {
-                panic!("kernel emulation needs a C++20 compiler ({cxx}, or set CXX): {e}")
-            });
-        assert!(
-            out.status.success(),
-            "kernel emulation: {cxx} failed:\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        std::fs::rename(&tmp, &exe).expect("kernel emulation: placing the driver");
-        exe
-    })
 }
 
 /// Runs entry point `name` (without its `_q8`/`_f32` and dtype suffixes) on parameter `p` with
@@ -106,48 +53,23 @@ pub fn run_moments(
 /// Runs entry point `entry` (without its dtype suffix; f32 parameters) on `n` elements over
 /// `grid` blocks, then writes the buffers back.
 pub fn run(entry: &str, n: usize, grid: u32, scalars: &[f32], bufs: &mut [Buf]) {
-    let mut bytes = Vec::new();
-    for b in bufs.iter() {
-        match b {
-            Buf::F32(x) => x.iter().for_each(|v| bytes.extend(v.to_le_bytes())),
-            Buf::In(x) => x.iter().for_each(|v| bytes.extend(v.to_le_bytes())),
-            Buf::U8(x) => bytes.extend_from_slice(x),
-        }
-    }
-    let dir = tempfile::tempdir().expect("temp dir");
-    let file = dir.path().join("buffers");
-    std::fs::write(&file, &bytes).expect("writing the kernel's buffers");
-    let out = Command::new(driver())
-        .arg(entry)
-        .arg(n.to_string())
-        .arg(grid.to_string())
-        .arg(&file)
-        .args(scalars.iter().map(|s| format!("{:08x}", s.to_bits())))
-        .output()
-        .expect("running the kernel emulation driver");
-    assert!(
-        out.status.success(),
-        "kernel emulation of {entry}: {}",
-        String::from_utf8_lossy(&out.stderr)
+    let mut args: Vec<Arg> = bufs
+        .iter_mut()
+        .map(|b| match b {
+            Buf::F32(x) => Arg::out(x),
+            Buf::U8(x) => Arg::out(x),
+            Buf::In(x) => Arg::input(x),
+        })
+        .collect();
+    args.extend(scalars.iter().map(|&s| Arg::F32(s)));
+    args.push(Arg::Int(n as i64));
+    kernel_emu::launch(
+        SOURCE,
+        &format!("{entry}_f32"),
+        [grid, 1, 1],
+        [launch::THREADS, 1, 1],
+        &mut args,
     );
-    let bytes = std::fs::read(&file).expect("reading the kernel's buffers back");
-    let mut at = 0;
-    let f32_at = |at: usize| f32::from_le_bytes(bytes[at..at + 4].try_into().unwrap());
-    for b in bufs.iter_mut() {
-        match b {
-            Buf::F32(x) => {
-                for (i, v) in x.iter_mut().enumerate() {
-                    *v = f32_at(at + 4 * i);
-                }
-                at += 4 * x.len();
-            }
-            Buf::In(x) => at += 4 * x.len(),
-            Buf::U8(x) => {
-                x.copy_from_slice(&bytes[at..at + x.len()]);
-                at += x.len();
-            }
-        }
-    }
 }
 
 /// How far an emulated run is from the host kernel's: the largest parameter difference, the

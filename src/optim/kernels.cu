@@ -1,3 +1,5 @@
+// nvcc-flags: --fmad=false
+//
 // The optimizers' fused CUDA kernels: one launch per parameter tensor, one pass over its values.
 //
 // - 8-bit state (`*_q8`): one CUDA block per quantization block of 256 elements, one thread per

@@ -1,59 +1,279 @@
-// A host emulation of the part of CUDA that src/optim/kernels.cu uses, so that the unit tests can
-// run those kernels without a GPU (src/optim/kernel_emu.rs compiles this with the system C++
-// compiler).
+// A host emulation of the part of CUDA that sdtrain's kernels (src/**/*.cu) use, so that the unit
+// tests run those kernels without a GPU (src/kernel_emu.rs compiles a .cu file with this header and
+// emu_main.h, using the system C++ compiler).
 //
-// Every CUDA thread of a block runs as an OS thread; __syncthreads is a barrier over the block's
-// threads; __shared__ variables are function statics, shared by the block's threads because
-// blocks run one after another. Threads within a block interleave freely, as on a GPU, so a
-// missing __syncthreads or a race shows up here as well.
+// - Every CUDA thread of a block is an OS thread; the block's threads are started once per launch
+//   and run the grid's blocks one after another, so `__shared__` variables (function statics) are
+//   the block's own while it runs.
+// - Threads of a block interleave freely, as on a GPU, so a missing __syncthreads or a race shows
+//   up here as well.
+// - __syncthreads is a barrier over the block's live threads: a thread that has returned from the
+//   kernel no longer counts (as on sm_70+). A barrier that nobody completes within
+//   EMU_BARRIER_TIMEOUT seconds (divergent __syncthreads) aborts the driver with a message
+//   instead of hanging the test.
+// - Warp shuffles (__shfl_*_sync, full mask) exchange values through a per-warp slot array and a
+//   per-warp barrier; warps are 32 consecutive linear thread ids, as on a GPU.
+// - atomicAdd on floats and ints is a real atomic (std::atomic_ref).
+// - __nv_bfloat16 and __half are host types with CUDA's round-to-nearest-even conversions.
 #pragma once
 
-#include <barrier>
+#include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <thread>
 #include <vector>
 
-struct emu_dim3 {
-  unsigned x, y, z;
+#ifndef EMU_BARRIER_TIMEOUT
+#define EMU_BARRIER_TIMEOUT 120
+#endif
+
+struct dim3 {
+  unsigned x = 1, y = 1, z = 1;
+  dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
+};
+using emu_dim3 = dim3;
+
+// A barrier whose party count drops when a thread leaves (returns from the kernel).
+class EmuBarrier {
+ public:
+  void reset(unsigned parties) {
+    std::lock_guard<std::mutex> g(mu_);
+    parties_ = parties;
+    waiting_ = 0;
+  }
+  void arrive_and_wait(const char* what) {
+    std::unique_lock<std::mutex> g(mu_);
+    const unsigned long long gen = generation_;
+    if (++waiting_ >= parties_) {
+      release_locked();
+      return;
+    }
+    const auto deadline =
+        std::chrono::steady_clock::now() + std::chrono::seconds(EMU_BARRIER_TIMEOUT);
+    while (generation_ == gen) {
+      if (cv_.wait_until(g, deadline) == std::cv_status::timeout && generation_ == gen) {
+        std::fprintf(stderr,
+                     "emu: %s never completed (%u of %u threads arrived): divergent barrier?\n",
+                     what, waiting_, parties_);
+        std::fflush(stderr);
+        std::_Exit(4);
+      }
+    }
+  }
+  // The calling thread leaves for good: barriers from now on wait for one thread fewer.
+  void leave() {
+    std::lock_guard<std::mutex> g(mu_);
+    --parties_;
+    if (parties_ > 0 && waiting_ >= parties_) release_locked();
+  }
+
+ private:
+  void release_locked() {
+    waiting_ = 0;
+    ++generation_;
+    cv_.notify_all();
+  }
+  std::mutex mu_;
+  std::condition_variable cv_;
+  unsigned parties_ = 0, waiting_ = 0;
+  unsigned long long generation_ = 0;
 };
 
-inline thread_local emu_dim3 threadIdx;
-inline thread_local emu_dim3 blockIdx;
-inline emu_dim3 blockDim;
-inline emu_dim3 gridDim;
-inline thread_local std::barrier<>* emu_block_barrier;
+inline thread_local dim3 threadIdx;
+inline thread_local dim3 blockIdx;
+inline dim3 blockDim;
+inline dim3 gridDim;
+inline thread_local unsigned emu_linear_tid;
+inline EmuBarrier* emu_block_barrier;
+inline std::vector<EmuBarrier>* emu_warp_barriers;
+inline std::vector<unsigned long long>* emu_warp_slots;
+constexpr int warpSize = 32;
 
 #define __global__
 #define __device__
+#define __host__
 #define __forceinline__ inline
 #define __shared__ static
+#define __launch_bounds__(...)
 
-inline void __syncthreads() { emu_block_barrier->arrive_and_wait(); }
+inline void __syncthreads() { emu_block_barrier->arrive_and_wait("__syncthreads"); }
+
+inline void __syncwarp(unsigned = 0xffffffffu) {
+  (*emu_warp_barriers)[emu_linear_tid / 32].arrive_and_wait("__syncwarp");
+}
+
+// ---------------------------------------------------------------- warp shuffles
+
+template <class T>
+T emu_shfl(T v, unsigned src_lane, unsigned width) {
+  static_assert(sizeof(T) <= 8, "shuffle of a type wider than 8 bytes");
+  const unsigned t = emu_linear_tid;
+  const unsigned lane = t % 32, base = t - lane;
+  const unsigned seg = lane - lane % width;
+  unsigned src = seg + src_lane % width;
+  auto& slots = *emu_warp_slots;
+  auto& bar = (*emu_warp_barriers)[t / 32];
+  unsigned long long bits = 0;
+  std::memcpy(&bits, &v, sizeof(T));
+  slots[t] = bits;
+  bar.arrive_and_wait("warp shuffle");
+  if (base + src >= slots.size()) src = lane;  // a lane past the block reads its own value
+  bits = slots[base + src];
+  bar.arrive_and_wait("warp shuffle");
+  T r;
+  std::memcpy(&r, &bits, sizeof(T));
+  return r;
+}
+
+template <class T>
+T __shfl_sync(unsigned, T v, int src, int width = 32) {
+  return emu_shfl(v, (unsigned)src, (unsigned)width);
+}
+template <class T>
+T __shfl_xor_sync(unsigned, T v, int mask, int width = 32) {
+  const unsigned lane = emu_linear_tid % 32;
+  return emu_shfl(v, (lane % width) ^ (unsigned)mask, (unsigned)width);
+}
+template <class T>
+T __shfl_down_sync(unsigned, T v, unsigned delta, int width = 32) {
+  const unsigned l = emu_linear_tid % 32 % width;
+  return emu_shfl(v, l + delta < (unsigned)width ? l + delta : l, (unsigned)width);
+}
+template <class T>
+T __shfl_up_sync(unsigned, T v, unsigned delta, int width = 32) {
+  const unsigned l = emu_linear_tid % 32 % width;
+  return emu_shfl(v, l >= delta ? l - delta : l, (unsigned)width);
+}
+
+// ---------------------------------------------------------------- atomics and math
+
+template <class T>
+T atomicAdd(T* p, T v) {
+  return std::atomic_ref<T>(*p).fetch_add(v);
+}
+template <class T>
+T atomicMax(T* p, T v) {
+  std::atomic_ref<T> a(*p);
+  T old = a.load();
+  while (old < v && !a.compare_exchange_weak(old, v)) {
+  }
+  return old;
+}
 
 inline unsigned __float_as_uint(float x) {
   unsigned u;
   std::memcpy(&u, &x, sizeof u);
   return u;
 }
+inline float __uint_as_float(unsigned u) {
+  float x;
+  std::memcpy(&x, &u, sizeof x);
+  return x;
+}
+inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+inline float __expf(float x) { return std::exp(x); }
+inline float __logf(float x) { return std::log(x); }
+inline float __fdividef(float a, float b) { return a / b; }
+inline float __frcp_rn(float x) { return 1.0f / x; }
+inline float __saturatef(float x) { return std::min(1.0f, std::max(0.0f, x)); }
+template <class T>
+inline T __ldg(const T* p) {
+  return *p;
+}
 
-// Runs `body` as a grid of `grid` blocks of `block` threads.
-template <class F>
-void emu_launch(unsigned grid, unsigned block, F body) {
-  gridDim = {grid, 1, 1};
-  blockDim = {block, 1, 1};
-  for (unsigned b = 0; b < grid; ++b) {
-    std::barrier<> barrier(block);
-    std::vector<std::thread> threads;
-    threads.reserve(block);
-    for (unsigned t = 0; t < block; ++t) {
-      threads.emplace_back([&, t] {
-        threadIdx = {t, 0, 0};
-        blockIdx = {b, 0, 0};
-        emu_block_barrier = &barrier;
-        body();
-      });
-    }
-    for (auto& th : threads) th.join();
+// ---------------------------------------------------------------- half types
+
+struct __nv_bfloat16 {
+  uint16_t bits;
+};
+struct __half {
+  uint16_t bits;
+};
+
+inline float __bfloat162float(__nv_bfloat16 h) { return __uint_as_float((unsigned)h.bits << 16); }
+inline __nv_bfloat16 __float2bfloat16_rn(float x) {
+  unsigned u = __float_as_uint(x);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return {(uint16_t)((u >> 16) | 0x40)};  // quiet NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return {(uint16_t)(u >> 16)};
+}
+
+inline float __half2float(__half h) {
+  const unsigned s = (unsigned)(h.bits >> 15) << 31;
+  const unsigned e = (h.bits >> 10) & 0x1f, m = h.bits & 0x3ff;
+  if (e == 0x1f) return __uint_as_float(s | 0x7f800000u | (m << 13));
+  if (e == 0) {
+    const float v = std::ldexp((float)m, -24);
+    return s ? -v : v;
   }
+  return __uint_as_float(s | ((e + 112) << 23) | (m << 13));
+}
+inline __half __float2half_rn(float x) {
+  const unsigned u = __float_as_uint(x);
+  const uint16_t s = (uint16_t)((u >> 16) & 0x8000);
+  const float a = std::fabs(x);
+  if (std::isnan(x)) return {(uint16_t)(s | 0x7e00)};
+  if (a >= 65520.0f) return {(uint16_t)(s | 0x7c00)};  // rounds to infinity
+  if (a < 6.103515625e-05f) {                          // subnormal: a multiple of 2^-24
+    const float q = std::nearbyint(a * 16777216.0f);   // ties to even (default rounding mode)
+    return {(uint16_t)(s | (uint16_t)q)};
+  }
+  unsigned v = __float_as_uint(a);
+  const unsigned e = (v >> 23) - 112, m = v & 0x7fffff;
+  unsigned h = (e << 10) | (m >> 13);
+  const unsigned rest = m & 0x1fff;
+  if (rest > 0x1000 || (rest == 0x1000 && (h & 1))) ++h;
+  return {(uint16_t)(s | h)};
+}
+
+// ---------------------------------------------------------------- launch
+
+// Runs `body` as a grid of `grid` blocks of `block` threads: one OS thread per CUDA thread of a
+// block, the blocks in turn.
+template <class F>
+void emu_launch(dim3 grid, dim3 block, F body) {
+  gridDim = grid;
+  blockDim = block;
+  const unsigned nthreads = block.x * block.y * block.z;
+  const unsigned long long nblocks = (unsigned long long)grid.x * grid.y * grid.z;
+  EmuBarrier block_barrier, grid_barrier;
+  std::vector<EmuBarrier> warp_barriers((nthreads + 31) / 32);
+  std::vector<unsigned long long> slots(nthreads);
+  emu_block_barrier = &block_barrier;
+  emu_warp_barriers = &warp_barriers;
+  emu_warp_slots = &slots;
+  grid_barrier.reset(nthreads);
+  auto reset_block = [&] {
+    block_barrier.reset(nthreads);
+    for (unsigned w = 0; w < warp_barriers.size(); ++w)
+      warp_barriers[w].reset(std::min(32u, nthreads - 32 * w));
+  };
+  reset_block();
+  std::vector<std::thread> threads;
+  threads.reserve(nthreads);
+  for (unsigned t = 0; t < nthreads; ++t) {
+    threads.emplace_back([&, t] {
+      emu_linear_tid = t;
+      threadIdx = dim3(t % block.x, t / block.x % block.y, t / (block.x * block.y));
+      for (unsigned long long b = 0; b < nblocks; ++b) {
+        blockIdx = dim3((unsigned)(b % grid.x), (unsigned)(b / grid.x % grid.y),
+                        (unsigned)(b / ((unsigned long long)grid.x * grid.y)));
+        body();
+        block_barrier.leave();
+        (*emu_warp_barriers)[t / 32].leave();
+        // Every thread has finished this block: start the next with full barriers.
+        grid_barrier.arrive_and_wait("end of block");
+        if (t == 0) reset_block();
+        grid_barrier.arrive_and_wait("start of block");
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
 }
