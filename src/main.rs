@@ -6,6 +6,7 @@ use std::process::ExitCode;
 use clap::Parser;
 
 fn main() -> ExitCode {
+    pin_thread_count();
     // Usage errors exit with code 2 from clap itself.
     let cli = sdtrain::cli::Cli::parse();
     match sdtrain::cli::run(cli) {
@@ -14,5 +15,16 @@ fn main() -> ExitCode {
             eprintln!("error: {}", sdtrain::cli::error_text(&err));
             sdtrain::cli::exit_code(&err)
         }
+    }
+}
+
+/// Sets `RAYON_NUM_THREADS` to the count candle would pick, where the user has not set it. Unset,
+/// candle's CPU matmul asks for the physical core count on every call, which reads and parses
+/// /proc/cpuinfo each time (thousands of reads in a short sampling run, measured with strace).
+/// Called first thing, while the process has one thread.
+fn pin_thread_count() {
+    if std::env::var_os("RAYON_NUM_THREADS").is_none() {
+        let n = candle_core::utils::get_num_threads();
+        std::env::set_var("RAYON_NUM_THREADS", n.to_string());
     }
 }

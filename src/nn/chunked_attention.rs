@@ -12,12 +12,15 @@
 //! ```
 //!
 //! Only one chunk's `[.., C, Lk]` scores exist at a time, in forward and in backward; the graph
-//! keeps `q`, `k`, `v`, the output and `L` (one f32 per query row). The chunk is sized so its
-//! f32 scores stay under [`SCORE_BUDGET`] elements on CUDA and [`CPU_SCORE_BUDGET`] on the CPU. Scores and softmax are f32 whatever the input
-//! dtype, as in the composed reference (`super::attention::attention_reference`).
+//! keeps `q`, `k`, `v`, the output and `L` (one f32 per query row). Scores and softmax are f32
+//! whatever the input dtype, as in the composed reference (`super::attention::attention_reference`).
 //!
-//! The op is built from candle tensor ops, so it runs on every backend; the forward runs on
-//! detached operands and hands its output over through an [`OutputSlot`].
+//! - On CUDA the chunks are candle tensor ops, sized so a chunk's f32 scores stay under
+//!   [`SCORE_BUDGET`] elements.
+//! - On the CPU the same math runs as [`super::cpu_flash_attention`]: blocks of query rows whose
+//!   scores fit the cache, in reused per-thread buffers (no fresh memory per chunk).
+//!
+//! The forward runs on detached operands and hands its output over through an [`OutputSlot`].
 
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, D};
 
@@ -27,18 +30,14 @@ use super::output_slot::OutputSlot;
 /// chunks mean fewer kernel launches (measured on the H100, docs/BENCHMARKS.md).
 pub const SCORE_BUDGET: usize = 1 << 26;
 
-/// The CPU's budget (16 Mi = 64 MiB): backward holds three chunk-sized f32 buffers (P, dP, dS), so
-/// the larger budget cost about 0.75 GiB of peak RSS at 64×64 latents; the CPU's GEMMs are as
-/// fast on the smaller chunks.
-pub const CPU_SCORE_BUDGET: usize = 1 << 24;
-
 /// Query rows per chunk for `batch_heads` heads of `lk` keys: as many as fit in `budget`.
 fn chunk_rows(budget: usize, batch_heads: usize, lq: usize, lk: usize) -> usize {
     (budget / (batch_heads * lk).max(1)).clamp(1, lq.max(1))
 }
 
 /// `softmax(s·q·kᵀ)·v` for `q` `[B, H, Lq, D]`, `k`/`v` `[B, H, Lk, D]` (same dtype), computed in
-/// query chunks of `chunk` rows (`None`: sized by [`SCORE_BUDGET`]).
+/// query chunks of `chunk` rows (`None`: sized by [`SCORE_BUDGET`] on CUDA, for the cache on the
+/// CPU).
 pub fn chunked_attention(
     q: &Tensor,
     k: &Tensor,
@@ -46,17 +45,33 @@ pub fn chunked_attention(
     scale: f64,
     chunk: Option<usize>,
 ) -> Result<Tensor> {
+    run(q, k, v, scale, chunk, q.device().is_cpu())
+}
+
+/// `cpu_kernel`: the CPU's block kernels, else chunks of candle ops (the CUDA path, which the CPU
+/// tests run too).
+fn run(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f64,
+    chunk: Option<usize>,
+    cpu_kernel: bool,
+) -> Result<Tensor> {
     let (b, h, lq, _) = q.dims4()?;
     let lk = k.dim(2)?;
-    let budget = if q.device().is_cpu() {
-        CPU_SCORE_BUDGET
+    let (q0, k0, v0) = (q.detach(), k.detach(), v.detach());
+    let (out, lse, chunk) = if cpu_kernel {
+        let chunk = chunk.unwrap_or_else(|| super::cpu_flash_attention::block_rows(lk));
+        let (out, lse) = cpu::forward(&q0, &k0, &v0, scale, chunk)?;
+        (out, lse, chunk)
     } else {
-        SCORE_BUDGET
+        let chunk = chunk
+            .unwrap_or_else(|| chunk_rows(SCORE_BUDGET, b * h, lq, lk))
+            .max(1);
+        let (out, lse) = forward(&q0, &k0, &v0, scale, chunk)?;
+        (out, lse, chunk)
     };
-    let chunk = chunk
-        .unwrap_or_else(|| chunk_rows(budget, b * h, lq, lk))
-        .max(1);
-    let (out, lse) = forward(&q.detach(), &k.detach(), &v.detach(), scale, chunk)?;
     if !(q.track_op() || k.track_op() || v.track_op()) {
         return Ok(out);
     }
@@ -66,6 +81,7 @@ pub fn chunked_attention(
         ChunkedAttention {
             scale,
             chunk,
+            cpu_kernel,
             lse,
             out: OutputSlot::new("chunked attention", out)?,
         },
@@ -88,14 +104,10 @@ fn forward(
         let len = chunk.min(lq - start);
         let qc = (q.narrow(2, start, len)?.to_dtype(DType::F32)? * scale)?;
         let s = qc.matmul(&kt)?;
-        let (probs, lse) = if s.device().is_cpu() {
-            super::attention_cpu::softmax_lse(&s)?
-        } else {
-            let m = s.max_keepdim(D::Minus1)?;
-            let p = s.broadcast_sub(&m)?.exp()?;
-            let l = p.sum_keepdim(D::Minus1)?;
-            (p.broadcast_div(&l)?, (m + l.log()?)?)
-        };
+        let m = s.max_keepdim(D::Minus1)?;
+        let p = s.broadcast_sub(&m)?.exp()?;
+        let l = p.sum_keepdim(D::Minus1)?;
+        let (probs, lse) = (p.broadcast_div(&l)?, (m + l.log()?)?);
         outs.push(super::matmul(&probs.to_dtype(dtype)?, v)?);
         lses.push(lse);
     }
@@ -105,6 +117,8 @@ fn forward(
 struct ChunkedAttention {
     scale: f64,
     chunk: usize,
+    /// Whether the CPU block kernels ran the forward (and so run the backward).
+    cpu_kernel: bool,
     /// Row log-sum-exp of the scaled scores, `[B, H, Lq, 1]`, f32.
     lse: Tensor,
     out: OutputSlot,
@@ -122,6 +136,9 @@ impl ChunkedAttention {
         o: &Tensor,
         g: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        if self.cpu_kernel {
+            return cpu::backward(q, k, v, o, g, &self.lse, self.scale, self.chunk);
+        }
         let f32 = |t: &Tensor| t.detach().to_dtype(DType::F32);
         let (q32, k32, v32, g32) = (f32(q)?, f32(k)?, f32(v)?, f32(g)?);
         let d_rows = (&g32 * f32(o)?)?.sum_keepdim(D::Minus1)?;
@@ -137,25 +154,12 @@ impl ChunkedAttention {
             let gc = g32.narrow(2, start, len)?;
             let lse = self.lse.narrow(2, start, len)?;
             let d = d_rows.narrow(2, start, len)?;
-            let cpu = q32.device().is_cpu();
-            let p = if cpu {
-                // One in-place pass over the fresh score buffer.
-                let s = qc.matmul(&kt)?;
-                super::attention_cpu::probs_from_scores(&s, &lse, self.scale as f32)?;
-                s
-            } else {
-                (qc.matmul(&kt)? * self.scale)?.broadcast_sub(&lse)?.exp()?
-            };
+            let p = (qc.matmul(&kt)? * self.scale)?.broadcast_sub(&lse)?.exp()?;
             if v.track_op() {
                 dv = (dv + p.t()?.matmul(&gc)?)?;
             }
             let dp = gc.matmul(&vt)?;
-            let ds = if cpu {
-                super::attention_cpu::score_grad(&dp, &p, &d, self.scale as f32)?;
-                dp
-            } else {
-                ((p * dp.broadcast_sub(&d)?)? * self.scale)?
-            };
+            let ds = ((p * dp.broadcast_sub(&d)?)? * self.scale)?;
             if q.track_op() {
                 dq.push(ds.matmul(&k32)?);
             }
@@ -224,6 +228,99 @@ impl CustomOp3 for ChunkedAttention {
     }
 }
 
+/// The CPU path: [`super::cpu_flash_attention`] on f32 copies of the operands.
+mod cpu {
+    use candle_core::{DType, Result, Tensor};
+
+    use super::super::cpu_flash_attention::{self as kernel, Dims, Wanted};
+
+    /// A contiguous f32 copy's elements.
+    fn values(t: &Tensor) -> Result<Vec<f32>> {
+        t.detach()
+            .to_dtype(DType::F32)?
+            .flatten_all()?
+            .to_vec1::<f32>()
+    }
+
+    fn dims(q: &Tensor, k: &Tensor) -> Result<Dims> {
+        let (b, h, lq, d) = q.dims4()?;
+        Ok(Dims {
+            bh: b * h,
+            lq,
+            lk: k.dim(2)?,
+            d,
+        })
+    }
+
+    /// The output (in `v`'s dtype) and the row log-sum-exp `[B, H, Lq, 1]` (f32).
+    /// `rows`: query rows per block.
+    pub(super) fn forward(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        scale: f64,
+        rows: usize,
+    ) -> Result<(Tensor, Tensor)> {
+        let dims = dims(q, k)?;
+        let (out, lse) = kernel::forward(
+            &values(q)?,
+            &values(k)?,
+            &values(v)?,
+            dims,
+            scale as f32,
+            rows,
+        );
+        let (b, h, lq, _) = q.dims4()?;
+        let out = Tensor::from_vec(out, q.shape(), q.device())?.to_dtype(v.dtype())?;
+        let lse = Tensor::from_vec(lse, (b, h, lq, 1), q.device())?;
+        Ok((out, lse))
+    }
+
+    /// The gradients of the tracked operands, each in its operand's dtype.
+    #[allow(clippy::type_complexity, clippy::too_many_arguments)]
+    pub(super) fn backward(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        o: &Tensor,
+        g: &Tensor,
+        lse: &Tensor,
+        scale: f64,
+        rows: usize,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let dims = dims(q, k)?;
+        let want = Wanted {
+            q: q.track_op(),
+            k: k.track_op(),
+            v: v.track_op(),
+        };
+        let (dq, dk, dv) = kernel::backward(
+            &values(q)?,
+            &values(k)?,
+            &values(v)?,
+            &values(o)?,
+            &values(g)?,
+            &values(lse)?,
+            dims,
+            scale as f32,
+            want,
+            rows,
+        );
+        let back = |on: bool, x: Vec<f32>, like: &Tensor| -> Result<Option<Tensor>> {
+            if !on {
+                return Ok(None);
+            }
+            let t = Tensor::from_vec(x, like.shape(), like.device())?;
+            Ok(Some(t.to_dtype(like.dtype())?))
+        };
+        Ok((
+            back(want.q, dq, q)?,
+            back(want.k, dk, k)?,
+            back(want.v, dv, v)?,
+        ))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -245,6 +342,12 @@ mod tests {
     }
 
     fn check(lq: usize, lk: usize, chunk: usize, track: [bool; 3]) {
+        check_path(lq, lk, chunk, track, true);
+        check_path(lq, lk, chunk, track, false);
+    }
+
+    /// `cpu_kernel`: the CPU block kernels, else the candle-op chunks CUDA runs.
+    fn check_path(lq: usize, lk: usize, chunk: usize, track: [bool; 3], cpu_kernel: bool) {
         let (b, h, d) = (2, 3, 8);
         let scale = 1.0 / (d as f64).sqrt();
         let vals = [
@@ -267,7 +370,7 @@ mod tests {
                 })
                 .collect();
             let y = if chunked {
-                chunked_attention(&args[0], &args[1], &args[2], scale, Some(chunk)).unwrap()
+                run(&args[0], &args[1], &args[2], scale, Some(chunk), cpu_kernel).unwrap()
             } else {
                 reference(&args[0], &args[1], &args[2], scale)
             };
@@ -310,6 +413,11 @@ mod tests {
         check(9, 9, 64, [true; 3]); // one chunk
         check(10, 6, 3, [true, false, false]); // constant keys and values
         check(10, 6, 3, [false, true, true]);
+        // The CPU kernel's own block size: two blocks of 31 rows and a ragged one, long rows
+        // (lanes and a tail in the vectorised softmax).
+        let rows = crate::nn::cpu_flash_attention::block_rows(2100);
+        assert_eq!(rows, 31);
+        check(70, 2100, rows, [true; 3]);
     }
 
     #[test]
@@ -332,7 +440,6 @@ mod tests {
             chunk_rows(SCORE_BUDGET, 8, 4096, 4096),
             SCORE_BUDGET / (8 * 4096)
         );
-        assert_eq!(chunk_rows(CPU_SCORE_BUDGET, 8, 4096, 4096), 512);
         assert_eq!(chunk_rows(SCORE_BUDGET, 1, 77, 77), 77);
         assert_eq!(chunk_rows(SCORE_BUDGET, 1 << 20, 4096, 1 << 10), 1);
     }

@@ -8,12 +8,13 @@
 
 mod activation;
 mod attention;
-mod attention_cpu;
 mod checkpoint;
 mod chunked_attention;
 mod conv;
 mod conv_grad;
 mod cpu_conv;
+mod cpu_flash_attention;
+mod cpu_gemm;
 mod embedding;
 mod frozen;
 mod fused_op;
@@ -26,6 +27,7 @@ mod linear;
 mod norm;
 mod output_slot;
 mod softmax;
+mod softmax_row;
 #[cfg(test)]
 mod test_util;
 
