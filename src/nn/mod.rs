@@ -15,6 +15,8 @@ mod conv;
 mod conv_grad;
 mod cpu_conv;
 mod embedding;
+#[cfg(any(test, feature = "cuda"))]
+mod flash_attention;
 mod frozen;
 mod fused_op;
 mod geglu;
@@ -30,7 +32,7 @@ mod softmax;
 mod test_util;
 
 pub use activation::{gelu_erf, quick_gelu, silu};
-pub use attention::{attention, attention_reference, causal_mask};
+pub use attention::{attention, attention_reference, causal_attention, causal_mask, CausalMask};
 pub use checkpoint::{replayable, Checkpointing, Segment};
 pub use chunked_attention::chunked_attention;
 
