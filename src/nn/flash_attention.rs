@@ -19,6 +19,11 @@
 //! ([`crate::kernel_emu`]).
 
 use candle_core::{bail, DType, Result};
+#[cfg(feature = "cuda")]
+use {candle_core::Tensor, cuda::FlashAttention, std::sync::Mutex};
+
+#[cfg(feature = "cuda")]
+mod cuda;
 
 /// Threads per block of every kernel (`FA_THREADS` in the .cu file).
 pub(crate) const THREADS: u32 = 128;
@@ -112,6 +117,43 @@ impl Geometry {
 
     pub fn k_len(&self) -> usize {
         self.bh * self.lk * self.d
+    }
+}
+
+/// `softmax(s·q·kᵀ)·v` for `q` `[B, H, Lq, D]`, `k`/`v` `[B, H, Lk, D]` (same dtype: f32, bf16
+/// or f16) on CUDA, by the flash kernels; `causal` masks key j > query i.
+#[cfg(feature = "cuda")]
+pub fn flash_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f64,
+    causal: bool,
+) -> Result<Tensor> {
+    let (b, h, lq, d) = q.dims4()?;
+    let (bk, hk, lk, dk) = k.dims4()?;
+    if (bk, hk, dk) != (b, h, d) || v.dims() != k.dims() {
+        bail!(
+            "flash attention: q {:?}, k {:?}, v {:?} do not match",
+            q.dims(),
+            k.dims(),
+            v.dims()
+        )
+    }
+    if k.dtype() != q.dtype() || v.dtype() != q.dtype() {
+        bail!("flash attention: q, k, v must share a dtype")
+    }
+    let op = FlashAttention {
+        geo: Geometry::new(b * h, lq, lk, d)?,
+        scale: scale as f32,
+        causal,
+        lse: Mutex::new(None),
+    };
+    let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
+    if q.track_op() || k.track_op() || v.track_op() {
+        q.apply_op3(&k, &v, op)
+    } else {
+        q.apply_op3_no_bwd(&k, &v, &op)
     }
 }
 
@@ -255,12 +297,18 @@ mod tests {
     /// Runs `c` in dtype `T` through the emulated kernels and the composed reference (in f32, on
     /// the inputs rounded to `T`) and returns the relative errors of O, L, dQ, dK, dV.
     fn errors<T: WithDType + Elem>(c: Case) -> [f32; 5] {
-        let round = |t: Tensor| t.to_dtype(T::DTYPE).unwrap().to_dtype(DType::F32).unwrap();
         let qkv = [
-            round(fill(&[c.bh, c.lq, c.d], 1, 2.0)),
-            round(fill(&[c.bh, c.lk, c.d], 2, 2.0)),
-            round(fill(&[c.bh, c.lk, c.d], 3, 2.0)),
+            fill(&[c.bh, c.lq, c.d], 1, 2.0),
+            fill(&[c.bh, c.lk, c.d], 2, 2.0),
+            fill(&[c.bh, c.lk, c.d], 3, 2.0),
         ];
+        errors_on::<T>(c, qkv)
+    }
+
+    /// As [`errors`], on the given `q`, `k`, `v` (rounded to `T` first).
+    fn errors_on<T: WithDType + Elem>(c: Case, qkv: [Tensor; 3]) -> [f32; 5] {
+        let round = |t: Tensor| t.to_dtype(T::DTYPE).unwrap().to_dtype(DType::F32).unwrap();
+        let qkv = qkv.map(round);
         let (o_ref, grads) = output_and_grads(&qkv, &[true; 3], &|a| Ok(reference(c, a)?.0));
         let (_, lse_ref) = reference(c, &qkv).unwrap();
         // output_and_grads's upstream gradient.
@@ -291,9 +339,9 @@ mod tests {
     }
 
     /// Self-attention, f32, head dim 40, ragged in queries and keys (37 and 53: two query tiles
-    /// of the forward, three of the backward, two key tiles each). Catches a K row off by one
-    /// (`src[(g + 1) * d + c]` in the tile load), the running sum or the accumulator not rescaled
-    /// when the row max moves, and a ragged key tail left unmasked (`key >= lk` dropped).
+    /// of the forward, three of the backward, two key tiles each). Catches the forward's K tile
+    /// loaded one row off (`k0 + 1`) and the forward's ragged key tail left unmasked
+    /// (`key >= lk` dropped: the zero rows of the last K tile then get probability mass).
     #[test]
     fn ragged_self_attention_d40_matches_reference() {
         let c = Case {
@@ -307,7 +355,8 @@ mod tests {
     }
 
     /// Head dim 64 (SD2/SDXL), f32. Catches the scale dropped from dS (`p * (dp − Dr)`) and Dr
-    /// not subtracted (`p * dp * scale`), which leave the forward exact.
+    /// not subtracted (`p * dp * scale`), which leave the forward exact; also the missing
+    /// rescales below.
     #[test]
     fn ragged_d64_gradients_match_reference() {
         let c = Case {
@@ -318,6 +367,40 @@ mod tests {
             causal: false,
         };
         check::<f32>("d64 ragged", c, 1e-4);
+    }
+
+    /// Keys that score higher the later they come (k scaled by a ramp 0.25 → 2.25), so every
+    /// row's max moves at the second K tile: catches the running sum (`l = l·α + p` → `l + p`) or
+    /// the accumulator (`acc *= α` dropped) not rescaled when the max moves. (On the plain fill
+    /// the d40 case's maxima barely move and miss it; d64, d48 and causal catch it too.)
+    #[test]
+    fn rising_key_scores_force_the_online_rescale() {
+        let c = Case {
+            bh: 2,
+            lq: 37,
+            lk: 53,
+            d: 40,
+            causal: false,
+        };
+        let ramp: Vec<f32> = (0..c.lk)
+            .map(|j| 0.25 + 2.0 * j as f32 / c.lk as f32)
+            .collect();
+        let ramp = Tensor::from_vec(ramp, (1, c.lk, 1), &Device::Cpu).unwrap();
+        let k = fill(&[c.bh, c.lk, c.d], 2, 2.0)
+            .broadcast_mul(&ramp)
+            .unwrap();
+        let qkv = [
+            fill(&[c.bh, c.lq, c.d], 1, 2.0),
+            k,
+            fill(&[c.bh, c.lk, c.d], 3, 2.0),
+        ];
+        let e = errors_on::<f32>(c, qkv);
+        for (name, e) in ["O", "L", "dQ", "dK", "dV"].iter().zip(e) {
+            assert!(
+                e <= 1e-4,
+                "rising keys: {name} differs by {e:.2e} (relative)"
+            );
+        }
     }
 
     /// Cross-attention as SD's (77 text tokens), head dim 80 (SD1.5's middle blocks), f32.
@@ -333,9 +416,8 @@ mod tests {
         check::<f32>("cross-attention", c, 1e-4);
     }
 
-    /// CLIP's causal self-attention over 77 tokens, head dim 64. Catches the causal test turned
-    /// around (`key < qi`) or dropped in either kernel, and the causal skip of whole tiles
-    /// starting one tile late.
+    /// CLIP's causal self-attention over 77 tokens, head dim 64. Catches the backward's causal
+    /// test dropped, and its skip of the query tiles before a key tile starting one tile late.
     #[test]
     fn causal_clip_shape_matches_reference() {
         let c = Case {

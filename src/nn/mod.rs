@@ -35,6 +35,8 @@ pub use activation::{gelu_erf, quick_gelu, silu};
 pub use attention::{attention, attention_reference, causal_attention, causal_mask, CausalMask};
 pub use checkpoint::{replayable, Checkpointing, Segment};
 pub use chunked_attention::chunked_attention;
+#[cfg(feature = "cuda")]
+pub use flash_attention::{flash_attention, MAX_HEAD_DIM};
 
 /// A trainable addition to a frozen layer's output, `y = base(x) + delta(x)`: LoRA on a Linear or
 /// a 1×1 conv, LoCon on a 3×3 conv. Implemented in `crate::adapter`.
