@@ -500,10 +500,14 @@ mod tests {
         assert_eq!(g.bwd_grid(), [3, 16, 1]);
     }
 
-    /// Every bucket's entry points exist in the .cu file, for every dtype.
+    /// Every bucket's entry points exist in the .cu file, for every dtype, and the launch
+    /// constants here are the kernels' (threads per block, forward query rows).
     #[test]
     fn every_bucket_has_entry_points() {
         let src = std::fs::read_to_string(CU).unwrap();
+        assert!(src.contains(&format!("#define FA_THREADS {THREADS}\n")));
+        assert!(src.contains(&format!("constexpr int BQ = {FWD_ROWS}, BK = 32,")));
+        assert_eq!(DOT_ROWS, THREADS as usize / 32);
         for (b, bk) in BUCKETS {
             for ty in ["f32", "bf16", "f16"] {
                 let line = format!("ENTRY_POINTS(d{b}_{ty}, ");
