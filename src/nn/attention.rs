@@ -7,6 +7,10 @@
 //! composed [`attention_reference`] keeps them (about 2.5 GB per 4096-token layer per sample,
 //! measured on an H100: docs/GPU.md). Masked attention (CLIP's 77 tokens) is the composed form
 //! with the fused softmax of `softmax.rs`, which keeps only the probabilities for backward.
+//!
+//! On CUDA, unmasked and causal ([`causal_attention`]) attention go through the flash kernels
+//! (`super::flash_attention`, FlashAttention-2, arXiv 2307.08691) instead, which keep neither
+//! scores nor probabilities.
 
 use candle_core::{DType, Device, Result, Tensor, D};
 
@@ -28,6 +32,9 @@ pub fn attention(
     if !super::frozen::custom_op_device(q) {
         return attention_reference(q, k, v, heads, mask);
     }
+    if let Some(out) = flash(q, k, v, heads, false)? {
+        return Ok(out);
+    }
     let (b, lq, inner) = q.dims3()?;
     let lk = k.dim(1)?;
     let head_dim = inner / heads;
@@ -42,6 +49,54 @@ pub fn attention(
     )?
     .transpose(1, 2)?
     .reshape((b, lq, inner))
+}
+
+/// [`attention`] under CLIP's causal mask: the flash kernel with its causal flag where it runs
+/// (see [`flash`]), else the masked path of [`attention`] with the mask's values.
+pub fn causal_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    heads: usize,
+    mask: &CausalMask,
+) -> Result<Tensor> {
+    if let Some(out) = flash(q, k, v, heads, true)? {
+        return Ok(out);
+    }
+    attention(q, k, v, heads, Some(mask.tensor()))
+}
+
+/// Flash attention (`super::flash_attention`) when it runs here: a CUDA tensor of a float dtype,
+/// fused ops enabled (off gives the composed and chunked paths, for benchmarks), a head dim the
+/// kernels take. `None`: use another path.
+#[cfg(feature = "cuda")]
+fn flash(q: &Tensor, k: &Tensor, v: &Tensor, heads: usize, causal: bool) -> Result<Option<Tensor>> {
+    use super::flash_attention::{flash_attention, MAX_HEAD_DIM};
+    let float = matches!(q.dtype(), DType::F32 | DType::BF16 | DType::F16);
+    if !(q.device().is_cuda() && float && super::fused_op::use_fused(q)) {
+        return Ok(None);
+    }
+    let (b, lq, inner) = q.dims3()?;
+    let lk = k.dim(1)?;
+    let head_dim = inner / heads;
+    if head_dim > MAX_HEAD_DIM || (causal && lq != lk) {
+        return Ok(None);
+    }
+    let split = |t: &Tensor, l: usize| split_heads(t, (b, l, heads, head_dim));
+    let scale = 1.0 / (head_dim as f64).sqrt();
+    let out = flash_attention(
+        &split(q, lq)?,
+        &split(k, lk)?,
+        &split(v, lk)?,
+        scale,
+        causal,
+    )?;
+    Ok(Some(out.transpose(1, 2)?.reshape((b, lq, inner))?))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn flash(_: &Tensor, _: &Tensor, _: &Tensor, _: usize, _: bool) -> Result<Option<Tensor>> {
+    Ok(None)
 }
 
 /// [`attention`] from composed candle ops, keeping every intermediate for backward.
@@ -91,12 +146,29 @@ fn split_heads(t: &Tensor, shape: (usize, usize, usize, usize)) -> Result<Tensor
     t.reshape(shape)?.transpose(1, 2)?.contiguous()
 }
 
-/// The causal mask CLIP's text transformer uses: `[1, 1, L, L]` with the most negative f32 above the diagonal.
-pub fn causal_mask(len: usize, device: &Device) -> Result<Tensor> {
+/// The causal mask CLIP's text transformer uses: `[1, 1, L, L]` with the most negative f32 above
+/// the diagonal. Only [`causal_mask`] makes one, so [`causal_attention`] may apply it as the flash
+/// kernel's causal flag instead of reading its values.
+#[derive(Clone, Debug)]
+pub struct CausalMask(Tensor);
+
+impl CausalMask {
+    /// The additive mask.
+    pub fn tensor(&self) -> &Tensor {
+        &self.0
+    }
+}
+
+/// [`CausalMask`] for `len` tokens.
+pub fn causal_mask(len: usize, device: &Device) -> Result<CausalMask> {
     let mask: Vec<f32> = (0..len)
         .flat_map(|i| (0..len).map(move |j| if j > i { f32::MIN } else { 0.0 }))
         .collect();
-    Tensor::from_slice(&mask, (1, 1, len, len), device)
+    Ok(CausalMask(Tensor::from_slice(
+        &mask,
+        (1, 1, len, len),
+        device,
+    )?))
 }
 
 #[cfg(test)]
@@ -115,8 +187,8 @@ mod tests {
             &qkv,
             &[true; 3],
             1e-5,
-            &|a| attention(&a[0], &a[1], &a[2], 3, Some(&mask)),
-            &|a| attention_reference(&a[0], &a[1], &a[2], 3, Some(&mask)),
+            &|a| causal_attention(&a[0], &a[1], &a[2], 3, &mask),
+            &|a| attention_reference(&a[0], &a[1], &a[2], 3, Some(mask.tensor())),
         );
     }
 }

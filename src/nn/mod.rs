@@ -16,6 +16,8 @@ mod cpu_conv;
 mod cpu_flash_attention;
 mod cpu_gemm;
 mod embedding;
+#[cfg(any(test, feature = "cuda"))]
+mod flash_attention;
 mod frozen;
 mod fused_op;
 mod geglu;
@@ -32,9 +34,11 @@ mod softmax_row;
 mod test_util;
 
 pub use activation::{gelu_erf, quick_gelu, silu};
-pub use attention::{attention, attention_reference, causal_mask};
+pub use attention::{attention, attention_reference, causal_attention, causal_mask, CausalMask};
 pub use checkpoint::{replayable, Checkpointing, Segment};
 pub use chunked_attention::chunked_attention;
+#[cfg(feature = "cuda")]
+pub use flash_attention::{flash_attention, MAX_HEAD_DIM};
 
 /// A trainable addition to a frozen layer's output, `y = base(x) + delta(x)`: LoRA on a Linear or
 /// a 1×1 conv, LoCon on a 3×3 conv. Implemented in `crate::adapter`.

@@ -27,8 +27,8 @@ use candle_core::{bail, DType, Tensor};
 use super::config::{ClipActivation, ClipTextConfig};
 use crate::model::weights::{Weights, WeightsError};
 use crate::nn::{
-    attention, causal_mask, gelu_erf, quick_gelu, Embedding, LayerMut, LayerNorm, Linear,
-    VisitLayers,
+    causal_attention, causal_mask, gelu_erf, quick_gelu, CausalMask, Embedding, LayerMut,
+    LayerNorm, Linear, VisitLayers,
 };
 
 /// What one forward returns.
@@ -67,13 +67,13 @@ impl ClipAttention {
         })
     }
 
-    /// `x` `[B, L, D]`, `mask` broadcastable to `[B, H, L, L]`.
-    pub fn forward(&self, x: &Tensor, mask: &Tensor) -> candle_core::Result<Tensor> {
+    /// `x` `[B, L, D]`, `mask` for `L` tokens.
+    pub fn forward(&self, x: &Tensor, mask: &CausalMask) -> candle_core::Result<Tensor> {
         let q = self.q_proj.forward(x)?;
         let k = self.k_proj.forward(x)?;
         let v = self.v_proj.forward(x)?;
         self.out_proj
-            .forward(&attention(&q, &k, &v, self.heads, Some(mask))?)
+            .forward(&causal_attention(&q, &k, &v, self.heads, mask)?)
     }
 }
 
@@ -125,7 +125,7 @@ impl ClipEncoderLayer {
         })
     }
 
-    pub fn forward(&self, x: &Tensor, mask: &Tensor) -> candle_core::Result<Tensor> {
+    pub fn forward(&self, x: &Tensor, mask: &CausalMask) -> candle_core::Result<Tensor> {
         // `add_maybe_const`: below the first adapter the residual stream is a constant.
         let attn = self
             .self_attn

@@ -1,0 +1,520 @@
+//! Flash attention on CUDA: the kernels of `kernels/flash_attention.cu` (FlashAttention-2, Dao,
+//! arXiv 2307.08691) as a candle op with its own backward, and their launch geometry.
+//!
+//! For `q` `[B, H, Lq, D]`, `k`, `v` `[B, H, Lk, D]` and scale `s`, with L the row log-sum-exp:
+//!
+//! ```text
+//! forward:  O = softmax(s·q·kᵀ)·v, one pass over K/V tiles with an online softmax;  L saved
+//! backward: Dr = rowsum(dO ∘ O);  P = exp(s·q·kᵀ − L)   (recomputed per tile, never stored)
+//!           dV = Pᵀ·dO;  dP = dO·vᵀ;  dS = P ∘ (dP − Dr)·s;  dQ = dS·k;  dK = dSᵀ·q
+//! ```
+//!
+//! The math is [`super::chunked_attention`]'s; the difference is that no score tile ever reaches
+//! global memory. The graph keeps `q`, `k`, `v`, the output and L (one f32 per query row).
+//! `causal` masks key j > query i (CLIP's text encoder, see [`super::attention::CausalMask`]).
+//!
+//! Head dims up to [`MAX_HEAD_DIM`] run, in the smallest bucket of [`BUCKETS`] that holds them
+//! (the kernel zero-pads the rest). On the CPU this op is not used (chunked attention is); the
+//! unit tests run the same kernels, with the same geometry, under the host emulation
+//! ([`crate::kernel_emu`]).
+
+use candle_core::{bail, DType, Result};
+#[cfg(feature = "cuda")]
+use {candle_core::Tensor, cuda::FlashAttention, std::sync::Mutex};
+
+#[cfg(feature = "cuda")]
+mod cuda;
+
+/// Threads per block of every kernel (`FA_THREADS` in the .cu file).
+pub(crate) const THREADS: u32 = 128;
+
+/// Query rows per forward block and rows per warp-per-row dot block (the .cu file's `BQ`,
+/// `FA_WARPS`).
+const FWD_ROWS: usize = 32;
+const DOT_ROWS: usize = 4;
+
+/// The head-dim buckets the .cu file instantiates (`ENTRY_POINTS(d40_…)`), each with its
+/// backward's key rows per block (`BK`, smaller at 160 to fit 48 KB of static shared memory).
+pub(crate) const BUCKETS: [(usize, usize); 4] = [(40, 32), (64, 32), (80, 32), (160, 16)];
+
+/// The largest head dim the kernels take.
+pub const MAX_HEAD_DIM: usize = 160;
+
+/// The largest grid y (heads × batch).
+const MAX_GRID_Y: usize = 65535;
+
+/// The shape of one flash-attention call and the launches it makes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Geometry {
+    /// Batch × heads.
+    pub bh: usize,
+    pub lq: usize,
+    pub lk: usize,
+    /// The head dim, and the bucket that runs it.
+    pub d: usize,
+    bucket: usize,
+    /// Key rows per backward block.
+    bwd_rows: usize,
+}
+
+impl Geometry {
+    pub fn new(bh: usize, lq: usize, lk: usize, d: usize) -> Result<Self> {
+        let Some(&(bucket, bwd_rows)) = BUCKETS.iter().find(|(b, _)| d <= *b) else {
+            bail!("flash attention: head dim {d} is over the kernels' {MAX_HEAD_DIM}")
+        };
+        if d == 0 || bh == 0 || lq == 0 || lk == 0 {
+            bail!("flash attention: empty input (heads {bh}, Lq {lq}, Lk {lk}, head dim {d})")
+        }
+        if bh > MAX_GRID_Y {
+            bail!("flash attention: {bh} batch×heads is over the grid's {MAX_GRID_Y}")
+        }
+        if lq.max(lk).saturating_mul(d) > i32::MAX as usize {
+            bail!(
+                "flash attention: sequence of {} × head dim {d} overflows i32",
+                lq.max(lk)
+            )
+        }
+        Ok(Self {
+            bh,
+            lq,
+            lk,
+            d,
+            bucket,
+            bwd_rows,
+        })
+    }
+
+    /// The entry point of `kernel` (`flash_fwd`, `flash_dot`, `flash_bwd`) for `dtype`.
+    pub fn entry(&self, kernel: &str, dtype: DType) -> Result<String> {
+        let ty = match dtype {
+            DType::F32 => "f32",
+            DType::BF16 => "bf16",
+            DType::F16 => "f16",
+            other => bail!("flash attention: no kernel for {other:?}"),
+        };
+        Ok(format!("{kernel}_d{}_{ty}", self.bucket))
+    }
+
+    /// One block per query tile and head.
+    pub fn fwd_grid(&self) -> [u32; 3] {
+        [self.lq.div_ceil(FWD_ROWS) as u32, self.bh as u32, 1]
+    }
+
+    /// One warp per query row.
+    pub fn dot_grid(&self) -> [u32; 3] {
+        [(self.bh * self.lq).div_ceil(DOT_ROWS) as u32, 1, 1]
+    }
+
+    /// One block per key tile and head.
+    pub fn bwd_grid(&self) -> [u32; 3] {
+        [self.lk.div_ceil(self.bwd_rows) as u32, self.bh as u32, 1]
+    }
+
+    /// Elements of `q` (and of the output, dO and dQ) and of `k` (and `v`, dK, dV).
+    pub fn q_len(&self) -> usize {
+        self.bh * self.lq * self.d
+    }
+
+    pub fn k_len(&self) -> usize {
+        self.bh * self.lk * self.d
+    }
+}
+
+/// `softmax(s·q·kᵀ)·v` for `q` `[B, H, Lq, D]`, `k`/`v` `[B, H, Lk, D]` (same dtype: f32, bf16
+/// or f16) on CUDA, by the flash kernels; `causal` masks key j > query i.
+#[cfg(feature = "cuda")]
+pub fn flash_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f64,
+    causal: bool,
+) -> Result<Tensor> {
+    let (b, h, lq, d) = q.dims4()?;
+    let (bk, hk, lk, dk) = k.dims4()?;
+    if (bk, hk, dk) != (b, h, d) || v.dims() != k.dims() {
+        bail!(
+            "flash attention: q {:?}, k {:?}, v {:?} do not match",
+            q.dims(),
+            k.dims(),
+            v.dims()
+        )
+    }
+    if k.dtype() != q.dtype() || v.dtype() != q.dtype() {
+        bail!("flash attention: q, k, v must share a dtype")
+    }
+    let op = FlashAttention {
+        geo: Geometry::new(b * h, lq, lk, d)?,
+        scale: scale as f32,
+        causal,
+        lse: Mutex::new(None),
+    };
+    let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
+    if q.track_op() || k.track_op() || v.track_op() {
+        q.apply_op3(&k, &v, op)
+    } else {
+        q.apply_op3_no_bwd(&k, &v, &op)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernel_emu::{self, Arg, Elem};
+    use crate::nn::test_util::{fill, output_and_grads, rel_err};
+    use candle_core::{Device, Tensor, WithDType, D};
+
+    const CU: &str = "src/nn/kernels/flash_attention.cu";
+
+    /// One emulated case: `bh` heads of `lq` queries and `lk` keys of head dim `d`.
+    #[derive(Clone, Copy)]
+    struct Case {
+        bh: usize,
+        lq: usize,
+        lk: usize,
+        d: usize,
+        causal: bool,
+    }
+
+    impl Case {
+        fn scale(&self) -> f32 {
+            1.0 / (self.d as f32).sqrt()
+        }
+    }
+
+    fn host<T: WithDType>(t: &Tensor) -> Vec<T> {
+        t.to_dtype(T::DTYPE)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap()
+    }
+
+    fn tensor<T: WithDType>(v: Vec<T>, shape: &[usize]) -> Tensor {
+        Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+    }
+
+    /// The output and L of the emulated forward.
+    fn emu_forward<T: WithDType + Elem>(c: Case, q: &[T], k: &[T], v: &[T]) -> (Vec<T>, Vec<f32>) {
+        let g = Geometry::new(c.bh, c.lq, c.lk, c.d).unwrap();
+        let mut o = vec![T::zero(); g.q_len()];
+        let mut lse = vec![0f32; c.bh * c.lq];
+        kernel_emu::launch(
+            CU,
+            &g.entry("flash_fwd", T::DTYPE).unwrap(),
+            g.fwd_grid(),
+            [THREADS, 1, 1],
+            &mut [
+                Arg::input(q),
+                Arg::input(k),
+                Arg::input(v),
+                Arg::out(&mut o),
+                Arg::out(&mut lse),
+                Arg::F32(c.scale()),
+                Arg::Int(c.lq as i64),
+                Arg::Int(c.lk as i64),
+                Arg::Int(c.d as i64),
+                Arg::Int(c.causal as i64),
+            ],
+        );
+        (o, lse)
+    }
+
+    /// dQ (f32), dK and dV of the emulated backward for output `o`, upstream gradient `go` and
+    /// log-sum-exp `lse`.
+    #[allow(clippy::too_many_arguments)]
+    fn emu_backward<T: WithDType + Elem>(
+        c: Case,
+        q: &[T],
+        k: &[T],
+        v: &[T],
+        o: &[T],
+        go: &[T],
+        lse: &[f32],
+    ) -> (Vec<f32>, Vec<T>, Vec<T>) {
+        let g = Geometry::new(c.bh, c.lq, c.lk, c.d).unwrap();
+        let mut dr = vec![0f32; c.bh * c.lq];
+        let rows = (c.bh * c.lq) as i64;
+        kernel_emu::launch(
+            CU,
+            &g.entry("flash_dot", T::DTYPE).unwrap(),
+            g.dot_grid(),
+            [THREADS, 1, 1],
+            &mut [
+                Arg::input(o),
+                Arg::input(go),
+                Arg::out(&mut dr),
+                Arg::Int(rows),
+                Arg::Int(c.d as i64),
+            ],
+        );
+        let mut dq = vec![0f32; g.q_len()];
+        let (mut dk, mut dv) = (vec![T::zero(); g.k_len()], vec![T::zero(); g.k_len()]);
+        kernel_emu::launch(
+            CU,
+            &g.entry("flash_bwd", T::DTYPE).unwrap(),
+            g.bwd_grid(),
+            [THREADS, 1, 1],
+            &mut [
+                Arg::input(q),
+                Arg::input(k),
+                Arg::input(v),
+                Arg::input(go),
+                Arg::input(lse),
+                Arg::input(&dr),
+                Arg::out(&mut dq),
+                Arg::out(&mut dk),
+                Arg::out(&mut dv),
+                Arg::F32(c.scale()),
+                Arg::Int(c.lq as i64),
+                Arg::Int(c.lk as i64),
+                Arg::Int(c.d as i64),
+                Arg::Int(c.causal as i64),
+            ],
+        );
+        (dq, dk, dv)
+    }
+
+    /// The composed reference on `[BH, L, D]` inputs (one head each): output and L.
+    fn reference(c: Case, qkv: &[Tensor]) -> Result<(Tensor, Tensor)> {
+        let mask = if c.causal {
+            Some(super::super::attention::causal_mask(c.lq, &Device::Cpu)?)
+        } else {
+            None
+        };
+        let mask = mask.as_ref().map(|m| m.tensor());
+        let o = super::super::attention_reference(&qkv[0], &qkv[1], &qkv[2], 1, mask)?;
+        let mut s = (qkv[0].matmul(&qkv[1].t()?)? * c.scale() as f64)?;
+        if let Some(m) = mask {
+            s = s.broadcast_add(&m.squeeze(0)?)?;
+        }
+        let m = s.max_keepdim(D::Minus1)?;
+        let lse = (s.broadcast_sub(&m)?.exp()?.sum_keepdim(D::Minus1)?.log()? + m)?;
+        Ok((o, lse.flatten_all()?))
+    }
+
+    /// Runs `c` in dtype `T` through the emulated kernels and the composed reference (in f32, on
+    /// the inputs rounded to `T`) and returns the relative errors of O, L, dQ, dK, dV.
+    fn errors<T: WithDType + Elem>(c: Case) -> [f32; 5] {
+        let qkv = [
+            fill(&[c.bh, c.lq, c.d], 1, 2.0),
+            fill(&[c.bh, c.lk, c.d], 2, 2.0),
+            fill(&[c.bh, c.lk, c.d], 3, 2.0),
+        ];
+        errors_on::<T>(c, qkv)
+    }
+
+    /// As [`errors`], on the given `q`, `k`, `v` (rounded to `T` first).
+    fn errors_on<T: WithDType + Elem>(c: Case, qkv: [Tensor; 3]) -> [f32; 5] {
+        let round = |t: Tensor| t.to_dtype(T::DTYPE).unwrap().to_dtype(DType::F32).unwrap();
+        let qkv = qkv.map(round);
+        let (o_ref, grads) = output_and_grads(&qkv, &[true; 3], &|a| Ok(reference(c, a)?.0));
+        let (_, lse_ref) = reference(c, &qkv).unwrap();
+        // output_and_grads's upstream gradient.
+        let go = round(fill(o_ref.dims(), 99, 1.0));
+        let (q, k, v) = (host::<T>(&qkv[0]), host::<T>(&qkv[1]), host::<T>(&qkv[2]));
+        let (o, lse) = emu_forward(c, &q, &k, &v);
+        let (dq, dk, dv) = emu_backward(c, &q, &k, &v, &o, &host::<T>(&go), &lse);
+        let g = |i: usize| grads[i].clone().unwrap();
+        [
+            rel_err(&tensor(o, o_ref.dims()), &o_ref),
+            rel_err(&tensor(lse, lse_ref.dims()), &lse_ref),
+            rel_err(&tensor(dq, o_ref.dims()), &g(0)),
+            rel_err(&tensor(dk, qkv[1].dims()), &g(1)),
+            rel_err(&tensor(dv, qkv[1].dims()), &g(2)),
+        ]
+    }
+
+    fn check<T: WithDType + Elem>(what: &str, c: Case, tol: f32) {
+        check_each::<T>(what, c, [tol; 5]);
+    }
+
+    /// As [`check`], with a tolerance per result (O, L, dQ, dK, dV).
+    fn check_each<T: WithDType + Elem>(what: &str, c: Case, tol: [f32; 5]) {
+        let e = errors::<T>(c);
+        for ((name, e), tol) in ["O", "L", "dQ", "dK", "dV"].iter().zip(e).zip(tol) {
+            assert!(e <= tol, "{what}: {name} differs by {e:.2e} (relative)");
+        }
+    }
+
+    /// Self-attention, f32, head dim 40, ragged in queries and keys (37 and 53: two query tiles
+    /// of the forward, three of the backward, two key tiles each). Catches the forward's K tile
+    /// loaded one row off (`k0 + 1`) and the forward's ragged key tail left unmasked
+    /// (`key >= lk` dropped: the zero rows of the last K tile then get probability mass).
+    #[test]
+    fn ragged_self_attention_d40_matches_reference() {
+        let c = Case {
+            bh: 3,
+            lq: 37,
+            lk: 53,
+            d: 40,
+            causal: false,
+        };
+        check::<f32>("d40 ragged", c, 1e-4);
+    }
+
+    /// Head dim 64 (SD2/SDXL), f32. Catches the scale dropped from dS (`p * (dp − Dr)`) and Dr
+    /// not subtracted (`p * dp * scale`), which leave the forward exact; also the missing
+    /// rescales below.
+    #[test]
+    fn ragged_d64_gradients_match_reference() {
+        let c = Case {
+            bh: 2,
+            lq: 37,
+            lk: 53,
+            d: 64,
+            causal: false,
+        };
+        check::<f32>("d64 ragged", c, 1e-4);
+    }
+
+    /// Keys that score higher the later they come (k scaled by a ramp 0.25 → 2.25), so every
+    /// row's max moves at the second K tile: catches the running sum (`l = l·α + p` → `l + p`) or
+    /// the accumulator (`acc *= α` dropped) not rescaled when the max moves. (On the plain fill
+    /// the d40 case's maxima barely move and miss it; d64, d48 and causal catch it too.)
+    #[test]
+    fn rising_key_scores_force_the_online_rescale() {
+        let c = Case {
+            bh: 2,
+            lq: 37,
+            lk: 53,
+            d: 40,
+            causal: false,
+        };
+        let ramp: Vec<f32> = (0..c.lk)
+            .map(|j| 0.25 + 2.0 * j as f32 / c.lk as f32)
+            .collect();
+        let ramp = Tensor::from_vec(ramp, (1, c.lk, 1), &Device::Cpu).unwrap();
+        let k = fill(&[c.bh, c.lk, c.d], 2, 2.0)
+            .broadcast_mul(&ramp)
+            .unwrap();
+        let qkv = [
+            fill(&[c.bh, c.lq, c.d], 1, 2.0),
+            k,
+            fill(&[c.bh, c.lk, c.d], 3, 2.0),
+        ];
+        let e = errors_on::<f32>(c, qkv);
+        for (name, e) in ["O", "L", "dQ", "dK", "dV"].iter().zip(e) {
+            assert!(
+                e <= 1e-4,
+                "rising keys: {name} differs by {e:.2e} (relative)"
+            );
+        }
+    }
+
+    /// Cross-attention as SD's (77 text tokens), head dim 80 (SD1.5's middle blocks), f32.
+    #[test]
+    fn cross_attention_lk77_d80_matches_reference() {
+        let c = Case {
+            bh: 2,
+            lq: 33,
+            lk: 77,
+            d: 80,
+            causal: false,
+        };
+        check::<f32>("cross-attention", c, 1e-4);
+    }
+
+    /// CLIP's causal self-attention over 77 tokens, head dim 64. Catches the backward's causal
+    /// test dropped, and its skip of the query tiles before a key tile starting one tile late.
+    #[test]
+    fn causal_clip_shape_matches_reference() {
+        let c = Case {
+            bh: 2,
+            lq: 77,
+            lk: 77,
+            d: 64,
+            causal: true,
+        };
+        check::<f32>("causal", c, 1e-4);
+    }
+
+    /// Head dim 160 (SD1.5's deepest blocks): the bucket with 16-row backward tiles.
+    #[test]
+    fn ragged_d160_matches_reference() {
+        let c = Case {
+            bh: 1,
+            lq: 37,
+            lk: 21,
+            d: 160,
+            causal: false,
+        };
+        check::<f32>("d160", c, 1e-4);
+    }
+
+    /// A head dim between buckets (48 runs in the 64 bucket, zero-padded). Catches the padding
+    /// columns read from the next row (`c < d` dropped in the tile load).
+    #[test]
+    fn head_dim_between_buckets_is_padded() {
+        let c = Case {
+            bh: 2,
+            lq: 20,
+            lk: 35,
+            d: 48,
+            causal: false,
+        };
+        check::<f32>("d48", c, 1e-4);
+    }
+
+    /// bf16 inputs (f32 inside, bf16 O, dK, dV): close to the f32 reference on the same rounded
+    /// inputs, self-attention at head dim 40 and causal at 160. Checks that the bf16 entry points
+    /// load and store (a value read as the wrong type is off by far more).
+    ///
+    /// dQ and dK get a looser bound: Dr = rowsum(dO ∘ O) is taken from the bf16 output (as in
+    /// FA2 and the chunked path), and dP − Dr cancels, so O's rounding (2⁻⁹) grows to 1–7 % of
+    /// dS's scale at these shapes. Measured: the f32 kernel given the bf16-rounded O has exactly
+    /// the bf16 kernel's dQ error.
+    #[test]
+    fn bf16_matches_f32_reference() {
+        let c = Case {
+            bh: 2,
+            lq: 37,
+            lk: 53,
+            d: 40,
+            causal: false,
+        };
+        let tol = [1e-2, 1e-5, 1e-1, 1e-1, 1e-2];
+        check_each::<half::bf16>("bf16 d40", c, tol);
+        let c = Case {
+            bh: 1,
+            lq: 35,
+            lk: 35,
+            d: 160,
+            causal: true,
+        };
+        check_each::<half::bf16>("bf16 d160 causal", c, tol);
+    }
+
+    #[test]
+    fn geometry_refuses_head_dims_over_160() {
+        let e = Geometry::new(2, 10, 10, 161).unwrap_err().to_string();
+        assert!(e.contains("head dim 161"), "{e}");
+        assert!(Geometry::new(0, 10, 10, 64).is_err());
+        let g = Geometry::new(16, 4096, 77, 40).unwrap();
+        assert_eq!(
+            g.entry("flash_bwd", DType::BF16).unwrap(),
+            "flash_bwd_d40_bf16"
+        );
+        assert_eq!(g.fwd_grid(), [128, 16, 1]);
+        assert_eq!(g.bwd_grid(), [3, 16, 1]);
+    }
+
+    /// Every bucket's entry points exist in the .cu file, for every dtype, and the launch
+    /// constants here are the kernels' (threads per block, forward query rows).
+    #[test]
+    fn every_bucket_has_entry_points() {
+        let src = std::fs::read_to_string(CU).unwrap();
+        assert!(src.contains(&format!("#define FA_THREADS {THREADS}\n")));
+        assert!(src.contains(&format!("constexpr int BQ = {FWD_ROWS}, BK = 32,")));
+        assert_eq!(DOT_ROWS, THREADS as usize / 32);
+        for (b, bk) in BUCKETS {
+            for ty in ["f32", "bf16", "f16"] {
+                let line = format!("ENTRY_POINTS(d{b}_{ty}, ");
+                let at = src.find(&line).unwrap_or_else(|| panic!("no {line}"));
+                let rest = &src[at..src[at..].find(')').unwrap() + at];
+                assert!(rest.ends_with(&format!("{b}, {bk}, 16")), "{rest}");
+            }
+        }
+    }
+}
