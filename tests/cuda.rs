@@ -11,6 +11,9 @@
 //! - the gradient store of a LoRA step holds exactly the adapter Vars;
 //! - every optimizer's CUDA kernel against its host kernel, and its state resumed across devices
 //!   (tests/cuda/optim.rs);
+//! - flash attention (src/nn/kernels/flash_attention.cu) against the CPU attention, forward and
+//!   gradients, on SD's shapes, with its time beside chunked attention
+//!   (tests/cuda/flash_attention.rs);
 //! - the out-of-memory classifier on the real CUDA error types (tests/cuda/oom.rs; no device
 //!   needed).
 //!
@@ -18,6 +21,9 @@
 //! and passes. `scripts/gpu-check` runs this binary on a GPU machine.
 
 mod common;
+#[cfg(feature = "cuda")]
+#[path = "cuda/flash_attention.rs"]
+mod flash_attention;
 #[path = "cuda/oom.rs"]
 mod oom;
 #[path = "cuda/optim.rs"]
