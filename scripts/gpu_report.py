@@ -76,6 +76,40 @@ def print_optimizers(rows):
         print(f"| {r.get('impl')} | {r.get('optimizer')} | {step} | {ratio} | {per:.2f} |")
 
 
+# Issue 19's targets on the H100 (bf16, batch 1, LoRA rank 16): SimpleTuner's published sweep
+# (documentation/experimental/SEGMENTED_CHECKPOINTING.md) as (step s, peak GiB), None where it
+# sets no memory target; every shape must also be at most 1.0x diffusers' step and 0.8x its peak.
+TARGETS = {
+    ("sd15", "lora", 512, 1, "bf16", False): (0.18, 2.9),
+    ("sd15", "lora", 512, 1, "bf16", True): (0.30, 2.0),
+    ("sdxl", "lora", 1024, 1, "bf16", False): (0.60, None),
+    ("sdxl", "lora", 1024, 1, "bf16", True): (1.10, 6.5),
+}
+
+
+def print_targets(default, peer):
+    """One row per target shape: the measured figures, the targets, and whether each is met."""
+    print("\n### Issue 19 targets (SimpleTuner's H100 figures; ≤ 1.0× diffusers' step, ≤ 0.8× its peak)\n")
+    print("| shape | step | target | peak | target | vs diffusers step / peak | met |")
+    print("|---|---|---|---|---|---|---|")
+    by_key = {key(r): r for r in default}
+    for k, (t_s, t_gib) in TARGETS.items():
+        r, p = by_key.get(k), peer.get(k)
+        shape = f"{k[0]} {k[1]} {k[2]}px" + (" checkpointing" if k[5] else "")
+        if r is None or r.get("status") != "ok":
+            print(f"| {shape} | {cell(r, 'step_ms_median', '{:.0f} ms')} | {t_s:.2f} s | — | — | — | no |")
+            continue
+        step, peak = r["step_ms_median"] / 1e3, r["peak_gib"]
+        ok = step <= t_s and (t_gib is None or peak <= t_gib)
+        vs = "—"
+        if p and p.get("status") == "ok":
+            rt, rm = r["step_ms_median"] / p["step_ms_median"], peak / max(p["peak_alloc_gib"], 1e-9)
+            vs = f"{rt:.2f}× / {rm:.2f}×"
+            ok = ok and rt <= 1.0 and rm <= 0.8
+        t_mem = f"{t_gib:.1f} GiB" if t_gib else "—"
+        print(f"| {shape} | {step:.3f} s | {t_s:.2f} s | {peak:.2f} GiB | {t_mem} | {vs} | {'yes' if ok else 'no'} |")
+
+
 def main(out):
     device = open(os.path.join(out, "device.txt")).read().strip() if os.path.exists(os.path.join(out, "device.txt")) else "?"
     rows = read_jsonl(os.path.join(out, "bench.jsonl"))
@@ -99,6 +133,7 @@ def main(out):
         shape = f"{k[0]} {k[1]} {k[2]}px b{k[3]}" + (" checkpointing" if k[5] else "")
         print(f"| {shape} | {k[4]} | {cell(r, 'step_ms_median', '{:.0f} ms')} | {cell(p, 'step_ms_median', '{:.0f} ms')} "
               f"| {ratio_t} | {cell(r, 'peak_gib', '{:.2f} GiB')} | {cell(p, 'peak_alloc_gib', '{:.2f} GiB')} | {ratio_m} | {phases} |")
+    print_targets(default, peer)
     variants = [r for r in ours if r not in default]
     if variants:
         print("\nDevice settings (sdtrain, sd15 LoRA 512 px b1 bf16; default: pool cache on, event tracking off):\n")
