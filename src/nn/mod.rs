@@ -24,6 +24,11 @@ mod im2col;
 mod layer_norm;
 mod linear;
 mod norm;
+#[cfg(feature = "cuda")]
+mod norm_cuda;
+#[cfg(test)]
+mod norm_kernels;
+mod norm_launch;
 mod output_slot;
 mod softmax;
 #[cfg(test)]
