@@ -28,6 +28,7 @@ mod norm;
 mod norm_cuda;
 #[cfg(test)]
 mod norm_kernels;
+#[cfg(any(test, feature = "cuda"))]
 mod norm_launch;
 mod output_slot;
 mod softmax;
