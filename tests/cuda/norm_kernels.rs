@@ -55,7 +55,9 @@ fn output_and_grads(dev: &Device, inputs: &[Tensor], op: &Op) -> Vec<Tensor> {
     };
     let mut all = vec![to_cpu(&out)];
     for (a, v) in args.iter().zip(&vars) {
-        let g = grads.get(a).unwrap_or_else(|| panic!("no gradient for an input"));
+        let g = grads
+            .get(a)
+            .unwrap_or_else(|| panic!("no gradient for an input"));
         assert_eq!(g.dtype(), v.dtype(), "gradient dtype");
         all.push(to_cpu(g));
     }
@@ -86,7 +88,10 @@ fn check(dev: &Device, what: &str, inputs: &[Tensor], op: &Op, tol: f32) {
     for ((g, c), name) in gpu.iter().zip(&cpu).zip(names) {
         assert_eq!(g.dims(), c.dims(), "{what}: {name} shape");
         let e = rel_err(g, c);
-        assert!(e <= tol, "{what}: {name} differs by {e:.2e} (relative), tolerance {tol:.0e}");
+        assert!(
+            e <= tol,
+            "{what}: {name} differs by {e:.2e} (relative), tolerance {tol:.0e}"
+        );
     }
 }
 
@@ -169,7 +174,13 @@ fn cuda_geglu_kernels_match_cpu() {
         for dims in shapes {
             let p = fill(dims, 11, 3.0).to_dtype(dtype).unwrap();
             let op = |a: &[Tensor]| geglu(&a[0]);
-            check(&dev, &format!("geglu {dims:?} {dtype:?}"), &[p], &op, tol(dtype));
+            check(
+                &dev,
+                &format!("geglu {dims:?} {dtype:?}"),
+                &[p],
+                &op,
+                tol(dtype),
+            );
         }
     }
 }
