@@ -80,24 +80,28 @@ fn assert_close(what: &str, got: &Tensor, want: &Tensor, tol: f32) {
     assert_rounded_once(what, got, want);
 }
 
-/// For bf16: at least 90% of the elements bit-identical to the reference. Both round nearly
+/// For bf16 and f16: at least 90% of the elements bit-identical to the reference. Both round nearly
 /// equal f32 values once to nearest even, so they differ only where an f32 value sits near a
 /// rounding boundary; truncation (or rounding twice) changes about half of them, which the
 /// relative tolerance, a bf16 ulp wide, does not see.
 fn assert_rounded_once(what: &str, got: &Tensor, want: &Tensor) {
-    if got.dtype() != DType::BF16 {
+    // Both half types compared as their bits.
+    let bits = |t: &Tensor| -> Vec<u16> {
+        match t.dtype() {
+            DType::BF16 => host::<half::bf16>(t).iter().map(|v| v.to_bits()).collect(),
+            DType::F16 => host::<half::f16>(t).iter().map(|v| v.to_bits()).collect(),
+            _ => Vec::new(),
+        }
+    };
+    let (g, w) = (bits(got), bits(want));
+    if g.is_empty() {
         return;
     }
-    let (g, w): (Vec<half::bf16>, Vec<half::bf16>) = (host(got), host(want));
-    let same = g
-        .iter()
-        .zip(&w)
-        .filter(|(a, b)| a.to_bits() == b.to_bits())
-        .count();
-    let share = same as f64 / g.len().max(1) as f64;
+    let same = g.iter().zip(&w).filter(|(a, b)| a == b).count();
+    let share = same as f64 / g.len() as f64;
     assert!(
         share >= 0.9,
-        "{what}: only {:.0}% of bf16 elements match the reference's rounding",
+        "{what}: only {:.0}% of half-precision elements match the reference's rounding",
         share * 100.0
     );
 }
@@ -190,12 +194,13 @@ mod geglu {
         check::<f32>(&[2, 3, 22], TWO_WARPS, 1e-5);
     }
 
-    /// bf16 reads and writes with f32 math: catches math in bf16 (an error of 1e-2 and more
-    /// where `a·gelu(z)` is rounded twice), a bf16 entry point that stores in the wrong format,
-    /// and a store that truncates instead of rounding to nearest even.
+    /// bf16 and f16 reads and writes with f32 math: catches math in half precision (an error of
+    /// 1e-2 and more where `a·gelu(z)` is rounded twice), an entry point that stores in the
+    /// wrong format, and a store that truncates instead of rounding to nearest even.
     #[test]
-    fn geglu_kernels_match_the_reference_in_bf16() {
+    fn geglu_kernels_match_the_reference_in_bf16_and_f16() {
         check::<half::bf16>(&[5, 14], ONE_WARP, 1e-2);
+        check::<half::f16>(&[5, 14], ONE_WARP, 2e-3);
     }
 }
 
@@ -369,12 +374,14 @@ mod group_norm {
         check::<f32>(&[3, 8, 9, 11], 2, true, TWO_WARPS, 1e-5);
     }
 
-    /// bf16 activations, f32 statistics and parameter gradients: catches the bf16 entry points
-    /// reading or writing another format, and statistics accumulated in bf16.
+    /// bf16 and f16 activations, f32 statistics and parameter gradients: catches the half
+    /// entry points reading or writing another format, and statistics accumulated in half
+    /// precision.
     #[test]
-    fn group_norm_kernels_match_the_reference_in_bf16() {
+    fn group_norm_kernels_match_the_reference_in_bf16_and_f16() {
         for silu in [false, true] {
             check::<half::bf16>(&[2, 6, 5, 7], 3, silu, ONE_WARP, 1e-2);
+            check::<half::f16>(&[2, 6, 5, 7], 3, silu, ONE_WARP, 2e-3);
         }
     }
 }
@@ -498,9 +505,10 @@ mod layer_norm {
         check::<f32>(&[11, 45], TWO_WARPS, 1e-5);
     }
 
-    /// bf16 activations: catches a bf16 entry point reading or writing another format.
+    /// bf16 and f16 activations: catches a half entry point reading or writing another format.
     #[test]
-    fn layer_norm_kernels_match_the_reference_in_bf16() {
+    fn layer_norm_kernels_match_the_reference_in_bf16_and_f16() {
         check::<half::bf16>(&[2, 5, 45], ONE_WARP, 1e-2);
+        check::<half::f16>(&[2, 5, 45], ONE_WARP, 2e-3);
     }
 }

@@ -12,9 +12,10 @@
 //!
 //! The forward runs as a custom op on detached operands that saves the per-group (or per-row)
 //! mean and 1/σ as raw f32 device buffers; [`super::fused_op`] attaches the output with a
-//! backward that holds them. One file per op beside this one; here the loading and launching
-//! they share. `γ`, `β` enter the kernels as f32 (a no-op for f32 parameters,
-//! one small cast otherwise) and `dγ`, `dβ` come back as f32, cast to the parameters' dtype.
+//! backward that holds them. `γ`, `β` enter the kernels as f32 (a no-op for f32 parameters, one
+//! small cast otherwise) and `dγ`, `dβ` come back as f32, cast to the parameters' dtype.
+//!
+//! One file per op beside this one; this one holds the loading and launching they share.
 
 use std::sync::Mutex;
 
