@@ -9,7 +9,9 @@
 //!
 //! with `Φ` the standard normal CDF, `½(1 + erf(z/√2))`, and `φ` its density. The graph keeps only
 //! the projection output `p`; the composed reference keeps `gelu(z)` besides (half of `p`'s
-//! size). Math is f32 whatever the input dtype; the output and `dp` are cast back.
+//! size). Math is f32 whatever the input dtype; the output and `dp` are cast back. On a CUDA
+//! device forward and backward are the kernels of kernels/norm.cu (see `norm_cuda.rs`), on the
+//! CPU the row kernels below, elsewhere composed candle ops.
 
 use std::f64::consts::FRAC_1_SQRT_2;
 
@@ -19,6 +21,10 @@ use super::fused_op::{attach1, Backward1};
 
 /// `a · gelu_erf(z)` for `p = [a, z]` `[..., 2·I]` → `[..., I]`.
 pub fn geglu(p: &Tensor) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if p.device().is_cuda() {
+        return super::norm_cuda::geglu(p);
+    }
     let out = if p.device().is_cpu() {
         cpu::run(p, None)?
     } else {

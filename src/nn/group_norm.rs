@@ -11,6 +11,9 @@
 //!           dγ = Σ_{b, spatial} g_y·x̂;   dβ = Σ_{b, spatial} g_y
 //! ```
 //!
+//! On a CUDA device the forward and backward are the kernels of kernels/norm.cu (see
+//! `norm_cuda.rs`); elsewhere they are composed candle ops.
+//!
 //! Statistics and math are f32 whatever the input dtype (as torch does for half inputs on CUDA);
 //! the output is cast back to `x`'s dtype and each gradient to its argument's dtype. The graph
 //! keeps `x`, `γ`, `β`, the output and two f32 scalars per (sample, group).
@@ -112,6 +115,10 @@ fn fused(
     silu: bool,
 ) -> Result<Tensor> {
     check(x, weight, bias, groups)?;
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() {
+        return super::norm_cuda::group_norm(x, weight, bias, groups, eps, silu);
+    }
     let stats = Stats::of(&x.detach(), groups, eps)?;
     let y = stats.affine(&x.detach(), &weight.detach(), &bias.detach())?;
     let out = if silu { y.silu()? } else { y }.to_dtype(x.dtype())?;

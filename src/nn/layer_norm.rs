@@ -8,6 +8,9 @@
 //!           dγ = Σ_rows g·x̂;   dβ = Σ_rows g
 //! ```
 //!
+//! On a CUDA device the forward and backward are the kernels of kernels/norm.cu (see
+//! `norm_cuda.rs`); elsewhere they are composed candle ops.
+//!
 //! Statistics and math are f32 whatever the input dtype; the output is cast back to `x`'s dtype
 //! and each gradient to its argument's dtype. The graph keeps `x`, `γ`, `β`, the output and two
 //! f32 scalars per row.
@@ -28,6 +31,10 @@ pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Resul
                 x.dims()
             );
         }
+    }
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() {
+        return super::norm_cuda::layer_norm(x, weight, bias, eps);
     }
     let xd = x.detach();
     let stats = Stats::of(&xd, eps)?;

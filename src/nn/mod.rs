@@ -27,6 +27,12 @@ mod im2col;
 mod layer_norm;
 mod linear;
 mod norm;
+#[cfg(feature = "cuda")]
+mod norm_cuda;
+#[cfg(test)]
+mod norm_kernels;
+#[cfg(any(test, feature = "cuda"))]
+mod norm_launch;
 mod output_slot;
 mod softmax;
 mod softmax_row;
