@@ -14,6 +14,8 @@
 //! - flash attention (src/nn/kernels/flash_attention.cu) against the CPU attention, forward and
 //!   gradients, on SD's shapes, with its time beside chunked attention
 //!   (tests/cuda/flash_attention.rs);
+//! - the fused norm and GEGLU kernels (src/nn/kernels/norm.cu) against the CPU, forward and
+//!   every gradient, on SD's shapes (tests/cuda/norm_kernels.rs);
 //! - the out-of-memory classifier on the real CUDA error types (tests/cuda/oom.rs; no device
 //!   needed).
 //!
@@ -24,6 +26,9 @@ mod common;
 #[cfg(feature = "cuda")]
 #[path = "cuda/flash_attention.rs"]
 mod flash_attention;
+#[cfg(feature = "cuda")]
+#[path = "cuda/norm_kernels.rs"]
+mod norm_kernels;
 #[path = "cuda/oom.rs"]
 mod oom;
 #[path = "cuda/optim.rs"]
