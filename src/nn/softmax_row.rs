@@ -273,6 +273,22 @@ mod tests {
         assert_eq!(exp(0.0), 1.0);
     }
 
+    /// The same bound on the row kernels' `exp` (the AVX2 lanes where the CPU has them, and the
+    /// scalar tail): `probs` with scale 1 and log-sum-exp 0 is `exp` of each element. Catches a
+    /// lost low half of ln 2 or a wrong coefficient in the eight-lane version.
+    #[test]
+    fn row_exp_matches_libm_across_the_range() {
+        let x: Vec<f32> = (0..12_700).map(|i| -87.0 + i as f32 * 0.0137).collect();
+        let mut got = x.clone();
+        probs(&mut got, 1.0, 0.0);
+        let worst = got
+            .iter()
+            .zip(&x)
+            .map(|(g, x)| ((g - x.exp()) / x.exp()).abs())
+            .fold(0f32, f32::max);
+        assert!(worst < 3e-7, "worst relative error {worst}");
+    }
+
     /// Catches the scale applied after the max (or not at all), a dropped normalisation, and a
     /// wrong log-sum-exp; rows of 1, 7 (all tail) and 19 (lanes plus tail) elements.
     #[test]
