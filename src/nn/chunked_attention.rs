@@ -230,16 +230,32 @@ impl CustomOp3 for ChunkedAttention {
 
 /// The CPU path: [`super::cpu_flash_attention`] on f32 copies of the operands.
 mod cpu {
-    use candle_core::{DType, Result, Tensor};
+    use candle_core::{CpuStorage, DType, Layout, Result, Storage, Tensor};
 
     use super::super::cpu_flash_attention::{self as kernel, Dims, Wanted};
 
-    /// A contiguous f32 copy's elements.
-    fn values(t: &Tensor) -> Result<Vec<f32>> {
-        t.detach()
-            .to_dtype(DType::F32)?
-            .flatten_all()?
-            .to_vec1::<f32>()
+    /// `t` as a contiguous f32 tensor: the same storage when it already is one (the usual case:
+    /// f32 runs with heads made contiguous), so the kernels borrow it without a copy.
+    fn f32_contiguous(t: &Tensor) -> Result<Tensor> {
+        t.detach().to_dtype(DType::F32)?.contiguous()
+    }
+
+    /// Runs `f` on the elements of each of `ts` (contiguous f32 CPU tensors), borrowed from their
+    /// storage for the call.
+    fn with_values<R>(ts: &[Tensor], f: impl FnOnce(&[&[f32]]) -> R) -> Result<R> {
+        let guards: Vec<_> = ts.iter().map(|t| t.storage_and_layout()).collect();
+        let slices = guards
+            .iter()
+            .map(|(s, l)| slice(s, l))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(f(&slices))
+    }
+
+    fn slice<'a>(s: &'a Storage, l: &Layout) -> Result<&'a [f32]> {
+        match (s, l.contiguous_offsets()) {
+            (Storage::Cpu(CpuStorage::F32(v)), Some((a, b))) => Ok(&v[a..b]),
+            _ => candle_core::bail!("chunked attention: expected contiguous f32 CPU operands"),
+        }
     }
 
     fn dims(q: &Tensor, k: &Tensor) -> Result<Dims> {
@@ -262,14 +278,10 @@ mod cpu {
         rows: usize,
     ) -> Result<(Tensor, Tensor)> {
         let dims = dims(q, k)?;
-        let (out, lse) = kernel::forward(
-            &values(q)?,
-            &values(k)?,
-            &values(v)?,
-            dims,
-            scale as f32,
-            rows,
-        );
+        let ops = [f32_contiguous(q)?, f32_contiguous(k)?, f32_contiguous(v)?];
+        let (out, lse) = with_values(&ops, |x| {
+            kernel::forward(x[0], x[1], x[2], dims, scale as f32, rows)
+        })?;
         let (b, h, lq, _) = q.dims4()?;
         let out = Tensor::from_vec(out, q.shape(), q.device())?.to_dtype(v.dtype())?;
         let lse = Tensor::from_vec(lse, (b, h, lq, 1), q.device())?;
@@ -294,18 +306,24 @@ mod cpu {
             k: k.track_op(),
             v: v.track_op(),
         };
-        let (dq, dk, dv) = kernel::backward(
-            &values(q)?,
-            &values(k)?,
-            &values(v)?,
-            &values(o)?,
-            &values(g)?,
-            &values(lse)?,
-            dims,
-            scale as f32,
-            want,
-            rows,
-        );
+        let ops = [q, k, v, o, g, lse]
+            .iter()
+            .map(|t| f32_contiguous(t))
+            .collect::<Result<Vec<_>>>()?;
+        let (dq, dk, dv) = with_values(&ops, |x| {
+            kernel::backward(
+                x[0],
+                x[1],
+                x[2],
+                x[3],
+                x[4],
+                x[5],
+                dims,
+                scale as f32,
+                want,
+                rows,
+            )
+        })?;
         let back = |on: bool, x: Vec<f32>, like: &Tensor| -> Result<Option<Tensor>> {
             if !on {
                 return Ok(None);
