@@ -154,8 +154,11 @@ impl GroupOptimizer {
         Ok(())
     }
 
-    /// The parameters that have a gradient in `grads`, with it; fails on a shape mismatch.
-    fn with_grads<'g>(&self, grads: &'g GradStore) -> Result<Vec<(usize, &'g Tensor)>> {
+    /// The parameters that have a gradient in `grads` (their slots, in update order), with it;
+    /// fails on a shape mismatch. A caller that updates them one at a time with
+    /// [`GroupOptimizer::apply_checked`] can retry one after an out-of-memory error without
+    /// updating any other twice.
+    pub fn pending<'g>(&self, grads: &'g GradStore) -> Result<Vec<(usize, &'g Tensor)>> {
         let with_grad: Vec<(usize, &Tensor)> = self
             .slots
             .iter()
@@ -166,6 +169,12 @@ impl GroupOptimizer {
             self.check_shape(i, g)?;
         }
         Ok(with_grad)
+    }
+
+    /// Updates the parameter in `slot` (from [`GroupOptimizer::pending`]) from its gradient,
+    /// which the caller checked finite with [`super::StepCheck::fetch`].
+    pub fn apply_checked(&mut self, slot: usize, grad: &Tensor, _finite: Finite) -> Result<()> {
+        self.apply_one(slot, grad)
     }
 
     fn apply_one(&mut self, i: usize, g: &Tensor) -> Result<()> {
@@ -339,7 +348,7 @@ fn check_names(
 
 impl Optimizer for GroupOptimizer {
     fn step(&mut self, grads: &GradStore) -> Result<StepStats> {
-        let with_grad = self.with_grads(grads)?;
+        let with_grad = self.pending(grads)?;
         // The finiteness check is a GPU→CPU sync point (one copy of per-parameter sums).
         let gs: Vec<&Tensor> = with_grad.iter().map(|&(_, g)| g).collect();
         let summary = summarize(&gs)?;
@@ -365,25 +374,16 @@ impl Optimizer for GroupOptimizer {
         Ok(stats)
     }
 
-    fn step_checked_from(
-        &mut self,
-        grads: &GradStore,
-        _finite: Finite,
-        done: usize,
-    ) -> Result<StepStats> {
-        let with_grad = self.with_grads(grads)?;
+    fn step_checked(&mut self, grads: &GradStore, finite: Finite) -> Result<StepStats> {
+        let pending = self.pending(grads)?;
         let stats = StepStats {
             grad_norm: f32::NAN,
-            updated: with_grad.len(),
-            no_grad: self.slots.len() - with_grad.len(),
+            updated: pending.len(),
+            no_grad: self.slots.len() - pending.len(),
             ..StepStats::default()
         };
-        for (k, (i, g)) in with_grad.into_iter().enumerate().skip(done) {
-            self.apply_one(i, g)
-                .map_err(|source| OptimError::Interrupted {
-                    updated: k,
-                    source: Box::new(source),
-                })?;
+        for (slot, g) in pending {
+            self.apply_checked(slot, g, finite)?;
         }
         Ok(stats)
     }

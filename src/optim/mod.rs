@@ -72,14 +72,6 @@ pub enum OptimError {
     },
     #[error("{0}")]
     Candle(#[from] candle_core::Error),
-    /// A step that failed part-way: the first `updated` parameters with a gradient had their
-    /// update. [`Optimizer::step_checked_from`] with `updated` finishes it.
-    #[error("optimizer step stopped after updating {updated} parameter(s)")]
-    Interrupted {
-        updated: usize,
-        #[source]
-        source: Box<OptimError>,
-    },
     #[error("optimizer state: {0}")]
     File(#[from] crate::fsutil::FsError),
     #[error("optimizer state {}: {source}", path.display())]
@@ -148,18 +140,7 @@ pub trait Optimizer {
     /// [`Optimizer::step`] for gradients the caller already checked finite with
     /// [`StepCheck::fetch`], which fetched them with the loss in one device→host copy: this skips
     /// the optimizer's own check and its sync point. Shapes are still checked.
-    fn step_checked(&mut self, grads: &GradStore, finite: Finite) -> Result<StepStats> {
-        self.step_checked_from(grads, finite, 0)
-    }
-    /// [`Optimizer::step_checked`] after an attempt that stopped with
-    /// [`OptimError::Interrupted`]: the first `done` parameters with a gradient are skipped
-    /// (they have their update), so no parameter is updated twice.
-    fn step_checked_from(
-        &mut self,
-        grads: &GradStore,
-        finite: Finite,
-        done: usize,
-    ) -> Result<StepStats>;
+    fn step_checked(&mut self, grads: &GradStore, finite: Finite) -> Result<StepStats>;
     /// The learning rate the next step will use.
     fn learning_rate(&self) -> f64;
     /// Sets the learning rate, e.g. from [`LrSchedule::lr_at`] before each step.

@@ -19,7 +19,10 @@
 use std::collections::HashMap;
 use std::path::Path;
 
+use anyhow::{bail, Context};
 use candle_core::{DType, Device, Tensor, Var};
+
+use crate::config::{EmaDevice, EmaPlan};
 
 /// What can go wrong with the EMA copy.
 #[derive(Debug, thiserror::Error)]
@@ -53,6 +56,59 @@ pub struct Ema {
 }
 
 impl Ema {
+    /// The run's EMA copy when `plan` asks for one, over `params` as they start this run, on
+    /// the CPU or the `training` device; a resumed run continues the save point's `resumed`
+    /// EMA file, which must then exist. Announced on stderr.
+    pub fn start(
+        plan: Option<&EmaPlan>,
+        params: &[(String, Var)],
+        total_steps: usize,
+        resumed: Option<&Path>,
+        training: &Device,
+    ) -> anyhow::Result<Option<Self>> {
+        let Some(plan) = plan else {
+            if let Some(f) = resumed.filter(|f| f.is_file()) {
+                eprintln!(
+                    "warning: {} is not continued: this run has no ema_decay_rate",
+                    f.display()
+                );
+            }
+            return Ok(None);
+        };
+        let device = match plan.device {
+            EmaDevice::Cpu => Device::Cpu,
+            EmaDevice::Training => training.clone(),
+        };
+        let decay = plan.decay_for_run(total_steps);
+        let mut ema = Self::new(params, decay, plan.update_interval, &device)?;
+        if let Some(f) = resumed {
+            if !f.is_file() {
+                bail!(
+                    "{} is missing: the save point was written without EMA, this run has it on",
+                    f.display()
+                );
+            }
+            ema.load(f).context("resuming the EMA")?;
+        }
+        let place = if device.is_cpu() {
+            "the CPU"
+        } else {
+            "the device"
+        };
+        eprintln!(
+            "ema: decay {decay} every {} steps, on {place}",
+            plan.update_interval
+        );
+        if total_steps < plan.update_interval {
+            eprintln!(
+                "warning: ema_update_interval {} is more than the run's {total_steps} steps: the \
+                 EMA weights will equal the starting ones",
+                plan.update_interval
+            );
+        }
+        Ok(Some(ema))
+    }
+
     /// Starts the averages as copies of `params` (their values now) on `device`.
     pub fn new(
         params: &[(String, Var)],

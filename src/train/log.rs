@@ -1,14 +1,17 @@
 //! The run's JSON-lines log (`train_log.jsonl`): one object per logged optimizer step with step,
 //! epoch, loss, lr, grad norm, wall time and memory. Each line is flushed as written, so a killed run
-//! keeps its log. [`tensorboard_scalars`] names the same numbers for TensorBoard.
+//! keeps its log. [`tensorboard_scalars`] names the same numbers for TensorBoard. [`RunLog`]
+//! holds both for a run, with the record of a step `log_step` skipped until a save needs it.
 
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
+use anyhow::Context;
 use serde::Serialize;
 
 use crate::memory::MemoryUsage;
+use crate::tensorboard::EventWriter;
 
 #[derive(Debug, Clone, Serialize)]
 pub struct LogRecord {
@@ -124,6 +127,69 @@ impl JsonlLog {
         serde_json::to_writer(&mut self.out, record)?;
         self.out.write_all(b"\n")?;
         self.out.flush()
+    }
+}
+
+/// A run's logs: the JSON-lines file, TensorBoard events when on, and the last step's record
+/// while `log_step` holds it back.
+pub struct RunLog {
+    jsonl: JsonlLog,
+    /// TensorBoard event files beside the log (`log_with`); `None` when off. Anything may add to
+    /// them, e.g. sample images with [`EventWriter::add_image_png`].
+    pub tensorboard: Option<EventWriter>,
+    /// The last step's record when `log_step` skipped it, until a save writes it.
+    held: Option<LogRecord>,
+}
+
+impl RunLog {
+    /// The logs in `dir`: new, or continued after `resumed_steps` (later records dropped).
+    pub fn open(
+        dir: &Path,
+        tensorboard: bool,
+        resumed_steps: Option<usize>,
+    ) -> anyhow::Result<Self> {
+        std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+        let path = dir.join("train_log.jsonl");
+        let jsonl = match resumed_steps {
+            Some(steps) => JsonlLog::resume(&path, steps)?,
+            None => JsonlLog::create(&path)?,
+        };
+        let tensorboard = match (tensorboard, resumed_steps) {
+            (false, _) => None,
+            (true, Some(steps)) => Some(EventWriter::resume(dir, steps)?),
+            (true, None) => Some(EventWriter::create(dir)?),
+        };
+        Ok(Self {
+            jsonl,
+            tensorboard,
+            held: None,
+        })
+    }
+
+    /// Writes `record` now, dropping any held one (an earlier step's).
+    pub fn write(&mut self, record: &LogRecord) -> anyhow::Result<()> {
+        self.held = None;
+        self.jsonl
+            .write(record)
+            .with_context(|| format!("writing {}", self.jsonl.path().display()))?;
+        if let Some(tb) = &mut self.tensorboard {
+            tb.add_scalars(record.step, &tensorboard_scalars(record))?;
+        }
+        Ok(())
+    }
+
+    /// Holds `record` back: written if a save comes before the next logged step, so the log
+    /// then holds every step a save holds.
+    pub fn hold(&mut self, record: LogRecord) {
+        self.held = Some(record);
+    }
+
+    /// Writes the held record, if any.
+    pub fn write_held(&mut self) -> anyhow::Result<()> {
+        match self.held.take() {
+            Some(record) => self.write(&record),
+            None => Ok(()),
+        }
     }
 }
 

@@ -2,6 +2,7 @@
 
 pub mod accumulate;
 pub mod adapters;
+mod caches;
 pub mod data_feed;
 pub mod ema;
 pub mod interrupt;
@@ -11,12 +12,19 @@ pub mod loss_stats;
 pub mod memory_plan;
 pub mod micro_batch;
 pub mod oom;
+mod oom_policy;
+mod optimizer_step;
+mod outcome;
+mod param_groups;
 pub mod progress;
 pub mod resume;
 #[cfg(test)]
 mod retry_tests;
 pub mod run_dir;
+mod sample_cursor;
 pub mod samples;
+mod saving;
+mod setup;
 pub mod state_estimate;
 pub mod step;
 pub mod summary;
@@ -25,4 +33,5 @@ pub mod text_cache;
 pub mod trainer;
 pub mod validation;
 
-pub use trainer::{train, RunOptions, TrainOutcome};
+pub use outcome::TrainOutcome;
+pub use trainer::{train, RunOptions};

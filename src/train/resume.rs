@@ -23,6 +23,9 @@ use candle_core::{DType, Device, Tensor, Var};
 use serde::{Deserialize, Serialize};
 
 use super::micro_batch::MicroBatching;
+use super::optimizer_step::Optimization;
+use super::param_groups::{group_names, named_params};
+use crate::optim::Optimizer;
 use crate::precision::ScalerState;
 
 /// The file that makes a folder a complete save point (written last).
@@ -341,6 +344,49 @@ pub fn prune(
         removed.push(step);
     }
     Ok(removed)
+}
+
+/// Continues from save point `dir` with its `state`: the trained parameters, each group's
+/// optimizer state, the loss scaler and the micro-batch. Warns about each way this run's `key`
+/// differs from the saved one's.
+pub(super) fn restore(
+    dir: &Path,
+    state: &TrainerState,
+    opt: &mut Optimization,
+    key: &RunKey,
+) -> anyhow::Result<()> {
+    let groups = group_names(&opt.groups);
+    if groups != state.groups {
+        bail!(
+            "{} was saved with optimizer groups {:?}, this run has {:?} (train_text_encoder \
+             differs?)",
+            dir.display(),
+            state.groups,
+            groups
+        );
+    }
+    load_params(dir, &named_params(&opt.groups))?;
+    for g in opt.groups.iter_mut() {
+        let path = optimizer_file(dir, g.name);
+        g.optimizer
+            .load_state(&path)
+            .with_context(|| format!("resuming the {} optimizer", g.name))?;
+    }
+    if let Some(s) = &state.scaler {
+        opt.scaler.restore(s);
+    }
+    opt.micro = state.micro;
+    for d in state.key.differences(key) {
+        eprintln!("warning: resumed run changed {d}; the resume is not exact");
+    }
+    eprintln!(
+        "resumed from {} at step {} (epoch {}, {} steps into it)",
+        dir.display(),
+        state.steps,
+        state.epoch + 1,
+        state.steps_in_epoch
+    );
+    Ok(())
 }
 
 #[cfg(test)]

@@ -199,7 +199,7 @@ fn an_oom_at_batch_one_saves_and_names_the_next_rungs() {
 #[test]
 fn outside_the_step_an_oom_is_retried_once() {
     use super::oom::OutOfMemory;
-    use super::trainer::retry_once_on_oom;
+    use super::oom_policy::retry_once_on_oom;
     let oom = || {
         anyhow::Error::new(OutOfMemory {
             detail: "test".into(),

@@ -11,17 +11,26 @@
 //!   even where its weights are training variables.
 
 use std::path::{Path, PathBuf};
+use std::time::Instant;
 
-use candle_core::Device;
+use anyhow::Context;
+use candle_core::{DType, Device, Var};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 
-use crate::config::SamplePlan;
+use super::ema::Ema;
+use super::oom::find_oom;
+use super::progress::Progress;
+use crate::config::{SamplePlan, TrainPlan};
+use crate::memory::trim_pool;
 use crate::model::files::Component;
 use crate::model::pipeline::{load_vae, LoadOptions, StableDiffusion};
+use crate::nn::Checkpointing;
+use crate::precision::Amp;
 use crate::sample::generate::{zero_empty_negative, PromptConds, UnetRun};
 use crate::sample::jobs::{self, PromptImages, PromptJob, RoundFiles};
 use crate::sample::{image_out, SchedulerConfig};
+use crate::tensorboard::EventWriter;
 
 /// The run's sampling state.
 pub struct TrainingSamples {
@@ -37,6 +46,18 @@ pub struct TrainingSamples {
     rng: StdRng,
     /// How the VAE is loaded again when the run released it.
     vae_load: LoadOptions,
+}
+
+/// What a round draws with, beside the model: the training state it must not disturb.
+pub(super) struct Round<'a> {
+    /// The EMA copy, when the plan samples the EMA weights too.
+    pub ema: Option<&'a Ema>,
+    /// The trained parameters (the EMA weights are swapped into them for its round).
+    pub params: &'a [Var],
+    /// The training micro-batch size in force.
+    pub micro: usize,
+    pub tensorboard: Option<&'a mut EventWriter>,
+    pub device: &'a Device,
 }
 
 /// Where a run's samples go.
@@ -139,6 +160,130 @@ impl TrainingSamples {
         }
         Ok(jobs::write_round(&self.dir, step, label, &round)?)
     }
+}
+
+/// The run's sampling state when `plan` sets `sample_prompts`, announced on stderr.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn start(
+    plan: &TrainPlan,
+    sd: &StableDiffusion,
+    run_dir: &Path,
+    seed: u64,
+    resolution: usize,
+    captions: &[String],
+    te_trains: bool,
+    amp: Amp,
+    device: &Device,
+) -> anyhow::Result<Option<TrainingSamples>> {
+    let Some(samples) = &plan.samples else {
+        return Ok(None);
+    };
+    let vae_load = LoadOptions {
+        dtype: amp.compute_dtype(),
+        vae_dtype: (amp == Amp::Fp16).then_some(DType::F32),
+        device: device.clone(),
+        train_unet: false,
+        train_text_encoders: false,
+    };
+    let clip_skip = plan.objective.clip_skip_layers;
+    let started = TrainingSamples::setup(
+        samples, sd, run_dir, seed, resolution, captions, te_trains, clip_skip, vae_load,
+    )
+    .context("sample_prompts")?;
+    eprintln!(
+        "samples: {} prompts every {} steps into {}",
+        samples.set.prompts.len(),
+        samples.every_n_steps,
+        samples_dir(run_dir).display()
+    );
+    Ok(Some(started))
+}
+
+impl TrainingSamples {
+    /// Draws the round of step `step` with the trained weights and/or the EMA weights, as the
+    /// plan asks. The UNet runs under checkpointing (one is made for the round when the run has
+    /// none). Running out of memory skips the round with a warning; the run goes on.
+    pub(super) fn draw(
+        &mut self,
+        sd: &mut StableDiffusion,
+        amp: Amp,
+        round: Round<'_>,
+        step: usize,
+        progress: &Progress,
+    ) -> anyhow::Result<()> {
+        let started = Instant::now();
+        let own_checkpointing = sd.unet.checkpointing.is_none();
+        if own_checkpointing {
+            sd.unet.checkpointing = Some(Checkpointing::new(Vec::new(), round.device)?);
+        }
+        let run = UnetRun {
+            dtype: amp.compute_dtype(),
+            batch_halves: round.micro >= 2,
+        };
+        let result = self.rounds(sd, run, step, round.ema, round.params);
+        if own_checkpointing {
+            sd.unet.checkpointing = None;
+        }
+        let rounds = match result {
+            Ok(rounds) => rounds,
+            Err(e) => return skip_on_oom(e, step, round.device, progress),
+        };
+        if let Some(tb) = round.tensorboard {
+            for s in rounds.iter().flat_map(|r| &r.strips) {
+                let (w, h) = s.image.dimensions();
+                tb.add_image_png(&s.tag, step, &s.png, w, h)?;
+            }
+        }
+        let grids: Vec<String> = rounds
+            .iter()
+            .filter_map(|r| r.paths.last())
+            .map(|p| p.display().to_string())
+            .collect();
+        progress.println(format!(
+            "step {step}: samples in {} ({:.1}s)",
+            grids.join(", "),
+            started.elapsed().as_secs_f64()
+        ));
+        Ok(())
+    }
+
+    /// The trained weights' round and, when asked, the EMA weights'.
+    fn rounds(
+        &mut self,
+        sd: &StableDiffusion,
+        run: UnetRun,
+        step: usize,
+        ema: Option<&Ema>,
+        params: &[Var],
+    ) -> anyhow::Result<Vec<RoundFiles>> {
+        let mut rounds = Vec::new();
+        if self.plan.trained_model {
+            rounds.push(self.round(sd, run, step, "")?);
+        }
+        if let (true, Some(ema)) = (self.plan.ema_model, ema) {
+            rounds.push(ema.with_weights(params, || self.round(sd, run, step, "ema"))?);
+        }
+        Ok(rounds)
+    }
+}
+
+/// A round that ran out of memory is skipped with a warning; any other error ends the run.
+fn skip_on_oom(
+    e: anyhow::Error,
+    step: usize,
+    device: &Device,
+    progress: &Progress,
+) -> anyhow::Result<()> {
+    let Some(oom) = find_oom(&e) else {
+        return Err(e.context(format!("drawing the samples of step {step}")));
+    };
+    drop(e);
+    trim_pool(device).context("freeing memory after an OOM")?;
+    progress.println(format!(
+        "warning: step {step}: samples skipped, out of device memory ({})",
+        oom.detail
+    ));
+    Ok(())
 }
 
 /// A job's conditioning, with the negative half whenever any of its scales guides.

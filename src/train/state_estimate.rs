@@ -13,8 +13,8 @@ use crate::model::files::{Component, ComponentFiles};
 use crate::model::source::ModelSource;
 
 use super::memory_plan::Census;
+use super::param_groups::update_rule;
 use super::te_freeze::text_encoder_param_trains;
-use super::trainer::update_rule;
 
 /// One group's trained parameters and the bytes of optimizer state they take.
 #[derive(Debug, Clone, PartialEq)]

@@ -2,7 +2,7 @@
 
 use std::fmt;
 
-use super::trainer::TrainOutcome;
+use super::outcome::TrainOutcome;
 
 pub struct Summary<'a>(pub &'a TrainOutcome);
 

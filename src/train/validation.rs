@@ -97,6 +97,17 @@ impl Validation {
         })
     }
 
+    /// Whether the validation loss is due after `steps` of the run's `total_steps`: every
+    /// `validation_every_n_steps`, or at the end of each epoch, and always after the run's last
+    /// step, so a run that ends mid-epoch reports one.
+    pub fn due(&self, steps: usize, total_steps: usize, last_of_epoch: bool) -> bool {
+        steps >= total_steps
+            || match self.every_n_steps {
+                Some(n) => steps.is_multiple_of(n),
+                None => last_of_epoch,
+            }
+    }
+
     /// Encodes the set's latents once (in `dir` for a disk cache), for runs that release the VAE.
     pub fn cache_latents(
         &mut self,

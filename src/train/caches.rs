@@ -1,0 +1,131 @@
+//! The run's caches, built once before the first step, each releasing the model it replaces:
+//! - the text-encoder output cache ([`super::text_cache`]), when no text encoder trains and the
+//!   captions do not change from step to step; the text encoders are released;
+//! - the latent cache ([`super::latent_cache`]), in memory or on disk, for the training images
+//!   and the validation set; the VAE is released.
+
+use std::time::Instant;
+
+use anyhow::Context;
+use candle_core::Device;
+
+use super::data_feed::DataFeed;
+use super::latent_cache::{self, CacheSpec};
+use super::text_cache::{self, TextCache};
+use super::validation::Validation;
+use crate::config::{CacheLatents, TrainPlan};
+use crate::memory::trim_pool;
+use crate::model::pipeline::StableDiffusion;
+
+/// What the caches built: the text cache, if any, and one line per cache for the summary.
+pub(super) struct Caches {
+    pub text: Option<TextCache>,
+    pub lines: Vec<String>,
+}
+
+/// Builds the caches that apply to `plan` (`te_trains`: whether a text encoder trains).
+pub(super) fn build(
+    plan: &TrainPlan,
+    sd: &mut StableDiffusion,
+    feed: &mut DataFeed,
+    validation: Option<&mut Validation>,
+    te_trains: bool,
+    device: &Device,
+) -> anyhow::Result<Caches> {
+    let (text, line) = text_encoder_cache(plan, sd, feed, validation.as_deref(), te_trains)?;
+    eprintln!("{line}");
+    let mut lines = vec![line];
+    match latents(plan, sd, feed, validation, device)? {
+        Some(line) => {
+            eprintln!("{line}");
+            lines.push(line);
+        }
+        None => lines.push("latent cache: off (the VAE encodes every step)".into()),
+    }
+    Ok(Caches { text, lines })
+}
+
+/// The text-encoder output cache, when it applies, and its line.
+fn text_encoder_cache(
+    plan: &TrainPlan,
+    sd: &mut StableDiffusion,
+    feed: &DataFeed,
+    validation: Option<&Validation>,
+    te_trains: bool,
+) -> anyhow::Result<(Option<TextCache>, String)> {
+    let data = &plan.data;
+    let why = text_cache::why_off(
+        data.cache_text_encoder_outputs,
+        te_trains,
+        data.shuffle_tags,
+        data.cond_dropout,
+    );
+    if let Some(why) = why {
+        return Ok((None, format!("text-encoder cache: off ({why})")));
+    }
+    let started = Instant::now();
+    let mut captions: Vec<&str> = feed
+        .dataset
+        .items
+        .iter()
+        .map(|i| i.caption.as_str())
+        .collect();
+    if let Some(v) = validation {
+        captions.extend(v.items.iter().map(|i| i.caption.as_str()));
+    }
+    let batch = plan.batch_size.max(1);
+    let cache = TextCache::build(sd, captions, plan.objective.clip_skip_layers, batch)
+        .context("caching the text encoders' outputs")?;
+    sd.release_text_encoders();
+    let line = format!(
+        "text-encoder cache: {} captions encoded in {:.1} s; text encoders released",
+        cache.len(),
+        started.elapsed().as_secs_f64()
+    );
+    Ok((Some(cache), line))
+}
+
+/// The latent cache, when `cache_latents` is on: the training images' latents go to `feed`,
+/// the validation set's to it; returns the cache's line (none when off).
+fn latents(
+    plan: &TrainPlan,
+    sd: &mut StableDiffusion,
+    feed: &mut DataFeed,
+    validation: Option<&mut Validation>,
+    device: &Device,
+) -> anyhow::Result<Option<String>> {
+    let data = &plan.data;
+    if data.cache_latents == CacheLatents::Off {
+        return Ok(None);
+    }
+    let started = Instant::now();
+    let batch = plan.batch_size.max(1);
+    let dir = (data.cache_latents == CacheLatents::Disk)
+        .then(|| plan.output_dir.join(latent_cache::CACHE_DIR));
+    let spec = CacheSpec {
+        items: &feed.dataset.items,
+        buckets: &feed.buckets,
+        with_flip: data.flip_p > 0.0,
+        dir: dir.clone(),
+        max_pixels: data.max_image_pixels,
+        batch,
+    };
+    let (store, stats) = latent_cache::build(sd, &spec, device).context("caching latents")?;
+    feed.use_latents(store);
+    if let Some(v) = validation {
+        v.cache_latents(sd, dir.clone(), batch, device)
+            .context("caching the validation images' latents")?;
+    }
+    sd.release_vae();
+    trim_pool(device).context("freeing the VAE")?;
+    let place = match &dir {
+        Some(d) => format!("in {}", d.display()),
+        None => "in memory".into(),
+    };
+    Ok(Some(format!(
+        "latent cache {place}: {} encoded, {} reused, in {:.1} s; VAE released",
+        stats.encoded,
+        stats.reused,
+        started.elapsed().as_secs_f64()
+    )))
+}

@@ -1,0 +1,225 @@
+//! One optimizer step, straight down (nanoGPT's shape):
+//! 1. forward and backward over the step's samples, a chunk of at most the micro-batch at a time
+//!    ([`SampleCursor`]), each chunk's loss weighted by its share of the effective batch, and the
+//!    gradients summed ([`GradAccumulator`]); an out-of-memory error halves the micro-batch and
+//!    retries the same samples ([`halve_after_oom`]);
+//! 2. clipping, per group, as EveryDream2's `clip_grad_norm` does;
+//! 3. the step's one device→host sync: the loss and every gradient's sum of squares;
+//! 4. the loss scaler's update and, when everything is finite, each group's update, one
+//!    parameter at a time so an out-of-memory error retries that parameter alone.
+
+use std::time::Instant;
+
+use anyhow::{anyhow, Context};
+use candle_core::backprop::GradStore;
+use candle_core::{Device, Tensor, Var};
+
+use super::accumulate::{Accumulated, GradAccumulator};
+use super::data_feed::StepData;
+use super::micro_batch::MicroBatching;
+use super::oom::{injected, OutOfMemory};
+use super::oom_policy::{halve_after_oom, retry_once_on_oom};
+use super::param_groups::Group;
+use super::sample_cursor::{Chunk, SampleCursor};
+use super::step::{forward_backward, prepare_batch, sample_rngs, SampleData, StepSettings};
+use crate::model::pipeline::StableDiffusion;
+use crate::optim::{clip_grad_norm, Finite, StepCheck};
+use crate::precision::{LossScaler, ScaleChange};
+
+/// The optimizer groups and the state one update needs.
+pub(super) struct Optimization {
+    pub groups: Vec<Group>,
+    /// Every trainable parameter, over all groups.
+    pub params: Vec<Var>,
+    pub scaler: Box<dyn LossScaler>,
+    /// The micro-batch size in force (halved by out-of-memory retries).
+    pub micro: MicroBatching,
+    /// The run's optimizer steps.
+    pub total_steps: usize,
+}
+
+/// What one optimizer step did.
+pub(super) struct StepReport {
+    pub loss: f64,
+    pub grad_norm: f64,
+    /// False when a gradient or the loss was non-finite and the update was skipped.
+    pub applied: bool,
+    pub lrs: Vec<f64>,
+    pub images: usize,
+    /// The step's wall time: forward, backward and update (the data is decoded ahead, on its
+    /// own thread).
+    pub secs: f64,
+    pub scale: ScaleChange,
+    /// One line per out-of-memory retry during the step.
+    pub retries: Vec<String>,
+}
+
+impl Optimization {
+    /// Whether a text encoder trains (it has its own group).
+    pub fn text_encoder_trains(&self) -> bool {
+        self.groups.len() > 1
+    }
+
+    /// One optimizer step over `data` (the step's micro-batches, each of one bucket, and their
+    /// samples), (0-based) `step` of the run.
+    pub fn step(
+        &mut self,
+        sd: &StableDiffusion,
+        settings: &StepSettings<'_>,
+        data: &StepData,
+        step: usize,
+        clip: Option<f64>,
+        device: &Device,
+    ) -> anyhow::Result<StepReport> {
+        let started = Instant::now();
+        self.scaler.begin_step(step);
+        let loss_scale = self.scaler.scale();
+        let mut micro = self.micro;
+        let result = accumulate_grads(
+            sd,
+            settings,
+            data,
+            &self.params,
+            step,
+            &mut micro,
+            loss_scale,
+            device,
+        );
+        // Kept whether the step succeeded or ran out of memory at batch 1: the save says so.
+        self.micro = micro;
+        let (mut done, retries) = result?;
+        let pre_clip = match clip {
+            Some(max) => Some(self.clip(&mut done.grads, max)?),
+            None => None,
+        };
+        // The step's one device→host sync: the loss and every gradient's sum of squares.
+        let present: Vec<&Tensor> = self
+            .params
+            .iter()
+            .filter_map(|v| done.grads.get(v))
+            .collect();
+        let check = StepCheck::fetch(&done.loss, &present)?;
+        let lrs: Vec<f64> = self
+            .groups
+            .iter_mut()
+            .map(|g| g.set_lr_for_step(step))
+            .collect();
+        let finite = check.finite();
+        let scale = self.scaler.update(finite.is_some());
+        if let Some(finite) = finite {
+            for g in self.groups.iter_mut() {
+                update_group(g, &done.grads, finite, device, step)?;
+            }
+        }
+        Ok(StepReport {
+            loss: check.loss,
+            grad_norm: pre_clip.unwrap_or(f64::from(check.grad_norm)),
+            applied: finite.is_some(),
+            lrs,
+            images: done.samples,
+            secs: started.elapsed().as_secs_f64(),
+            scale,
+            retries,
+        })
+    }
+
+    /// EveryDream2's clip_grad_norm: each group clipped to the norm on its own (UNet, text
+    /// encoder). Returns the global norm before clipping, which is what the log shows.
+    fn clip(&self, grads: &mut GradStore, max: f64) -> anyhow::Result<f64> {
+        let mut sq = 0f64;
+        for g in &self.groups {
+            let n = clip_grad_norm(&g.vars, grads, max)
+                .with_context(|| format!("{} gradient clipping", g.name))?;
+            sq += f64::from(n).powi(2);
+        }
+        Ok(sq.sqrt())
+    }
+}
+
+/// Forward and backward over every sample of `data`, `micro.size` at a time within each
+/// micro-batch, halving `micro` on an out-of-memory error and retrying the same samples.
+/// Returns the accumulated loss and gradients, and one line per retry.
+#[allow(clippy::too_many_arguments)]
+fn accumulate_grads(
+    sd: &StableDiffusion,
+    settings: &StepSettings<'_>,
+    data: &StepData,
+    params: &[Var],
+    step: usize,
+    micro: &mut MicroBatching,
+    loss_scale: f64,
+    device: &Device,
+) -> anyhow::Result<(Accumulated, Vec<String>)> {
+    let mut acc = GradAccumulator::new(params);
+    let mut retries = Vec::new();
+    let mut cursor = SampleCursor::new(&data.micro);
+    while let Some(chunk) = cursor.peek(micro.size) {
+        match train_chunk(sd, settings, data, &chunk, step, loss_scale) {
+            Ok((loss, grads)) => {
+                acc.add(loss, grads, chunk.range.len())?;
+                cursor.advance(&chunk);
+            }
+            Err(e) => retries.push(halve_after_oom(e, micro, device, step, cursor.effective())?),
+        }
+    }
+    let done = acc.finish(loss_scale)?;
+    done.map(|d| (d, retries))
+        .ok_or_else(|| anyhow!("optimizer step {} had no micro-batches", step + 1))
+}
+
+/// Draws, forward and backward for one chunk of the step's samples, with their own seeds; the
+/// loss is weighted by the chunk's share of the step.
+fn train_chunk(
+    sd: &StableDiffusion,
+    settings: &StepSettings<'_>,
+    data: &StepData,
+    chunk: &Chunk<'_>,
+    step: usize,
+    loss_scale: f64,
+) -> anyhow::Result<(Tensor, GradStore)> {
+    let samples: Vec<&SampleData> = data.samples[chunk.range.clone()].iter().collect();
+    let mut rngs = sample_rngs(&data.seeds[chunk.range.clone()]);
+    let batch = prepare_batch(sd, &samples, settings, &mut rngs)?;
+    let result = forward_backward(sd, &batch, settings, chunk.share, loss_scale)?;
+    if injected(step, chunk.ids) {
+        return Err(OutOfMemory {
+            detail: "injected by a test".into(),
+        }
+        .into());
+    }
+    Ok(result)
+}
+
+/// The group's update, one parameter at a time, each under [`retry_once_on_oom`]: a retry
+/// repeats only the parameter that failed, so none is updated twice.
+fn update_group(
+    g: &mut Group,
+    grads: &GradStore,
+    finite: Finite,
+    device: &Device,
+    step: usize,
+) -> anyhow::Result<()> {
+    let name = g.name;
+    let optimizer = &mut g.optimizer;
+    for (slot, grad) in optimizer.pending(grads)? {
+        let place = || format!("in the {name} optimizer step at step {}", step + 1);
+        retry_once_on_oom(device, place, || {
+            optimizer
+                .apply_checked(slot, grad, finite)
+                .with_context(|| format!("{name} optimizer step"))
+        })?;
+    }
+    Ok(())
+}
+
+/// The line printed for a skipped step.
+pub(super) fn skipped_message(step: usize, scale: ScaleChange) -> String {
+    match scale {
+        ScaleChange::BackedOff(s) => format!(
+            "step {step}: gradients overflowed in fp16, step skipped; loss scale lowered to {s}"
+        ),
+        ScaleChange::Unchanged | ScaleChange::Grew(_) => {
+            format!("step {step}: non-finite loss or gradient, step skipped")
+        }
+    }
+}

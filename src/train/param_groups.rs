@@ -1,0 +1,186 @@
+//! The run's optimizer groups, as EveryDream2's optimizer.json splits them: the UNet and, when
+//! trained, the text encoder(s), each under its own optimizer and learning-rate schedule. In
+//! adapter modes the groups hold the adapters' parameters, with `adapter.unet_lr` and
+//! `adapter.text_encoder_lr` overriding the groups' learning rates.
+
+use anyhow::Context;
+use candle_core::Var;
+
+use super::adapters::TrainedAdapters;
+use super::te_freeze::text_encoder_param_trains;
+use crate::config::{OptimizerKind, ParamGroupPlan, TrainPlan};
+use crate::model::files::Component;
+use crate::model::pipeline::StableDiffusion;
+use crate::optim::{
+    Adafactor, AdafactorParams, AdamW, AdamW8bit, AdamWParams, GroupOptimizer, Lion, LionParams,
+    LrSchedule, Optimizer, UpdateRule,
+};
+
+/// One optimizer over one parameter group, with its schedule.
+pub(super) struct Group {
+    pub name: &'static str,
+    pub optimizer: GroupOptimizer,
+    /// The group's parameters, for clipping and the gradient check.
+    pub vars: Vec<Var>,
+    /// Their names in the optimizer state (and, prefixed by the group, in a save point).
+    pub names: Vec<String>,
+    pub schedule: LrSchedule,
+    pub base_lr: f64,
+}
+
+/// The optimizer a group's plan names, over `params`.
+pub(crate) fn build_optimizer(
+    plan: &ParamGroupPlan,
+    params: Vec<(String, Var)>,
+) -> crate::optim::Result<GroupOptimizer> {
+    GroupOptimizer::new(update_rule(plan)?, params, plan.lr)
+}
+
+/// The update rule a group's plan names.
+pub(crate) fn update_rule(plan: &ParamGroupPlan) -> crate::optim::Result<Box<dyn UpdateRule>> {
+    let adam = AdamWParams {
+        lr: plan.lr,
+        beta1: plan.betas.0,
+        beta2: plan.betas.1,
+        eps: plan.epsilon,
+        weight_decay: plan.weight_decay,
+    };
+    let lion = LionParams {
+        beta1: plan.betas.0,
+        beta2: plan.betas.1,
+        weight_decay: plan.weight_decay,
+    };
+    Ok(match plan.optimizer {
+        OptimizerKind::AdamW => Box::new(AdamW::rule(adam)?),
+        OptimizerKind::AdamW8bit => Box::new(AdamW8bit::rule(adam)?),
+        OptimizerKind::Lion => Box::new(Lion::rule(lion, false)?),
+        OptimizerKind::Lion8bit => Box::new(Lion::rule(lion, true)?),
+        OptimizerKind::Adafactor => Box::new(Adafactor::rule(AdafactorParams {
+            eps: plan.adafactor.eps,
+            clip_threshold: plan.adafactor.clip_threshold,
+            decay_rate: plan.adafactor.decay_rate,
+            beta1: plan.adafactor.beta1,
+            weight_decay: plan.weight_decay,
+            scale_parameter: plan.adafactor.scale_parameter,
+        })?),
+    })
+}
+
+impl Group {
+    fn new(
+        name: &'static str,
+        params: Vec<(String, Var)>,
+        plan: &ParamGroupPlan,
+        total_steps: u64,
+    ) -> anyhow::Result<Self> {
+        let resolved = plan.schedule.resolve(total_steps);
+        let schedule = LrSchedule {
+            kind: resolved.kind,
+            warmup_steps: resolved.warmup_steps as usize,
+            decay_steps: resolved.decay_steps as usize,
+        };
+        schedule
+            .validate(plan.lr)
+            .with_context(|| format!("{name} lr schedule"))?;
+        let vars = params.iter().map(|(_, v)| v.clone()).collect();
+        let names = params.iter().map(|(n, _)| n.clone()).collect();
+        let optimizer =
+            build_optimizer(plan, params).with_context(|| format!("{name} optimizer"))?;
+        Ok(Self {
+            name,
+            optimizer,
+            vars,
+            names,
+            schedule,
+            base_lr: plan.lr,
+        })
+    }
+
+    /// Sets the optimizer's learning rate for (0-based) `step` from the schedule; returns it.
+    pub fn set_lr_for_step(&mut self, step: usize) -> f64 {
+        let lr = self.schedule.lr_at(self.base_lr, step);
+        self.optimizer.set_learning_rate(lr);
+        lr
+    }
+}
+
+/// Every trained parameter, named `<group>/<name>` as a save point stores it.
+pub(super) fn named_params(groups: &[Group]) -> Vec<(String, Var)> {
+    groups
+        .iter()
+        .flat_map(|g| {
+            g.names
+                .iter()
+                .zip(&g.vars)
+                .map(|(n, v)| (format!("{}/{n}", g.name), v.clone()))
+        })
+        .collect()
+}
+
+/// The groups' names, in order, as a save point records them.
+pub(super) fn group_names(groups: &[Group]) -> Vec<String> {
+    groups.iter().map(|g| g.name.to_string()).collect()
+}
+
+/// The optimizer groups: the UNet and, when trained, the text encoder(s); for adapter modes, the
+/// adapter parameters with `adapter.unet_lr`/`text_encoder_lr` overriding the groups' lr.
+pub(super) fn param_groups(
+    sd: &StableDiffusion,
+    plan: &TrainPlan,
+    adapters: Option<&TrainedAdapters>,
+    total_steps: u64,
+) -> anyhow::Result<Vec<Group>> {
+    let (unet_params, te_params, unet_plan, te_plan) = match adapters {
+        None => (
+            sd.unet_weights.params(),
+            trainable_text_encoder_params(sd, plan),
+            plan.optimizer.unet,
+            plan.optimizer.text_encoder,
+        ),
+        Some(a) => {
+            let mut unet_plan = plan.optimizer.unet;
+            let mut te_plan = plan.optimizer.text_encoder;
+            if let Some(lr) = a.plan.unet_lr {
+                unet_plan.lr = lr;
+            }
+            if let Some(lr) = a.plan.text_encoder_lr {
+                te_plan.lr = lr;
+            }
+            (a.params(false), a.params(true), unet_plan, te_plan)
+        }
+    };
+    let mut groups = vec![Group::new("unet", unet_params, &unet_plan, total_steps)?];
+    if !te_params.is_empty() {
+        groups.push(Group::new(
+            "text_encoder",
+            te_params,
+            &te_plan,
+            total_steps,
+        )?);
+    }
+    Ok(groups)
+}
+
+/// The trainable text-encoder parameters: all of them unless `unfreeze_last_n_layers` freezes
+/// the front, as EveryDream2 does.
+fn trainable_text_encoder_params(sd: &StableDiffusion, plan: &TrainPlan) -> Vec<(String, Var)> {
+    if !plan.train_text_encoder {
+        return Vec::new();
+    }
+    let folders = [Component::TextEncoder, Component::TextEncoder2];
+    sd.text_encoders
+        .iter()
+        .zip(folders)
+        .flat_map(|(te, folder)| {
+            let layers = te.model.num_layers();
+            // Prefixed by the component: SDXL's two encoders share checkpoint names.
+            te.weights
+                .params()
+                .into_iter()
+                .filter_map(move |(name, var)| {
+                    text_encoder_param_trains(&name, layers, plan.unfreeze_last_n_layers)
+                        .then(|| (format!("{folder}.{name}"), var))
+                })
+        })
+        .collect()
+}

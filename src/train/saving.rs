@@ -1,0 +1,237 @@
+//! Saving a run: the trained weights at each save point (a diffusers folder and/or a single
+//! file for a full fine-tune, a kohya LoRA file for adapter modes), the EMA weights beside them
+//! under an `-ema` name, and the resume save point (parameters, optimizer states, EMA, trainer
+//! state), pruned to `checkpoints_total_limit`.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::Context;
+use candle_core::DType;
+
+use super::adapters::{SaveInfo, TrainedAdapters};
+use super::ema::Ema;
+use super::optimizer_step::Optimization;
+use super::param_groups::{named_params, Group};
+use super::progress::Progress;
+use super::resume::{self, TrainerState};
+use super::run_dir::RunDir;
+use crate::config::TrainPlan;
+use crate::model::family::ModelLayout;
+use crate::model::files::Component;
+use crate::model::pipeline::StableDiffusion;
+use crate::optim::Optimizer;
+
+/// When a save happens.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum SavePoint {
+    Epoch(usize),
+    Final,
+    Interrupted(usize),
+    /// The last completed step, saved when a run gives up on an out-of-memory error.
+    Errored(usize),
+    /// Every `save_every_n_steps`.
+    Step(usize),
+}
+
+/// What the EMA weights' folder or file adds to the normal name (EveryDream2 saves `<name>_ema`).
+const EMA_SUFFIX: &str = "-ema";
+
+/// Everything a save needs but the optimizer groups (which the loop mutates between saves).
+pub(super) struct Saver<'a> {
+    pub sd: &'a StableDiffusion,
+    pub layout: &'a ModelLayout,
+    pub plan: &'a TrainPlan,
+    pub adapters: Option<&'a TrainedAdapters>,
+    pub run: &'a RunDir,
+    pub resolution: usize,
+    pub images: usize,
+    pub started_unix: f64,
+    pub seed: u64,
+    /// The EMA copy, whose weights each save also writes (under [`EMA_SUFFIX`]).
+    pub ema: Option<&'a Ema>,
+}
+
+impl Saver<'_> {
+    /// Saves at `point`: the weights, the EMA weights and, except at the end of a run without
+    /// `save_optimizer`, a resume save point holding `state`. Returns the weights' paths.
+    pub fn save_point(
+        &self,
+        opt: &Optimization,
+        state: &TrainerState,
+        point: SavePoint,
+        epoch: usize,
+        progress: &Progress,
+    ) -> anyhow::Result<Vec<PathBuf>> {
+        let steps = state.steps;
+        let mut paths = self.save(&opt.groups, point, steps, epoch, progress, "")?;
+        if let Some(ema) = self.ema {
+            paths.extend(ema.with_weights(&opt.params, || {
+                self.save(&opt.groups, point, steps, epoch, progress, EMA_SUFFIX)
+            })?);
+        }
+        if matches!(point, SavePoint::Final) && !self.plan.save_optimizer {
+            return Ok(paths);
+        }
+        self.write_state(opt, state)?;
+        if let Some(keep) = self.plan.checkpoints_total_limit {
+            for step in resume::prune(&self.run.path, keep, |s| self.step_outputs(s))? {
+                progress.println(format!(
+                    "removed the save point of step {step} (checkpoints_total_limit {keep})"
+                ));
+            }
+        }
+        Ok(paths)
+    }
+
+    /// The resume save point of `state.steps`: parameters, optimizer states, EMA and `state`.
+    fn write_state(&self, opt: &Optimization, state: &TrainerState) -> anyhow::Result<()> {
+        let dir = resume::state_dir(&self.run.path, state.steps);
+        let groups = &opt.groups;
+        resume::write(&dir, state, &named_params(groups), |d| {
+            for g in groups {
+                let p = resume::optimizer_file(d, g.name);
+                g.optimizer
+                    .save_state(&p)
+                    .with_context(|| format!("saving {}", p.display()))?;
+            }
+            if let Some(ema) = self.ema {
+                ema.save(&d.join(resume::EMA_FILE))?;
+            }
+            Ok(())
+        })
+    }
+
+    /// The weights a step save of `step` wrote (removed with its save point by
+    /// `checkpoints_total_limit`).
+    fn step_outputs(&self, step: usize) -> Vec<PathBuf> {
+        let suffixes: &[&str] = match self.ema {
+            Some(_) => &["", EMA_SUFFIX],
+            None => &[""],
+        };
+        let project = &self.plan.project_name;
+        suffixes
+            .iter()
+            .flat_map(|sfx| match self.adapters {
+                None => {
+                    let dir = with_suffix(&self.run.step_dir(step), sfx);
+                    vec![single_file_path(&dir), dir]
+                }
+                Some(_) => vec![self
+                    .run
+                    .file(&format!("{project}-step-{step:06}{sfx}.safetensors"))],
+            })
+            .collect()
+    }
+
+    /// Saves the trained weights: a complete diffusers folder (full fine-tune) or a kohya LoRA
+    /// file (adapter modes), its name followed by `suffix`. Returns the paths.
+    fn save(
+        &self,
+        groups: &[Group],
+        point: SavePoint,
+        steps: usize,
+        epoch: usize,
+        progress: &Progress,
+        suffix: &str,
+    ) -> anyhow::Result<Vec<PathBuf>> {
+        let paths = match self.adapters {
+            None => self.save_model(point, suffix)?,
+            Some(a) => vec![self.save_adapters(a, groups, point, steps, epoch, suffix)?],
+        };
+        for p in &paths {
+            progress.println(format!("saved {}", p.display()));
+        }
+        Ok(paths)
+    }
+
+    /// A full fine-tune's weights, as `save_ckpt_format` asks: a diffusers folder, a single
+    /// file beside it, or both.
+    fn save_model(&self, point: SavePoint, suffix: &str) -> anyhow::Result<Vec<PathBuf>> {
+        let dir = match point {
+            SavePoint::Epoch(e) => self.run.epoch_dir(e),
+            SavePoint::Final => self.run.final_dir(),
+            SavePoint::Interrupted(s) => self.run.interrupted_dir(s),
+            SavePoint::Errored(s) => self.run.errored_dir(s),
+            SavePoint::Step(s) => self.run.step_dir(s),
+        };
+        let dir = with_suffix(&dir, suffix);
+        // Under the names the base files store them, so each component keeps its checkpoint's
+        // key layout (a text encoder with or without `text_model.`).
+        let mut updated = vec![(Component::Unet, self.sd.unet_weights.checkpoint_params())];
+        if self.plan.train_text_encoder {
+            let comps = [Component::TextEncoder, Component::TextEncoder2];
+            for (te, comp) in self.sd.text_encoders.iter().zip(comps) {
+                updated.push((comp, te.weights.checkpoint_params()));
+            }
+        }
+        let format = self.plan.model_file.save_ckpt_format;
+        let file = single_file_path(&dir);
+        if format.single_file() {
+            crate::model::single_file::write::save_single_file(
+                self.layout,
+                &file,
+                &updated,
+                DType::F32,
+            )
+            .with_context(|| format!("saving {}", file.display()))?;
+        }
+        let mut written = Vec::new();
+        if format.diffusers() {
+            crate::model::export::save_diffusers_folder(self.layout, &dir, &updated, DType::F32)
+                .with_context(|| format!("saving {}", dir.display()))?;
+            written.push(dir);
+        }
+        if format.single_file() {
+            written.push(file);
+        }
+        Ok(written)
+    }
+
+    /// An adapter mode's kohya file, with the metadata kohya writes.
+    fn save_adapters(
+        &self,
+        adapters: &TrainedAdapters,
+        groups: &[Group],
+        point: SavePoint,
+        steps: usize,
+        epoch: usize,
+        suffix: &str,
+    ) -> anyhow::Result<PathBuf> {
+        let project = &self.plan.project_name;
+        let name = match point {
+            SavePoint::Epoch(e) => format!("{project}-epoch-{e:04}"),
+            SavePoint::Final => project.clone(),
+            SavePoint::Interrupted(s) => format!("{project}-step-{s:06}"),
+            SavePoint::Errored(s) => format!("{project}-errored-step-{s:06}"),
+            SavePoint::Step(s) => format!("{project}-step-{s:06}"),
+        } + suffix;
+        let path = self.run.file(&format!("{name}.safetensors"));
+        let info = SaveInfo {
+            steps,
+            epoch,
+            num_train_images: self.images,
+            resolution: self.resolution,
+            seed: self.seed,
+            unet_lr: groups[0].base_lr,
+            text_encoder_lr: groups.get(1).map(|g| g.base_lr),
+            output_name: &name,
+            started_at: self.started_unix,
+        };
+        adapters
+            .save(&path, info)
+            .with_context(|| format!("saving {}", path.display()))?;
+        Ok(path)
+    }
+}
+
+/// The single-file checkpoint saved beside a diffusers folder: `final/` → `final.safetensors`.
+fn single_file_path(dir: &Path) -> PathBuf {
+    with_suffix(dir, ".safetensors")
+}
+
+/// `path` with `suffix` added to its last component (`final` → `final-ema`).
+fn with_suffix(path: &Path, suffix: &str) -> PathBuf {
+    let mut name = path.file_name().unwrap_or_default().to_os_string();
+    name.push(suffix);
+    path.with_file_name(name)
+}

@@ -1,0 +1,497 @@
+//! Setting a run up, in the order that fails fast: the output folder and the save point to
+//! resume first (a run that cannot save or resume should not load anything), then the model in
+//! the run's precision with its adapters, the data and its buckets, the optimizer groups, the
+//! run folder and logs; then the resumed state, EMA, samples and caches.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{bail, Context};
+use candle_core::{DType, Device, Var};
+
+use super::adapters;
+use super::caches;
+use super::data_feed::{self, DataFeed};
+use super::ema::Ema;
+use super::interrupt::Interrupt;
+use super::log::RunLog;
+use super::loss_stats::Smoothed;
+use super::micro_batch::MicroBatching;
+use super::optimizer_step::Optimization;
+use super::param_groups::{named_params, param_groups};
+use super::resume::{self, RunKey, TrainerState};
+use super::run_dir::RunDir;
+use super::samples;
+use super::trainer::{Extras, Model, Outputs, Position, RunOptions, Session};
+use super::validation::Validation;
+use crate::config::{TrainMode, TrainPlan};
+use crate::data::{load_data_root_limited, Bucket, LoadedDataset};
+use crate::diffusion::{NoiseSchedule, Objective, ObjectiveConfig};
+use crate::memory::{prepare_device, DeviceSettings};
+use crate::model::family::ModelLayout;
+use crate::model::pipeline::{LoadOptions, StableDiffusion};
+use crate::model::source::ModelSource;
+use crate::nn::Checkpointing;
+use crate::precision::{scaler_for, Amp};
+
+impl<'a> Session<'a> {
+    /// Loads the model (frozen weights in the compute dtype, trainable ones as f32 masters),
+    /// attaches adapters, reads the data, builds the optimizer groups and creates the run folder;
+    /// then restores a save point and starts EMA, samples and caches.
+    pub(super) fn setup(plan: &'a TrainPlan, opts: &'a RunOptions) -> anyhow::Result<Self> {
+        let started = Instant::now();
+        // Before anything slow loads: a run that cannot save, or resume, should not start.
+        super::run_dir::ensure_output_dir(&plan.output_dir)?;
+        let resume_from = match &plan.resume {
+            Some(r) => {
+                let dir = resume::locate(r)?;
+                let state = resume::read_state(&dir)?;
+                Some((dir, state))
+            }
+            None => None,
+        };
+        let interrupt = Interrupt::install();
+        // Before anything is allocated: event tracking applies to tensors created afterwards.
+        prepare_device(&opts.device, DeviceSettings::default()).context("preparing the device")?;
+        let vram_cap = vram_limit(plan, &opts.device)?;
+        let mut model = load(plan, opts)?;
+        // Held out before anything counts the training set; a resumed run holds out the same.
+        let data_seed = resume_from.as_ref().map_or(plan.seed, |(_, st)| st.seed);
+        let (feed, validation) = load_data(plan, &model, data_seed, opts.show_progress)?;
+        let steps_per_epoch = feed.steps_in(&feed.epoch(data_seed, 0));
+        let total_steps = total_steps(plan, &feed, data_seed);
+        let groups = param_groups(&model.sd, plan, model.adapters.as_ref(), total_steps as u64)?;
+        let params: Vec<Var> = groups.iter().flat_map(|g| g.vars.iter().cloned()).collect();
+        if plan.precision.gradient_checkpointing {
+            let te_trains = groups.len() > 1;
+            let ck = attach_checkpointing(&mut model.sd, &params, te_trains, &opts.device)?;
+            model.checkpointing = Some(ck);
+        }
+        let shape = RunShape {
+            resolution: model.resolution,
+            steps_per_epoch,
+            total_steps,
+            amp: model.amp,
+        };
+        let resumed = resume_from
+            .as_ref()
+            .map(|(dir, state)| (dir.as_path(), state.steps));
+        let outputs = open_outputs(plan, resumed, &shape, started)?;
+        eprintln!(
+            "run folder: {}\n{} samples/epoch, {} steps/epoch of {}×{}, {} steps in all",
+            outputs.run.path.display(),
+            feed.dataset.epoch_len(),
+            steps_per_epoch,
+            plan.batch_size,
+            plan.grad_accum,
+            total_steps
+        );
+        let scaler = scaler_for(
+            model.amp,
+            plan.precision.scaler,
+            plan.optimizer.grad_scaler_step_tweaks,
+        );
+        let mut session = Self {
+            plan,
+            opts,
+            pos: Position {
+                seed: plan.seed,
+                key: run_key(plan, model.resolution),
+                epoch: 0,
+                steps_in_epoch: 0,
+                resumed: None,
+            },
+            model,
+            feed,
+            opt: Optimization {
+                groups,
+                params,
+                scaler,
+                micro: MicroBatching::new(plan.batch_size),
+                total_steps,
+            },
+            outputs,
+            extras: Extras {
+                ema: None,
+                samples: None,
+                validation,
+                val_loss: None,
+                vram_cap,
+                smoothed: Smoothed::new(0.9),
+                interrupt,
+            },
+        };
+        session.start_extras(resume_from)?;
+        Ok(session)
+    }
+
+    /// Restores the save point, if any, then starts the EMA, the samples and the caches.
+    fn start_extras(&mut self, resume_from: Option<(PathBuf, TrainerState)>) -> anyhow::Result<()> {
+        let resumed_dir = match resume_from {
+            Some((dir, state)) => {
+                self.restore(&dir, state)?;
+                Some(dir)
+            }
+            None => None,
+        };
+        let ema_file = resumed_dir.map(|d| d.join(resume::EMA_FILE));
+        let named = named_params(&self.opt.groups);
+        let (total, device) = (self.opt.total_steps, &self.opts.device);
+        self.extras.ema = Ema::start(
+            self.plan.ema.as_ref(),
+            &named,
+            total,
+            ema_file.as_deref(),
+            device,
+        )?;
+        // Before the caches: a text cache releases the encoders the prompts need.
+        let captions: Vec<String> = self
+            .feed
+            .dataset
+            .items
+            .iter()
+            .map(|m| m.caption.clone())
+            .collect();
+        self.extras.samples = samples::start(
+            self.plan,
+            &self.model.sd,
+            &self.outputs.run.path,
+            self.pos.seed,
+            self.model.resolution,
+            &captions,
+            self.opt.text_encoder_trains(),
+            self.model.amp,
+            device,
+        )?;
+        let built = caches::build(
+            self.plan,
+            &mut self.model.sd,
+            &mut self.feed,
+            self.extras.validation.as_mut(),
+            self.opt.text_encoder_trains(),
+            device,
+        )?;
+        self.model.text_cache = built.text;
+        self.outputs.caches = built.lines;
+        Ok(())
+    }
+
+    /// Continues from save point `dir`: parameters, optimizer states, the loss scaler and the
+    /// micro-batch ([`resume::restore`]), then the seed and the position in the data order.
+    fn restore(&mut self, dir: &Path, state: TrainerState) -> anyhow::Result<()> {
+        resume::restore(dir, &state, &mut self.opt, &self.pos.key)?;
+        if state.seed != self.pos.seed {
+            eprintln!("resume: seed {} from the save point", state.seed);
+        }
+        self.pos.seed = state.seed;
+        (self.pos.epoch, self.pos.steps_in_epoch) = (state.epoch, state.steps_in_epoch);
+        self.pos.resumed = Some(state);
+        Ok(())
+    }
+}
+
+/// What the run's shape resolved to at its start, written into plan.json.
+struct RunShape {
+    resolution: usize,
+    steps_per_epoch: usize,
+    total_steps: usize,
+    amp: Amp,
+}
+
+/// The model for `plan` in its precision, with its adapters, objective and resolution, and
+/// described on stderr.
+fn load(plan: &TrainPlan, opts: &RunOptions) -> anyhow::Result<Model> {
+    let amp = plan.precision.amp.resolve(&opts.device);
+    let layout = open_model(plan, amp)?;
+    let mut sd = load_model(&layout, plan, opts, amp)?;
+    let adapters = match plan.mode {
+        TrainMode::Full => None,
+        _ => Some(adapters::attach(&mut sd, plan)?),
+    };
+    let resolution = plan.data.resolution.unwrap_or(layout.native_resolution);
+    check_resolution(&sd, resolution)?;
+    let objective = build_objective(plan, &layout)?;
+    Ok(Model {
+        layout,
+        sd,
+        adapters,
+        objective,
+        amp,
+        resolution,
+        checkpointing: None,
+        text_cache: None,
+    })
+}
+
+/// The training data in its buckets, and the validation set held out of it (or read from its
+/// own folder), both announced on stderr.
+fn load_data(
+    plan: &TrainPlan,
+    model: &Model,
+    data_seed: u64,
+    show_progress: bool,
+) -> anyhow::Result<(DataFeed, Option<Validation>)> {
+    let data = &plan.data;
+    let mut dataset =
+        load_data_root_limited(&data.data_root, show_progress, data.max_image_pixels)?;
+    let align = model.sd.vae_scale << model.sd.unet.config.num_downsamples();
+    let bucket_list = data_feed::bucket_list(data.buckets.as_ref(), model.resolution, align)?;
+    let validation = hold_out_validation(plan, &mut dataset, data_seed, &bucket_list)?;
+    report_dataset(&dataset);
+    if dataset.epoch_len() == 0 {
+        bail!(
+            "data_root {} has no samples per epoch (the multipliers add up to less than 1)",
+            data.data_root.display(),
+        );
+    }
+    let buckets = data_feed::assign(&dataset.items, &bucket_list);
+    let feed = DataFeed::new(dataset, buckets, data, plan.batch_size, plan.grad_accum);
+    if data.buckets.is_some() {
+        let list: Vec<String> = feed
+            .bucket_counts()
+            .iter()
+            .map(|c| format!("{} ×{}", c.bucket, c.images))
+            .collect();
+        eprintln!("aspect buckets: {}", list.join(", "));
+    }
+    Ok((feed, validation))
+}
+
+/// The run's folder and logs: the save point's run continues in its own folder and log, a new
+/// run gets a new folder with plan.json.
+fn open_outputs(
+    plan: &TrainPlan,
+    resumed: Option<(&Path, usize)>,
+    shape: &RunShape,
+    started: Instant,
+) -> anyhow::Result<Outputs> {
+    let run = match resumed {
+        Some((dir, _)) => RunDir {
+            path: dir.parent().unwrap_or(dir).to_path_buf(),
+        },
+        None => {
+            let run = RunDir::create(&plan.output_dir, &plan.project_name)?;
+            write_plan(plan, &run, shape)?;
+            run
+        }
+    };
+    let log = RunLog::open(
+        &plan.log_folder(&run.path),
+        plan.tensorboard,
+        resumed.map(|r| r.1),
+    )?;
+    let started_unix = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64());
+    Ok(Outputs {
+        run,
+        log,
+        started,
+        started_unix,
+        caches: Vec::new(),
+    })
+}
+
+/// `vram_limit_gb`'s hold on the rest of the card, when set (a note on the CPU).
+fn vram_limit(
+    plan: &TrainPlan,
+    device: &Device,
+) -> anyhow::Result<Option<crate::memory::vram_cap::VramCap>> {
+    let Some(gb) = plan.vram_limit_gb else {
+        return Ok(None);
+    };
+    let cap = crate::memory::vram_cap::cap(device, gb).context("vram_limit_gb")?;
+    match &cap {
+        Some(c) => eprintln!("vram_limit_gb: this run has {}", c.describe()),
+        None => eprintln!("vram_limit_gb {gb} applies to CUDA cards; not on the CPU"),
+    }
+    Ok(cap)
+}
+
+/// The plan's model, resolved (hub cache, folder or single file) and described on stderr.
+fn open_model(plan: &TrainPlan, amp: Amp) -> anyhow::Result<ModelLayout> {
+    let source =
+        ModelSource::parse(&plan.model).with_context(|| format!("model `{}`", plan.model))?;
+    let dir = source
+        .resolve()
+        .with_context(|| format!("model `{}`", plan.model))?;
+    let layout = ModelLayout::read_with(&dir.path, None, &plan.single_file_options())?;
+    eprintln!(
+        "model: {} ({}, {} prediction, native {}px); precision {}{}",
+        plan.model,
+        layout.family.name(),
+        layout.prediction_type.name(),
+        layout.native_resolution,
+        amp.name(),
+        if plan.precision.gradient_checkpointing {
+            ", gradient checkpointing"
+        } else {
+            ""
+        }
+    );
+    Ok(layout)
+}
+
+/// Loads the model for `amp`: frozen weights in the compute dtype (the VAE in f32 under fp16),
+/// trainable components as f32 masters; the text encoders compute in the compute dtype.
+fn load_model(
+    layout: &ModelLayout,
+    plan: &TrainPlan,
+    opts: &RunOptions,
+    amp: Amp,
+) -> anyhow::Result<StableDiffusion> {
+    let full = plan.mode == TrainMode::Full;
+    let load = LoadOptions {
+        dtype: amp.compute_dtype(),
+        vae_dtype: (amp == Amp::Fp16).then_some(DType::F32),
+        device: opts.device.clone(),
+        // Adapter modes keep the base frozen (plain tensors): only the adapters are Vars.
+        train_unet: full,
+        train_text_encoders: full && plan.train_text_encoder,
+    };
+    Ok(StableDiffusion::load(layout.clone(), &load)?)
+}
+
+fn check_resolution(sd: &StableDiffusion, resolution: usize) -> anyhow::Result<()> {
+    let factor = sd.vae_scale << sd.unet.config.num_downsamples();
+    if !resolution.is_multiple_of(factor) {
+        bail!(
+            "resolution {resolution} must be a multiple of {factor} for this model (VAE ×{} and UNet ×{})",
+            sd.vae_scale,
+            1usize << sd.unet.config.num_downsamples()
+        );
+    }
+    Ok(())
+}
+
+fn build_objective(plan: &TrainPlan, layout: &ModelLayout) -> anyhow::Result<Objective> {
+    let mut schedule =
+        NoiseSchedule::from_config(&layout.scheduler_json()?, &layout.scheduler_config)?;
+    if plan.objective.zero_terminal_snr {
+        schedule = schedule.with_zero_terminal_snr();
+        if schedule.prediction_type() == crate::model::family::PredictionType::Epsilon {
+            eprintln!(
+                "warning: zero_terminal_snr on an epsilon-prediction model: at the last timestep \
+                 the noisy latent is the noise itself, so that step teaches nothing; the paper \
+                 pairs zero terminal SNR with v-prediction (SD2.x-v)"
+            );
+        }
+    }
+    Ok(Objective::new(
+        schedule,
+        ObjectiveConfig {
+            timestep_start: plan.objective.timestep_start as u32,
+            timestep_end: plan.objective.timestep_end as u32,
+            zero_frequency_noise_ratio: plan.objective.zero_frequency_noise_ratio,
+            min_snr_gamma: plan.objective.min_snr_gamma,
+        },
+    )?)
+}
+
+/// The validation set, when asked for: held out of `dataset` (or read from its own folder).
+fn hold_out_validation(
+    plan: &TrainPlan,
+    dataset: &mut LoadedDataset,
+    data_seed: u64,
+    buckets: &[Bucket],
+) -> anyhow::Result<Option<Validation>> {
+    let Some(v) = &plan.data.validation else {
+        return Ok(None);
+    };
+    let val = Validation::setup(v, dataset, data_seed, buckets, plan.data.max_image_pixels)?;
+    let when = v
+        .every_n_steps
+        .map_or("at the end of each epoch".to_string(), |n| {
+            format!("every {n} steps")
+        });
+    eprintln!("validation: {} images, {when}", val.items.len());
+    Ok(Some(val))
+}
+
+fn report_dataset(dataset: &LoadedDataset) {
+    eprintln!(
+        "data: {} images loaded, {} skipped",
+        dataset.items.len(),
+        dataset.skipped.len()
+    );
+    for (path, why) in &dataset.skipped {
+        eprintln!("  skipped {}: {why}", path.display());
+    }
+}
+
+/// Gradient checkpointing of the UNet's blocks, and of the text encoders' layers when they
+/// train, for the trainable `params`.
+fn attach_checkpointing(
+    sd: &mut StableDiffusion,
+    params: &[Var],
+    text_encoders_train: bool,
+    device: &Device,
+) -> anyhow::Result<Checkpointing> {
+    let ck = Checkpointing::new(params.to_vec(), device)?;
+    sd.unet.checkpointing = Some(ck.clone());
+    if text_encoders_train {
+        for te in sd.text_encoders.iter_mut() {
+            te.model.checkpointing = Some(ck.clone());
+        }
+    }
+    Ok(ck)
+}
+
+/// What a resume must share with this run.
+fn run_key(plan: &TrainPlan, resolution: usize) -> RunKey {
+    RunKey {
+        model: plan.model.clone(),
+        mode: format!("{:?}", plan.mode).to_lowercase(),
+        data_root: plan.data.data_root.clone(),
+        resolution,
+        batch_size: plan.batch_size,
+        grad_accum: plan.grad_accum,
+        data_shape: format!(
+            "buckets {}, crop_jitter {}",
+            match &plan.data.buckets {
+                None => "off".to_string(),
+                Some(b) => format!("{:?} up to {:?}", b.aspects, b.max_ratio),
+            },
+            plan.data.crop_jitter
+        ),
+    }
+}
+
+/// The run's steps: `max_steps`, or the steps of `max_epochs` epochs, whichever is fewer. The
+/// epochs are counted one by one, since runt batches and fractional multipliers make their
+/// lengths differ.
+fn total_steps(plan: &TrainPlan, feed: &DataFeed, seed: u64) -> usize {
+    let by_steps = plan.max_steps.map_or(usize::MAX, |s| s as usize);
+    let Some(epochs) = plan.max_epochs else {
+        return by_steps;
+    };
+    let mut total = 0usize;
+    for epoch in 0..epochs as usize {
+        total += feed.steps_in(&feed.epoch(seed, epoch));
+        if total >= by_steps {
+            return by_steps;
+        }
+    }
+    total
+}
+
+fn write_plan(plan: &TrainPlan, run: &RunDir, shape: &RunShape) -> anyhow::Result<()> {
+    let mut value = serde_json::to_value(plan)?;
+    let total = shape.total_steps as u64;
+    if let Some(obj) = value.as_object_mut() {
+        obj.insert(
+            "resolved_at_start".into(),
+            serde_json::json!({
+                "resolution": shape.resolution,
+                "amp": shape.amp.name(),
+                "steps_per_epoch": shape.steps_per_epoch,
+                "total_steps": shape.total_steps,
+                "unet_schedule": plan.optimizer.unet.schedule.resolve(total),
+                "text_encoder_schedule": plan.optimizer.text_encoder.schedule.resolve(total),
+            }),
+        );
+    }
+    let text = serde_json::to_string_pretty(&value)?;
+    crate::fsutil::write_atomic(&run.file("plan.json"), text)?;
+    Ok(())
+}
