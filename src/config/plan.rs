@@ -36,6 +36,8 @@ pub const DEFAULT_MAX_EPOCHS: u64 = 300;
 pub const DEFAULT_SEED: u64 = 555;
 /// EveryDream2's `--log_step` default.
 pub const DEFAULT_LOG_STEP: u64 = 25;
+/// Steps skipped in a row for a non-finite loss or gradient before a run stops.
+pub const DEFAULT_MAX_CONSECUTIVE_SKIPPED_STEPS: usize = 5;
 /// EveryDream2's `--cond_dropout` default.
 pub const DEFAULT_COND_DROPOUT: f64 = 0.04;
 /// EveryDream2's `--zero_frequency_noise_ratio` default.
@@ -172,6 +174,9 @@ pub struct TrainPlan {
     pub save_every_n_steps: Option<u64>,
     /// Keep only the newest N resume states; the step saves they belong to go with them.
     pub checkpoints_total_limit: Option<usize>,
+    /// The run stops (saving, exit 1) after this many steps in a row are skipped for a
+    /// non-finite loss or gradient; `None` never stops.
+    pub max_consecutive_skipped_steps: Option<usize>,
     /// CUDA: the GiB of the card the run may use; the rest is held back at the start.
     pub vram_limit_gb: Option<f64>,
     /// The run to continue: a run folder (its newest complete save point) or one save point's
@@ -318,6 +323,15 @@ impl TrainPlan {
             checkpoints_total_limit: ctx
                 .opt_at_least("checkpoints_total_limit", file.checkpoints_total_limit, 1)?
                 .map(|n| n as usize),
+            max_consecutive_skipped_steps: match ctx.opt_at_least(
+                "max_consecutive_skipped_steps",
+                file.max_consecutive_skipped_steps,
+                0,
+            )? {
+                None => Some(DEFAULT_MAX_CONSECUTIVE_SKIPPED_STEPS),
+                Some(0) => None,
+                Some(n) => Some(n as usize),
+            },
             save_optimizer: file.save_optimizer.unwrap_or(false),
             vram_limit_gb: match file.vram_limit_gb {
                 Some(x) if !(x.is_finite() && x > 0.0) => {
@@ -372,6 +386,15 @@ impl TrainPlan {
     /// The run folder name, `<project_name>-<YYYYmmdd-HHMMSS>` (EveryDream2's log folder name).
     pub fn run_name(&self, started: chrono::DateTime<chrono::Local>) -> String {
         format!("{}-{}", self.project_name, started.format("%Y%m%d-%H%M%S"))
+    }
+
+    /// Whether the run writes resume save points: `save_every_n_steps`, `save_every_n_epochs` or
+    /// `save_optimizer`. The end of such a run writes one too, so a finished run can be extended
+    /// with more steps or epochs exactly (kohya's `--save_state_on_train_end`).
+    pub fn writes_save_points(&self) -> bool {
+        self.save_optimizer
+            || self.save_every_n_steps.is_some()
+            || self.save_every_n_epochs.is_some()
     }
 
     /// Where the JSON-lines log of the run in `run_dir` goes.

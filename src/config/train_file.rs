@@ -41,6 +41,10 @@ pub struct TrainFile {
     /// Keep only the newest N resume states (diffusers' name); older step saves are deleted.
     #[serde(default)]
     pub checkpoints_total_limit: Option<i64>,
+    /// Stop the run after this many steps in a row are skipped for a non-finite loss or
+    /// gradient (5 when unset; 0 never stops).
+    #[serde(default)]
+    pub max_consecutive_skipped_steps: Option<i64>,
     /// CUDA: hold back all of the card beyond this many GiB, to rehearse a smaller card.
     #[serde(default)]
     pub vram_limit_gb: Option<f64>,

@@ -8,7 +8,7 @@ use candle_core::Var;
 
 use super::adapters::TrainedAdapters;
 use super::te_freeze::text_encoder_param_trains;
-use crate::config::{OptimizerKind, ParamGroupPlan, TrainPlan};
+use crate::config::{OptimizerKind, ParamGroupPlan, ScheduleSpec, TrainPlan};
 use crate::model::files::Component;
 use crate::model::pipeline::StableDiffusion;
 use crate::optim::{
@@ -25,6 +25,8 @@ pub(super) struct Group {
     /// Their names in the optimizer state (and, prefixed by the group, in a save point).
     pub names: Vec<String>,
     pub schedule: LrSchedule,
+    /// The schedule as configured, before the run's length resolved it.
+    pub spec: ScheduleSpec,
     pub base_lr: f64,
 }
 
@@ -73,12 +75,7 @@ impl Group {
         plan: &ParamGroupPlan,
         total_steps: u64,
     ) -> anyhow::Result<Self> {
-        let resolved = plan.schedule.resolve(total_steps);
-        let schedule = LrSchedule {
-            kind: resolved.kind,
-            warmup_steps: resolved.warmup_steps as usize,
-            decay_steps: resolved.decay_steps as usize,
-        };
+        let schedule = lr_schedule(&plan.schedule, total_steps);
         schedule
             .validate(plan.lr)
             .with_context(|| format!("{name} lr schedule"))?;
@@ -92,6 +89,7 @@ impl Group {
             vars,
             names,
             schedule,
+            spec: plan.schedule,
             base_lr: plan.lr,
         })
     }
@@ -101,6 +99,44 @@ impl Group {
         let lr = self.schedule.lr_at(self.base_lr, step);
         self.optimizer.set_learning_rate(lr);
         lr
+    }
+}
+
+/// `spec` resolved for a run of `total_steps` (automatic warmup and decay lengths).
+fn lr_schedule(spec: &ScheduleSpec, total_steps: u64) -> LrSchedule {
+    let resolved = spec.resolve(total_steps);
+    LrSchedule {
+        kind: resolved.kind,
+        warmup_steps: resolved.warmup_steps as usize,
+        decay_steps: resolved.decay_steps as usize,
+    }
+}
+
+/// What a resumed run's learning rates do when its length changed from `saved_total` steps
+/// to this run's: one line per group whose rate at `step` differs, or one saying the rates
+/// continue unchanged.
+pub(super) fn schedule_change(groups: &[Group], saved_total: usize, step: usize) -> String {
+    let changed: Vec<String> = groups
+        .iter()
+        .filter_map(|g| {
+            let before = lr_schedule(&g.spec, saved_total as u64).lr_at(g.base_lr, step);
+            let now = g.schedule.lr_at(g.base_lr, step);
+            (before != now).then(|| {
+                format!(
+                    "{} lr at step {step} is {now:e} (the saved schedule had {before:e})",
+                    g.name
+                )
+            })
+        })
+        .collect();
+    match changed.is_empty() {
+        true => "the learning rates continue unchanged (their schedule does not depend on the \
+                 run's length)"
+            .into(),
+        false => format!(
+            "the schedule is recomputed for the new length and continues from there: {}",
+            changed.join("; ")
+        ),
     }
 }
 

@@ -116,6 +116,10 @@ pub struct TrainerState {
     pub key: RunKey,
     /// The optimizer groups, in order.
     pub groups: Vec<String>,
+    /// The run's length in steps when saved, which its LR schedule was computed for (absent
+    /// from save points of earlier versions).
+    #[serde(default)]
+    pub total_steps: Option<usize>,
 }
 
 impl TrainerState {
@@ -134,6 +138,7 @@ impl TrainerState {
             seed,
             key,
             groups,
+            total_steps: None,
         }
     }
 }

@@ -52,8 +52,9 @@ pub(super) struct Saver<'a> {
 }
 
 impl Saver<'_> {
-    /// Saves at `point`: the weights, the EMA weights and, except at the end of a run without
-    /// `save_optimizer`, a resume save point holding `state`. Returns the weights' paths.
+    /// Saves at `point`: the weights, the EMA weights and, except at the end of a run that
+    /// writes no save points ([`TrainPlan::writes_save_points`]), a resume save point holding
+    /// `state`. Returns the weights' paths.
     pub fn save_point(
         &self,
         opt: &Optimization,
@@ -69,7 +70,7 @@ impl Saver<'_> {
                 self.save(&opt.groups, point, steps, epoch, progress, EMA_SUFFIX)
             })?);
         }
-        if matches!(point, SavePoint::Final) && !self.plan.save_optimizer {
+        if matches!(point, SavePoint::Final) && !self.plan.writes_save_points() {
             return Ok(paths);
         }
         self.write_state(opt, state)?;

@@ -18,7 +18,7 @@ use super::log::RunLog;
 use super::loss_stats::Smoothed;
 use super::micro_batch::MicroBatching;
 use super::optimizer_step::Optimization;
-use super::param_groups::{named_params, param_groups};
+use super::param_groups::{named_params, param_groups, schedule_change};
 use super::resume::{self, RunKey, TrainerState};
 use super::run_dir::RunDir;
 use super::samples;
@@ -119,6 +119,7 @@ impl<'a> Session<'a> {
                 vram_cap,
                 smoothed: Smoothed::new(0.9),
                 interrupt,
+                skips: Default::default(),
             },
         };
         session.start_extras(resume_from)?;
@@ -185,6 +186,13 @@ impl<'a> Session<'a> {
         }
         self.pos.seed = state.seed;
         (self.pos.epoch, self.pos.steps_in_epoch) = (state.epoch, state.steps_in_epoch);
+        let total = self.opt.total_steps;
+        if let Some(saved) = state.total_steps.filter(|&t| t != total) {
+            eprintln!(
+                "warning: resume: the run's length changed from {saved} to {total} steps; {}",
+                schedule_change(&self.opt.groups, saved, state.steps)
+            );
+        }
         self.pos.resumed = Some(state);
         Ok(())
     }

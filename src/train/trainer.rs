@@ -135,6 +135,34 @@ pub(super) struct Extras {
     /// The progress bar's smoothed loss.
     pub smoothed: Smoothed,
     pub interrupt: Interrupt,
+    /// The skipped steps since the last applied update ([`SkipCount`]), and the updates applied
+    /// in this process.
+    pub skips: SkipCount,
+}
+
+/// Steps skipped for a non-finite loss or gradient, counted toward
+/// `max_consecutive_skipped_steps`.
+#[derive(Debug, Default, Clone, Copy)]
+pub(super) struct SkipCount {
+    pub in_a_row: usize,
+    pub applied: usize,
+}
+
+impl SkipCount {
+    /// Counts `report`. An fp16 overflow that lowered the loss scale with a finite loss is the
+    /// scaler doing its work, not a failure, until the scale is down to 1.
+    fn count(&mut self, report: &StepReport) {
+        if report.applied {
+            self.in_a_row = 0;
+            self.applied += 1;
+            return;
+        }
+        let scaler_at_work = report.loss.is_finite()
+            && matches!(report.scale, crate::precision::ScaleChange::BackedOff(s) if s > 1.0);
+        if !scaler_at_work {
+            self.in_a_row += 1;
+        }
+    }
 }
 
 /// Everything a run holds between setup and the final save.
@@ -192,6 +220,12 @@ impl Session<'_> {
                 break;
             }
         }
+        let started_at = self.pos.resumed.as_ref().map_or(0, |s| s.steps);
+        if out.steps > started_at && self.extras.skips.applied == 0 {
+            let epoch = out.epochs_completed.saturating_sub(1);
+            let skipped = out.steps - started_at;
+            return Err(self.stop_after_skips(&out, epoch, skipped, &progress));
+        }
         if !out.interrupted {
             let epochs = out.epochs_completed;
             let saved = self.save_point(SavePoint::Final, &out, epochs, &progress)?;
@@ -237,6 +271,11 @@ impl Session<'_> {
             }
             self.validate_if_due(out, last_of_epoch, progress)?;
             self.record_step(&report, out, epoch, progress)?;
+            let limit = self.plan.max_consecutive_skipped_steps;
+            if limit.is_some_and(|n| self.extras.skips.in_a_row >= n) {
+                let in_a_row = self.extras.skips.in_a_row;
+                return Err(self.stop_after_skips(out, epoch, in_a_row, progress));
+            }
             self.sample_if_due(out.steps, false, progress)?;
             if self.extras.interrupt.requested() {
                 out.interrupted = true;
@@ -308,6 +347,7 @@ impl Session<'_> {
         }
         out.steps += 1;
         out.losses.push(report.loss);
+        self.extras.skips.count(&report);
         if let Some(ema) = &mut self.extras.ema {
             // After the update the step applied; a skipped step leaves the EMA as it is.
             if report.applied && ema.due(out.steps) {
@@ -467,6 +507,7 @@ impl Session<'_> {
         st.losses = out.losses.clone();
         st.micro = self.opt.micro;
         st.scaler = self.opt.scaler.state();
+        st.total_steps = Some(self.opt.total_steps);
         st
     }
 
@@ -540,7 +581,112 @@ impl Session<'_> {
     }
 }
 
+impl Session<'_> {
+    /// The run trained nothing for `in_a_row` steps in a row (`max_consecutive_skipped_steps`, or
+    /// all of this run's steps):
+    /// saves the last completed step as an `errored` checkpoint (the skipped steps left the
+    /// weights as the last applied update made them) and becomes [`NonFiniteStop`].
+    fn stop_after_skips(
+        &mut self,
+        out: &TrainOutcome,
+        epoch: usize,
+        in_a_row: usize,
+        progress: &Progress,
+    ) -> anyhow::Error {
+        let point = SavePoint::Errored(out.steps);
+        let saved = match self.save_point(point, out, epoch + 1, progress) {
+            Ok(paths) => format!(
+                "the weights as of the last applied update are saved in {}",
+                paths
+                    .iter()
+                    .map(|p| p.display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+            Err(err) => format!("saving them failed too: {err:#}"),
+        };
+        progress.finish();
+        NonFiniteStop {
+            in_a_row,
+            step: out.steps,
+            last_loss: out.losses.last().copied().unwrap_or(f64::NAN),
+            saved,
+            rungs: rung_lines(&nonfinite_rungs(self.plan, self.model.amp)),
+        }
+        .into()
+    }
+}
+
+/// The run stopped because its steps were skipped for a non-finite loss or gradient.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "the run stopped at step {step}: {in_a_row} steps in a row were skipped for a non-finite \
+     loss or gradient (last loss {last_loss}), so nothing was learned from them; {saved}.\n\
+     To train, try, in this order:\n{rungs}"
+)]
+pub struct NonFiniteStop {
+    pub in_a_row: usize,
+    pub step: usize,
+    pub last_loss: f64,
+    pub saved: String,
+    pub rungs: String,
+}
+
+/// What to change when the loss or gradients go non-finite, most likely first.
+fn nonfinite_rungs(plan: &TrainPlan, amp: Amp) -> Vec<String> {
+    let lr = plan.optimizer.unet.lr;
+    let mut rungs = vec![format!(
+        "lower the learning rate (the UNet's is {lr:e}; try {:e})",
+        lr / 10.0
+    )];
+    if amp == Amp::Fp16 {
+        rungs.push("use amp bf16 instead of fp16 (bf16 has fp32's range)".into());
+    }
+    if plan.clip_grad_norm.is_none() {
+        rungs.push("set clip_grad_norm (1.0 is common)".into());
+    }
+    rungs
+}
+
 /// The device's memory reading, or none where it cannot be read.
 pub(super) fn read_memory(device: &Device) -> Option<MemoryUsage> {
     MemoryUsage::read(device).ok().flatten()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::precision::ScaleChange;
+
+    fn report(applied: bool, loss: f64, scale: ScaleChange) -> StepReport {
+        StepReport {
+            loss,
+            grad_norm: 0.0,
+            applied,
+            lrs: vec![1e-4],
+            images: 1,
+            secs: 0.1,
+            scale,
+            retries: Vec::new(),
+        }
+    }
+
+    /// Skips count in a row until an update applies; an fp16 overflow with a finite loss that
+    /// lowered the scale is not counted until the scale reaches 1 (a rule that counted every
+    /// backoff would stop fp16 runs in their first steps; one that never counted them would
+    /// never stop a NaN fp16 run).
+    #[test]
+    fn skipped_steps_count_in_a_row_and_fp16_backoffs_only_at_scale_one() {
+        let mut n = SkipCount::default();
+        n.count(&report(false, f64::NAN, ScaleChange::Unchanged));
+        n.count(&report(false, 0.3, ScaleChange::Unchanged));
+        assert_eq!((n.in_a_row, n.applied), (2, 0));
+        n.count(&report(false, 0.3, ScaleChange::BackedOff(1024.0)));
+        assert_eq!(n.in_a_row, 2);
+        n.count(&report(false, 0.3, ScaleChange::BackedOff(1.0)));
+        n.count(&report(false, f64::NAN, ScaleChange::BackedOff(512.0)));
+        assert_eq!(n.in_a_row, 4);
+        n.count(&report(true, 0.3, ScaleChange::Unchanged));
+        assert_eq!((n.in_a_row, n.applied), (0, 1));
+    }
 }
