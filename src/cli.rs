@@ -177,14 +177,12 @@ fn memory_plan(
         .context("the model has no UNet")?;
     let (text, origin) = unet.config_text()?;
     let cfg = crate::model::unet::UnetConfig::from_json(&text, &origin.display().to_string())?;
-    let amp = match plan.precision.amp {
-        crate::config::AmpChoice::Set(a) => a,
-        crate::config::AmpChoice::DeviceDefault => crate::precision::Amp::Bf16,
-    };
-    let resolution = plan
-        .data
-        .resolution
-        .unwrap_or(estimate.layout.native_resolution);
+    // The card this machine has, else one of compute capability 8.0+ (bf16).
+    let card_amp = Device::new_cuda(0).map_or(crate::precision::Amp::Bf16, |d| {
+        crate::precision::Amp::default_for(&d)
+    });
+    let crate::config::RunShape { resolution, amp } =
+        plan.run_shape(estimate.layout.native_resolution, card_amp);
     let card = match plan.vram_limit_gb {
         Some(gb) => (gb * GIB, "vram_limit_gb".to_string()),
         None => detected_card().unwrap_or((

@@ -14,6 +14,7 @@ mod optimizer_plan;
 mod overrides;
 mod plan;
 mod precision_plan;
+mod run_shape;
 mod sample_plan;
 mod strict;
 mod summary;
@@ -34,5 +35,6 @@ pub use plan::{
     DEFAULT_CROP_JITTER,
 };
 pub use precision_plan::{AmpChoice, PrecisionPlan};
+pub use run_shape::RunShape;
 pub use sample_plan::{SamplePlan, DEFAULT_SAMPLE_STEPS};
 pub use train_file::TrainFile;

@@ -372,17 +372,6 @@ impl TrainPlan {
         })
     }
 
-    /// The number of steps training runs for, given the steps in one epoch: the smaller of
-    /// `max_epochs × steps_per_epoch` and `max_steps`. This is the length the automatic LR
-    /// warmup and decay are computed from ([`super::ScheduleSpec::resolve`]).
-    pub fn total_steps(&self, steps_per_epoch: u64) -> u64 {
-        let by_epochs = self
-            .max_epochs
-            .map(|e| e.saturating_mul(steps_per_epoch))
-            .unwrap_or(u64::MAX);
-        by_epochs.min(self.max_steps.unwrap_or(u64::MAX))
-    }
-
     /// The run folder name, `<project_name>-<YYYYmmdd-HHMMSS>` (EveryDream2's log folder name).
     pub fn run_name(&self, started: chrono::DateTime<chrono::Local>) -> String {
         format!("{}-{}", self.project_name, started.format("%Y%m%d-%H%M%S"))
@@ -1221,12 +1210,14 @@ mod tests {
         let fx = Fixture::new();
         let p = fx.plan(json!({"max_steps": 100}), &[]).unwrap();
         assert_eq!((p.max_epochs, p.max_steps), (None, Some(100)));
-        assert_eq!(p.total_steps(7), 100);
+        assert_eq!(p.total_steps(|_| 7), 100);
         let p = fx
             .plan(json!({"max_steps": 100, "max_epochs": 2}), &[])
             .unwrap();
-        assert_eq!(p.total_steps(7), 14);
-        assert_eq!(p.total_steps(70), 100);
+        assert_eq!(p.total_steps(|_| 7), 14);
+        assert_eq!(p.total_steps(|_| 70), 100);
+        // Epochs of different lengths are counted one by one.
+        assert_eq!(p.total_steps(|e| [3, 5][e]), 8);
     }
 
     #[test]

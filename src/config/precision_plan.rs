@@ -19,16 +19,6 @@ pub enum AmpChoice {
     Set(Amp),
 }
 
-impl AmpChoice {
-    /// The precision on `device`.
-    pub fn resolve(self, device: &candle_core::Device) -> Amp {
-        match self {
-            Self::DeviceDefault => Amp::default_for(device),
-            Self::Set(amp) => amp,
-        }
-    }
-}
-
 /// The resolved memory and precision settings.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct PrecisionPlan {

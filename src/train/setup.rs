@@ -24,7 +24,7 @@ use super::run_dir::RunDir;
 use super::samples;
 use super::trainer::{Extras, Model, Outputs, Position, RunOptions, Session};
 use super::validation::Validation;
-use crate::config::{TrainMode, TrainPlan};
+use crate::config::{RunShape, TrainMode, TrainPlan};
 use crate::data::{load_data_root_limited, Bucket, LoadedDataset};
 use crate::diffusion::{NoiseSchedule, Objective, ObjectiveConfig};
 use crate::memory::{prepare_device, DeviceSettings};
@@ -59,7 +59,7 @@ impl<'a> Session<'a> {
         let data_seed = resume_from.as_ref().map_or(plan.seed, |(_, st)| st.seed);
         let (feed, validation) = load_data(plan, &model, data_seed, opts.show_progress)?;
         let steps_per_epoch = feed.steps_in(&feed.epoch(data_seed, 0));
-        let total_steps = total_steps(plan, &feed, data_seed);
+        let total_steps = plan.total_steps(|e| feed.steps_in(&feed.epoch(data_seed, e)));
         let groups = param_groups(&model.sd, plan, model.adapters.as_ref(), total_steps as u64)?;
         let params: Vec<Var> = groups.iter().flat_map(|g| g.vars.iter().cloned()).collect();
         if plan.precision.gradient_checkpointing {
@@ -67,11 +67,13 @@ impl<'a> Session<'a> {
             let ck = attach_checkpointing(&mut model.sd, &params, te_trains, &opts.device)?;
             model.checkpointing = Some(ck);
         }
-        let shape = RunShape {
-            resolution: model.resolution,
+        let shape = StartShape {
+            shape: RunShape {
+                resolution: model.resolution,
+                amp: model.amp,
+            },
             steps_per_epoch,
             total_steps,
-            amp: model.amp,
         };
         let resumed = resume_from
             .as_ref()
@@ -199,24 +201,24 @@ impl<'a> Session<'a> {
 }
 
 /// What the run's shape resolved to at its start, written into plan.json.
-struct RunShape {
-    resolution: usize,
+struct StartShape {
+    shape: RunShape,
     steps_per_epoch: usize,
     total_steps: usize,
-    amp: Amp,
 }
 
 /// The model for `plan` in its precision, with its adapters, objective and resolution, and
 /// described on stderr.
 fn load(plan: &TrainPlan, opts: &RunOptions) -> anyhow::Result<Model> {
-    let amp = plan.precision.amp.resolve(&opts.device);
-    let layout = open_model(plan, amp)?;
+    let layout = open_model(plan)?;
+    let RunShape { resolution, amp } =
+        plan.run_shape(layout.native_resolution, Amp::default_for(&opts.device));
+    describe_model(plan, &layout, amp);
     let mut sd = load_model(&layout, plan, opts, amp)?;
     let adapters = match plan.mode {
         TrainMode::Full => None,
         _ => Some(adapters::attach(&mut sd, plan)?),
     };
-    let resolution = plan.data.resolution.unwrap_or(layout.native_resolution);
     check_resolution(&sd, resolution)?;
     let objective = build_objective(plan, &layout)?;
     Ok(Model {
@@ -270,7 +272,7 @@ fn load_data(
 fn open_outputs(
     plan: &TrainPlan,
     resumed: Option<(&Path, usize)>,
-    shape: &RunShape,
+    shape: &StartShape,
     started: Instant,
 ) -> anyhow::Result<Outputs> {
     let run = match resumed {
@@ -316,14 +318,22 @@ fn vram_limit(
     Ok(cap)
 }
 
-/// The plan's model, resolved (hub cache, folder or single file) and described on stderr.
-fn open_model(plan: &TrainPlan, amp: Amp) -> anyhow::Result<ModelLayout> {
+/// The plan's model, resolved (hub cache, folder or single file).
+fn open_model(plan: &TrainPlan) -> anyhow::Result<ModelLayout> {
     let source =
         ModelSource::parse(&plan.model).with_context(|| format!("model `{}`", plan.model))?;
     let dir = source
         .resolve()
         .with_context(|| format!("model `{}`", plan.model))?;
-    let layout = ModelLayout::read_with(&dir.path, None, &plan.single_file_options())?;
+    Ok(ModelLayout::read_with(
+        &dir.path,
+        None,
+        &plan.single_file_options(),
+    )?)
+}
+
+/// The model and the run's precision, on stderr.
+fn describe_model(plan: &TrainPlan, layout: &ModelLayout, amp: Amp) {
     eprintln!(
         "model: {} ({}, {} prediction, native {}px); precision {}{}",
         plan.model,
@@ -337,7 +347,6 @@ fn open_model(plan: &TrainPlan, amp: Amp) -> anyhow::Result<ModelLayout> {
             ""
         }
     );
-    Ok(layout)
 }
 
 /// Loads the model for `amp`: frozen weights in the compute dtype (the VAE in f32 under fp16),
@@ -465,33 +474,15 @@ fn run_key(plan: &TrainPlan, resolution: usize) -> RunKey {
     }
 }
 
-/// The run's steps: `max_steps`, or the steps of `max_epochs` epochs, whichever is fewer. The
-/// epochs are counted one by one, since runt batches and fractional multipliers make their
-/// lengths differ.
-fn total_steps(plan: &TrainPlan, feed: &DataFeed, seed: u64) -> usize {
-    let by_steps = plan.max_steps.map_or(usize::MAX, |s| s as usize);
-    let Some(epochs) = plan.max_epochs else {
-        return by_steps;
-    };
-    let mut total = 0usize;
-    for epoch in 0..epochs as usize {
-        total += feed.steps_in(&feed.epoch(seed, epoch));
-        if total >= by_steps {
-            return by_steps;
-        }
-    }
-    total
-}
-
-fn write_plan(plan: &TrainPlan, run: &RunDir, shape: &RunShape) -> anyhow::Result<()> {
+fn write_plan(plan: &TrainPlan, run: &RunDir, shape: &StartShape) -> anyhow::Result<()> {
     let mut value = serde_json::to_value(plan)?;
     let total = shape.total_steps as u64;
     if let Some(obj) = value.as_object_mut() {
         obj.insert(
             "resolved_at_start".into(),
             serde_json::json!({
-                "resolution": shape.resolution,
-                "amp": shape.amp.name(),
+                "resolution": shape.shape.resolution,
+                "amp": shape.shape.amp.name(),
                 "steps_per_epoch": shape.steps_per_epoch,
                 "total_steps": shape.total_steps,
                 "unet_schedule": plan.optimizer.unet.schedule.resolve(total),
