@@ -60,13 +60,7 @@ impl<'a> Session<'a> {
         let (feed, validation) = load_data(plan, &model, data_seed, opts.show_progress)?;
         let steps_per_epoch = feed.steps_in(&feed.epoch(data_seed, 0));
         let total_steps = plan.total_steps(|e| feed.steps_in(&feed.epoch(data_seed, e)));
-        let groups = param_groups(&model.sd, plan, model.adapters.as_ref(), total_steps as u64)?;
-        let params: Vec<Var> = groups.iter().flat_map(|g| g.vars.iter().cloned()).collect();
-        if plan.precision.gradient_checkpointing {
-            let te_trains = groups.len() > 1;
-            let ck = attach_checkpointing(&mut model.sd, &params, te_trains, &opts.device)?;
-            model.checkpointing = Some(ck);
-        }
+        let opt = optimization(plan, &mut model, total_steps, &opts.device)?;
         let shape = StartShape {
             shape: RunShape {
                 resolution: model.resolution,
@@ -88,11 +82,6 @@ impl<'a> Session<'a> {
             plan.grad_accum,
             total_steps
         );
-        let scaler = scaler_for(
-            model.amp,
-            plan.precision.scaler,
-            plan.optimizer.grad_scaler_step_tweaks,
-        );
         let mut session = Self {
             plan,
             opts,
@@ -105,13 +94,7 @@ impl<'a> Session<'a> {
             },
             model,
             feed,
-            opt: Optimization {
-                groups,
-                params,
-                scaler,
-                micro: MicroBatching::new(plan.batch_size),
-                total_steps,
-            },
+            opt,
             outputs,
             extras: Extras {
                 ema: None,
@@ -198,6 +181,35 @@ impl<'a> Session<'a> {
         self.pos.resumed = Some(state);
         Ok(())
     }
+}
+
+/// The optimizer groups over the model's trainable parameters, the loss scaler and the
+/// micro-batch; gradient checkpointing is attached for those parameters when on.
+fn optimization(
+    plan: &TrainPlan,
+    model: &mut Model,
+    total_steps: usize,
+    device: &Device,
+) -> anyhow::Result<Optimization> {
+    let groups = param_groups(&model.sd, plan, model.adapters.as_ref(), total_steps as u64)?;
+    let params: Vec<Var> = groups.iter().flat_map(|g| g.vars.iter().cloned()).collect();
+    if plan.precision.gradient_checkpointing {
+        let te_trains = groups.len() > 1;
+        let ck = attach_checkpointing(&mut model.sd, &params, te_trains, device)?;
+        model.checkpointing = Some(ck);
+    }
+    let scaler = scaler_for(
+        model.amp,
+        plan.precision.scaler,
+        plan.optimizer.grad_scaler_step_tweaks,
+    );
+    Ok(Optimization {
+        groups,
+        params,
+        scaler,
+        micro: MicroBatching::new(plan.batch_size),
+        total_steps,
+    })
 }
 
 /// What the run's shape resolved to at its start, written into plan.json.
