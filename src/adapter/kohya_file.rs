@@ -574,16 +574,35 @@ pub fn load_kohya(path: &Path, device: &Device) -> Result<KohyaFile, KohyaError>
     let metadata = header.metadata().clone().unwrap_or_default();
     let st = SafeTensors::deserialize(&bytes).map_err(format_err)?;
 
-    #[derive(Default)]
-    struct Parts<'a> {
-        down: Option<(&'a str, TensorView<'a>)>,
-        up: Option<(&'a str, TensorView<'a>)>,
-        alpha: Option<(&'a str, TensorView<'a>)>,
-    }
     let tensors = st.tensors();
+    let by_module = group_by_module(path, &tensors)?;
+    let mut modules = Vec::with_capacity(by_module.len());
+    for (name, parts) in by_module {
+        modules.push(load_module(path, name, parts, device)?);
+    }
+    Ok(KohyaFile {
+        path: path.to_path_buf(),
+        modules,
+        metadata,
+    })
+}
+
+/// One module's tensors in the file, each with its key.
+#[derive(Default)]
+struct Parts<'a> {
+    down: Option<(&'a str, TensorView<'a>)>,
+    up: Option<(&'a str, TensorView<'a>)>,
+    alpha: Option<(&'a str, TensorView<'a>)>,
+}
+
+/// Groups the file's tensors by module name; a key with none of the three suffixes is an error.
+fn group_by_module<'a>(
+    path: &Path,
+    tensors: &'a [(String, TensorView<'a>)],
+) -> Result<BTreeMap<&'a str, Parts<'a>>, KohyaError> {
     let mut by_module: BTreeMap<&str, Parts<'_>> = BTreeMap::new();
     let mut unsupported = Vec::new();
-    for (key, view) in &tensors {
+    for (key, view) in tensors {
         let key = key.as_str();
         let entry = if let Some(m) = key.strip_suffix(DOWN) {
             &mut by_module.entry(m).or_default().down
@@ -606,58 +625,63 @@ pub fn load_kohya(path: &Path, device: &Device) -> Result<KohyaFile, KohyaError>
             hint,
         });
     }
-    let mut modules = Vec::with_capacity(by_module.len());
-    for (name, parts) in by_module {
-        let incomplete = |present, absent| KohyaError::Incomplete {
+    Ok(by_module)
+}
+
+/// Checks module `name`'s tensors (both weights, agreeing ranks) and decodes them onto `device`.
+fn load_module(
+    path: &Path,
+    name: &str,
+    parts: Parts<'_>,
+    device: &Device,
+) -> Result<KohyaModule, KohyaError> {
+    let incomplete = |present, absent| KohyaError::Incomplete {
+        path: path.to_path_buf(),
+        name: name.to_string(),
+        present,
+        absent,
+    };
+    let (down, up) = match (parts.down, parts.up) {
+        (Some(d), Some(u)) => (d, u),
+        (Some(_), None) => return Err(incomplete("lora_down.weight", "lora_up.weight")),
+        (None, Some(_)) => return Err(incomplete("lora_up.weight", "lora_down.weight")),
+        (None, None) => return Err(incomplete("alpha", "lora_down/lora_up weights")),
+    };
+    let rank = pair_rank(down.1.shape(), up.1.shape()).ok_or_else(|| KohyaError::BadPair {
+        path: path.to_path_buf(),
+        name: name.to_string(),
+        down: down.1.shape().to_vec(),
+        up: up.1.shape().to_vec(),
+    })?;
+    let alpha = match &parts.alpha {
+        Some((key, view)) => read_alpha(path, key, view)?,
+        None => rank as f32,
+    };
+    Ok(KohyaModule {
+        name: name.to_string(),
+        down: decode(path, down.0, &down.1, device)?,
+        up: decode(path, up.0, &up.1, device)?,
+        alpha,
+        alpha_in_file: parts.alpha.is_some(),
+    })
+}
+
+/// The value of the one-element `.alpha` tensor `key`.
+fn read_alpha(path: &Path, key: &str, view: &TensorView<'_>) -> Result<f32, KohyaError> {
+    if view.shape().iter().product::<usize>() != 1 {
+        return Err(KohyaError::BadAlpha {
             path: path.to_path_buf(),
-            name: name.to_string(),
-            present,
-            absent,
-        };
-        let (down, up) = match (parts.down, parts.up) {
-            (Some(d), Some(u)) => (d, u),
-            (Some(_), None) => return Err(incomplete("lora_down.weight", "lora_up.weight")),
-            (None, Some(_)) => return Err(incomplete("lora_up.weight", "lora_down.weight")),
-            (None, None) => return Err(incomplete("alpha", "lora_down/lora_up weights")),
-        };
-        let rank = pair_rank(down.1.shape(), up.1.shape()).ok_or_else(|| KohyaError::BadPair {
-            path: path.to_path_buf(),
-            name: name.to_string(),
-            down: down.1.shape().to_vec(),
-            up: up.1.shape().to_vec(),
-        })?;
-        let alpha = match &parts.alpha {
-            Some((key, view)) => {
-                if view.shape().iter().product::<usize>() != 1 {
-                    return Err(KohyaError::BadAlpha {
-                        path: path.to_path_buf(),
-                        name: key.to_string(),
-                        shape: view.shape().to_vec(),
-                    });
-                }
-                let t = decode(path, key, view, &Device::Cpu)?;
-                t.flatten_all()
-                    .and_then(|t| t.to_vec1::<f32>())
-                    .map_err(|source| KohyaError::Tensor {
-                        name: key.to_string(),
-                        source,
-                    })?[0]
-            }
-            None => rank as f32,
-        };
-        modules.push(KohyaModule {
-            name: name.to_string(),
-            down: decode(path, down.0, &down.1, device)?,
-            up: decode(path, up.0, &up.1, device)?,
-            alpha,
-            alpha_in_file: parts.alpha.is_some(),
+            name: key.to_string(),
+            shape: view.shape().to_vec(),
         });
     }
-    Ok(KohyaFile {
-        path: path.to_path_buf(),
-        modules,
-        metadata,
-    })
+    let t = decode(path, key, view, &Device::Cpu)?;
+    Ok(t.flatten_all()
+        .and_then(|t| t.to_vec1::<f32>())
+        .map_err(|source| KohyaError::Tensor {
+            name: key.to_string(),
+            source,
+        })?[0])
 }
 
 /// A model module an adapter file may fill.

@@ -170,80 +170,16 @@ impl NoiseSchedule {
 
     /// Builds the schedule from a parsed scheduler config (`file` names it in errors).
     pub fn from_config(config: &Value, file: &Path) -> Result<Self, ScheduleError> {
-        let bad = |field: &'static str, problem: &str| ScheduleError::BadField {
-            file: file.to_path_buf(),
-            field,
-            problem: problem.to_string(),
+        let n = Self::read_num_train_timesteps(config, file)?;
+        let schedule = match Self::field(config, "trained_betas") {
+            Some(tb) => Self::read_trained_betas(config, file, tb, n)?,
+            None => Self::read_named_schedule(config, file)?,
         };
-        let field = |name: &str| config.get(name).filter(|v| !v.is_null());
-        let number = |name: &'static str, default: f64| -> Result<f64, ScheduleError> {
-            match field(name) {
-                None => Ok(default),
-                Some(v) => v
-                    .as_f64()
-                    .filter(|x| x.is_finite())
-                    .ok_or_else(|| bad(name, "is not a finite number")),
-            }
-        };
-        let n = match field("num_train_timesteps") {
-            None => 1000,
-            Some(v) => v
-                .as_u64()
-                .filter(|&n| (1..=100_000).contains(&n))
-                .ok_or_else(|| bad("num_train_timesteps", "is not an integer in 1..=100000"))?
-                as usize,
-        };
-        let schedule = if let Some(tb) = field("trained_betas") {
-            let list = tb
-                .as_array()
-                .ok_or_else(|| bad("trained_betas", "is not a list of numbers"))?;
-            let betas = list
-                .iter()
-                .map(|v| v.as_f64().filter(|b| b.is_finite()))
-                .collect::<Option<Vec<f64>>>()
-                .ok_or_else(|| bad("trained_betas", "is not a list of numbers"))?;
-            if field("num_train_timesteps").is_some() && betas.len() != n {
-                return Err(bad(
-                    "trained_betas",
-                    &format!(
-                        "has {} entries but `num_train_timesteps` is {n}",
-                        betas.len()
-                    ),
-                ));
-            }
-            BetaSchedule::Trained(betas)
-        } else {
-            let start = number("beta_start", 0.0001)?;
-            let end = number("beta_end", 0.02)?;
-            match field("beta_schedule") {
-                None => BetaSchedule::Linear { start, end },
-                Some(Value::String(s)) => match s.as_str() {
-                    "linear" => BetaSchedule::Linear { start, end },
-                    "scaled_linear" => {
-                        if start < 0.0 || end < 0.0 {
-                            return Err(bad(
-                                "beta_start",
-                                "and `beta_end` must be ≥ 0 for scaled_linear",
-                            ));
-                        }
-                        BetaSchedule::ScaledLinear { start, end }
-                    }
-                    "squaredcos_cap_v2" => BetaSchedule::SquaredCosCapV2,
-                    other => {
-                        return Err(ScheduleError::UnsupportedBetaSchedule {
-                            file: file.to_path_buf(),
-                            value: other.to_string(),
-                        })
-                    }
-                },
-                Some(_) => return Err(bad("beta_schedule", "is not a string")),
-            }
-        };
-        let rescale = match field("rescale_betas_zero_snr") {
+        let rescale = match Self::field(config, "rescale_betas_zero_snr") {
             None => false,
-            Some(v) => v
-                .as_bool()
-                .ok_or_else(|| bad("rescale_betas_zero_snr", "is not true or false"))?,
+            Some(v) => v.as_bool().ok_or_else(|| {
+                Self::bad_field(file, "rescale_betas_zero_snr", "is not true or false")
+            })?,
         };
         let prediction_type = PredictionType::from_scheduler_config(config, file)?;
         let n = match &schedule {
@@ -252,7 +188,8 @@ impl NoiseSchedule {
         };
         let mut betas = schedule.betas(n);
         if betas.iter().any(|b| !(0.0..1.0).contains(b)) {
-            return Err(bad(
+            return Err(Self::bad_field(
+                file,
                 "beta_start",
                 "and `beta_end` (or `trained_betas`) give betas outside [0, 1)",
             ));
@@ -261,6 +198,104 @@ impl NoiseSchedule {
             betas = rescale_zero_terminal_snr(&betas);
         }
         Ok(Self::from_betas(&betas, prediction_type))
+    }
+
+    /// The config's field `name`, `None` when it is absent or null.
+    fn field<'a>(config: &'a Value, name: &str) -> Option<&'a Value> {
+        config.get(name).filter(|v| !v.is_null())
+    }
+
+    /// The error for a config field of `file` with the wrong kind of value.
+    fn bad_field(file: &Path, field: &'static str, problem: &str) -> ScheduleError {
+        ScheduleError::BadField {
+            file: file.to_path_buf(),
+            field,
+            problem: problem.to_string(),
+        }
+    }
+
+    /// `num_train_timesteps`, 1000 when absent.
+    fn read_num_train_timesteps(config: &Value, file: &Path) -> Result<usize, ScheduleError> {
+        Ok(match Self::field(config, "num_train_timesteps") {
+            None => 1000,
+            Some(v) => v
+                .as_u64()
+                .filter(|&n| (1..=100_000).contains(&n))
+                .ok_or_else(|| {
+                    Self::bad_field(
+                        file,
+                        "num_train_timesteps",
+                        "is not an integer in 1..=100000",
+                    )
+                })? as usize,
+        })
+    }
+
+    /// The `trained_betas` list `tb`, whose length must be `n` when `num_train_timesteps` is set.
+    fn read_trained_betas(
+        config: &Value,
+        file: &Path,
+        tb: &Value,
+        n: usize,
+    ) -> Result<BetaSchedule, ScheduleError> {
+        let bad = |field: &'static str, problem: &str| Self::bad_field(file, field, problem);
+        let list = tb
+            .as_array()
+            .ok_or_else(|| bad("trained_betas", "is not a list of numbers"))?;
+        let betas = list
+            .iter()
+            .map(|v| v.as_f64().filter(|b| b.is_finite()))
+            .collect::<Option<Vec<f64>>>()
+            .ok_or_else(|| bad("trained_betas", "is not a list of numbers"))?;
+        if Self::field(config, "num_train_timesteps").is_some() && betas.len() != n {
+            return Err(bad(
+                "trained_betas",
+                &format!(
+                    "has {} entries but `num_train_timesteps` is {n}",
+                    betas.len()
+                ),
+            ));
+        }
+        Ok(BetaSchedule::Trained(betas))
+    }
+
+    /// The schedule `beta_schedule` names (linear when absent), from `beta_start` and `beta_end`.
+    fn read_named_schedule(config: &Value, file: &Path) -> Result<BetaSchedule, ScheduleError> {
+        let bad = |field: &'static str, problem: &str| Self::bad_field(file, field, problem);
+        let number = |name: &'static str, default: f64| -> Result<f64, ScheduleError> {
+            match Self::field(config, name) {
+                None => Ok(default),
+                Some(v) => v
+                    .as_f64()
+                    .filter(|x| x.is_finite())
+                    .ok_or_else(|| bad(name, "is not a finite number")),
+            }
+        };
+        let start = number("beta_start", 0.0001)?;
+        let end = number("beta_end", 0.02)?;
+        Ok(match Self::field(config, "beta_schedule") {
+            None => BetaSchedule::Linear { start, end },
+            Some(Value::String(s)) => match s.as_str() {
+                "linear" => BetaSchedule::Linear { start, end },
+                "scaled_linear" => {
+                    if start < 0.0 || end < 0.0 {
+                        return Err(bad(
+                            "beta_start",
+                            "and `beta_end` must be ≥ 0 for scaled_linear",
+                        ));
+                    }
+                    BetaSchedule::ScaledLinear { start, end }
+                }
+                "squaredcos_cap_v2" => BetaSchedule::SquaredCosCapV2,
+                other => {
+                    return Err(ScheduleError::UnsupportedBetaSchedule {
+                        file: file.to_path_buf(),
+                        value: other.to_string(),
+                    })
+                }
+            },
+            Some(_) => return Err(bad("beta_schedule", "is not a string")),
+        })
     }
 
     /// This schedule with zero terminal SNR (Lin et al. 2023, arXiv 2305.08891, Algorithm 1):

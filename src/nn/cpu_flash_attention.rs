@@ -244,87 +244,113 @@ fn split_heads<'a>(
 
 /// One head's backward, query block by query block.
 fn backward_head(x: &Head, mut out: Grads, dims: Dims, scale: f32, rows: usize) {
-    let Dims { lq, lk, d, .. } = dims;
+    let Dims { lq, lk, .. } = dims;
     for start in (0..lq).step_by(rows) {
         let n = rows.min(lq - start);
-        let (q_b, g_b) = (
-            &x.q[start * d..(start + n) * d],
-            &x.g[start * d..(start + n) * d],
-        );
         with_scratch(n * lk, |p, dp| {
-            // P = exp(s·q_b·kᵀ − L), recomputed.
-            gemm(
-                n,
-                lk,
-                d,
-                p,
-                lk,
-                false,
-                Mat::rows(q_b, d),
-                Mat::rows_t(x.k, d),
-                1.0,
-            );
-            for (row, &l) in p.chunks_mut(lk).zip(&x.lse[start..start + n]) {
-                softmax_row::probs(row, scale, l);
-            }
-            if let Some(dv) = out.dv.as_deref_mut() {
-                gemm(
-                    lk,
-                    d,
-                    n,
-                    dv,
-                    d,
-                    true,
-                    Mat::rows_t(p, lk),
-                    Mat::rows(g_b, d),
-                    1.0,
-                );
-            }
-            if out.dq.is_none() && out.dk.is_none() {
-                return;
-            }
-            gemm(
-                n,
-                lk,
-                d,
-                dp,
-                lk,
-                false,
-                Mat::rows(g_b, d),
-                Mat::rows_t(x.v, d),
-                1.0,
-            );
-            let d_b = &x.d_rows[start..start + n];
-            for ((ds, p), &dr) in dp.chunks_mut(lk).zip(p.chunks(lk)).zip(d_b) {
-                softmax_row::score_grad(ds, p, dr, scale);
-            }
-            if let Some(dq) = out.dq.as_deref_mut() {
-                let dq_b = &mut dq[start * d..(start + n) * d];
-                gemm(
-                    n,
-                    d,
-                    lk,
-                    dq_b,
-                    d,
-                    false,
-                    Mat::rows(dp, lk),
-                    Mat::rows(x.k, d),
-                    1.0,
-                );
-            }
-            if let Some(dk) = out.dk.as_deref_mut() {
-                gemm(
-                    lk,
-                    d,
-                    n,
-                    dk,
-                    d,
-                    true,
-                    Mat::rows_t(dp, lk),
-                    Mat::rows(q_b, d),
-                    1.0,
-                );
-            }
+            backward_block(x, &mut out, dims, scale, start..start + n, (p, dp));
         });
+    }
+}
+
+/// The query rows `block`'s share of one head's gradients; `p`, `dp` are its `n × lk` scratch.
+fn backward_block(
+    x: &Head,
+    out: &mut Grads,
+    dims: Dims,
+    scale: f32,
+    block: std::ops::Range<usize>,
+    (p, dp): (&mut [f32], &mut [f32]),
+) {
+    let Dims { lk, d, .. } = dims;
+    let (start, n) = (block.start, block.len());
+    let (q_b, g_b) = (
+        &x.q[start * d..(start + n) * d],
+        &x.g[start * d..(start + n) * d],
+    );
+    // P = exp(s·q_b·kᵀ − L), recomputed.
+    gemm(
+        n,
+        lk,
+        d,
+        p,
+        lk,
+        false,
+        Mat::rows(q_b, d),
+        Mat::rows_t(x.k, d),
+        1.0,
+    );
+    for (row, &l) in p.chunks_mut(lk).zip(&x.lse[block.clone()]) {
+        softmax_row::probs(row, scale, l);
+    }
+    if let Some(dv) = out.dv.as_deref_mut() {
+        gemm(
+            lk,
+            d,
+            n,
+            dv,
+            d,
+            true,
+            Mat::rows_t(p, lk),
+            Mat::rows(g_b, d),
+            1.0,
+        );
+    }
+    if out.dq.is_none() && out.dk.is_none() {
+        return;
+    }
+    score_grads(x, g_b, &x.d_rows[block], (p, dp), dims, scale);
+    if let Some(dq) = out.dq.as_deref_mut() {
+        let dq_b = &mut dq[start * d..(start + n) * d];
+        gemm(
+            n,
+            d,
+            lk,
+            dq_b,
+            d,
+            false,
+            Mat::rows(dp, lk),
+            Mat::rows(x.k, d),
+            1.0,
+        );
+    }
+    if let Some(dk) = out.dk.as_deref_mut() {
+        gemm(
+            lk,
+            d,
+            n,
+            dk,
+            d,
+            true,
+            Mat::rows_t(dp, lk),
+            Mat::rows(q_b, d),
+            1.0,
+        );
+    }
+}
+
+/// `dS = P ∘ (g_b·vᵀ − D_b)·s` into `dp`, for the block's probabilities `p` and rows `d_b` of D.
+fn score_grads(
+    x: &Head,
+    g_b: &[f32],
+    d_b: &[f32],
+    (p, dp): (&[f32], &mut [f32]),
+    dims: Dims,
+    scale: f32,
+) {
+    let Dims { lk, d, .. } = dims;
+    gemm(
+        d_b.len(),
+        lk,
+        d,
+        dp,
+        lk,
+        false,
+        Mat::rows(g_b, d),
+        Mat::rows_t(x.v, d),
+        1.0,
+    );
+    for ((ds, p), &dr) in dp.chunks_mut(lk).zip(p.chunks(lk)).zip(d_b) {
+        softmax_row::score_grad(ds, p, dr, scale);
     }
 }

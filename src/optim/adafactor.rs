@@ -170,49 +170,29 @@ fn kernel(st: &mut State, p: &mut [f32], g: &[f32], lr: f64, t: u64) {
     } else {
         lr as f32
     };
+    let pre = update_second(&mut st.second, &st.shape, g, beta2t, eps1);
+    let clip = (pre.rms_u(g) / h.clip_threshold as f32).max(1.0);
+    apply_update(p, st.m.as_deref_mut(), g, &pre, h, clip, lr_eff);
+}
+
+/// Items of `item` elements per rayon task, so a conv's 3×3 matrices are not one task each.
+fn per_task(item: usize) -> usize {
+    (MIN_TASK / item.max(1)).max(1)
+}
+
+/// Moves the second moment to step `t` (`beta2t`) and returns the preconditioner it gives.
+fn update_second<'a>(
+    second: &'a mut Second,
+    shape: &[usize],
+    g: &[f32],
+    beta2t: f32,
+    eps1: f32,
+) -> Preconditioner<'a> {
     // The preconditioner as per-row and per-column factors (factored) or per element.
-    let (rf, cf, (rows, cols)) = match (&mut st.second, factoring(&st.shape)) {
+    let (rf, cf, (rows, cols)) = match (&mut *second, factoring(shape)) {
         (Second::Factored { row, col }, Some((_, r, c))) => {
-            // Row means over each row's C entries; column means over each matrix's R rows.
-            // Items per rayon task, so a conv's 3×3 matrices are not one task each.
-            let per_task = |item: usize| (MIN_TASK / item.max(1)).max(1);
-            row.par_iter_mut()
-                .zip(g.par_chunks(c))
-                .with_min_len(per_task(c))
-                .for_each(|(row, gr)| {
-                    let mean = gr.iter().map(|x| x * x + eps1).sum::<f32>() / c as f32;
-                    *row = beta2t * *row + (1.0 - beta2t) * mean;
-                });
-            col.par_chunks_mut(c)
-                .zip(g.par_chunks(r * c))
-                .with_min_len(per_task(r * c))
-                .for_each(|(col, gm)| {
-                    let mut small = [0f32; 16];
-                    let mut large = Vec::new();
-                    let sums: &mut [f32] = if c <= small.len() {
-                        &mut small[..c]
-                    } else {
-                        large.resize(c, 0f32);
-                        &mut large
-                    };
-                    for gr in gm.chunks(c) {
-                        for (s, x) in sums.iter_mut().zip(gr) {
-                            *s += x * x + eps1;
-                        }
-                    }
-                    for (cv, s) in col.iter_mut().zip(sums.iter()) {
-                        *cv = beta2t * *cv + (1.0 - beta2t) * (s / r as f32);
-                    }
-                });
-            let mut rf = row.clone();
-            rf.par_chunks_mut(r)
-                .with_min_len(per_task(r))
-                .for_each(|rows| {
-                    let mean = rows.iter().sum::<f32>() / r as f32;
-                    rows.iter_mut()
-                        .for_each(|x| *x = (*x / mean).sqrt().recip());
-                });
-            let cf: Vec<f32> = col.par_iter().map(|x| x.sqrt().recip()).collect();
+            update_factored(row, col, g, (r, c), beta2t, eps1);
+            let (rf, cf) = factors(row, col, r);
             (rf, cf, (r, c))
         }
         (Second::Full(v), _) => {
@@ -223,30 +203,127 @@ fn kernel(st: &mut State, p: &mut [f32], g: &[f32], lr: f64, t: u64) {
         }
         (Second::Factored { .. }, None) => unreachable!("factored state for a 1-d tensor"),
     };
-    // The preconditioner for one row of C (factored) or one chunk (not): u = pre ∘ g, computed
-    // again in each pass instead of held in a full-size buffer.
-    let width = if cols == 0 { 1 << 14 } else { cols };
-    let second = &st.second;
-    let pre = |row: usize, j: usize, x: f32| -> f32 {
-        match second {
-            Second::Factored { .. } => rf[row] * cf[(row / rows) * cols + j] * x,
-            Second::Full(v) => v[row * width + j].sqrt().recip() * x,
+    Preconditioner {
+        second,
+        rf,
+        cf,
+        rows,
+        cols,
+        width: if cols == 0 { 1 << 14 } else { cols },
+    }
+}
+
+/// Moves the row and column means of `g² + ε1` (matrices of `r × c`) into `row` and `col`.
+fn update_factored(
+    row: &mut [f32],
+    col: &mut [f32],
+    g: &[f32],
+    (r, c): (usize, usize),
+    beta2t: f32,
+    eps1: f32,
+) {
+    // Row means over each row's C entries; column means over each matrix's R rows.
+    row.par_iter_mut()
+        .zip(g.par_chunks(c))
+        .with_min_len(per_task(c))
+        .for_each(|(row, gr)| {
+            let mean = gr.iter().map(|x| x * x + eps1).sum::<f32>() / c as f32;
+            *row = beta2t * *row + (1.0 - beta2t) * mean;
+        });
+    col.par_chunks_mut(c)
+        .zip(g.par_chunks(r * c))
+        .with_min_len(per_task(r * c))
+        .for_each(|(col, gm)| {
+            let mut small = [0f32; 16];
+            let mut large = Vec::new();
+            let sums: &mut [f32] = if c <= small.len() {
+                &mut small[..c]
+            } else {
+                large.resize(c, 0f32);
+                &mut large
+            };
+            for gr in gm.chunks(c) {
+                for (s, x) in sums.iter_mut().zip(gr) {
+                    *s += x * x + eps1;
+                }
+            }
+            for (cv, s) in col.iter_mut().zip(sums.iter()) {
+                *cv = beta2t * *cv + (1.0 - beta2t) * (s / r as f32);
+            }
+        });
+}
+
+/// The row factors `1/sqrt(row/mean_R(row))` (`r` rows a matrix) and column factors `1/sqrt(col)`.
+fn factors(row: &[f32], col: &[f32], r: usize) -> (Vec<f32>, Vec<f32>) {
+    let mut rf = row.to_vec();
+    rf.par_chunks_mut(r)
+        .with_min_len(per_task(r))
+        .for_each(|rows| {
+            let mean = rows.iter().sum::<f32>() / r as f32;
+            rows.iter_mut()
+                .for_each(|x| *x = (*x / mean).sqrt().recip());
+        });
+    let cf: Vec<f32> = col.par_iter().map(|x| x.sqrt().recip()).collect();
+    (rf, cf)
+}
+
+/// The step's preconditioner for one row of C (factored) or one chunk (not): u = pre ∘ g, computed
+/// again in each pass instead of held in a full-size buffer.
+struct Preconditioner<'a> {
+    second: &'a Second,
+    /// Per-row and per-column factors (factored; empty otherwise).
+    rf: Vec<f32>,
+    cf: Vec<f32>,
+    /// Rows (R) and columns (C) of each matrix; `(1, 0)` when not factored.
+    rows: usize,
+    cols: usize,
+    /// Elements per row (factored: C) or chunk.
+    width: usize,
+}
+
+impl Preconditioner<'_> {
+    /// `u` for element `j` of row (or chunk) `row`, whose gradient is `x`.
+    fn at(&self, row: usize, j: usize, x: f32) -> f32 {
+        match self.second {
+            Second::Factored { .. } => {
+                self.rf[row] * self.cf[(row / self.rows) * self.cols + j] * x
+            }
+            Second::Full(v) => v[row * self.width + j].sqrt().recip() * x,
         }
-    };
-    let min_rows = (MIN_TASK / width).max(1);
-    let ss: f64 = g
-        .par_chunks(width)
-        .with_min_len(min_rows)
-        .enumerate()
-        .map(|(row, gr)| {
-            gr.iter()
-                .enumerate()
-                .map(|(j, &x)| f64::from(pre(row, j, x)).powi(2))
-                .sum::<f64>()
-        })
-        .sum();
-    let rms_u = (ss / g.len().max(1) as f64).sqrt() as f32;
-    let clip = (rms_u / h.clip_threshold as f32).max(1.0);
+    }
+
+    /// Rows (or chunks) per rayon task at least.
+    fn min_rows(&self) -> usize {
+        (MIN_TASK / self.width).max(1)
+    }
+
+    /// RMS(u) over the whole gradient `g`.
+    fn rms_u(&self, g: &[f32]) -> f32 {
+        let ss: f64 = g
+            .par_chunks(self.width)
+            .with_min_len(self.min_rows())
+            .enumerate()
+            .map(|(row, gr)| {
+                gr.iter()
+                    .enumerate()
+                    .map(|(j, &x)| f64::from(self.at(row, j, x)).powi(2))
+                    .sum::<f64>()
+            })
+            .sum();
+        (ss / g.len().max(1) as f64).sqrt() as f32
+    }
+}
+
+/// `p ← p + p·(−λ·lr_eff) − u` for `u = pre ∘ g / clip · lr_eff` (through `m` when β1 is on).
+fn apply_update(
+    p: &mut [f32],
+    m: Option<&mut [f32]>,
+    g: &[f32],
+    pre: &Preconditioner,
+    h: AdafactorParams,
+    clip: f32,
+    lr_eff: f32,
+) {
     let wd = (-h.weight_decay * f64::from(lr_eff)) as f32;
     let apply = |p: &mut f32, u: f32| {
         if h.weight_decay != 0.0 {
@@ -254,7 +331,8 @@ fn kernel(st: &mut State, p: &mut [f32], g: &[f32], lr: f64, t: u64) {
         }
         *p -= u;
     };
-    match (&mut st.m, h.beta1) {
+    let (width, min_rows) = (pre.width, pre.min_rows());
+    match (m, h.beta1) {
         (Some(m), Some(b1)) => {
             let b1 = b1 as f32;
             p.par_chunks_mut(width)
@@ -264,7 +342,7 @@ fn kernel(st: &mut State, p: &mut [f32], g: &[f32], lr: f64, t: u64) {
                 .enumerate()
                 .for_each(|(row, ((p, m), g))| {
                     for (j, ((p, m), &x)) in p.iter_mut().zip(m).zip(g).enumerate() {
-                        let u = pre(row, j, x) / clip * lr_eff;
+                        let u = pre.at(row, j, x) / clip * lr_eff;
                         *m = *m * b1 + (1.0 - b1) * u;
                         apply(p, *m);
                     }
@@ -277,7 +355,7 @@ fn kernel(st: &mut State, p: &mut [f32], g: &[f32], lr: f64, t: u64) {
             .enumerate()
             .for_each(|(row, (p, g))| {
                 for (j, (p, &x)) in p.iter_mut().zip(g).enumerate() {
-                    apply(p, pre(row, j, x) / clip * lr_eff);
+                    apply(p, pre.at(row, j, x) / clip * lr_eff);
                 }
             }),
     }

@@ -124,36 +124,8 @@ pub fn run(args: &SampleArgs) -> anyhow::Result<Vec<PathBuf>> {
     } else {
         DType::BF16
     });
-    let source =
-        ModelSource::parse(&args.model).with_context(|| format!("model `{}`", args.model))?;
-    let dir = source
-        .resolve()
-        .with_context(|| format!("model `{}`", args.model))?;
-    let single = SingleFileOptions {
-        model_config: args.model_config.clone(),
-        prediction_type: args.prediction_type,
-    };
-    let layout = ModelLayout::read_with(&dir.path, args.variant.as_deref(), &single)?;
-    let native = layout.native_resolution;
-    let opts = LoadOptions {
-        dtype,
-        // SD's VAE overflows in f16 (diffusers' `force_upcast`).
-        vae_dtype: (dtype == DType::F16).then_some(DType::F32),
-        device: device.clone(),
-        train_unet: false,
-        train_text_encoders: false,
-    };
-    let mut sd = StableDiffusion::load(layout, &opts)?;
-    let naming = crate::train::adapters::kohya_naming(&sd);
-    for path in &args.loras {
-        let file = load_kohya(path, &device)?;
-        let n = merge_kohya(&mut sd, &naming, &file, args.lora_scale)?;
-        eprintln!(
-            "lora: merged {n} modules of {} (×{})",
-            path.display(),
-            args.lora_scale
-        );
-    }
+    let sd = load_model(args, &device, dtype)?;
+    let native = sd.layout.native_resolution;
     let req0 = SampleRequest {
         prompt: args.prompt.clone(),
         negative_prompt: args.negative_prompt.clone(),
@@ -207,6 +179,46 @@ pub fn run(args: &SampleArgs) -> anyhow::Result<Vec<PathBuf>> {
         written.push(path);
     }
     Ok(written)
+}
+
+/// Loads `--model` on `device` in `dtype`, with the `--lora` files merged into it.
+fn load_model(args: &SampleArgs, device: &Device, dtype: DType) -> anyhow::Result<StableDiffusion> {
+    let source =
+        ModelSource::parse(&args.model).with_context(|| format!("model `{}`", args.model))?;
+    let dir = source
+        .resolve()
+        .with_context(|| format!("model `{}`", args.model))?;
+    let single = SingleFileOptions {
+        model_config: args.model_config.clone(),
+        prediction_type: args.prediction_type,
+    };
+    let layout = ModelLayout::read_with(&dir.path, args.variant.as_deref(), &single)?;
+    let opts = LoadOptions {
+        dtype,
+        // SD's VAE overflows in f16 (diffusers' `force_upcast`).
+        vae_dtype: (dtype == DType::F16).then_some(DType::F32),
+        device: device.clone(),
+        train_unet: false,
+        train_text_encoders: false,
+    };
+    let mut sd = StableDiffusion::load(layout, &opts)?;
+    merge_loras(&mut sd, args, device)?;
+    Ok(sd)
+}
+
+/// Merges each `--lora` file into `sd` at `--lora-scale`, saying how many modules it changed.
+fn merge_loras(sd: &mut StableDiffusion, args: &SampleArgs, device: &Device) -> anyhow::Result<()> {
+    let naming = crate::train::adapters::kohya_naming(sd);
+    for path in &args.loras {
+        let file = load_kohya(path, device)?;
+        let n = merge_kohya(sd, &naming, &file, args.lora_scale)?;
+        eprintln!(
+            "lora: merged {n} modules of {} (×{})",
+            path.display(),
+            args.lora_scale
+        );
+    }
+    Ok(())
 }
 
 #[cfg(test)]
