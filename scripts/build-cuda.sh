@@ -20,8 +20,8 @@
 #
 # Usage (from the repo root): scripts/build-cuda.sh [build|test|check|clippy] [cargo args...]
 #   The default subcommand is build and the default args --release --features cuda. With `test`,
-#   the test binaries run against the stub libraries: without a GPU every CUDA test reports itself
-#   skipped, which checks that they load and start.
+#   the test binaries run against the stub libraries: without a GPU the tests that need a device
+#   report as ignored and the device-free ones run, which checks that they load and start.
 # Environment: CARGO_TARGET_DIR (default ./target), SDTRAIN_CUDA_CACHE (where the venv and stubs
 # live, default ~/.cache/sdtrain-cuda), CUDA_COMPUTE_CAP (default 90).
 set -euo pipefail

@@ -153,7 +153,7 @@ fn delta_matches_hand_computation() {
     assert_eq!(q.kind, LoraKind::Linear);
     set_random(&q.up, 1);
     let in_dim = q.down.dim(1).unwrap();
-    let x = Tensor::randn(0f32, 1.0, (2, 5, in_dim), &Device::Cpu).unwrap();
+    let x = common::randn(&[2, 5, in_dim], 11);
     let got = q.delta(&x).unwrap();
     let want = x
         .broadcast_matmul(&q.down.as_tensor().t().unwrap())
@@ -177,7 +177,7 @@ fn delta_matches_hand_computation() {
     assert_eq!((kernel, c.rank, c.alpha), (3, 2, 1.0));
     set_random(&c.up, 2);
     let ch = c.down.dim(1).unwrap();
-    let x = Tensor::randn(0f32, 1.0, (1, ch, 6, 6), &Device::Cpu).unwrap();
+    let x = common::randn(&[1, ch, 6, 6], 12);
     let got = c.delta(&x).unwrap();
     let want = x
         .conv2d(c.down.as_tensor(), padding, stride, 1, 1)
@@ -207,7 +207,7 @@ fn dropout_only_while_training() {
     let mods = attach_unet(&mut unet, &s).unwrap();
     let q = find(&mods, "attn1.to_q");
     set_random(&q.up, 3);
-    let x = Tensor::randn(0f32, 1.0, (1, 8, q.down.dim(1).unwrap()), &Device::Cpu).unwrap();
+    let x = common::randn(&[1, 8, q.down.dim(1).unwrap()], 13);
     let eval = q.delta(&x).unwrap();
     assert_eq!(max_abs_diff(&eval, &q.delta(&x).unwrap()), 0.0);
     q.set_training(true);

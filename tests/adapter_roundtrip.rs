@@ -57,9 +57,10 @@ fn unet_out(sd: &StableDiffusion, name: &str) -> Tensor {
         .unwrap()
 }
 
+/// Sets every module's `up` to seeded normal draws with standard deviation 0.5.
 fn randomise(a: &TrainedAdapters) {
-    for m in &a.modules {
-        let up = Tensor::randn(0f32, 0.5, m.up.dims(), &Device::Cpu).unwrap();
+    for (i, m) in a.modules.iter().enumerate() {
+        let up = (common::randn(m.up.dims(), i as u64) * 0.5).unwrap();
         m.up.set(&up).unwrap();
     }
 }

@@ -254,3 +254,48 @@ fn an_image_that_fails_to_decode_mid_run_is_left_out() {
     assert!(log.contains("skipped steps   1"), "{log}");
     assert!(log.contains("left out        1 samples"), "{log}");
 }
+
+/// A runt batch's loss counts `(runt / batch)^1.5`, EveryDream2's discount. One image at batch 2
+/// is a runt of 1, filled with a repeat of itself; its step's loss and gradient norm must be
+/// those of a full batch of the same two samples (the image and a byte copy of it, which draw the
+/// same seeds) times (1/2)^1.5. Catches the weight dropped where the micro-batch loss is scaled.
+#[test]
+fn a_runt_batch_loss_is_discounted() {
+    let dir = tempfile::tempdir().unwrap();
+    let image = RgbImage::from_fn(64, 64, |x, y| Rgb([(x * 4) as u8, (y * 3) as u8, 90]));
+    let first_step = |name: &str, copies: usize| {
+        let root = dir.path().join(name);
+        let data = root.join("data");
+        std::fs::create_dir_all(&data).unwrap();
+        for i in 0..copies {
+            image.save(data.join(format!("img{i}.png"))).unwrap();
+            std::fs::write(data.join(format!("img{i}.txt")), "a gradient").unwrap();
+        }
+        let extra = serde_json::json!({"batch_size": 2, "max_steps": 1, "seed": 3});
+        let cfg = write_config(&root, "tiny-sd15", &data, extra);
+        let out = sdtrain(&["--config", cfg.to_str().unwrap(), "--cpu"], &root);
+        let log = text(&out);
+        assert!(out.status.success(), "{name}: {log}");
+        let runt = log.contains("runt batches    1 samples repeated");
+        assert_eq!(runt, copies == 1, "{name}: {log}");
+        let line = std::fs::read_to_string(run_folder(&root).join("train_log.jsonl")).unwrap();
+        let v: serde_json::Value = serde_json::from_str(line.lines().next().unwrap()).unwrap();
+        (
+            v["loss"].as_f64().unwrap(),
+            v["grad_norm"].as_f64().unwrap(),
+        )
+    };
+    let (runt_loss, runt_norm) = first_step("runt", 1);
+    let (full_loss, full_norm) = first_step("full", 2);
+    let weight = 0.5f64.powf(1.5);
+    for (what, runt, full) in [
+        ("loss", runt_loss, full_loss),
+        ("grad norm", runt_norm, full_norm),
+    ] {
+        assert!(
+            (runt / full - weight).abs() <= 1e-5 * weight,
+            "{what}: runt {runt} / full {full} = {}, want {weight}",
+            runt / full
+        );
+    }
+}

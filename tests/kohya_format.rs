@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::max_abs_diff;
+use common::{max_abs_diff, randn};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
@@ -49,15 +49,16 @@ fn metadata(base: KohyaBase) -> KohyaMetadata {
     }
 }
 
-fn randn(shape: &[usize]) -> Tensor {
-    Tensor::randn(0f32, 1f32, shape, &Device::Cpu).unwrap()
-}
-
+/// A module's `down` and `up` drawn from a generator seeded by its name (FNV-1a), so each module
+/// gets its own values and every run the same.
 fn set(name: &str, down: &[usize], up: &[usize], alpha: f32) -> KohyaTensorSet {
+    let seed = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    });
     KohyaTensorSet {
         name: name.into(),
-        down: randn(down),
-        up: randn(up),
+        down: randn(down, seed),
+        up: randn(up, seed ^ 1),
         alpha,
     }
 }
@@ -332,15 +333,15 @@ fn lycoris_keys_are_rejected_with_their_names() {
     write_raw(
         &path,
         &[
-            (&format!("{n}.hada_w1_a"), randn(&[8, 4])),
-            (&format!("{n}.hada_w1_b"), randn(&[4, 8])),
+            (&format!("{n}.hada_w1_a"), randn(&[8, 4], 1)),
+            (&format!("{n}.hada_w1_b"), randn(&[4, 8], 2)),
             (
                 &format!("{n}.alpha"),
                 Tensor::new(4f32, &Device::Cpu).unwrap(),
             ),
-            (&format!("{Q_NAME}.lora_down.weight"), randn(&[4, 8])),
-            (&format!("{Q_NAME}.lora_up.weight"), randn(&[8, 4])),
-            (&format!("{Q_NAME}.dora_scale"), randn(&[1, 8])),
+            (&format!("{Q_NAME}.lora_down.weight"), randn(&[4, 8], 3)),
+            (&format!("{Q_NAME}.lora_up.weight"), randn(&[8, 4], 4)),
+            (&format!("{Q_NAME}.dora_scale"), randn(&[1, 8], 5)),
         ],
     );
     let err = load_kohya(&path, &Device::Cpu).unwrap_err();
@@ -362,7 +363,7 @@ fn down_without_up_names_the_module() {
     write_raw(
         &path,
         &[
-            (&format!("{Q_NAME}.lora_down.weight"), randn(&[4, 8])),
+            (&format!("{Q_NAME}.lora_down.weight"), randn(&[4, 8], 6)),
             (
                 &format!("{Q_NAME}.alpha"),
                 Tensor::new(4f32, &Device::Cpu).unwrap(),
@@ -385,8 +386,8 @@ fn missing_alpha_means_alpha_equals_rank() {
     write_raw(
         &path,
         &[
-            (&format!("{Q_NAME}.lora_down.weight"), randn(&[6, 8])),
-            (&format!("{Q_NAME}.lora_up.weight"), randn(&[8, 6])),
+            (&format!("{Q_NAME}.lora_down.weight"), randn(&[6, 8], 7)),
+            (&format!("{Q_NAME}.lora_up.weight"), randn(&[8, 6], 8)),
         ],
     );
     let file = load_kohya(&path, &Device::Cpu).unwrap();
@@ -402,8 +403,8 @@ fn mismatched_pair_is_rejected_on_load() {
     write_raw(
         &path,
         &[
-            (&format!("{Q_NAME}.lora_down.weight"), randn(&[4, 8])),
-            (&format!("{Q_NAME}.lora_up.weight"), randn(&[8, 5])),
+            (&format!("{Q_NAME}.lora_down.weight"), randn(&[4, 8], 9)),
+            (&format!("{Q_NAME}.lora_up.weight"), randn(&[8, 5], 10)),
         ],
     );
     let msg = load_kohya(&path, &Device::Cpu).unwrap_err().to_string();

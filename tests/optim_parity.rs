@@ -2,6 +2,8 @@
 //! transformers' Adafactor on fixture numbers (tests/fixtures/optim_reference.json, made by
 //! tests/fixtures/optim_reference.py), and save → load → continue for every optimizer.
 
+mod common;
+
 use std::collections::HashMap;
 
 use candle_core::backprop::GradStore;
@@ -172,7 +174,7 @@ fn save_load_continue_is_bit_exact_for_every_optimizer() {
                 .iter()
                 .enumerate()
                 .map(|(i, s)| {
-                    let t = Tensor::randn(0f32, 1.0, *s, &Device::Cpu).unwrap();
+                    let t = common::randn(s, i as u64);
                     (format!("p{i}"), Var::from_tensor(&t).unwrap())
                 })
                 .collect()

@@ -185,6 +185,39 @@ fn an_interrupted_full_run_with_ema_resumes_exactly() {
     check_resume("full", "-INT", ema, &["final", "final-ema"]);
 }
 
+/// With `seed: -1` the seed is drawn once and kept in the save point: a run resumed from its
+/// step-2 save point retrains steps 3–6 exactly as the run did (losses and final weights, bit
+/// for bit), though the resumed process draws a fresh seed of its own. Catches a resume that
+/// keeps the fresh seed instead of the saved one.
+#[test]
+fn a_random_seed_is_restored_on_resume() {
+    let tmp = tempfile::tempdir().unwrap();
+    let extra = serde_json::json!({
+        "mode": "lora",
+        "adapter": {"save_dtype": "fp32"},
+        "seed": -1,
+    });
+    let cfg = config(tmp.path(), extra);
+    let out = sdtrain(&["--config", cfg.to_str().unwrap(), "--cpu"], tmp.path());
+    assert!(out.status.success(), "{}", text(&out));
+    let run = run_folder(tmp.path());
+    let want = losses(&run);
+    assert_eq!(want.len(), STEPS as usize);
+    let weights = run.join("sdtrain.safetensors");
+    let finished = tmp.path().join("finished.safetensors");
+    std::fs::copy(&weights, &finished).unwrap();
+
+    let resume = format!("resume_ckpt={}", run.join("state-step-000002").display());
+    let out = sdtrain(
+        &["--config", cfg.to_str().unwrap(), "--cpu", "--set", &resume],
+        tmp.path(),
+    );
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(text(&out).contains("at step 2"), "{}", text(&out));
+    assert_eq!(losses(&run), want, "per-step losses after the resume");
+    assert_bit_equal(&finished, &weights);
+}
+
 /// `checkpoints_total_limit` keeps the newest save points and the step saves that go with them;
 /// `resume_ckpt: "findlast"` finds the run.
 #[test]

@@ -211,6 +211,7 @@ pub fn replayable<T>(rng: &mut StdRng, draw: impl FnOnce(&mut StdRng) -> T) -> T
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::nn::test_util::randn;
     use rand::{Rng, SeedableRng};
 
     fn rel_diff(a: &Tensor, b: &Tensor) -> f32 {
@@ -223,9 +224,9 @@ mod tests {
     #[test]
     fn gradients_match_the_plain_path_for_inputs_and_parameters() {
         let dev = Device::Cpu;
-        let w = Var::from_tensor(&Tensor::randn(0f32, 1.0, (6, 6), &dev).unwrap()).unwrap();
-        let a = Var::from_tensor(&Tensor::randn(0f32, 1.0, (3, 6), &dev).unwrap()).unwrap();
-        let b = Var::from_tensor(&Tensor::randn(0f32, 1.0, (3, 6), &dev).unwrap()).unwrap();
+        let w = Var::from_tensor(&randn(&[6, 6], 1)).unwrap();
+        let a = Var::from_tensor(&randn(&[3, 6], 2)).unwrap();
+        let b = Var::from_tensor(&randn(&[3, 6], 3)).unwrap();
         let wt = w.as_tensor().clone();
         let seg: Segment = Arc::new(move |x: &Tensor, y: Option<&Tensor>| {
             let h = x.matmul(&wt)?.tanh()?;
@@ -264,8 +265,8 @@ mod tests {
     #[test]
     fn a_constant_input_still_trains_the_segment() {
         let dev = Device::Cpu;
-        let w = Var::from_tensor(&Tensor::randn(0f32, 1.0, (4, 4), &dev).unwrap()).unwrap();
-        let x = Tensor::randn(0f32, 1.0, (2, 4), &dev).unwrap();
+        let w = Var::from_tensor(&randn(&[4, 4], 4)).unwrap();
+        let x = randn(&[2, 4], 5);
         let wt = w.as_tensor().clone();
         let seg: Segment = Arc::new(move |x: &Tensor, _| x.matmul(&wt)?.sin());
         let plain = seg(&x, None)

@@ -11,6 +11,18 @@ pub(crate) fn fill(shape: &[usize], seed: u64, amplitude: f32) -> Tensor {
     Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
 }
 
+/// Standard normal draws on the CPU from a generator seeded with `seed`, so a failure reproduces
+/// (candle's CPU `Tensor::randn` cannot be seeded).
+pub(crate) fn randn(shape: &[usize], seed: u64) -> Tensor {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let n: usize = shape.iter().product();
+    let v: Vec<f32> = (0..n)
+        .map(|_| rng.sample(rand_distr::StandardNormal))
+        .collect();
+    Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+}
+
 /// Largest absolute difference, in f32.
 pub(crate) fn max_abs(a: &Tensor, b: &Tensor) -> f32 {
     assert_eq!(a.dims(), b.dims());

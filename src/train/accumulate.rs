@@ -60,21 +60,6 @@ impl<'a> GradAccumulator<'a> {
         Ok(())
     }
 
-    /// Adds gradients computed outside the main backward (a checkpointed segment's parameters).
-    pub fn add_grads(&mut self, mut grads: GradStore) -> Result<()> {
-        for var in self.params {
-            let Some(g) = grads.remove(var) else {
-                continue;
-            };
-            let sum = match self.grads.remove(var) {
-                Some(a) => (a + g)?.detach(),
-                None => g.detach(),
-            };
-            self.grads.insert(var, sum);
-        }
-        Ok(())
-    }
-
     /// The step's loss and gradients, divided by `loss_scale` (skipped when it is 1). `None`
     /// when nothing was added.
     pub fn finish(self, loss_scale: f64) -> Result<Option<Accumulated>> {

@@ -69,6 +69,33 @@ pub fn assign(items: &[ImageMeta], buckets: &[Bucket]) -> Vec<Bucket> {
         .collect()
 }
 
+/// The decode jobs of `steps`, the first of which is global step `first_step`: each sample's
+/// crop seed is the seed [`DataFeed::next`] gives that sample for the step's other draws,
+/// `step_seeds(seed, step, n)[k]` of its global step, in every epoch and after a resume.
+fn decode_jobs(
+    buckets: &[Bucket],
+    seed: u64,
+    steps: &[Vec<MicroBatch>],
+    first_step: usize,
+) -> Vec<Vec<SampleJob>> {
+    steps
+        .iter()
+        .enumerate()
+        .map(|(k, micro)| {
+            let ids: Vec<usize> = micro.iter().flat_map(|m| m.ids.iter().copied()).collect();
+            let seeds = step_seeds(seed, first_step + k, ids.len());
+            ids.iter()
+                .zip(seeds)
+                .map(|(&item, seed)| SampleJob {
+                    item,
+                    bucket: buckets[item],
+                    seed,
+                })
+                .collect()
+        })
+        .collect()
+}
+
 /// One step's micro-batches and their samples (in the order of the micro-batches' ids).
 pub struct StepData {
     pub micro: Vec<MicroBatch>,
@@ -149,25 +176,9 @@ impl DataFeed {
         if self.latents.is_some() {
             return;
         }
-        let jobs = steps
-            .iter()
-            .enumerate()
-            .map(|(k, micro)| {
-                let ids: Vec<usize> = micro.iter().flat_map(|m| m.ids.iter().copied()).collect();
-                let seeds = step_seeds(seed, first_step + k, ids.len());
-                ids.iter()
-                    .zip(seeds)
-                    .map(|(&item, seed)| SampleJob {
-                        item,
-                        bucket: self.buckets[item],
-                        seed,
-                    })
-                    .collect()
-            })
-            .collect();
         self.prefetch = Some(Prefetcher::spawn(
             self.items.clone(),
-            jobs,
+            decode_jobs(&self.buckets, seed, steps, first_step),
             self.decode,
             PREFETCH_DEPTH,
         ));
@@ -270,6 +281,38 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("aspects") && err.contains("60x64"), "{err}");
+    }
+
+    /// A sample's crop seed is the seed of its global step, wherever the decoding started:
+    /// the first step of a later epoch, or a resumed run's first step. Catches the jobs' seeds
+    /// counted from the start of each call (`k` for `first_step + k`), which restarts every
+    /// epoch's crops, and a resumed run's, at step 0's while the noise seeds stay right.
+    #[test]
+    fn decode_seeds_follow_the_global_step_across_epochs_and_resumes() {
+        let b = Bucket::new(64, 64);
+        let mb = |ids: &[usize]| MicroBatch {
+            ids: ids.to_vec(),
+            bucket: b,
+            weight: 1.0,
+        };
+        let buckets = vec![b; 4];
+        // Six steps of one micro-batch of two samples each (two epochs of three steps).
+        let steps: Vec<Vec<MicroBatch>> = [[0, 1], [2, 3], [1, 2], [3, 0], [0, 2], [1, 3]]
+            .iter()
+            .map(|ids| vec![mb(ids)])
+            .collect();
+        let seed = 42;
+        let whole = decode_jobs(&buckets, seed, &steps, 0);
+        for first in [1, 3, 5] {
+            let later = decode_jobs(&buckets, seed, &steps[first..], first);
+            assert_eq!(later, whole[first..], "started at step {first}");
+        }
+        for (step, jobs) in whole.iter().enumerate() {
+            let seeds: Vec<u64> = jobs.iter().map(|j| j.seed).collect();
+            assert_eq!(seeds, step_seeds(seed, step, 2), "step {step}");
+            let items: Vec<usize> = jobs.iter().map(|j| j.item).collect();
+            assert_eq!(items, steps[step][0].ids);
+        }
     }
 
     #[test]

@@ -21,26 +21,6 @@ pub fn fixture(name: &str) -> PathBuf {
     repo_root().join("tests/fixtures").join(name)
 }
 
-/// The first CUDA device, or `None` after printing why the calling test is skipped (no CUDA
-/// build, no driver, no GPU). CUDA tests return early on `None`, so they pass without a GPU.
-pub fn cuda_device(test: &str) -> Option<Device> {
-    if !cfg!(feature = "cuda") {
-        println!("{test}: skipped: built without the cuda feature");
-        return None;
-    }
-    match Device::new_cuda(0) {
-        Ok(d) => Some(d),
-        Err(e) => {
-            let why = format!("{e}");
-            println!(
-                "{test}: skipped: no CUDA device ({})",
-                why.lines().next().unwrap_or_default()
-            );
-            None
-        }
-    }
-}
-
 /// The reference tensors written by `tests/fixtures/make_fixtures.py` for one fixture.
 pub fn reference(name: &str) -> HashMap<String, Tensor> {
     let path = fixture("reference").join(format!("{name}.safetensors"));
@@ -113,6 +93,18 @@ pub fn fill(shape: &[usize], seed: u64) -> Tensor {
     let n: usize = shape.iter().product();
     let v: Vec<f32> = (0..n)
         .map(|i| (((i as u64 * 2654435761 + seed * 97) % 1000) as f32 / 500.0) - 1.0)
+        .collect();
+    Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+}
+
+/// Standard normal draws on the CPU from a generator seeded with `seed`, so a failure reproduces
+/// (candle's CPU `Tensor::randn` cannot be seeded).
+pub fn randn(shape: &[usize], seed: u64) -> Tensor {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let n: usize = shape.iter().product();
+    let v: Vec<f32> = (0..n)
+        .map(|_| rng.sample(rand_distr::StandardNormal))
         .collect();
     Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
 }

@@ -1,8 +1,8 @@
 //! The out-of-memory classifier on the real CUDA error types (no device needed): a driver
 //! allocation failure as candle and our own kernels report it, a cuBLAS one, and each under
-//! candle's and anyhow's wrapping.
+//! candle's and anyhow's wrapping. Included from tests/cuda.rs, which compiles only with the
+//! `cuda` feature; the one test there that runs without a GPU.
 
-#[cfg(feature = "cuda")]
 #[test]
 fn cuda_oom_errors_of_every_kind_are_classified() {
     use candle_core::cuda_backend::cudarc::cublas::result::CublasError;

@@ -131,11 +131,9 @@ fn assert_same(
 }
 
 #[test]
+#[ignore = "needs a CUDA device: scripts/gpu-check runs it (--include-ignored)"]
 fn cuda_optimizers_match_cpu_and_resume_across_devices() {
-    let Some(dev) = common::cuda_device("cuda_optimizers_match_cpu_and_resume_across_devices")
-    else {
-        return;
-    };
+    let dev = super::cuda("cuda_optimizers_match_cpu_and_resume_across_devices");
     let dir = tempfile::tempdir().unwrap();
     for (name, make) in rules() {
         for (dtype, tol) in [(DType::F32, 1e-6), (DType::BF16, 1e-2)] {
