@@ -65,12 +65,12 @@ pub enum OptimError {
         grad_shape: Vec<usize>,
         param_shape: Vec<usize>,
     },
-    #[error("optimizer step for {name}: {source}")]
+    #[error("optimizer step for {name}")]
     Tensor {
         name: String,
         source: Box<candle_core::Error>,
     },
-    #[error("{0}")]
+    #[error(transparent)]
     Candle(#[from] candle_core::Error),
     /// A step that failed part-way: the first `updated` parameters with a gradient had their
     /// update. [`Optimizer::step_checked_from`] with `updated` finishes it.
@@ -80,9 +80,9 @@ pub enum OptimError {
         #[source]
         source: Box<OptimError>,
     },
-    #[error("optimizer state: {0}")]
+    #[error("optimizer state")]
     File(#[from] crate::fsutil::FsError),
-    #[error("optimizer state {}: {source}", path.display())]
+    #[error("optimizer state {}", path.display())]
     Io {
         path: PathBuf,
         source: std::io::Error,

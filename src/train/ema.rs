@@ -26,7 +26,7 @@ use candle_core::{DType, Device, Tensor, Var};
 pub enum EmaError {
     #[error("{path}: {message}")]
     File { path: String, message: String },
-    #[error("EMA of `{name}`: {source}")]
+    #[error("EMA of `{name}`")]
     Tensor {
         name: String,
         #[source]

@@ -1255,10 +1255,7 @@ impl<'a> Session<'a> {
                     .collect::<Vec<_>>()
                     .join(", ")
             ),
-            Err(err) => format!(
-                "saving the last completed step failed too: {}",
-                crate::cli::error_text(&err)
-            ),
+            Err(err) => format!("saving the last completed step failed too: {err:#}"),
         };
         progress.finish();
         GaveUp {
