@@ -85,7 +85,7 @@ fn main() -> ExitCode {
     let data = match load_data_root(&args.root, false) {
         Ok(d) => d,
         Err(e) => {
-            eprintln!("error: {e}");
+            eprintln!("error: {}", sdtrain::error_chain::Chain(&e));
             return ExitCode::FAILURE;
         }
     };

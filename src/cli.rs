@@ -128,18 +128,10 @@ fn run_train(args: &TrainArgs) -> anyhow::Result<ExitCode> {
                 print_stdout(&estimate.state)?;
                 match memory_plan(&plan, &estimate) {
                     Ok(mem) => print_stdout(&mem)?,
-                    Err(e) => print_stdout(&format_args!(
-                        "{:<15}unknown: {}\n",
-                        "memory plan",
-                        error_text(&e)
-                    ))?,
+                    Err(e) => print_stdout(&format_args!("{:<15}unknown: {e:#}\n", "memory plan"))?,
                 }
             }
-            Err(e) => print_stdout(&format_args!(
-                "{:<15}unknown: {}\n",
-                "optim. state",
-                error_text(&e)
-            ))?,
+            Err(e) => print_stdout(&format_args!("{:<15}unknown: {e:#}\n", "optim. state"))?,
         }
         print_stdout(&"\n")?;
         return Ok(ExitCode::SUCCESS);
@@ -240,25 +232,6 @@ fn data_error_is_usage(e: &DataError) -> bool {
     }
 }
 
-/// The text printed for an error from [`run`]: its chain joined by `: `, each cause once. Many
-/// errors quote their source in their own message (`cannot read x.safetensors: header too
-/// large`) and also chain it, so a cause whose text is already in the line is left out.
-pub fn error_text(err: &anyhow::Error) -> String {
-    let mut text = String::new();
-    for cause in err.chain() {
-        let s = cause.to_string();
-        let s = s.trim();
-        if s.is_empty() || text.contains(s) {
-            continue;
-        }
-        if !text.is_empty() {
-            text.push_str(": ");
-        }
-        text.push_str(s);
-    }
-    text
-}
-
 /// The exit code for an error from [`run`]: 2 for usage/config errors, 1 otherwise.
 pub fn exit_code(err: &anyhow::Error) -> ExitCode {
     let usage = err.chain().any(|e| {
@@ -286,29 +259,6 @@ pub fn exit_code(err: &anyhow::Error) -> ExitCode {
 mod tests {
     use super::*;
     use clap::CommandFactory;
-
-    #[test]
-    fn error_text_gives_each_cause_once() {
-        #[derive(Debug, thiserror::Error)]
-        #[error("cannot read {path}: {source}")]
-        struct Read {
-            path: String,
-            source: std::io::Error,
-        }
-        let io = std::io::Error::other("header too large");
-        let err = anyhow::Error::new(Read {
-            path: "unet.safetensors".into(),
-            source: io,
-        })
-        .context("loading unet")
-        .context("loading unet");
-        assert_eq!(
-            error_text(&err),
-            "loading unet: cannot read unet.safetensors: header too large"
-        );
-        let plain = anyhow::anyhow!("disk full").context("saving step 3");
-        assert_eq!(error_text(&plain), "saving step 3: disk full");
-    }
 
     #[test]
     fn cli_definition_is_valid() {

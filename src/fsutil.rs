@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 #[derive(Debug, thiserror::Error)]
 pub enum FsError {
-    #[error("cannot {op} {}: {source}", path.display())]
+    #[error("cannot {op} {}", path.display())]
     Io {
         op: &'static str,
         path: PathBuf,

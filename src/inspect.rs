@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 
 use safetensors::SafeTensors;
 
+use crate::error_chain::External;
 use crate::model::family::{FamilyError, ModelLayout};
 use crate::model::files::ComponentFiles;
 use crate::model::single_file::SingleFile;
@@ -23,15 +24,15 @@ pub enum InspectError {
     Source(#[from] SourceError),
     #[error(transparent)]
     Layout(#[from] FamilyError),
-    #[error("cannot open {}: {source}", path.display())]
+    #[error("cannot open {}", path.display())]
     Open {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("{} is not a valid safetensors file: {source}", path.display())]
+    #[error("{} is not a valid safetensors file", path.display())]
     Header {
         path: PathBuf,
-        source: safetensors::SafeTensorError,
+        source: External<safetensors::SafeTensorError>,
     },
 }
 
@@ -88,7 +89,7 @@ pub fn read_header(path: &Path) -> Result<TensorStats, InspectError> {
     let (_, metadata) =
         SafeTensors::read_metadata(&mmap).map_err(|source| InspectError::Header {
             path: path.to_path_buf(),
-            source,
+            source: External(source),
         })?;
     let mut stats = TensorStats::default();
     for (_, info) in metadata.tensors() {

@@ -12,7 +12,7 @@ fn main() -> ExitCode {
     match sdtrain::cli::run(cli) {
         Ok(code) => code,
         Err(err) => {
-            eprintln!("error: {}", sdtrain::cli::error_text(&err));
+            eprintln!("error: {err:#}");
             sdtrain::cli::exit_code(&err)
         }
     }

@@ -50,7 +50,7 @@ pub enum ViewError {
         shape: Vec<usize>,
         op: ViewOp,
     },
-    #[error("{}: `{stored}`: {source}", file.display())]
+    #[error("{}: `{stored}`", file.display())]
     Dtype {
         file: PathBuf,
         stored: String,

@@ -22,6 +22,7 @@ use std::sync::{Arc, Mutex};
 use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device, Shape, Tensor, Var};
 
+use crate::error_chain::External;
 use crate::tensor_view::TensorView;
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
@@ -41,13 +42,13 @@ pub enum WeightsError {
         found: Vec<usize>,
         want: Vec<usize>,
     },
-    #[error("{component}: cannot read safetensors {files}: {source}")]
+    #[error("{component}: cannot read safetensors {files}")]
     Open {
         component: String,
         files: String,
-        source: Box<candle_core::Error>,
+        source: Box<External<candle_core::Error>>,
     },
-    #[error("{component}: cannot load tensor `{name}`: {source}")]
+    #[error("{component}: cannot load tensor `{name}`")]
     Load {
         component: String,
         name: String,
@@ -161,7 +162,7 @@ impl Weights {
             unsafe { MmapedSafetensors::multi(files) }.map_err(|source| WeightsError::Open {
                 component: component.to_string(),
                 files: display_files(files),
-                source: Box::new(without_path(source)),
+                source: Box::new(External(without_path(source))),
             })?;
         Ok(Self::with_source(
             Source::Files {

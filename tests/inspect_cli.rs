@@ -231,3 +231,31 @@ fn inspect_pickle_only_model_exits_2() {
         run.stderr
     );
 }
+
+/// Each error in the chain is printed once: the message names the file, and the parser's cause
+/// follows through `{:#}` (regression: messages quoted their `{source}` and chained it too).
+#[test]
+fn inspect_error_names_each_cause_once() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("model");
+    common::copy_dir(&common::fixture("tiny-sd15"), &model);
+    let broken = "{ not json";
+    std::fs::write(model.join("unet/config.json"), broken).unwrap();
+    let cause = serde_json::from_str::<serde_json::Value>(broken)
+        .unwrap_err()
+        .to_string();
+    let run = sdtrain(tmp.path(), &["inspect", "--model", "model"]);
+    assert_eq!(run.code, 2, "{}", run.stderr);
+    let line = run.stderr.trim_end();
+    assert!(
+        line.starts_with("error: cannot inspect `model`: "),
+        "{line}"
+    );
+    assert!(
+        line.ends_with(&format!("unet/config.json: {cause}")),
+        "{line}"
+    );
+    assert_eq!(line.matches(&cause).count(), 1, "{line}");
+    assert_eq!(line.matches("unet/config.json").count(), 1, "{line}");
+    assert_eq!(line.matches("cannot parse").count(), 1, "{line}");
+}

@@ -16,6 +16,7 @@ use std::path::{Path, PathBuf};
 use candle_core::{DType, Device, Tensor};
 use common::cli::{demo_data, run_folder, sdtrain, text, write_config};
 use common::{fixture, get, rel_err};
+use sdtrain::error_chain::chain_text;
 use sdtrain::model::clip::ClipTextModel;
 use sdtrain::model::family::ModelLayout;
 use sdtrain::model::files::{component_files, Component, ComponentFiles};
@@ -194,10 +195,7 @@ fn text_encoder_2_without_its_projection_is_an_error_naming_the_file() {
         &tmp.path().join("text_encoder_2"),
     );
     let f = files(tmp.path(), Component::TextEncoder2);
-    let err = load_text_encoder(&f, &opts(false))
-        .err()
-        .unwrap()
-        .to_string();
+    let err = chain_text(&load_text_encoder(&f, &opts(false)).err().unwrap());
     assert!(err.contains("`text_projection.weight` not found"), "{err}");
     assert!(err.contains(&f.weights[0].display().to_string()), "{err}");
 }
@@ -215,10 +213,7 @@ fn file_in_neither_layout_is_an_error_naming_the_file() {
     )
     .unwrap();
     let f = files(tmp.path(), Component::TextEncoder);
-    let err = load_text_encoder(&f, &opts(false))
-        .err()
-        .unwrap()
-        .to_string();
+    let err = chain_text(&load_text_encoder(&f, &opts(false)).err().unwrap());
     assert!(
         err.contains(
             "neither `text_model.embeddings.token_embedding.weight` nor \

@@ -59,7 +59,7 @@ pub enum AttachError {
         component: AdapterComponent,
         mode: AdapterMode,
     },
-    #[error("cannot create the adapter for `{path}`: {source}")]
+    #[error("cannot create the adapter for `{path}`")]
     Create {
         path: String,
         source: candle_core::Error,

@@ -32,6 +32,7 @@ use half::{bf16, f16};
 use safetensors::tensor::{Dtype as StDtype, SafeTensors, TensorView, View};
 
 use super::kohya_names::{KohyaComponent, KohyaNameError, KohyaNaming, KohyaResolver};
+use crate::error_chain::External;
 use crate::fsutil::{self, FsError};
 
 const DOWN: &str = ".lora_down.weight";
@@ -40,24 +41,24 @@ const ALPHA: &str = ".alpha";
 
 #[derive(Debug, thiserror::Error)]
 pub enum KohyaError {
-    #[error("cannot read {}: {source}", path.display())]
+    #[error("cannot read {}", path.display())]
     Read {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("{} is not a valid safetensors file: {source}", path.display())]
+    #[error("{} is not a valid safetensors file", path.display())]
     Format {
         path: PathBuf,
-        source: safetensors::SafeTensorError,
+        source: External<safetensors::SafeTensorError>,
     },
-    #[error("cannot serialize the LoRA for {}: {source}", path.display())]
+    #[error("cannot serialize the LoRA for {}", path.display())]
     Serialize {
         path: PathBuf,
-        source: safetensors::SafeTensorError,
+        source: External<safetensors::SafeTensorError>,
     },
     #[error(transparent)]
     Write(#[from] FsError),
-    #[error("tensor error on `{name}`: {source}")]
+    #[error("tensor error on `{name}`")]
     Tensor {
         name: String,
         source: candle_core::Error,
@@ -472,7 +473,7 @@ pub fn save_kohya(
     )
     .map_err(|source| KohyaError::Serialize {
         path: path.to_path_buf(),
-        source,
+        source: External(source),
     })?;
     fsutil::write_atomic(path, bytes)?;
     Ok(())
@@ -568,7 +569,7 @@ pub fn load_kohya(path: &Path, device: &Device) -> Result<KohyaFile, KohyaError>
     })?;
     let format_err = |source| KohyaError::Format {
         path: path.to_path_buf(),
-        source,
+        source: External(source),
     };
     let (_, header) = SafeTensors::read_metadata(&bytes).map_err(format_err)?;
     let metadata = header.metadata().clone().unwrap_or_default();

@@ -15,6 +15,7 @@ use serde::Serialize;
 
 use super::error::ConfigError;
 use super::train_file::TrainFile;
+use crate::error_chain::chain_text;
 use crate::sample::prompts::SampleSet;
 
 /// EveryDream2's `--sample_steps` default.
@@ -85,7 +86,8 @@ pub fn resolve_samples(
         None => DEFAULT_SAMPLE_STEPS,
     };
     let path = input("sample_prompts", raw)?;
-    let set = SampleSet::read(&path).map_err(|e| invalid(file, "sample_prompts", e.to_string()))?;
+    let set =
+        SampleSet::read(&path).map_err(|e| invalid(file, "sample_prompts", chain_text(&e)))?;
     Ok(Some(SamplePlan {
         prompts_file: path,
         every_n_steps: set.every_n_steps.unwrap_or(every),

@@ -44,12 +44,12 @@ pub enum DataError {
     RootMissing { root: PathBuf },
     #[error("data_root {} is a file, not a folder of images", root.display())]
     RootNotAFolder { root: PathBuf },
-    #[error("cannot read folder {}: {source}", path.display())]
+    #[error("cannot read folder {}", path.display())]
     ReadDir {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("cannot read {}: {source}", path.display())]
+    #[error("cannot read {}", path.display())]
     ReadFile {
         path: PathBuf,
         source: std::io::Error,
@@ -113,7 +113,7 @@ pub enum DataError {
         width: usize,
         height: usize,
     },
-    #[error("building the image batch tensor: {0}")]
+    #[error("building the image batch tensor")]
     Tensor(#[from] candle_core::Error),
 }
 

@@ -23,6 +23,7 @@ use super::bucket::Bucket;
 use super::dataset::ImageMeta;
 use super::image_load::{load_image_jittered, TrainImage};
 use super::DataError;
+use crate::error_chain::chain_text;
 
 /// Mixed into a sample's seed for its crop draws, apart from the step's other draws.
 const CROP_STREAM: u64 = 0x6372_6f70;
@@ -63,7 +64,7 @@ pub fn decode_sample(item: &ImageMeta, job: &SampleJob, settings: &DecodeSetting
             Ok(image)
         }
         Err(DataError::Decode { path, reason }) => Err((path, reason)),
-        Err(other) => Err((item.path.clone(), other.to_string())),
+        Err(other) => Err((item.path.clone(), chain_text(&other))),
     }
 }
 

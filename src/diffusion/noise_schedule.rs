@@ -30,12 +30,12 @@ use crate::model::family::{FamilyError, PredictionType};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ScheduleError {
-    #[error("cannot read {}: {source}", path.display())]
+    #[error("cannot read {}", path.display())]
     Read {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("cannot parse {}: {source}", path.display())]
+    #[error("cannot parse {}", path.display())]
     Json {
         path: PathBuf,
         source: serde_json::Error,

@@ -36,6 +36,7 @@ use serde_json::{json, Value};
 
 use super::family::ModelLayout;
 use super::files::{self, Component, ComponentFiles, FilesError};
+use crate::error_chain::External;
 use crate::fsutil::{self, FsError, StagedDir};
 use crate::tensor_view::TensorView;
 
@@ -71,13 +72,13 @@ pub enum ExportError {
         got: Vec<usize>,
         want: Vec<usize>,
     },
-    #[error("{component}: cannot read the base weights {files}: {source}")]
+    #[error("{component}: cannot read the base weights {files}")]
     Base {
         component: Component,
         files: String,
-        source: Box<candle_core::Error>,
+        source: Box<External<candle_core::Error>>,
     },
-    #[error("{component}: tensor `{name}`: {source}")]
+    #[error("{component}: tensor `{name}`")]
     Tensor {
         component: Component,
         name: String,
@@ -89,12 +90,12 @@ pub enum ExportError {
         name: String,
         dtype: DType,
     },
-    #[error("writing {}: {source}", path.display())]
+    #[error("writing {}", path.display())]
     Write {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("cannot read {}: {source}", path.display())]
+    #[error("cannot read {}", path.display())]
     Read {
         path: PathBuf,
         source: std::io::Error,
@@ -420,7 +421,7 @@ impl BaseTensors {
             unsafe { MmapedSafetensors::multi(&c.weights) }.map_err(|e| ExportError::Base {
                 component: c.component,
                 files: files.clone(),
-                source: Box::new(e),
+                source: Box::new(External(e)),
             })?;
         Ok(BaseTensors::Files {
             st: Box::new(st),
@@ -519,7 +520,7 @@ pub(crate) fn merged_tensors<'a, T: ExportTensor>(
     let base_err = |e: candle_core::Error| ExportError::Base {
         component,
         files: base.describe(),
-        source: Box::new(e),
+        source: Box::new(External(e)),
     };
     let mut updates: HashMap<&str, &Tensor> = HashMap::new();
     for (name, t) in tensors {

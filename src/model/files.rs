@@ -90,12 +90,12 @@ pub enum FilesError {
     BadSafetensors { path: PathBuf, message: String },
     #[error("invalid variant `{0}`: use letters, digits, `_` or `-` (e.g. `fp16`)")]
     BadVariant(String),
-    #[error("cannot read {}: {source}", path.display())]
+    #[error("cannot read {}", path.display())]
     Io {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("cannot parse {}: {source}", path.display())]
+    #[error("cannot parse {}", path.display())]
     Json {
         path: PathBuf,
         source: serde_json::Error,

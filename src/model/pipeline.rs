@@ -18,6 +18,7 @@ use super::files::{Component, ComponentFiles, FilesError, TokenizerFiles};
 use super::unet::{UNet2DConditionModel, UnetConfig, UnetConfigError};
 use super::vae::{AutoencoderKL, VaeConfig, VaeConfigError};
 use super::weights::{Weights, WeightsError};
+use crate::error_chain::Chain;
 
 #[derive(Debug, thiserror::Error)]
 pub enum PipelineError {
@@ -33,7 +34,7 @@ pub enum PipelineError {
     Tokenizer(#[from] TokenizerError),
     #[error(transparent)]
     Files(#[from] FilesError),
-    #[error("loading {component} from {}: {source}", dir.display())]
+    #[error("loading {component} from {}", dir.display())]
     Weights {
         component: Component,
         dir: PathBuf,
@@ -188,7 +189,7 @@ impl StableDiffusion {
         let ids = |te: &TextEncoder| {
             te.tokenizer
                 .encode_batch(prompts, &Device::Cpu)
-                .map_err(|e| candle_core::Error::Msg(format!("tokenizing prompts: {e}")))
+                .map_err(|e| candle_core::Error::Msg(format!("tokenizing prompts: {}", Chain(&e))))
         };
         match self.family() {
             ModelFamily::Sd1 | ModelFamily::Sd2 => {

@@ -17,6 +17,7 @@ use hf_hub::{Cache, Repo, RepoType};
 
 use super::family::{FamilyError, ModelLayout};
 use super::files::{self, FilesError, MODEL_INDEX};
+use crate::error_chain::External;
 
 const DEFAULT_REVISION: &str = "main";
 
@@ -61,20 +62,20 @@ pub enum SourceError {
         snapshot: PathBuf,
         source: Box<FamilyError>,
     },
-    #[error("{repo}@{revision}: cannot reach the hub: {source}")]
+    #[error("{repo}@{revision}: cannot reach the hub")]
     Hub {
         repo: String,
         revision: String,
-        source: Box<hf_hub::api::sync::ApiError>,
+        source: Box<External<hf_hub::api::sync::ApiError>>,
     },
-    #[error("{repo}@{revision}: cannot download {file}: {source}")]
+    #[error("{repo}@{revision}: cannot download {file}")]
     Download {
         repo: String,
         revision: String,
         file: String,
-        source: Box<hf_hub::api::sync::ApiError>,
+        source: Box<External<hf_hub::api::sync::ApiError>>,
     },
-    #[error("cannot write {}: {source}", path.display())]
+    #[error("cannot write {}", path.display())]
     Io {
         path: PathBuf,
         source: std::io::Error,
@@ -397,7 +398,7 @@ fn download(
     let hub_err = |source| SourceError::Hub {
         repo: repo_id.to_string(),
         revision: revision.to_string(),
-        source: Box::new(source),
+        source: Box::new(External(source)),
     };
     let cache = Cache::new(env.cache_dir.clone());
     // `from_cache` already reads the token file `huggingface-cli login` writes; HF_TOKEN wins.
@@ -439,7 +440,7 @@ fn download(
                 repo: repo_id.to_string(),
                 revision: revision.to_string(),
                 file: file.to_string(),
-                source: Box::new(source),
+                source: Box::new(External(source)),
             })
     };
 

@@ -65,16 +65,16 @@ pub enum OptimError {
         grad_shape: Vec<usize>,
         param_shape: Vec<usize>,
     },
-    #[error("optimizer step for {name}: {source}")]
+    #[error("optimizer step for {name}")]
     Tensor {
         name: String,
         source: Box<candle_core::Error>,
     },
-    #[error("{0}")]
+    #[error(transparent)]
     Candle(#[from] candle_core::Error),
-    #[error("optimizer state: {0}")]
+    #[error("optimizer state")]
     File(#[from] crate::fsutil::FsError),
-    #[error("optimizer state {}: {source}", path.display())]
+    #[error("optimizer state {}", path.display())]
     Io {
         path: PathBuf,
         source: std::io::Error,

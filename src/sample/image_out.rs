@@ -7,6 +7,7 @@ use std::path::Path;
 use candle_core::{DType, Tensor};
 use image::{ImageEncoder, RgbImage};
 
+use crate::error_chain::External;
 use crate::fsutil::{self, FsError};
 
 /// `[3, H, W]` in `[0, 1]` → RGB.
@@ -66,10 +67,10 @@ pub fn encode_png(image: &RgbImage) -> Result<Vec<u8>, image::ImageError> {
 
 #[derive(Debug, thiserror::Error)]
 pub enum WriteError {
-    #[error("encoding {}: {source}", path.display())]
+    #[error("encoding {}", path.display())]
     Encode {
         path: std::path::PathBuf,
-        source: image::ImageError,
+        source: External<image::ImageError>,
     },
     #[error(transparent)]
     Fs(#[from] FsError),
@@ -80,7 +81,7 @@ pub enum WriteError {
 pub fn write_png(path: &Path, image: &RgbImage) -> Result<Vec<u8>, WriteError> {
     let bytes = encode_png(image).map_err(|source| WriteError::Encode {
         path: path.to_path_buf(),
-        source,
+        source: External(source),
     })?;
     fsutil::write_atomic(path, &bytes)?;
     Ok(bytes)

@@ -27,7 +27,7 @@ pub const DEFAULT_STEPS: usize = 30;
 
 #[derive(Debug, thiserror::Error)]
 pub enum PromptsError {
-    #[error("cannot read the sample prompts file {}: {source}", path.display())]
+    #[error("cannot read the sample prompts file {}", path.display())]
     Read {
         path: PathBuf,
         source: std::io::Error,

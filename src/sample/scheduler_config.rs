@@ -17,6 +17,7 @@ use std::path::{Path, PathBuf};
 use serde_json::Value;
 
 use crate::diffusion::{NoiseSchedule, ScheduleError};
+use crate::error_chain::Chain;
 
 /// How inference timesteps are spread over the training ones (diffusers' `timestep_spacing`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -112,7 +113,7 @@ impl SchedulerConfig {
             .map_err(|e| ScheduleError::BadField {
                 file: layout.scheduler_config.clone(),
                 field: "scheduler",
-                problem: format!("cannot be read: {e}"),
+                problem: format!("cannot be read: {}", Chain(&e)),
             })?;
         Self::from_config(&config, &layout.scheduler_config)
     }

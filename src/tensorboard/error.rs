@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 #[derive(Debug, thiserror::Error)]
 pub enum EventFileError {
-    #[error("cannot {op} {}: {source}", path.display())]
+    #[error("cannot {op} {}", path.display())]
     Io {
         op: &'static str,
         path: PathBuf,
@@ -31,7 +31,7 @@ pub enum EventFileError {
     },
     #[error("bad protobuf: {0}")]
     Proto(String),
-    #[error("{}: {source}", path.display())]
+    #[error("{}", path.display())]
     InFile {
         path: PathBuf,
         source: Box<EventFileError>,

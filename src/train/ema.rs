@@ -29,7 +29,7 @@ use crate::config::{EmaDevice, EmaPlan};
 pub enum EmaError {
     #[error("{path}: {message}")]
     File { path: String, message: String },
-    #[error("EMA of `{name}`: {source}")]
+    #[error("EMA of `{name}`")]
     Tensor {
         name: String,
         #[source]

@@ -27,6 +27,7 @@ use rayon::prelude::*;
 use sha2::{Digest, Sha256};
 
 use crate::data::{augment, load_image_limited, Bucket, ImageMeta, TrainImage};
+use crate::error_chain::External;
 use crate::model::pipeline::StableDiffusion;
 
 /// The folder under `output_dir` that holds cached latents.
@@ -331,10 +332,12 @@ fn write_entry(path: &Path, key: &str, latent: &CachedLatent) -> anyhow::Result<
     }
     let tmp = path.with_extension("safetensors.partial");
     candle_core::safetensors::save(&tensors.iter().cloned().collect::<HashMap<_, _>>(), &tmp)
+        .map_err(External)
         .with_context(|| format!("cannot write {}", tmp.display()))?;
     // candle's save has no metadata: rewrite with it through the safetensors crate.
     let bytes = std::fs::read(&tmp)?;
     let st = safetensors::SafeTensors::deserialize(&bytes)
+        .map_err(External)
         .with_context(|| format!("reading back {}", tmp.display()))?;
     let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = st
         .tensors()
@@ -342,6 +345,7 @@ fn write_entry(path: &Path, key: &str, latent: &CachedLatent) -> anyhow::Result<
         .map(|(n, v)| (n.to_string(), v))
         .collect();
     safetensors::serialize_to_file(views, Some(metadata), &tmp)
+        .map_err(External)
         .with_context(|| format!("cannot write {}", tmp.display()))?;
     std::fs::rename(&tmp, path).with_context(|| format!("cannot write {}", path.display()))?;
     Ok(())
@@ -351,6 +355,7 @@ fn write_entry(path: &Path, key: &str, latent: &CachedLatent) -> anyhow::Result<
 fn read_entry(path: &Path) -> anyhow::Result<(CachedLatent, String)> {
     let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
     let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes)
+        .map_err(External)
         .with_context(|| format!("{} is not a latent cache file", path.display()))?;
     let meta = meta.metadata().clone().unwrap_or_default();
     let field = |k: &str| -> anyhow::Result<String> {
@@ -366,6 +371,7 @@ fn read_entry(path: &Path) -> anyhow::Result<(CachedLatent, String)> {
         parsed.with_context(|| format!("{}: bad `{k}` {v:?}", path.display()))
     };
     let tensors = candle_core::safetensors::load_buffer(&bytes, &Device::Cpu)
+        .map_err(External)
         .with_context(|| format!("cannot read {}", path.display()))?;
     let moments = tensors
         .get("moments")

@@ -259,6 +259,7 @@ pub fn read_state(dir: &Path) -> anyhow::Result<TrainerState> {
 pub fn load_params(dir: &Path, params: &[(String, Var)]) -> anyhow::Result<()> {
     let path = dir.join(PARAMS_FILE);
     let saved = candle_core::safetensors::load(&path, &Device::Cpu)
+        .map_err(crate::error_chain::External)
         .with_context(|| format!("reading {}", path.display()))?;
     let mut unknown: Vec<&String> = saved
         .keys()

@@ -8,7 +8,7 @@ use anyhow::Context;
 
 /// `output_dir` cannot be created or written: checked before the model and the data load.
 #[derive(Debug, thiserror::Error)]
-#[error("output_dir {} cannot be used: {source}", path.display())]
+#[error("output_dir {} cannot be used", path.display())]
 pub struct OutputDirError {
     pub path: PathBuf,
     #[source]

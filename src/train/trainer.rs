@@ -565,10 +565,7 @@ impl Session<'_> {
                     .collect::<Vec<_>>()
                     .join(", ")
             ),
-            Err(err) => format!(
-                "saving the last completed step failed too: {}",
-                crate::cli::error_text(&err)
-            ),
+            Err(err) => format!("saving the last completed step failed too: {err:#}"),
         };
         progress.finish();
         let rungs = next_rungs(self.plan, self.model.amp, self.model.resolution);

@@ -12,12 +12,12 @@ use serde::Deserialize;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ClipConfigError {
-    #[error("cannot read CLIP text config {path}: {source}")]
+    #[error("cannot read CLIP text config {path}")]
     Io {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("cannot parse CLIP text config {path}: {source}")]
+    #[error("cannot parse CLIP text config {path}")]
     Parse {
         path: PathBuf,
         source: serde_json::Error,

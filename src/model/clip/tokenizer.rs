@@ -39,12 +39,12 @@ const DEFAULT_EOS: &str = "<|endoftext|>";
 pub enum TokenizerError {
     #[error("tokenizer folder {dir}: {message}")]
     Missing { dir: PathBuf, message: String },
-    #[error("cannot read {path}: {source}")]
+    #[error("cannot read {path}")]
     Io {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("cannot parse {path}: {source}")]
+    #[error("cannot parse {path}")]
     Json {
         path: PathBuf,
         source: serde_json::Error,
@@ -65,7 +65,7 @@ pub enum TokenizerError {
         prompt: String,
         message: String,
     },
-    #[error("cannot build the token tensor: {0}")]
+    #[error("cannot build the token tensor")]
     Tensor(#[from] candle_core::Error),
 }
 

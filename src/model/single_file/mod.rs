@@ -36,6 +36,7 @@ use super::family::{self, FamilyError, ModelFamily, PredictionType};
 use super::files::{self, Component, FilesError, MODEL_INDEX, SCHEDULER_CONFIG};
 use super::unet::{BlockKind, UnetConfig};
 use super::vae::VaeConfig;
+use crate::error_chain::chain_text;
 use crate::tensor_view::{TensorView, ViewError, ViewOp};
 
 /// UNet names start with this.
@@ -621,10 +622,10 @@ fn map_tensors(
             .ok_or_else(|| config_err(c, "missing".into()))
     };
     let unet_cfg = UnetConfig::from_json(&cfg(Component::Unet)?.to_string(), "unet config")
-        .map_err(|e| config_err(Component::Unet, e.to_string()))?;
+        .map_err(|e| config_err(Component::Unet, chain_text(&e)))?;
     let unet_blocks = unet_blocks(&unet_cfg).map_err(|m| config_err(Component::Unet, m))?;
     let vae_cfg = VaeConfig::from_json(&cfg(Component::Vae)?.to_string(), Path::new("vae config"))
-        .map_err(|e| config_err(Component::Vae, e.to_string()))?;
+        .map_err(|e| config_err(Component::Vae, chain_text(&e)))?;
     let vae_blocks = VaeBlocks {
         levels: vae_cfg.block_out_channels.len(),
     };
@@ -634,7 +635,7 @@ fn map_tensors(
             continue;
         };
         let te = ClipTextConfig::from_json(&cfg(c)?.to_string(), Path::new("text encoder config"))
-            .map_err(|e| config_err(c, e.to_string()))?;
+            .map_err(|e| config_err(c, chain_text(&e)))?;
         let kind = text_encoder_kind(family, c, true);
         text.push((c, prefix, kind, te.num_hidden_layers));
     }

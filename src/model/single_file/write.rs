@@ -21,6 +21,7 @@ use super::{
     config_key, meta_key, text_encoder_kind, text_encoder_prefix, unet_blocks, TextEncoderKind,
     UNET, VAE,
 };
+use crate::error_chain::chain_text;
 use crate::model::export::{
     merged_tensors, write_safetensors, BaseTensors, ExportError, ExportTensor, OutTensor,
 };
@@ -123,7 +124,7 @@ pub fn save_single_file<T: ExportTensor>(
         match component {
             Component::Unet => {
                 let cfg = UnetConfig::from_json(&config.to_string(), "unet config")
-                    .map_err(|e| cfg_err(e.to_string()))?;
+                    .map_err(|e| cfg_err(chain_text(&e)))?;
                 let blocks = unet_blocks(&cfg).map_err(cfg_err)?;
                 for (i, t) in diffusers.iter().enumerate() {
                     let ldm = names::unet_to_ldm(&t.name, &blocks)

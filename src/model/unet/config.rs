@@ -12,12 +12,12 @@ use serde::Deserialize;
 
 #[derive(Debug, thiserror::Error)]
 pub enum UnetConfigError {
-    #[error("cannot read UNet config {path}: {source}")]
+    #[error("cannot read UNet config {path}")]
     Io {
         path: String,
         source: std::io::Error,
     },
-    #[error("invalid UNet config {path}: {source}")]
+    #[error("invalid UNet config {path}")]
     Parse {
         path: String,
         source: serde_json::Error,

@@ -89,7 +89,7 @@ impl AutoencoderKL {
     /// `post_quant_conv.*`). Validates `cfg` first.
     pub fn new(w: &Weights, cfg: &VaeConfig) -> std::result::Result<Self, WeightsError> {
         cfg.validate(w.component())
-            .map_err(|e| WeightsError::Config(e.to_string()))?;
+            .map_err(|e| WeightsError::Config(crate::error_chain::chain_text(&e)))?;
         let latent = cfg.latent_channels;
         let encoder = Encoder::new(&w.pp("encoder"), cfg)?;
         let decoder = Decoder::new(&w.pp("decoder"), cfg)?;

@@ -20,12 +20,12 @@ use serde::Deserialize;
 /// A `vae/config.json` that cannot be read, parsed, or built.
 #[derive(Debug, thiserror::Error)]
 pub enum VaeConfigError {
-    #[error("cannot read VAE config {path}: {source}")]
+    #[error("cannot read VAE config {path}")]
     Read {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("cannot parse VAE config {path}: {source}")]
+    #[error("cannot parse VAE config {path}")]
     Parse {
         path: PathBuf,
         source: serde_json::Error,
