@@ -36,8 +36,8 @@ use crate::data::epoch_plan::BucketCount;
 use crate::data::{load_data_root_limited, LoadedDataset};
 use crate::diffusion::{NoiseSchedule, Objective, ObjectiveConfig};
 use crate::memory::{prepare_device, trim_pool, DeviceSettings, MemoryUsage};
-use crate::model::family::ModelLayout;
 use crate::model::files::Component;
+use crate::model::layout::ModelLayout;
 use crate::model::pipeline::{LoadOptions, StableDiffusion};
 use crate::model::source::ModelSource;
 use crate::nn::Checkpointing;
@@ -1688,7 +1688,7 @@ impl Saver<'_> {
                 let format = plan.model_file.save_ckpt_format;
                 let file = single_file_path(&dir);
                 if format.single_file() {
-                    crate::model::single_file::write::save_single_file(
+                    crate::model::export::save_single_file(
                         self.layout,
                         &file,
                         &updated,
