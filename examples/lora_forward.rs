@@ -14,7 +14,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 use candle_core::{DType, Device, Tensor};
 use sdtrain::config::{AdapterPlan, SaveDtype, TrainMode};
-use sdtrain::model::family::ModelLayout;
+use sdtrain::model::layout::ModelLayout;
 use sdtrain::model::pipeline::{LoadOptions, StableDiffusion};
 use sdtrain::model::unet::AddedConditions;
 use sdtrain::train::adapters::attach_with;

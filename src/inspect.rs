@@ -12,8 +12,9 @@ use std::path::{Path, PathBuf};
 use safetensors::SafeTensors;
 
 use crate::error_chain::External;
-use crate::model::family::{FamilyError, ModelLayout};
-use crate::model::files::ComponentFiles;
+use crate::model::family::FamilyError;
+use crate::model::files::{ComponentFiles, ComponentSource};
+use crate::model::layout::ModelLayout;
 use crate::model::single_file::SingleFile;
 use crate::model::single_file::SingleFileOptions;
 use crate::model::source::{ModelDir, ModelSource, Origin, SourceError};
@@ -159,16 +160,20 @@ pub fn inspect_dir_with(
     let mut components = Vec::new();
     for files in &layout.components {
         let mut stats = TensorStats::default();
-        if files.packed.is_some() {
-            for (shape, dtype) in files.tensor_shapes().map_err(FamilyError::from)?.values() {
-                let count: u64 = shape.iter().map(|&d| d as u64).product();
-                stats.tensors += 1;
-                stats.params += count;
-                *stats.dtypes.entry(dtype.clone()).or_default() += count;
+        match &files.source {
+            ComponentSource::Folder { weights, .. } => {
+                for w in weights {
+                    stats.add(&read_header(w)?);
+                }
             }
-        }
-        for w in files.weights.iter().filter(|_| files.packed.is_none()) {
-            stats.add(&read_header(w)?);
+            ComponentSource::Packed { .. } => {
+                for (shape, dtype) in files.tensor_shapes().map_err(FamilyError::from)?.values() {
+                    let count: u64 = shape.iter().map(|&d| d as u64).product();
+                    stats.tensors += 1;
+                    stats.params += count;
+                    *stats.dtypes.entry(dtype.clone()).or_default() += count;
+                }
+            }
         }
         components.push(ComponentReport {
             files: files.clone(),
@@ -200,7 +205,7 @@ fn human(n: u64) -> String {
 impl fmt::Display for InspectReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let layout = &self.layout;
-        if let Some(sf) = &layout.single_file {
+        if let Some(sf) = layout.single_file() {
             return self.fmt_single_file(f, sf);
         }
         match &self.dir.origin {

@@ -9,7 +9,7 @@ use std::path::PathBuf;
 
 use candle_core::{DType, Device, Tensor};
 use sdtrain::config::{AdapterPlan, SaveDtype, TrainMode};
-use sdtrain::model::family::ModelLayout;
+use sdtrain::model::layout::ModelLayout;
 use sdtrain::model::pipeline::{LoadOptions, StableDiffusion};
 use sdtrain::model::unet::AddedConditions;
 use sdtrain::train::adapters::{attach_with, SaveInfo, TrainedAdapters};

@@ -18,8 +18,8 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor, Var};
 use sdtrain::model::export::{save_diffusers_folder, ExportError};
-use sdtrain::model::family::ModelLayout;
 use sdtrain::model::files::Component;
+use sdtrain::model::layout::ModelLayout;
 use sdtrain::model::pipeline::{LoadOptions, StableDiffusion};
 use sdtrain::model::unet::AddedConditions;
 use serde_json::Value;
@@ -331,7 +331,7 @@ fn sharded_and_fp16_variant_bases_export_as_plain_single_files() {
         .layout
         .component(Component::Unet)
         .unwrap()
-        .index
+        .index()
         .is_some());
     perturb(&sd.unet_weights.params(), 1.02);
     let want = unet_out(&sd, "tiny-sd15");

@@ -8,8 +8,9 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
-use sdtrain::model::family::{FamilyError, ModelFamily, ModelLayout, PredictionType};
+use sdtrain::model::family::{FamilyError, ModelFamily, PredictionType};
 use sdtrain::model::files::{self, Component, FilesError};
+use sdtrain::model::layout::ModelLayout;
 use sdtrain::model::source::{HubEnv, ModelSource, Origin, SourceError};
 use sdtrain::model::weights::Weights;
 
@@ -123,8 +124,8 @@ fn detects_family_prediction_and_resolution_of_each_fixture() {
             "{name}"
         );
         for c in &layout.components {
-            assert_eq!(c.weights.len(), 1, "{name}/{}", c.component);
-            assert!(c.weights[0].is_file());
+            assert_eq!(c.weights().len(), 1, "{name}/{}", c.component);
+            assert!(c.weights()[0].is_file());
         }
     }
 }
@@ -285,7 +286,7 @@ fn fp16_variant_is_chosen_and_loads_as_f32() {
     .unwrap();
     let layout = ModelLayout::read(&dir, None).unwrap();
     let te_files = layout.component(Component::TextEncoder).unwrap();
-    assert_eq!(te_files.weights, vec![te.join("model.fp16.safetensors")]);
+    assert_eq!(te_files.weights(), vec![te.join("model.fp16.safetensors")]);
 }
 
 /// Splits `tensors` into two shard files named `<stem>-0000N-of-00002.safetensors` plus an
@@ -335,7 +336,7 @@ fn sharded_unet_loads_the_same_tensors() {
     let layout = ModelLayout::read(&dir, None).unwrap();
     let unet_files = layout.component(Component::Unet).unwrap();
     assert_eq!(
-        unet_files.index.as_deref(),
+        unet_files.index(),
         Some(
             unet.join("diffusion_pytorch_model.safetensors.index.json")
                 .as_path()

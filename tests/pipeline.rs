@@ -4,7 +4,8 @@
 mod common;
 
 use candle_core::{DType, Device, Tensor};
-use sdtrain::model::family::{ModelFamily, ModelLayout};
+use sdtrain::model::family::ModelFamily;
+use sdtrain::model::layout::ModelLayout;
 use sdtrain::model::pipeline::{LoadOptions, StableDiffusion};
 use sdtrain::model::source::ModelSource;
 

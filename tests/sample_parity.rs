@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use candle_core::{DType, Device, Tensor};
-use sdtrain::model::family::ModelLayout;
+use sdtrain::model::layout::ModelLayout;
 use sdtrain::model::pipeline::{LoadOptions, StableDiffusion};
 use sdtrain::sample::generate::{decode, denoise, zero_empty_negative};
 use sdtrain::sample::{PromptConds, SampleRequest, SamplerKind, SchedulerConfig, UnetRun};

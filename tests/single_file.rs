@@ -11,8 +11,9 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
 use sdtrain::model::clip::ClipTokenizer;
-use sdtrain::model::family::{ModelFamily, ModelLayout, PredictionType};
-use sdtrain::model::files::{Component, ComponentFiles};
+use sdtrain::model::family::{ModelFamily, PredictionType};
+use sdtrain::model::files::{Component, ComponentFiles, ComponentSource};
+use sdtrain::model::layout::ModelLayout;
 use sdtrain::model::pipeline::{load_text_encoder, LoadOptions};
 use sdtrain::model::single_file::{ConfigOrigin, SingleFileOptions};
 use sdtrain::model::unet::{AddedConditions, UNet2DConditionModel, UnetConfig};
@@ -41,9 +42,13 @@ fn opts() -> LoadOptions {
 }
 
 fn weights(c: &ComponentFiles) -> Weights {
-    match &c.packed {
-        Some(p) => Weights::from_view(p.view.clone(), "x", DType::F32, &Device::Cpu, false),
-        None => Weights::from_files(&c.weights, "x", DType::F32, &Device::Cpu, false).unwrap(),
+    match &c.source {
+        ComponentSource::Packed { packed, .. } => {
+            Weights::from_view(packed.view.clone(), "x", DType::F32, &Device::Cpu, false)
+        }
+        ComponentSource::Folder { weights, .. } => {
+            Weights::from_files(weights, "x", DType::F32, &Device::Cpu, false).unwrap()
+        }
     }
 }
 
@@ -106,7 +111,7 @@ fn diffusers_script_files_load_with_no_unused_tensors() {
     for (name, family) in FIXTURES {
         let file = script_file(name);
         let layout = ModelLayout::read(&file, None).unwrap();
-        let sf = layout.single_file.as_ref().unwrap();
+        let sf = layout.single_file().unwrap();
         assert_eq!(layout.family, family, "{name}");
         assert_eq!(sf.origin, ConfigOrigin::Detected);
         assert!(sf.skipped.is_empty(), "{name}: skipped {:?}", sf.skipped);
@@ -357,7 +362,7 @@ fn files_that_are_not_checkpoints_are_refused() {
     extra.remove("model.diffusion_model.input_blocks.1.7.weight");
     candle_core::safetensors::save(&extra, &path).unwrap();
     let layout = ModelLayout::read(&path, None).unwrap();
-    let skipped = &layout.single_file.as_ref().unwrap().skipped;
+    let skipped = &layout.single_file().unwrap().skipped;
     assert_eq!(skipped.len(), 1);
     assert_eq!(skipped[0].0, "alphas_cumprod");
 
@@ -373,7 +378,7 @@ fn files_that_are_not_checkpoints_are_refused() {
 #[test]
 fn diffusers_to_single_file_to_diffusers_is_exact() {
     use sdtrain::model::export::save_diffusers_folder;
-    use sdtrain::model::single_file::write::save_single_file;
+    use sdtrain::model::export::save_single_file;
     let tmp = tempfile::tempdir().unwrap();
     let none: &[(Component, Vec<(String, Tensor)>)] = &[];
     for (name, family) in FIXTURES {
@@ -381,7 +386,7 @@ fn diffusers_to_single_file_to_diffusers_is_exact() {
         let file = tmp.path().join(format!("{name}.safetensors"));
         save_single_file(&folder, &file, none, DType::F32).unwrap();
         let single = ModelLayout::read(&file, None).unwrap();
-        let sf = single.single_file.as_ref().unwrap();
+        let sf = single.single_file().unwrap();
         assert_eq!(sf.origin, ConfigOrigin::Metadata, "{name}");
         assert_eq!(single.family, family);
         assert!(sf.skipped.is_empty(), "{name}: {:?}", sf.skipped);

@@ -5,8 +5,9 @@
 mod common;
 
 use common::cli::{demo_data, run_folder, sdtrain, text, write_config};
-use sdtrain::model::family::{ModelFamily, ModelLayout};
-use sdtrain::model::files::Component;
+use sdtrain::model::family::ModelFamily;
+use sdtrain::model::files::{Component, ComponentSource};
+use sdtrain::model::layout::ModelLayout;
 use sdtrain::model::single_file::ConfigOrigin;
 
 fn script_file(name: &str) -> std::path::PathBuf {
@@ -77,17 +78,16 @@ fn full_finetune_reads_and_writes_single_files() {
         assert!(plan["model_file"]["save_ckpt_format"].is_string(), "{plan}");
         // The saved file reopens from its own metadata, and the UNet was trained.
         let saved = ModelLayout::read(&file, None).unwrap();
-        let sf = saved.single_file.as_ref().unwrap();
+        let sf = saved.single_file().unwrap();
         assert_eq!(sf.origin, ConfigOrigin::Metadata, "{name}");
         assert_eq!(saved.family, family);
         let base = ModelLayout::read(&script_file(name), None).unwrap();
         let load = |l: &ModelLayout| {
-            let p = l
-                .component(Component::Unet)
-                .unwrap()
-                .packed
-                .clone()
-                .unwrap();
+            let ComponentSource::Packed { packed: p, .. } =
+                &l.component(Component::Unet).unwrap().source
+            else {
+                panic!("{name}: the UNet of a single file is not packed")
+            };
             p.view
                 .load("conv_in.weight", &candle_core::Device::Cpu)
                 .unwrap()

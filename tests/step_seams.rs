@@ -12,7 +12,7 @@ use sdtrain::adapter::AdapterComponent;
 use sdtrain::config::{AdapterPlan, SaveDtype, TrainMode};
 use sdtrain::data::{load_data_root, load_image, load_image_jittered};
 use sdtrain::diffusion::{NoiseSchedule, Objective, ObjectiveConfig};
-use sdtrain::model::family::ModelLayout;
+use sdtrain::model::layout::ModelLayout;
 use sdtrain::model::pipeline::{LoadOptions, StableDiffusion};
 use sdtrain::model::source::ModelSource;
 use sdtrain::nn::Checkpointing;

@@ -18,8 +18,8 @@ use common::cli::{demo_data, run_folder, sdtrain, text, write_config};
 use common::{fixture, get, rel_err};
 use sdtrain::error_chain::chain_text;
 use sdtrain::model::clip::ClipTextModel;
-use sdtrain::model::family::ModelLayout;
 use sdtrain::model::files::{component_files, Component, ComponentFiles};
+use sdtrain::model::layout::ModelLayout;
 use sdtrain::model::pipeline::{load_text_encoder, LoadOptions, StableDiffusion};
 use sdtrain::model::weights::Weights;
 use sdtrain::nn::{LayerMut, VisitLayers};
@@ -122,7 +122,7 @@ fn either_layout_loads_the_same_parameters_under_the_same_names() {
             p.iter().map(|(n, _)| n.clone()).collect()
         };
         assert_eq!(names(&new_p), names(&old_p), "{prefix}");
-        let in_file = stored(&files(&te5(folder), component).weights);
+        let in_file = stored(files(&te5(folder), component).weights());
         let file_dtype = in_file.values().next().unwrap().dtype();
         for ((name, new), (_, old)) in new_p.iter().zip(&old_p) {
             let old = old
@@ -171,7 +171,7 @@ fn projection_model_without_the_prefix_matches_transformers() {
     let src = te5("sdxl/text_encoder_2");
     std::fs::copy(src.join("config.json"), dir.join("config.json")).unwrap();
     let flat: HashMap<String, Tensor> =
-        stored(&files(&te5("sdxl"), Component::TextEncoder2).weights)
+        stored(files(&te5("sdxl"), Component::TextEncoder2).weights())
             .into_iter()
             .map(|(name, t)| match name.strip_prefix("text_model.") {
                 Some(rest) => (rest.to_string(), t),
@@ -197,7 +197,7 @@ fn text_encoder_2_without_its_projection_is_an_error_naming_the_file() {
     let f = files(tmp.path(), Component::TextEncoder2);
     let err = chain_text(&load_text_encoder(&f, &opts(false)).err().unwrap());
     assert!(err.contains("`text_projection.weight` not found"), "{err}");
-    assert!(err.contains(&f.weights[0].display().to_string()), "{err}");
+    assert!(err.contains(&f.weights()[0].display().to_string()), "{err}");
 }
 
 /// Catches: a file that is no CLIP text model (here a VAE's) failing with a message about some
@@ -221,7 +221,7 @@ fn file_in_neither_layout_is_an_error_naming_the_file() {
         ),
         "{err}"
     );
-    assert!(err.contains(&f.weights[0].display().to_string()), "{err}");
+    assert!(err.contains(&f.weights()[0].display().to_string()), "{err}");
 }
 
 /// A copy of the tiny pipeline `name` with `component` replaced by the transformers 5 one.

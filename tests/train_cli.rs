@@ -10,7 +10,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device};
-use sdtrain::model::family::ModelLayout;
+use sdtrain::model::layout::ModelLayout;
 use sdtrain::model::pipeline::{LoadOptions, StableDiffusion};
 
 fn check_trained(fixture: &str, extra: serde_json::Value) {

@@ -1,5 +1,6 @@
-//! Model family and prediction type, detected from a pipeline's configs, and [`ModelLayout`]:
-//! everything sdtrain reads from a diffusers pipeline folder, gathered in one place.
+//! Model family and prediction type, detected from a pipeline's parsed configs. Pure: the
+//! configs are read by [`ModelLayout`](super::layout::ModelLayout) (a diffusers folder) or come
+//! from a single file's metadata or tensor shapes.
 //!
 //! Detection reads only what distinguishes the families, never the architecture itself (each
 //! model builds from its own `config.json`):
@@ -12,17 +13,16 @@
 //! - Prediction type: `scheduler/scheduler_config.json` `prediction_type`, epsilon when absent.
 //! - Native resolution: UNet `sample_size` × 2^(len(VAE `block_out_channels`) − 1), the VAE's
 //!   downsampling factor (64 × 8 = 512 for SD1.5, 128 × 8 = 1024 for SDXL).
+//!
+//! [`FamilyError`] is also the error of reading a layout: what the model is cannot be told
+//! when its files are missing or unreadable.
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
 use serde_json::Value;
 
-use super::files::{
-    self, BuiltinTokenizer, Component, ComponentFiles, FilesError, TokenizerFiles, MODEL_INDEX,
-    SCHEDULER_CONFIG,
-};
-use super::single_file::{SingleFile, SingleFileError, SingleFileOptions, TokenizerSource};
+use super::files::{self, Component, FilesError};
+use super::single_file::SingleFileError;
 
 #[derive(Debug, thiserror::Error)]
 pub enum FamilyError {
@@ -282,212 +282,6 @@ pub fn native_resolution(
             problem: "is missing or not a list of 1 to 8 entries",
         })?;
     Ok(sample_size as usize * (1usize << (levels - 1)))
-}
-
-/// Everything sdtrain reads from a diffusers pipeline folder: what the model is, and the files.
-#[derive(Debug, Clone)]
-pub struct ModelLayout {
-    pub root: PathBuf,
-    pub family: ModelFamily,
-    pub prediction_type: PredictionType,
-    /// Square side in pixels the model was trained at.
-    pub native_resolution: usize,
-    pub model_index: PathBuf,
-    pub scheduler_config: PathBuf,
-    /// The family's components, in [`Component::ALL`] order.
-    pub components: Vec<ComponentFiles>,
-    /// One entry per text encoder, in the same order.
-    pub tokenizers: Vec<TokenizerFiles>,
-    /// Set when the model is a single-file checkpoint; `root`, `model_index`,
-    /// `scheduler_config` and every component's `config`/`weights` are then the file itself.
-    pub single_file: Option<Arc<SingleFile>>,
-}
-
-impl ModelLayout {
-    /// Reads the pipeline folder `root`, choosing weights by the rules in [`files`] (`variant`,
-    /// e.g. `fp16`, prefers those files where present).
-    pub fn read(root: &Path, variant: Option<&str>) -> Result<Self, FamilyError> {
-        Self::read_with(root, variant, &SingleFileOptions::default())
-    }
-
-    /// As [`ModelLayout::read`]; `root` may also be a single-file checkpoint, opened with
-    /// `single` (options that are an error for a folder).
-    pub fn read_with(
-        root: &Path,
-        variant: Option<&str>,
-        single: &SingleFileOptions,
-    ) -> Result<Self, FamilyError> {
-        if root.is_file() {
-            return Self::from_single_file(SingleFile::open(root, single)?);
-        }
-        let option = if single.model_config.is_some() {
-            Some("model_config")
-        } else if single.prediction_type.is_some() {
-            Some("prediction_type")
-        } else {
-            None
-        };
-        if let Some(option) = option {
-            return Err(FamilyError::SingleFileOption {
-                dir: root.to_path_buf(),
-                option,
-            });
-        }
-        files::check_variant(variant)?;
-        let model_index = root.join(MODEL_INDEX);
-        if !model_index.is_file() {
-            return Err(FamilyError::NotAPipeline {
-                dir: root.to_path_buf(),
-            });
-        }
-        let index_json = files::read_json(&model_index)?;
-        let unet_file = root.join("unet/config.json");
-        let unet = files::read_json(&unet_file)?;
-        let te_file = root.join("text_encoder/config.json");
-        let text_encoder = if te_file.is_file() {
-            Some(files::read_json(&te_file)?)
-        } else {
-            None
-        };
-        let family = detect_family(&Configs {
-            model_index: &index_json,
-            unet: &unet,
-            text_encoder: text_encoder.as_ref(),
-        })?;
-        let vae_file = root.join("vae/config.json");
-        let vae = files::read_json(&vae_file)?;
-        let native_resolution = native_resolution(&unet, &unet_file, &vae, &vae_file)?;
-
-        let scheduler_config = root.join(SCHEDULER_CONFIG);
-        let prediction_type = PredictionType::from_scheduler_config(
-            &files::read_json(&scheduler_config)?,
-            &scheduler_config,
-        )?;
-
-        let mut components = Vec::new();
-        let mut tokenizers = Vec::new();
-        for &component in family.components() {
-            components.push(files::component_files(root, component, variant)?);
-            if let Some(tok) = component.tokenizer_folder() {
-                tokenizers.push(files::tokenizer_files(root, tok)?);
-            }
-        }
-        Ok(Self {
-            root: root.to_path_buf(),
-            family,
-            prediction_type,
-            native_resolution,
-            model_index,
-            scheduler_config,
-            components,
-            tokenizers,
-            single_file: None,
-        })
-    }
-
-    /// The layout of an opened single file: configs in memory, weights through its views.
-    pub fn from_single_file(sf: SingleFile) -> Result<Self, FamilyError> {
-        let path = sf.path.clone();
-        let named = |what: &str| path.join(format!("<{what}>"));
-        let unet = sf
-            .component(Component::Unet)
-            .map(|p| p.config.clone())
-            .unwrap_or_default();
-        let vae = sf
-            .component(Component::Vae)
-            .map(|p| p.config.clone())
-            .unwrap_or_default();
-        let native_resolution =
-            native_resolution(&unet, &named("unet config"), &vae, &named("vae config"))?;
-        let prediction_type =
-            PredictionType::from_scheduler_config(&sf.scheduler, &named("scheduler config"))?;
-        let components = sf
-            .components
-            .iter()
-            .map(|(c, p)| ComponentFiles {
-                component: *c,
-                config: path.clone(),
-                index: None,
-                weights: vec![path.clone()],
-                packed: Some(p.clone()),
-            })
-            .collect();
-        let tokenizers = sf
-            .tokenizers
-            .iter()
-            .map(|(folder, src)| match src {
-                TokenizerSource::Builtin {
-                    vocab_size,
-                    pad,
-                    max_length,
-                } => Ok(TokenizerFiles {
-                    folder: folder.clone(),
-                    files: Vec::new(),
-                    builtin: Some(BuiltinTokenizer {
-                        vocab_size: *vocab_size,
-                        pad: pad.clone(),
-                        max_length: *max_length,
-                    }),
-                }),
-                TokenizerSource::Folder(dir) => {
-                    let parent = dir.parent().unwrap_or(Path::new("."));
-                    files::tokenizer_files(parent, folder)
-                }
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        Ok(Self {
-            root: path.clone(),
-            family: sf.family,
-            prediction_type,
-            native_resolution,
-            model_index: path.clone(),
-            scheduler_config: path,
-            components,
-            tokenizers,
-            single_file: Some(Arc::new(sf)),
-        })
-    }
-
-    /// The scheduler config.
-    pub fn scheduler_json(&self) -> Result<Value, FilesError> {
-        match &self.single_file {
-            Some(sf) => Ok(sf.scheduler.clone()),
-            None => files::read_json(&self.scheduler_config),
-        }
-    }
-
-    /// `model_index.json`.
-    pub fn model_index_json(&self) -> Result<Value, FilesError> {
-        match &self.single_file {
-            Some(sf) => Ok(sf.model_index.clone()),
-            None => files::read_json(&self.model_index),
-        }
-    }
-
-    pub fn component(&self, component: Component) -> Option<&ComponentFiles> {
-        self.components.iter().find(|c| c.component == component)
-    }
-
-    /// Every file sdtrain would open, configs first, then weights and tokenizer files.
-    pub fn all_files(&self) -> Vec<PathBuf> {
-        if self.single_file.is_some() {
-            let mut out = vec![self.root.clone()];
-            for t in &self.tokenizers {
-                out.extend(t.files.iter().cloned());
-            }
-            return out;
-        }
-        let mut out = vec![self.model_index.clone(), self.scheduler_config.clone()];
-        for c in &self.components {
-            out.push(c.config.clone());
-            out.extend(c.index.iter().cloned());
-            out.extend(c.weights.iter().cloned());
-        }
-        for t in &self.tokenizers {
-            out.extend(t.files.iter().cloned());
-        }
-        out
-    }
 }
 
 #[cfg(test)]

@@ -13,6 +13,9 @@
 //! Only safetensors is ever read: a component holding only pickle files (`.bin`, `.ckpt`, `.pt`)
 //! is an error that says how to convert it. The same rules run on a hub repo's file list
 //! ([`hub_plan`]) so a download fetches exactly what a local read would open.
+//!
+//! A component of a single-file checkpoint has no files of its own: its [`ComponentSource`] is
+//! the opened file's config and tensor view ([`PackedComponent`]) instead of a folder's files.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -20,7 +23,7 @@ use std::sync::Arc;
 
 use serde_json::Value;
 
-use super::single_file::PackedComponent;
+use crate::tensor_view::TensorView;
 
 /// File names a diffusers model (`diffusion_pytorch_model`) or a transformers model (`model`)
 /// uses for its weights, without extension.
@@ -200,53 +203,106 @@ pub enum WeightChoice {
     Sharded { index: String },
 }
 
-/// The files of one component: its config and the safetensors to read.
+/// One component of a single-file checkpoint: its diffusers config and its tensors under
+/// diffusers names.
+#[derive(Debug, PartialEq, Eq)]
+pub struct PackedComponent {
+    pub config: Value,
+    pub view: Arc<TensorView>,
+}
+
+/// Where a component's config and tensors come from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ComponentSource {
+    /// A component folder of a diffusers pipeline.
+    Folder {
+        /// `<component>/config.json`.
+        config: PathBuf,
+        /// The shard index, for a sharded component.
+        index: Option<PathBuf>,
+        /// The safetensors files to pass to `Weights::from_files`, in a stable order.
+        weights: Vec<PathBuf>,
+    },
+    /// A component of a single-file checkpoint `file`: config and tensors come from the opened
+    /// file, not from files of their own.
+    Packed {
+        file: PathBuf,
+        packed: Arc<PackedComponent>,
+    },
+}
+
+/// The files of one component: where its config and its tensors come from.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ComponentFiles {
     pub component: Component,
-    /// The `config.json`; for a single-file checkpoint, the file itself.
-    pub config: PathBuf,
-    /// The shard index, for a sharded component.
-    pub index: Option<PathBuf>,
-    /// The safetensors files to pass to `Weights::from_files`, in a stable order; for a
-    /// single-file checkpoint, the file.
-    pub weights: Vec<PathBuf>,
-    /// Set for a component of a single-file checkpoint: its config and its tensors under
-    /// diffusers names, which replace `config` and `weights`.
-    pub packed: Option<Arc<PackedComponent>>,
+    pub source: ComponentSource,
 }
 
 impl ComponentFiles {
+    /// The file the config is read from: `config.json`, or the single file.
+    pub fn config_path(&self) -> &Path {
+        match &self.source {
+            ComponentSource::Folder { config, .. } => config,
+            ComponentSource::Packed { file, .. } => file,
+        }
+    }
+
+    /// The files holding the tensors: the folder's safetensors, or the single file.
+    pub fn weights(&self) -> &[PathBuf] {
+        match &self.source {
+            ComponentSource::Folder { weights, .. } => weights,
+            ComponentSource::Packed { file, .. } => std::slice::from_ref(file),
+        }
+    }
+
+    /// The shard index of a sharded folder component.
+    pub fn index(&self) -> Option<&Path> {
+        match &self.source {
+            ComponentSource::Folder { index, .. } => index.as_deref(),
+            ComponentSource::Packed { .. } => None,
+        }
+    }
+
+    /// Where errors say the component was loaded from: its folder, or the single file.
+    pub fn location(&self) -> PathBuf {
+        match &self.source {
+            ComponentSource::Folder { config, .. } => {
+                config.parent().map(Path::to_path_buf).unwrap_or_default()
+            }
+            ComponentSource::Packed { file, .. } => file.clone(),
+        }
+    }
+
     /// The parsed config.
     pub fn config_json(&self) -> Result<Value, FilesError> {
-        match &self.packed {
-            Some(p) => Ok(p.config.clone()),
-            None => read_json(&self.config),
+        match &self.source {
+            ComponentSource::Folder { config, .. } => read_json(config),
+            ComponentSource::Packed { packed, .. } => Ok(packed.config.clone()),
         }
     }
 
     /// The config as JSON text and the name of where it came from, for the config parsers.
     pub fn config_text(&self) -> Result<(String, PathBuf), FilesError> {
-        match &self.packed {
-            Some(p) => Ok((
-                serde_json::to_string(&p.config).unwrap_or_default(),
-                self.config.join(format!("<{} config>", self.component)),
-            )),
-            None => {
-                let text =
-                    std::fs::read_to_string(&self.config).map_err(|source| FilesError::Io {
-                        path: self.config.clone(),
-                        source,
-                    })?;
-                Ok((text, self.config.clone()))
+        match &self.source {
+            ComponentSource::Folder { config, .. } => {
+                let text = std::fs::read_to_string(config).map_err(|source| FilesError::Io {
+                    path: config.clone(),
+                    source,
+                })?;
+                Ok((text, config.clone()))
             }
+            ComponentSource::Packed { file, packed } => Ok((
+                serde_json::to_string(&packed.config).unwrap_or_default(),
+                file.join(format!("<{} config>", self.component)),
+            )),
         }
     }
 
     /// Tensor name → (shape, stored dtype name) over the weights, from the headers only.
     pub fn tensor_shapes(&self) -> Result<BTreeMap<String, (Vec<usize>, String)>, FilesError> {
-        if let Some(p) = &self.packed {
-            return Ok(p
+        match &self.source {
+            ComponentSource::Folder { weights, .. } => header_shapes(weights),
+            ComponentSource::Packed { packed, .. } => Ok(packed
                 .view
                 .entries()
                 .map(|(n, e)| {
@@ -255,30 +311,34 @@ impl ComponentFiles {
                         (e.shape.clone(), format!("{:?}", e.dtype).to_uppercase()),
                     )
                 })
-                .collect());
+                .collect()),
         }
-        let mut out = BTreeMap::new();
-        for path in &self.weights {
-            let io = |source| FilesError::Io {
-                path: path.clone(),
-                source,
-            };
-            let file = std::fs::File::open(path).map_err(io)?;
-            // SAFETY: mapped read-only and dropped at the end of the iteration; only the header
-            // pages are touched.
-            let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io)?;
-            let (_, meta) = safetensors::SafeTensors::read_metadata(&map).map_err(|e| {
-                FilesError::BadSafetensors {
-                    path: path.clone(),
-                    message: e.to_string(),
-                }
-            })?;
-            for (name, info) in meta.tensors() {
-                out.insert(name, (info.shape.clone(), info.dtype.to_string()));
-            }
-        }
-        Ok(out)
     }
+}
+
+/// Tensor name → (shape, stored dtype name) over safetensors files, from their headers.
+fn header_shapes(files: &[PathBuf]) -> Result<BTreeMap<String, (Vec<usize>, String)>, FilesError> {
+    let mut out = BTreeMap::new();
+    for path in files {
+        let io = |source| FilesError::Io {
+            path: path.clone(),
+            source,
+        };
+        let file = std::fs::File::open(path).map_err(io)?;
+        // SAFETY: mapped read-only and dropped at the end of the iteration; only the header
+        // pages are touched.
+        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io)?;
+        let (_, meta) = safetensors::SafeTensors::read_metadata(&map).map_err(|e| {
+            FilesError::BadSafetensors {
+                path: path.clone(),
+                message: e.to_string(),
+            }
+        })?;
+        for (name, info) in meta.tensors() {
+            out.insert(name, (info.shape.clone(), info.dtype.to_string()));
+        }
+    }
+    Ok(out)
 }
 
 /// The tokenizer files found in one tokenizer folder.
@@ -443,10 +503,11 @@ pub fn component_files(
     match choose_weights(&folder.display().to_string(), &names, variant)? {
         WeightChoice::Single(file) => Ok(ComponentFiles {
             component,
-            config,
-            index: None,
-            weights: vec![folder.join(file)],
-            packed: None,
+            source: ComponentSource::Folder {
+                config,
+                index: None,
+                weights: vec![folder.join(file)],
+            },
         }),
         WeightChoice::Sharded { index } => {
             let index = folder.join(index);
@@ -460,10 +521,11 @@ pub fn component_files(
             }
             Ok(ComponentFiles {
                 component,
-                config,
-                index: Some(index),
-                weights,
-                packed: None,
+                source: ComponentSource::Folder {
+                    config,
+                    index: Some(index),
+                    weights,
+                },
             })
         }
     }
@@ -482,7 +544,7 @@ pub fn component_weights(
         .ok_or_else(|| FilesError::MissingFolder {
             dir: dir.join(component),
         })?;
-    Ok(component_files(dir, component, variant)?.weights)
+    Ok(component_files(dir, component, variant)?.weights().to_vec())
 }
 
 /// The tokenizer files present in `dir/<folder>`.

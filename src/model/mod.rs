@@ -5,6 +5,7 @@ pub mod clip;
 pub mod export;
 pub mod family;
 pub mod files;
+pub mod layout;
 pub mod pipeline;
 pub mod reference_configs;
 pub mod resnet;

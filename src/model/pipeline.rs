@@ -13,8 +13,9 @@ use std::path::{Path, PathBuf};
 use candle_core::{DType, Device, Tensor};
 
 use super::clip::{ClipConfigError, ClipTextConfig, ClipTextModel, ClipTokenizer, TokenizerError};
-use super::family::{ModelFamily, ModelLayout};
-use super::files::{Component, ComponentFiles, FilesError, TokenizerFiles};
+use super::family::ModelFamily;
+use super::files::{Component, ComponentFiles, ComponentSource, FilesError, TokenizerFiles};
+use super::layout::ModelLayout;
 use super::unet::{UNet2DConditionModel, UnetConfig, UnetConfigError};
 use super::vae::{AutoencoderKL, VaeConfig, VaeConfigError};
 use super::weights::{Weights, WeightsError};
@@ -263,38 +264,29 @@ fn weights(
     trainable: bool,
 ) -> Result<Weights, PipelineError> {
     let dtype = if trainable { DType::F32 } else { opts.dtype };
-    if let Some(packed) = &files.packed {
-        return Ok(Weights::from_view(
+    match &files.source {
+        ComponentSource::Folder { weights, .. } => Weights::from_files(
+            weights,
+            files.component.folder(),
+            dtype,
+            &opts.device,
+            trainable,
+        )
+        .map_err(|e| wrap(files, e)),
+        ComponentSource::Packed { packed, .. } => Ok(Weights::from_view(
             packed.view.clone(),
             files.component.folder(),
             dtype,
             &opts.device,
             trainable,
-        ));
+        )),
     }
-    Weights::from_files(
-        &files.weights,
-        files.component.folder(),
-        if trainable { DType::F32 } else { opts.dtype },
-        &opts.device,
-        trainable,
-    )
-    .map_err(|e| wrap(files, e))
 }
 
 fn wrap(files: &ComponentFiles, source: WeightsError) -> PipelineError {
-    let dir = if files.packed.is_some() {
-        files.config.clone()
-    } else {
-        files
-            .config
-            .parent()
-            .map(Path::to_path_buf)
-            .unwrap_or_default()
-    };
     PipelineError::Weights {
         component: files.component,
-        dir,
+        dir: files.location(),
         source: Box::new(source),
     }
 }

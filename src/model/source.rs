@@ -15,8 +15,9 @@ use std::path::{Path, PathBuf};
 use hf_hub::api::sync::ApiBuilder;
 use hf_hub::{Cache, Repo, RepoType};
 
-use super::family::{FamilyError, ModelLayout};
+use super::family::FamilyError;
 use super::files::{self, FilesError, MODEL_INDEX};
+use super::layout::ModelLayout;
 use crate::error_chain::External;
 
 const DEFAULT_REVISION: &str = "main";

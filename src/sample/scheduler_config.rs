@@ -107,7 +107,7 @@ pub struct SchedulerConfig {
 impl SchedulerConfig {
     /// The scheduler config of a loaded model: its `scheduler_config.json`, or the one a
     /// single-file checkpoint carries or was given.
-    pub fn from_layout(layout: &crate::model::family::ModelLayout) -> Result<Self, ScheduleError> {
+    pub fn from_layout(layout: &crate::model::layout::ModelLayout) -> Result<Self, ScheduleError> {
         let config = layout
             .scheduler_json()
             .map_err(|e| ScheduleError::BadField {

@@ -28,6 +28,7 @@ use sha2::{Digest, Sha256};
 
 use crate::data::{augment, load_image_limited, Bucket, ImageMeta, TrainImage};
 use crate::error_chain::External;
+use crate::model::files::ComponentSource;
 use crate::model::pipeline::StableDiffusion;
 
 /// The folder under `output_dir` that holds cached latents.
@@ -129,20 +130,22 @@ pub fn vae_identity(sd: &StableDiffusion) -> anyhow::Result<String> {
         .component(crate::model::files::Component::Vae)
         .context("the model has no VAE")?;
     let mut h = Sha256::new();
-    if let Some(packed) = &files.packed {
-        // A single file: the VAE's config and its tensors' stored bytes, not the whole file.
-        h.update(packed.config.to_string().as_bytes());
-        for (name, _) in packed.view.entries() {
-            h.update(name.as_bytes());
-            h.update(packed.view.stored_bytes(name).unwrap_or_default());
+    match &files.source {
+        ComponentSource::Folder {
+            config, weights, ..
+        } => {
+            for path in std::iter::once(config).chain(weights) {
+                hash_file(&mut h, path)?;
+            }
         }
-        let dtype = sd.vae()?.dtype();
-        return Ok(format!("{}-{dtype:?}", hex(&h.finalize())));
-    }
-    let mut paths = vec![files.config.clone()];
-    paths.extend(files.weights.iter().cloned());
-    for path in &paths {
-        hash_file(&mut h, path)?;
+        ComponentSource::Packed { packed, .. } => {
+            // A single file: the VAE's config and its tensors' stored bytes, not the whole file.
+            h.update(packed.config.to_string().as_bytes());
+            for (name, _) in packed.view.entries() {
+                h.update(name.as_bytes());
+                h.update(packed.view.stored_bytes(name).unwrap_or_default());
+            }
+        }
     }
     let dtype = sd.vae()?.dtype();
     Ok(format!("{}-{dtype:?}", hex(&h.finalize())))

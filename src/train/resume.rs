@@ -173,6 +173,7 @@ pub fn write(
         .collect::<candle_core::Result<_>>()?;
     let params_path = partial.join(PARAMS_FILE);
     candle_core::safetensors::save(&tensors, &params_path)
+        .map_err(crate::error_chain::External)
         .with_context(|| format!("writing {}", params_path.display()))?;
     sync_file(&params_path)?;
     write_optimizers(&partial)?;

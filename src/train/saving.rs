@@ -16,8 +16,8 @@ use super::progress::Progress;
 use super::resume::{self, TrainerState};
 use super::run_dir::RunDir;
 use crate::config::TrainPlan;
-use crate::model::family::ModelLayout;
 use crate::model::files::Component;
+use crate::model::layout::ModelLayout;
 use crate::model::pipeline::StableDiffusion;
 use crate::optim::Optimizer;
 
@@ -168,13 +168,8 @@ impl Saver<'_> {
         let format = self.plan.model_file.save_ckpt_format;
         let file = single_file_path(&dir);
         if format.single_file() {
-            crate::model::single_file::write::save_single_file(
-                self.layout,
-                &file,
-                &updated,
-                DType::F32,
-            )
-            .with_context(|| format!("saving {}", file.display()))?;
+            crate::model::export::save_single_file(self.layout, &file, &updated, DType::F32)
+                .with_context(|| format!("saving {}", file.display()))?;
         }
         let mut written = Vec::new();
         if format.diffusers() {

@@ -28,7 +28,7 @@ use crate::config::{RunShape, TrainMode, TrainPlan};
 use crate::data::{load_data_root_limited, Bucket, LoadedDataset};
 use crate::diffusion::{NoiseSchedule, Objective, ObjectiveConfig};
 use crate::memory::{prepare_device, DeviceSettings};
-use crate::model::family::ModelLayout;
+use crate::model::layout::ModelLayout;
 use crate::model::pipeline::{LoadOptions, StableDiffusion};
 use crate::model::source::ModelSource;
 use crate::nn::Checkpointing;

@@ -8,8 +8,8 @@ use std::fmt;
 use crate::adapter::attach::{text_encoder_target, unet_target, AdapterSpec, LayerGeometry};
 use crate::adapter::lora::LoraKind;
 use crate::config::{ParamGroupPlan, TrainPlan};
-use crate::model::family::ModelLayout;
 use crate::model::files::{Component, ComponentFiles};
+use crate::model::layout::ModelLayout;
 use crate::model::source::ModelSource;
 
 use super::memory_plan::Census;

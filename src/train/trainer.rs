@@ -34,7 +34,7 @@ use crate::config::TrainPlan;
 use crate::data::epoch_plan::MicroBatch;
 use crate::diffusion::Objective;
 use crate::memory::MemoryUsage;
-use crate::model::family::ModelLayout;
+use crate::model::layout::ModelLayout;
 use crate::model::pipeline::StableDiffusion;
 use crate::nn::Checkpointing;
 use crate::precision::Amp;

@@ -2,13 +2,14 @@
 //! UNet (`model.diffusion_model.*`), the VAE (`first_stage_model.*`) and the text encoders
 //! (`cond_stage_model.*` for SD1/SD2, `conditioner.embedders.{0,1}.*` for SDXL).
 //!
-//! Opening one gives what a diffusers folder gives ([`ModelLayout`](super::family::ModelLayout)):
+//! Opening one gives what a diffusers folder gives ([`ModelLayout`](super::layout::ModelLayout)):
 //! one config per component and, instead of weight files, a [`TensorView`] per component that
 //! shows the file's LDM names under diffusers names ([`names`]). The configs come from, in order:
 //! 1. `model_config`, a diffusers folder whose configs and tokenizers describe the file
 //!    (diffusers' `from_single_file(config=…)`);
 //! 2. the file's `sdtrain.*` metadata, which sdtrain writes into every single file it saves
-//!    ([`write`]), so sdtrain's own files load exactly as they were saved;
+//!    ([`save_single_file`](super::export::save_single_file)), so sdtrain's own files load
+//!    exactly as they were saved;
 //! 3. detection from the tensor names and shapes ([`detect`]).
 //!
 //! Every tensor of the file is accounted for: a component's weight, a known non-weight
@@ -20,7 +21,6 @@
 
 pub mod detect;
 pub mod names;
-pub mod write;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -33,7 +33,7 @@ use self::detect::Shapes;
 use self::names::{Mapped, UnetBlocks, VaeBlocks};
 use super::clip::ClipTextConfig;
 use super::family::{self, FamilyError, ModelFamily, PredictionType};
-use super::files::{self, Component, FilesError, MODEL_INDEX, SCHEDULER_CONFIG};
+use super::files::{self, Component, FilesError, PackedComponent, MODEL_INDEX, SCHEDULER_CONFIG};
 use super::unet::{BlockKind, UnetConfig};
 use super::vae::VaeConfig;
 use crate::error_chain::chain_text;
@@ -204,13 +204,6 @@ impl std::fmt::Display for ConfigOrigin {
             ConfigOrigin::Detected => f.write_str("detected from the tensor shapes"),
         }
     }
-}
-
-/// One component of a single file: its diffusers config and its tensors under diffusers names.
-#[derive(Debug, PartialEq, Eq)]
-pub struct PackedComponent {
-    pub config: Value,
-    pub view: Arc<TensorView>,
 }
 
 /// Where a text encoder's tokenizer comes from.
@@ -601,55 +594,60 @@ type ComponentMaps = BTreeMap<Component, BTreeMap<String, (String, ViewOp)>>;
 /// Tensors left out, with the reason.
 type Skipped = Vec<(String, &'static str)>;
 
-/// Assigns every tensor of the file to a component (or a skip reason) using the configs.
-fn map_tensors(
-    path: &Path,
-    h: &Shapes,
-    family: ModelFamily,
-    configs: &Configs,
-) -> Result<(ComponentMaps, Skipped), SingleFileError> {
-    let config_err = |component: Component, message: String| SingleFileError::Config {
-        path: path.to_path_buf(),
-        component,
-        message,
-    };
-    let cfg = |c: Component| {
-        family
-            .components()
-            .iter()
-            .position(|&k| k == c)
-            .and_then(|i| configs.components.get(i))
-            .ok_or_else(|| config_err(c, "missing".into()))
-    };
-    let unet_cfg = UnetConfig::from_json(&cfg(Component::Unet)?.to_string(), "unet config")
-        .map_err(|e| config_err(Component::Unet, chain_text(&e)))?;
-    let unet_blocks = unet_blocks(&unet_cfg).map_err(|m| config_err(Component::Unet, m))?;
-    let vae_cfg = VaeConfig::from_json(&cfg(Component::Vae)?.to_string(), Path::new("vae config"))
-        .map_err(|e| config_err(Component::Vae, chain_text(&e)))?;
-    let vae_blocks = VaeBlocks {
-        levels: vae_cfg.block_out_channels.len(),
-    };
-    let mut text = Vec::new();
-    for c in [Component::TextEncoder, Component::TextEncoder2] {
-        let Some(prefix) = text_encoder_prefix(family, c) else {
-            continue;
+/// What the LDM names of a file map to, from its configs: the UNet's blocks, the VAE's levels
+/// and, per text encoder, its prefix, kind and layer count.
+struct NameRules {
+    unet: UnetBlocks,
+    vae: VaeBlocks,
+    text: Vec<(Component, &'static str, TextEncoderKind, usize)>,
+}
+
+impl NameRules {
+    fn new(path: &Path, family: ModelFamily, configs: &Configs) -> Result<Self, SingleFileError> {
+        let config_err = |component: Component, message: String| SingleFileError::Config {
+            path: path.to_path_buf(),
+            component,
+            message,
         };
-        let te = ClipTextConfig::from_json(&cfg(c)?.to_string(), Path::new("text encoder config"))
-            .map_err(|e| config_err(c, chain_text(&e)))?;
-        let kind = text_encoder_kind(family, c, true);
-        text.push((c, prefix, kind, te.num_hidden_layers));
+        let cfg = |c: Component| {
+            family
+                .components()
+                .iter()
+                .position(|&k| k == c)
+                .and_then(|i| configs.components.get(i))
+                .ok_or_else(|| config_err(c, "missing".into()))
+        };
+        let unet_cfg = UnetConfig::from_json(&cfg(Component::Unet)?.to_string(), "unet config")
+            .map_err(|e| config_err(Component::Unet, chain_text(&e)))?;
+        let unet = unet_blocks(&unet_cfg).map_err(|m| config_err(Component::Unet, m))?;
+        let vae_cfg =
+            VaeConfig::from_json(&cfg(Component::Vae)?.to_string(), Path::new("vae config"))
+                .map_err(|e| config_err(Component::Vae, chain_text(&e)))?;
+        let vae = VaeBlocks {
+            levels: vae_cfg.block_out_channels.len(),
+        };
+        let mut text = Vec::new();
+        for c in [Component::TextEncoder, Component::TextEncoder2] {
+            let Some(prefix) = text_encoder_prefix(family, c) else {
+                continue;
+            };
+            let te =
+                ClipTextConfig::from_json(&cfg(c)?.to_string(), Path::new("text encoder config"))
+                    .map_err(|e| config_err(c, chain_text(&e)))?;
+            let kind = text_encoder_kind(family, c, true);
+            text.push((c, prefix, kind, te.num_hidden_layers));
+        }
+        Ok(Self { unet, vae, text })
     }
 
-    let mut maps: ComponentMaps = BTreeMap::new();
-    let mut skipped = Vec::new();
-    let mut unknown = Vec::new();
-    for (name, shape) in h {
-        let (component, mapped) = if let Some(rest) = name.strip_prefix(UNET) {
-            let m = names::unet_to_diffusers(rest, &unet_blocks)
+    /// The component a stored tensor belongs to (none for a non-weight) and its diffusers names.
+    fn map(&self, name: &str, shape: &[usize]) -> (Option<Component>, Mapped) {
+        if let Some(rest) = name.strip_prefix(UNET) {
+            let m = names::unet_to_diffusers(rest, &self.unet)
                 .map_or(Mapped::Unknown, |d| Mapped::To(vec![(d, ViewOp::Same)]));
             (Some(Component::Unet), m)
         } else if let Some(rest) = name.strip_prefix(VAE) {
-            let m = match names::vae_to_diffusers(rest, vae_blocks) {
+            let m = match names::vae_to_diffusers(rest, self.vae) {
                 Some((d, true)) if shape.len() == 4 => {
                     Mapped::To(vec![(d, ViewOp::Reshape(shape[..2].to_vec()))])
                 }
@@ -657,7 +655,8 @@ fn map_tensors(
                 None => Mapped::Unknown,
             };
             (Some(Component::Vae), m)
-        } else if let Some((c, rest, kind, layers)) = text
+        } else if let Some((c, rest, kind, layers)) = self
+            .text
             .iter()
             .find_map(|(c, p, k, l)| name.strip_prefix(p).map(|r| (*c, r, *k, *l)))
         {
@@ -673,8 +672,23 @@ fn map_tensors(
                 Some(r) => (None, Mapped::Skip(r)),
                 None => (None, Mapped::Unknown),
             }
-        };
-        match (component, mapped) {
+        }
+    }
+}
+
+/// Assigns every tensor of the file to a component (or a skip reason) using the configs.
+fn map_tensors(
+    path: &Path,
+    h: &Shapes,
+    family: ModelFamily,
+    configs: &Configs,
+) -> Result<(ComponentMaps, Skipped), SingleFileError> {
+    let rules = NameRules::new(path, family, configs)?;
+    let mut maps: ComponentMaps = BTreeMap::new();
+    let mut skipped = Vec::new();
+    let mut unknown = Vec::new();
+    for (name, shape) in h {
+        match rules.map(name, shape) {
             (Some(c), Mapped::To(list)) => {
                 let map = maps.entry(c).or_default();
                 for (d, op) in list {
