@@ -80,14 +80,11 @@ impl fmt::Display for TrainPlan {
             crate::config::CacheLatents::Disk => "on disk, beside the runs in output_dir",
         };
         row(f, "latent cache", &latents)?;
-        let text = match crate::train::text_cache::why_off(
-            d.cache_text_encoder_outputs,
-            self.train_text_encoder,
-            d.shuffle_tags,
-            d.cond_dropout,
-        ) {
-            Some(why) => format!("off: {why}"),
-            None => "on: each caption encoded once, text encoders released".to_string(),
+        let text = match d.text_cache {
+            super::TextCacheDecision::Off(why) => format!("off: {why}"),
+            super::TextCacheDecision::On => {
+                "on: each caption encoded once, text encoders released".to_string()
+            }
         };
         row(f, "text cache", &text)?;
         row(

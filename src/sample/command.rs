@@ -144,7 +144,7 @@ pub fn run(args: &SampleArgs) -> anyhow::Result<Vec<PathBuf>> {
         train_text_encoders: false,
     };
     let mut sd = StableDiffusion::load(layout, &opts)?;
-    let naming = crate::train::adapters::kohya_naming(&sd);
+    let naming = crate::adapter::kohya_naming(&sd);
     for path in &args.loras {
         let file = load_kohya(path, &device)?;
         let n = merge_kohya(&mut sd, &naming, &file, args.lora_scale)?;

@@ -24,13 +24,13 @@ use serde::{Deserialize, Serialize};
 
 use super::micro_batch::MicroBatching;
 use crate::precision::ScalerState;
+/// Where a save point goes: the run folder's layout decides ([`crate::run_layout`]).
+pub use crate::run_layout::state_dir;
+use crate::run_layout::{is_save_point, save_points, STATE_FILE, STATE_PREFIX as PREFIX};
 
-/// The file that makes a folder a complete save point (written last).
-pub const STATE_FILE: &str = "trainer_state.json";
 const PARAMS_FILE: &str = "params.safetensors";
 /// The EMA copy in a save point (with `ema_decay_rate` or `ema_strength_target`).
 pub const EMA_FILE: &str = "ema.safetensors";
-const PREFIX: &str = "state-step-";
 const PARTIAL: &str = "partial";
 const VERSION: u32 = 1;
 
@@ -135,11 +135,6 @@ impl TrainerState {
     }
 }
 
-/// The save point folder for `steps` completed steps in `run`.
-pub fn state_dir(run: &Path, steps: usize) -> PathBuf {
-    run.join(format!("{PREFIX}{steps:06}"))
-}
-
 /// A group's optimizer state file in save point `dir`.
 pub fn optimizer_file(dir: &Path, group: &str) -> PathBuf {
     dir.join(format!("optimizer-{group}.safetensors"))
@@ -197,26 +192,9 @@ fn sync_dir(path: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The complete save points in `run`, by step, oldest first.
-pub fn save_points(run: &Path) -> Vec<(usize, PathBuf)> {
-    let Ok(entries) = std::fs::read_dir(run) else {
-        return Vec::new();
-    };
-    let mut out: Vec<(usize, PathBuf)> = entries
-        .filter_map(|e| {
-            let path = e.ok()?.path();
-            let name = path.file_name()?.to_str()?;
-            let step: usize = name.strip_prefix(PREFIX)?.parse().ok()?;
-            path.join(STATE_FILE).is_file().then_some((step, path))
-        })
-        .collect();
-    out.sort();
-    out
-}
-
 /// The save point `resume` names: a state folder itself, or a run folder's newest one.
 pub fn locate(resume: &Path) -> anyhow::Result<PathBuf> {
-    if resume.join(STATE_FILE).is_file() {
+    if is_save_point(resume) {
         return Ok(resume.to_path_buf());
     }
     match save_points(resume).pop() {
@@ -283,42 +261,6 @@ pub fn load_params(dir: &Path, params: &[(String, Var)]) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The base model of the run `resume` names (a run folder or one of its save points), from the
-/// run's `plan.json`.
-pub fn model_of(resume: &Path) -> Result<String, String> {
-    let run = if resume.join(STATE_FILE).is_file() {
-        resume.parent().unwrap_or(resume)
-    } else {
-        resume
-    };
-    let plan = run.join("plan.json");
-    let text = std::fs::read_to_string(&plan).map_err(|e| {
-        format!(
-            "names a run, but its {} cannot be read: {e}",
-            plan.display()
-        )
-    })?;
-    let value: serde_json::Value = serde_json::from_str(&text)
-        .map_err(|e| format!("names a run, but its {} is not JSON: {e}", plan.display()))?;
-    value["model"]
-        .as_str()
-        .map(str::to_string)
-        .ok_or_else(|| format!("names a run, but its {} has no `model`", plan.display()))
-}
-
-/// The newest run folder under `output_dir` with a complete save point (EveryDream2's
-/// `findlast`).
-pub fn find_last_run(output_dir: &Path) -> Option<PathBuf> {
-    let entries = std::fs::read_dir(output_dir).ok()?;
-    entries
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| !save_points(p).is_empty())
-        .max_by_key(|p| {
-            let newest = save_points(p).pop().map(|(_, d)| d.join(STATE_FILE));
-            newest.and_then(|f| std::fs::metadata(f).and_then(|m| m.modified()).ok())
-        })
-}
-
 /// Deletes all but the newest `keep` save points in `run`; `also(step)` names what else goes
 /// with each (the step's saved weights). Returns the steps removed.
 pub fn prune(
@@ -346,6 +288,7 @@ pub fn prune(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::run_layout::model_of;
 
     fn key() -> RunKey {
         RunKey {

@@ -27,9 +27,9 @@ use super::run_dir::RunDir;
 use super::samples::TrainingSamples;
 use super::step::{forward_backward, prepare_batch, sample_rngs, SampleData, StepSettings};
 use super::te_freeze::text_encoder_param_trains;
-use super::text_cache::{self, TextCache};
+use super::text_cache::TextCache;
 use super::validation::Validation;
-use crate::config::{CacheLatents, EmaDevice};
+use crate::config::{CacheLatents, EmaDevice, TextCacheDecision};
 use crate::config::{OptimizerKind, ParamGroupPlan};
 use crate::config::{TrainMode, TrainPlan};
 use crate::data::epoch_plan::BucketCount;
@@ -861,16 +861,9 @@ impl<'a> Session<'a> {
     fn build_caches(&mut self) -> anyhow::Result<()> {
         let data = &self.plan.data;
         let batch = self.plan.batch_size.max(1);
-        let te_trains = self.groups.len() > 1;
-        let why = text_cache::why_off(
-            data.cache_text_encoder_outputs,
-            te_trains,
-            data.shuffle_tags,
-            data.cond_dropout,
-        );
-        let line = match why {
-            Some(why) => format!("text-encoder cache: off ({why})"),
-            None => {
+        let line = match data.text_cache {
+            TextCacheDecision::Off(why) => format!("text-encoder cache: off ({why})"),
+            TextCacheDecision::On => {
                 let started = Instant::now();
                 let mut captions: Vec<&str> = self
                     .feed
