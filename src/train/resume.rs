@@ -227,36 +227,114 @@ pub fn read_state(dir: &Path) -> anyhow::Result<TrainerState> {
 /// Sets every parameter in `params` from the save point's `params.safetensors`; the file must
 /// hold exactly these names with these shapes.
 pub fn load_params(dir: &Path, params: &[(String, Var)]) -> anyhow::Result<()> {
+    let (path, saved) = read_params(dir)?;
+    if let Some(mismatch) = mismatch(&path, &saved, params) {
+        bail!(mismatch.with_hint());
+    }
+    set_params(&saved, params)
+}
+
+/// [`load_params`] for a resume: when the saved parameters do not fit this run's and the save
+/// point was made from another model (`saved.model`, `now.model`), the error says so first,
+/// before any parameter is set.
+pub fn restore_params(
+    dir: &Path,
+    saved_key: &RunKey,
+    now: &RunKey,
+    params: &[(String, Var)],
+) -> anyhow::Result<()> {
+    let (path, saved) = read_params(dir)?;
+    if let Some(mismatch) = mismatch(&path, &saved, params) {
+        if saved_key.model != now.model {
+            bail!(
+                "the save point {} was made from model {}, and this run uses model {}: resume \
+                 it with its own model (leave `model` out to take the run's), or start a new \
+                 run ({})",
+                dir.display(),
+                saved_key.model,
+                now.model,
+                mismatch.detail
+            );
+        }
+        bail!(mismatch.with_hint());
+    }
+    set_params(&saved, params)
+}
+
+fn read_params(dir: &Path) -> anyhow::Result<(PathBuf, HashMap<String, Tensor>)> {
     let path = dir.join(PARAMS_FILE);
     let saved = candle_core::safetensors::load(&path, &Device::Cpu)
         .with_context(|| format!("reading {}", path.display()))?;
+    Ok((path, saved))
+}
+
+/// Why the saved tensors are not this run's parameters.
+struct Mismatch {
+    detail: String,
+    /// The saved names are not this run's: another mode or adapter is the likely cause when the
+    /// model is the same.
+    names: bool,
+}
+
+impl Mismatch {
+    fn with_hint(self) -> String {
+        match self.names {
+            true => format!(
+                "{}: was it saved by a run with another mode or adapter?",
+                self.detail
+            ),
+            false => self.detail,
+        }
+    }
+}
+
+/// What keeps the saved tensors (read from `path`) from being `params`, if anything: a name
+/// this run does not train, a name missing, or a shape.
+fn mismatch(
+    path: &Path,
+    saved: &HashMap<String, Tensor>,
+    params: &[(String, Var)],
+) -> Option<Mismatch> {
     let mut unknown: Vec<&String> = saved
         .keys()
         .filter(|k| !params.iter().any(|(n, _)| n == *k))
         .collect();
     if !unknown.is_empty() {
         unknown.sort();
-        bail!(
-            "{} holds {} parameter(s) this run does not train, e.g. `{}`: was it saved by a \
-             run with another mode or adapter?",
-            path.display(),
-            unknown.len(),
-            unknown[0]
-        );
+        return Some(Mismatch {
+            detail: format!(
+                "{} holds {} parameter(s) this run does not train, e.g. `{}`",
+                path.display(),
+                unknown.len(),
+                unknown[0]
+            ),
+            names: true,
+        });
     }
     for (name, var) in params {
-        let Some(t) = saved.get(name) else {
-            bail!("{} has no parameter `{name}`", path.display());
-        };
-        if t.dims() != var.dims() {
-            bail!(
+        let detail = match saved.get(name) {
+            None => format!("{} has no parameter `{name}`", path.display()),
+            Some(t) if t.dims() != var.dims() => format!(
                 "{}: `{name}` is {:?}, this run's is {:?}",
                 path.display(),
                 t.dims(),
                 var.dims()
-            );
+            ),
+            Some(_) => continue,
+        };
+        return Some(Mismatch {
+            detail,
+            names: false,
+        });
+    }
+    None
+}
+
+fn set_params(saved: &HashMap<String, Tensor>, params: &[(String, Var)]) -> anyhow::Result<()> {
+    for (name, var) in params {
+        if let Some(t) = saved.get(name) {
+            var.set(&t.to_dtype(var.dtype())?.to_device(var.device())?)?;
         }
-        var.set(&t.to_dtype(var.dtype())?.to_device(var.device())?)?;
     }
     Ok(())
 }
@@ -393,6 +471,20 @@ mod tests {
         ];
         let err = load_params(&dir, &wrong_shape).unwrap_err().to_string();
         assert!(err.contains("`unet/a` is [2]"), "{err}");
+        // From another model: said first; with the same model, only the mismatch.
+        let other_model = RunKey {
+            model: "org/sdxl".into(),
+            ..key()
+        };
+        let err = restore_params(&dir, &key(), &other_model, &wrong_shape).unwrap_err();
+        let err = err.to_string();
+        assert!(
+            err.contains("was made from model m, and this run uses model org/sdxl")
+                && err.contains("`unet/a` is [2]"),
+            "{err}"
+        );
+        let err = restore_params(&dir, &key(), &key(), &wrong_shape).unwrap_err();
+        assert!(!err.to_string().contains("made from model"), "{err}");
         assert!(locate(tmp.path().join("nothing").as_path()).is_err());
         let d = key().differences(&RunKey {
             batch_size: 4,

@@ -451,7 +451,7 @@ impl<'a> Session<'a> {
                 groups
             );
         }
-        resume::load_params(dir, &self.named_params())?;
+        resume::restore_params(dir, &state.key, &self.key, &self.named_params())?;
         for g in self.groups.iter_mut() {
             let path = resume::optimizer_file(dir, g.name);
             g.optimizer
