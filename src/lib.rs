@@ -22,6 +22,7 @@ pub mod model;
 pub mod nn;
 pub mod optim;
 pub mod precision;
+pub mod run_layout;
 pub mod sample;
 pub mod tensor_view;
 pub mod tensorboard;

@@ -105,7 +105,7 @@ fn round_trip(name: &str, mode: TrainMode, dtype: SaveDtype, tol: f32) {
     let file = tmp.path().join("lora.safetensors");
     let kohya = sdtrain::adapter::kohya_file::load_kohya(&file, &Device::Cpu).unwrap();
     let mut merged = load(name);
-    let naming = sdtrain::train::adapters::kohya_naming(&merged);
+    let naming = sdtrain::adapter::kohya_naming(&merged);
     let n = sdtrain::adapter::merge::merge_kohya(&mut merged, &naming, &kohya, 1.0).unwrap();
     assert_eq!(n, b.modules.len(), "{name}: every module merged");
     let err = common::rel_err(&unet_out(&merged, name), &after);

@@ -3,7 +3,10 @@
 //! `networks/lora.py` attaches them.
 //!
 //! - [`lora`]: one module and its init;
-//! - [`attach`]: the target rules and attaching to a UNet or CLIP text encoder.
+//! - [`attach`]: the target rules and attaching to a UNet or CLIP text encoder;
+//! - [`kohya_names`], [`kohya_file`]: kohya's module names and file format, and
+//!   [`kohya_naming`], which names a loaded model's modules;
+//! - [`merge`]: folding a kohya file into a model's weights.
 
 pub mod attach;
 pub mod kohya_file;
@@ -20,6 +23,11 @@ use std::sync::Arc;
 
 use candle_core::Var;
 
+use crate::model::family::ModelFamily;
+use crate::model::pipeline::StableDiffusion;
+use crate::model::unet::config::BlockKind;
+use kohya_names::{KohyaNaming, UnetLayout};
+
 /// Every trainable Var of `modules`, `down` before `up`, in module order.
 pub fn adapter_vars(modules: &[Arc<LoraModule>]) -> Vec<Var> {
     modules
@@ -32,5 +40,23 @@ pub fn adapter_vars(modules: &[Arc<LoraModule>]) -> Vec<Var> {
 pub fn set_training(modules: &[Arc<LoraModule>], on: bool) {
     for m in modules {
         m.set_training(on)
+    }
+}
+
+/// How kohya files name this model's modules: diffusers paths for SD1/SD2, LDM block names laid
+/// out from the UNet's own config for SDXL.
+pub fn kohya_naming(sd: &StableDiffusion) -> KohyaNaming {
+    match sd.family() {
+        ModelFamily::Sdxl => {
+            let cfg = &sd.unet.config;
+            let layers = cfg.down_blocks.first().map_or(2, |b| b.layers);
+            let attention: Vec<bool> = cfg
+                .down_blocks
+                .iter()
+                .map(|b| b.kind == BlockKind::CrossAttn)
+                .collect();
+            KohyaNaming::Ldm(UnetLayout::mirrored(layers, &attention))
+        }
+        ModelFamily::Sd1 | ModelFamily::Sd2 => KohyaNaming::Diffusers,
     }
 }

@@ -1,12 +1,13 @@
-//! train.json's `adapter` section (modes "lora" and "locon"), parsed strictly like the rest of
-//! the file, and resolved into an [`AdapterPlan`]. Defaults follow kohya sd-scripts' train_network
+//! train.json's `adapter` section (modes "lora" and "locon"): [`AdapterFile`], parsed strictly like
+//! the rest of the file (as part of it, [`super::TrainFile`]), and resolved into an
+//! [`AdapterPlan`]. Defaults follow kohya sd-scripts' train_network
 //! (network_dim 4, network_alpha 1; conv_dim/conv_alpha default to them for LoCon).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
-use serde_json::{Map, Value};
+use serde_json::Value;
 
 use super::error::ConfigError;
 use super::strict::{known_keys, Section};
@@ -65,7 +66,8 @@ pub struct AdapterPlan {
     pub save_dtype: SaveDtype,
 }
 
-/// Parses the raw `adapter` value of train.json (`file` names it in errors).
+/// Parses the raw `adapter` value of train.json (`file` names it in errors): an object, each key
+/// known and of its type.
 pub fn parse_adapter_section(
     value: &Value,
     file: &Path,
@@ -178,14 +180,16 @@ pub fn resolve_adapter(
     })
 }
 
-/// Convenience for tests: an empty object.
-pub fn empty_section() -> Value {
-    Value::Object(Map::new())
-}
-
 #[cfg(test)]
 mod tests {
+    use serde_json::Map;
+
     use super::*;
+
+    /// An empty object.
+    fn empty_section() -> Value {
+        Value::Object(Map::new())
+    }
 
     fn plan(v: Value) -> Result<AdapterPlan, ConfigError> {
         let f = Path::new("train.json");

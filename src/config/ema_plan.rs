@@ -1,7 +1,7 @@
 //! The EMA keys of train.json (EveryDream2's `ema_decay_rate`, `ema_strength_target`,
 //! `ema_update_interval`, `ema_device`) resolved into an [`EmaPlan`]. EMA is on when
 //! `ema_decay_rate` or `ema_strength_target` is set (EveryDream2's `use_ema_dacay_training`);
-//! the target, when set, decides the decay from the run's length ([`crate::train::ema`]).
+//! the target, when set, decides the decay from the run's length ([`decay_for`]).
 
 use std::path::Path;
 
@@ -47,11 +47,17 @@ impl EmaPlan {
     pub fn decay_for_run(&self, total_steps: usize) -> f64 {
         match self.decay {
             EmaDecay::Rate(d) => d,
-            EmaDecay::StrengthTarget(t) => {
-                crate::train::ema::decay_for(t, self.update_interval, total_steps.max(1))
-            }
+            EmaDecay::StrengthTarget(t) => decay_for(t, self.update_interval, total_steps.max(1)),
         }
     }
+}
+
+/// The decay that leaves the starting weights a share `strength_target` after `total_steps`
+/// steps updated every `interval`: `strength_target^(interval / total_steps)` (EveryDream2
+/// computes `t ** (1 / (total_steps / interval))`).
+fn decay_for(strength_target: f64, interval: usize, total_steps: usize) -> f64 {
+    let updates = total_steps as f64 / interval as f64;
+    strength_target.powf(1.0 / updates)
 }
 
 fn invalid(file: &Path, field: &str, message: String) -> ConfigError {
@@ -172,6 +178,17 @@ mod tests {
         assert_eq!(plan.decay, EmaDecay::StrengthTarget(0.5));
         assert_eq!(plan.device, EmaDevice::Training);
         assert!((plan.decay_for_run(1000) - 0.5f64.powf(0.01)).abs() < 1e-15);
+    }
+
+    /// 0.5^(10/1000) and 0.25^(1/2): catches an inverted exponent (`updates` instead of
+    /// `1 / updates`) or the interval ignored.
+    #[test]
+    fn strength_target_decay() {
+        let d = decay_for(0.5, 10, 1000);
+        assert!((d - 0.993_092_495_437_035_9).abs() < 1e-15, "{d}");
+        assert!((decay_for(0.25, 1, 2) - 0.5).abs() < 1e-15);
+        // The start's share after the run's updates is the target.
+        assert!((d.powi(100) - 0.5).abs() < 1e-12);
     }
 
     #[test]

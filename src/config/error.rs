@@ -62,15 +62,14 @@ pub enum ConfigError {
         field: &'static str,
         hint: &'static str,
     },
-    #[error(
-        "{}: `model` is \"{model}\" but `resume_ckpt` (EveryDream2's name for the base model) is \
-         \"{resume_ckpt}\"; give one of them",
-        file.display()
-    )]
+    #[error("{}", render_model_conflict(file, model, resume_ckpt, missing_at))]
     ModelConflict {
         file: PathBuf,
         model: String,
         resume_ckpt: String,
+        /// Where `resume_ckpt` was looked for as a path when nothing is there; empty when it
+        /// exists (then it can only mean a base model).
+        missing_at: Vec<PathBuf>,
     },
     #[error("data_root `{}` {problem} (`data_root` in {})", path.display(), file.display())]
     DataRoot {
@@ -109,6 +108,34 @@ fn render_from_set(arg: &str, inner: &ConfigError) -> String {
         }
         other => format!("{other} (after `--set {arg}`)"),
     }
+}
+
+/// `model` and `resume_ckpt` both set, `resume_ckpt` naming no run. When no such path exists
+/// the user most likely meant a run folder and mistyped it, so that comes first.
+fn render_model_conflict(
+    file: &Path,
+    model: &str,
+    resume_ckpt: &str,
+    missing_at: &[PathBuf],
+) -> String {
+    if missing_at.is_empty() {
+        return format!(
+            "{}: `model` is \"{model}\" but `resume_ckpt` (EveryDream2's name for the base model) \
+             is \"{resume_ckpt}\"; give one of them",
+            file.display()
+        );
+    }
+    let looked: Vec<String> = missing_at
+        .iter()
+        .map(|p| format!("`{}`", p.display()))
+        .collect();
+    format!(
+        "{}: `resume_ckpt` is \"{resume_ckpt}\", which does not exist (looked for {}). To resume \
+         a run, give its run folder or one of its `state-step-NNNNNN` folders; as EveryDream2's \
+         name for the base model it conflicts with `model` \"{model}\": give one of them",
+        file.display(),
+        looked.join(" and ")
+    )
 }
 
 /// One EveryDream2 key that sdtrain knows but does not implement yet, with a value that would

@@ -6,14 +6,18 @@
 //! EveryDream2 (train.py, optimizer/optimizers.py); docs/config.md lists every key.
 
 mod adapter_file;
+mod ctx;
+mod data_plan;
 mod ema_plan;
 mod error;
 mod model_plan;
+mod objective_plan;
 mod optimizer_file;
 mod optimizer_plan;
 mod overrides;
 mod plan;
 mod precision_plan;
+mod resume_plan;
 mod run_shape;
 mod sample_plan;
 mod strict;
@@ -21,19 +25,21 @@ mod summary;
 mod train_file;
 
 pub use adapter_file::{AdapterFile, AdapterPlan, SaveDtype};
+pub use data_plan::{
+    BucketPlan, CacheLatents, DataPlan, TextCacheDecision, TextCacheOff, ValidationPlan,
+    ASPECT_MULTIPLE, DEFAULT_CROP_JITTER,
+};
 pub use ema_plan::{EmaDecay, EmaDevice, EmaPlan, DEFAULT_EMA_UPDATE_INTERVAL};
 pub use error::{ConfigError, UnsupportedKey};
 pub use model_plan::{ModelFilePlan, SaveFormat};
+pub use objective_plan::ObjectivePlan;
 pub use optimizer_file::{FreezingFile, GroupFile, OptimizerFile, DEFAULT_OPTIMIZER_JSON};
 pub use optimizer_plan::{
     OptimizerKind, OptimizerPlan, ParamGroupPlan, ResolvedSchedule, ScheduleKind, ScheduleSpec,
     StepCount,
 };
 pub use overrides::{apply_all as apply_overrides, Override};
-pub use plan::{
-    BucketPlan, CacheLatents, DataPlan, ObjectivePlan, TrainMode, TrainPlan, ValidationPlan,
-    DEFAULT_CROP_JITTER,
-};
+pub use plan::{TrainMode, TrainPlan};
 pub use precision_plan::{AmpChoice, PrecisionPlan};
 pub use run_shape::RunShape;
 pub use sample_plan::{SamplePlan, DEFAULT_SAMPLE_STEPS};

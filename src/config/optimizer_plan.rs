@@ -21,6 +21,7 @@ use serde::{Serialize, Serializer};
 
 use super::error::ConfigError;
 use super::optimizer_file::{GroupFile, OptimizerFile};
+use crate::optim::AdafactorParams;
 
 /// EveryDream2's `LR_DEFAULT`.
 pub const LR_DEFAULT: f64 = 1e-6;
@@ -77,8 +78,9 @@ impl OptimizerKind {
     }
 }
 
-/// Adafactor's settings (the `adafactor` object of a group); defaults are transformers' with
-/// `scale_parameter` off for an external lr (kohya's recommendation).
+/// Adafactor's settings (the `adafactor` object of a group). The defaults are the optimizer's
+/// own, [`AdafactorParams::default`]: transformers' with `scale_parameter` off for an external
+/// lr (kohya's recommendation). The weight decay is the group's.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct AdafactorPlan {
     pub eps: (f64, f64),
@@ -88,15 +90,21 @@ pub struct AdafactorPlan {
     pub scale_parameter: bool,
 }
 
+impl From<AdafactorParams> for AdafactorPlan {
+    fn from(p: AdafactorParams) -> Self {
+        Self {
+            eps: p.eps,
+            clip_threshold: p.clip_threshold,
+            decay_rate: p.decay_rate,
+            beta1: p.beta1,
+            scale_parameter: p.scale_parameter,
+        }
+    }
+}
+
 impl Default for AdafactorPlan {
     fn default() -> Self {
-        Self {
-            eps: (1e-30, 1e-3),
-            clip_threshold: 1.0,
-            decay_rate: -0.8,
-            beta1: None,
-            scale_parameter: false,
-        }
+        AdafactorParams::default().into()
     }
 }
 

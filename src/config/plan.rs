@@ -4,10 +4,10 @@
 //! is checked here, and the rest of sdtrain reads only the plan. The plan is serializable so it
 //! can be written into the run folder as `plan.json`.
 //!
-//! Relative paths:
-//! - inputs (`data_root`, `optimizer_config`, a local `model`) are looked up beside train.json
-//!   first, then in the working directory (EveryDream2 only uses the working directory);
-//! - outputs (`output_dir`, `logdir`) are relative to the working directory.
+//! The sections have files of their own: the data and its caches ([`super::data_plan`]), the
+//! objective ([`super::objective_plan`]), the base model and the run to resume
+//! ([`super::resume_plan`]), the adapter, optimizer, precision, EMA, samples and model file.
+//! Relative paths follow [`super::ctx`].
 //!
 //! A "step" is one optimizer update (`batch_size × grad_accum` images). Training stops after
 //! `max_epochs` or `max_steps`, whichever comes first.
@@ -18,12 +18,16 @@ use serde::Serialize;
 use serde_json::Value;
 
 use super::adapter_file::{self, AdapterPlan};
+use super::ctx::Ctx;
+use super::data_plan::{resolve_data, DataPlan};
 use super::ema_plan::EmaPlan;
 use super::error::ConfigError;
+use super::objective_plan::{resolve_objective, ObjectivePlan};
 use super::optimizer_file::OptimizerFile;
 use super::optimizer_plan::OptimizerPlan;
 use super::overrides;
 use super::precision_plan::PrecisionPlan;
+use super::resume_plan::{resolve_model, resolve_resume};
 use super::sample_plan::SamplePlan;
 use super::strict::{into_object, read_json};
 use super::train_file::TrainFile;
@@ -38,15 +42,6 @@ pub const DEFAULT_SEED: u64 = 555;
 pub const DEFAULT_LOG_STEP: u64 = 25;
 /// Steps skipped in a row for a non-finite loss or gradient before a run stops.
 pub const DEFAULT_MAX_CONSECUTIVE_SKIPPED_STEPS: usize = 5;
-/// EveryDream2's `--cond_dropout` default.
-pub const DEFAULT_COND_DROPOUT: f64 = 0.04;
-/// EveryDream2's `--zero_frequency_noise_ratio` default.
-pub const DEFAULT_ZERO_FREQUENCY_NOISE_RATIO: f64 = 0.02;
-/// DDPM's training timesteps in every Stable Diffusion scheduler_config.json; the upper end of
-/// `timestep_end` (EveryDream2 checks the same bound).
-pub const MAX_TIMESTEP: u64 = 1000;
-/// EveryDream2's `--clip_skip` choices are 0–4.
-pub const MAX_CLIP_SKIP: u64 = 4;
 
 /// What is trained.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -58,88 +53,6 @@ pub enum TrainMode {
     Lora,
     /// LoRA plus the resnets', downsamplers' and upsamplers' 3×3 convs (kohya's LoCon).
     Locon,
-}
-
-/// Data loading and augmentation.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct DataPlan {
-    /// Absolute path of an existing folder.
-    pub data_root: PathBuf,
-    /// Square training size in pixels, a multiple of 64 in [64, 4096]; `None` uses the model's
-    /// native resolution.
-    pub resolution: Option<usize>,
-    /// Probability of a horizontal flip, in [0, 1].
-    pub flip_p: f64,
-    /// Probability of training on an empty caption, in [0, 1].
-    pub cond_dropout: f64,
-    /// Shuffle comma-separated caption tags, keeping the first.
-    pub shuffle_tags: bool,
-    /// Images with more pixels are skipped, from their header, before decoding.
-    pub max_image_pixels: u64,
-    /// The validation loss, when `validation_split` or `validation_data_root` is set.
-    pub validation: Option<ValidationPlan>,
-    /// Aspect-ratio buckets; `None` trains squares (`enable_bucket: false`).
-    pub buckets: Option<BucketPlan>,
-    /// EveryDream2's `crop_jitter`, in [0, 0.25]; 0 centres every crop.
-    pub crop_jitter: f64,
-    /// VAE latents computed once per image and flip.
-    pub cache_latents: CacheLatents,
-    /// Caption encodings computed once, when nothing changes them (see the trainer).
-    pub cache_text_encoder_outputs: bool,
-}
-
-/// Which aspect buckets a run uses.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct BucketPlan {
-    /// The sizes given by `aspects`, `(width, height)`; `None`: generated for the resolution.
-    pub aspects: Option<Vec<(usize, usize)>>,
-    /// `max_aspect_ratio`.
-    pub max_ratio: Option<f64>,
-}
-
-/// Where cached latents live.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum CacheLatents {
-    Off,
-    Memory,
-    Disk,
-}
-
-/// EveryDream2's default `crop_jitter`.
-pub const DEFAULT_CROP_JITTER: f64 = 0.02;
-
-/// The validation loss: which images, and how often.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct ValidationPlan {
-    /// A seeded fraction of `data_root` held out of training, in (0, 1).
-    pub split: Option<f64>,
-    /// Or a folder of its own.
-    pub data_root: Option<PathBuf>,
-    /// Every N optimizer steps; `None`: at the end of each epoch.
-    pub every_n_steps: Option<u64>,
-}
-
-/// The diffusion training objective.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct ObjectivePlan {
-    /// Timesteps are drawn uniformly from `[timestep_start, timestep_end)`. The end is exclusive
-    /// (torch.randint, as EveryDream2) and is checked again against the model's
-    /// `num_train_timesteps` once the model is loaded.
-    pub timestep_start: usize,
-    pub timestep_end: usize,
-    /// Noise offset: this fraction of a per-channel constant is added to the noise, in [0, 1].
-    pub zero_frequency_noise_ratio: f64,
-    /// Min-SNR-γ loss weighting (arXiv 2303.09556); `None` disables it.
-    pub min_snr_gamma: Option<f64>,
-    /// Train on the schedule rescaled to zero terminal SNR (arXiv 2305.08891); `zero_terminal_snr`
-    /// or EveryDream2's `enable_zero_terminal_snr`.
-    pub zero_terminal_snr: bool,
-    /// As written (EveryDream2): 0 or 1 use the last layer, 2 the penultimate, … up to 4.
-    pub clip_skip: usize,
-    /// Text-encoder layers dropped from the end: `max(clip_skip, 1) − 1`. EveryDream2 applies
-    /// the final layer norm to the chosen layer's hidden state.
-    pub clip_skip_layers: usize,
 }
 
 /// The resolved training plan.
@@ -239,7 +152,8 @@ impl TrainPlan {
     }
 
     /// [`TrainPlan::from_value`] after the overrides are applied; `set_args` maps each
-    /// overridden top-level key to its `--set` argument.
+    /// overridden top-level key to its `--set` argument. The sections are resolved in the order
+    /// their errors are reported.
     fn from_object(
         obj: serde_json::Map<String, Value>,
         train_path: &Path,
@@ -247,48 +161,23 @@ impl TrainPlan {
         set_args: &std::collections::HashMap<String, String>,
     ) -> Result<TrainPlan, ConfigError> {
         let file = TrainFile::from_object(obj, train_path, set_args)?;
-        let ctx = Ctx {
-            file: train_path,
-            dir: train_path.parent().unwrap_or(Path::new("")).to_path_buf(),
-        };
-        let (max_epochs, max_steps) = match (file.max_epochs, file.max_steps) {
-            (None, None) => (Some(DEFAULT_MAX_EPOCHS), None),
-            (epochs, steps) => (
-                ctx.opt_at_least("max_epochs", epochs, 1)?,
-                ctx.opt_at_least("max_steps", steps, 1)?,
-            ),
-        };
-        let train_lr = match file.lr {
-            Some(lr) if !(lr.is_finite() && lr > 0.0) => {
-                return Err(ctx.invalid("lr", format!("must be greater than 0 (got {lr})")))
-            }
-            lr => lr,
-        };
+        let ctx = Ctx::new(train_path);
+        let (max_epochs, max_steps) = resolve_stop(&file, &ctx)?;
+        let train_lr = ctx.opt_positive("lr", file.lr, "greater than 0")?;
         let (optimizer, unfreeze_last_n_layers) = resolve_optimizer(&file, &ctx, train_lr)?;
-        let (seed, random_seed) = ctx.seed(file.seed)?;
+        let (seed, random_seed) = resolve_seed(file.seed, &ctx)?;
         let mode = resolve_mode(file.mode.as_deref(), &ctx)?;
-        let train_te = !file.disable_textenc_training.unwrap_or(false);
-        let adapter = match (mode, &file.adapter) {
-            (TrainMode::Full, None) => None,
-            (TrainMode::Full, Some(_)) => {
-                return Err(ctx.invalid(
-                    "adapter",
-                    "is only used with \"mode\": \"lora\" or \"locon\"".into(),
-                ))
-            }
-            (TrainMode::Lora | TrainMode::Locon, raw) => {
-                let raw = raw.clone().unwrap_or_else(adapter_file::empty_section);
-                let parsed = adapter_file::parse_adapter_section(&raw, train_path, set_args)?;
-                Some(adapter_file::resolve_adapter(
-                    &parsed,
-                    train_path,
-                    train_te,
-                    |field, p| ctx.input_path(field, p),
-                )?)
-            }
-        };
+        let train_text_encoder = !file.disable_textenc_training.unwrap_or(false);
+        let adapter = resolve_adapter(&file, &ctx, mode, train_text_encoder)?;
+        // Whether any text-encoder parameter trains: the trainer's text-encoder group is
+        // formed exactly when this holds (the encoders' own weights for a full fine-tune, their
+        // adapter modules for lora/locon).
+        let text_encoder_trains = adapter
+            .as_ref()
+            .map_or(train_text_encoder, |a| a.train_text_encoder);
         let resume = resolve_resume(&file, &ctx)?;
         let ema = super::ema_plan::resolve_ema(&file, train_path)?;
+        let input = |field: &str, p: &str| ctx.input_path(field, p);
         Ok(TrainPlan {
             train_config: train_path.to_path_buf(),
             overrides: overrides.to_vec(),
@@ -298,7 +187,7 @@ impl TrainPlan {
             adapter,
             output_dir: ctx
                 .output_path("output_dir", file.output_dir.as_deref().unwrap_or("output"))?,
-            project_name: ctx.project_name(file.project_name.as_deref())?,
+            project_name: resolve_project_name(file.project_name.as_deref(), &ctx)?,
             logdir: file
                 .logdir
                 .as_deref()
@@ -333,48 +222,28 @@ impl TrainPlan {
                 Some(n) => Some(n as usize),
             },
             save_optimizer: file.save_optimizer.unwrap_or(false),
-            vram_limit_gb: match file.vram_limit_gb {
-                Some(x) if !(x.is_finite() && x > 0.0) => {
-                    return Err(ctx.invalid(
-                        "vram_limit_gb",
-                        format!("must be a number of GiB greater than 0 (got {x})"),
-                    ))
-                }
-                x => x,
-            },
+            vram_limit_gb: ctx.opt_positive(
+                "vram_limit_gb",
+                file.vram_limit_gb,
+                "a number of GiB greater than 0",
+            )?,
             log_step: ctx.at_least("log_step", file.log_step, DEFAULT_LOG_STEP, 1)?,
             tensorboard: resolve_log_with(&file, &ctx)?,
-            data: resolve_data(&file, &ctx)?,
+            data: resolve_data(&file, &ctx, text_encoder_trains)?,
             objective: resolve_objective(&file, &ctx)?,
-            train_text_encoder: !file.disable_textenc_training.unwrap_or(false),
+            train_text_encoder,
             unfreeze_last_n_layers,
             optimizer,
-            clip_grad_norm: match file.clip_grad_norm {
-                Some(x) if !(x.is_finite() && x > 0.0) => {
-                    return Err(ctx.invalid(
-                        "clip_grad_norm",
-                        format!("must be greater than 0, or null for no clipping (got {x})"),
-                    ))
-                }
-                other => other,
-            },
+            clip_grad_norm: ctx.opt_positive(
+                "clip_grad_norm",
+                file.clip_grad_norm,
+                "greater than 0, or null for no clipping",
+            )?,
             precision: super::precision_plan::resolve_precision(&file, train_path)?,
             ema,
-            samples: super::sample_plan::resolve_samples(
-                &file,
-                train_path,
-                ema.is_some(),
-                |field, p| ctx.input_path(field, p),
-            )?,
-            model_file: super::model_plan::resolve_model_file(&file, train_path, mode, |f, p| {
-                ctx.input_path(f, p)
-            })?,
+            samples: super::sample_plan::resolve_samples(&file, train_path, ema.is_some(), input)?,
+            model_file: super::model_plan::resolve_model_file(&file, train_path, mode, input)?,
         })
-    }
-
-    /// The run folder name, `<project_name>-<YYYYmmdd-HHMMSS>` (EveryDream2's log folder name).
-    pub fn run_name(&self, started: chrono::DateTime<chrono::Local>) -> String {
-        format!("{}-{}", self.project_name, started.format("%Y%m%d-%H%M%S"))
     }
 
     /// Whether the run writes resume save points: `save_every_n_steps`, `save_every_n_epochs` or
@@ -395,105 +264,43 @@ impl TrainPlan {
     }
 }
 
-/// The file being resolved, for error messages and relative paths.
-struct Ctx<'a> {
-    file: &'a Path,
-    /// train.json's folder ("" when it has none).
-    dir: PathBuf,
+/// `max_epochs` and `max_steps`: at least one is set (EveryDream2's 300 epochs when neither is).
+fn resolve_stop(
+    file: &TrainFile,
+    ctx: &Ctx<'_>,
+) -> Result<(Option<u64>, Option<u64>), ConfigError> {
+    Ok(match (file.max_epochs, file.max_steps) {
+        (None, None) => (Some(DEFAULT_MAX_EPOCHS), None),
+        (epochs, steps) => (
+            ctx.opt_at_least("max_epochs", epochs, 1)?,
+            ctx.opt_at_least("max_steps", steps, 1)?,
+        ),
+    })
 }
 
-impl Ctx<'_> {
-    fn invalid(&self, field: &str, message: String) -> ConfigError {
-        ConfigError::Invalid {
-            file: self.file.to_path_buf(),
-            field: field.to_string(),
-            message,
-        }
+/// EveryDream2: 555 by default; -1 draws a random seed in [0, 2^30]. Returns the seed and
+/// whether it was drawn.
+fn resolve_seed(v: Option<i64>, ctx: &Ctx<'_>) -> Result<(u64, bool), ConfigError> {
+    match v {
+        None => Ok((DEFAULT_SEED, false)),
+        Some(-1) => Ok((rand::random_range(0..=(1u64 << 30)), true)),
+        Some(n) if n < 0 => Err(ctx.invalid(
+            "seed",
+            format!("must be 0 or more, or -1 for a random seed (got {n})"),
+        )),
+        Some(n) => Ok((n.unsigned_abs(), false)),
     }
+}
 
-    fn opt_at_least(
-        &self,
-        field: &str,
-        v: Option<i64>,
-        min: i64,
-    ) -> Result<Option<u64>, ConfigError> {
-        match v {
-            Some(n) if n < min => {
-                Err(self.invalid(field, format!("must be at least {min} (got {n})")))
-            }
-            _ => Ok(v.map(i64::unsigned_abs)),
-        }
+fn resolve_project_name(v: Option<&str>, ctx: &Ctx<'_>) -> Result<String, ConfigError> {
+    let name = v.unwrap_or("sdtrain");
+    if name.is_empty() || name.contains(['/', '\\']) || name == "." || name == ".." {
+        return Err(ctx.invalid(
+            "project_name",
+            format!("must be a non-empty folder name without `/` or `\\` (got {name:?})"),
+        ));
     }
-
-    fn at_least(
-        &self,
-        field: &str,
-        v: Option<i64>,
-        default: u64,
-        min: i64,
-    ) -> Result<u64, ConfigError> {
-        Ok(self.opt_at_least(field, v, min)?.unwrap_or(default))
-    }
-
-    fn fraction(&self, field: &str, v: Option<f64>, default: f64) -> Result<f64, ConfigError> {
-        match v {
-            Some(x) if !(0.0..=1.0).contains(&x) => {
-                Err(self.invalid(field, format!("must be between 0 and 1 (got {x})")))
-            }
-            _ => Ok(v.unwrap_or(default)),
-        }
-    }
-
-    /// EveryDream2: 555 by default; -1 draws a random seed in [0, 2^30].
-    fn seed(&self, v: Option<i64>) -> Result<(u64, bool), ConfigError> {
-        match v {
-            None => Ok((DEFAULT_SEED, false)),
-            Some(-1) => Ok((rand::random_range(0..=(1u64 << 30)), true)),
-            Some(n) if n < 0 => Err(self.invalid(
-                "seed",
-                format!("must be 0 or more, or -1 for a random seed (got {n})"),
-            )),
-            Some(n) => Ok((n.unsigned_abs(), false)),
-        }
-    }
-
-    fn project_name(&self, v: Option<&str>) -> Result<String, ConfigError> {
-        let name = v.unwrap_or("sdtrain");
-        if name.is_empty() || name.contains(['/', '\\']) || name == "." || name == ".." {
-            return Err(self.invalid(
-                "project_name",
-                format!("must be a non-empty folder name without `/` or `\\` (got {name:?})"),
-            ));
-        }
-        Ok(name.to_string())
-    }
-
-    /// An input path: beside train.json when it exists there, else relative to the working
-    /// directory. Returned absolute.
-    fn input_path(&self, field: &str, raw: &str) -> Result<PathBuf, ConfigError> {
-        let candidates = self.input_candidates(raw);
-        let found = candidates.iter().find(|p| p.exists()).or(candidates.last());
-        self.absolute(field, found.map_or(Path::new(raw), PathBuf::as_path))
-    }
-
-    /// Where an input path is looked for, in order (one entry for an absolute path).
-    fn input_candidates(&self, raw: &str) -> Vec<PathBuf> {
-        let path = Path::new(raw);
-        if path.is_absolute() || self.dir.as_os_str().is_empty() {
-            vec![path.to_path_buf()]
-        } else {
-            vec![self.dir.join(path), path.to_path_buf()]
-        }
-    }
-
-    fn output_path(&self, field: &str, raw: &str) -> Result<PathBuf, ConfigError> {
-        self.absolute(field, Path::new(raw))
-    }
-
-    fn absolute(&self, field: &str, path: &Path) -> Result<PathBuf, ConfigError> {
-        std::path::absolute(path)
-            .map_err(|e| self.invalid(field, format!("is not a usable path: {e}")))
-    }
+    Ok(name.to_string())
 }
 
 /// `log_with`: TensorBoard unless `"none"`. kohya's `"wandb"` and `"all"` are refused, not
@@ -513,86 +320,6 @@ fn resolve_log_with(file: &TrainFile, ctx: &Ctx<'_>) -> Result<bool, ConfigError
     }
 }
 
-/// `resume_ckpt` naming a run folder (with `plan.json`) or a save point's state folder: the
-/// run to continue. Anything else is EveryDream2's meaning, the base model.
-fn resolve_resume(file: &TrainFile, ctx: &Ctx<'_>) -> Result<Option<PathBuf>, ConfigError> {
-    let Some(raw) = file.resume_ckpt.as_deref() else {
-        return Ok(None);
-    };
-    if raw == "findlast" {
-        let out = ctx.output_path("output_dir", file.output_dir.as_deref().unwrap_or("output"))?;
-        return match crate::train::resume::find_last_run(&out) {
-            Some(run) => Ok(Some(run)),
-            None => Err(ctx.invalid(
-                "resume_ckpt",
-                format!(
-                    "is \"findlast\", but output_dir {} holds no run with a save point",
-                    out.display()
-                ),
-            )),
-        };
-    }
-    let path = ctx.input_path("resume_ckpt", raw)?;
-    let is_run = |p: &Path| p.join("plan.json").is_file();
-    let is_state = |p: &Path| p.join(crate::train::resume::STATE_FILE).is_file();
-    Ok((path.is_dir() && (is_run(&path) || is_state(&path))).then_some(path))
-}
-
-/// The base model: `model`, else `resume_ckpt` as EveryDream2 uses it, else the model of the
-/// run being resumed (from its `plan.json`).
-fn resolve_model(
-    file: &TrainFile,
-    ctx: &Ctx<'_>,
-    resume: Option<&Path>,
-) -> Result<String, ConfigError> {
-    let resume_ckpt = if resume.is_some() {
-        None
-    } else {
-        file.resume_ckpt.clone()
-    };
-    if let (None, Some(run)) = (&file.model, resume) {
-        return crate::train::resume::model_of(run)
-            .map_err(|message| ctx.invalid("resume_ckpt", message));
-    }
-    let spec = match (&file.model, &resume_ckpt) {
-        (Some(m), Some(r)) if m != r => {
-            return Err(ConfigError::ModelConflict {
-                file: ctx.file.to_path_buf(),
-                model: m.clone(),
-                resume_ckpt: r.clone(),
-            })
-        }
-        (Some(m), _) => ("model", m),
-        (None, Some(r)) => ("resume_ckpt", r),
-        (None, None) => {
-            return Err(ConfigError::Missing {
-                file: ctx.file.to_path_buf(),
-                field: "model",
-                hint: "a hub id `org/name[@revision]`, a diffusers folder or a .safetensors file \
-                       (EveryDream2's `resume_ckpt` is accepted too)",
-            })
-        }
-    };
-    let (field, raw) = spec;
-    if raw.trim().is_empty() {
-        return Err(ctx.invalid(field, "is empty".to_string()));
-    }
-    if raw == "findlast" {
-        return Err(ctx.invalid(
-            field,
-            "is \"findlast\" (EveryDream2's search for the last checkpoint), which is not \
-             supported yet; give the model folder"
-                .to_string(),
-        ));
-    }
-    // A local path wins when it exists; anything else is left for the model loader to read as a
-    // hub id (or to report as missing).
-    match ctx.input_candidates(raw).iter().find(|p| p.exists()) {
-        Some(local) => Ok(ctx.absolute(field, local)?.display().to_string()),
-        None => Ok(raw.clone()),
-    }
-}
-
 fn resolve_mode(mode: Option<&str>, ctx: &Ctx<'_>) -> Result<TrainMode, ConfigError> {
     match mode {
         None | Some("full") => Ok(TrainMode::Full),
@@ -605,237 +332,30 @@ fn resolve_mode(mode: Option<&str>, ctx: &Ctx<'_>) -> Result<TrainMode, ConfigEr
     }
 }
 
-fn resolve_data(file: &TrainFile, ctx: &Ctx<'_>) -> Result<DataPlan, ConfigError> {
-    let Some(raw) = file.data_root.as_deref() else {
-        return Err(ConfigError::Missing {
-            file: ctx.file.to_path_buf(),
-            field: "data_root",
-            hint: "the folder of training images",
-        });
-    };
-    let data_root = ctx.input_path("data_root", raw)?;
-    let problem = if !data_root.exists() {
-        Some("does not exist")
-    } else if !data_root.is_dir() {
-        Some("is not a folder")
-    } else {
-        None
-    };
-    if let Some(problem) = problem {
-        let looked = match ctx.input_candidates(raw).as_slice() {
-            [_, _] => " (relative paths are looked up beside the config file, then in the working directory)",
-            _ => "",
-        };
-        return Err(ConfigError::DataRoot {
-            file: ctx.file.to_path_buf(),
-            path: PathBuf::from(raw),
-            problem: format!("{problem}{looked}"),
-        });
-    }
-    let resolution = match file.resolution {
-        None => None,
-        Some(r) if (64..=4096).contains(&r) && r % 64 == 0 => Some(r.unsigned_abs() as usize),
-        Some(r) => {
-            return Err(ctx.invalid(
-                "resolution",
-                format!("must be a multiple of 64 between 64 and 4096 (got {r})"),
-            ))
-        }
-    };
-    let cache_latents = match (file.cache_latents, file.cache_latents_to_disk) {
-        (_, Some(true)) => CacheLatents::Disk,
-        (Some(true), _) => CacheLatents::Memory,
-        _ => CacheLatents::Off,
-    };
-    let crop_jitter = match (file.crop_jitter, cache_latents) {
-        (Some(j), _) if !(0.0..=0.25).contains(&j) => {
-            return Err(ctx.invalid(
-                "crop_jitter",
-                format!("must be between 0 and 0.25 (got {j})"),
-            ))
-        }
-        (Some(j), CacheLatents::Memory | CacheLatents::Disk) if j > 0.0 => {
-            return Err(ctx.invalid(
-                "crop_jitter",
-                format!(
-                    "is {j}, but cached latents hold one crop per image; set crop_jitter to 0 or \
-                     turn cache_latents off"
-                ),
-            ))
-        }
-        (Some(j), _) => j,
-        // A cache holds the centre crop; without one, EveryDream2's default.
-        (None, CacheLatents::Off) => DEFAULT_CROP_JITTER,
-        (None, _) => 0.0,
-    };
-    Ok(DataPlan {
-        data_root,
-        resolution,
-        flip_p: ctx.fraction("flip_p", file.flip_p, 0.0)?,
-        cond_dropout: ctx.fraction("cond_dropout", file.cond_dropout, DEFAULT_COND_DROPOUT)?,
-        shuffle_tags: file.shuffle_tags.unwrap_or(false),
-        max_image_pixels: ctx.at_least(
-            "max_image_pixels",
-            file.max_image_pixels,
-            crate::data::DEFAULT_MAX_PIXELS,
-            1,
-        )?,
-        validation: resolve_validation(file, ctx)?,
-        buckets: resolve_buckets(file, ctx)?,
-        crop_jitter,
-        cache_latents,
-        cache_text_encoder_outputs: file.cache_text_encoder_outputs.unwrap_or(true),
-    })
-}
-
-fn resolve_buckets(file: &TrainFile, ctx: &Ctx<'_>) -> Result<Option<BucketPlan>, ConfigError> {
-    let max_ratio = match file.max_aspect_ratio {
-        Some(r) if !(r >= 1.0 && r.is_finite()) => {
-            return Err(ctx.invalid(
-                "max_aspect_ratio",
-                format!("must be a ratio of at least 1, such as 2 for 2:1 (got {r})"),
-            ))
-        }
-        r => r,
-    };
-    let aspects = match &file.aspects {
-        None => None,
-        Some(list) if list.is_empty() => {
-            return Err(ctx.invalid("aspects", "must list at least one [width, height]".into()))
-        }
-        Some(list) => {
-            let mut sizes = Vec::with_capacity(list.len());
-            for (i, pair) in list.iter().enumerate() {
-                match pair.as_slice() {
-                    [w, h] if (8..=8192).contains(w) && (8..=8192).contains(h) => {
-                        sizes.push((*w as usize, *h as usize))
-                    }
-                    _ => {
-                        return Err(ctx.invalid(
-                            "aspects",
-                            format!(
-                                "entry {i} must be [width, height] in pixels, each 8 to 8192 \
-                                 (got {pair:?})"
-                            ),
-                        ))
-                    }
-                }
-            }
-            Some(sizes)
-        }
-    };
-    if file.enable_bucket == Some(false) {
-        if aspects.is_some() || max_ratio.is_some() {
-            return Err(ctx.invalid(
-                "enable_bucket",
-                "is false, so aspects and max_aspect_ratio would have no effect; remove them or \
-                 turn buckets on"
-                    .into(),
-            ));
-        }
-        return Ok(None);
-    }
-    Ok(Some(BucketPlan { aspects, max_ratio }))
-}
-
-fn resolve_validation(
+/// The `adapter` section: resolved for lora/locon (empty means kohya's defaults), refused for a
+/// full fine-tune, where it would go unused.
+fn resolve_adapter(
     file: &TrainFile,
     ctx: &Ctx<'_>,
-) -> Result<Option<ValidationPlan>, ConfigError> {
-    let split = match file.validation_split {
-        Some(x) if !(x > 0.0 && x < 1.0) => {
-            return Err(ctx.invalid(
-                "validation_split",
-                format!("must be a fraction between 0 and 1, exclusive (got {x})"),
-            ))
-        }
-        x => x,
-    };
-    let data_root = match file.validation_data_root.as_deref() {
-        Some(raw) => {
-            let path = ctx.input_path("validation_data_root", raw)?;
-            if !path.is_dir() {
-                return Err(ctx.invalid(
-                    "validation_data_root",
-                    format!("is {}, which is not a folder", path.display()),
-                ));
-            }
-            Some(path)
-        }
-        None => None,
-    };
-    let every_n_steps =
-        ctx.opt_at_least("validation_every_n_steps", file.validation_every_n_steps, 1)?;
-    match (split, &data_root) {
-        (Some(_), Some(_)) => Err(ctx.invalid(
-            "validation_split",
-            "and `validation_data_root` are both set; give one".into(),
+    mode: TrainMode,
+    train_text_encoder: bool,
+) -> Result<Option<AdapterPlan>, ConfigError> {
+    match (mode, &file.adapter) {
+        (TrainMode::Full, None) => Ok(None),
+        (TrainMode::Full, Some(_)) => Err(ctx.invalid(
+            "adapter",
+            "is only used with \"mode\": \"lora\" or \"locon\"; remove the section, or train \
+             without it by adding `--set adapter=null`"
+                .into(),
         )),
-        (None, None) if every_n_steps.is_some() => Err(ctx.invalid(
-            "validation_every_n_steps",
-            "needs `validation_split` or `validation_data_root`".into(),
-        )),
-        (None, None) => Ok(None),
-        _ => Ok(Some(ValidationPlan {
-            split,
-            data_root,
-            every_n_steps,
-        })),
-    }
-}
-
-fn resolve_objective(file: &TrainFile, ctx: &Ctx<'_>) -> Result<ObjectivePlan, ConfigError> {
-    let start = ctx.at_least("timestep_start", file.timestep_start, 0, 0)?;
-    let end = ctx.at_least("timestep_end", file.timestep_end, MAX_TIMESTEP, 1)?;
-    if end > MAX_TIMESTEP {
-        return Err(ctx.invalid(
-            "timestep_end",
-            format!("must be at most {MAX_TIMESTEP} (got {end}); it is exclusive"),
-        ));
-    }
-    if start >= end {
-        return Err(ctx.invalid(
-            "timestep_start",
-            format!("must be less than timestep_end (got {start} and {end}; the end is exclusive)"),
-        ));
-    }
-    let clip_skip = ctx.at_least("clip_skip", file.clip_skip, 0, 0)?;
-    if clip_skip > MAX_CLIP_SKIP {
-        return Err(ctx.invalid(
-            "clip_skip",
-            format!("must be between 0 and {MAX_CLIP_SKIP} (got {clip_skip})"),
-        ));
-    }
-    let min_snr_gamma = match file.min_snr_gamma {
-        Some(g) if !(g.is_finite() && g > 0.0) => {
-            return Err(ctx.invalid(
-                "min_snr_gamma",
-                format!("must be greater than 0, or null to disable (got {g})"),
-            ))
+        (TrainMode::Lora | TrainMode::Locon, section) => {
+            let section = section.clone().unwrap_or_default();
+            adapter_file::resolve_adapter(&section, ctx.file, train_text_encoder, |field, p| {
+                ctx.input_path(field, p)
+            })
+            .map(Some)
         }
-        g => g,
-    };
-    Ok(ObjectivePlan {
-        timestep_start: start as usize,
-        timestep_end: end as usize,
-        zero_frequency_noise_ratio: ctx.fraction(
-            "zero_frequency_noise_ratio",
-            file.zero_frequency_noise_ratio,
-            DEFAULT_ZERO_FREQUENCY_NOISE_RATIO,
-        )?,
-        min_snr_gamma,
-        zero_terminal_snr: match (file.zero_terminal_snr, file.enable_zero_terminal_snr) {
-            (Some(a), Some(b)) if a != b => {
-                return Err(ctx.invalid(
-                    "zero_terminal_snr",
-                    format!("is {a} but EveryDream2's `enable_zero_terminal_snr` is {b}; give one"),
-                ))
-            }
-            (a, b) => a.or(b).unwrap_or(false),
-        },
-        clip_skip: clip_skip as usize,
-        clip_skip_layers: clip_skip.max(1) as usize - 1,
-    })
+    }
 }
 
 /// Finds, reads and resolves the optimizer config. `optimizer_config` absent or null means
@@ -1355,7 +875,9 @@ mod tests {
         let fx = Fixture::new();
         let p = fx.plan(json!({"project_name": "cat"}), &[]).unwrap();
         let t = chrono::Local.with_ymd_and_hms(2024, 5, 6, 7, 8, 9).unwrap();
-        assert_eq!(p.run_name(t), "cat-20240506-070809");
+        let stamp = crate::run_layout::run_stamp(t);
+        let name = crate::run_layout::run_folder_name(&p.project_name, &stamp, 1);
+        assert_eq!(name, "cat-20240506-070809");
         let run = Path::new("/out/cat-20240506-070809");
         assert_eq!(p.log_folder(run), run);
         let p = fx.plan(json!({"logdir": "/logs"}), &[]).unwrap();

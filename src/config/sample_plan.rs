@@ -2,7 +2,10 @@
 //! `ema_sample_nonema_model`, `ema_sample_ema_model`) resolved into a [`SamplePlan`].
 //!
 //! - Sampling is on when `sample_prompts` names a file ([`crate::sample::prompts`]); it is read
-//!   here, so a bad file stops the run before anything loads.
+//!   here, so a bad file stops the run before anything loads. A `.txt` that lists no prompts is
+//!   refused: EveryDream2 would sample four random training captions instead, none of them from
+//!   the file. A `.json` of settings alone keeps them (EveryDream2's way to ask for them), and the
+//!   summary says where they come from.
 //! - Every `sample_steps` steps (EveryDream2's default 250); the file's
 //!   `generate_samples_every_n_steps` wins, as in EveryDream2.
 //! - With EMA on, `ema_sample_ema_model` samples the EMA weights too (files marked `ema`) and
@@ -88,6 +91,23 @@ pub fn resolve_samples(
     let path = input("sample_prompts", raw)?;
     let set =
         SampleSet::read(&path).map_err(|e| invalid(file, "sample_prompts", chain_text(&e)))?;
+    // A .txt is nothing but its prompts, so one without any is a mistake; a .json of settings
+    // alone asks for EveryDream2's random captions, and the summary says so.
+    let txt = path
+        .extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("txt"));
+    if set.filled_in && txt {
+        return Err(invalid(
+            file,
+            "sample_prompts",
+            format!(
+                "names {}, which holds no prompts; write one prompt per line (or use a .json \
+                 file whose `samples` hold {{\"random_caption\": true}} to sample training \
+                 captions)",
+                path.display()
+            ),
+        ));
+    }
     Ok(Some(SamplePlan {
         prompts_file: path,
         every_n_steps: set.every_n_steps.unwrap_or(every),
@@ -162,6 +182,25 @@ mod tests {
         assert!(plan.ema_model && plan.trained_model);
         let e = resolve(f(true, false), false).unwrap_err().to_string();
         assert!(e.contains("needs EMA on"), "{e}");
+    }
+
+    /// EveryDream2 stands in four random captions for a file without prompts. A .txt without
+    /// any is refused; a .json of settings alone keeps them, marked as such.
+    #[test]
+    fn a_txt_without_prompts_is_refused() {
+        let (_d, p) = prompts_file("\n  \n", "txt");
+        let f = TrainFile {
+            sample_prompts: Some(p.clone()),
+            ..TrainFile::default()
+        };
+        let e = resolve(f, false).unwrap_err().to_string();
+        assert!(e.contains(&p) && e.contains("holds no prompts"), "{e}");
+        let (_d, p) = prompts_file(r#"{"cfgs": [7]}"#, "json");
+        let f = TrainFile {
+            sample_prompts: Some(p),
+            ..TrainFile::default()
+        };
+        assert!(resolve(f, false).unwrap().unwrap().set.filled_in);
     }
 
     #[test]

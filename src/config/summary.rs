@@ -1,71 +1,27 @@
 //! The human-readable form of a [`TrainPlan`], printed by `--dry-run` and at the start of a run.
-//! plan.json (the `Serialize` form) is the exact record; this is the one-screen view.
+//! plan.json (the `Serialize` form) is the exact record; this is the one-screen view: one row per
+//! concern, each row's text made by a function of its own.
 
 use std::fmt;
 
 use super::plan::{TrainMode, TrainPlan};
+use super::{AmpChoice, CacheLatents, EmaDecay, EmaDevice, TextCacheDecision};
 
 impl fmt::Display for TrainPlan {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let row = |f: &mut fmt::Formatter<'_>, label: &str, value: &dyn fmt::Display| {
-            writeln!(f, "{label:<15}{value}")
-        };
         row(f, "config", &self.train_config.display())?;
         for o in &self.overrides {
             row(f, "  --set", o)?;
         }
         row(f, "model", &self.model)?;
-        row(
-            f,
-            "mode",
-            &match self.mode {
-                TrainMode::Full => "full fine-tune".to_string(),
-                TrainMode::Lora | TrainMode::Locon => {
-                    let kind = if self.mode == TrainMode::Lora {
-                        "LoRA"
-                    } else {
-                        "LoCon"
-                    };
-                    match &self.adapter {
-                        Some(a) => format!(
-                            "{kind} rank {} alpha {} (conv rank {} alpha {}), text encoder {}, saved as {:?}",
-                            a.rank,
-                            a.alpha,
-                            a.conv_rank,
-                            a.conv_alpha,
-                            if a.train_text_encoder { "trained" } else { "frozen" },
-                            a.save_dtype
-                        ),
-                        None => kind.to_string(),
-                    }
-                }
-            },
-        )?;
+        row(f, "mode", &self.mode_text())?;
         let d = &self.data;
         row(f, "data_root", &d.data_root.display())?;
         let resolution = d
             .resolution
             .map_or("model's native".to_string(), |r| format!("{r} px"));
         row(f, "resolution", &resolution)?;
-        let buckets = match &d.buckets {
-            None => "off: centre-cropped squares".to_string(),
-            Some(b) => {
-                let sizes = match &b.aspects {
-                    Some(a) => format!("{} sizes from aspects", a.len()),
-                    None => match d.resolution {
-                        Some(r) if !crate::data::bucket::has_ed2_table(r) => {
-                            format!("generated for {r} px (kohya's rule; EveryDream2 has no table)")
-                        }
-                        _ => "EveryDream2's table for the resolution".to_string(),
-                    },
-                };
-                match b.max_ratio {
-                    Some(r) => format!("{sizes}, up to {r}:1"),
-                    None => sizes,
-                }
-            }
-        };
-        row(f, "aspect buckets", &buckets)?;
+        row(f, "aspect buckets", &self.buckets_text())?;
         row(
             f,
             "augmentation",
@@ -75,19 +31,16 @@ impl fmt::Display for TrainPlan {
             ),
         )?;
         let latents = match d.cache_latents {
-            crate::config::CacheLatents::Off => "off (the VAE encodes every step)",
-            crate::config::CacheLatents::Memory => "in memory",
-            crate::config::CacheLatents::Disk => "on disk, beside the runs in output_dir",
+            CacheLatents::Off => "off (the VAE encodes every step)",
+            CacheLatents::Memory => "in memory",
+            CacheLatents::Disk => "on disk, beside the runs in output_dir",
         };
         row(f, "latent cache", &latents)?;
-        let text = match crate::train::text_cache::why_off(
-            d.cache_text_encoder_outputs,
-            self.train_text_encoder,
-            d.shuffle_tags,
-            d.cond_dropout,
-        ) {
-            Some(why) => format!("off: {why}"),
-            None => "on: each caption encoded once, text encoders released".to_string(),
+        let text = match d.text_cache {
+            TextCacheDecision::Off(why) => format!("off: {why}"),
+            TextCacheDecision::On => {
+                "on: each caption encoded once, text encoders released".to_string()
+            }
         };
         row(f, "text cache", &text)?;
         row(
@@ -100,19 +53,74 @@ impl fmt::Display for TrainPlan {
                 self.batch_size * self.grad_accum
             ),
         )?;
-        let stop = match (self.max_epochs, self.max_steps) {
-            (Some(e), Some(s)) => format!("{e} epochs or {s} steps, whichever comes first"),
-            (Some(e), None) => format!("{e} epochs"),
-            (None, Some(s)) => format!("{s} steps"),
-            (None, None) => "never (invalid plan)".to_string(),
-        };
-        row(f, "stop after", &stop)?;
+        row(f, "stop after", &self.stop_text())?;
         let seed = if self.random_seed {
             format!("{} (drawn at random)", self.seed)
         } else {
             self.seed.to_string()
         };
         row(f, "seed", &seed)?;
+        self.fmt_objective_and_optimizer(f)?;
+        self.fmt_outputs(f)
+    }
+}
+
+impl TrainPlan {
+    fn mode_text(&self) -> String {
+        let kind = match self.mode {
+            TrainMode::Full => return "full fine-tune".to_string(),
+            TrainMode::Lora => "LoRA",
+            TrainMode::Locon => "LoCon",
+        };
+        match &self.adapter {
+            Some(a) => format!(
+                "{kind} rank {} alpha {} (conv rank {} alpha {}), text encoder {}, saved as {:?}",
+                a.rank,
+                a.alpha,
+                a.conv_rank,
+                a.conv_alpha,
+                if a.train_text_encoder {
+                    "trained"
+                } else {
+                    "frozen"
+                },
+                a.save_dtype
+            ),
+            None => kind.to_string(),
+        }
+    }
+
+    fn buckets_text(&self) -> String {
+        let d = &self.data;
+        let Some(b) = &d.buckets else {
+            return "off: centre-cropped squares".to_string();
+        };
+        let sizes = match &b.aspects {
+            Some(a) => format!("{} sizes from aspects", a.len()),
+            None => match d.resolution {
+                Some(r) if !crate::data::bucket::has_ed2_table(r) => {
+                    format!("generated for {r} px (kohya's rule; EveryDream2 has no table)")
+                }
+                _ => "EveryDream2's table for the resolution".to_string(),
+            },
+        };
+        match b.max_ratio {
+            Some(r) => format!("{sizes}, up to {r}:1"),
+            None => sizes,
+        }
+    }
+
+    fn stop_text(&self) -> String {
+        match (self.max_epochs, self.max_steps) {
+            (Some(e), Some(s)) => format!("{e} epochs or {s} steps, whichever comes first"),
+            (Some(e), None) => format!("{e} epochs"),
+            (None, Some(s)) => format!("{s} steps"),
+            (None, None) => "never (invalid plan)".to_string(),
+        }
+    }
+
+    /// The objective, clip skip, text encoder and optimizer rows.
+    fn fmt_objective_and_optimizer(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let o = &self.objective;
         let mut snr = o.min_snr_gamma.map_or("off".to_string(), |g| g.to_string());
         if o.zero_terminal_snr {
@@ -144,7 +152,11 @@ impl fmt::Display for TrainPlan {
             .map_or("built-in default".to_string(), |p| p.display().to_string());
         row(f, "optimizer", &source)?;
         row(f, "  unet", &self.optimizer.unet)?;
-        row(f, "  text_encoder", &self.optimizer.text_encoder)?;
+        row(f, "  text_encoder", &self.optimizer.text_encoder)
+    }
+
+    /// The output, save, EMA, samples, validation, VRAM, resume, precision and log rows.
+    fn fmt_outputs(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         row(
             f,
             "output",
@@ -154,64 +166,12 @@ impl fmt::Display for TrainPlan {
                 self.project_name
             ),
         )?;
-        let mut saves: Vec<String> = Vec::new();
-        if let Some(n) = self.save_every_n_steps {
-            saves.push(format!("every {n} steps"));
+        row(f, "save", &self.save_text())?;
+        if let Some(ema) = self.ema_text() {
+            row(f, "ema", &ema)?;
         }
-        if let Some(n) = self.save_every_n_epochs {
-            saves.push(format!("every {n} epochs"));
-        }
-        saves.push("at the end".to_string());
-        let mut save = saves.join(", ");
-        if self.save_optimizer {
-            save.push_str(" (with a save point)");
-        }
-        if let Some(n) = self.checkpoints_total_limit {
-            save.push_str(&format!("; keep the newest {n} save points"));
-        }
-        row(f, "save", &save)?;
-        if let Some(ema) = &self.ema {
-            let decay = match ema.decay {
-                super::EmaDecay::Rate(d) => format!("decay {d}"),
-                super::EmaDecay::StrengthTarget(t) => {
-                    format!("strength target {t} (decay from the run's length)")
-                }
-            };
-            let device = match ema.device {
-                super::EmaDevice::Cpu => "on the CPU",
-                super::EmaDevice::Training => "on the training device",
-            };
-            row(
-                f,
-                "ema",
-                &format!(
-                    "{decay}, every {} steps, {device}; saved beside the weights as `-ema`",
-                    ema.update_interval
-                ),
-            )?;
-        }
-        if let Some(sp) = &self.samples {
-            let models = match (sp.trained_model, sp.ema_model) {
-                (true, true) => ", trained and EMA weights",
-                (false, true) => ", EMA weights",
-                _ => "",
-            };
-            row(
-                f,
-                "samples",
-                &format!(
-                    "{} prompts from {} every {} steps{}{models}; {} by default",
-                    sp.set.prompts.len(),
-                    sp.prompts_file.display(),
-                    sp.every_n_steps,
-                    if sp.set.at_start {
-                        " and before training"
-                    } else {
-                        ""
-                    },
-                    sp.set.sampler,
-                ),
-            )?;
+        if let Some(samples) = self.samples_text() {
+            row(f, "samples", &samples)?;
         }
         if let Some(v) = &self.data.validation {
             let set = match (&v.data_root, v.split) {
@@ -236,23 +196,89 @@ impl fmt::Display for TrainPlan {
         if let Some(r) = &self.resume {
             row(f, "resume", &r.display().to_string())?;
         }
+        row(f, "precision", &self.precision_text())?;
+        row(f, "logs", &self.logs_text())
+    }
+
+    fn save_text(&self) -> String {
+        let mut saves: Vec<String> = Vec::new();
+        if let Some(n) = self.save_every_n_steps {
+            saves.push(format!("every {n} steps"));
+        }
+        if let Some(n) = self.save_every_n_epochs {
+            saves.push(format!("every {n} epochs"));
+        }
+        saves.push("at the end".to_string());
+        let mut save = saves.join(", ");
+        if self.save_optimizer {
+            save.push_str(" (with a save point)");
+        }
+        if let Some(n) = self.checkpoints_total_limit {
+            save.push_str(&format!("; keep the newest {n} save points"));
+        }
+        save
+    }
+
+    fn ema_text(&self) -> Option<String> {
+        let ema = self.ema.as_ref()?;
+        let decay = match ema.decay {
+            EmaDecay::Rate(d) => format!("decay {d}"),
+            EmaDecay::StrengthTarget(t) => {
+                format!("strength target {t} (decay from the run's length)")
+            }
+        };
+        let device = match ema.device {
+            EmaDevice::Cpu => "on the CPU",
+            EmaDevice::Training => "on the training device",
+        };
+        Some(format!(
+            "{decay}, every {} steps, {device}; saved beside the weights as `-ema`",
+            ema.update_interval
+        ))
+    }
+
+    fn samples_text(&self) -> Option<String> {
+        let sp = self.samples.as_ref()?;
+        let models = match (sp.trained_model, sp.ema_model) {
+            (true, true) => ", trained and EMA weights",
+            (false, true) => ", EMA weights",
+            _ => "",
+        };
+        let (count, file) = (sp.set.prompts.len(), sp.prompts_file.display());
+        let prompts = if sp.set.filled_in {
+            format!("{count} random training captions ({file} lists no samples)")
+        } else {
+            format!("{count} prompts from {file}")
+        };
+        Some(format!(
+            "{prompts} every {} steps{}{models}; {} by default",
+            sp.every_n_steps,
+            if sp.set.at_start {
+                " and before training"
+            } else {
+                ""
+            },
+            sp.set.sampler,
+        ))
+    }
+
+    fn precision_text(&self) -> String {
         let amp = match self.precision.amp {
-            super::AmpChoice::DeviceDefault => {
+            AmpChoice::DeviceDefault => {
                 "device default (bf16 on CUDA 8.0+, fp16 on older cards, f32 on the CPU)"
                     .to_string()
             }
-            super::AmpChoice::Set(a) => a.name().to_string(),
+            AmpChoice::Set(a) => a.name().to_string(),
         };
         let ckpt = if self.precision.gradient_checkpointing {
             "on"
         } else {
             "off"
         };
-        row(
-            f,
-            "precision",
-            &format!("amp {amp}; gradient checkpointing {ckpt}"),
-        )?;
+        format!("amp {amp}; gradient checkpointing {ckpt}")
+    }
+
+    fn logs_text(&self) -> String {
         let logs = self
             .logdir
             .as_ref()
@@ -264,10 +290,11 @@ impl fmt::Display for TrainPlan {
         } else {
             " (JSON lines)"
         };
-        row(
-            f,
-            "logs",
-            &format!("{logs}{tensorboard}, every {} steps", self.log_step),
-        )
+        format!("{logs}{tensorboard}, every {} steps", self.log_step)
     }
+}
+
+/// One line: the label padded to 15 columns, then the value.
+fn row(f: &mut fmt::Formatter<'_>, label: &str, value: &dyn fmt::Display) -> fmt::Result {
+    writeln!(f, "{label:<15}{value}")
 }

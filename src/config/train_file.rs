@@ -15,6 +15,7 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
+use super::adapter_file::{parse_adapter_section, AdapterFile};
 use super::error::ConfigError;
 use super::strict::{known_keys, Accepts, Section, Unsupported};
 
@@ -32,9 +33,9 @@ pub struct TrainFile {
     pub mode: Option<String>,
     #[serde(default)]
     pub max_steps: Option<i64>,
-    /// The `adapter` section (modes lora/locon), parsed by `adapter_file`.
+    /// The `adapter` section (modes lora/locon), checked key by key by `adapter_file`.
     #[serde(default)]
-    pub adapter: Option<serde_json::Value>,
+    pub adapter: Option<AdapterFile>,
     /// Save the weights and a resume state every N optimizer steps.
     #[serde(default)]
     pub save_every_n_steps: Option<i64>,
@@ -366,14 +367,23 @@ impl TrainFile {
                 entries,
             });
         }
+        // The `adapter` section is checked on its own, after the top level, so its errors name
+        // `adapter.<key>`.
+        let adapter = obj.remove("adapter");
         if let Some(err) = section.type_error::<TrainFile>(&obj) {
             return Err(err);
         }
-        serde_json::from_value(Value::Object(obj)).map_err(|e| ConfigError::Invalid {
-            file: file.to_path_buf(),
-            field: "(top level)".to_string(),
-            message: format!("does not parse: {e}"),
-        })
+        let mut parsed: TrainFile =
+            serde_json::from_value(Value::Object(obj)).map_err(|e| ConfigError::Invalid {
+                file: file.to_path_buf(),
+                field: "(top level)".to_string(),
+                message: format!("does not parse: {e}"),
+            })?;
+        parsed.adapter = match adapter {
+            None | Some(Value::Null) => None,
+            Some(value) => Some(parse_adapter_section(&value, file, set_args)?),
+        };
+        Ok(parsed)
     }
 }
 

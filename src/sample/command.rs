@@ -209,7 +209,7 @@ fn load_model(args: &SampleArgs, device: &Device, dtype: DType) -> anyhow::Resul
 
 /// Merges each `--lora` file into `sd` at `--lora-scale`, saying how many modules it changed.
 fn merge_loras(sd: &mut StableDiffusion, args: &SampleArgs, device: &Device) -> anyhow::Result<()> {
-    let naming = crate::train::adapters::kohya_naming(sd);
+    let naming = crate::adapter::kohya_naming(sd);
     for path in &args.loras {
         let file = load_kohya(path, device)?;
         let n = merge_kohya(sd, &naming, &file, args.lora_scale)?;

@@ -17,11 +17,11 @@ use rand::rngs::StdRng;
 use rand::SeedableRng;
 
 use super::sampler::{NoiseFn, Sampler, SamplerKind};
+use crate::diffusion::host_randn;
 use crate::model::family::ModelFamily;
 use crate::model::pipeline::{StableDiffusion, TextConditioning};
 use crate::model::unet::AddedConditions;
 use crate::model::vae::AutoencoderKL;
-use crate::train::step::host_randn;
 
 /// What to draw.
 #[derive(Debug, Clone, PartialEq)]

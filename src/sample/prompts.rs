@@ -88,6 +88,9 @@ pub struct SampleSet {
     pub every_n_steps: Option<usize>,
     /// `generate_pretrain_samples`: samples before the first step too.
     pub at_start: bool,
+    /// The file listed no prompts, and `prompts` holds EveryDream2's four random captions in
+    /// their place (a run refuses a `.txt` without prompts, and says so for a `.json`).
+    pub filled_in: bool,
 }
 
 impl SampleSet {
@@ -122,6 +125,7 @@ impl SampleSet {
             resolution: None,
             every_n_steps: None,
             at_start: false,
+            filled_in: false,
         }
     }
 
@@ -144,6 +148,7 @@ impl SampleSet {
             self.prompts = (0..4)
                 .map(|_| SamplePrompt::plain(PromptText::RandomCaption))
                 .collect();
+            self.filled_in = true;
         }
     }
 

@@ -12,14 +12,14 @@ use crate::adapter::kohya_file::{
     load_kohya, match_to_model, save_kohya, ExpectedModule, KohyaBase, KohyaMetadata,
     KohyaTensorSet,
 };
-use crate::adapter::kohya_names::{KohyaComponent, KohyaNaming, UnetLayout};
+use crate::adapter::kohya_names::{KohyaComponent, KohyaNaming};
 use crate::adapter::{
-    attach_text_encoder, attach_unet, AdapterComponent, AdapterMode, AdapterSpec, LoraModule,
+    attach_text_encoder, attach_unet, kohya_naming, AdapterComponent, AdapterMode, AdapterSpec,
+    LoraModule,
 };
 use crate::config::{AdapterPlan, SaveDtype, TrainMode, TrainPlan};
 use crate::model::family::{ModelFamily, PredictionType};
 use crate::model::pipeline::StableDiffusion;
-use crate::model::unet::config::BlockKind;
 
 /// The adapters of one run.
 pub struct TrainedAdapters {
@@ -64,24 +64,6 @@ pub fn adapter_spec(mode: TrainMode, a: &AdapterPlan, seed: u64) -> Option<Adapt
         dropout: a.dropout,
         seed,
     })
-}
-
-/// How kohya files name this model's modules: diffusers paths for SD1/SD2, LDM block names laid
-/// out from the UNet's own config for SDXL.
-pub fn kohya_naming(sd: &StableDiffusion) -> KohyaNaming {
-    match sd.family() {
-        ModelFamily::Sdxl => {
-            let cfg = &sd.unet.config;
-            let layers = cfg.down_blocks.first().map_or(2, |b| b.layers);
-            let attention: Vec<bool> = cfg
-                .down_blocks
-                .iter()
-                .map(|b| b.kind == BlockKind::CrossAttn)
-                .collect();
-            KohyaNaming::Ldm(UnetLayout::mirrored(layers, &attention))
-        }
-        ModelFamily::Sd1 | ModelFamily::Sd2 => KohyaNaming::Diffusers,
-    }
 }
 
 /// [`attach`] from its parts: the mode, the adapter settings and the init seed.

@@ -11,9 +11,9 @@ use candle_core::Device;
 
 use super::data_feed::DataFeed;
 use super::latent_cache::{self, CacheSpec};
-use super::text_cache::{self, TextCache};
+use super::text_cache::TextCache;
 use super::validation::Validation;
-use crate::config::{CacheLatents, TrainPlan};
+use crate::config::{CacheLatents, TextCacheDecision, TrainPlan};
 use crate::memory::trim_pool;
 use crate::model::pipeline::StableDiffusion;
 
@@ -23,16 +23,15 @@ pub(super) struct Caches {
     pub lines: Vec<String>,
 }
 
-/// Builds the caches that apply to `plan` (`te_trains`: whether a text encoder trains).
+/// Builds the caches that apply to `plan`.
 pub(super) fn build(
     plan: &TrainPlan,
     sd: &mut StableDiffusion,
     feed: &mut DataFeed,
     validation: Option<&mut Validation>,
-    te_trains: bool,
     device: &Device,
 ) -> anyhow::Result<Caches> {
-    let (text, line) = text_encoder_cache(plan, sd, feed, validation.as_deref(), te_trains)?;
+    let (text, line) = text_encoder_cache(plan, sd, feed, validation.as_deref())?;
     eprintln!("{line}");
     let mut lines = vec![line];
     match latents(plan, sd, feed, validation, device)? {
@@ -51,16 +50,8 @@ fn text_encoder_cache(
     sd: &mut StableDiffusion,
     feed: &DataFeed,
     validation: Option<&Validation>,
-    te_trains: bool,
 ) -> anyhow::Result<(Option<TextCache>, String)> {
-    let data = &plan.data;
-    let why = text_cache::why_off(
-        data.cache_text_encoder_outputs,
-        te_trains,
-        data.shuffle_tags,
-        data.cond_dropout,
-    );
-    if let Some(why) = why {
+    if let TextCacheDecision::Off(why) = plan.data.text_cache {
         return Ok((None, format!("text-encoder cache: off ({why})")));
     }
     let started = Instant::now();

@@ -9,8 +9,8 @@
 //!
 //! so after k updates with a constant parameter p, from a start e₀, `e_k = dᵏ·e₀ + (1 − dᵏ)·p`.
 //! With `ema_strength_target` t the decay is chosen so that the start keeps a share t after the
-//! run's `total_steps / interval` updates: `d = t^(interval / total_steps)` (EveryDream2 computes
-//! `t ** (1 / (total_steps / interval))`).
+//! run's `total_steps / interval` updates: `d = t^(interval / total_steps)`, decided by the plan
+//! (`EmaPlan::decay_for_run`); this file takes the decay as given.
 //!
 //! The averages are f32 and live on the CPU by default, so a full fine-tune does not pay a
 //! second copy of its weights in VRAM; each update then copies the parameters device→host (one
@@ -38,13 +38,6 @@ pub enum EmaError {
 }
 
 pub type Result<T> = std::result::Result<T, EmaError>;
-
-/// The decay that leaves the starting weights a share `strength_target` after `total_steps`
-/// steps updated every `interval`: `strength_target^(interval / total_steps)`.
-pub fn decay_for(strength_target: f64, interval: usize, total_steps: usize) -> f64 {
-    let updates = total_steps as f64 / interval as f64;
-    strength_target.powf(1.0 / updates)
-}
 
 /// An f32 copy of each trainable parameter, by name, on its own device.
 pub struct Ema {
@@ -328,17 +321,6 @@ mod tests {
         let ema = ema_of(&var(&[0.0]), 0.9, 3);
         let due: Vec<usize> = (0..10).filter(|s| ema.due(*s)).collect();
         assert_eq!(due, [3, 6, 9]);
-    }
-
-    /// 0.5^(10/1000) and 0.25^(1/2): catches an inverted exponent (`updates` instead of
-    /// `1 / updates`) or the interval ignored.
-    #[test]
-    fn strength_target_decay() {
-        let d = decay_for(0.5, 10, 1000);
-        assert!((d - 0.993_092_495_437_035_9).abs() < 1e-15, "{d}");
-        assert!((decay_for(0.25, 1, 2) - 0.5).abs() < 1e-15);
-        // The start's share after the run's updates is the target.
-        assert!((d.powi(100) - 0.5).abs() < 1e-12);
     }
 
     /// The Vars hold the averages inside `f` and their own values after it, also when `f`

@@ -110,13 +110,7 @@ pub fn plan_memory(
     };
     let trained_te = plan.mode == TrainMode::Full && plan.train_text_encoder;
     let d = &plan.data;
-    let te_cached = crate::train::text_cache::why_off(
-        d.cache_text_encoder_outputs,
-        plan.train_text_encoder,
-        d.shuffle_tags,
-        d.cond_dropout,
-    )
-    .is_none();
+    let te_cached = d.text_cache.is_on();
     let frozen_te = if trained_te || te_cached {
         0
     } else {

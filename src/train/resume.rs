@@ -27,13 +27,13 @@ use super::optimizer_step::Optimization;
 use super::param_groups::{group_names, named_params};
 use crate::optim::Optimizer;
 use crate::precision::ScalerState;
+/// Where a save point goes: the run folder's layout decides ([`crate::run_layout`]).
+pub use crate::run_layout::state_dir;
+use crate::run_layout::{is_save_point, save_points, STATE_FILE, STATE_PREFIX as PREFIX};
 
-/// The file that makes a folder a complete save point (written last).
-pub const STATE_FILE: &str = "trainer_state.json";
 const PARAMS_FILE: &str = "params.safetensors";
 /// The EMA copy in a save point (with `ema_decay_rate` or `ema_strength_target`).
 pub const EMA_FILE: &str = "ema.safetensors";
-const PREFIX: &str = "state-step-";
 const PARTIAL: &str = "partial";
 const VERSION: u32 = 1;
 
@@ -143,11 +143,6 @@ impl TrainerState {
     }
 }
 
-/// The save point folder for `steps` completed steps in `run`.
-pub fn state_dir(run: &Path, steps: usize) -> PathBuf {
-    run.join(format!("{PREFIX}{steps:06}"))
-}
-
 /// A group's optimizer state file in save point `dir`.
 pub fn optimizer_file(dir: &Path, group: &str) -> PathBuf {
     dir.join(format!("optimizer-{group}.safetensors"))
@@ -206,26 +201,9 @@ fn sync_dir(path: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The complete save points in `run`, by step, oldest first.
-pub fn save_points(run: &Path) -> Vec<(usize, PathBuf)> {
-    let Ok(entries) = std::fs::read_dir(run) else {
-        return Vec::new();
-    };
-    let mut out: Vec<(usize, PathBuf)> = entries
-        .filter_map(|e| {
-            let path = e.ok()?.path();
-            let name = path.file_name()?.to_str()?;
-            let step: usize = name.strip_prefix(PREFIX)?.parse().ok()?;
-            path.join(STATE_FILE).is_file().then_some((step, path))
-        })
-        .collect();
-    out.sort();
-    out
-}
-
 /// The save point `resume` names: a state folder itself, or a run folder's newest one.
 pub fn locate(resume: &Path) -> anyhow::Result<PathBuf> {
-    if resume.join(STATE_FILE).is_file() {
+    if is_save_point(resume) {
         return Ok(resume.to_path_buf());
     }
     match save_points(resume).pop() {
@@ -258,75 +236,117 @@ pub fn read_state(dir: &Path) -> anyhow::Result<TrainerState> {
 /// Sets every parameter in `params` from the save point's `params.safetensors`; the file must
 /// hold exactly these names with these shapes.
 pub fn load_params(dir: &Path, params: &[(String, Var)]) -> anyhow::Result<()> {
+    let (path, saved) = read_params(dir)?;
+    if let Some(mismatch) = mismatch(&path, &saved, params) {
+        bail!(mismatch.with_hint());
+    }
+    set_params(&saved, params)
+}
+
+/// [`load_params`] for a resume: when the saved parameters do not fit this run's and the save
+/// point was made from another model (`saved.model`, `now.model`), the error says so first,
+/// before any parameter is set.
+pub fn restore_params(
+    dir: &Path,
+    saved_key: &RunKey,
+    now: &RunKey,
+    params: &[(String, Var)],
+) -> anyhow::Result<()> {
+    let (path, saved) = read_params(dir)?;
+    if let Some(mismatch) = mismatch(&path, &saved, params) {
+        if saved_key.model != now.model {
+            bail!(
+                "the save point {} was made from model {}, and this run uses model {}: resume \
+                 it with its own model (leave `model` out to take the run's), or start a new \
+                 run ({})",
+                dir.display(),
+                saved_key.model,
+                now.model,
+                mismatch.detail
+            );
+        }
+        bail!(mismatch.with_hint());
+    }
+    set_params(&saved, params)
+}
+
+fn read_params(dir: &Path) -> anyhow::Result<(PathBuf, HashMap<String, Tensor>)> {
     let path = dir.join(PARAMS_FILE);
     let saved = candle_core::safetensors::load(&path, &Device::Cpu)
         .map_err(crate::error_chain::External)
         .with_context(|| format!("reading {}", path.display()))?;
+    Ok((path, saved))
+}
+
+/// Why the saved tensors are not this run's parameters.
+struct Mismatch {
+    detail: String,
+    /// The saved names are not this run's: another mode or adapter is the likely cause when the
+    /// model is the same.
+    names: bool,
+}
+
+impl Mismatch {
+    fn with_hint(self) -> String {
+        match self.names {
+            true => format!(
+                "{}: was it saved by a run with another mode or adapter?",
+                self.detail
+            ),
+            false => self.detail,
+        }
+    }
+}
+
+/// What keeps the saved tensors (read from `path`) from being `params`, if anything: a name
+/// this run does not train, a name missing, or a shape.
+fn mismatch(
+    path: &Path,
+    saved: &HashMap<String, Tensor>,
+    params: &[(String, Var)],
+) -> Option<Mismatch> {
     let mut unknown: Vec<&String> = saved
         .keys()
         .filter(|k| !params.iter().any(|(n, _)| n == *k))
         .collect();
     if !unknown.is_empty() {
         unknown.sort();
-        bail!(
-            "{} holds {} parameter(s) this run does not train, e.g. `{}`: was it saved by a \
-             run with another mode or adapter?",
-            path.display(),
-            unknown.len(),
-            unknown[0]
-        );
+        return Some(Mismatch {
+            detail: format!(
+                "{} holds {} parameter(s) this run does not train, e.g. `{}`",
+                path.display(),
+                unknown.len(),
+                unknown[0]
+            ),
+            names: true,
+        });
     }
     for (name, var) in params {
-        let Some(t) = saved.get(name) else {
-            bail!("{} has no parameter `{name}`", path.display());
-        };
-        if t.dims() != var.dims() {
-            bail!(
+        let detail = match saved.get(name) {
+            None => format!("{} has no parameter `{name}`", path.display()),
+            Some(t) if t.dims() != var.dims() => format!(
                 "{}: `{name}` is {:?}, this run's is {:?}",
                 path.display(),
                 t.dims(),
                 var.dims()
-            );
+            ),
+            Some(_) => continue,
+        };
+        return Some(Mismatch {
+            detail,
+            names: false,
+        });
+    }
+    None
+}
+
+fn set_params(saved: &HashMap<String, Tensor>, params: &[(String, Var)]) -> anyhow::Result<()> {
+    for (name, var) in params {
+        if let Some(t) = saved.get(name) {
+            var.set(&t.to_dtype(var.dtype())?.to_device(var.device())?)?;
         }
-        var.set(&t.to_dtype(var.dtype())?.to_device(var.device())?)?;
     }
     Ok(())
-}
-
-/// The base model of the run `resume` names (a run folder or one of its save points), from the
-/// run's `plan.json`.
-pub fn model_of(resume: &Path) -> Result<String, String> {
-    let run = if resume.join(STATE_FILE).is_file() {
-        resume.parent().unwrap_or(resume)
-    } else {
-        resume
-    };
-    let plan = run.join("plan.json");
-    let text = std::fs::read_to_string(&plan).map_err(|e| {
-        format!(
-            "names a run, but its {} cannot be read: {e}",
-            plan.display()
-        )
-    })?;
-    let value: serde_json::Value = serde_json::from_str(&text)
-        .map_err(|e| format!("names a run, but its {} is not JSON: {e}", plan.display()))?;
-    value["model"]
-        .as_str()
-        .map(str::to_string)
-        .ok_or_else(|| format!("names a run, but its {} has no `model`", plan.display()))
-}
-
-/// The newest run folder under `output_dir` with a complete save point (EveryDream2's
-/// `findlast`).
-pub fn find_last_run(output_dir: &Path) -> Option<PathBuf> {
-    let entries = std::fs::read_dir(output_dir).ok()?;
-    entries
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| !save_points(p).is_empty())
-        .max_by_key(|p| {
-            let newest = save_points(p).pop().map(|(_, d)| d.join(STATE_FILE));
-            newest.and_then(|f| std::fs::metadata(f).and_then(|m| m.modified()).ok())
-        })
 }
 
 /// Deletes all but the newest `keep` save points in `run`; `also(step)` names what else goes
@@ -372,7 +392,7 @@ pub(super) fn restore(
             groups
         );
     }
-    load_params(dir, &named_params(&opt.groups))?;
+    restore_params(dir, &state.key, key, &named_params(&opt.groups))?;
     for g in opt.groups.iter_mut() {
         let path = optimizer_file(dir, g.name);
         g.optimizer
@@ -399,6 +419,7 @@ pub(super) fn restore(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::run_layout::model_of;
 
     fn key() -> RunKey {
         RunKey {
@@ -503,6 +524,20 @@ mod tests {
         ];
         let err = load_params(&dir, &wrong_shape).unwrap_err().to_string();
         assert!(err.contains("`unet/a` is [2]"), "{err}");
+        // From another model: said first; with the same model, only the mismatch.
+        let other_model = RunKey {
+            model: "org/sdxl".into(),
+            ..key()
+        };
+        let err = restore_params(&dir, &key(), &other_model, &wrong_shape).unwrap_err();
+        let err = err.to_string();
+        assert!(
+            err.contains("was made from model m, and this run uses model org/sdxl")
+                && err.contains("`unet/a` is [2]"),
+            "{err}"
+        );
+        let err = restore_params(&dir, &key(), &key(), &wrong_shape).unwrap_err();
+        assert!(!err.to_string().contains("made from model"), "{err}");
         assert!(locate(tmp.path().join("nothing").as_path()).is_err());
         let d = key().differences(&RunKey {
             batch_size: 4,

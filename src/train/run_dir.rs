@@ -1,10 +1,13 @@
 //! The run folder `output_dir/<project_name>-<timestamp>/` and what lives in it:
 //! `plan.json` (the resolved plan), `train_log.jsonl`, and the saved model folders
-//! (`epoch-0001/`, `final/`, `interrupted-step-000123/`, `errored-step-000123/`).
+//! (`epoch-0001/`, `final/`, `interrupted-step-000123/`, `errored-step-000123/`). The names are
+//! the run layout's ([`crate::run_layout`]); this file creates the folder and hands out paths.
 
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
+
+use crate::run_layout;
 
 /// `output_dir` cannot be created or written: checked before the model and the data load.
 #[derive(Debug, thiserror::Error)]
@@ -36,16 +39,11 @@ impl RunDir {
     /// Creates `output_dir/<project>-<YYYYmmdd-HHMMSS>`, adding `-2`, `-3`, … when two runs start
     /// in the same second.
     pub fn create(output_dir: &Path, project: &str) -> anyhow::Result<Self> {
-        let stamp = chrono::Local::now().format("%Y%m%d-%H%M%S");
+        let stamp = run_layout::run_stamp(chrono::Local::now());
         std::fs::create_dir_all(output_dir)
             .with_context(|| format!("cannot create output_dir {}", output_dir.display()))?;
         for n in 1.. {
-            let name = if n == 1 {
-                format!("{project}-{stamp}")
-            } else {
-                format!("{project}-{stamp}-{n}")
-            };
-            let path = output_dir.join(name);
+            let path = output_dir.join(run_layout::run_folder_name(project, &stamp, n));
             match std::fs::create_dir(&path) {
                 Ok(()) => return Ok(Self { path }),
                 Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
@@ -63,25 +61,25 @@ impl RunDir {
     }
 
     pub fn epoch_dir(&self, epoch: usize) -> PathBuf {
-        self.path.join(format!("epoch-{epoch:04}"))
+        run_layout::epoch_dir(&self.path, epoch)
     }
 
     pub fn final_dir(&self) -> PathBuf {
-        self.path.join("final")
+        run_layout::final_dir(&self.path)
     }
 
     pub fn interrupted_dir(&self, step: usize) -> PathBuf {
-        self.path.join(format!("interrupted-step-{step:06}"))
+        run_layout::interrupted_dir(&self.path, step)
     }
 
     /// A step save (`save_every_n_steps`).
     pub fn step_dir(&self, step: usize) -> PathBuf {
-        self.path.join(format!("step-{step:06}"))
+        run_layout::step_dir(&self.path, step)
     }
 
     /// The last completed step of a run that stopped on an out-of-memory error.
     pub fn errored_dir(&self, step: usize) -> PathBuf {
-        self.path.join(format!("errored-step-{step:06}"))
+        run_layout::errored_dir(&self.path, step)
     }
 }
 

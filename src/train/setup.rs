@@ -154,7 +154,6 @@ impl<'a> Session<'a> {
             &mut self.model.sd,
             &mut self.feed,
             self.extras.validation.as_mut(),
-            self.opt.text_encoder_trains(),
             device,
         )?;
         self.model.text_cache = built.text;

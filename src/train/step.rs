@@ -18,12 +18,12 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use rand_distr::StandardNormal;
 
 use std::sync::Arc;
 
 use crate::data::augment;
 use crate::data::TrainImage;
+use crate::diffusion::host_randn;
 use crate::diffusion::objective::{NoisedBatch, Objective};
 use crate::model::pipeline::StableDiffusion;
 use crate::model::unet::AddedConditions;
@@ -302,15 +302,4 @@ fn time_ids_row(im: &TrainImage) -> [f32; 6] {
     let (cy, cx) = im.crop_top_left;
     let (th, tw) = im.target_size();
     [oh, ow, cy, cx, th, tw].map(|v| v as f32)
-}
-
-/// Standard normal noise drawn on the host from `rng`, as f32.
-pub fn host_randn<R: Rng>(
-    rng: &mut R,
-    dims: &[usize],
-    device: &candle_core::Device,
-) -> candle_core::Result<Tensor> {
-    let n: usize = dims.iter().product();
-    let data: Vec<f32> = (0..n).map(|_| rng.sample(StandardNormal)).collect();
-    Tensor::from_vec(data, dims, device)
 }

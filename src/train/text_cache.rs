@@ -3,8 +3,9 @@
 //!
 //! It applies only when nothing can change a caption's encoding during the run: no
 //! text-encoder parameter trains, captions are not shuffled (`shuffle_tags`) and none is dropped
-//! (`cond_dropout`). [`why_off`] names the reason when it cannot apply. The encodings (`[77, d]`
-//! per caption, and SDXL's pooled `[d]`) stay in host memory in the compute dtype.
+//! (`cond_dropout`). The plan decides whether it does, once
+//! ([`crate::config::TextCacheDecision`]). The encodings (`[77, d]` per caption, and SDXL's pooled
+//! `[d]`) stay in host memory in the compute dtype.
 
 use std::collections::HashMap;
 
@@ -15,26 +16,6 @@ use crate::model::pipeline::{StableDiffusion, TextConditioning};
 /// The cached encodings by caption.
 pub struct TextCache {
     entries: HashMap<String, (Tensor, Option<Tensor>)>,
-}
-
-/// Why the cache cannot be used for this run, or `None` when it can.
-pub fn why_off(
-    enabled: bool,
-    train_text_encoder: bool,
-    shuffle_tags: bool,
-    cond_dropout: f64,
-) -> Option<&'static str> {
-    if !enabled {
-        Some("cache_text_encoder_outputs is false")
-    } else if train_text_encoder {
-        Some("a text encoder trains")
-    } else if shuffle_tags {
-        Some("shuffle_tags changes captions every step")
-    } else if cond_dropout > 0.0 {
-        Some("cond_dropout replaces captions with empty ones at random")
-    } else {
-        None
-    }
 }
 
 impl TextCache {
@@ -96,25 +77,5 @@ impl TextCache {
             Some(Tensor::cat(&pooled, 0)?.to_device(device)?)
         };
         Ok(TextConditioning { context, pooled })
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn off_reasons_in_order() {
-        assert_eq!(why_off(true, false, false, 0.0), None);
-        assert!(why_off(false, false, false, 0.0).unwrap().contains("false"));
-        assert!(why_off(true, true, false, 0.0)
-            .unwrap()
-            .contains("text encoder"));
-        assert!(why_off(true, false, true, 0.0)
-            .unwrap()
-            .contains("shuffle_tags"));
-        assert!(why_off(true, false, false, 0.1)
-            .unwrap()
-            .contains("cond_dropout"));
     }
 }

@@ -1,0 +1,380 @@
+//! [`DataPlan`]: the data keys of train.json resolved: the image folder, resolution, buckets,
+//! augmentation, the validation set, and the two caches: the latent cache as asked for, and the
+//! text-encoder cache as decided ([`TextCacheDecision`]), once, here.
+
+use std::fmt;
+use std::path::PathBuf;
+
+use serde::Serialize;
+
+use super::ctx::Ctx;
+use super::error::ConfigError;
+use super::train_file::TrainFile;
+
+/// EveryDream2's `--cond_dropout` default.
+pub const DEFAULT_COND_DROPOUT: f64 = 0.04;
+/// EveryDream2's default `crop_jitter`.
+pub const DEFAULT_CROP_JITTER: f64 = 0.02;
+/// What every model sdtrain trains needs of a bucket's sides, at least; each model needs a
+/// multiple of its own alignment too (VAE factor × 2^UNet downsamples: 64 for SD1.x/SD2.x, 32 for
+/// SDXL), checked once it loads.
+pub const ASPECT_MULTIPLE: i64 = 8;
+
+/// Data loading and augmentation.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct DataPlan {
+    /// Absolute path of an existing folder.
+    pub data_root: PathBuf,
+    /// Square training size in pixels, a multiple of 64 in [64, 4096]; `None` uses the model's
+    /// native resolution.
+    pub resolution: Option<usize>,
+    /// Probability of a horizontal flip, in [0, 1].
+    pub flip_p: f64,
+    /// Probability of training on an empty caption, in [0, 1].
+    pub cond_dropout: f64,
+    /// Shuffle comma-separated caption tags, keeping the first.
+    pub shuffle_tags: bool,
+    /// Images with more pixels are skipped, from their header, before decoding.
+    pub max_image_pixels: u64,
+    /// The validation loss, when `validation_split` or `validation_data_root` is set.
+    pub validation: Option<ValidationPlan>,
+    /// Aspect-ratio buckets; `None` trains squares (`enable_bucket: false`).
+    pub buckets: Option<BucketPlan>,
+    /// EveryDream2's `crop_jitter`, in [0, 0.25]; 0 centres every crop.
+    pub crop_jitter: f64,
+    /// VAE latents computed once per image and flip.
+    pub cache_latents: CacheLatents,
+    /// Caption encodings computed once before training, or why not.
+    pub text_cache: TextCacheDecision,
+}
+
+/// Which aspect buckets a run uses.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct BucketPlan {
+    /// The sizes given by `aspects`, `(width, height)`; `None`: generated for the resolution.
+    pub aspects: Option<Vec<(usize, usize)>>,
+    /// `max_aspect_ratio`.
+    pub max_ratio: Option<f64>,
+}
+
+/// Where cached latents live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CacheLatents {
+    Off,
+    Memory,
+    Disk,
+}
+
+/// The validation loss: which images, and how often.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ValidationPlan {
+    /// A seeded fraction of `data_root` held out of training, in (0, 1).
+    pub split: Option<f64>,
+    /// Or a folder of its own.
+    pub data_root: Option<PathBuf>,
+    /// Every N optimizer steps; `None`: at the end of each epoch.
+    pub every_n_steps: Option<u64>,
+}
+
+/// Whether each distinct caption is encoded once before training, after which the text
+/// encoders leave the device. It applies only when nothing can change a caption's encoding
+/// during the run: no text-encoder parameter trains, captions are not shuffled and none is
+/// dropped. The trainer, the memory plan and the summary all read this one decision.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TextCacheDecision {
+    On,
+    Off(TextCacheOff),
+}
+
+/// Why the text-encoder cache is off.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TextCacheOff {
+    /// `cache_text_encoder_outputs: false`.
+    Disabled,
+    /// A text encoder (or its adapter) trains.
+    TextEncoderTrains,
+    ShuffleTags,
+    CondDropout,
+}
+
+impl TextCacheDecision {
+    /// The decision, first reason first: `enabled` is `cache_text_encoder_outputs`,
+    /// `text_encoder_trains` whether any text-encoder parameter is in an optimizer group.
+    pub fn decide(
+        enabled: bool,
+        text_encoder_trains: bool,
+        shuffle_tags: bool,
+        cond_dropout: f64,
+    ) -> Self {
+        let off = if !enabled {
+            TextCacheOff::Disabled
+        } else if text_encoder_trains {
+            TextCacheOff::TextEncoderTrains
+        } else if shuffle_tags {
+            TextCacheOff::ShuffleTags
+        } else if cond_dropout > 0.0 {
+            TextCacheOff::CondDropout
+        } else {
+            return TextCacheDecision::On;
+        };
+        TextCacheDecision::Off(off)
+    }
+
+    pub fn is_on(self) -> bool {
+        self == TextCacheDecision::On
+    }
+}
+
+impl fmt::Display for TextCacheOff {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            TextCacheOff::Disabled => "cache_text_encoder_outputs is false",
+            TextCacheOff::TextEncoderTrains => "a text encoder trains",
+            TextCacheOff::ShuffleTags => "shuffle_tags changes captions every step",
+            TextCacheOff::CondDropout => "cond_dropout replaces captions with empty ones at random",
+        })
+    }
+}
+
+/// The data keys. `text_encoder_trains`: whether any text-encoder parameter trains (the text
+/// cache depends on it).
+pub(super) fn resolve_data(
+    file: &TrainFile,
+    ctx: &Ctx<'_>,
+    text_encoder_trains: bool,
+) -> Result<DataPlan, ConfigError> {
+    let data_root = resolve_data_root(file, ctx)?;
+    let resolution = match file.resolution {
+        None => None,
+        Some(r) if (64..=4096).contains(&r) && r % 64 == 0 => Some(r.unsigned_abs() as usize),
+        Some(r) => {
+            return Err(ctx.invalid(
+                "resolution",
+                format!("must be a multiple of 64 between 64 and 4096 (got {r})"),
+            ))
+        }
+    };
+    let cache_latents = match (file.cache_latents, file.cache_latents_to_disk) {
+        (_, Some(true)) => CacheLatents::Disk,
+        (Some(true), _) => CacheLatents::Memory,
+        _ => CacheLatents::Off,
+    };
+    let crop_jitter = resolve_crop_jitter(file, ctx, cache_latents)?;
+    let flip_p = ctx.fraction("flip_p", file.flip_p, 0.0)?;
+    let cond_dropout = ctx.fraction("cond_dropout", file.cond_dropout, DEFAULT_COND_DROPOUT)?;
+    let shuffle_tags = file.shuffle_tags.unwrap_or(false);
+    Ok(DataPlan {
+        data_root,
+        resolution,
+        flip_p,
+        cond_dropout,
+        shuffle_tags,
+        max_image_pixels: ctx.at_least(
+            "max_image_pixels",
+            file.max_image_pixels,
+            crate::data::DEFAULT_MAX_PIXELS,
+            1,
+        )?,
+        validation: resolve_validation(file, ctx)?,
+        buckets: resolve_buckets(file, ctx)?,
+        crop_jitter,
+        cache_latents,
+        text_cache: TextCacheDecision::decide(
+            file.cache_text_encoder_outputs.unwrap_or(true),
+            text_encoder_trains,
+            shuffle_tags,
+            cond_dropout,
+        ),
+    })
+}
+
+/// `data_root`: required, and an existing folder.
+fn resolve_data_root(file: &TrainFile, ctx: &Ctx<'_>) -> Result<PathBuf, ConfigError> {
+    let Some(raw) = file.data_root.as_deref() else {
+        return Err(ConfigError::Missing {
+            file: ctx.file.to_path_buf(),
+            field: "data_root",
+            hint: "the folder of training images",
+        });
+    };
+    let data_root = ctx.input_path("data_root", raw)?;
+    let problem = if !data_root.exists() {
+        Some("does not exist")
+    } else if !data_root.is_dir() {
+        Some("is not a folder")
+    } else {
+        None
+    };
+    if let Some(problem) = problem {
+        let looked = match ctx.input_candidates(raw).as_slice() {
+            [_, _] => " (relative paths are looked up beside the config file, then in the working directory)",
+            _ => "",
+        };
+        return Err(ConfigError::DataRoot {
+            file: ctx.file.to_path_buf(),
+            path: PathBuf::from(raw),
+            problem: format!("{problem}{looked}"),
+        });
+    }
+    Ok(data_root)
+}
+
+/// `crop_jitter`: a cache holds one crop per image, so it is 0 with one.
+fn resolve_crop_jitter(
+    file: &TrainFile,
+    ctx: &Ctx<'_>,
+    cache_latents: CacheLatents,
+) -> Result<f64, ConfigError> {
+    Ok(match (file.crop_jitter, cache_latents) {
+        (Some(j), _) if !(0.0..=0.25).contains(&j) => {
+            return Err(ctx.invalid(
+                "crop_jitter",
+                format!("must be between 0 and 0.25 (got {j})"),
+            ))
+        }
+        (Some(j), CacheLatents::Memory | CacheLatents::Disk) if j > 0.0 => {
+            return Err(ctx.invalid(
+                "crop_jitter",
+                format!(
+                    "is {j}, but cached latents hold one crop per image; set crop_jitter to 0 or \
+                     turn cache_latents off"
+                ),
+            ))
+        }
+        (Some(j), _) => j,
+        // A cache holds the centre crop; without one, EveryDream2's default.
+        (None, CacheLatents::Off) => DEFAULT_CROP_JITTER,
+        (None, _) => 0.0,
+    })
+}
+
+fn resolve_buckets(file: &TrainFile, ctx: &Ctx<'_>) -> Result<Option<BucketPlan>, ConfigError> {
+    let max_ratio = match file.max_aspect_ratio {
+        Some(r) if !(r >= 1.0 && r.is_finite()) => {
+            return Err(ctx.invalid(
+                "max_aspect_ratio",
+                format!("must be a ratio of at least 1, such as 2 for 2:1 (got {r})"),
+            ))
+        }
+        r => r,
+    };
+    let aspects = match &file.aspects {
+        None => None,
+        Some(list) if list.is_empty() => {
+            return Err(ctx.invalid("aspects", "must list at least one [width, height]".into()))
+        }
+        Some(list) => Some(
+            list.iter()
+                .enumerate()
+                .map(|(i, pair)| aspect(ctx, i, pair))
+                .collect::<Result<Vec<_>, _>>()?,
+        ),
+    };
+    if file.enable_bucket == Some(false) {
+        if aspects.is_some() || max_ratio.is_some() {
+            return Err(ctx.invalid(
+                "enable_bucket",
+                "is false, so aspects and max_aspect_ratio would have no effect; remove them or \
+                 turn buckets on"
+                    .into(),
+            ));
+        }
+        return Ok(None);
+    }
+    Ok(Some(BucketPlan { aspects, max_ratio }))
+}
+
+/// Entry `i` of `aspects`: `[width, height]`, each side 8 to 8192 pixels and a multiple of
+/// [`ASPECT_MULTIPLE`]. The model's own alignment is checked when it loads.
+fn aspect(ctx: &Ctx<'_>, i: usize, pair: &[i64]) -> Result<(usize, usize), ConfigError> {
+    let (w, h) = match pair {
+        [w, h] if (8..=8192).contains(w) && (8..=8192).contains(h) => (*w, *h),
+        _ => {
+            return Err(ctx.invalid(
+                "aspects",
+                format!(
+                    "entry {i} must be [width, height] in pixels, each 8 to 8192 (got {pair:?})"
+                ),
+            ))
+        }
+    };
+    if w % ASPECT_MULTIPLE != 0 || h % ASPECT_MULTIPLE != 0 {
+        return Err(ctx.invalid(
+            "aspects",
+            format!(
+                "entry {i} is {w}x{h}: both sides must be multiples of {ASPECT_MULTIPLE} (and of \
+                 the model's alignment: 64 for SD1.x/SD2.x, 32 for SDXL)"
+            ),
+        ));
+    }
+    Ok((w as usize, h as usize))
+}
+
+fn resolve_validation(
+    file: &TrainFile,
+    ctx: &Ctx<'_>,
+) -> Result<Option<ValidationPlan>, ConfigError> {
+    let split = match file.validation_split {
+        Some(x) if !(x > 0.0 && x < 1.0) => {
+            return Err(ctx.invalid(
+                "validation_split",
+                format!("must be a fraction between 0 and 1, exclusive (got {x})"),
+            ))
+        }
+        x => x,
+    };
+    let data_root = match file.validation_data_root.as_deref() {
+        Some(raw) => {
+            let path = ctx.input_path("validation_data_root", raw)?;
+            if !path.is_dir() {
+                return Err(ctx.invalid(
+                    "validation_data_root",
+                    format!("is {}, which is not a folder", path.display()),
+                ));
+            }
+            Some(path)
+        }
+        None => None,
+    };
+    let every_n_steps =
+        ctx.opt_at_least("validation_every_n_steps", file.validation_every_n_steps, 1)?;
+    match (split, &data_root) {
+        (Some(_), Some(_)) => Err(ctx.invalid(
+            "validation_split",
+            "and `validation_data_root` are both set; give one".into(),
+        )),
+        (None, None) if every_n_steps.is_some() => Err(ctx.invalid(
+            "validation_every_n_steps",
+            "needs `validation_split` or `validation_data_root`".into(),
+        )),
+        (None, None) => Ok(None),
+        _ => Ok(Some(ValidationPlan {
+            split,
+            data_root,
+            every_n_steps,
+        })),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The first reason that applies is the one given.
+    #[test]
+    fn text_cache_off_reasons_in_order() {
+        let decide = TextCacheDecision::decide;
+        assert_eq!(decide(true, false, false, 0.0), TextCacheDecision::On);
+        let off = |d: TextCacheDecision| match d {
+            TextCacheDecision::Off(why) => why.to_string(),
+            TextCacheDecision::On => panic!("on"),
+        };
+        assert!(off(decide(false, true, true, 0.1)).contains("false"));
+        assert!(off(decide(true, true, true, 0.1)).contains("text encoder"));
+        assert!(off(decide(true, false, true, 0.1)).contains("shuffle_tags"));
+        assert!(off(decide(true, false, false, 0.1)).contains("cond_dropout"));
+    }
+}
