@@ -139,17 +139,8 @@ pub fn resolve_adapter(
             format!("must be in [0, 1) (got {dropout})"),
         ));
     }
-    let save_dtype = match a.save_dtype.as_deref() {
-        None | Some("fp16") | Some("float16") => SaveDtype::Fp16,
-        Some("bf16") | Some("bfloat16") => SaveDtype::Bf16,
-        Some("fp32") | Some("float32") | Some("float") => SaveDtype::Fp32,
-        Some(other) => {
-            return Err(invalid(
-                "save_dtype",
-                format!("is \"{other}\"; allowed: \"fp16\", \"bf16\", \"fp32\""),
-            ))
-        }
-    };
+    let save_dtype =
+        save_dtype(a.save_dtype.as_deref()).map_err(|message| invalid("save_dtype", message))?;
     let init_from = a
         .init_from
         .as_deref()
@@ -178,6 +169,18 @@ pub fn resolve_adapter(
         init_from,
         save_dtype,
     })
+}
+
+/// `save_dtype`: fp16 unless set; the error completes "`adapter.save_dtype` …".
+fn save_dtype(v: Option<&str>) -> Result<SaveDtype, String> {
+    match v {
+        None | Some("fp16") | Some("float16") => Ok(SaveDtype::Fp16),
+        Some("bf16") | Some("bfloat16") => Ok(SaveDtype::Bf16),
+        Some("fp32") | Some("float32") | Some("float") => Ok(SaveDtype::Fp32),
+        Some(other) => Err(format!(
+            "is \"{other}\"; allowed: \"fp16\", \"bf16\", \"fp32\""
+        )),
+    }
 }
 
 #[cfg(test)]

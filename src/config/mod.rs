@@ -27,7 +27,7 @@ mod train_file;
 pub use adapter_file::{AdapterFile, AdapterPlan, SaveDtype};
 pub use data_plan::{
     BucketPlan, CacheLatents, DataPlan, TextCacheDecision, TextCacheOff, ValidationPlan,
-    ASPECT_MULTIPLE, DEFAULT_CROP_JITTER,
+    DEFAULT_CROP_JITTER,
 };
 pub use ema_plan::{EmaDecay, EmaDevice, EmaPlan, DEFAULT_EMA_UPDATE_INTERVAL};
 pub use error::{ConfigError, UnsupportedKey};

@@ -177,6 +177,7 @@ impl TrainPlan {
             .map_or(train_text_encoder, |a| a.train_text_encoder);
         let resume = resolve_resume(&file, &ctx)?;
         let ema = super::ema_plan::resolve_ema(&file, train_path)?;
+        let saves = resolve_saves(&file, &ctx)?;
         let input = |field: &str, p: &str| ctx.input_path(field, p);
         Ok(TrainPlan {
             train_config: train_path.to_path_buf(),
@@ -200,18 +201,9 @@ impl TrainPlan {
             grad_accum: ctx.at_least("grad_accum", file.grad_accum, 1, 1)? as usize,
             max_epochs,
             max_steps,
-            // 0 disables periodic saving, as EveryDream2's `save_every_n_epochs < 1`.
-            save_every_n_epochs: ctx
-                .opt_at_least("save_every_n_epochs", file.save_every_n_epochs, 0)?
-                .filter(|n| *n > 0),
-            save_every_n_steps: ctx.opt_at_least(
-                "save_every_n_steps",
-                file.save_every_n_steps,
-                1,
-            )?,
-            checkpoints_total_limit: ctx
-                .opt_at_least("checkpoints_total_limit", file.checkpoints_total_limit, 1)?
-                .map(|n| n as usize),
+            save_every_n_epochs: saves.every_n_epochs,
+            save_every_n_steps: saves.every_n_steps,
+            checkpoints_total_limit: saves.total_limit,
             max_consecutive_skipped_steps: match ctx.opt_at_least(
                 "max_consecutive_skipped_steps",
                 file.max_consecutive_skipped_steps,
@@ -275,6 +267,26 @@ fn resolve_stop(
             ctx.opt_at_least("max_epochs", epochs, 1)?,
             ctx.opt_at_least("max_steps", steps, 1)?,
         ),
+    })
+}
+
+/// When the run saves: `save_every_n_epochs`, `save_every_n_steps`, `checkpoints_total_limit`.
+struct Saves {
+    every_n_epochs: Option<u64>,
+    every_n_steps: Option<u64>,
+    total_limit: Option<usize>,
+}
+
+fn resolve_saves(file: &TrainFile, ctx: &Ctx<'_>) -> Result<Saves, ConfigError> {
+    Ok(Saves {
+        // 0 disables periodic saving, as EveryDream2's `save_every_n_epochs < 1`.
+        every_n_epochs: ctx
+            .opt_at_least("save_every_n_epochs", file.save_every_n_epochs, 0)?
+            .filter(|n| *n > 0),
+        every_n_steps: ctx.opt_at_least("save_every_n_steps", file.save_every_n_steps, 1)?,
+        total_limit: ctx
+            .opt_at_least("checkpoints_total_limit", file.checkpoints_total_limit, 1)?
+            .map(|n| n as usize),
     })
 }
 

@@ -221,7 +221,9 @@ impl Session<'_> {
             }
         }
         let started_at = self.pos.resumed.as_ref().map_or(0, |s| s.steps);
-        if out.steps > started_at && self.extras.skips.applied == 0 {
+        // A run whose every skip was the fp16 scaler lowering its scale is left to the scaler.
+        let skips = self.extras.skips;
+        if out.steps > started_at && skips.applied == 0 && skips.in_a_row > 0 {
             let epoch = out.epochs_completed.saturating_sub(1);
             let skipped = out.steps - started_at;
             return Err(self.stop_after_skips(&out, epoch, skipped, &progress));
