@@ -188,13 +188,14 @@ fn an_interrupted_full_run_with_ema_resumes_exactly() {
 /// With `seed: -1` the seed is drawn once and kept in the save point: a run resumed from its
 /// step-2 save point retrains steps 3–6 exactly as the run did (losses and final weights, bit
 /// for bit), though the resumed process draws a fresh seed of its own. Catches a resume that
-/// keeps the fresh seed instead of the saved one.
+/// keeps the fresh seed instead of the saved one, for the data and noise draws and for the
+/// LoRA dropout masks (drawn from the seed the adapters are attached with).
 #[test]
 fn a_random_seed_is_restored_on_resume() {
     let tmp = tempfile::tempdir().unwrap();
     let extra = serde_json::json!({
         "mode": "lora",
-        "adapter": {"save_dtype": "fp32"},
+        "adapter": {"save_dtype": "fp32", "dropout": 0.2},
         "seed": -1,
     });
     let cfg = config(tmp.path(), extra);

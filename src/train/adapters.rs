@@ -39,13 +39,19 @@ fn kohya_component(c: AdapterComponent) -> KohyaComponent {
     }
 }
 
-/// Attaches the adapters `plan.adapter` describes to `sd` (whose weights are frozen).
-pub fn attach(sd: &mut StableDiffusion, plan: &TrainPlan) -> anyhow::Result<TrainedAdapters> {
+/// Attaches the adapters `plan.adapter` describes to `sd` (whose weights are frozen), their
+/// initial weights and dropout masks drawn from `seed` (the run's: a resumed run's is the save
+/// point's, so its masks repeat).
+pub fn attach(
+    sd: &mut StableDiffusion,
+    plan: &TrainPlan,
+    seed: u64,
+) -> anyhow::Result<TrainedAdapters> {
     let a = plan
         .adapter
         .clone()
         .context("adapter mode without an adapter plan")?;
-    attach_with(sd, plan.mode, a, plan.seed)
+    attach_with(sd, plan.mode, a, seed)
 }
 
 /// The attach spec for an adapter mode (`None` for a full fine-tune).

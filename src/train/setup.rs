@@ -54,9 +54,10 @@ impl<'a> Session<'a> {
         // Before anything is allocated: event tracking applies to tensors created afterwards.
         prepare_device(&opts.device, DeviceSettings::default()).context("preparing the device")?;
         let vram_cap = vram_limit(plan, &opts.device)?;
-        let mut model = load(plan, opts)?;
-        // Held out before anything counts the training set; a resumed run holds out the same.
+        // The run's seed: a resumed run draws as the saved one did (adapter dropout masks, the
+        // validation split, the data order).
         let data_seed = resume_from.as_ref().map_or(plan.seed, |(_, st)| st.seed);
+        let mut model = load(plan, opts, data_seed)?;
         let (feed, validation) = load_data(plan, &model, data_seed, opts.show_progress)?;
         let steps_per_epoch = feed.steps_in(&feed.epoch(data_seed, 0));
         let total_steps = plan.total_steps(|e| feed.steps_in(&feed.epoch(data_seed, e)));
@@ -218,9 +219,10 @@ struct StartShape {
     total_steps: usize,
 }
 
-/// The model for `plan` in its precision, with its adapters, objective and resolution, and
+/// The model for `plan` in its precision, with its adapters (drawn from `seed`), objective and
+/// resolution, and
 /// described on stderr.
-fn load(plan: &TrainPlan, opts: &RunOptions) -> anyhow::Result<Model> {
+fn load(plan: &TrainPlan, opts: &RunOptions, seed: u64) -> anyhow::Result<Model> {
     let layout = open_model(plan)?;
     let RunShape { resolution, amp } =
         plan.run_shape(layout.native_resolution, Amp::default_for(&opts.device));
@@ -228,7 +230,7 @@ fn load(plan: &TrainPlan, opts: &RunOptions) -> anyhow::Result<Model> {
     let mut sd = load_model(&layout, plan, opts, amp)?;
     let adapters = match plan.mode {
         TrainMode::Full => None,
-        _ => Some(adapters::attach(&mut sd, plan)?),
+        _ => Some(adapters::attach(&mut sd, plan, seed)?),
     };
     check_resolution(&sd, resolution)?;
     let objective = build_objective(plan, &layout)?;
