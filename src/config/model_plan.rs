@@ -97,6 +97,19 @@ pub fn resolve_model_file(
             ));
         }
     }
+    Ok(ModelFilePlan {
+        model_config,
+        prediction_type,
+        save_ckpt_format: resolve_save_format(file, train_path, mode)?,
+    })
+}
+
+/// `save_ckpt_format` and `no_save_ckpt`, which apply to full fine-tunes and must agree.
+fn resolve_save_format(
+    file: &TrainFile,
+    train_path: &Path,
+    mode: TrainMode,
+) -> Result<SaveFormat, ConfigError> {
     let asked = match file.save_ckpt_format.as_deref() {
         None => None,
         Some("diffusers") => Some(SaveFormat::Diffusers),
@@ -128,36 +141,27 @@ pub fn resolve_model_file(
                 .into(),
         ));
     }
-    let save_ckpt_format = match (asked, file.no_save_ckpt) {
-        (None, Some(false)) => SaveFormat::Both,
-        (None, _) => SaveFormat::Diffusers,
-        (Some(f), Some(true)) if f.single_file() => {
-            return Err(invalid(
-                train_path,
-                "no_save_ckpt",
-                format!(
-                    "is true, but save_ckpt_format \"{}\" asks for a single file",
-                    serde_json::to_value(f)
-                        .ok()
-                        .and_then(|v| v.as_str().map(str::to_string))
-                        .unwrap_or_default()
-                ),
-            ))
-        }
-        (Some(SaveFormat::Diffusers), Some(false)) => {
-            return Err(invalid(
-                train_path,
-                "no_save_ckpt",
-                "is false (save a single file), but save_ckpt_format is \"diffusers\"".into(),
-            ))
-        }
-        (Some(f), _) => f,
-    };
-    Ok(ModelFilePlan {
-        model_config,
-        prediction_type,
-        save_ckpt_format,
-    })
+    match (asked, file.no_save_ckpt) {
+        (None, Some(false)) => Ok(SaveFormat::Both),
+        (None, _) => Ok(SaveFormat::Diffusers),
+        (Some(f), Some(true)) if f.single_file() => Err(invalid(
+            train_path,
+            "no_save_ckpt",
+            format!(
+                "is true, but save_ckpt_format \"{}\" asks for a single file",
+                serde_json::to_value(f)
+                    .ok()
+                    .and_then(|v| v.as_str().map(str::to_string))
+                    .unwrap_or_default()
+            ),
+        )),
+        (Some(SaveFormat::Diffusers), Some(false)) => Err(invalid(
+            train_path,
+            "no_save_ckpt",
+            "is false (save a single file), but save_ckpt_format is \"diffusers\"".into(),
+        )),
+        (Some(f), _) => Ok(f),
+    }
 }
 
 #[cfg(test)]

@@ -204,15 +204,7 @@ impl TrainPlan {
             save_every_n_epochs: saves.every_n_epochs,
             save_every_n_steps: saves.every_n_steps,
             checkpoints_total_limit: saves.total_limit,
-            max_consecutive_skipped_steps: match ctx.opt_at_least(
-                "max_consecutive_skipped_steps",
-                file.max_consecutive_skipped_steps,
-                0,
-            )? {
-                None => Some(DEFAULT_MAX_CONSECUTIVE_SKIPPED_STEPS),
-                Some(0) => None,
-                Some(n) => Some(n as usize),
-            },
+            max_consecutive_skipped_steps: resolve_skip_limit(&file, &ctx)?,
             save_optimizer: file.save_optimizer.unwrap_or(false),
             vram_limit_gb: ctx.opt_positive(
                 "vram_limit_gb",
@@ -423,6 +415,20 @@ fn resolve_optimizer(
         n => n.map(|n| n.unsigned_abs() as usize),
     };
     Ok((plan, unfreeze))
+}
+
+/// `max_consecutive_skipped_steps`: 5 when unset, 0 for never.
+fn resolve_skip_limit(file: &TrainFile, ctx: &Ctx) -> Result<Option<usize>, ConfigError> {
+    let n = ctx.opt_at_least(
+        "max_consecutive_skipped_steps",
+        file.max_consecutive_skipped_steps,
+        0,
+    )?;
+    Ok(match n {
+        None => Some(DEFAULT_MAX_CONSECUTIVE_SKIPPED_STEPS),
+        Some(0) => None,
+        Some(n) => Some(n as usize),
+    })
 }
 
 #[cfg(test)]
