@@ -307,33 +307,7 @@ pub fn text_encoder(
                 None,
             )
         }
-        TextEncoderKind::OpenClip { projection } => {
-            let blocks = indices(h, &format!("{prefix}transformer.resblocks.")).len();
-            let proj = if !projection {
-                None
-            } else if let Some(s) = h.get(&format!("{prefix}text_projection")) {
-                Some(s.get(1).copied().ok_or("`text_projection` is not 2-D")?)
-            } else {
-                Some(dim(h, &format!("{prefix}text_projection.weight"), 0)?)
-            };
-            (
-                format!("{prefix}token_embedding.weight"),
-                format!("{prefix}positional_embedding"),
-                if projection {
-                    blocks
-                } else {
-                    blocks.min(SD2_TEXT_LAYERS)
-                },
-                format!("{prefix}transformer.resblocks.0.mlp.c_fc.weight"),
-                "gelu",
-                if projection {
-                    "CLIPTextModelWithProjection"
-                } else {
-                    "CLIPTextModel"
-                },
-                proj,
-            )
-        }
+        TextEncoderKind::OpenClip { projection } => open_clip_layout(h, prefix, projection)?,
     };
     let (vocab, hidden) = match shape(h, &tok)? {
         [v, d] => (*v, *d),
@@ -374,6 +348,46 @@ pub fn text_encoder(
         "vocab_size": vocab,
     });
     Ok((cfg, projection))
+}
+
+/// The embeddings, layer-count, MLP and architecture layout of a text encoder.
+type TextLayout = (
+    String,
+    String,
+    usize,
+    String,
+    &'static str,
+    &'static str,
+    Option<usize>,
+);
+
+/// The layout of an OpenCLIP text encoder under `prefix`, with its projection width if any.
+fn open_clip_layout(h: &Shapes, prefix: &str, projection: bool) -> Result<TextLayout, String> {
+    let blocks = indices(h, &format!("{prefix}transformer.resblocks.")).len();
+    let proj = if !projection {
+        None
+    } else if let Some(s) = h.get(&format!("{prefix}text_projection")) {
+        Some(s.get(1).copied().ok_or("`text_projection` is not 2-D")?)
+    } else {
+        Some(dim(h, &format!("{prefix}text_projection.weight"), 0)?)
+    };
+    Ok((
+        format!("{prefix}token_embedding.weight"),
+        format!("{prefix}positional_embedding"),
+        if projection {
+            blocks
+        } else {
+            blocks.min(SD2_TEXT_LAYERS)
+        },
+        format!("{prefix}transformer.resblocks.0.mlp.c_fc.weight"),
+        "gelu",
+        if projection {
+            "CLIPTextModelWithProjection"
+        } else {
+            "CLIPTextModel"
+        },
+        proj,
+    ))
 }
 
 /// The scheduler the family's real pipeline ships, with `prediction`.
