@@ -116,32 +116,10 @@ pub fn unet(
     pooled_dim: Option<usize>,
 ) -> Result<Value, String> {
     let p = |s: &str| format!("{UNET}{s}");
-    let conv_in = shape(h, &p("input_blocks.0.0.weight"))?;
-    let (c0, in_channels) = match conv_in {
-        [c, i, _, _] => (*c, *i),
-        s => {
-            return Err(format!(
-                "`{}` has shape {s:?}, not a conv",
-                p("input_blocks.0.0.weight")
-            ))
-        }
-    };
+    let (c0, in_channels) = unet_conv_in(h)?;
     let out_channels = dim(h, &p("out.2.weight"), 0)?;
-    let inputs = indices(h, &p("input_blocks."));
-    let max_n = *inputs.iter().max().ok_or("no `input_blocks`")?;
-    let first_op = inputs
-        .iter()
-        .find(|&&n| h.contains_key(&p(&format!("input_blocks.{n}.0.op.weight"))))
-        .copied();
-    // Without a downsampler there is one level holding every input block.
-    let layers = first_op.map_or(max_n, |n| n.saturating_sub(1));
+    let (layers, levels) = unet_layers(h)?;
     let l1 = layers + 1;
-    if layers == 0 || !(max_n + 1).is_multiple_of(l1) {
-        return Err(format!(
-            "{max_n} input blocks do not form levels of {layers} layers and a downsampler"
-        ));
-    }
-    let levels = (max_n + 1) / l1;
     let mut channels = Vec::new();
     let mut down_attn = Vec::new();
     let mut depth = Vec::new();
@@ -169,33 +147,8 @@ pub fn unet(
     let up_attn: Vec<bool> = (0..levels)
         .map(|i| has_prefix(h, &p(&format!("output_blocks.{}.1.", i * l1))))
         .collect();
-    let Some(first_attn) = down_attn.iter().position(|&a| a) else {
-        return Err("no level has cross-attention".into());
-    };
-    let attn = p(&format!("input_blocks.{}.1.", 1 + first_attn * l1));
-    let cross = dim(
-        h,
-        &format!("{attn}transformer_blocks.0.attn2.to_k.weight"),
-        1,
-    )?;
-    let linear = shape(h, &format!("{attn}proj_in.weight"))?.len() == 2;
-    if !has_prefix(h, &p("middle_block.1.")) {
-        return Err("the middle block has no attention (not an SD UNet)".into());
-    }
-    let mid_depth = indices(h, &p("middle_block.1.transformer_blocks.")).len();
-    if Some(&mid_depth) != depth.last() {
-        return Err(format!(
-            "the middle block has {mid_depth} transformer layers, the last level {}: diffusers \
-             gives both the same",
-            depth.last().copied().unwrap_or(0)
-        ));
-    }
-    let kind = |a: bool, down: bool| match (a, down) {
-        (true, true) => "CrossAttnDownBlock2D",
-        (false, true) => "DownBlock2D",
-        (true, false) => "CrossAttnUpBlock2D",
-        (false, false) => "UpBlock2D",
-    };
+    let (cross, linear) = unet_attention(h, &down_attn, l1)?;
+    check_unet_mid(h, &depth)?;
     let heads: Value = match family {
         ModelFamily::Sd1 => json!(8),
         ModelFamily::Sd2 | ModelFamily::Sdxl => {
@@ -209,7 +162,7 @@ pub fn unet(
         "block_out_channels": channels,
         "center_input_sample": false,
         "cross_attention_dim": cross,
-        "down_block_types": down_attn.iter().map(|&a| kind(a, true)).collect::<Vec<_>>(),
+        "down_block_types": down_attn.iter().map(|&a| unet_block_type(a, true)).collect::<Vec<_>>(),
         "downsample_padding": 1,
         "flip_sin_to_cos": true,
         "freq_shift": 0,
@@ -222,24 +175,107 @@ pub fn unet(
         "out_channels": out_channels,
         "sample_size": sample_size(family, prediction),
         "transformer_layers_per_block": depth,
-        "up_block_types": up_attn.iter().map(|&a| kind(a, false)).collect::<Vec<_>>(),
+        "up_block_types": up_attn.iter().map(|&a| unet_block_type(a, false)).collect::<Vec<_>>(),
         "upcast_attention": family == ModelFamily::Sd2,
         "use_linear_projection": linear,
     });
     if family == ModelFamily::Sdxl {
-        let adm = dim(h, &p("label_emb.0.0.weight"), 1)?;
-        let pooled = pooled_dim.ok_or("SDXL needs the second text encoder's projection width")?;
-        let time_ids = adm
-            .checked_sub(pooled)
-            .filter(|d| d.is_multiple_of(6) && *d > 0)
-            .ok_or_else(|| {
-                format!("`label_emb` takes {adm} inputs: not {pooled} pooled + 6 time ids")
-            })?;
-        cfg["addition_embed_type"] = json!("text_time");
-        cfg["addition_time_embed_dim"] = json!(time_ids / 6);
-        cfg["projection_class_embeddings_input_dim"] = json!(adm);
+        add_sdxl_conditions(h, pooled_dim, &mut cfg)?;
     }
     Ok(cfg)
+}
+
+/// The first level's channels and the input channels, from `conv_in`'s weight.
+fn unet_conv_in(h: &Shapes) -> Result<(usize, usize), String> {
+    let key = format!("{UNET}input_blocks.0.0.weight");
+    match shape(h, &key)? {
+        [c, i, _, _] => Ok((*c, *i)),
+        s => Err(format!("`{key}` has shape {s:?}, not a conv")),
+    }
+}
+
+/// The resnet layers per level and the number of levels, from the input blocks.
+fn unet_layers(h: &Shapes) -> Result<(usize, usize), String> {
+    let p = |s: &str| format!("{UNET}{s}");
+    let inputs = indices(h, &p("input_blocks."));
+    let max_n = *inputs.iter().max().ok_or("no `input_blocks`")?;
+    let first_op = inputs
+        .iter()
+        .find(|&&n| h.contains_key(&p(&format!("input_blocks.{n}.0.op.weight"))))
+        .copied();
+    // Without a downsampler there is one level holding every input block.
+    let layers = first_op.map_or(max_n, |n| n.saturating_sub(1));
+    let l1 = layers + 1;
+    if layers == 0 || !(max_n + 1).is_multiple_of(l1) {
+        return Err(format!(
+            "{max_n} input blocks do not form levels of {layers} layers and a downsampler"
+        ));
+    }
+    Ok((layers, (max_n + 1) / l1))
+}
+
+/// The cross-attention width and whether projections are linear, from the first attention level.
+fn unet_attention(h: &Shapes, down_attn: &[bool], l1: usize) -> Result<(usize, bool), String> {
+    let p = |s: &str| format!("{UNET}{s}");
+    let Some(first_attn) = down_attn.iter().position(|&a| a) else {
+        return Err("no level has cross-attention".into());
+    };
+    let attn = p(&format!("input_blocks.{}.1.", 1 + first_attn * l1));
+    let cross = dim(
+        h,
+        &format!("{attn}transformer_blocks.0.attn2.to_k.weight"),
+        1,
+    )?;
+    let linear = shape(h, &format!("{attn}proj_in.weight"))?.len() == 2;
+    Ok((cross, linear))
+}
+
+/// Checks that the middle block has attention as deep as the last level's.
+fn check_unet_mid(h: &Shapes, depth: &[usize]) -> Result<(), String> {
+    let p = |s: &str| format!("{UNET}{s}");
+    if !has_prefix(h, &p("middle_block.1.")) {
+        return Err("the middle block has no attention (not an SD UNet)".into());
+    }
+    let mid_depth = indices(h, &p("middle_block.1.transformer_blocks.")).len();
+    if Some(&mid_depth) != depth.last() {
+        return Err(format!(
+            "the middle block has {mid_depth} transformer layers, the last level {}: diffusers \
+             gives both the same",
+            depth.last().copied().unwrap_or(0)
+        ));
+    }
+    Ok(())
+}
+
+/// The diffusers block type of a level with (`a`) or without attention, down or up.
+fn unet_block_type(a: bool, down: bool) -> &'static str {
+    match (a, down) {
+        (true, true) => "CrossAttnDownBlock2D",
+        (false, true) => "DownBlock2D",
+        (true, false) => "CrossAttnUpBlock2D",
+        (false, false) => "UpBlock2D",
+    }
+}
+
+/// Adds SDXL's `text_time` conditioning to `cfg`, from `label_emb` and the pooled width.
+fn add_sdxl_conditions(
+    h: &Shapes,
+    pooled_dim: Option<usize>,
+    cfg: &mut Value,
+) -> Result<(), String> {
+    let p = |s: &str| format!("{UNET}{s}");
+    let adm = dim(h, &p("label_emb.0.0.weight"), 1)?;
+    let pooled = pooled_dim.ok_or("SDXL needs the second text encoder's projection width")?;
+    let time_ids = adm
+        .checked_sub(pooled)
+        .filter(|d| d.is_multiple_of(6) && *d > 0)
+        .ok_or_else(|| {
+            format!("`label_emb` takes {adm} inputs: not {pooled} pooled + 6 time ids")
+        })?;
+    cfg["addition_embed_type"] = json!("text_time");
+    cfg["addition_time_embed_dim"] = json!(time_ids / 6);
+    cfg["projection_class_embeddings_input_dim"] = json!(adm);
+    Ok(())
 }
 
 /// The VAE config.
@@ -307,33 +343,7 @@ pub fn text_encoder(
                 None,
             )
         }
-        TextEncoderKind::OpenClip { projection } => {
-            let blocks = indices(h, &format!("{prefix}transformer.resblocks.")).len();
-            let proj = if !projection {
-                None
-            } else if let Some(s) = h.get(&format!("{prefix}text_projection")) {
-                Some(s.get(1).copied().ok_or("`text_projection` is not 2-D")?)
-            } else {
-                Some(dim(h, &format!("{prefix}text_projection.weight"), 0)?)
-            };
-            (
-                format!("{prefix}token_embedding.weight"),
-                format!("{prefix}positional_embedding"),
-                if projection {
-                    blocks
-                } else {
-                    blocks.min(SD2_TEXT_LAYERS)
-                },
-                format!("{prefix}transformer.resblocks.0.mlp.c_fc.weight"),
-                "gelu",
-                if projection {
-                    "CLIPTextModelWithProjection"
-                } else {
-                    "CLIPTextModel"
-                },
-                proj,
-            )
-        }
+        TextEncoderKind::OpenClip { projection } => open_clip_layout(h, prefix, projection)?,
     };
     let (vocab, hidden) = match shape(h, &tok)? {
         [v, d] => (*v, *d),
@@ -374,6 +384,46 @@ pub fn text_encoder(
         "vocab_size": vocab,
     });
     Ok((cfg, projection))
+}
+
+/// The embeddings, layer-count, MLP and architecture layout of a text encoder.
+type TextLayout = (
+    String,
+    String,
+    usize,
+    String,
+    &'static str,
+    &'static str,
+    Option<usize>,
+);
+
+/// The layout of an OpenCLIP text encoder under `prefix`, with its projection width if any.
+fn open_clip_layout(h: &Shapes, prefix: &str, projection: bool) -> Result<TextLayout, String> {
+    let blocks = indices(h, &format!("{prefix}transformer.resblocks.")).len();
+    let proj = if !projection {
+        None
+    } else if let Some(s) = h.get(&format!("{prefix}text_projection")) {
+        Some(s.get(1).copied().ok_or("`text_projection` is not 2-D")?)
+    } else {
+        Some(dim(h, &format!("{prefix}text_projection.weight"), 0)?)
+    };
+    Ok((
+        format!("{prefix}token_embedding.weight"),
+        format!("{prefix}positional_embedding"),
+        if projection {
+            blocks
+        } else {
+            blocks.min(SD2_TEXT_LAYERS)
+        },
+        format!("{prefix}transformer.resblocks.0.mlp.c_fc.weight"),
+        "gelu",
+        if projection {
+            "CLIPTextModelWithProjection"
+        } else {
+            "CLIPTextModel"
+        },
+        proj,
+    ))
 }
 
 /// The scheduler the family's real pipeline ships, with `prediction`.

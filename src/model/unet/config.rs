@@ -248,27 +248,66 @@ fn resolve(raw: RawUnetConfig, origin: &str) -> Result<UnetConfig, UnetConfigErr
             ),
         ));
     }
-    let expand = |v: &OneOrMany, field: &'static str| -> Result<Vec<usize>, UnetConfigError> {
-        match v {
-            OneOrMany::One(x) => Ok(vec![*x; n]),
-            OneOrMany::Many(xs) if xs.len() == n => Ok(xs.clone()),
-            OneOrMany::Many(xs) => Err(err(
-                field,
-                format!("has {} entries, expected {n}", xs.len()),
-            )),
-            OneOrMany::Nested(_) => Err(err(field, "nested lists are not supported".into())),
-        }
-    };
-    let layers = expand(&raw.layers_per_block, "layers_per_block")?;
+    let (down_blocks, up_kinds) = resolve_blocks(&raw, &err)?;
+    check_unsupported(&raw, &err)?;
+    let text_time = resolve_text_time(&raw, &err)?;
+    let norm_num_groups = raw
+        .norm_num_groups
+        .ok_or_else(|| err("norm_num_groups", "null is not supported".into()))?;
+    Ok(UnetConfig {
+        sample_size: raw.sample_size,
+        in_channels: raw.in_channels,
+        out_channels: raw.out_channels,
+        flip_sin_to_cos: raw.flip_sin_to_cos,
+        freq_shift: raw.freq_shift as f64,
+        block_out_channels: raw.block_out_channels,
+        down_blocks,
+        up_kinds,
+        downsample_padding: raw.downsample_padding,
+        norm_num_groups,
+        norm_eps: raw.norm_eps,
+        use_linear_projection: raw.use_linear_projection,
+        upcast_attention: raw.upcast_attention,
+        text_time,
+    })
+}
+
+/// Expands a per-block setting given once or per block into one value per block.
+fn expand_per_block(
+    v: &OneOrMany,
+    field: &'static str,
+    n: usize,
+    err: &dyn Fn(&'static str, String) -> UnetConfigError,
+) -> Result<Vec<usize>, UnetConfigError> {
+    match v {
+        OneOrMany::One(x) => Ok(vec![*x; n]),
+        OneOrMany::Many(xs) if xs.len() == n => Ok(xs.clone()),
+        OneOrMany::Many(xs) => Err(err(
+            field,
+            format!("has {} entries, expected {n}", xs.len()),
+        )),
+        OneOrMany::Nested(_) => Err(err(field, "nested lists are not supported".into())),
+    }
+}
+
+/// Resolves the down-block configs and the up-block kinds, checking head splits.
+fn resolve_blocks(
+    raw: &RawUnetConfig,
+    err: &dyn Fn(&'static str, String) -> UnetConfigError,
+) -> Result<(Vec<BlockConfig>, Vec<BlockKind>), UnetConfigError> {
+    let n = raw.block_out_channels.len();
+    let layers = expand_per_block(&raw.layers_per_block, "layers_per_block", n, err)?;
     let heads = match &raw.num_attention_heads {
-        Some(h) => expand(h, "num_attention_heads")?,
-        None => expand(&raw.attention_head_dim, "attention_head_dim")?,
+        Some(h) => expand_per_block(h, "num_attention_heads", n, err)?,
+        None => expand_per_block(&raw.attention_head_dim, "attention_head_dim", n, err)?,
     };
-    let transformer_layers = expand(
+    let transformer_layers = expand_per_block(
         &raw.transformer_layers_per_block,
         "transformer_layers_per_block",
+        n,
+        err,
     )?;
-    let cross = expand(&raw.cross_attention_dim, "cross_attention_dim")?;
+    let cross = expand_per_block(&raw.cross_attention_dim, "cross_attention_dim", n, err)?;
     let down_kind = |t: &str| match t {
         "CrossAttnDownBlock2D" => Ok(BlockKind::CrossAttn),
         "DownBlock2D" => Ok(BlockKind::Plain),
@@ -307,8 +346,15 @@ fn resolve(raw: RawUnetConfig, origin: &str) -> Result<UnetConfig, UnetConfigErr
         .iter()
         .map(|t| up_kind(t))
         .collect::<std::result::Result<Vec<_>, _>>()?;
-    check_unsupported(&raw, &err)?;
-    let text_time = match raw.addition_embed_type.as_deref() {
+    Ok((down_blocks, up_kinds))
+}
+
+/// Resolves SDXL's `text_time` added conditioning, if `addition_embed_type` asks for it.
+fn resolve_text_time(
+    raw: &RawUnetConfig,
+    err: &dyn Fn(&'static str, String) -> UnetConfigError,
+) -> Result<Option<TextTimeConfig>, UnetConfigError> {
+    Ok(match raw.addition_embed_type.as_deref() {
         None => None,
         Some("text_time") => Some(TextTimeConfig {
             time_embed_dim: raw.addition_time_embed_dim.ok_or_else(|| {
@@ -330,25 +376,6 @@ fn resolve(raw: RawUnetConfig, origin: &str) -> Result<UnetConfig, UnetConfigErr
                 format!("unsupported value `{other}`"),
             ))
         }
-    };
-    let norm_num_groups = raw
-        .norm_num_groups
-        .ok_or_else(|| err("norm_num_groups", "null is not supported".into()))?;
-    Ok(UnetConfig {
-        sample_size: raw.sample_size,
-        in_channels: raw.in_channels,
-        out_channels: raw.out_channels,
-        flip_sin_to_cos: raw.flip_sin_to_cos,
-        freq_shift: raw.freq_shift as f64,
-        block_out_channels: raw.block_out_channels,
-        down_blocks,
-        up_kinds,
-        downsample_padding: raw.downsample_padding,
-        norm_num_groups,
-        norm_eps: raw.norm_eps,
-        use_linear_projection: raw.use_linear_projection,
-        upcast_attention: raw.upcast_attention,
-        text_time,
     })
 }
 
@@ -386,6 +413,37 @@ fn check_unsupported(
     if raw.dual_cross_attention {
         return Err(err("dual_cross_attention", "true is not supported".into()));
     }
+    check_unsupported_embeddings(raw, err)?;
+    if raw.conv_in_kernel != 3 || raw.conv_out_kernel != 3 {
+        return Err(err(
+            "conv_in_kernel",
+            "only 3×3 conv_in/conv_out are supported".into(),
+        ));
+    }
+    if raw.attention_type != "default" {
+        return Err(err(
+            "attention_type",
+            "only \"default\" is supported".into(),
+        ));
+    }
+    if raw
+        .reverse_transformer_layers_per_block
+        .as_ref()
+        .is_some_and(|v| !v.is_null())
+    {
+        return Err(err(
+            "reverse_transformer_layers_per_block",
+            "is not supported".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// Rejects class, custom time and encoder-projection embedding options.
+fn check_unsupported_embeddings(
+    raw: &RawUnetConfig,
+    err: &dyn Fn(&'static str, String) -> UnetConfigError,
+) -> Result<(), UnetConfigError> {
     if let Some(c) = &raw.class_embed_type {
         return Err(err("class_embed_type", format!("unsupported value `{c}`")));
     }
@@ -411,28 +469,6 @@ fn check_unsupported(
         return Err(err(
             "encoder_hid_dim",
             "encoder projections are not supported".into(),
-        ));
-    }
-    if raw.conv_in_kernel != 3 || raw.conv_out_kernel != 3 {
-        return Err(err(
-            "conv_in_kernel",
-            "only 3×3 conv_in/conv_out are supported".into(),
-        ));
-    }
-    if raw.attention_type != "default" {
-        return Err(err(
-            "attention_type",
-            "only \"default\" is supported".into(),
-        ));
-    }
-    if raw
-        .reverse_transformer_layers_per_block
-        .as_ref()
-        .is_some_and(|v| !v.is_null())
-    {
-        return Err(err(
-            "reverse_transformer_layers_per_block",
-            "is not supported".into(),
         ));
     }
     Ok(())

@@ -61,6 +61,46 @@ impl UNet2DConditionModel {
             )?),
             None => None,
         };
+        let down_blocks = Self::new_down_blocks(w, cfg, common)?;
+        let mid_block = MidBlock::new(
+            &w.pp("mid_block"),
+            &cfg.down_blocks[n - 1],
+            common,
+            boc[n - 1],
+        )?;
+        let up_blocks = Self::new_up_blocks(w, cfg, common)?;
+        Ok(Self {
+            config: cfg.clone(),
+            conv_in,
+            time_embedding,
+            add_embedding,
+            down_blocks,
+            mid_block,
+            up_blocks,
+            conv_norm_out: GroupNorm::new(
+                &w.pp("conv_norm_out"),
+                cfg.norm_num_groups,
+                boc[0],
+                cfg.norm_eps,
+            )?,
+            conv_out: Conv2d::new(
+                &w.pp("conv_out"),
+                boc[0],
+                cfg.out_channels,
+                Conv2dConfig::same(3),
+            )?,
+            checkpointing: None,
+        })
+    }
+
+    /// Builds the down blocks, each taking the previous block's output channels.
+    fn new_down_blocks(
+        w: &Weights,
+        cfg: &UnetConfig,
+        common: BlockCommon,
+    ) -> std::result::Result<Vec<DownBlock>, WeightsError> {
+        let boc = &cfg.block_out_channels;
+        let n = boc.len();
         let mut down_blocks = Vec::with_capacity(n);
         let mut out_ch = boc[0];
         for (i, bc) in cfg.down_blocks.iter().enumerate() {
@@ -76,12 +116,17 @@ impl UNet2DConditionModel {
                 pad,
             )?);
         }
-        let mid_block = MidBlock::new(
-            &w.pp("mid_block"),
-            &cfg.down_blocks[n - 1],
-            common,
-            boc[n - 1],
-        )?;
+        Ok(down_blocks)
+    }
+
+    /// Builds the up blocks, mirroring the down blocks with one extra layer each.
+    fn new_up_blocks(
+        w: &Weights,
+        cfg: &UnetConfig,
+        common: BlockCommon,
+    ) -> std::result::Result<Vec<UpBlock>, WeightsError> {
+        let boc = &cfg.block_out_channels;
+        let n = boc.len();
         let mut up_blocks = Vec::with_capacity(n);
         let rev: Vec<usize> = boc.iter().rev().copied().collect();
         let mut out_ch = rev[0];
@@ -107,28 +152,7 @@ impl UNet2DConditionModel {
                 i + 1 < n,
             )?);
         }
-        Ok(Self {
-            config: cfg.clone(),
-            conv_in,
-            time_embedding,
-            add_embedding,
-            down_blocks,
-            mid_block,
-            up_blocks,
-            conv_norm_out: GroupNorm::new(
-                &w.pp("conv_norm_out"),
-                cfg.norm_num_groups,
-                boc[0],
-                cfg.norm_eps,
-            )?,
-            conv_out: Conv2d::new(
-                &w.pp("conv_out"),
-                boc[0],
-                cfg.out_channels,
-                Conv2dConfig::same(3),
-            )?,
-            checkpointing: None,
-        })
+        Ok(up_blocks)
     }
 
     /// The time embedding `[B, 4·C0]` for per-sample `timesteps` `[B]`, plus SDXL's added
