@@ -109,7 +109,6 @@ impl Saver<'_> {
             Some(_) => &["", EMA_SUFFIX],
             None => &[""],
         };
-        let project = &self.plan.project_name;
         suffixes
             .iter()
             .flat_map(|sfx| match self.adapters {
@@ -117,9 +116,7 @@ impl Saver<'_> {
                     let dir = with_suffix(&self.run.step_dir(step), sfx);
                     vec![single_file_path(&dir), dir]
                 }
-                Some(_) => vec![self
-                    .run
-                    .file(&format!("{project}-step-{step:06}{sfx}.safetensors"))],
+                Some(_) => vec![self.adapter_path(SavePoint::Step(step), sfx)],
             })
             .collect()
     }
@@ -193,15 +190,8 @@ impl Saver<'_> {
         epoch: usize,
         suffix: &str,
     ) -> anyhow::Result<PathBuf> {
-        let project = &self.plan.project_name;
-        let name = match point {
-            SavePoint::Epoch(e) => format!("{project}-epoch-{e:04}"),
-            SavePoint::Final => project.clone(),
-            SavePoint::Interrupted(s) => format!("{project}-step-{s:06}"),
-            SavePoint::Errored(s) => format!("{project}-errored-step-{s:06}"),
-            SavePoint::Step(s) => format!("{project}-step-{s:06}"),
-        } + suffix;
-        let path = self.run.file(&format!("{name}.safetensors"));
+        let name = self.adapter_name(point, suffix);
+        let path = self.adapter_path(point, suffix);
         let info = SaveInfo {
             steps,
             epoch,
@@ -217,6 +207,26 @@ impl Saver<'_> {
             .save(&path, info)
             .with_context(|| format!("saving {}", path.display()))?;
         Ok(path)
+    }
+}
+
+impl Saver<'_> {
+    /// An adapter file's name at `point` (kohya's `output_name`), followed by `suffix`.
+    fn adapter_name(&self, point: SavePoint, suffix: &str) -> String {
+        let project = &self.plan.project_name;
+        let name = match point {
+            SavePoint::Epoch(e) => format!("{project}-epoch-{e:04}"),
+            SavePoint::Final => project.clone(),
+            SavePoint::Interrupted(s) | SavePoint::Step(s) => format!("{project}-step-{s:06}"),
+            SavePoint::Errored(s) => format!("{project}-errored-step-{s:06}"),
+        };
+        name + suffix
+    }
+
+    /// Where the adapter file of `point` goes.
+    fn adapter_path(&self, point: SavePoint, suffix: &str) -> PathBuf {
+        let name = self.adapter_name(point, suffix);
+        self.run.file(&format!("{name}.safetensors"))
     }
 }
 

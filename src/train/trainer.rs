@@ -556,16 +556,10 @@ impl Session<'_> {
             return e;
         };
         let place = format!("{} ({})", exhausted.place, exhausted.oom.detail);
-        let point = SavePoint::Errored(out.steps);
-        let saved = match self.save_point(point, out, epoch + 1, progress) {
+        let saved = match self.save_errored(out, epoch, progress) {
             Ok(paths) => format!(
-                "the last completed step ({}) is saved in {}",
-                out.steps,
-                paths
-                    .iter()
-                    .map(|p| p.display().to_string())
-                    .collect::<Vec<_>>()
-                    .join(", ")
+                "the last completed step ({}) is saved in {paths}",
+                out.steps
             ),
             Err(err) => format!("saving the last completed step failed too: {err:#}"),
         };
@@ -592,16 +586,8 @@ impl Session<'_> {
         in_a_row: usize,
         progress: &Progress,
     ) -> anyhow::Error {
-        let point = SavePoint::Errored(out.steps);
-        let saved = match self.save_point(point, out, epoch + 1, progress) {
-            Ok(paths) => format!(
-                "the weights as of the last applied update are saved in {}",
-                paths
-                    .iter()
-                    .map(|p| p.display().to_string())
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            ),
+        let saved = match self.save_errored(out, epoch, progress) {
+            Ok(paths) => format!("the weights as of the last applied update are saved in {paths}"),
             Err(err) => format!("saving them failed too: {err:#}"),
         };
         progress.finish();
@@ -613,6 +599,21 @@ impl Session<'_> {
             rungs: rung_lines(&nonfinite_rungs(self.plan, self.model.amp)),
         }
         .into()
+    }
+}
+
+impl Session<'_> {
+    /// Saves the last completed step as an `errored` checkpoint, for a run that stops on an
+    /// error; returns the paths written, comma-separated.
+    fn save_errored(
+        &mut self,
+        out: &TrainOutcome,
+        epoch: usize,
+        progress: &Progress,
+    ) -> anyhow::Result<String> {
+        let paths = self.save_point(SavePoint::Errored(out.steps), out, epoch + 1, progress)?;
+        let shown: Vec<String> = paths.iter().map(|p| p.display().to_string()).collect();
+        Ok(shown.join(", "))
     }
 }
 
