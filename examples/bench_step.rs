@@ -7,8 +7,10 @@
 //! cargo run --release --example bench_step -- --family sd15 --mode lora --res 512 --batch 1 \
 //!     --precision bf16 [--device cuda] [--steps 10] [--warmup 3] [--rank 16] \
 //!     [--pool-cache on|off] [--event-tracking on|off] [--fused-ops on|off] \
-//!     [--unet-config PATH] [--checkpointing on|off]
+//!     [--unet-config PATH] [--checkpointing on|off] [--profile-last-step]
 //! ```
+//! - `--profile-last-step`: the CUDA profiler collects during the last step only
+//!   (`ncu --profile-from-start off`; scripts/gpu-kernel-profile).
 //! - `lora`: frozen base (bf16 under `--precision bf16`), LoRA rank/alpha `--rank` on kohya's
 //!   UNet targets, f32 adapter Vars.
 //! - `full`: every UNet weight an f32 Var; under `bf16` the activations are bf16 and each layer
@@ -233,7 +235,128 @@ fn op_profile(device: &Device, dtype: DType, report: &mut Value) -> Result<()> {
             Ok(())
         })?),
     );
+    fused_kernel_profile(device, dtype, &time, &mut ops)?;
     report["op_ms"] = Value::Object(ops);
+    Ok(())
+}
+
+/// Times one op (forward + backward), synchronised: the median of 5 runs after 2, in ms.
+type Timer<'a> = dyn Fn(&mut dyn FnMut() -> Result<()>) -> Result<f64> + 'a;
+
+/// The fused kernels against their composed references, forward + backward at SD1.5's 512 px
+/// shapes, and attention by path (flash, chunked) at each UNet level and for cross-attention.
+fn fused_kernel_profile(
+    device: &Device,
+    dtype: DType,
+    time: &Timer<'_>,
+    ops: &mut serde_json::Map<String, Value>,
+) -> Result<()> {
+    use sdtrain::nn as n;
+    let randn = |dims: &[usize]| -> Result<Tensor> {
+        Ok(Tensor::randn(0f32, 1.0, dims, device)?.to_dtype(dtype)?)
+    };
+    let bwd = |t: Tensor| -> Result<()> {
+        t.to_dtype(DType::F32)?.sum_all()?.backward()?;
+        Ok(())
+    };
+    let x = Var::from_tensor(&randn(&[1, 320, 64, 64])?)?;
+    let (w, b) = (randn(&[320])?, randn(&[320])?);
+    let xl = Var::from_tensor(&randn(&[1, 4096, 320])?)?;
+    let p = Var::from_tensor(&randn(&[1, 4096, 2560])?)?;
+    type Op<'a> = (&'a str, Box<dyn Fn() -> Result<Tensor> + 'a>);
+    let cases: Vec<Op> = vec![
+        (
+            "gn_fused",
+            Box::new(|| Ok(n::group_norm(x.as_tensor(), &w, &b, 32, 1e-5)?)),
+        ),
+        (
+            "gn_composed",
+            Box::new(|| Ok(n::group_norm_reference(x.as_tensor(), &w, &b, 32, 1e-5)?)),
+        ),
+        (
+            "gn_silu_fused",
+            Box::new(|| Ok(n::group_norm_silu(x.as_tensor(), &w, &b, 32, 1e-5)?)),
+        ),
+        (
+            "gn_silu_composed",
+            Box::new(|| {
+                Ok(n::group_norm_silu_reference(
+                    x.as_tensor(),
+                    &w,
+                    &b,
+                    32,
+                    1e-5,
+                )?)
+            }),
+        ),
+        (
+            "ln_fused",
+            Box::new(|| Ok(n::layer_norm(xl.as_tensor(), &w, &b, 1e-5)?)),
+        ),
+        (
+            "ln_composed",
+            Box::new(|| Ok(n::layer_norm_reference(xl.as_tensor(), &w, &b, 1e-5)?)),
+        ),
+        ("geglu_fused", Box::new(|| Ok(n::geglu(p.as_tensor())?))),
+        (
+            "geglu_composed",
+            Box::new(|| Ok(n::geglu_reference(p.as_tensor())?)),
+        ),
+    ];
+    for (name, f) in &cases {
+        ops.insert(name.to_string(), json!(time(&mut || bwd(f()?))?));
+    }
+    // (tokens, keys, heads·dim, label): SD1.5 self-attention at the three levels, cross-attention.
+    for (lq, lk, inner, heads, label) in [
+        (4096, 4096, 320, 8, "self_4096_d40"),
+        (1024, 1024, 640, 8, "self_1024_d80"),
+        (256, 256, 1280, 8, "self_256_d160"),
+        (4096, 77, 320, 8, "cross_4096x77_d40"),
+        (4096, 4096, 640, 10, "self_4096_d64"),
+    ] {
+        let q = Var::from_tensor(&randn(&[1, lq, inner])?)?;
+        let (k, v) = (randn(&[1, lk, inner])?, randn(&[1, lk, inner])?);
+        ops.insert(
+            format!("attn_{label}_default"),
+            json!(time(&mut || bwd(n::attention(
+                q.as_tensor(),
+                &k,
+                &v,
+                heads,
+                None
+            )?))?),
+        );
+        let d = inner / heads;
+        let split = |t: &Tensor, l: usize| -> Result<Tensor> {
+            Ok(t.reshape((1, l, heads, d))?.transpose(1, 2)?.contiguous()?)
+        };
+        let (qs, ks, vs) = (split(q.as_tensor(), lq)?, split(&k, lk)?, split(&v, lk)?);
+        let qv = Var::from_tensor(&qs)?;
+        let scale = 1.0 / (d as f64).sqrt();
+        ops.insert(
+            format!("attn_{label}_chunked"),
+            json!(time(&mut || bwd(n::chunked_attention(
+                qv.as_tensor(),
+                &ks,
+                &vs,
+                scale,
+                None
+            )?))?),
+        );
+        #[cfg(feature = "cuda")]
+        if device.is_cuda() {
+            ops.insert(
+                format!("attn_{label}_flash"),
+                json!(time(&mut || bwd(n::flash_attention(
+                    qv.as_tensor(),
+                    &ks,
+                    &vs,
+                    scale,
+                    false
+                )?))?),
+            );
+        }
+    }
     Ok(())
 }
 
@@ -303,8 +426,16 @@ fn run(args: &[String], report: &mut Value) -> Result<()> {
     report["load_s"] = json!(loaded.elapsed().as_secs_f64());
 
     let mut times = Times::default();
+    let profile_last = args.iter().any(|a| a == "--profile-last-step");
     for i in 0..warmup + steps {
+        let last = i + 1 == warmup + steps;
+        if profile_last && last {
+            profiler(true)?;
+        }
         let (t, census) = step(&mut model, &inputs, &device)?;
+        if profile_last && last {
+            profiler(false)?;
+        }
         if i == 0 {
             report["grad_entries"] = json!(census.0);
             report["vars_with_grad"] = json!(census.1);
@@ -447,6 +578,30 @@ fn step(m: &mut Model, i: &Inputs, device: &Device) -> Result<([f64; 4], (usize,
         [total, fwd, bwd, total - fwd - bwd],
         (census.0, census.1, check.loss),
     ))
+}
+
+/// `--profile-last-step`: the CUDA profiler's collection on (`true`) or off around the last step,
+/// for `ncu --profile-from-start off` (scripts/gpu-kernel-profile).
+#[cfg(feature = "cuda")]
+fn profiler(on: bool) -> Result<()> {
+    use candle_core::cuda_backend::cudarc::driver::sys;
+    // SAFETY: no arguments; the driver is initialised (the device exists).
+    let r = unsafe {
+        if on {
+            sys::cuProfilerStart()
+        } else {
+            sys::cuProfilerStop()
+        }
+    };
+    if r != sys::CUresult::CUDA_SUCCESS {
+        bail!("cuProfiler{}: {r:?}", if on { "Start" } else { "Stop" });
+    }
+    Ok(())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn profiler(_: bool) -> Result<()> {
+    bail!("--profile-last-step needs the cuda feature")
 }
 
 fn median(v: &mut [f64]) -> f64 {

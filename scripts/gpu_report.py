@@ -117,7 +117,8 @@ def main(out):
     profiles = [r for r in rows if "op_ms" in r]
     peer = {key(r): r for r in read_jsonl(os.path.join(out, "peer.jsonl"))}
     print(f"## gpu-check on {device}\n")
-    default = [r for r in ours if r.get("pool_cache", True) and not r.get("event_tracking", False)]
+    default = [r for r in ours if r.get("pool_cache", True) and not r.get("event_tracking", False)
+               and r.get("fused_ops", True) and not r.get("variant")]
     print("| shape | precision | sdtrain step | diffusers step | time ratio | sdtrain peak | diffusers peak | memory ratio | sdtrain fwd/bwd/opt ms |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in default:
@@ -136,12 +137,16 @@ def main(out):
     print_targets(default, peer)
     variants = [r for r in ours if r not in default]
     if variants:
-        print("\nDevice settings (sdtrain, sd15 LoRA 512 px b1 bf16; default: pool cache on, event tracking off):\n")
-        print("| pool cache | event tracking | step | peak |")
-        print("|---|---|---|---|")
+        print("\nDevice settings and variants (sdtrain, sd15 LoRA 512 px b1 bf16; default: pool cache on, "
+              "event tracking off, fused ops on):\n")
+        print("| pool cache | event tracking | fused ops | variant | step | fwd/bwd/opt ms | peak |")
+        print("|---|---|---|---|---|---|---|")
         for r in [x for x in ours if key(x) == ("sd15", "lora", 512, 1, "bf16", False)]:
-            print(f"| {'on' if r.get('pool_cache') else 'off'} | {'on' if r.get('event_tracking') else 'off'} "
-                  f"| {cell(r, 'step_ms_median', '{:.0f} ms')} | {cell(r, 'peak_gib', '{:.2f} GiB')} |")
+            onoff = lambda f, d: "on" if r.get(f, d) else "off"
+            phases = f"{r.get('fwd_ms', 0):.0f} / {r.get('bwd_ms', 0):.0f} / {r.get('opt_ms', 0):.0f}"
+            print(f"| {onoff('pool_cache', True)} | {onoff('event_tracking', False)} | {onoff('fused_ops', True)} "
+                  f"| {r.get('variant', 'default')} | {cell(r, 'step_ms_median', '{:.0f} ms')} | {phases} "
+                  f"| {cell(r, 'peak_gib', '{:.2f} GiB')} |")
     census = [r for r in ours if r.get("mode") == "lora" and r.get("status") == "ok"]
     if census:
         r = census[0]

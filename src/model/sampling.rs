@@ -66,15 +66,7 @@ impl Upsample2D {
                  is a multiple of the UNet's total downsampling"
             );
         }
-        // Candle's upsample backward is a grouped conv2d, which has no bf16 kernel on the CPU:
-        // upsample in f32 there (exact: nearest upsampling only copies values).
-        let up = if x.dtype() == candle_core::DType::BF16 && x.device().is_cpu() {
-            x.to_dtype(candle_core::DType::F32)?
-                .upsample_nearest2d(th, tw)?
-                .to_dtype(candle_core::DType::BF16)?
-        } else {
-            x.upsample_nearest2d(th, tw)?
-        };
+        let up = crate::nn::upsample_nearest(x, th / h, tw / w)?;
         self.conv.forward(&up)
     }
 }

@@ -38,6 +38,7 @@ mod softmax;
 mod softmax_row;
 #[cfg(test)]
 mod test_util;
+mod upsample;
 
 pub use activation::{gelu_erf, quick_gelu, silu};
 pub use attention::{attention, attention_reference, causal_attention, causal_mask, CausalMask};
@@ -80,6 +81,7 @@ pub use layer_norm::{layer_norm, layer_norm_reference};
 pub use linear::Linear;
 pub use norm::{GroupNorm, LayerNorm};
 pub use softmax::{softmax_last_dim, softmax_last_dim_reference};
+pub use upsample::upsample_nearest;
 
 /// A mutable view of one leaf layer that adapters may wrap.
 pub enum LayerMut<'a> {
