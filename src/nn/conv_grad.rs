@@ -45,8 +45,18 @@ pub fn conv2d_input_grad(
 ) -> Result<Tensor> {
     match grad.device() {
         Device::Cpu => conv2d_input_grad_col2im(grad, w, padding, stride, x_hw),
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) if cuda_kernels(grad) => {
+            super::conv_cuda::input_grad(&grad.detach(), &w.detach(), padding, stride, x_hw)
+        }
         _ => conv2d_input_grad_gemm(grad, w, padding, stride, x_hw),
     }
+}
+
+/// Whether a CUDA conv runs on our kernels (`conv_cuda`): fused ops on and a dtype they take.
+#[cfg(feature = "cuda")]
+pub(crate) fn cuda_kernels(t: &Tensor) -> bool {
+    super::fused_op::use_fused(t) && super::conv_cuda::supported(t)
 }
 
 /// `∂L/∂x` as a stride-1 convolution of the dilated, padded gradient with the flipped kernel
@@ -129,6 +139,10 @@ pub fn conv2d_weight_grad(
 ) -> Result<Tensor> {
     match grad.device() {
         Device::Cpu => conv2d_weight_grad_im2col(x, grad, padding, stride, k_hw),
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) if cuda_kernels(grad) => {
+            super::conv_cuda::weight_grad(&x.detach(), &grad.detach(), padding, stride, k_hw)
+        }
         _ => conv2d_weight_grad_reference(x, grad, padding, stride, k_hw),
     }
 }

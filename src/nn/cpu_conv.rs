@@ -16,11 +16,16 @@ use super::im2col::{col2im, im2col, ConvGeometry};
 use super::with_cpu_f32;
 
 /// `conv2d(x, w, padding, stride)` (groups 1, dilation 1) on detached operands, by the faster
-/// kernel for the device: ours on the CPU, candle's elsewhere (im2col + cuBLAS on CUDA).
+/// kernel for the device: ours on the CPU and on CUDA (`conv_cuda`: im2col + one cuBLAS GEMM),
+/// candle's elsewhere, and on CUDA with the fused ops off (for before/after benchmarks).
 pub fn conv2d_detached(x: &Tensor, w: &Tensor, padding: usize, stride: usize) -> Result<Tensor> {
     let (x, w) = (x.detach(), w.detach());
     match x.device() {
         Device::Cpu => conv2d_im2col(&x, &w, padding, stride),
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) if super::conv_grad::cuda_kernels(&x) => {
+            super::conv_cuda::conv2d(&x, &w, padding, stride)
+        }
         _ => x.conv2d(&w, padding, stride, 1, 1),
     }
 }

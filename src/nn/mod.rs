@@ -11,7 +11,11 @@ mod attention;
 mod checkpoint;
 mod chunked_attention;
 mod conv;
+#[cfg(feature = "cuda")]
+mod conv_cuda;
 mod conv_grad;
+#[cfg(test)]
+mod conv_kernels;
 mod cpu_conv;
 mod cpu_flash_attention;
 mod cpu_gemm;

@@ -40,7 +40,7 @@ fn summarize_with(
         .map(|t| t.to_dtype(DType::F32)?.reshape(()))
         .collect::<candle_core::Result<Vec<_>>>()?;
     for g in grads {
-        scalars.push(g.to_dtype(DType::F32)?.sqr()?.sum_all()?);
+        scalars.push(sum_of_squares(g)?);
     }
     let mut sums = fetch_scalars(&scalars)?;
     let extra_values: Vec<f32> = sums.drain(..extra.len()).collect();
@@ -97,6 +97,28 @@ impl StepCheck {
 #[derive(Debug, Clone, Copy)]
 pub struct Finite(());
 
+/// `Σ g²` in f32, as a 0-d tensor. Reduced in two levels, over rows of a `[rows, n/rows]` view
+/// and then over the row sums: candle's `sum_all` reduces a whole tensor in one CUDA block, so a
+/// full fine-tune's gradient norm over SD1.5's 860M values ran on one SM at a time (93 ms of
+/// optimizer phase per step on an H100, 2026-11-24).
+fn sum_of_squares(g: &Tensor) -> candle_core::Result<Tensor> {
+    let n = g.elem_count();
+    let sq = g.to_dtype(DType::F32)?.sqr()?;
+    match reduction_rows(n) {
+        1 => sq.sum_all(),
+        rows => sq.reshape((rows, n / rows))?.sum(1)?.sum_all(),
+    }
+}
+
+/// The rows of the first level of [`sum_of_squares`]: the largest divisor of `n` up to 4096 for
+/// tensors of 64 Ki elements or more (one row per CUDA block), else 1.
+fn reduction_rows(n: usize) -> usize {
+    if n < 1 << 16 {
+        return 1;
+    }
+    (1..=4096).rev().find(|d| n.is_multiple_of(*d)).unwrap_or(1)
+}
+
 /// Copies 0-d f32 tensors to the host; one copy (one GPU→CPU sync point) when they share a
 /// device.
 fn fetch_scalars(scalars: &[Tensor]) -> candle_core::Result<Vec<f32>> {
@@ -149,6 +171,35 @@ pub fn clip_grad_norm<'a>(
 
 #[cfg(test)]
 mod tests {
+    /// Large tensors reduce in rows that divide them; small ones, and a prime length, in one go.
+    /// The two-level sum equals the plain sum of squares (to f32 rounding).
+    #[test]
+    fn sum_of_squares_is_split_into_dividing_rows() {
+        assert_eq!(super::reduction_rows(1000), 1);
+        assert_eq!(super::reduction_rows(1280 * 1280 * 9), 4096);
+        assert_eq!(super::reduction_rows(221_760), 4032);
+        assert_eq!(super::reduction_rows(320 * 4096), 4096);
+        assert_eq!(super::reduction_rows(65_537), 1);
+        let g = candle_core::Tensor::arange(0f32, 3.0 * 65_536.0, &candle_core::Device::Cpu)
+            .unwrap()
+            .affine(1e-4, -10.0)
+            .unwrap();
+        let got = super::sum_of_squares(&g)
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        let want: f64 = g
+            .to_vec1::<f32>()
+            .unwrap()
+            .iter()
+            .map(|&v| f64::from(v) * f64::from(v))
+            .sum();
+        assert!(
+            (f64::from(got) / want - 1.0).abs() < 1e-5,
+            "{got} vs {want}"
+        );
+    }
+
     use super::*;
 
     fn store(pairs: &[(&Var, &[f32])]) -> GradStore {
