@@ -14,6 +14,8 @@ use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKe
 use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::{bail, CpuStorage, CudaStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
 
+use super::im2col::ConvGeometry;
+
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/kernels_conv.ptx"));
 const MODULE: &str = "sdtrain_conv";
 const THREADS: u32 = 256;
@@ -46,17 +48,18 @@ impl Geo {
         padding: usize,
         stride: usize,
     ) -> Result<Self> {
-        let out = |len: usize, k: usize| {
-            match (len + 2 * padding).checked_sub(k) {
-            Some(span) if stride > 0 => Ok(span / stride + 1),
-            _ => bail!(
-                "conv2d: kernel {}x{} does not fit the {}x{} input (padding {padding}, stride {stride})",
-                k,
-                k,
+        if stride == 0 {
+            bail!("conv2d: stride 0");
+        }
+        let out = |len: usize, kl: usize| match ConvGeometry::output_len(len, kl, padding, stride) {
+            Some(g) => Ok(g),
+            None => bail!(
+                "conv2d: kernel {}x{} does not fit the {}x{} input (padding {padding})",
+                k.0,
+                k.1,
                 hw.0,
                 hw.1
             ),
-        }
         };
         Ok(Self {
             batch,

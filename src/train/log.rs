@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use anyhow::Context;
 use serde::Serialize;
 
-use crate::memory::MemoryUsage;
+use crate::memory::{MemoryUsage, WatchEvent};
 use crate::tensorboard::EventWriter;
 
 #[derive(Debug, Clone, Serialize)]
@@ -45,6 +45,9 @@ pub struct LogRecord {
     /// CUDA, the process's RSS on the CPU.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub memory: Option<MemoryUsage>,
+    /// A memory creep or a slow step seen at this step (`memory::watch`).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub warnings: Vec<WatchEvent>,
 }
 
 const MIB: f64 = 1024.0 * 1024.0;
@@ -52,7 +55,8 @@ const MIB: f64 = 1024.0 * 1024.0;
 /// A record's TensorBoard scalars: `loss`, `lr/<group>` for each optimizer group (`lr/unet`,
 /// `lr/text_encoder`), `grad_norm`, `images_per_s`, `memory/in_use_mib` and `memory/peak_mib`
 /// (the CUDA pool, or the process's RSS on the CPU) and `memory/device_free_mib` (CUDA), and,
-/// when the step has them, `loss_scale` (fp16) and `val_loss`.
+/// when the step has them, `loss_scale` (fp16), `val_loss`, and each warning's
+/// `warnings/memory_creep_mib_per_step` or `warnings/slow_step_s`.
 pub fn tensorboard_scalars(r: &LogRecord) -> Vec<(String, f64)> {
     let mut s = vec![
         ("loss".to_string(), r.loss),
@@ -68,6 +72,10 @@ pub fn tensorboard_scalars(r: &LogRecord) -> Vec<(String, f64)> {
     }
     if let Some(v) = r.val_loss {
         s.push(("val_loss".into(), v));
+    }
+    for w in &r.warnings {
+        let (tag, v) = w.scalar();
+        s.push((tag.to_string(), v));
     }
     if let Some(m) = &r.memory {
         s.push(("memory/in_use_mib".into(), m.in_use_bytes as f64 / MIB));
@@ -215,6 +223,7 @@ mod tests {
             oom_retries: 0,
             val_loss: None,
             memory: None,
+            warnings: Vec::new(),
         }
     }
 
@@ -249,6 +258,13 @@ mod tests {
             device_free_bytes: Some(7 << 20),
             device_total_bytes: Some(8 << 20),
         });
+        r.warnings = vec![WatchEvent::SlowStep {
+            step: 3,
+            secs: 2.5,
+            median_secs: 0.5,
+            in_use_mib: Some(3.0),
+            last_warning: false,
+        }];
         let s = tensorboard_scalars(&r);
         assert_eq!(
             tags(&r),
@@ -260,6 +276,7 @@ mod tests {
                 "images_per_s",
                 "loss_scale",
                 "val_loss",
+                "warnings/slow_step_s",
                 "memory/in_use_mib",
                 "memory/peak_mib",
                 "memory/device_free_mib"
@@ -268,7 +285,7 @@ mod tests {
         let values: Vec<f64> = s.iter().map(|(_, v)| *v).collect();
         assert_eq!(
             values,
-            [0.5, 1e-4, 5e-5, 2.0, 4.0, 65536.0, 0.25, 3.0, 5.0, 7.0]
+            [0.5, 1e-4, 5e-5, 2.0, 4.0, 65536.0, 0.25, 2.5, 3.0, 5.0, 7.0]
         );
     }
 

@@ -32,6 +32,8 @@ pub mod te_freeze;
 pub mod text_cache;
 pub mod trainer;
 pub mod validation;
+#[cfg(test)]
+mod watch_tests;
 
 pub use outcome::TrainOutcome;
 pub use trainer::{train, RunOptions};

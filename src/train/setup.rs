@@ -106,6 +106,7 @@ impl<'a> Session<'a> {
                 smoothed: Smoothed::new(0.9),
                 interrupt,
                 skips: Default::default(),
+                watch: Default::default(),
             },
         };
         session.start_extras(resume_from)?;

@@ -33,7 +33,7 @@ use super::validation::Validation;
 use crate::config::TrainPlan;
 use crate::data::epoch_plan::MicroBatch;
 use crate::diffusion::Objective;
-use crate::memory::MemoryUsage;
+use crate::memory::{MemoryUsage, StepWatch};
 use crate::model::layout::ModelLayout;
 use crate::model::pipeline::StableDiffusion;
 use crate::nn::Checkpointing;
@@ -138,6 +138,8 @@ pub(super) struct Extras {
     /// The skipped steps since the last applied update ([`SkipCount`]), and the updates applied
     /// in this process.
     pub skips: SkipCount,
+    /// Memory creep and slow steps, judged after each step ([`StepWatch`]).
+    pub watch: StepWatch,
 }
 
 /// Steps skipped for a non-finite loss or gradient, counted toward
@@ -408,6 +410,16 @@ impl Session<'_> {
         // Driver counters, not a stream sync. A failed reading only costs the display: it must
         // not end a run.
         let memory = read_memory(&self.opts.device);
+        let (secs, watched) = watched_reading(out.steps, report.secs, memory);
+        let warnings = self.extras.watch.observe(
+            out.steps,
+            secs,
+            watched.as_ref(),
+            !report.retries.is_empty(),
+        );
+        for w in &warnings {
+            progress.println(format!("warning: {}", w.message()));
+        }
         let lr = report.lrs[0];
         progress.update(
             out.steps,
@@ -434,12 +446,14 @@ impl Session<'_> {
             val_loss: self.extras.val_loss.take(),
             oom_retries: micro.oom_retries,
             memory,
+            warnings,
         };
         let due = out.steps.is_multiple_of(self.plan.log_step as usize)
             || out.steps == 1
             || out.steps == self.opt.total_steps
             || !report.retries.is_empty()
-            || record.val_loss.is_some();
+            || record.val_loss.is_some()
+            || !record.warnings.is_empty();
         match due {
             true => self.outputs.log.write(&record)?,
             false => self.outputs.log.hold(record),
@@ -646,6 +660,48 @@ fn nonfinite_rungs(plan: &TrainPlan, amp: Amp) -> Vec<String> {
         rungs.push("set clip_grad_norm (1.0 is common)".into());
     }
     rungs
+}
+
+/// The step time and memory reading the watch judges: the step's own, or under the unit tests
+/// what a test injected for (1-based) `step` ([`watch_inject`]).
+fn watched_reading(
+    step: usize,
+    secs: f64,
+    memory: Option<MemoryUsage>,
+) -> (f64, Option<MemoryUsage>) {
+    #[cfg(test)]
+    if let Some(injected) = watch_inject::reading(step) {
+        return injected;
+    }
+    let _ = step;
+    (secs, memory)
+}
+
+/// Step times and memory readings injected for the watch, for the unit tests (not a setting).
+#[cfg(test)]
+pub(crate) mod watch_inject {
+    use std::cell::RefCell;
+
+    use crate::memory::MemoryUsage;
+
+    type Hook = Box<dyn Fn(usize) -> (f64, Option<MemoryUsage>)>;
+
+    thread_local! {
+        static HOOK: RefCell<Option<Hook>> = RefCell::new(None);
+    }
+
+    /// `f(step)` replaces each step's time and memory reading, on this thread.
+    pub fn set(f: impl Fn(usize) -> (f64, Option<MemoryUsage>) + 'static) {
+        HOOK.with(|h| *h.borrow_mut() = Some(Box::new(f)));
+    }
+
+    pub fn clear() {
+        HOOK.with(|h| *h.borrow_mut() = None);
+    }
+
+    pub(super) fn reading(step: usize) -> Option<(f64, Option<MemoryUsage>)> {
+        HOOK.with(|h| h.borrow().as_ref().map(|f| f(step)))
+    }
 }
 
 /// The device's memory reading, or none where it cannot be read.
