@@ -133,10 +133,12 @@ fn is_oom(text: &str) -> bool {
 }
 
 /// `--op-profile`: each op class of an SD1.5 step at 512 px, batch 1, alone, forward + backward,
-/// synchronised: the 320-channel 3×3 conv (input gradient through candle's conv_transpose2d and
-/// through our GEMM form), self-attention over 4096 tokens (chunked, and the composed
-/// reference), GroupNorm, and one AdamW step over
-/// the LoRA-sized parameter set. Medians of 5 after 2 warm-ups, in ms.
+/// synchronised: the 320-channel 3×3 conv as the trainer runs it (`conv3x3_fwd`,
+/// `conv3x3_input_grad`, `conv3x3_weight_grad`: our kernels on CUDA and the CPU) beside candle's
+/// conv and the older input-gradient forms (candle's conv_transpose2d, the flipped-kernel GEMM),
+/// self-attention over 4096 tokens (chunked, and the composed reference), GroupNorm, and the
+/// fused kernels and attention paths of [`fused_kernel_profile`]. Medians of 5 after 2 warm-ups,
+/// in ms.
 fn op_profile(device: &Device, dtype: DType, report: &mut Value) -> Result<()> {
     use sdtrain::nn::{
         attention, conv2d_input_grad_col2im, conv2d_input_grad_gemm, conv2d_input_grad_reference,
@@ -166,7 +168,21 @@ fn op_profile(device: &Device, dtype: DType, report: &mut Value) -> Result<()> {
     ops.insert(
         "conv3x3_fwd".into(),
         json!(time(&mut || {
+            sdtrain::nn::conv2d_detached(&x, &w, 1, 1)?;
+            Ok(())
+        })?),
+    );
+    ops.insert(
+        "conv3x3_fwd_candle".into(),
+        json!(time(&mut || {
             x.conv2d(&w, 1, 1, 1, 1)?;
+            Ok(())
+        })?),
+    );
+    ops.insert(
+        "conv3x3_input_grad".into(),
+        json!(time(&mut || {
+            sdtrain::nn::conv2d_input_grad(&g, &w, 1, 1, (64, 64))?;
             Ok(())
         })?),
     );
