@@ -13,8 +13,10 @@
 //!   and each half of the window grows at half that rate at least (sustained, so a creep that
 //!   grows every few steps counts and the reported rate is the creep's own). Warned once per run,
 //!   with the growth per step and where it was measured.
-//! - **Slow step:** a step over [`SLOW_FACTOR`] times the median of the run's step times so far
-//!   (the last [`TIME_HISTORY`] steps after the warm-up, at least [`MIN_TIMES`] of them). Steps
+//! - **Slow step:** a step over [`SLOW_FACTOR`] times what the run's median pace gives for its
+//!   size: steps are judged in seconds per unit of work (the caller's measure, the step's image
+//!   pixels), so a step of a large aspect bucket is not slow for being large. The median is over
+//!   the last [`TIME_HISTORY`] steps after the warm-up, at least [`MIN_TIMES`] of them. Steps
 //!   with an out-of-memory retry are slow by design and are not judged. The first slow step of a
 //!   streak is warned, with its time and the memory in use, up to [`MAX_SLOW_WARNINGS`] times.
 
@@ -55,11 +57,12 @@ pub enum WatchEvent {
         to_mib: f64,
         source: MemorySource,
     },
-    /// One step far slower than the run's median.
+    /// One step far slower than the run's median pace.
     SlowStep {
         step: usize,
         secs: f64,
-        median_secs: f64,
+        /// What the median pace (seconds per unit of work) gives for this step's work.
+        expected_secs: f64,
         /// Memory in use right after the step, when it could be read.
         #[serde(skip_serializing_if = "Option::is_none")]
         in_use_mib: Option<f64>,
@@ -93,7 +96,7 @@ impl WatchEvent {
             Self::SlowStep {
                 step,
                 secs,
-                median_secs,
+                expected_secs,
                 in_use_mib,
                 last_warning,
             } => {
@@ -104,10 +107,10 @@ impl WatchEvent {
                     ""
                 };
                 format!(
-                    "step {step} took {secs:.2} s, {:.1}× the median {median_secs:.2} s{mem}. \
-                     A driver that spills device memory to the host slows steps this way instead \
-                     of failing{more}",
-                    secs / median_secs
+                    "step {step} took {secs:.2} s, {:.1}× the {expected_secs:.2} s the run's \
+                     median pace gives for its size{mem}. A driver that spills device memory to \
+                     the host slows steps this way instead of failing{more}",
+                    secs / expected_secs
                 )
             }
         }
@@ -141,12 +144,14 @@ impl StepWatch {
         Self::default()
     }
 
-    /// Records `step` (its wall time `secs`, the memory read right after it, whether an
-    /// out-of-memory retry ran in it) and returns what it makes worth a warning.
+    /// Records `step` (its wall time `secs`, its `work` in any unit proportional to its cost,
+    /// e.g. image pixels, the memory read right after it, whether an out-of-memory retry ran in
+    /// it) and returns what it makes worth a warning.
     pub fn observe(
         &mut self,
         step: usize,
         secs: f64,
+        work: f64,
         memory: Option<&MemoryUsage>,
         retried: bool,
     ) -> Vec<WatchEvent> {
@@ -155,7 +160,7 @@ impl StepWatch {
             return Vec::new();
         }
         let mut events = Vec::new();
-        if let Some(e) = self.slow(step, secs, memory, retried) {
+        if let Some(e) = self.slow(step, secs, work, memory, retried) {
             events.push(e);
         }
         if let Some(m) = memory {
@@ -170,19 +175,20 @@ impl StepWatch {
         &mut self,
         step: usize,
         secs: f64,
+        work: f64,
         memory: Option<&MemoryUsage>,
         retried: bool,
     ) -> Option<WatchEvent> {
-        if retried || !secs.is_finite() {
+        if retried || !secs.is_finite() || work.is_nan() || work <= 0.0 {
             return None;
         }
-        let median = (self.times.len() >= MIN_TIMES).then(|| median(self.times.iter().copied()));
+        let pace = (self.times.len() >= MIN_TIMES).then(|| median(self.times.iter().copied()));
         if self.times.len() == TIME_HISTORY {
             self.times.pop_front();
         }
-        self.times.push_back(secs);
-        let median = median?;
-        let slow = secs > SLOW_FACTOR * median;
+        self.times.push_back(secs / work);
+        let expected = pace? * work;
+        let slow = secs > SLOW_FACTOR * expected;
         let first_of_streak = slow && !self.slow_streak;
         self.slow_streak = slow;
         if !first_of_streak || self.slow_warnings >= MAX_SLOW_WARNINGS {
@@ -192,7 +198,7 @@ impl StepWatch {
         Some(WatchEvent::SlowStep {
             step,
             secs,
-            median_secs: median,
+            expected_secs: expected,
             in_use_mib: memory.map(|m| m.in_use_bytes as f64 / MIB),
             last_warning: self.slow_warnings == MAX_SLOW_WARNINGS,
         })
@@ -285,7 +291,7 @@ mod tests {
         let mut w = StepWatch::new();
         (1..=steps)
             .flat_map(|s| {
-                w.observe(s, time(s), Some(&reading(bytes(s))), false)
+                w.observe(s, time(s), 1.0, Some(&reading(bytes(s))), false)
                     .into_iter()
                     .map(move |e| (s, e))
             })
@@ -347,15 +353,18 @@ mod tests {
         assert_eq!(steps, vec![50, 120], "{events:?}");
         let WatchEvent::SlowStep {
             secs,
-            median_secs,
+            expected_secs,
             in_use_mib,
             ..
         } = &events[0].1
         else {
             panic!()
         };
-        assert_eq!((*secs, *median_secs, *in_use_mib), (2.0, 0.5, Some(3072.0)));
-        assert!(events[0].1.message().contains("4.0× the median"));
+        assert_eq!(
+            (*secs, *expected_secs, *in_use_mib),
+            (2.0, 0.5, Some(3072.0))
+        );
+        assert!(events[0].1.message().contains("4.0× the 0.50 s"));
     }
 
     /// Warm-up steps, steps with an out-of-memory retry and 3× exactly are not judged; the
@@ -364,22 +373,25 @@ mod tests {
     fn slow_steps_respect_warmup_retries_and_the_cap() {
         let mut w = StepWatch::new();
         let m = reading(GIB);
-        assert!(w.observe(1, 50.0, Some(&m), false).is_empty(), "warm-up");
+        assert!(
+            w.observe(1, 50.0, 1.0, Some(&m), false).is_empty(),
+            "warm-up"
+        );
         for s in 2..=30 {
-            w.observe(s, 1.0, Some(&m), false);
+            w.observe(s, 1.0, 1.0, Some(&m), false);
         }
         assert!(
-            w.observe(31, 9.0, Some(&m), true).is_empty(),
+            w.observe(31, 9.0, 1.0, Some(&m), true).is_empty(),
             "a retry step"
         );
         assert!(
-            w.observe(32, 3.0, Some(&m), false).is_empty(),
+            w.observe(32, 3.0, 1.0, Some(&m), false).is_empty(),
             "3× is not over 3×"
         );
         let mut warned = Vec::new();
         for s in 33..200 {
             let t = if s % 2 == 0 { 5.0 } else { 1.0 };
-            warned.extend(w.observe(s, t, Some(&m), false));
+            warned.extend(w.observe(s, t, 1.0, Some(&m), false));
         }
         assert_eq!(warned.len(), MAX_SLOW_WARNINGS);
         assert!(warned.last().unwrap().message().contains("not reported"));
@@ -399,13 +411,38 @@ mod tests {
         assert!((mib_per_step - 10.0).abs() < 1e-9, "{mib_per_step}");
     }
 
+    /// Steps of a bucket 4× larger take 4× longer: judged by pace, none is slow; a large step at
+    /// 4× its own expected time is.
+    #[test]
+    fn large_buckets_are_not_slow_steps() {
+        let mut w = StepWatch::new();
+        let mut events = Vec::new();
+        for s in 1..=60 {
+            let work = if s % 3 == 0 { 4.0 } else { 1.0 };
+            let secs = if s == 57 {
+                4.0 * 0.5 * work
+            } else {
+                0.5 * work
+            };
+            events.extend(w.observe(s, secs, work, None, false));
+        }
+        let steps: Vec<usize> = events
+            .iter()
+            .map(|e| match e {
+                WatchEvent::SlowStep { step, .. } => *step,
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        assert_eq!(steps, vec![57]);
+    }
+
     /// Without memory readings (a platform with none) only the times are judged.
     #[test]
     fn works_without_memory_readings() {
         let mut w = StepWatch::new();
         let mut events = Vec::new();
         for s in 1..=40 {
-            events.extend(w.observe(s, if s == 35 { 4.0 } else { 1.0 }, None, false));
+            events.extend(w.observe(s, if s == 35 { 4.0 } else { 1.0 }, 1.0, None, false));
         }
         assert_eq!(events.len(), 1);
         assert!(matches!(

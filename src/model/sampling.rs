@@ -56,7 +56,8 @@ impl Upsample2D {
     }
 
     /// Upsamples to `size` `(h, w)` when given (the UNet passes its skip's size), else ×2.
-    /// Only integer factors are supported: candle's backward rejects the others.
+    /// Only integer factors are supported (`nn::upsample_nearest` repeats each value over a
+    /// whole block).
     pub fn forward(&self, x: &Tensor, size: Option<(usize, usize)>) -> Result<Tensor> {
         let (_, _, h, w) = x.dims4()?;
         let (th, tw) = size.unwrap_or((h * 2, w * 2));

@@ -8,9 +8,10 @@
 //! measured on an H100: docs/GPU.md). Masked attention (CLIP's 77 tokens) is the composed form
 //! with the fused softmax of `softmax.rs`, which keeps only the probabilities for backward.
 //!
-//! On CUDA, unmasked and causal ([`causal_attention`]) attention go through the flash kernels
-//! (`super::flash_attention`, FlashAttention-2, arXiv 2307.08691) instead, which keep neither
-//! scores nor probabilities.
+//! On CUDA, unmasked attention over at least `FLASH_MIN_KEYS` keys and causal
+//! ([`causal_attention`]) attention go through the flash kernels (`super::flash_attention`,
+//! FlashAttention-2, arXiv 2307.08691) instead, which keep neither scores nor probabilities;
+//! cross-attention over fewer keys (77 text tokens) takes the chunked path, which is faster there.
 
 use candle_core::{DType, Device, Result, Tensor, D};
 

@@ -87,7 +87,8 @@ pub fn cat_with_const(a: &Tensor, c: &Tensor, dim: usize) -> Result<Tensor> {
         a,
         "cat-with-const",
         out,
-        Box::new(move |_a, g| g.narrow(dim, 0, len)),
+        // A copy, not a view: a view would keep the whole gradient alive as `a`'s.
+        Box::new(move |_a, g| g.narrow(dim, 0, len)?.force_contiguous()),
     )
 }
 

@@ -261,7 +261,7 @@ mod tests {
         r.warnings = vec![WatchEvent::SlowStep {
             step: 3,
             secs: 2.5,
-            median_secs: 0.5,
+            expected_secs: 0.5,
             in_use_mib: Some(3.0),
             last_warning: false,
         }];

@@ -46,6 +46,8 @@ pub(super) struct StepReport {
     pub applied: bool,
     pub lrs: Vec<f64>,
     pub images: usize,
+    /// The step's image pixels (each sample's bucket area), the unit its time is judged in.
+    pub pixels: usize,
     /// The step's wall time: forward, backward and update (the data is decoded ahead, on its
     /// own thread).
     pub secs: f64,
@@ -117,6 +119,11 @@ impl Optimization {
             applied: finite.is_some(),
             lrs,
             images: done.samples,
+            pixels: data
+                .micro
+                .iter()
+                .map(|m| m.ids.len() * m.bucket.width * m.bucket.height)
+                .sum(),
             secs: started.elapsed().as_secs_f64(),
             scale,
             retries,

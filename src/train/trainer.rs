@@ -414,6 +414,7 @@ impl Session<'_> {
         let warnings = self.extras.watch.observe(
             out.steps,
             secs,
+            report.pixels as f64,
             watched.as_ref(),
             !report.retries.is_empty(),
         );
@@ -721,6 +722,7 @@ mod tests {
             applied,
             lrs: vec![1e-4],
             images: 1,
+            pixels: 4096,
             secs: 0.1,
             scale,
             retries: Vec::new(),

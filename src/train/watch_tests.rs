@@ -99,7 +99,7 @@ fn injected_creep_and_slow_step_reach_the_log() {
     let (slow_step, slow) = warned[1];
     assert_eq!((slow_step, slow["kind"].as_str()), (40, Some("slow_step")));
     assert_eq!(
-        (slow["secs"].as_f64(), slow["median_secs"].as_f64()),
+        (slow["secs"].as_f64(), slow["expected_secs"].as_f64()),
         (Some(5.0), Some(0.2))
     );
     let steps: Vec<u64> = recs.iter().map(|r| r["step"].as_u64().unwrap()).collect();

@@ -390,7 +390,7 @@ impl Tensor {
                         crate::bail!("backward not supported for upsample_bilinear2d")
                     }
                     Op::SliceScatter0(lhs, rhs, start_rhs) => {
-                        let rhs_grad = grad.narrow(0, *start_rhs, rhs.dim(0)?)?;
+                        let rhs_grad = grad.narrow(0, *start_rhs, rhs.dim(0)?)?.force_contiguous()?;
                         grads.accumulate(rhs, &rhs_grad)?;
 
                         let lhs_grad = grad.slice_scatter0(&rhs.zeros_like()?, *start_rhs)?;
@@ -440,7 +440,9 @@ impl Tensor {
                         let mut start_idx = 0;
                         for arg in args {
                             let len = arg.dims()[*dim];
-                            let arg_grad = grad.narrow(*dim, start_idx, len)?;
+                            // A copy, not a view: a view would keep the whole concatenated
+                            // gradient alive until this argument's node is reached.
+                            let arg_grad = grad.narrow(*dim, start_idx, len)?.force_contiguous()?;
                             grads.accumulate(arg, &arg_grad)?;
                             start_idx += len;
                         }
