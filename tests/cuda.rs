@@ -323,6 +323,43 @@ fn cuda_custom_ops_match_cpu() {
     );
 }
 
+/// A conv whose columns exceed the forward's budget (256 channels, 3×3, at 192² in f32: 340 MB
+/// of columns, batch 1; and at 256² through a stride 2 with batch 2: 302 MB) runs in chunks of output
+/// rows on CUDA and equals the CPU's conv.
+#[test]
+#[ignore = "needs a CUDA device: scripts/gpu-check runs it (--include-ignored)"]
+fn cuda_large_conv_runs_in_row_chunks_and_matches_cpu() {
+    let dev = cuda("cuda_large_conv_runs_in_row_chunks_and_matches_cpu");
+    for (batch, size, stride) in [(1, 192, 1), (2, 256, 2)] {
+        let x = fill(&[batch, 256, size, size], 41);
+        let w = (fill(&[64, 256, 3, 3], 42) * 0.05).unwrap();
+        let want = nn::conv2d_detached(&x, &w, 1, stride).unwrap();
+        let got = nn::conv2d_detached(
+            &x.to_device(&dev).unwrap(),
+            &w.to_device(&dev).unwrap(),
+            1,
+            stride,
+        )
+        .unwrap()
+        .to_device(&Device::Cpu)
+        .unwrap();
+        assert_eq!(got.dims(), want.dims());
+        let scale = want
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        let e = max_abs_diff(&got, &want);
+        eprintln!("large conv b{batch} {size}² s{stride}: max abs diff {e:.2e} (scale {scale:.2})");
+        assert!(
+            e <= 1e-4 * scale,
+            "b{batch} {size}² s{stride}: {e} (scale {scale})"
+        );
+    }
+}
+
 fn weights(dir: &Path, file: &str, component: &str, dtype: DType, dev: &Device) -> Weights {
     Weights::from_files(&[dir.join(file)], component, dtype, dev, false).unwrap()
 }

@@ -115,10 +115,32 @@ pub(crate) fn conv2d(x: &Tensor, w: &Tensor, padding: usize, stride: usize) -> R
         );
     }
     let geo = Geo::new(batch, c_in, (x_h, x_w), (k_h, k_w), padding, stride)?;
-    let cols = im2col(x, geo)?;
-    let y = w.reshape((c_out, geo.rows()))?.matmul(&cols)?;
-    images_first(y, batch, c_out, geo.g)
+    let w2 = w.reshape((c_out, geo.rows()))?;
+    let (g_h, g_w) = geo.g;
+    let row_bytes = geo.rows() * batch * g_w * x.dtype().size_in_bytes();
+    let chunk = (COLUMN_BUDGET_BYTES / row_bytes.max(1)).clamp(1, g_h.max(1));
+    if chunk >= g_h {
+        let y = w2.matmul(&im2col(x, geo, 0..g_h)?)?;
+        return images_first(y, batch, c_out, geo.g);
+    }
+    let mut parts = Vec::with_capacity(g_h.div_ceil(chunk));
+    for r0 in (0..g_h).step_by(chunk) {
+        let rows = r0..(r0 + chunk).min(g_h);
+        let n = rows.len();
+        let y = w2.matmul(&im2col(x, geo, rows)?)?;
+        parts.push(y.reshape((c_out, batch, n, g_w))?);
+    }
+    let y = Tensor::cat(&parts, 2)?;
+    if batch == 1 {
+        return y.reshape((1, c_out, g_h, g_w));
+    }
+    y.transpose(0, 1)?.contiguous()
 }
+
+/// The columns one forward GEMM takes at most: a VAE decoder's 3×3 conv over 256 channels
+/// would otherwise take 1.2 GB of bf16 columns at once at 512 px, 4.8 GB at 1024 px. Larger
+/// convs run in chunks of output rows (one GEMM each, then one copy of the output).
+const COLUMN_BUDGET_BYTES: usize = 256 << 20;
 
 /// `∂L/∂x` of `y = conv2d(x, w, padding, stride)` for an `x_hw` input: `col2im(Wᵀ · G)`.
 pub(crate) fn input_grad(
@@ -163,7 +185,7 @@ pub(crate) fn weight_grad(
             x.dims()
         );
     }
-    let cols = im2col(x, geo)?;
+    let cols = im2col(x, geo, 0..geo.g.0)?;
     channels_first(grad)?
         .matmul(&cols.t()?)?
         .reshape((c_out, c_in, k_hw.0, k_hw.1))
@@ -192,22 +214,29 @@ fn images_first(y: Tensor, b: usize, c: usize, (g_h, g_w): (usize, usize)) -> Re
         .reshape((b, c, g_h, g_w))
 }
 
-fn im2col(x: &Tensor, geo: Geo) -> Result<Tensor> {
-    x.detach()
-        .contiguous()?
-        .apply_op1_no_bwd(&Columns { geo, col2im: false })
+/// The columns of output rows `rows`: `[C·k_h·k_w, B·rows·g_w]`.
+fn im2col(x: &Tensor, geo: Geo, rows: std::ops::Range<usize>) -> Result<Tensor> {
+    x.detach().contiguous()?.apply_op1_no_bwd(&Columns {
+        geo,
+        col2im: false,
+        rows,
+    })
 }
 
 fn col2im(cols: &Tensor, geo: Geo) -> Result<Tensor> {
-    cols.detach()
-        .contiguous()?
-        .apply_op1_no_bwd(&Columns { geo, col2im: true })
+    cols.detach().contiguous()?.apply_op1_no_bwd(&Columns {
+        geo,
+        col2im: true,
+        rows: 0..geo.g.0,
+    })
 }
 
-/// im2col (`x` → columns `[C·k_h·k_w, B·N]`) or col2im (columns → `x` `[B, C, H, W]`).
+/// im2col (`x` → columns `[C·k_h·k_w, B·N]`, of the output rows `rows`) or col2im (columns of
+/// every row → `x` `[B, C, H, W]`).
 struct Columns {
     geo: Geo,
     col2im: bool,
+    rows: std::ops::Range<usize>,
 }
 
 impl Columns {
@@ -216,7 +245,7 @@ impl Columns {
         if self.col2im {
             Shape::from((g.batch, g.c, g.hw.0, g.hw.1))
         } else {
-            Shape::from((g.rows(), g.cols()))
+            Shape::from((g.rows(), g.batch * self.rows.len() * g.g.1))
         }
     }
 
@@ -261,11 +290,23 @@ impl Columns {
             .get_or_load_custom_func(&format!("{stem}_{suffix}"), MODULE, PTX)?
             .into_cuda_function();
         let ints = self.geo.ints()?;
+        let row_args = [self.rows.start as u32, self.rows.len() as u32];
+        if self.rows.end > self.geo.g.0 {
+            bail!(
+                "{}: output rows {:?} past {}",
+                self.name(),
+                self.rows,
+                self.geo.g.0
+            );
+        }
         let stream = dev.cuda_stream();
         let mut lb = stream.launch_builder(&f);
         lb.arg(&mut out).arg(&input);
         for v in &ints {
             lb.arg(v);
+        }
+        if !self.col2im {
+            lb.arg(&row_args[0]).arg(&row_args[1]);
         }
         let blocks = (n as u64).div_ceil(THREADS as u64).clamp(1, MAX_BLOCKS) as u32;
         let cfg = LaunchConfig {
@@ -273,8 +314,9 @@ impl Columns {
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: conv.cu's (out, in, batch, c, h, w, kh, kw, gh, gw, pad, stride) signature;
-        // `input` holds in_len elements and `out` n, as the geometry says the kernel reads and
+        // SAFETY: conv.cu's (out, in, batch, c, h, w, kh, kw, gh, gw, pad, stride[, row0, rows])
+        // signature; `input` holds in_len elements and `out` n, as the geometry (and the rows,
+        // checked within g_h above, each fitting u32 as g_h does) says the kernel reads and
         // writes.
         unsafe { lb.launch(cfg) }.w()?;
         Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))

@@ -43,8 +43,25 @@ fn ints<'a>(case: &Case, geo: &ConvGeometry) -> Vec<Arg<'a>> {
 }
 
 fn launch<T: Elem>(entry: &str, out: &mut [T], input: &[T], case: &Case, geo: &ConvGeometry) {
+    let rows = geo.g_hw.0;
+    launch_rows(entry, out, input, case, geo, 0..rows);
+}
+
+/// im2col of output rows `rows` only (col2im takes no rows).
+fn launch_rows<T: Elem>(
+    entry: &str,
+    out: &mut [T],
+    input: &[T],
+    case: &Case,
+    geo: &ConvGeometry,
+    rows: std::ops::Range<usize>,
+) {
     let mut args = vec![Arg::out(out), Arg::input(input)];
     args.extend(ints(case, geo));
+    if entry.starts_with("conv_im2col") {
+        args.push(Arg::Int(rows.start as i64));
+        args.push(Arg::Int(rows.len() as i64));
+    }
     kernel_emu::launch(CU, entry, [3, 1, 1], [32, 1, 1], &mut args);
 }
 
@@ -106,6 +123,28 @@ fn im2col_kernel_matches_the_cpu_columns_in_f32() {
         let mut got = vec![f32::NAN; rows * bn];
         launch("conv_im2col_f32", &mut got, &x, case, &geo);
         assert_eq!(got, im2col_reference(&x, case, &geo), "{case:?}");
+    }
+}
+
+/// A chunk of output rows (not starting at 0, the last one ragged) gives the chunk's columns of
+/// the CPU's per-image `im2col_rows`, the images side by side.
+#[test]
+fn im2col_kernel_takes_a_chunk_of_output_rows() {
+    for case in &CASES {
+        let geo = geometry(case);
+        let (rows, _, x_len) = sizes(case, &geo);
+        let x = values(x_len, 5);
+        let g_h = geo.g_hw.0;
+        for chunk in [1..g_h.min(3), (g_h / 2)..g_h] {
+            let n = chunk.len() * geo.g_hw.1;
+            let mut got = vec![f32::NAN; rows * case.0 * n];
+            launch_rows("conv_im2col_f32", &mut got, &x, case, &geo, chunk.clone());
+            let per: Vec<Vec<f32>> = x
+                .chunks(x_len / case.0)
+                .map(|img| super::im2col::im2col_rows(img, &geo, chunk.clone()))
+                .collect();
+            assert_eq!(got, side_by_side(&per, rows), "{case:?} rows {chunk:?}");
+        }
     }
 }
 

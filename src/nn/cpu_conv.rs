@@ -12,7 +12,7 @@
 
 use candle_core::{DType, Device, Result, Tensor};
 
-use super::im2col::{col2im, im2col, ConvGeometry};
+use super::im2col::{col2im, im2col, im2col_rows, ConvGeometry};
 use super::with_cpu_f32;
 
 /// `conv2d(x, w, padding, stride)` (groups 1, dilation 1) on detached operands, by the faster
@@ -30,8 +30,20 @@ pub fn conv2d_detached(x: &Tensor, w: &Tensor, padding: usize, stride: usize) ->
     }
 }
 
-/// The forward conv as `W · im2col(x)` per image.
+/// The forward conv as `W · im2col(x)` per image, in GEMMs of at most [`COLUMN_BUDGET_BYTES`]
+/// of columns each.
 pub fn conv2d_im2col(x: &Tensor, w: &Tensor, padding: usize, stride: usize) -> Result<Tensor> {
+    conv2d_im2col_within(x, w, padding, stride, COLUMN_BUDGET_BYTES)
+}
+
+/// [`conv2d_im2col`] with its column budget given.
+fn conv2d_im2col_within(
+    x: &Tensor,
+    w: &Tensor,
+    padding: usize,
+    stride: usize,
+    budget: usize,
+) -> Result<Tensor> {
     let (c_out, c_in, k_h, k_w) = w.dims4()?;
     let (batch, x_c, x_h, x_w) = x.dims4()?;
     if x_c != c_in {
@@ -62,13 +74,37 @@ pub fn conv2d_im2col(x: &Tensor, w: &Tensor, padding: usize, stride: usize) -> R
         .reshape((c_out, c_in * k_h * k_w))?
         .contiguous()?;
     let x32 = x.to_dtype(DType::F32)?.contiguous()?;
+    let k = c_in * k_h * k_w;
+    let chunk = rows_per_chunk(k, g_h, g_w, budget);
     let mut images = Vec::with_capacity(batch);
     for i in 0..batch {
-        let cols = with_cpu_f32(&x32.get(i)?, |plane| im2col(plane, &geo))?;
-        let cols = Tensor::from_vec(cols, (c_in * k_h * k_w, g_h * g_w), &Device::Cpu)?;
-        images.push(w_mat.matmul(&cols)?.reshape((1, c_out, g_h, g_w))?);
+        let image = x32.get(i)?;
+        let mut parts = Vec::with_capacity(g_h.div_ceil(chunk));
+        for r0 in (0..g_h).step_by(chunk) {
+            let rows = r0..(r0 + chunk).min(g_h);
+            let n = rows.len() * g_w;
+            let cols = with_cpu_f32(&image, |plane| im2col_rows(plane, &geo, rows.clone()))?;
+            let cols = Tensor::from_vec(cols, (k, n), &Device::Cpu)?;
+            parts.push(w_mat.matmul(&cols)?.reshape((c_out, rows.len(), g_w))?);
+        }
+        let y = match parts.len() {
+            1 => parts.remove(0),
+            _ => Tensor::cat(&parts, 1)?,
+        };
+        images.push(y.reshape((1, c_out, g_h, g_w))?);
     }
     cat_images(images)?.to_dtype(x.dtype())
+}
+
+/// The f32 columns one GEMM of the forward may take at most: a VAE decoder's 3×3 conv over 256
+/// channels at 512 px would otherwise take 2.4 GB of columns at once (2026-11-24).
+const COLUMN_BUDGET_BYTES: usize = 128 << 20;
+
+/// Output rows per forward GEMM, so that its f32 columns stay within `budget` bytes (at least
+/// one row; all of them when they fit).
+fn rows_per_chunk(k: usize, g_h: usize, g_w: usize, budget: usize) -> usize {
+    let row_bytes = (k * g_w * 4).max(1);
+    (budget / row_bytes).clamp(1, g_h.max(1))
 }
 
 /// `∂L/∂x` per image as `col2im(Wᵀ · G)`, in the gradient's dtype.
@@ -190,6 +226,28 @@ mod tests {
                 assert!(e < 1e-4, "weight grad k{k} p{p} s{s} {h}x{w}: {e}");
             }
         }
+    }
+
+    /// The forward in GEMMs of one and of two output rows (a budget of one byte, and of two rows'
+    /// columns) equals the forward in one GEMM: a chunk that starts at the wrong row, leaves out
+    /// the last partial chunk or puts its columns in the wrong place fails.
+    #[test]
+    fn forward_in_row_chunks_matches_one_gemm() {
+        for (k, p, s) in CASES {
+            for (h, w) in SIZES {
+                let x = fill(&[2, 3, h, w], 4, 1.0);
+                let wt = fill(&[4, 3, k, k], 5, 1.0);
+                let whole = conv2d_im2col_within(&x, &wt, p, s, usize::MAX).unwrap();
+                let g_w = whole.dim(3).unwrap();
+                for budget in [1, 2 * 3 * k * k * g_w * 4] {
+                    let chunked = conv2d_im2col_within(&x, &wt, p, s, budget).unwrap();
+                    let e = max_abs(&chunked, &whole);
+                    assert!(e < 1e-5, "k{k} p{p} s{s} {h}x{w}, budget {budget}: {e}");
+                }
+            }
+        }
+        assert_eq!(rows_per_chunk(2304, 512, 512, COLUMN_BUDGET_BYTES), 28);
+        assert_eq!(rows_per_chunk(27, 8, 8, COLUMN_BUDGET_BYTES), 8);
     }
 
     #[test]

@@ -81,22 +81,42 @@ impl ConvGeometry {
 
 /// The columns of one `[c_in, x_h, x_w]` image: `[c_in·k_h·k_w, g_h·g_w]`, row-major.
 pub fn im2col(x: &[f32], geo: &ConvGeometry) -> Vec<f32> {
+    im2col_rows(x, geo, 0..geo.g_hw.0)
+}
+
+/// The columns of output rows `out_rows` only: `[c_in·k_h·k_w, out_rows.len()·g_w]`, the
+/// column block of [`im2col`] those rows cover.
+pub fn im2col_rows(x: &[f32], geo: &ConvGeometry, out_rows: std::ops::Range<usize>) -> Vec<f32> {
     let (k_h, k_w) = geo.k_hw;
     let taps = k_h * k_w;
     assert_eq!(x.len(), geo.c_in * geo.plane_len(), "im2col: input size");
-    let mut cols = vec![0f32; geo.c_in * taps * geo.col_len()];
-    cols.par_chunks_mut(taps * geo.col_len())
+    assert!(
+        out_rows.end <= geo.g_hw.0,
+        "im2col: output rows {out_rows:?}"
+    );
+    let len = out_rows.len() * geo.g_hw.1;
+    let mut cols = vec![0f32; geo.c_in * taps * len];
+    if len == 0 {
+        return cols;
+    }
+    cols.par_chunks_mut(taps * len)
         .zip(x.par_chunks(geo.plane_len()))
         .for_each(|(rows, plane)| {
-            for (tap, row) in rows.chunks_mut(geo.col_len()).enumerate() {
-                gather_tap(row, plane, geo, tap / k_w, tap % k_w);
+            for (tap, row) in rows.chunks_mut(len).enumerate() {
+                gather_tap(row, plane, geo, (tap / k_w, tap % k_w), &out_rows);
             }
         });
     cols
 }
 
-/// Fills one kernel tap's row (`[g_h·g_w]`, zeroed) from one input plane.
-fn gather_tap(row: &mut [f32], plane: &[f32], geo: &ConvGeometry, u: usize, v: usize) {
+/// Fills one kernel tap's row (`[out_rows.len()·g_w]`, zeroed) from one input plane.
+fn gather_tap(
+    row: &mut [f32],
+    plane: &[f32],
+    geo: &ConvGeometry,
+    (u, v): (usize, usize),
+    out_rows: &std::ops::Range<usize>,
+) {
     let (x_h, x_w) = geo.x_hw;
     let (g_h, g_w) = geo.g_hw;
     let (s, p) = (geo.stride, geo.padding);
@@ -104,9 +124,11 @@ fn gather_tap(row: &mut [f32], plane: &[f32], geo: &ConvGeometry, u: usize, v: u
     if cols.is_empty() {
         return;
     }
-    for oy in geo.valid(g_h, x_h, u) {
+    let valid = geo.valid(g_h, x_h, u);
+    for oy in valid.start.max(out_rows.start)..valid.end.min(out_rows.end) {
         let iy = oy * s + u - p;
-        let dst = &mut row[oy * g_w + cols.start..oy * g_w + cols.end];
+        let at = (oy - out_rows.start) * g_w;
+        let dst = &mut row[at + cols.start..at + cols.end];
         let x0 = cols.start * s + v - p;
         let src = &plane[iy * x_w..(iy + 1) * x_w];
         if s == 1 {

@@ -3,6 +3,7 @@
 // (N = G_h·G_w pixels per image, K = C·k_h·k_w rows):
 //
 //   cols[(c, u, v), (b, oy, ox)] = x[b, c, oy·s + u − p, ox·s + v − p]   (0 outside)   im2col
+//   (for the forward, possibly of a chunk of output rows: columns (b, oy − row0, ox))
 //   y = W · cols  ([C_out, K] · [K, B·N]: every image in one GEMM, NCHW out for B = 1)
 //   ∂L/∂W = G · colsᵀ  (G: [C_out, B·N])
 //   ∂L/∂x = col2im(Wᵀ · G): each x element sums the (at most k_h·k_w) column entries im2col read
@@ -42,16 +43,18 @@ struct ConvGeo {
   u32 batch, c, h, w, kh, kw, gh, gw, pad, stride;
 };
 
+// im2col of output rows [row0, row0 + rows) only: columns (b, oy − row0, ox), so a large conv's
+// forward can take its columns in chunks of rows (the whole: row0 0, rows gh).
 template <class T>
-__device__ void im2col(T* cols, const T* x, ConvGeo g) {
-  const u64 n = (u64)g.gh * g.gw;
+__device__ void im2col(T* cols, const T* x, ConvGeo g, u32 row0, u32 rows) {
+  const u64 n = (u64)rows * g.gw;
   const u64 bn = (u64)g.batch * n;
   const u64 total = (u64)g.c * g.kh * g.kw * bn;
   const u64 step = (u64)gridDim.x * blockDim.x;
   for (u64 e = (u64)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += step) {
     const u64 row = e / bn, col = e % bn;
     const u32 b = (u32)(col / n), pix = (u32)(col % n);
-    const u32 oy = pix / g.gw, ox = pix % g.gw;
+    const u32 oy = row0 + pix / g.gw, ox = pix % g.gw;
     const u32 v = (u32)(row % g.kw), u = (u32)((row / g.kw) % g.kh), c = (u32)(row / ((u64)g.kh * g.kw));
     const long long iy = (long long)oy * g.stride + u - g.pad;
     const long long ix = (long long)ox * g.stride + v - g.pad;
@@ -96,8 +99,8 @@ __device__ void col2im(T* x, const T* cols, ConvGeo g) {
 #define CONV_ENTRY_POINTS(SUFFIX, T)                                                              \
   extern "C" __global__ void conv_im2col_##SUFFIX(T* cols, const T* x, u32 batch, u32 c, u32 h,  \
                                                   u32 w, u32 kh, u32 kw, u32 gh, u32 gw,          \
-                                                  u32 pad, u32 stride) {                          \
-    im2col(cols, x, ConvGeo{batch, c, h, w, kh, kw, gh, gw, pad, stride});                        \
+                                                  u32 pad, u32 stride, u32 row0, u32 rows) {      \
+    im2col(cols, x, ConvGeo{batch, c, h, w, kh, kw, gh, gw, pad, stride}, row0, rows);            \
   }                                                                                               \
   extern "C" __global__ void conv_col2im_##SUFFIX(T* x, const T* cols, u32 batch, u32 c, u32 h,  \
                                                   u32 w, u32 kh, u32 kw, u32 gh, u32 gw,          \
