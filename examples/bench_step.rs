@@ -9,6 +9,9 @@
 //!     [--pool-cache on|off] [--event-tracking on|off] [--fused-ops on|off] \
 //!     [--unet-config PATH] [--checkpointing on|off] [--profile-last-step]
 //! ```
+//! - `--heap-census` (CPU): the last step reports the host heap (a counting allocator): held
+//!   before it, held by the forward graph once the loss exists, the step's peak, and the
+//!   graph's largest tracked tensors by shape; what the activation-memory work measures.
 //! - `--profile-last-step`: the CUDA profiler collects during the last step only
 //!   (`ncu --profile-from-start off`; scripts/gpu-kernel-profile).
 //! - `lora`: frozen base (bf16 under `--precision bf16`), LoRA rank/alpha `--rank` on kohya's
@@ -34,6 +37,11 @@
 #[path = "support/bench.rs"]
 #[allow(dead_code)]
 mod bench;
+#[path = "support/counting_alloc.rs"]
+mod counting_alloc;
+
+#[global_allocator]
+static ALLOC: counting_alloc::CountingAlloc = counting_alloc::CountingAlloc;
 
 use std::process::ExitCode;
 use std::time::Instant;
@@ -443,12 +451,17 @@ fn run(args: &[String], report: &mut Value) -> Result<()> {
 
     let mut times = Times::default();
     let profile_last = args.iter().any(|a| a == "--profile-last-step");
+    let census_wanted = args.iter().any(|a| a == "--heap-census");
+    if census_wanted && !device.is_cpu() {
+        bail!("--heap-census counts host memory: use --device cpu");
+    }
     for i in 0..warmup + steps {
         let last = i + 1 == warmup + steps;
         if profile_last && last {
             profiler(true)?;
         }
-        let (t, census) = step(&mut model, &inputs, &device)?;
+        let heap = (last && census_wanted).then_some(&mut *report);
+        let (t, census) = step(&mut model, &inputs, &device, heap)?;
         if profile_last && last {
             profiler(false)?;
         }
@@ -566,14 +579,27 @@ fn inputs(shape: &Shape, device: &Device, dtype: DType, ctx_dim: usize) -> Resul
 }
 
 /// One training step; returns [total, forward, backward, optimizer] seconds and the census
-/// (gradient-store entries, trained Vars with a gradient, loss).
-fn step(m: &mut Model, i: &Inputs, device: &Device) -> Result<([f64; 4], (usize, usize, f64))> {
+/// (gradient-store entries, trained Vars with a gradient, loss). With `heap` (`--heap-census`,
+/// CPU), the host heap's bytes are written into it: held before the step, held by the graph
+/// after the forward, the step's peak, and the largest tracked tensors of the graph by shape.
+fn step(
+    m: &mut Model,
+    i: &Inputs,
+    device: &Device,
+    mut heap: Option<&mut Value>,
+) -> Result<([f64; 4], (usize, usize, f64))> {
+    let before = counting_alloc::live_bytes();
+    counting_alloc::reset_peak();
     let start = Instant::now();
     let out = m.unet.forward(&i.x, &i.t, &i.ctx, i.added.as_ref())?;
     // The trainer's loss: its target is a constant and gets no gradient entry.
     let loss = sdtrain::diffusion::objective::mse_loss(&out, &i.target, None)?;
+    drop(out);
     device.synchronize()?;
     let fwd = start.elapsed().as_secs_f64();
+    if let Some(r) = heap.as_deref_mut() {
+        heap_census(r, &loss, before);
+    }
     let mut grads = loss.backward()?;
     if let Some(ck) = &m.checkpointing {
         grads.extend(ck.take_grads()?)?;
@@ -588,12 +614,52 @@ fn step(m: &mut Model, i: &Inputs, device: &Device) -> Result<([f64; 4], (usize,
     };
     m.optimizer.step_checked(&grads, finite)?;
     drop(grads);
+    drop(loss);
     device.synchronize()?;
     let total = start.elapsed().as_secs_f64();
+    if let Some(r) = heap {
+        r["heap_step_peak_mib"] = json!(mib(counting_alloc::peak_bytes() - before));
+        r["heap_after_step_mib"] = json!(mib(counting_alloc::live_bytes()));
+    }
     Ok((
         [total, fwd, bwd, total - fwd - bwd],
         (census.0, census.1, check.loss),
     ))
+}
+
+fn mib(bytes: usize) -> f64 {
+    round2(bytes as f64 / (1u64 << 20) as f64)
+}
+
+/// The heap held by the forward graph of `loss` (bytes now over `before`), and the tracked
+/// tensors it keeps, summed by shape over distinct storages, largest first.
+fn heap_census(report: &mut Value, loss: &Tensor, before: usize) {
+    use std::collections::{HashMap, HashSet};
+    report["heap_before_step_mib"] = json!(mib(before));
+    report["heap_graph_mib"] = json!(mib(counting_alloc::live_bytes() - before));
+    let mut seen = HashSet::new();
+    let mut by_shape: HashMap<String, (usize, usize)> = HashMap::new();
+    for t in loss.sorted_nodes() {
+        if t.is_variable() {
+            continue;
+        }
+        let (storage, _) = t.storage_and_layout();
+        if !seen.insert(&*storage as *const _ as usize) {
+            continue;
+        }
+        let e = by_shape.entry(format!("{:?}", t.dims())).or_default();
+        e.0 += 1;
+        e.1 += t.elem_count() * t.dtype().size_in_bytes();
+    }
+    let mut rows: Vec<_> = by_shape.into_iter().collect();
+    rows.sort_by_key(|r| std::cmp::Reverse(r.1 .1));
+    let tracked: usize = rows.iter().map(|r| r.1 .1).sum();
+    report["heap_tracked_mib"] = json!(mib(tracked));
+    report["heap_tracked_by_shape"] = json!(rows
+        .iter()
+        .take(16)
+        .map(|(s, (n, b))| json!({"shape": s, "tensors": n, "mib": mib(*b)}))
+        .collect::<Vec<_>>());
 }
 
 /// `--profile-last-step`: the CUDA profiler's collection on (`true`) or off around the last step,

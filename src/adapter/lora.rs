@@ -18,7 +18,10 @@ use std::sync::Mutex;
 use candle_core::{DType, Device, Result, Tensor, Var};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
-use crate::nn::{cast_like, cpu_bf16, LayerAdapter};
+use crate::nn::{
+    cast_like, cpu_bf16, frozen_conv2d_low_rank, frozen_linear_low_rank, FrozenBase, LayerAdapter,
+    LowRank,
+};
 
 /// Which model an adapter module belongs to (kohya prefixes `lora_unet`, `lora_te`/`lora_te1`,
 /// `lora_te2`).
@@ -156,13 +159,14 @@ impl LoraModule {
         self.training.load(Ordering::Relaxed)
     }
 
-    /// Inverted dropout on `h`: zero each element with probability `p`, scale the rest by
-    /// `1/(1-p)`. The mask comes from the module's seeded RNG on the CPU; `h` is the rank-r
-    /// `down` output, so the mask is small.
-    fn dropout(&self, h: &Tensor) -> Result<Tensor> {
+    /// The inverted-dropout mask for `h`: each element 0 with probability `p`, else `1/(1-p)`,
+    /// in `h`'s shape, dtype and device; `None` when dropout is off or the module evaluates. The
+    /// mask comes from the module's seeded RNG on the CPU; `h` is the rank-r `down` output, so
+    /// the mask is small.
+    fn dropout_mask(&self, h: &Tensor) -> Result<Option<Tensor>> {
         let p = self.dropout;
         if p <= 0.0 || !self.is_training() {
-            return Ok(h.clone());
+            return Ok(None);
         }
         let keep = (1.0 / (1.0 - p)) as f32;
         let mask: Vec<f32> = {
@@ -178,8 +182,17 @@ impl LoraModule {
                     .collect()
             })
         };
-        let mask = Tensor::from_vec(mask, h.shape(), h.device())?.to_dtype(h.dtype())?;
-        h * mask
+        Ok(Some(
+            Tensor::from_vec(mask, h.shape(), h.device())?.to_dtype(h.dtype())?,
+        ))
+    }
+
+    /// Inverted dropout on `h` ([`LoraModule::dropout_mask`]).
+    fn dropout(&self, h: &Tensor) -> Result<Tensor> {
+        match self.dropout_mask(h)? {
+            Some(mask) => h * mask,
+            None => Ok(h.clone()),
+        }
     }
 
     fn delta_in_dtype(&self, x: &Tensor) -> Result<Tensor> {
@@ -222,6 +235,46 @@ impl LayerAdapter for LoraModule {
                 .to_dtype(DType::BF16);
         }
         self.delta_in_dtype(x)
+    }
+
+    /// The frozen layer and this module as one op (`nn::low_rank`): what the backward keeps is
+    /// the input and the rank-r `down` output, not three layer-output-sized tensors.
+    fn forward_frozen(&self, x: &Tensor, base: FrozenBase<'_>) -> Option<Result<Tensor>> {
+        let mask = |h: &Tensor| self.dropout_mask(h);
+        let lr = LowRank {
+            down: self.down.as_tensor(),
+            up: self.up.as_tensor(),
+            scale: self.scale(),
+            dropout: &mask,
+        };
+        Some(match (self.kind, base) {
+            (LoraKind::Linear, FrozenBase::Linear { w, b }) => frozen_linear_low_rank(x, w, b, lr),
+            (
+                LoraKind::Conv {
+                    stride, padding, ..
+                },
+                FrozenBase::Conv {
+                    w,
+                    b,
+                    padding: base_padding,
+                    stride: base_stride,
+                },
+            ) if (stride, padding) == (base_stride, base_padding) => {
+                frozen_conv2d_low_rank(x, w, b, padding, stride, lr)
+            }
+            (kind, base) => {
+                let layer = match base {
+                    FrozenBase::Linear { .. } => "a linear".to_string(),
+                    FrozenBase::Conv {
+                        padding, stride, ..
+                    } => format!("a conv with padding {padding} and stride {stride}"),
+                };
+                Err(candle_core::Error::Msg(format!(
+                    "{}: a LoRA module of kind {kind:?} does not fit its layer, {layer}",
+                    self.module_path
+                )))
+            }
+        })
     }
 }
 

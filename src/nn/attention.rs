@@ -36,20 +36,16 @@ pub fn attention(
     if let Some(out) = flash(q, k, v, heads, false)? {
         return Ok(out);
     }
-    let (b, lq, inner) = q.dims3()?;
-    let lk = k.dim(1)?;
-    let head_dim = inner / heads;
-    let split = |t: &Tensor, l: usize| split_heads(t, (b, l, heads, head_dim));
-    let scale = 1.0 / (head_dim as f64).sqrt();
-    super::chunked_attention::chunked_attention(
-        &split(q, lq)?,
-        &split(k, lk)?,
-        &split(v, lk)?,
-        scale,
-        None,
-    )?
-    .transpose(1, 2)?
-    .reshape((b, lq, inner))
+    let scale = head_scale(q, heads)?;
+    super::merged_heads::merged_heads(q, k, v, heads, |q, k, v| {
+        super::chunked_attention::chunked_detached(q, k, v, scale)
+    })
+}
+
+/// `1/sqrt(D)` for `q` `[B, L, H·D]`.
+fn head_scale(q: &Tensor, heads: usize) -> Result<f64> {
+    let inner = q.dim(2)?;
+    Ok(1.0 / ((inner / heads.max(1)) as f64).sqrt())
 }
 
 /// [`attention`] under CLIP's causal mask: the flash kernel with its causal flag where it runs
@@ -80,27 +76,22 @@ const FLASH_MIN_KEYS: usize = 128;
 /// kernels take, and (unmasked) at least [`FLASH_MIN_KEYS`] keys. `None`: use another path.
 #[cfg(feature = "cuda")]
 fn flash(q: &Tensor, k: &Tensor, v: &Tensor, heads: usize, causal: bool) -> Result<Option<Tensor>> {
-    use super::flash_attention::{flash_attention, MAX_HEAD_DIM};
+    use super::flash_attention::{flash_detached, MAX_HEAD_DIM};
     let float = matches!(q.dtype(), DType::F32 | DType::BF16 | DType::F16);
     if !(q.device().is_cuda() && float && super::fused_op::use_fused(q)) {
         return Ok(None);
     }
-    let (b, lq, inner) = q.dims3()?;
+    let (_, lq, inner) = q.dims3()?;
     let lk = k.dim(1)?;
-    let head_dim = inner / heads;
+    let head_dim = inner / heads.max(1);
     if head_dim > MAX_HEAD_DIM || (causal && lq != lk) || (!causal && lk < FLASH_MIN_KEYS) {
         return Ok(None);
     }
-    let split = |t: &Tensor, l: usize| split_heads(t, (b, l, heads, head_dim));
-    let scale = 1.0 / (head_dim as f64).sqrt();
-    let out = flash_attention(
-        &split(q, lq)?,
-        &split(k, lk)?,
-        &split(v, lk)?,
-        scale,
-        causal,
-    )?;
-    Ok(Some(out.transpose(1, 2)?.reshape((b, lq, inner))?))
+    let scale = head_scale(q, heads)?;
+    let out = super::merged_heads::merged_heads(q, k, v, heads, |q, k, v| {
+        flash_detached(q, k, v, scale, causal)
+    })?;
+    Ok(Some(out))
 }
 
 #[cfg(not(feature = "cuda"))]

@@ -24,6 +24,8 @@
 
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, D};
 
+use super::fused_op::Grads3;
+use super::merged_heads::HeadsKernel;
 use super::output_slot::OutputSlot;
 
 /// The most f32 score elements one chunk may hold on CUDA (64 Mi = 256 MiB), where fewer, larger
@@ -58,6 +60,29 @@ fn run(
     chunk: Option<usize>,
     cpu_kernel: bool,
 ) -> Result<Tensor> {
+    let (out, state) = forward_detached(q, k, v, scale, chunk, cpu_kernel)?;
+    if !(q.track_op() || k.track_op() || v.track_op()) {
+        return Ok(out);
+    }
+    q.apply_op3(
+        k,
+        v,
+        ChunkedAttention {
+            state,
+            out: OutputSlot::new("chunked attention", out)?,
+        },
+    )
+}
+
+/// The forward on detached operands: the output and what its backward needs.
+fn forward_detached(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f64,
+    chunk: Option<usize>,
+    cpu_kernel: bool,
+) -> Result<(Tensor, ChunkedState)> {
     let (b, h, lq, _) = q.dims4()?;
     let lk = k.dim(2)?;
     let (q0, k0, v0) = (q.detach(), k.detach(), v.detach());
@@ -72,20 +97,24 @@ fn run(
         let (out, lse) = forward(&q0, &k0, &v0, scale, chunk)?;
         (out, lse, chunk)
     };
-    if !(q.track_op() || k.track_op() || v.track_op()) {
-        return Ok(out);
-    }
-    q.apply_op3(
-        k,
-        v,
-        ChunkedAttention {
-            scale,
-            chunk,
-            cpu_kernel,
-            lse,
-            out: OutputSlot::new("chunked attention", out)?,
-        },
-    )
+    let state = ChunkedState {
+        scale,
+        chunk,
+        cpu_kernel,
+        lse,
+    };
+    Ok((out, state))
+}
+
+/// [`chunked_attention`]'s forward on detached operands, for an op that carries the backward
+/// itself (`super::merged_heads`): the output and the [`HeadsKernel`] that differentiates it.
+pub(crate) fn chunked_detached(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f64,
+) -> Result<(Tensor, ChunkedState)> {
+    forward_detached(q, k, v, scale, None, q.device().is_cpu())
 }
 
 /// The output and the row log-sum-exp `[B, H, Lq, 1]` (f32).
@@ -114,20 +143,24 @@ fn forward(
     Ok((Tensor::cat(&outs, 2)?, Tensor::cat(&lses, 2)?))
 }
 
-struct ChunkedAttention {
+/// What chunked attention's backward needs besides the operands and the output.
+pub(crate) struct ChunkedState {
     scale: f64,
     chunk: usize,
     /// Whether the CPU block kernels ran the forward (and so run the backward).
     cpu_kernel: bool,
     /// Row log-sum-exp of the scaled scores, `[B, H, Lq, 1]`, f32.
     lse: Tensor,
+}
+
+struct ChunkedAttention {
+    state: ChunkedState,
     out: OutputSlot,
 }
 
-impl ChunkedAttention {
+impl HeadsKernel for ChunkedState {
     /// The gradients of `q`, `k`, `v` for the upstream gradient `g` of output `o`; only for the
-    /// tracked operands (candle stores whatever a backward returns, tracked or not).
-    #[allow(clippy::type_complexity)]
+    /// wanted operands (candle stores whatever a backward returns, tracked or not).
     fn backward(
         &self,
         q: &Tensor,
@@ -135,9 +168,10 @@ impl ChunkedAttention {
         v: &Tensor,
         o: &Tensor,
         g: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        want: [bool; 3],
+    ) -> Result<Grads3> {
         if self.cpu_kernel {
-            return cpu::backward(q, k, v, o, g, &self.lse, self.scale, self.chunk);
+            return cpu::backward(q, k, v, o, g, &self.lse, self.scale, self.chunk, want);
         }
         let f32 = |t: &Tensor| t.detach().to_dtype(DType::F32);
         let (q32, k32, v32, g32) = (f32(q)?, f32(k)?, f32(v)?, f32(g)?);
@@ -155,29 +189,29 @@ impl ChunkedAttention {
             let lse = self.lse.narrow(2, start, len)?;
             let d = d_rows.narrow(2, start, len)?;
             let p = (qc.matmul(&kt)? * self.scale)?.broadcast_sub(&lse)?.exp()?;
-            if v.track_op() {
+            if want[2] {
                 dv = (dv + p.t()?.matmul(&gc)?)?;
             }
             let dp = gc.matmul(&vt)?;
             let ds = ((p * dp.broadcast_sub(&d)?)? * self.scale)?;
-            if q.track_op() {
+            if want[0] {
                 dq.push(ds.matmul(&k32)?);
             }
-            if k.track_op() {
+            if want[1] {
                 dk = (dk + ds.t()?.matmul(&qc)?)?;
             }
         }
-        let dq = if q.track_op() {
+        let dq = if want[0] {
             Some(Tensor::cat(&dq, 2)?.to_dtype(q.dtype())?)
         } else {
             None
         };
-        let dk = if k.track_op() {
+        let dk = if want[1] {
             Some(dk.to_dtype(k.dtype())?)
         } else {
             None
         };
-        let dv = if v.track_op() {
+        let dv = if want[2] {
             Some(dv.to_dtype(v.dtype())?)
         } else {
             None
@@ -224,7 +258,8 @@ impl CustomOp3 for ChunkedAttention {
         res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        self.backward(q, k, v, res, grad)
+        let want = [q.track_op(), k.track_op(), v.track_op()];
+        self.state.backward(q, k, v, res, grad, want)
     }
 }
 
@@ -299,12 +334,13 @@ mod cpu {
         lse: &Tensor,
         scale: f64,
         rows: usize,
+        want: [bool; 3],
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let dims = dims(q, k)?;
         let want = Wanted {
-            q: q.track_op(),
-            k: k.track_op(),
-            v: v.track_op(),
+            q: want[0],
+            k: want[1],
+            v: want[2],
         };
         let ops = [q, k, v, o, g, lse]
             .iter()

@@ -65,22 +65,36 @@ impl Conv2d {
 
     /// `base(x) + adapter.delta(x)`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let y = self.base_forward(x)?;
-        match &self.adapter {
-            // A frozen layer on an untracked input has an untracked output: `add_maybe_const`
-            // stores no gradient for it.
-            Some(a) => super::add_maybe_const(&y, &a.delta(x)?),
-            None => Ok(y),
+        let Some(a) = &self.adapter else {
+            return self.base_forward(x);
+        };
+        if self.is_frozen() && super::frozen::supported(x) {
+            let base = super::FrozenBase::Conv {
+                w: &self.weight,
+                b: self.bias.as_ref(),
+                padding: self.cfg.padding,
+                stride: self.cfg.stride,
+            };
+            if let Some(y) = a.forward_frozen(x, base) {
+                return y;
+            }
         }
+        // A frozen layer on an untracked input has an untracked output: `add_maybe_const`
+        // stores no gradient for it.
+        super::add_maybe_const(&self.base_forward(x)?, &a.delta(x)?)
+    }
+
+    /// Whether the weight and the bias are plain tensors (no gradient wanted).
+    fn is_frozen(&self) -> bool {
+        super::frozen::is_frozen(&self.weight)
+            && self.bias.as_ref().is_none_or(super::frozen::is_frozen)
     }
 
     /// `conv2d(x, W) + b`. A frozen layer (weight and bias plain tensors, not Vars) goes through
     /// [`super::frozen_conv2d_bias`], whose backward computes no weight or bias gradient.
     pub fn base_forward(&self, x: &Tensor) -> Result<Tensor> {
         if super::cpu_bf16(x) {
-            let frozen = super::frozen::is_frozen(&self.weight)
-                && self.bias.as_ref().is_none_or(super::frozen::is_frozen);
-            if x.track_op() && frozen {
+            if x.track_op() && self.is_frozen() {
                 return super::handover::frozen_conv2d_cpu_bf16(
                     x,
                     &self.weight,
@@ -94,10 +108,7 @@ impl Conv2d {
                 .to_dtype(DType::BF16);
         }
         let w = cast_like(&self.weight, x)?;
-        let frozen = super::frozen::is_frozen(&self.weight)
-            && self.bias.as_ref().is_none_or(super::frozen::is_frozen)
-            && super::frozen::supported(x);
-        if frozen {
+        if self.is_frozen() && super::frozen::supported(x) {
             let b = self.bias.as_ref().map(|b| cast_like(b, x)).transpose()?;
             return super::frozen_conv2d_bias(x, &w, b.as_ref(), self.cfg.padding, self.cfg.stride);
         }

@@ -20,7 +20,9 @@
 
 use candle_core::{bail, DType, Result};
 #[cfg(feature = "cuda")]
-use {candle_core::Tensor, cuda::FlashAttention, std::sync::Mutex};
+pub(crate) use cuda::FlashAttention;
+#[cfg(feature = "cuda")]
+use {candle_core::Tensor, std::sync::Mutex};
 
 #[cfg(feature = "cuda")]
 mod cuda;
@@ -120,16 +122,15 @@ impl Geometry {
     }
 }
 
-/// `softmax(s·q·kᵀ)·v` for `q` `[B, H, Lq, D]`, `k`/`v` `[B, H, Lk, D]` (same dtype: f32, bf16
-/// or f16) on CUDA, by the flash kernels; `causal` masks key j > query i.
+/// The op for one call, its operands' shapes and dtypes checked.
 #[cfg(feature = "cuda")]
-pub fn flash_attention(
+fn flash_op(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     scale: f64,
     causal: bool,
-) -> Result<Tensor> {
+) -> Result<FlashAttention> {
     let (b, h, lq, d) = q.dims4()?;
     let (bk, hk, lk, dk) = k.dims4()?;
     if (bk, hk, dk) != (b, h, d) || v.dims() != k.dims() {
@@ -143,18 +144,51 @@ pub fn flash_attention(
     if k.dtype() != q.dtype() || v.dtype() != q.dtype() {
         bail!("flash attention: q, k, v must share a dtype")
     }
-    let op = FlashAttention {
+    Ok(FlashAttention {
         geo: Geometry::new(b * h, lq, lk, d)?,
         scale: scale as f32,
         causal,
         lse: Mutex::new(None),
-    };
+    })
+}
+
+/// `softmax(s·q·kᵀ)·v` for `q` `[B, H, Lq, D]`, `k`/`v` `[B, H, Lk, D]` (same dtype: f32, bf16
+/// or f16) on CUDA, by the flash kernels; `causal` masks key j > query i.
+#[cfg(feature = "cuda")]
+pub fn flash_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f64,
+    causal: bool,
+) -> Result<Tensor> {
+    let op = flash_op(q, k, v, scale, causal)?;
     let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
     if q.track_op() || k.track_op() || v.track_op() {
         q.apply_op3(&k, &v, op)
     } else {
         q.apply_op3_no_bwd(&k, &v, &op)
     }
+}
+
+/// [`flash_attention`]'s forward on detached operands, for an op that carries the backward
+/// itself (`super::merged_heads`): the output, and the op holding L for the backward.
+#[cfg(feature = "cuda")]
+pub(crate) fn flash_detached(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f64,
+    causal: bool,
+) -> Result<(Tensor, FlashAttention)> {
+    let op = flash_op(q, k, v, scale, causal)?;
+    let (q, k, v) = (
+        q.detach().contiguous()?,
+        k.detach().contiguous()?,
+        v.detach().contiguous()?,
+    );
+    let out = q.apply_op3_no_bwd(&k, &v, &op)?;
+    Ok((out, op))
 }
 
 #[cfg(test)]

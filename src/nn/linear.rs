@@ -50,13 +50,21 @@ impl Linear {
 
     /// `base(x) + adapter.delta(x)`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let y = self.base_forward(x)?;
-        match &self.adapter {
-            // A frozen layer on an untracked input has an untracked output: `add_maybe_const`
-            // stores no gradient for it.
-            Some(a) => super::add_maybe_const(&y, &a.delta(x)?),
-            None => Ok(y),
+        let Some(a) = &self.adapter else {
+            return self.base_forward(x);
+        };
+        if self.is_frozen() && super::frozen::supported(x) {
+            let base = super::FrozenBase::Linear {
+                w: &self.weight,
+                b: self.bias.as_ref(),
+            };
+            if let Some(y) = a.forward_frozen(x, base) {
+                return y;
+            }
         }
+        // A frozen layer on an untracked input has an untracked output: `add_maybe_const`
+        // stores no gradient for it.
+        super::add_maybe_const(&self.base_forward(x)?, &a.delta(x)?)
     }
 
     /// Whether the weight and the bias are plain tensors (no gradient wanted).

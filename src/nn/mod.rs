@@ -30,6 +30,8 @@ mod handover;
 mod im2col;
 mod layer_norm;
 mod linear;
+mod low_rank;
+mod merged_heads;
 mod norm;
 #[cfg(feature = "cuda")]
 mod norm_cuda;
@@ -56,6 +58,34 @@ pub use flash_attention::{flash_attention, MAX_HEAD_DIM};
 pub trait LayerAdapter: std::fmt::Debug + Send + Sync {
     /// The adapter's contribution for the layer input `x` (same shape as the layer output).
     fn delta(&self, x: &candle_core::Tensor) -> candle_core::Result<candle_core::Tensor>;
+
+    /// The whole adapted output `base(x) + delta(x)` as one op on a frozen base, which keeps
+    /// less for the backward than the sum of the two (see [`low_rank`]); `None` where the adapter
+    /// has no such form, and the layer then adds [`LayerAdapter::delta`] to its own output.
+    fn forward_frozen(
+        &self,
+        _x: &candle_core::Tensor,
+        _base: FrozenBase<'_>,
+    ) -> Option<candle_core::Result<candle_core::Tensor>> {
+        None
+    }
+}
+
+/// A frozen layer an adapter is attached to: its weight and bias (plain tensors) and geometry.
+#[derive(Clone, Copy)]
+pub enum FrozenBase<'a> {
+    /// `x·Wᵀ + b`, `W` `[out, in]`.
+    Linear {
+        w: &'a candle_core::Tensor,
+        b: Option<&'a candle_core::Tensor>,
+    },
+    /// `conv2d(x, W) + b`, `W` `[out, in, k, k]`.
+    Conv {
+        w: &'a candle_core::Tensor,
+        b: Option<&'a candle_core::Tensor>,
+        padding: usize,
+        stride: usize,
+    },
 }
 pub use conv::{Conv2d, Conv2dConfig};
 pub use conv_grad::{
@@ -83,6 +113,7 @@ pub use handover::{
 };
 pub use layer_norm::{layer_norm, layer_norm_reference};
 pub use linear::Linear;
+pub use low_rank::{frozen_conv2d_low_rank, frozen_linear_low_rank, DropoutMask, LowRank};
 pub use norm::{GroupNorm, LayerNorm};
 pub use softmax::{softmax_last_dim, softmax_last_dim_reference};
 pub use upsample::upsample_nearest;

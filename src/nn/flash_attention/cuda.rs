@@ -20,6 +20,7 @@ use candle_core::{
 };
 
 use super::{Geometry, THREADS};
+use crate::nn::merged_heads::HeadsKernel;
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/kernels_flash_attention.ptx"));
 const MODULE: &str = "sdtrain_flash_attention";
@@ -123,7 +124,7 @@ impl FlashAttention {
 
     /// dQ (f32), dK and dV for element type `T` (`dtype`), upstream gradient `g` of output `o`.
     #[allow(clippy::too_many_arguments)]
-    fn backward<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
+    fn backward_typed<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
         &self,
         dtype: DType,
         q: &Tensor,
@@ -221,6 +222,21 @@ impl CustomOp3 for FlashAttention {
         res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let want = [q.track_op(), k.track_op(), v.track_op()];
+        HeadsKernel::backward(self, q, k, v, res, grad, want)
+    }
+}
+
+impl HeadsKernel for FlashAttention {
+    fn backward(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        o: &Tensor,
+        grad: &Tensor,
+        want: [bool; 3],
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let lse = self
             .lse
             .lock()
@@ -231,20 +247,19 @@ impl CustomOp3 for FlashAttention {
         };
         let dtype = q.dtype();
         let (qd, kd, vd) = (q.detach(), k.detach(), v.detach());
-        let o = res.detach().contiguous()?;
+        let o = o.detach().contiguous()?;
         let g = grad.detach().to_dtype(dtype)?.contiguous()?;
         let (dq, dk, dv) = match dtype {
-            DType::F32 => self.backward::<f32>(dtype, &qd, &kd, &vd, &o, &g, &lse)?,
-            DType::BF16 => self.backward::<half::bf16>(dtype, &qd, &kd, &vd, &o, &g, &lse)?,
-            DType::F16 => self.backward::<half::f16>(dtype, &qd, &kd, &vd, &o, &g, &lse)?,
+            DType::F32 => self.backward_typed::<f32>(dtype, &qd, &kd, &vd, &o, &g, &lse)?,
+            DType::BF16 => self.backward_typed::<half::bf16>(dtype, &qd, &kd, &vd, &o, &g, &lse)?,
+            DType::F16 => self.backward_typed::<half::f16>(dtype, &qd, &kd, &vd, &o, &g, &lse)?,
             other => bail!("flash attention: no kernel for {other:?}"),
         };
-        // candle stores whatever a backward returns: only tracked operands get a gradient.
-        let tracked = |t: &Tensor, grad: Tensor| t.track_op().then_some(grad);
+        // candle stores whatever a backward returns: only wanted operands get a gradient.
         Ok((
-            tracked(q, dq.to_dtype(dtype)?),
-            tracked(k, dk),
-            tracked(v, dv),
+            want[0].then(|| dq.to_dtype(dtype)).transpose()?,
+            want[1].then_some(dk),
+            want[2].then_some(dv),
         ))
     }
 }

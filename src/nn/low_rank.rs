@@ -1,0 +1,448 @@
+//! A frozen layer plus a trainable low-rank addition (LoRA on a Linear, LoCon on a Conv2d) as ONE
+//! op: `y = base(x) + s · up(m ⊙ down(x))`.
+//!
+//! Composed from candle ops, the addition keeps five layer-output-sized tensors alive until the
+//! backward: the base output, `up`'s output, its scaled copy, and the sum's two operands. Only the
+//! sum is needed downstream, and the backward needs none of them: `∂L/∂up = s·gᵀ·h`,
+//! `∂L/∂h = s·g·up` (times the dropout mask), `∂L/∂down = (∂L/∂h)ᵀ·x`,
+//! `∂L/∂x = g·W + (∂L/∂h)·down`. So this op computes the forward on detached operands (the fused
+//! ops' carrier, [`super::fused_op`]), keeps the rank-r `h = m ⊙ down(x)` (and the mask), and
+//! holds `x`, `down` and `up` as its arguments: per adapted layer, three output-sized tensors
+//! fewer than the composed form (SD1.5 LoRA at 512 px: about 1 GiB in bf16).
+//!
+//! On the CPU in bf16, where candle has no bf16 GEMM, the forward and backward compute in f32 and
+//! round once, as the frozen layers do. The Vars stay f32; the gradients returned for them are f32.
+
+use candle_core::{DType, Result, Tensor};
+
+use super::fused_op::{attach3, if_tracked, Backward3, Grads3};
+
+/// The inverted-dropout mask for `h = down(x)`: `0` or `1/(1-p)` per element, `h`'s shape, dtype
+/// and device; `None` when dropout is off.
+pub type DropoutMask<'a> = &'a dyn Fn(&Tensor) -> Result<Option<Tensor>>;
+
+/// The trainable pair of a low-rank addition and how it is applied.
+pub struct LowRank<'a> {
+    /// `[r, in]` on a linear; on a conv `[r, in, kh, kw]`, with the base's stride and padding.
+    pub down: &'a Tensor,
+    /// `[out, r]` on a linear, `[out, r, 1, 1]` on a conv.
+    pub up: &'a Tensor,
+    /// `alpha / rank`.
+    pub scale: f64,
+    pub dropout: DropoutMask<'a>,
+}
+
+/// The dtype the op computes in: the input's, but f32 for bf16 on the CPU.
+fn compute_dtype(x: &Tensor) -> DType {
+    if super::cpu_bf16(x) {
+        DType::F32
+    } else {
+        x.dtype()
+    }
+}
+
+/// `s · up` in `dtype` (scaled in f32, rounded once).
+fn scaled(up: &Tensor, scale: f64, dtype: DType) -> Result<Tensor> {
+    up.detach()
+        .to_dtype(DType::F32)?
+        .affine(scale, 0.0)?
+        .to_dtype(dtype)
+}
+
+/// `h ⊙ mask` when there is a mask.
+fn masked(h: Tensor, mask: Option<&Tensor>) -> Result<Tensor> {
+    match mask {
+        Some(m) => h * m,
+        None => Ok(h),
+    }
+}
+
+/// `x·Wᵀ + b + s·(m ⊙ x·downᵀ)·upᵀ` over the last dimension of `x`, with `W` `[out, in]` and
+/// `b` `[out]` frozen (plain tensors: they get no gradient). `x`, `down` and `up` get gradients
+/// where they are tracked.
+pub fn frozen_linear_low_rank(
+    x: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    lr: LowRank<'_>,
+) -> Result<Tensor> {
+    let (out_dim, in_dim) = w.dims2()?;
+    let x_dims = x.dims().to_vec();
+    if x_dims.last() != Some(&in_dim) {
+        candle_core::bail!("low-rank linear: input {x_dims:?}, weight [{out_dim}, {in_dim}]");
+    }
+    let (rank, down_in) = lr.down.dims2()?;
+    if down_in != in_dim || lr.up.dims2()? != (out_dim, rank) {
+        candle_core::bail!(
+            "low-rank linear: down {:?} and up {:?} do not fit the weight [{out_dim}, {in_dim}]",
+            lr.down.dims(),
+            lr.up.dims()
+        );
+    }
+    let cd = compute_dtype(x);
+    let rows = x.elem_count() / in_dim.max(1);
+    let x2 = x.detach().reshape((rows, in_dim))?.to_dtype(cd)?;
+    let h = x2.matmul(&lr.down.detach().to_dtype(cd)?.t()?)?;
+    let mask = (lr.dropout)(&h)?;
+    let h = masked(h, mask.as_ref())?;
+    let mut y = x2.matmul(&w.detach().to_dtype(cd)?.t()?)?;
+    drop(x2);
+    if let Some(b) = b {
+        y = y.broadcast_add(&b.detach().to_dtype(cd)?)?;
+    }
+    let y = (y + h.matmul(&scaled(lr.up, lr.scale, cd)?.t()?)?)?;
+    let mut out_dims = x_dims.clone();
+    if let Some(last) = out_dims.last_mut() {
+        *last = out_dim;
+    }
+    let y = y.to_dtype(x.dtype())?.reshape(out_dims)?;
+    let backward = LinearBackward {
+        w: w.detach(),
+        h,
+        mask,
+        scale: lr.scale,
+        rows,
+        x_dims,
+    };
+    attach3((x, lr.down, lr.up), "frozen-linear-low-rank", y, backward)
+}
+
+struct LinearBackward {
+    /// The frozen weight as stored.
+    w: Tensor,
+    /// `m ⊙ x·downᵀ`, `[rows, r]` in the compute dtype.
+    h: Tensor,
+    mask: Option<Tensor>,
+    scale: f64,
+    rows: usize,
+    x_dims: Vec<usize>,
+}
+
+impl Backward3 for LinearBackward {
+    fn backward(
+        &self,
+        x: &Tensor,
+        down: &Tensor,
+        up: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<Grads3> {
+        let cd = self.h.dtype();
+        let out_dim = up.dim(0)?;
+        let g = grad.reshape((self.rows, out_dim))?.to_dtype(cd)?;
+        let gh = masked(g.matmul(&scaled(up, self.scale, cd)?)?, self.mask.as_ref())?;
+        let d_up = if_tracked(up, || {
+            g.t()?
+                .matmul(&self.h)?
+                .to_dtype(DType::F32)?
+                .affine(self.scale, 0.0)
+        })?;
+        let x2 = || {
+            x.detach()
+                .reshape((self.rows, self.x_dims[self.x_dims.len() - 1]))?
+                .to_dtype(cd)
+        };
+        let d_down = if_tracked(down, || gh.t()?.matmul(&x2()?))?;
+        let dx = if_tracked(x, || {
+            let base = g.matmul(&self.w.to_dtype(cd)?)?;
+            (base + gh.matmul(&down.detach().to_dtype(cd)?)?)?.reshape(self.x_dims.as_slice())
+        })?;
+        Ok((dx, d_down, d_up))
+    }
+}
+
+/// `conv2d(x, W) + b + s·conv1×1(m ⊙ conv2d(x, down), up)` for `x` `[B, C, H, W]`, `W`
+/// `[O, C, kh, kw]` and `b` `[O]` frozen, `down` `[r, C, kh, kw]` with the base's `padding` and
+/// `stride`, `up` `[O, r, 1, 1]`.
+pub fn frozen_conv2d_low_rank(
+    x: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    padding: usize,
+    stride: usize,
+    lr: LowRank<'_>,
+) -> Result<Tensor> {
+    let (out_ch, in_ch, kh, kw) = w.dims4()?;
+    let (rank, down_in, dkh, dkw) = lr.down.dims4()?;
+    if down_in != in_ch || (dkh, dkw) != (kh, kw) || lr.up.dims4()? != (out_ch, rank, 1, 1) {
+        candle_core::bail!(
+            "low-rank conv: down {:?} and up {:?} do not fit the weight {:?}",
+            lr.down.dims(),
+            lr.up.dims(),
+            w.dims()
+        );
+    }
+    let cd = compute_dtype(x);
+    let xc = x.detach().to_dtype(cd)?;
+    let h = super::conv2d_detached(&xc, &lr.down.detach().to_dtype(cd)?, padding, stride)?;
+    let mask = (lr.dropout)(&h)?;
+    let h = masked(h, mask.as_ref())?;
+    let mut y = super::conv2d_detached(&xc, &w.detach().to_dtype(cd)?, padding, stride)?;
+    drop(xc);
+    if let Some(b) = b {
+        y = y.broadcast_add(&b.detach().to_dtype(cd)?.reshape((1, out_ch, 1, 1))?)?;
+    }
+    let y = (y + super::conv2d_detached(&h, &scaled(lr.up, lr.scale, cd)?, 0, 1)?)?;
+    let y = y.to_dtype(x.dtype())?;
+    let (_, _, x_h, x_w) = x.dims4()?;
+    let backward = ConvBackward {
+        w: w.detach(),
+        h,
+        mask,
+        scale: lr.scale,
+        padding,
+        stride,
+        x_hw: (x_h, x_w),
+    };
+    attach3((x, lr.down, lr.up), "frozen-conv2d-low-rank", y, backward)
+}
+
+struct ConvBackward {
+    w: Tensor,
+    /// `m ⊙ conv2d(x, down)`, `[B, r, H', W']` in the compute dtype.
+    h: Tensor,
+    mask: Option<Tensor>,
+    scale: f64,
+    padding: usize,
+    stride: usize,
+    x_hw: (usize, usize),
+}
+
+impl Backward3 for ConvBackward {
+    fn backward(
+        &self,
+        x: &Tensor,
+        down: &Tensor,
+        up: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<Grads3> {
+        use super::conv_grad::{conv2d_input_grad, conv2d_weight_grad};
+        let cd = self.h.dtype();
+        let g = grad.to_dtype(cd)?;
+        let (_, _, h_h, h_w) = self.h.dims4()?;
+        let up_s = scaled(up, self.scale, cd)?;
+        let gh = masked(
+            conv2d_input_grad(&g, &up_s, 0, 1, (h_h, h_w))?,
+            self.mask.as_ref(),
+        )?;
+        let d_up = if_tracked(up, || {
+            conv2d_weight_grad(&self.h, &g, 0, 1, (1, 1))?
+                .to_dtype(DType::F32)?
+                .affine(self.scale, 0.0)
+        })?;
+        let (_, _, kh, kw) = down.dims4()?;
+        let (p, s) = (self.padding, self.stride);
+        let d_down = if_tracked(down, || {
+            conv2d_weight_grad(&x.detach().to_dtype(cd)?, &gh, p, s, (kh, kw))
+        })?;
+        let dx = if_tracked(x, || {
+            let base = conv2d_input_grad(&g, &self.w.to_dtype(cd)?, p, s, self.x_hw)?;
+            let low = conv2d_input_grad(&gh, &down.detach().to_dtype(cd)?, p, s, self.x_hw)?;
+            base + low
+        })?;
+        Ok((dx, d_down, d_up))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::nn::test_util::{assert_parity, fill};
+
+    const SCALE: f64 = 0.75;
+
+    /// A fixed inverted-dropout mask (p = 0.5) of `h`'s shape: every third element dropped.
+    fn half_mask(h: &Tensor) -> Result<Option<Tensor>> {
+        let v: Vec<f32> = (0..h.elem_count())
+            .map(|i| if i % 3 == 0 { 0.0 } else { 2.0 })
+            .collect();
+        Ok(Some(
+            Tensor::from_vec(v, h.shape(), h.device())?.to_dtype(h.dtype())?,
+        ))
+    }
+
+    fn no_mask(_: &Tensor) -> Result<Option<Tensor>> {
+        Ok(None)
+    }
+
+    /// The composed form: `base(x) + s·up(m ⊙ down(x))` in plain candle ops, in f32 for a bf16
+    /// input (rounded once at the end, as the fused op does on the CPU).
+    fn composed_linear(a: &[Tensor], mask: DropoutMask<'_>) -> Result<Tensor> {
+        let x = a[0].to_dtype(DType::F32)?;
+        let f = |t: &Tensor| t.to_dtype(DType::F32);
+        let y = x.matmul(&f(&a[1])?.t()?)?.broadcast_add(&f(&a[2])?)?;
+        // A plain matmul would store a gradient for a constant `x`.
+        let h = crate::nn::matmul_const_lhs(&x, &f(&a[3])?)?;
+        let h = match mask(&h)? {
+            Some(m) => (h * m)?,
+            None => h,
+        };
+        let d = (h.matmul(&f(&a[4])?.t()?)? * SCALE)?;
+        (y + d)?.to_dtype(a[0].dtype())
+    }
+
+    fn fused_linear(a: &[Tensor], mask: DropoutMask<'_>) -> Result<Tensor> {
+        let lr = LowRank {
+            down: &a[3],
+            up: &a[4],
+            scale: SCALE,
+            dropout: mask,
+        };
+        frozen_linear_low_rank(&a[0], &a[1], Some(&a[2]), lr)
+    }
+
+    /// `[x, W, b, down, up]` for a 6 → 5 linear of rank 3 on 7 rows; `x` in `dtype`.
+    fn linear_inputs(dtype: DType) -> Vec<Tensor> {
+        let t = |dims: &[usize], seed, dt: DType| fill(dims, seed, 1.0).to_dtype(dt).unwrap();
+        vec![
+            t(&[7, 6], 1, dtype),
+            t(&[5, 6], 2, dtype),
+            t(&[5], 3, dtype),
+            t(&[3, 6], 4, DType::F32),
+            t(&[5, 3], 5, DType::F32),
+        ]
+    }
+
+    /// Forward and the gradients of `x`, `down` and `up` equal the composed form's, with and
+    /// without dropout and with `x` a constant. Catches a wrong scale on either factor's
+    /// gradient, a dropout mask left out of `∂L/∂h`, and a missing term of `∂L/∂x`.
+    #[test]
+    fn linear_matches_the_composed_form() {
+        for (mask, label) in [
+            (&half_mask as DropoutMask<'_>, "dropout"),
+            (&no_mask as DropoutMask<'_>, "no dropout"),
+        ] {
+            for track_x in [true, false] {
+                assert_parity(
+                    &format!("low-rank linear, {label}, x tracked {track_x}"),
+                    &linear_inputs(DType::F32),
+                    &[track_x, false, false, true, true],
+                    1e-6,
+                    &|a| fused_linear(a, mask),
+                    &|a| composed_linear(a, mask),
+                );
+            }
+        }
+    }
+
+    /// bf16 on the CPU computes in f32 and rounds the output once; the input's gradient comes
+    /// back in bf16, the f32 factors' in f32.
+    #[test]
+    fn linear_bf16_on_the_cpu_computes_in_f32() {
+        assert_parity(
+            "low-rank linear, bf16",
+            &linear_inputs(DType::BF16),
+            &[true, false, false, true, true],
+            1e-2,
+            &|a| fused_linear(a, &half_mask),
+            &|a| composed_linear(a, &half_mask),
+        );
+    }
+
+    /// The point of the op: its graph holds the output and its three arguments, no intermediate
+    /// (the composed form also keeps the base output, `up`'s output and its scaled copy).
+    #[test]
+    fn the_graph_keeps_no_intermediate() {
+        let a = linear_inputs(DType::F32);
+        let vars: Vec<Tensor> = [0, 3, 4]
+            .iter()
+            .map(|&i| {
+                candle_core::Var::from_tensor(&a[i])
+                    .unwrap()
+                    .as_tensor()
+                    .clone()
+            })
+            .collect();
+        let args = [
+            vars[0].clone(),
+            a[1].clone(),
+            a[2].clone(),
+            vars[1].clone(),
+            vars[2].clone(),
+        ];
+        let fused = fused_linear(&args, &no_mask).unwrap();
+        assert_eq!(fused.sorted_nodes().len(), 4);
+        let composed = composed_linear(&args, &no_mask).unwrap();
+        assert!(composed.sorted_nodes().len() > 4);
+    }
+
+    /// `[x, W, b, down, up]` for a conv of kernel `k` from 3 to 4 channels, rank 2, on a
+    /// `[2, 3, 7, 6]` input (odd and even sides, for the strided case).
+    fn conv_inputs(k: usize, dtype: DType) -> Vec<Tensor> {
+        let t = |dims: &[usize], seed, dt: DType| fill(dims, seed, 1.0).to_dtype(dt).unwrap();
+        vec![
+            t(&[2, 3, 7, 6], 11, dtype),
+            t(&[4, 3, k, k], 12, dtype),
+            t(&[4], 13, dtype),
+            t(&[2, 3, k, k], 14, DType::F32),
+            t(&[4, 2, 1, 1], 15, DType::F32),
+        ]
+    }
+
+    fn composed_conv(a: &[Tensor], p: usize, s: usize, mask: DropoutMask<'_>) -> Result<Tensor> {
+        let f = |t: &Tensor| t.to_dtype(DType::F32);
+        let x = f(&a[0])?;
+        let y = crate::nn::conv2d_trainable(&x, &f(&a[1])?, p, s)?
+            .broadcast_add(&f(&a[2])?.reshape((1, 4, 1, 1))?)?;
+        let h = crate::nn::conv2d_trainable(&x, &f(&a[3])?, p, s)?;
+        let h = match mask(&h)? {
+            Some(m) => (h * m)?,
+            None => h,
+        };
+        let d = (crate::nn::conv2d_trainable(&h, &f(&a[4])?, 0, 1)? * SCALE)?;
+        (y + d)?.to_dtype(a[0].dtype())
+    }
+
+    fn fused_conv(a: &[Tensor], p: usize, s: usize, mask: DropoutMask<'_>) -> Result<Tensor> {
+        let lr = LowRank {
+            down: &a[3],
+            up: &a[4],
+            scale: SCALE,
+            dropout: mask,
+        };
+        frozen_conv2d_low_rank(&a[0], &a[1], Some(&a[2]), p, s, lr)
+    }
+
+    /// LoCon's shapes: 3×3 at stride 1 and 2 (padding 1), 1×1; with and without dropout.
+    #[test]
+    fn conv_matches_the_composed_form() {
+        for (k, p, s) in [(3, 1, 1), (3, 1, 2), (1, 0, 1)] {
+            for (mask, label) in [
+                (&half_mask as DropoutMask<'_>, "dropout"),
+                (&no_mask as DropoutMask<'_>, "no dropout"),
+            ] {
+                assert_parity(
+                    &format!("low-rank conv {k}x{k} stride {s}, {label}"),
+                    &conv_inputs(k, DType::F32),
+                    &[true, false, false, true, true],
+                    1e-5,
+                    &|a| fused_conv(a, p, s, mask),
+                    &|a| composed_conv(a, p, s, mask),
+                );
+            }
+        }
+        assert_parity(
+            "low-rank conv, bf16",
+            &conv_inputs(3, DType::BF16),
+            &[true, false, false, true, true],
+            1e-2,
+            &|a| fused_conv(a, 1, 1, &half_mask),
+            &|a| composed_conv(a, 1, 1, &half_mask),
+        );
+    }
+
+    #[test]
+    fn mismatched_factors_are_an_error() {
+        let a = linear_inputs(DType::F32);
+        let bad = fill(&[5, 4], 6, 1.0);
+        let lr = LowRank {
+            down: &a[3],
+            up: &bad,
+            scale: SCALE,
+            dropout: &no_mask,
+        };
+        let e = frozen_linear_low_rank(&a[0], &a[1], None, lr).unwrap_err();
+        assert!(e.to_string().contains("do not fit"), "{e}");
+    }
+}
