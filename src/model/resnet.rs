@@ -5,7 +5,10 @@
 use candle_core::{Result, Tensor};
 
 use super::weights::{Weights, WeightsError};
-use crate::nn::{silu, Conv2d, Conv2dConfig, GroupNorm, LayerMut, Linear, VisitLayers};
+use crate::nn::{
+    group_norm_silu_conv, silu, Conv2d, Conv2dConfig, Extra, GroupNorm, LayerMut, Linear,
+    VisitLayers,
+};
 
 #[derive(Debug, Clone)]
 pub struct ResnetBlock2D {
@@ -53,9 +56,16 @@ impl ResnetBlock2D {
 
     /// `x` `[B, C, H, W]`, `temb` `[B, T]` (the UNet's, before its SiLU).
     pub fn forward(&self, x: &Tensor, temb: Option<&Tensor>) -> Result<Tensor> {
+        let t = match (&self.time_emb_proj, temb) {
+            (Some(proj), Some(t)) => Some(proj.forward(&silu(t)?)?),
+            _ => None,
+        };
+        if let Some(out) = self.forward_frozen(x, t.as_ref())? {
+            return Ok(out);
+        }
         let mut h = self.conv1.forward(&self.norm1.forward_silu(x)?)?;
-        if let (Some(proj), Some(t)) = (&self.time_emb_proj, temb) {
-            let t = proj.forward(&silu(t)?)?.unsqueeze(2)?.unsqueeze(3)?;
+        if let Some(t) = t {
+            let t = t.unsqueeze(2)?.unsqueeze(3)?;
             // A frozen projection of a frozen embedding is a constant: store no gradient for it.
             h = crate::nn::broadcast_add_const(&h, &t)?;
         }
@@ -65,6 +75,34 @@ impl ResnetBlock2D {
             None => x.clone(),
         };
         crate::nn::add_maybe_const(&shortcut, &h)
+    }
+}
+
+impl ResnetBlock2D {
+    /// Both halves as [`group_norm_silu_conv`] ops when the block is frozen and carries no
+    /// adapter: the graph keeps the block's input, the first half's output and the time
+    /// embedding, not the norms' and convs' outputs. `None`: compose the layers.
+    fn forward_frozen(&self, x: &Tensor, t: Option<&Tensor>) -> Result<Option<Tensor>> {
+        let adapted = self.conv2.adapter.is_some()
+            || self
+                .conv_shortcut
+                .as_ref()
+                .is_some_and(|c| c.adapter.is_some());
+        if adapted {
+            return Ok(None);
+        }
+        let first = match t {
+            Some(t) => group_norm_silu_conv(x, &self.norm1, &self.conv1, Extra::Channels(t))?,
+            None => None,
+        };
+        let Some(h) = first else {
+            return Ok(None);
+        };
+        let extra = match &self.conv_shortcut {
+            Some(c) => Extra::Shortcut(x, c),
+            None => Extra::Residual(x),
+        };
+        group_norm_silu_conv(&h, &self.norm2, &self.conv2, extra)
     }
 }
 

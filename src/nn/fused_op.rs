@@ -11,7 +11,7 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use candle_core::{CpuStorage, CustomOp1, CustomOp3, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 
 use super::output_slot::OutputSlot;
 
@@ -34,6 +34,31 @@ pub(crate) trait Backward3: Send + Sync + 'static {
         res: &Tensor,
         grad: &Tensor,
     ) -> Result<Grads3>;
+}
+
+impl Backward3 for Box<dyn Backward3> {
+    fn backward(
+        &self,
+        a: &Tensor,
+        b: &Tensor,
+        c: &Tensor,
+        res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<Grads3> {
+        self.as_ref().backward(a, b, c, res, grad)
+    }
+}
+
+/// The backward of a two-argument fused op: the gradients of `a` and `b` (`None` where not
+/// tracked).
+pub(crate) trait Backward2: Send + Sync + 'static {
+    fn backward(
+        &self,
+        a: &Tensor,
+        b: &Tensor,
+        res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)>;
 }
 
 struct Fused<B> {
@@ -72,6 +97,43 @@ impl<B: Backward1> CustomOp1 for Fused<B> {
 
     fn bwd(&self, arg: &Tensor, res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
         Ok(Some(self.backward.backward(arg, res, grad)?))
+    }
+}
+
+impl<B: Backward2> CustomOp2 for Fused<B> {
+    fn name(&self) -> &'static str {
+        self.name
+    }
+
+    fn cpu_fwd(
+        &self,
+        _s1: &CpuStorage,
+        _l1: &Layout,
+        _s2: &CpuStorage,
+        _l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        self.out.cpu()
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        _s1: &candle_core::CudaStorage,
+        _l1: &Layout,
+        _s2: &candle_core::CudaStorage,
+        _l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        self.out.cuda()
+    }
+
+    fn bwd(
+        &self,
+        a: &Tensor,
+        b: &Tensor,
+        res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        self.backward.backward(a, b, res, grad)
     }
 }
 
@@ -129,6 +191,19 @@ pub(crate) fn attach1(
         return Ok(out);
     }
     arg.apply_op1(Fused::new(name, out, backward)?)
+}
+
+/// Attaches `out` to `(a, b)` with `backward`; `out` as it is when neither is tracked.
+pub(crate) fn attach2(
+    (a, b): (&Tensor, &Tensor),
+    name: &'static str,
+    out: Tensor,
+    backward: impl Backward2,
+) -> Result<Tensor> {
+    if !(a.track_op() || b.track_op()) {
+        return Ok(out);
+    }
+    a.apply_op2(b, Fused::new(name, out, backward)?)
 }
 
 /// Attaches `out` to `(a, b, c)` with `backward`; `out` as it is when none of them is tracked.

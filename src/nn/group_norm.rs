@@ -115,24 +115,34 @@ fn fused(
     silu: bool,
 ) -> Result<Tensor> {
     check(x, weight, bias, groups)?;
-    #[cfg(feature = "cuda")]
-    if x.device().is_cuda() {
-        return super::norm_cuda::group_norm(x, weight, bias, groups, eps, silu);
-    }
-    let stats = Stats::of(&x.detach(), groups, eps)?;
-    let y = stats.affine(&x.detach(), &weight.detach(), &bias.detach())?;
-    let out = if silu { y.silu()? } else { y }.to_dtype(x.dtype())?;
+    let (out, backward) = parts(x, weight, bias, groups, eps, silu)?;
     let name = if silu {
         "group-norm-silu"
     } else {
         "group-norm"
     };
-    attach3(
-        (x, weight, bias),
-        name,
-        out,
-        GroupNormBackward { stats, silu },
-    )
+    attach3((x, weight, bias), name, out, backward)
+}
+
+/// The fused op's forward on detached operands (the CUDA kernels or composed ops) and its
+/// backward, for ops that carry it themselves (`super::norm_conv`). The backward reads only
+/// `x`, `γ`, `β` and the upstream gradient (not the output).
+pub(crate) fn parts(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: &Tensor,
+    groups: usize,
+    eps: f64,
+    silu: bool,
+) -> Result<(Tensor, Box<dyn Backward3>)> {
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() {
+        return super::norm_cuda::group_norm_parts(x, weight, bias, groups, eps, silu);
+    }
+    let stats = Stats::of(&x.detach(), groups, eps)?;
+    let y = stats.affine(&x.detach(), &weight.detach(), &bias.detach())?;
+    let out = if silu { y.silu()? } else { y }.to_dtype(x.dtype())?;
+    Ok((out, Box::new(GroupNormBackward { stats, silu })))
 }
 
 /// Per-(sample, group) mean and 1/σ, `[B, G, 1]` f32.

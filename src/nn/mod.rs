@@ -33,6 +33,7 @@ mod linear;
 mod low_rank;
 mod merged_heads;
 mod norm;
+mod norm_conv;
 #[cfg(feature = "cuda")]
 mod norm_cuda;
 #[cfg(test)]
@@ -115,6 +116,7 @@ pub use layer_norm::{layer_norm, layer_norm_reference};
 pub use linear::Linear;
 pub use low_rank::{frozen_conv2d_low_rank, frozen_linear_low_rank, DropoutMask, LowRank};
 pub use norm::{GroupNorm, LayerNorm};
+pub use norm_conv::{group_norm_silu_conv, Extra};
 pub use softmax::{softmax_last_dim, softmax_last_dim_reference};
 pub use upsample::upsample_nearest;
 

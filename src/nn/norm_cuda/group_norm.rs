@@ -13,19 +13,19 @@ use candle_core::{CustomOp3, DType};
 use super::{
     alloc, f32_contiguous, function, launch, no_cpu, take_stats, threads, view, Act, Stats, TUNING,
 };
-use crate::nn::fused_op::{attach3, if_tracked, Backward3, Grads3};
+use crate::nn::fused_op::{if_tracked, Backward3, Grads3};
 use crate::nn::norm_launch::{entry, GnGeometry};
 
-/// [`super::group_norm`] (`silu` false) or [`super::group_norm_silu`] on a CUDA device; the
-/// arguments are already checked.
-pub(crate) fn group_norm(
+/// The forward of [`super::group_norm`] (`silu` false) or [`super::group_norm_silu`] on a CUDA
+/// device, on detached operands, and its backward; the arguments are already checked.
+pub(crate) fn group_norm_parts(
     x: &Tensor,
     weight: &Tensor,
     bias: &Tensor,
     groups: usize,
     eps: f64,
     silu: bool,
-) -> Result<Tensor> {
+) -> Result<(Tensor, Box<dyn Backward3>)> {
     let geo = GnGeometry::new(x.dims(), groups, TUNING)?;
     let op = GnFwd {
         geo,
@@ -36,13 +36,7 @@ pub(crate) fn group_norm(
     let xd = x.detach().contiguous()?;
     let out = xd.apply_op3_no_bwd(&f32_contiguous(weight)?, &f32_contiguous(bias)?, &op)?;
     let stats = take_stats(&op.stats, "group norm")?;
-    let name = if silu {
-        "group-norm-silu"
-    } else {
-        "group-norm"
-    };
-    let backward = GnBackward { geo, silu, stats };
-    attach3((x, weight, bias), name, out, backward)
+    Ok((out, Box::new(GnBackward { geo, silu, stats })))
 }
 
 /// The forward: `(x, γ, β)` → the output, in `x`'s dtype; the statistics land in `stats`.

@@ -54,7 +54,7 @@ mod group_norm;
 mod layer_norm;
 
 pub(crate) use geglu::geglu;
-pub(crate) use group_norm::group_norm;
+pub(crate) use group_norm::group_norm_parts;
 pub(crate) use layer_norm::layer_norm;
 
 fn function(dev: &CudaDevice, name: &str) -> Result<CudaFunction> {
