@@ -6,8 +6,8 @@ use candle_core::{Result, Tensor};
 
 use super::weights::{Weights, WeightsError};
 use crate::nn::{
-    group_norm_silu_conv, silu, Conv2d, Conv2dConfig, Extra, GroupNorm, LayerMut, Linear,
-    VisitLayers,
+    group_norm_silu_conv, group_norm_silu_conv_applies, silu, Conv2d, Conv2dConfig, Extra,
+    GroupNorm, LayerMut, Linear, VisitLayers,
 };
 
 #[derive(Debug, Clone)]
@@ -83,26 +83,24 @@ impl ResnetBlock2D {
     /// adapter: the graph keeps the block's input, the first half's output and the time
     /// embedding, not the norms' and convs' outputs. `None`: compose the layers.
     fn forward_frozen(&self, x: &Tensor, t: Option<&Tensor>) -> Result<Option<Tensor>> {
-        let adapted = self.conv2.adapter.is_some()
-            || self
-                .conv_shortcut
-                .as_ref()
-                .is_some_and(|c| c.adapter.is_some());
-        if adapted {
+        let Some(t) = t else {
+            return Ok(None);
+        };
+        let second = |r| match &self.conv_shortcut {
+            Some(c) => Extra::Shortcut(r, c),
+            None => Extra::Residual(r),
+        };
+        // Both halves or neither, so the first is never computed twice. The first half's output
+        // has `x`'s dtype and device, which is what the second one's checks read.
+        let both = group_norm_silu_conv_applies(x, &self.norm1, &self.conv1, &Extra::Channels(t))
+            && group_norm_silu_conv_applies(x, &self.norm2, &self.conv2, &second(x));
+        if !both {
             return Ok(None);
         }
-        let first = match t {
-            Some(t) => group_norm_silu_conv(x, &self.norm1, &self.conv1, Extra::Channels(t))?,
-            None => None,
-        };
-        let Some(h) = first else {
+        let Some(h) = group_norm_silu_conv(x, &self.norm1, &self.conv1, Extra::Channels(t))? else {
             return Ok(None);
         };
-        let extra = match &self.conv_shortcut {
-            Some(c) => Extra::Shortcut(x, c),
-            None => Extra::Residual(x),
-        };
-        group_norm_silu_conv(&h, &self.norm2, &self.conv2, extra)
+        group_norm_silu_conv(&h, &self.norm2, &self.conv2, second(x))
     }
 }
 

@@ -116,7 +116,7 @@ pub use layer_norm::{layer_norm, layer_norm_reference};
 pub use linear::Linear;
 pub use low_rank::{frozen_conv2d_low_rank, frozen_linear_low_rank, DropoutMask, LowRank};
 pub use norm::{GroupNorm, LayerNorm};
-pub use norm_conv::{group_norm_silu_conv, Extra};
+pub use norm_conv::{group_norm_silu_conv, group_norm_silu_conv_applies, Extra};
 pub use softmax::{softmax_last_dim, softmax_last_dim_reference};
 pub use upsample::upsample_nearest;
 

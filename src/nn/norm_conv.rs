@@ -39,6 +39,28 @@ fn plain_frozen(conv: &Conv2d, x: &Tensor) -> bool {
         && conv.bias.as_ref().is_none_or(|b| b.dtype() == x.dtype())
 }
 
+/// Whether [`group_norm_silu_conv`] runs as one op for these operands and layers (see there);
+/// a caller chaining two such ops asks for both before running the first.
+pub fn group_norm_silu_conv_applies(
+    x: &Tensor,
+    norm: &GroupNorm,
+    conv: &Conv2d,
+    extra: &Extra<'_>,
+) -> bool {
+    let frozen_norm =
+        super::frozen::is_frozen(&norm.weight) && super::frozen::is_frozen(&norm.bias);
+    let shortcut_ok = match extra {
+        Extra::Shortcut(r, sc) => plain_frozen(sc, r) && sc.cfg.kernel == 1 && sc.cfg.stride == 1,
+        _ => true,
+    };
+    frozen_norm
+        && plain_frozen(conv, x)
+        && shortcut_ok
+        && !super::cpu_bf16(x)
+        && super::fused_op::use_fused(x)
+        && super::frozen::supported(x)
+}
+
 /// `conv(silu(norm(x))) + extra` as one op, or `None` where it does not apply (a trainable norm or
 /// conv, an adapter on either conv, bf16 on the CPU, the fused or frozen ops switched off): the
 /// caller then composes the layers.
@@ -48,19 +70,7 @@ pub fn group_norm_silu_conv(
     conv: &Conv2d,
     extra: Extra<'_>,
 ) -> Result<Option<Tensor>> {
-    let frozen_norm =
-        super::frozen::is_frozen(&norm.weight) && super::frozen::is_frozen(&norm.bias);
-    let shortcut_ok = match &extra {
-        Extra::Shortcut(r, sc) => plain_frozen(sc, r) && sc.cfg.kernel == 1 && sc.cfg.stride == 1,
-        _ => true,
-    };
-    if !(frozen_norm
-        && plain_frozen(conv, x)
-        && shortcut_ok
-        && !super::cpu_bf16(x)
-        && super::fused_op::use_fused(x)
-        && super::frozen::supported(x))
-    {
+    if !group_norm_silu_conv_applies(x, norm, conv, &extra) {
         return Ok(None);
     }
     let (w, b) = (&norm.weight, &norm.bias);
