@@ -7,7 +7,8 @@
 //! cargo run --release --example bench_step -- --family sd15 --mode lora --res 512 --batch 1 \
 //!     --precision bf16 [--device cuda] [--steps 10] [--warmup 3] [--rank 16] \
 //!     [--pool-cache on|off] [--event-tracking on|off] [--fused-ops on|off] \
-//!     [--unet-config PATH] [--checkpointing on|off] [--profile-last-step]
+//!     [--unet-config PATH] [--checkpointing on|off] [--profile-last-step] \
+//!     [--weight-dtype f32|bf16]
 //! ```
 //! - `--heap-census` (CPU): the last step reports the host heap (a counting allocator): held
 //!   before it, held by the forward graph once the loss exists, the step's peak, and the
@@ -18,6 +19,8 @@
 //!   UNet targets, f32 adapter Vars.
 //! - `full`: every UNet weight an f32 Var; under `bf16` the activations are bf16 and each layer
 //!   casts its f32 weight to bf16 (autocast's scheme; the casts' backward returns f32 grads).
+//!   `--weight-dtype bf16` stores the weights in bf16 instead (the trainer's `weight_dtype`):
+//!   bf16 gradients, and the optimizer rounds each update back stochastically.
 //!
 //! - `--fused-ops off`: the norms, masked softmax and GEGLU run their composed `*_reference`
 //!   ops instead of the fused ones (`nn::set_fused_ops_enabled`), for before/after figures.
@@ -70,6 +73,8 @@ struct Shape {
     unet_config: Option<String>,
     /// adamw (default), adamw8bit, lion, lion8bit or adafactor.
     optimizer: String,
+    /// `full`: the trained weights' dtype (f32 or bf16).
+    weight_dtype: DType,
 }
 
 struct Model {
@@ -397,8 +402,14 @@ fn run(args: &[String], report: &mut Value) -> Result<()> {
             .position(|a| a == "--unet-config")
             .and_then(|i| args.get(i + 1).cloned()),
         optimizer: arg(args, "--optimizer", "adamw"),
+        weight_dtype: match arg(args, "--weight-dtype", "f32").as_str() {
+            "f32" => DType::F32,
+            "bf16" => DType::BF16,
+            other => bail!("--weight-dtype {other}: use f32 or bf16"),
+        },
     };
     report["optimizer"] = json!(shape.optimizer);
+    report["weight_dtype"] = json!(format!("{:?}", shape.weight_dtype).to_lowercase());
     let checkpointing = on_off(args, "--checkpointing", "off")?;
     report["checkpointing"] = json!(checkpointing);
     let fused_ops = on_off(args, "--fused-ops", "on")?;
@@ -513,8 +524,8 @@ fn build(shape: &Shape, device: &Device) -> Result<Model> {
     };
     let (unet, vars, params_total) = match shape.mode.as_str() {
         "full" => {
-            // f32 masters in both precisions; bf16 comes from the activations (see the header).
-            let w = Weights::random(0, "unet", DType::F32, device, true);
+            // f32 masters unless --weight-dtype (see the header).
+            let w = Weights::random(0, "unet", shape.weight_dtype, device, true);
             let unet = UNet2DConditionModel::new(&w, &cfg)?;
             let vars: Vec<Var> = w.params().into_iter().map(|(_, v)| v).collect();
             let n = vars.iter().map(|v| v.elem_count()).sum();
@@ -543,7 +554,8 @@ fn build(shape: &Shape, device: &Device) -> Result<Model> {
         .enumerate()
         .map(|(i, v)| (format!("p{i}"), v.clone()))
         .collect();
-    let optimizer = GroupOptimizer::new(update_rule(&shape.optimizer)?, named, 1e-5)?;
+    let optimizer = GroupOptimizer::new(update_rule(&shape.optimizer)?, named, 1e-5)?
+        .with_stochastic_rounding(0)?;
     Ok(Model {
         unet,
         vars,

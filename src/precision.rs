@@ -61,6 +61,52 @@ impl Amp {
     }
 }
 
+/// The `weight_dtype` setting: the dtype a full fine-tune's trained weights are stored in.
+///
+/// `f32` keeps f32 weights (the masters AMP casts from). `bf16` and `fp16` store them at two bytes
+/// each, with no f32 copy: the optimizer updates each one in f32 and writes it back with
+/// stochastic rounding ([`crate::optim::stochastic_round`]), so updates smaller than half a gap
+/// survive on average. Gradients are then in the same dtype.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WeightDtype {
+    F32,
+    Bf16,
+    Fp16,
+}
+
+impl WeightDtype {
+    pub fn parse(s: &str) -> Option<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "f32" | "fp32" | "float32" | "float" => Some(Self::F32),
+            "bf16" | "bfloat16" => Some(Self::Bf16),
+            "fp16" | "f16" | "float16" | "half" => Some(Self::Fp16),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::F32 => "f32",
+            Self::Bf16 => "bf16",
+            Self::Fp16 => "fp16",
+        }
+    }
+
+    pub fn dtype(self) -> DType {
+        match self {
+            Self::F32 => DType::F32,
+            Self::Bf16 => DType::BF16,
+            Self::Fp16 => DType::F16,
+        }
+    }
+
+    /// Bytes per weight (and per gradient).
+    pub fn bytes(self) -> usize {
+        self.dtype().size_in_bytes()
+    }
+}
+
 /// The CUDA compute capability of `device`, or none on other devices.
 fn compute_capability(device: &Device) -> Option<(i32, i32)> {
     #[cfg(feature = "cuda")]

@@ -124,19 +124,12 @@ fn adafactor_matches_transformers() {
 /// Every optimizer, over one tensor big enough for 8-bit state (with a ragged last block) and
 /// one small one: 3 steps, save, load into a fresh optimizer over copies of the parameters, then
 /// 2 more steps in both; parameters and state must agree bit for bit.
-#[test]
-fn save_load_continue_is_bit_exact_for_every_optimizer() {
-    let adam = AdamWParams {
-        lr: 1e-2,
-        weight_decay: 0.1,
-        ..AdamWParams::default()
-    };
-    let lion = LionParams {
-        weight_decay: 0.1,
-        ..LionParams::default()
-    };
-    type MakeRule = Box<dyn Fn() -> Box<dyn UpdateRule>>;
-    let rules: Vec<(&str, MakeRule)> = vec![
+type MakeRule = Box<dyn Fn() -> Box<dyn UpdateRule>>;
+
+/// Every optimizer sdtrain has, by name, with `adam`'s and `lion`'s settings (Adafactor with
+/// momentum, parameter scaling and weight decay 0.1).
+fn every_rule(adam: AdamWParams, lion: LionParams) -> Vec<(&'static str, MakeRule)> {
+    vec![
         (
             "adamw",
             Box::new(move || Box::new(AdamW::rule(adam).unwrap())),
@@ -165,7 +158,21 @@ fn save_load_continue_is_bit_exact_for_every_optimizer() {
                 Box::new(Adafactor::rule(p).unwrap())
             }),
         ),
-    ];
+    ]
+}
+
+#[test]
+fn save_load_continue_is_bit_exact_for_every_optimizer() {
+    let adam = AdamWParams {
+        lr: 1e-2,
+        weight_decay: 0.1,
+        ..AdamWParams::default()
+    };
+    let lion = LionParams {
+        weight_decay: 0.1,
+        ..LionParams::default()
+    };
+    let rules = every_rule(adam, lion);
     let dir = tempfile::tempdir().unwrap();
     for (name, make) in rules {
         let shapes: [&[usize]; 2] = [&[40, 130], &[7]];
@@ -296,4 +303,88 @@ fn update_one_equals_a_step_with_that_gradient_alone() {
     assert_eq!(by_one.param_step("b"), Some(1));
     let stranger = make();
     assert!(by_one.update_one(&stranger, &g).is_err());
+}
+
+/// With stochastic rounding, a bf16 parameter is updated as its f32 upcast would be (same rule,
+/// same state, f32 math) and the result rounded with `tensor_seed(run seed, name, update)`, for
+/// every optimizer, on its first and second update; state save/load keeps the update count the
+/// seed depends on. Catches rounding to nearest, a seed that ignores the step or the name, and
+/// math done in bf16.
+#[test]
+fn bf16_parameters_update_in_f32_and_round_stochastically() {
+    use candle_core::DType;
+    use sdtrain::optim::stochastic_round::{round_into, tensor_seed};
+    let adam = AdamWParams {
+        lr: 1e-3,
+        weight_decay: 0.1,
+        ..AdamWParams::default()
+    };
+    let lion = LionParams {
+        weight_decay: 0.1,
+        ..LionParams::default()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    for (name, make) in every_rule(adam, lion) {
+        let init = common::fill(&[24, 70], 3).to_dtype(DType::BF16).unwrap();
+        let p16 = Var::from_tensor(&init).unwrap();
+        let p32 = Var::from_tensor(&init.to_dtype(DType::F32).unwrap()).unwrap();
+        let lr = 1e-3;
+        let mut sr = GroupOptimizer::new(make(), vec![("w".into(), p16.clone())], lr)
+            .unwrap()
+            .with_stochastic_rounding(77)
+            .unwrap();
+        let mut plain = GroupOptimizer::new(make(), vec![("w".into(), p32.clone())], lr).unwrap();
+        for step in 1..=3u64 {
+            let g = common::fill(&[24, 70], 10 + step);
+            let (mut a, mut b) = (GradStore::default(), GradStore::default());
+            a.insert(p16.as_tensor(), g.to_dtype(DType::BF16).unwrap());
+            b.insert(
+                p32.as_tensor(),
+                g.to_dtype(DType::BF16)
+                    .unwrap()
+                    .to_dtype(DType::F32)
+                    .unwrap(),
+            );
+            p32.set(&p16.to_dtype(DType::F32).unwrap()).unwrap();
+            sr.step(&a).unwrap();
+            plain.step(&b).unwrap();
+            let want = Var::zeros((24, 70), DType::BF16, &Device::Cpu).unwrap();
+            round_into(&want, p32.as_tensor(), tensor_seed(77, "w", step)).unwrap();
+            let bits = |v: &Var| {
+                v.flatten_all()
+                    .unwrap()
+                    .to_dtype(DType::F32)
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap()
+            };
+            assert_eq!(bits(&p16), bits(&want), "{name}: update {step}");
+            assert_eq!(p16.dtype(), DType::BF16);
+            if step == 2 {
+                // Through a state file: the update count, and so the seed, carry over.
+                let file = dir.path().join(format!("{name}-sr.safetensors"));
+                sr.save_state(&file).unwrap();
+                sr = GroupOptimizer::new(make(), vec![("w".into(), p16.clone())], lr)
+                    .unwrap()
+                    .with_stochastic_rounding(77)
+                    .unwrap();
+                sr.load_state(&file).unwrap();
+            }
+        }
+        // An f32 parameter is not rounded: a group with rounding on updates it as one without.
+        let g = common::fill(&[24, 70], 11);
+        let (x, y) = (
+            Var::from_tensor(&init.to_dtype(DType::F32).unwrap()).unwrap(),
+            Var::from_tensor(&init.to_dtype(DType::F32).unwrap()).unwrap(),
+        );
+        let mut with = GroupOptimizer::new(make(), vec![("w".into(), x.clone())], lr)
+            .unwrap()
+            .with_stochastic_rounding(77)
+            .unwrap();
+        let mut without = GroupOptimizer::new(make(), vec![("w".into(), y.clone())], lr).unwrap();
+        with.update_one(&x, &g).unwrap();
+        without.update_one(&y, &g).unwrap();
+        let v = |v: &Var| v.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(v(&x), v(&y), "{name}: f32 parameter");
+    }
 }

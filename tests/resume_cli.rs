@@ -185,6 +185,16 @@ fn an_interrupted_full_run_with_ema_resumes_exactly() {
     check_resume("full", "-INT", ema, &["final", "final-ema"]);
 }
 
+/// bf16 weights with stochastic rounding: the rounding is seeded by the run's seed, each
+/// parameter's name and its update count, all restored from the save point, so the resumed run
+/// rounds as the straight one did. Catches a rounding seed drawn afresh, or from the step count
+/// of the resumed process.
+#[test]
+fn an_interrupted_bf16_weight_run_resumes_exactly() {
+    let bf16 = serde_json::json!({"weight_dtype": "bf16"});
+    check_resume("full", "-INT", bf16, &["final"]);
+}
+
 /// With `seed: -1` the seed is drawn once and kept in the save point: a run resumed from its
 /// step-2 save point retrains steps 3–6 exactly as the run did (losses and final weights, bit
 /// for bit), though the resumed process draws a fresh seed of its own. Catches a resume that

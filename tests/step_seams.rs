@@ -58,6 +58,7 @@ fn model(name: &str, mode: TrainMode, dropout: f64) -> Model {
         device: Device::Cpu,
         train_unet: full,
         train_text_encoders: full,
+        trained_dtype: candle_core::DType::F32,
     };
     let mut sd = StableDiffusion::load(layout.clone(), &opts).unwrap();
     let params: Vec<Var> = if full {

@@ -223,7 +223,7 @@ impl TrainPlan {
                 file.clip_grad_norm,
                 "greater than 0, or null for no clipping",
             )?,
-            precision: super::precision_plan::resolve_precision(&file, train_path)?,
+            precision: super::precision_plan::resolve_precision(&file, mode, train_path)?,
             ema,
             samples: super::sample_plan::resolve_samples(&file, train_path, ema.is_some(), input)?,
             model_file: super::model_plan::resolve_model_file(&file, train_path, mode, input)?,

@@ -275,7 +275,11 @@ impl TrainPlan {
         } else {
             "off"
         };
-        format!("amp {amp}; gradient checkpointing {ckpt}")
+        let weights = match self.precision.weight_dtype {
+            crate::precision::WeightDtype::F32 => String::new(),
+            w => format!("; trained weights {} with stochastic rounding", w.name()),
+        };
+        format!("amp {amp}; gradient checkpointing {ckpt}{weights}")
     }
 
     fn logs_text(&self) -> String {

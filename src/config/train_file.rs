@@ -164,6 +164,9 @@ pub struct TrainFile {
     /// EveryDream2's switch: true is `amp: "off"`.
     #[serde(default)]
     pub disable_amp: Option<bool>,
+    /// A full fine-tune's trained weights: `"f32"`, `"bf16"` or `"fp16"` (stochastic rounding).
+    #[serde(default)]
+    pub weight_dtype: Option<String>,
     #[serde(default)]
     pub gradient_checkpointing: Option<bool>,
     #[serde(default)]

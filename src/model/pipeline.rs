@@ -47,9 +47,12 @@ pub enum PipelineError {
 /// (their weights become `Var`s).
 #[derive(Debug, Clone)]
 pub struct LoadOptions {
-    /// The dtype frozen weights are held in. Trainable components are always f32 (masters,
-    /// cast to the input's dtype in the forward).
+    /// The dtype frozen weights are held in.
     pub dtype: DType,
+    /// The dtype trainable components are held in: f32 masters, or bf16/f16 weights that the
+    /// optimizer rounds stochastically (`weight_dtype`); cast to the input's dtype in the
+    /// forward.
+    pub trained_dtype: DType,
     /// The VAE's dtype when it differs from `dtype` (fp16 training keeps it in f32, as
     /// diffusers' scripts and kohya's `--no_half_vae` do: SD's VAE overflows in f16).
     pub vae_dtype: Option<DType>,
@@ -237,7 +240,7 @@ pub fn load_text_encoder(
     let cfg = ClipTextConfig::from_json(&text, &origin)?;
     let w = weights(files, opts, opts.train_text_encoders)?;
     let mut model = ClipTextModel::new(&w, &cfg, projection).map_err(|e| wrap(files, e))?;
-    // Trainable weights are f32 masters; activations run in the requested dtype.
+    // Trainable weights are in `trained_dtype`; activations run in the requested dtype.
     model.compute_dtype = opts.dtype;
     Ok((model, w))
 }
@@ -263,7 +266,11 @@ fn weights(
     opts: &LoadOptions,
     trainable: bool,
 ) -> Result<Weights, PipelineError> {
-    let dtype = if trainable { DType::F32 } else { opts.dtype };
+    let dtype = if trainable {
+        opts.trained_dtype
+    } else {
+        opts.dtype
+    };
     match &files.source {
         ComponentSource::Folder { weights, .. } => Weights::from_files(
             weights,

@@ -6,11 +6,12 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::Path;
 
 use candle_core::backprop::GradStore;
-use candle_core::{Tensor, Var};
+use candle_core::{DType, Tensor, Var};
 
 use super::grad::summarize;
 use super::rule::{ParamState, UpdateRule};
 use super::state::{self, StateReader, OPTIMIZER_KEY, VERSION_KEY};
+use super::stochastic_round;
 use super::{Finite, OptimError, Optimizer, Result, StepStats};
 
 /// The state file layout version (tensors `<param>.<suffix>`, steps and hyper-parameters as JSON
@@ -58,6 +59,9 @@ pub struct GroupOptimizer {
     rule: Box<dyn UpdateRule>,
     slots: Vec<Slot>,
     lr: f64,
+    /// The run seed bf16/f16 parameters are rounded stochastically with; `None` rounds them to
+    /// nearest inside the rule.
+    stochastic: Option<u64>,
 }
 
 impl std::fmt::Debug for GroupOptimizer {
@@ -87,7 +91,41 @@ impl GroupOptimizer {
                 step: 0,
             });
         }
-        Ok(Self { rule, slots, lr })
+        Ok(Self {
+            rule,
+            slots,
+            lr,
+            stochastic: None,
+        })
+    }
+
+    /// Writes bf16/f16 parameters back with stochastic rounding ([`stochastic_round`]): each is
+    /// upcast to an f32 copy, the rule updates the copy, and the copy is rounded into the
+    /// parameter with the seed of `run_seed`, its name and its update count. f32 parameters are
+    /// unaffected.
+    ///
+    /// The states of bf16/f16 parameters are made again for an f32 parameter of their shape, so
+    /// the rule keeps them as it does for f32 (the host or CUDA kernels' layout).
+    pub fn with_stochastic_rounding(mut self, run_seed: u64) -> Result<Self> {
+        self.stochastic = Some(run_seed);
+        for i in 0..self.slots.len() {
+            if self.slots[i].var.dtype() != DType::F32 {
+                self.slots[i].state = self.fresh_state(&self.slots[i].var)?;
+            }
+        }
+        Ok(self)
+    }
+
+    /// A zeroed state for `var`: for an f32 parameter of its shape when it is rounded
+    /// stochastically (the rule then updates its f32 copy).
+    fn fresh_state(&self, var: &Var) -> Result<Box<dyn ParamState>> {
+        match self.stochastic {
+            Some(_) if var.dtype() != DType::F32 => {
+                let template = Var::zeros(var.shape(), DType::F32, var.device())?;
+                Ok(self.rule.init(&template)?)
+            }
+            _ => Ok(self.rule.init(var)?),
+        }
     }
 
     /// The optimizer's name (`"adamw8bit"`, …).
@@ -181,12 +219,16 @@ impl GroupOptimizer {
         let lr = self.lr;
         let s = &mut self.slots[i];
         let t = s.step + 1;
-        s.state
-            .update(&s.var, g, lr, t)
-            .map_err(|e| OptimError::Tensor {
-                name: s.name.clone(),
-                source: Box::new(e),
-            })?;
+        let updated = match self.stochastic {
+            Some(seed) if s.var.dtype() != DType::F32 => {
+                update_rounding_stochastically(s, g, lr, t, seed)
+            }
+            _ => s.state.update(&s.var, g, lr, t),
+        };
+        updated.map_err(|e| OptimError::Tensor {
+            name: s.name.clone(),
+            source: Box::new(e),
+        })?;
         s.step = t;
         Ok(())
     }
@@ -244,7 +286,7 @@ impl GroupOptimizer {
         // What each parameter's state must hold: the layout of a fresh state.
         let mut layouts = Vec::with_capacity(self.slots.len());
         for s in &self.slots {
-            let fresh = self.rule.init(&s.var)?.save()?;
+            let fresh = self.fresh_state(&s.var)?.save()?;
             layouts.push(
                 fresh
                     .into_iter()
@@ -289,6 +331,23 @@ impl GroupOptimizer {
         }
         Ok(out)
     }
+}
+
+/// The rule's update of a bf16/f16 parameter in f32 (on an f32 copy, from an f32 gradient), then
+/// the copy rounded stochastically into the parameter with the seed of this update. The copy
+/// lives for this one parameter's update.
+fn update_rounding_stochastically(
+    s: &mut Slot,
+    g: &Tensor,
+    lr: f64,
+    t: u64,
+    run_seed: u64,
+) -> candle_core::Result<()> {
+    let master = Var::from_tensor(&s.var.as_tensor().to_dtype(DType::F32)?)?;
+    let g = g.to_dtype(DType::F32)?;
+    s.state.update(&master, &g, lr, t)?;
+    let seed = stochastic_round::tensor_seed(run_seed, &s.name, t);
+    stochastic_round::round_into(&s.var, master.as_tensor(), seed)
 }
 
 /// Fails on state for unknown parameters and on parameters without their full state.

@@ -15,6 +15,8 @@
 //!   matching diffusers' `get_scheduler`.
 //! - [`grad_norm`] / [`clip_grad_norm`]: global L2 norm of the gradients, as the trainer logs it.
 //! - [`state`]: the atomic safetensors file the optimizer state is saved to.
+//! - [`stochastic_round`]: the write-back of bf16/f16 trained weights (`weight_dtype`), when the
+//!   group rounds stochastically ([`GroupOptimizer::with_stochastic_rounding`]).
 
 pub mod adafactor;
 pub mod adafactor_device;
@@ -31,9 +33,12 @@ pub mod launch;
 pub mod lion;
 pub mod placed;
 pub mod quant8;
+#[cfg(feature = "cuda")]
+mod rounding_cuda;
 pub mod rule;
 pub mod schedule;
 pub mod state;
+pub mod stochastic_round;
 
 use std::path::{Path, PathBuf};
 

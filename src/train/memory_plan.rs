@@ -2,10 +2,12 @@
 //! whether it fits the card.
 //!
 //! - weights, gradients and optimizer state are exact, from the model's safetensors headers and
-//!   the plan (frozen weights in the compute dtype, trained ones as f32 masters, f32 gradients,
-//!   the optimizer's own state formula; a second gradient buffer while micro-batches accumulate);
-//!   under AMP without checkpointing, the compute-dtype copy of each trained weight that the
-//!   graph keeps for backward;
+//!   the plan (frozen weights in the compute dtype, trained ones in `weight_dtype` (f32 masters
+//!   by default) with gradients of the same dtype, the optimizer's own state formula; a second
+//!   gradient buffer while micro-batches accumulate); under AMP without checkpointing, the
+//!   compute-dtype copy of each trained weight that the graph keeps for backward, unless the
+//!   weights are already in the compute dtype; with bf16/f16 weights, the f32 copy of the largest
+//!   tensor and its gradient that the optimizer updates before rounding back;
 //! - frozen weights leave out what a cache releases: the VAE with `cache_latents`, the text
 //!   encoders when their outputs are cached;
 //! - activations are `batch · (largest bucket's pixels / 64) · bytes · κ · width(UNet)` (a
@@ -22,7 +24,7 @@ use std::fmt;
 use crate::config::{TrainMode, TrainPlan};
 use crate::model::unet::config::BlockKind;
 use crate::model::unet::UnetConfig;
-use crate::precision::Amp;
+use crate::precision::{Amp, WeightDtype};
 
 const GIB: f64 = (1u64 << 30) as f64;
 
@@ -66,6 +68,9 @@ pub struct Census {
     /// Trained parameters (all groups) and their optimizer state in bytes.
     pub trained: u64,
     pub state_bytes: u64,
+    /// Elements of the largest trained tensor: with bf16/f16 weights, the optimizer updates an
+    /// f32 copy of one tensor (and of its gradient) at a time.
+    pub largest_trained: u64,
 }
 
 /// The expected peak, by term, in bytes.
@@ -111,6 +116,7 @@ pub fn plan_memory(
     let shape = RunTerms {
         full: plan.mode == TrainMode::Full,
         amp,
+        weights: plan.precision.weight_dtype,
         checkpointing: plan.precision.gradient_checkpointing,
         batch: plan.batch_size,
         latent_px: largest_bucket_pixels(plan, resolution) as f64 / 64.0,
@@ -123,10 +129,15 @@ pub fn plan_memory(
     };
     let mut out = shape.plan(census);
     out.assumptions = format!(
-        "batch {} at {resolution} px, {}, checkpointing {}",
+        "batch {} at {resolution} px, {}, checkpointing {}{}",
         plan.batch_size,
         if amp == Amp::Off { "f32" } else { amp.name() },
-        if shape.checkpointing { "on" } else { "off" }
+        if shape.checkpointing { "on" } else { "off" },
+        match plan.precision.weight_dtype {
+            WeightDtype::F32 => String::new(),
+            w if shape.full => format!(", trained weights {}", w.name()),
+            _ => String::new(),
+        }
     );
     out.card = card.clone();
     if let Some((bytes, _)) = card {
@@ -144,6 +155,8 @@ pub fn plan_memory(
 struct RunTerms {
     full: bool,
     amp: Amp,
+    /// The trained weights' dtype (adapters are always f32).
+    weights: WeightDtype,
     checkpointing: bool,
     batch: usize,
     /// Latent pixels of the largest bucket.
@@ -169,19 +182,33 @@ impl RunTerms {
         };
         let vae = if self.latents_cached { 0 } else { census.vae };
         let trained = census.trained as f64;
-        // Under AMP each trained f32 weight is cast to the compute dtype where a layer uses it,
-        // and the graph keeps the cast until backward; checkpointed segments recompute theirs.
-        let amp_copies = if self.amp != Amp::Off && !self.checkpointing {
+        let weight_dtype = if self.full {
+            self.weights
+        } else {
+            WeightDtype::F32
+        };
+        let trained_bytes = weight_dtype.bytes() as f64;
+        // A trained weight not in the compute dtype (f32 under AMP, bf16 without it) is cast
+        // where a layer uses it, and the graph keeps the cast until backward; checkpointed
+        // segments recompute theirs.
+        let casts = weight_dtype.dtype() != self.amp.compute_dtype();
+        let amp_copies = if casts && !self.checkpointing {
             compute * trained
         } else {
             0.0
         };
         let weights = compute * (frozen_unet + frozen_te) as f64
             + vae_bytes * vae as f64
-            + 4.0 * trained
+            + trained_bytes * trained
             + amp_copies;
         // While micro-batches accumulate, the sum and the new micro-batch's gradients coexist.
         let grad_buffers = if self.accumulating { 2.0 } else { 1.0 };
+        // bf16/f16 weights: one tensor's f32 copy and f32 gradient during its update.
+        let rounding_copy = if weight_dtype == WeightDtype::F32 {
+            0.0
+        } else {
+            8.0 * census.largest_trained as f64
+        };
         let activations = self.batch as f64
             * self.latent_px
             * compute
@@ -189,8 +216,8 @@ impl RunTerms {
             * self.width;
         MemoryPlan {
             weights,
-            gradients: grad_buffers * 4.0 * trained,
-            optimizer: census.state_bytes as f64,
+            gradients: grad_buffers * trained_bytes * trained,
+            optimizer: census.state_bytes as f64 + rounding_copy,
             activations,
             workspace: 0.6 * GIB + 0.05 * activations,
             ema: if self.ema_on_device {
@@ -348,10 +375,12 @@ mod tests {
                 vae: 0,
                 trained,
                 state_bytes: 8 * trained,
+                largest_trained: 0,
             };
             let terms = RunTerms {
                 full,
                 amp: if bf16 { Amp::Bf16 } else { Amp::Off },
+                weights: WeightDtype::F32,
                 checkpointing: ck,
                 batch,
                 latent_px: (res * res) as f64 / 64.0,
@@ -371,6 +400,50 @@ mod tests {
                 off * 100.0
             );
         }
+    }
+
+    /// bf16 trained weights (`weight_dtype`) in a full fine-tune: weights and gradients at two
+    /// bytes, no cast copies when they match the compute dtype (f32 copies kept when they do not),
+    /// and one f32 copy of the largest tensor and its gradient in the optimizer term. Adapter
+    /// runs ignore the setting. Catches gradients priced at four bytes, a cast copy counted for
+    /// weights already in the compute dtype, and the optimizer's f32 copy left out.
+    #[test]
+    fn bf16_weights_halve_weights_and_gradients() {
+        let census = Census {
+            unet: 1000,
+            text_encoders: 0,
+            vae: 0,
+            trained: 1000,
+            state_bytes: 8000,
+            largest_trained: 100,
+        };
+        let terms = |full: bool, amp: Amp, weights: WeightDtype| {
+            RunTerms {
+                full,
+                amp,
+                weights,
+                checkpointing: false,
+                batch: 1,
+                latent_px: 0.0,
+                accumulating: false,
+                trained_te: false,
+                te_cached: true,
+                latents_cached: true,
+                ema_on_device: false,
+                width: 0.0,
+            }
+            .plan(&census)
+        };
+        let f32_amp = terms(true, Amp::Bf16, WeightDtype::F32);
+        assert_eq!((f32_amp.weights, f32_amp.gradients), (6000.0, 4000.0));
+        let bf16 = terms(true, Amp::Bf16, WeightDtype::Bf16);
+        assert_eq!((bf16.weights, bf16.gradients), (2000.0, 2000.0));
+        assert_eq!(bf16.optimizer, 8000.0 + 800.0);
+        let bf16_f32_compute = terms(true, Amp::Off, WeightDtype::Bf16);
+        assert_eq!(bf16_f32_compute.weights, 2000.0 + 4000.0);
+        let lora = terms(false, Amp::Bf16, WeightDtype::Bf16);
+        assert_eq!(lora.gradients, 4000.0);
+        assert_eq!(lora.optimizer, 8000.0);
     }
 
     fn cfg(json: &str) -> UnetConfig {

@@ -10,7 +10,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::config::{OptimizerKind, TrainMode, TrainPlan};
-use crate::precision::Amp;
+use crate::precision::{Amp, WeightDtype};
 
 /// The micro-batch size in force, and the OOM retries that set it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -88,6 +88,13 @@ pub fn next_rungs(plan: &TrainPlan, amp: Amp, resolution: usize) -> Vec<String> 
         rungs.push(
             "use adamw8bit instead of adamw (`\"optimizer\": \"adamw8bit\"` in optimizer.json): \
              2 bytes of state per parameter instead of 8"
+                .to_string(),
+        );
+    }
+    if plan.mode == TrainMode::Full && plan.precision.weight_dtype == WeightDtype::F32 {
+        rungs.push(
+            "store the trained weights in bf16 (`weight_dtype: \"bf16\"`, with stochastic \
+             rounding): half the memory of the weights and of their gradients"
                 .to_string(),
         );
     }

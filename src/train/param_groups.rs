@@ -68,21 +68,33 @@ pub(crate) fn update_rule(plan: &ParamGroupPlan) -> crate::optim::Result<Box<dyn
     })
 }
 
+/// What every group of a run shares: its length in steps (for the schedules) and the seed its
+/// bf16/f16 weights are rounded with.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct GroupShape {
+    pub total_steps: u64,
+    pub rounding_seed: u64,
+}
+
 impl Group {
     fn new(
         name: &'static str,
         params: Vec<(String, Var)>,
         plan: &ParamGroupPlan,
-        total_steps: u64,
+        shape: GroupShape,
     ) -> anyhow::Result<Self> {
-        let schedule = lr_schedule(&plan.schedule, total_steps);
+        let schedule = lr_schedule(&plan.schedule, shape.total_steps);
         schedule
             .validate(plan.lr)
             .with_context(|| format!("{name} lr schedule"))?;
         let vars = params.iter().map(|(_, v)| v.clone()).collect();
         let names = params.iter().map(|(n, _)| n.clone()).collect();
-        let optimizer =
-            build_optimizer(plan, params).with_context(|| format!("{name} optimizer"))?;
+        // Stochastic rounding touches only bf16/f16 parameters (`weight_dtype`); f32 ones, and
+        // every adapter, update as before.
+        let optimizer = build_optimizer(plan, params)
+            .with_context(|| format!("{name} optimizer"))?
+            .with_stochastic_rounding(shape.rounding_seed)
+            .with_context(|| format!("{name} optimizer"))?;
         Ok(Self {
             name,
             optimizer,
@@ -164,7 +176,7 @@ pub(super) fn param_groups(
     sd: &StableDiffusion,
     plan: &TrainPlan,
     adapters: Option<&TrainedAdapters>,
-    total_steps: u64,
+    shape: GroupShape,
 ) -> anyhow::Result<Vec<Group>> {
     let (unet_params, te_params, unet_plan, te_plan) = match adapters {
         None => (
@@ -185,14 +197,9 @@ pub(super) fn param_groups(
             (a.params(false), a.params(true), unet_plan, te_plan)
         }
     };
-    let mut groups = vec![Group::new("unet", unet_params, &unet_plan, total_steps)?];
+    let mut groups = vec![Group::new("unet", unet_params, &unet_plan, shape)?];
     if !te_params.is_empty() {
-        groups.push(Group::new(
-            "text_encoder",
-            te_params,
-            &te_plan,
-            total_steps,
-        )?);
+        groups.push(Group::new("text_encoder", te_params, &te_plan, shape)?);
     }
     Ok(groups)
 }

@@ -32,7 +32,7 @@ use crate::model::layout::ModelLayout;
 use crate::model::pipeline::{LoadOptions, StableDiffusion};
 use crate::model::source::ModelSource;
 use crate::nn::Checkpointing;
-use crate::precision::{scaler_for, Amp};
+use crate::precision::{scaler_for, Amp, WeightDtype};
 
 impl<'a> Session<'a> {
     /// Loads the model (frozen weights in the compute dtype, trainable ones as f32 masters),
@@ -61,7 +61,7 @@ impl<'a> Session<'a> {
         let (feed, validation) = load_data(plan, &model, data_seed, opts.show_progress)?;
         let steps_per_epoch = feed.steps_in(&feed.epoch(data_seed, 0));
         let total_steps = plan.total_steps(|e| feed.steps_in(&feed.epoch(data_seed, e)));
-        let opt = optimization(plan, &mut model, total_steps, &opts.device)?;
+        let opt = optimization(plan, &mut model, total_steps, data_seed, &opts.device)?;
         let shape = StartShape {
             shape: RunShape {
                 resolution: model.resolution,
@@ -186,13 +186,20 @@ impl<'a> Session<'a> {
 
 /// The optimizer groups over the model's trainable parameters, the loss scaler and the
 /// micro-batch; gradient checkpointing is attached for those parameters when on.
+/// The optimizer groups, checkpointing and loss scaler; `seed` (the run's) seeds the stochastic
+/// rounding of bf16/f16 trained weights.
 fn optimization(
     plan: &TrainPlan,
     model: &mut Model,
     total_steps: usize,
+    seed: u64,
     device: &Device,
 ) -> anyhow::Result<Optimization> {
-    let groups = param_groups(&model.sd, plan, model.adapters.as_ref(), total_steps as u64)?;
+    let shape = super::param_groups::GroupShape {
+        total_steps: total_steps as u64,
+        rounding_seed: seed,
+    };
+    let groups = param_groups(&model.sd, plan, model.adapters.as_ref(), shape)?;
     let params: Vec<Var> = groups.iter().flat_map(|g| g.vars.iter().cloned()).collect();
     if plan.precision.gradient_checkpointing {
         let te_trains = groups.len() > 1;
@@ -348,8 +355,12 @@ fn open_model(plan: &TrainPlan) -> anyhow::Result<ModelLayout> {
 
 /// The model and the run's precision, on stderr.
 fn describe_model(plan: &TrainPlan, layout: &ModelLayout, amp: Amp) {
+    let weights = match plan.precision.weight_dtype {
+        WeightDtype::F32 => String::new(),
+        w => format!(", trained weights {} (stochastic rounding)", w.name()),
+    };
     eprintln!(
-        "model: {} ({}, {} prediction, native {}px); precision {}{}",
+        "model: {} ({}, {} prediction, native {}px); precision {}{weights}{}",
         plan.model,
         layout.family.name(),
         layout.prediction_type.name(),
@@ -379,6 +390,7 @@ fn load_model(
         // Adapter modes keep the base frozen (plain tensors): only the adapters are Vars.
         train_unet: full,
         train_text_encoders: full && plan.train_text_encoder,
+        trained_dtype: plan.precision.weight_dtype.dtype(),
     };
     Ok(StableDiffusion::load(layout.clone(), &load)?)
 }

@@ -121,6 +121,12 @@ pub fn estimate(plan: &TrainPlan) -> anyhow::Result<ModelEstimate> {
         groups.push(price("text_encoder", &plan.optimizer.text_encoder, &text)?);
     }
     census.trained = groups.iter().map(|g| g.params).sum();
+    census.largest_trained = unet
+        .iter()
+        .chain(&text)
+        .map(|s| s.iter().product::<usize>() as u64)
+        .max()
+        .unwrap_or(0);
     census.state_bytes = groups.iter().map(|g| g.bytes).sum();
     Ok(ModelEstimate {
         state: StateEstimate(groups),
