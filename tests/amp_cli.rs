@@ -164,3 +164,70 @@ fn fp16_overflow_skips_the_step_and_halves_the_scale() {
         assert_eq!(m, 0.0, "{k} was updated by a skipped step");
     }
 }
+
+/// The plan's total in GiB after `marker` (`… the plan, 1.66 GiB, …`).
+fn planned_gib(text: &str, marker: &str) -> f64 {
+    let line = text
+        .lines()
+        .find(|l| l.contains(marker))
+        .unwrap_or_else(|| panic!("no `{marker}` in: {text}"));
+    let after = &line[line.find("the plan, ").unwrap() + "the plan, ".len()..];
+    after.split(' ').next().unwrap().parse().unwrap()
+}
+
+/// `gradient_checkpointing: "auto"` from the CLI: `--dry-run` names no block when the plan fits
+/// without, every block when nothing fits, and, with a `vram_limit_gb` between the two, some of
+/// the blocks, largest activations first; a training run under `"auto"` says what it chose and
+/// trains. Catches `"auto"` read as `true` or `false`, or the limit ignored.
+#[test]
+fn auto_checkpointing_picks_the_fewest_blocks_that_fit() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = write_config(
+        tmp.path(),
+        "tiny-sd15",
+        serde_json::json!({"mode": "full", "gradient_checkpointing": "auto", "resolution": 2048}),
+    );
+    let dry = |limit: f64| {
+        let set = format!("vram_limit_gb={limit}");
+        let out = common::cli::sdtrain(
+            &[
+                "--config",
+                cfg.to_str().unwrap(),
+                "--dry-run",
+                "--set",
+                &set,
+            ],
+            tmp.path(),
+        );
+        assert!(out.status.success(), "{}", common::cli::text(&out));
+        common::cli::text(&out)
+    };
+    let roomy = dry(100.0);
+    let none = planned_gib(&roomy, "gradient checkpointing auto: no block");
+    let tight = dry(0.05);
+    let all = planned_gib(&tight, "auto: every block, and the plan");
+    assert!(all < none, "{all} vs {none}");
+    let between = dry((all + none) / 2.0);
+    let line = between
+        .lines()
+        .find(|l| l.contains("largest activations first"))
+        .unwrap_or_else(|| panic!("{between}"));
+    // The tiny fixture has three levels: its outermost up block, up_blocks.2, holds the most
+    // activations and comes first.
+    assert!(line.contains("up_blocks.2"), "{line}");
+    assert!(!line.contains("6 of 6"), "{line}");
+    let run_dir = tmp.path().join("run");
+    std::fs::create_dir_all(&run_dir).unwrap();
+    let run = write_config(
+        &run_dir,
+        "tiny-sd15",
+        serde_json::json!({"mode": "full", "gradient_checkpointing": "auto", "vram_limit_gb": 0.05}),
+    );
+    let out = common::cli::sdtrain(&["--config", run.to_str().unwrap(), "--cpu"], tmp.path());
+    let text = common::cli::text(&out);
+    assert!(out.status.success(), "{text}");
+    assert!(
+        text.contains("gradient checkpointing auto: every block"),
+        "{text}"
+    );
+}

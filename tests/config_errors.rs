@@ -200,7 +200,10 @@ fn amp_and_checkpointing_keys_resolve() {
             &[],
         )
         .expect("plan");
-    assert!(plan.precision.gradient_checkpointing);
+    assert_eq!(
+        plan.precision.gradient_checkpointing,
+        sdtrain::config::CheckpointChoice::On
+    );
     assert_eq!(
         plan.precision.amp,
         sdtrain::config::AmpChoice::Set(sdtrain::precision::Amp::Bf16)
@@ -293,7 +296,10 @@ fn everydream2_sample_train_json_lists_what_is_missing() {
     assert_eq!((samples.every_n_steps, samples.set.prompts.len()), (300, 1));
     assert!(plan.random_seed);
     assert_eq!(plan.objective.min_snr_gamma, Some(5.0));
-    assert!(plan.precision.gradient_checkpointing);
+    assert_eq!(
+        plan.precision.gradient_checkpointing,
+        sdtrain::config::CheckpointChoice::On
+    );
     assert_eq!(
         plan.precision.amp,
         sdtrain::config::AmpChoice::DeviceDefault

@@ -338,6 +338,48 @@ fn checkpointing_matches_the_plain_path_locon_sdxl() {
     checkpointed_matches_plain("tiny-sdxl", TrainMode::Locon, 0.1);
 }
 
+/// `gradient_checkpointing: "auto"` checkpoints some blocks: the loss and gradients still
+/// equal the plain path's, and only the chosen blocks' resnets and transformer blocks run as
+/// checkpointed segments. Catches a selection ignored (every block, or none, recomputed) or an
+/// up block checkpointed under the wrong index.
+#[test]
+fn checkpointing_some_blocks_matches_the_plain_path() {
+    use sdtrain::model::unet::{BlockRef, CheckpointedBlocks};
+    let data = data();
+    let plain = model("tiny-sd15", TrainMode::Full, 0.0);
+    let mut ck_model = model("tiny-sd15", TrainMode::Full, 0.0);
+    let ck = Checkpointing::new(ck_model.params.clone(), &Device::Cpu).unwrap();
+    let unet = &mut ck_model.sd.unet;
+    let mut blocks = CheckpointedBlocks::none(&unet.config);
+    blocks.add(BlockRef::Down(0));
+    let last_up = unet.up_blocks.len() - 1;
+    blocks.add(BlockRef::Up(last_up));
+    unet.checkpointed = blocks;
+    unet.checkpointing = Some(ck.clone());
+    let want_segments = {
+        let d = &unet.down_blocks[0];
+        let u = &unet.up_blocks[last_up];
+        d.resnets.len() + d.attentions.len() + u.resnets.len() + u.attentions.len()
+    };
+    let batch = prepared(&plain, &data, 2);
+    let (l0, g0) = forward_backward(&plain.sd, &batch, &settings(&plain, None), 1.0, 1.0).unwrap();
+    let s = settings(&ck_model, Some(&ck));
+    let (l1, g1) = forward_backward(&ck_model.sd, &batch, &s, 1.0, 1.0).unwrap();
+    assert_eq!(ck.segments(), want_segments);
+    assert_eq!(
+        l0.to_scalar::<f32>().unwrap(),
+        l1.to_scalar::<f32>().unwrap()
+    );
+    assert_same_grads_of(
+        &g1,
+        &ck_model.params,
+        &g0,
+        &plain.params,
+        1e-5,
+        "down 0, last up",
+    );
+}
+
 /// SDXL's `time_ids` carry a bucketed image's real original size, its crop in the resized image
 /// and the bucket as target; a flip mirrors the crop's left edge.
 #[test]

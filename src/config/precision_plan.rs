@@ -20,6 +20,26 @@ pub enum AmpChoice {
     Set(Amp),
 }
 
+/// `gradient_checkpointing`: off, every block, or the fewest blocks that make the memory plan
+/// fit (`"auto"`, decided when the run starts: `train::memory_plan::checkpoint_choice`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Checkpointing {
+    Off,
+    On,
+    Auto,
+}
+
+impl Checkpointing {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Off => "off",
+            Self::On => "on",
+            Self::Auto => "auto",
+        }
+    }
+}
+
 /// The resolved memory and precision settings.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct PrecisionPlan {
@@ -28,7 +48,7 @@ pub struct PrecisionPlan {
     pub scaler: ScalerSettings,
     /// The dtype a full fine-tune's trained weights are stored in (f32 unless set).
     pub weight_dtype: WeightDtype,
-    pub gradient_checkpointing: bool,
+    pub gradient_checkpointing: Checkpointing,
 }
 
 impl Default for PrecisionPlan {
@@ -37,7 +57,7 @@ impl Default for PrecisionPlan {
             amp: AmpChoice::DeviceDefault,
             scaler: ScalerSettings::default(),
             weight_dtype: WeightDtype::F32,
-            gradient_checkpointing: false,
+            gradient_checkpointing: Checkpointing::Off,
         }
     }
 }
@@ -139,6 +159,19 @@ fn resolve_weight_dtype(
     }
 }
 
+fn resolve_checkpointing(f: &TrainFile, file: &Path) -> Result<Checkpointing, ConfigError> {
+    match &f.gradient_checkpointing {
+        None | Some(Value::Null) | Some(Value::Bool(false)) => Ok(Checkpointing::Off),
+        Some(Value::Bool(true)) => Ok(Checkpointing::On),
+        Some(Value::String(s)) if s.eq_ignore_ascii_case("auto") => Ok(Checkpointing::Auto),
+        Some(other) => Err(invalid(
+            file,
+            "gradient_checkpointing",
+            format!("is {other}; use true, false or \"auto\""),
+        )),
+    }
+}
+
 /// Resolves and checks the keys for a run in `mode`; errors name train.json and the key.
 pub fn resolve_precision(
     f: &TrainFile,
@@ -149,7 +182,7 @@ pub fn resolve_precision(
         amp: resolve_amp(f, file)?,
         scaler: resolve_scaler(f, file)?,
         weight_dtype: resolve_weight_dtype(f, mode, file)?,
-        gradient_checkpointing: f.gradient_checkpointing.unwrap_or(false),
+        gradient_checkpointing: resolve_checkpointing(f, file)?,
     })
 }
 
@@ -263,11 +296,23 @@ mod tests {
 
     #[test]
     fn checkpointing_defaults_off() {
-        assert!(!plan(json!({})).unwrap().gradient_checkpointing);
-        assert!(
-            plan(json!({"gradient_checkpointing": true}))
-                .unwrap()
-                .gradient_checkpointing
+        let ck = |v: Value| plan(v).map(|p| p.gradient_checkpointing);
+        assert_eq!(ck(json!({})).unwrap(), Checkpointing::Off);
+        assert_eq!(
+            ck(json!({"gradient_checkpointing": true})).unwrap(),
+            Checkpointing::On
         );
+        assert_eq!(
+            ck(json!({"gradient_checkpointing": false})).unwrap(),
+            Checkpointing::Off
+        );
+        assert_eq!(
+            ck(json!({"gradient_checkpointing": "auto"})).unwrap(),
+            Checkpointing::Auto
+        );
+        for bad in [json!("sometimes"), json!(1)] {
+            let err = ck(json!({ "gradient_checkpointing": bad })).unwrap_err();
+            assert!(err.to_string().contains("gradient_checkpointing"), "{err}");
+        }
     }
 }

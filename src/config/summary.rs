@@ -270,10 +270,9 @@ impl TrainPlan {
             }
             AmpChoice::Set(a) => a.name().to_string(),
         };
-        let ckpt = if self.precision.gradient_checkpointing {
-            "on"
-        } else {
-            "off"
+        let ckpt = match self.precision.gradient_checkpointing {
+            super::CheckpointChoice::Auto => "auto (the fewest UNet blocks that fit the card)",
+            other => other.name(),
         };
         let weights = match self.precision.weight_dtype {
             crate::precision::WeightDtype::F32 => String::new(),

@@ -167,8 +167,9 @@ pub struct TrainFile {
     /// A full fine-tune's trained weights: `"f32"`, `"bf16"` or `"fp16"` (stochastic rounding).
     #[serde(default)]
     pub weight_dtype: Option<String>,
+    /// true, false or `"auto"` (the fewest UNet blocks that make the memory plan fit).
     #[serde(default)]
-    pub gradient_checkpointing: Option<bool>,
+    pub gradient_checkpointing: Option<Value>,
     #[serde(default)]
     pub grad_scaler_init_scale: Option<f64>,
     #[serde(default)]

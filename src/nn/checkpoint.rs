@@ -41,6 +41,8 @@ struct Inner {
     params: Vec<Var>,
     grads: Mutex<GradStore>,
     anchor: Var,
+    /// Segments run forward since creation.
+    segments: std::sync::atomic::AtomicUsize,
 }
 
 impl std::fmt::Debug for Checkpointing {
@@ -62,6 +64,7 @@ impl Checkpointing {
                 params,
                 grads: Mutex::new(GradStore::default()),
                 anchor: Var::zeros(1, DType::F32, device)?,
+                segments: Default::default(),
             }),
         })
     }
@@ -72,8 +75,19 @@ impl Checkpointing {
         Ok(std::mem::take(&mut *lock(&self.inner.grads)?))
     }
 
+    /// Segments run through [`Checkpointing::run`] since this context was made (its clones
+    /// count together): which blocks a partial selection checkpoints shows here.
+    pub fn segments(&self) -> usize {
+        self.inner
+            .segments
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Runs `segment(a, b)` keeping only `a` and `b` for backward.
     pub fn run(&self, a: &Tensor, b: Option<&Tensor>, segment: Segment) -> Result<Tensor> {
+        self.inner
+            .segments
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let (out, tape) = record(|| segment(&a.detach(), b.map(Tensor::detach).as_ref()))?;
         let recompute = Recompute {
             ctx: self.clone(),

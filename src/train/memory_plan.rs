@@ -21,9 +21,9 @@
 
 use std::fmt;
 
+use super::checkpoint_choice::CheckpointDecision;
 use crate::config::{TrainMode, TrainPlan};
-use crate::model::unet::config::BlockKind;
-use crate::model::unet::UnetConfig;
+use crate::model::unet::{block_widths, CheckpointedBlocks, UnetConfig};
 use crate::precision::{Amp, WeightDtype};
 
 const GIB: f64 = (1u64 << 30) as f64;
@@ -43,20 +43,9 @@ fn kappa(full: bool, checkpointing: bool) -> f64 {
     }
 }
 
-/// The architecture's activation width (module header).
+/// The architecture's activation width (module header): the sum of the blocks' shares.
 pub fn unet_width(cfg: &UnetConfig) -> f64 {
-    cfg.block_out_channels
-        .iter()
-        .zip(&cfg.down_blocks)
-        .enumerate()
-        .map(|(level, (&c, b))| {
-            let depth = match b.kind {
-                BlockKind::CrossAttn => b.transformer_layers as f64,
-                BlockKind::Plain => 0.0,
-            };
-            c as f64 / 4f64.powi(level as i32) * (2 * b.layers + 1) as f64 * (1.0 + 3.0 * depth)
-        })
-        .sum()
+    block_widths(cfg).iter().map(|w| w.width).sum()
 }
 
 /// Element counts the plan needs, from the headers.
@@ -89,6 +78,8 @@ pub struct MemoryPlan {
     pub card: Option<(f64, String)>,
     /// The rung to take when it does not fit.
     pub rung: Option<String>,
+    /// The blocks checkpointed (`gradient_checkpointing`), and why under `"auto"`.
+    pub checkpointing: CheckpointDecision,
 }
 
 impl MemoryPlan {
@@ -113,11 +104,13 @@ pub fn plan_memory(
     card: Option<(f64, String)>,
 ) -> MemoryPlan {
     let d = &plan.data;
-    let shape = RunTerms {
+    let widths = block_widths(cfg);
+    let base = RunTerms {
         full: plan.mode == TrainMode::Full,
         amp,
         weights: plan.precision.weight_dtype,
-        checkpointing: plan.precision.gradient_checkpointing,
+        checkpointed_width: 0.0,
+        all_checkpointed: false,
         batch: plan.batch_size,
         latent_px: largest_bucket_pixels(plan, resolution) as f64 / 64.0,
         accumulating: plan.grad_accum > 1,
@@ -127,22 +120,47 @@ pub fn plan_memory(
         ema_on_device: matches!(plan.ema, Some(e) if e.device == crate::config::EmaDevice::Training),
         width: unet_width(cfg),
     };
+    let with = |blocks: Option<&CheckpointedBlocks>| match blocks {
+        None => base,
+        Some(b) => RunTerms {
+            checkpointed_width: widths
+                .iter()
+                .filter(|w| b.contains(w.block))
+                .map(|w| w.width)
+                .sum(),
+            all_checkpointed: b.is_all(),
+            ..base
+        },
+    };
+    let decision = super::checkpoint_choice::decide(
+        plan.precision.gradient_checkpointing,
+        cfg,
+        card.as_ref(),
+        |blocks| with(Some(blocks)).plan(census).total(),
+    );
+    let shape = with(decision.blocks.as_ref());
     let mut out = shape.plan(census);
     out.assumptions = format!(
         "batch {} at {resolution} px, {}, checkpointing {}{}",
         plan.batch_size,
         if amp == Amp::Off { "f32" } else { amp.name() },
-        if shape.checkpointing { "on" } else { "off" },
+        decision.summary(),
         match plan.precision.weight_dtype {
             WeightDtype::F32 => String::new(),
             w if shape.full => format!(", trained weights {}", w.name()),
             _ => String::new(),
         }
     );
+    out.checkpointing = decision;
     out.card = card.clone();
     if let Some((bytes, _)) = card {
         if out.total() > bytes {
-            out.rung = super::micro_batch::next_rungs(plan, amp, resolution)
+            let every_block = out
+                .checkpointing
+                .blocks
+                .as_ref()
+                .is_some_and(|b| b.is_all());
+            out.rung = super::micro_batch::next_rungs(plan, amp, resolution, every_block)
                 .into_iter()
                 .next();
         }
@@ -157,7 +175,10 @@ struct RunTerms {
     amp: Amp,
     /// The trained weights' dtype (adapters are always f32).
     weights: WeightDtype,
-    checkpointing: bool,
+    /// The activation width of the checkpointed blocks (0: none; `width`: all).
+    checkpointed_width: f64,
+    /// Every block checkpointed, the mid block and text encoders too (`true`).
+    all_checkpointed: bool,
     batch: usize,
     /// Latent pixels of the largest bucket.
     latent_px: f64,
@@ -192,7 +213,7 @@ impl RunTerms {
         // where a layer uses it, and the graph keeps the cast until backward; checkpointed
         // segments recompute theirs.
         let casts = weight_dtype.dtype() != self.amp.compute_dtype();
-        let amp_copies = if casts && !self.checkpointing {
+        let amp_copies = if casts && !self.all_checkpointed {
             compute * trained
         } else {
             0.0
@@ -209,11 +230,10 @@ impl RunTerms {
         } else {
             8.0 * census.largest_trained as f64
         };
-        let activations = self.batch as f64
-            * self.latent_px
-            * compute
-            * kappa(self.full, self.checkpointing)
-            * self.width;
+        // Checkpointed blocks keep κ(on) per unit of their width, the others κ(off).
+        let kept = kappa(self.full, false) * (self.width - self.checkpointed_width)
+            + kappa(self.full, true) * self.checkpointed_width;
+        let activations = self.batch as f64 * self.latent_px * compute * kept;
         MemoryPlan {
             weights,
             gradients: grad_buffers * trained_bytes * trained,
@@ -228,6 +248,7 @@ impl RunTerms {
             assumptions: String::new(),
             card: None,
             rung: None,
+            checkpointing: CheckpointDecision::default(),
         }
     }
 }
@@ -267,6 +288,9 @@ impl fmt::Display for MemoryPlan {
         )?;
         if self.ema > 0.0 {
             writeln!(f, "{:<15}EMA on the device {}", "", g(self.ema))?;
+        }
+        if let Some(note) = &self.checkpointing.note {
+            writeln!(f, "{:<15}gradient checkpointing {note}", "")?;
         }
         let verdict = match &self.card {
             Some((bytes, source)) if self.total() <= *bytes => {
@@ -381,7 +405,8 @@ mod tests {
                 full,
                 amp: if bf16 { Amp::Bf16 } else { Amp::Off },
                 weights: WeightDtype::F32,
-                checkpointing: ck,
+                checkpointed_width: if ck { unet_width(&cfg(cfg_json)) } else { 0.0 },
+                all_checkpointed: ck,
                 batch,
                 latent_px: (res * res) as f64 / 64.0,
                 accumulating: false,
@@ -422,7 +447,8 @@ mod tests {
                 full,
                 amp,
                 weights,
-                checkpointing: false,
+                checkpointed_width: 0.0,
+                all_checkpointed: false,
                 batch: 1,
                 latent_px: 0.0,
                 accumulating: false,

@@ -9,7 +9,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::{OptimizerKind, TrainMode, TrainPlan};
+use crate::config::{CheckpointChoice, OptimizerKind, TrainMode, TrainPlan};
 use crate::precision::{Amp, WeightDtype};
 
 /// The micro-batch size in force, and the OOM retries that set it.
@@ -71,11 +71,23 @@ pub struct GaveUp {
 }
 
 /// What to change to use less memory, for this plan, most effective first: the rungs of the
-/// ladder it is not on yet.
-pub fn next_rungs(plan: &TrainPlan, amp: Amp, resolution: usize) -> Vec<String> {
+/// ladder it is not on yet. `every_block`: every UNet block is checkpointed already (`true`, or
+/// all that `"auto"` chose).
+pub fn next_rungs(plan: &TrainPlan, amp: Amp, resolution: usize, every_block: bool) -> Vec<String> {
     let mut rungs = Vec::new();
-    if !plan.precision.gradient_checkpointing {
-        rungs.push("turn gradient checkpointing on (`gradient_checkpointing: true`)".to_string());
+    match plan.precision.gradient_checkpointing {
+        _ if every_block => {}
+        CheckpointChoice::Off => rungs.push(
+            "turn gradient checkpointing on (`gradient_checkpointing: \"auto\"` checkpoints \
+             the fewest blocks that fit, `true` every block)"
+                .to_string(),
+        ),
+        CheckpointChoice::Auto => rungs.push(
+            "checkpoint every block (`gradient_checkpointing: true`; `\"auto\"` chose from \
+             the plan, which may be short)"
+                .to_string(),
+        ),
+        CheckpointChoice::On => {}
     }
     if amp == Amp::Off {
         rungs.push("compute in bf16 (`amp: \"bf16\"`; fp16 on cards without bf16)".to_string());

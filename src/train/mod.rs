@@ -3,6 +3,7 @@
 pub mod accumulate;
 pub mod adapters;
 mod caches;
+pub mod checkpoint_choice;
 pub mod data_feed;
 pub mod ema;
 pub mod interrupt;

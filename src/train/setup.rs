@@ -24,13 +24,14 @@ use super::run_dir::RunDir;
 use super::samples;
 use super::trainer::{Extras, Model, Outputs, Position, RunOptions, Session};
 use super::validation::Validation;
-use crate::config::{RunShape, TrainMode, TrainPlan};
+use crate::config::{CheckpointChoice, RunShape, TrainMode, TrainPlan};
 use crate::data::{load_data_root_limited, Bucket, LoadedDataset};
 use crate::diffusion::{NoiseSchedule, Objective, ObjectiveConfig};
 use crate::memory::{prepare_device, DeviceSettings};
 use crate::model::layout::ModelLayout;
 use crate::model::pipeline::{LoadOptions, StableDiffusion};
 use crate::model::source::ModelSource;
+use crate::model::unet::CheckpointedBlocks;
 use crate::nn::Checkpointing;
 use crate::precision::{scaler_for, Amp, WeightDtype};
 
@@ -201,9 +202,11 @@ fn optimization(
     };
     let groups = param_groups(&model.sd, plan, model.adapters.as_ref(), shape)?;
     let params: Vec<Var> = groups.iter().flat_map(|g| g.vars.iter().cloned()).collect();
-    if plan.precision.gradient_checkpointing {
-        let te_trains = groups.len() > 1;
+    if let Some(blocks) = checkpointed_blocks(plan, model, device)? {
+        // The text encoders are checkpointed with every UNet block (`true`), not by `"auto"`.
+        let te_trains = groups.len() > 1 && blocks.is_all();
         let ck = attach_checkpointing(&mut model.sd, &params, te_trains, device)?;
+        model.sd.unet.checkpointed = blocks;
         model.checkpointing = Some(ck);
     }
     let scaler = scaler_for(
@@ -218,6 +221,38 @@ fn optimization(
         micro: MicroBatching::new(plan.batch_size),
         total_steps,
     })
+}
+
+/// The UNet blocks to checkpoint: none, all (`true`), or what `"auto"` chooses to fit
+/// `vram_limit_gb`, else the card's free memory (nothing on the CPU without `vram_limit_gb`).
+fn checkpointed_blocks(
+    plan: &TrainPlan,
+    model: &Model,
+    device: &Device,
+) -> anyhow::Result<Option<CheckpointedBlocks>> {
+    let cfg = &model.sd.unet.config;
+    match plan.precision.gradient_checkpointing {
+        CheckpointChoice::Off => return Ok(None),
+        CheckpointChoice::On => return Ok(Some(CheckpointedBlocks::all(cfg))),
+        CheckpointChoice::Auto => {}
+    }
+    const GIB: f64 = (1u64 << 30) as f64;
+    let card = match plan.vram_limit_gb {
+        Some(gb) => Some((gb * GIB, "vram_limit_gb".to_string())),
+        None => crate::memory::MemoryUsage::read(device)?
+            .and_then(|u| u.device_free_bytes)
+            .map(|b| (b as f64, "the card's free memory at the start".to_string())),
+    };
+    let census = super::state_estimate::estimate(plan)
+        .context("gradient_checkpointing \"auto\": pricing the model")?
+        .census;
+    let memory =
+        super::memory_plan::plan_memory(plan, model.amp, cfg, model.resolution, &census, card);
+    let decision = memory.checkpointing;
+    if let Some(note) = &decision.note {
+        eprintln!("gradient checkpointing {note}");
+    }
+    Ok(decision.blocks)
 }
 
 /// What the run's shape resolved to at its start, written into plan.json.
@@ -366,10 +401,10 @@ fn describe_model(plan: &TrainPlan, layout: &ModelLayout, amp: Amp) {
         layout.prediction_type.name(),
         layout.native_resolution,
         amp.name(),
-        if plan.precision.gradient_checkpointing {
-            ", gradient checkpointing"
-        } else {
-            ""
+        match plan.precision.gradient_checkpointing {
+            CheckpointChoice::Off => "",
+            CheckpointChoice::On => ", gradient checkpointing",
+            CheckpointChoice::Auto => ", gradient checkpointing auto",
         }
     );
 }

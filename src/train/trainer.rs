@@ -579,7 +579,14 @@ impl Session<'_> {
             Err(err) => format!("saving the last completed step failed too: {err:#}"),
         };
         progress.finish();
-        let rungs = next_rungs(self.plan, self.model.amp, self.model.resolution);
+        let every_block =
+            self.model.checkpointing.is_some() && self.model.sd.unet.checkpointed.is_all();
+        let rungs = next_rungs(
+            self.plan,
+            self.model.amp,
+            self.model.resolution,
+            every_block,
+        );
         GaveUp {
             place,
             saved,

@@ -5,6 +5,7 @@
 use candle_core::{Result, Tensor};
 
 use super::blocks::{BlockCommon, DownBlock, MidBlock, UpBlock, UpChannels};
+use super::checkpoint_blocks::{BlockRef, CheckpointedBlocks};
 use super::config::{BlockConfig, UnetConfig};
 use super::embeddings::{timestep_embedding, TimestepEmbedding};
 use crate::model::weights::{Weights, WeightsError};
@@ -30,8 +31,10 @@ pub struct UNet2DConditionModel {
     pub up_blocks: Vec<UpBlock>,
     pub conv_norm_out: GroupNorm,
     pub conv_out: Conv2d,
-    /// Gradient checkpointing of every resnet and transformer block, when set.
+    /// Gradient checkpointing of the resnets and transformer blocks of `checkpointed`, when set.
     pub checkpointing: Option<crate::nn::Checkpointing>,
+    /// The blocks `checkpointing` applies to (every block unless `"auto"` chose fewer).
+    pub checkpointed: CheckpointedBlocks,
 }
 
 impl UNet2DConditionModel {
@@ -90,6 +93,7 @@ impl UNet2DConditionModel {
                 Conv2dConfig::same(3),
             )?,
             checkpointing: None,
+            checkpointed: CheckpointedBlocks::all(cfg),
         })
     }
 
@@ -214,16 +218,19 @@ impl UNet2DConditionModel {
         }
         let context = context.to_dtype(sample.dtype())?;
         let temb = self.time_embed(timesteps, added, sample)?;
-        let ck = self.checkpointing.as_ref();
+        let ck = |on: bool| self.checkpointing.as_ref().filter(|_| on);
+        let sel = &self.checkpointed;
         let mut x = self.conv_in.forward(sample)?;
         let mut skips = vec![x.clone()];
-        for block in &self.down_blocks {
+        for (i, block) in self.down_blocks.iter().enumerate() {
+            let ck = ck(sel.contains(BlockRef::Down(i)));
             let (out, s) = block.forward(&x, &temb, &context, ck)?;
             x = out;
             skips.extend(s);
         }
-        x = self.mid_block.forward(&x, &temb, &context, ck)?;
-        for block in &self.up_blocks {
+        x = self.mid_block.forward(&x, &temb, &context, ck(sel.mid))?;
+        for (i, block) in self.up_blocks.iter().enumerate() {
+            let ck = ck(sel.contains(BlockRef::Up(i)));
             let take = block.resnets.len();
             let rest = skips.len() - take;
             let mine = skips.split_off(rest);
