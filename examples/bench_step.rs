@@ -24,6 +24,8 @@
 //!
 //! - `--fused-ops off`: the norms, masked softmax and GEGLU run their composed `*_reference`
 //!   ops instead of the fused ones (`nn::set_fused_ops_enabled`), for before/after figures.
+//! - `--checkpoint-blocks down_blocks.0,up_blocks.3`: checkpointing of those UNet blocks only,
+//!   as `gradient_checkpointing: "auto"` may choose them (implies `--checkpointing on`).
 //! - `--checkpointing on`: gradient checkpointing of every resnet and transformer block, as
 //!   the trainer's `gradient_checkpointing` (the recomputed parameter gradients are merged into
 //!   the store before the check and the optimizer step).
@@ -410,8 +412,14 @@ fn run(args: &[String], report: &mut Value) -> Result<()> {
     };
     report["optimizer"] = json!(shape.optimizer);
     report["weight_dtype"] = json!(format!("{:?}", shape.weight_dtype).to_lowercase());
-    let checkpointing = on_off(args, "--checkpointing", "off")?;
+    let blocks: Option<Vec<String>> = args
+        .iter()
+        .position(|a| a == "--checkpoint-blocks")
+        .and_then(|i| args.get(i + 1))
+        .map(|l| l.split(',').map(str::to_string).collect());
+    let checkpointing = blocks.is_some() || on_off(args, "--checkpointing", "off")?;
     report["checkpointing"] = json!(checkpointing);
+    report["checkpoint_blocks"] = json!(blocks);
     let fused_ops = on_off(args, "--fused-ops", "on")?;
     sdtrain::nn::set_fused_ops_enabled(fused_ops);
     report["fused_ops"] = json!(fused_ops);
@@ -452,6 +460,9 @@ fn run(args: &[String], report: &mut Value) -> Result<()> {
         let ck = sdtrain::nn::Checkpointing::new(model.vars.clone(), &device)?;
         model.unet.checkpointing = Some(ck.clone());
         model.checkpointing = Some(ck);
+        if let Some(names) = &blocks {
+            model.unet.checkpointed = checkpointed_blocks(&model.unet.config, names)?;
+        }
     }
     report["params_total"] = json!(model.params_total);
     report["params_trained"] = json!(model.vars.iter().map(|v| v.elem_count()).sum::<usize>());
@@ -713,6 +724,25 @@ fn median(v: &mut [f64]) -> f64 {
 
 fn round2(x: f64) -> f64 {
     (x * 100.0).round() / 100.0
+}
+
+/// `--checkpoint-blocks`: the named blocks (`down_blocks.N`, `mid_block`, `up_blocks.N`).
+fn checkpointed_blocks(
+    cfg: &sdtrain::model::unet::UnetConfig,
+    names: &[String],
+) -> Result<sdtrain::model::unet::CheckpointedBlocks> {
+    use sdtrain::model::unet::{BlockRef, CheckpointedBlocks};
+    let mut blocks = CheckpointedBlocks::none(cfg);
+    for name in names {
+        let index = |prefix: &str| name.strip_prefix(prefix).and_then(|i| i.parse().ok());
+        match (index("down_blocks."), index("up_blocks.")) {
+            _ if name == "mid_block" => blocks.mid = true,
+            (Some(i), _) if i < blocks.down.len() => blocks.add(BlockRef::Down(i)),
+            (_, Some(i)) if i < blocks.up.len() => blocks.add(BlockRef::Up(i)),
+            _ => bail!("--checkpoint-blocks: no block `{name}` in this UNet"),
+        }
+    }
+    Ok(blocks)
 }
 
 /// `--optimizer`: the rule with its default hyper-parameters (AdamW's weight decay for all).

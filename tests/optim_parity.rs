@@ -161,10 +161,10 @@ fn every_rule(adam: AdamWParams, lion: LionParams) -> Vec<(&'static str, MakeRul
     ]
 }
 
-#[test]
-fn save_load_continue_is_bit_exact_for_every_optimizer() {
+/// [`every_rule`] with AdamW at `lr`, and weight decay 0.1 for AdamW and Lion.
+fn every_rule_decayed(lr: f64) -> Vec<(&'static str, MakeRule)> {
     let adam = AdamWParams {
-        lr: 1e-2,
+        lr,
         weight_decay: 0.1,
         ..AdamWParams::default()
     };
@@ -172,7 +172,12 @@ fn save_load_continue_is_bit_exact_for_every_optimizer() {
         weight_decay: 0.1,
         ..LionParams::default()
     };
-    let rules = every_rule(adam, lion);
+    every_rule(adam, lion)
+}
+
+#[test]
+fn save_load_continue_is_bit_exact_for_every_optimizer() {
+    let rules = every_rule_decayed(1e-2);
     let dir = tempfile::tempdir().unwrap();
     for (name, make) in rules {
         let shapes: [&[usize]; 2] = [&[40, 130], &[7]];
@@ -314,17 +319,8 @@ fn update_one_equals_a_step_with_that_gradient_alone() {
 fn bf16_parameters_update_in_f32_and_round_stochastically() {
     use candle_core::DType;
     use sdtrain::optim::stochastic_round::{round_into, tensor_seed};
-    let adam = AdamWParams {
-        lr: 1e-3,
-        weight_decay: 0.1,
-        ..AdamWParams::default()
-    };
-    let lion = LionParams {
-        weight_decay: 0.1,
-        ..LionParams::default()
-    };
     let dir = tempfile::tempdir().unwrap();
-    for (name, make) in every_rule(adam, lion) {
+    for (name, make) in every_rule_decayed(1e-3) {
         let init = common::fill(&[24, 70], 3).to_dtype(DType::BF16).unwrap();
         let p16 = Var::from_tensor(&init).unwrap();
         let p32 = Var::from_tensor(&init.to_dtype(DType::F32).unwrap()).unwrap();

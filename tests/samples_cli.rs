@@ -32,18 +32,6 @@ fn names(dir: &Path) -> Vec<String> {
     v
 }
 
-fn losses(run: &Path) -> Vec<f64> {
-    std::fs::read_to_string(run.join("train_log.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| {
-            serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"]
-                .as_f64()
-                .unwrap()
-        })
-        .collect()
-}
-
 fn dims(path: &Path) -> (u32, u32) {
     image::image_dimensions(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
@@ -112,7 +100,10 @@ fn full_fine_tune_samples_each_step_and_keeps_training_unchanged() {
     );
     let out = sdtrain(&["--config", cfg.to_str().unwrap(), "--cpu"], plain.path());
     assert!(out.status.success(), "{}", text(&out));
-    assert_eq!(losses(&run), losses(&run_folder(plain.path())));
+    assert_eq!(
+        common::cli::step_losses(&run),
+        common::cli::step_losses(&run_folder(plain.path()))
+    );
 }
 
 /// LoRA on tiny SDXL with EMA, latents and captions cached (so the VAE and the text encoders

@@ -37,19 +37,6 @@ fn config(dir: &Path, weight_dtype: &str) -> PathBuf {
     )
 }
 
-/// Each step's loss, in step order.
-fn losses(run: &Path) -> Vec<f64> {
-    std::fs::read_to_string(run.join("train_log.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| {
-            serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"]
-                .as_f64()
-                .unwrap()
-        })
-        .collect()
-}
-
 fn mean(v: &[f64]) -> f64 {
     v.iter().sum::<f64>() / v.len() as f64
 }
@@ -78,7 +65,7 @@ fn bf16_weights_track_the_f32_run_over_200_steps() {
         let out = child.wait_with_output().unwrap();
         let log = String::from_utf8_lossy(&out.stderr).to_string();
         assert!(out.status.success(), "{}: {log}", dir.display());
-        let l = losses(&run_folder(&dir));
+        let l = common::cli::step_losses(&run_folder(&dir));
         assert_eq!(l.len(), STEPS, "{log}");
         tails.push((mean(&l[..STEPS / 5]), mean(&l[STEPS - STEPS / 5..]), log));
     }

@@ -63,3 +63,16 @@ pub fn text(o: &Output) -> String {
         String::from_utf8_lossy(&o.stderr)
     )
 }
+
+/// Each logged step's training loss, in step order (the run folder's train_log.jsonl).
+pub fn step_losses(run: &Path) -> Vec<f64> {
+    std::fs::read_to_string(run.join("train_log.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"]
+                .as_f64()
+                .unwrap()
+        })
+        .collect()
+}

@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use candle_core::{DType, Device, Tensor};
 
 pub mod cli;
+pub mod full_size;
 
 /// The repository root: `CARGO_MANIFEST_DIR` at run time (cargo sets it; `scripts/gpu-check`
 /// sets it when it runs a test binary built on another machine), else where it was built.

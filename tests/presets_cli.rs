@@ -1,0 +1,91 @@
+//! The memory presets in configs/: each one's `--dry-run`, on the full-size model it is for (the
+//! real configs and tensor shapes, no weights: tests/common/full_size.rs), plans a peak within its
+//! budget. A change that makes a preset stop fitting fails here, before a user finds that a
+//! config which fit a 12 GB card no longer does after an update (sd-scripts #1131,
+//! OneTrainer #934). Budgets are GiB of device memory, the unit cards and `vram_limit_gb` use.
+
+mod common;
+
+use std::path::Path;
+
+/// (preset in configs/, model family, budget in GiB).
+const PRESETS: [(&str, &str, f64); 3] = [
+    ("sd21-full-12gb", "sd21", 12.0),
+    ("sd15-lora-12gb", "sd15", 12.0),
+    ("sdxl-lora-12gb", "sdxl", 12.0),
+];
+
+/// The `expected peak` of a dry run's memory plan, in GiB.
+fn expected_peak(text: &str) -> f64 {
+    let line = text
+        .lines()
+        .find_map(|l| l.trim_start().strip_prefix("expected peak "))
+        .unwrap_or_else(|| panic!("no expected peak in: {text}"));
+    let mut words = line.split([' ', ':']);
+    let value: f64 = words.next().unwrap().parse().unwrap();
+    match words.next().unwrap() {
+        "GiB" => value,
+        "MiB" => value / 1024.0,
+        other => panic!("unit {other} in {line}"),
+    }
+}
+
+/// `--dry-run` of `preset` on `model`, with the demo data and a temp output folder.
+fn dry_run(preset: &str, model: &Path, tmp: &Path) -> String {
+    let cfg = common::repo_root().join(format!("configs/{preset}.json"));
+    let sets = [
+        format!("model={}", model.display()),
+        format!("data_root={}", common::cli::demo_data().display()),
+        format!("output_dir={}", tmp.join("out").display()),
+    ];
+    let mut args = vec!["--config", cfg.to_str().unwrap(), "--dry-run"];
+    for s in &sets {
+        args.extend(["--set", s]);
+    }
+    let out = common::cli::sdtrain(&args, tmp);
+    let text = common::cli::text(&out);
+    assert!(out.status.success(), "{preset}: {text}");
+    text
+}
+
+#[test]
+fn every_preset_plans_within_its_budget() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut over = Vec::new();
+    for (preset, family, budget) in PRESETS {
+        let model = tmp.path().join(family);
+        if !model.exists() {
+            common::full_size::full_size_model(family, &model);
+        }
+        let text = dry_run(preset, &model, tmp.path());
+        let peak = expected_peak(&text);
+        eprintln!("{preset}: planned peak {peak:.2} GiB, budget {budget} GiB");
+        if peak > budget {
+            over.push(format!("{preset}: {peak:.2} GiB > {budget} GiB\n{text}"));
+        }
+    }
+    assert!(over.is_empty(), "{}", over.join("\n"));
+}
+
+/// The full-size stand-ins are the real models as far as the plan can tell: the dry run prices
+/// SD1.5's 859,520,964 UNet parameters (AdamW8bit over all of them in a full fine-tune).
+#[test]
+fn the_full_size_stand_in_has_the_real_parameter_count() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = common::full_size::full_size_model("sd15", &tmp.path().join("sd15"));
+    let cfg = common::cli::write_config(
+        tmp.path(),
+        "tiny-sd15",
+        &common::cli::demo_data(),
+        serde_json::json!({"model": model, "mode": "full"}),
+    );
+    let out = common::cli::sdtrain(
+        &["--config", cfg.to_str().unwrap(), "--dry-run"],
+        tmp.path(),
+    );
+    let text = common::cli::text(&out);
+    assert!(
+        text.contains("unet: adamw8bit, 859520964 trained parameters"),
+        "{text}"
+    );
+}
