@@ -8,8 +8,10 @@
 //!     --precision bf16 [--device cuda] [--steps 10] [--warmup 3] [--rank 16] \
 //!     [--pool-cache on|off] [--event-tracking on|off] [--fused-ops on|off] \
 //!     [--unet-config PATH] [--checkpointing on|off] [--profile-last-step] \
-//!     [--weight-dtype f32|bf16]
+//!     [--weight-dtype f32|bf16] [--fused]
 //! ```
+//! - `--fused`: each parameter updated inside the backward pass as its gradient completes
+//!   (`Tensor::backward_with`, the trainer's `fused_backward_pass`); no checkpointing.
 //! - `--heap-census` (CPU): the last step reports the host heap (a counting allocator): held
 //!   before it, held by the forward graph once the loss exists, the step's peak, and the
 //!   graph's largest tracked tensors by shape; what the activation-memory work measures.
@@ -89,6 +91,8 @@ struct Model {
     /// Width of the text conditioning.
     ctx_dim: usize,
     checkpointing: Option<sdtrain::nn::Checkpointing>,
+    /// `--fused`: update each parameter inside the backward pass.
+    fused: bool,
 }
 
 struct Inputs {
@@ -456,6 +460,11 @@ fn run(args: &[String], report: &mut Value) -> Result<()> {
     }
     let loaded = Instant::now();
     let mut model = build(&shape, &device)?;
+    model.fused = args.iter().any(|a| a == "--fused");
+    if model.fused && checkpointing {
+        bail!("--fused runs without checkpointing here (the trainer fuses both)");
+    }
+    report["fused"] = json!(model.fused);
     if checkpointing {
         let ck = sdtrain::nn::Checkpointing::new(model.vars.clone(), &device)?;
         model.unet.checkpointing = Some(ck.clone());
@@ -575,6 +584,7 @@ fn build(shape: &Shape, device: &Device) -> Result<Model> {
         dtype,
         ctx_dim,
         checkpointing: None,
+        fused: false,
     })
 }
 
@@ -623,6 +633,9 @@ fn step(
     if let Some(r) = heap.as_deref_mut() {
         heap_census(r, &loss, before);
     }
+    if m.fused {
+        return fused_step(m, loss, device, heap, start, fwd, before);
+    }
     let mut grads = loss.backward()?;
     if let Some(ck) = &m.checkpointing {
         grads.extend(ck.take_grads()?)?;
@@ -648,6 +661,45 @@ fn step(
         [total, fwd, bwd, total - fwd - bwd],
         (census.0, census.1, check.loss),
     ))
+}
+
+/// `--fused`: the backward pass updates each parameter as its gradient completes and drops the
+/// gradient (the trainer's `fused_backward_pass`, without checkpointing here).
+fn fused_step(
+    m: &mut Model,
+    loss: Tensor,
+    device: &Device,
+    heap: Option<&mut Value>,
+    start: Instant,
+    fwd: f64,
+    before: usize,
+) -> Result<([f64; 4], (usize, usize, f64))> {
+    let by_id: std::collections::HashMap<_, Var> = m
+        .vars
+        .iter()
+        .map(|v| (v.as_tensor().id(), v.clone()))
+        .collect();
+    let optimizer = &mut m.optimizer;
+    let mut updated = 0;
+    loss.backward_with(&mut |node, g| {
+        if let Some(v) = by_id.get(&node.id()) {
+            optimizer
+                .update_one(v, &g)
+                .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+            updated += 1;
+        }
+        Ok(())
+    })?;
+    let value = f64::from(loss.to_dtype(DType::F32)?.to_scalar::<f32>()?);
+    drop(loss);
+    device.synchronize()?;
+    let total = start.elapsed().as_secs_f64();
+    if let Some(r) = heap {
+        r["heap_step_peak_mib"] = json!(mib(counting_alloc::peak_bytes() - before));
+        r["heap_after_step_mib"] = json!(mib(counting_alloc::live_bytes()));
+    }
+    // Backward and the updates are one phase here.
+    Ok(([total, fwd, total - fwd, 0.0], (0, updated, value)))
 }
 
 fn mib(bytes: usize) -> f64 {

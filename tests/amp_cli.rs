@@ -231,3 +231,35 @@ fn auto_checkpointing_picks_the_fewest_blocks_that_fit() {
         "{text}"
     );
 }
+
+/// `fused_backward_pass` from the CLI: a full fine-tune with bf16 weights and checkpointing
+/// trains, and beside `amp: "fp16"` it is refused, naming the key.
+#[test]
+fn fused_backward_pass_trains_from_the_cli_and_refuses_fp16() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = write_config(
+        tmp.path(),
+        "tiny-sdxl",
+        serde_json::json!({"mode": "full", "fused_backward_pass": true, "amp": "bf16",
+            "weight_dtype": "bf16", "gradient_checkpointing": true, "grad_accum": 2}),
+    );
+    let out = common::cli::sdtrain(&["--config", cfg.to_str().unwrap(), "--cpu"], tmp.path());
+    let text = common::cli::text(&out);
+    assert!(out.status.success(), "{text}");
+    let fp16 = common::cli::sdtrain(
+        &[
+            "--config",
+            cfg.to_str().unwrap(),
+            "--cpu",
+            "--set",
+            "amp=fp16",
+        ],
+        tmp.path(),
+    );
+    let text = common::cli::text(&fp16);
+    assert!(!fp16.status.success());
+    assert!(
+        text.contains("fused_backward_pass") && text.contains("fp16"),
+        "{text}"
+    );
+}

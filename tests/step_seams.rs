@@ -380,6 +380,37 @@ fn checkpointing_some_blocks_matches_the_plain_path() {
     );
 }
 
+/// `Tensor::backward_with` (the vendored candle's hook for a fused backward pass) hands every
+/// trained parameter's gradient over exactly once, bit for bit the one `backward()` stores, and
+/// keeps none of them. Catches a gradient handed over before its last contribution (a partial
+/// sum) or handed over twice.
+#[test]
+fn backward_with_hands_over_each_final_gradient_once() {
+    let data = data();
+    let m = model("tiny-sd15", TrainMode::Full, 0.0);
+    let s = settings(&m, None);
+    let batch = prepared(&m, &data, 2);
+    let loss = sdtrain::train::step::forward_loss(&m.sd, &batch, &s).unwrap();
+    let want = loss.backward().unwrap();
+    let mut seen: std::collections::HashMap<_, Tensor> = Default::default();
+    let rest = loss
+        .backward_with(&mut |node, g| {
+            assert!(seen.insert(node.id(), g).is_none(), "handed over twice");
+            Ok(())
+        })
+        .unwrap();
+    let bits = |t: &Tensor| {
+        let v = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        v.into_iter().map(f32::to_bits).collect::<Vec<_>>()
+    };
+    for p in &m.params {
+        let got = &seen[&p.as_tensor().id()];
+        assert_eq!(bits(got), bits(want.get(p).unwrap()));
+        assert!(rest.get(p).is_none());
+    }
+    assert_eq!(seen.len(), m.params.len());
+}
+
 /// SDXL's `time_ids` carry a bucketed image's real original size, its crop in the resized image
 /// and the bucket as target; a flip mirrors the crop's left edge.
 #[test]

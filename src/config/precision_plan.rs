@@ -49,6 +49,8 @@ pub struct PrecisionPlan {
     /// The dtype a full fine-tune's trained weights are stored in (f32 unless set).
     pub weight_dtype: WeightDtype,
     pub gradient_checkpointing: Checkpointing,
+    /// `fused_backward_pass`: update each parameter as its gradient completes.
+    pub fused_backward_pass: bool,
 }
 
 impl Default for PrecisionPlan {
@@ -58,6 +60,7 @@ impl Default for PrecisionPlan {
             scaler: ScalerSettings::default(),
             weight_dtype: WeightDtype::F32,
             gradient_checkpointing: Checkpointing::Off,
+            fused_backward_pass: false,
         }
     }
 }
@@ -159,6 +162,24 @@ fn resolve_weight_dtype(
     }
 }
 
+/// `fused_backward_pass`; refused beside `amp: "fp16"`, whose loss scaler must see every
+/// gradient before any update (a device default that resolves to fp16 is refused at the start).
+fn resolve_fused(f: &TrainFile, file: &Path) -> Result<bool, ConfigError> {
+    let on = f.fused_backward_pass.unwrap_or(false);
+    if on && matches!(resolve_amp(f, file)?, AmpChoice::Set(Amp::Fp16)) {
+        return Err(invalid(
+            file,
+            "fused_backward_pass",
+            "is true with amp \"fp16\": fp16's loss scaler skips a step whose gradients \
+             overflowed, so it must see every gradient before any update, and a fused backward \
+             pass updates each parameter as its gradient completes; use amp \"bf16\" (or \
+             \"off\"), or turn fused_backward_pass off"
+                .to_string(),
+        ));
+    }
+    Ok(on)
+}
+
 fn resolve_checkpointing(f: &TrainFile, file: &Path) -> Result<Checkpointing, ConfigError> {
     match &f.gradient_checkpointing {
         None | Some(Value::Null) | Some(Value::Bool(false)) => Ok(Checkpointing::Off),
@@ -183,6 +204,7 @@ pub fn resolve_precision(
         scaler: resolve_scaler(f, file)?,
         weight_dtype: resolve_weight_dtype(f, mode, file)?,
         gradient_checkpointing: resolve_checkpointing(f, file)?,
+        fused_backward_pass: resolve_fused(f, file)?,
     })
 }
 

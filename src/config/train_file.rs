@@ -167,6 +167,9 @@ pub struct TrainFile {
     /// A full fine-tune's trained weights: `"f32"`, `"bf16"` or `"fp16"` (stochastic rounding).
     #[serde(default)]
     pub weight_dtype: Option<String>,
+    /// Update each parameter as soon as its gradient is complete (kohya's name).
+    #[serde(default)]
+    pub fused_backward_pass: Option<bool>,
     /// true, false or `"auto"` (the fewest UNet blocks that make the memory plan fit).
     #[serde(default)]
     pub gradient_checkpointing: Option<Value>,

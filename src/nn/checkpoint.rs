@@ -18,11 +18,12 @@
 //! so LoRA dropout picks the same mask twice.
 
 use std::cell::RefCell;
-use std::collections::VecDeque;
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Device, Result, Tensor, Var};
+use candle_core::{DType, Device, Result, Tensor, TensorId, Var};
 use rand::rngs::StdRng;
 
 use super::fused_op::{attach3, Backward3, Grads3};
@@ -39,10 +40,15 @@ pub struct Checkpointing {
 
 struct Inner {
     params: Vec<Var>,
+    param_ids: HashSet<TensorId>,
     grads: Mutex<GradStore>,
     anchor: Var,
     /// Segments run forward since creation.
-    segments: std::sync::atomic::AtomicUsize,
+    segments: AtomicUsize,
+    /// Whether each segment's forward counts the parameters it uses (for a fused backward).
+    track_uses: AtomicBool,
+    /// Segments that used each parameter since the last [`Checkpointing::take_uses`].
+    uses: Mutex<HashMap<TensorId, usize>>,
 }
 
 impl std::fmt::Debug for Checkpointing {
@@ -61,10 +67,13 @@ impl Checkpointing {
     pub fn new(params: Vec<Var>, device: &Device) -> Result<Self> {
         Ok(Self {
             inner: Arc::new(Inner {
+                param_ids: params.iter().map(|v| v.as_tensor().id()).collect(),
                 params,
                 grads: Mutex::new(GradStore::default()),
                 anchor: Var::zeros(1, DType::F32, device)?,
                 segments: Default::default(),
+                track_uses: Default::default(),
+                uses: Default::default(),
             }),
         })
     }
@@ -78,17 +87,32 @@ impl Checkpointing {
     /// Segments run through [`Checkpointing::run`] since this context was made (its clones
     /// count together): which blocks a partial selection checkpoints shows here.
     pub fn segments(&self) -> usize {
-        self.inner
-            .segments
-            .load(std::sync::atomic::Ordering::Relaxed)
+        self.inner.segments.load(Ordering::Relaxed)
+    }
+
+    /// Counts, from now on, the parameters each segment's forward uses (a fused backward pass
+    /// needs to know how many parts of each gradient to wait for).
+    pub fn track_uses(&self, on: bool) {
+        self.inner.track_uses.store(on, Ordering::Relaxed);
+    }
+
+    /// How many segments used each parameter since the last call, leaving the count empty.
+    pub fn take_uses(&self) -> Result<HashMap<TensorId, usize>> {
+        Ok(std::mem::take(&mut *lock(&self.inner.uses)?))
     }
 
     /// Runs `segment(a, b)` keeping only `a` and `b` for backward.
     pub fn run(&self, a: &Tensor, b: Option<&Tensor>, segment: Segment) -> Result<Tensor> {
-        self.inner
-            .segments
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.inner.segments.fetch_add(1, Ordering::Relaxed);
         let (out, tape) = record(|| segment(&a.detach(), b.map(Tensor::detach).as_ref()))?;
+        if self.inner.track_uses.load(Ordering::Relaxed) {
+            let mut uses = lock(&self.inner.uses)?;
+            for node in out.sorted_nodes() {
+                if node.is_variable() && self.inner.param_ids.contains(&node.id()) {
+                    *uses.entry(node.id()).or_default() += 1;
+                }
+            }
+        }
         let recompute = Recompute {
             ctx: self.clone(),
             segment,
@@ -157,11 +181,45 @@ impl Backward3 for Recompute {
         let out = replay(tape, || (self.segment)(&a_in, b_in.as_ref()))?;
         let surrogate =
             (out.to_dtype(DType::F32)? * grad.detach().to_dtype(DType::F32)?)?.sum_all()?;
+        if super::grad_sink::active() {
+            return self.backward_fused(&surrogate, a_var.as_ref(), b_var.as_ref());
+        }
         let mut grads = surrogate.backward()?;
         drop(surrogate);
         let ga = a_var.and_then(|v| grads.remove(v.as_tensor()));
         let gb = b_var.and_then(|v| grads.remove(v.as_tensor()));
         self.ctx.add_param_grads(grads)?;
+        Ok((ga, gb, None))
+    }
+}
+
+impl Recompute {
+    /// The inner backward of a fused backward pass: each parameter's part of its gradient goes
+    /// to the installed sink as soon as this segment's walk completes it, and only the inputs'
+    /// gradients come back.
+    fn backward_fused(
+        &self,
+        surrogate: &Tensor,
+        a_var: Option<&Var>,
+        b_var: Option<&Var>,
+    ) -> Result<Grads3> {
+        let (a_id, b_id) = (
+            a_var.map(|v| v.as_tensor().id()),
+            b_var.map(|v| v.as_tensor().id()),
+        );
+        let (mut ga, mut gb) = (None, None);
+        let params = &self.ctx.inner.param_ids;
+        surrogate.backward_with(&mut |node, g| {
+            let id = Some(node.id());
+            if id == a_id {
+                ga = Some(g);
+            } else if id == b_id {
+                gb = Some(g);
+            } else if params.contains(&node.id()) {
+                super::grad_sink::deliver(node, g)?;
+            }
+            Ok(())
+        })?;
         Ok((ga, gb, None))
     }
 }
@@ -232,6 +290,64 @@ mod tests {
         let d = (a - b).unwrap().abs().unwrap().max_all().unwrap();
         let m = b.abs().unwrap().max_all().unwrap();
         (d.to_scalar::<f32>().unwrap()) / m.to_scalar::<f32>().unwrap().max(1e-12)
+    }
+
+    /// Under a fused backward pass, a parameter used by two checkpointed segments and by the
+    /// outer graph arrives in three parts (one per segment, from its recomputation, and one from
+    /// the outer walk), which sum to its plain gradient; the forward counted the two segment
+    /// uses. Catches a segment's part kept in the store instead of delivered, or a use not
+    /// counted (the sink would update before the last part).
+    #[test]
+    fn a_fused_backward_delivers_each_segments_part() {
+        use std::cell::RefCell;
+        use std::rc::Rc;
+        struct Record(Rc<RefCell<Vec<(TensorId, Tensor)>>>);
+        impl super::super::grad_sink::GradSink for Record {
+            fn deliver(&mut self, param: &Tensor, grad: Tensor) -> Result<()> {
+                self.0.borrow_mut().push((param.id(), grad));
+                Ok(())
+            }
+        }
+        let dev = Device::Cpu;
+        let w = Var::from_tensor(&randn(&[5, 5], 11)).unwrap();
+        let a = Var::from_tensor(&randn(&[2, 5], 12)).unwrap();
+        let wt = w.as_tensor().clone();
+        let seg: Segment = Arc::new(move |x: &Tensor, _| x.matmul(&wt)?.tanh());
+        let forward = |ck: Option<&Checkpointing>| {
+            let run = |x: &Tensor| match ck {
+                Some(ck) => ck.run(x, None, seg.clone()),
+                None => seg(x, None),
+            };
+            let y = run(&run(a.as_tensor()).unwrap()).unwrap();
+            y.matmul(w.as_tensor())
+                .unwrap()
+                .sqr()
+                .unwrap()
+                .sum_all()
+                .unwrap()
+        };
+        let plain = forward(None).backward().unwrap();
+        let ck = Checkpointing::new(vec![w.clone()], &dev).unwrap();
+        ck.track_uses(true);
+        let loss = forward(Some(&ck));
+        let uses = ck.take_uses().unwrap();
+        assert_eq!(uses.get(&w.as_tensor().id()), Some(&2));
+        let parts = Rc::new(RefCell::new(Vec::new()));
+        super::super::grad_sink::install(Box::new(Record(parts.clone())));
+        let rest = loss
+            .backward_with(&mut |n, g| super::super::grad_sink::deliver(n, g))
+            .unwrap();
+        drop(super::super::grad_sink::take());
+        assert!(rest.get(w.as_tensor()).is_none() && ck.take_grads().unwrap().get(&w).is_none());
+        let parts: Vec<Tensor> = parts
+            .borrow()
+            .iter()
+            .filter(|(id, _)| *id == w.as_tensor().id())
+            .map(|(_, g)| g.clone())
+            .collect();
+        assert_eq!(parts.len(), 3);
+        let sum = ((&parts[0] + &parts[1]).unwrap() + &parts[2]).unwrap();
+        assert!(rel_diff(&sum, plain.get(&w).unwrap()) < 1e-5);
     }
 
     /// Gradients of a two-input segment with its own parameter, checkpointed and plain.

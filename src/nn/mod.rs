@@ -25,6 +25,7 @@ mod flash_attention;
 mod frozen;
 mod fused_op;
 mod geglu;
+pub mod grad_sink;
 mod group_norm;
 mod handover;
 mod im2col;

@@ -60,6 +60,22 @@ impl<'a> GradAccumulator<'a> {
         Ok(())
     }
 
+    /// Moves the gradients summed so far out (a fused backward pass adds them to the last
+    /// micro-batch's as each completes); [`GradAccumulator::put_back`] returns what is left.
+    pub fn take_grads(&mut self) -> GradStore {
+        std::mem::take(&mut self.grads)
+    }
+
+    /// Returns gradients taken with [`GradAccumulator::take_grads`] (those not used yet).
+    pub fn put_back(&mut self, grads: GradStore) {
+        self.grads = grads;
+    }
+
+    /// The summed loss so far (`None` before the first micro-batch).
+    pub fn loss(&self) -> Option<&Tensor> {
+        self.loss.as_ref()
+    }
+
     /// The step's loss and gradients, divided by `loss_scale` (skipped when it is 1). `None`
     /// when nothing was added.
     pub fn finish(self, loss_scale: f64) -> Result<Option<Accumulated>> {

@@ -111,6 +111,7 @@ pub fn plan_memory(
         weights: plan.precision.weight_dtype,
         checkpointed_width: 0.0,
         all_checkpointed: false,
+        fused: plan.precision.fused_backward_pass,
         batch: plan.batch_size,
         latent_px: largest_bucket_pixels(plan, resolution) as f64 / 64.0,
         accumulating: plan.grad_accum > 1,
@@ -179,6 +180,8 @@ struct RunTerms {
     checkpointed_width: f64,
     /// Every block checkpointed, the mid block and text encoders too (`true`).
     all_checkpointed: bool,
+    /// `fused_backward_pass`: each gradient dropped once its parameter is updated.
+    fused: bool,
     batch: usize,
     /// Latent pixels of the largest bucket.
     latent_px: f64,
@@ -236,7 +239,7 @@ impl RunTerms {
         let activations = self.batch as f64 * self.latent_px * compute * kept;
         MemoryPlan {
             weights,
-            gradients: grad_buffers * trained_bytes * trained,
+            gradients: self.gradients(census, trained_bytes, grad_buffers),
             optimizer: census.state_bytes as f64 + rounding_copy,
             activations,
             workspace: 0.6 * GIB + 0.05 * activations,
@@ -252,6 +255,27 @@ impl RunTerms {
         }
     }
 }
+
+impl RunTerms {
+    /// The gradient term: every trained parameter's gradient (two buffers while micro-batches
+    /// accumulate); with the fused backward pass, the largest live set instead of the sum, a few
+    /// of the largest tensors' gradients at once (each is dropped when its parameter is
+    /// updated), plus the earlier micro-batches' sum when accumulating.
+    fn gradients(&self, census: &Census, bytes: f64, buffers: f64) -> f64 {
+        let all = bytes * census.trained as f64;
+        if !self.fused {
+            return buffers * all;
+        }
+        let live = (FUSED_LIVE_TENSORS * census.largest_trained as f64 * bytes).min(all);
+        let earlier = if self.accumulating { all } else { 0.0 };
+        earlier + live
+    }
+}
+
+/// Gradients of the largest trained tensor's size the fused backward pass holds at once, in
+/// the plan: the walk reaches a weight right after the op that uses it, so a layer's weight
+/// and bias, and the part a checkpointed segment is summing, are what coexist.
+const FUSED_LIVE_TENSORS: f64 = 4.0;
 
 /// The pixels of the largest bucket the plan can produce at `resolution` (SD/SDXL take
 /// multiples of 64); `resolution²` without buckets.
@@ -407,6 +431,7 @@ mod tests {
                 weights: WeightDtype::F32,
                 checkpointed_width: if ck { unet_width(&cfg(cfg_json)) } else { 0.0 },
                 all_checkpointed: ck,
+                fused: false,
                 batch,
                 latent_px: (res * res) as f64 / 64.0,
                 accumulating: false,
@@ -442,13 +467,14 @@ mod tests {
             state_bytes: 8000,
             largest_trained: 100,
         };
-        let terms = |full: bool, amp: Amp, weights: WeightDtype| {
+        let terms_fused = |full: bool, amp: Amp, weights: WeightDtype, fused: bool| {
             RunTerms {
                 full,
                 amp,
                 weights,
                 checkpointed_width: 0.0,
                 all_checkpointed: false,
+                fused,
                 batch: 1,
                 latent_px: 0.0,
                 accumulating: false,
@@ -460,6 +486,7 @@ mod tests {
             }
             .plan(&census)
         };
+        let terms = |full, amp, weights| terms_fused(full, amp, weights, false);
         let f32_amp = terms(true, Amp::Bf16, WeightDtype::F32);
         assert_eq!((f32_amp.weights, f32_amp.gradients), (6000.0, 4000.0));
         let bf16 = terms(true, Amp::Bf16, WeightDtype::Bf16);
@@ -470,6 +497,9 @@ mod tests {
         let lora = terms(false, Amp::Bf16, WeightDtype::Bf16);
         assert_eq!(lora.gradients, 4000.0);
         assert_eq!(lora.optimizer, 8000.0);
+        // Fused: the largest live set (4 of the largest tensor's gradients), not the sum.
+        let fused = terms_fused(true, Amp::Bf16, WeightDtype::Bf16, true);
+        assert_eq!(fused.gradients, 4.0 * 100.0 * 2.0);
     }
 
     fn cfg(json: &str) -> UnetConfig {

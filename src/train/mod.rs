@@ -6,6 +6,10 @@ mod caches;
 pub mod checkpoint_choice;
 pub mod data_feed;
 pub mod ema;
+mod fused;
+mod fused_step;
+#[cfg(test)]
+mod fused_tests;
 pub mod interrupt;
 pub mod latent_cache;
 pub mod log;

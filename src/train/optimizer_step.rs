@@ -36,6 +36,9 @@ pub(super) struct Optimization {
     pub micro: MicroBatching,
     /// The run's optimizer steps.
     pub total_steps: usize,
+    /// `fused_backward_pass`: each parameter updated as its gradient completes
+    /// ([`super::fused`]).
+    pub fused: bool,
 }
 
 /// What one optimizer step did.
@@ -73,6 +76,9 @@ impl Optimization {
         clip: Option<f64>,
         device: &Device,
     ) -> anyhow::Result<StepReport> {
+        if self.fused {
+            return self.step_fused(sd, settings, data, step, clip, device);
+        }
         let started = Instant::now();
         self.scaler.begin_step(step);
         let loss_scale = self.scaler.scale();
@@ -176,7 +182,7 @@ fn accumulate_grads(
 
 /// Draws, forward and backward for one chunk of the step's samples, with their own seeds; the
 /// loss is weighted by the chunk's share of the step.
-fn train_chunk(
+pub(super) fn train_chunk(
     sd: &StableDiffusion,
     settings: &StepSettings<'_>,
     data: &StepData,

@@ -65,6 +65,11 @@ impl<'a> SampleCursor<'a> {
         })
     }
 
+    /// Whether `chunk` ends the step (its last samples).
+    pub fn is_last(&self, chunk: &Chunk<'_>) -> bool {
+        chunk.range.end == self.effective
+    }
+
     /// Marks `chunk` (the last [`SampleCursor::peek`]) as trained.
     pub fn advance(&mut self, chunk: &Chunk<'_>) {
         self.next = chunk.range.end;

@@ -202,10 +202,19 @@ fn optimization(
     };
     let groups = param_groups(&model.sd, plan, model.adapters.as_ref(), shape)?;
     let params: Vec<Var> = groups.iter().flat_map(|g| g.vars.iter().cloned()).collect();
+    let fused = plan.precision.fused_backward_pass;
+    if fused && model.amp == Amp::Fp16 {
+        bail!(
+            "fused_backward_pass: this card computes in fp16 (no bf16), whose loss scaler must \
+             see every gradient before any update; set amp to \"off\" or turn \
+             fused_backward_pass off"
+        );
+    }
     if let Some(blocks) = checkpointed_blocks(plan, model, device)? {
         // The text encoders are checkpointed with every UNet block (`true`), not by `"auto"`.
         let te_trains = groups.len() > 1 && blocks.is_all();
         let ck = attach_checkpointing(&mut model.sd, &params, te_trains, device)?;
+        ck.track_uses(fused);
         model.sd.unet.checkpointed = blocks;
         model.checkpointing = Some(ck);
     }
@@ -220,6 +229,7 @@ fn optimization(
         scaler,
         micro: MicroBatching::new(plan.batch_size),
         total_steps,
+        fused,
     })
 }
 

@@ -163,11 +163,36 @@ impl Tensor {
     }
 
     pub fn backward(&self) -> Result<GradStore> {
+        self.backward_impl(None)
+    }
+
+    /// [`Tensor::backward`], handing each variable's gradient to `ready` as soon as it is
+    /// complete instead of keeping it in the returned store. A variable is reached after every
+    /// node that uses it (the order is topological), so its gradient is final then; `ready` owns
+    /// it and may drop it, so the gradients of all variables never coexist (a fused backward
+    /// pass). An error from `ready` stops the backward pass. The returned store holds the
+    /// gradients of non-variable nodes left over, if any.
+    pub fn backward_with(
+        &self,
+        ready: &mut dyn FnMut(&Tensor, Tensor) -> Result<()>,
+    ) -> Result<GradStore> {
+        self.backward_impl(Some(ready))
+    }
+
+    fn backward_impl(
+        &self,
+        mut ready: Option<&mut dyn FnMut(&Tensor, Tensor) -> Result<()>>,
+    ) -> Result<GradStore> {
         let sorted_nodes = self.sorted_nodes();
         let mut grads = GradStore::new();
         grads.insert(self, self.ones_like()?.contiguous()?);
         for node in sorted_nodes.iter() {
             if node.is_variable() {
+                if let Some(ready) = ready.as_mut() {
+                    if let Some(grad) = grads.remove(node) {
+                        ready(node, grad)?;
+                    }
+                }
                 continue;
             }
             let grad = grads
