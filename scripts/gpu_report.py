@@ -44,14 +44,18 @@ def cell(r, field, fmt):
 
 def print_vram(rows):
     """The vram_limit_gb rehearsal: plan vs measured peak, and the OOM retries."""
-    print("\n### vram_limit_gb 12 on a random SD1.5, LoRA 512 px bf16, 4 steps\n")
+    print("\n### vram_limit_gb rehearsal: random SD1.5 LoRA cases, then the presets at their "
+          "budgets (full-size random models), 4 steps each\n")
     print("| case | status | plan peak | measured peak | plan vs measured | OOM retries | micro-batch at the end |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         p, m = r.get("plan_gib"), r.get("measured_gib")
         ratio = f"{(p / m - 1) * 100:+.1f}%" if p and m else "—"
         fmt = lambda v: f"{v:.2f} GiB" if isinstance(v, (int, float)) else "—"
-        print(f"| {r.get('case')} | {r.get('status')} | {fmt(p)} | {fmt(m)} | {ratio} "
+        case = r.get("case")
+        if r.get("budget_gib"):
+            case = f"{case} (budget {r['budget_gib']:g} GiB)"
+        print(f"| {case} | {r.get('status')} | {fmt(p)} | {fmt(m)} | {ratio} "
               f"| {r.get('oom_retries', '—')} | {r.get('micro_batch', '—')} |")
     for r in rows:
         for line in r.get("retry_lines", []):

@@ -278,7 +278,12 @@ impl TrainPlan {
             crate::precision::WeightDtype::F32 => String::new(),
             w => format!("; trained weights {} with stochastic rounding", w.name()),
         };
-        format!("amp {amp}; gradient checkpointing {ckpt}{weights}")
+        let fused = if self.precision.fused_backward_pass {
+            "; fused backward pass"
+        } else {
+            ""
+        };
+        format!("amp {amp}; gradient checkpointing {ckpt}{weights}{fused}")
     }
 
     fn logs_text(&self) -> String {

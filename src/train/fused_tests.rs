@@ -141,6 +141,40 @@ fn fused_with_accumulation_and_checkpointing_equals_unfused() {
     fused_matches_unfused(tmp.path(), "adamw", extra);
 }
 
+/// LoRA and LoCon (the adapters' parameters, through the frozen layers' single ops), with
+/// dropout replayed by checkpointing and the text encoder's adapters in their own group.
+#[test]
+fn fused_adapters_equal_unfused() {
+    let tmp = tempfile::tempdir().unwrap();
+    for mode in ["lora", "locon"] {
+        let extra = serde_json::json!({
+            "mode": mode,
+            "adapter": {"save_dtype": "fp32", "dropout": 0.1, "train_text_encoder": true},
+            "gradient_checkpointing": true,
+        });
+        let with = |fused: bool| {
+            let mut e = extra.clone();
+            e["fused_backward_pass"] = fused.into();
+            run(&plan(
+                &tmp.path().join(format!("{mode}-{fused}")),
+                "adamw",
+                2,
+                e,
+            ))
+        };
+        let (plain, fused) = (with(false), with(true));
+        assert_eq!(plain.losses, fused.losses, "{mode}");
+        let load = |o: &TrainOutcome| {
+            candle_core::safetensors::load(o.saved.last().unwrap(), &Device::Cpu).unwrap()
+        };
+        let (want, got) = (load(&plain), load(&fused));
+        assert_eq!(want.len(), got.len());
+        for (name, w) in &want {
+            assert!(bits(&got[name]) == bits(w), "{mode}: {name} differs");
+        }
+    }
+}
+
 /// An out-of-memory error in the last micro-batch's forward, before any fused update: the same
 /// samples are retried at half the micro-batch, and the run's weights equal, bit for bit, those
 /// of the unfused run that met the same error (whose retry equals an unfailed run to f32
