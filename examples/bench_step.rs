@@ -651,12 +651,7 @@ fn step(
     m.optimizer.step_checked(&grads, finite)?;
     drop(grads);
     drop(loss);
-    device.synchronize()?;
-    let total = start.elapsed().as_secs_f64();
-    if let Some(r) = heap {
-        r["heap_step_peak_mib"] = json!(mib(counting_alloc::peak_bytes() - before));
-        r["heap_after_step_mib"] = json!(mib(counting_alloc::live_bytes()));
-    }
+    let total = finish_step(device, start, heap, before)?;
     Ok((
         [total, fwd, bwd, total - fwd - bwd],
         (census.0, census.1, check.loss),
@@ -692,14 +687,26 @@ fn fused_step(
     })?;
     let value = f64::from(loss.to_dtype(DType::F32)?.to_scalar::<f32>()?);
     drop(loss);
+    let total = finish_step(device, start, heap, before)?;
+    // Backward and the updates are one phase here.
+    Ok(([total, fwd, total - fwd, 0.0], (0, updated, value)))
+}
+
+/// The step's end: the device synchronised, the step's time, and with `heap` the step's heap
+/// peak and what it left held.
+fn finish_step(
+    device: &Device,
+    start: Instant,
+    heap: Option<&mut Value>,
+    before: usize,
+) -> Result<f64> {
     device.synchronize()?;
     let total = start.elapsed().as_secs_f64();
     if let Some(r) = heap {
         r["heap_step_peak_mib"] = json!(mib(counting_alloc::peak_bytes() - before));
         r["heap_after_step_mib"] = json!(mib(counting_alloc::live_bytes()));
     }
-    // Backward and the updates are one phase here.
-    Ok(([total, fwd, total - fwd, 0.0], (0, updated, value)))
+    Ok(total)
 }
 
 fn mib(bytes: usize) -> f64 {

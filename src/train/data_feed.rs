@@ -105,6 +105,16 @@ pub struct StepData {
     pub failed: Vec<(PathBuf, String)>,
 }
 
+impl StepData {
+    /// The step's image pixels (each sample's bucket area), the unit its time is judged in.
+    pub fn pixels(&self) -> usize {
+        self.micro
+            .iter()
+            .map(|m| m.ids.len() * m.bucket.width * m.bucket.height)
+            .sum()
+    }
+}
+
 /// The training data of a run.
 pub struct DataFeed {
     pub dataset: LoadedDataset,

@@ -92,11 +92,7 @@ impl Optimization {
             applied,
             lrs,
             images: samples,
-            pixels: data
-                .micro
-                .iter()
-                .map(|m| m.ids.len() * m.bucket.width * m.bucket.height)
-                .sum(),
+            pixels: data.pixels(),
             secs: started.elapsed().as_secs_f64(),
             scale,
             retries,

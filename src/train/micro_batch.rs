@@ -103,6 +103,13 @@ pub fn next_rungs(plan: &TrainPlan, amp: Amp, resolution: usize, every_block: bo
                 .to_string(),
         );
     }
+    if plan.mode == TrainMode::Full && !plan.precision.fused_backward_pass && amp != Amp::Fp16 {
+        rungs.push(
+            "update each parameter inside the backward pass (`fused_backward_pass: true`): no \
+             buffer of the whole model's gradients"
+                .to_string(),
+        );
+    }
     if plan.mode == TrainMode::Full && plan.precision.weight_dtype == WeightDtype::F32 {
         rungs.push(
             "store the trained weights in bf16 (`weight_dtype: \"bf16\"`, with stochastic \
@@ -163,5 +170,43 @@ mod tests {
         let mut odd = MicroBatching::new(3);
         assert!(odd.halve());
         assert_eq!((odd.size, odd.accumulation(3)), (2, 2));
+    }
+
+    fn full_plan(extra: serde_json::Value) -> TrainPlan {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cfg = serde_json::json!({
+            "model": "tests/fixtures/tiny-sd15",
+            "data_root": "data/demo",
+            "mode": "full",
+        });
+        if let (Some(c), Some(e)) = (cfg.as_object_mut(), extra.as_object()) {
+            c.extend(e.clone());
+        }
+        let path = dir.path().join("train.json");
+        std::fs::write(&path, cfg.to_string()).unwrap();
+        TrainPlan::resolve(&path, &[]).unwrap()
+    }
+
+    /// A full fine-tune is pointed at the fused backward pass and bf16 weights until it uses
+    /// them; `"auto"` checkpointing is pointed at `true` unless every block is checkpointed
+    /// already; fp16 gets no fused rung (refused there).
+    #[test]
+    fn the_rungs_name_what_the_run_is_not_using_yet() {
+        let plain = next_rungs(&full_plan(serde_json::json!({})), Amp::Bf16, 512, false);
+        let has = |rungs: &[String], key: &str| rungs.iter().any(|r| r.contains(key));
+        assert!(has(&plain, "fused_backward_pass") && has(&plain, "weight_dtype"));
+        assert!(has(&plain, "gradient_checkpointing"));
+        let on = full_plan(serde_json::json!({
+            "fused_backward_pass": true, "weight_dtype": "bf16", "gradient_checkpointing": "auto"
+        }));
+        let rungs = next_rungs(&on, Amp::Bf16, 512, false);
+        assert!(!has(&rungs, "fused_backward_pass") && !has(&rungs, "weight_dtype"));
+        assert!(has(&rungs, "gradient_checkpointing: true"));
+        assert!(!has(
+            &next_rungs(&on, Amp::Bf16, 512, true),
+            "gradient_checkpointing"
+        ));
+        let fp16 = next_rungs(&full_plan(serde_json::json!({})), Amp::Fp16, 512, false);
+        assert!(!has(&fp16, "fused_backward_pass"));
     }
 }

@@ -125,11 +125,7 @@ impl Optimization {
             applied: finite.is_some(),
             lrs,
             images: done.samples,
-            pixels: data
-                .micro
-                .iter()
-                .map(|m| m.ids.len() * m.bucket.width * m.bucket.height)
-                .sum(),
+            pixels: data.pixels(),
             secs: started.elapsed().as_secs_f64(),
             scale,
             retries,
