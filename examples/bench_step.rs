@@ -11,7 +11,8 @@
 //!     [--weight-dtype f32|bf16] [--fused]
 //! ```
 //! - `--fused`: each parameter updated inside the backward pass as its gradient completes
-//!   (`Tensor::backward_with`, the trainer's `fused_backward_pass`); no checkpointing.
+//!   (`Tensor::backward_with` and the checkpointed segments' sink, the trainer's
+//!   `fused_backward_pass`).
 //! - `--heap-census` (CPU): the last step reports the host heap (a counting allocator): held
 //!   before it, held by the forward graph once the loss exists, the step's peak, and the
 //!   graph's largest tracked tensors by shape; what the activation-memory work measures.
@@ -84,7 +85,8 @@ struct Shape {
 struct Model {
     unet: UNet2DConditionModel,
     vars: Vec<Var>,
-    optimizer: GroupOptimizer,
+    /// Shared with the fused backward's sink while it runs.
+    optimizer: std::rc::Rc<std::cell::RefCell<GroupOptimizer>>,
     params_total: usize,
     /// Activation dtype.
     dtype: DType,
@@ -461,9 +463,6 @@ fn run(args: &[String], report: &mut Value) -> Result<()> {
     let loaded = Instant::now();
     let mut model = build(&shape, &device)?;
     model.fused = args.iter().any(|a| a == "--fused");
-    if model.fused && checkpointing {
-        bail!("--fused runs without checkpointing here (the trainer fuses both)");
-    }
     report["fused"] = json!(model.fused);
     if checkpointing {
         let ck = sdtrain::nn::Checkpointing::new(model.vars.clone(), &device)?;
@@ -475,7 +474,7 @@ fn run(args: &[String], report: &mut Value) -> Result<()> {
     }
     report["params_total"] = json!(model.params_total);
     report["params_trained"] = json!(model.vars.iter().map(|v| v.elem_count()).sum::<usize>());
-    report["optimizer_state_bytes"] = json!(model.optimizer.state_bytes());
+    report["optimizer_state_bytes"] = json!(model.optimizer.borrow().state_bytes());
     let inputs = inputs(&shape, &device, model.dtype, model.ctx_dim)?;
     device.synchronize()?;
     report["load_s"] = json!(loaded.elapsed().as_secs_f64());
@@ -579,7 +578,7 @@ fn build(shape: &Shape, device: &Device) -> Result<Model> {
     Ok(Model {
         unet,
         vars,
-        optimizer,
+        optimizer: std::rc::Rc::new(std::cell::RefCell::new(optimizer)),
         params_total,
         dtype,
         ctx_dim,
@@ -648,7 +647,7 @@ fn step(
     let Some(finite) = check.finite() else {
         bail!("non-finite loss or gradient (loss {})", check.loss);
     };
-    m.optimizer.step_checked(&grads, finite)?;
+    m.optimizer.borrow_mut().step_checked(&grads, finite)?;
     drop(grads);
     drop(loss);
     let total = finish_step(device, start, heap, before)?;
@@ -659,7 +658,9 @@ fn step(
 }
 
 /// `--fused`: the backward pass updates each parameter as its gradient completes and drops the
-/// gradient (the trainer's `fused_backward_pass`, without checkpointing here).
+/// gradient (the trainer's `fused_backward_pass`): the outer walk's parameters through
+/// `Tensor::backward_with`, the checkpointed segments' from their recomputation through the
+/// installed sink (each UNet parameter is used by one segment or by the outer graph, once).
 fn fused_step(
     m: &mut Model,
     loss: Tensor,
@@ -669,27 +670,44 @@ fn fused_step(
     fwd: f64,
     before: usize,
 ) -> Result<([f64; 4], (usize, usize, f64))> {
-    let by_id: std::collections::HashMap<_, Var> = m
+    use std::cell::Cell;
+    use std::rc::Rc;
+    struct Sink {
+        optimizer: Rc<std::cell::RefCell<GroupOptimizer>>,
+        by_id: std::collections::HashMap<candle_core::TensorId, Var>,
+        updated: Rc<Cell<usize>>,
+    }
+    impl sdtrain::nn::grad_sink::GradSink for Sink {
+        fn deliver(&mut self, param: &Tensor, g: Tensor) -> candle_core::Result<()> {
+            if let Some(v) = self.by_id.get(&param.id()) {
+                self.optimizer
+                    .borrow_mut()
+                    .update_one(v, &g)
+                    .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+                self.updated.set(self.updated.get() + 1);
+            }
+            Ok(())
+        }
+    }
+    let updated = Rc::new(Cell::new(0));
+    let by_id = m
         .vars
         .iter()
         .map(|v| (v.as_tensor().id(), v.clone()))
         .collect();
-    let optimizer = &mut m.optimizer;
-    let mut updated = 0;
-    loss.backward_with(&mut |node, g| {
-        if let Some(v) = by_id.get(&node.id()) {
-            optimizer
-                .update_one(v, &g)
-                .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
-            updated += 1;
-        }
-        Ok(())
-    })?;
+    sdtrain::nn::grad_sink::install(Box::new(Sink {
+        optimizer: m.optimizer.clone(),
+        by_id,
+        updated: updated.clone(),
+    }));
+    let backward = loss.backward_with(&mut |n, g| sdtrain::nn::grad_sink::deliver(n, g));
+    drop(sdtrain::nn::grad_sink::take());
+    backward?;
     let value = f64::from(loss.to_dtype(DType::F32)?.to_scalar::<f32>()?);
     drop(loss);
     let total = finish_step(device, start, heap, before)?;
     // Backward and the updates are one phase here.
-    Ok(([total, fwd, total - fwd, 0.0], (0, updated, value)))
+    Ok(([total, fwd, total - fwd, 0.0], (0, updated.get(), value)))
 }
 
 /// The step's end: the device synchronised, the step's time, and with `heap` the step's heap
