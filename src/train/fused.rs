@@ -147,6 +147,13 @@ impl FusedSink {
         let Some((gi, var)) = self.owner.get(&id).cloned() else {
             return Ok(());
         };
+        #[cfg(test)]
+        if inject::fires(self.done.len()) {
+            return Err(super::oom::OutOfMemory {
+                detail: "injected into a fused update by a test".into(),
+            }
+            .into());
+        }
         if !self.done.insert(id) {
             return Ok(());
         }
@@ -202,6 +209,31 @@ impl GradSink for FusedSink {
             candle_core::bail!("fused backward: {msg}");
         }
         Ok(())
+    }
+}
+
+/// An out-of-memory error injected into a fused update, once, for the tests.
+#[cfg(test)]
+pub(super) mod inject {
+    use std::cell::Cell;
+
+    thread_local! {
+        static AFTER: Cell<Option<usize>> = const { Cell::new(None) };
+    }
+
+    /// The next fused update after `n` parameters were updated fails with an OOM, once.
+    pub fn after(n: Option<usize>) {
+        AFTER.with(|a| a.set(n));
+    }
+
+    pub(super) fn fires(done: usize) -> bool {
+        AFTER.with(|a| {
+            let hit = a.get() == Some(done);
+            if hit {
+                a.set(None);
+            }
+            hit
+        })
     }
 }
 
