@@ -15,6 +15,8 @@ use super::Result;
 pub(crate) struct GradSummary {
     /// Global L2 norm (non-finite if any gradient is non-finite or the sum overflowed).
     pub norm: f32,
+    /// `Σ g²` over every gradient, summed in f64 from the per-gradient f32 sums.
+    pub sum_sq: f64,
     /// Indices (into the input slice) of gradients holding NaN or ±inf.
     pub nonfinite: Vec<usize>,
 }
@@ -57,6 +59,7 @@ fn summarize_with(
     }
     let summary = GradSummary {
         norm: total.sqrt() as f32,
+        sum_sq: total,
         nonfinite,
     };
     Ok((extra_values, summary))
@@ -92,8 +95,17 @@ impl StepCheck {
     }
 }
 
+/// One gradient checked as [`StepCheck::fetch`] checks a step's, for a fused backward pass that
+/// sees one gradient at a time: its `Σ g²` (non-finite when the f32 sum overflowed or a value is
+/// NaN or infinite) and, when every value is finite, the proof
+/// [`super::GroupOptimizer::update_one_checked`] takes. One device→host copy.
+pub fn check_one(g: &Tensor) -> Result<(f64, Option<Finite>)> {
+    let s = summarize(&[g])?;
+    Ok((s.sum_sq, s.nonfinite.is_empty().then_some(Finite(()))))
+}
+
 /// Proof that the gradients of this step were checked finite, for
-/// [`super::Optimizer::step_checked`]. Only [`StepCheck::finite`] makes one.
+/// [`super::Optimizer::step_checked`]. Only [`StepCheck::finite`] and [`check_one`] make one.
 #[derive(Debug, Clone, Copy)]
 pub struct Finite(());
 

@@ -166,18 +166,27 @@ impl GroupOptimizer {
     /// soon as that gradient is ready. The gradient's shape is checked; finiteness is the
     /// caller's (an update with a non-finite gradient is refused, changing nothing).
     pub fn update_one(&mut self, var: &Var, grad: &Tensor) -> Result<()> {
-        let Some(i) = self
-            .slots
-            .iter()
-            .position(|s| s.var.as_tensor().id() == var.as_tensor().id())
-        else {
-            return Err(OptimError::UnknownParam(format!("{:?}", var.dims())));
-        };
+        let i = self.slot_of(var)?;
         self.check_shape(i, grad)?;
         if !summarize(&[grad])?.nonfinite.is_empty() {
             return Err(OptimError::NonFinite(self.slots[i].name.clone()));
         }
         self.apply_one(i, grad)
+    }
+
+    /// [`GroupOptimizer::update_one`] for a gradient the caller already checked with
+    /// [`super::grad::check_one`] (which also gave it the norm): no second check and sync.
+    pub fn update_one_checked(&mut self, var: &Var, grad: &Tensor, _finite: Finite) -> Result<()> {
+        let i = self.slot_of(var)?;
+        self.check_shape(i, grad)?;
+        self.apply_one(i, grad)
+    }
+
+    fn slot_of(&self, var: &Var) -> Result<usize> {
+        self.slots
+            .iter()
+            .position(|s| s.var.as_tensor().id() == var.as_tensor().id())
+            .ok_or_else(|| OptimError::UnknownParam(format!("{:?}", var.dims())))
     }
 
     fn check_shape(&self, i: usize, g: &Tensor) -> Result<()> {

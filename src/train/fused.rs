@@ -29,10 +29,11 @@
 use std::collections::{HashMap, HashSet};
 
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Result, Tensor, TensorId, Var};
+use candle_core::{Result, Tensor, TensorId, Var};
 
 use super::param_groups::Group;
 use crate::nn::grad_sink::GradSink;
+use crate::optim::grad::check_one;
 
 /// torch's `clip_grad_norm_` guard against a zero norm.
 const CLIP_EPS: f64 = 1e-6;
@@ -166,25 +167,22 @@ impl FusedSink {
         } else {
             g
         };
-        let sq = f64::from(
-            g.to_dtype(DType::F32)?
-                .sqr()?
-                .sum_all()?
-                .to_scalar::<f32>()?,
-        );
+        // The step's check, for this one gradient: its norm, and whether every value is finite
+        // (huge but finite gradients are applied, as torch and the unfused step do).
+        let (sq, finite) = check_one(&g)?;
         self.sumsq += sq;
         let group = &mut self.groups[gi];
-        if !sq.is_finite() {
+        let Some(finite) = finite else {
             let name = group.vars.iter().position(|v| v.as_tensor().id() == id);
             let name = name.map_or_else(|| format!("{:?}", var.dims()), |i| group.names[i].clone());
             self.nonfinite.push(format!("{}/{name}", group.name));
             return Ok(());
-        }
+        };
         let g = match self.clip {
             Some(max) => clip_tensor(&g, sq.sqrt(), max)?,
             None => g,
         };
-        group.optimizer.update_one(&var, &g)?;
+        group.optimizer.update_one_checked(&var, &g, finite)?;
         Ok(())
     }
 }
