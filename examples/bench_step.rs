@@ -8,8 +8,10 @@
 //!     --precision bf16 [--device cuda] [--steps 10] [--warmup 3] [--rank 16] \
 //!     [--pool-cache on|off] [--event-tracking on|off] [--fused-ops on|off] \
 //!     [--unet-config PATH] [--checkpointing on|off] [--profile-last-step] \
-//!     [--weight-dtype f32|bf16] [--fused]
+//!     [--weight-dtype f32|bf16] [--fused] [--fp8-base]
 //! ```
+//! - `--fp8-base` (`lora`): the frozen UNet's Linear and Conv2d weights stored as e4m3 codes with
+//!   a scale per output channel (`base_weight_dtype: "fp8"`), dequantised where used.
 //! - `--fused`: each parameter updated inside the backward pass as its gradient completes
 //!   (`Tensor::backward_with` and the checkpointed segments' sink, the trainer's
 //!   `fused_backward_pass`).
@@ -80,6 +82,8 @@ struct Shape {
     optimizer: String,
     /// `full`: the trained weights' dtype (f32 or bf16).
     weight_dtype: DType,
+    /// `--fp8-base` (`lora`): the frozen base's layer weights in fp8 (`base_weight_dtype`).
+    fp8_base: bool,
 }
 
 struct Model {
@@ -415,7 +419,9 @@ fn run(args: &[String], report: &mut Value) -> Result<()> {
             "bf16" => DType::BF16,
             other => bail!("--weight-dtype {other}: use f32 or bf16"),
         },
+        fp8_base: args.iter().any(|a| a == "--fp8-base"),
     };
+    report["fp8_base"] = json!(shape.fp8_base);
     report["optimizer"] = json!(shape.optimizer);
     report["weight_dtype"] = json!(format!("{:?}", shape.weight_dtype).to_lowercase());
     let blocks: Option<Vec<String>> = args
@@ -552,6 +558,7 @@ fn build(shape: &Shape, device: &Device) -> Result<Model> {
         }
         "lora" => {
             let w = Weights::random(0, "unet", dtype, device, false);
+            w.set_fp8_base(shape.fp8_base);
             let mut unet = UNet2DConditionModel::new(&w, &cfg)?;
             let n = w.element_count();
             let spec = AdapterSpec {

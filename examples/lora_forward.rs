@@ -53,6 +53,7 @@ fn main() -> anyhow::Result<()> {
         device: Device::Cpu,
         train_unet: false,
         train_text_encoders: false,
+        fp8_base: false,
         trained_dtype: candle_core::DType::F32,
     };
     let mut sd = StableDiffusion::load(layout, &opts)?;

@@ -16,7 +16,7 @@
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use candle_core::safetensors::MmapedSafetensors;
@@ -127,6 +127,8 @@ struct Inner {
     used: Mutex<HashSet<String>>,
     /// Elements handed out so far (each name counted once).
     elements: AtomicUsize,
+    /// Layers built from this source store their weights in fp8 (`nn::fp8::layer_weight`).
+    fp8_base: AtomicBool,
 }
 
 /// One trainable parameter: its module path name, the name its file stores it under.
@@ -216,6 +218,7 @@ impl Weights {
                 params: Mutex::new(Vec::new()),
                 used: Mutex::new(HashSet::new()),
                 elements: AtomicUsize::new(0),
+                fp8_base: AtomicBool::new(false),
             }),
             prefix: String::new(),
             stored: String::new(),
@@ -391,6 +394,18 @@ impl Weights {
         } else {
             Ok(tensor)
         }
+    }
+
+    /// Asks the layers built from this source from now on to store their weights as e4m3 codes
+    /// with a scale per output channel (`base_weight_dtype: "fp8"`, `nn::fp8::layer_weight`),
+    /// when the source is frozen; a trainable source ignores it.
+    pub fn set_fp8_base(&self, on: bool) {
+        self.inner.fp8_base.store(on, Ordering::Relaxed);
+    }
+
+    /// Whether layers built from this source store their weights in fp8.
+    pub fn fp8_base(&self) -> bool {
+        self.inner.fp8_base.load(Ordering::Relaxed) && !self.inner.trainable
     }
 
     /// Elements of every tensor read so far, trainable or frozen (a parameter count).

@@ -22,6 +22,7 @@ fn load(name: &str) -> StableDiffusion {
         device: Device::Cpu,
         train_unet: false,
         train_text_encoders: false,
+        fp8_base: false,
         trained_dtype: candle_core::DType::F32,
     };
     StableDiffusion::load(layout, &opts).unwrap()

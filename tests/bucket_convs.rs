@@ -284,6 +284,7 @@ fn trainable_conv(hw: (usize, usize), stride: usize) {
     let layer = Conv2d {
         path: "down_blocks.0.downsamplers.0.conv".into(),
         weight: wv.as_tensor().clone(),
+        weight_scale: None,
         bias: Some(bv.as_tensor().clone()),
         cfg: Conv2dConfig {
             kernel: k,
@@ -365,6 +366,7 @@ fn locon_conv(hw: (usize, usize), stride: usize, tracked_input: bool) {
     let layer = Conv2d {
         path: "down_blocks.0.downsamplers.0.conv".into(),
         weight: w.tensor(false),
+        weight_scale: None,
         bias: Some(b.tensor(false)),
         cfg: Conv2dConfig {
             kernel: k,

@@ -299,3 +299,31 @@ fn a_runt_batch_loss_is_discounted() {
         );
     }
 }
+
+/// cond_dropout no longer turns the text-encoder cache off: the captions it drops become the
+/// cached empty caption, and the run's losses equal an uncached run's (same dropout draws).
+#[test]
+fn the_text_cache_serves_cond_dropout_empty_captions() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = mixed_data(dir.path());
+    let dropout = serde_json::json!({"cond_dropout": 0.5, "max_steps": 4});
+    let (log, run) = train(
+        &dir.path().join("plain"),
+        "tiny-sd15",
+        &data,
+        with(
+            with(base(), dropout.clone()),
+            serde_json::json!({"cache_text_encoder_outputs": false}),
+        ),
+    );
+    assert!(log.contains("text-encoder cache: off"), "{log}");
+    let want = losses(&run);
+    let (log, run) = train(
+        &dir.path().join("cached"),
+        "tiny-sd15",
+        &data,
+        with(base(), dropout),
+    );
+    assert!(log.contains("text encoders released"), "{log}");
+    assert_close(&losses(&run), &want, "cond_dropout 0.5 cached");
+}

@@ -681,3 +681,60 @@ fn cuda_fp16_lora_run_tracks_cpu_f32_run() {
         3e-2,
     );
 }
+
+/// The fp8 base's kernels (src/nn/kernels/fp8.cu) on the card give the host's bits: row scales,
+/// codes, and the weight dequantised into f32, bf16 and f16, for f32 and bf16 weights of SD
+/// shapes (a 3×3 conv and a wide linear).
+#[test]
+#[ignore = "needs a CUDA device: scripts/gpu-check runs it (--include-ignored)"]
+fn cuda_fp8_kernels_match_the_host_bit_for_bit() {
+    let dev = cuda("cuda_fp8_kernels_match_the_host_bit_for_bit");
+    for (shape, dtype) in [
+        (vec![320usize, 640, 3, 3], DType::BF16),
+        (vec![1280usize, 5120], DType::F32),
+        (vec![7usize, 33], DType::BF16),
+    ] {
+        let w = (fill(&shape, 3) * 0.05).unwrap().to_dtype(dtype).unwrap();
+        let (codes, scale) = nn::fp8::quantize(&w, "w").unwrap();
+        let (gc, gs) = nn::fp8::quantize(&w.to_device(&dev).unwrap(), "w").unwrap();
+        let bits = |t: &Tensor| -> Vec<u8> {
+            t.to_device(&Device::Cpu)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap()
+        };
+        assert_eq!(bits(&gc), bits(&codes), "{shape:?} codes");
+        let s: Vec<f32> = scale.to_vec1().unwrap();
+        let g: Vec<f32> = gs.to_device(&Device::Cpu).unwrap().to_vec1().unwrap();
+        assert_eq!(s, g, "{shape:?} scales");
+        for out in [DType::F32, DType::BF16, DType::F16] {
+            let host = nn::fp8::dequantize(&codes, &scale, out).unwrap();
+            let card = nn::fp8::dequantize(&gc, &gs, out).unwrap();
+            assert_eq!(card.dtype(), out);
+            let diff = max_abs_diff(
+                &host.to_dtype(DType::F32).unwrap(),
+                &card
+                    .to_device(&Device::Cpu)
+                    .unwrap()
+                    .to_dtype(DType::F32)
+                    .unwrap(),
+            );
+            assert_eq!(diff, 0.0, "{shape:?} dequantised to {out:?}");
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device: scripts/gpu-check runs it (--include-ignored)"]
+fn cuda_fp8_base_lora_run_tracks_cpu_run() {
+    check_run_tracks_cpu(
+        "cuda_fp8_base_lora_run_tracks_cpu_run",
+        serde_json::json!({
+            "mode": "lora",
+            "adapter": { "rank": 4, "alpha": 4 },
+            "base_weight_dtype": "fp8",
+        }),
+    );
+}

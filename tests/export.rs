@@ -34,6 +34,7 @@ fn load(dir: &Path, train_unet: bool, train_text_encoders: bool) -> StableDiffus
         device: Device::Cpu,
         train_unet,
         train_text_encoders,
+        fp8_base: false,
         trained_dtype: DType::F32,
     };
     StableDiffusion::load(layout, &opts).unwrap()

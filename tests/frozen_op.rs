@@ -7,9 +7,9 @@ use candle_core::{DType, Device, Tensor, Var};
 use common::{fill as randn, max_abs_diff};
 use sdtrain::model::weights::Weights;
 use sdtrain::nn::{
-    frozen_conv2d, frozen_conv2d_bias, frozen_conv2d_cpu_bf16, frozen_conv2d_reference,
-    frozen_linear, frozen_linear_cpu_bf16, frozen_linear_reference, frozen_matmul,
-    frozen_matmul_reference, Conv2d, Conv2dConfig, Linear,
+    frozen_conv2d, frozen_conv2d_bias, frozen_conv2d_reference, frozen_conv2d_stored,
+    frozen_linear, frozen_linear_reference, frozen_linear_stored, frozen_matmul,
+    frozen_matmul_reference, BaseWeight, Conv2d, Conv2dConfig, Linear,
 };
 
 /// Forward and `∂L/∂x` of `f` for `L = sum(f(x) * r)`, with `x` a Var.
@@ -206,7 +206,9 @@ fn cpu_bf16_frozen_layers_match_the_upcast_path() {
     );
     let r = randn(&[2, 3, 4], 14);
     for bias in [None, Some(&b)] {
-        let (y, gx) = fwd_grad_bf16(&x, &r, |x| frozen_linear_cpu_bf16(x, &w, bias).unwrap());
+        let (y, gx) = fwd_grad_bf16(&x, &r, |x| {
+            frozen_linear_stored(x, &BaseWeight::plain(&w), bias).unwrap()
+        });
         let (y_ref, gx_ref) = fwd_grad_bf16(&x, &r, |x| {
             let y = frozen_linear_reference(
                 &up(x).reshape((6, 5)).unwrap(),
@@ -226,7 +228,7 @@ fn cpu_bf16_frozen_layers_match_the_upcast_path() {
         let r = randn(probe.dims(), 17);
         for bias in [None, Some(&b)] {
             let (y, gx) = fwd_grad_bf16(&x, &r, |x| {
-                frozen_conv2d_cpu_bf16(x, &w, bias, padding, stride).unwrap()
+                frozen_conv2d_stored(x, &BaseWeight::plain(&w), bias, padding, stride).unwrap()
             });
             // The f32 frozen conv (tested against candle's above) handles the 9×8 input at
             // stride 2, where candle's own conv backward fails.

@@ -104,6 +104,7 @@ fn load(fixture: &str) -> StableDiffusion {
         device: Device::Cpu,
         train_unet: false,
         train_text_encoders: false,
+        fp8_base: false,
         trained_dtype: candle_core::DType::F32,
     };
     StableDiffusion::load(layout, &opts).unwrap()
@@ -199,6 +200,7 @@ fn bf16_sampling_stays_near_the_f32_reference() {
         device: Device::Cpu,
         train_unet: false,
         train_text_encoders: false,
+        fp8_base: false,
         trained_dtype: candle_core::DType::F32,
     };
     let sd = StableDiffusion::load(layout, &opts).unwrap();

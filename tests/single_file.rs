@@ -38,6 +38,7 @@ fn opts() -> LoadOptions {
         device: Device::Cpu,
         train_unet: false,
         train_text_encoders: false,
+        fp8_base: false,
         trained_dtype: candle_core::DType::F32,
     }
 }

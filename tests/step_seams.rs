@@ -15,7 +15,7 @@ use sdtrain::diffusion::{NoiseSchedule, Objective, ObjectiveConfig};
 use sdtrain::model::layout::ModelLayout;
 use sdtrain::model::pipeline::{LoadOptions, StableDiffusion};
 use sdtrain::model::source::ModelSource;
-use sdtrain::nn::Checkpointing;
+use sdtrain::nn::{BaseWeight, Checkpointing, LayerMut, VisitLayers};
 use sdtrain::optim::StepCheck;
 use sdtrain::train::accumulate::GradAccumulator;
 use sdtrain::train::adapters::attach_with;
@@ -48,6 +48,29 @@ fn adapter_plan(dropout: f64) -> AdapterPlan {
 
 /// The fixture `name` in `mode`, every trainable parameter listed; LoRA modes with `dropout`.
 fn model(name: &str, mode: TrainMode, dropout: f64) -> Model {
+    model_with(name, mode, dropout, Base::Stored)
+}
+
+/// How the frozen base is held.
+#[derive(Clone, Copy, PartialEq)]
+enum Base {
+    /// As loaded (f32).
+    Stored,
+    /// In fp8 (`base_weight_dtype: "fp8"`).
+    Fp8,
+    /// As plain f32 tensors holding the values an fp8 base dequantises to.
+    Fp8Values,
+}
+
+/// The UNet's and text encoders' layers, each visited with `f`.
+fn each_layer(sd: &mut StableDiffusion, f: &mut dyn FnMut(LayerMut<'_>)) {
+    sd.unet.visit_layers(f);
+    for te in sd.text_encoders.iter_mut() {
+        te.model.visit_layers(f);
+    }
+}
+
+fn model_with(name: &str, mode: TrainMode, dropout: f64, base: Base) -> Model {
     let spec = common::fixture(name).display().to_string();
     let dir = ModelSource::parse(&spec).unwrap().resolve().unwrap();
     let layout = ModelLayout::read(&dir.path, None).unwrap();
@@ -58,9 +81,21 @@ fn model(name: &str, mode: TrainMode, dropout: f64) -> Model {
         device: Device::Cpu,
         train_unet: full,
         train_text_encoders: full,
+        fp8_base: base == Base::Fp8,
         trained_dtype: candle_core::DType::F32,
     };
     let mut sd = StableDiffusion::load(layout.clone(), &opts).unwrap();
+    if base == Base::Fp8Values {
+        each_layer(&mut sd, &mut |l| {
+            let (w, s) = match l {
+                LayerMut::Linear(l) => (&mut l.weight, &mut l.weight_scale),
+                LayerMut::Conv2d(c) => (&mut c.weight, &mut c.weight_scale),
+            };
+            let b = BaseWeight::quantized(w, "w").unwrap();
+            *w = b.get(DType::F32).unwrap();
+            *s = None;
+        });
+    }
     let params: Vec<Var> = if full {
         let mut p: Vec<Var> = sd
             .unet_weights
@@ -441,4 +476,66 @@ fn time_ids_carry_the_original_size_and_crop() {
         let want = [100, 300, top, want_left, 40, 96].map(|v| v as f32);
         assert_eq!(b.time_ids[0], want, "flip_p {flip_p}");
     }
+}
+
+/// An fp8 base trains exactly as plain f32 weights holding the values it dequantises to: the same
+/// loss and the same adapter gradients, bit for bit, with and without checkpointing. Catches a
+/// layer whose backward uses anything but the dequantised weight (a missing scale, the codes
+/// themselves) or an fp8 layer that skips its adapter.
+fn fp8_base_equals_its_values(name: &str, mode: TrainMode, checkpoint: bool) {
+    let data = data();
+    let mut fp8 = model_with(name, mode, 0.2, Base::Fp8);
+    let mut plain = model_with(name, mode, 0.2, Base::Fp8Values);
+    let (mut stored, mut bytes) = (0, 0);
+    each_layer(&mut fp8.sd, &mut |l| {
+        let (w, s) = match l {
+            LayerMut::Linear(l) => (&l.weight, &l.weight_scale),
+            LayerMut::Conv2d(c) => (&c.weight, &c.weight_scale),
+        };
+        assert!(
+            s.is_some() && w.dtype() == DType::U8,
+            "a layer left unquantised"
+        );
+        stored += 1;
+        bytes += w.elem_count();
+    });
+    assert!(
+        stored > 50 && bytes > 100_000,
+        "{stored} layers, {bytes} bytes"
+    );
+    let cks: Vec<Option<Checkpointing>> = [&mut fp8, &mut plain]
+        .into_iter()
+        .map(|m| {
+            checkpoint.then(|| {
+                let ck = Checkpointing::new(m.params.clone(), &Device::Cpu).unwrap();
+                m.sd.unet.checkpointing = Some(ck.clone());
+                for te in m.sd.text_encoders.iter_mut() {
+                    te.model.checkpointing = Some(ck.clone());
+                }
+                ck
+            })
+        })
+        .collect();
+    let batch = prepared(&plain, &data, 2);
+    let s0 = settings(&plain, cks[1].as_ref());
+    let (l0, g0) = forward_backward(&plain.sd, &batch, &s0, 1.0, 1.0).unwrap();
+    let s1 = settings(&fp8, cks[0].as_ref());
+    let (l1, g1) = forward_backward(&fp8.sd, &batch, &s1, 1.0, 1.0).unwrap();
+    let what = format!("{name} {mode:?} fp8 checkpointing {checkpoint}");
+    assert_eq!(
+        l0.to_scalar::<f32>().unwrap(),
+        l1.to_scalar::<f32>().unwrap(),
+        "{what}: loss"
+    );
+    assert_same_grads_of(&g1, &fp8.params, &g0, &plain.params, 0.0, &what);
+}
+
+#[test]
+fn an_fp8_base_trains_as_its_dequantised_values_lora_sd15() {
+    fp8_base_equals_its_values("tiny-sd15", TrainMode::Lora, false);
+}
+
+#[test]
+fn an_fp8_base_trains_as_its_dequantised_values_locon_sdxl_checkpointed() {
+    fp8_base_equals_its_values("tiny-sdxl", TrainMode::Locon, true);
 }

@@ -49,6 +49,7 @@ fn opts(trainable: bool) -> LoadOptions {
         device: Device::Cpu,
         train_unet: false,
         train_text_encoders: trainable,
+        fp8_base: false,
         trained_dtype: candle_core::DType::F32,
     }
 }

@@ -248,7 +248,7 @@ impl LayerAdapter for LoraModule {
             dropout: &mask,
         };
         Some(match (self.kind, base) {
-            (LoraKind::Linear, FrozenBase::Linear { w, b }) => frozen_linear_low_rank(x, w, b, lr),
+            (LoraKind::Linear, FrozenBase::Linear { w, b }) => frozen_linear_low_rank(x, &w, b, lr),
             (
                 LoraKind::Conv {
                     stride, padding, ..
@@ -260,7 +260,7 @@ impl LayerAdapter for LoraModule {
                     stride: base_stride,
                 },
             ) if (stride, padding) == (base_stride, base_padding) => {
-                frozen_conv2d_low_rank(x, w, b, padding, stride, lr)
+                frozen_conv2d_low_rank(x, &w, b, padding, stride, lr)
             }
             (kind, base) => {
                 let layer = match base {

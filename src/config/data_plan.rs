@@ -97,26 +97,19 @@ pub enum TextCacheOff {
     /// A text encoder (or its adapter) trains.
     TextEncoderTrains,
     ShuffleTags,
-    CondDropout,
 }
 
 impl TextCacheDecision {
     /// The decision, first reason first: `enabled` is `cache_text_encoder_outputs`,
     /// `text_encoder_trains` whether any text-encoder parameter is in an optimizer group.
-    pub fn decide(
-        enabled: bool,
-        text_encoder_trains: bool,
-        shuffle_tags: bool,
-        cond_dropout: f64,
-    ) -> Self {
+    /// `cond_dropout` does not turn it off: its empty caption is cached with the others.
+    pub fn decide(enabled: bool, text_encoder_trains: bool, shuffle_tags: bool) -> Self {
         let off = if !enabled {
             TextCacheOff::Disabled
         } else if text_encoder_trains {
             TextCacheOff::TextEncoderTrains
         } else if shuffle_tags {
             TextCacheOff::ShuffleTags
-        } else if cond_dropout > 0.0 {
-            TextCacheOff::CondDropout
         } else {
             return TextCacheDecision::On;
         };
@@ -134,7 +127,6 @@ impl fmt::Display for TextCacheOff {
             TextCacheOff::Disabled => "cache_text_encoder_outputs is false",
             TextCacheOff::TextEncoderTrains => "a text encoder trains",
             TextCacheOff::ShuffleTags => "shuffle_tags changes captions every step",
-            TextCacheOff::CondDropout => "cond_dropout replaces captions with empty ones at random",
         })
     }
 }
@@ -186,7 +178,6 @@ pub(super) fn resolve_data(
             file.cache_text_encoder_outputs.unwrap_or(true),
             text_encoder_trains,
             shuffle_tags,
-            cond_dropout,
         ),
     })
 }
@@ -367,14 +358,13 @@ mod tests {
     #[test]
     fn text_cache_off_reasons_in_order() {
         let decide = TextCacheDecision::decide;
-        assert_eq!(decide(true, false, false, 0.0), TextCacheDecision::On);
+        assert_eq!(decide(true, false, false), TextCacheDecision::On);
         let off = |d: TextCacheDecision| match d {
             TextCacheDecision::Off(why) => why.to_string(),
             TextCacheDecision::On => panic!("on"),
         };
-        assert!(off(decide(false, true, true, 0.1)).contains("false"));
-        assert!(off(decide(true, true, true, 0.1)).contains("text encoder"));
-        assert!(off(decide(true, false, true, 0.1)).contains("shuffle_tags"));
-        assert!(off(decide(true, false, false, 0.1)).contains("cond_dropout"));
+        assert!(off(decide(false, true, true)).contains("false"));
+        assert!(off(decide(true, true, true)).contains("text encoder"));
+        assert!(off(decide(true, false, true)).contains("shuffle_tags"));
     }
 }

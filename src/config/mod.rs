@@ -40,7 +40,9 @@ pub use optimizer_plan::{
 };
 pub use overrides::{apply_all as apply_overrides, Override};
 pub use plan::{TrainMode, TrainPlan};
-pub use precision_plan::{AmpChoice, Checkpointing as CheckpointChoice, PrecisionPlan};
+pub use precision_plan::{
+    AmpChoice, BaseWeightDtype, Checkpointing as CheckpointChoice, PrecisionPlan,
+};
 pub use run_shape::RunShape;
 pub use sample_plan::{SamplePlan, DEFAULT_SAMPLE_STEPS};
 pub use train_file::TrainFile;

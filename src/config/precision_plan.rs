@@ -40,6 +40,27 @@ impl Checkpointing {
     }
 }
 
+/// `base_weight_dtype`: how an adapter run stores its frozen UNet and text encoders.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BaseWeightDtype {
+    /// In the compute dtype (`amp`), the default.
+    Amp,
+    /// Linear and conv weights as e4m3 codes with an f32 scale per output channel
+    /// (`nn::fp8`), dequantised to the compute dtype where a layer uses them; norms, biases and
+    /// embeddings stay in the compute dtype.
+    Fp8,
+}
+
+impl BaseWeightDtype {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Amp => "amp",
+            Self::Fp8 => "fp8",
+        }
+    }
+}
+
 /// The resolved memory and precision settings.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct PrecisionPlan {
@@ -48,6 +69,8 @@ pub struct PrecisionPlan {
     pub scaler: ScalerSettings,
     /// The dtype a full fine-tune's trained weights are stored in (f32 unless set).
     pub weight_dtype: WeightDtype,
+    /// How an adapter run stores its frozen base.
+    pub base_weight_dtype: BaseWeightDtype,
     pub gradient_checkpointing: Checkpointing,
     /// `fused_backward_pass`: update each parameter as its gradient completes.
     pub fused_backward_pass: bool,
@@ -59,6 +82,7 @@ impl Default for PrecisionPlan {
             amp: AmpChoice::DeviceDefault,
             scaler: ScalerSettings::default(),
             weight_dtype: WeightDtype::F32,
+            base_weight_dtype: BaseWeightDtype::Amp,
             gradient_checkpointing: Checkpointing::Off,
             fused_backward_pass: false,
         }
@@ -162,6 +186,44 @@ fn resolve_weight_dtype(
     }
 }
 
+/// `base_weight_dtype`: an adapter run's choice. A full fine-tune trains the base itself (its
+/// storage is `weight_dtype`), so "fp8" is refused there.
+fn resolve_base_weight_dtype(
+    f: &TrainFile,
+    mode: TrainMode,
+    file: &Path,
+) -> Result<BaseWeightDtype, ConfigError> {
+    let Some(s) = &f.base_weight_dtype else {
+        return Ok(BaseWeightDtype::Amp);
+    };
+    let b = match s.to_ascii_lowercase().as_str() {
+        "fp8" | "float8" | "e4m3" | "fp8_e4m3" | "float8_e4m3fn" => BaseWeightDtype::Fp8,
+        "amp" | "default" => BaseWeightDtype::Amp,
+        _ => {
+            return Err(invalid(
+                file,
+                "base_weight_dtype",
+                format!(
+                    "is \"{s}\"; use \"fp8\" (e4m3 with a scale per output channel) or \
+                     \"amp\" (the compute dtype, the default)"
+                ),
+            ))
+        }
+    };
+    match mode {
+        TrainMode::Full if b == BaseWeightDtype::Fp8 => Err(invalid(
+            file,
+            "base_weight_dtype",
+            format!(
+                "is \"{s}\", which applies to adapter runs (mode \"lora\" or \"locon\"), \
+                 whose base is frozen: a full fine-tune trains the base weights themselves (to \
+                 store them in 16 bits, use weight_dtype \"bf16\")"
+            ),
+        )),
+        _ => Ok(b),
+    }
+}
+
 /// `fused_backward_pass`; refused beside `amp: "fp16"`, whose loss scaler must see every
 /// gradient before any update (a device default that resolves to fp16 is refused at the start).
 fn resolve_fused(f: &TrainFile, file: &Path) -> Result<bool, ConfigError> {
@@ -203,6 +265,7 @@ pub fn resolve_precision(
         amp: resolve_amp(f, file)?,
         scaler: resolve_scaler(f, file)?,
         weight_dtype: resolve_weight_dtype(f, mode, file)?,
+        base_weight_dtype: resolve_base_weight_dtype(f, mode, file)?,
         gradient_checkpointing: resolve_checkpointing(f, file)?,
         fused_backward_pass: resolve_fused(f, file)?,
     })
@@ -250,6 +313,47 @@ mod tests {
         );
         let p = plan_for(json!({"weight_dtype": "f32"}), TrainMode::Locon).unwrap();
         assert_eq!(p.weight_dtype, WeightDtype::F32);
+    }
+
+    /// Catches an alias mapped wrong, the default lost, or fp8 let through on a full fine-tune.
+    #[test]
+    fn base_weight_dtype_names_and_modes() {
+        let lora = |v| plan_for(v, TrainMode::Lora);
+        assert_eq!(
+            lora(json!({})).unwrap().base_weight_dtype,
+            BaseWeightDtype::Amp
+        );
+        for (name, want) in [
+            ("fp8", BaseWeightDtype::Fp8),
+            ("FP8", BaseWeightDtype::Fp8),
+            ("float8_e4m3fn", BaseWeightDtype::Fp8),
+            ("amp", BaseWeightDtype::Amp),
+        ] {
+            let p = lora(json!({ "base_weight_dtype": name })).unwrap();
+            assert_eq!(p.base_weight_dtype, want, "{name}");
+        }
+        let p = plan_for(json!({"base_weight_dtype": "fp8"}), TrainMode::Locon).unwrap();
+        assert_eq!(p.base_weight_dtype, BaseWeightDtype::Fp8);
+        let err = lora(json!({"base_weight_dtype": "int8"}))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("base_weight_dtype") && err.contains("int8"),
+            "{err}"
+        );
+        let err = plan(json!({"base_weight_dtype": "fp8"}))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("base_weight_dtype") && err.contains("full"),
+            "{err}"
+        );
+        assert_eq!(
+            plan(json!({"base_weight_dtype": "amp"}))
+                .unwrap()
+                .base_weight_dtype,
+            BaseWeightDtype::Amp
+        );
     }
 
     #[test]

@@ -140,6 +140,11 @@ impl TrainPlan {
             &format!("{} ({} layers dropped)", o.clip_skip, o.clip_skip_layers),
         )?;
         let te = match (self.train_text_encoder, self.unfreeze_last_n_layers) {
+            // Adapter modes: the base is frozen; `adapter.train_text_encoder` decides.
+            _ if self.adapter.is_some() => match &self.adapter {
+                Some(a) if a.train_text_encoder => "frozen, its adapter trains".to_string(),
+                _ => "frozen, no adapter".to_string(),
+            },
             (false, _) => "frozen".to_string(),
             (true, None) => "trained (every layer)".to_string(),
             (true, Some(n)) => format!("trained (last {n} layers and the final layer norm)"),
@@ -283,7 +288,11 @@ impl TrainPlan {
         } else {
             ""
         };
-        format!("amp {amp}; gradient checkpointing {ckpt}{weights}{fused}")
+        let base = match self.precision.base_weight_dtype {
+            super::BaseWeightDtype::Amp => "",
+            super::BaseWeightDtype::Fp8 => "; frozen base fp8 (e4m3, a scale per output channel)",
+        };
+        format!("amp {amp}; gradient checkpointing {ckpt}{weights}{base}{fused}")
     }
 
     fn logs_text(&self) -> String {

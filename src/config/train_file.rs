@@ -167,6 +167,10 @@ pub struct TrainFile {
     /// A full fine-tune's trained weights: `"f32"`, `"bf16"` or `"fp16"` (stochastic rounding).
     #[serde(default)]
     pub weight_dtype: Option<String>,
+    /// An adapter run's frozen base: `"fp8"` (e4m3, a scale per output channel) or `"amp"` (the
+    /// compute dtype, the default).
+    #[serde(default)]
+    pub base_weight_dtype: Option<String>,
     /// Update each parameter as soon as its gradient is complete (kohya's name).
     #[serde(default)]
     pub fused_backward_pass: Option<bool>,

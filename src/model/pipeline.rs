@@ -59,6 +59,9 @@ pub struct LoadOptions {
     pub device: Device,
     pub train_unet: bool,
     pub train_text_encoders: bool,
+    /// Store the frozen UNet's and text encoders' Linear and Conv2d weights in fp8 (e4m3 with a
+    /// scale per output channel, `nn::fp8`); the VAE and trainable components are never stored so.
+    pub fp8_base: bool,
 }
 
 /// One text encoder and the tokenizer that feeds it.
@@ -271,7 +274,7 @@ fn weights(
     } else {
         opts.dtype
     };
-    match &files.source {
+    let w = match &files.source {
         ComponentSource::Folder { weights, .. } => Weights::from_files(
             weights,
             files.component.folder(),
@@ -279,15 +282,17 @@ fn weights(
             &opts.device,
             trainable,
         )
-        .map_err(|e| wrap(files, e)),
-        ComponentSource::Packed { packed, .. } => Ok(Weights::from_view(
+        .map_err(|e| wrap(files, e))?,
+        ComponentSource::Packed { packed, .. } => Weights::from_view(
             packed.view.clone(),
             files.component.folder(),
             dtype,
             &opts.device,
             trainable,
-        )),
-    }
+        ),
+    };
+    w.set_fp8_base(opts.fp8_base && !trainable && files.component != Component::Vae);
+    Ok(w)
 }
 
 fn wrap(files: &ComponentFiles, source: WeightsError) -> PipelineError {

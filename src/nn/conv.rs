@@ -4,7 +4,7 @@ use candle_core::{DType, Result, Tensor};
 
 use std::sync::Arc;
 
-use super::{cast_like, LayerAdapter};
+use super::{cast_like, BaseWeight, LayerAdapter};
 use crate::weights::{Init, Weights, WeightsError};
 
 #[derive(Debug, Clone, Copy)]
@@ -28,7 +28,10 @@ impl Conv2dConfig {
 pub struct Conv2d {
     /// The diffusers module path, e.g. `down_blocks.0.resnets.1.conv1`.
     pub path: String,
+    /// The weight `[out, in, kh, kw]`, or its e4m3 codes when `weight_scale` is set.
     pub weight: Tensor,
+    /// The per-output-channel scales of an fp8 base weight (see [`super::Linear::weight_scale`]).
+    pub weight_scale: Option<Tensor>,
     pub bias: Option<Tensor>,
     pub cfg: Conv2dConfig,
     /// A trainable addition (LoCon): `y = conv(x) + adapter.delta(x)`.
@@ -45,14 +48,32 @@ impl Conv2d {
         let k = cfg.kernel;
         let bound = 1.0 / ((in_ch * k * k) as f64).sqrt();
         let weight = w.get_init((out_ch, in_ch, k, k), "weight", Init::Uniform(bound))?;
+        let (weight, weight_scale) = super::fp8::layer_weight(w, "weight", weight)?;
         let bias = Some(w.get_init(out_ch, "bias", Init::Uniform(bound))?);
         Ok(Self {
             path: w.prefix(),
             weight,
+            weight_scale,
             bias,
             cfg,
             adapter: None,
         })
+    }
+
+    /// The weight as stored, for the frozen ops.
+    pub fn base_weight(&self) -> BaseWeight {
+        BaseWeight::of(&self.weight, self.weight_scale.as_ref())
+    }
+
+    /// Stores the (frozen) weight as e4m3 codes with a scale per output channel.
+    pub fn quantize_fp8(&mut self) -> Result<()> {
+        if self.weight_scale.is_none() {
+            let (codes, scale) =
+                super::fp8::quantize(&self.weight, &format!("{}.weight", self.path))?;
+            self.weight = codes;
+            self.weight_scale = Some(scale);
+        }
+        Ok(())
     }
 
     pub fn in_channels(&self) -> usize {
@@ -70,7 +91,7 @@ impl Conv2d {
         };
         if self.is_frozen() && super::frozen::supported(x) {
             let base = super::FrozenBase::Conv {
-                w: &self.weight,
+                w: self.base_weight(),
                 b: self.bias.as_ref(),
                 padding: self.cfg.padding,
                 stride: self.cfg.stride,
@@ -93,11 +114,21 @@ impl Conv2d {
     /// `conv2d(x, W) + b`. A frozen layer (weight and bias plain tensors, not Vars) goes through
     /// [`super::frozen_conv2d_bias`], whose backward computes no weight or bias gradient.
     pub fn base_forward(&self, x: &Tensor) -> Result<Tensor> {
+        if self.weight_scale.is_some() {
+            // fp8: dequantised in the forward and again in the backward (`handover`).
+            return super::handover::frozen_conv2d_stored(
+                x,
+                &self.base_weight(),
+                self.bias.as_ref(),
+                self.cfg.padding,
+                self.cfg.stride,
+            );
+        }
         if super::cpu_bf16(x) {
             if x.track_op() && self.is_frozen() {
-                return super::handover::frozen_conv2d_cpu_bf16(
+                return super::handover::frozen_conv2d_stored(
                     x,
-                    &self.weight,
+                    &self.base_weight(),
                     self.bias.as_ref(),
                     self.cfg.padding,
                     self.cfg.stride,

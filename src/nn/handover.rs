@@ -15,7 +15,9 @@
 //!
 //! Forward costs one extra output-sized copy (the handed-over result), which is freed at once.
 
-use candle_core::{Result, Tensor};
+use candle_core::{DType, Result, Tensor};
+
+use super::BaseWeight;
 
 use super::fused_op::{attach1, Backward1};
 
@@ -110,72 +112,90 @@ pub fn add_maybe_const(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     }
 }
 
-/// A frozen `x·Wᵀ + b` for a bf16 `x` on the CPU, where candle has no bf16 GEMM: computed in f32
-/// and rounded to bf16 once, with only `x` getting a gradient. The graph keeps `x` and the stored
-/// (bf16) weight; the f32 copies of both live only inside the forward and the backward, where the
-/// plain upcast path kept them for the whole step (an f32 copy of every frozen weight).
-pub fn frozen_linear_cpu_bf16(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+/// The dtype a frozen layer computes in for `x`: `x`'s, but f32 for bf16 on the CPU, where candle
+/// has no bf16 GEMM (f32 accumulation, rounded once, as cuBLAS/cuDNN do for bf16).
+fn compute_dtype(x: &Tensor) -> DType {
+    if super::cpu_bf16(x) {
+        DType::F32
+    } else {
+        x.dtype()
+    }
+}
+
+/// A frozen `x·Wᵀ + b` with only `x` getting a gradient, which keeps the weight as stored
+/// ([`BaseWeight`]) and makes the weight it computes with twice, in the forward and in the
+/// backward. Used where the stored weight is not the one computed with:
+/// - an fp8 base weight: only its codes (one byte per weight) stay in memory between the two;
+/// - a bf16 `x` on the CPU (computed in f32): the plain upcast path kept an f32 copy of every
+///   frozen weight for the whole step.
+pub fn frozen_linear_stored(x: &Tensor, w: &BaseWeight, b: Option<&Tensor>) -> Result<Tensor> {
     let x_dims = x.dims().to_vec();
-    let (n, k) = w.dims2()?;
+    let (n, k) = match *w.dims() {
+        [n, k] => (n, k),
+        ref d => candle_core::bail!("frozen linear: a weight of shape {d:?}"),
+    };
+    if x_dims.last() != Some(&k) {
+        candle_core::bail!("frozen linear: input {x_dims:?}, weight [{n}, {k}]");
+    }
     let rows = x.elem_count() / k.max(1);
-    let f32 = candle_core::DType::F32;
+    let cd = compute_dtype(x);
     let mut y = x
         .detach()
-        .to_dtype(f32)?
+        .to_dtype(cd)?
         .reshape((rows, k))?
-        .matmul(&w.detach().to_dtype(f32)?.t()?)?;
+        .matmul(&w.get(cd)?.t()?)?;
     if let Some(b) = b {
-        y = y.broadcast_add(&b.detach().to_dtype(f32)?)?;
+        y = y.broadcast_add(&b.detach().to_dtype(cd)?)?;
     }
     let mut out_dims = x_dims.clone();
     if let Some(last) = out_dims.last_mut() {
         *last = n;
     }
     let out = y.to_dtype(x.dtype())?.reshape(out_dims)?;
-    let w = w.detach();
+    let w = w.clone();
     hand_over(
         x,
-        "frozen-linear-cpu-bf16",
+        "frozen-linear-stored",
         out,
         Box::new(move |x, g| {
-            g.to_dtype(f32)?
+            g.to_dtype(cd)?
                 .reshape((rows, n))?
-                .matmul(&w.to_dtype(f32)?)?
+                .matmul(&w.get(cd)?)?
                 .to_dtype(x.dtype())?
                 .reshape(x_dims.as_slice())
         }),
     )
 }
 
-/// A frozen `conv2d(x, W) + b` for a bf16 `x` on the CPU, as [`frozen_linear_cpu_bf16`]: f32
-/// inside the forward and the backward, only `x` and the stored weight kept.
-pub fn frozen_conv2d_cpu_bf16(
+/// A frozen `conv2d(x, W) + b` with only `x` getting a gradient, keeping the weight as stored, as
+/// [`frozen_linear_stored`].
+pub fn frozen_conv2d_stored(
     x: &Tensor,
-    w: &Tensor,
+    w: &BaseWeight,
     b: Option<&Tensor>,
     padding: usize,
     stride: usize,
 ) -> Result<Tensor> {
-    let f32 = candle_core::DType::F32;
-    let mut y = super::conv2d_detached(&x.to_dtype(f32)?, &w.to_dtype(f32)?, padding, stride)?;
+    let cd = compute_dtype(x);
+    let mut y = super::conv2d_detached(&x.detach().to_dtype(cd)?, &w.get(cd)?, padding, stride)?;
     if let Some(b) = b {
         let b = b
             .detach()
-            .to_dtype(f32)?
+            .to_dtype(cd)?
             .reshape((1, b.elem_count(), 1, 1))?;
         y = y.broadcast_add(&b)?;
     }
     let out = y.to_dtype(x.dtype())?;
     let (_, _, h, wd) = x.dims4()?;
-    let w = w.detach();
+    let w = w.clone();
     hand_over(
         x,
-        "frozen-conv2d-cpu-bf16",
+        "frozen-conv2d-stored",
         out,
         Box::new(move |x, g| {
             super::conv_grad::conv2d_input_grad(
-                &g.to_dtype(f32)?,
-                &w.to_dtype(f32)?,
+                &g.to_dtype(cd)?,
+                &w.get(cd)?,
                 padding,
                 stride,
                 (h, wd),

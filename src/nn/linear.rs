@@ -4,14 +4,18 @@ use candle_core::{DType, Result, Tensor};
 
 use std::sync::Arc;
 
-use super::{cast_like, LayerAdapter};
+use super::{cast_like, BaseWeight, LayerAdapter};
 use crate::weights::{Init, Weights, WeightsError};
 
 #[derive(Debug, Clone)]
 pub struct Linear {
     /// The diffusers/transformers module path, e.g. `down_blocks.1.attentions.0.proj_in`.
     pub path: String,
+    /// The weight `[out, in]`, or its e4m3 codes when `weight_scale` is set.
     pub weight: Tensor,
+    /// The per-output-channel scales of an fp8 base weight (`base_weight_dtype: "fp8"`): the
+    /// layer is then frozen, and [`BaseWeight`] dequantises the weight where it is used.
+    pub weight_scale: Option<Tensor>,
     pub bias: Option<Tensor>,
     /// A trainable addition (LoRA): `y = x·Wᵀ + b + adapter.delta(x)`.
     pub adapter: Option<Arc<dyn LayerAdapter>>,
@@ -27,6 +31,7 @@ impl Linear {
     ) -> std::result::Result<Self, WeightsError> {
         let bound = 1.0 / (in_dim as f64).sqrt();
         let weight = w.get_init((out_dim, in_dim), "weight", Init::Uniform(bound))?;
+        let (weight, weight_scale) = super::fp8::layer_weight(w, "weight", weight)?;
         let bias = if bias {
             Some(w.get_init(out_dim, "bias", Init::Uniform(bound))?)
         } else {
@@ -35,9 +40,26 @@ impl Linear {
         Ok(Self {
             path: w.prefix(),
             weight,
+            weight_scale,
             bias,
             adapter: None,
         })
+    }
+
+    /// The weight as stored, for the frozen ops.
+    pub fn base_weight(&self) -> BaseWeight {
+        BaseWeight::of(&self.weight, self.weight_scale.as_ref())
+    }
+
+    /// Stores the (frozen) weight as e4m3 codes with a scale per output channel.
+    pub fn quantize_fp8(&mut self) -> Result<()> {
+        if self.weight_scale.is_none() {
+            let (codes, scale) =
+                super::fp8::quantize(&self.weight, &format!("{}.weight", self.path))?;
+            self.weight = codes;
+            self.weight_scale = Some(scale);
+        }
+        Ok(())
     }
 
     pub fn in_dim(&self) -> usize {
@@ -55,7 +77,7 @@ impl Linear {
         };
         if self.is_frozen() && super::frozen::supported(x) {
             let base = super::FrozenBase::Linear {
-                w: &self.weight,
+                w: self.base_weight(),
                 b: self.bias.as_ref(),
             };
             if let Some(y) = a.forward_frozen(x, base) {
@@ -76,11 +98,19 @@ impl Linear {
     /// `x·Wᵀ + b`. A frozen layer (weight and bias plain tensors, not Vars) goes through
     /// [`super::frozen_linear`], whose backward computes no weight or bias gradient.
     pub fn base_forward(&self, x: &Tensor) -> Result<Tensor> {
+        if self.weight_scale.is_some() {
+            // fp8: dequantised in the forward and again in the backward (`handover`).
+            return super::handover::frozen_linear_stored(
+                x,
+                &self.base_weight(),
+                self.bias.as_ref(),
+            );
+        }
         if super::cpu_bf16(x) {
             if x.track_op() && self.is_frozen() {
-                return super::handover::frozen_linear_cpu_bf16(
+                return super::handover::frozen_linear_stored(
                     x,
-                    &self.weight,
+                    &self.base_weight(),
                     self.bias.as_ref(),
                 );
             }

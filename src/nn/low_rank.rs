@@ -16,6 +16,7 @@
 use candle_core::{DType, Result, Tensor};
 
 use super::fused_op::{attach3, if_tracked, Backward3, Grads3};
+use super::BaseWeight;
 
 /// The inverted-dropout mask for `h = down(x)`: `0` or `1/(1-p)` per element, `h`'s shape, dtype
 /// and device; `None` when dropout is off.
@@ -62,11 +63,14 @@ fn masked(h: Tensor, mask: Option<&Tensor>) -> Result<Tensor> {
 /// where they are tracked.
 pub fn frozen_linear_low_rank(
     x: &Tensor,
-    w: &Tensor,
+    w: &BaseWeight,
     b: Option<&Tensor>,
     lr: LowRank<'_>,
 ) -> Result<Tensor> {
-    let (out_dim, in_dim) = w.dims2()?;
+    let (out_dim, in_dim) = match *w.dims() {
+        [o, i] => (o, i),
+        ref d => candle_core::bail!("low-rank linear: a weight of shape {d:?}"),
+    };
     let x_dims = x.dims().to_vec();
     if x_dims.last() != Some(&in_dim) {
         candle_core::bail!("low-rank linear: input {x_dims:?}, weight [{out_dim}, {in_dim}]");
@@ -85,7 +89,7 @@ pub fn frozen_linear_low_rank(
     let h = x2.matmul(&lr.down.detach().to_dtype(cd)?.t()?)?;
     let mask = (lr.dropout)(&h)?;
     let h = masked(h, mask.as_ref())?;
-    let mut y = x2.matmul(&w.detach().to_dtype(cd)?.t()?)?;
+    let mut y = x2.matmul(&w.get(cd)?.t()?)?;
     drop(x2);
     if let Some(b) = b {
         y = y.broadcast_add(&b.detach().to_dtype(cd)?)?;
@@ -97,7 +101,7 @@ pub fn frozen_linear_low_rank(
     }
     let y = y.to_dtype(x.dtype())?.reshape(out_dims)?;
     let backward = LinearBackward {
-        w: w.detach(),
+        w: w.clone(),
         h,
         mask,
         scale: lr.scale,
@@ -108,8 +112,8 @@ pub fn frozen_linear_low_rank(
 }
 
 struct LinearBackward {
-    /// The frozen weight as stored.
-    w: Tensor,
+    /// The frozen weight as stored (dequantised again here for fp8).
+    w: BaseWeight,
     /// `m ⊙ x·downᵀ`, `[rows, r]` in the compute dtype.
     h: Tensor,
     mask: Option<Tensor>,
@@ -144,7 +148,7 @@ impl Backward3 for LinearBackward {
         };
         let d_down = if_tracked(down, || gh.t()?.matmul(&x2()?))?;
         let dx = if_tracked(x, || {
-            let base = g.matmul(&self.w.to_dtype(cd)?)?;
+            let base = g.matmul(&self.w.get(cd)?)?;
             (base + gh.matmul(&down.detach().to_dtype(cd)?)?)?.reshape(self.x_dims.as_slice())
         })?;
         Ok((dx, d_down, d_up))
@@ -156,13 +160,16 @@ impl Backward3 for LinearBackward {
 /// `stride`, `up` `[O, r, 1, 1]`.
 pub fn frozen_conv2d_low_rank(
     x: &Tensor,
-    w: &Tensor,
+    w: &BaseWeight,
     b: Option<&Tensor>,
     padding: usize,
     stride: usize,
     lr: LowRank<'_>,
 ) -> Result<Tensor> {
-    let (out_ch, in_ch, kh, kw) = w.dims4()?;
+    let (out_ch, in_ch, kh, kw) = match *w.dims() {
+        [o, i, kh, kw] => (o, i, kh, kw),
+        ref d => candle_core::bail!("low-rank conv: a weight of shape {d:?}"),
+    };
     let (rank, down_in, dkh, dkw) = lr.down.dims4()?;
     if down_in != in_ch || (dkh, dkw) != (kh, kw) || lr.up.dims4()? != (out_ch, rank, 1, 1) {
         candle_core::bail!(
@@ -177,7 +184,7 @@ pub fn frozen_conv2d_low_rank(
     let h = super::conv2d_detached(&xc, &lr.down.detach().to_dtype(cd)?, padding, stride)?;
     let mask = (lr.dropout)(&h)?;
     let h = masked(h, mask.as_ref())?;
-    let mut y = super::conv2d_detached(&xc, &w.detach().to_dtype(cd)?, padding, stride)?;
+    let mut y = super::conv2d_detached(&xc, &w.get(cd)?, padding, stride)?;
     drop(xc);
     if let Some(b) = b {
         y = y.broadcast_add(&b.detach().to_dtype(cd)?.reshape((1, out_ch, 1, 1))?)?;
@@ -186,7 +193,7 @@ pub fn frozen_conv2d_low_rank(
     let y = y.to_dtype(x.dtype())?;
     let (_, _, x_h, x_w) = x.dims4()?;
     let backward = ConvBackward {
-        w: w.detach(),
+        w: w.clone(),
         h,
         mask,
         scale: lr.scale,
@@ -198,7 +205,8 @@ pub fn frozen_conv2d_low_rank(
 }
 
 struct ConvBackward {
-    w: Tensor,
+    /// The frozen weight as stored (dequantised again here for fp8).
+    w: BaseWeight,
     /// `m ⊙ conv2d(x, down)`, `[B, r, H', W']` in the compute dtype.
     h: Tensor,
     mask: Option<Tensor>,
@@ -237,7 +245,7 @@ impl Backward3 for ConvBackward {
             conv2d_weight_grad(&x.detach().to_dtype(cd)?, &gh, p, s, (kh, kw))
         })?;
         let dx = if_tracked(x, || {
-            let base = conv2d_input_grad(&g, &self.w.to_dtype(cd)?, p, s, self.x_hw)?;
+            let base = conv2d_input_grad(&g, &self.w.get(cd)?, p, s, self.x_hw)?;
             let low = conv2d_input_grad(&gh, &down.detach().to_dtype(cd)?, p, s, self.x_hw)?;
             base + low
         })?;
@@ -289,7 +297,7 @@ mod tests {
             scale: SCALE,
             dropout: mask,
         };
-        frozen_linear_low_rank(&a[0], &a[1], Some(&a[2]), lr)
+        frozen_linear_low_rank(&a[0], &BaseWeight::plain(&a[1]), Some(&a[2]), lr)
     }
 
     /// `[x, W, b, down, up]` for a 6 → 5 linear of rank 3 on 7 rows; `x` in `dtype`.
@@ -401,7 +409,7 @@ mod tests {
             scale: SCALE,
             dropout: mask,
         };
-        frozen_conv2d_low_rank(&a[0], &a[1], Some(&a[2]), p, s, lr)
+        frozen_conv2d_low_rank(&a[0], &BaseWeight::plain(&a[1]), Some(&a[2]), p, s, lr)
     }
 
     /// LoCon's shapes: 3×3 at stride 1 and 2 (padding 1), 1×1; with and without dropout.
@@ -442,7 +450,7 @@ mod tests {
             scale: SCALE,
             dropout: &no_mask,
         };
-        let e = frozen_linear_low_rank(&a[0], &a[1], None, lr).unwrap_err();
+        let e = frozen_linear_low_rank(&a[0], &BaseWeight::plain(&a[1]), None, lr).unwrap_err();
         assert!(e.to_string().contains("do not fit"), "{e}");
     }
 }

@@ -8,6 +8,7 @@
 
 mod activation;
 mod attention;
+mod base_weight;
 mod checkpoint;
 mod chunked_attention;
 mod conv;
@@ -22,6 +23,9 @@ mod cpu_gemm;
 mod embedding;
 #[cfg(any(test, feature = "cuda"))]
 mod flash_attention;
+pub mod fp8;
+#[cfg(feature = "cuda")]
+mod fp8_cuda;
 mod frozen;
 mod fused_op;
 mod geglu;
@@ -50,6 +54,7 @@ mod upsample;
 
 pub use activation::{gelu_erf, quick_gelu, silu};
 pub use attention::{attention, attention_reference, causal_attention, causal_mask, CausalMask};
+pub use base_weight::BaseWeight;
 pub use checkpoint::{replayable, Checkpointing, Segment};
 pub use chunked_attention::chunked_attention;
 #[cfg(feature = "cuda")]
@@ -73,17 +78,18 @@ pub trait LayerAdapter: std::fmt::Debug + Send + Sync {
     }
 }
 
-/// A frozen layer an adapter is attached to: its weight and bias (plain tensors) and geometry.
-#[derive(Clone, Copy)]
+/// A frozen layer an adapter is attached to: its weight as stored, its bias (a plain tensor) and
+/// its geometry.
+#[derive(Clone)]
 pub enum FrozenBase<'a> {
     /// `x·Wᵀ + b`, `W` `[out, in]`.
     Linear {
-        w: &'a candle_core::Tensor,
+        w: BaseWeight,
         b: Option<&'a candle_core::Tensor>,
     },
     /// `conv2d(x, W) + b`, `W` `[out, in, k, k]`.
     Conv {
-        w: &'a candle_core::Tensor,
+        w: BaseWeight,
         b: Option<&'a candle_core::Tensor>,
         padding: usize,
         stride: usize,
@@ -110,8 +116,8 @@ pub use group_norm::{
     group_norm, group_norm_reference, group_norm_silu, group_norm_silu_reference,
 };
 pub use handover::{
-    add_maybe_const, cat_with_const, conv2d_const_input, frozen_conv2d_cpu_bf16,
-    frozen_linear_cpu_bf16, matmul_const_lhs, sub_const,
+    add_maybe_const, cat_with_const, conv2d_const_input, frozen_conv2d_stored,
+    frozen_linear_stored, matmul_const_lhs, sub_const,
 };
 pub use layer_norm::{layer_norm, layer_norm_reference};
 pub use linear::Linear;
@@ -166,6 +172,10 @@ pub(crate) fn cast_like(
     param: &candle_core::Tensor,
     x: &candle_core::Tensor,
 ) -> candle_core::Result<candle_core::Tensor> {
+    if param.dtype() == candle_core::DType::U8 {
+        // An fp8 base weight's codes: only `BaseWeight::get` knows their scale.
+        candle_core::bail!("an fp8 base weight reached an op that does not dequantise it");
+    }
     if param.dtype() == x.dtype() {
         Ok(param.clone())
     } else {

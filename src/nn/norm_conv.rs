@@ -18,7 +18,7 @@
 use candle_core::{Result, Tensor};
 
 use super::fused_op::{attach2, Backward2, Backward3};
-use super::{Conv2d, GroupNorm};
+use super::{BaseWeight, Conv2d, GroupNorm};
 
 /// What is added to the conv's output.
 pub enum Extra<'a> {
@@ -30,12 +30,13 @@ pub enum Extra<'a> {
     Shortcut(&'a Tensor, &'a Conv2d),
 }
 
-/// Whether `conv` is frozen, has no adapter and runs through our conv kernels for `x`.
+/// Whether `conv` is frozen, has no adapter and runs through our conv kernels for `x`: its weight
+/// is stored in `x`'s dtype, or in fp8 (dequantised to it).
 fn plain_frozen(conv: &Conv2d, x: &Tensor) -> bool {
     conv.adapter.is_none()
         && super::frozen::is_frozen(&conv.weight)
         && conv.bias.as_ref().is_none_or(super::frozen::is_frozen)
-        && conv.weight.dtype() == x.dtype()
+        && (conv.weight_scale.is_some() || conv.weight.dtype() == x.dtype())
         && conv.bias.as_ref().is_none_or(|b| b.dtype() == x.dtype())
 }
 
@@ -76,7 +77,11 @@ pub fn group_norm_silu_conv(
     let (w, b) = (&norm.weight, &norm.bias);
     let (u, norm_backward) = super::group_norm::parts(x, w, b, norm.groups, norm.eps, true)?;
     let (p, s) = (conv.cfg.padding, conv.cfg.stride);
-    let mut y = with_bias(super::conv2d_detached(&u, &conv.weight, p, s)?, conv)?;
+    let dt = x.dtype();
+    let mut y = with_bias(
+        super::conv2d_detached(&u, &conv.base_weight().get(dt)?, p, s)?,
+        conv,
+    )?;
     drop(u);
     let (other, kind) = match extra {
         Extra::Channels(t) => {
@@ -89,8 +94,9 @@ pub fn group_norm_silu_conv(
             (r, ExtraKind::Residual)
         }
         Extra::Shortcut(r, sc) => {
-            y = (y + with_bias(super::conv2d_detached(r, &sc.weight, 0, 1)?, sc)?)?;
-            (r, ExtraKind::Shortcut(sc.weight.detach()))
+            let ws = sc.base_weight();
+            y = (y + with_bias(super::conv2d_detached(r, &ws.get(r.dtype())?, 0, 1)?, sc)?)?;
+            (r, ExtraKind::Shortcut(ws))
         }
     };
     let (_, _, h, wd) = x.dims4()?;
@@ -98,7 +104,7 @@ pub fn group_norm_silu_conv(
         norm: norm_backward,
         gamma: w.detach(),
         beta: b.detach(),
-        w: conv.weight.detach(),
+        w: conv.base_weight(),
         padding: p,
         stride: s,
         x_hw: (h, wd),
@@ -122,8 +128,8 @@ fn with_bias(y: Tensor, conv: &Conv2d) -> Result<Tensor> {
 enum ExtraKind {
     Channels,
     Residual,
-    /// The shortcut's frozen 1×1 weight.
-    Shortcut(Tensor),
+    /// The shortcut's frozen 1×1 weight, as stored.
+    Shortcut(BaseWeight),
 }
 
 struct NormConvBackward {
@@ -131,7 +137,8 @@ struct NormConvBackward {
     norm: Box<dyn Backward3>,
     gamma: Tensor,
     beta: Tensor,
-    w: Tensor,
+    /// The conv's weight as stored (dequantised again here for fp8).
+    w: BaseWeight,
     padding: usize,
     stride: usize,
     x_hw: (usize, usize),
@@ -149,7 +156,8 @@ impl Backward2 for NormConvBackward {
         use super::conv_grad::conv2d_input_grad;
         let g = grad.to_dtype(res.dtype())?;
         let dx = if x.track_op() {
-            let gu = conv2d_input_grad(&g, &self.w, self.padding, self.stride, self.x_hw)?;
+            let w = self.w.get(g.dtype())?;
+            let gu = conv2d_input_grad(&g, &w, self.padding, self.stride, self.x_hw)?;
             // The norm's backward takes `res` for its output; it reads only `x` and the gradient.
             let (dx, _, _) = self.norm.backward(x, &self.gamma, &self.beta, &gu, &gu)?;
             dx
@@ -163,7 +171,7 @@ impl Backward2 for NormConvBackward {
                     ExtraKind::Residual => g.clone(),
                     ExtraKind::Shortcut(ws) => {
                         let (_, _, h, w) = other.dims4()?;
-                        conv2d_input_grad(&g, ws, 0, 1, (h, w))?
+                        conv2d_input_grad(&g, &ws.get(g.dtype())?, 0, 1, (h, w))?
                     }
                 }
                 .to_dtype(other.dtype())?,
@@ -195,6 +203,7 @@ mod tests {
         Conv2d {
             path: "conv".into(),
             weight: fill(&[o, i, kernel, kernel], seed, 0.5),
+            weight_scale: None,
             bias: Some(fill(&[o], seed + 1, 0.5)),
             cfg: Conv2dConfig::same(kernel),
             adapter: None,

@@ -64,6 +64,10 @@ fn text_encoder_cache(
     if let Some(v) = validation {
         captions.extend(v.items.iter().map(|i| i.caption.as_str()));
     }
+    if plan.data.cond_dropout > 0.0 {
+        // What cond_dropout replaces a caption with.
+        captions.push("");
+    }
     let batch = plan.batch_size.max(1);
     let cache = TextCache::build(sd, captions, plan.objective.clip_skip_layers, batch)
         .context("caching the text encoders' outputs")?;

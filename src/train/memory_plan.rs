@@ -60,6 +60,13 @@ pub struct Census {
     /// Elements of the largest trained tensor: with bf16/f16 weights, the optimizer updates an
     /// f32 copy of one tensor (and of its gradient) at a time.
     pub largest_trained: u64,
+    /// The Linear and Conv2d weights among `unet` and `text_encoders` (what an fp8 base stores
+    /// in one byte each), their rows (one f32 scale each), and the largest one's elements.
+    pub unet_layers: u64,
+    pub unet_layer_rows: u64,
+    pub text_encoder_layers: u64,
+    pub text_encoder_layer_rows: u64,
+    pub largest_layer: u64,
 }
 
 /// The expected peak, by term, in bytes.
@@ -83,6 +90,13 @@ pub struct MemoryPlan {
 }
 
 impl MemoryPlan {
+    /// The allocator's pool at the peak: the total less the workspace (the CUDA context, cuBLAS'
+    /// workspace and the allocator's slack, outside the pool). The measure the peers publish
+    /// (torch's `max_memory_allocated`) and `scripts/gpu-check` records.
+    pub fn pool(&self) -> f64 {
+        self.total() - self.workspace
+    }
+
     pub fn total(&self) -> f64 {
         self.weights
             + self.gradients
@@ -112,6 +126,8 @@ pub fn plan_memory(
         checkpointed_width: 0.0,
         all_checkpointed: false,
         fused: plan.precision.fused_backward_pass,
+        fp8_base: plan.mode != TrainMode::Full
+            && plan.precision.base_weight_dtype == crate::config::BaseWeightDtype::Fp8,
         batch: plan.batch_size,
         latent_px: largest_bucket_pixels(plan, resolution) as f64 / 64.0,
         accumulating: plan.grad_accum > 1,
@@ -150,7 +166,7 @@ pub fn plan_memory(
             WeightDtype::F32 => String::new(),
             w if shape.full => format!(", trained weights {}", w.name()),
             _ => String::new(),
-        }
+        } + if shape.fp8_base { ", fp8 base" } else { "" }
     );
     out.checkpointing = decision;
     out.card = card.clone();
@@ -182,6 +198,8 @@ struct RunTerms {
     all_checkpointed: bool,
     /// `fused_backward_pass`: each gradient dropped once its parameter is updated.
     fused: bool,
+    /// `base_weight_dtype: "fp8"`: frozen layer weights in one byte each.
+    fp8_base: bool,
     batch: usize,
     /// Latent pixels of the largest bucket.
     latent_px: f64,
@@ -221,7 +239,7 @@ impl RunTerms {
         } else {
             0.0
         };
-        let weights = compute * (frozen_unet + frozen_te) as f64
+        let weights = self.frozen_bytes(census, compute, frozen_unet > 0, frozen_te > 0)
             + vae_bytes * vae as f64
             + trained_bytes * trained
             + amp_copies;
@@ -257,6 +275,31 @@ impl RunTerms {
 }
 
 impl RunTerms {
+    /// The frozen UNet and text encoders (each when it is held): in the compute dtype; with an
+    /// fp8 base, their layer weights at one byte plus an f32 scale per row, and two dequantised
+    /// copies of the largest layer weight (the one a forward or backward op is using, and the
+    /// next one being made).
+    fn frozen_bytes(&self, census: &Census, compute: f64, unet: bool, te: bool) -> f64 {
+        let (mut all, mut layers, mut rows) = (0u64, 0u64, 0u64);
+        if unet {
+            all += census.unet;
+            layers += census.unet_layers;
+            rows += census.unet_layer_rows;
+        }
+        if te {
+            all += census.text_encoders;
+            layers += census.text_encoder_layers;
+            rows += census.text_encoder_layer_rows;
+        }
+        if !self.fp8_base || layers == 0 {
+            return compute * all as f64;
+        }
+        compute * (all - layers) as f64
+            + layers as f64
+            + 4.0 * rows as f64
+            + 2.0 * compute * census.largest_layer as f64
+    }
+
     /// The gradient term: every trained parameter's gradient (two buffers while micro-batches
     /// accumulate); with the fused backward pass, the largest live set instead of the sum, a few
     /// of the largest tensors' gradients at once (each is dropped when its parameter is
@@ -329,7 +372,14 @@ impl fmt::Display for MemoryPlan {
             ),
             None => "no card to check against".to_string(),
         };
-        writeln!(f, "{:<15}expected peak {}: {verdict}", "", g(self.total()))
+        writeln!(f, "{:<15}expected peak {}: {verdict}", "", g(self.total()))?;
+        writeln!(
+            f,
+            "{:<15}allocator pool peak {} (the peak less the workspace: what \
+             torch.cuda.max_memory_allocated reports, as the peers' published figures do)",
+            "",
+            g(self.pool())
+        )
     }
 }
 
@@ -423,7 +473,7 @@ mod tests {
                 vae: 0,
                 trained,
                 state_bytes: 8 * trained,
-                largest_trained: 0,
+                ..Census::default()
             };
             let terms = RunTerms {
                 full,
@@ -432,6 +482,7 @@ mod tests {
                 checkpointed_width: if ck { unet_width(&cfg(cfg_json)) } else { 0.0 },
                 all_checkpointed: ck,
                 fused: false,
+                fp8_base: false,
                 batch,
                 latent_px: (res * res) as f64 / 64.0,
                 accumulating: false,
@@ -466,6 +517,7 @@ mod tests {
             trained: 1000,
             state_bytes: 8000,
             largest_trained: 100,
+            ..Census::default()
         };
         let terms_fused = |full: bool, amp: Amp, weights: WeightDtype, fused: bool| {
             RunTerms {
@@ -475,6 +527,7 @@ mod tests {
                 checkpointed_width: 0.0,
                 all_checkpointed: false,
                 fused,
+                fp8_base: false,
                 batch: 1,
                 latent_px: 0.0,
                 accumulating: false,
@@ -500,6 +553,53 @@ mod tests {
         // Fused: the largest live set (4 of the largest tensor's gradients), not the sum.
         let fused = terms_fused(true, Amp::Bf16, WeightDtype::Bf16, true);
         assert_eq!(fused.gradients, 4.0 * 100.0 * 2.0);
+    }
+
+    /// An fp8 base: the layer weights of each held component at one byte plus an f32 scale per
+    /// row, the rest in the compute dtype, and two compute-dtype copies of the largest layer.
+    /// Catches the layers priced at two bytes, the scales or the dequantised copies left out, a
+    /// cached (released) text encoder counted, and a full fine-tune priced as fp8.
+    #[test]
+    fn an_fp8_base_stores_layer_weights_in_one_byte() {
+        let census = Census {
+            unet: 1000,
+            unet_layers: 900,
+            unet_layer_rows: 30,
+            text_encoders: 500,
+            text_encoder_layers: 400,
+            text_encoder_layer_rows: 20,
+            largest_layer: 50,
+            trained: 10,
+            ..Census::default()
+        };
+        let weights = |fp8_base: bool, te_cached: bool, full: bool| {
+            RunTerms {
+                full,
+                amp: Amp::Bf16,
+                weights: WeightDtype::F32,
+                checkpointed_width: 0.0,
+                all_checkpointed: false,
+                fused: false,
+                fp8_base,
+                batch: 1,
+                latent_px: 0.0,
+                accumulating: false,
+                trained_te: false,
+                te_cached,
+                latents_cached: true,
+                ema_on_device: false,
+                width: 0.0,
+            }
+            .plan(&census)
+            .weights
+        };
+        let adapters = 4.0 * 10.0 + 2.0 * 10.0; // f32 adapters and their bf16 casts
+        assert_eq!(weights(false, false, false), 2.0 * 1500.0 + adapters);
+        let fp8 = 2.0 * 200.0 + 1300.0 + 4.0 * 50.0 + 2.0 * 2.0 * 50.0;
+        assert_eq!(weights(true, false, false), fp8 + adapters);
+        let fp8_cached = 2.0 * 100.0 + 900.0 + 4.0 * 30.0 + 2.0 * 2.0 * 50.0;
+        assert_eq!(weights(true, true, false), fp8_cached + adapters);
+        assert_eq!(weights(true, true, true), weights(false, true, true));
     }
 
     fn cfg(json: &str) -> UnetConfig {

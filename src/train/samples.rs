@@ -184,6 +184,7 @@ pub(super) fn start(
         device: device.clone(),
         train_unet: false,
         train_text_encoders: false,
+        fp8_base: false,
         trained_dtype: candle_core::DType::F32,
     };
     let clip_skip = plan.objective.clip_skip_layers;

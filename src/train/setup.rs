@@ -24,7 +24,7 @@ use super::run_dir::RunDir;
 use super::samples;
 use super::trainer::{Extras, Model, Outputs, Position, RunOptions, Session};
 use super::validation::Validation;
-use crate::config::{CheckpointChoice, RunShape, TrainMode, TrainPlan};
+use crate::config::{BaseWeightDtype, CheckpointChoice, RunShape, TrainMode, TrainPlan};
 use crate::data::{load_data_root_limited, Bucket, LoadedDataset};
 use crate::diffusion::{NoiseSchedule, Objective, ObjectiveConfig};
 use crate::memory::{prepare_device, DeviceSettings};
@@ -436,8 +436,42 @@ fn load_model(
         train_unet: full,
         train_text_encoders: full && plan.train_text_encoder,
         trained_dtype: plan.precision.weight_dtype.dtype(),
+        fp8_base: plan.precision.base_weight_dtype == BaseWeightDtype::Fp8,
     };
-    Ok(StableDiffusion::load(layout.clone(), &load)?)
+    let mut sd = StableDiffusion::load(layout.clone(), &load)?;
+    if load.fp8_base {
+        describe_fp8_base(&mut sd, amp);
+    }
+    Ok(sd)
+}
+
+/// The fp8 base's layers and bytes, on stderr.
+fn describe_fp8_base(sd: &mut StableDiffusion, amp: Amp) {
+    use crate::nn::{LayerMut, VisitLayers};
+    let (mut layers, mut elements) = (0usize, 0usize);
+    let mut count = |l: LayerMut<'_>| {
+        let (w, s) = match l {
+            LayerMut::Linear(l) => (&l.weight, &l.weight_scale),
+            LayerMut::Conv2d(c) => (&c.weight, &c.weight_scale),
+        };
+        if s.is_some() {
+            layers += 1;
+            elements += w.elem_count();
+        }
+    };
+    sd.unet.visit_layers(&mut count);
+    for te in sd.text_encoders.iter_mut() {
+        te.model.visit_layers(&mut count);
+    }
+    let mib = |b: f64| b / (1u64 << 20) as f64;
+    eprintln!(
+        "frozen base fp8: {layers} layers in {:.1} MiB ({:.1} MiB in {}), dequantised to {} where \
+         used",
+        mib(elements as f64),
+        mib((elements * amp.compute_dtype().size_in_bytes()) as f64),
+        amp.compute_dtype().as_str(),
+        amp.compute_dtype().as_str()
+    );
 }
 
 fn check_resolution(sd: &StableDiffusion, resolution: usize) -> anyhow::Result<()> {

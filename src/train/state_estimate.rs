@@ -87,10 +87,16 @@ pub fn estimate(plan: &TrainPlan) -> anyhow::Result<ModelEstimate> {
             continue;
         }
         let tensors = shapes(files)?;
+        let layers = fp8_layers(&tensors);
+        census.largest_layer = census.largest_layer.max(layers.largest);
         if is_te {
             census.text_encoders += elements(&tensors);
+            census.text_encoder_layers += layers.elements;
+            census.text_encoder_layer_rows += layers.rows;
         } else {
             census.unet = elements(&tensors);
+            census.unet_layers = layers.elements;
+            census.unet_layer_rows = layers.rows;
         }
         let trained = if is_te {
             text_encoder_shapes(&tensors, plan)
@@ -133,6 +139,34 @@ pub fn estimate(plan: &TrainPlan) -> anyhow::Result<ModelEstimate> {
         census,
         layout,
     })
+}
+
+/// The Linear and Conv2d weights of a component (what an fp8 base stores in one byte each):
+/// their elements, their rows (one f32 scale each) and the largest one's elements.
+#[derive(Default)]
+struct LayerWeights {
+    elements: u64,
+    rows: u64,
+    largest: u64,
+}
+
+/// Rank-2 and rank-4 `*.weight` tensors, less the text encoders' embedding tables (looked up,
+/// not multiplied: they stay in the compute dtype).
+fn fp8_layers(tensors: &BTreeMap<String, Vec<usize>>) -> LayerWeights {
+    let mut out = LayerWeights::default();
+    for (name, shape) in tensors {
+        let layer = name.ends_with(".weight")
+            && matches!(shape.len(), 2 | 4)
+            && !name.contains("token_embedding")
+            && !name.contains("position_embedding");
+        if layer {
+            let n = shape.iter().product::<usize>() as u64;
+            out.elements += n;
+            out.rows += shape[0] as u64;
+            out.largest = out.largest.max(n);
+        }
+    }
+    out
 }
 
 fn elements(tensors: &BTreeMap<String, Vec<usize>>) -> u64 {

@@ -2,8 +2,9 @@
 //! which the text encoders leave the device.
 //!
 //! It applies only when nothing can change a caption's encoding during the run: no
-//! text-encoder parameter trains, captions are not shuffled (`shuffle_tags`) and none is dropped
-//! (`cond_dropout`). The plan decides whether it does, once
+//! text-encoder parameter trains and captions are not shuffled (`shuffle_tags`). A caption that
+//! `cond_dropout` drops becomes the empty one, which is cached too. The plan decides whether it
+//! does, once
 //! ([`crate::config::TextCacheDecision`]). The encodings (`[77, d]` per caption, and SDXL's pooled
 //! `[d]`) stay in host memory in the compute dtype.
 
