@@ -46,16 +46,17 @@ def print_vram(rows):
     """The vram_limit_gb rehearsal: plan vs measured peak, and the OOM retries."""
     print("\n### vram_limit_gb rehearsal: random SD1.5 LoRA cases, then the presets at their "
           "budgets (full-size random models), 4 steps each\n")
-    print("| case | status | plan peak | measured peak | plan vs measured | OOM retries | micro-batch at the end |")
-    print("|---|---|---|---|---|---|---|")
+    print("| case | status | plan peak | plan pool | measured pool peak | plan pool vs measured | OOM retries | micro-batch at the end |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         p, m = r.get("plan_gib"), r.get("measured_gib")
-        ratio = f"{(p / m - 1) * 100:+.1f}%" if p and m else "—"
+        pool = r.get("plan_pool_gib")
+        ratio = f"{(pool / m - 1) * 100:+.1f}%" if pool and m else "—"
         fmt = lambda v: f"{v:.2f} GiB" if isinstance(v, (int, float)) else "—"
         case = r.get("case")
         if r.get("budget_gib"):
             case = f"{case} (budget {r['budget_gib']:g} GiB)"
-        print(f"| {case} | {r.get('status')} | {fmt(p)} | {fmt(m)} | {ratio} "
+        print(f"| {case} | {r.get('status')} | {fmt(p)} | {fmt(pool)} | {fmt(m)} | {ratio} "
               f"| {r.get('oom_retries', '—')} | {r.get('micro_batch', '—')} |")
     for r in rows:
         for line in r.get("retry_lines", []):

@@ -61,8 +61,13 @@ fn an_fp8_base_moves_the_output_a_few_percent() {
         let want = prediction(&load(fixture, DType::F32, false), DType::F32);
         let bf16 = prediction(&load(fixture, DType::BF16, false), DType::BF16);
         let fp8 = prediction(&load(fixture, DType::BF16, true), DType::BF16);
+        let fp8_f32 = prediction(&load(fixture, DType::F32, true), DType::F32);
         let (e_bf16, e_fp8) = (common::rel_err(&bf16, &want), common::rel_err(&fp8, &want));
-        eprintln!("{fixture}: output vs f32 weights: bf16 {e_bf16:.4}, fp8 base {e_fp8:.4}");
+        let e_fp8_f32 = common::rel_err(&fp8_f32, &want);
+        eprintln!(
+            "{fixture}: output vs f32 weights: bf16 {e_bf16:.4}, fp8 base {e_fp8:.4} \
+             (computing in f32: {e_fp8_f32:.4})"
+        );
         assert!(
             e_fp8 < 0.15,
             "{fixture}: fp8 base moved the output by {e_fp8}"
