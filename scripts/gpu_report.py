@@ -123,7 +123,7 @@ def main(out):
     peer = {key(r): r for r in read_jsonl(os.path.join(out, "peer.jsonl"))}
     print(f"## gpu-check on {device}\n")
     default = [r for r in ours if r.get("pool_cache", True) and not r.get("event_tracking", False)
-               and r.get("fused_ops", True) and not r.get("variant")]
+               and r.get("fused_ops", True) and not r.get("variant") and not r.get("fp8_base")]
     print("| shape | precision | sdtrain step | diffusers step | time ratio | sdtrain peak | diffusers peak | memory ratio | sdtrain fwd/bwd/opt ms |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in default:
@@ -140,7 +140,19 @@ def main(out):
         print(f"| {shape} | {k[4]} | {cell(r, 'step_ms_median', '{:.0f} ms')} | {cell(p, 'step_ms_median', '{:.0f} ms')} "
               f"| {ratio_t} | {cell(r, 'peak_gib', '{:.2f} GiB')} | {cell(p, 'peak_alloc_gib', '{:.2f} GiB')} | {ratio_m} | {phases} |")
     print_targets(default, peer)
-    variants = [r for r in ours if r not in default]
+    fp8 = [r for r in ours if r.get("fp8_base")]
+    if fp8:
+        print("\nThe fp8 frozen base (`--fp8-base`) beside the same shape on a bf16 base:\n")
+        print("| shape | fp8 step | bf16-base step | fp8 peak | bf16-base peak |")
+        print("|---|---|---|---|---|")
+        base = {key(r): r for r in default}
+        for r in fp8:
+            k = key(r)
+            b = base.get(k)
+            shape = f"{k[0]} {k[1]} {k[2]}px b{k[3]} {k[4]}" + (" checkpointing" if k[5] else "")
+            print(f"| {shape} | {cell(r, 'step_ms_median', '{:.0f} ms')} | {cell(b, 'step_ms_median', '{:.0f} ms')} "
+                  f"| {cell(r, 'peak_gib', '{:.2f} GiB')} | {cell(b, 'peak_gib', '{:.2f} GiB')} |")
+    variants = [r for r in ours if r not in default and not r.get("fp8_base")]
     if variants:
         print("\nDevice settings and variants (sdtrain, sd15 LoRA 512 px b1 bf16; default: pool cache on, "
               "event tracking off, fused ops on):\n")
