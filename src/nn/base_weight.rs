@@ -41,17 +41,8 @@ impl BaseWeight {
         })
     }
 
-    /// The stored tensor (the codes for an fp8 weight) and the row scales, if any.
-    pub fn parts(&self) -> (&Tensor, Option<&Tensor>) {
-        (&self.stored, self.scale.as_ref())
-    }
-
     pub fn dims(&self) -> &[usize] {
         self.stored.dims()
-    }
-
-    pub fn is_fp8(&self) -> bool {
-        self.scale.is_some()
     }
 
     /// The weight in `dtype`, detached: dequantised for fp8, else the stored tensor (cast when

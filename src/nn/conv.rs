@@ -65,17 +65,6 @@ impl Conv2d {
         BaseWeight::of(&self.weight, self.weight_scale.as_ref())
     }
 
-    /// Stores the (frozen) weight as e4m3 codes with a scale per output channel.
-    pub fn quantize_fp8(&mut self) -> Result<()> {
-        if self.weight_scale.is_none() {
-            let (codes, scale) =
-                super::fp8::quantize(&self.weight, &format!("{}.weight", self.path))?;
-            self.weight = codes;
-            self.weight_scale = Some(scale);
-        }
-        Ok(())
-    }
-
     pub fn in_channels(&self) -> usize {
         self.weight.dims()[1]
     }
