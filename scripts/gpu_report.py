@@ -48,6 +48,8 @@ def print_vram(rows):
           "budgets (full-size random models), 4 steps each\n")
     print("| case | status | plan peak | plan pool | measured pool peak | plan pool vs measured | OOM retries | micro-batch at the end |")
     print("|---|---|---|---|---|---|---|---|")
+    decodes = [r for r in rows if str(r.get("case", "")).startswith("vae-decode")]
+    rows = [r for r in rows if r not in decodes]
     for r in rows:
         p, m = r.get("plan_gib"), r.get("measured_gib")
         pool = r.get("plan_pool_gib")
@@ -61,6 +63,19 @@ def print_vram(rows):
     for r in rows:
         for line in r.get("retry_lines", []):
             print(f"\n`{line}`")
+    if decodes:
+        print("\n### The VAE decode alone (bench_vae_decode, bf16): the plan takes 1,024 elements "
+              "per output pixel\n")
+        print("| image | status | decode peak above the weights | elements per pixel | vs the plan | median |")
+        print("|---|---|---|---|---|---|")
+        for r in decodes:
+            d = r.get("result") or {}
+            nu = d.get("nu")
+            vs = f"{(1024 / nu - 1) * 100:+.1f}%" if nu else "—"
+            mib = d.get("decode_peak_mib")
+            print(f"| {d.get('res', r.get('case'))} px | {r.get('status') or 'failed'} "
+                  f"| {f'{mib:.0f} MiB' if mib else '—'} | {f'{nu:.0f}' if nu else '—'} | {vs} "
+                  f"| {d.get('median_s', '—')} s |")
 
 
 def print_optimizers(rows):

@@ -107,3 +107,61 @@ fn the_full_size_stand_in_has_the_real_parameter_count() {
         "{text}"
     );
 }
+
+/// The plan of a run that samples against the CPU's measured peaks (docs/BENCHMARKS.md, "The
+/// sampling round in the plan"): full-size SD1.5 with random weights, LoRA rank 16 (text encoder
+/// adapter too), 256 px, f32, latent cache, one DDIM step per sample, peak `RssAnon` of the whole
+/// run sampled every 0.2 s. The plan's pool plus the CPU process's 0.15 GiB is within 5% of each:
+/// the decode held the batch-1 rounds, the UNet's guidance halves at batch 2 the others, and the
+/// step the run without samples. Catches the round left out, the decode's or the reloaded VAE's
+/// term dropped, and the UNet and decode summed instead of taken one after the other.
+#[test]
+fn the_sampling_round_plan_matches_the_cpu_peaks() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = common::full_size::full_size_model("sd15", &tmp.path().join("sd15"));
+    // (sample size, or none; micro-batch; measured peak RssAnon in GiB)
+    let rows: [(Option<usize>, usize, f64); 5] = [
+        (None, 1, 4.329),
+        (Some(512), 1, 5.105),
+        (Some(768), 1, 6.458),
+        (Some(512), 2, 5.685),
+        (Some(768), 2, 7.002),
+    ];
+    let mut off = Vec::new();
+    for (size, batch, measured) in rows {
+        let mut extra = serde_json::json!({
+            "model": model, "mode": "lora", "adapter": {"rank": 16, "alpha": 8},
+            "resolution": 256, "batch_size": batch, "amp": "off", "cache_latents": true,
+        });
+        if let Some(size) = size {
+            let prompts = tmp.path().join(format!("samples{size}.json"));
+            let file = serde_json::json!({
+                "cfgs": [7], "scheduler": "ddim", "num_inference_steps": 1,
+                "samples": [{"prompt": "a blue square", "size": [size, size]}],
+            });
+            std::fs::write(&prompts, file.to_string()).unwrap();
+            extra["sample_prompts"] = serde_json::json!(prompts);
+            extra["sample_steps"] = serde_json::json!(1);
+        }
+        let cfg =
+            common::cli::write_config(tmp.path(), "tiny-sd15", &common::cli::demo_data(), extra);
+        let out = common::cli::sdtrain(
+            &["--config", cfg.to_str().unwrap(), "--dry-run", "--cpu"],
+            tmp.path(),
+        );
+        let text = common::cli::text(&out);
+        assert!(out.status.success(), "{text}");
+        assert_eq!(text.contains("sampling round:"), size.is_some(), "{text}");
+        let planned = plan_figure(&text, "allocator pool peak ") + 0.15;
+        let err = planned / measured - 1.0;
+        eprintln!(
+            "samples {size:?} micro-batch {batch}: plan {planned:.2} GiB, measured {measured} GiB \
+             ({:+.1}%)",
+            err * 100.0
+        );
+        if err.abs() > 0.05 {
+            off.push(format!("{size:?} x{batch}: {err:+.3}\n{text}"));
+        }
+    }
+    assert!(off.is_empty(), "{}", off.join("\n"));
+}

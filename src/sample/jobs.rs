@@ -8,7 +8,7 @@ use rand::Rng;
 
 use super::generate::SampleRequest;
 use super::image_out::{self, file_part, WriteError};
-use super::prompts::{PromptText, SampleSet, SeedChoice, SizeChoice};
+use super::prompts::{PromptText, SamplePrompt, SampleSet, SeedChoice, SizeChoice};
 use super::sampler::SamplerKind;
 use crate::data::bucket::{aspect_buckets, nearest_bucket};
 
@@ -101,22 +101,8 @@ pub fn resolve(
                 captions[k].clone()
             }
         };
-        let (width, height) = match p.size {
-            SizeChoice::Default => (resolution, resolution),
-            SizeChoice::Exact(w, h) => (w, h),
-            SizeChoice::Aspect(r) => {
-                let buckets = aspect_buckets(resolution, align, None);
-                let b = nearest_bucket(&buckets, (r * 1e6) as usize, 1_000_000)
-                    .ok_or_else(|| format!("{}: no size for aspect_ratio {r}", where_()))?;
-                (b.width, b.height)
-            }
-        };
-        if width % align != 0 || height % align != 0 || width == 0 || height == 0 {
-            return Err(format!(
-                "{}: size {width}x{height} must be a positive multiple of {align} for this model",
-                where_()
-            ));
-        }
+        let (width, height) =
+            image_size(p, resolution, align).map_err(|e| format!("{}: {e}", where_()))?;
         jobs.push(PromptJob {
             index,
             prompt,
@@ -130,6 +116,53 @@ pub fn resolve(
         });
     }
     Ok(jobs)
+}
+
+/// The image size of prompt `p` against `resolution` (the file's own, else the run's) and the
+/// model's `align`ment.
+fn image_size(p: &SamplePrompt, resolution: usize, align: usize) -> Result<(usize, usize), String> {
+    let (width, height) = match p.size {
+        SizeChoice::Default => (resolution, resolution),
+        SizeChoice::Exact(w, h) => (w, h),
+        SizeChoice::Aspect(r) => {
+            let buckets = aspect_buckets(resolution, align, None);
+            let b = nearest_bucket(&buckets, (r * 1e6) as usize, 1_000_000)
+                .ok_or_else(|| format!("no size for aspect_ratio {r}"))?;
+            (b.width, b.height)
+        }
+    };
+    if width % align != 0 || height % align != 0 || width == 0 || height == 0 {
+        return Err(format!(
+            "size {width}x{height} must be a positive multiple of {align} for this model"
+        ));
+    }
+    Ok((width, height))
+}
+
+/// What a round of `set` draws at its largest, for the memory plan: the largest image's
+/// `(width, height)` by pixels, and whether any prompt guides (a scale above 1, which runs the
+/// UNet on a negative half too). `None` when no size resolves (the run refuses the file then).
+pub fn largest_image(
+    set: &SampleSet,
+    resolution: usize,
+    align: usize,
+) -> Option<((usize, usize), bool)> {
+    let resolution = set.resolution.unwrap_or(resolution);
+    let mut largest: Option<(usize, usize)> = None;
+    let mut guided = false;
+    for p in &set.prompts {
+        let (w, h) = image_size(p, resolution, align).ok()?;
+        if largest.is_none_or(|(lw, lh)| w * h > lw * lh) {
+            largest = Some((w, h));
+        }
+        guided |= p
+            .cfgs
+            .as_ref()
+            .unwrap_or(&set.cfgs)
+            .iter()
+            .any(|&c| c > 1.0);
+    }
+    largest.map(|size| (size, guided))
 }
 
 /// One prompt's images of a round, one per guidance scale.

@@ -17,11 +17,14 @@
 //!   on measured peaks of SD1.5 steps (docs/BENCHMARKS.md, "Memory plan"), per mode and
 //!   checkpointing; SDXL and other shapes are extrapolated through `width`;
 //! - workspace: the CUDA context, cuBLAS' workspace and the allocator's slack;
-//! - an EMA kept on the device (`ema_device: "cuda"`) is an f32 copy of the trained weights.
+//! - an EMA kept on the device (`ema_device: "cuda"`) is an f32 copy of the trained weights;
+//! - a sampling round (`sample_prompts`) has its own peak between steps
+//!   ([`super::sampling_memory`]); the run's peak is the larger of the step's and the round's.
 
 use std::fmt;
 
 use super::checkpoint_choice::CheckpointDecision;
+use super::sampling_memory::{decode_bytes, unet_bytes, RoundShape, SamplingRound};
 use crate::config::{TrainMode, TrainPlan};
 use crate::model::unet::{block_widths, CheckpointedBlocks, UnetConfig};
 use crate::precision::{Amp, WeightDtype};
@@ -87,6 +90,8 @@ pub struct MemoryPlan {
     pub rung: Option<String>,
     /// The blocks checkpointed (`gradient_checkpointing`), and why under `"auto"`.
     pub checkpointing: CheckpointDecision,
+    /// The sampling round's peak, when the run samples.
+    pub sampling: Option<SamplingRound>,
 }
 
 impl MemoryPlan {
@@ -94,10 +99,18 @@ impl MemoryPlan {
     /// workspace and the allocator's slack, outside the pool). The measure the peers publish
     /// (torch's `max_memory_allocated`) and `scripts/gpu-check` records.
     pub fn pool(&self) -> f64 {
-        self.total() - self.workspace
+        let step = self.step_total() - self.workspace;
+        self.sampling.as_ref().map_or(step, |r| step.max(r.pool()))
     }
 
+    /// The run's peak: the step's, or a sampling round's when that is larger.
     pub fn total(&self) -> f64 {
+        let step = self.step_total();
+        self.sampling.as_ref().map_or(step, |r| step.max(r.total()))
+    }
+
+    /// The training step's peak.
+    pub fn step_total(&self) -> f64 {
         self.weights
             + self.gradients
             + self.optimizer
@@ -119,6 +132,8 @@ pub fn plan_memory(
 ) -> MemoryPlan {
     let d = &plan.data;
     let widths = block_widths(cfg);
+    let ema_on_device =
+        matches!(plan.ema, Some(e) if e.device == crate::config::EmaDevice::Training);
     let base = RunTerms {
         full: plan.mode == TrainMode::Full,
         amp,
@@ -134,8 +149,12 @@ pub fn plan_memory(
         trained_te: plan.mode == TrainMode::Full && plan.train_text_encoder,
         te_cached: d.text_cache.is_on(),
         latents_cached: d.cache_latents != crate::config::CacheLatents::Off,
-        ema_on_device: matches!(plan.ema, Some(e) if e.device == crate::config::EmaDevice::Training),
+        ema_on_device,
         width: unet_width(cfg),
+        round: plan.samples.as_ref().and_then(|s| {
+            let align = 8 << cfg.num_downsamples();
+            RoundShape::of(s, resolution, align, plan.batch_size, ema_on_device)
+        }),
     };
     let with = |blocks: Option<&CheckpointedBlocks>| match blocks {
         None => base,
@@ -153,7 +172,7 @@ pub fn plan_memory(
         plan.precision.gradient_checkpointing,
         cfg,
         card.as_ref(),
-        |blocks| with(Some(blocks)).plan(census).total(),
+        |blocks| with(Some(blocks)).plan(census).step_total(),
     );
     let shape = with(decision.blocks.as_ref());
     let mut out = shape.plan(census);
@@ -171,7 +190,13 @@ pub fn plan_memory(
     out.checkpointing = decision;
     out.card = card.clone();
     if let Some((bytes, _)) = card {
-        if out.total() > bytes {
+        if out.step_total() <= bytes && out.total() > bytes {
+            out.rung = Some(
+                "draw samples at a smaller size (sample_prompts' size or resolution); a round \
+                 that runs out of memory is skipped with a warning"
+                    .to_string(),
+            );
+        } else if out.total() > bytes {
             let every_block = out
                 .checkpointing
                 .blocks
@@ -209,6 +234,8 @@ struct RunTerms {
     latents_cached: bool,
     ema_on_device: bool,
     width: f64,
+    /// The sampling round's shape, when the run samples.
+    round: Option<RoundShape>,
 }
 
 impl RunTerms {
@@ -239,10 +266,10 @@ impl RunTerms {
         } else {
             0.0
         };
-        let weights = self.frozen_bytes(census, compute, frozen_unet > 0, frozen_te > 0)
+        let resident_weights = self.frozen_bytes(census, compute, frozen_unet > 0, frozen_te > 0)
             + vae_bytes * vae as f64
-            + trained_bytes * trained
-            + amp_copies;
+            + trained_bytes * trained;
+        let weights = resident_weights + amp_copies;
         // While micro-batches accumulate, the sum and the new micro-batch's gradients coexist.
         let grad_buffers = if self.accumulating { 2.0 } else { 1.0 };
         // bf16/f16 weights: one tensor's f32 copy and f32 gradient during its update.
@@ -255,21 +282,44 @@ impl RunTerms {
         let kept = kappa(self.full, false) * (self.width - self.checkpointed_width)
             + kappa(self.full, true) * self.checkpointed_width;
         let activations = self.batch as f64 * self.latent_px * compute * kept;
+        let ema = if self.ema_on_device {
+            4.0 * trained
+        } else {
+            0.0
+        };
+        let sampling = self.round.map(|shape| {
+            let unet = unet_bytes(shape.unet_batch, shape.pixels(), compute, self.width);
+            let decode = decode_bytes(shape.pixels(), vae_bytes);
+            SamplingRound {
+                shape,
+                resident: resident_weights + census.state_bytes as f64 + ema,
+                vae: if self.latents_cached {
+                    vae_bytes * census.vae as f64
+                } else {
+                    0.0
+                },
+                ema_copy: if shape.ema_copy {
+                    trained_bytes * trained
+                } else {
+                    0.0
+                },
+                unet,
+                decode,
+                workspace: 0.6 * GIB + 0.05 * unet.max(decode),
+            }
+        });
         MemoryPlan {
             weights,
             gradients: self.gradients(census, trained_bytes, grad_buffers),
             optimizer: census.state_bytes as f64 + rounding_copy,
             activations,
             workspace: 0.6 * GIB + 0.05 * activations,
-            ema: if self.ema_on_device {
-                4.0 * trained
-            } else {
-                0.0
-            },
+            ema,
             assumptions: String::new(),
             card: None,
             rung: None,
             checkpointing: CheckpointDecision::default(),
+            sampling,
         }
     }
 }
@@ -359,6 +409,14 @@ impl fmt::Display for MemoryPlan {
         }
         if let Some(note) = &self.checkpointing.note {
             writeln!(f, "{:<15}gradient checkpointing {note}", "")?;
+        }
+        if let Some(round) = &self.sampling {
+            writeln!(
+                f,
+                "{:<15}sampling round: {}",
+                "",
+                round.describe(self.step_total())
+            )?;
         }
         let verdict = match &self.card {
             Some((bytes, source)) if self.total() <= *bytes => {
@@ -492,6 +550,7 @@ mod tests {
                 latents_cached: true,
                 ema_on_device: false,
                 width: unet_width(&cfg(cfg_json)),
+                round: None,
             };
             let p = terms.plan(&census);
             let pool = (p.total() - p.workspace) / GIB;
@@ -537,6 +596,7 @@ mod tests {
                 latents_cached: true,
                 ema_on_device: false,
                 width: 0.0,
+                round: None,
             }
             .plan(&census)
         };
@@ -590,6 +650,7 @@ mod tests {
                 latents_cached: true,
                 ema_on_device: false,
                 width: 0.0,
+                round: None,
             }
             .plan(&census)
             .weights
@@ -601,6 +662,74 @@ mod tests {
         let fp8_cached = 2.0 * 100.0 + 900.0 + 4.0 * 30.0 + 2.0 * 50.0;
         assert_eq!(weights(true, true, false), fp8_cached + adapters);
         assert_eq!(weights(true, true, true), weights(false, true, true));
+    }
+
+    /// A sampling round: what stays (weights without the step's AMP copies, the optimizer
+    /// state), the VAE again only when the latent cache released it, the trained weights' copy
+    /// beside the EMA's, the larger of UNet and decode; the run's peak is the larger of step and
+    /// round, and the checkpointing decision looks at the step alone. Catches the AMP copies
+    /// counted in the round, the VAE priced twice when it is held, and a round that never wins.
+    #[test]
+    fn a_sampling_round_prices_its_own_peak() {
+        let census = Census {
+            unet: 1000,
+            vae: 300,
+            trained: 100,
+            state_bytes: 800,
+            ..Census::default()
+        };
+        let round = |latents_cached: bool, ema_copy: bool, pixels: usize| {
+            RunTerms {
+                full: true,
+                amp: Amp::Bf16,
+                weights: WeightDtype::F32,
+                checkpointed_width: 0.0,
+                all_checkpointed: false,
+                fused: false,
+                fp8_base: false,
+                batch: 1,
+                latent_px: 0.0,
+                accumulating: false,
+                trained_te: false,
+                te_cached: true,
+                latents_cached,
+                ema_on_device: ema_copy,
+                width: 10.0,
+                round: Some(RoundShape {
+                    width: pixels,
+                    height: 1,
+                    unet_batch: 1,
+                    ema_copy,
+                }),
+            }
+            .plan(&census)
+        };
+        let p = round(true, false, 64);
+        let r = p.sampling.as_ref().unwrap();
+        // f32 masters (400) + the VAE held in bf16 but released by the cache; AMP copies (200)
+        // stay out of the round.
+        assert_eq!(p.weights, 4.0 * 100.0 + 2.0 * 100.0);
+        assert_eq!(r.resident, 400.0 + 800.0);
+        assert_eq!(r.vae, 2.0 * 300.0);
+        assert_eq!(r.decode, decode_bytes(64.0, 2.0));
+        assert_eq!(r.unet, unet_bytes(1, 64.0, 2.0, 10.0));
+        assert_eq!(r.ema_copy, 0.0);
+        let held = round(false, false, 64);
+        assert_eq!(held.sampling.as_ref().unwrap().vae, 0.0);
+        assert_eq!(held.weights, 600.0 + 2.0 * 300.0);
+        let ema = round(true, true, 64);
+        assert_eq!(ema.sampling.as_ref().unwrap().ema_copy, 400.0);
+        assert_eq!(ema.sampling.as_ref().unwrap().resident, 1200.0 + 400.0);
+        // A round at many pixels is the run's peak; the step's own total stays apart.
+        let big = round(true, false, 1 << 20);
+        let r = big.sampling.as_ref().unwrap();
+        assert!(r.total() > big.step_total());
+        assert_eq!(big.total(), r.total());
+        assert_eq!(big.pool(), r.total() - r.workspace);
+        assert_eq!(
+            p.total(),
+            p.step_total().max(p.sampling.as_ref().unwrap().total())
+        );
     }
 
     fn cfg(json: &str) -> UnetConfig {

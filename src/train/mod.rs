@@ -28,6 +28,7 @@ mod retry_tests;
 pub mod run_dir;
 mod sample_cursor;
 pub mod samples;
+pub mod sampling_memory;
 mod saving;
 mod setup;
 pub mod state_estimate;
