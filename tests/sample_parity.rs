@@ -1,6 +1,8 @@
 //! The samplers against diffusers (`tests/fixtures/sample_reference.py`):
-//! - each scheduler step (DDIM, Euler ancestral; several spacings, both prediction types, zero
-//!   terminal SNR) from the same latents, model outputs and noise;
+//! - each scheduler step (DDIM, Euler ancestral, DPM-Solver++ 2M and its SDE form with and without
+//!   Karras sigmas; several spacings, both prediction types, zero terminal SNR, solver orders 1–3,
+//!   midpoint and Heun, a final σ of zero or σ_min, λ clipping) from the same latents, model
+//!   outputs and noise;
 //! - whole pipelines on the tiny fixtures from the same initial latents and ancestral noise: the
 //!   latents after every step and the decoded image.
 
@@ -42,7 +44,7 @@ fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
 fn scheduler_steps_match_diffusers() {
     let (refs, meta) = reference();
     let cases = meta["schedulers"].as_array().unwrap();
-    assert_eq!(cases.len(), 8);
+    assert_eq!(cases.len(), 17);
     for case in cases {
         let name = case["name"].as_str().unwrap();
         let get = |k: &str| common::get(&refs, &format!("{name}.{k}"));
@@ -90,9 +92,12 @@ fn scheduler_steps_match_diffusers() {
                 "{name} step {i}: latents differ by {d} (scale {scale})"
             );
         }
-        if kind == SamplerKind::EulerAncestral {
-            assert_eq!(used, steps, "{name}: one noise draw per step");
-        }
+        let noisy = match kind {
+            SamplerKind::EulerAncestral => true,
+            SamplerKind::DpmSolver(v) => v.sde,
+            SamplerKind::Ddim => false,
+        };
+        assert_eq!(used, if noisy { steps } else { 0 }, "{name}: noise draws");
     }
 }
 
@@ -114,7 +119,7 @@ fn load(fixture: &str) -> StableDiffusion {
 fn pipelines_match_diffusers_step_by_step() {
     let (refs, meta) = reference();
     let cases = meta["pipelines"].as_array().unwrap();
-    assert_eq!(cases.len(), 6);
+    assert_eq!(cases.len(), 8);
     for case in cases {
         let name = case["name"].as_str().unwrap();
         let get = |k: &str| common::get(&refs, &format!("{name}.{k}"));
@@ -168,8 +173,11 @@ fn pipelines_match_diffusers_step_by_step() {
             .unwrap();
             assert_eq!(diffs.len(), req.steps, "{name}");
             for &(i, d) in &diffs {
+                // 1e-4, or a relative 1e-5 where the latents grow past 10 (DPM-Solver++ with
+                // Karras sigmas reaches 52 here; its x̂₀ divides the UNet's output by α ≈ 0.07).
+                let tolerance = 1e-4 * (magnitude(&want_steps[i]) / 10.0).max(1.0);
                 assert!(
-                    d < 1e-4,
+                    d < tolerance,
                     "{name} (halves batched: {batch_halves}) step {i}: latents differ by {d}"
                 );
             }

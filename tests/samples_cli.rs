@@ -183,7 +183,7 @@ fn a_bad_prompts_file_is_refused_up_front() {
         "{msg}"
     );
     let file = tmp.path().join("q.json");
-    std::fs::write(&file, r#"{"scheduler": "dpm++"}"#).unwrap();
+    std::fs::write(&file, r#"{"scheduler": "kdpm2"}"#).unwrap();
     let cfg = write_config(
         tmp.path(),
         "tiny-sd15",
@@ -194,7 +194,7 @@ fn a_bad_prompts_file_is_refused_up_front() {
     assert!(!out.status.success());
     let msg = text(&out);
     assert!(
-        msg.contains("q.json") && msg.contains("`scheduler` is \"dpm++\""),
+        msg.contains("q.json") && msg.contains("`scheduler` is \"kdpm2\", an EveryDream2 sampler"),
         "{msg}"
     );
 }
@@ -279,4 +279,48 @@ fn sample_command_draws_pngs_with_and_without_a_lora() {
         "{}",
         text(&out)
     );
+}
+
+/// EveryDream2's shipped sample_prompts.json names `"scheduler": "dpm++"` (DPM-Solver++ 2M): a run
+/// on SDXL draws with it, and `sdtrain sample` draws with the SDE Karras form.
+#[test]
+fn dpm_solver_samples_in_a_run_and_from_the_command() {
+    let tmp = tempfile::tempdir().unwrap();
+    let prompts = r#"{"scheduler": "dpm++", "cfgs": [7], "num_inference_steps": 4,
+        "samples": [{"prompt": "a cat"}]}"#;
+    let run = train(
+        tmp.path(),
+        "tiny-sdxl",
+        ("p.json", prompts),
+        serde_json::json!({"sample_steps": 2, "max_steps": 2}),
+    );
+    let got = names(&run.join("samples"));
+    assert!(
+        got.contains(&"gs00002-000-a_cat.png".to_string()),
+        "{got:?}"
+    );
+    let txt = std::fs::read_to_string(run.join("samples/gs00002-000-a_cat.txt")).unwrap();
+    assert!(txt.contains("dpm++_2m, 4 steps"), "{txt}");
+    let out = common::cli::sdtrain(
+        &[
+            "sample",
+            "--model",
+            common::fixture("tiny-sd15").to_str().unwrap(),
+            "--prompt",
+            "a cat",
+            "--steps",
+            "4",
+            "--width",
+            "64",
+            "--height",
+            "64",
+            "--sampler",
+            "dpm++_2m_sde_k",
+            "--out",
+            "d.png",
+        ],
+        tmp.path(),
+    );
+    assert!(out.status.success(), "{}", common::cli::text(&out));
+    assert!(tmp.path().join("d.png").is_file());
 }

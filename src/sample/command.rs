@@ -51,7 +51,7 @@ pub struct SampleArgs {
     /// Classifier-free guidance scale (≤ 1: none).
     #[arg(long, default_value_t = 7.0)]
     pub cfg: f64,
-    /// `ddim` or `euler_a`.
+    /// `ddim`, `euler_a`, `dpm++` (`dpm++_2m`), `dpm++_2m_k`, `dpm++_2m_sde` or `dpm++_2m_sde_k`.
     #[arg(long, default_value = "ddim", value_parser = parse_sampler)]
     pub sampler: SamplerKind,
     /// Width in pixels (default: the model's native resolution).
@@ -78,7 +78,7 @@ pub struct SampleArgs {
 }
 
 fn parse_sampler(s: &str) -> Result<SamplerKind, String> {
-    SamplerKind::parse(s).ok_or_else(|| format!("the samplers are {}", SamplerKind::NAMES))
+    SamplerKind::parse(s).ok_or_else(|| SamplerKind::unknown(s))
 }
 
 /// `--prediction-type`'s values.

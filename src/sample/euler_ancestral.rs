@@ -27,16 +27,7 @@ pub struct EulerAncestral {
 impl EulerAncestral {
     /// `steps` must be in `1..=num_train_timesteps` ([`super::SamplerKind::build`] checks).
     pub fn new(config: &SchedulerConfig, steps: usize) -> Self {
-        let mut alphas_cumprod = config.schedule.alphas_cumprod().to_vec();
-        if config.zero_terminal_snr {
-            if let Some(last) = alphas_cumprod.last_mut() {
-                *last = 2f64.powi(-24);
-            }
-        }
-        let train_sigmas: Vec<f64> = alphas_cumprod
-            .iter()
-            .map(|&a| f64::from((((1.0 - a) / a).sqrt()) as f32))
-            .collect();
+        let (_, train_sigmas) = train_sigmas(config);
         let spacing = config.spacing.unwrap_or(Spacing::Linspace);
         let timesteps: Vec<f64> = spacing
             .timesteps(train_sigmas.len(), steps, config.steps_offset, false)
@@ -67,8 +58,24 @@ impl EulerAncestral {
     }
 }
 
+/// The schedule's `ᾱ` as the σ-based samplers take it (the last set to 2⁻²⁴ under zero terminal
+/// SNR, so `σ` stays finite, as diffusers does) and `σ_t = √((1−ᾱ_t)/ᾱ_t)` rounded to f32.
+pub(super) fn train_sigmas(config: &SchedulerConfig) -> (Vec<f64>, Vec<f64>) {
+    let mut alphas_cumprod = config.schedule.alphas_cumprod().to_vec();
+    if config.zero_terminal_snr {
+        if let Some(last) = alphas_cumprod.last_mut() {
+            *last = 2f64.powi(-24);
+        }
+    }
+    let sigmas = alphas_cumprod
+        .iter()
+        .map(|&a| f64::from((((1.0 - a) / a).sqrt()) as f32))
+        .collect();
+    (alphas_cumprod, sigmas)
+}
+
 /// numpy's `interp(t, arange(len(ys)), ys)`: linear, clamped at the ends.
-fn interp(ys: &[f64], t: f64) -> f64 {
+pub(super) fn interp(ys: &[f64], t: f64) -> f64 {
     let last = ys.len() - 1;
     if t <= 0.0 {
         return ys[0];

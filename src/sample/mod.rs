@@ -1,8 +1,9 @@
-//! Image sampling: DDIM and Euler ancestral samplers with classifier-free guidance, the sample
+//! Image sampling: DDIM, Euler ancestral and DPM-Solver++ samplers with classifier-free guidance, the sample
 //! prompts file, and the PNGs a run or `sdtrain sample` writes.
 
 pub mod command;
 pub mod ddim;
+pub mod dpm_solver;
 pub mod euler_ancestral;
 pub mod generate;
 pub mod image_out;

@@ -381,14 +381,7 @@ impl<'a> Fields<'a> {
 
     fn sampler(&self, key: &str) -> Result<Option<SamplerKind>, PromptsError> {
         self.string(key)?
-            .map(|s| {
-                SamplerKind::parse(&s).ok_or_else(|| {
-                    self.bad(
-                        key,
-                        &format!("is \"{s}\"; the samplers are {}", SamplerKind::NAMES),
-                    )
-                })
-            })
+            .map(|s| SamplerKind::parse(&s).ok_or_else(|| self.bad(key, &SamplerKind::unknown(&s))))
             .transpose()
     }
 }
@@ -446,7 +439,10 @@ mod tests {
     fn json_errors_name_the_key() {
         for (text, needle) in [
             (r#"{"cfgs": 7}"#, "`cfgs` must be a list"),
-            (r#"{"scheduler": "dpm++"}"#, "`scheduler` is \"dpm++\""),
+            (
+                r#"{"scheduler": "lms"}"#,
+                "`scheduler` is \"lms\", an EveryDream2 sampler",
+            ),
             (
                 r#"{"samples": [{"promt": "x"}]}"#,
                 "`samples[0].promt` is not a sample setting",

@@ -3,6 +3,7 @@
 use candle_core::{Result, Tensor};
 
 use super::ddim::Ddim;
+use super::dpm_solver::{DpmSolver, DpmVariant};
 use super::euler_ancestral::EulerAncestral;
 use super::scheduler_config::SchedulerConfig;
 
@@ -36,16 +37,52 @@ pub enum SamplerKind {
     Ddim,
     /// `euler_a`: Euler ancestral.
     EulerAncestral,
+    /// `dpm++` / `dpm++_2m`, `dpm++_2m_k`, `dpm++_2m_sde`, `dpm++_2m_sde_k`: DPM-Solver++
+    /// multistep (`sde`: its stochastic form; `karras`: Karras sigmas).
+    DpmSolver(DpmVariant),
 }
 
+/// EveryDream2's sampler names that sdtrain does not draw with yet, and what to use instead.
+const NOT_YET: [&str; 9] = [
+    "pndm",
+    "ddpm",
+    "lms",
+    "euler",
+    "kdpm2",
+    "dpm++_2s",
+    "dpm++_2s_k",
+    "dpm++_sde",
+    "dpm++_sde_k",
+];
+
 impl SamplerKind {
-    pub const NAMES: &'static str = "\"ddim\" or \"euler_a\"";
+    pub const NAMES: &'static str = "\"ddim\", \"euler_a\", \"dpm++\" (\"dpm++_2m\"), \
+        \"dpm++_2m_k\", \"dpm++_2m_sde\" or \"dpm++_2m_sde_k\"";
 
     pub fn parse(name: &str) -> Option<Self> {
+        let dpm = |sde, karras| Some(Self::DpmSolver(DpmVariant { sde, karras }));
         match name.to_ascii_lowercase().as_str() {
             "ddim" => Some(Self::Ddim),
             "euler_a" | "euler_ancestral" | "euler-ancestral" => Some(Self::EulerAncestral),
+            "dpm++" | "dpm++_2m" | "dpmpp_2m" => dpm(false, false),
+            "dpm++_2m_k" | "dpmpp_2m_karras" => dpm(false, true),
+            "dpm++_2m_sde" | "dpmpp_2m_sde" => dpm(true, false),
+            "dpm++_2m_sde_k" | "dpmpp_2m_sde_karras" => dpm(true, true),
             _ => None,
+        }
+    }
+
+    /// Why `name` is not a sampler: an EveryDream2 name sdtrain does not draw with yet, or an
+    /// unknown one; both list the ones it has.
+    pub fn unknown(name: &str) -> String {
+        if NOT_YET.contains(&name.to_ascii_lowercase().as_str()) {
+            format!(
+                "is \"{name}\", an EveryDream2 sampler sdtrain does not draw with yet; the samplers \
+                 are {}",
+                Self::NAMES
+            )
+        } else {
+            format!("is \"{name}\"; the samplers are {}", Self::NAMES)
         }
     }
 
@@ -53,6 +90,12 @@ impl SamplerKind {
         match self {
             Self::Ddim => "ddim",
             Self::EulerAncestral => "euler_a",
+            Self::DpmSolver(DpmVariant { sde, karras }) => match (sde, karras) {
+                (false, false) => "dpm++_2m",
+                (false, true) => "dpm++_2m_k",
+                (true, false) => "dpm++_2m_sde",
+                (true, true) => "dpm++_2m_sde_k",
+            },
         }
     }
 
@@ -73,6 +116,7 @@ impl SamplerKind {
         Ok(match self {
             Self::Ddim => Box::new(Ddim::new(config, steps)),
             Self::EulerAncestral => Box::new(EulerAncestral::new(config, steps)),
+            Self::DpmSolver(v) => Box::new(DpmSolver::new(config, steps, v)),
         })
     }
 }

@@ -31,7 +31,7 @@ pub enum Spacing {
 }
 
 impl Spacing {
-    fn parse(s: &str) -> Option<Self> {
+    pub(crate) fn parse(s: &str) -> Option<Self> {
         match s {
             "linspace" => Some(Self::Linspace),
             "leading" => Some(Self::Leading),
@@ -81,7 +81,7 @@ impl Spacing {
 }
 
 /// numpy's `round` (half to even).
-fn round_half_even(x: f64) -> f64 {
+pub(crate) fn round_half_even(x: f64) -> f64 {
     let r = x.round();
     if (x - x.trunc()).abs() == 0.5 && r % 2.0 != 0.0 {
         r - x.signum()
@@ -102,6 +102,25 @@ pub struct SchedulerConfig {
     pub set_alpha_to_one: Option<bool>,
     pub clip_sample: Option<bool>,
     pub clip_sample_range: f64,
+    /// DPM-Solver's fields (diffusers' `DPMSolverMultistepScheduler`), when the file has them.
+    pub dpm: DpmFields,
+    /// `use_karras_sigmas`, which Euler reads from the file (DPM++ takes it from its name).
+    pub use_karras_sigmas: Option<bool>,
+}
+
+/// The `DPMSolverMultistepScheduler` fields of a scheduler config; `None` takes the class's
+/// default (order 2, midpoint, lower order final, no Euler at final, a final sigma of zero,
+/// no λ clipping).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct DpmFields {
+    pub solver_order: Option<usize>,
+    /// `solver_type`: `"heun"` (true) or `"midpoint"`.
+    pub heun: Option<bool>,
+    pub lower_order_final: Option<bool>,
+    pub euler_at_final: Option<bool>,
+    /// `final_sigmas_type`: `"sigma_min"` (true) or `"zero"`.
+    pub final_sigma_min: Option<bool>,
+    pub lambda_min_clipped: Option<f64>,
 }
 
 impl SchedulerConfig {
@@ -156,6 +175,50 @@ impl SchedulerConfig {
                 .filter(|x| x.is_finite() && *x > 0.0)
                 .ok_or_else(|| bad("clip_sample_range", "is not a positive number"))?,
         };
+        let choice =
+            |name: &'static str, yes: &str, no: &str| -> Result<Option<bool>, ScheduleError> {
+                field(name)
+                    .map(|v| match v.as_str() {
+                        Some(x) if x == yes => Ok(true),
+                        Some(x) if x == no => Ok(false),
+                        _ => Err(bad(name, &format!("is not \"{yes}\" or \"{no}\""))),
+                    })
+                    .transpose()
+            };
+        let dpm = DpmFields {
+            solver_order: field("solver_order")
+                .map(|v| {
+                    v.as_u64()
+                        .filter(|n| (1..=3).contains(n))
+                        .map(|n| n as usize)
+                        .ok_or_else(|| bad("solver_order", "is not 1, 2 or 3"))
+                })
+                .transpose()?,
+            heun: choice("solver_type", "heun", "midpoint")?,
+            lower_order_final: flag("lower_order_final")?,
+            euler_at_final: flag("euler_at_final")?,
+            final_sigma_min: choice("final_sigmas_type", "sigma_min", "zero")?,
+            lambda_min_clipped: field("lambda_min_clipped")
+                .map(|v| {
+                    v.as_f64()
+                        .filter(|x| !x.is_nan())
+                        .ok_or_else(|| bad("lambda_min_clipped", "is not a number"))
+                })
+                .transpose()?,
+        };
+        for (name, unsupported) in [
+            ("use_exponential_sigmas", "exponential sigmas"),
+            ("use_beta_sigmas", "beta sigmas"),
+            ("use_lu_lambdas", "uniform-λ steps"),
+            ("use_flow_sigmas", "flow-matching sigmas"),
+        ] {
+            if flag(name)? == Some(true) {
+                return Err(bad(
+                    name,
+                    &format!("is true; {unsupported} are not supported (Stable Diffusion's schedulers do not use them)"),
+                ));
+            }
+        }
         if flag("thresholding")? == Some(true) {
             return Err(bad(
                 "thresholding",
@@ -171,6 +234,8 @@ impl SchedulerConfig {
             set_alpha_to_one: flag("set_alpha_to_one")?,
             clip_sample: flag("clip_sample")?,
             clip_sample_range,
+            dpm,
+            use_karras_sigmas: flag("use_karras_sigmas")?,
         })
     }
 }
