@@ -537,20 +537,12 @@ mod tests {
             let terms = RunTerms {
                 full,
                 amp: if bf16 { Amp::Bf16 } else { Amp::Off },
-                weights: WeightDtype::F32,
                 checkpointed_width: if ck { unet_width(&cfg(cfg_json)) } else { 0.0 },
                 all_checkpointed: ck,
-                fused: false,
-                fp8_base: false,
                 batch,
                 latent_px: (res * res) as f64 / 64.0,
-                accumulating: false,
-                trained_te: false,
-                te_cached: true,
-                latents_cached: true,
-                ema_on_device: false,
                 width: unet_width(&cfg(cfg_json)),
-                round: None,
+                ..base_terms()
             };
             let p = terms.plan(&census);
             let pool = (p.total() - p.workspace) / GIB;
@@ -584,19 +576,8 @@ mod tests {
                 full,
                 amp,
                 weights,
-                checkpointed_width: 0.0,
-                all_checkpointed: false,
                 fused,
-                fp8_base: false,
-                batch: 1,
-                latent_px: 0.0,
-                accumulating: false,
-                trained_te: false,
-                te_cached: true,
-                latents_cached: true,
-                ema_on_device: false,
-                width: 0.0,
-                round: None,
+                ..base_terms()
             }
             .plan(&census)
         };
@@ -636,21 +617,9 @@ mod tests {
         let weights = |fp8_base: bool, te_cached: bool, full: bool| {
             RunTerms {
                 full,
-                amp: Amp::Bf16,
-                weights: WeightDtype::F32,
-                checkpointed_width: 0.0,
-                all_checkpointed: false,
-                fused: false,
                 fp8_base,
-                batch: 1,
-                latent_px: 0.0,
-                accumulating: false,
-                trained_te: false,
                 te_cached,
-                latents_cached: true,
-                ema_on_device: false,
-                width: 0.0,
-                round: None,
+                ..base_terms()
             }
             .plan(&census)
             .weights
@@ -681,17 +650,6 @@ mod tests {
         let round = |latents_cached: bool, ema_copy: bool, pixels: usize| {
             RunTerms {
                 full: true,
-                amp: Amp::Bf16,
-                weights: WeightDtype::F32,
-                checkpointed_width: 0.0,
-                all_checkpointed: false,
-                fused: false,
-                fp8_base: false,
-                batch: 1,
-                latent_px: 0.0,
-                accumulating: false,
-                trained_te: false,
-                te_cached: true,
                 latents_cached,
                 ema_on_device: ema_copy,
                 width: 10.0,
@@ -701,6 +659,7 @@ mod tests {
                     unet_batch: 1,
                     ema_copy,
                 }),
+                ..base_terms()
             }
             .plan(&census)
         };
@@ -730,6 +689,29 @@ mod tests {
             p.total(),
             p.step_total().max(p.sampling.as_ref().unwrap().total())
         );
+    }
+
+    /// Terms for the unit tests: a LoRA step under bf16 AMP with nothing cached but latents and
+    /// text, no checkpointing, no samples; each test sets what it varies.
+    fn base_terms() -> RunTerms {
+        RunTerms {
+            full: false,
+            amp: Amp::Bf16,
+            weights: WeightDtype::F32,
+            checkpointed_width: 0.0,
+            all_checkpointed: false,
+            fused: false,
+            fp8_base: false,
+            batch: 1,
+            latent_px: 0.0,
+            accumulating: false,
+            trained_te: false,
+            te_cached: true,
+            latents_cached: true,
+            ema_on_device: false,
+            width: 0.0,
+            round: None,
+        }
     }
 
     fn cfg(json: &str) -> UnetConfig {
