@@ -12,8 +12,10 @@ use serde::Deserialize;
 
 use sdtrain::optim::quant8::DynamicMap;
 use sdtrain::optim::{
-    Adafactor, AdafactorParams, AdamW, AdamW8bit, AdamWParams, GroupOptimizer, Lion, LionParams,
-    Optimizer, UpdateRule,
+    AdaCoor, AdaCoorParams, Adafactor, AdafactorParams, AdamW, AdamW8bit, AdamWParams,
+    CoordinateDowg, DAdaptAdam, DAdaptAdamParams, DAdaptAdan, DAdaptAdanParams, DAdaptLion,
+    DAdaptLionParams, DAdaptSgd, DAdaptSgdParams, DowgParams, GroupOptimizer, Lion, LionParams,
+    Optimizer, Prodigy, ProdigyParams, ScalarDowg, UpdateRule,
 };
 
 #[derive(Deserialize)]
@@ -172,7 +174,75 @@ fn every_rule_decayed(lr: f64) -> Vec<(&'static str, MakeRule)> {
         weight_decay: 0.1,
         ..LionParams::default()
     };
-    every_rule(adam, lion)
+    let mut rules = every_rule(adam, lion);
+    rules.extend(learning_rate_free());
+    rules
+}
+
+/// The step-size estimators and the learning-rate-free rules, with weight decay where they have
+/// it (their own parity tests are in tests/adaptive_optim_parity.rs).
+fn learning_rate_free() -> Vec<(&'static str, MakeRule)> {
+    vec![
+        (
+            "prodigy",
+            Box::new(|| {
+                let p = ProdigyParams {
+                    weight_decay: 0.1,
+                    use_bias_correction: true,
+                    ..ProdigyParams::default()
+                };
+                Box::new(Prodigy::rule(p).unwrap())
+            }),
+        ),
+        (
+            "dadapt_adam",
+            Box::new(|| {
+                let p = DAdaptAdamParams {
+                    weight_decay: 0.1,
+                    decouple: true,
+                    ..DAdaptAdamParams::default()
+                };
+                Box::new(DAdaptAdam::rule(p).unwrap())
+            }),
+        ),
+        (
+            "dadapt_adan",
+            Box::new(|| Box::new(DAdaptAdan::rule(DAdaptAdanParams::default()).unwrap())),
+        ),
+        (
+            "dadapt_lion",
+            Box::new(|| {
+                let p = DAdaptLionParams {
+                    weight_decay: 0.1,
+                    ..DAdaptLionParams::default()
+                };
+                Box::new(DAdaptLion::rule(p).unwrap())
+            }),
+        ),
+        (
+            "dadapt_sgd",
+            Box::new(|| {
+                let p = DAdaptSgdParams {
+                    momentum: 0.9,
+                    weight_decay: 0.1,
+                    ..DAdaptSgdParams::default()
+                };
+                Box::new(DAdaptSgd::rule(p).unwrap())
+            }),
+        ),
+        (
+            "coordinate_dowg",
+            Box::new(|| Box::new(CoordinateDowg::rule(DowgParams::default()).unwrap())),
+        ),
+        (
+            "scalar_dowg",
+            Box::new(|| Box::new(ScalarDowg::rule(DowgParams::default()).unwrap())),
+        ),
+        (
+            "adacoor",
+            Box::new(|| Box::new(AdaCoor::rule(AdaCoorParams { eps: 1e-8 }).unwrap())),
+        ),
+    ]
 }
 
 #[test]
@@ -378,8 +448,11 @@ fn bf16_parameters_update_in_f32_and_round_stochastically() {
             .with_stochastic_rounding(77)
             .unwrap();
         let mut without = GroupOptimizer::new(make(), vec![("w".into(), y.clone())], lr).unwrap();
-        with.update_one(&x, &g).unwrap();
-        without.update_one(&y, &g).unwrap();
+        let (mut gx, mut gy) = (GradStore::default(), GradStore::default());
+        gx.insert(x.as_tensor(), g.clone());
+        gy.insert(y.as_tensor(), g);
+        with.step(&gx).unwrap();
+        without.step(&gy).unwrap();
         let v = |v: &Var| v.flatten_all().unwrap().to_vec1::<f32>().unwrap();
         assert_eq!(v(&x), v(&y), "{name}: f32 parameter");
     }

@@ -164,6 +164,22 @@ fn a_killed_lora_run_resumes_exactly() {
     );
 }
 
+/// A step-size estimator's group scalars (Prodigy's `d`, its maximum, numerator and step count)
+/// are saved with the optimizer state and restored: catches an estimate restarted at `d0`.
+#[test]
+fn a_killed_prodigy_lora_run_resumes_exactly() {
+    let opt = tempfile::tempdir().unwrap();
+    let path = opt.path().join("optimizer.json");
+    let group = serde_json::json!({"optimizer": "prodigy", "lr": 1.0, "d0": 1e-4});
+    std::fs::write(&path, serde_json::json!({"base": group}).to_string()).unwrap();
+    check_resume(
+        "lora",
+        "-KILL",
+        serde_json::json!({"optimizer_config": path}),
+        &["sdtrain.safetensors"],
+    );
+}
+
 /// The EMA is saved into the save point and restored: the resumed run's EMA file equals the
 /// uninterrupted run's. Catches an EMA restarted from the resumed weights, or not saved.
 #[test]

@@ -504,6 +504,113 @@ fn every_optimizer_trains_from_optimizer_json_and_saves_its_state() {
     }
 }
 
+/// The learning-rate-free optimizers EveryDream2 offers train a LoRA from optimizer.json with
+/// EveryDream2's lr of 1, and their state file carries the group's estimate. A fused backward
+/// pass is refused for the two that need every gradient first.
+#[test]
+fn learning_rate_free_optimizers_train_and_keep_their_estimate() {
+    let estimators = ["prodigy", "dadapt_adam", "dadapt_lion", "dadapt_sgd"];
+    for name in [
+        "prodigy",
+        "dadapt_adam",
+        "dadapt_adan",
+        "dadapt_lion",
+        "dadapt_sgd",
+        "coordinate_dowg",
+        "scalar_dowg",
+        "adacoor",
+    ] {
+        let tmp = tempfile::tempdir().unwrap();
+        let opt = tmp.path().join("optimizer.json");
+        let mut group = serde_json::json!({"optimizer": name, "lr": 1.0, "d0": 1e-4});
+        if name == "dadapt_adan" {
+            group["betas"] = serde_json::json!([0.98, 0.92, 0.99]);
+        }
+        std::fs::write(&opt, serde_json::json!({"base": group}).to_string()).unwrap();
+        let extra = serde_json::json!({
+            "mode": "lora",
+            "optimizer_config": opt,
+            "save_optimizer": true,
+        });
+        let cfg = write_config(tmp.path(), "tiny-sd15", &demo_data(), extra);
+        let out = sdtrain(&["--config", cfg.to_str().unwrap(), "--cpu"], tmp.path());
+        assert!(out.status.success(), "{name}: {}", text(&out));
+        let run = run_folder(tmp.path());
+        let log = std::fs::read_to_string(run.join("train_log.jsonl")).unwrap();
+        assert!(log.lines().count() >= 2, "{name}: {log}");
+        for l in log.lines() {
+            let l: serde_json::Value = serde_json::from_str(l).unwrap();
+            assert!(l["loss"].as_f64().unwrap().is_finite(), "{name}: {l}");
+        }
+        let state = std::fs::read_dir(run.join("state-step-000002"))
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .find(|p| {
+                p.file_name()
+                    .unwrap()
+                    .to_string_lossy()
+                    .starts_with("optimizer-")
+            })
+            .unwrap();
+        let bytes = std::fs::read(&state).unwrap();
+        let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+        let md = meta.metadata().clone().unwrap_or_default();
+        assert_eq!(md["sdtrain.optimizer"], name);
+        if estimators.contains(&name) {
+            let estimate: serde_json::Value =
+                serde_json::from_str(&md[&format!("{name}.estimate")]).unwrap();
+            assert!(
+                estimate["d"].as_f64().unwrap() >= 1e-4,
+                "{name}: {estimate}"
+            );
+        }
+        if ["dadapt_sgd", "scalar_dowg"].contains(&name) {
+            let fused = write_config(
+                tmp.path(),
+                "tiny-sd15",
+                &demo_data(),
+                serde_json::json!({"mode": "full", "optimizer_config": opt,
+                                   "fused_backward_pass": true}),
+            );
+            let out = sdtrain(&["--config", fused.to_str().unwrap(), "--cpu"], tmp.path());
+            assert_eq!(out.status.code(), Some(2), "{name}: {}", text(&out));
+            let t = text(&out);
+            assert!(t.contains("fused_backward_pass") && t.contains(name), "{t}");
+        }
+    }
+}
+
+/// Pyramid noise from EveryDream2's key and from kohya's trains and changes the losses (same
+/// seed, same samples): catches a key read but never reaching the noise.
+#[test]
+fn pyramid_noise_trains_from_either_trainers_keys() {
+    let losses = |extra: serde_json::Value| -> Vec<f64> {
+        let tmp = tempfile::tempdir().unwrap();
+        let cfg = write_config(tmp.path(), "tiny-sd15", &demo_data(), extra);
+        let out = sdtrain(&["--config", cfg.to_str().unwrap(), "--cpu"], tmp.path());
+        assert!(out.status.success(), "{}", text(&out));
+        let log = std::fs::read_to_string(run_folder(tmp.path()).join("train_log.jsonl")).unwrap();
+        log.lines()
+            .map(|l| {
+                serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"]
+                    .as_f64()
+                    .unwrap()
+            })
+            .collect()
+    };
+    let lora = serde_json::json!({"mode": "lora"});
+    let plain = losses(lora.clone());
+    let mut ed2 = lora.clone();
+    ed2["pyramid_noise_discount"] = serde_json::json!(0.3);
+    let mut kohya = lora;
+    kohya["multires_noise_iterations"] = serde_json::json!(6);
+    for (name, got) in [("EveryDream2", losses(ed2)), ("kohya", losses(kohya))] {
+        assert_eq!(got.len(), plain.len(), "{name}");
+        assert!(got.iter().all(|l| l.is_finite()), "{name}: {got:?}");
+        assert_ne!(got, plain, "{name}: pyramid noise changed nothing");
+    }
+}
+
 /// Bad inputs a new user tries: each is reported once, early, with the right exit code.
 #[test]
 fn bad_inputs_are_reported_early_and_once() {

@@ -35,8 +35,8 @@ pub use model_plan::{ModelFilePlan, SaveFormat};
 pub use objective_plan::ObjectivePlan;
 pub use optimizer_file::{FreezingFile, GroupFile, OptimizerFile, DEFAULT_OPTIMIZER_JSON};
 pub use optimizer_plan::{
-    OptimizerKind, OptimizerPlan, ParamGroupPlan, ResolvedSchedule, ScheduleKind, ScheduleSpec,
-    StepCount,
+    EstimatorPlan, OptimizerKind, OptimizerPlan, ParamGroupPlan, ResolvedSchedule, ScheduleKind,
+    ScheduleSpec, StepCount, ADAN_BETA3_DEFAULT,
 };
 pub use overrides::{apply_all as apply_overrides, Override};
 pub use plan::{TrainMode, TrainPlan};

@@ -3,7 +3,8 @@
 //!
 //! ```json
 //! { "doc": …, "base": {optimizer, lr, lr_scheduler, lr_warmup_steps, lr_decay_steps, betas,
-//!   epsilon, weight_decay}, "text_encoder_overrides": {same keys}, "text_encoder_freezing":
+//!   epsilon, weight_decay, adafactor, d0, decouple, growth_rate, momentum, no_prox,
+//!   safeguard_warmup, use_bias_correction}, "text_encoder_overrides": {same keys}, "text_encoder_freezing":
 //!   {unfreeze_last_n_layers}, "apply_grad_scaler_step_tweaks": false }
 //! ```
 //!
@@ -69,6 +70,28 @@ pub struct GroupFile {
     /// Adafactor's own settings; ignored by the other optimizers.
     #[serde(default)]
     pub adafactor: Option<AdafactorFile>,
+    /// The step-size estimators' settings (EveryDream2 reads them from the same section): the
+    /// starting `d` of Prodigy and D-Adaptation.
+    #[serde(default)]
+    pub d0: Option<f64>,
+    /// Decoupled weight decay (prodigy, dadapt_adam).
+    #[serde(default)]
+    pub decouple: Option<bool>,
+    /// The most `d` may grow per step (prodigy, dadapt_adam, dadapt_adan, dadapt_sgd).
+    #[serde(default)]
+    pub growth_rate: Option<f64>,
+    /// dadapt_sgd's momentum.
+    #[serde(default)]
+    pub momentum: Option<f64>,
+    /// dadapt_adan's decay form.
+    #[serde(default)]
+    pub no_prox: Option<bool>,
+    /// prodigy's `safeguard_warmup`.
+    #[serde(default)]
+    pub safeguard_warmup: Option<bool>,
+    /// Adam's bias correction inside `d·lr` (prodigy, dadapt_adam).
+    #[serde(default)]
+    pub use_bias_correction: Option<bool>,
 }
 
 /// A group's `adafactor` object (transformers' `Adafactor` arguments; the lr is the group's).
@@ -95,21 +118,6 @@ pub struct FreezingFile {
     #[serde(default)]
     pub unfreeze_last_n_layers: Option<i64>,
 }
-
-const ADAPTIVE: &str = "it only configures EveryDream2's D-Adaptation/Prodigy optimizers, which \
-                        sdtrain does not have";
-
-/// Keys EveryDream2 reads from `base`/`text_encoder_overrides` (optimizer/optimizers.py) that
-/// sdtrain does not implement.
-const GROUP_UNSUPPORTED: &[Unsupported] = &[
-    un("d0", ADAPTIVE),
-    un("decouple", ADAPTIVE),
-    un("growth_rate", ADAPTIVE),
-    un("momentum", ADAPTIVE),
-    un("no_prox", ADAPTIVE),
-    un("safeguard_warmup", ADAPTIVE),
-    un("use_bias_correction", ADAPTIVE),
-];
 
 /// Keys EveryDream2 reads from `text_encoder_freezing` that sdtrain does not implement.
 const FREEZING_UNSUPPORTED: &[Unsupported] = &[
@@ -181,7 +189,7 @@ impl OptimizerFile {
             };
             let (known, unsupported) = match name {
                 "text_encoder_freezing" => (known_keys::<FreezingFile>(), FREEZING_UNSUPPORTED),
-                _ => (known_keys::<GroupFile>(), GROUP_UNSUPPORTED),
+                _ => (known_keys::<GroupFile>(), &[][..]),
             };
             section.check_unknown(sub, &known, unsupported, |_| None)?;
             entries.extend(section.take_unsupported(sub, unsupported));
@@ -298,11 +306,17 @@ mod tests {
 
     #[test]
     fn ed2_only_keys_error_unless_null() {
-        let err = parse(json!({"base": {"d0": 1e-6}})).unwrap_err();
-        assert!(
-            err.to_string().contains("`base.d0` is not supported yet"),
-            "{err}"
-        );
+        // The step-size estimators' keys are read, in both sections.
+        let file = parse(
+            json!({"base": {"optimizer": "dadapt_adam", "d0": 1e-6, "decouple": true,
+                 "growth_rate": 1.02, "momentum": 0.9, "no_prox": false,
+                 "safeguard_warmup": true, "use_bias_correction": true},
+            "text_encoder_overrides": {"d0": null}}),
+        )
+        .unwrap();
+        let base = file.base.unwrap();
+        assert_eq!((base.d0, base.growth_rate), (Some(1e-6), Some(1.02)));
+        assert_eq!(base.use_bias_correction, Some(true));
         let err =
             parse(json!({"text_encoder_freezing": {"freeze_embeddings": false}})).unwrap_err();
         assert!(

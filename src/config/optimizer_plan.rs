@@ -41,11 +41,13 @@ pub const AUTO_WARMUP_DIVISOR: u64 = 50;
 
 /// The optimizers sdtrain implements.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "lowercase")]
+#[serde(rename_all = "snake_case")]
 pub enum OptimizerKind {
     /// torch.optim.AdamW semantics (decoupled weight decay, bias correction, amsgrad off).
+    #[serde(rename = "adamw")]
     AdamW,
     /// bitsandbytes' AdamW8bit: blockwise 8-bit moments (EveryDream2's default).
+    #[serde(rename = "adamw8bit")]
     AdamW8bit,
     /// Lion with an f32 momentum (lucidrains' lion-pytorch, EveryDream2's `lion`).
     Lion,
@@ -53,6 +55,18 @@ pub enum OptimizerKind {
     Lion8bit,
     /// transformers' Adafactor with an external lr.
     Adafactor,
+    /// prodigyopt's Prodigy (lr is a multiplier of the estimated step, 1 by default).
+    Prodigy,
+    /// The dadaptation package's D-Adaptation Adam, Adan, Lion and SGD.
+    DadaptAdam,
+    DadaptAdan,
+    DadaptLion,
+    DadaptSgd,
+    /// The dowg package's coordinate-wise and scalar DoWG (no lr).
+    CoordinateDowg,
+    ScalarDowg,
+    /// EveryDream2's AdaCoor (no lr).
+    Adacoor,
 }
 
 impl OptimizerKind {
@@ -63,6 +77,45 @@ impl OptimizerKind {
             OptimizerKind::Lion => "lion",
             OptimizerKind::Lion8bit => "lion8bit",
             OptimizerKind::Adafactor => "adafactor",
+            OptimizerKind::Prodigy => "prodigy",
+            OptimizerKind::DadaptAdam => "dadapt_adam",
+            OptimizerKind::DadaptAdan => "dadapt_adan",
+            OptimizerKind::DadaptLion => "dadapt_lion",
+            OptimizerKind::DadaptSgd => "dadapt_sgd",
+            OptimizerKind::CoordinateDowg => "coordinate_dowg",
+            OptimizerKind::ScalarDowg => "scalar_dowg",
+            OptimizerKind::Adacoor => "adacoor",
+        }
+    }
+
+    /// Every optimizer, in the order the docs list them.
+    pub const ALL: [OptimizerKind; 13] = [
+        OptimizerKind::AdamW,
+        OptimizerKind::AdamW8bit,
+        OptimizerKind::Lion,
+        OptimizerKind::Lion8bit,
+        OptimizerKind::Adafactor,
+        OptimizerKind::Prodigy,
+        OptimizerKind::DadaptAdam,
+        OptimizerKind::DadaptAdan,
+        OptimizerKind::DadaptLion,
+        OptimizerKind::DadaptSgd,
+        OptimizerKind::CoordinateDowg,
+        OptimizerKind::ScalarDowg,
+        OptimizerKind::Adacoor,
+    ];
+
+    /// Why the optimizer cannot run inside a fused backward pass, if it cannot: its update
+    /// needs sums over every gradient of the step before it changes any parameter.
+    pub fn refuses_fused_backward(self) -> Option<&'static str> {
+        match self {
+            OptimizerKind::DadaptSgd => {
+                Some("its first step scales every update by the norm of all the gradients together")
+            }
+            OptimizerKind::ScalarDowg => {
+                Some("each update is divided by a sum over all the gradients of the step")
+            }
+            _ => None,
         }
     }
 
@@ -71,9 +124,8 @@ impl OptimizerKind {
     pub fn default_betas(self) -> (f64, f64) {
         match self {
             OptimizerKind::Lion | OptimizerKind::Lion8bit => (0.9, 0.99),
-            OptimizerKind::AdamW | OptimizerKind::AdamW8bit | OptimizerKind::Adafactor => {
-                BETAS_DEFAULT
-            }
+            OptimizerKind::DadaptAdan => (0.98, 0.92),
+            _ => BETAS_DEFAULT,
         }
     }
 }
@@ -109,18 +161,50 @@ impl Default for AdafactorPlan {
 }
 
 /// The names accepted in `optimizer`, for error messages.
-const OPTIMIZER_NAMES: &str = "adamw, adamw8bit, lion, lion8bit, adafactor";
-/// Optimizer names EveryDream2 accepts that sdtrain will not have.
-const ED2_ONLY_OPTIMIZERS: &[&str] = &[
-    "prodigy",
-    "dadapt_adam",
-    "dadapt_adan",
-    "dadapt_lion",
-    "dadapt_sgd",
-    "coordinate_dowg",
-    "scalar_dowg",
-    "adacoor",
-];
+const OPTIMIZER_NAMES: &str = "adamw, adamw8bit, lion, lion8bit, adafactor, prodigy, dadapt_adam, \
+     dadapt_adan, dadapt_lion, dadapt_sgd, coordinate_dowg, scalar_dowg, adacoor";
+
+/// D-Adaptation Adan's third beta when `betas` is not set (the dadaptation package's).
+pub const ADAN_BETA3_DEFAULT: f64 = 0.99;
+
+/// The step-size estimators' settings (Prodigy, D-Adaptation), read from the group's section
+/// as EveryDream2 reads them. Defaults are EveryDream2's `_create_optimizer` values.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct EstimatorPlan {
+    /// The starting estimate of the step (1e-6).
+    pub d0: f64,
+    /// Decoupled weight decay (true; prodigy and dadapt_adam).
+    pub decouple: bool,
+    /// The most `d` may grow per step (∞, written `null`).
+    pub growth_rate: f64,
+    /// dadapt_sgd's momentum (0).
+    pub momentum: f64,
+    /// dadapt_adan's decay form (false).
+    pub no_prox: bool,
+    /// prodigy's `safeguard_warmup` (true).
+    pub safeguard_warmup: bool,
+    /// Bias correction in `d·lr`: `None` is the optimizer's EveryDream2 default (true for
+    /// prodigy, which EveryDream2 passes; false for dadapt_adam, which it does not).
+    pub use_bias_correction: Option<bool>,
+    /// The third beta, when `betas` has three numbers (dadapt_adan's β3, prodigy's β3, which
+    /// defaults to √β2).
+    pub beta3: Option<f64>,
+}
+
+impl Default for EstimatorPlan {
+    fn default() -> Self {
+        Self {
+            d0: 1e-6,
+            decouple: true,
+            growth_rate: f64::INFINITY,
+            momentum: 0.0,
+            no_prox: false,
+            safeguard_warmup: true,
+            use_bias_correction: None,
+            beta3: None,
+        }
+    }
+}
 
 /// LR schedules (diffusers' `get_scheduler` names), each with a linear warmup from 0: the
 /// optimizer's own enum, so the plan and the schedule cannot drift apart.
@@ -208,6 +292,7 @@ pub struct ParamGroupPlan {
     pub weight_decay: f64,
     pub schedule: ScheduleSpec,
     pub adafactor: AdafactorPlan,
+    pub estimator: EstimatorPlan,
 }
 
 impl fmt::Display for ParamGroupPlan {
@@ -249,10 +334,17 @@ struct CheckedGroup {
     schedule: Option<ScheduleKind>,
     warmup: Option<StepCount>,
     decay: Option<StepCount>,
-    betas: Option<(f64, f64)>,
+    betas: Option<(f64, f64, Option<f64>)>,
     epsilon: Option<f64>,
     weight_decay: Option<f64>,
     adafactor: Option<AdafactorPlan>,
+    d0: Option<f64>,
+    decouple: Option<bool>,
+    growth_rate: Option<f64>,
+    momentum: Option<f64>,
+    no_prox: Option<bool>,
+    safeguard_warmup: Option<bool>,
+    use_bias_correction: Option<bool>,
 }
 
 impl OptimizerPlan {
@@ -274,26 +366,46 @@ impl OptimizerPlan {
         let no_parent = CheckedGroup::default();
         Ok(OptimizerPlan {
             source,
-            unet: merge(&base, &no_parent, train_lr),
-            text_encoder: merge(&text, &base, train_lr),
+            unet: merge(&base, &no_parent, train_lr, file, "base")?,
+            text_encoder: merge(&text, &base, train_lr, file, "text_encoder_overrides")?,
             grad_scaler_step_tweaks: config.apply_grad_scaler_step_tweaks.unwrap_or(false),
         })
     }
 }
 
-/// `own` over `parent` over the defaults; `train_lr` over everything.
-fn merge(own: &CheckedGroup, parent: &CheckedGroup, train_lr: Option<f64>) -> ParamGroupPlan {
+/// `own` over `parent` over the defaults; `train_lr` over everything. `section` names the
+/// group in errors about its betas.
+fn merge(
+    own: &CheckedGroup,
+    parent: &CheckedGroup,
+    train_lr: Option<f64>,
+    file: &Path,
+    section: &str,
+) -> Result<ParamGroupPlan, ConfigError> {
     let optimizer = own
         .optimizer
         .or(parent.optimizer)
         .unwrap_or(OptimizerKind::AdamW8bit);
-    ParamGroupPlan {
+    let (b1, b2, beta3) = merged_betas(optimizer, own.betas.or(parent.betas), file, section)?;
+    let pick = |a: Option<f64>, b: Option<f64>| a.or(b);
+    let flag = |a: Option<bool>, b: Option<bool>| a.or(b);
+    let d = EstimatorPlan::default();
+    let estimator = EstimatorPlan {
+        d0: pick(own.d0, parent.d0).unwrap_or(d.d0),
+        decouple: flag(own.decouple, parent.decouple).unwrap_or(d.decouple),
+        growth_rate: pick(own.growth_rate, parent.growth_rate).unwrap_or(d.growth_rate),
+        momentum: pick(own.momentum, parent.momentum).unwrap_or(d.momentum),
+        no_prox: flag(own.no_prox, parent.no_prox).unwrap_or(d.no_prox),
+        safeguard_warmup: flag(own.safeguard_warmup, parent.safeguard_warmup)
+            .unwrap_or(d.safeguard_warmup),
+        use_bias_correction: flag(own.use_bias_correction, parent.use_bias_correction),
+        beta3,
+    };
+    Ok(ParamGroupPlan {
         optimizer,
         lr: train_lr.or(own.lr).or(parent.lr).unwrap_or(LR_DEFAULT),
-        betas: own
-            .betas
-            .or(parent.betas)
-            .unwrap_or(optimizer.default_betas()),
+        betas: (b1, b2),
+        estimator,
         adafactor: own.adafactor.or(parent.adafactor).unwrap_or_default(),
         epsilon: own.epsilon.or(parent.epsilon).unwrap_or(EPSILON_DEFAULT),
         weight_decay: own
@@ -308,6 +420,44 @@ fn merge(own: &CheckedGroup, parent: &CheckedGroup, train_lr: Option<f64>) -> Pa
             warmup_steps: own.warmup.or(parent.warmup).unwrap_or(StepCount::Auto),
             decay_steps: own.decay.or(parent.decay).unwrap_or(StepCount::Auto),
         },
+    })
+}
+
+/// The group's betas for its optimizer: two numbers, or three for dadapt_adan (which needs a
+/// third: two written for it are refused) and prodigy (whose third defaults to √β2).
+fn merged_betas(
+    optimizer: OptimizerKind,
+    written: Option<(f64, f64, Option<f64>)>,
+    file: &Path,
+    section: &str,
+) -> Result<(f64, f64, Option<f64>), ConfigError> {
+    let field = format!("{section}.betas");
+    match (optimizer, written) {
+        (OptimizerKind::DadaptAdan, None) => {
+            let (b1, b2) = optimizer.default_betas();
+            Ok((b1, b2, Some(ADAN_BETA3_DEFAULT)))
+        }
+        (OptimizerKind::DadaptAdan, Some((_, _, None))) => Err(invalid(
+            file,
+            &field,
+            "has two numbers; dadapt_adan takes three [beta1, beta2, beta3] (its defaults are \
+             [0.98, 0.92, 0.99]; EveryDream2 passes two and so cannot build it)",
+        )),
+        (OptimizerKind::DadaptAdan | OptimizerKind::Prodigy, Some(b)) => Ok(b),
+        (_, Some((_, _, Some(_)))) => Err(invalid(
+            file,
+            &field,
+            &format!(
+                "has three numbers; {} takes two [beta1, beta2] (three are for dadapt_adan and \
+                 prodigy)",
+                optimizer.name()
+            ),
+        )),
+        (_, Some(b)) => Ok(b),
+        (_, None) => {
+            let (b1, b2) = optimizer.default_betas();
+            Ok((b1, b2, None))
+        }
     }
 }
 
@@ -371,6 +521,31 @@ fn check_group(g: &GroupFile, section: &str, file: &Path) -> Result<CheckedGroup
             .as_ref()
             .map(|a| check_adafactor(a, file, &field("adafactor")))
             .transpose()?,
+        d0: positive("d0", g.d0)?,
+        decouple: g.decouple,
+        growth_rate: match g.growth_rate {
+            Some(x) if x.is_nan() || x < 1.0 => {
+                return Err(invalid(
+                    file,
+                    &field("growth_rate"),
+                    &format!("must be 1 or more, or null for no bound (got {x})"),
+                ))
+            }
+            other => other,
+        },
+        momentum: match g.momentum {
+            Some(x) if !(0.0..1.0).contains(&x) => {
+                return Err(invalid(
+                    file,
+                    &field("momentum"),
+                    &format!("must be in [0, 1) (got {x})"),
+                ))
+            }
+            other => other,
+        },
+        no_prox: g.no_prox,
+        safeguard_warmup: g.safeguard_warmup,
+        use_bias_correction: g.use_bias_correction,
     })
 }
 
@@ -424,19 +599,26 @@ fn check_adafactor(
     })
 }
 
-fn check_betas(betas: &[f64], file: &Path, field: &str) -> Result<(f64, f64), ConfigError> {
+fn check_betas(
+    betas: &[f64],
+    file: &Path,
+    field: &str,
+) -> Result<(f64, f64, Option<f64>), ConfigError> {
+    let in_range = betas.iter().all(|b| (0.0..1.0).contains(b));
     match betas {
-        [b1, b2] if [b1, b2].iter().all(|b| (0.0..1.0).contains(*b)) => Ok((*b1, *b2)),
-        [_, _] => Err(invalid(
+        [b1, b2] if in_range => Ok((*b1, *b2, None)),
+        [b1, b2, b3] if in_range => Ok((*b1, *b2, Some(*b3))),
+        [_, _] | [_, _, _] => Err(invalid(
             file,
             field,
-            &format!("must be two numbers each in [0, 1) (got {betas:?})"),
+            &format!("must be numbers each in [0, 1) (got {betas:?})"),
         )),
         _ => Err(invalid(
             file,
             field,
             &format!(
-                "must be two numbers [beta1, beta2], e.g. [0.9, 0.999] (got {} numbers)",
+                "must be two numbers [beta1, beta2], e.g. [0.9, 0.999] (three for dadapt_adan \
+                 and prodigy; got {} numbers)",
                 betas.len()
             ),
         )),
@@ -445,21 +627,9 @@ fn check_betas(betas: &[f64], file: &Path, field: &str) -> Result<(f64, f64), Co
 
 fn parse_optimizer(name: &str, file: &Path, field: &str) -> Result<OptimizerKind, ConfigError> {
     let lower = name.to_ascii_lowercase();
-    match lower.as_str() {
-        "adamw" => Ok(OptimizerKind::AdamW),
-        "adamw8bit" => Ok(OptimizerKind::AdamW8bit),
-        "lion" => Ok(OptimizerKind::Lion),
-        "lion8bit" => Ok(OptimizerKind::Lion8bit),
-        "adafactor" => Ok(OptimizerKind::Adafactor),
-        other if ED2_ONLY_OPTIMIZERS.contains(&other) => Err(invalid(
-            file,
-            field,
-            &format!(
-                "is \"{name}\": unknown optimizer (an EveryDream2 optimizer sdtrain does not \
-                 have); valid names: {OPTIMIZER_NAMES}"
-            ),
-        )),
-        _ => Err(invalid(
+    match OptimizerKind::ALL.iter().find(|k| k.name() == lower) {
+        Some(k) => Ok(*k),
+        None => Err(invalid(
             file,
             field,
             &format!(
@@ -616,8 +786,57 @@ mod tests {
             msg.contains("unknown optimizer; valid names: adamw, adamw8bit, lion, lion8bit"),
             "{msg}"
         );
-        let err = plan(json!({"base": {"optimizer": "prodigy"}}), None).unwrap_err();
-        assert!(err.to_string().contains("EveryDream2 optimizer"), "{err}");
+        // Every EveryDream2 optimizer name is one, with its estimator settings inherited.
+        for kind in OptimizerKind::ALL {
+            let p = plan(json!({"base": {"optimizer": kind.name()}}), None).unwrap();
+            assert_eq!((p.unet.optimizer, p.text_encoder.optimizer), (kind, kind));
+        }
+        let p = plan(
+            json!({"base": {"optimizer": "dadapt_adam", "d0": 1e-5, "growth_rate": 1.02,
+                   "decouple": false, "use_bias_correction": true},
+                   "text_encoder_overrides": {"d0": 1e-4}}),
+            None,
+        )
+        .unwrap();
+        assert_eq!(
+            (p.unet.estimator.d0, p.text_encoder.estimator.d0),
+            (1e-5, 1e-4)
+        );
+        assert_eq!(p.text_encoder.estimator.growth_rate, 1.02);
+        assert!(!p.text_encoder.estimator.decouple);
+        assert_eq!(p.unet.estimator.use_bias_correction, Some(true));
+        // EveryDream2's defaults: decoupled, safeguard warmup, unbounded growth.
+        let d = plan(json!({"base": {"optimizer": "prodigy"}}), None).unwrap();
+        assert!(d.unet.estimator.decouple && d.unet.estimator.safeguard_warmup);
+        assert_eq!(d.unet.estimator.growth_rate, f64::INFINITY);
+        // dadapt_adan takes three betas: its defaults, or three written; two are refused.
+        let adan = plan(json!({"base": {"optimizer": "dadapt_adan"}}), None).unwrap();
+        assert_eq!(adan.unet.betas, (0.98, 0.92));
+        assert_eq!(adan.unet.estimator.beta3, Some(0.99));
+        let err = plan(
+            json!({"base": {"optimizer": "dadapt_adan", "betas": [0.9, 0.999]}}),
+            None,
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("takes three"), "{err}");
+        let err = plan(
+            json!({"base": {"optimizer": "adamw", "betas": [0.9, 0.99, 0.9]}}),
+            None,
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("takes two"), "{err}");
+        for (key, value) in [
+            ("d0", json!(0.0)),
+            ("growth_rate", json!(0.5)),
+            ("momentum", json!(1.0)),
+        ] {
+            let err = plan(
+                json!({"base": {"optimizer": "dadapt_sgd", key: value}}),
+                None,
+            )
+            .unwrap_err();
+            assert!(err.to_string().contains(&format!("base.{key}")), "{err}");
+        }
     }
 
     #[test]

@@ -179,6 +179,8 @@ impl TrainPlan {
         let ema = super::ema_plan::resolve_ema(&file, train_path)?;
         let saves = resolve_saves(&file, &ctx)?;
         let input = |field: &str, p: &str| ctx.input_path(field, p);
+        let precision = super::precision_plan::resolve_precision(&file, mode, train_path)?;
+        check_fused_optimizers(&optimizer, precision.fused_backward_pass, train_path)?;
         Ok(TrainPlan {
             train_config: train_path.to_path_buf(),
             overrides: overrides.to_vec(),
@@ -223,7 +225,7 @@ impl TrainPlan {
                 file.clip_grad_norm,
                 "greater than 0, or null for no clipping",
             )?,
-            precision: super::precision_plan::resolve_precision(&file, mode, train_path)?,
+            precision,
             ema,
             samples: super::sample_plan::resolve_samples(&file, train_path, ema.is_some(), input)?,
             model_file: super::model_plan::resolve_model_file(&file, train_path, mode, input)?,
@@ -246,6 +248,38 @@ impl TrainPlan {
             _ => run_dir.to_path_buf(),
         }
     }
+}
+
+/// `fused_backward_pass` with an optimizer that must see every gradient of the step before it
+/// updates any parameter is refused, naming the group and why.
+fn check_fused_optimizers(
+    optimizer: &OptimizerPlan,
+    fused: bool,
+    train_path: &Path,
+) -> Result<(), ConfigError> {
+    if !fused {
+        return Ok(());
+    }
+    let groups = [
+        ("base", optimizer.unet.optimizer),
+        ("text_encoder_overrides", optimizer.text_encoder.optimizer),
+    ];
+    for (section, kind) in groups {
+        if let Some(why) = kind.refuses_fused_backward() {
+            return Err(ConfigError::Invalid {
+                file: train_path.to_path_buf(),
+                field: "fused_backward_pass".to_string(),
+                message: format!(
+                    "is true with optimizer \"{}\" ({section} in the optimizer config): {why}, \
+                     and a fused backward pass updates each parameter as soon as its own \
+                     gradient is complete; choose another optimizer or turn \
+                     fused_backward_pass off",
+                    kind.name()
+                ),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// `max_epochs` and `max_steps`: at least one is set (EveryDream2's 300 epochs when neither is).
@@ -548,6 +582,7 @@ mod tests {
         );
         assert_eq!(p.objective.min_snr_gamma, Some(5.0));
         assert_eq!(p.objective.zero_frequency_noise_ratio, 0.1);
+        assert_eq!(p.objective.pyramid_noise, None);
         assert_eq!(
             (p.objective.timestep_start, p.objective.timestep_end),
             (100, 900)
@@ -557,6 +592,43 @@ mod tests {
         assert!(!p.tensorboard);
         assert!(p.save_optimizer);
         assert!(p.output_dir.ends_with("out"));
+    }
+
+    /// EveryDream2's key gives its form (10 levels); kohya's keys give theirs, with kohya's
+    /// recommended discount when only the iterations are set; 0 is off.
+    #[test]
+    fn pyramid_noise_from_either_trainers_keys() {
+        use crate::diffusion::{PyramidNoise, PyramidStyle};
+        let fx = Fixture::new();
+        let ed2 = fx
+            .plan(json!({"pyramid_noise_discount": 0.03}), &[])
+            .unwrap();
+        assert_eq!(
+            ed2.objective.pyramid_noise,
+            Some(PyramidNoise {
+                style: PyramidStyle::EveryDream2,
+                discount: 0.03,
+                iterations: 10
+            })
+        );
+        let kohya = fx
+            .plan(json!({"multires_noise_iterations": 6}), &[])
+            .unwrap();
+        assert_eq!(
+            kohya.objective.pyramid_noise,
+            Some(PyramidNoise {
+                style: PyramidStyle::Kohya,
+                discount: 0.3,
+                iterations: 6
+            })
+        );
+        let off = fx
+            .plan(
+                json!({"pyramid_noise_discount": 0, "multires_noise_iterations": 0}),
+                &[],
+            )
+            .unwrap();
+        assert_eq!(off.objective.pyramid_noise, None);
     }
 
     #[test]
@@ -707,6 +779,22 @@ mod tests {
                 "zero_frequency_noise_ratio",
             ),
             (json!({"min_snr_gamma": 0}), "min_snr_gamma"),
+            (
+                json!({"pyramid_noise_discount": 1.5}),
+                "pyramid_noise_discount",
+            ),
+            (
+                json!({"multires_noise_iterations": -1}),
+                "multires_noise_iterations",
+            ),
+            (
+                json!({"multires_noise_iterations": 6, "multires_noise_discount": 0}),
+                "multires_noise_discount",
+            ),
+            (
+                json!({"multires_noise_iterations": 6, "pyramid_noise_discount": 0.03}),
+                "multires_noise_iterations",
+            ),
             (json!({"timestep_start": -1}), "timestep_start"),
             (json!({"timestep_end": 1001}), "timestep_end"),
             (

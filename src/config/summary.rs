@@ -126,6 +126,16 @@ impl TrainPlan {
         if o.zero_terminal_snr {
             snr.push_str(", zero terminal SNR");
         }
+        if let Some(p) = &o.pyramid_noise {
+            let style = match p.style {
+                crate::diffusion::PyramidStyle::EveryDream2 => "EveryDream2",
+                crate::diffusion::PyramidStyle::Kohya => "kohya",
+            };
+            snr.push_str(&format!(
+                ", pyramid noise ({style}: discount {}, up to {} levels)",
+                p.discount, p.iterations
+            ));
+        }
         row(
             f,
             "objective",

@@ -144,6 +144,15 @@ pub struct TrainFile {
     pub min_snr_gamma: Option<f64>,
     #[serde(default)]
     pub zero_frequency_noise_ratio: Option<f64>,
+    /// EveryDream2's pyramid noise: its discount per level (0 or null is off).
+    #[serde(default)]
+    pub pyramid_noise_discount: Option<f64>,
+    /// kohya's multi-resolution noise: its number of levels (0 or null is off) …
+    #[serde(default)]
+    pub multires_noise_iterations: Option<i64>,
+    /// … and its discount per level (kohya's recommended 0.3 when not set).
+    #[serde(default)]
+    pub multires_noise_discount: Option<f64>,
     #[serde(default)]
     pub timestep_start: Option<i64>,
     #[serde(default)]
@@ -275,11 +284,6 @@ pub(crate) const UNSUPPORTED: &[Unsupported] = &[
         "notebook mode is not implemented",
     ),
     un("plugins", Accepts::Null, "plugins are not implemented"),
-    un(
-        "pyramid_noise_discount",
-        Accepts::NullOrZero,
-        "pyramid noise is not implemented",
-    ),
     un(
         "rated_dataset",
         Accepts::NullOrFalse,

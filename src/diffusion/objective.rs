@@ -24,6 +24,7 @@ use rand::Rng;
 use rand_distr::StandardNormal;
 
 use super::noise_schedule::{NoiseSchedule, ScheduleError};
+use super::pyramid_noise::{PyramidNoise, PyramidStyle};
 use crate::model::family::PredictionType;
 
 #[derive(Debug, thiserror::Error)]
@@ -81,17 +82,50 @@ pub fn sample_noise<R: Rng + ?Sized>(
     dtype: DType,
     device: &Device,
 ) -> Result<Tensor, ObjectiveError> {
+    sample_noise_with(rng, dims, zero_frequency_noise_ratio, None, dtype, device)
+}
+
+/// [`sample_noise`] with pyramid noise: EveryDream2's is added before the offset, kohya's after
+/// it (each trainer's order), each sample's pyramid drawn after its offset.
+pub fn sample_noise_with<R: Rng + ?Sized>(
+    rng: &mut R,
+    dims: (usize, usize, usize, usize),
+    zero_frequency_noise_ratio: f64,
+    pyramid: Option<&PyramidNoise>,
+    dtype: DType,
+    device: &Device,
+) -> Result<Tensor, ObjectiveError> {
     check_noise_ratio(zero_frequency_noise_ratio)?;
     let (b, c, h, w) = dims;
     let mut data: Vec<f32> = (0..b * c * h * w)
         .map(|_| rng.sample::<f32, _>(StandardNormal))
         .collect();
-    if zero_frequency_noise_ratio > 0.0 && h * w > 0 {
+    let offsets: Vec<f32> = if zero_frequency_noise_ratio > 0.0 && h * w > 0 {
         let ratio = zero_frequency_noise_ratio as f32;
-        for plane in data.chunks_mut(h * w) {
-            let offset = ratio * rng.sample::<f32, _>(StandardNormal);
+        (0..b * c)
+            .map(|_| ratio * rng.sample::<f32, _>(StandardNormal))
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let add_offsets = |data: &mut [f32]| {
+        for (plane, offset) in data.chunks_mut(h * w).zip(&offsets) {
             plane.iter_mut().for_each(|x| *x += offset);
         }
+    };
+    match pyramid {
+        Some(p) if c * h * w > 0 => {
+            if p.style == PyramidStyle::Kohya {
+                add_offsets(&mut data);
+            }
+            for sample in data.chunks_mut(c * h * w) {
+                p.apply(sample, c, h, w, rng);
+            }
+            if p.style == PyramidStyle::EveryDream2 {
+                add_offsets(&mut data);
+            }
+        }
+        _ => add_offsets(&mut data),
     }
     Ok(Tensor::from_vec(data, (b, c, h, w), device)?.to_dtype(dtype)?)
 }
@@ -166,6 +200,8 @@ pub struct ObjectiveConfig {
     pub timestep_end: u32,
     pub zero_frequency_noise_ratio: f64,
     pub min_snr_gamma: Option<f64>,
+    /// Pyramid (multi-resolution) noise added to each sample's noise.
+    pub pyramid: Option<PyramidNoise>,
 }
 
 impl ObjectiveConfig {
@@ -176,6 +212,7 @@ impl ObjectiveConfig {
             timestep_end: num_train_timesteps as u32,
             zero_frequency_noise_ratio: 0.0,
             min_snr_gamma: None,
+            pyramid: None,
         }
     }
 }
@@ -246,10 +283,11 @@ impl Objective {
         x0: &Tensor,
     ) -> Result<NoisedBatch, ObjectiveError> {
         let dims = x0.dims4()?;
-        let noise = sample_noise(
+        let noise = sample_noise_with(
             rng,
             dims,
             self.config.zero_frequency_noise_ratio,
+            self.config.pyramid.as_ref(),
             x0.dtype(),
             x0.device(),
         )?;
@@ -280,10 +318,11 @@ impl Objective {
         let mut noise = Vec::with_capacity(b);
         let mut timesteps = Vec::with_capacity(b);
         for rng in rngs.iter_mut() {
-            noise.push(sample_noise(
+            noise.push(sample_noise_with(
                 rng,
                 (1, c, h, w),
                 self.config.zero_frequency_noise_ratio,
+                self.config.pyramid.as_ref(),
                 x0.dtype(),
                 x0.device(),
             )?);

@@ -9,7 +9,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
 
 use super::grad::summarize;
-use super::rule::{ParamState, UpdateRule};
+use super::rule::{ParamState, Shares, StepEstimate, StepScalars, UpdateRule};
 use super::state::{self, StateReader, OPTIMIZER_KEY, VERSION_KEY};
 use super::stochastic_round;
 use super::{Finite, OptimError, Optimizer, Result, StepStats};
@@ -62,6 +62,26 @@ pub struct GroupOptimizer {
     /// The run seed bf16/f16 parameters are rounded stochastically with; `None` rounds them to
     /// nearest inside the rule.
     stochastic: Option<u64>,
+    /// A two-pass rule's group-wide estimator ([`StepEstimate`]).
+    estimate: Option<Box<dyn StepEstimate>>,
+    /// The two-pass step under way.
+    open: Option<OpenStep>,
+}
+
+/// A two-pass step between its begin and its last update.
+#[derive(Debug, Clone, Copy)]
+struct OpenStep {
+    /// The first pass's scalars, and the second's once the first pass ended.
+    first: StepScalars,
+    second: Option<StepScalars>,
+    shares: Shares,
+}
+
+/// Which pass of a step: every rule has the first; two-pass rules ([`StepEstimate`]) the second.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pass {
+    First,
+    Second,
 }
 
 impl std::fmt::Debug for GroupOptimizer {
@@ -91,11 +111,14 @@ impl GroupOptimizer {
                 step: 0,
             });
         }
+        let estimate = rule.estimate();
         Ok(Self {
             rule,
             slots,
             lr,
             stochastic: None,
+            estimate,
+            open: None,
         })
     }
 
@@ -182,6 +205,177 @@ impl GroupOptimizer {
         self.apply_one(i, grad)
     }
 
+    /// The passes a step takes over the parameters: one, or two for a rule with a
+    /// [`StepEstimate`].
+    pub fn passes(&self) -> &'static [Pass] {
+        match self.estimate {
+            Some(_) => &[Pass::First, Pass::Second],
+            None => &[Pass::First],
+        }
+    }
+
+    /// Begins a step over `pending` (from [`GroupOptimizer::pending`]): a two-pass rule's
+    /// scalars for the first pass. Nothing for the others.
+    pub fn begin_step(&mut self, pending: &[(usize, &Tensor)]) -> Result<()> {
+        let lr = self.lr;
+        let Some(estimate) = self.estimate.as_mut() else {
+            return Ok(());
+        };
+        let grad_sq = if estimate.needs_grad_sq() {
+            let mut sq = 0f64;
+            for &(_, g) in pending {
+                let s = g
+                    .to_dtype(DType::F32)?
+                    .sqr()?
+                    .sum_all()?
+                    .to_scalar::<f32>()?;
+                sq += f64::from(s);
+            }
+            Some(sq)
+        } else {
+            None
+        };
+        self.open = Some(OpenStep {
+            first: estimate.begin(lr, grad_sq),
+            second: None,
+            shares: [0.0; 3],
+        });
+        Ok(())
+    }
+
+    /// Starts `pass` of the step begun by [`GroupOptimizer::begin_step`]. The second pass
+    /// starts with the estimator's new scalars; `false` means the step ends before it (the
+    /// reference's early return).
+    pub fn start_pass(&mut self, pass: Pass) -> Result<bool> {
+        if pass == Pass::First {
+            return Ok(true);
+        }
+        let (Some(estimate), Some(open)) = (self.estimate.as_mut(), self.open.as_mut()) else {
+            return Err(OptimError::Pass("a second pass without a first"));
+        };
+        open.second = estimate.finish(&open.shares);
+        if open.second.is_none() {
+            self.open = None;
+            return Ok(false);
+        }
+        Ok(true)
+    }
+
+    /// The parameter in `slot` (from [`GroupOptimizer::pending`]) in `pass`, from its gradient,
+    /// which the caller checked finite with [`super::StepCheck::fetch`]. A rule without an
+    /// estimator is updated in its first pass.
+    pub fn apply_pass(
+        &mut self,
+        pass: Pass,
+        slot: usize,
+        grad: &Tensor,
+        _finite: Finite,
+    ) -> Result<()> {
+        if self.estimate.is_none() {
+            return self.apply_one(slot, grad);
+        }
+        let open = self
+            .open
+            .ok_or(OptimError::Pass("an update outside a step"))?;
+        match pass {
+            Pass::First => {
+                let mut shares = open.shares;
+                let done = self.slots[slot].step;
+                self.run_slot(slot, grad, |state, var, g| {
+                    state.accumulate(var, g, &open.first, done, &mut shares)
+                })?;
+                if let Some(o) = self.open.as_mut() {
+                    o.shares = shares;
+                }
+                Ok(())
+            }
+            Pass::Second => {
+                let second = open
+                    .second
+                    .ok_or(OptimError::Pass("a second pass before the first ended"))?;
+                self.run_slot(slot, grad, |state, var, g| state.apply(var, g, &second))?;
+                self.slots[slot].step += 1;
+                Ok(())
+            }
+        }
+    }
+
+    /// Ends a fused step of a two-pass rule: each parameter was updated in one go with the
+    /// scalars the step began with, and the estimator now takes the sums. Nothing for the
+    /// others, or when no parameter was updated.
+    pub fn end_fused_step(&mut self) -> Result<()> {
+        if let (Some(estimate), Some(open)) = (self.estimate.as_mut(), self.open.take()) {
+            estimate.finish(&open.shares);
+        }
+        Ok(())
+    }
+
+    /// The estimator's scalars (`d` first, where it has one); empty for rules without one.
+    pub fn estimate_values(&self) -> Vec<(&'static str, f64)> {
+        self.estimate.as_ref().map(|e| e.save()).unwrap_or_default()
+    }
+
+    /// A fused update of a two-pass rule: both passes at once with the step's first scalars
+    /// (the step begins at its first parameter; [`GroupOptimizer::end_fused_step`] ends it).
+    fn apply_fused(&mut self, i: usize, g: &Tensor) -> Result<()> {
+        if self.open.is_none() {
+            let lr = self.lr;
+            let Some(estimate) = self.estimate.as_mut() else {
+                return Err(OptimError::Pass("a fused step without an estimator"));
+            };
+            if estimate.needs_grad_sq() || !estimate.runs_fused() {
+                return Err(OptimError::Pass(
+                    "this optimizer needs every gradient before it updates any parameter, which \
+                     a fused backward pass never holds",
+                ));
+            }
+            self.open = Some(OpenStep {
+                first: estimate.begin(lr, None),
+                second: None,
+                shares: [0.0; 3],
+            });
+        }
+        let open = self
+            .open
+            .ok_or(OptimError::Pass("an update outside a step"))?;
+        let mut shares = open.shares;
+        let done = self.slots[i].step;
+        self.run_slot(i, g, |state, var, g| {
+            state.accumulate(var, g, &open.first, done, &mut shares)?;
+            state.apply(var, g, &open.first)
+        })?;
+        if let Some(o) = self.open.as_mut() {
+            o.shares = shares;
+        }
+        self.slots[i].step += 1;
+        Ok(())
+    }
+
+    /// Runs `f` on the parameter in slot `i` (on its f32 copy, rounded back stochastically,
+    /// when the group rounds so), naming the parameter in an error.
+    fn run_slot(
+        &mut self,
+        i: usize,
+        g: &Tensor,
+        f: impl FnOnce(&mut dyn ParamState, &Var, &Tensor) -> candle_core::Result<()>,
+    ) -> Result<()> {
+        let s = &mut self.slots[i];
+        let done = match self.stochastic {
+            Some(seed) if s.var.dtype() != DType::F32 => (|| {
+                let master = Var::from_tensor(&s.var.as_tensor().to_dtype(DType::F32)?)?;
+                let g = g.to_dtype(DType::F32)?;
+                f(s.state.as_mut(), &master, &g)?;
+                let seed = stochastic_round::tensor_seed(seed, &s.name, s.step + 1);
+                stochastic_round::round_into(&s.var, master.as_tensor(), seed)
+            })(),
+            _ => f(s.state.as_mut(), &s.var, g),
+        };
+        done.map_err(|e| OptimError::Tensor {
+            name: s.name.clone(),
+            source: Box::new(e),
+        })
+    }
+
     fn slot_of(&self, var: &Var) -> Result<usize> {
         self.slots
             .iter()
@@ -218,13 +412,10 @@ impl GroupOptimizer {
         Ok(with_grad)
     }
 
-    /// Updates the parameter in `slot` (from [`GroupOptimizer::pending`]) from its gradient,
-    /// which the caller checked finite with [`super::StepCheck::fetch`].
-    pub fn apply_checked(&mut self, slot: usize, grad: &Tensor, _finite: Finite) -> Result<()> {
-        self.apply_one(slot, grad)
-    }
-
     fn apply_one(&mut self, i: usize, g: &Tensor) -> Result<()> {
+        if self.estimate.is_some() {
+            return self.apply_fused(i, g);
+        }
         let lr = self.lr;
         let s = &mut self.slots[i];
         let t = s.step + 1;
@@ -242,6 +433,20 @@ impl GroupOptimizer {
         Ok(())
     }
 
+    /// Every pass of a step over `pending`, for a caller that does not retry single updates.
+    fn run_passes(&mut self, pending: &[(usize, &Tensor)], finite: Finite) -> Result<()> {
+        self.begin_step(pending)?;
+        for &pass in self.passes() {
+            if !self.start_pass(pass)? {
+                break;
+            }
+            for &(slot, g) in pending {
+                self.apply_pass(pass, slot, g, finite)?;
+            }
+        }
+        Ok(())
+    }
+
     fn metadata(&self) -> Result<HashMap<String, String>> {
         let steps: BTreeMap<&str, u64> = self
             .slots
@@ -253,7 +458,7 @@ impl GroupOptimizer {
             msg: e.to_string(),
         };
         let name = self.rule.name();
-        Ok(HashMap::from([
+        let mut meta = HashMap::from([
             (OPTIMIZER_KEY.to_string(), name.to_string()),
             (VERSION_KEY.to_string(), STATE_VERSION.to_string()),
             (
@@ -264,7 +469,45 @@ impl GroupOptimizer {
                 format!("{name}.steps"),
                 serde_json::to_string(&steps).map_err(json)?,
             ),
-        ]))
+        ]);
+        if let Some(e) = &self.estimate {
+            let values: BTreeMap<&str, f64> = e.save().into_iter().collect();
+            meta.insert(
+                format!("{name}.estimate"),
+                serde_json::to_string(&values).map_err(json)?,
+            );
+        }
+        Ok(meta)
+    }
+
+    /// The estimator's scalars in the file, in [`StepEstimate::save`]'s order.
+    fn read_estimate(&self, r: &StateReader<'_>) -> Result<Option<Vec<f64>>> {
+        let Some(estimate) = &self.estimate else {
+            return Ok(None);
+        };
+        let key = format!("{}.estimate", self.rule.name());
+        let format = |msg: String| OptimError::Format {
+            path: r.path().to_path_buf(),
+            msg,
+        };
+        let values: HashMap<String, f64> = serde_json::from_str(r.meta(&key)?)
+            .map_err(|e| format(format!("metadata `{key}`: {e}")))?;
+        let wanted = estimate.save();
+        let mut out = Vec::with_capacity(wanted.len());
+        for (name, _) in &wanted {
+            match values.get(*name) {
+                Some(v) => out.push(*v),
+                None => return Err(format(format!("metadata `{key}` has no `{name}`"))),
+            }
+        }
+        if values.len() != wanted.len() {
+            return Err(format(format!(
+                "metadata `{key}` holds {} values, this optimizer keeps {}",
+                values.len(),
+                wanted.len()
+            )));
+        }
+        Ok(Some(out))
     }
 
     /// Reads and checks the whole file against fresh states before anything is replaced.
@@ -436,9 +679,7 @@ impl Optimizer for GroupOptimizer {
                 .collect();
             return Ok(stats);
         }
-        for (i, g) in with_grad {
-            self.apply_one(i, g)?;
-        }
+        self.run_passes(&with_grad, Finite::CHECKED)?;
         Ok(stats)
     }
 
@@ -450,9 +691,7 @@ impl Optimizer for GroupOptimizer {
             no_grad: self.slots.len() - pending.len(),
             ..StepStats::default()
         };
-        for (slot, g) in pending {
-            self.apply_checked(slot, g, finite)?;
-        }
+        self.run_passes(&pending, finite)?;
         Ok(stats)
     }
 
@@ -478,7 +717,8 @@ impl Optimizer for GroupOptimizer {
     }
 
     fn load_state(&mut self, path: &Path) -> Result<()> {
-        let loaded = state::read(path, |r| self.read_state(r))?;
+        let (loaded, estimate) =
+            state::read(path, |r| Ok((self.read_state(r)?, self.read_estimate(r)?)))?;
         // Every check passed; a failure from here on is a device error, reported by name.
         for (s, (tensors, step)) in self.slots.iter_mut().zip(loaded) {
             s.state.load(tensors).map_err(|e| OptimError::Tensor {
@@ -487,6 +727,10 @@ impl Optimizer for GroupOptimizer {
             })?;
             s.step = step;
         }
+        if let (Some(e), Some(values)) = (self.estimate.as_mut(), estimate) {
+            e.load(&values);
+        }
+        self.open = None;
         Ok(())
     }
 

@@ -11,6 +11,11 @@
 //!   updates one tensor from its own gradient, through a fused host kernel ([`host`]) or, for a
 //!   CUDA parameter, a fused CUDA kernel (`cuda`, src/optim/kernels.cu), with a plain reference
 //!   beside it.
+//! - The step-size estimators, learning-rate free: [`Prodigy`] (prodigyopt), D-Adaptation
+//!   ([`DAdaptAdam`], [`DAdaptAdan`], [`DAdaptLion`], [`DAdaptSgd`]: the dadaptation package),
+//!   DoWG ([`CoordinateDowg`], [`ScalarDowg`]: the dowg package) and EveryDream2's [`AdaCoor`],
+//!   written with tensor ops ([`dense`]). The estimators that need every gradient before any
+//!   update take two passes ([`StepEstimate`]).
 //! - [`LrSchedule`]: constant/linear/cosine/polynomial with warmup, a pure function of the step,
 //!   matching diffusers' `get_scheduler`.
 //! - [`grad_norm`] / [`clip_grad_norm`]: global L2 norm of the gradients, as the trainer logs it.
@@ -18,20 +23,29 @@
 //! - [`stochastic_round`]: the write-back of bf16/f16 trained weights (`weight_dtype`), when the
 //!   group rounds stochastically ([`GroupOptimizer::with_stochastic_rounding`]).
 
+pub mod adacoor;
 pub mod adafactor;
 pub mod adafactor_device;
 pub mod adamw;
 pub mod adamw8bit;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod dadapt_adam;
+pub mod dadapt_adan;
+pub mod dadapt_lion;
+pub mod dadapt_sgd;
+pub mod dense;
+pub mod dowg;
 pub mod grad;
 pub mod group;
 pub mod host;
+mod hyper;
 #[cfg(test)]
 mod kernel_emu;
 pub mod launch;
 pub mod lion;
 pub mod placed;
+pub mod prodigy;
 pub mod quant8;
 #[cfg(feature = "cuda")]
 mod rounding_cuda;
@@ -44,13 +58,20 @@ use std::path::{Path, PathBuf};
 
 use candle_core::backprop::GradStore;
 
+pub use adacoor::{AdaCoor, AdaCoorParams};
 pub use adafactor::{Adafactor, AdafactorParams};
 pub use adamw::{AdamW, AdamWParams};
 pub use adamw8bit::AdamW8bit;
+pub use dadapt_adam::{DAdaptAdam, DAdaptAdamParams};
+pub use dadapt_adan::{DAdaptAdan, DAdaptAdanParams};
+pub use dadapt_lion::{DAdaptLion, DAdaptLionParams};
+pub use dadapt_sgd::{DAdaptSgd, DAdaptSgdParams};
+pub use dowg::{CoordinateDowg, DowgParams, ScalarDowg};
 pub use grad::{clip_grad_norm, grad_norm, Finite, StepCheck};
-pub use group::{GroupOptimizer, StateView};
+pub use group::{GroupOptimizer, Pass, StateView};
 pub use lion::{Lion, LionParams};
-pub use rule::{ParamState, UpdateRule};
+pub use prodigy::{Prodigy, ProdigyParams};
+pub use rule::{ParamState, Shares, StepEstimate, StepScalars, UpdateRule};
 pub use schedule::{LrSchedule, ScheduleError, ScheduleKind};
 
 /// Errors from the optimizers and their state files.
@@ -108,6 +129,8 @@ pub enum OptimError {
     },
     #[error("the optimizer holds no parameter of shape {0}")]
     UnknownParam(String),
+    #[error("optimizer step: {0}")]
+    Pass(&'static str),
     #[error("gradient for {0} holds NaN or infinity; the update was refused")]
     NonFinite(String),
     #[error("optimizer state {}: no state for {} parameter(s): {}", path.display(), names.len(), names.join(", "))]

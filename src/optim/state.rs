@@ -41,11 +41,12 @@ struct TensorView<'a> {
     err: &'a RefCell<Option<candle_core::Error>>,
 }
 
-/// The safetensors dtype a state tensor is stored as: f32 moments, u8 codes.
+/// The safetensors dtype a state tensor is stored as: f32 moments, u8 codes, bf16 accumulators.
 fn file_dtype(d: DType) -> candle_core::Result<Dtype> {
     match d {
         DType::F32 => Ok(Dtype::F32),
         DType::U8 => Ok(Dtype::U8),
+        DType::BF16 => Ok(Dtype::BF16),
         other => candle_core::bail!("optimizer state of dtype {other:?} cannot be saved"),
     }
 }
@@ -54,6 +55,11 @@ fn host_bytes(t: &Tensor) -> candle_core::Result<Vec<u8>> {
     let t = t.flatten_all()?;
     Ok(match t.dtype() {
         DType::U8 => t.to_vec1::<u8>()?,
+        DType::BF16 => t
+            .to_vec1::<half::bf16>()?
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect(),
         _ => t
             .to_dtype(DType::F32)?
             .to_vec1::<f32>()?
@@ -87,7 +93,7 @@ impl View for TensorView<'_> {
     }
 }
 
-/// Writes `tensors` (f32 or u8; other float dtypes are stored as f32) and `metadata` to `path`
+/// Writes `tensors` (f32, bf16 or u8; f16 is stored as f32) and `metadata` to `path`
 /// atomically.
 pub fn write_atomic(
     path: &Path,
@@ -98,7 +104,7 @@ pub fn write_atomic(
     let err = RefCell::new(None);
     for (name, t) in tensors {
         let dtype = match t.dtype() {
-            DType::BF16 | DType::F16 => Dtype::F32,
+            DType::F16 => Dtype::F32,
             d => file_dtype(d)?,
         };
         let view = TensorView {
@@ -157,12 +163,13 @@ impl StateReader<'_> {
         let dtype = match v.dtype() {
             Dtype::F32 => DType::F32,
             Dtype::U8 => DType::U8,
+            Dtype::BF16 => DType::BF16,
             _ => return None,
         };
         Some((v.shape().to_vec(), dtype))
     }
 
-    /// Loads tensor `name` onto the CPU in its stored dtype (f32 or u8).
+    /// Loads tensor `name` onto the CPU in its stored dtype (f32, bf16 or u8).
     pub fn load(&self, name: &str) -> Result<Tensor> {
         let view = self.st.tensor(name).map_err(|e| OptimError::Format {
             path: self.path.to_path_buf(),
@@ -171,12 +178,13 @@ impl StateReader<'_> {
         let dtype = match view.dtype() {
             Dtype::F32 => DType::F32,
             Dtype::U8 => DType::U8,
+            Dtype::BF16 => DType::BF16,
             other => {
                 return Err(OptimError::StateDType {
                     path: self.path.to_path_buf(),
                     name: name.to_string(),
                     found: format!("{other:?}"),
-                    want: "F32 or U8".to_string(),
+                    want: "F32, BF16 or U8".to_string(),
                 })
             }
         };
@@ -236,8 +244,14 @@ mod tests {
             assert_eq!(r.shape_and_dtype("a"), Some((vec![2, 2], DType::F32)));
             let a2 = r.load("a").unwrap();
             assert_eq!(a2.to_vec2::<f32>().unwrap(), a.to_vec2::<f32>().unwrap());
+            // bf16 stays bf16 (AdaCoor's accumulator): 2 bytes, loaded as it was.
+            assert_eq!(r.shape_and_dtype("b"), Some((vec![1], DType::BF16)));
             let b2 = r.load("b").unwrap();
-            assert_eq!(b2.to_vec1::<f32>().unwrap(), vec![7.0]);
+            assert_eq!(b2.dtype(), DType::BF16);
+            assert_eq!(
+                b2.to_dtype(DType::F32).unwrap().to_vec1::<f32>().unwrap(),
+                vec![7.0]
+            );
             let c2 = r.load("c").unwrap();
             assert_eq!(
                 (c2.dtype(), c2.to_vec1::<u8>().unwrap()),

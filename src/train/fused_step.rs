@@ -75,6 +75,12 @@ impl Optimization {
             ..
         } = sink;
         self.groups = groups;
+        for g in &mut self.groups {
+            // A two-pass rule's estimate takes the step's sums once every update is done.
+            g.optimizer
+                .end_fused_step()
+                .with_context(|| format!("{} optimizer step", g.name))?;
+        }
         let (loss, retries, samples) = result?;
         let applied = nonfinite.is_empty();
         if !applied {

@@ -199,8 +199,9 @@ pub(super) fn train_chunk(
     Ok(result)
 }
 
-/// The group's update, one parameter at a time, each under [`retry_once_on_oom`]: a retry
-/// repeats only the parameter that failed, so none is updated twice.
+/// The group's update, one parameter at a time (in each of the rule's passes), each under
+/// [`retry_once_on_oom`]: a retry repeats only the parameter that failed, so none is updated
+/// twice.
 fn update_group(
     g: &mut Group,
     grads: &GradStore,
@@ -210,13 +211,22 @@ fn update_group(
 ) -> anyhow::Result<()> {
     let name = g.name;
     let optimizer = &mut g.optimizer;
-    for (slot, grad) in optimizer.pending(grads)? {
-        let place = || format!("in the {name} optimizer step at step {}", step + 1);
-        retry_once_on_oom(device, place, || {
-            optimizer
-                .apply_checked(slot, grad, finite)
-                .with_context(|| format!("{name} optimizer step"))
-        })?;
+    let pending = optimizer.pending(grads)?;
+    optimizer
+        .begin_step(&pending)
+        .with_context(|| format!("{name} optimizer step"))?;
+    for &pass in optimizer.passes() {
+        if !optimizer.start_pass(pass)? {
+            break;
+        }
+        for &(slot, grad) in &pending {
+            let place = || format!("in the {name} optimizer step at step {}", step + 1);
+            retry_once_on_oom(device, place, || {
+                optimizer
+                    .apply_pass(pass, slot, grad, finite)
+                    .with_context(|| format!("{name} optimizer step"))
+            })?;
+        }
     }
     Ok(())
 }

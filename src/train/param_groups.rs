@@ -12,8 +12,10 @@ use crate::config::{OptimizerKind, ParamGroupPlan, ScheduleSpec, TrainPlan};
 use crate::model::files::Component;
 use crate::model::pipeline::StableDiffusion;
 use crate::optim::{
-    Adafactor, AdafactorParams, AdamW, AdamW8bit, AdamWParams, GroupOptimizer, Lion, LionParams,
-    LrSchedule, Optimizer, UpdateRule,
+    AdaCoor, AdaCoorParams, Adafactor, AdafactorParams, AdamW, AdamW8bit, AdamWParams,
+    CoordinateDowg, DAdaptAdam, DAdaptAdamParams, DAdaptAdan, DAdaptAdanParams, DAdaptLion,
+    DAdaptLionParams, DAdaptSgd, DAdaptSgdParams, DowgParams, GroupOptimizer, Lion, LionParams,
+    LrSchedule, Optimizer, Prodigy, ProdigyParams, ScalarDowg, UpdateRule,
 };
 
 /// One optimizer over one parameter group, with its schedule.
@@ -65,6 +67,86 @@ pub(crate) fn update_rule(plan: &ParamGroupPlan) -> crate::optim::Result<Box<dyn
             weight_decay: plan.weight_decay,
             scale_parameter: plan.adafactor.scale_parameter,
         })?),
+        kind => estimator_rule(kind, plan)?,
+    })
+}
+
+/// The learning-rate-free rules, with the settings EveryDream2's `_create_optimizer` passes
+/// (`betas`, `epsilon` and `weight_decay` from the group; `d0`, `decouple`, `growth_rate`,
+/// `momentum`, `no_prox`, `safeguard_warmup`, `use_bias_correction` from the same section).
+fn estimator_rule(
+    kind: OptimizerKind,
+    plan: &ParamGroupPlan,
+) -> crate::optim::Result<Box<dyn UpdateRule>> {
+    let e = &plan.estimator;
+    let (beta1, beta2) = plan.betas;
+    Ok(match kind {
+        OptimizerKind::Prodigy => Box::new(Prodigy::rule(ProdigyParams {
+            beta1,
+            beta2,
+            beta3: e.beta3,
+            eps: plan.epsilon,
+            weight_decay: plan.weight_decay,
+            decouple: e.decouple,
+            use_bias_correction: e.use_bias_correction.unwrap_or(true),
+            safeguard_warmup: e.safeguard_warmup,
+            d0: e.d0,
+            d_coef: 1.0,
+            growth_rate: e.growth_rate,
+        })?),
+        OptimizerKind::DadaptAdam => Box::new(DAdaptAdam::rule(DAdaptAdamParams {
+            beta1,
+            beta2,
+            eps: plan.epsilon,
+            weight_decay: plan.weight_decay,
+            decouple: e.decouple,
+            use_bias_correction: e.use_bias_correction.unwrap_or(false),
+            d0: e.d0,
+            growth_rate: e.growth_rate,
+        })?),
+        OptimizerKind::DadaptAdan => Box::new(DAdaptAdan::rule(DAdaptAdanParams {
+            beta1,
+            beta2,
+            beta3: e.beta3.unwrap_or(crate::config::ADAN_BETA3_DEFAULT),
+            eps: plan.epsilon,
+            weight_decay: plan.weight_decay,
+            no_prox: e.no_prox,
+            d0: e.d0,
+            growth_rate: e.growth_rate,
+        })?),
+        OptimizerKind::DadaptLion => Box::new(DAdaptLion::rule(DAdaptLionParams {
+            beta1,
+            beta2,
+            weight_decay: plan.weight_decay,
+            d0: e.d0,
+        })?),
+        OptimizerKind::DadaptSgd => Box::new(DAdaptSgd::rule(DAdaptSgdParams {
+            momentum: e.momentum,
+            weight_decay: plan.weight_decay,
+            d0: e.d0,
+            growth_rate: e.growth_rate,
+        })?),
+        OptimizerKind::CoordinateDowg | OptimizerKind::ScalarDowg => {
+            let p = DowgParams {
+                eps: plan.epsilon,
+                ..DowgParams::default()
+            };
+            if kind == OptimizerKind::ScalarDowg {
+                Box::new(ScalarDowg::rule(p)?)
+            } else {
+                Box::new(CoordinateDowg::rule(p)?)
+            }
+        }
+        OptimizerKind::Adacoor => Box::new(AdaCoor::rule(AdaCoorParams { eps: plan.epsilon })?),
+        OptimizerKind::AdamW
+        | OptimizerKind::AdamW8bit
+        | OptimizerKind::Lion
+        | OptimizerKind::Lion8bit
+        | OptimizerKind::Adafactor => {
+            return Err(crate::optim::OptimError::Pass(
+                "not a learning-rate-free optimizer (built by update_rule)",
+            ))
+        }
     })
 }
 

@@ -506,6 +506,7 @@ fn build_objective(plan: &TrainPlan, layout: &ModelLayout) -> anyhow::Result<Obj
             timestep_end: plan.objective.timestep_end as u32,
             zero_frequency_noise_ratio: plan.objective.zero_frequency_noise_ratio,
             min_snr_gamma: plan.objective.min_snr_gamma,
+            pyramid: plan.objective.pyramid_noise,
         },
     )?)
 }
