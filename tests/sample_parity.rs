@@ -1,6 +1,6 @@
 //! The samplers against diffusers (`tests/fixtures/sample_reference.py`):
 //! - each scheduler step (DDIM, DDPM, PNDM with and without Runge–Kutta steps, Euler, Euler
-//!   ancestral, DPM-Solver++ 2M and its SDE form with and without Karras sigmas; several
+//!   ancestral, LMS, KDPM2 ancestral, DPM-Solver++ 2M and its SDE form with and without Karras sigmas; several
 //!   spacings, both prediction types, zero terminal SNR, solver orders 1–3, midpoint and Heun, a
 //!   final σ of zero or σ_min, λ clipping) from the same latents, model outputs and noise: the
 //!   timesteps, the σ table, the model's input and the latents after every step, and how many
@@ -46,7 +46,7 @@ fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
 fn scheduler_steps_match_diffusers() {
     let (refs, meta) = reference();
     let cases = meta["schedulers"].as_array().unwrap();
-    assert_eq!(cases.len(), 31);
+    assert_eq!(cases.len(), 40);
     for case in cases {
         let name = case["name"].as_str().unwrap();
         let get = |k: &str| common::get(&refs, &format!("{name}.{k}"));
@@ -64,11 +64,12 @@ fn scheduler_steps_match_diffusers() {
         );
         for (&g, &w) in got_t.iter().zip(&want_t) {
             // Whole timesteps exactly; those read back from a σ within 1e-5 relative (at least
-            // 1e-4: the σ differ by ~1e-6 relative, diffusers' ᾱ being a float32 cumprod and
-            // sdtrain's a float64 one, and near t = 0 a timestep moves 50× faster than ln σ).
+            // 1e-3): the σ differ by ~1e-6 relative (diffusers' betas are float32, sdtrain's
+            // float64), and near t = 0 a timestep moves ~50× faster than ln σ. A timestep read
+            // from the wrong neighbours is off by more than 0.01.
             let tolerance = match w.fract() == 0.0 && g.fract() == 0.0 {
                 true => 0.0,
-                false => 1e-5 * w.abs().max(10.0),
+                false => 1e-5 * w.abs().max(100.0),
             };
             assert!(
                 (g - w).abs() <= tolerance,
@@ -157,7 +158,7 @@ fn load(fixture: &str) -> StableDiffusion {
 fn pipelines_match_diffusers_step_by_step() {
     let (refs, meta) = reference();
     let cases = meta["pipelines"].as_array().unwrap();
-    assert_eq!(cases.len(), 10);
+    assert_eq!(cases.len(), 12);
     for case in cases {
         let name = case["name"].as_str().unwrap();
         let get = |k: &str| common::get(&refs, &format!("{name}.{k}"));

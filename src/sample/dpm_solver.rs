@@ -360,7 +360,7 @@ mod tests {
         for name in ["dpm++_2m", "dpm++_2m_k", "dpm++_2m_sde", "dpm++_2m_sde_k"] {
             assert_eq!(SamplerKind::parse(name).unwrap().name(), name);
         }
-        assert!(SamplerKind::unknown("kdpm2").contains("an EveryDream2 sampler"));
+        assert!(SamplerKind::unknown("dpm++_sde").contains("an EveryDream2 sampler"));
         assert!(!SamplerKind::unknown("warp").contains("EveryDream2"));
     }
 }

@@ -11,6 +11,8 @@ pub mod euler_ancestral;
 pub mod generate;
 pub mod image_out;
 pub mod jobs;
+pub mod kdpm2_ancestral;
+pub mod lms;
 pub mod pndm;
 pub mod prompts;
 pub mod sampler;

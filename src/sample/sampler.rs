@@ -7,6 +7,8 @@ use super::ddpm::Ddpm;
 use super::dpm_solver::{DpmSolver, DpmVariant};
 use super::euler::Euler;
 use super::euler_ancestral::EulerAncestral;
+use super::kdpm2_ancestral::Kdpm2Ancestral;
+use super::lms::Lms;
 use super::pndm::Pndm;
 use super::scheduler_config::SchedulerConfig;
 
@@ -49,24 +51,21 @@ pub enum SamplerKind {
     Euler,
     /// `euler_a`: Euler ancestral.
     EulerAncestral,
+    /// `lms`: linear multistep.
+    Lms,
+    /// `kdpm2`: DPM-Solver-2 ancestral (EveryDream2 builds diffusers' ancestral class).
+    Kdpm2Ancestral,
     /// `dpm++` / `dpm++_2m`, `dpm++_2m_k`, `dpm++_2m_sde`, `dpm++_2m_sde_k`: DPM-Solver++
     /// multistep (`sde`: its stochastic form; `karras`: Karras sigmas).
     DpmSolver(DpmVariant),
 }
 
 /// EveryDream2's sampler names that sdtrain does not draw with yet, and what to use instead.
-const NOT_YET: [&str; 6] = [
-    "lms",
-    "kdpm2",
-    "dpm++_2s",
-    "dpm++_2s_k",
-    "dpm++_sde",
-    "dpm++_sde_k",
-];
+const NOT_YET: [&str; 4] = ["dpm++_2s", "dpm++_2s_k", "dpm++_sde", "dpm++_sde_k"];
 
 impl SamplerKind {
     pub const NAMES: &'static str = "\"ddim\", \"ddpm\", \"pndm\", \"euler\", \"euler_a\", \
-        \"dpm++\" (\"dpm++_2m\"), \"dpm++_2m_k\", \"dpm++_2m_sde\" or \"dpm++_2m_sde_k\"";
+        \"lms\", \"kdpm2\", \"dpm++\" (\"dpm++_2m\"), \"dpm++_2m_k\", \"dpm++_2m_sde\" or \"dpm++_2m_sde_k\"";
 
     pub fn parse(name: &str) -> Option<Self> {
         let dpm = |sde, karras| Some(Self::DpmSolver(DpmVariant { sde, karras }));
@@ -75,6 +74,8 @@ impl SamplerKind {
             "ddpm" => Some(Self::Ddpm),
             "pndm" | "plms" => Some(Self::Pndm),
             "euler" => Some(Self::Euler),
+            "lms" => Some(Self::Lms),
+            "kdpm2" | "kdpm2_a" | "kdpm2_ancestral" => Some(Self::Kdpm2Ancestral),
             "euler_a" | "euler_ancestral" | "euler-ancestral" => Some(Self::EulerAncestral),
             "dpm++" | "dpm++_2m" | "dpmpp_2m" => dpm(false, false),
             "dpm++_2m_k" | "dpmpp_2m_karras" => dpm(false, true),
@@ -104,6 +105,8 @@ impl SamplerKind {
             Self::Ddpm => "ddpm",
             Self::Pndm => "pndm",
             Self::Euler => "euler",
+            Self::Lms => "lms",
+            Self::Kdpm2Ancestral => "kdpm2",
             Self::EulerAncestral => "euler_a",
             Self::DpmSolver(DpmVariant { sde, karras }) => match (sde, karras) {
                 (false, false) => "dpm++_2m",
@@ -133,6 +136,8 @@ impl SamplerKind {
             Self::Ddpm => Box::new(Ddpm::new(config, steps)?),
             Self::Pndm => Box::new(Pndm::new(config, steps)?),
             Self::Euler => Box::new(Euler::new(config, steps)?),
+            Self::Lms => Box::new(Lms::new(config, steps)?),
+            Self::Kdpm2Ancestral => Box::new(Kdpm2Ancestral::new(config, steps)?),
             Self::EulerAncestral => Box::new(EulerAncestral::new(config, steps)),
             Self::DpmSolver(v) => Box::new(DpmSolver::new(config, steps, v)),
         })

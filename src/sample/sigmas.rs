@@ -7,7 +7,7 @@
 //! - a σ read back as a fractional timestep by interpolating `ln σ` between its neighbours
 //!   (diffusers' `_sigma_to_t`).
 
-use super::scheduler_config::{SchedulerConfig, Spacing};
+use super::scheduler_config::{round_half_even, SchedulerConfig, Spacing};
 
 /// The schedule's `ᾱ` as the σ-based samplers take it (the last set to 2⁻²⁴ under zero terminal
 /// SNR, so `σ` stays finite, as diffusers does) and `σ_t = √((1−ᾱ_t)/ᾱ_t)` rounded to f32.
@@ -83,6 +83,8 @@ pub(super) fn sigma_to_t(sigma: f64, log_sigmas: &[f64]) -> f64 {
 pub(super) enum KarrasTimesteps {
     /// Fractional (Euler, LMS, DPM++ SDE).
     Fractional,
+    /// Rounded to whole timesteps (KDPM2 ancestral).
+    Rounded,
 }
 
 /// The timesteps and σ (one per step, no final σ; σ unrounded) of the samplers whose
@@ -114,6 +116,7 @@ pub(super) fn k_schedule(
             let t = sigma_to_t(s, &logs);
             let t = match read_back {
                 KarrasTimesteps::Fractional => t,
+                KarrasTimesteps::Rounded => round_half_even(t),
             };
             f64::from(t as f32)
         })
