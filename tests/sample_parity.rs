@@ -1,6 +1,7 @@
 //! The samplers against diffusers (`tests/fixtures/sample_reference.py`):
 //! - each scheduler step (DDIM, DDPM, PNDM with and without Runge–Kutta steps, Euler, Euler
-//!   ancestral, LMS, KDPM2 ancestral, DPM-Solver++ 2M and its SDE form with and without Karras sigmas; several
+//!   ancestral, LMS, KDPM2 ancestral, DPM-Solver++ 2M and its SDE form, DPM-Solver++ single-step
+//!   and DPM++ SDE, with and without Karras sigmas; several
 //!   spacings, both prediction types, zero terminal SNR, solver orders 1–3, midpoint and Heun, a
 //!   final σ of zero or σ_min, λ clipping) from the same latents, model outputs and noise: the
 //!   timesteps, the σ table, the model's input and the latents after every step, and how many
@@ -46,7 +47,7 @@ fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
 fn scheduler_steps_match_diffusers() {
     let (refs, meta) = reference();
     let cases = meta["schedulers"].as_array().unwrap();
-    assert_eq!(cases.len(), 40);
+    assert_eq!(cases.len(), 50);
     for case in cases {
         let name = case["name"].as_str().unwrap();
         let get = |k: &str| common::get(&refs, &format!("{name}.{k}"));
@@ -158,7 +159,7 @@ fn load(fixture: &str) -> StableDiffusion {
 fn pipelines_match_diffusers_step_by_step() {
     let (refs, meta) = reference();
     let cases = meta["pipelines"].as_array().unwrap();
-    assert_eq!(cases.len(), 12);
+    assert_eq!(cases.len(), 14);
     for case in cases {
         let name = case["name"].as_str().unwrap();
         let get = |k: &str| common::get(&refs, &format!("{name}.{k}"));

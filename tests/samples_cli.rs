@@ -183,7 +183,7 @@ fn a_bad_prompts_file_is_refused_up_front() {
         "{msg}"
     );
     let file = tmp.path().join("q.json");
-    std::fs::write(&file, r#"{"scheduler": "dpm++_sde"}"#).unwrap();
+    std::fs::write(&file, r#"{"scheduler": "heun"}"#).unwrap();
     let cfg = write_config(
         tmp.path(),
         "tiny-sd15",
@@ -194,8 +194,7 @@ fn a_bad_prompts_file_is_refused_up_front() {
     assert!(!out.status.success());
     let msg = text(&out);
     assert!(
-        msg.contains("q.json")
-            && msg.contains("`scheduler` is \"dpm++_sde\", an EveryDream2 sampler"),
+        msg.contains("q.json") && msg.contains("`scheduler` is \"heun\"; the samplers are"),
         "{msg}"
     );
 }
@@ -331,7 +330,17 @@ fn dpm_solver_samples_in_a_run_and_from_the_command() {
 /// Catches a name parsed but not wired to its sampler, or a sampler that fails on a real model.
 #[test]
 fn every_everydream2_sampler_draws_in_a_run_and_from_the_command() {
-    const NAMES: [&str; 5] = ["euler", "ddpm", "pndm", "lms", "kdpm2"];
+    const NAMES: [&str; 9] = [
+        "euler",
+        "ddpm",
+        "pndm",
+        "lms",
+        "kdpm2",
+        "dpm++_2s",
+        "dpm++_2s_k",
+        "dpm++_sde",
+        "dpm++_sde_k",
+    ];
     let tmp = tempfile::tempdir().unwrap();
     let samples: Vec<serde_json::Value> = NAMES
         .iter()

@@ -347,8 +347,8 @@ mod tests {
         assert!(v.iter().all(|x| x.is_finite()));
     }
 
-    /// EveryDream2's names: `dpm++` is `dpm++_2m`; the `_k` forms take Karras sigmas; the
-    /// names it has that sdtrain lacks say so. Catches `dpm++` mapped to the SDE form.
+    /// EveryDream2's names: `dpm++` is `dpm++_2m`; the `_k` forms take Karras sigmas; `_2s` is
+    /// single-step and `_sde` the SDE solver. Catches `dpm++` mapped to the SDE form.
     #[test]
     fn everydream2_names_choose_the_variant() {
         let v = |sde, karras| Some(SamplerKind::DpmSolver(DpmVariant { sde, karras }));
@@ -360,7 +360,15 @@ mod tests {
         for name in ["dpm++_2m", "dpm++_2m_k", "dpm++_2m_sde", "dpm++_2m_sde_k"] {
             assert_eq!(SamplerKind::parse(name).unwrap().name(), name);
         }
-        assert!(SamplerKind::unknown("dpm++_sde").contains("an EveryDream2 sampler"));
-        assert!(!SamplerKind::unknown("warp").contains("EveryDream2"));
+        for (name, kind) in [
+            ("dpm++_2s", SamplerKind::DpmSinglestep { karras: false }),
+            ("dpm++_2s_k", SamplerKind::DpmSinglestep { karras: true }),
+            ("dpm++_sde", SamplerKind::DpmSde { karras: false }),
+            ("dpm++_sde_k", SamplerKind::DpmSde { karras: true }),
+        ] {
+            assert_eq!(SamplerKind::parse(name), Some(kind));
+            assert_eq!(kind.name(), name);
+        }
+        assert!(SamplerKind::unknown("warp").contains("the samplers are"));
     }
 }

@@ -5,6 +5,8 @@
 pub mod command;
 pub mod ddim;
 pub mod ddpm;
+pub mod dpm_sde;
+pub mod dpm_singlestep;
 pub mod dpm_solver;
 pub mod euler;
 pub mod euler_ancestral;

@@ -440,8 +440,8 @@ mod tests {
         for (text, needle) in [
             (r#"{"cfgs": 7}"#, "`cfgs` must be a list"),
             (
-                r#"{"scheduler": "dpm++_2s"}"#,
-                "`scheduler` is \"dpm++_2s\", an EveryDream2 sampler",
+                r#"{"scheduler": "heun"}"#,
+                "`scheduler` is \"heun\"; the samplers are",
             ),
             (
                 r#"{"samples": [{"promt": "x"}]}"#,

@@ -4,6 +4,8 @@ use candle_core::{Result, Tensor};
 
 use super::ddim::Ddim;
 use super::ddpm::Ddpm;
+use super::dpm_sde::DpmSde;
+use super::dpm_singlestep::DpmSinglestep;
 use super::dpm_solver::{DpmSolver, DpmVariant};
 use super::euler::Euler;
 use super::euler_ancestral::EulerAncestral;
@@ -58,14 +60,16 @@ pub enum SamplerKind {
     /// `dpm++` / `dpm++_2m`, `dpm++_2m_k`, `dpm++_2m_sde`, `dpm++_2m_sde_k`: DPM-Solver++
     /// multistep (`sde`: its stochastic form; `karras`: Karras sigmas).
     DpmSolver(DpmVariant),
+    /// `dpm++_2s`, `dpm++_2s_k`: DPM-Solver++ single-step (`karras`: Karras sigmas).
+    DpmSinglestep { karras: bool },
+    /// `dpm++_sde`, `dpm++_sde_k`: DPM-Solver++ SDE (`karras`: Karras sigmas).
+    DpmSde { karras: bool },
 }
-
-/// EveryDream2's sampler names that sdtrain does not draw with yet, and what to use instead.
-const NOT_YET: [&str; 4] = ["dpm++_2s", "dpm++_2s_k", "dpm++_sde", "dpm++_sde_k"];
 
 impl SamplerKind {
     pub const NAMES: &'static str = "\"ddim\", \"ddpm\", \"pndm\", \"euler\", \"euler_a\", \
-        \"lms\", \"kdpm2\", \"dpm++\" (\"dpm++_2m\"), \"dpm++_2m_k\", \"dpm++_2m_sde\" or \"dpm++_2m_sde_k\"";
+        \"lms\", \"kdpm2\", \"dpm++\" (\"dpm++_2m\"), \"dpm++_2m_k\", \"dpm++_2m_sde\", \"dpm++_2m_sde_k\", \
+        \"dpm++_2s\", \"dpm++_2s_k\", \"dpm++_sde\" or \"dpm++_sde_k\"";
 
     pub fn parse(name: &str) -> Option<Self> {
         let dpm = |sde, karras| Some(Self::DpmSolver(DpmVariant { sde, karras }));
@@ -81,22 +85,17 @@ impl SamplerKind {
             "dpm++_2m_k" | "dpmpp_2m_karras" => dpm(false, true),
             "dpm++_2m_sde" | "dpmpp_2m_sde" => dpm(true, false),
             "dpm++_2m_sde_k" | "dpmpp_2m_sde_karras" => dpm(true, true),
+            "dpm++_2s" | "dpmpp_2s" => Some(Self::DpmSinglestep { karras: false }),
+            "dpm++_2s_k" | "dpmpp_2s_karras" => Some(Self::DpmSinglestep { karras: true }),
+            "dpm++_sde" | "dpmpp_sde" => Some(Self::DpmSde { karras: false }),
+            "dpm++_sde_k" | "dpmpp_sde_karras" => Some(Self::DpmSde { karras: true }),
             _ => None,
         }
     }
 
-    /// Why `name` is not a sampler: an EveryDream2 name sdtrain does not draw with yet, or an
-    /// unknown one; both list the ones it has.
+    /// Why `name` is not a sampler: the samplers there are.
     pub fn unknown(name: &str) -> String {
-        if NOT_YET.contains(&name.to_ascii_lowercase().as_str()) {
-            format!(
-                "is \"{name}\", an EveryDream2 sampler sdtrain does not draw with yet; the samplers \
-                 are {}",
-                Self::NAMES
-            )
-        } else {
-            format!("is \"{name}\"; the samplers are {}", Self::NAMES)
-        }
+        format!("is \"{name}\"; the samplers are {}", Self::NAMES)
     }
 
     pub fn name(self) -> &'static str {
@@ -114,6 +113,10 @@ impl SamplerKind {
                 (true, false) => "dpm++_2m_sde",
                 (true, true) => "dpm++_2m_sde_k",
             },
+            Self::DpmSinglestep { karras: false } => "dpm++_2s",
+            Self::DpmSinglestep { karras: true } => "dpm++_2s_k",
+            Self::DpmSde { karras: false } => "dpm++_sde",
+            Self::DpmSde { karras: true } => "dpm++_sde_k",
         }
     }
 
@@ -140,6 +143,8 @@ impl SamplerKind {
             Self::Kdpm2Ancestral => Box::new(Kdpm2Ancestral::new(config, steps)?),
             Self::EulerAncestral => Box::new(EulerAncestral::new(config, steps)),
             Self::DpmSolver(v) => Box::new(DpmSolver::new(config, steps, v)),
+            Self::DpmSinglestep { karras } => Box::new(DpmSinglestep::new(config, steps, karras)?),
+            Self::DpmSde { karras } => Box::new(DpmSde::new(config, steps, karras)?),
         })
     }
 }
