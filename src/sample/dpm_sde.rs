@@ -23,8 +23,8 @@ use candle_core::{Result, Tensor};
 use super::sampler::{NoiseFn, Sampler};
 use super::scheduler_config::SchedulerConfig;
 use super::sigmas::{
-    as_f32, init_noise_sigma, k_denoised, k_schedule, log_sigmas, sigma_to_t, train_sigmas,
-    KarrasTimesteps,
+    as_f32, init_noise_sigma, k_denoised, k_scale, k_schedule, log_sigmas, sigma_to_t,
+    train_sigmas, KarrasTimesteps,
 };
 use crate::model::family::PredictionType;
 
@@ -101,11 +101,10 @@ impl Sampler for DpmSde {
 
     fn scale_model_input(&self, sample: &Tensor, i: usize) -> Result<Tensor> {
         let (sigma, next) = self.bounds(i);
-        let s = match i % 2 {
-            0 => sigma,
-            _ => f64::from((-times(sigma, next).2).exp()),
-        };
-        sample * (1.0 / (s * s + 1.0).sqrt())
+        match i % 2 {
+            0 => k_scale(sample, sigma),
+            _ => k_scale(sample, f64::from((-times(sigma, next).2).exp())),
+        }
     }
 
     fn step(

@@ -20,7 +20,7 @@ use std::cell::RefCell;
 
 use candle_core::{Result, Tensor};
 
-use super::dpm_solver::{alpha_sigma_lambda, dpm_schedule};
+use super::dpm_solver::{alpha_sigma_lambda, dpm_schedule, dpm_x0};
 use super::sampler::{NoiseFn, Sampler};
 use super::scheduler_config::{SchedulerConfig, Spacing};
 use crate::model::family::PredictionType;
@@ -127,15 +127,7 @@ impl Sampler for DpmSinglestep {
         sample: &Tensor,
         _noise: &mut NoiseFn<'_>,
     ) -> Result<Tensor> {
-        let (alpha_s, s_s, _) = alpha_sigma_lambda(self.sigmas[i]);
-        let x0 = match self.prediction {
-            PredictionType::Epsilon => {
-                ((sample - (model_output * f64::from(s_s))?)? * f64::from(1.0 / alpha_s))?
-            }
-            PredictionType::VPrediction => {
-                ((sample * f64::from(alpha_s))? - (model_output * f64::from(s_s))?)?
-            }
-        };
+        let x0 = dpm_x0(self.prediction, sample, model_output, self.sigmas[i])?;
         self.taken.borrow_mut()[i] = Some((x0, sample.clone()));
         let taken = self.taken.borrow();
         let at = |k: usize| -> Result<&(Tensor, Tensor)> {

@@ -100,6 +100,24 @@ pub(super) fn alpha_sigma_lambda(sigma: f64) -> (f32, f32, f32) {
     (alpha, s, alpha.ln() - s.ln())
 }
 
+/// DPM-Solver++'s data prediction at `σ`: `(x − s·ε̂)/α`, or `α·x − s·v̂`.
+pub(super) fn dpm_x0(
+    prediction: PredictionType,
+    sample: &Tensor,
+    model_output: &Tensor,
+    sigma: f64,
+) -> Result<Tensor> {
+    let (alpha, s, _) = alpha_sigma_lambda(sigma);
+    match prediction {
+        PredictionType::Epsilon => {
+            (sample - (model_output * f64::from(s))?)? * f64::from(1.0 / alpha)
+        }
+        PredictionType::VPrediction => {
+            (sample * f64::from(alpha))? - (model_output * f64::from(s))?
+        }
+    }
+}
+
 /// DPM-Solver's timesteps and σ (one per step, then the final one), both rounded as diffusers
 /// stores them (module header); the single-step solver shares them.
 pub(super) fn dpm_schedule(
@@ -211,15 +229,8 @@ impl Sampler for DpmSolver {
         sample: &Tensor,
         noise: &mut NoiseFn<'_>,
     ) -> Result<Tensor> {
-        let (alpha_0, s_0, lambda_0) = alpha_sigma_lambda(self.sigmas[i]);
-        let x0 = match self.prediction {
-            PredictionType::Epsilon => {
-                ((sample - (model_output * f64::from(s_0))?)? * f64::from(1.0 / alpha_0))?
-            }
-            PredictionType::VPrediction => {
-                ((sample * f64::from(alpha_0))? - (model_output * f64::from(s_0))?)?
-            }
-        };
+        let (_, s_0, lambda_0) = alpha_sigma_lambda(self.sigmas[i]);
+        let x0 = dpm_x0(self.prediction, sample, model_output, self.sigmas[i])?;
         self.outputs.borrow_mut()[i] = Some(x0.clone());
         let z = match self.variant.sde {
             true => Some(noise(model_output.dims())?.to_dtype(sample.dtype())?),
@@ -304,26 +315,17 @@ impl Sampler for DpmSolver {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::sample::scheduler_config::test_config;
     use crate::sample::SamplerKind;
     use candle_core::Device;
-
-    fn config(extra: serde_json::Value) -> SchedulerConfig {
-        let mut cfg = serde_json::json!({
-            "beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear",
-            "num_train_timesteps": 1000, "steps_offset": 1,
-        });
-        cfg.as_object_mut()
-            .unwrap()
-            .extend(extra.as_object().unwrap().clone());
-        SchedulerConfig::from_config(&cfg, std::path::Path::new("s.json")).unwrap()
-    }
 
     /// Karras sigmas end at σ_min; with a final σ of σ_min the last step does not move σ, and
     /// diffusers divides by h = 0 there (its latents come out NaN). Here they stay finite and
     /// unchanged. Catches the guard removed.
     #[test]
     fn a_step_that_does_not_move_sigma_keeps_the_latents() {
-        let cfg = config(serde_json::json!({"solver_order": 3, "final_sigmas_type": "sigma_min"}));
+        let cfg =
+            test_config(serde_json::json!({"solver_order": 3, "final_sigmas_type": "sigma_min"}));
         let variant = DpmVariant {
             sde: false,
             karras: true,

@@ -14,7 +14,7 @@ use candle_core::{Result, Tensor};
 use super::sampler::{NoiseFn, Sampler};
 use super::scheduler_config::SchedulerConfig;
 use super::sigmas::{
-    as_f32, init_noise_sigma, k_denoised, k_schedule, train_sigmas, KarrasTimesteps,
+    as_f32, init_noise_sigma, k_denoised, k_scale, k_schedule, train_sigmas, KarrasTimesteps,
 };
 use crate::model::family::PredictionType;
 
@@ -75,8 +75,7 @@ impl Sampler for Euler {
     }
 
     fn scale_model_input(&self, sample: &Tensor, i: usize) -> Result<Tensor> {
-        let s = self.sigmas[i];
-        sample * (1.0 / (s * s + 1.0).sqrt())
+        k_scale(sample, self.sigmas[i])
     }
 
     fn step(

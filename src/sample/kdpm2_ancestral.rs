@@ -19,7 +19,8 @@ use candle_core::{Result, Tensor};
 use super::sampler::{NoiseFn, Sampler};
 use super::scheduler_config::SchedulerConfig;
 use super::sigmas::{
-    init_noise_sigma, k_denoised, k_schedule, log_sigmas, sigma_to_t, train_sigmas, KarrasTimesteps,
+    init_noise_sigma, k_denoised, k_scale, k_schedule, log_sigmas, sigma_to_t, train_sigmas,
+    KarrasTimesteps,
 };
 use crate::model::family::PredictionType;
 
@@ -104,11 +105,10 @@ impl Sampler for Kdpm2Ancestral {
     }
 
     fn scale_model_input(&self, sample: &Tensor, i: usize) -> Result<Tensor> {
-        let s = match i % 2 {
-            0 => self.sigma[i / 2],
-            _ => self.mid[i / 2],
-        };
-        sample * (1.0 / (s * s + 1.0).sqrt())
+        match i % 2 {
+            0 => k_scale(sample, self.sigma[i / 2]),
+            _ => k_scale(sample, self.mid[i / 2]),
+        }
     }
 
     fn step(

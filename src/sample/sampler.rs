@@ -158,17 +158,7 @@ impl std::fmt::Display for SamplerKind {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn config(extra: serde_json::Value) -> SchedulerConfig {
-        let mut cfg = serde_json::json!({
-            "beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear",
-            "num_train_timesteps": 1000, "steps_offset": 1,
-        });
-        if let (Some(c), Some(e)) = (cfg.as_object_mut(), extra.as_object()) {
-            c.extend(e.clone());
-        }
-        SchedulerConfig::from_config(&cfg, std::path::Path::new("m/scheduler_config.json")).unwrap()
-    }
+    use crate::sample::scheduler_config::test_config;
 
     /// Config values a sampler's diffusers class would read but sdtrain does not follow are
     /// refused, naming the file and the field; the same config builds the samplers that do not
@@ -214,7 +204,7 @@ mod tests {
             ),
         ];
         for (name, extra, steps, field) in cases {
-            let cfg = config(extra);
+            let cfg = test_config(extra);
             let kind = SamplerKind::parse(name).unwrap();
             let err = kind
                 .build(&cfg, steps)

@@ -317,6 +317,20 @@ impl SchedulerConfig {
     }
 }
 
+/// An SD1.5-like config (`m/scheduler_config.json`) with `extra`'s fields, for the samplers' unit
+/// tests.
+#[cfg(test)]
+pub(crate) fn test_config(extra: serde_json::Value) -> SchedulerConfig {
+    let mut cfg = serde_json::json!({
+        "beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear",
+        "num_train_timesteps": 1000, "steps_offset": 1,
+    });
+    if let (Some(c), Some(e)) = (cfg.as_object_mut(), extra.as_object()) {
+        c.extend(e.clone());
+    }
+    SchedulerConfig::from_config(&cfg, Path::new("m/scheduler_config.json")).unwrap()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -139,6 +139,14 @@ pub(super) fn init_noise_sigma(config: &SchedulerConfig, sigmas: &[f64]) -> f64 
     }
 }
 
+/// The model's input at σ for the σ-parameterised samplers: `x/√(σ²+1)`.
+pub(super) fn k_scale(
+    sample: &candle_core::Tensor,
+    sigma: f64,
+) -> candle_core::Result<candle_core::Tensor> {
+    sample * (1.0 / (sigma * sigma + 1.0).sqrt())
+}
+
 /// `x̂₀` of the σ-parameterised samplers: `x − σ·ε̂`, or `v̂·(−σ/√(σ²+1)) + x/(σ²+1)` under
 /// v-prediction.
 pub(super) fn k_denoised(
