@@ -183,7 +183,7 @@ fn a_bad_prompts_file_is_refused_up_front() {
         "{msg}"
     );
     let file = tmp.path().join("q.json");
-    std::fs::write(&file, r#"{"scheduler": "kdpm2"}"#).unwrap();
+    std::fs::write(&file, r#"{"scheduler": "heun"}"#).unwrap();
     let cfg = write_config(
         tmp.path(),
         "tiny-sd15",
@@ -194,7 +194,7 @@ fn a_bad_prompts_file_is_refused_up_front() {
     assert!(!out.status.success());
     let msg = text(&out);
     assert!(
-        msg.contains("q.json") && msg.contains("`scheduler` is \"kdpm2\", an EveryDream2 sampler"),
+        msg.contains("q.json") && msg.contains("`scheduler` is \"heun\"; the samplers are"),
         "{msg}"
     );
 }
@@ -323,4 +323,67 @@ fn dpm_solver_samples_in_a_run_and_from_the_command() {
     );
     assert!(out.status.success(), "{}", common::cli::text(&out));
     assert!(tmp.path().join("d.png").is_file());
+}
+
+/// EveryDream2's other sampler names, as a run's sample prompts (one sample each, naming its
+/// `scheduler`) and as `sdtrain sample --sampler`: each draws a PNG and its `.txt` names it.
+/// Catches a name parsed but not wired to its sampler, or a sampler that fails on a real model.
+#[test]
+fn every_everydream2_sampler_draws_in_a_run_and_from_the_command() {
+    const NAMES: [&str; 9] = [
+        "euler",
+        "ddpm",
+        "pndm",
+        "lms",
+        "kdpm2",
+        "dpm++_2s",
+        "dpm++_2s_k",
+        "dpm++_sde",
+        "dpm++_sde_k",
+    ];
+    let tmp = tempfile::tempdir().unwrap();
+    let samples: Vec<serde_json::Value> = NAMES
+        .iter()
+        .enumerate()
+        .map(|(i, n)| serde_json::json!({"prompt": format!("cat {i}"), "scheduler": n}))
+        .collect();
+    let prompts = serde_json::json!({"cfgs": [3], "num_inference_steps": 2, "resolution": 32,
+        "samples": samples});
+    let run = train(
+        tmp.path(),
+        "tiny-sd15",
+        ("p.json", &prompts.to_string()),
+        serde_json::json!({"sample_steps": 1, "max_steps": 1}),
+    );
+    for (i, n) in NAMES.iter().enumerate() {
+        let stem = format!("gs00001-{i:03}-cat_{i}");
+        let txt = run.join(format!("samples/{stem}.txt"));
+        let txt = std::fs::read_to_string(&txt).unwrap_or_else(|e| {
+            panic!("{}: {e}; {:?}", txt.display(), names(&run.join("samples")))
+        });
+        assert!(txt.contains(&format!("{n}, 2 steps")), "{txt}");
+        let out = common::cli::sdtrain(
+            &[
+                "sample",
+                "--model",
+                common::fixture("tiny-sd15").to_str().unwrap(),
+                "--prompt",
+                "a cat",
+                "--steps",
+                "2",
+                "--width",
+                "32",
+                "--height",
+                "32",
+                "--sampler",
+                n,
+                "--out",
+                &format!("{i}.png"),
+                "--cpu",
+            ],
+            tmp.path(),
+        );
+        assert!(out.status.success(), "{n}: {}", common::cli::text(&out));
+        assert_eq!(dims(&tmp.path().join(format!("{i}.png"))), (32, 32), "{n}");
+    }
 }

@@ -51,7 +51,8 @@ pub struct SampleArgs {
     /// Classifier-free guidance scale (≤ 1: none).
     #[arg(long, default_value_t = 7.0)]
     pub cfg: f64,
-    /// `ddim`, `euler_a`, `dpm++` (`dpm++_2m`), `dpm++_2m_k`, `dpm++_2m_sde` or `dpm++_2m_sde_k`.
+    /// EveryDream2's sampler names: `ddim`, `ddpm`, `pndm`, `euler`, `euler_a`, `lms`, `kdpm2`,
+    /// `dpm++` (`dpm++_2m`), `dpm++_2m_k`, `dpm++_2m_sde(_k)`, `dpm++_2s(_k)`, `dpm++_sde(_k)`.
     #[arg(long, default_value = "ddim", value_parser = parse_sampler)]
     pub sampler: SamplerKind,
     /// Width in pixels (default: the model's native resolution).

@@ -66,6 +66,10 @@ impl Sampler for Ddim {
         1.0
     }
 
+    fn sigmas(&self) -> Option<&[f64]> {
+        None
+    }
+
     fn scale_model_input(&self, sample: &Tensor, _i: usize) -> Result<Tensor> {
         Ok(sample.clone())
     }

@@ -24,9 +24,9 @@ use std::cell::RefCell;
 
 use candle_core::{Result, Tensor};
 
-use super::euler_ancestral::{interp, train_sigmas};
 use super::sampler::{NoiseFn, Sampler};
 use super::scheduler_config::{round_half_even, SchedulerConfig, Spacing};
+use super::sigmas::{as_f32, interp, karras, log_sigmas, sigma_to_t, train_sigmas};
 use crate::model::family::PredictionType;
 
 /// Which DPM-Solver++ (EveryDream2's name without `_k`).
@@ -56,33 +56,10 @@ pub struct DpmSolver {
 impl DpmSolver {
     /// `steps` must be in `1..=num_train_timesteps` ([`super::SamplerKind::build`] checks).
     pub fn new(config: &SchedulerConfig, steps: usize, variant: DpmVariant) -> Self {
-        let (alphas_cumprod, train_sigmas) = train_sigmas(config);
-        let log_sigmas: Vec<f64> = train_sigmas
-            .iter()
-            .map(|&s| f64::from((s as f32).ln()))
-            .collect();
         let dpm = &config.dpm;
-        let last = last_timestep(&alphas_cumprod, dpm.lambda_min_clipped);
         let spacing = config.spacing.unwrap_or(Spacing::Linspace);
-        let mut timesteps = dpm_timesteps(spacing, train_sigmas.len(), last, steps, config);
-        let mut sigmas: Vec<f64> = if variant.karras {
-            let sigma_min = train_sigmas[0];
-            let sigma_max = *train_sigmas.last().unwrap_or(&1.0);
-            let sigmas = karras(sigma_min, sigma_max, steps);
-            timesteps = sigmas
-                .iter()
-                .map(|&s| round_half_even(sigma_to_t(s, &log_sigmas)))
-                .collect();
-            sigmas
-        } else {
-            timesteps
-                .iter()
-                .map(|&t| interp(&train_sigmas, t))
-                .collect()
-        };
         let final_zero = !dpm.final_sigma_min.unwrap_or(false);
-        sigmas.push(if final_zero { 0.0 } else { train_sigmas[0] });
-        let sigmas = sigmas.into_iter().map(|s| f64::from(s as f32)).collect();
+        let (timesteps, sigmas) = dpm_schedule(config, steps, spacing, variant.karras, final_zero);
         Self {
             variant,
             outputs: RefCell::new(vec![None; timesteps.len()]),
@@ -95,19 +72,6 @@ impl DpmSolver {
             final_zero,
             prediction: config.schedule.prediction_type(),
         }
-    }
-
-    /// `σ` at each step and the final one.
-    pub fn sigmas(&self) -> &[f64] {
-        &self.sigmas
-    }
-
-    /// `(α, s, λ)` at `σ`, in f32 as diffusers computes them.
-    fn alpha_sigma_lambda(sigma: f64) -> (f32, f32, f32) {
-        let sigma = sigma as f32;
-        let alpha = 1.0 / (sigma * sigma + 1.0).sqrt();
-        let s = sigma * alpha;
-        (alpha, s, alpha.ln() - s.ln())
     }
 
     /// The order step `i` runs at (diffusers' `lower_order_nums` and final-step rules).
@@ -125,6 +89,65 @@ impl DpmSolver {
             3
         }
     }
+}
+
+/// `(α, s, λ)` at `σ`, in f32 as diffusers computes them: `α = 1/√(σ²+1)`, `s = σ·α`,
+/// `λ = ln α − ln s`.
+pub(super) fn alpha_sigma_lambda(sigma: f64) -> (f32, f32, f32) {
+    let sigma = sigma as f32;
+    let alpha = 1.0 / (sigma * sigma + 1.0).sqrt();
+    let s = sigma * alpha;
+    (alpha, s, alpha.ln() - s.ln())
+}
+
+/// DPM-Solver++'s data prediction at `σ`: `(x − s·ε̂)/α`, or `α·x − s·v̂`.
+pub(super) fn dpm_x0(
+    prediction: PredictionType,
+    sample: &Tensor,
+    model_output: &Tensor,
+    sigma: f64,
+) -> Result<Tensor> {
+    let (alpha, s, _) = alpha_sigma_lambda(sigma);
+    match prediction {
+        PredictionType::Epsilon => {
+            (sample - (model_output * f64::from(s))?)? * f64::from(1.0 / alpha)
+        }
+        PredictionType::VPrediction => {
+            (sample * f64::from(alpha))? - (model_output * f64::from(s))?
+        }
+    }
+}
+
+/// DPM-Solver's timesteps and σ (one per step, then the final one), both rounded as diffusers
+/// stores them (module header); the single-step solver shares them.
+pub(super) fn dpm_schedule(
+    config: &SchedulerConfig,
+    steps: usize,
+    spacing: Spacing,
+    karras_sigmas: bool,
+    final_zero: bool,
+) -> (Vec<f64>, Vec<f64>) {
+    let (alphas_cumprod, train_sigmas) = train_sigmas(config);
+    let last = last_timestep(&alphas_cumprod, config.dpm.lambda_min_clipped);
+    let mut timesteps = dpm_timesteps(spacing, train_sigmas.len(), last, steps, config);
+    let mut sigmas: Vec<f64> = if karras_sigmas {
+        let log_sigmas = log_sigmas(&train_sigmas);
+        let sigma_min = train_sigmas[0];
+        let sigma_max = *train_sigmas.last().unwrap_or(&1.0);
+        let sigmas = karras(sigma_min, sigma_max, steps);
+        timesteps = sigmas
+            .iter()
+            .map(|&s| round_half_even(sigma_to_t(s, &log_sigmas)))
+            .collect();
+        sigmas
+    } else {
+        timesteps
+            .iter()
+            .map(|&t| interp(&train_sigmas, t))
+            .collect()
+    };
+    sigmas.push(if final_zero { 0.0 } else { train_sigmas[0] });
+    (timesteps, as_f32(sigmas))
 }
 
 /// The timestep where `λ` first falls below `clip` (counted from the end), else `T`.
@@ -182,37 +205,6 @@ fn dpm_timesteps(
     }
 }
 
-/// Karras et al.'s schedule of `n` sigmas from `max` down to `min` (ρ = 7).
-fn karras(min: f64, max: f64, n: usize) -> Vec<f64> {
-    let rho = 7.0;
-    let (lo, hi) = (min.powf(1.0 / rho), max.powf(1.0 / rho));
-    (0..n)
-        .map(|k| {
-            let r = if n == 1 {
-                0.0
-            } else {
-                k as f64 / (n - 1) as f64
-            };
-            (hi + r * (lo - hi)).powf(rho)
-        })
-        .collect()
-}
-
-/// The (fractional) training timestep whose `log σ` is `ln σ`, interpolated between neighbours
-/// (diffusers' `_sigma_to_t`).
-pub(super) fn sigma_to_t(sigma: f64, log_sigmas: &[f64]) -> f64 {
-    let log_sigma = sigma.max(1e-10).ln();
-    let top = log_sigmas.len().saturating_sub(2);
-    let low = log_sigmas
-        .iter()
-        .rposition(|&l| log_sigma - l >= 0.0)
-        .unwrap_or(0)
-        .min(top);
-    let (lo, hi) = (log_sigmas[low], log_sigmas[low + 1]);
-    let w = ((lo - log_sigma) / (lo - hi)).clamp(0.0, 1.0);
-    (1.0 - w) * low as f64 + w * (low + 1) as f64
-}
-
 impl Sampler for DpmSolver {
     fn timesteps(&self) -> &[f64] {
         &self.timesteps
@@ -220,6 +212,10 @@ impl Sampler for DpmSolver {
 
     fn init_noise_sigma(&self) -> f64 {
         1.0
+    }
+
+    fn sigmas(&self) -> Option<&[f64]> {
+        Some(&self.sigmas)
     }
 
     fn scale_model_input(&self, sample: &Tensor, _i: usize) -> Result<Tensor> {
@@ -233,21 +229,14 @@ impl Sampler for DpmSolver {
         sample: &Tensor,
         noise: &mut NoiseFn<'_>,
     ) -> Result<Tensor> {
-        let (alpha_0, s_0, lambda_0) = Self::alpha_sigma_lambda(self.sigmas[i]);
-        let x0 = match self.prediction {
-            PredictionType::Epsilon => {
-                ((sample - (model_output * f64::from(s_0))?)? * f64::from(1.0 / alpha_0))?
-            }
-            PredictionType::VPrediction => {
-                ((sample * f64::from(alpha_0))? - (model_output * f64::from(s_0))?)?
-            }
-        };
+        let (_, s_0, lambda_0) = alpha_sigma_lambda(self.sigmas[i]);
+        let x0 = dpm_x0(self.prediction, sample, model_output, self.sigmas[i])?;
         self.outputs.borrow_mut()[i] = Some(x0.clone());
         let z = match self.variant.sde {
             true => Some(noise(model_output.dims())?.to_dtype(sample.dtype())?),
             false => None,
         };
-        let (alpha_t, s_t, lambda_t) = Self::alpha_sigma_lambda(self.sigmas[i + 1]);
+        let (alpha_t, s_t, lambda_t) = alpha_sigma_lambda(self.sigmas[i + 1]);
         let h = lambda_t - lambda_0;
         if h == 0.0 {
             // σ does not move (Karras sigmas ending at σ_min with a final σ_min): diffusers
@@ -260,7 +249,7 @@ impl Sampler for DpmSolver {
                 candle_core::Error::Msg(format!("DPM-Solver: step {} was not taken", i - k))
             })
         };
-        let lambda_at = |k: usize| Self::alpha_sigma_lambda(self.sigmas[i - k]).2;
+        let lambda_at = |k: usize| alpha_sigma_lambda(self.sigmas[i - k]).2;
         let e = (-h).exp();
         let one_minus = 1.0 - (-2.0 * h).exp();
         // (coefficient, D) pairs of diffusers' multistep updates, coefficients in f32.
@@ -326,33 +315,25 @@ impl Sampler for DpmSolver {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::sample::scheduler_config::test_config;
     use crate::sample::SamplerKind;
     use candle_core::Device;
-
-    fn config(extra: serde_json::Value) -> SchedulerConfig {
-        let mut cfg = serde_json::json!({
-            "beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear",
-            "num_train_timesteps": 1000, "steps_offset": 1,
-        });
-        cfg.as_object_mut()
-            .unwrap()
-            .extend(extra.as_object().unwrap().clone());
-        SchedulerConfig::from_config(&cfg, std::path::Path::new("s.json")).unwrap()
-    }
 
     /// Karras sigmas end at σ_min; with a final σ of σ_min the last step does not move σ, and
     /// diffusers divides by h = 0 there (its latents come out NaN). Here they stay finite and
     /// unchanged. Catches the guard removed.
     #[test]
     fn a_step_that_does_not_move_sigma_keeps_the_latents() {
-        let cfg = config(serde_json::json!({"solver_order": 3, "final_sigmas_type": "sigma_min"}));
+        let cfg =
+            test_config(serde_json::json!({"solver_order": 3, "final_sigmas_type": "sigma_min"}));
         let variant = DpmVariant {
             sde: false,
             karras: true,
         };
         let s = DpmSolver::new(&cfg, 16, variant);
         let n = s.timesteps().len();
-        assert_eq!(s.sigmas()[n - 1], s.sigmas()[n]);
+        let sigmas = s.sigmas().unwrap();
+        assert_eq!(sigmas[n - 1], sigmas[n]);
         let mut x = Tensor::randn(0f32, 1f32, (1, 4, 2, 2), &Device::Cpu).unwrap();
         let mut no_noise = |_: &[usize]| -> Result<Tensor> { unreachable!() };
         for i in 0..n {
@@ -368,8 +349,8 @@ mod tests {
         assert!(v.iter().all(|x| x.is_finite()));
     }
 
-    /// EveryDream2's names: `dpm++` is `dpm++_2m`; the `_k` forms take Karras sigmas; the
-    /// names it has that sdtrain lacks say so. Catches `dpm++` mapped to the SDE form.
+    /// EveryDream2's names: `dpm++` is `dpm++_2m`; the `_k` forms take Karras sigmas; `_2s` is
+    /// single-step and `_sde` the SDE solver. Catches `dpm++` mapped to the SDE form.
     #[test]
     fn everydream2_names_choose_the_variant() {
         let v = |sde, karras| Some(SamplerKind::DpmSolver(DpmVariant { sde, karras }));
@@ -381,7 +362,15 @@ mod tests {
         for name in ["dpm++_2m", "dpm++_2m_k", "dpm++_2m_sde", "dpm++_2m_sde_k"] {
             assert_eq!(SamplerKind::parse(name).unwrap().name(), name);
         }
-        assert!(SamplerKind::unknown("kdpm2").contains("an EveryDream2 sampler"));
-        assert!(!SamplerKind::unknown("warp").contains("EveryDream2"));
+        for (name, kind) in [
+            ("dpm++_2s", SamplerKind::DpmSinglestep { karras: false }),
+            ("dpm++_2s_k", SamplerKind::DpmSinglestep { karras: true }),
+            ("dpm++_sde", SamplerKind::DpmSde { karras: false }),
+            ("dpm++_sde_k", SamplerKind::DpmSde { karras: true }),
+        ] {
+            assert_eq!(SamplerKind::parse(name), Some(kind));
+            assert_eq!(kind.name(), name);
+        }
+        assert!(SamplerKind::unknown("warp").contains("the samplers are"));
     }
 }

@@ -12,7 +12,8 @@
 use candle_core::{Result, Tensor};
 
 use super::sampler::{NoiseFn, Sampler};
-use super::scheduler_config::{SchedulerConfig, Spacing};
+use super::scheduler_config::SchedulerConfig;
+use super::sigmas::{as_f32, init_noise_sigma, k_denoised, k_scale, k_schedule};
 use crate::model::family::PredictionType;
 
 #[derive(Debug, Clone)]
@@ -27,65 +28,16 @@ pub struct EulerAncestral {
 impl EulerAncestral {
     /// `steps` must be in `1..=num_train_timesteps` ([`super::SamplerKind::build`] checks).
     pub fn new(config: &SchedulerConfig, steps: usize) -> Self {
-        let (_, train_sigmas) = train_sigmas(config);
-        let spacing = config.spacing.unwrap_or(Spacing::Linspace);
-        let timesteps: Vec<f64> = spacing
-            .timesteps(train_sigmas.len(), steps, config.steps_offset, false)
-            .into_iter()
-            .map(|t| f64::from(t as f32))
-            .collect();
-        let mut sigmas: Vec<f64> = timesteps
-            .iter()
-            .map(|&t| f64::from(interp(&train_sigmas, t) as f32))
-            .collect();
+        let (timesteps, sigmas) = k_schedule(config, steps, None);
+        let mut sigmas = as_f32(sigmas);
         sigmas.push(0.0);
-        let max = sigmas.iter().copied().fold(0.0, f64::max);
-        let init_noise_sigma = match spacing {
-            Spacing::Linspace | Spacing::Trailing => max,
-            Spacing::Leading => f64::from((max * max + 1.0).sqrt() as f32),
-        };
         Self {
+            init_noise_sigma: init_noise_sigma(config, &sigmas),
             timesteps,
             sigmas,
-            init_noise_sigma,
             prediction: config.schedule.prediction_type(),
         }
     }
-
-    /// `σ` at each step and the final 0.
-    pub fn sigmas(&self) -> &[f64] {
-        &self.sigmas
-    }
-}
-
-/// The schedule's `ᾱ` as the σ-based samplers take it (the last set to 2⁻²⁴ under zero terminal
-/// SNR, so `σ` stays finite, as diffusers does) and `σ_t = √((1−ᾱ_t)/ᾱ_t)` rounded to f32.
-pub(super) fn train_sigmas(config: &SchedulerConfig) -> (Vec<f64>, Vec<f64>) {
-    let mut alphas_cumprod = config.schedule.alphas_cumprod().to_vec();
-    if config.zero_terminal_snr {
-        if let Some(last) = alphas_cumprod.last_mut() {
-            *last = 2f64.powi(-24);
-        }
-    }
-    let sigmas = alphas_cumprod
-        .iter()
-        .map(|&a| f64::from((((1.0 - a) / a).sqrt()) as f32))
-        .collect();
-    (alphas_cumprod, sigmas)
-}
-
-/// numpy's `interp(t, arange(len(ys)), ys)`: linear, clamped at the ends.
-pub(super) fn interp(ys: &[f64], t: f64) -> f64 {
-    let last = ys.len() - 1;
-    if t <= 0.0 {
-        return ys[0];
-    }
-    if t >= last as f64 {
-        return ys[last];
-    }
-    let k = t.floor() as usize;
-    let f = t - k as f64;
-    ys[k] + (ys[k + 1] - ys[k]) * f
 }
 
 impl Sampler for EulerAncestral {
@@ -97,9 +49,12 @@ impl Sampler for EulerAncestral {
         self.init_noise_sigma
     }
 
+    fn sigmas(&self) -> Option<&[f64]> {
+        Some(&self.sigmas)
+    }
+
     fn scale_model_input(&self, sample: &Tensor, i: usize) -> Result<Tensor> {
-        let s = self.sigmas[i];
-        sample * (1.0 / (s * s + 1.0).sqrt())
+        k_scale(sample, self.sigmas[i])
     }
 
     fn step(
@@ -110,13 +65,7 @@ impl Sampler for EulerAncestral {
         noise: &mut NoiseFn<'_>,
     ) -> Result<Tensor> {
         let sigma = self.sigmas[i];
-        let x0 = match self.prediction {
-            PredictionType::Epsilon => (sample - (model_output * sigma)?)?,
-            PredictionType::VPrediction => {
-                let s2 = sigma * sigma + 1.0;
-                ((model_output * (-sigma / s2.sqrt()))? + (sample * (1.0 / s2))?)?
-            }
-        };
+        let x0 = k_denoised(self.prediction, sample, model_output, sigma)?;
         let to = self.sigmas[i + 1];
         let up = (to * to * (sigma * sigma - to * to) / (sigma * sigma)).sqrt();
         let down = (to * to - up * up).max(0.0).sqrt();

@@ -1,16 +1,25 @@
-//! Image sampling: DDIM, Euler ancestral and DPM-Solver++ samplers with classifier-free guidance, the sample
-//! prompts file, and the PNGs a run or `sdtrain sample` writes.
+//! Image sampling: EveryDream2's samplers (DDIM, DDPM, PNDM, Euler, Euler ancestral, DPM-Solver++
+//! and the others named in `sampler.rs`) with classifier-free guidance, the sample prompts file,
+//! and the PNGs a run or `sdtrain sample` writes.
 
 pub mod command;
 pub mod ddim;
+pub mod ddpm;
+pub mod dpm_sde;
+pub mod dpm_singlestep;
 pub mod dpm_solver;
+pub mod euler;
 pub mod euler_ancestral;
 pub mod generate;
 pub mod image_out;
 pub mod jobs;
+pub mod kdpm2_ancestral;
+pub mod lms;
+pub mod pndm;
 pub mod prompts;
 pub mod sampler;
 pub mod scheduler_config;
+pub mod sigmas;
 
 pub use generate::{generate, PromptConds, SampleRequest, UnetRun};
 pub use sampler::{NoiseFn, Sampler, SamplerKind};

@@ -440,8 +440,8 @@ mod tests {
         for (text, needle) in [
             (r#"{"cfgs": 7}"#, "`cfgs` must be a list"),
             (
-                r#"{"scheduler": "lms"}"#,
-                "`scheduler` is \"lms\", an EveryDream2 sampler",
+                r#"{"scheduler": "heun"}"#,
+                "`scheduler` is \"heun\"; the samplers are",
             ),
             (
                 r#"{"samples": [{"promt": "x"}]}"#,

@@ -104,8 +104,48 @@ pub struct SchedulerConfig {
     pub clip_sample_range: f64,
     /// DPM-Solver's fields (diffusers' `DPMSolverMultistepScheduler`), when the file has them.
     pub dpm: DpmFields,
-    /// `use_karras_sigmas`, which Euler reads from the file (DPM++ takes it from its name).
+    /// `use_karras_sigmas`, which Euler, LMS and KDPM2 ancestral read from the file (DPM++
+    /// takes it from its name).
     pub use_karras_sigmas: Option<bool>,
+    /// PNDM's `skip_prk_steps` (false when absent: Runge–Kutta warm-up steps first).
+    pub skip_prk_steps: Option<bool>,
+    /// `variance_type` (DDPM's; one of `fixed_small`, `fixed_large`, `learned`,
+    /// `learned_range`).
+    pub variance_type: Option<String>,
+    /// Euler's `interpolation_type` is `"log_linear"` (not supported; Euler refuses it).
+    pub log_linear_interpolation: bool,
+    /// Euler's `timestep_type` is `"continuous"` (Euler refuses it under v-prediction).
+    pub continuous_timesteps: bool,
+    /// DPM-Solver single-step's `algorithm_type`, when the file names one.
+    pub algorithm_type: Option<String>,
+}
+
+impl SchedulerConfig {
+    /// Why this config cannot build a sampler: `field` of the file and its `problem`.
+    pub fn refuse(&self, field: &'static str, problem: &str) -> String {
+        ScheduleError::BadField {
+            file: self.file.clone(),
+            field,
+            problem: problem.to_string(),
+        }
+        .to_string()
+    }
+
+    /// Refuses zero terminal SNR for a sampler whose diffusers class (`class`) ignores
+    /// `rescale_betas_zero_snr`: it would draw on another schedule than the model was trained on.
+    pub fn refuse_zero_snr(&self, class: &str) -> Result<(), String> {
+        match self.zero_terminal_snr {
+            false => Ok(()),
+            true => Err(self.refuse(
+                "rescale_betas_zero_snr",
+                &format!(
+                    "is true; diffusers' {class} ignores it and would sample on the unrescaled \
+                     schedule, so sdtrain refuses; use ddim, ddpm, euler, euler_a or a dpm++_2m \
+                     sampler"
+                ),
+            )),
+        }
+    }
 }
 
 /// The `DPMSolverMultistepScheduler` fields of a scheduler config; `None` takes the class's
@@ -219,6 +259,28 @@ impl SchedulerConfig {
                 ));
             }
         }
+        for name in ["sigma_min", "sigma_max"] {
+            if field(name).is_some() {
+                return Err(bad(
+                    name,
+                    "is set; Karras sigmas between given bounds are not supported (Stable \
+                     Diffusion's schedulers leave it null)",
+                ));
+            }
+        }
+        if let Some(v) = field("variance_type") {
+            // Read by DDPM only; DPM-Solver's `learned` types drop extra output channels the
+            // Stable Diffusion UNets do not have.
+            if !matches!(
+                v.as_str(),
+                Some("fixed_small" | "fixed_large" | "learned" | "learned_range")
+            ) {
+                return Err(bad(
+                    "variance_type",
+                    "is not \"fixed_small\", \"fixed_large\", \"learned\" or \"learned_range\"",
+                ));
+            }
+        }
         if flag("thresholding")? == Some(true) {
             return Err(bad(
                 "thresholding",
@@ -236,8 +298,37 @@ impl SchedulerConfig {
             clip_sample_range,
             dpm,
             use_karras_sigmas: flag("use_karras_sigmas")?,
+            skip_prk_steps: flag("skip_prk_steps")?,
+            variance_type: field("variance_type")
+                .and_then(|v| v.as_str())
+                .map(str::to_string),
+            log_linear_interpolation: choice("interpolation_type", "log_linear", "linear")?
+                .unwrap_or(false),
+            continuous_timesteps: choice("timestep_type", "continuous", "discrete")?
+                .unwrap_or(false),
+            algorithm_type: field("algorithm_type")
+                .map(|v| {
+                    v.as_str()
+                        .map(str::to_string)
+                        .ok_or_else(|| bad("algorithm_type", "is not a string"))
+                })
+                .transpose()?,
         })
     }
+}
+
+/// An SD1.5-like config (`m/scheduler_config.json`) with `extra`'s fields, for the samplers' unit
+/// tests.
+#[cfg(test)]
+pub(crate) fn test_config(extra: serde_json::Value) -> SchedulerConfig {
+    let mut cfg = serde_json::json!({
+        "beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear",
+        "num_train_timesteps": 1000, "steps_offset": 1,
+    });
+    if let (Some(c), Some(e)) = (cfg.as_object_mut(), extra.as_object()) {
+        c.extend(e.clone());
+    }
+    SchedulerConfig::from_config(&cfg, Path::new("m/scheduler_config.json")).unwrap()
 }
 
 #[cfg(test)]
