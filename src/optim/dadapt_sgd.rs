@@ -170,12 +170,6 @@ struct State {
 }
 
 impl ParamState for State {
-    fn update(&mut self, _: &Var, _: &Tensor, _: f64, _: u64) -> candle_core::Result<()> {
-        Err(candle_core::Error::Msg(
-            "dadapt_sgd updates in two passes".into(),
-        ))
-    }
-
     fn accumulate(
         &mut self,
         var: &Var,

@@ -228,12 +228,6 @@ struct ScalarState {
 }
 
 impl ParamState for ScalarState {
-    fn update(&mut self, _: &Var, _: &Tensor, _: f64, _: u64) -> candle_core::Result<()> {
-        Err(candle_core::Error::Msg(
-            "scalar_dowg updates in two passes".into(),
-        ))
-    }
-
     fn accumulate(
         &mut self,
         var: &Var,

@@ -35,3 +35,14 @@ pub(super) fn check_common(
     }
     Ok(())
 }
+
+/// Adam's bias correction inside Prodigy's and D-Adaptation Adam's `d·lr` at group step `k`
+/// (from 0): `√(1 − β2^(k+1)) / (1 − β1^(k+1))`, or 1 when off.
+pub(super) fn bias_correction(on: bool, beta1: f64, beta2: f64, k: u64) -> f64 {
+    if on {
+        let k = k as i32;
+        (1.0 - beta2.powi(k + 1)).sqrt() / (1.0 - beta1.powi(k + 1))
+    } else {
+        1.0
+    }
+}

@@ -25,7 +25,7 @@ use candle_core::{Tensor, Var};
 use serde::Serialize;
 
 use super::dense;
-use super::hyper::{check_common, invalid};
+use super::hyper::{bias_correction, check_common, invalid};
 use super::rule::{ParamState, Shares, StepEstimate, StepScalars, UpdateRule};
 use super::Result;
 
@@ -149,12 +149,7 @@ struct Estimate {
 impl StepEstimate for Estimate {
     fn begin(&mut self, lr: f64, _grad_sq: Option<f64>) -> StepScalars {
         let h = &self.hyper;
-        let k = self.k as i32;
-        let bias = if h.use_bias_correction {
-            (1.0 - h.beta2.powi(k + 1)).sqrt() / (1.0 - h.beta1.powi(k + 1))
-        } else {
-            1.0
-        };
+        let bias = bias_correction(h.use_bias_correction, h.beta1, h.beta2, self.k);
         self.lr = lr;
         self.dlr = self.d * lr * bias;
         StepScalars {
@@ -230,12 +225,6 @@ impl State {
 }
 
 impl ParamState for State {
-    fn update(&mut self, _: &Var, _: &Tensor, _: f64, _: u64) -> candle_core::Result<()> {
-        Err(candle_core::Error::Msg(
-            "prodigy updates in two passes".into(),
-        ))
-    }
-
     fn accumulate(
         &mut self,
         var: &Var,

@@ -60,8 +60,13 @@ pub trait StepEstimate: Send {
 /// One parameter's optimizer state and its update rule.
 pub trait ParamState: Send {
     /// Updates `var` in place from `grad` (same shape, finite: checked by the caller) with
-    /// learning rate `lr`, as this parameter's update number `t` (1 on its first).
-    fn update(&mut self, var: &Var, grad: &Tensor, lr: f64, t: u64) -> Result<()>;
+    /// learning rate `lr`, as this parameter's update number `t` (1 on its first). The
+    /// two-pass rules (with a [`StepEstimate`]) update through `accumulate` and `apply` instead.
+    fn update(&mut self, _var: &Var, _grad: &Tensor, _lr: f64, _t: u64) -> Result<()> {
+        Err(candle_core::Error::Msg(
+            "this optimizer updates in two passes (accumulate, then apply)".into(),
+        ))
+    }
     /// A step-size estimator's first pass (see the module doc): the state updated from `grad`,
     /// and this parameter's shares added to `shares`. `done` counts the parameter's completed
     /// updates (0 before its first: where the state takes the starting point). Either all of it
