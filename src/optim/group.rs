@@ -351,8 +351,10 @@ impl GroupOptimizer {
         Ok(())
     }
 
-    /// Runs `f` on the parameter in slot `i` (on its f32 copy, rounded back stochastically,
-    /// when the group rounds so), naming the parameter in an error.
+    /// Runs `f` on the parameter in slot `i`, naming the parameter in an error. When the group
+    /// rounds stochastically, a bf16/f16 parameter is updated as an f32 copy (with an f32
+    /// gradient) that is then rounded into it with the seed of its next update; the copy lives
+    /// for this one call.
     fn run_slot(
         &mut self,
         i: usize,
@@ -417,19 +419,9 @@ impl GroupOptimizer {
             return self.apply_fused(i, g);
         }
         let lr = self.lr;
-        let s = &mut self.slots[i];
-        let t = s.step + 1;
-        let updated = match self.stochastic {
-            Some(seed) if s.var.dtype() != DType::F32 => {
-                update_rounding_stochastically(s, g, lr, t, seed)
-            }
-            _ => s.state.update(&s.var, g, lr, t),
-        };
-        updated.map_err(|e| OptimError::Tensor {
-            name: s.name.clone(),
-            source: Box::new(e),
-        })?;
-        s.step = t;
+        let t = self.slots[i].step + 1;
+        self.run_slot(i, g, |state, var, g| state.update(var, g, lr, t))?;
+        self.slots[i].step = t;
         Ok(())
     }
 
@@ -583,23 +575,6 @@ impl GroupOptimizer {
         }
         Ok(out)
     }
-}
-
-/// The rule's update of a bf16/f16 parameter in f32 (on an f32 copy, from an f32 gradient), then
-/// the copy rounded stochastically into the parameter with the seed of this update. The copy
-/// lives for this one parameter's update.
-fn update_rounding_stochastically(
-    s: &mut Slot,
-    g: &Tensor,
-    lr: f64,
-    t: u64,
-    run_seed: u64,
-) -> candle_core::Result<()> {
-    let master = Var::from_tensor(&s.var.as_tensor().to_dtype(DType::F32)?)?;
-    let g = g.to_dtype(DType::F32)?;
-    s.state.update(&master, &g, lr, t)?;
-    let seed = stochastic_round::tensor_seed(run_seed, &s.name, t);
-    stochastic_round::round_into(&s.var, master.as_tensor(), seed)
 }
 
 /// Fails on state for unknown parameters and on parameters without their full state.
