@@ -62,8 +62,12 @@ pub struct TrainArgs {
     #[arg(long)]
     pub dry_run: bool,
     /// Train on the CPU even when a GPU is available.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "device")]
     pub cpu: bool,
+    /// `cpu`, `cuda` or `cuda:N`: the device to train on, over train.json's `gpuid` (default:
+    /// card `gpuid`, else the CPU when the machine has no CUDA card).
+    #[arg(long, value_name = "cpu|cuda:N")]
+    pub device: Option<crate::memory::DeviceRequest>,
 }
 
 #[derive(Debug, Args)]
@@ -126,7 +130,7 @@ fn run_train(args: &TrainArgs) -> anyhow::Result<ExitCode> {
         match train::state_estimate::estimate(&plan) {
             Ok(estimate) => {
                 print_stdout(&estimate.state)?;
-                match memory_plan(&plan, &estimate) {
+                match memory_plan(&plan, &estimate, device_request(args, &plan)) {
                     Ok(mem) => print_stdout(&mem)?,
                     Err(e) => print_stdout(&format_args!("{:<15}unknown: {e:#}\n", "memory plan"))?,
                 }
@@ -136,11 +140,7 @@ fn run_train(args: &TrainArgs) -> anyhow::Result<ExitCode> {
         print_stdout(&"\n")?;
         return Ok(ExitCode::SUCCESS);
     }
-    let device = if args.cpu {
-        Device::Cpu
-    } else {
-        Device::cuda_if_available(0)?
-    };
+    let device = crate::memory::open_device(device_request(args, &plan))?;
     let show_progress = std::io::stderr().is_terminal();
     let outcome = train::train(
         &plan,
@@ -153,11 +153,22 @@ fn run_train(args: &TrainArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// The device the command line asks for, else train.json's `gpuid`.
+fn device_request(args: &TrainArgs, plan: &TrainPlan) -> crate::memory::DeviceRequest {
+    use crate::memory::DeviceRequest;
+    match (args.cpu, args.device) {
+        (true, _) => DeviceRequest::Cpu,
+        (false, Some(d)) => d,
+        (false, None) => DeviceRequest::Auto { gpuid: plan.gpuid },
+    }
+}
+
 /// The memory plan of a `--dry-run`, for a CUDA card: `vram_limit_gb` if set, else the card
 /// this machine has, else a 12 GiB card (the product's target).
 fn memory_plan(
     plan: &TrainPlan,
     estimate: &train::state_estimate::ModelEstimate,
+    request: crate::memory::DeviceRequest,
 ) -> anyhow::Result<train::memory_plan::MemoryPlan> {
     use crate::model::files::Component;
     const GIB: f64 = (1u64 << 30) as f64;
@@ -169,15 +180,18 @@ fn memory_plan(
         .context("the model has no UNet")?;
     let (text, origin) = unet.config_text()?;
     let cfg = crate::model::unet::UnetConfig::from_json(&text, &origin.display().to_string())?;
-    // The card this machine has, else one of compute capability 8.0+ (bf16).
-    let card_amp = Device::new_cuda(0).map_or(crate::precision::Amp::Bf16, |d| {
-        crate::precision::Amp::default_for(&d)
+    // The card the run would use, else one of compute capability 8.0+ (bf16).
+    let device = crate::memory::open_device(request)
+        .ok()
+        .filter(|d| d.is_cuda());
+    let card_amp = device.as_ref().map_or(crate::precision::Amp::Bf16, |d| {
+        crate::precision::Amp::default_for(d)
     });
     let crate::config::RunShape { resolution, amp } =
         plan.run_shape(estimate.layout.native_resolution, card_amp);
     let card = match plan.vram_limit_gb {
         Some(gb) => (gb * GIB, "vram_limit_gb".to_string()),
-        None => detected_card().unwrap_or((
+        None => device.as_ref().and_then(detected_card).unwrap_or((
             12.0 * GIB,
             "a 12 GiB card; set vram_limit_gb for another".to_string(),
         )),
@@ -192,10 +206,9 @@ fn memory_plan(
     ))
 }
 
-/// The first CUDA card's memory, when this build and machine have one.
-fn detected_card() -> Option<(f64, String)> {
-    let device = Device::new_cuda(0).ok()?;
-    let usage = crate::memory::MemoryUsage::read(&device).ok()??;
+/// The run's CUDA card's memory.
+fn detected_card(device: &Device) -> Option<(f64, String)> {
+    let usage = crate::memory::MemoryUsage::read(device).ok()??;
     let total = usage.device_total_bytes? as f64;
     Some((total, "the detected card".to_string()))
 }
@@ -246,6 +259,7 @@ pub fn exit_code(err: &anyhow::Error) -> ExitCode {
             || e.downcast_ref::<DataError>()
                 .is_some_and(data_error_is_usage)
             || e.is::<NoCommand>()
+            || e.is::<crate::memory::DeviceError>()
             || e.is::<crate::train::run_dir::OutputDirError>()
     });
     if usage {

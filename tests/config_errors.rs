@@ -400,14 +400,14 @@ fn shipped_optimizer_presets_resolve() {
     let default = resolve("optimizer.json");
     assert_eq!(default.optimizer.unet.optimizer, OptimizerKind::AdamW8bit);
     assert_eq!(default.optimizer.unet, default.optimizer.text_encoder);
-    assert_eq!(default.unfreeze_last_n_layers, None);
+    assert!(default.text_encoder_freeze.trains_everything());
 
     let slower = resolve("configs/optimizer-adamw-te-slower.json");
     assert_eq!(slower.optimizer.unet.lr, 1e-6);
     assert_eq!(slower.optimizer.text_encoder.lr, 5e-7);
 
     let frozen = resolve("configs/optimizer-frozen-te-layers.json");
-    assert_eq!(frozen.unfreeze_last_n_layers, Some(2));
+    assert_eq!(frozen.text_encoder_freeze.trained_layers(12), 2);
     assert_eq!(frozen.optimizer.text_encoder.lr, 3e-7);
 
     let cosine = resolve("configs/optimizer-adamw-cosine.json");

@@ -20,8 +20,10 @@ mod precision_plan;
 mod resume_plan;
 mod run_shape;
 mod sample_plan;
+mod save_plan;
 mod strict;
 mod summary;
+mod te_freeze_plan;
 mod train_file;
 
 pub use adapter_file::{AdapterFile, AdapterPlan, SaveDtype};
@@ -45,4 +47,6 @@ pub use precision_plan::{
 };
 pub use run_shape::RunShape;
 pub use sample_plan::{SamplePlan, DEFAULT_SAMPLE_STEPS};
+pub use save_plan::SavePlan;
+pub use te_freeze_plan::{TextEncoderFreeze, TrainedLayers};
 pub use train_file::TrainFile;

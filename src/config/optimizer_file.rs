@@ -19,7 +19,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use super::error::ConfigError;
-use super::strict::{known_keys, Accepts, Section, Unsupported};
+use super::strict::{known_keys, Section};
 
 /// The repository's `optimizer.json`, used when train.json names none and no `optimizer.json`
 /// sits beside train.json or in the working directory (EveryDream2 also falls back to built-in
@@ -44,6 +44,13 @@ pub struct OptimizerFile {
     /// EveryDream2 retunes its fp16 grad scaler at steps 500/1000/2000/4000.
     #[serde(default)]
     pub apply_grad_scaler_step_tweaks: Option<bool>,
+    /// Log the groups' gradient norms (EveryDream2's default true).
+    #[serde(default)]
+    pub log_grad_norm: Option<bool>,
+    /// The text encoder's learning rate as a multiple of the UNet's, when
+    /// `text_encoder_overrides.lr` is not set (EveryDream2's doc/OPTIMIZER.md).
+    #[serde(default)]
+    pub text_encoder_lr_scale: Option<f64>,
 }
 
 /// One optimizer section (`base` or `text_encoder_overrides`).
@@ -110,76 +117,40 @@ pub struct AdafactorFile {
     pub scale_parameter: Option<bool>,
 }
 
-/// `text_encoder_freezing`.
+/// `text_encoder_freezing`, as EveryDream2's `_apply_text_encoder_freeze` reads it.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct FreezingFile {
     /// Train only the last N encoder layers (and the final layer norm); null trains all.
     #[serde(default)]
     pub unfreeze_last_n_layers: Option<i64>,
-}
-
-/// Keys EveryDream2 reads from `text_encoder_freezing` that sdtrain does not implement.
-const FREEZING_UNSUPPORTED: &[Unsupported] = &[
-    un(
-        "freeze_front_n_layers",
-        "EveryDream2 deprecated it; use unfreeze_last_n_layers",
-    ),
-    un(
-        "freeze_embeddings",
-        "the embeddings follow unfreeze_last_n_layers (frozen when fewer than all layers train)",
-    ),
-    un(
-        "freeze_final_layer_norm",
-        "the final layer norm is always trained with the text encoder",
-    ),
-];
-
-/// Top-level keys of EveryDream2's optimizer.json that sdtrain does not implement.
-/// `apply_grad_scaler_step_tweaks` is a field (so its own error can explain it); these are not.
-const TOP_UNSUPPORTED: &[Unsupported] = &[
-    Unsupported {
-        key: "log_grad_norm",
-        accepts: Accepts::NullOrTrue,
-        reason: "the gradient norm is always logged",
-    },
-    un(
-        "text_encoder_lr_scale",
-        "EveryDream2 deprecated it; set text_encoder_overrides.lr",
-    ),
-];
-
-const fn un(key: &'static str, reason: &'static str) -> Unsupported {
-    Unsupported {
-        key,
-        accepts: Accepts::Null,
-        reason,
-    }
+    /// EveryDream2's older form: N > 0 freezes the first N layers, N < 0 trains the last −N.
+    /// `unfreeze_last_n_layers` wins when both are set.
+    #[serde(default)]
+    pub freeze_front_n_layers: Option<i64>,
+    /// Freeze (true) or train (false) the token and position embeddings; when unset they
+    /// freeze exactly when fewer than all layers train.
+    #[serde(default)]
+    pub freeze_embeddings: Option<bool>,
+    /// Freeze the final layer norm (trained by default).
+    #[serde(default)]
+    pub freeze_final_layer_norm: Option<bool>,
 }
 
 const SECTIONS: [&str; 3] = ["base", "text_encoder_overrides", "text_encoder_freezing"];
 
 impl OptimizerFile {
     /// Checks and parses optimizer.json's top-level object. `file` names it in errors.
-    pub fn from_object(
-        mut obj: Map<String, Value>,
-        file: &Path,
-    ) -> Result<OptimizerFile, ConfigError> {
+    pub fn from_object(obj: Map<String, Value>, file: &Path) -> Result<OptimizerFile, ConfigError> {
         let no_set = HashMap::new();
         let top = Section {
             file,
             prefix: "",
             set_args: &no_set,
         };
-        top.check_unknown(
-            &obj,
-            &known_keys::<OptimizerFile>(),
-            TOP_UNSUPPORTED,
-            |_| None,
-        )?;
-        let mut entries = top.take_unsupported(&mut obj, TOP_UNSUPPORTED);
+        top.check_unknown(&obj, &known_keys::<OptimizerFile>(), &[], |_| None)?;
         for name in SECTIONS {
-            let Some(Value::Object(sub)) = obj.get_mut(name) else {
+            let Some(Value::Object(sub)) = obj.get(name) else {
                 continue;
             };
             let section = Section {
@@ -187,18 +158,11 @@ impl OptimizerFile {
                 prefix: name,
                 set_args: &no_set,
             };
-            let (known, unsupported) = match name {
-                "text_encoder_freezing" => (known_keys::<FreezingFile>(), FREEZING_UNSUPPORTED),
-                _ => (known_keys::<GroupFile>(), &[][..]),
+            let known = match name {
+                "text_encoder_freezing" => known_keys::<FreezingFile>(),
+                _ => known_keys::<GroupFile>(),
             };
-            section.check_unknown(sub, &known, unsupported, |_| None)?;
-            entries.extend(section.take_unsupported(sub, unsupported));
-        }
-        if !entries.is_empty() {
-            return Err(ConfigError::Unsupported {
-                file: file.to_path_buf(),
-                entries,
-            });
+            section.check_unknown(sub, &known, &[], |_| None)?;
         }
         if let Some(err) = type_error(&obj, file) {
             return Err(err);
@@ -305,7 +269,7 @@ mod tests {
     }
 
     #[test]
-    fn ed2_only_keys_error_unless_null() {
+    fn ed2_keys_are_read() {
         // The step-size estimators' keys are read, in both sections.
         let file = parse(
             json!({"base": {"optimizer": "dadapt_adam", "d0": 1e-6, "decouple": true,
@@ -317,14 +281,19 @@ mod tests {
         let base = file.base.unwrap();
         assert_eq!((base.d0, base.growth_rate), (Some(1e-6), Some(1.02)));
         assert_eq!(base.use_bias_correction, Some(true));
-        let err =
-            parse(json!({"text_encoder_freezing": {"freeze_embeddings": false}})).unwrap_err();
-        assert!(
-            err.to_string()
-                .contains("text_encoder_freezing.freeze_embeddings"),
-            "{err}"
-        );
-        parse(json!({"base": {"d0": null}, "log_grad_norm": true})).unwrap();
+        let file = parse(json!({
+            "text_encoder_freezing": {"freeze_embeddings": false, "freeze_final_layer_norm": true,
+                                      "freeze_front_n_layers": -2},
+            "log_grad_norm": false, "text_encoder_lr_scale": 0.5}))
+        .unwrap();
+        let freezing = file.text_encoder_freezing.unwrap();
+        assert_eq!(freezing.freeze_embeddings, Some(false));
+        assert_eq!(freezing.freeze_final_layer_norm, Some(true));
+        assert_eq!(freezing.freeze_front_n_layers, Some(-2));
+        assert_eq!(file.log_grad_norm, Some(false));
+        assert_eq!(file.text_encoder_lr_scale, Some(0.5));
+        let err = parse(json!({"text_encoder_freezing": {"freeze_embedding": false}})).unwrap_err();
+        assert!(err.to_string().contains("did you mean"), "{err}");
     }
 
     #[test]

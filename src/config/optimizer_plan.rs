@@ -324,6 +324,53 @@ pub struct OptimizerPlan {
     /// EveryDream2's `apply_grad_scaler_step_tweaks`: retune the fp16 loss scaler at steps 500,
     /// 1000, 2000 and 4000 (no effect in bf16 or f32, which have no scaler).
     pub grad_scaler_step_tweaks: bool,
+    /// Log the gradient norm of each step (EveryDream2's `log_grad_norm`, default true).
+    pub log_grad_norm: bool,
+}
+
+/// train.json's `lr_scheduler`, `lr_warmup_steps` and `lr_decay_steps`: the values the
+/// optimizer config's `base` section falls back to (EveryDream2's `get_final_optimizer_configs`:
+/// `base_config.get(key) or args.key`), and through it the text encoder.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct TrainScheduleKeys {
+    pub lr_scheduler: Option<ScheduleKind>,
+    pub lr_warmup_steps: Option<u64>,
+    pub lr_decay_steps: Option<u64>,
+}
+
+impl TrainScheduleKeys {
+    /// Checks the three keys of train.json (`file`).
+    pub fn check(
+        lr_scheduler: Option<&str>,
+        lr_warmup_steps: Option<i64>,
+        lr_decay_steps: Option<i64>,
+        file: &Path,
+    ) -> Result<Self, ConfigError> {
+        let steps = |key: &str, v: Option<i64>| match v {
+            Some(n) if n < 0 => Err(invalid(file, key, &format!("must be 0 or more (got {n})"))),
+            _ => Ok(v.map(i64::unsigned_abs)),
+        };
+        Ok(Self {
+            lr_scheduler: lr_scheduler
+                .map(|name| parse_schedule(name, file, "lr_scheduler"))
+                .transpose()?,
+            lr_warmup_steps: steps("lr_warmup_steps", lr_warmup_steps)?,
+            lr_decay_steps: steps("lr_decay_steps", lr_decay_steps)?,
+        })
+    }
+
+    /// As a section of the optimizer config: only the schedule is set.
+    fn as_group(&self) -> CheckedGroup {
+        CheckedGroup {
+            schedule: self.lr_scheduler,
+            warmup: self.lr_warmup_steps.map(StepCount::Steps),
+            decay: self.lr_decay_steps.map(|n| match n {
+                0 => StepCount::Auto,
+                n => StepCount::Steps(n),
+            }),
+            ..CheckedGroup::default()
+        }
+    }
 }
 
 /// A section's values after validation; `None` inherits.
@@ -349,27 +396,56 @@ struct CheckedGroup {
 
 impl OptimizerPlan {
     /// Resolves both groups. `file` names the optimizer config in errors; `source` is recorded in
-    /// the plan. `train_lr` is train.json's `lr`, already validated, which overrides both groups.
+    /// the plan. `train_lr` is train.json's `lr`, already validated, which overrides both groups;
+    /// `train_schedule` holds train.json's schedule keys, which `base` falls back to.
     pub fn resolve(
         config: &OptimizerFile,
         file: &Path,
         source: Option<PathBuf>,
         train_lr: Option<f64>,
+        train_schedule: TrainScheduleKeys,
     ) -> Result<OptimizerPlan, ConfigError> {
         let empty = GroupFile::default();
         let base = check_group(config.base.as_ref().unwrap_or(&empty), "base", file)?;
+        let base = base.over(&train_schedule.as_group());
         let text = check_group(
             config.text_encoder_overrides.as_ref().unwrap_or(&empty),
             "text_encoder_overrides",
             file,
         )?;
         let no_parent = CheckedGroup::default();
+        let unet = merge(&base, &no_parent, train_lr, file, "base")?;
+        let mut text_encoder = merge(&text, &base, train_lr, file, "text_encoder_overrides")?;
+        if let Some(scale) = config.text_encoder_lr_scale {
+            if !(scale.is_finite() && scale > 0.0) {
+                return Err(invalid(
+                    file,
+                    "text_encoder_lr_scale",
+                    &format!("must be greater than 0 (got {scale})"),
+                ));
+            }
+            // Only a learning rate copied from the UNet's is scaled (doc/OPTIMIZER.md).
+            if train_lr.is_some() || text.lr.is_none() {
+                text_encoder.lr = unet.lr * scale;
+            }
+        }
         Ok(OptimizerPlan {
             source,
-            unet: merge(&base, &no_parent, train_lr, file, "base")?,
-            text_encoder: merge(&text, &base, train_lr, file, "text_encoder_overrides")?,
+            unet,
+            text_encoder,
             grad_scaler_step_tweaks: config.apply_grad_scaler_step_tweaks.unwrap_or(false),
+            log_grad_norm: config.log_grad_norm.unwrap_or(true),
         })
+    }
+}
+
+impl CheckedGroup {
+    /// `self` with its unset schedule keys taken from `defaults`.
+    fn over(mut self, defaults: &CheckedGroup) -> CheckedGroup {
+        self.schedule = self.schedule.or(defaults.schedule);
+        self.warmup = self.warmup.or(defaults.warmup);
+        self.decay = self.decay.or(defaults.decay);
+        self
     }
 }
 
@@ -680,7 +756,7 @@ mod tests {
         };
         let file = Path::new("optimizer.json");
         let config = OptimizerFile::from_object(obj, file)?;
-        OptimizerPlan::resolve(&config, file, None, train_lr)
+        OptimizerPlan::resolve(&config, file, None, train_lr, TrainScheduleKeys::default())
     }
 
     #[test]
@@ -699,9 +775,66 @@ mod tests {
     }
 
     #[test]
+    fn train_json_schedule_is_the_base_fallback() {
+        // EveryDream2: `base_config.get(key) or args.key`, and the text encoder inherits base.
+        let train =
+            TrainScheduleKeys::check(Some("cosine"), Some(7), Some(300), Path::new("t")).unwrap();
+        let config = OptimizerFile::from_object(
+            json!({"base": {"lr_warmup_steps": 3}, "text_encoder_overrides": {"lr_decay_steps": 9}})
+                .as_object()
+                .unwrap()
+                .clone(),
+            Path::new("o"),
+        )
+        .unwrap();
+        let p = OptimizerPlan::resolve(&config, Path::new("o"), None, None, train).unwrap();
+        assert_eq!(p.unet.schedule.kind, ScheduleKind::Cosine);
+        assert_eq!(p.unet.schedule.warmup_steps, StepCount::Steps(3));
+        assert_eq!(p.unet.schedule.decay_steps, StepCount::Steps(300));
+        assert_eq!(p.text_encoder.schedule.kind, ScheduleKind::Cosine);
+        assert_eq!(p.text_encoder.schedule.warmup_steps, StepCount::Steps(3));
+        assert_eq!(p.text_encoder.schedule.decay_steps, StepCount::Steps(9));
+        let err = TrainScheduleKeys::check(Some("cosin"), None, None, Path::new("train.json"))
+            .unwrap_err();
+        assert!(err.to_string().contains("`lr_scheduler`"), "{err}");
+        let err =
+            TrainScheduleKeys::check(None, Some(-1), None, Path::new("train.json")).unwrap_err();
+        assert!(err.to_string().contains("`lr_warmup_steps`"), "{err}");
+    }
+
+    #[test]
+    fn text_encoder_lr_scale_scales_only_a_copied_lr() {
+        let p = plan(
+            json!({"base": {"lr": 2e-6}, "text_encoder_lr_scale": 0.5}),
+            None,
+        )
+        .unwrap();
+        assert_eq!((p.unet.lr, p.text_encoder.lr), (2e-6, 1e-6));
+        let p = plan(
+            json!({"base": {"lr": 2e-6}, "text_encoder_overrides": {"lr": 3e-7},
+                   "text_encoder_lr_scale": 0.5}),
+            None,
+        )
+        .unwrap();
+        assert_eq!(p.text_encoder.lr, 3e-7);
+        // train.json's lr is copied to both groups, so it is scaled for the text encoder.
+        let p = plan(json!({"text_encoder_lr_scale": 0.25}), Some(4e-6)).unwrap();
+        assert_eq!((p.unet.lr, p.text_encoder.lr), (4e-6, 1e-6));
+        let err = plan(json!({"text_encoder_lr_scale": 0}), None).unwrap_err();
+        assert!(err.to_string().contains("text_encoder_lr_scale"), "{err}");
+        assert!(plan(json!({}), None).unwrap().log_grad_norm);
+        assert!(
+            !plan(json!({"log_grad_norm": false}), None)
+                .unwrap()
+                .log_grad_norm
+        );
+    }
+
+    #[test]
     fn builtin_default_matches_empty_file() {
         let config = OptimizerFile::builtin().unwrap();
-        let p = OptimizerPlan::resolve(&config, Path::new("x"), None, None).unwrap();
+        let p = OptimizerPlan::resolve(&config, Path::new("x"), None, None, Default::default())
+            .unwrap();
         assert_eq!(p, plan(json!({}), None).unwrap());
     }
 

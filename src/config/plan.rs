@@ -70,6 +70,9 @@ pub struct TrainPlan {
     /// Absolute; the run folder is `<output_dir>/<project_name>-<timestamp>`.
     pub output_dir: PathBuf,
     pub project_name: String,
+    /// EveryDream2's `run_name`: added to the run folder's (and so the log folder's) name,
+    /// `<project_name>-<run_name>-<timestamp>`.
+    pub run_name: Option<String>,
     /// Where the JSON-lines log goes, as `<logdir>/<run name>/`; `None` logs into the run folder.
     pub logdir: Option<PathBuf>,
     pub seed: u64,
@@ -81,17 +84,15 @@ pub struct TrainPlan {
     /// first.
     pub max_epochs: Option<u64>,
     pub max_steps: Option<u64>,
-    /// Save a model every N epochs; `None` saves only at the end (always done).
-    pub save_every_n_epochs: Option<u64>,
-    /// Save the weights and a resume state every N optimizer steps.
-    pub save_every_n_steps: Option<u64>,
-    /// Keep only the newest N resume states; the step saves they belong to go with them.
-    pub checkpoints_total_limit: Option<usize>,
+    /// When the run saves, where single files go and in what precision.
+    pub saving: super::SavePlan,
     /// The run stops (saving, exit 1) after this many steps in a row are skipped for a
     /// non-finite loss or gradient; `None` never stops.
     pub max_consecutive_skipped_steps: Option<usize>,
     /// CUDA: the GiB of the card the run may use; the rest is held back at the start.
     pub vram_limit_gb: Option<f64>,
+    /// EveryDream2's `gpuid`: the CUDA card to train on (`--device` overrides it).
+    pub gpuid: usize,
     /// The run to continue: a run folder (its newest complete save point) or one save point's
     /// `state-step-NNNNNN` folder, from `resume_ckpt`.
     pub resume: Option<PathBuf>,
@@ -105,10 +106,9 @@ pub struct TrainPlan {
     pub objective: ObjectivePlan,
     /// `!disable_textenc_training`.
     pub train_text_encoder: bool,
-    /// From optimizer.json `text_encoder_freezing`: `None` trains every text-encoder layer;
-    /// `Some(n)` trains the last n layers and the final layer norm and, when n is fewer than all
-    /// layers, freezes the embeddings (EveryDream2 `_apply_text_encoder_freeze`).
-    pub unfreeze_last_n_layers: Option<usize>,
+    /// From optimizer.json `text_encoder_freezing`: which text-encoder layers, and whether the
+    /// embeddings and the final layer norm, train (EveryDream2 `_apply_text_encoder_freeze`).
+    pub text_encoder_freeze: super::TextEncoderFreeze,
     pub optimizer: OptimizerPlan,
     /// EveryDream2's `clip_grad_norm`: the UNet's and the text encoder's gradients are each
     /// clipped to this L2 norm before the step; `None` does not clip.
@@ -164,7 +164,7 @@ impl TrainPlan {
         let ctx = Ctx::new(train_path);
         let (max_epochs, max_steps) = resolve_stop(&file, &ctx)?;
         let train_lr = ctx.opt_positive("lr", file.lr, "greater than 0")?;
-        let (optimizer, unfreeze_last_n_layers) = resolve_optimizer(&file, &ctx, train_lr)?;
+        let (optimizer, text_encoder_freeze) = resolve_optimizer(&file, &ctx, train_lr)?;
         let (seed, random_seed) = resolve_seed(file.seed, &ctx)?;
         let mode = resolve_mode(file.mode.as_deref(), &ctx)?;
         let train_text_encoder = !file.disable_textenc_training.unwrap_or(false);
@@ -177,7 +177,7 @@ impl TrainPlan {
             .map_or(train_text_encoder, |a| a.train_text_encoder);
         let resume = resolve_resume(&file, &ctx)?;
         let ema = super::ema_plan::resolve_ema(&file, train_path)?;
-        let saves = resolve_saves(&file, &ctx)?;
+        let saving = super::save_plan::resolve_saves(&file, &ctx)?;
         let input = |field: &str, p: &str| ctx.input_path(field, p);
         let precision = super::precision_plan::resolve_precision(&file, mode, train_path)?;
         check_fused_optimizers(&optimizer, precision.fused_backward_pass, train_path)?;
@@ -191,6 +191,11 @@ impl TrainPlan {
             output_dir: ctx
                 .output_path("output_dir", file.output_dir.as_deref().unwrap_or("output"))?,
             project_name: resolve_project_name(file.project_name.as_deref(), &ctx)?,
+            run_name: file
+                .run_name
+                .as_deref()
+                .map(|n| folder_name("run_name", n, &ctx))
+                .transpose()?,
             logdir: file
                 .logdir
                 .as_deref()
@@ -203,11 +208,10 @@ impl TrainPlan {
             grad_accum: ctx.at_least("grad_accum", file.grad_accum, 1, 1)? as usize,
             max_epochs,
             max_steps,
-            save_every_n_epochs: saves.every_n_epochs,
-            save_every_n_steps: saves.every_n_steps,
-            checkpoints_total_limit: saves.total_limit,
+            saving,
             max_consecutive_skipped_steps: resolve_skip_limit(&file, &ctx)?,
             save_optimizer: file.save_optimizer.unwrap_or(false),
+            gpuid: ctx.at_least("gpuid", file.gpuid, 0, 0)? as usize,
             vram_limit_gb: ctx.opt_positive(
                 "vram_limit_gb",
                 file.vram_limit_gb,
@@ -218,7 +222,7 @@ impl TrainPlan {
             data: resolve_data(&file, &ctx, text_encoder_trains)?,
             objective: resolve_objective(&file, &ctx)?,
             train_text_encoder,
-            unfreeze_last_n_layers,
+            text_encoder_freeze,
             optimizer,
             clip_grad_norm: ctx.opt_positive(
                 "clip_grad_norm",
@@ -232,13 +236,25 @@ impl TrainPlan {
         })
     }
 
-    /// Whether the run writes resume save points: `save_every_n_steps`, `save_every_n_epochs` or
-    /// `save_optimizer`. The end of such a run writes one too, so a finished run can be extended
-    /// with more steps or epochs exactly (kohya's `--save_state_on_train_end`).
+    /// Whether the run writes resume save points: `save_every_n_steps`, `save_every_n_epochs`,
+    /// `ckpt_every_n_minutes` or `save_optimizer`. The end of such a run writes one too, so a
+    /// finished run can be extended with more steps or epochs exactly (kohya's
+    /// `--save_state_on_train_end`).
     pub fn writes_save_points(&self) -> bool {
+        let s = &self.saving;
         self.save_optimizer
-            || self.save_every_n_steps.is_some()
-            || self.save_every_n_epochs.is_some()
+            || s.every_n_steps.is_some()
+            || s.every_n_epochs.is_some()
+            || s.every_n_minutes.is_some()
+    }
+
+    /// What a new run folder's name starts with: `<project_name>` or
+    /// `<project_name>-<run_name>`.
+    pub fn run_folder_prefix(&self) -> String {
+        match &self.run_name {
+            Some(run) => format!("{}-{run}", self.project_name),
+            None => self.project_name.clone(),
+        }
     }
 
     /// Where the JSON-lines log of the run in `run_dir` goes.
@@ -296,26 +312,6 @@ fn resolve_stop(
     })
 }
 
-/// When the run saves: `save_every_n_epochs`, `save_every_n_steps`, `checkpoints_total_limit`.
-struct Saves {
-    every_n_epochs: Option<u64>,
-    every_n_steps: Option<u64>,
-    total_limit: Option<usize>,
-}
-
-fn resolve_saves(file: &TrainFile, ctx: &Ctx<'_>) -> Result<Saves, ConfigError> {
-    Ok(Saves {
-        // 0 disables periodic saving, as EveryDream2's `save_every_n_epochs < 1`.
-        every_n_epochs: ctx
-            .opt_at_least("save_every_n_epochs", file.save_every_n_epochs, 0)?
-            .filter(|n| *n > 0),
-        every_n_steps: ctx.opt_at_least("save_every_n_steps", file.save_every_n_steps, 1)?,
-        total_limit: ctx
-            .opt_at_least("checkpoints_total_limit", file.checkpoints_total_limit, 1)?
-            .map(|n| n as usize),
-    })
-}
-
 /// EveryDream2: 555 by default; -1 draws a random seed in [0, 2^30]. Returns the seed and
 /// whether it was drawn.
 fn resolve_seed(v: Option<i64>, ctx: &Ctx<'_>) -> Result<(u64, bool), ConfigError> {
@@ -331,10 +327,14 @@ fn resolve_seed(v: Option<i64>, ctx: &Ctx<'_>) -> Result<(u64, bool), ConfigErro
 }
 
 fn resolve_project_name(v: Option<&str>, ctx: &Ctx<'_>) -> Result<String, ConfigError> {
-    let name = v.unwrap_or("sdtrain");
+    folder_name("project_name", v.unwrap_or("sdtrain"), ctx)
+}
+
+/// `name`, checked to be usable in a folder name.
+fn folder_name(field: &str, name: &str, ctx: &Ctx<'_>) -> Result<String, ConfigError> {
     if name.is_empty() || name.contains(['/', '\\']) || name == "." || name == ".." {
         return Err(ctx.invalid(
-            "project_name",
+            field,
             format!("must be a non-empty folder name without `/` or `\\` (got {name:?})"),
         ));
     }
@@ -403,7 +403,7 @@ fn resolve_optimizer(
     file: &TrainFile,
     ctx: &Ctx<'_>,
     train_lr: Option<f64>,
-) -> Result<(OptimizerPlan, Option<usize>), ConfigError> {
+) -> Result<(OptimizerPlan, super::TextEncoderFreeze), ConfigError> {
     let written = file.optimizer_config.as_deref();
     let candidates = ctx.input_candidates(written.unwrap_or("optimizer.json"));
     let found = candidates.iter().find(|p| p.is_file());
@@ -430,25 +430,15 @@ fn resolve_optimizer(
             })
         }
     };
-    let plan = OptimizerPlan::resolve(&config, &label, source, train_lr)?;
-    let unfreeze = config
-        .text_encoder_freezing
-        .as_ref()
-        .and_then(|f| f.unfreeze_last_n_layers);
-    let unfreeze = match unfreeze {
-        Some(n) if n < 1 => {
-            return Err(ConfigError::Invalid {
-                file: label,
-                field: "text_encoder_freezing.unfreeze_last_n_layers".to_string(),
-                message: format!(
-                    "must be 1 or more, or null to train every layer (got {n}); to freeze the \
-                     whole text encoder set `disable_textenc_training` in train.json"
-                ),
-            })
-        }
-        n => n.map(|n| n.unsigned_abs() as usize),
-    };
-    Ok((plan, unfreeze))
+    let schedule = super::optimizer_plan::TrainScheduleKeys::check(
+        file.lr_scheduler.as_deref(),
+        file.lr_warmup_steps,
+        file.lr_decay_steps,
+        ctx.file,
+    )?;
+    let plan = OptimizerPlan::resolve(&config, &label, source, train_lr, schedule)?;
+    let freeze = super::TextEncoderFreeze::resolve(config.text_encoder_freezing.as_ref(), &label)?;
+    Ok((plan, freeze))
 }
 
 /// `max_consecutive_skipped_steps`: 5 when unset, 0 for never.
@@ -522,14 +512,17 @@ mod tests {
         assert_eq!((p.max_epochs, p.max_steps), (Some(300), None));
         assert_eq!((p.seed, p.random_seed), (555, false));
         assert_eq!(p.log_step, 25);
-        assert_eq!(p.save_every_n_epochs, None);
+        assert_eq!(p.saving.every_n_epochs, None);
         assert!(!p.save_optimizer);
         assert_eq!(p.project_name, "sdtrain");
         assert!(p.output_dir.is_absolute() && p.output_dir.ends_with("output"));
         assert_eq!(p.logdir, None);
         assert!(p.tensorboard);
         assert!(p.train_text_encoder);
-        assert_eq!(p.unfreeze_last_n_layers, None);
+        assert_eq!(
+            p.text_encoder_freeze,
+            crate::config::TextEncoderFreeze::default()
+        );
         assert_eq!(p.data.data_root, fx.dir.path().join("data"));
         assert_eq!(p.data.resolution, None);
         assert_eq!((p.data.flip_p, p.data.cond_dropout), (0.0, 0.04));
@@ -568,7 +561,7 @@ mod tests {
         assert_eq!((p.max_epochs, p.max_steps), (Some(10), Some(50)));
         assert_eq!(p.data.resolution, Some(768));
         assert_eq!(p.seed, 7);
-        assert_eq!(p.save_every_n_epochs, Some(5));
+        assert_eq!(p.saving.every_n_epochs, Some(5));
         assert!(p
             .logdir
             .as_ref()
@@ -731,7 +724,7 @@ mod tests {
             p.optimizer.source,
             Some(fx.dir.path().join("optimizer.json"))
         );
-        assert_eq!(p.unfreeze_last_n_layers, Some(2));
+        assert_eq!(p.text_encoder_freeze.trained_layers(12), 2);
     }
 
     #[test]
@@ -827,7 +820,7 @@ mod tests {
             )
             .unwrap();
         assert_eq!(p.data.resolution, Some(64));
-        assert_eq!(p.save_every_n_epochs, None);
+        assert_eq!(p.saving.every_n_epochs, None);
         assert!(fx.plan(json!({"resolution": 4096}), &[]).is_ok());
     }
 

@@ -149,15 +149,16 @@ impl TrainPlan {
             "clip_skip",
             &format!("{} ({} layers dropped)", o.clip_skip, o.clip_skip_layers),
         )?;
-        let te = match (self.train_text_encoder, self.unfreeze_last_n_layers) {
+        let freeze = &self.text_encoder_freeze;
+        let te = match (self.train_text_encoder, freeze.trains_everything()) {
             // Adapter modes: the base is frozen; `adapter.train_text_encoder` decides.
             _ if self.adapter.is_some() => match &self.adapter {
                 Some(a) if a.train_text_encoder => "frozen, its adapter trains".to_string(),
                 _ => "frozen, no adapter".to_string(),
             },
             (false, _) => "frozen".to_string(),
-            (true, None) => "trained (every layer)".to_string(),
-            (true, Some(n)) => format!("trained (last {n} layers and the final layer norm)"),
+            (true, true) => "trained (every layer)".to_string(),
+            (true, false) => format!("trained ({freeze})"),
         };
         row(f, "text encoder", &te)?;
         let source = self
@@ -178,7 +179,7 @@ impl TrainPlan {
             &format!(
                 "{}/{}-<timestamp>/",
                 self.output_dir.display(),
-                self.project_name
+                self.run_folder_prefix()
             ),
         )?;
         row(f, "save", &self.save_text())?;
@@ -216,20 +217,30 @@ impl TrainPlan {
     }
 
     fn save_text(&self) -> String {
+        let s = &self.saving;
         let mut saves: Vec<String> = Vec::new();
-        if let Some(n) = self.save_every_n_steps {
+        if let Some(n) = s.every_n_steps {
             saves.push(format!("every {n} steps"));
         }
-        if let Some(n) = self.save_every_n_epochs {
-            saves.push(format!("every {n} epochs"));
+        if let Some(n) = s.every_n_epochs {
+            match s.from_n_epochs {
+                0 | 1 => saves.push(format!("every {n} epochs")),
+                from => saves.push(format!("every {n} epochs from epoch {from}")),
+            }
+        }
+        if let Some(m) = s.every_n_minutes {
+            saves.push(format!("every {m} minutes"));
         }
         saves.push("at the end".to_string());
         let mut save = saves.join(", ");
         if self.save_optimizer {
             save.push_str(" (with a save point)");
         }
-        if let Some(n) = self.checkpoints_total_limit {
+        if let Some(n) = s.total_limit {
             save.push_str(&format!("; keep the newest {n} save points"));
+        }
+        if let Some(dir) = &s.ckpt_dir {
+            save.push_str(&format!("; single files in {}", dir.display()));
         }
         save
     }

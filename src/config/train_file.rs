@@ -128,6 +128,16 @@ pub struct TrainFile {
     pub save_every_n_epochs: Option<i64>,
     #[serde(default)]
     pub optimizer_config: Option<String>,
+    /// The schedule the optimizer config's `base` section falls back to when it leaves
+    /// `lr_scheduler` null (EveryDream2's `--lr_scheduler`).
+    #[serde(default)]
+    pub lr_scheduler: Option<String>,
+    /// As `lr_scheduler`: `base.lr_warmup_steps`' fallback.
+    #[serde(default)]
+    pub lr_warmup_steps: Option<i64>,
+    /// As `lr_scheduler`: `base.lr_decay_steps`' fallback (0 is automatic).
+    #[serde(default)]
+    pub lr_decay_steps: Option<i64>,
     #[serde(default)]
     pub logdir: Option<String>,
     #[serde(default)]
@@ -219,8 +229,29 @@ pub struct TrainFile {
     /// With EMA on, sample the EMA weights.
     #[serde(default)]
     pub ema_sample_ema_model: Option<bool>,
+    // EveryDream2's saving keys.
+    /// Save every N minutes (0 or null: off).
+    #[serde(default)]
+    pub ckpt_every_n_minutes: Option<f64>,
+    /// Epoch saves start once this many epochs are complete.
+    #[serde(default)]
+    pub save_ckpts_from_n_epochs: Option<i64>,
+    /// Where single-file checkpoints and adapter files go.
+    #[serde(default)]
+    pub save_ckpt_dir: Option<String>,
+    /// Single files in f32 (true) or f16 (false, EveryDream2's default).
+    #[serde(default)]
+    pub save_full_precision: Option<bool>,
+    /// The end-of-run save takes a step save's name instead of `final`.
+    #[serde(default)]
+    pub no_prepend_last: Option<bool>,
+    /// Added to the run folder's name after the project name.
+    #[serde(default)]
+    pub run_name: Option<String>,
+    /// The CUDA card to train on (`--device cuda:N` overrides it).
+    #[serde(default)]
+    pub gpuid: Option<i64>,
 }
-const SCHEDULE: &str = "set it in the optimizer config's `base` section instead";
 
 /// EveryDream2 train.json keys (train.py's argparser and its sample train.json) that sdtrain
 /// does not implement yet, with the values that are accepted because they change nothing.
@@ -229,11 +260,6 @@ pub(crate) const UNSUPPORTED: &[Unsupported] = &[
         "attn_type",
         Accepts::NullOrStr("sdp"),
         "sdtrain has one attention implementation",
-    ),
-    un(
-        "ckpt_every_n_minutes",
-        Accepts::NullOrZero,
-        "time-based saving is not implemented; use save_every_n_steps or save_every_n_epochs",
     ),
     un(
         "disable_unet_training",
@@ -251,11 +277,6 @@ pub(crate) const UNSUPPORTED: &[Unsupported] = &[
         "embedding perturbation is not implemented",
     ),
     un(
-        "gpuid",
-        Accepts::NullOrZero,
-        "choosing a GPU is not implemented",
-    ),
-    un(
         "keep_tags",
         Accepts::NullOrZero,
         "keep_tags is not implemented (shuffle_tags keeps the first tag)",
@@ -269,14 +290,6 @@ pub(crate) const UNSUPPORTED: &[Unsupported] = &[
         "loss_type",
         Accepts::NullOrStr("mse"),
         "only the MSE loss is implemented",
-    ),
-    un("lr_decay_steps", Accepts::Null, SCHEDULE),
-    un("lr_scheduler", Accepts::Null, SCHEDULE),
-    un("lr_warmup_steps", Accepts::Null, SCHEDULE),
-    un(
-        "no_prepend_last",
-        Accepts::Null,
-        "output names are not configurable",
     ),
     un(
         "notebook",
@@ -293,26 +306,6 @@ pub(crate) const UNSUPPORTED: &[Unsupported] = &[
         "rated_dataset_target_dropout_percent",
         Accepts::Null,
         "rated datasets are not implemented",
-    ),
-    un(
-        "run_name",
-        Accepts::Null,
-        "wandb/tensorboard run names are not implemented",
-    ),
-    un(
-        "save_ckpt_dir",
-        Accepts::Null,
-        "single files are saved beside the diffusers folders in the run folder",
-    ),
-    un(
-        "save_ckpts_from_n_epochs",
-        Accepts::NullOrZero,
-        "delayed saving is not implemented",
-    ),
-    un(
-        "save_full_precision",
-        Accepts::NullOrTrue,
-        "models are saved in f32 (the f32 masters)",
     ),
     un(
         "train_sampler",

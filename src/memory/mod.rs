@@ -8,12 +8,14 @@
 //! - [`vram_cap`]: `vram_limit_gb`, a big card made to behave like a small one.
 //! - [`watch`]: a memory creep and slow steps during a run, told from spikes.
 
+pub mod device_choice;
 pub mod device_setup;
 pub mod trim;
 pub mod usage;
 pub mod vram_cap;
 pub mod watch;
 
+pub use device_choice::{cuda_cards, open_device, DeviceError, DeviceRequest};
 pub use device_setup::{prepare_device, DeviceSettings};
 pub use trim::trim_pool;
 pub use usage::{MemorySource, MemoryUsage};

@@ -74,8 +74,12 @@ pub struct SampleArgs {
     #[arg(long, default_value = "sample.png")]
     pub out: PathBuf,
     /// Run on the CPU even when a GPU is available.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "device")]
     pub cpu: bool,
+    /// `cpu`, `cuda` or `cuda:N`: the device to draw on (default: the first CUDA card, else the
+    /// CPU).
+    #[arg(long, value_name = "cpu|cuda:N")]
+    pub device: Option<crate::memory::DeviceRequest>,
 }
 
 fn parse_sampler(s: &str) -> Result<SamplerKind, String> {
@@ -116,11 +120,12 @@ pub fn run(args: &SampleArgs) -> anyhow::Result<Vec<PathBuf>> {
     if args.count == 0 {
         anyhow::bail!("--count must be at least 1");
     }
-    let device = if args.cpu {
-        Device::Cpu
-    } else {
-        Device::cuda_if_available(0)?
+    let request = match (args.cpu, args.device) {
+        (true, _) => crate::memory::DeviceRequest::Cpu,
+        (false, Some(d)) => d,
+        (false, None) => crate::memory::DeviceRequest::Auto { gpuid: 0 },
     };
+    let device = crate::memory::open_device(request)?;
     let dtype = args.precision.unwrap_or(if device.is_cpu() {
         DType::F32
     } else {

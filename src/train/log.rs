@@ -21,7 +21,9 @@ pub struct LogRecord {
     pub lr_unet: f64,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub lr_text_encoder: Option<f64>,
-    pub grad_norm: f64,
+    /// The step's gradient norm; absent when optimizer.json's `log_grad_norm` is false.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub grad_norm: Option<f64>,
     /// Images seen in the run so far.
     pub images: usize,
     /// This step's images over its wall time.
@@ -65,7 +67,9 @@ pub fn tensorboard_scalars(r: &LogRecord) -> Vec<(String, f64)> {
     if let Some(lr) = r.lr_text_encoder {
         s.push(("lr/text_encoder".into(), lr));
     }
-    s.push(("grad_norm".into(), r.grad_norm));
+    if let Some(norm) = r.grad_norm {
+        s.push(("grad_norm".into(), norm));
+    }
     s.push(("images_per_s".into(), r.images_per_s));
     if let Some(scale) = r.loss_scale {
         s.push(("loss_scale".into(), scale));
@@ -213,7 +217,7 @@ mod tests {
             loss: 0.5,
             lr_unet: 1e-4,
             lr_text_encoder: None,
-            grad_norm: 2.0,
+            grad_norm: Some(2.0),
             images: 6,
             images_per_s: 4.0,
             time_s: 1.0,
@@ -229,6 +233,20 @@ mod tests {
 
     fn tags(r: &LogRecord) -> Vec<String> {
         tensorboard_scalars(r).into_iter().map(|(t, _)| t).collect()
+    }
+
+    #[test]
+    fn log_grad_norm_false_leaves_the_norm_out() {
+        let r = LogRecord {
+            grad_norm: None,
+            ..record()
+        };
+        assert!(!tags(&r).contains(&"grad_norm".to_string()));
+        let line = serde_json::to_string(&r).unwrap();
+        assert!(!line.contains("grad_norm"), "{line}");
+        assert!(serde_json::to_string(&record())
+            .unwrap()
+            .contains("\"grad_norm\":2.0"));
     }
 
     #[test]

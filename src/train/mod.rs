@@ -29,6 +29,7 @@ pub mod run_dir;
 mod sample_cursor;
 pub mod samples;
 pub mod sampling_memory;
+mod save_schedule;
 mod saving;
 mod setup;
 pub mod state_estimate;

@@ -263,7 +263,7 @@ pub(super) fn param_groups(
     let (unet_params, te_params, unet_plan, te_plan) = match adapters {
         None => (
             sd.unet_weights.params(),
-            trainable_text_encoder_params(sd, plan),
+            trainable_text_encoder_params(sd, plan)?,
             plan.optimizer.unet,
             plan.optimizer.text_encoder,
         ),
@@ -286,14 +286,24 @@ pub(super) fn param_groups(
     Ok(groups)
 }
 
-/// The trainable text-encoder parameters: all of them unless `unfreeze_last_n_layers` freezes
-/// the front, as EveryDream2 does.
-fn trainable_text_encoder_params(sd: &StableDiffusion, plan: &TrainPlan) -> Vec<(String, Var)> {
+/// The trainable text-encoder parameters: all of them unless `text_encoder_freezing` freezes
+/// some, as EveryDream2 does. An encoder with every layer frozen is refused.
+fn trainable_text_encoder_params(
+    sd: &StableDiffusion,
+    plan: &TrainPlan,
+) -> anyhow::Result<Vec<(String, Var)>> {
     if !plan.train_text_encoder {
-        return Vec::new();
+        return Ok(Vec::new());
+    }
+    let freeze = &plan.text_encoder_freeze;
+    for te in &sd.text_encoders {
+        if let Some(why) = freeze.check(te.model.num_layers()) {
+            anyhow::bail!("{why}");
+        }
     }
     let folders = [Component::TextEncoder, Component::TextEncoder2];
-    sd.text_encoders
+    Ok(sd
+        .text_encoders
         .iter()
         .zip(folders)
         .flat_map(|(te, folder)| {
@@ -303,9 +313,9 @@ fn trainable_text_encoder_params(sd: &StableDiffusion, plan: &TrainPlan) -> Vec<
                 .params()
                 .into_iter()
                 .filter_map(move |(name, var)| {
-                    text_encoder_param_trains(&name, layers, plan.unfreeze_last_n_layers)
+                    text_encoder_param_trains(&name, layers, freeze)
                         .then(|| (format!("{folder}.{name}"), var))
                 })
         })
-        .collect()
+        .collect())
 }

@@ -49,6 +49,8 @@ pub(super) struct Saver<'a> {
     pub seed: u64,
     /// The EMA copy, whose weights each save also writes (under [`EMA_SUFFIX`]).
     pub ema: Option<&'a Ema>,
+    /// Steps done when the save happens (names the end-of-run save under `no_prepend_last`).
+    pub steps_done: usize,
 }
 
 impl Saver<'_> {
@@ -74,7 +76,7 @@ impl Saver<'_> {
             return Ok(paths);
         }
         self.write_state(opt, state)?;
-        if let Some(keep) = self.plan.checkpoints_total_limit {
+        if let Some(keep) = self.plan.saving.total_limit {
             for step in resume::prune(&self.run.path, keep, |s| self.step_outputs(s))? {
                 progress.println(format!(
                     "removed the save point of step {step} (checkpoints_total_limit {keep})"
@@ -114,7 +116,7 @@ impl Saver<'_> {
             .flat_map(|sfx| match self.adapters {
                 None => {
                     let dir = with_suffix(&self.run.step_dir(step), sfx);
-                    vec![single_file_path(&dir), dir]
+                    vec![self.single_file_path(&dir), dir]
                 }
                 Some(_) => vec![self.adapter_path(SavePoint::Step(step), sfx)],
             })
@@ -145,7 +147,7 @@ impl Saver<'_> {
     /// A full fine-tune's weights, as `save_ckpt_format` asks: a diffusers folder, a single
     /// file beside it, or both.
     fn save_model(&self, point: SavePoint, suffix: &str) -> anyhow::Result<Vec<PathBuf>> {
-        let dir = match point {
+        let dir = match self.named_as(point) {
             SavePoint::Epoch(e) => self.run.epoch_dir(e),
             SavePoint::Final => self.run.final_dir(),
             SavePoint::Interrupted(s) => self.run.interrupted_dir(s),
@@ -163,9 +165,10 @@ impl Saver<'_> {
             }
         }
         let format = self.plan.model_file.save_ckpt_format;
-        let file = single_file_path(&dir);
+        let file = self.single_file_path(&dir);
         if format.single_file() {
-            crate::model::export::save_single_file(self.layout, &file, &updated, DType::F32)
+            let dtype = self.plan.saving.single_file_dtype();
+            crate::model::export::save_single_file(self.layout, &file, &updated, dtype)
                 .with_context(|| format!("saving {}", file.display()))?;
         }
         let mut written = Vec::new();
@@ -211,10 +214,19 @@ impl Saver<'_> {
 }
 
 impl Saver<'_> {
+    /// The point whose name a save at `point` takes: the end of the run takes a step save's
+    /// name under `no_prepend_last`.
+    fn named_as(&self, point: SavePoint) -> SavePoint {
+        match point {
+            SavePoint::Final if self.plan.saving.final_as_step => SavePoint::Step(self.steps_done),
+            other => other,
+        }
+    }
+
     /// An adapter file's name at `point` (kohya's `output_name`), followed by `suffix`.
     fn adapter_name(&self, point: SavePoint, suffix: &str) -> String {
         let project = &self.plan.project_name;
-        let name = match point {
+        let name = match self.named_as(point) {
             SavePoint::Epoch(e) => format!("{project}-epoch-{e:04}"),
             SavePoint::Final => project.clone(),
             SavePoint::Interrupted(s) | SavePoint::Step(s) => format!("{project}-step-{s:06}"),
@@ -226,13 +238,30 @@ impl Saver<'_> {
     /// Where the adapter file of `point` goes.
     fn adapter_path(&self, point: SavePoint, suffix: &str) -> PathBuf {
         let name = self.adapter_name(point, suffix);
-        self.run.file(&format!("{name}.safetensors"))
+        self.in_ckpt_dir(self.run.file(&format!("{name}.safetensors")))
     }
-}
 
-/// The single-file checkpoint saved beside a diffusers folder: `final/` → `final.safetensors`.
-fn single_file_path(dir: &Path) -> PathBuf {
-    with_suffix(dir, ".safetensors")
+    /// The single-file checkpoint saved with a diffusers folder: `final/` →
+    /// `final.safetensors` beside it.
+    fn single_file_path(&self, dir: &Path) -> PathBuf {
+        self.in_ckpt_dir(with_suffix(dir, ".safetensors"))
+    }
+
+    /// `file` (in the run folder), moved to `save_ckpt_dir` when one is set, as
+    /// `<run folder>-<file name>` so that runs do not overwrite each other's files.
+    fn in_ckpt_dir(&self, file: PathBuf) -> PathBuf {
+        let Some(dir) = &self.plan.saving.ckpt_dir else {
+            return file;
+        };
+        let run = self
+            .run
+            .path
+            .file_name()
+            .unwrap_or_default()
+            .to_string_lossy();
+        let name = file.file_name().unwrap_or_default().to_string_lossy();
+        dir.join(format!("{run}-{name}"))
+    }
 }
 
 /// `path` with `suffix` added to its last component (`final` → `final-ema`).

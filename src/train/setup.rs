@@ -43,6 +43,9 @@ impl<'a> Session<'a> {
         let started = Instant::now();
         // Before anything slow loads: a run that cannot save, or resume, should not start.
         super::run_dir::ensure_output_dir(&plan.output_dir)?;
+        if let Some(dir) = &plan.saving.ckpt_dir {
+            super::run_dir::ensure_output_dir(dir).context("save_ckpt_dir")?;
+        }
         let resume_from = match &plan.resume {
             Some(r) => {
                 let dir = resume::locate(r)?;
@@ -108,6 +111,7 @@ impl<'a> Session<'a> {
                 interrupt,
                 skips: Default::default(),
                 watch: Default::default(),
+                save_clock: Default::default(),
             },
         };
         session.start_extras(resume_from)?;
@@ -346,7 +350,7 @@ fn open_outputs(
             path: dir.parent().unwrap_or(dir).to_path_buf(),
         },
         None => {
-            let run = RunDir::create(&plan.output_dir, &plan.project_name)?;
+            let run = RunDir::create(&plan.output_dir, &plan.run_folder_prefix())?;
             write_plan(plan, &run, shape)?;
             run
         }

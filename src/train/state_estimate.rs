@@ -266,7 +266,7 @@ fn text_encoder_shapes(
             tensors
                 .iter()
                 .filter(|(name, _)| {
-                    text_encoder_param_trains(&named(name), layers, plan.unfreeze_last_n_layers)
+                    text_encoder_param_trains(&named(name), layers, &plan.text_encoder_freeze)
                 })
                 .map(|(_, s)| s.clone())
                 .collect()

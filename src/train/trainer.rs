@@ -140,6 +140,8 @@ pub(super) struct Extras {
     pub skips: SkipCount,
     /// Memory creep and slow steps, judged after each step ([`StepWatch`]).
     pub watch: StepWatch,
+    /// The clock of `ckpt_every_n_minutes`.
+    pub save_clock: super::save_schedule::SaveClock,
 }
 
 /// Steps skipped for a non-finite loss or gradient, counted toward
@@ -211,12 +213,10 @@ impl Session<'_> {
             out.epochs_completed = epoch + 1;
             (self.pos.epoch, self.pos.steps_in_epoch) = (epoch + 1, 0);
             let last = out.steps >= self.opt.total_steps || epoch + 1 == max_epochs;
-            if let Some(every) = plan.save_every_n_epochs {
-                if !last && (epoch + 1).is_multiple_of(every as usize) {
-                    let point = SavePoint::Epoch(epoch + 1);
-                    let saved = self.save_point(point, &out, epoch + 1, &progress)?;
-                    out.saved.extend(saved);
-                }
+            if super::save_schedule::epoch_save_due(&plan.saving, epoch + 1, last) {
+                let point = SavePoint::Epoch(epoch + 1);
+                let saved = self.save_point(point, &out, epoch + 1, &progress)?;
+                out.saved.extend(saved);
             }
             if last {
                 break;
@@ -288,8 +288,13 @@ impl Session<'_> {
                 out.saved.extend(saved);
                 return Ok(Flow::Stop);
             }
-            let every = self.plan.save_every_n_steps.map_or(0, |n| n as usize);
-            if every > 0 && out.steps.is_multiple_of(every) && out.steps < self.opt.total_steps {
+            let (saving, total) = (&self.plan.saving, self.opt.total_steps);
+            let now = std::time::Instant::now();
+            if self
+                .extras
+                .save_clock
+                .step_save_due(saving, out.steps, total, now)
+            {
                 let point = SavePoint::Step(out.steps);
                 let saved = self.save_point(point, out, epoch + 1, progress)?;
                 out.saved.extend(saved);
@@ -437,7 +442,11 @@ impl Session<'_> {
             loss: report.loss,
             lr_unet: lr,
             lr_text_encoder: report.lrs.get(1).copied(),
-            grad_norm: report.grad_norm,
+            grad_norm: self
+                .plan
+                .optimizer
+                .log_grad_norm
+                .then_some(report.grad_norm),
             images: out.images_seen,
             images_per_s: report.images as f64 / report.secs.max(1e-9),
             time_s: self.outputs.started.elapsed().as_secs_f64(),
@@ -550,6 +559,7 @@ impl Session<'_> {
             started_unix: self.outputs.started_unix,
             seed: self.pos.seed,
             ema: self.extras.ema.as_ref(),
+            steps_done: out.steps,
         };
         let place = || format!("while saving at step {}", out.steps);
         retry_once_on_oom(&self.opts.device, place, || {

@@ -88,7 +88,9 @@ fn tokenizer_meta(layout: &ModelLayout, i: usize) -> Value {
 }
 
 /// Writes `path`: the `base` model with the `updated` components' tensors (by checkpoint name)
-/// replaced, float tensors of those components in `dtype`, the others as stored.
+/// replaced, float tensors of those components in `dtype`. The other components' tensors are as
+/// stored, except that a half `dtype` (f16, bf16) makes the whole file half, as EveryDream2's
+/// converter's `half` and A1111's fp16 checkpoints are.
 pub fn save_single_file<T: ExportTensor>(
     base: &ModelLayout,
     path: &Path,
@@ -125,7 +127,7 @@ pub fn save_single_file<T: ExportTensor>(
         let none: &[(String, T)] = &[];
         let (tensors, dt) = match updated.iter().find(|(k, _)| *k == component) {
             Some((_, t)) => (t.as_slice(), Some(dtype)),
-            None => (none, None),
+            None => (none, (dtype != DType::F32).then_some(dtype)),
         };
         let diffusers = merged_tensors(c, source, tensors, dt)?;
         let parts = ldm_parts(base.family, component, &config, &diffusers)?;
