@@ -162,3 +162,127 @@ fn a_card_that_does_not_exist_is_named() {
     );
     assert!(out.status.success(), "{}", text(&out));
 }
+
+#[test]
+fn disable_unet_training_trains_the_text_encoder_alone() {
+    for checkpointing in [false, true] {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path();
+        let cfg = write_config(
+            dir,
+            "tiny-sd15",
+            &demo_data(),
+            serde_json::json!({
+                "mode": "full", "disable_unet_training": true, "batch_size": 2,
+                "gradient_checkpointing": checkpointing
+            }),
+        );
+        let out = sdtrain(&["--config", cfg.to_str().unwrap(), "--cpu"], dir);
+        assert!(out.status.success(), "{}", text(&out));
+        let run = only_run(&dir.join("out"));
+        let fixture = common::fixture("tiny-sd15");
+        let unet = "unet/diffusion_pytorch_model.safetensors";
+        let (base, saved) = (
+            load(&fixture.join(unet)),
+            load(&run.join("final").join(unet)),
+        );
+        for (name, t) in &base {
+            assert!(
+                !changed(&base, &saved, name),
+                "checkpointing {checkpointing}: UNet {name} changed ({:?})",
+                t.dims()
+            );
+        }
+        let te = "text_encoder/model.safetensors";
+        let (base, saved) = (load(&fixture.join(te)), load(&run.join("final").join(te)));
+        assert!(changed(
+            &base,
+            &saved,
+            "text_model.encoder.layers.0.mlp.fc1.weight"
+        ));
+        let log = std::fs::read_to_string(run.join("train_log.jsonl")).unwrap();
+        assert!(log.lines().all(|l| !l.contains("lr_unet")), "{log}");
+        assert!(log.contains("lr_text_encoder"), "{log}");
+    }
+    // Both parts disabled, or an adapter mode, are refused.
+    let tmp = tempfile::tempdir().unwrap();
+    for extra in [
+        serde_json::json!({"mode": "full", "disable_unet_training": true,
+                           "disable_textenc_training": true}),
+        serde_json::json!({"mode": "lora", "disable_unet_training": true}),
+    ] {
+        let cfg = write_config(tmp.path(), "tiny-sd15", &demo_data(), extra);
+        let out = sdtrain(&["--config", cfg.to_str().unwrap(), "--cpu"], tmp.path());
+        assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+        assert!(
+            text(&out).contains("disable_unet_training"),
+            "{}",
+            text(&out)
+        );
+    }
+}
+
+#[test]
+fn load_settings_every_epoch_applies_a_changed_log_step() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().to_path_buf();
+    let cfg = write_config(
+        &dir,
+        "tiny-sd15",
+        &demo_data(),
+        serde_json::json!({
+            "mode": "lora", "batch_size": 1, "max_steps": null, "max_epochs": 3,
+            "load_settings_every_epoch": true, "log_step": 1
+        }),
+    );
+    let original = std::fs::read_to_string(&cfg).unwrap();
+    let changed = original.replace("\"log_step\": 1", "\"log_step\": 100");
+    assert_ne!(original, changed);
+    // Rewrite train.json once the first step is logged (8 steps an epoch, 24 in all).
+    let watcher = {
+        let (dir, cfg) = (dir.clone(), cfg.clone());
+        std::thread::spawn(move || {
+            for _ in 0..6000 {
+                let logged = std::fs::read_dir(dir.join("out"))
+                    .ok()
+                    .and_then(|mut runs| runs.next())
+                    .and_then(|run| {
+                        std::fs::read_to_string(run.ok()?.path().join("train_log.jsonl")).ok()
+                    })
+                    .is_some_and(|log| !log.is_empty());
+                if logged {
+                    std::fs::write(&cfg, &changed).unwrap();
+                    return true;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            false
+        })
+    };
+    let out = sdtrain(&["--config", cfg.to_str().unwrap(), "--cpu"], &dir);
+    assert!(watcher.join().unwrap(), "the first step was never logged");
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(
+        text(&out).contains("load_settings_every_epoch: epoch")
+            && text(&out).contains("applied log_step"),
+        "{}",
+        text(&out)
+    );
+    let run = only_run(&dir.join("out"));
+    let steps: Vec<u64> = std::fs::read_to_string(run.join("train_log.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["step"]
+                .as_u64()
+                .unwrap()
+        })
+        .collect();
+    // The last epoch logs only its last step under log_step 100.
+    assert!(steps.iter().all(|s| !(17..24).contains(s)), "{steps:?}");
+    assert_eq!(steps.last(), Some(&24));
+    assert!(
+        steps.contains(&2),
+        "epoch 1 ran under log_step 1: {steps:?}"
+    );
+}

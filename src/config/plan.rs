@@ -93,6 +93,9 @@ pub struct TrainPlan {
     pub vram_limit_gb: Option<f64>,
     /// EveryDream2's `gpuid`: the CUDA card to train on (`--device` overrides it).
     pub gpuid: usize,
+    /// EveryDream2's `load_settings_every_epoch`: read train.json again at each epoch's start
+    /// and apply what a running run can change.
+    pub load_settings_every_epoch: bool,
     /// The run to continue: a run folder (its newest complete save point) or one save point's
     /// `state-step-NNNNNN` folder, from `resume_ckpt`.
     pub resume: Option<PathBuf>,
@@ -106,6 +109,9 @@ pub struct TrainPlan {
     pub objective: ObjectivePlan,
     /// `!disable_textenc_training`.
     pub train_text_encoder: bool,
+    /// `!disable_unet_training` (EveryDream2): false trains the text encoder(s) alone, through a
+    /// frozen UNet (full fine-tunes only).
+    pub train_unet: bool,
     /// From optimizer.json `text_encoder_freezing`: which text-encoder layers, and whether the
     /// embeddings and the final layer norm, train (EveryDream2 `_apply_text_encoder_freeze`).
     pub text_encoder_freeze: super::TextEncoderFreeze,
@@ -168,6 +174,7 @@ impl TrainPlan {
         let (seed, random_seed) = resolve_seed(file.seed, &ctx)?;
         let mode = resolve_mode(file.mode.as_deref(), &ctx)?;
         let train_text_encoder = !file.disable_textenc_training.unwrap_or(false);
+        let train_unet = resolve_train_unet(&file, &ctx, mode, train_text_encoder)?;
         let adapter = resolve_adapter(&file, &ctx, mode, train_text_encoder)?;
         // Whether any text-encoder parameter trains: the trainer's text-encoder group is
         // formed exactly when this holds (the encoders' own weights for a full fine-tune, their
@@ -212,6 +219,7 @@ impl TrainPlan {
             max_consecutive_skipped_steps: resolve_skip_limit(&file, &ctx)?,
             save_optimizer: file.save_optimizer.unwrap_or(false),
             gpuid: ctx.at_least("gpuid", file.gpuid, 0, 0)? as usize,
+            load_settings_every_epoch: file.load_settings_every_epoch.unwrap_or(false),
             vram_limit_gb: ctx.opt_positive(
                 "vram_limit_gb",
                 file.vram_limit_gb,
@@ -222,6 +230,7 @@ impl TrainPlan {
             data: resolve_data(&file, &ctx, text_encoder_trains)?,
             objective: resolve_objective(&file, &ctx)?,
             train_text_encoder,
+            train_unet,
             text_encoder_freeze,
             optimizer,
             clip_grad_norm: ctx.opt_positive(
@@ -439,6 +448,34 @@ fn resolve_optimizer(
     let plan = OptimizerPlan::resolve(&config, &label, source, train_lr, schedule)?;
     let freeze = super::TextEncoderFreeze::resolve(config.text_encoder_freezing.as_ref(), &label)?;
     Ok((plan, freeze))
+}
+
+/// `!disable_unet_training`. EveryDream2 refuses both parts disabled; adapter modes always train
+/// UNet adapters.
+fn resolve_train_unet(
+    file: &TrainFile,
+    ctx: &Ctx<'_>,
+    mode: TrainMode,
+    train_text_encoder: bool,
+) -> Result<bool, ConfigError> {
+    if !file.disable_unet_training.unwrap_or(false) {
+        return Ok(true);
+    }
+    if mode != TrainMode::Full {
+        return Err(ctx.invalid(
+            "disable_unet_training",
+            "is true in an adapter mode: LoRA/LoCon runs always train UNet adapters; train the \
+             text encoder alone with `mode: \"full\"`"
+                .to_string(),
+        ));
+    }
+    if !train_text_encoder {
+        return Err(ctx.invalid(
+            "disable_unet_training",
+            "and disable_textenc_training are both true: nothing would train".to_string(),
+        ));
+    }
+    Ok(false)
 }
 
 /// `max_consecutive_skipped_steps`: 5 when unset, 0 for never.

@@ -251,6 +251,12 @@ pub struct TrainFile {
     /// The CUDA card to train on (`--device cuda:N` overrides it).
     #[serde(default)]
     pub gpuid: Option<i64>,
+    /// Freeze the UNet and train only the text encoder(s) (full fine-tunes).
+    #[serde(default)]
+    pub disable_unet_training: Option<bool>,
+    /// Read train.json again at each epoch's start and apply what a running run can change.
+    #[serde(default)]
+    pub load_settings_every_epoch: Option<bool>,
 }
 
 /// EveryDream2 train.json keys (train.py's argparser and its sample train.json) that sdtrain
@@ -260,11 +266,6 @@ pub(crate) const UNSUPPORTED: &[Unsupported] = &[
         "attn_type",
         Accepts::NullOrStr("sdp"),
         "sdtrain has one attention implementation",
-    ),
-    un(
-        "disable_unet_training",
-        Accepts::NullOrFalse,
-        "the UNet is always trained",
     ),
     un(
         "ema_resume_model",
@@ -280,11 +281,6 @@ pub(crate) const UNSUPPORTED: &[Unsupported] = &[
         "keep_tags",
         Accepts::NullOrZero,
         "keep_tags is not implemented (shuffle_tags keeps the first tag)",
-    ),
-    un(
-        "load_settings_every_epoch",
-        Accepts::NullOrFalse,
-        "reloading settings is not implemented",
     ),
     un(
         "loss_type",

@@ -18,7 +18,9 @@ pub struct LogRecord {
     pub step: usize,
     pub epoch: usize,
     pub loss: f64,
-    pub lr_unet: f64,
+    /// Absent when the UNet does not train (`disable_unet_training`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lr_unet: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub lr_text_encoder: Option<f64>,
     /// The step's gradient norm; absent when optimizer.json's `log_grad_norm` is false.
@@ -60,10 +62,10 @@ const MIB: f64 = 1024.0 * 1024.0;
 /// when the step has them, `loss_scale` (fp16), `val_loss`, and each warning's
 /// `warnings/memory_creep_mib_per_step` or `warnings/slow_step_s`.
 pub fn tensorboard_scalars(r: &LogRecord) -> Vec<(String, f64)> {
-    let mut s = vec![
-        ("loss".to_string(), r.loss),
-        ("lr/unet".to_string(), r.lr_unet),
-    ];
+    let mut s = vec![("loss".to_string(), r.loss)];
+    if let Some(lr) = r.lr_unet {
+        s.push(("lr/unet".into(), lr));
+    }
     if let Some(lr) = r.lr_text_encoder {
         s.push(("lr/text_encoder".into(), lr));
     }
@@ -215,7 +217,7 @@ mod tests {
             step: 3,
             epoch: 1,
             loss: 0.5,
-            lr_unet: 1e-4,
+            lr_unet: Some(1e-4),
             lr_text_encoder: None,
             grad_norm: Some(2.0),
             images: 6,

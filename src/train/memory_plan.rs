@@ -135,7 +135,7 @@ pub fn plan_memory(
     let ema_on_device =
         matches!(plan.ema, Some(e) if e.device == crate::config::EmaDevice::Training);
     let base = RunTerms {
-        full: plan.mode == TrainMode::Full,
+        full: plan.mode == TrainMode::Full && plan.train_unet,
         amp,
         weights: plan.precision.weight_dtype,
         checkpointed_width: 0.0,

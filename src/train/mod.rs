@@ -31,6 +31,7 @@ pub mod samples;
 pub mod sampling_memory;
 mod save_schedule;
 mod saving;
+mod settings_reload;
 mod setup;
 pub mod state_estimate;
 pub mod step;

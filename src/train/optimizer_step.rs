@@ -62,7 +62,7 @@ pub(super) struct StepReport {
 impl Optimization {
     /// Whether a text encoder trains (it has its own group).
     pub fn text_encoder_trains(&self) -> bool {
-        self.groups.len() > 1
+        self.groups.iter().any(|g| g.name == "text_encoder")
     }
 
     /// One optimizer step over `data` (the step's micro-batches, each of one bucket, and their

@@ -279,7 +279,11 @@ pub(super) fn param_groups(
             (a.params(false), a.params(true), unet_plan, te_plan)
         }
     };
-    let mut groups = vec![Group::new("unet", unet_params, &unet_plan, shape)?];
+    let mut groups = Vec::new();
+    // `disable_unet_training`: the UNet is frozen and has no group.
+    if plan.train_unet {
+        groups.push(Group::new("unet", unet_params, &unet_plan, shape)?);
+    }
     if !te_params.is_empty() {
         groups.push(Group::new("text_encoder", te_params, &te_plan, shape)?);
     }

@@ -112,6 +112,8 @@ impl<'a> Session<'a> {
                 skips: Default::default(),
                 watch: Default::default(),
                 save_clock: Default::default(),
+                live: super::settings_reload::LiveSettings::of(plan),
+                reloaded: None,
             },
         };
         session.start_extras(resume_from)?;
@@ -437,7 +439,7 @@ fn load_model(
         vae_dtype: (amp == Amp::Fp16).then_some(DType::F32),
         device: opts.device.clone(),
         // Adapter modes keep the base frozen (plain tensors): only the adapters are Vars.
-        train_unet: full,
+        train_unet: full && plan.train_unet,
         train_text_encoders: full && plan.train_text_encoder,
         trained_dtype: plan.precision.weight_dtype.dtype(),
         fp8_base: plan.precision.base_weight_dtype == BaseWeightDtype::Fp8,
@@ -490,7 +492,8 @@ fn check_resolution(sd: &StableDiffusion, resolution: usize) -> anyhow::Result<(
     Ok(())
 }
 
-fn build_objective(plan: &TrainPlan, layout: &ModelLayout) -> anyhow::Result<Objective> {
+/// The objective of `plan` for the model in `layout`.
+pub(super) fn build_objective(plan: &TrainPlan, layout: &ModelLayout) -> anyhow::Result<Objective> {
     let mut schedule =
         NoiseSchedule::from_config(&layout.scheduler_json()?, &layout.scheduler_config)?;
     if plan.objective.zero_terminal_snr {

@@ -122,7 +122,10 @@ pub fn estimate(plan: &TrainPlan) -> anyhow::Result<ModelEstimate> {
                 bytes: shapes.iter().map(|s| rule.state_bytes(s) as u64).sum(),
             })
         };
-    let mut groups = vec![price("unet", &plan.optimizer.unet, &unet)?];
+    let mut groups = Vec::new();
+    if plan.train_unet {
+        groups.push(price("unet", &plan.optimizer.unet, &unet)?);
+    }
     if !text.is_empty() {
         groups.push(price("text_encoder", &plan.optimizer.text_encoder, &text)?);
     }
@@ -211,6 +214,9 @@ fn geometry(w: &[usize]) -> Option<LayerGeometry> {
 
 fn unet_shapes(tensors: &BTreeMap<String, Vec<usize>>, plan: &TrainPlan) -> Vec<Vec<usize>> {
     let Some(spec) = spec(plan) else {
+        if !plan.train_unet {
+            return Vec::new();
+        }
         return tensors.values().cloned().collect();
     };
     tensors

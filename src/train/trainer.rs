@@ -142,6 +142,10 @@ pub(super) struct Extras {
     pub watch: StepWatch,
     /// The clock of `ckpt_every_n_minutes`.
     pub save_clock: super::save_schedule::SaveClock,
+    /// `log_step` and when to save, as train.json last said (`load_settings_every_epoch`).
+    pub live: super::settings_reload::LiveSettings,
+    /// The plan train.json last resolved to, once `load_settings_every_epoch` reloaded it.
+    pub reloaded: Option<Box<TrainPlan>>,
 }
 
 /// Steps skipped for a non-finite loss or gradient, counted toward
@@ -206,6 +210,9 @@ impl Session<'_> {
             self.sample_if_due(0, true, &progress)?;
         }
         for epoch in first_epoch..max_epochs {
+            if plan.load_settings_every_epoch && epoch > first_epoch {
+                self.reload_settings(epoch, &progress)?;
+            }
             let skip = if epoch == first_epoch { skip } else { 0 };
             if self.train_epoch(epoch, skip, &mut out, &progress)? == Flow::Stop {
                 break;
@@ -213,7 +220,7 @@ impl Session<'_> {
             out.epochs_completed = epoch + 1;
             (self.pos.epoch, self.pos.steps_in_epoch) = (epoch + 1, 0);
             let last = out.steps >= self.opt.total_steps || epoch + 1 == max_epochs;
-            if super::save_schedule::epoch_save_due(&plan.saving, epoch + 1, last) {
+            if super::save_schedule::epoch_save_due(&self.extras.live.saving, epoch + 1, last) {
                 let point = SavePoint::Epoch(epoch + 1);
                 let saved = self.save_point(point, &out, epoch + 1, &progress)?;
                 out.saved.extend(saved);
@@ -288,7 +295,7 @@ impl Session<'_> {
                 out.saved.extend(saved);
                 return Ok(Flow::Stop);
             }
-            let (saving, total) = (&self.plan.saving, self.opt.total_steps);
+            let (saving, total) = (&self.extras.live.saving, self.opt.total_steps);
             let now = std::time::Instant::now();
             if self
                 .extras
@@ -402,6 +409,56 @@ impl Session<'_> {
         out
     }
 
+    /// `load_settings_every_epoch`: reads train.json again before `epoch` and applies what a
+    /// running run can change (the objective, `log_step`, when to save).
+    fn reload_settings(&mut self, epoch: usize, progress: &Progress) -> anyhow::Result<()> {
+        use super::settings_reload::{apply, reload, Reload};
+        let last = self.extras.reloaded.as_deref().unwrap_or(self.plan);
+        match reload(last) {
+            Reload::Unchanged => {}
+            Reload::Failed(why) => progress.println(format!(
+                "load_settings_every_epoch: epoch {}: train.json not reloaded, the settings stay \
+                 as they were: {why}",
+                epoch + 1
+            )),
+            Reload::Changed {
+                plan,
+                applied,
+                ignored,
+            } => {
+                if applied.iter().any(|k| k == "objective") {
+                    self.model.objective =
+                        super::setup::build_objective(&plan, &self.model.layout)?;
+                }
+                apply(&mut self.extras.live, &plan);
+                let list = |keys: &[String]| keys.join(", ");
+                if !applied.is_empty() {
+                    progress.println(format!(
+                        "load_settings_every_epoch: epoch {}: applied {}",
+                        epoch + 1,
+                        list(&applied)
+                    ));
+                }
+                if !ignored.is_empty() {
+                    progress.println(format!(
+                        "load_settings_every_epoch: epoch {}: {} changed but take effect only in \
+                         a new run",
+                        epoch + 1,
+                        list(&ignored)
+                    ));
+                }
+                self.extras.reloaded = Some(plan);
+            }
+        }
+        Ok(())
+    }
+
+    /// The learning rate of the group called `name` in `lrs` (one per group, in order).
+    fn group_lr(&self, lrs: &[f64], name: &str) -> Option<f64> {
+        let i = self.opt.groups.iter().position(|g| g.name == name)?;
+        lrs.get(i).copied()
+    }
+
     /// The progress line and, every `log_step` steps, the JSONL record.
     fn record_step(
         &mut self,
@@ -440,8 +497,8 @@ impl Session<'_> {
             step: out.steps,
             epoch: epoch + 1,
             loss: report.loss,
-            lr_unet: lr,
-            lr_text_encoder: report.lrs.get(1).copied(),
+            lr_unet: self.group_lr(&report.lrs, "unet"),
+            lr_text_encoder: self.group_lr(&report.lrs, "text_encoder"),
             grad_norm: self
                 .plan
                 .optimizer
@@ -458,7 +515,7 @@ impl Session<'_> {
             memory,
             warnings,
         };
-        let due = out.steps.is_multiple_of(self.plan.log_step as usize)
+        let due = out.steps.is_multiple_of(self.extras.live.log_step as usize)
             || out.steps == 1
             || out.steps == self.opt.total_steps
             || !report.retries.is_empty()
