@@ -130,3 +130,66 @@ fn full_ema_folder_is_the_closed_form_of_one_step() {
         "the EMA folder holds the live weights"
     );
 }
+
+/// EveryDream2's `ema_resume_model`: a second run's EMA starts from the first run's EMA weights
+/// (a LoRA `-ema.safetensors` file, a full fine-tune's `final-ema/` folder). With one step and
+/// a decay of 0.75 the second EMA is `d·loaded + (1 − d)·weights`, so it equals neither the
+/// second run's start nor its weights: the key ignored fails the closed form.
+#[test]
+fn ema_resume_model_starts_the_ema_from_saved_weights() {
+    for (mode, unet_file) in [
+        ("lora", None),
+        ("full", Some("unet/diffusion_pytorch_model.safetensors")),
+    ] {
+        let first = tempfile::tempdir().unwrap();
+        let mut extra = serde_json::json!({ "mode": mode });
+        if mode == "lora" {
+            extra["adapter"] = serde_json::json!({"save_dtype": "fp32"});
+        }
+        let run1 = train(first.path(), extra.clone());
+        let (source, loaded) = match unet_file {
+            None => {
+                let f = run1.join("sdtrain-ema.safetensors");
+                (f.clone(), load(&f))
+            }
+            Some(u) => (
+                run1.join("final-ema"),
+                load(&run1.join("final-ema").join(u)),
+            ),
+        };
+        let second = tempfile::tempdir().unwrap();
+        let mut extra = extra;
+        extra["ema_resume_model"] = serde_json::json!(source);
+        extra["max_steps"] = serde_json::json!(1);
+        extra["seed"] = serde_json::json!(99);
+        let run2 = train(second.path(), extra);
+        let (now, ema) = match unet_file {
+            None => (
+                load(&run2.join("sdtrain.safetensors")),
+                load(&run2.join("sdtrain-ema.safetensors")),
+            ),
+            Some(u) => (
+                load(&run2.join("final").join(u)),
+                load(&run2.join("final-ema").join(u)),
+            ),
+        };
+        assert_ema_step(&ema, &loaded, &now, &format!("{mode}: ema_resume_model"));
+    }
+    // Without EMA the key is refused, as is "findlast" outside a resumed run.
+    let tmp = tempfile::tempdir().unwrap();
+    for (extra, want) in [
+        (
+            serde_json::json!({"ema_resume_model": "x", "ema_decay_rate": null}),
+            "EMA is off",
+        ),
+        (
+            serde_json::json!({"ema_resume_model": "findlast", "ema_decay_rate": 0.9}),
+            "findlast",
+        ),
+    ] {
+        let cfg = write_config(tmp.path(), "tiny-sd15", &demo_data(), extra);
+        let out = sdtrain(&["--config", cfg.to_str().unwrap(), "--cpu"], tmp.path());
+        assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+        assert!(text(&out).contains(want), "{}", text(&out));
+    }
+}

@@ -123,6 +123,9 @@ pub struct TrainPlan {
     pub precision: PrecisionPlan,
     /// The EMA copy of the trained weights; `None` is off.
     pub ema: Option<EmaPlan>,
+    /// EveryDream2's `ema_resume_model`: what a new run's EMA starts from (a model, or an
+    /// adapter file in lora/locon mode) instead of the starting weights.
+    pub ema_resume_model: Option<String>,
     /// Sample images during training; `None` is off.
     pub samples: Option<SamplePlan>,
     /// How a single-file model is read, and the formats a full fine-tune is saved in.
@@ -183,6 +186,12 @@ impl TrainPlan {
             .as_ref()
             .map_or(train_text_encoder, |a| a.train_text_encoder);
         let resume = resolve_resume(&file, &ctx)?;
+        let ema_resume_model = resolve_ema_resume(
+            &file,
+            &ctx,
+            super::ema_plan::resolve_ema(&file, train_path)?.is_some(),
+            resume.is_some(),
+        )?;
         let ema = super::ema_plan::resolve_ema(&file, train_path)?;
         let saving = super::save_plan::resolve_saves(&file, &ctx)?;
         let input = |field: &str, p: &str| ctx.input_path(field, p);
@@ -240,6 +249,7 @@ impl TrainPlan {
             )?,
             precision,
             ema,
+            ema_resume_model,
             samples: super::sample_plan::resolve_samples(&file, train_path, ema.is_some(), input)?,
             model_file: super::model_plan::resolve_model_file(&file, train_path, mode, input)?,
         })
@@ -476,6 +486,45 @@ fn resolve_train_unet(
         ));
     }
     Ok(false)
+}
+
+/// `ema_resume_model`: a local path (made absolute) or a hub id. EveryDream2's `"findlast"` is the
+/// save point's EMA, which a resumed run continues anyway.
+fn resolve_ema_resume(
+    file: &TrainFile,
+    ctx: &Ctx<'_>,
+    ema_on: bool,
+    resuming: bool,
+) -> Result<Option<String>, ConfigError> {
+    let field = "ema_resume_model";
+    let Some(raw) = file.ema_resume_model.as_deref() else {
+        return Ok(None);
+    };
+    if !ema_on {
+        return Err(ctx.invalid(
+            field,
+            "has no effect: EMA is off (set ema_decay_rate or ema_strength_target)".to_string(),
+        ));
+    }
+    if raw.trim().is_empty() {
+        return Err(ctx.invalid(field, "is empty".to_string()));
+    }
+    if raw == "findlast" {
+        return match resuming {
+            true => Ok(None),
+            false => Err(ctx.invalid(
+                field,
+                "is \"findlast\", the last run's EMA: resume that run (resume_ckpt: \"findlast\" \
+                 or its folder) to continue its EMA, or name the EMA weights to start from (a \
+                 `final-ema` folder, or an adapter's `-ema.safetensors` file)"
+                    .to_string(),
+            )),
+        };
+    }
+    match ctx.input_candidates(raw).iter().find(|p| p.exists()) {
+        Some(local) => Ok(Some(ctx.absolute(field, local)?.display().to_string())),
+        None => Ok(Some(raw.to_string())),
+    }
 }
 
 /// `max_consecutive_skipped_steps`: 5 when unset, 0 for never.

@@ -257,6 +257,9 @@ pub struct TrainFile {
     /// Read train.json again at each epoch's start and apply what a running run can change.
     #[serde(default)]
     pub load_settings_every_epoch: Option<bool>,
+    /// What a new run's EMA starts from: a model, or an adapter file in lora/locon mode.
+    #[serde(default)]
+    pub ema_resume_model: Option<String>,
 }
 
 /// EveryDream2 train.json keys (train.py's argparser and its sample train.json) that sdtrain
@@ -266,11 +269,6 @@ pub(crate) const UNSUPPORTED: &[Unsupported] = &[
         "attn_type",
         Accepts::NullOrStr("sdp"),
         "sdtrain has one attention implementation",
-    ),
-    un(
-        "ema_resume_model",
-        Accepts::Null,
-        "resuming the EMA from a model is not implemented; a save point keeps the EMA",
     ),
     un(
         "embedding_perturbation",
@@ -445,12 +443,9 @@ mod tests {
 
     #[test]
     fn unsupported_keys_error_unless_inert() {
-        let err = parse(json!({"ema_resume_model": "m.safetensors"})).unwrap_err();
+        let err = parse(json!({"wandb": true})).unwrap_err();
         let msg = err.to_string();
-        assert!(
-            msg.contains("`ema_resume_model` is not supported yet"),
-            "{msg}"
-        );
+        assert!(msg.contains("`wandb` is not supported yet"), "{msg}");
         let ok = parse(json!({
             "wandb": false,
             "ema_decay_rate": null, "attn_type": "sdp", "loss_type": "mse", "gpuid": 0,

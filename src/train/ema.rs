@@ -200,6 +200,28 @@ impl Ema {
         })
     }
 
+    /// Replaces every average with the tensor `lookup` gives for its name, which must exist
+    /// with the average's shape (`ema_resume_model`).
+    pub fn start_from(&mut self, lookup: impl Fn(&str) -> Option<Tensor>) -> Result<()> {
+        let err = |name: &str, message: String| EmaError::File {
+            path: name.to_string(),
+            message,
+        };
+        for (name, value) in self.names.iter().zip(self.values.iter_mut()) {
+            let Some(t) = lookup(name) else {
+                return Err(err(name, "is not in the model".to_string()));
+            };
+            if t.dims() != value.dims() {
+                return Err(err(
+                    name,
+                    format!("is {:?} there, this run's is {:?}", t.dims(), value.dims()),
+                ));
+            }
+            *value = to_f32_on(&t, &self.device, name)?;
+        }
+        Ok(())
+    }
+
     /// Replaces the averages with those saved in `path`, which must hold exactly this EMA's
     /// names with its shapes.
     pub fn load(&mut self, path: &Path) -> Result<()> {
@@ -345,6 +367,24 @@ mod tests {
     }
 
     /// A save and load round-trips bit for bit; a file of other names is refused by name.
+    #[test]
+    fn start_from_takes_each_tensor_by_name_and_checks_shapes() {
+        let v = var(&[1.0, 2.0]);
+        let mut ema = ema_of(&v, 0.5, 1);
+        let other = Tensor::new(&[5.0f32, 7.0], &Device::Cpu).unwrap();
+        ema.start_from(|n| (n == "p").then(|| other.clone()))
+            .unwrap();
+        close(&vals(&ema.values()[0]), &[5.0, 7.0]);
+        // The next update moves from the loaded start: 0.5·5 + 0.5·1.
+        ema.update(std::slice::from_ref(&v)).unwrap();
+        close(&vals(&ema.values()[0]), &[3.0, 4.5]);
+        let err = ema.start_from(|_| None).unwrap_err();
+        assert_eq!(err.to_string(), "p: is not in the model");
+        let wrong = Tensor::new(&[1.0f32, 2.0, 3.0], &Device::Cpu).unwrap();
+        let err = ema.start_from(|_| Some(wrong.clone())).unwrap_err();
+        assert!(err.to_string().contains("[3]"), "{err}");
+    }
+
     #[test]
     fn save_and_load() {
         let tmp = tempfile::tempdir().unwrap();

@@ -6,6 +6,7 @@ mod caches;
 pub mod checkpoint_choice;
 pub mod data_feed;
 pub mod ema;
+mod ema_init;
 mod fused;
 mod fused_step;
 #[cfg(test)]

@@ -129,6 +129,7 @@ impl<'a> Session<'a> {
             }
             None => None,
         };
+        let resumed = resumed_dir.is_some();
         let ema_file = resumed_dir.map(|d| d.join(resume::EMA_FILE));
         let named = named_params(&self.opt.groups);
         let (total, device) = (self.opt.total_steps, &self.opts.device);
@@ -139,6 +140,14 @@ impl<'a> Session<'a> {
             ema_file.as_deref(),
             device,
         )?;
+        if let (Some(ema), Some(source)) = (&mut self.extras.ema, &self.plan.ema_resume_model) {
+            match resumed {
+                true => eprintln!(
+                    "ema: ema_resume_model `{source}` is not used: the save point's EMA continues"
+                ),
+                false => super::ema_init::start_ema_from(ema, self.plan, source)?,
+            }
+        }
         // Before the caches: a text cache releases the encoders the prompts need.
         let captions: Vec<String> = self
             .feed
