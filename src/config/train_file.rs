@@ -153,6 +153,62 @@ pub struct TrainFile {
     /// … and its discount per level (kohya's recommended 0.3 when not set).
     #[serde(default)]
     pub multires_noise_discount: Option<f64>,
+    // The loss and noise options (docs/config.md, "Loss and noise"): EveryDream2's names, and
+    // kohya's, OneTrainer's or diffusers' where EveryDream2 has none.
+    /// EveryDream2's `"mse"`, `"huber"`, `"mse_huber"`, `"huber_mse"`; kohya's `"l2"`, `"l1"`,
+    /// `"smooth_l1"`, and kohya's `huber` as `"pseudo_huber"`.
+    #[serde(default)]
+    pub loss_type: Option<String>,
+    /// kohya: `"snr"`, `"constant"` or `"exponential"`, for pseudo_huber/smooth_l1.
+    #[serde(default)]
+    pub huber_schedule: Option<String>,
+    #[serde(default)]
+    pub huber_c: Option<f64>,
+    #[serde(default)]
+    pub huber_scale: Option<f64>,
+    /// kohya's debiased estimation loss weighting.
+    #[serde(default)]
+    pub debiased_estimation_loss: Option<bool>,
+    /// kohya's input perturbation strength …
+    #[serde(default)]
+    pub ip_noise_gamma: Option<f64>,
+    /// … diffusers' name for it …
+    #[serde(default)]
+    pub input_perturbation: Option<f64>,
+    /// … and kohya's random strength in [0, γ).
+    #[serde(default)]
+    pub ip_noise_gamma_random_strength: Option<bool>,
+    /// kohya's names for `timestep_start` and `timestep_end`.
+    #[serde(default)]
+    pub min_timestep: Option<i64>,
+    #[serde(default)]
+    pub max_timestep: Option<i64>,
+    /// OneTrainer's `"uniform"` or `"logit_normal"`, with its `noising_weight`/`noising_bias`.
+    #[serde(default)]
+    pub timestep_distribution: Option<String>,
+    #[serde(default)]
+    pub noising_weight: Option<f64>,
+    #[serde(default)]
+    pub noising_bias: Option<f64>,
+    /// kohya's masked loss (masks from `-masklabel.png` files) …
+    #[serde(default)]
+    pub masked_loss: Option<bool>,
+    /// … OneTrainer's name (its `unmasked_weight` default 0.1) …
+    #[serde(default)]
+    pub masked_training: Option<bool>,
+    /// … or kohya's masks from the images' alpha channel.
+    #[serde(default)]
+    pub alpha_mask: Option<bool>,
+    #[serde(default)]
+    pub unmasked_weight: Option<f64>,
+    #[serde(default)]
+    pub normalize_masked_area_loss: Option<bool>,
+    /// EveryDream2: noise of deviation p/√dim added to the text conditioning in training.
+    #[serde(default)]
+    pub embedding_perturbation: Option<f64>,
+    /// EveryDream2: `"ddpm"`, `"ddim"` or `"pndm"`, the training noise scheduler's class.
+    #[serde(default)]
+    pub train_sampler: Option<String>,
     #[serde(default)]
     pub timestep_start: Option<i64>,
     #[serde(default)]
@@ -246,11 +302,6 @@ pub(crate) const UNSUPPORTED: &[Unsupported] = &[
         "resuming the EMA from a model is not implemented; a save point keeps the EMA",
     ),
     un(
-        "embedding_perturbation",
-        Accepts::NullOrZero,
-        "embedding perturbation is not implemented",
-    ),
-    un(
         "gpuid",
         Accepts::NullOrZero,
         "choosing a GPU is not implemented",
@@ -264,11 +315,6 @@ pub(crate) const UNSUPPORTED: &[Unsupported] = &[
         "load_settings_every_epoch",
         Accepts::NullOrFalse,
         "reloading settings is not implemented",
-    ),
-    un(
-        "loss_type",
-        Accepts::NullOrStr("mse"),
-        "only the MSE loss is implemented",
     ),
     un("lr_decay_steps", Accepts::Null, SCHEDULE),
     un("lr_scheduler", Accepts::Null, SCHEDULE),
@@ -313,11 +359,6 @@ pub(crate) const UNSUPPORTED: &[Unsupported] = &[
         "save_full_precision",
         Accepts::NullOrTrue,
         "models are saved in f32 (the f32 masters)",
-    ),
-    un(
-        "train_sampler",
-        Accepts::NullOrStr("ddpm"),
-        "only the DDPM training noise schedule is implemented",
     ),
     un(
         "validation_config",
