@@ -190,19 +190,6 @@ pub struct TrainFile {
     pub noising_weight: Option<f64>,
     #[serde(default)]
     pub noising_bias: Option<f64>,
-    /// kohya's masked loss (masks from `-masklabel.png` files) …
-    #[serde(default)]
-    pub masked_loss: Option<bool>,
-    /// … OneTrainer's name (its `unmasked_weight` default 0.1) …
-    #[serde(default)]
-    pub masked_training: Option<bool>,
-    /// … or kohya's masks from the images' alpha channel.
-    #[serde(default)]
-    pub alpha_mask: Option<bool>,
-    #[serde(default)]
-    pub unmasked_weight: Option<f64>,
-    #[serde(default)]
-    pub normalize_masked_area_loss: Option<bool>,
     /// EveryDream2: noise of deviation p/√dim added to the text conditioning in training.
     #[serde(default)]
     pub embedding_perturbation: Option<f64>,

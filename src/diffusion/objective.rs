@@ -30,7 +30,7 @@ use rand_distr::StandardNormal;
 
 use super::loss::{LossConfig, LossError, LossInputs};
 use super::noise_schedule::{NoiseSchedule, ScheduleError};
-use super::perturbation::{embedding_seed, perturb_embeddings, InputPerturbation};
+use super::perturbation::{embedding_seed, perturb_embeddings, perturbed_noise, InputPerturbation};
 use super::pyramid_noise::{PyramidNoise, PyramidStyle};
 use super::timesteps::TimestepDistribution;
 use crate::model::family::PredictionType;
@@ -387,7 +387,7 @@ impl Objective {
             if let Some(ip) = self.config.input_perturbation {
                 let strength = ip.strength(rng);
                 let xi = sample_noise(rng, (1, c, h, w), 0.0, DType::F32, x0.device())?;
-                input_noise.push((&n + (xi * strength)?)?);
+                input_noise.push(perturbed_noise(&n, &xi, strength)?);
             }
             if self.config.embedding_perturbation > 0.0 {
                 embedding_seeds.push(embedding_seed(rng));
@@ -584,5 +584,40 @@ mod tests {
         assert_eq!(batch.timesteps_tensor(&Device::Cpu).unwrap().dims(), [2]);
         let loss = obj.loss(&batch.noisy, &batch).unwrap();
         assert!(loss.to_scalar::<f32>().unwrap().is_finite());
+    }
+
+    /// Input perturbation moves the UNet input only: the target, timesteps and the draws
+    /// before it are those of the unperturbed run.
+    #[test]
+    fn input_perturbation_leaves_the_target_alone() {
+        let s = sd_schedule(PredictionType::Epsilon);
+        let x0 = Tensor::ones((2, 4, 8, 8), DType::F32, &Device::Cpu).unwrap();
+        let rngs = || [StdRng::seed_from_u64(3), StdRng::seed_from_u64(4)];
+        let plain = Objective::new(s.clone(), ObjectiveConfig::plain(1000)).unwrap();
+        let ip = Objective::new(
+            s,
+            ObjectiveConfig {
+                input_perturbation: Some(InputPerturbation {
+                    gamma: 0.5,
+                    random_strength: false,
+                }),
+                embedding_perturbation: 1.0,
+                ..ObjectiveConfig::plain(1000)
+            },
+        )
+        .unwrap();
+        let a = plain.noise_per_sample(&mut rngs(), &x0).unwrap();
+        let b = ip.noise_per_sample(&mut rngs(), &x0).unwrap();
+        let flat = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(a.timesteps, b.timesteps);
+        assert_eq!(flat(&a.target), flat(&b.target));
+        assert_ne!(flat(&a.noisy), flat(&b.noisy));
+        assert_eq!(b.embedding_seeds.len(), 2);
+        let quiet = ip
+            .without_perturbations()
+            .noise_per_sample(&mut rngs(), &x0)
+            .unwrap();
+        assert_eq!(flat(&quiet.noisy), flat(&a.noisy));
+        assert!(quiet.embedding_seeds.is_empty());
     }
 }

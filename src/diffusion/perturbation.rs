@@ -37,6 +37,23 @@ impl InputPerturbation {
     }
 }
 
+/// The UNet's noise with input perturbation: `ε + s·ξ` (f32 arithmetic, in `noise`'s dtype).
+pub fn perturbed_noise(noise: &Tensor, xi: &Tensor, strength: f64) -> candle_core::Result<Tensor> {
+    let f32 = candle_core::DType::F32;
+    (noise.to_dtype(f32)? + (xi.to_dtype(f32)? * strength)?)?.to_dtype(noise.dtype())
+}
+
+/// `context + (p/√D)·ζ` for a given `ζ` of the context's shape (EveryDream2's three lines).
+pub fn perturb_embeddings_with(
+    context: &Tensor,
+    p: f64,
+    zeta: &Tensor,
+) -> candle_core::Result<Tensor> {
+    let d = context.dim(candle_core::D::Minus1)?;
+    let delta = (zeta.to_dtype(candle_core::DType::F32)? * (p / (d as f64).sqrt()))?;
+    context.add(&delta.to_dtype(context.dtype())?)
+}
+
 /// `context + (p/√D)·ζ_i` for each sample `i` of `context` `[B, L, D]`, `ζ_i` drawn from
 /// `seeds[i]`, in the context's dtype. The noise is a constant: the gradient flows through the
 /// context unchanged.
@@ -48,15 +65,13 @@ pub fn perturb_embeddings(context: &Tensor, p: f64, seeds: &[u64]) -> candle_cor
             seeds.len()
         );
     }
-    let scale = (p / (d as f64).sqrt()) as f32;
     let mut data = Vec::with_capacity(b * l * d);
     for &seed in seeds {
         let mut rng = StdRng::seed_from_u64(seed);
-        data.extend((0..l * d).map(|_| scale * rng.sample::<f32, _>(StandardNormal)));
+        data.extend((0..l * d).map(|_| rng.sample::<f32, _>(StandardNormal)));
     }
-    let delta = Tensor::from_vec(data, (b, l, d), context.device())?;
-    let delta = delta.to_dtype(context.dtype())?;
-    context.add(&delta)
+    let zeta = Tensor::from_vec(data, (b, l, d), context.device())?;
+    perturb_embeddings_with(context, p, &zeta)
 }
 
 /// A sample's embedding-noise seed: one draw from its generator.

@@ -506,10 +506,8 @@ fn build_objective(plan: &TrainPlan, layout: &ModelLayout) -> anyhow::Result<Obj
         loss_type: o.loss.loss_type,
         min_snr_gamma: o.min_snr_gamma,
         debiased_estimation: o.loss.debiased_estimation,
-        mask: o
-            .loss
-            .masked
-            .map_or(LossConfig::mse().mask, |m| m.weighting),
+        // No loss masks are loaded yet: the weighting is unused.
+        mask: LossConfig::mse().mask,
     };
     Ok(Objective::new(
         schedule,
