@@ -298,6 +298,17 @@ fn everydream2_sample_train_json_lists_what_is_missing() {
     assert!(plan.random_seed);
     assert_eq!(plan.objective.min_snr_gamma, Some(5.0));
     assert_eq!(plan.objective.pyramid_noise.map(|p| p.discount), Some(0.03));
+    // Its loss_type "mse", embedding_perturbation 0 and train_sampler "ddpm" are read (the
+    // argparser's default loss_type is mse_huber; the shipped file and sdtrain say mse).
+    assert_eq!(
+        plan.objective.loss.loss_type,
+        sdtrain::diffusion::loss::LossType::Mse
+    );
+    assert_eq!(plan.objective.embedding_perturbation, 0.0);
+    assert_eq!(
+        plan.objective.train_sampler,
+        sdtrain::diffusion::train_sampler::TrainSampler::Ddpm
+    );
     assert_eq!(
         plan.precision.gradient_checkpointing,
         sdtrain::config::CheckpointChoice::On
@@ -435,4 +446,80 @@ fn plan_json_round_trips_through_serde() {
     let value: Value = serde_json::from_str(&text).expect("valid json");
     assert_eq!(value["max_steps"], json!(20));
     assert_eq!(value["model"], json!("org/model"));
+}
+
+#[test]
+fn loss_and_noise_keys_refuse_what_would_be_ignored_or_ambiguous() {
+    let s = Setup::new();
+    let cases = [
+        (
+            json!({"loss_type": "huber", "huber_c": 0.2}),
+            "pseudo_huber",
+        ),
+        (
+            json!({"loss_type": "mse", "huber_schedule": "snr"}),
+            "huber_schedule",
+        ),
+        (
+            json!({"loss_type": "pseudo_huber", "huber_scale": 2.0}),
+            "huber_scale",
+        ),
+        (
+            json!({"loss_type": "pseudo_huber", "huber_c": 0.0}),
+            "huber_c",
+        ),
+        (json!({"loss_type": "cross_entropy"}), "loss_type"),
+        (
+            json!({"timestep_start": 10, "min_timestep": 20}),
+            "min_timestep",
+        ),
+        (json!({"max_timestep": 1001}), "max_timestep"),
+        (
+            json!({"ip_noise_gamma": 0.1, "input_perturbation": 0.2}),
+            "input_perturbation",
+        ),
+        (
+            json!({"ip_noise_gamma_random_strength": true}),
+            "ip_noise_gamma_random_strength",
+        ),
+        (json!({"noising_weight": 0.5}), "noising_weight"),
+        (
+            json!({"timestep_distribution": "logit_normal", "noising_weight": -1.0}),
+            "noising_weight",
+        ),
+        (
+            json!({"timestep_distribution": "cosmap"}),
+            "timestep_distribution",
+        ),
+        (
+            json!({"embedding_perturbation": -1.0}),
+            "embedding_perturbation",
+        ),
+        (json!({"train_sampler": "euler"}), "train_sampler"),
+    ];
+    for (extra, field) in cases {
+        let err = s.error(extra.clone(), &[]);
+        assert!(err.contains(field), "{extra}: {err}");
+    }
+    let plan = s
+        .resolve(
+            json!({"min_timestep": 100, "max_timestep": 900, "timestep_end": 900,
+                   "loss_type": "smooth_l1", "timestep_distribution": "LOGIT_NORMAL",
+                   "noising_weight": 0.5, "noising_bias": -0.2, "train_sampler": "PNDM"}),
+            &[],
+        )
+        .expect("plan");
+    let o = &plan.objective;
+    assert_eq!((o.timestep_start, o.timestep_end), (100, 900));
+    assert_eq!(
+        o.timestep_distribution,
+        sdtrain::diffusion::TimestepDistribution::LogitNormal {
+            bias: -0.2,
+            scale: 1.5
+        }
+    );
+    assert!(matches!(
+        o.loss.loss_type,
+        sdtrain::diffusion::loss::LossType::SmoothL1(h) if h.c == 0.1 && h.scale == 1.0
+    ));
 }

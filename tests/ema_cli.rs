@@ -158,7 +158,6 @@ fn ema_resume_model_starts_the_ema_from_saved_weights() {
             ),
         };
         let second = tempfile::tempdir().unwrap();
-        let mut extra = extra;
         extra["ema_resume_model"] = serde_json::json!(source);
         extra["max_steps"] = serde_json::json!(1);
         extra["seed"] = serde_json::json!(99);

@@ -1,12 +1,18 @@
-//! [`ObjectivePlan`]: the diffusion objective's keys of train.json resolved: the timestep range,
-//! the noise offset, min-SNR-γ, zero terminal SNR and clip skip (EveryDream2's defaults).
+//! [`ObjectivePlan`]: the diffusion objective's keys of train.json resolved: the timestep range
+//! (EveryDream2's or kohya's names) and distribution, the noise offset, pyramid noise, input and
+//! embedding perturbation, the loss ([`super::loss_plan`]), min-SNR-γ, zero terminal SNR, the
+//! training noise scheduler and clip skip (EveryDream2's defaults).
 
 use serde::Serialize;
 
 use super::ctx::Ctx;
 use super::error::ConfigError;
+use super::loss_plan::{resolve_loss, LossPlan};
 use super::train_file::TrainFile;
+use crate::diffusion::perturbation::InputPerturbation;
 use crate::diffusion::pyramid_noise::{PyramidNoise, PyramidStyle, EVERYDREAM2_LEVELS};
+use crate::diffusion::timesteps::TimestepDistribution;
+use crate::diffusion::train_sampler::TrainSampler;
 
 /// EveryDream2's `--zero_frequency_noise_ratio` default.
 pub const DEFAULT_ZERO_FREQUENCY_NOISE_RATIO: f64 = 0.02;
@@ -27,6 +33,8 @@ pub struct ObjectivePlan {
     /// `num_train_timesteps` once the model is loaded.
     pub timestep_start: usize,
     pub timestep_end: usize,
+    /// How timesteps are drawn from the range (uniform, or OneTrainer's logit-normal).
+    pub timestep_distribution: TimestepDistribution,
     /// Noise offset: this fraction of a per-channel constant is added to the noise, in [0, 1].
     pub zero_frequency_noise_ratio: f64,
     /// Pyramid noise: EveryDream2's `pyramid_noise_discount` or kohya's
@@ -34,6 +42,14 @@ pub struct ObjectivePlan {
     pub pyramid_noise: Option<PyramidNoise>,
     /// Min-SNR-γ loss weighting (arXiv 2303.09556); `None` disables it.
     pub min_snr_gamma: Option<f64>,
+    /// The loss function, debiased estimation and the loss mask.
+    pub loss: LossPlan,
+    /// kohya's `ip_noise_gamma` / diffusers' `input_perturbation`; `None` is off.
+    pub input_perturbation: Option<InputPerturbation>,
+    /// EveryDream2's `embedding_perturbation` (0 is off).
+    pub embedding_perturbation: f64,
+    /// EveryDream2's `train_sampler`: the scheduler class the training noise comes from.
+    pub train_sampler: TrainSampler,
     /// Train on the schedule rescaled to zero terminal SNR (arXiv 2305.08891); `zero_terminal_snr`
     /// or EveryDream2's `enable_zero_terminal_snr`.
     pub zero_terminal_snr: bool,
@@ -48,18 +64,28 @@ pub(super) fn resolve_objective(
     file: &TrainFile,
     ctx: &Ctx<'_>,
 ) -> Result<ObjectivePlan, ConfigError> {
-    let start = ctx.at_least("timestep_start", file.timestep_start, 0, 0)?;
-    let end = ctx.at_least("timestep_end", file.timestep_end, MAX_TIMESTEP, 1)?;
+    let (start_key, start) = timestep_key(
+        ctx,
+        ("timestep_start", file.timestep_start),
+        ("min_timestep", file.min_timestep),
+    )?;
+    let (end_key, end) = timestep_key(
+        ctx,
+        ("timestep_end", file.timestep_end),
+        ("max_timestep", file.max_timestep),
+    )?;
+    let start = ctx.at_least(start_key, start, 0, 0)?;
+    let end = ctx.at_least(end_key, end, MAX_TIMESTEP, 1)?;
     if end > MAX_TIMESTEP {
         return Err(ctx.invalid(
-            "timestep_end",
+            end_key,
             format!("must be at most {MAX_TIMESTEP} (got {end}); it is exclusive"),
         ));
     }
     if start >= end {
         return Err(ctx.invalid(
-            "timestep_start",
-            format!("must be less than timestep_end (got {start} and {end}; the end is exclusive)"),
+            start_key,
+            format!("must be less than {end_key} (got {start} and {end}; the end is exclusive)"),
         ));
     }
     let clip_skip = ctx.at_least("clip_skip", file.clip_skip, 0, 0)?;
@@ -81,6 +107,24 @@ pub(super) fn resolve_objective(
     Ok(ObjectivePlan {
         timestep_start: start as usize,
         timestep_end: end as usize,
+        timestep_distribution: resolve_distribution(file, ctx)?,
+        loss: resolve_loss(file, ctx)?,
+        input_perturbation: resolve_input_perturbation(file, ctx)?,
+        embedding_perturbation: non_negative(
+            ctx,
+            "embedding_perturbation",
+            file.embedding_perturbation,
+        )?
+        .unwrap_or(0.0),
+        train_sampler: match file.train_sampler.as_deref() {
+            None => TrainSampler::Ddpm,
+            Some(name) => TrainSampler::parse(name).ok_or_else(|| {
+                ctx.invalid(
+                    "train_sampler",
+                    format!("is \"{name}\"; it must be \"ddpm\", \"ddim\" or \"pndm\""),
+                )
+            })?,
+        },
         zero_frequency_noise_ratio: ctx.fraction(
             "zero_frequency_noise_ratio",
             file.zero_frequency_noise_ratio,
@@ -147,5 +191,121 @@ fn resolve_pyramid(file: &TrainFile, ctx: &Ctx<'_>) -> Result<Option<PyramidNois
                 .to_string(),
         )),
         (a, b) => Ok(a.or(b)),
+    }
+}
+
+/// EveryDream2's name or kohya's for one end of the timestep range: the same thing, so both set
+/// to different values is refused.
+fn timestep_key<'k>(
+    ctx: &Ctx<'_>,
+    ed2: (&'k str, Option<i64>),
+    kohya: (&'k str, Option<i64>),
+) -> Result<(&'k str, Option<i64>), ConfigError> {
+    match (ed2.1, kohya.1) {
+        (Some(a), Some(b)) if a != b => Err(ctx.invalid(
+            kohya.0,
+            format!(
+                "is {b} but {} is {a}: kohya's {} is EveryDream2's {}; give one",
+                ed2.0, kohya.0, ed2.0
+            ),
+        )),
+        (Some(a), _) => Ok((ed2.0, Some(a))),
+        (None, Some(b)) => Ok((kohya.0, Some(b))),
+        (None, None) => Ok((ed2.0, None)),
+    }
+}
+
+/// `timestep_distribution` (OneTrainer's `UNIFORM`/`LOGIT_NORMAL`, any case) with
+/// `noising_weight` (scale − 1, > −1) and `noising_bias`.
+fn resolve_distribution(
+    file: &TrainFile,
+    ctx: &Ctx<'_>,
+) -> Result<TimestepDistribution, ConfigError> {
+    let name = file
+        .timestep_distribution
+        .as_deref()
+        .unwrap_or("uniform")
+        .to_ascii_lowercase();
+    match name.as_str() {
+        "uniform" => {
+            for (key, set) in [
+                ("noising_weight", file.noising_weight.is_some()),
+                ("noising_bias", file.noising_bias.is_some()),
+            ] {
+                if set {
+                    return Err(ctx.invalid(
+                        key,
+                        "shapes the logit_normal timestep_distribution; the distribution is \
+                         uniform"
+                            .to_string(),
+                    ));
+                }
+            }
+            Ok(TimestepDistribution::Uniform)
+        }
+        "logit_normal" => {
+            let weight = file.noising_weight.unwrap_or(0.0);
+            if !(weight.is_finite() && weight > -1.0) {
+                return Err(ctx.invalid(
+                    "noising_weight",
+                    format!("must be above -1 (the normal's deviation is noising_weight + 1; got {weight})"),
+                ));
+            }
+            let bias = file.noising_bias.unwrap_or(0.0);
+            if !bias.is_finite() {
+                return Err(ctx.invalid("noising_bias", format!("must be finite (got {bias})")));
+            }
+            Ok(TimestepDistribution::LogitNormal {
+                bias,
+                scale: weight + 1.0,
+            })
+        }
+        other => Err(ctx.invalid(
+            "timestep_distribution",
+            format!("is \"{other}\"; it must be \"uniform\" or \"logit_normal\""),
+        )),
+    }
+}
+
+/// kohya's `ip_noise_gamma` or diffusers' `input_perturbation` (the same γ; 0 or null is off),
+/// with kohya's `ip_noise_gamma_random_strength`.
+fn resolve_input_perturbation(
+    file: &TrainFile,
+    ctx: &Ctx<'_>,
+) -> Result<Option<InputPerturbation>, ConfigError> {
+    let gamma = match (file.ip_noise_gamma, file.input_perturbation) {
+        (Some(a), Some(b)) if a != b => {
+            return Err(ctx.invalid(
+                "input_perturbation",
+                format!(
+                    "is {b} but ip_noise_gamma is {a}: diffusers' input_perturbation is kohya's \
+                     ip_noise_gamma; give one"
+                ),
+            ))
+        }
+        (Some(a), _) => non_negative(ctx, "ip_noise_gamma", Some(a))?,
+        (None, b) => non_negative(ctx, "input_perturbation", b)?,
+    };
+    let random_strength = file.ip_noise_gamma_random_strength.unwrap_or(false);
+    match gamma {
+        Some(g) if g > 0.0 => Ok(Some(InputPerturbation {
+            gamma: g,
+            random_strength,
+        })),
+        _ if random_strength => Err(ctx.invalid(
+            "ip_noise_gamma_random_strength",
+            "needs ip_noise_gamma (or input_perturbation) above 0".to_string(),
+        )),
+        _ => Ok(None),
+    }
+}
+
+/// `v` when it is finite and at least 0.
+fn non_negative(ctx: &Ctx<'_>, field: &str, v: Option<f64>) -> Result<Option<f64>, ConfigError> {
+    match v {
+        Some(x) if !(x.is_finite() && x >= 0.0) => {
+            Err(ctx.invalid(field, format!("must be 0 or more (got {x})")))
+        }
+        x => Ok(x),
     }
 }

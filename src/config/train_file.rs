@@ -163,6 +163,49 @@ pub struct TrainFile {
     /// … and its discount per level (kohya's recommended 0.3 when not set).
     #[serde(default)]
     pub multires_noise_discount: Option<f64>,
+    // The loss and noise options (docs/config.md, "Loss and noise"): EveryDream2's names, and
+    // kohya's, OneTrainer's or diffusers' where EveryDream2 has none.
+    /// EveryDream2's `"mse"`, `"huber"`, `"mse_huber"`, `"huber_mse"`; kohya's `"l2"`, `"l1"`,
+    /// `"smooth_l1"`, and kohya's `huber` as `"pseudo_huber"`.
+    #[serde(default)]
+    pub loss_type: Option<String>,
+    /// kohya: `"snr"`, `"constant"` or `"exponential"`, for pseudo_huber/smooth_l1.
+    #[serde(default)]
+    pub huber_schedule: Option<String>,
+    #[serde(default)]
+    pub huber_c: Option<f64>,
+    #[serde(default)]
+    pub huber_scale: Option<f64>,
+    /// kohya's debiased estimation loss weighting.
+    #[serde(default)]
+    pub debiased_estimation_loss: Option<bool>,
+    /// kohya's input perturbation strength …
+    #[serde(default)]
+    pub ip_noise_gamma: Option<f64>,
+    /// … diffusers' name for it …
+    #[serde(default)]
+    pub input_perturbation: Option<f64>,
+    /// … and kohya's random strength in [0, γ).
+    #[serde(default)]
+    pub ip_noise_gamma_random_strength: Option<bool>,
+    /// kohya's names for `timestep_start` and `timestep_end`.
+    #[serde(default)]
+    pub min_timestep: Option<i64>,
+    #[serde(default)]
+    pub max_timestep: Option<i64>,
+    /// OneTrainer's `"uniform"` or `"logit_normal"`, with its `noising_weight`/`noising_bias`.
+    #[serde(default)]
+    pub timestep_distribution: Option<String>,
+    #[serde(default)]
+    pub noising_weight: Option<f64>,
+    #[serde(default)]
+    pub noising_bias: Option<f64>,
+    /// EveryDream2: noise of deviation p/√dim added to the text conditioning in training.
+    #[serde(default)]
+    pub embedding_perturbation: Option<f64>,
+    /// EveryDream2: `"ddpm"`, `"ddim"` or `"pndm"`, the training noise scheduler's class.
+    #[serde(default)]
+    pub train_sampler: Option<String>,
     #[serde(default)]
     pub timestep_start: Option<i64>,
     #[serde(default)]
@@ -271,19 +314,9 @@ pub(crate) const UNSUPPORTED: &[Unsupported] = &[
         "sdtrain has one attention implementation",
     ),
     un(
-        "embedding_perturbation",
-        Accepts::NullOrZero,
-        "embedding perturbation is not implemented",
-    ),
-    un(
         "keep_tags",
         Accepts::NullOrZero,
         "keep_tags is not implemented (shuffle_tags keeps the first tag)",
-    ),
-    un(
-        "loss_type",
-        Accepts::NullOrStr("mse"),
-        "only the MSE loss is implemented",
     ),
     un(
         "notebook",
@@ -300,11 +333,6 @@ pub(crate) const UNSUPPORTED: &[Unsupported] = &[
         "rated_dataset_target_dropout_percent",
         Accepts::Null,
         "rated datasets are not implemented",
-    ),
-    un(
-        "train_sampler",
-        Accepts::NullOrStr("ddpm"),
-        "only the DDPM training noise schedule is implemented",
     ),
     un(
         "validation_config",

@@ -15,6 +15,7 @@ pub mod caption;
 pub mod dataset;
 pub mod epoch_plan;
 pub mod image_load;
+pub mod mask;
 pub mod prefetch;
 pub mod scan;
 pub mod truncation;

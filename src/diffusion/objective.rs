@@ -6,11 +6,16 @@
 //!    crosslabs.org/blog/diffusion-with-offset-noise): `ε += r · n₂` with `n₂ ~ N(0, I)` of shape
 //!    `[B, C, 1, 1]`, i.e. one constant per sample and channel (EveryDream2 `train.py`
 //!    `get_noise`);
-//! 2. timesteps `t_i ~ U{timestep_start, …, timestep_end − 1}`, one per sample (EveryDream2
-//!    `get_timesteps`, `torch.randint(start, end)`);
-//! 3. `x_t = √ᾱ_t·x₀ + √(1−ᾱ_t)·ε`, and the target `ε` or `v = √ᾱ_t·ε − √(1−ᾱ_t)·x₀`
+//! 2. timesteps in `[timestep_start, timestep_end)`, one per sample, uniform (EveryDream2
+//!    `get_timesteps`, `torch.randint(start, end)`) or logit-normal ([`super::timesteps`]);
+//! 3. `x_t = √ᾱ_t·x₀ + √(1−ᾱ_t)·ε` (with input perturbation, `ε + γ·ξ` there:
+//!    [`super::perturbation`]), and the target `ε` or `v = √ᾱ_t·ε − √(1−ᾱ_t)·x₀`
 //!    ([`NoiseSchedule`]);
-//! 4. the loss `L = (1/B) Σ_i w_i · mean_{c,h,w} (pred_i − target_i)²`, in f32.
+//! 4. the loss `L = (1/B) Σ_i w_i · mean_{c,h,w} ℓ(pred_i − target_i)`, in f32 ([`super::loss`]:
+//!    MSE by default, EveryDream2's Huber mixes, kohya's scheduled pseudo-Huber, a loss mask).
+//!
+//! Each sample draws, from its own generator and in this order: its noise, its timestep, the
+//! input perturbation's strength and noise (when on), and its embedding-noise seed (when on).
 //!
 //! Min-SNR-γ weighting (Hang et al., arXiv 2303.09556, Section 3.4 and 4.2), as in diffusers'
 //! `examples/text_to_image/train_text_to_image.py` with `training_utils.compute_snr`:
@@ -23,8 +28,11 @@ use candle_core::{DType, Device, Tensor};
 use rand::Rng;
 use rand_distr::StandardNormal;
 
+use super::loss::{LossConfig, LossError, LossInputs};
 use super::noise_schedule::{NoiseSchedule, ScheduleError};
+use super::perturbation::{embedding_seed, perturb_embeddings, perturbed_noise, InputPerturbation};
 use super::pyramid_noise::{PyramidNoise, PyramidStyle};
+use super::timesteps::TimestepDistribution;
 use crate::model::family::PredictionType;
 
 #[derive(Debug, thiserror::Error)]
@@ -47,6 +55,15 @@ pub enum ObjectiveError {
     Weights { weights: usize, batch: usize },
     #[error("noise: {rngs} per-sample generators for a batch of {batch}")]
     Generators { rngs: usize, batch: usize },
+    #[error(
+        "debiased_estimation_loss on an epsilon-prediction model with zero terminal SNR: its \
+         weight 1/√SNR is infinite at timestep {t}; lower timestep_end to {t} or drop one of them"
+    )]
+    DebiasedAtZeroSnr { t: u32 },
+    #[error("{what} is {value}; it must be a finite number ≥ 0")]
+    Negative { what: &'static str, value: f64 },
+    #[error(transparent)]
+    Loss(#[from] LossError),
     #[error(transparent)]
     Schedule(#[from] ScheduleError),
     #[error(transparent)]
@@ -147,17 +164,12 @@ pub fn min_snr_weights(
     if !gamma.is_finite() || gamma <= 0.0 {
         return Err(ObjectiveError::SnrGamma(gamma));
     }
-    timesteps
-        .iter()
-        .map(|&t| {
-            let snr = schedule.snr(t)?;
-            Ok(match prediction_type {
-                PredictionType::Epsilon if snr == 0.0 => 1.0,
-                PredictionType::Epsilon => snr.min(gamma) / snr,
-                PredictionType::VPrediction => snr.min(gamma) / (snr + 1.0),
-            })
-        })
-        .collect()
+    Ok(super::loss::min_snr_weights(
+        schedule,
+        timesteps,
+        prediction_type,
+        gamma,
+    )?)
 }
 
 /// `(1/B) Σ_i w_i · mean_{c,h,w} (pred_i − target_i)²` in f32 (`w_i = 1` without weights), a
@@ -192,27 +204,36 @@ pub fn mse_loss(
     Ok((per_sample * w)?.mean_all()?)
 }
 
-/// The objective's settings (train.json: timestep_start, timestep_end,
-/// zero_frequency_noise_ratio, min_snr_gamma).
+/// The objective's settings (train.json: the timestep range and distribution, the noise
+/// options, the loss and its weighting, the perturbations).
 #[derive(Debug, Clone, PartialEq)]
 pub struct ObjectiveConfig {
     pub timestep_start: u32,
     pub timestep_end: u32,
+    pub timestep_distribution: TimestepDistribution,
     pub zero_frequency_noise_ratio: f64,
-    pub min_snr_gamma: Option<f64>,
     /// Pyramid (multi-resolution) noise added to each sample's noise.
     pub pyramid: Option<PyramidNoise>,
+    /// The loss, min-SNR-γ and debiased weighting, and how a loss mask weighs.
+    pub loss: LossConfig,
+    /// Input perturbation of the UNet's noisy latents (training only).
+    pub input_perturbation: Option<InputPerturbation>,
+    /// EveryDream2's `embedding_perturbation` `p` (training only; 0 is off).
+    pub embedding_perturbation: f64,
 }
 
 impl ObjectiveConfig {
-    /// The whole schedule, no offset noise, no weighting.
+    /// The whole schedule, no offset noise, plain MSE, no perturbation.
     pub fn plain(num_train_timesteps: usize) -> Self {
         Self {
             timestep_start: 0,
             timestep_end: num_train_timesteps as u32,
+            timestep_distribution: TimestepDistribution::Uniform,
             zero_frequency_noise_ratio: 0.0,
-            min_snr_gamma: None,
             pyramid: None,
+            loss: LossConfig::mse(),
+            input_perturbation: None,
+            embedding_perturbation: 0.0,
         }
     }
 }
@@ -225,6 +246,10 @@ pub struct NoisedBatch {
     pub noisy: Tensor,
     /// ε or v, in x₀'s dtype.
     pub target: Tensor,
+    /// The loss mask `[B, 1, h, w]` (latent size, f32), when masked loss is on.
+    pub mask: Option<Tensor>,
+    /// One embedding-noise seed per sample when embedding perturbation is on, else empty.
+    pub embedding_seeds: Vec<u64>,
 }
 
 impl NoisedBatch {
@@ -232,6 +257,24 @@ impl NoisedBatch {
     pub fn timesteps_tensor(&self, device: &Device) -> Result<Tensor, ObjectiveError> {
         let t: Vec<f32> = self.timesteps.iter().map(|&t| t as f32).collect();
         Ok(Tensor::from_vec(t, self.timesteps.len(), device)?)
+    }
+
+    /// Samples `start..start + len` (checked by the caller).
+    pub fn narrow(&self, start: usize, len: usize) -> candle_core::Result<Self> {
+        Ok(Self {
+            timesteps: self.timesteps[start..start + len].to_vec(),
+            noisy: self.noisy.narrow(0, start, len)?,
+            target: self.target.narrow(0, start, len)?,
+            mask: match &self.mask {
+                Some(m) => Some(m.narrow(0, start, len)?),
+                None => None,
+            },
+            embedding_seeds: if self.embedding_seeds.is_empty() {
+                Vec::new()
+            } else {
+                self.embedding_seeds[start..start + len].to_vec()
+            },
+        })
     }
 }
 
@@ -243,6 +286,13 @@ pub struct Objective {
     config: ObjectiveConfig,
 }
 
+fn check_non_negative(what: &'static str, value: f64) -> Result<(), ObjectiveError> {
+    if !value.is_finite() || value < 0.0 {
+        return Err(ObjectiveError::Negative { what, value });
+    }
+    Ok(())
+}
+
 impl Objective {
     /// Validates `config` against the schedule. The prediction type is the schedule's.
     pub fn new(schedule: NoiseSchedule, config: ObjectiveConfig) -> Result<Self, ObjectiveError> {
@@ -252,10 +302,21 @@ impl Objective {
             schedule.num_train_timesteps(),
         )?;
         check_noise_ratio(config.zero_frequency_noise_ratio)?;
-        if let Some(g) = config.min_snr_gamma {
+        if let Some(g) = config.loss.min_snr_gamma {
             if !g.is_finite() || g <= 0.0 {
                 return Err(ObjectiveError::SnrGamma(g));
             }
+        }
+        check_non_negative("embedding_perturbation", config.embedding_perturbation)?;
+        if let Some(ip) = config.input_perturbation {
+            check_non_negative("ip_noise_gamma", ip.gamma)?;
+        }
+        let last = config.timestep_end - 1;
+        if config.loss.debiased_estimation
+            && schedule.prediction_type() == PredictionType::Epsilon
+            && schedule.snr(last)? == 0.0
+        {
+            return Err(ObjectiveError::DebiasedAtZeroSnr { t: last });
         }
         Ok(Self {
             prediction_type: schedule.prediction_type(),
@@ -276,33 +337,18 @@ impl Objective {
         &self.config
     }
 
-    /// Draws noise (then timesteps) for the latents `x0` `[B, C, H, W]` and noises them.
-    pub fn noise_batch<R: Rng + ?Sized>(
-        &self,
-        rng: &mut R,
-        x0: &Tensor,
-    ) -> Result<NoisedBatch, ObjectiveError> {
-        let dims = x0.dims4()?;
-        let noise = sample_noise_with(
-            rng,
-            dims,
-            self.config.zero_frequency_noise_ratio,
-            self.config.pyramid.as_ref(),
-            x0.dtype(),
-            x0.device(),
-        )?;
-        let timesteps = sample_timesteps(
-            rng,
-            dims.0,
-            self.config.timestep_start,
-            self.config.timestep_end,
-            self.schedule.num_train_timesteps(),
-        )?;
-        self.noise_with(x0, &noise, timesteps)
+    /// This objective without its training-only perturbations (input and embedding), for the
+    /// validation loss: the same loss, with nothing random beyond the noise and timesteps.
+    pub fn without_perturbations(&self) -> Self {
+        let mut quiet = self.clone();
+        quiet.config.input_perturbation = None;
+        quiet.config.embedding_perturbation = 0.0;
+        quiet
     }
 
-    /// [`Objective::noise_batch`] with one generator per sample: sample `i`'s noise, then its
-    /// timestep, come from `rngs[i]` alone, so any split of the batch draws the same values.
+    /// Draws noise, timesteps and perturbations for the latents `x0` `[B, C, H, W]` with one
+    /// generator per sample: sample `i`'s draws (module header) come from `rngs[i]` alone, so any
+    /// split of the batch draws the same values.
     pub fn noise_per_sample<R: Rng>(
         &self,
         rngs: &mut [R],
@@ -315,26 +361,47 @@ impl Objective {
                 batch: b,
             });
         }
+        check_timestep_range(
+            self.config.timestep_start,
+            self.config.timestep_end,
+            self.schedule.num_train_timesteps(),
+        )?;
         let mut noise = Vec::with_capacity(b);
+        let mut input_noise = Vec::with_capacity(b);
         let mut timesteps = Vec::with_capacity(b);
+        let mut embedding_seeds = Vec::new();
         for rng in rngs.iter_mut() {
-            noise.push(sample_noise_with(
+            let n = sample_noise_with(
                 rng,
                 (1, c, h, w),
                 self.config.zero_frequency_noise_ratio,
                 self.config.pyramid.as_ref(),
-                x0.dtype(),
+                DType::F32,
                 x0.device(),
-            )?);
-            timesteps.extend(sample_timesteps(
+            )?;
+            timesteps.push(self.config.timestep_distribution.draw(
                 rng,
-                1,
                 self.config.timestep_start,
                 self.config.timestep_end,
-                self.schedule.num_train_timesteps(),
-            )?);
+            ));
+            if let Some(ip) = self.config.input_perturbation {
+                let strength = ip.strength(rng);
+                let xi = sample_noise(rng, (1, c, h, w), 0.0, DType::F32, x0.device())?;
+                input_noise.push(perturbed_noise(&n, &xi, strength)?);
+            }
+            if self.config.embedding_perturbation > 0.0 {
+                embedding_seeds.push(embedding_seed(rng));
+            }
+            noise.push(n);
         }
-        self.noise_with(x0, &Tensor::cat(&noise, 0)?, timesteps)
+        let noise = Tensor::cat(&noise, 0)?.to_dtype(x0.dtype())?;
+        let mut batch = self.noise_with(x0, &noise, timesteps)?;
+        if !input_noise.is_empty() {
+            let perturbed = Tensor::cat(&input_noise, 0)?.to_dtype(x0.dtype())?;
+            batch.noisy = self.schedule.add_noise(x0, &perturbed, &batch.timesteps)?;
+        }
+        batch.embedding_seeds = embedding_seeds;
+        Ok(batch)
     }
 
     /// Noises `x0` with the given noise and timesteps (no randomness).
@@ -352,21 +419,36 @@ impl Objective {
             timesteps,
             noisy,
             target,
+            mask: None,
+            embedding_seeds: Vec::new(),
         })
     }
 
-    /// The (min-SNR weighted when configured) MSE of the UNet output `pred` for `batch`.
+    /// The text conditioning `[B, L, D]` with the batch's embedding noise added (when on).
+    pub fn perturb_context(
+        &self,
+        context: &Tensor,
+        batch: &NoisedBatch,
+    ) -> Result<Tensor, ObjectiveError> {
+        let p = self.config.embedding_perturbation;
+        if p == 0.0 || batch.embedding_seeds.is_empty() {
+            return Ok(context.clone());
+        }
+        Ok(perturb_embeddings(context, p, &batch.embedding_seeds)?)
+    }
+
+    /// The loss of the UNet output `pred` for `batch` ([`super::loss`]).
     pub fn loss(&self, pred: &Tensor, batch: &NoisedBatch) -> Result<Tensor, ObjectiveError> {
-        let weights = match self.config.min_snr_gamma {
-            Some(gamma) => Some(min_snr_weights(
-                &self.schedule,
-                &batch.timesteps,
-                self.prediction_type,
-                gamma,
-            )?),
-            None => None,
+        let inputs = LossInputs {
+            pred,
+            target: &batch.target,
+            timesteps: &batch.timesteps,
+            mask: batch.mask.as_ref(),
         };
-        mse_loss(pred, &batch.target, weights.as_deref())
+        Ok(self
+            .config
+            .loss
+            .loss(&self.schedule, self.prediction_type, &inputs)?)
     }
 }
 
@@ -489,18 +571,53 @@ mod tests {
             ..ObjectiveConfig::plain(1000)
         };
         assert!(Objective::new(s.clone(), bad).is_err());
-        let cfg = ObjectiveConfig {
-            min_snr_gamma: Some(5.0),
+        let mut cfg = ObjectiveConfig {
             zero_frequency_noise_ratio: 0.1,
             ..ObjectiveConfig::plain(1000)
         };
+        cfg.loss.min_snr_gamma = Some(5.0);
         let obj = Objective::new(s, cfg).unwrap();
         let x0 = Tensor::ones((2, 4, 8, 8), DType::F32, &Device::Cpu).unwrap();
-        let mut rng = StdRng::seed_from_u64(0);
-        let batch = obj.noise_batch(&mut rng, &x0).unwrap();
+        let mut rngs = [StdRng::seed_from_u64(0), StdRng::seed_from_u64(1)];
+        let batch = obj.noise_per_sample(&mut rngs, &x0).unwrap();
         assert_eq!(batch.noisy.dims(), x0.dims());
         assert_eq!(batch.timesteps_tensor(&Device::Cpu).unwrap().dims(), [2]);
         let loss = obj.loss(&batch.noisy, &batch).unwrap();
         assert!(loss.to_scalar::<f32>().unwrap().is_finite());
+    }
+
+    /// Input perturbation moves the UNet input only: the target, timesteps and the draws
+    /// before it are those of the unperturbed run.
+    #[test]
+    fn input_perturbation_leaves_the_target_alone() {
+        let s = sd_schedule(PredictionType::Epsilon);
+        let x0 = Tensor::ones((2, 4, 8, 8), DType::F32, &Device::Cpu).unwrap();
+        let rngs = || [StdRng::seed_from_u64(3), StdRng::seed_from_u64(4)];
+        let plain = Objective::new(s.clone(), ObjectiveConfig::plain(1000)).unwrap();
+        let ip = Objective::new(
+            s,
+            ObjectiveConfig {
+                input_perturbation: Some(InputPerturbation {
+                    gamma: 0.5,
+                    random_strength: false,
+                }),
+                embedding_perturbation: 1.0,
+                ..ObjectiveConfig::plain(1000)
+            },
+        )
+        .unwrap();
+        let a = plain.noise_per_sample(&mut rngs(), &x0).unwrap();
+        let b = ip.noise_per_sample(&mut rngs(), &x0).unwrap();
+        let flat = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(a.timesteps, b.timesteps);
+        assert_eq!(flat(&a.target), flat(&b.target));
+        assert_ne!(flat(&a.noisy), flat(&b.noisy));
+        assert_eq!(b.embedding_seeds.len(), 2);
+        let quiet = ip
+            .without_perturbations()
+            .noise_per_sample(&mut rngs(), &x0)
+            .unwrap();
+        assert_eq!(flat(&quiet.noisy), flat(&a.noisy));
+        assert!(quiet.embedding_seeds.is_empty());
     }
 }

@@ -26,7 +26,8 @@ use super::trainer::{Extras, Model, Outputs, Position, RunOptions, Session};
 use super::validation::Validation;
 use crate::config::{BaseWeightDtype, CheckpointChoice, RunShape, TrainMode, TrainPlan};
 use crate::data::{load_data_root_limited, Bucket, LoadedDataset};
-use crate::diffusion::{NoiseSchedule, Objective, ObjectiveConfig};
+use crate::diffusion::loss::LossConfig;
+use crate::diffusion::{Objective, ObjectiveConfig};
 use crate::memory::{prepare_device, DeviceSettings};
 use crate::model::layout::ModelLayout;
 use crate::model::pipeline::{LoadOptions, StableDiffusion};
@@ -503,9 +504,11 @@ fn check_resolution(sd: &StableDiffusion, resolution: usize) -> anyhow::Result<(
 
 /// The objective of `plan` for the model in `layout`.
 pub(super) fn build_objective(plan: &TrainPlan, layout: &ModelLayout) -> anyhow::Result<Objective> {
-    let mut schedule =
-        NoiseSchedule::from_config(&layout.scheduler_json()?, &layout.scheduler_config)?;
-    if plan.objective.zero_terminal_snr {
+    let o = &plan.objective;
+    let mut schedule = o
+        .train_sampler
+        .schedule(&layout.scheduler_json()?, &layout.scheduler_config)?;
+    if o.zero_terminal_snr {
         schedule = schedule.with_zero_terminal_snr();
         if schedule.prediction_type() == crate::model::family::PredictionType::Epsilon {
             eprintln!(
@@ -515,14 +518,24 @@ pub(super) fn build_objective(plan: &TrainPlan, layout: &ModelLayout) -> anyhow:
             );
         }
     }
+    let loss = LossConfig {
+        loss_type: o.loss.loss_type,
+        min_snr_gamma: o.min_snr_gamma,
+        debiased_estimation: o.loss.debiased_estimation,
+        // No loss masks are loaded yet: the weighting is unused.
+        mask: LossConfig::mse().mask,
+    };
     Ok(Objective::new(
         schedule,
         ObjectiveConfig {
-            timestep_start: plan.objective.timestep_start as u32,
-            timestep_end: plan.objective.timestep_end as u32,
-            zero_frequency_noise_ratio: plan.objective.zero_frequency_noise_ratio,
-            min_snr_gamma: plan.objective.min_snr_gamma,
-            pyramid: plan.objective.pyramid_noise,
+            timestep_start: o.timestep_start as u32,
+            timestep_end: o.timestep_end as u32,
+            timestep_distribution: o.timestep_distribution,
+            zero_frequency_noise_ratio: o.zero_frequency_noise_ratio,
+            pyramid: o.pyramid_noise,
+            loss,
+            input_perturbation: o.input_perturbation,
+            embedding_perturbation: o.embedding_perturbation,
         },
     )?)
 }

@@ -3,9 +3,10 @@
 //!   posterior sample, noise and timesteps): images → VAE latents (frozen, detached) → noised
 //!   latents and captions. Each sample draws from its own generator ([`sample_rngs`]), so a
 //!   batch prepared whole or in any split sees the same draws;
-//! - [`forward_backward`] has no randomness of its own: text conditioning → UNet → (min-SNR
-//!   weighted) MSE, weighted by the micro-batch's share of the effective batch and by the loss
-//!   scale, then backward.
+//! - [`forward_backward`] has no randomness of its own: text conditioning (plus the embedding
+//!   noise drawn in the first part, when on) → UNet → the objective's loss (MSE by default,
+//!   weighted and masked as configured), weighted by the micro-batch's share of the effective
+//!   batch and by the loss scale, then backward.
 //!
 //! The split lets a prepared batch be cut into smaller micro-batches that see exactly the same
 //! samples, noise and timesteps (gradient accumulation's test, and the OOM retry's halving).
@@ -96,11 +97,7 @@ impl PreparedBatch {
             );
         }
         Ok(Self {
-            noised: NoisedBatch {
-                timesteps: self.noised.timesteps[start..start + len].to_vec(),
-                noisy: self.noised.noisy.narrow(0, start, len)?,
-                target: self.noised.target.narrow(0, start, len)?,
-            },
+            noised: self.noised.narrow(start, len)?,
             captions: self.captions[start..start + len].to_vec(),
             time_ids: self.time_ids[start..start + len].to_vec(),
         })
@@ -264,7 +261,10 @@ pub fn forward_loss(
         None => None,
     };
     let t = batch.noised.timesteps_tensor(&device)?;
-    let context = context.to_dtype(settings.compute_dtype)?;
+    let context = settings
+        .objective
+        .perturb_context(&context, &batch.noised)?
+        .to_dtype(settings.compute_dtype)?;
     let pred = sd
         .unet
         .forward(&batch.noised.noisy, &t, &context, added.as_ref())?;

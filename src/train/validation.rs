@@ -6,8 +6,11 @@
 //! - Every sample's noise, timestep and VAE posterior sample come from a seed fixed for the run
 //!   (the run's seed and the sample's index), with no flip, caption dropout or tag shuffle, and
 //!   LoRA dropout off. Only the weights change between two evaluations.
-//! - The loss is the mean over the set of the training loss (min-SNR weighting included), in
-//!   micro-batches of the training micro-batch size (each of one aspect bucket), forward only.
+//! - The loss is the mean over the set of the training loss (its `loss_type`, min-SNR and
+//!   debiased weighting, and loss mask included), without the training-only input and embedding
+//!   perturbations, in micro-batches of the training micro-batch size (each of one aspect
+//!   bucket), forward only. (EveryDream2's validation is always a plain MSE, with no offset
+//!   noise, weighting or perturbation.)
 //! - Images are centre-cropped to their bucket and decoded at each evaluation, or taken from the
 //!   latent cache when the run has one.
 
@@ -149,7 +152,9 @@ impl Validation {
         settings: &StepSettings<'_>,
         micro: usize,
     ) -> anyhow::Result<f64> {
+        let quiet = settings.objective.without_perturbations();
         let fixed = StepSettings {
+            objective: &quiet,
             flip_p: 0.0,
             cond_dropout: 0.0,
             shuffle_tags: false,

@@ -1,0 +1,108 @@
+//! [`LossPlan`]: the loss keys of train.json resolved: `loss_type` in EveryDream2's and kohya's
+//! meanings, kohya's Huber schedule and debiased estimation. Formulas: `crate::diffusion::loss`.
+//!
+//! `"huber"` is EveryDream2's (torch `huber_loss`, δ = 1); kohya's scheduled Huber is
+//! `"pseudo_huber"`. The Huber-schedule keys are refused beside any other loss type, where they
+//! would do nothing.
+
+use serde::Serialize;
+
+use super::ctx::Ctx;
+use super::error::ConfigError;
+use super::train_file::TrainFile;
+use crate::diffusion::loss::{HuberSchedule, HuberScheduleKind, LossType};
+
+/// kohya's defaults: `--huber_schedule snr`, `--huber_c 0.1`, `--huber_scale 1.0`.
+pub const KOHYA_HUBER_C: f64 = 0.1;
+
+const LOSS_TYPES: &str = "\"mse\", \"huber\", \"mse_huber\", \"huber_mse\" (EveryDream2), \
+                          \"l2\", \"l1\", \"pseudo_huber\", \"smooth_l1\" (kohya)";
+
+/// The loss function and its weighting.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct LossPlan {
+    pub loss_type: LossType,
+    /// kohya's `debiased_estimation_loss`.
+    pub debiased_estimation: bool,
+}
+
+pub(super) fn resolve_loss(file: &TrainFile, ctx: &Ctx<'_>) -> Result<LossPlan, ConfigError> {
+    let name = file.loss_type.as_deref().unwrap_or("mse");
+    let huber_keys = [
+        ("huber_schedule", file.huber_schedule.is_some()),
+        ("huber_c", file.huber_c.is_some()),
+        ("huber_scale", file.huber_scale.is_some()),
+    ];
+    let set_huber_key = huber_keys.iter().find(|(_, set)| *set).map(|(k, _)| *k);
+    let loss_type = match name {
+        "mse" | "l2" => LossType::Mse,
+        "huber" => LossType::Huber,
+        "mse_huber" => LossType::MseHuber,
+        "huber_mse" => LossType::HuberMse,
+        "l1" => LossType::L1,
+        "pseudo_huber" => LossType::PseudoHuber(huber_schedule(file, ctx)?),
+        "smooth_l1" => LossType::SmoothL1(huber_schedule(file, ctx)?),
+        other => {
+            return Err(ctx.invalid(
+                "loss_type",
+                format!("is \"{other}\"; it must be one of {LOSS_TYPES}"),
+            ))
+        }
+    };
+    if let (Some(key), LossType::Mse | LossType::L1 | LossType::MseHuber | LossType::HuberMse) =
+        (set_huber_key, loss_type)
+    {
+        return Err(ctx.invalid(
+            key,
+            format!(
+                "is kohya's Huber schedule, used only with loss_type \"pseudo_huber\" or \
+                 \"smooth_l1\" (loss_type is \"{name}\")"
+            ),
+        ));
+    }
+    if let (Some(key), LossType::Huber) = (set_huber_key, loss_type) {
+        return Err(ctx.invalid(
+            key,
+            "is set beside loss_type \"huber\", which is EveryDream2's Huber loss (torch \
+             huber_loss, δ = 1, no schedule); for kohya's scheduled Huber loss write \
+             loss_type \"pseudo_huber\""
+                .to_string(),
+        ));
+    }
+    Ok(LossPlan {
+        loss_type,
+        debiased_estimation: file.debiased_estimation_loss.unwrap_or(false),
+    })
+}
+
+/// kohya's `huber_schedule` (`"snr"`), `huber_c` (0.1, in (0, 1]) and `huber_scale` (1, > 0;
+/// not used by the `snr` schedule, as in kohya, so refused there).
+fn huber_schedule(file: &TrainFile, ctx: &Ctx<'_>) -> Result<HuberSchedule, ConfigError> {
+    let kind = match file.huber_schedule.as_deref().unwrap_or("snr") {
+        "snr" => HuberScheduleKind::Snr,
+        "constant" => HuberScheduleKind::Constant,
+        "exponential" => HuberScheduleKind::Exponential,
+        other => {
+            return Err(ctx.invalid(
+                "huber_schedule",
+                format!("is \"{other}\"; it must be \"snr\", \"constant\" or \"exponential\""),
+            ))
+        }
+    };
+    let c = file.huber_c.unwrap_or(KOHYA_HUBER_C);
+    if !(c.is_finite() && c > 0.0 && c <= 1.0) {
+        return Err(ctx.invalid("huber_c", format!("must be in (0, 1] (got {c})")));
+    }
+    let scale = ctx
+        .opt_positive("huber_scale", file.huber_scale, "greater than 0")?
+        .unwrap_or(1.0);
+    if kind == HuberScheduleKind::Snr && file.huber_scale.is_some() {
+        return Err(ctx.invalid(
+            "huber_scale",
+            "does nothing with huber_schedule \"snr\" (kohya ignores it there); use \"constant\" \
+             or \"exponential\", or leave it out"
+                .to_string(),
+        ));
+    }
+    Ok(HuberSchedule { kind, c, scale })
+}

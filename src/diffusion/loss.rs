@@ -1,0 +1,470 @@
+//! The loss of one micro-batch: a per-element loss of the prediction error `d = pred − target`,
+//! an optional loss mask, a mean per sample, per-sample weights, and the batch mean:
+//!
+//! `L = (1/B) Σ_i w_i · mean_{c,h,w}( m_i ⊙ ℓ(d_i) )`, all in f32.
+//!
+//! The per-element losses `ℓ`:
+//! - `mse`: `d²` (EveryDream2 `"mse"`, kohya `"l2"`);
+//! - `huber`: torch `huber_loss(δ = 1)`, `½d²` for `|d| < 1`, else `|d| − ½` (EveryDream2);
+//! - `mse_huber`: `b·d² + (1 − b)·huber` with `b = t/T` per sample, `T` the schedule's
+//!   `num_train_timesteps`; `huber_mse` swaps the two weights (EveryDream2 `train.py`
+//!   `get_model_prediction_and_target`, whose `loss_mse.mean() + loss_huber.mean()` is this mean,
+//!   as both terms have the same shape);
+//! - `l1`: `|d|` (kohya);
+//! - `pseudo_huber`: `2c(√(d² + c²) − c)` and `smooth_l1`: `2(√(d² + c²) − c)` with a threshold
+//!   `c` per sample from kohya's `huber_schedule` (kohya sd-scripts `library/train_util.py`
+//!   `conditional_loss` and `get_huber_threshold_if_needed`):
+//!   - `constant`: `c = huber_c · huber_scale`;
+//!   - `exponential`: `c = exp(ln(huber_c) · t/T) · huber_scale`;
+//!   - `snr`: `c = (1 − huber_c)/(1 + σ_t)² + huber_c` with `σ_t = √((1 − ᾱ_t)/ᾱ_t)` (kohya
+//!     does not apply `huber_scale` here).
+//!
+//! The weights `w_i` multiply: min-SNR-γ (see [`super::objective`]) and kohya's debiased
+//! estimation (`custom_train_functions.py` `apply_debiased_estimation`, after arXiv 2310.08442):
+//! `1/√SNR'` for an ε target and `1/(SNR' + 1)` for a v target, with `SNR' = min(SNR, 1000)`.
+//!
+//! The mask `m` `[B, 1, h, w]` (latent size) is clamped to `[unmasked_weight, 1]`, and with
+//! `normalize` each sample's loss is divided by its clamped mask's mean (OneTrainer
+//! `modules/util/loss/masked_loss.py`; kohya's `apply_masked_loss` is `unmasked_weight = 0`
+//! without normalising).
+
+use candle_core::{DType, Tensor};
+use serde::Serialize;
+
+use super::noise_schedule::{NoiseSchedule, ScheduleError};
+use crate::model::family::PredictionType;
+
+/// kohya's cap on the SNR in `apply_debiased_estimation` (the SNR at t = 0 can be huge).
+pub const DEBIASED_SNR_CAP: f64 = 1000.0;
+
+/// How kohya's pseudo-Huber threshold `c` depends on the timestep.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HuberScheduleKind {
+    Constant,
+    Exponential,
+    Snr,
+}
+
+/// kohya's `huber_schedule`, `huber_c` and `huber_scale`.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct HuberSchedule {
+    pub kind: HuberScheduleKind,
+    pub c: f64,
+    pub scale: f64,
+}
+
+impl HuberSchedule {
+    /// The threshold `c` for each timestep (module header).
+    pub fn thresholds(
+        &self,
+        schedule: &NoiseSchedule,
+        timesteps: &[u32],
+    ) -> Result<Vec<f64>, ScheduleError> {
+        let n = schedule.num_train_timesteps() as f64;
+        timesteps
+            .iter()
+            .map(|&t| {
+                Ok(match self.kind {
+                    HuberScheduleKind::Constant => self.c * self.scale,
+                    HuberScheduleKind::Exponential => {
+                        let alpha = -self.c.ln() / n;
+                        (-alpha * f64::from(t)).exp() * self.scale
+                    }
+                    HuberScheduleKind::Snr => {
+                        let ab = schedule.alphas_cumprod()[schedule_index(schedule, t)?];
+                        let sigma = ((1.0 - ab) / ab).sqrt();
+                        (1.0 - self.c) / (1.0 + sigma).powi(2) + self.c
+                    }
+                })
+            })
+            .collect()
+    }
+}
+
+fn schedule_index(schedule: &NoiseSchedule, t: u32) -> Result<usize, ScheduleError> {
+    let n = schedule.num_train_timesteps();
+    if (t as usize) < n {
+        Ok(t as usize)
+    } else {
+        Err(ScheduleError::Timestep { t, n })
+    }
+}
+
+/// The per-element loss (module header).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[serde(rename_all = "snake_case", tag = "type")]
+pub enum LossType {
+    Mse,
+    Huber,
+    MseHuber,
+    HuberMse,
+    L1,
+    PseudoHuber(HuberSchedule),
+    SmoothL1(HuberSchedule),
+}
+
+/// The loss mask's settings.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct MaskWeighting {
+    /// The mask is clamped to at least this (0: kohya; OneTrainer's default 0.1).
+    pub unmasked_weight: f64,
+    /// Divide each sample's loss by its clamped mask's mean (OneTrainer's
+    /// `normalize_masked_area_loss`).
+    pub normalize: bool,
+}
+
+/// Everything that decides the loss of a prediction.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct LossConfig {
+    pub loss_type: LossType,
+    pub min_snr_gamma: Option<f64>,
+    /// kohya's `debiased_estimation_loss`.
+    pub debiased_estimation: bool,
+    /// How a sample's loss mask weighs it, when the batch carries masks.
+    pub mask: MaskWeighting,
+}
+
+impl LossConfig {
+    /// Plain MSE, no weighting.
+    pub fn mse() -> Self {
+        Self {
+            loss_type: LossType::Mse,
+            min_snr_gamma: None,
+            debiased_estimation: false,
+            mask: MaskWeighting {
+                unmasked_weight: 0.0,
+                normalize: false,
+            },
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum LossError {
+    #[error("loss: prediction {pred:?} and target {target:?} differ in shape")]
+    Shape {
+        pred: Vec<usize>,
+        target: Vec<usize>,
+    },
+    #[error("loss: {got} {what} for a batch of {batch}")]
+    PerSample {
+        what: &'static str,
+        got: usize,
+        batch: usize,
+    },
+    #[error("loss: mask {mask:?} does not fit the prediction {pred:?}; want [B, 1, h, w]")]
+    Mask { mask: Vec<usize>, pred: Vec<usize> },
+    #[error(transparent)]
+    Schedule(#[from] ScheduleError),
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+}
+
+/// Per-sample min-SNR-γ weights (`γ > 0`, checked where the config is built; formula in
+/// [`super::objective`]).
+pub fn min_snr_weights(
+    schedule: &NoiseSchedule,
+    timesteps: &[u32],
+    prediction_type: PredictionType,
+    gamma: f64,
+) -> Result<Vec<f64>, ScheduleError> {
+    timesteps
+        .iter()
+        .map(|&t| {
+            let snr = schedule.snr(t)?;
+            Ok(match prediction_type {
+                PredictionType::Epsilon if snr == 0.0 => 1.0,
+                PredictionType::Epsilon => snr.min(gamma) / snr,
+                PredictionType::VPrediction => snr.min(gamma) / (snr + 1.0),
+            })
+        })
+        .collect()
+}
+
+/// Per-sample debiased-estimation weights (module header).
+pub fn debiased_weights(
+    schedule: &NoiseSchedule,
+    timesteps: &[u32],
+    prediction_type: PredictionType,
+) -> Result<Vec<f64>, ScheduleError> {
+    timesteps
+        .iter()
+        .map(|&t| {
+            let snr = schedule.snr(t)?.min(DEBIASED_SNR_CAP);
+            Ok(match prediction_type {
+                PredictionType::Epsilon => 1.0 / snr.sqrt(),
+                PredictionType::VPrediction => 1.0 / (snr + 1.0),
+            })
+        })
+        .collect()
+}
+
+/// A `[B, 1, …, 1]` f32 column of per-sample values, to broadcast over `[B, …]`.
+fn column(values: &[f64], like: &Tensor) -> candle_core::Result<Tensor> {
+    let mut dims = vec![1usize; like.rank()];
+    dims[0] = values.len();
+    let v: Vec<f32> = values.iter().map(|&x| x as f32).collect();
+    Tensor::from_vec(v, dims, like.device())
+}
+
+/// torch's `huber_loss` with δ = 1, written `½q² + (|d| − q)` with `q = min(|d|, 1)` so the
+/// gradient is `d` inside and `sign(d)` outside.
+fn huber1(d: &Tensor) -> candle_core::Result<Tensor> {
+    let a = d.abs()?;
+    let q = a.minimum(1f32)?;
+    (q.sqr()?.affine(0.5, 0.0)? + (a - q)?)?.contiguous()
+}
+
+/// `2(√(d² + c²) − c)` with `c` `[B, 1, …]`.
+fn soft_l1(d: &Tensor, c: &Tensor) -> candle_core::Result<Tensor> {
+    let root = d.sqr()?.broadcast_add(&c.sqr()?)?.sqrt()?;
+    root.broadcast_sub(c)?.affine(2.0, 0.0)
+}
+
+impl LossType {
+    /// `ℓ(d)` per element, `d` f32 `[B, …]`.
+    pub fn per_element(
+        &self,
+        d: &Tensor,
+        schedule: &NoiseSchedule,
+        timesteps: &[u32],
+    ) -> Result<Tensor, LossError> {
+        let t_over_n = || {
+            let n = schedule.num_train_timesteps() as f64;
+            let b: Vec<f64> = timesteps.iter().map(|&t| f64::from(t) / n).collect();
+            column(&b, d)
+        };
+        let mix = |mse_weight: &Tensor| -> candle_core::Result<Tensor> {
+            let huber_weight = mse_weight.affine(-1.0, 1.0)?;
+            d.sqr()?
+                .broadcast_mul(mse_weight)?
+                .add(&huber1(d)?.broadcast_mul(&huber_weight)?)
+        };
+        Ok(match self {
+            Self::Mse => d.sqr()?,
+            Self::Huber => huber1(d)?,
+            Self::L1 => d.abs()?,
+            Self::MseHuber => mix(&t_over_n()?)?,
+            Self::HuberMse => mix(&t_over_n()?.affine(-1.0, 1.0)?)?,
+            Self::PseudoHuber(s) => {
+                let c = column(&s.thresholds(schedule, timesteps)?, d)?;
+                soft_l1(d, &c)?.broadcast_mul(&c)?
+            }
+            Self::SmoothL1(s) => {
+                let c = column(&s.thresholds(schedule, timesteps)?, d)?;
+                soft_l1(d, &c)?
+            }
+        })
+    }
+}
+
+/// What the loss is computed from: the UNet output, its target, the timesteps, and an optional
+/// `[B, 1, h, w]` loss mask.
+pub struct LossInputs<'a> {
+    pub pred: &'a Tensor,
+    pub target: &'a Tensor,
+    pub timesteps: &'a [u32],
+    pub mask: Option<&'a Tensor>,
+}
+
+impl LossConfig {
+    /// The per-sample weights `w_i` (min-SNR and debiased estimation), `None` when both are off.
+    pub fn sample_weights(
+        &self,
+        schedule: &NoiseSchedule,
+        prediction_type: PredictionType,
+        timesteps: &[u32],
+    ) -> Result<Option<Vec<f64>>, LossError> {
+        let mut w: Option<Vec<f64>> = None;
+        let mut fold = |ws: Vec<f64>| match &mut w {
+            Some(acc) => acc.iter_mut().zip(ws).for_each(|(a, b)| *a *= b),
+            None => w = Some(ws),
+        };
+        if let Some(gamma) = self.min_snr_gamma {
+            fold(min_snr_weights(
+                schedule,
+                timesteps,
+                prediction_type,
+                gamma,
+            )?);
+        }
+        if self.debiased_estimation {
+            fold(debiased_weights(schedule, timesteps, prediction_type)?);
+        }
+        Ok(w)
+    }
+
+    /// `L` (module header): a 0-d f32 tensor that back-propagates into `pred`.
+    pub fn loss(
+        &self,
+        schedule: &NoiseSchedule,
+        prediction_type: PredictionType,
+        inputs: &LossInputs<'_>,
+    ) -> Result<Tensor, LossError> {
+        let (pred, target) = (inputs.pred, inputs.target);
+        if pred.dims() != target.dims() || pred.rank() == 0 {
+            return Err(LossError::Shape {
+                pred: pred.dims().to_vec(),
+                target: target.dims().to_vec(),
+            });
+        }
+        let batch = pred.dims()[0];
+        if inputs.timesteps.len() != batch {
+            return Err(LossError::PerSample {
+                what: "timesteps",
+                got: inputs.timesteps.len(),
+                batch,
+            });
+        }
+        // The target is a constant: no gradient is stored for it.
+        let d = crate::nn::sub_const(&pred.to_dtype(DType::F32)?, &target.to_dtype(DType::F32)?)?;
+        let mut elem = self.loss_type.per_element(&d, schedule, inputs.timesteps)?;
+        if let Some(mask) = inputs.mask {
+            elem = self.apply_mask(&elem, mask)?;
+        }
+        let weights = self.sample_weights(schedule, prediction_type, inputs.timesteps)?;
+        let Some(weights) = weights else {
+            return Ok(elem.mean_all()?);
+        };
+        let per_sample = elem.flatten_from(1)?.mean(1)?;
+        let w: Vec<f32> = weights.iter().map(|&w| w as f32).collect();
+        let w = Tensor::from_vec(w, batch, pred.device())?;
+        Ok((per_sample * w)?.mean_all()?)
+    }
+
+    /// `clamp(m, unmasked_weight, 1) ⊙ ℓ`, divided by the clamped mask's per-sample mean when
+    /// normalising. The mask is a constant.
+    fn apply_mask(&self, elem: &Tensor, mask: &Tensor) -> Result<Tensor, LossError> {
+        let (dims, mdims) = (elem.dims(), mask.dims());
+        let fits = mdims.len() == dims.len()
+            && mdims.len() == 4
+            && mdims[0] == dims[0]
+            && mdims[1] == 1
+            && mdims[2..] == dims[2..];
+        if !fits {
+            return Err(LossError::Mask {
+                mask: mdims.to_vec(),
+                pred: dims.to_vec(),
+            });
+        }
+        let w = self.mask.unmasked_weight as f32;
+        let m = mask
+            .detach()
+            .to_dtype(DType::F32)?
+            .to_device(elem.device())?
+            .clamp(w, 1f32)?;
+        let out = elem.broadcast_mul(&m)?;
+        if !self.mask.normalize {
+            return Ok(out);
+        }
+        let mean = m
+            .flatten_from(1)?
+            .mean_keepdim(1)?
+            .reshape((dims[0], 1, 1, 1))?;
+        Ok(out.broadcast_div(&mean)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    fn sd() -> NoiseSchedule {
+        let betas: Vec<f64> = (0..1000)
+            .map(|i| {
+                let s =
+                    0.00085f64.sqrt() + (0.012f64.sqrt() - 0.00085f64.sqrt()) * i as f64 / 999.0;
+                s * s
+            })
+            .collect();
+        NoiseSchedule::from_betas(&betas, PredictionType::Epsilon)
+    }
+
+    fn scalar(t: &Tensor) -> f32 {
+        t.to_scalar::<f32>().unwrap()
+    }
+
+    #[test]
+    fn huber_is_quadratic_inside_and_linear_outside() {
+        let d = Tensor::new(&[0.5f32, -2.0, 1.0, 0.0], &Device::Cpu).unwrap();
+        let h = huber1(&d).unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(h, vec![0.125, 1.5, 0.5, 0.0]);
+    }
+
+    #[test]
+    fn huber_gradient_is_d_inside_and_sign_outside() {
+        let v = candle_core::Var::new(&[0.5f32, -2.0, 3.0], &Device::Cpu).unwrap();
+        let g = huber1(v.as_tensor())
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        let g = g.get(v.as_tensor()).unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(g, vec![0.5, -1.0, 1.0]);
+    }
+
+    #[test]
+    fn mse_without_weights_is_the_plain_mean() {
+        let dev = Device::Cpu;
+        let pred = Tensor::new(&[[1f32, 1.0], [0.0, 2.0]], &dev).unwrap();
+        let target = Tensor::zeros((2, 2), DType::F32, &dev).unwrap();
+        let inputs = LossInputs {
+            pred: &pred,
+            target: &target,
+            timesteps: &[1, 2],
+            mask: None,
+        };
+        let l = LossConfig::mse().loss(&sd(), PredictionType::Epsilon, &inputs);
+        assert_eq!(scalar(&l.unwrap()), 1.5);
+    }
+
+    #[test]
+    fn the_mask_weighs_and_normalises_each_sample() {
+        let dev = Device::Cpu;
+        let pred = Tensor::ones((1, 1, 1, 2), DType::F32, &dev).unwrap();
+        let target = Tensor::zeros((1, 1, 1, 2), DType::F32, &dev).unwrap();
+        let mask = Tensor::new(&[[[[1f32, 0.0]]]], &dev).unwrap();
+        let inputs = LossInputs {
+            pred: &pred,
+            target: &target,
+            timesteps: &[0],
+            mask: Some(&mask),
+        };
+        let mut cfg = LossConfig::mse();
+        let s = sd();
+        assert_eq!(
+            scalar(&cfg.loss(&s, PredictionType::Epsilon, &inputs).unwrap()),
+            0.5
+        );
+        cfg.mask.unmasked_weight = 0.5;
+        assert_eq!(
+            scalar(&cfg.loss(&s, PredictionType::Epsilon, &inputs).unwrap()),
+            0.75
+        );
+        cfg.mask.normalize = true;
+        assert_eq!(
+            scalar(&cfg.loss(&s, PredictionType::Epsilon, &inputs).unwrap()),
+            1.0
+        );
+        let wrong = Tensor::ones((1, 1, 2, 2), DType::F32, &dev).unwrap();
+        let bad = LossInputs {
+            mask: Some(&wrong),
+            ..inputs
+        };
+        assert!(cfg.loss(&s, PredictionType::Epsilon, &bad).is_err());
+    }
+
+    #[test]
+    fn debiased_weights_cap_the_snr() {
+        let s = sd();
+        let w = debiased_weights(&s, &[0, 999], PredictionType::Epsilon).unwrap();
+        assert!((w[0] - 1.0 / 1000f64.sqrt()).abs() < 1e-12);
+        let snr = s.snr(999).unwrap();
+        assert!((w[1] - 1.0 / snr.sqrt()).abs() < 1e-12);
+        let v = debiased_weights(&s, &[999], PredictionType::VPrediction).unwrap();
+        assert!((v[0] - 1.0 / (snr + 1.0)).abs() < 1e-12);
+    }
+}
