@@ -23,11 +23,11 @@ mod sample_plan;
 mod strict;
 mod summary;
 mod train_file;
+mod validation_plan;
 
 pub use adapter_file::{AdapterFile, AdapterPlan, SaveDtype};
 pub use data_plan::{
-    BucketPlan, CacheLatents, DataPlan, TextCacheDecision, TextCacheOff, ValidationPlan,
-    DEFAULT_CROP_JITTER,
+    BucketPlan, CacheLatents, DataPlan, TextCacheDecision, TextCacheOff, DEFAULT_CROP_JITTER,
 };
 pub use ema_plan::{EmaDecay, EmaDevice, EmaPlan, DEFAULT_EMA_UPDATE_INTERVAL};
 pub use error::{ConfigError, UnsupportedKey};
@@ -46,3 +46,4 @@ pub use precision_plan::{
 pub use run_shape::RunShape;
 pub use sample_plan::{SamplePlan, DEFAULT_SAMPLE_STEPS};
 pub use train_file::TrainFile;
+pub use validation_plan::{NamedSet, SplitRule, ValidationPlan, ValidationWhen};
