@@ -50,7 +50,10 @@ fn rated_dataset_shrinks_epochs_and_schedules_are_written() {
         let path = run.join(format!("ep{epoch}_batch_schedule.txt"));
         let schedule = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path:?}: {e}"));
         let lines: Vec<&str> = schedule.lines().collect();
-        assert!(lines[0].starts_with("step:00000, wh:[64, 64], r:"), "{schedule}");
+        assert!(
+            lines[0].starts_with("step:00000, wh:[64, 64], r:"),
+            "{schedule}"
+        );
         assert_eq!(lines.len() % 2, 0, "{schedule}");
         let paths: BTreeSet<&str> = lines
             .iter()
@@ -72,7 +75,10 @@ fn a_bad_image_yaml_exits_2_naming_it() {
     let out = sdtrain(&["--config", cfg.to_str().unwrap(), "--cpu"], tmp.path());
     assert_eq!(out.status.code(), Some(2), "{}", text(&out));
     let msg = text(&out);
-    assert!(msg.contains("green_square.yaml") && msg.contains("cond_droput"), "{msg}");
+    assert!(
+        msg.contains("green_square.yaml") && msg.contains("cond_droput"),
+        "{msg}"
+    );
 }
 
 /// EveryDream2's validation file: `val` (25% held out), `stabilize-train` and a named extra set
@@ -113,10 +119,15 @@ fn validation_config_scores_every_set_under_its_name() {
     // ceil(0.25 · 8) = 2 held out: 6 steps.
     assert!(msg.contains("val (2 images), stabilize-train (2 images), santa suit (2 images)"));
     assert!(
-        msg.contains("step 0: validation loss val 0.0000, stabilize-train 0.0000, santa suit 0.0000"),
+        msg.contains(
+            "step 0: validation loss val 0.0000, stabilize-train 0.0000, santa suit 0.0000"
+        ),
         "{msg}"
     );
-    let validations: Vec<&str> = msg.lines().filter(|l| l.contains("validation loss")).collect();
+    let validations: Vec<&str> = msg
+        .lines()
+        .filter(|l| l.contains("validation loss"))
+        .collect();
     assert_eq!(validations.len(), 3, "{msg}");
     assert!(msg.contains("step 3: validation loss") && msg.contains("step 6: validation loss"));
     let run = run_folder(tmp.path());
@@ -129,5 +140,8 @@ fn validation_config_scores_every_set_under_its_name() {
     assert_eq!(with_sets.len(), 2, "{log}");
     let sets = with_sets[0]["val_sets"].as_object().unwrap();
     let names: Vec<&str> = sets.keys().map(String::as_str).collect();
-    assert_eq!(names, ["_all_val_combined", "santa suit", "stabilize-train"]);
+    assert_eq!(
+        names,
+        ["_all_val_combined", "santa suit", "stabilize-train"]
+    );
 }

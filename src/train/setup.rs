@@ -528,7 +528,11 @@ fn hold_out_validation(
         .iter()
         .map(|s| format!("{} ({} images)", s.name, s.items.len()))
         .collect();
-    eprintln!("validation: {}, {}", sets.join(", "), v.when_text());
+    let what = match val.sets.as_slice() {
+        [one] => format!("{} images", one.items.len()),
+        _ => sets.join(", "),
+    };
+    eprintln!("validation: {what}, {}", v.when_text());
     Ok(Some(val))
 }
 
