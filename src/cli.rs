@@ -231,11 +231,13 @@ fn data_error_is_usage(e: &DataError) -> bool {
         DataError::RootMissing { .. }
         | DataError::RootNotAFolder { .. }
         | DataError::Multiply { .. }
+        | DataError::ImageConfig { .. }
         | DataError::EmptyCaption { .. }
         | DataError::NoImages { .. }
         | DataError::NoUsableImages { .. } => true,
         DataError::ReadDir { .. }
         | DataError::ReadFile { .. }
+        | DataError::WriteFile { .. }
         | DataError::Decode { .. }
         | DataError::InvalidSize { .. }
         | DataError::EmptyBatch

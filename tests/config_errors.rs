@@ -215,6 +215,9 @@ fn amp_and_checkpointing_keys_resolve() {
     assert!(msg.contains("`amp`") || msg.contains("amp"), "{msg}");
 }
 
+/// EveryDream2's validation_default.json as it ships it (5098db8).
+const ED2_VALIDATION_DEFAULT_JSON: &str = include_str!("fixtures/ed2_validation_default.json");
+
 /// EveryDream2's train.json (victorchall/EveryDream2trainer at 5098db8, 2025-05), verbatim
 /// except `data_root`, which points into the test's temp folder.
 const ED2_SAMPLE_TRAIN_JSON: &str = r#"{
@@ -275,19 +278,14 @@ fn everydream2_sample_train_json_lists_what_is_missing() {
     // lacks is reported, all in one message.
     let s = Setup::new();
     let ed2: Value = serde_json::from_str(ED2_SAMPLE_TRAIN_JSON).expect("sample parses");
-    let path = s.write("train.json", &ed2);
-    let err = TrainPlan::resolve(&path, &[]).expect_err("unsupported keys");
-    let ConfigError::Unsupported { entries, .. } = &err else {
-        panic!("{err}")
-    };
-    let keys: Vec<&str> = entries.iter().map(|e| e.key.as_str()).collect();
-    // Pyramid noise (its 0.03) is read now; EveryDream2's validation file is still missing.
-    assert_eq!(keys, ["validation_config"]);
-    // With those removed it resolves, `resume_ckpt` naming the model.
-    let mut fixed = ed2;
-    for key in keys {
-        fixed.as_object_mut().expect("object").remove(key);
-    }
+    // Every key is read now: its validation file (validation_default.json, as EveryDream2 ships
+    // it) is read beside it.
+    std::fs::write(
+        s.path("validation_default.json"),
+        ED2_VALIDATION_DEFAULT_JSON,
+    )
+    .expect("write");
+    let fixed = ed2;
     s.write("optimizer.json", &json!({}));
     // Its sample prompts file is read beside it (EveryDream2 ships one).
     std::fs::write(s.path("sample_prompts.txt"), "a photo of ted bennet\n").expect("write");
@@ -297,6 +295,8 @@ fn everydream2_sample_train_json_lists_what_is_missing() {
     assert_eq!((samples.every_n_steps, samples.set.prompts.len()), (300, 1));
     assert!(plan.random_seed);
     assert_eq!(plan.objective.min_snr_gamma, Some(5.0));
+    let val = plan.data.validation.as_ref().expect("validation on");
+    assert_eq!((val.split, val.seed), (Some(0.15), Some(555)));
     assert_eq!(plan.objective.pyramid_noise.map(|p| p.discount), Some(0.03));
     // Its loss_type "mse", embedding_perturbation 0 and train_sampler "ddpm" are read (the
     // argparser's default loss_type is mse_huber; the shipped file and sdtrain say mse).

@@ -136,6 +136,7 @@ fn settings<'a>(m: &'a Model, ck: Option<&'a Checkpointing>) -> StepSettings<'a>
         flip_p: 0.5,
         cond_dropout: 0.0,
         shuffle_tags: false,
+        keep_tags: 0,
         clip_skip_layers: 0,
         train_text_encoder: m.train_te,
         compute_dtype: DType::F32,

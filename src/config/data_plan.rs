@@ -10,6 +10,8 @@ use serde::Serialize;
 use super::ctx::Ctx;
 use super::error::ConfigError;
 use super::train_file::TrainFile;
+use super::validation_plan::{resolve_validation, ValidationPlan};
+use crate::data::rated::RatedSchedule;
 
 /// EveryDream2's `--cond_dropout` default.
 pub const DEFAULT_COND_DROPOUT: f64 = 0.04;
@@ -34,6 +36,12 @@ pub struct DataPlan {
     pub cond_dropout: f64,
     /// Shuffle comma-separated caption tags, keeping the first.
     pub shuffle_tags: bool,
+    /// Tags after the main prompt that the shuffle keeps in place (`keep_tags`).
+    pub keep_tags: usize,
+    /// EveryDream2's rated dataset: later epochs train on fewer images, picked by rating.
+    pub rated: Option<RatedSchedule>,
+    /// Write each epoch's batches to `ep{N}_batch_schedule.txt` in the run folder.
+    pub write_schedule: bool,
     /// Images with more pixels are skipped, from their header, before decoding.
     pub max_image_pixels: u64,
     /// The validation loss, when `validation_split` or `validation_data_root` is set.
@@ -64,17 +72,6 @@ pub enum CacheLatents {
     Off,
     Memory,
     Disk,
-}
-
-/// The validation loss: which images, and how often.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct ValidationPlan {
-    /// A seeded fraction of `data_root` held out of training, in (0, 1).
-    pub split: Option<f64>,
-    /// Or a folder of its own.
-    pub data_root: Option<PathBuf>,
-    /// Every N optimizer steps; `None`: at the end of each epoch.
-    pub every_n_steps: Option<u64>,
 }
 
 /// Whether each distinct caption is encoded once before training, after which the text
@@ -164,6 +161,9 @@ pub(super) fn resolve_data(
         flip_p,
         cond_dropout,
         shuffle_tags,
+        keep_tags: ctx.at_least("keep_tags", file.keep_tags, 0, 0)? as usize,
+        rated: resolve_rated(file, ctx)?,
+        write_schedule: file.write_schedule.unwrap_or(false),
         max_image_pixels: ctx.at_least(
             "max_image_pixels",
             file.max_image_pixels,
@@ -180,6 +180,35 @@ pub(super) fn resolve_data(
             shuffle_tags,
         ),
     })
+}
+
+/// `rated_dataset` and `rated_dataset_target_dropout_percent` (EveryDream2's default 50): the
+/// schedule spans `max_epochs` (EveryDream2's 300 when neither it nor `max_steps` is set).
+fn resolve_rated(file: &TrainFile, ctx: &Ctx<'_>) -> Result<Option<RatedSchedule>, ConfigError> {
+    let percent = file.rated_dataset_target_dropout_percent.unwrap_or(50.0);
+    if !(0.0..=100.0).contains(&percent) {
+        return Err(ctx.invalid(
+            "rated_dataset_target_dropout_percent",
+            format!("must be a percentage from 0 to 100 (got {percent})"),
+        ));
+    }
+    if !file.rated_dataset.unwrap_or(false) {
+        return Ok(None);
+    }
+    let max_epochs = match (file.max_epochs, file.max_steps) {
+        (Some(e), _) => ctx.at_least("max_epochs", Some(e), 1, 1)?,
+        (None, None) => super::plan::DEFAULT_MAX_EPOCHS,
+        (None, Some(_)) => {
+            return Err(ctx.invalid(
+                "rated_dataset",
+                "needs `max_epochs`: its schedule shrinks the set over the run's epochs".into(),
+            ))
+        }
+    };
+    Ok(Some(RatedSchedule {
+        target_percent: percent,
+        max_epochs,
+    }))
 }
 
 /// `data_root`: required, and an existing folder.
@@ -302,52 +331,6 @@ fn aspect(ctx: &Ctx<'_>, i: usize, pair: &[i64]) -> Result<(usize, usize), Confi
         ));
     }
     Ok((w as usize, h as usize))
-}
-
-fn resolve_validation(
-    file: &TrainFile,
-    ctx: &Ctx<'_>,
-) -> Result<Option<ValidationPlan>, ConfigError> {
-    let split = match file.validation_split {
-        Some(x) if !(x > 0.0 && x < 1.0) => {
-            return Err(ctx.invalid(
-                "validation_split",
-                format!("must be a fraction between 0 and 1, exclusive (got {x})"),
-            ))
-        }
-        x => x,
-    };
-    let data_root = match file.validation_data_root.as_deref() {
-        Some(raw) => {
-            let path = ctx.input_path("validation_data_root", raw)?;
-            if !path.is_dir() {
-                return Err(ctx.invalid(
-                    "validation_data_root",
-                    format!("is {}, which is not a folder", path.display()),
-                ));
-            }
-            Some(path)
-        }
-        None => None,
-    };
-    let every_n_steps =
-        ctx.opt_at_least("validation_every_n_steps", file.validation_every_n_steps, 1)?;
-    match (split, &data_root) {
-        (Some(_), Some(_)) => Err(ctx.invalid(
-            "validation_split",
-            "and `validation_data_root` are both set; give one".into(),
-        )),
-        (None, None) if every_n_steps.is_some() => Err(ctx.invalid(
-            "validation_every_n_steps",
-            "needs `validation_split` or `validation_data_root`".into(),
-        )),
-        (None, None) => Ok(None),
-        _ => Ok(Some(ValidationPlan {
-            split,
-            data_root,
-            every_n_steps,
-        })),
-    }
 }
 
 #[cfg(test)]

@@ -26,11 +26,11 @@ mod strict;
 mod summary;
 mod te_freeze_plan;
 mod train_file;
+mod validation_plan;
 
 pub use adapter_file::{AdapterFile, AdapterPlan, SaveDtype};
 pub use data_plan::{
-    BucketPlan, CacheLatents, DataPlan, TextCacheDecision, TextCacheOff, ValidationPlan,
-    DEFAULT_CROP_JITTER,
+    BucketPlan, CacheLatents, DataPlan, TextCacheDecision, TextCacheOff, DEFAULT_CROP_JITTER,
 };
 pub use ema_plan::{EmaDecay, EmaDevice, EmaPlan, DEFAULT_EMA_UPDATE_INTERVAL};
 pub use error::{ConfigError, UnsupportedKey};
@@ -52,3 +52,4 @@ pub use sample_plan::{SamplePlan, DEFAULT_SAMPLE_STEPS};
 pub use save_plan::SavePlan;
 pub use te_freeze_plan::{TextEncoderFreeze, TrainedLayers};
 pub use train_file::TrainFile;
+pub use validation_plan::{NamedSet, SplitRule, ValidationPlan, ValidationWhen};

@@ -26,7 +26,6 @@ use super::error::{ConfigError, UnsupportedKey};
 pub(crate) enum Accepts {
     Null,
     NullOrFalse,
-    NullOrZero,
     NullOrStr(&'static str),
 }
 
@@ -35,7 +34,6 @@ impl Accepts {
         match (self, value) {
             (_, Value::Null) => true,
             (Accepts::NullOrFalse, Value::Bool(b)) => !b,
-            (Accepts::NullOrZero, Value::Number(n)) => n.as_f64() == Some(0.0),
             (Accepts::NullOrStr(s), Value::String(v)) => v == s,
             _ => false,
         }
@@ -45,7 +43,6 @@ impl Accepts {
         match self {
             Accepts::Null => "null",
             Accepts::NullOrFalse => "false",
-            Accepts::NullOrZero => "0",
             Accepts::NullOrStr(s) => s,
         }
     }
@@ -258,8 +255,6 @@ mod tests {
     fn accepts_only_inert_values() {
         assert!(Accepts::NullOrFalse.matches(&Value::Bool(false)));
         assert!(!Accepts::NullOrFalse.matches(&Value::Bool(true)));
-        assert!(Accepts::NullOrZero.matches(&serde_json::json!(0.0)));
-        assert!(!Accepts::NullOrZero.matches(&serde_json::json!(0.03)));
         assert!(Accepts::NullOrStr("sdp").matches(&serde_json::json!("sdp")));
         assert!(!Accepts::NullOrStr("sdp").matches(&serde_json::json!("xformers")));
         assert!(!Accepts::Null.matches(&serde_json::json!("sample_prompts.txt")));

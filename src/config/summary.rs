@@ -190,17 +190,8 @@ impl TrainPlan {
             row(f, "samples", &samples)?;
         }
         if let Some(v) = &self.data.validation {
-            let set = match (&v.data_root, v.split) {
-                (Some(root), _) => root.display().to_string(),
-                (None, Some(s)) => format!("{:.0}% of data_root", s * 100.0),
-                (None, None) => "—".to_string(),
-            };
-            let when = v
-                .every_n_steps
-                .map_or("at each epoch's end".to_string(), |n| {
-                    format!("every {n} steps")
-                });
-            row(f, "validation", &format!("{set}, {when}"))?;
+            let text = format!("{}, {}", v.sets_text(), v.when_text());
+            row(f, "validation", &text)?;
         }
         if let Some(gb) = self.vram_limit_gb {
             row(

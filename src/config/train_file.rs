@@ -67,6 +67,21 @@ pub struct TrainFile {
     /// Compute the validation loss every N steps (default: at the end of each epoch).
     #[serde(default)]
     pub validation_every_n_steps: Option<i64>,
+    /// EveryDream2's validation file (validation_default.json), instead of the three above.
+    #[serde(default)]
+    pub validation_config: Option<String>,
+    /// With `shuffle_tags`, the tags after the main prompt kept in place.
+    #[serde(default)]
+    pub keep_tags: Option<i64>,
+    /// EveryDream2's rated dataset: later epochs train on fewer images, picked by rating.
+    #[serde(default)]
+    pub rated_dataset: Option<bool>,
+    /// The share of the images the last epochs train on (percent, default 50).
+    #[serde(default)]
+    pub rated_dataset_target_dropout_percent: Option<f64>,
+    /// Write each epoch's batch schedule into the run folder.
+    #[serde(default)]
+    pub write_schedule: Option<bool>,
     /// Aspect-ratio buckets (kohya's name); false trains every image as a centre-cropped square.
     #[serde(default)]
     pub enable_bucket: Option<bool>,
@@ -314,41 +329,15 @@ pub(crate) const UNSUPPORTED: &[Unsupported] = &[
         "sdtrain has one attention implementation",
     ),
     un(
-        "keep_tags",
-        Accepts::NullOrZero,
-        "keep_tags is not implemented (shuffle_tags keeps the first tag)",
-    ),
-    un(
         "notebook",
         Accepts::NullOrFalse,
         "notebook mode is not implemented",
     ),
     un("plugins", Accepts::Null, "plugins are not implemented"),
     un(
-        "rated_dataset",
-        Accepts::NullOrFalse,
-        "rated datasets are not implemented",
-    ),
-    un(
-        "rated_dataset_target_dropout_percent",
-        Accepts::Null,
-        "rated datasets are not implemented",
-    ),
-    un(
-        "validation_config",
-        Accepts::Null,
-        "EveryDream2's validation file is not read; use validation_split or validation_data_root \
-         and validation_every_n_steps",
-    ),
-    un(
         "wandb",
         Accepts::NullOrFalse,
         "wandb logging is not implemented",
-    ),
-    un(
-        "write_schedule",
-        Accepts::NullOrFalse,
-        "writing the batch schedule is not implemented",
     ),
 ];
 
@@ -485,7 +474,7 @@ mod tests {
 
     #[test]
     fn all_unsupported_keys_are_reported_together() {
-        let err = parse(json!({"wandb": true, "validation_config": "v.json"})).unwrap_err();
+        let err = parse(json!({"wandb": true, "notebook": true})).unwrap_err();
         let ConfigError::Unsupported { entries, .. } = &err else {
             panic!("{err}")
         };

@@ -55,6 +55,7 @@ pub fn hflip(image: &TrainImage) -> TrainImage {
         caption: image.caption.clone(),
         path: image.path.clone(),
         multiplier: image.multiplier,
+        options: image.options.clone(),
     }
 }
 
@@ -139,6 +140,7 @@ mod tests {
             caption: "c".into(),
             path: PathBuf::from("i.png"),
             multiplier: 1.0,
+            options: Default::default(),
         }
     }
 

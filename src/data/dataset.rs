@@ -14,6 +14,7 @@
 
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use rand::rngs::StdRng;
@@ -22,13 +23,17 @@ use rand::{Rng, SeedableRng};
 use rayon::prelude::*;
 
 use super::image_load::{probe_image, DEFAULT_MAX_PIXELS};
+use super::py_random::PyRandom;
+use super::rated::{pick_rated, RatedSchedule};
 use super::scan::{scan, ImageRecord};
+use super::tag_shuffle::ItemOptions;
 use super::DataError;
 
 /// Stream separators mixed into the seed, so the multiplier draw and the shuffle of one epoch
 /// use unrelated random streams.
 const ORDER_STREAM: u64 = 0x006f_7264_6572;
 const MULTIPLY_STREAM: u64 = 0x6d75_6c74_6970_6c79;
+const RATED_STREAM: u64 = 0x0072_6174_6564;
 
 /// One usable training image: where it is, its caption, its repeat count and its upright size.
 #[derive(Debug, Clone, PartialEq)]
@@ -39,6 +44,8 @@ pub struct ImageMeta {
     pub multiplier: f64,
     /// `(width, height)` after EXIF orientation, from the header.
     pub size: (usize, usize),
+    /// The image's own settings, from its files.
+    pub options: Arc<ItemOptions>,
 }
 
 /// The usable images, in scan order, and the files that were skipped with the reason.
@@ -52,6 +59,38 @@ impl LoadedDataset {
     /// The item indices of epoch `epoch`: each image repeated by its multiplier (fractions drawn
     /// per epoch, see [`pick_multiplied`]), then shuffled by [`epoch_order`].
     pub fn epoch_indices(&self, seed: u64, epoch: usize) -> Vec<usize> {
+        self.epoch_indices_rated(seed, epoch, None)
+    }
+
+    /// [`Self::epoch_indices`], or with `rated`, once its fraction for `epoch` is under 1, the
+    /// images [`pick_rated`] picks by rating (each once), shuffled by [`epoch_order`].
+    pub fn epoch_indices_rated(
+        &self,
+        seed: u64,
+        epoch: usize,
+        rated: Option<&RatedSchedule>,
+    ) -> Vec<usize> {
+        if let Some(fraction) = rated.map(|r| r.fraction(epoch)).filter(|&f| f < 1.0) {
+            // EveryDream2 sorts by rating (stable) before picking.
+            let mut by_rating: Vec<usize> = (0..self.items.len()).collect();
+            by_rating.sort_by(|&a, &b| {
+                let (ra, rb) = (self.items[a].options.rating, self.items[b].options.rating);
+                ra.total_cmp(&rb)
+            });
+            let ratings: Vec<f64> = by_rating
+                .iter()
+                .map(|&i| self.items[i].options.rating)
+                .collect();
+            let mut rng = PyRandom::new(mix_seed(seed, epoch, RATED_STREAM));
+            let picked: Vec<usize> = pick_rated(&ratings, fraction, &mut rng)
+                .into_iter()
+                .map(|p| by_rating[p])
+                .collect();
+            return epoch_order(picked.len(), seed, epoch)
+                .into_iter()
+                .map(|i| picked[i])
+                .collect();
+        }
         let multipliers: Vec<f64> = self.items.iter().map(|item| item.multiplier).collect();
         let mut rng = StdRng::seed_from_u64(mix_seed(seed, epoch, MULTIPLY_STREAM));
         let picked = pick_multiplied(&multipliers, &mut rng);
@@ -109,6 +148,7 @@ fn load_records(
                 caption: record.caption.clone(),
                 multiplier: record.multiplier,
                 size,
+                options: record.options.clone(),
             });
             bar.inc(1);
             meta

@@ -19,6 +19,7 @@ use serde::Serialize;
 
 use super::bucket::Bucket;
 use super::dataset::{mix_seed, LoadedDataset};
+use super::rated::RatedSchedule;
 
 const RUNT_STREAM: u64 = 0x7275_6e74;
 const BATCH_STREAM: u64 = 0x0062_6174_6368_6573;
@@ -55,8 +56,20 @@ pub fn epoch_batches(
     seed: u64,
     epoch: usize,
 ) -> EpochBatches {
+    epoch_batches_rated(dataset, buckets, batch_size, seed, epoch, None)
+}
+
+/// [`epoch_batches`] of a rated dataset ([`super::rated`]) when `rated` is set.
+pub fn epoch_batches_rated(
+    dataset: &LoadedDataset,
+    buckets: &[Bucket],
+    batch_size: usize,
+    seed: u64,
+    epoch: usize,
+    rated: Option<&RatedSchedule>,
+) -> EpochBatches {
     let batch_size = batch_size.max(1);
-    let order = dataset.epoch_indices(seed, epoch);
+    let order = dataset.epoch_indices_rated(seed, epoch, rated);
     // Buckets in order of first appearance (ED2's dict insertion order).
     let mut grouped: Vec<(Bucket, Vec<usize>)> = Vec::new();
     for i in order {
@@ -129,6 +142,7 @@ mod tests {
                     path: PathBuf::from(format!("{i}.png")),
                     caption: format!("c{i}"),
                     multiplier,
+                    options: Default::default(),
                     size: (64, 64),
                 })
                 .collect(),

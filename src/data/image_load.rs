@@ -50,6 +50,8 @@ pub struct TrainImage {
     pub path: PathBuf,
     /// How many times an epoch repeats this image (from `multiply.txt`).
     pub multiplier: f64,
+    /// The image's own settings (per-image `flip_p`, `cond_dropout`, tag shuffling).
+    pub options: std::sync::Arc<super::ItemOptions>,
 }
 
 impl TrainImage {
@@ -111,6 +113,7 @@ fn train_image(
         caption: String::new(),
         path: path.to_path_buf(),
         multiplier: 1.0,
+        options: Default::default(),
     }
 }
 

@@ -14,10 +14,15 @@ pub mod bucket;
 pub mod caption;
 pub mod dataset;
 pub mod epoch_plan;
+pub mod image_config;
 pub mod image_load;
 pub mod mask;
 pub mod prefetch;
+pub mod py_random;
+pub mod rated;
 pub mod scan;
+pub mod schedule;
+pub mod tag_shuffle;
 pub mod truncation;
 
 use std::path::PathBuf;
@@ -34,6 +39,7 @@ pub use image_load::{
     probe_image, resize_and_crop, TrainImage, DEFAULT_MAX_PIXELS,
 };
 pub use scan::{scan, ImageRecord, IMAGE_EXTENSIONS};
+pub use tag_shuffle::ItemOptions;
 
 /// How many skipped files a "no usable image" error lists before it says "and N more".
 const LISTED_SKIPS: usize = 3;
@@ -50,6 +56,11 @@ pub enum DataError {
         path: PathBuf,
         source: std::io::Error,
     },
+    #[error("cannot write {}", path.display())]
+    WriteFile {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("cannot read {}", path.display())]
     ReadFile {
         path: PathBuf,
@@ -61,6 +72,8 @@ pub enum DataError {
         path.display()
     )]
     Multiply { path: PathBuf, text: String },
+    #[error("{}: {reason}", path.display())]
+    ImageConfig { path: PathBuf, reason: String },
     #[error(
         "{}: no caption: there is no sibling .txt or .caption file (or it is empty) and the file \
          name gives none (the caption is the file name's text before the first `_`)",

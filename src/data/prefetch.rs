@@ -61,6 +61,7 @@ pub fn decode_sample(item: &ImageMeta, job: &SampleJob, settings: &DecodeSetting
         Ok(mut image) => {
             image.caption = item.caption.clone();
             image.multiplier = item.multiplier;
+            image.options = item.options.clone();
             Ok(image)
         }
         Err(DataError::Decode { path, reason }) => Err((path, reason)),
@@ -147,6 +148,7 @@ mod tests {
                     path,
                     caption: format!("c{i}"),
                     multiplier: 1.0,
+                    options: Default::default(),
                     size: (40 + i * 8, 32),
                 }
             })

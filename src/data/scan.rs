@@ -8,7 +8,9 @@
 //! - `multiply.txt` in a folder holds a number (it may be fractional) that applies to the images
 //!   directly in that folder only: it is a "local" setting in ED2, not inherited by subfolders.
 //!   How a fractional multiplier is honoured each epoch is [`super::pick_multiplied`]'s job.
-//! - Captions: see [`super::caption`].
+//! - Captions: see [`super::caption`]; every other per-image and per-folder setting
+//!   (`global.yaml`, `local.yaml`, `<stem>.yaml`, `flip_p.txt`, `cond_dropout.txt`, …): see
+//!   [`super::image_config`].
 //!
 //! Deliberate differences: the order is sorted by path (ED2 uses the file system's order), a
 //! malformed `multiply.txt` is an error naming it (ED2 logs a warning and uses 1), images whose
@@ -18,8 +20,11 @@
 use std::collections::HashSet;
 use std::ffi::{OsStr, OsString};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
-use super::caption::{resolve_caption, CAPTION_EXTENSIONS};
+use super::caption::{caption_from_file_name, read_caption_file, CAPTION_EXTENSIONS};
+use super::image_config::{self, ImageConfig, YAML_EXTENSIONS};
+use super::tag_shuffle::ItemOptions;
 use super::DataError;
 
 /// Image extensions the scanner picks up, compared case-insensitively.
@@ -33,8 +38,11 @@ pub const MULTIPLY_FILE: &str = "multiply.txt";
 pub struct ImageRecord {
     pub path: PathBuf,
     pub caption: String,
-    /// From the folder's `multiply.txt`, else 1. Always finite and positive.
+    /// From the folder's `multiply.txt` or a YAML `multiply`, else 1. Always finite and
+    /// positive.
     pub multiplier: f64,
+    /// The image's own settings and caption parts.
+    pub options: Arc<ItemOptions>,
 }
 
 /// Scans `data_root` recursively and returns its images sorted by path.
@@ -59,7 +67,7 @@ pub fn scan(data_root: &Path) -> Result<Vec<ImageRecord>, DataError> {
         Ok(_) => {}
     }
     let mut walk = Walk::default();
-    walk.visit(data_root)?;
+    walk.visit(data_root, &ImageConfig::default())?;
     if walk.records.is_empty() {
         return Err(DataError::NoImages {
             root: data_root.to_path_buf(),
@@ -103,7 +111,7 @@ struct Walk {
 }
 
 impl Walk {
-    fn visit(&mut self, dir: &Path) -> Result<(), DataError> {
+    fn visit(&mut self, dir: &Path, parent_global: &ImageConfig) -> Result<(), DataError> {
         let canonical = std::fs::canonicalize(dir).map_err(|source| DataError::ReadDir {
             path: dir.to_path_buf(),
             source,
@@ -129,36 +137,99 @@ impl Walk {
             .partition(|path| path.is_dir());
         let file_names: HashSet<&OsStr> = names.iter().map(OsString::as_os_str).collect();
 
-        let multiplier = if file_names.contains(OsStr::new(MULTIPLY_FILE)) {
-            read_multiply(&dir.join(MULTIPLY_FILE))?
-        } else {
-            1.0
-        };
+        let global = image_config::folder_global(dir, &file_names, parent_global)?;
+        let local = image_config::folder_local(dir, &file_names)?;
+        let folder = global.merge(&local);
         for image in files.iter().filter(|path| is_image(path)) {
+            let cfg = folder.merge(&image_sidecars(dir, image, &file_names)?);
+            let multiplier = cfg.multiply.unwrap_or(1.0);
             if multiplier == 0.0 {
                 self.excluded += 1;
                 continue;
             }
-            let sidecar = sidecar_for(dir, image, &file_names);
-            let caption = resolve_caption(image, sidecar.as_deref())?;
+            let (caption, options) = resolve_item(image, cfg)?;
             self.records.push(ImageRecord {
                 path: image.clone(),
                 caption,
                 multiplier,
+                options: Arc::new(options),
             });
         }
         for sub in &dirs {
-            self.visit(sub)?;
+            self.visit(sub, &global)?;
         }
         Ok(())
     }
 }
 
-/// The first `<stem>.<caption ext>` that exists next to `image` (exact name match, as ED2 looks
-/// names up in the folder listing).
-fn sidecar_for(dir: &Path, image: &Path, file_names: &HashSet<&OsStr>) -> Option<PathBuf> {
+/// The image's own files folded: its caption file, then `<stem>.yml`, then `<stem>.yaml`.
+fn image_sidecars(
+    dir: &Path,
+    image: &Path,
+    file_names: &HashSet<&OsStr>,
+) -> Result<ImageConfig, DataError> {
+    let mut cfg = match sidecar_for(dir, image, file_names, &CAPTION_EXTENSIONS) {
+        Some(file) => ImageConfig::from_caption(&read_caption_file(&file)?),
+        None => ImageConfig::default(),
+    };
+    for ext in YAML_EXTENSIONS {
+        if let Some(file) = sidecar_for(dir, image, file_names, &[ext]) {
+            cfg = cfg.merge(&image_config::read_yaml(&file)?);
+        }
+    }
+    Ok(cfg)
+}
+
+/// The caption text and settings of `image` from its folded settings (EveryDream2's
+/// `__ensure_caption` and `image_train_items`): with no main prompt, the file name's caption
+/// comes first; tags are ordered by weight; unset values keep their defaults.
+fn resolve_item(image: &Path, mut cfg: ImageConfig) -> Result<(String, ItemOptions), DataError> {
+    if cfg.main_prompts.is_empty() {
+        let from_name = caption_from_file_name(image).render();
+        cfg = cfg.merge(&ImageConfig::from_caption(&from_name));
+    }
+    let tags = cfg.tags_by_weight();
+    let main = cfg.main_prompts.first().cloned().unwrap_or_default();
+    let weights: Vec<f64> = tags.iter().map(|t| t.weight).collect();
+    let weighted = weights.iter().any(|&w| w != weights[0]);
+    let tags: Vec<String> = tags.into_iter().map(|t| t.value).collect();
+    let mut caption = main.clone();
+    for tag in &tags {
+        if !caption.is_empty() {
+            caption.push_str(", ");
+        }
+        caption.push_str(tag);
+    }
+    if caption.is_empty() {
+        return Err(DataError::EmptyCaption {
+            path: image.to_path_buf(),
+        });
+    }
+    let options = ItemOptions {
+        rating: cfg.rating.unwrap_or(1.0),
+        flip_p: cfg.flip_p,
+        cond_dropout: cfg.cond_dropout,
+        shuffle_tags: cfg.shuffle_tags,
+        main,
+        tags,
+        tag_weights: weighted.then_some(weights),
+        max_caption_length: cfg
+            .max_caption_length
+            .unwrap_or(image_config::DEFAULT_MAX_CAPTION_LENGTH),
+    };
+    Ok((caption, options))
+}
+
+/// The first `<stem>.<ext>` of `extensions` that exists next to `image` (exact name match, as
+/// ED2 looks names up in the folder listing).
+fn sidecar_for(
+    dir: &Path,
+    image: &Path,
+    file_names: &HashSet<&OsStr>,
+    extensions: &[&str],
+) -> Option<PathBuf> {
     let stem = image.file_stem()?;
-    CAPTION_EXTENSIONS.iter().find_map(|ext| {
+    extensions.iter().find_map(|ext| {
         let mut name = stem.to_os_string();
         name.push(".");
         name.push(ext);

@@ -54,6 +54,10 @@ fn text_encoder_cache(
     if let TextCacheDecision::Off(why) = plan.data.text_cache {
         return Ok((None, format!("text-encoder cache: off ({why})")));
     }
+    if feed.dataset.items.iter().any(|i| i.options.shuffle_tags) {
+        let why = "a shuffle_tags.txt or YAML `shuffle_tags` shuffles some captions";
+        return Ok((None, format!("text-encoder cache: off ({why})")));
+    }
     let started = Instant::now();
     let mut captions: Vec<&str> = feed
         .dataset
@@ -62,9 +66,10 @@ fn text_encoder_cache(
         .map(|i| i.caption.as_str())
         .collect();
     if let Some(v) = validation {
-        captions.extend(v.items.iter().map(|i| i.caption.as_str()));
+        captions.extend(v.items().map(|i| i.caption.as_str()));
     }
-    if plan.data.cond_dropout > 0.0 {
+    let items = &feed.dataset.items;
+    if plan.data.cond_dropout > 0.0 || items.iter().any(|i| i.options.cond_dropout > Some(0.0)) {
         // What cond_dropout replaces a caption with.
         captions.push("");
     }
@@ -100,7 +105,12 @@ fn latents(
     let spec = CacheSpec {
         items: &feed.dataset.items,
         buckets: &feed.buckets,
-        with_flip: data.flip_p > 0.0,
+        with_flip: data.flip_p > 0.0
+            || feed
+                .dataset
+                .items
+                .iter()
+                .any(|i| i.options.flip_p > Some(0.0)),
         dir: dir.clone(),
         max_pixels: data.max_image_pixels,
         batch,

@@ -14,11 +14,11 @@ use anyhow::bail;
 use super::latent_cache::LatentStore;
 use super::step::{step_seeds, SampleData};
 use crate::config::{BucketPlan, DataPlan};
-use crate::data::epoch_plan::{bucket_counts, BucketCount};
+use crate::data::epoch_plan::{bucket_counts, epoch_batches_rated, BucketCount};
 use crate::data::prefetch::{DecodeSettings, Prefetcher, SampleJob};
+use crate::data::rated::RatedSchedule;
 use crate::data::{
-    aspect_buckets, epoch_batches, nearest_bucket, Bucket, EpochBatches, ImageMeta, LoadedDataset,
-    MicroBatch,
+    aspect_buckets, nearest_bucket, Bucket, EpochBatches, ImageMeta, LoadedDataset, MicroBatch,
 };
 
 /// How many steps the decode thread works ahead.
@@ -126,6 +126,8 @@ pub struct DataFeed {
     decode: DecodeSettings,
     latents: Option<LatentStore>,
     prefetch: Option<Prefetcher>,
+    /// `rated_dataset`'s schedule, when on.
+    rated: Option<RatedSchedule>,
 }
 
 impl DataFeed {
@@ -149,6 +151,7 @@ impl DataFeed {
             },
             latents: None,
             prefetch: None,
+            rated: data.rated,
         }
     }
 
@@ -163,7 +166,15 @@ impl DataFeed {
 
     /// The micro-batches of `epoch`.
     pub fn epoch(&self, seed: u64, epoch: usize) -> EpochBatches {
-        epoch_batches(&self.dataset, &self.buckets, self.batch_size, seed, epoch)
+        let rated = self.rated.as_ref();
+        epoch_batches_rated(
+            &self.dataset,
+            &self.buckets,
+            self.batch_size,
+            seed,
+            epoch,
+            rated,
+        )
     }
 
     pub fn steps_in(&self, batches: &EpochBatches) -> usize {
@@ -263,6 +274,7 @@ mod tests {
             path: PathBuf::from(format!("{w}x{h}.png")),
             caption: String::new(),
             multiplier: 1.0,
+            options: Default::default(),
             size: (w, h),
         }
     }

@@ -26,7 +26,7 @@ use candle_core::{DType, Device, Tensor};
 use rayon::prelude::*;
 use sha2::{Digest, Sha256};
 
-use crate::data::{augment, load_image_limited, Bucket, ImageMeta, TrainImage};
+use crate::data::{augment, load_image_limited, Bucket, ImageMeta, ItemOptions, TrainImage};
 use crate::error_chain::External;
 use crate::model::files::ComponentSource;
 use crate::model::pipeline::StableDiffusion;
@@ -67,8 +67,8 @@ impl CachedLatent {
 /// Where the cached latents are.
 pub enum LatentStore {
     Memory(Vec<Arc<CachedLatent>>),
-    /// One file per item, and the item's caption.
-    Disk(Vec<(PathBuf, String)>),
+    /// One file per item, and the item's caption and settings.
+    Disk(Vec<(PathBuf, String, Arc<ItemOptions>)>),
 }
 
 impl LatentStore {
@@ -80,11 +80,12 @@ impl LatentStore {
                 .cloned()
                 .with_context(|| format!("no cached latents for item {i}")),
             Self::Disk(files) => {
-                let (path, caption) = files
+                let (path, caption, options) = files
                     .get(i)
                     .with_context(|| format!("no cached latents for item {i}"))?;
                 let (mut latent, _) = read_entry(path)?;
                 latent.geometry.caption = caption.clone();
+                latent.geometry.options = options.clone();
                 Ok(Arc::new(latent))
             }
         }
@@ -233,7 +234,7 @@ pub fn build(
             let files = keys
                 .into_iter()
                 .zip(spec.items)
-                .map(|((_, path), item)| (path, item.caption.clone()))
+                .map(|((_, path), item)| (path, item.caption.clone(), item.options.clone()))
                 .collect();
             Ok((LatentStore::Disk(files), stats))
         }
@@ -269,6 +270,7 @@ fn encode_items(
                     )?;
                     im.caption = item.caption.clone();
                     im.multiplier = item.multiplier;
+                    im.options = item.options.clone();
                     Ok(im)
                 })
                 .collect::<Result<_, crate::data::DataError>>()?;
@@ -391,6 +393,7 @@ fn read_entry(path: &Path) -> anyhow::Result<(CachedLatent, String)> {
         caption: String::new(),
         path: PathBuf::from(field("path")?),
         multiplier: 1.0,
+        options: Default::default(),
     };
     let latent = CachedLatent {
         geometry,
@@ -416,6 +419,7 @@ mod tests {
                 caption: "c".into(),
                 path: PathBuf::from(path),
                 multiplier: 1.0,
+                options: Default::default(),
             },
             moments: Tensor::arange(0f32, 8.0 * 4.0, &Device::Cpu)
                 .unwrap()

@@ -45,6 +45,10 @@ pub struct LogRecord {
     /// The validation loss, on steps where it was computed.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub val_loss: Option<f64>,
+    /// The other validation sets' losses by name (EveryDream2's `extra_manual_datasets`,
+    /// `stabilize-train`, and `_all_val_combined`), on steps where they were computed.
+    #[serde(skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub val_sets: std::collections::BTreeMap<String, f64>,
     /// Memory in use and the run's peak so far: the CUDA pool (plus the card's free/total) on
     /// CUDA, the process's RSS on the CPU.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -78,6 +82,9 @@ pub fn tensorboard_scalars(r: &LogRecord) -> Vec<(String, f64)> {
     }
     if let Some(v) = r.val_loss {
         s.push(("val_loss".into(), v));
+    }
+    for (name, v) in &r.val_sets {
+        s.push((format!("val_loss/{name}"), *v));
     }
     for w in &r.warnings {
         let (tag, v) = w.scalar();
@@ -228,6 +235,7 @@ mod tests {
             micro_batch: None,
             oom_retries: 0,
             val_loss: None,
+            val_sets: Default::default(),
             memory: None,
             warnings: Vec::new(),
         }

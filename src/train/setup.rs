@@ -107,6 +107,7 @@ impl<'a> Session<'a> {
                 samples: None,
                 validation,
                 val_loss: None,
+                val_sets: Default::default(),
                 vram_cap,
                 smoothed: Smoothed::new(0.9),
                 interrupt,
@@ -551,12 +552,16 @@ fn hold_out_validation(
         return Ok(None);
     };
     let val = Validation::setup(v, dataset, data_seed, buckets, plan.data.max_image_pixels)?;
-    let when = v
-        .every_n_steps
-        .map_or("at the end of each epoch".to_string(), |n| {
-            format!("every {n} steps")
-        });
-    eprintln!("validation: {} images, {when}", val.items.len());
+    let sets: Vec<String> = val
+        .sets
+        .iter()
+        .map(|s| format!("{} ({} images)", s.name, s.items.len()))
+        .collect();
+    let what = match val.sets.as_slice() {
+        [one] => format!("{} images", one.items.len()),
+        _ => sets.join(", "),
+    };
+    eprintln!("validation: {what}, {}", v.when_text());
     Ok(Some(val))
 }
 

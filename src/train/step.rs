@@ -23,6 +23,8 @@ use rand::{Rng, SeedableRng};
 use std::sync::Arc;
 
 use crate::data::augment;
+use crate::data::tag_shuffle::shuffled_caption;
+use crate::data::ItemOptions;
 use crate::data::TrainImage;
 use crate::diffusion::host_randn;
 use crate::diffusion::objective::{NoisedBatch, Objective};
@@ -39,6 +41,8 @@ pub struct StepSettings<'a> {
     pub flip_p: f64,
     pub cond_dropout: f64,
     pub shuffle_tags: bool,
+    /// Tags kept in place by the shuffle, after the main prompt (`keep_tags`).
+    pub keep_tags: usize,
     /// Text-encoder layers skipped beyond the family default.
     pub clip_skip_layers: usize,
     /// Whether any text-encoder parameter trains (otherwise the conditioning is detached).
@@ -63,6 +67,14 @@ impl SampleData {
         match self {
             Self::Pixels(im) => &im.caption,
             Self::Latent(l) => &l.geometry.caption,
+        }
+    }
+
+    /// The image's own settings, which override the step's.
+    fn options(&self) -> &ItemOptions {
+        match self {
+            Self::Pixels(im) => &im.options,
+            Self::Latent(l) => &l.geometry.options,
         }
     }
 }
@@ -147,11 +159,19 @@ pub fn prepare_batch<R: Rng>(
     let mut flips = Vec::with_capacity(samples.len());
     let mut captions = Vec::with_capacity(samples.len());
     for (sample, rng) in samples.iter().zip(rngs.iter_mut()) {
+        // An image's own flip_p, cond_dropout and shuffle_tags (from its files) win.
+        let own = sample.options();
         // One draw whatever `flip_p`, as augment::flip_p makes.
-        flips.push(rng.random::<f64>() < settings.flip_p);
-        let caption = augment::cond_dropout(sample.caption(), settings.cond_dropout, rng);
-        captions.push(if settings.shuffle_tags {
-            augment::shuffle_tags(caption, rng)
+        flips.push(rng.random::<f64>() < own.flip_p.unwrap_or(settings.flip_p));
+        let dropout = own.cond_dropout.unwrap_or(settings.cond_dropout);
+        let caption = augment::cond_dropout(sample.caption(), dropout, rng);
+        captions.push(if settings.shuffle_tags || own.shuffle_tags {
+            // One draw whether or not the caption was dropped.
+            let seed = rng.random::<u32>();
+            match caption.is_empty() {
+                true => String::new(),
+                false => shuffled_caption(caption, own, settings.keep_tags, u64::from(seed)),
+            }
         } else {
             caption.to_string()
         });

@@ -29,9 +29,10 @@ use super::samples::TrainingSamples;
 use super::saving::{SavePoint, Saver};
 use super::step::StepSettings;
 use super::text_cache::TextCache;
-use super::validation::Validation;
+use super::validation::{EpochPoint, Validation};
 use crate::config::TrainPlan;
 use crate::data::epoch_plan::MicroBatch;
+use crate::data::schedule::write_schedule;
 use crate::diffusion::Objective;
 use crate::memory::{MemoryUsage, StepWatch};
 use crate::model::layout::ModelLayout;
@@ -75,6 +76,7 @@ impl Model {
             flip_p: data.flip_p,
             cond_dropout: data.cond_dropout,
             shuffle_tags: data.shuffle_tags,
+            keep_tags: data.keep_tags,
             clip_skip_layers: plan.objective.clip_skip_layers,
             train_text_encoder: te_trains,
             compute_dtype: self.amp.compute_dtype(),
@@ -130,6 +132,8 @@ pub(super) struct Extras {
     pub validation: Option<Validation>,
     /// The validation loss computed after the current step, for its log record.
     pub val_loss: Option<f64>,
+    /// The other validation sets' losses, by name, for the same record.
+    pub val_sets: std::collections::BTreeMap<String, f64>,
     /// `vram_limit_gb`'s hold on the rest of the card, for the whole run.
     pub vram_cap: Option<crate::memory::vram_cap::VramCap>,
     /// The progress bar's smoothed loss.
@@ -209,6 +213,18 @@ impl Session<'_> {
         if out.steps == 0 && at_start {
             self.sample_if_due(0, true, &progress)?;
         }
+        if out.steps == 0
+            && self
+                .extras
+                .validation
+                .as_ref()
+                .is_some_and(|v| v.before_training)
+        {
+            // Printed and kept in the outcome at step 0; no step record carries it.
+            self.validate(&mut out, &progress)?;
+            self.extras.val_loss = None;
+            self.extras.val_sets.clear();
+        }
         for epoch in first_epoch..max_epochs {
             if plan.load_settings_every_epoch && epoch > first_epoch {
                 self.reload_settings(epoch, &progress)?;
@@ -258,6 +274,10 @@ impl Session<'_> {
     ) -> anyhow::Result<Flow> {
         let seed = self.pos.seed;
         let batches = self.feed.epoch(seed, epoch);
+        if self.plan.data.write_schedule && skip == 0 {
+            let items = &self.feed.dataset.items;
+            write_schedule(&self.outputs.run.path, epoch, &batches.batches, items)?;
+        }
         out.repeated_samples += batches.repeated;
         let steps_in_epoch = self.feed.steps_in(&batches);
         let steps = self.feed.steps(&batches, skip);
@@ -280,7 +300,12 @@ impl Session<'_> {
             if last_of_epoch {
                 out.epochs_completed = epoch + 1;
             }
-            self.validate_if_due(out, last_of_epoch, progress)?;
+            let at = EpochPoint {
+                epoch,
+                done: i + 1,
+                steps_in_epoch,
+            };
+            self.validate_if_due(out, at, progress)?;
             self.record_step(&report, out, epoch, progress)?;
             let limit = self.plan.max_consecutive_skipped_steps;
             if limit.is_some_and(|n| self.extras.skips.in_a_row >= n) {
@@ -393,7 +418,11 @@ impl Session<'_> {
             micro: self.opt.micro,
             vram_cap: self.extras.vram_cap.as_ref().map(|c| c.describe()),
             val_losses: Vec::new(),
-            val_images: self.extras.validation.as_ref().map_or(0, |v| v.items.len()),
+            val_images: self
+                .extras
+                .validation
+                .as_ref()
+                .map_or(0, |v| v.items().count()),
             buckets: self.feed.bucket_counts(),
             repeated_samples: 0,
             failed_samples: 0,
@@ -511,6 +540,7 @@ impl Session<'_> {
             loss_scale: (self.model.amp == Amp::Fp16).then(|| self.opt.scaler.scale()),
             micro_batch: (micro.oom_retries > 0).then_some(micro.size),
             val_loss: self.extras.val_loss.take(),
+            val_sets: std::mem::take(&mut self.extras.val_sets),
             oom_retries: micro.oom_retries,
             memory,
             warnings,
@@ -533,25 +563,50 @@ impl Session<'_> {
     fn validate_if_due(
         &mut self,
         out: &mut TrainOutcome,
-        last_of_epoch: bool,
+        at: EpochPoint,
         progress: &Progress,
     ) -> anyhow::Result<()> {
         let Some(val) = &self.extras.validation else {
             return Ok(());
         };
-        if !val.due(out.steps, self.opt.total_steps, last_of_epoch) {
+        if !val.due(out.steps, self.opt.total_steps, at) {
             return Ok(());
         }
+        self.validate(out, progress)
+    }
+
+    /// Scores every validation set now: the first set's loss is the step's `val_loss`, the others
+    /// go to its `val_sets` by name (with their mean, EveryDream2's `_all_val_combined`, when
+    /// there are several).
+    fn validate(&mut self, out: &mut TrainOutcome, progress: &Progress) -> anyhow::Result<()> {
+        let Some(val) = &mut self.extras.validation else {
+            return Ok(());
+        };
         let te_trains = self.opt.text_encoder_trains();
         let (plan, micro) = (self.plan, self.opt.micro.size);
-        let loss = self.model.evaluating(|m| {
+        let losses = self.model.evaluating(|m| {
             let settings = m.step_settings(plan, te_trains);
-            val.loss(&m.sd, &settings, micro)
+            val.losses(&m.sd, &settings, micro)
         });
-        let loss = loss.context("validation loss")?;
-        progress.println(format!("step {}: validation loss {loss:.4}", out.steps));
+        let losses = val.logged(losses.context("validation loss")?);
+        let Some((_, loss)) = losses.first().cloned() else {
+            return Ok(());
+        };
+        let text: Vec<String> = losses.iter().map(|(n, l)| format!("{n} {l:.4}")).collect();
+        progress.println(format!(
+            "step {}: validation loss {}",
+            out.steps,
+            text.join(", ")
+        ));
         out.val_losses.push((out.steps, loss));
         self.extras.val_loss = Some(loss);
+        if losses.len() > 1 {
+            let mean = losses.iter().map(|(_, l)| l).sum::<f64>() / losses.len() as f64;
+            self.extras.val_sets = losses.into_iter().skip(1).collect();
+            self.extras
+                .val_sets
+                .insert("_all_val_combined".into(), mean);
+        }
         Ok(())
     }
 
