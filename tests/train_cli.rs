@@ -563,6 +563,14 @@ fn learning_rate_free_optimizers_train_and_keep_their_estimate() {
                 estimate["d"].as_f64().unwrap() >= 1e-4,
                 "{name}: {estimate}"
             );
+            // The log carries the estimate of the step: the last record's `d` is the saved one.
+            let last: serde_json::Value =
+                serde_json::from_str(log.lines().last().unwrap()).unwrap();
+            assert_eq!(
+                last["estimates"]["unet/d"].as_f64(),
+                estimate["d"].as_f64(),
+                "{name}: {last}"
+            );
         }
         if ["dadapt_sgd", "scalar_dowg"].contains(&name) {
             let fused = write_config(

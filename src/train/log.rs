@@ -49,6 +49,10 @@ pub struct LogRecord {
     /// `stabilize-train`, and `_all_val_combined`), on steps where they were computed.
     #[serde(skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub val_sets: std::collections::BTreeMap<String, f64>,
+    /// The learning-rate-free optimizers' estimates after the step, `<group>/<name>` (Prodigy's
+    /// and D-Adaptation's `unet/d`, …).
+    #[serde(skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub estimates: std::collections::BTreeMap<String, f64>,
     /// Memory in use and the run's peak so far: the CUDA pool (plus the card's free/total) on
     /// CUDA, the process's RSS on the CPU.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -85,6 +89,9 @@ pub fn tensorboard_scalars(r: &LogRecord) -> Vec<(String, f64)> {
     }
     for (name, v) in &r.val_sets {
         s.push((format!("val_loss/{name}"), *v));
+    }
+    for (name, v) in &r.estimates {
+        s.push((format!("estimate/{name}"), *v));
     }
     for w in &r.warnings {
         let (tag, v) = w.scalar();
@@ -236,6 +243,7 @@ mod tests {
             oom_retries: 0,
             val_loss: None,
             val_sets: Default::default(),
+            estimates: Default::default(),
             memory: None,
             warnings: Vec::new(),
         }
@@ -243,6 +251,18 @@ mod tests {
 
     fn tags(r: &LogRecord) -> Vec<String> {
         tensorboard_scalars(r).into_iter().map(|(t, _)| t).collect()
+    }
+
+    #[test]
+    fn estimates_are_logged_under_their_group() {
+        let mut r = record();
+        r.estimates.insert("unet/d".into(), 2e-6);
+        assert!(tensorboard_scalars(&r).contains(&("estimate/unet/d".to_string(), 2e-6)));
+        let line = serde_json::to_string(&r).unwrap();
+        assert!(line.contains("\"estimates\":{\"unet/d\":2e-6}"), "{line}");
+        assert!(!serde_json::to_string(&record())
+            .unwrap()
+            .contains("estimates"));
     }
 
     #[test]

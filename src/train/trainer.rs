@@ -482,6 +482,22 @@ impl Session<'_> {
         Ok(())
     }
 
+    /// Each group's optimizer estimate after the step (`<group>/d`, …; the step count `k` left
+    /// out), for the log.
+    fn estimates(&self) -> std::collections::BTreeMap<String, f64> {
+        self.opt
+            .groups
+            .iter()
+            .flat_map(|g| {
+                g.optimizer
+                    .estimate_values()
+                    .into_iter()
+                    .filter(|(name, _)| *name != "k")
+                    .map(move |(name, v)| (format!("{}/{name}", g.name), v))
+            })
+            .collect()
+    }
+
     /// The learning rate of the group called `name` in `lrs` (one per group, in order).
     fn group_lr(&self, lrs: &[f64], name: &str) -> Option<f64> {
         let i = self.opt.groups.iter().position(|g| g.name == name)?;
@@ -541,6 +557,7 @@ impl Session<'_> {
             micro_batch: (micro.oom_retries > 0).then_some(micro.size),
             val_loss: self.extras.val_loss.take(),
             val_sets: std::mem::take(&mut self.extras.val_sets),
+            estimates: self.estimates(),
             oom_retries: micro.oom_retries,
             memory,
             warnings,
