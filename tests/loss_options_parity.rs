@@ -28,17 +28,10 @@ use sdtrain::model::family::PredictionType;
 use serde_json::Value;
 
 fn reference() -> Value {
-    let text = std::fs::read_to_string(common::fixture("loss_reference.json")).unwrap();
-    serde_json::from_str(&text).unwrap()
+    common::reference_json("loss_reference.json")
 }
 
-fn floats(v: &Value) -> Vec<f64> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_f64().unwrap())
-        .collect()
-}
+use common::floats;
 
 fn tensor(v: &Value, shape: &[usize]) -> Tensor {
     let data: Vec<f32> = floats(v).iter().map(|&x| x as f32).collect();

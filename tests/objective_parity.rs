@@ -19,18 +19,10 @@ use sdtrain::model::family::PredictionType;
 use serde_json::Value;
 
 fn reference() -> Value {
-    let path = common::fixture("objective_reference.json");
-    let text = std::fs::read_to_string(&path).unwrap();
-    serde_json::from_str(&text).unwrap()
+    common::reference_json("objective_reference.json")
 }
 
-fn floats(v: &Value) -> Vec<f64> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_f64().unwrap())
-        .collect()
-}
+use common::floats;
 
 struct Inputs {
     x0: Tensor,

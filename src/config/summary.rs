@@ -144,6 +144,7 @@ impl TrainPlan {
                 o.timestep_start, o.timestep_end, o.zero_frequency_noise_ratio
             ),
         )?;
+        row(f, "loss", &o.loss_text())?;
         row(
             f,
             "clip_skip",
@@ -326,4 +327,45 @@ impl TrainPlan {
 /// One line: the label padded to 15 columns, then the value.
 fn row(f: &mut fmt::Formatter<'_>, label: &str, value: &dyn fmt::Display) -> fmt::Result {
     writeln!(f, "{label:<15}{value}")
+}
+
+impl super::ObjectivePlan {
+    /// The loss, its weighting and the perturbations, for the summary.
+    fn loss_text(&self) -> String {
+        use crate::diffusion::loss::LossType;
+        use crate::diffusion::timesteps::TimestepDistribution;
+        let mut parts = vec![match self.loss.loss_type {
+            LossType::Mse => "mse".to_string(),
+            LossType::Huber => "huber (EveryDream2, δ 1)".to_string(),
+            LossType::MseHuber => "mse_huber (EveryDream2)".to_string(),
+            LossType::HuberMse => "huber_mse (EveryDream2)".to_string(),
+            LossType::L1 => "l1".to_string(),
+            LossType::PseudoHuber(s) => format!("pseudo_huber (kohya), {s:?}"),
+            LossType::SmoothL1(s) => format!("smooth_l1 (kohya), {s:?}"),
+        }];
+        if self.loss.debiased_estimation {
+            parts.push("debiased estimation".to_string());
+        }
+        if let TimestepDistribution::LogitNormal { bias, scale } = self.timestep_distribution {
+            parts.push(format!(
+                "logit-normal timesteps (bias {bias}, scale {scale})"
+            ));
+        }
+        if let Some(p) = self.input_perturbation {
+            let random = if p.random_strength {
+                ", random strength"
+            } else {
+                ""
+            };
+            parts.push(format!("input perturbation {}{random}", p.gamma));
+        }
+        if self.embedding_perturbation > 0.0 {
+            parts.push(format!(
+                "embedding perturbation {}",
+                self.embedding_perturbation
+            ));
+        }
+        parts.push(format!("train_sampler {:?}", self.train_sampler).to_lowercase());
+        parts.join(", ")
+    }
 }

@@ -372,14 +372,7 @@ mod tests {
     use candle_core::Device;
 
     fn sd() -> NoiseSchedule {
-        let betas: Vec<f64> = (0..1000)
-            .map(|i| {
-                let s =
-                    0.00085f64.sqrt() + (0.012f64.sqrt() - 0.00085f64.sqrt()) * i as f64 / 999.0;
-                s * s
-            })
-            .collect();
-        NoiseSchedule::from_betas(&betas, PredictionType::Epsilon)
+        NoiseSchedule::sd_for_tests(PredictionType::Epsilon)
     }
 
     fn scalar(t: &Tensor) -> f32 {

@@ -317,6 +317,17 @@ impl NoiseSchedule {
     }
 
     /// A schedule from explicit betas (each in `[0, 1]`).
+    /// Stable Diffusion's schedule (scaled_linear, β from 0.00085 to 0.012 over 1000 steps), for
+    /// tests.
+    #[cfg(test)]
+    pub(crate) fn sd_for_tests(prediction_type: PredictionType) -> Self {
+        let (a, b) = (0.00085f64.sqrt(), 0.012f64.sqrt());
+        let betas: Vec<f64> = (0..1000)
+            .map(|i| (a + (b - a) * i as f64 / 999.0).powi(2))
+            .collect();
+        Self::from_betas(&betas, prediction_type)
+    }
+
     pub fn from_betas(betas: &[f64], prediction_type: PredictionType) -> Self {
         Self {
             alphas_cumprod: cumprod(betas),

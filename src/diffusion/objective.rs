@@ -458,14 +458,7 @@ mod tests {
     use rand::{rngs::StdRng, SeedableRng};
 
     fn sd_schedule(p: PredictionType) -> NoiseSchedule {
-        let betas: Vec<f64> = (0..1000)
-            .map(|i| {
-                let s =
-                    0.00085f64.sqrt() + (0.012f64.sqrt() - 0.00085f64.sqrt()) * i as f64 / 999.0;
-                s * s
-            })
-            .collect();
-        NoiseSchedule::from_betas(&betas, p)
+        NoiseSchedule::sd_for_tests(p)
     }
 
     #[test]

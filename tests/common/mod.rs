@@ -22,6 +22,23 @@ pub fn fixture(name: &str) -> PathBuf {
     repo_root().join("tests/fixtures").join(name)
 }
 
+/// A JSON reference file under tests/fixtures (`objective_reference.json`, …).
+pub fn reference_json(name: &str) -> serde_json::Value {
+    let path = fixture(name);
+    let text = std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// A JSON array of numbers.
+pub fn floats(v: &serde_json::Value) -> Vec<f64> {
+    v.as_array()
+        .unwrap_or_else(|| panic!("not an array: {v}"))
+        .iter()
+        .map(|x| x.as_f64().unwrap_or_else(|| panic!("not a number: {x}")))
+        .collect()
+}
+
 /// The reference tensors written by `tests/fixtures/make_fixtures.py` for one fixture.
 pub fn reference(name: &str) -> HashMap<String, Tensor> {
     let path = fixture("reference").join(format!("{name}.safetensors"));
