@@ -53,6 +53,9 @@ pub struct StepSettings<'a> {
     pub checkpointing: Option<&'a Checkpointing>,
     /// Cached caption encodings, when the text encoders were released.
     pub text_cache: Option<&'a TextCache>,
+    /// `Some` when masked loss is on: the chance a sample ignores its mask (OneTrainer's
+    /// `unmasked_probability`), one draw per sample.
+    pub unmasked_probability: Option<f64>,
 }
 
 /// What one training sample brings to a step: decoded pixels, or its cached VAE posterior.
@@ -158,6 +161,7 @@ pub fn prepare_batch<R: Rng>(
     let device = sd.unet.conv_in.weight.device().clone();
     let mut flips = Vec::with_capacity(samples.len());
     let mut captions = Vec::with_capacity(samples.len());
+    let mut keep_masks = Vec::with_capacity(samples.len());
     for (sample, rng) in samples.iter().zip(rngs.iter_mut()) {
         // An image's own flip_p, cond_dropout and shuffle_tags (from its files) win.
         let own = sample.options();
@@ -175,8 +179,12 @@ pub fn prepare_batch<R: Rng>(
         } else {
             caption.to_string()
         });
+        if let Some(p) = settings.unmasked_probability {
+            // One draw per sample while masked loss is on.
+            keep_masks.push(rng.random::<f64>() >= p);
+        }
     }
-    let (moments, time_ids) = posterior_moments(sd, samples, &flips, &device)?;
+    let (moments, time_ids, masks) = posterior_moments(sd, samples, &flips, &device)?;
     let posterior = DiagonalGaussian::from_moments(&moments)?;
     let (_, c, h, w) = posterior.mean.dims4()?;
     let eps = rngs
@@ -187,7 +195,10 @@ pub fn prepare_batch<R: Rng>(
     let latents = scale_latents(sd, &posterior.sample_with_noise(&eps)?)?
         .detach()
         .to_dtype(settings.compute_dtype)?;
-    let noised = settings.objective.noise_per_sample(rngs, &latents)?;
+    let mut noised = settings.objective.noise_per_sample(rngs, &latents)?;
+    if settings.unmasked_probability.is_some() {
+        noised.mask = Some(latent_masks(&masks, &keep_masks, (h, w), &device)?);
+    }
     Ok(PreparedBatch {
         noised,
         captions,
@@ -200,17 +211,57 @@ fn scale_latents(sd: &StableDiffusion, z: &Tensor) -> candle_core::Result<Tensor
     crate::model::vae::scale_latents_with(&sd.vae_config, z)
 }
 
+/// One sample's loss mask as drawn (flipped with its image): `height × width` bytes and the
+/// image's `(height, width)`, or `None` for an image without one.
+type PixelMask = (Option<Vec<u8>>, (usize, usize));
+
+/// The loss masks `[B, 1, h, w]` f32 at latent size `(h, w)`: each sample's mask as a fraction
+/// of 255, area-downsampled by the VAE factor; all ones for a sample without a mask or whose
+/// draw (`keep[i]` false) trains it unmasked.
+pub fn latent_masks(
+    masks: &[PixelMask],
+    keep: &[bool],
+    (h, w): (usize, usize),
+    device: &candle_core::Device,
+) -> anyhow::Result<Tensor> {
+    let mut out = Vec::with_capacity(masks.len() * h * w);
+    for ((mask, (ih, iw)), &keep) in masks.iter().zip(keep) {
+        match mask {
+            Some(m) if keep => {
+                let f = ih / h.max(1);
+                let down = (f * h == *ih && f * w == *iw)
+                    .then(|| {
+                        crate::data::mask::area_downsample(
+                            &crate::data::mask::to_unit(m),
+                            (*ih, *iw),
+                            f,
+                        )
+                    })
+                    .flatten()
+                    .with_context(|| {
+                        format!("a {iw}×{ih} loss mask does not reduce to the {w}×{h} latent")
+                    })?;
+                out.extend(down);
+            }
+            _ => out.extend(std::iter::repeat_n(1f32, h * w)),
+        }
+    }
+    Ok(Tensor::from_vec(out, (masks.len(), 1, h, w), device)?)
+}
+
 /// The posterior moments `[B, 2·latent, h, w]` of the (flipped where `flips` says) samples on
-/// `device`, and their SDXL `time_ids`: from the VAE for pixels, from the cache for latents.
+/// `device`, their SDXL `time_ids` and their loss masks: from the VAE for pixels, from the cache
+/// for latents.
 fn posterior_moments(
     sd: &StableDiffusion,
     samples: &[&SampleData],
     flips: &[bool],
     device: &candle_core::Device,
-) -> anyhow::Result<(Tensor, Vec<[f32; 6]>)> {
+) -> anyhow::Result<(Tensor, Vec<[f32; 6]>, Vec<PixelMask>)> {
     let mut pixels: Vec<std::borrow::Cow<'_, TrainImage>> = Vec::new();
     let mut cached = Vec::new();
     let mut time_ids = Vec::with_capacity(samples.len());
+    let mut masks = Vec::with_capacity(samples.len());
     for (sample, &flip) in samples.iter().zip(flips) {
         match sample {
             SampleData::Pixels(im) => {
@@ -220,11 +271,13 @@ fn posterior_moments(
                     std::borrow::Cow::Borrowed(im)
                 };
                 time_ids.push(time_ids_row(&im));
+                masks.push((im.mask.clone(), (im.height, im.width)));
                 pixels.push(im);
             }
             SampleData::Latent(l) => {
                 let (moments, geometry) = l.variant(flip)?;
                 time_ids.push(time_ids_row(&geometry));
+                masks.push((geometry.mask, (geometry.height, geometry.width)));
                 cached.push(moments.unsqueeze(0)?);
             }
         }
@@ -239,7 +292,7 @@ fn posterior_moments(
         (true, false) => Tensor::cat(&cached, 0)?.to_device(device)?,
         _ => anyhow::bail!("a micro-batch mixes cached latents and pixels"),
     };
-    Ok((moments, time_ids))
+    Ok((moments, time_ids, masks))
 }
 
 /// The forward pass for one prepared micro-batch: text conditioning → UNet → the (min-SNR
