@@ -487,6 +487,100 @@ mod tests {
         assert_eq!(triangular_offset(0, &mut rng), 0);
     }
 
+    /// An image whose red channel is a pattern, and a mask equal to that channel (as a mask file, or as
+    /// the alpha channel): after any crop, resize and flip the mask still
+    /// equals the red channel (and so moves with the image).
+    #[test]
+    fn the_mask_is_cropped_resized_and_flipped_with_its_image() {
+        use rand::SeedableRng;
+        let dir = tempfile::tempdir().unwrap();
+        let red = |x: u32, y: u32| ((x * 7 + y * 13) % 256) as u8;
+        let (w, h) = (96u32, 64u32);
+        let rgb = RgbImage::from_fn(w, h, |x, y| image::Rgb([red(x, y), 40, 200]));
+        let img = dir.path().join("a.png");
+        rgb.save(&img).unwrap();
+        GrayImage::from_fn(w, h, |x, y| image::Luma([red(x, y)]))
+            .save(dir.path().join("a-masklabel.png"))
+            .unwrap();
+        let rgba =
+            image::RgbaImage::from_fn(w, h, |x, y| image::Rgba([red(x, y), 40, 200, red(x, y)]));
+        let alpha_img = dir.path().join("b.png");
+        rgba.save(&alpha_img).unwrap();
+        let check = |im: &TrainImage| {
+            let mask = im.mask.as_ref().expect("a mask");
+            let reds: Vec<u8> = im.pixels.chunks_exact(3).map(|p| p[0]).collect();
+            assert_eq!(mask, &reds, "{}", im.path.display());
+            let flipped = crate::data::augment::hflip(im);
+            let reds: Vec<u8> = flipped.pixels.chunks_exact(3).map(|p| p[0]).collect();
+            assert_eq!(flipped.mask.as_ref().unwrap(), &reds);
+        };
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        for (path, source) in [(&img, MaskSource::File), (&alpha_img, MaskSource::Alpha)] {
+            for (target, jitter) in [
+                ((32, 32), 0.0),
+                ((40, 24), 0.0),
+                ((32, 32), 0.2),
+                ((24, 40), 0.1),
+            ] {
+                let im = load_with_mask(path, target, jitter, &mut rng, u64::MAX, Some(source));
+                check(&im.unwrap());
+            }
+        }
+        // No mask file, masks on: no mask (the whole image trains); masks off: none read.
+        std::fs::copy(&img, dir.path().join("c.png")).unwrap();
+        let im = load_with_mask(
+            &dir.path().join("c.png"),
+            (32, 32),
+            0.0,
+            &mut rng,
+            u64::MAX,
+            Some(MaskSource::File),
+        );
+        assert_eq!(im.unwrap().mask, None);
+        assert_eq!(
+            load_image_limited(&img, (32, 32), u64::MAX).unwrap().mask,
+            None
+        );
+    }
+
+    /// A mask of another size is resized to its image's; an unreadable one is an error naming it.
+    #[test]
+    fn a_mask_file_is_resized_or_refused_by_name() {
+        use rand::SeedableRng;
+        let dir = tempfile::tempdir().unwrap();
+        let img = dir.path().join("a.png");
+        RgbImage::from_pixel(64, 64, image::Rgb([1, 2, 3]))
+            .save(&img)
+            .unwrap();
+        let mask = dir.path().join("a-masklabel.png");
+        // an RGB mask: the channels are averaged (30 + 60 + 91 = 181 → 60.33 → 60)
+        RgbImage::from_pixel(16, 16, image::Rgb([30, 60, 91]))
+            .save(&mask)
+            .unwrap();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(0);
+        let im = load_with_mask(
+            &img,
+            (32, 32),
+            0.0,
+            &mut rng,
+            u64::MAX,
+            Some(MaskSource::File),
+        )
+        .unwrap();
+        assert_eq!(im.mask.unwrap(), vec![60u8; 32 * 32]);
+        std::fs::write(&mask, b"not a png").unwrap();
+        let err = load_with_mask(
+            &img,
+            (32, 32),
+            0.0,
+            &mut rng,
+            u64::MAX,
+            Some(MaskSource::File),
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("a-masklabel.png"), "{err}");
+    }
+
     #[test]
     fn zero_target_is_rejected() {
         let err = load_image_to(Path::new("x.png"), (0, 64)).unwrap_err();

@@ -147,7 +147,8 @@ pub fn sample_rngs(seeds: &[u64]) -> Vec<StdRng> {
 }
 
 /// Makes every random draw for `samples`, sample `i` from `rngs[i]` in a fixed order (flip,
-/// caption dropout, tag shuffle, the VAE posterior sample, noise, timestep), and encodes the
+/// caption dropout, tag shuffle, the VAE posterior sample, noise, timestep, and with masked loss
+/// whether the sample ignores its mask), and encodes the
 /// pixels with the VAE or takes the cached posterior: the same draws either way.
 pub fn prepare_batch<R: Rng>(
     sd: &StableDiffusion,
@@ -161,7 +162,6 @@ pub fn prepare_batch<R: Rng>(
     let device = sd.unet.conv_in.weight.device().clone();
     let mut flips = Vec::with_capacity(samples.len());
     let mut captions = Vec::with_capacity(samples.len());
-    let mut keep_masks = Vec::with_capacity(samples.len());
     for (sample, rng) in samples.iter().zip(rngs.iter_mut()) {
         // An image's own flip_p, cond_dropout and shuffle_tags (from its files) win.
         let own = sample.options();
@@ -179,10 +179,6 @@ pub fn prepare_batch<R: Rng>(
         } else {
             caption.to_string()
         });
-        if let Some(p) = settings.unmasked_probability {
-            // One draw per sample while masked loss is on.
-            keep_masks.push(rng.random::<f64>() >= p);
-        }
     }
     let (moments, time_ids, masks) = posterior_moments(sd, samples, &flips, &device)?;
     let posterior = DiagonalGaussian::from_moments(&moments)?;
@@ -196,8 +192,10 @@ pub fn prepare_batch<R: Rng>(
         .detach()
         .to_dtype(settings.compute_dtype)?;
     let mut noised = settings.objective.noise_per_sample(rngs, &latents)?;
-    if settings.unmasked_probability.is_some() {
-        noised.mask = Some(latent_masks(&masks, &keep_masks, (h, w), &device)?);
+    if let Some(p) = settings.unmasked_probability {
+        // One draw per sample, the last, so masks change no other draw.
+        let keep: Vec<bool> = rngs.iter_mut().map(|r| r.random::<f64>() >= p).collect();
+        noised.mask = Some(latent_masks(&masks, &keep, (h, w), &device)?);
     }
     Ok(PreparedBatch {
         noised,
@@ -375,4 +373,41 @@ fn time_ids_row(im: &TrainImage) -> [f32; 6] {
     let (cy, cx) = im.crop_top_left;
     let (th, tw) = im.target_size();
     [oh, ow, cy, cx, th, tw].map(|v| v as f32)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each sample's mask at latent size is the mean of its 8 × 8 blocks over 255 (kohya's
+    /// `interpolate(mode="area")`); a sample without a mask, or drawn to ignore it, weighs 1.
+    #[test]
+    fn latent_masks_average_blocks_and_fill_ones() {
+        // 16 × 8 pixels → 2 × 1 latent: left block has one full pixel in 64, right block half 255
+        let mut m = vec![0u8; 16 * 8];
+        m[0] = 255;
+        for y in 0..8 {
+            for x in 8..16 {
+                m[y * 16 + x] = if x % 2 == 0 { 255 } else { 0 };
+            }
+        }
+        let masks = [
+            (Some(m.clone()), (8, 16)),
+            (None, (8, 16)),
+            (Some(m), (8, 16)),
+        ];
+        let t = latent_masks(
+            &masks,
+            &[true, true, false],
+            (1, 2),
+            &candle_core::Device::Cpu,
+        )
+        .unwrap();
+        assert_eq!(t.dims(), &[3, 1, 1, 2]);
+        let v: Vec<f32> = t.flatten_all().unwrap().to_vec1().unwrap();
+        assert_eq!(v, [1.0 / 64.0, 0.5, 1.0, 1.0, 1.0, 1.0]);
+        // a mask that does not reduce to the latent is an error, not a panic
+        let odd = [(Some(vec![0u8; 12 * 8]), (8, 12))];
+        assert!(latent_masks(&odd, &[true], (1, 2), &candle_core::Device::Cpu).is_err());
+    }
 }
