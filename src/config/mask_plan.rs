@@ -80,3 +80,49 @@ pub(super) fn resolve_mask(
         )?,
     }))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::Path;
+
+    fn resolve(json: serde_json::Value) -> Result<Option<MaskPlan>, ConfigError> {
+        let file: TrainFile = serde_json::from_value(json).unwrap();
+        resolve_mask(&file, &Ctx::new(Path::new("train.json")))
+    }
+
+    #[test]
+    fn both_peers_names_resolve_and_contradictions_are_refused() {
+        use serde_json::json;
+        assert_eq!(resolve(json!({})).unwrap(), None);
+        let kohya = resolve(json!({"masked_loss": true})).unwrap().unwrap();
+        let ot = resolve(json!({"masked_training": true, "masked_loss": true}));
+        assert_eq!(ot.unwrap().unwrap(), kohya);
+        assert_eq!(kohya.source, MaskSource::File);
+        assert_eq!(kohya.weighting.unmasked_weight, 0.0);
+        let alpha = resolve(json!({"alpha_mask": true, "unmasked_weight": 0.1}));
+        let alpha = alpha.unwrap().unwrap();
+        assert_eq!(
+            (alpha.source, alpha.weighting.unmasked_weight),
+            (MaskSource::Alpha, 0.1)
+        );
+        for (bad, key) in [
+            (
+                json!({"masked_loss": true, "masked_training": false}),
+                "masked_training",
+            ),
+            (json!({"unmasked_weight": 0.5}), "unmasked_weight"),
+            (
+                json!({"normalize_masked_area_loss": true}),
+                "normalize_masked_area_loss",
+            ),
+            (
+                json!({"masked_loss": true, "unmasked_probability": 2.0}),
+                "unmasked_probability",
+            ),
+        ] {
+            let err = resolve(bad).unwrap_err().to_string();
+            assert!(err.contains(key), "{err}");
+        }
+    }
+}
