@@ -123,6 +123,7 @@ fn main() -> ExitCode {
     let settings = DecodeSettings {
         crop_jitter: DEFAULT_CROP_JITTER,
         max_pixels: DEFAULT_MAX_PIXELS,
+        masks: None,
     };
     let images: usize = jobs.iter().map(Vec::len).sum();
     let t1 = Instant::now();

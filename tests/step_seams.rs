@@ -142,6 +142,7 @@ fn settings<'a>(m: &'a Model, ck: Option<&'a Checkpointing>) -> StepSettings<'a>
         compute_dtype: DType::F32,
         checkpointing: ck,
         text_cache: None,
+        unmasked_probability: None,
     }
 }
 

@@ -9,6 +9,7 @@ use serde::Serialize;
 
 use super::ctx::Ctx;
 use super::error::ConfigError;
+use super::mask_plan::{resolve_mask, MaskPlan};
 use super::train_file::TrainFile;
 use crate::diffusion::loss::{HuberSchedule, HuberScheduleKind, LossType};
 
@@ -24,6 +25,8 @@ pub struct LossPlan {
     pub loss_type: LossType,
     /// kohya's `debiased_estimation_loss`.
     pub debiased_estimation: bool,
+    /// Masked loss, when on.
+    pub mask: Option<MaskPlan>,
 }
 
 pub(super) fn resolve_loss(file: &TrainFile, ctx: &Ctx<'_>) -> Result<LossPlan, ConfigError> {
@@ -72,6 +75,7 @@ pub(super) fn resolve_loss(file: &TrainFile, ctx: &Ctx<'_>) -> Result<LossPlan, 
     Ok(LossPlan {
         loss_type,
         debiased_estimation: file.debiased_estimation_loss.unwrap_or(false),
+        mask: resolve_mask(file, ctx)?,
     })
 }
 

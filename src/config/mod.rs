@@ -11,6 +11,7 @@ mod data_plan;
 mod ema_plan;
 mod error;
 mod loss_plan;
+mod mask_plan;
 mod model_plan;
 mod objective_plan;
 mod optimizer_file;
@@ -35,6 +36,7 @@ pub use data_plan::{
 pub use ema_plan::{EmaDecay, EmaDevice, EmaPlan, DEFAULT_EMA_UPDATE_INTERVAL};
 pub use error::{ConfigError, UnsupportedKey};
 pub use loss_plan::LossPlan;
+pub use mask_plan::MaskPlan;
 pub use model_plan::{ModelFilePlan, SaveFormat};
 pub use objective_plan::ObjectivePlan;
 pub use optimizer_file::{FreezingFile, GroupFile, OptimizerFile, DEFAULT_OPTIMIZER_JSON};

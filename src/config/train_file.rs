@@ -194,6 +194,24 @@ pub struct TrainFile {
     /// kohya's debiased estimation loss weighting.
     #[serde(default)]
     pub debiased_estimation_loss: Option<bool>,
+    /// Masked loss from `<stem>-masklabel.png` beside each image: kohya's name …
+    #[serde(default)]
+    pub masked_loss: Option<bool>,
+    /// … and OneTrainer's.
+    #[serde(default)]
+    pub masked_training: Option<bool>,
+    /// kohya: masked loss with the images' alpha channels as the masks.
+    #[serde(default)]
+    pub alpha_mask: Option<bool>,
+    /// OneTrainer: the floor of the mask, in [0, 1].
+    #[serde(default)]
+    pub unmasked_weight: Option<f64>,
+    /// OneTrainer: the chance a sample trains on the whole image, in [0, 1].
+    #[serde(default)]
+    pub unmasked_probability: Option<f64>,
+    /// OneTrainer: divide each sample's loss by its mask's mean.
+    #[serde(default)]
+    pub normalize_masked_area_loss: Option<bool>,
     /// kohya's input perturbation strength …
     #[serde(default)]
     pub ip_noise_gamma: Option<f64>,

@@ -4,7 +4,8 @@
 //! replays exactly. [`flip_p`] and [`cond_dropout`] draw exactly one value per call whatever the
 //! probability, so the number of draws does not depend on the config.
 //!
-//! - [`flip_p`]: horizontal flip with probability `p` (ED2's `RandomHorizontalFlip(p)`). For SDXL
+//! - [`flip_p`]: horizontal flip with probability `p` (ED2's `RandomHorizontalFlip(p)`), of the
+//!   pixels and the loss mask alike. For SDXL
 //!   the crop's left edge is mirrored in the resized image: `left' = resized_w − left − width`
 //!   (kohya's `resized_w − crop_right`).
 //! - [`cond_dropout`]: with probability `p` the caption becomes `""`; ED2 tokenizes `" "`, which
@@ -42,6 +43,11 @@ pub fn hflip(image: &TrainImage) -> TrainImage {
             pixels.extend_from_slice(px);
         }
     }
+    let mask = image.mask.as_ref().map(|m| {
+        m.chunks_exact(image.width.max(1))
+            .flat_map(|row| row.iter().rev().copied())
+            .collect()
+    });
     let (top, left) = image.crop_top_left;
     let resized_w = image.resized_size.1;
     let mirrored_left = resized_w.saturating_sub(left + image.width);
@@ -56,6 +62,7 @@ pub fn hflip(image: &TrainImage) -> TrainImage {
         path: image.path.clone(),
         multiplier: image.multiplier,
         options: image.options.clone(),
+        mask,
     }
 }
 
@@ -141,6 +148,7 @@ mod tests {
             path: PathBuf::from("i.png"),
             multiplier: 1.0,
             options: Default::default(),
+            mask: None,
         }
     }
 

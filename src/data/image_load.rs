@@ -20,8 +20,11 @@
 use std::path::{Path, PathBuf};
 
 use image::imageops::FilterType;
-use image::{DynamicImage, ImageDecoder, ImageFormat, ImageReader, RgbImage};
+use image::{
+    DynamicImage, GrayImage, ImageBuffer, ImageDecoder, ImageFormat, ImageReader, Pixel, RgbImage,
+};
 
+use super::mask::{read_mask_file, MaskSource};
 use super::truncation::{truncated_container, truncated_jpeg};
 use super::DataError;
 
@@ -52,6 +55,9 @@ pub struct TrainImage {
     pub multiplier: f64,
     /// The image's own settings (per-image `flip_p`, `cond_dropout`, tag shuffling).
     pub options: std::sync::Arc<super::ItemOptions>,
+    /// The loss mask, `height × width` row-major, 255 full weight, cropped, resized and flipped
+    /// with the pixels: when masked loss is on and the image has one ([`super::mask`]).
+    pub mask: Option<Vec<u8>>,
 }
 
 impl TrainImage {
@@ -78,22 +84,9 @@ pub fn load_image_limited(
     target: (usize, usize),
     max_pixels: u64,
 ) -> Result<TrainImage, DataError> {
-    let (target_w, target_h) = target;
-    let rgb = decode_for(path, target, max_pixels)?;
-    let crop = resize_and_crop(&rgb, target_w, target_h);
-    Ok(train_image(path, &rgb, crop))
-}
-
-/// `path` decoded for a crop to `target`, which must have both sides.
-fn decode_for(
-    path: &Path,
-    (width, height): (usize, usize),
-    max_pixels: u64,
-) -> Result<RgbImage, DataError> {
-    if width == 0 || height == 0 {
-        return Err(DataError::InvalidSize { width, height });
-    }
-    decode_rgb_limited(path, max_pixels)
+    // No jitter: the generator is not drawn from.
+    let mut no_draws = <rand::rngs::StdRng as rand::SeedableRng>::seed_from_u64(0);
+    load_with_mask(path, target, 0.0, &mut no_draws, max_pixels, None)
 }
 
 /// The training image of `path` from its decoded `rgb` and the crop made of it (the pixels, the
@@ -114,6 +107,7 @@ fn train_image(
         path: path.to_path_buf(),
         multiplier: 1.0,
         options: Default::default(),
+        mask: None,
     }
 }
 
@@ -126,13 +120,69 @@ pub fn load_image_jittered(
     rng: &mut impl rand::Rng,
     max_pixels: u64,
 ) -> Result<TrainImage, DataError> {
-    if jitter <= 0.0 {
-        return load_image_limited(path, target, max_pixels);
-    }
+    load_with_mask(path, target, jitter, rng, max_pixels, None)
+}
+
+/// [`load_image_jittered`] with the image's loss mask from `masks` (none when `None`), which
+/// goes through exactly the image's crop and resize.
+pub fn load_with_mask(
+    path: &Path,
+    target: (usize, usize),
+    jitter: f64,
+    rng: &mut impl rand::Rng,
+    max_pixels: u64,
+    masks: Option<MaskSource>,
+) -> Result<TrainImage, DataError> {
     let (target_w, target_h) = target;
-    let rgb = decode_for(path, target, max_pixels)?;
-    let crop = jittered_crop(&rgb, target_w, target_h, jitter, rng);
-    Ok(train_image(path, &rgb, crop))
+    let (rgb, mask) = decode_with_mask(path, target, max_pixels, masks)?;
+    let (crop, mask) = if jitter <= 0.0 {
+        let crop = resize_and_crop(&rgb, target_w, target_h);
+        let mask = mask.map(|m| resize_and_crop(&m, target_w, target_h).0);
+        (crop, mask)
+    } else {
+        let (w, h) = (rgb.width() as usize, rgb.height() as usize);
+        let window = jitter_window((w, h), target, jitter, rng);
+        let crop = crop_window(&rgb, window, target);
+        let mask = mask.map(|m| crop_window(&m, window, target).0);
+        (crop, mask)
+    };
+    let mut image = train_image(path, &rgb, crop);
+    image.mask = mask.map(GrayImage::into_raw);
+    Ok(image)
+}
+
+/// The image's pixels and, when masks are on, its mask at the same size (`None` for an image with
+/// no mask file).
+fn decode_with_mask(
+    path: &Path,
+    target: (usize, usize),
+    max_pixels: u64,
+    masks: Option<MaskSource>,
+) -> Result<(RgbImage, Option<GrayImage>), DataError> {
+    if target.0 == 0 || target.1 == 0 {
+        return Err(DataError::InvalidSize {
+            width: target.0,
+            height: target.1,
+        });
+    }
+    match masks {
+        None => Ok((decode_rgb_limited(path, max_pixels)?, None)),
+        Some(MaskSource::File) => {
+            let rgb = decode_rgb_limited(path, max_pixels)?;
+            let mask = read_mask_file(path, rgb.dimensions(), max_pixels, RESIZE_FILTER)?;
+            Ok((rgb, mask))
+        }
+        Some(MaskSource::Alpha) => {
+            let rgba = decode_oriented(path, max_pixels)?.into_rgba8();
+            let (w, h) = rgba.dimensions();
+            let rgb = RgbImage::from_fn(w, h, |x, y| {
+                let [r, g, b, _] = rgba.get_pixel(x, y).0;
+                image::Rgb([r, g, b])
+            });
+            let alpha = GrayImage::from_fn(w, h, |x, y| image::Luma([rgba.get_pixel(x, y).0[3]]));
+            Ok((rgb, Some(alpha)))
+        }
+    }
 }
 
 /// EveryDream2's random crop (`ImageTrainItem.hydrate`): up to `jitter · min(w, h)` pixels, each
@@ -148,7 +198,24 @@ pub fn jittered_crop(
     jitter: f64,
     rng: &mut impl rand::Rng,
 ) -> (RgbImage, (usize, usize), (usize, usize)) {
-    let (w, h) = (image.width() as usize, image.height() as usize);
+    let size = (image.width() as usize, image.height() as usize);
+    let window = jitter_window(size, (target_w, target_h), jitter, rng);
+    crop_window(image, window, (target_w, target_h))
+}
+
+/// A crop: the pixels, the resized `(height, width)` and the crop's `(top, left)` in it.
+pub type Cropped<P> = (ImageBuffer<P, Vec<u8>>, (usize, usize), (usize, usize));
+
+/// A crop window `(left, top, width, height)` in an image's pixels.
+type Window = (usize, usize, usize, usize);
+
+/// The window [`jittered_crop`] cuts from a `(w, h)` image for `target` (all the draws).
+fn jitter_window(
+    (w, h): (usize, usize),
+    (target_w, target_h): (usize, usize),
+    jitter: f64,
+    rng: &mut impl rand::Rng,
+) -> Window {
     let excess = ((w as f64 - target_w as f64) / target_w as f64)
         .min((h as f64 - target_h as f64) / target_h as f64);
     // At most a quarter of the short side per edge, so a window is always left.
@@ -169,6 +236,16 @@ pub fn jittered_crop(
         top += triangular_offset(bh - keep, rng);
         bh = keep;
     }
+    (left, top, bw, bh)
+}
+
+/// `window` of `image` resized to `target`, with the SDXL resized size and crop corner.
+fn crop_window<P: Pixel<Subpixel = u8> + 'static>(
+    image: &ImageBuffer<P, Vec<u8>>,
+    (left, top, bw, bh): Window,
+    (target_w, target_h): (usize, usize),
+) -> Cropped<P> {
+    let (w, h) = (image.width() as usize, image.height() as usize);
     let window =
         image::imageops::crop_imm(image, left as u32, top as u32, bw as u32, bh as u32).to_image();
     let out = image::imageops::resize(&window, target_w as u32, target_h as u32, RESIZE_FILTER);
@@ -198,6 +275,15 @@ pub fn decode_rgb(path: &Path) -> Result<RgbImage, DataError> {
 /// [`decode_rgb`], refusing a truncated JPEG (which the decoder would fill with grey) and, from
 /// its header alone, an image of more than `max_pixels` pixels.
 pub fn decode_rgb_limited(path: &Path, max_pixels: u64) -> Result<RgbImage, DataError> {
+    Ok(match decode_oriented(path, max_pixels)? {
+        DynamicImage::ImageRgb8(rgb) => rgb,
+        other => other.to_rgb8(),
+    })
+}
+
+/// `path` decoded with [`decode_rgb_limited`]'s checks and its EXIF orientation applied, in its
+/// own colour type.
+fn decode_oriented(path: &Path, max_pixels: u64) -> Result<DynamicImage, DataError> {
     let fail = |reason: String| DataError::Decode {
         path: path.to_path_buf(),
         reason,
@@ -211,10 +297,7 @@ pub fn decode_rgb_limited(path: &Path, max_pixels: u64) -> Result<RgbImage, Data
     let mut image = DynamicImage::from_decoder(decoder)
         .map_err(|e| fail(format!("corrupt or truncated image: {e}")))?;
     image.apply_orientation(orientation);
-    Ok(match image {
-        DynamicImage::ImageRgb8(rgb) => rgb,
-        other => other.to_rgb8(),
-    })
+    Ok(image)
 }
 
 /// The upright `(width, height)` of `path` from its header alone (EXIF rotations by 90° swap the
@@ -297,11 +380,11 @@ pub fn cover_size(src: (usize, usize), target: (usize, usize)) -> (usize, usize)
 
 /// Resizes `image` to [`cover_size`] and cuts out the centred `target_w × target_h` window.
 /// Returns the crop, the resized `(height, width)` and the crop's `(top, left)`.
-pub fn resize_and_crop(
-    image: &RgbImage,
+pub fn resize_and_crop<P: Pixel<Subpixel = u8> + 'static>(
+    image: &ImageBuffer<P, Vec<u8>>,
     target_w: usize,
     target_h: usize,
-) -> (RgbImage, (usize, usize), (usize, usize)) {
+) -> Cropped<P> {
     let src = (image.width() as usize, image.height() as usize);
     let (rw, rh) = cover_size(src, (target_w, target_h));
     let resized = if (rw, rh) == src {
@@ -402,6 +485,100 @@ mod tests {
         let central = draws.iter().filter(|&&d| (25..75).contains(&d)).count();
         assert!(central > 2800, "{central}"); // 75% of a triangle's mass lies in its middle half
         assert_eq!(triangular_offset(0, &mut rng), 0);
+    }
+
+    /// An image whose red channel is a pattern, and a mask equal to that channel (as a mask file, or as
+    /// the alpha channel): after any crop, resize and flip the mask still
+    /// equals the red channel (and so moves with the image).
+    #[test]
+    fn the_mask_is_cropped_resized_and_flipped_with_its_image() {
+        use rand::SeedableRng;
+        let dir = tempfile::tempdir().unwrap();
+        let red = |x: u32, y: u32| ((x * 7 + y * 13) % 256) as u8;
+        let (w, h) = (96u32, 64u32);
+        let rgb = RgbImage::from_fn(w, h, |x, y| image::Rgb([red(x, y), 40, 200]));
+        let img = dir.path().join("a.png");
+        rgb.save(&img).unwrap();
+        GrayImage::from_fn(w, h, |x, y| image::Luma([red(x, y)]))
+            .save(dir.path().join("a-masklabel.png"))
+            .unwrap();
+        let rgba =
+            image::RgbaImage::from_fn(w, h, |x, y| image::Rgba([red(x, y), 40, 200, red(x, y)]));
+        let alpha_img = dir.path().join("b.png");
+        rgba.save(&alpha_img).unwrap();
+        let check = |im: &TrainImage| {
+            let mask = im.mask.as_ref().expect("a mask");
+            let reds: Vec<u8> = im.pixels.chunks_exact(3).map(|p| p[0]).collect();
+            assert_eq!(mask, &reds, "{}", im.path.display());
+            let flipped = crate::data::augment::hflip(im);
+            let reds: Vec<u8> = flipped.pixels.chunks_exact(3).map(|p| p[0]).collect();
+            assert_eq!(flipped.mask.as_ref().unwrap(), &reds);
+        };
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        for (path, source) in [(&img, MaskSource::File), (&alpha_img, MaskSource::Alpha)] {
+            for (target, jitter) in [
+                ((32, 32), 0.0),
+                ((40, 24), 0.0),
+                ((32, 32), 0.2),
+                ((24, 40), 0.1),
+            ] {
+                let im = load_with_mask(path, target, jitter, &mut rng, u64::MAX, Some(source));
+                check(&im.unwrap());
+            }
+        }
+        // No mask file, masks on: no mask (the whole image trains); masks off: none read.
+        std::fs::copy(&img, dir.path().join("c.png")).unwrap();
+        let im = load_with_mask(
+            &dir.path().join("c.png"),
+            (32, 32),
+            0.0,
+            &mut rng,
+            u64::MAX,
+            Some(MaskSource::File),
+        );
+        assert_eq!(im.unwrap().mask, None);
+        assert_eq!(
+            load_image_limited(&img, (32, 32), u64::MAX).unwrap().mask,
+            None
+        );
+    }
+
+    /// A mask of another size is resized to its image's; an unreadable one is an error naming it.
+    #[test]
+    fn a_mask_file_is_resized_or_refused_by_name() {
+        use rand::SeedableRng;
+        let dir = tempfile::tempdir().unwrap();
+        let img = dir.path().join("a.png");
+        RgbImage::from_pixel(64, 64, image::Rgb([1, 2, 3]))
+            .save(&img)
+            .unwrap();
+        let mask = dir.path().join("a-masklabel.png");
+        // an RGB mask: the channels are averaged (30 + 60 + 91 = 181 → 60.33 → 60)
+        RgbImage::from_pixel(16, 16, image::Rgb([30, 60, 91]))
+            .save(&mask)
+            .unwrap();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(0);
+        let im = load_with_mask(
+            &img,
+            (32, 32),
+            0.0,
+            &mut rng,
+            u64::MAX,
+            Some(MaskSource::File),
+        )
+        .unwrap();
+        assert_eq!(im.mask.unwrap(), vec![60u8; 32 * 32]);
+        std::fs::write(&mask, b"not a png").unwrap();
+        let err = load_with_mask(
+            &img,
+            (32, 32),
+            0.0,
+            &mut rng,
+            u64::MAX,
+            Some(MaskSource::File),
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("a-masklabel.png"), "{err}");
     }
 
     #[test]

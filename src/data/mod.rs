@@ -36,7 +36,7 @@ pub use dataset::{
 pub use epoch_plan::{epoch_batches, EpochBatches, MicroBatch};
 pub use image_load::{
     cover_size, jittered_crop, load_image, load_image_jittered, load_image_limited, load_image_to,
-    probe_image, resize_and_crop, TrainImage, DEFAULT_MAX_PIXELS,
+    load_with_mask, probe_image, resize_and_crop, TrainImage, DEFAULT_MAX_PIXELS,
 };
 pub use scan::{scan, ImageRecord, IMAGE_EXTENSIONS};
 pub use tag_shuffle::ItemOptions;

@@ -21,7 +21,8 @@ use rayon::prelude::*;
 
 use super::bucket::Bucket;
 use super::dataset::ImageMeta;
-use super::image_load::{load_image_jittered, TrainImage};
+use super::image_load::{load_with_mask, TrainImage};
+use super::mask::MaskSource;
 use super::DataError;
 use crate::error_chain::chain_text;
 
@@ -42,6 +43,8 @@ pub struct DecodeSettings {
     /// EveryDream2's `crop_jitter`; 0 centres the crop.
     pub crop_jitter: f64,
     pub max_pixels: u64,
+    /// Where the loss masks come from, when masked loss is on.
+    pub masks: Option<MaskSource>,
 }
 
 /// A decoded sample, or the file and why it failed.
@@ -51,12 +54,13 @@ pub type Decoded = Result<TrainImage, (PathBuf, String)>;
 pub fn decode_sample(item: &ImageMeta, job: &SampleJob, settings: &DecodeSettings) -> Decoded {
     let mut rng = StdRng::seed_from_u64(job.seed ^ CROP_STREAM);
     let target = (job.bucket.width, job.bucket.height);
-    match load_image_jittered(
+    match load_with_mask(
         &item.path,
         target,
         settings.crop_jitter,
         &mut rng,
         settings.max_pixels,
+        settings.masks,
     ) {
         Ok(mut image) => {
             image.caption = item.caption.clone();
@@ -169,6 +173,7 @@ mod tests {
         let settings = DecodeSettings {
             crop_jitter: 0.0,
             max_pixels: u64::MAX,
+            masks: None,
         };
         let mut p = Prefetcher::spawn(items.clone(), steps.clone(), settings, 1);
         for jobs in &steps {
@@ -197,6 +202,7 @@ mod tests {
         let settings = DecodeSettings {
             crop_jitter: 0.1,
             max_pixels: u64::MAX,
+            masks: None,
         };
         let steps = vec![vec![job(0), job(1)]; 50];
         let mut p = Prefetcher::spawn(items.clone(), steps, settings, 2);
@@ -215,6 +221,7 @@ mod tests {
         let settings = DecodeSettings {
             crop_jitter: 0.2,
             max_pixels: u64::MAX,
+            masks: None,
         };
         let job = SampleJob {
             item: 2,

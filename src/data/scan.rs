@@ -4,7 +4,8 @@
 //! `Dataset.from_path`/`__local_cfg`):
 //! - The walk is recursive; files and folders whose name starts with `.` are skipped.
 //! - Images are recognised by extension, case-insensitively: jpg, jpeg, png, webp, bmp, and jfif
-//!   (ED2's list; JFIF is JPEG).
+//!   (ED2's list; JFIF is JPEG). A `<stem>-masklabel.png` is the loss mask of `<stem>`'s image
+//!   (OneTrainer's convention, [`super::mask`]) and never a training image, masked loss on or off.
 //! - `multiply.txt` in a folder holds a number (it may be fractional) that applies to the images
 //!   directly in that folder only: it is a "local" setting in ED2, not inherited by subfolders.
 //!   How a fractional multiplier is honoured each epoch is [`super::pick_multiplied`]'s job.
@@ -140,7 +141,11 @@ impl Walk {
         let global = image_config::folder_global(dir, &file_names, parent_global)?;
         let local = image_config::folder_local(dir, &file_names)?;
         let folder = global.merge(&local);
-        for image in files.iter().filter(|path| is_image(path)) {
+        // A `-masklabel.png` is the loss mask of the image beside it, never a training image.
+        let images = files
+            .iter()
+            .filter(|path| is_image(path) && !super::mask::is_mask_file(path));
+        for image in images {
             let cfg = folder.merge(&image_sidecars(dir, image, &file_names)?);
             let multiplier = cfg.multiply.unwrap_or(1.0);
             if multiplier == 0.0 {

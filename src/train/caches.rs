@@ -114,6 +114,7 @@ fn latents(
         dir: dir.clone(),
         max_pixels: data.max_image_pixels,
         batch,
+        masks: plan.objective.loss.mask.map(|m| m.source),
     };
     let (store, stats) = latent_cache::build(sd, &spec, device).context("caching latents")?;
     feed.use_latents(store);

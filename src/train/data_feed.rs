@@ -15,6 +15,7 @@ use super::latent_cache::LatentStore;
 use super::step::{step_seeds, SampleData};
 use crate::config::{BucketPlan, DataPlan};
 use crate::data::epoch_plan::{bucket_counts, epoch_batches_rated, BucketCount};
+use crate::data::mask::MaskSource;
 use crate::data::prefetch::{DecodeSettings, Prefetcher, SampleJob};
 use crate::data::rated::RatedSchedule;
 use crate::data::{
@@ -137,6 +138,7 @@ impl DataFeed {
         data: &DataPlan,
         batch_size: usize,
         grad_accum: usize,
+        masks: Option<MaskSource>,
     ) -> Self {
         let items: Arc<[ImageMeta]> = dataset.items.clone().into();
         Self {
@@ -148,6 +150,7 @@ impl DataFeed {
             decode: DecodeSettings {
                 crop_jitter: data.crop_jitter,
                 max_pixels: data.max_image_pixels,
+                masks,
             },
             latents: None,
             prefetch: None,

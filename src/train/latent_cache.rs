@@ -8,8 +8,9 @@
 //!   would (to the rounding of encoding images one batch or another).
 //! - On disk, each image is one safetensors file in `<output_dir>/latent_cache/`, shared by the
 //!   runs of that folder. Its name is a hash of the key: the image file's content (SHA-256),
-//!   the bucket, the crop, whether the flip is included, and the VAE's identity (a SHA-256 of its
-//!   weight files and config, and the dtype it encodes in). A changed image, bucket or VAE makes
+//!   the bucket, the crop, whether the flip is included, the VAE's identity (a SHA-256 of its
+//!   weight files and config, and the dtype it encodes in) and, with masked loss on, the mask's
+//!   source and content (the cropped mask is kept in the entry, `[h, w]` u8). A changed image, bucket or VAE makes
 //!   another name, so nothing stale is served; the file also stores the key, checked on load.
 //!   Files are written to a temporary name and renamed. The cache's files are read back one step
 //!   at a time, so memory holds a few steps of latents, not the dataset.
@@ -26,7 +27,8 @@ use candle_core::{DType, Device, Tensor};
 use rayon::prelude::*;
 use sha2::{Digest, Sha256};
 
-use crate::data::{augment, load_image_limited, Bucket, ImageMeta, ItemOptions, TrainImage};
+use crate::data::mask::MaskSource;
+use crate::data::{augment, load_with_mask, Bucket, ImageMeta, ItemOptions, TrainImage};
 use crate::error_chain::External;
 use crate::model::files::ComponentSource;
 use crate::model::pipeline::StableDiffusion;
@@ -121,6 +123,9 @@ pub struct CacheSpec<'a> {
     pub max_pixels: u64,
     /// Images encoded per VAE call.
     pub batch: usize,
+    /// Where the loss masks come from, when masked loss is on: each entry keeps its image's
+    /// cropped mask (the flipped variant mirrors it).
+    pub masks: Option<MaskSource>,
 }
 
 /// The VAE's identity for cache keys: a SHA-256 of its config and weight files, and the dtype
@@ -171,17 +176,34 @@ fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// The cache key of one image: see the module header.
+/// The cache key of one image: see the module header. With masks on, the key also names the
+/// mask's source and, for a mask file, its content (or its absence), so an entry made without
+/// masks, or with another mask, is not served.
 pub fn entry_key(
     image: &Path,
     bucket: Bucket,
     with_flip: bool,
     vae_id: &str,
+    masks: Option<MaskSource>,
 ) -> anyhow::Result<String> {
     let mut h = Sha256::new();
     hash_file(&mut h, image)?;
+    let mask = match masks {
+        None => String::new(),
+        Some(MaskSource::Alpha) => "|mask alpha".to_string(),
+        Some(MaskSource::File) => {
+            let path = crate::data::mask::mask_path(image);
+            if path.is_file() {
+                let mut m = Sha256::new();
+                hash_file(&mut m, &path)?;
+                format!("|mask file {}", hex(&m.finalize()))
+            } else {
+                "|mask file none".to_string()
+            }
+        }
+    };
     Ok(format!(
-        "{FORMAT}|image {}|bucket {bucket}|crop centre|flip {with_flip}|vae {vae_id}",
+        "{FORMAT}|image {}|bucket {bucket}|crop centre|flip {with_flip}|vae {vae_id}{mask}",
         hex(&h.finalize())
     ))
 }
@@ -217,7 +239,7 @@ pub fn build(
                 .par_iter()
                 .zip(spec.buckets.par_iter())
                 .map(|(item, &bucket)| {
-                    let key = entry_key(&item.path, bucket, spec.with_flip, &vae_id)?;
+                    let key = entry_key(&item.path, bucket, spec.with_flip, &vae_id, spec.masks)?;
                     let path = entry_path(dir, &key);
                     Ok((key, path))
                 })
@@ -263,10 +285,16 @@ fn encode_items(
                 .par_iter()
                 .map(|&i| {
                     let item = &spec.items[i];
-                    let mut im = load_image_limited(
+                    // The centre crop: no draws.
+                    let mut rng = <rand::rngs::StdRng as rand::SeedableRng>::seed_from_u64(0);
+                    let target = (bucket.width, bucket.height);
+                    let mut im = load_with_mask(
                         &item.path,
-                        (bucket.width, bucket.height),
+                        target,
+                        0.0,
+                        &mut rng,
                         spec.max_pixels,
+                        spec.masks,
                     )?;
                     im.caption = item.caption.clone();
                     im.multiplier = item.multiplier;
@@ -335,6 +363,10 @@ fn write_entry(path: &Path, key: &str, latent: &CachedLatent) -> anyhow::Result<
     if let Some(f) = &latent.flipped {
         tensors.push(("moments_flipped".to_string(), f.clone()));
     }
+    if let Some(m) = &g.mask {
+        let mask = Tensor::from_vec(m.clone(), (g.height, g.width), &Device::Cpu)?;
+        tensors.push(("mask".to_string(), mask));
+    }
     let tmp = path.with_extension("safetensors.partial");
     candle_core::safetensors::save(&tensors.iter().cloned().collect::<HashMap<_, _>>(), &tmp)
         .map_err(External)
@@ -383,6 +415,18 @@ fn read_entry(path: &Path) -> anyhow::Result<(CachedLatent, String)> {
         .cloned()
         .with_context(|| format!("{}: no `moments` tensor", path.display()))?;
     let (width, height) = pair("size")?;
+    let mask = match tensors.get("mask") {
+        Some(m) if m.dims() == [height, width] && m.dtype() == DType::U8 => {
+            Some(m.flatten_all()?.to_vec1::<u8>()?)
+        }
+        Some(m) => bail!(
+            "{}: its mask is {:?} {:?}, not {height}×{width} u8",
+            path.display(),
+            m.dtype(),
+            m.dims()
+        ),
+        None => None,
+    };
     let geometry = TrainImage {
         pixels: Vec::new(),
         width,
@@ -394,6 +438,7 @@ fn read_entry(path: &Path) -> anyhow::Result<(CachedLatent, String)> {
         path: PathBuf::from(field("path")?),
         multiplier: 1.0,
         options: Default::default(),
+        mask,
     };
     let latent = CachedLatent {
         geometry,
@@ -420,6 +465,7 @@ mod tests {
                 path: PathBuf::from(path),
                 multiplier: 1.0,
                 options: Default::default(),
+                mask: Some((0..128).collect()),
             },
             moments: Tensor::arange(0f32, 8.0 * 4.0, &Device::Cpu)
                 .unwrap()
@@ -445,8 +491,14 @@ mod tests {
         let b: Vec<f32> = l.moments.flatten_all().unwrap().to_vec1().unwrap();
         assert_eq!(a, b);
         // the flipped variant mirrors the crop
+        assert_eq!(back.geometry.mask, l.geometry.mask);
         let (_, g) = back.variant(true).unwrap();
         assert_eq!(g.crop_top_left, (0, 0)); // 13 − 2 − 16, saturated
+                                             // and mirrors the mask: row 0 of the 16-wide mask is 0..16, reversed
+        assert_eq!(
+            g.mask.as_ref().unwrap()[..16],
+            (0..16).rev().collect::<Vec<u8>>()
+        );
         assert!(!path.with_extension("safetensors.partial").exists());
     }
 
@@ -467,16 +519,22 @@ mod tests {
         let img = dir.path().join("a.png");
         std::fs::write(&img, b"first").unwrap();
         let b = Bucket::new(64, 64);
-        let k = entry_key(&img, b, false, "vae1").unwrap();
-        assert_eq!(k, entry_key(&img, b, false, "vae1").unwrap());
-        assert_ne!(
-            k,
-            entry_key(&img, Bucket::new(72, 56), false, "vae1").unwrap()
-        );
-        assert_ne!(k, entry_key(&img, b, true, "vae1").unwrap());
-        assert_ne!(k, entry_key(&img, b, false, "vae2").unwrap());
+        let key = |b, flip, vae: &str| entry_key(&img, b, flip, vae, None).unwrap();
+        let k = key(b, false, "vae1");
+        assert_eq!(k, key(b, false, "vae1"));
+        assert_ne!(k, key(Bucket::new(72, 56), false, "vae1"));
+        assert_ne!(k, key(b, true, "vae1"));
+        assert_ne!(k, key(b, false, "vae2"));
+        // masks on: another key, which follows the mask file's content
+        let masked = |m| entry_key(&img, b, false, "vae1", Some(m)).unwrap();
+        let (none, alpha) = (masked(MaskSource::File), masked(MaskSource::Alpha));
+        assert!(k != none && k != alpha && none != alpha);
+        std::fs::write(dir.path().join("a-masklabel.png"), b"m1").unwrap();
+        let m1 = masked(MaskSource::File);
+        std::fs::write(dir.path().join("a-masklabel.png"), b"m2").unwrap();
+        assert!(m1 != none && m1 != masked(MaskSource::File));
         std::fs::write(&img, b"second").unwrap();
-        assert_ne!(k, entry_key(&img, b, false, "vae1").unwrap());
+        assert_ne!(k, key(b, false, "vae1"));
         assert_ne!(entry_path(dir.path(), "x"), entry_path(dir.path(), "y"));
     }
 }

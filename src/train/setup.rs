@@ -338,7 +338,15 @@ fn load_data(
         );
     }
     let buckets = data_feed::assign(&dataset.items, &bucket_list);
-    let feed = DataFeed::new(dataset, buckets, data, plan.batch_size, plan.grad_accum);
+    let masks = plan.objective.loss.mask.map(|m| m.source);
+    let feed = DataFeed::new(
+        dataset,
+        buckets,
+        data,
+        plan.batch_size,
+        plan.grad_accum,
+        masks,
+    );
     if data.buckets.is_some() {
         let list: Vec<String> = feed
             .bucket_counts()
@@ -523,8 +531,10 @@ pub(super) fn build_objective(plan: &TrainPlan, layout: &ModelLayout) -> anyhow:
         loss_type: o.loss.loss_type,
         min_snr_gamma: o.min_snr_gamma,
         debiased_estimation: o.loss.debiased_estimation,
-        // No loss masks are loaded yet: the weighting is unused.
-        mask: LossConfig::mse().mask,
+        mask: match o.loss.mask {
+            Some(m) => m.weighting,
+            None => LossConfig::mse().mask,
+        },
     };
     Ok(Objective::new(
         schedule,
@@ -551,7 +561,8 @@ fn hold_out_validation(
     let Some(v) = &plan.data.validation else {
         return Ok(None);
     };
-    let val = Validation::setup(v, dataset, data_seed, buckets, plan.data.max_image_pixels)?;
+    let mut val = Validation::setup(v, dataset, data_seed, buckets, plan.data.max_image_pixels)?;
+    val.masks = plan.objective.loss.mask.map(|m| m.source);
     let sets: Vec<String> = val
         .sets
         .iter()

@@ -53,6 +53,9 @@ pub struct StepSettings<'a> {
     pub checkpointing: Option<&'a Checkpointing>,
     /// Cached caption encodings, when the text encoders were released.
     pub text_cache: Option<&'a TextCache>,
+    /// `Some` when masked loss is on: the chance a sample ignores its mask (OneTrainer's
+    /// `unmasked_probability`), one draw per sample.
+    pub unmasked_probability: Option<f64>,
 }
 
 /// What one training sample brings to a step: decoded pixels, or its cached VAE posterior.
@@ -144,7 +147,8 @@ pub fn sample_rngs(seeds: &[u64]) -> Vec<StdRng> {
 }
 
 /// Makes every random draw for `samples`, sample `i` from `rngs[i]` in a fixed order (flip,
-/// caption dropout, tag shuffle, the VAE posterior sample, noise, timestep), and encodes the
+/// caption dropout, tag shuffle, the VAE posterior sample, noise, timestep, and with masked loss
+/// whether the sample ignores its mask), and encodes the
 /// pixels with the VAE or takes the cached posterior: the same draws either way.
 pub fn prepare_batch<R: Rng>(
     sd: &StableDiffusion,
@@ -176,7 +180,7 @@ pub fn prepare_batch<R: Rng>(
             caption.to_string()
         });
     }
-    let (moments, time_ids) = posterior_moments(sd, samples, &flips, &device)?;
+    let (moments, time_ids, masks) = posterior_moments(sd, samples, &flips, &device)?;
     let posterior = DiagonalGaussian::from_moments(&moments)?;
     let (_, c, h, w) = posterior.mean.dims4()?;
     let eps = rngs
@@ -187,7 +191,12 @@ pub fn prepare_batch<R: Rng>(
     let latents = scale_latents(sd, &posterior.sample_with_noise(&eps)?)?
         .detach()
         .to_dtype(settings.compute_dtype)?;
-    let noised = settings.objective.noise_per_sample(rngs, &latents)?;
+    let mut noised = settings.objective.noise_per_sample(rngs, &latents)?;
+    if let Some(p) = settings.unmasked_probability {
+        // One draw per sample, the last, so masks change no other draw.
+        let keep: Vec<bool> = rngs.iter_mut().map(|r| r.random::<f64>() >= p).collect();
+        noised.mask = Some(latent_masks(&masks, &keep, (h, w), &device)?);
+    }
     Ok(PreparedBatch {
         noised,
         captions,
@@ -200,17 +209,57 @@ fn scale_latents(sd: &StableDiffusion, z: &Tensor) -> candle_core::Result<Tensor
     crate::model::vae::scale_latents_with(&sd.vae_config, z)
 }
 
+/// One sample's loss mask as drawn (flipped with its image): `height × width` bytes and the
+/// image's `(height, width)`, or `None` for an image without one.
+type PixelMask = (Option<Vec<u8>>, (usize, usize));
+
+/// The loss masks `[B, 1, h, w]` f32 at latent size `(h, w)`: each sample's mask as a fraction
+/// of 255, area-downsampled by the VAE factor; all ones for a sample without a mask or whose
+/// draw (`keep[i]` false) trains it unmasked.
+pub fn latent_masks(
+    masks: &[PixelMask],
+    keep: &[bool],
+    (h, w): (usize, usize),
+    device: &candle_core::Device,
+) -> anyhow::Result<Tensor> {
+    let mut out = Vec::with_capacity(masks.len() * h * w);
+    for ((mask, (ih, iw)), &keep) in masks.iter().zip(keep) {
+        match mask {
+            Some(m) if keep => {
+                let f = ih / h.max(1);
+                let down = (f * h == *ih && f * w == *iw)
+                    .then(|| {
+                        crate::data::mask::area_downsample(
+                            &crate::data::mask::to_unit(m),
+                            (*ih, *iw),
+                            f,
+                        )
+                    })
+                    .flatten()
+                    .with_context(|| {
+                        format!("a {iw}×{ih} loss mask does not reduce to the {w}×{h} latent")
+                    })?;
+                out.extend(down);
+            }
+            _ => out.extend(std::iter::repeat_n(1f32, h * w)),
+        }
+    }
+    Ok(Tensor::from_vec(out, (masks.len(), 1, h, w), device)?)
+}
+
 /// The posterior moments `[B, 2·latent, h, w]` of the (flipped where `flips` says) samples on
-/// `device`, and their SDXL `time_ids`: from the VAE for pixels, from the cache for latents.
+/// `device`, their SDXL `time_ids` and their loss masks: from the VAE for pixels, from the cache
+/// for latents.
 fn posterior_moments(
     sd: &StableDiffusion,
     samples: &[&SampleData],
     flips: &[bool],
     device: &candle_core::Device,
-) -> anyhow::Result<(Tensor, Vec<[f32; 6]>)> {
+) -> anyhow::Result<(Tensor, Vec<[f32; 6]>, Vec<PixelMask>)> {
     let mut pixels: Vec<std::borrow::Cow<'_, TrainImage>> = Vec::new();
     let mut cached = Vec::new();
     let mut time_ids = Vec::with_capacity(samples.len());
+    let mut masks = Vec::with_capacity(samples.len());
     for (sample, &flip) in samples.iter().zip(flips) {
         match sample {
             SampleData::Pixels(im) => {
@@ -220,11 +269,13 @@ fn posterior_moments(
                     std::borrow::Cow::Borrowed(im)
                 };
                 time_ids.push(time_ids_row(&im));
+                masks.push((im.mask.clone(), (im.height, im.width)));
                 pixels.push(im);
             }
             SampleData::Latent(l) => {
                 let (moments, geometry) = l.variant(flip)?;
                 time_ids.push(time_ids_row(&geometry));
+                masks.push((geometry.mask, (geometry.height, geometry.width)));
                 cached.push(moments.unsqueeze(0)?);
             }
         }
@@ -239,7 +290,7 @@ fn posterior_moments(
         (true, false) => Tensor::cat(&cached, 0)?.to_device(device)?,
         _ => anyhow::bail!("a micro-batch mixes cached latents and pixels"),
     };
-    Ok((moments, time_ids))
+    Ok((moments, time_ids, masks))
 }
 
 /// The forward pass for one prepared micro-batch: text conditioning → UNet → the (min-SNR
@@ -322,4 +373,41 @@ fn time_ids_row(im: &TrainImage) -> [f32; 6] {
     let (cy, cx) = im.crop_top_left;
     let (th, tw) = im.target_size();
     [oh, ow, cy, cx, th, tw].map(|v| v as f32)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each sample's mask at latent size is the mean of its 8 × 8 blocks over 255 (kohya's
+    /// `interpolate(mode="area")`); a sample without a mask, or drawn to ignore it, weighs 1.
+    #[test]
+    fn latent_masks_average_blocks_and_fill_ones() {
+        // 16 × 8 pixels → 2 × 1 latent: left block has one full pixel in 64, right block half 255
+        let mut m = vec![0u8; 16 * 8];
+        m[0] = 255;
+        for y in 0..8 {
+            for x in 8..16 {
+                m[y * 16 + x] = if x % 2 == 0 { 255 } else { 0 };
+            }
+        }
+        let masks = [
+            (Some(m.clone()), (8, 16)),
+            (None, (8, 16)),
+            (Some(m), (8, 16)),
+        ];
+        let t = latent_masks(
+            &masks,
+            &[true, true, false],
+            (1, 2),
+            &candle_core::Device::Cpu,
+        )
+        .unwrap();
+        assert_eq!(t.dims(), &[3, 1, 1, 2]);
+        let v: Vec<f32> = t.flatten_all().unwrap().to_vec1().unwrap();
+        assert_eq!(v, [1.0 / 64.0, 0.5, 1.0, 1.0, 1.0, 1.0]);
+        // a mask that does not reduce to the latent is an error, not a panic
+        let odd = [(Some(vec![0u8; 12 * 8]), (8, 12))];
+        assert!(latent_masks(&odd, &[true], (1, 2), &candle_core::Device::Cpu).is_err());
+    }
 }

@@ -82,6 +82,7 @@ impl Model {
             compute_dtype: self.amp.compute_dtype(),
             checkpointing: self.checkpointing.as_ref(),
             text_cache: self.text_cache.as_ref(),
+            unmasked_probability: plan.objective.loss.mask.map(|m| m.unmasked_probability),
         }
     }
 

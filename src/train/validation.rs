@@ -26,8 +26,9 @@ use super::data_feed;
 use super::latent_cache::{self, CacheSpec, LatentStore};
 use super::step::{forward_loss, prepare_batch, sample_rngs, step_seeds, SampleData, StepSettings};
 use crate::config::{SplitRule, ValidationPlan, ValidationWhen};
+use crate::data::mask::MaskSource;
 use crate::data::py_random::PyRandom;
-use crate::data::{load_data_root_limited, load_image_limited, Bucket, ImageMeta, LoadedDataset};
+use crate::data::{load_data_root_limited, load_with_mask, Bucket, ImageMeta, LoadedDataset};
 use crate::model::pipeline::StableDiffusion;
 
 /// Mixed into the run's seed for everything validation draws.
@@ -59,6 +60,9 @@ pub struct Validation {
     first: Vec<Option<f64>>,
     /// The validation micro-batch, when the plan fixes one.
     pub batch_size: Option<usize>,
+    /// Where the loss masks come from, when masked loss is on: validation losses are masked as
+    /// training's are.
+    pub masks: Option<MaskSource>,
 }
 
 /// Where a step is in its epoch, for [`Validation::due`].
@@ -210,6 +214,7 @@ impl Validation {
             before_training: plan.before_training,
             relative: plan.relative,
             batch_size: plan.batch_size,
+            masks: None,
         })
     }
 
@@ -249,6 +254,7 @@ impl Validation {
                 dir: dir.clone(),
                 max_pixels: self.max_pixels,
                 batch,
+                masks: self.masks,
             };
             set.latents = Some(latent_cache::build(sd, &spec, device)?.0);
         }
@@ -270,6 +276,8 @@ impl Validation {
             cond_dropout: 0.0,
             shuffle_tags: false,
             train_text_encoder: false,
+            // Every validation sample keeps its mask.
+            unmasked_probability: settings.unmasked_probability.map(|_| 0.0),
             ..*settings
         };
         let micro = self.batch_size.unwrap_or(micro);
@@ -278,7 +286,7 @@ impl Validation {
             .map(|set| {
                 Ok((
                     set.name.clone(),
-                    set.loss(sd, &fixed, micro, self.max_pixels)?,
+                    set.loss(sd, &fixed, micro, (self.max_pixels, self.masks))?,
                 ))
             })
             .collect()
@@ -318,13 +326,20 @@ pub fn ed2_validation_steps(every: f64, epoch: usize, steps_in_epoch: usize) -> 
 
 impl ValSet {
     /// Sample `i` as the step takes it: from the cache, or decoded and centre-cropped.
-    fn sample(&self, i: usize, max_pixels: u64) -> anyhow::Result<SampleData> {
+    fn sample(
+        &self,
+        i: usize,
+        (max_pixels, masks): (u64, Option<MaskSource>),
+    ) -> anyhow::Result<SampleData> {
         if let Some(store) = &self.latents {
             return Ok(SampleData::Latent(store.get(i)?));
         }
         let item = &self.items[i];
         let b = self.buckets[i];
-        let mut image = load_image_limited(&item.path, (b.width, b.height), max_pixels)
+        // A centre crop: no draws.
+        let mut rng = <rand::rngs::StdRng as rand::SeedableRng>::seed_from_u64(0);
+        let target = (b.width, b.height);
+        let mut image = load_with_mask(&item.path, target, 0.0, &mut rng, max_pixels, masks)
             .with_context(|| format!("validation image {}", item.path.display()))?;
         image.caption = item.caption.clone();
         Ok(SampleData::Pixels(image))
@@ -337,7 +352,7 @@ impl ValSet {
         sd: &StableDiffusion,
         fixed: &StepSettings<'_>,
         micro: usize,
-        max_pixels: u64,
+        decode: (u64, Option<MaskSource>),
     ) -> anyhow::Result<f64> {
         let mut sum = 0.0;
         let mut by_bucket: Vec<(Bucket, Vec<usize>)> = Vec::new();
@@ -353,7 +368,7 @@ impl ValSet {
         for ids in chunks {
             let images = ids
                 .iter()
-                .map(|&i| self.sample(i, max_pixels))
+                .map(|&i| self.sample(i, decode))
                 .collect::<anyhow::Result<Vec<_>>>()?;
             let seeds: Vec<u64> = ids.iter().map(|&i| self.seeds[i]).collect();
             let refs: Vec<&SampleData> = images.iter().collect();
