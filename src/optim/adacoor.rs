@@ -45,6 +45,12 @@ impl UpdateRule for AdaCoor {
     }
 
     fn init(&self, var: &Var) -> candle_core::Result<Box<dyn ParamState>> {
+        #[cfg(feature = "cuda")]
+        if let Some(state) =
+            super::adaptive_cuda::on_cuda(var, super::adaptive_args::AdaCoorKernel(self.hyper))?
+        {
+            return Ok(state);
+        }
         Ok(Box::new(State {
             eps: self.hyper.eps,
             v: Tensor::zeros(var.shape(), DType::BF16, var.device())?,

@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaFunction, CudaSlice, CudaStream, CudaView, LaunchConfig, PushKernelArg,
+    CudaFunction, CudaSlice, CudaStream, CudaView, LaunchArgs, LaunchConfig, PushKernelArg,
 };
 use candle_core::cuda_backend::{DeviceId, WrapErr};
 use candle_core::{
@@ -120,6 +120,32 @@ impl CudaMoment {
     }
 }
 
+/// A compiled kernel file: its PTX (from build.rs) and the module name candle caches it under.
+pub struct KernelFile {
+    pub ptx: &'static str,
+    pub module: &'static str,
+}
+
+/// src/optim/kernels.cu.
+pub const OPTIM_KERNELS: KernelFile = KernelFile {
+    ptx: PTX,
+    module: MODULE,
+};
+
+/// The buffers a launch passes after the parameter and its gradient, in the entry point's order.
+pub trait StateArgs {
+    fn push<'a>(&'a mut self, b: &mut LaunchArgs<'a>);
+}
+
+/// A launch's shape and arguments other than the parameter, its gradient and the state.
+pub struct KernelCall<'a> {
+    pub file: &'a KernelFile,
+    /// The entry point without its dtype suffix.
+    pub entry: &'a str,
+    pub grid: u32,
+    pub scalars: &'a [f32],
+}
+
 /// Updates `var` in place from `grad` with entry point `kernel` (without its `_q8`/`_f32` and
 /// dtype suffixes) over `moments` (all of one kind) and the f32 `scalars`, in kernels.cu's
 /// argument order.
@@ -134,22 +160,65 @@ pub fn update(
     if moments.iter().any(|m| m.is_q8() != q8) {
         bail!("{kernel}: moments of different kinds");
     }
+    let entry = launch::entry(kernel, q8);
+    let call = KernelCall {
+        file: &OPTIM_KERNELS,
+        entry: &entry,
+        grid: launch::grid(var.elem_count(), q8),
+        scalars,
+    };
+    let maps = moments.iter().find_map(|m| match &m.data {
+        Data::Q8 { maps, .. } => Some(maps.clone()),
+        Data::F32(_) => None,
+    });
+    launch_in_place(var, grad, &call, &mut MomentArgs { moments, maps })
+}
+
+/// Launches `call` on `var`'s own storage (f32, bf16 or f16; the entry point's dtype suffix is
+/// the parameter's), with `grad` as f32 and `state` after it, `THREADS` threads per block.
+pub fn launch_in_place(
+    var: &Var,
+    grad: &Tensor,
+    call: &KernelCall,
+    state: &mut dyn StateArgs,
+) -> Result<()> {
     let grad = grad.detach().to_dtype(DType::F32)?.contiguous()?;
     let op = Launch {
-        entry: launch::entry(kernel, q8),
-        q8,
-        moments: RefCell::new(moments),
-        scalars,
+        call,
+        state: RefCell::new(state),
     };
     var.inplace_op2(&grad, &op)
 }
 
+/// The moments of kernels.cu's entry points, then the dynamic maps for 8-bit ones.
+struct MomentArgs<'m, 'n> {
+    moments: &'m mut [&'n mut CudaMoment],
+    maps: Option<Arc<CudaSlice<f32>>>,
+}
+
+impl StateArgs for MomentArgs<'_, '_> {
+    fn push<'a>(&'a mut self, b: &mut LaunchArgs<'a>) {
+        for m in self.moments.iter_mut() {
+            match &mut m.data {
+                Data::F32(v) => {
+                    b.arg(v);
+                }
+                Data::Q8 { codes, absmax, .. } => {
+                    b.arg(codes);
+                    b.arg(absmax);
+                }
+            }
+        }
+        if let Some(m) = &self.maps {
+            b.arg(m.as_ref());
+        }
+    }
+}
+
 /// The in-place op that launches one kernel on the parameter's storage.
-struct Launch<'a, 'b> {
-    entry: String,
-    q8: bool,
-    moments: RefCell<&'a mut [&'b mut CudaMoment]>,
-    scalars: &'a [f32],
+struct Launch<'a, 's> {
+    call: &'a KernelCall<'a>,
+    state: RefCell<&'a mut (dyn StateArgs + 's)>,
 }
 
 impl InplaceOp2 for Launch<'_, '_> {
@@ -158,7 +227,7 @@ impl InplaceOp2 for Launch<'_, '_> {
     }
 
     fn cpu_fwd(&self, _: &mut CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> Result<()> {
-        bail!("{}: the CUDA kernel got a CPU tensor", self.entry)
+        bail!("{}: the CUDA kernel got a CPU tensor", self.call.entry)
     }
 
     fn cuda_fwd(
@@ -168,15 +237,16 @@ impl InplaceOp2 for Launch<'_, '_> {
         g: &CudaStorage,
         gl: &Layout,
     ) -> Result<()> {
+        let entry = self.call.entry;
         let (Some((p0, p1)), Some((g0, g1))) = (pl.contiguous_offsets(), gl.contiguous_offsets())
         else {
-            bail!("{}: the parameter is not contiguous", self.entry);
+            bail!("{entry}: the parameter is not contiguous");
         };
         let n = p1 - p0;
         if g1 - g0 != n {
-            bail!("{}: gradient of {} values for {n}", self.entry, g1 - g0);
+            bail!("{entry}: gradient of {} values for {n}", g1 - g0);
         }
-        let mut moments = self.moments.borrow_mut();
+        let mut state = self.state.borrow_mut();
         if n == 0 {
             return Ok(());
         }
@@ -185,15 +255,16 @@ impl InplaceOp2 for Launch<'_, '_> {
             DType::F32 => "f32",
             DType::BF16 => "bf16",
             DType::F16 => "f16",
-            other => bail!("{}: no kernel for {other:?} parameters", self.entry),
+            other => bail!("{entry}: no kernel for {other:?} parameters"),
         };
+        let file = self.call.file;
         let func = dev
-            .get_or_load_custom_func(&format!("{}_{suffix}", self.entry), MODULE, PTX)?
+            .get_or_load_custom_func(&format!("{entry}_{suffix}"), file.module, file.ptx)?
             .into_cuda_function();
         let stream = dev.cuda_stream();
         let g = g.as_cuda_slice::<f32>()?.slice(g0..g1);
         let cfg = LaunchConfig {
-            grid_dim: (launch::grid(n, self.q8), 1, 1),
+            grid_dim: (self.call.grid, 1, 1),
             block_dim: (launch::THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
@@ -202,13 +273,13 @@ impl InplaceOp2 for Launch<'_, '_> {
             func: &func,
             g: &g,
             n: n as u64,
-            scalars: self.scalars,
+            scalars: self.call.scalars,
             cfg,
         };
         match p.dtype() {
-            DType::F32 => args.launch(p.as_cuda_slice_mut::<f32>()?, p0..p1, &mut moments),
-            DType::BF16 => args.launch(p.as_cuda_slice_mut::<half::bf16>()?, p0..p1, &mut moments),
-            _ => args.launch(p.as_cuda_slice_mut::<half::f16>()?, p0..p1, &mut moments),
+            DType::F32 => args.launch(p.as_cuda_slice_mut::<f32>()?, p0..p1, &mut **state),
+            DType::BF16 => args.launch(p.as_cuda_slice_mut::<half::bf16>()?, p0..p1, &mut **state),
+            _ => args.launch(p.as_cuda_slice_mut::<half::f16>()?, p0..p1, &mut **state),
         }
     }
 }
@@ -228,37 +299,20 @@ impl Args<'_> {
         &self,
         p: &mut CudaSlice<P>,
         range: std::ops::Range<usize>,
-        moments: &mut [&mut CudaMoment],
+        state: &mut dyn StateArgs,
     ) -> Result<()> {
-        let maps = moments.iter().find_map(|m| match &m.data {
-            Data::Q8 { maps, .. } => Some(maps.clone()),
-            Data::F32(_) => None,
-        });
         let mut p = p.slice_mut(range);
         let mut b = self.stream.launch_builder(self.func);
         b.arg(&mut p);
         b.arg(self.g);
-        for m in moments.iter_mut() {
-            match &mut m.data {
-                Data::F32(v) => {
-                    b.arg(v);
-                }
-                Data::Q8 { codes, absmax, .. } => {
-                    b.arg(codes);
-                    b.arg(absmax);
-                }
-            }
-        }
-        if let Some(m) = &maps {
-            b.arg(m.as_ref());
-        }
+        state.push(&mut b);
         for s in self.scalars {
             b.arg(s);
         }
         b.arg(&self.n);
-        // SAFETY: the arguments match the entry point's signature in kernels.cu (launch.rs gives
-        // the order), every buffer holds `n` values (or a block count of absmax) on this device,
-        // and the grid covers exactly `n` elements.
+        // SAFETY: the arguments match the entry point's signature in its .cu file (launch.rs and
+        // adaptive_args.rs give the order), every state buffer holds `n` values (or a block count
+        // of absmax or sums) on this device, and the grid-stride loops stop at `n`.
         unsafe { b.launch(self.cfg) }.w()?;
         Ok(())
     }

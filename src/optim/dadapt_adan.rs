@@ -89,6 +89,12 @@ impl UpdateRule for DAdaptAdan {
     }
 
     fn init(&self, var: &Var) -> candle_core::Result<Box<dyn ParamState>> {
+        #[cfg(feature = "cuda")]
+        if let Some(state) =
+            super::adaptive_cuda::on_cuda(var, super::adaptive_args::DAdaptAdanKernel(self.hyper))?
+        {
+            return Ok(state);
+        }
         Ok(Box::new(State {
             hyper: self.hyper,
             s: dense::zeros(var)?,

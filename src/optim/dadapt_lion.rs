@@ -69,6 +69,12 @@ impl UpdateRule for DAdaptLion {
     }
 
     fn init(&self, var: &Var) -> candle_core::Result<Box<dyn ParamState>> {
+        #[cfg(feature = "cuda")]
+        if let Some(state) =
+            super::adaptive_cuda::on_cuda(var, super::adaptive_args::DAdaptLionKernel(self.hyper))?
+        {
+            return Ok(state);
+        }
         Ok(Box::new(State {
             hyper: self.hyper,
             m: dense::zeros(var)?,

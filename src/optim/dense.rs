@@ -1,7 +1,8 @@
 //! Whole-tensor f32 arithmetic for the optimizers written with tensor ops (the step-size
-//! estimators: Prodigy, D-Adaptation, DoWG, AdaCoor), on whatever device the parameter lives:
-//! the parameter read as f32, written back in its own dtype, and the scalar reductions their
-//! estimates take.
+//! estimators: Prodigy, D-Adaptation, DoWG, AdaCoor): the parameter read as f32, written back in
+//! its own dtype, and the scalar reductions their estimates take. This is their CPU path and the
+//! reference of their fused CUDA kernels (src/optim/adaptive.cu, which a CUDA parameter takes
+//! instead); it runs on any device candle has.
 
 use candle_core::{DType, Result, Tensor, Var};
 

@@ -77,6 +77,13 @@ impl UpdateRule for CoordinateDowg {
     }
 
     fn init(&self, var: &Var) -> candle_core::Result<Box<dyn ParamState>> {
+        #[cfg(feature = "cuda")]
+        if let Some(state) = super::adaptive_cuda::on_cuda(
+            var,
+            super::adaptive_args::CoordinateDowgKernel(self.hyper),
+        )? {
+            return Ok(state);
+        }
         Ok(Box::new(CoordinateState {
             hyper: self.hyper,
             x0: dense::zeros(var)?,
@@ -157,6 +164,12 @@ impl UpdateRule for ScalarDowg {
     }
 
     fn init(&self, var: &Var) -> candle_core::Result<Box<dyn ParamState>> {
+        #[cfg(feature = "cuda")]
+        if let Some(state) =
+            super::adaptive_cuda::on_cuda(var, super::adaptive_args::ScalarDowgKernel(self.hyper))?
+        {
+            return Ok(state);
+        }
         Ok(Box::new(ScalarState {
             clip: self.hyper.clip,
             x0: dense::zeros(var)?,

@@ -28,26 +28,10 @@
 #include <cuda_fp16.h>
 #endif
 
+#include "param_access.cuh"
+
 // Elements per quantization block, and threads per CUDA block.
 #define QBLOCK 256
-
-typedef unsigned char u8;
-typedef unsigned long long u64;
-
-// ---------------------------------------------------------------- parameter loads and stores
-
-__device__ __forceinline__ float load_p(const float* p, u64 i) { return p[i]; }
-__device__ __forceinline__ void store_p(float* p, u64 i, float x) { p[i] = x; }
-#ifndef SDTRAIN_EMULATE
-__device__ __forceinline__ float load_p(const __nv_bfloat16* p, u64 i) {
-  return __bfloat162float(p[i]);
-}
-__device__ __forceinline__ void store_p(__nv_bfloat16* p, u64 i, float x) {
-  p[i] = __float2bfloat16_rn(x);
-}
-__device__ __forceinline__ float load_p(const __half* p, u64 i) { return __half2float(p[i]); }
-__device__ __forceinline__ void store_p(__half* p, u64 i, float x) { p[i] = __float2half_rn(x); }
-#endif
 
 // ---------------------------------------------------------------- quantization
 
@@ -109,10 +93,6 @@ __device__ __forceinline__ u8 requantize(const float* code, bool is_signed, floa
 // Copies a 256-entry map into shared memory (one entry per thread; the caller synchronizes).
 __device__ __forceinline__ void load_map(const float* map, float* code) {
   code[threadIdx.x] = map[threadIdx.x];
-}
-
-__device__ __forceinline__ float sign_of(float x) {
-  return x > 0.0f ? 1.0f : (x < 0.0f ? -1.0f : 0.0f);
 }
 
 // ---------------------------------------------------------------- AdamW (torch semantics)

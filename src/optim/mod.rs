@@ -28,6 +28,11 @@ pub mod adafactor;
 pub mod adafactor_device;
 pub mod adamw;
 pub mod adamw8bit;
+pub mod adaptive_args;
+#[cfg(feature = "cuda")]
+mod adaptive_cuda;
+#[cfg(test)]
+mod adaptive_emu_tests;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod dadapt_adam;

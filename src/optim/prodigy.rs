@@ -68,7 +68,8 @@ impl Default for ProdigyParams {
 }
 
 impl ProdigyParams {
-    fn beta3(&self) -> f64 {
+    /// β3, √β2 unless given.
+    pub fn beta3(&self) -> f64 {
         self.beta3.unwrap_or_else(|| self.beta2.sqrt())
     }
 }
@@ -100,6 +101,12 @@ impl UpdateRule for Prodigy {
     }
 
     fn init(&self, var: &Var) -> candle_core::Result<Box<dyn ParamState>> {
+        #[cfg(feature = "cuda")]
+        if let Some(state) =
+            super::adaptive_cuda::on_cuda(var, super::adaptive_args::ProdigyKernel(self.hyper))?
+        {
+            return Ok(state);
+        }
         Ok(Box::new(State {
             hyper: self.hyper,
             m: if self.hyper.beta1 > 0.0 {

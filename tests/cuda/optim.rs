@@ -1,20 +1,22 @@
-//! The optimizers' CUDA kernels (src/optim/kernels.cu) against the host kernels: every optimizer,
-//! f32 and bf16 parameters, a tensor with 8-bit state (ragged last block) and one with f32 state.
-//! Then the state file crosses devices: CUDA state saved and resumed on the CPU continues as the
-//! CUDA run does.
+//! The optimizers' CUDA kernels (src/optim/kernels.cu, src/optim/adaptive.cu) against the CPU
+//! path: every optimizer, f32 and bf16 parameters, a tensor with 8-bit state (ragged last block)
+//! and one with f32 state. Then the state file crosses devices: CUDA state saved and resumed on
+//! the CPU continues as the CUDA run does.
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 use sdtrain::optim::{
-    Adafactor, AdafactorParams, AdamW, AdamW8bit, AdamWParams, GroupOptimizer, Lion, LionParams,
-    Optimizer, UpdateRule,
+    AdaCoor, AdaCoorParams, Adafactor, AdafactorParams, AdamW, AdamW8bit, AdamWParams,
+    CoordinateDowg, DAdaptAdam, DAdaptAdamParams, DAdaptAdan, DAdaptAdanParams, DAdaptLion,
+    DAdaptLionParams, DAdaptSgd, DAdaptSgdParams, DowgParams, GroupOptimizer, Lion, LionParams,
+    Optimizer, Prodigy, ProdigyParams, ScalarDowg, UpdateRule,
 };
 
 use super::common;
 
 type MakeRule = fn() -> Box<dyn UpdateRule>;
 
-fn rules() -> [(&'static str, MakeRule); 5] {
+fn rules() -> [(&'static str, MakeRule); 14] {
     const ADAM: AdamWParams = AdamWParams {
         lr: 1e-2,
         beta1: 0.9,
@@ -39,6 +41,69 @@ fn rules() -> [(&'static str, MakeRule); 5] {
                 ..AdafactorParams::default()
             };
             Box::new(Adafactor::rule(p).unwrap())
+        }),
+        // The fused kernels of src/optim/adaptive.cu.
+        ("prodigy", || {
+            let p = ProdigyParams {
+                weight_decay: 0.1,
+                use_bias_correction: true,
+                safeguard_warmup: true,
+                d0: 1e-4,
+                ..ProdigyParams::default()
+            };
+            Box::new(Prodigy::rule(p).unwrap())
+        }),
+        ("prodigy β1=0", || {
+            let p = ProdigyParams {
+                beta1: 0.0,
+                weight_decay: 0.1,
+                decouple: false,
+                d0: 1e-4,
+                ..ProdigyParams::default()
+            };
+            Box::new(Prodigy::rule(p).unwrap())
+        }),
+        ("dadapt_adam", || {
+            let p = DAdaptAdamParams {
+                weight_decay: 0.1,
+                d0: 1e-4,
+                ..DAdaptAdamParams::default()
+            };
+            Box::new(DAdaptAdam::rule(p).unwrap())
+        }),
+        ("dadapt_adan", || {
+            let p = DAdaptAdanParams {
+                weight_decay: 0.1,
+                d0: 1e-4,
+                ..DAdaptAdanParams::default()
+            };
+            Box::new(DAdaptAdan::rule(p).unwrap())
+        }),
+        ("dadapt_lion", || {
+            let p = DAdaptLionParams {
+                weight_decay: 0.1,
+                d0: 1e-4,
+                ..DAdaptLionParams::default()
+            };
+            Box::new(DAdaptLion::rule(p).unwrap())
+        }),
+        ("dadapt_sgd", || {
+            let p = DAdaptSgdParams {
+                momentum: 0.9,
+                weight_decay: 0.01,
+                d0: 1e-4,
+                growth_rate: f64::INFINITY,
+            };
+            Box::new(DAdaptSgd::rule(p).unwrap())
+        }),
+        ("coordinate_dowg", || {
+            Box::new(CoordinateDowg::rule(DowgParams::default()).unwrap())
+        }),
+        ("scalar_dowg", || {
+            Box::new(ScalarDowg::rule(DowgParams::default()).unwrap())
+        }),
+        ("adacoor", || {
+            Box::new(AdaCoor::rule(AdaCoorParams { eps: 1e-8 }).unwrap())
         }),
     ]
 }
