@@ -12,6 +12,7 @@ pub mod cli;
 pub mod config;
 pub mod data;
 pub mod diffusion;
+pub mod dist;
 pub mod error_chain;
 pub mod fsutil;
 pub mod inspect;

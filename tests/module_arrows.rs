@@ -14,7 +14,7 @@
 //! adapter, data, diffusion
 //! model             UNet, text encoders, VAE, loading
 //! nn, optim, memory
-//! weights, tensorboard                          leaves built on the leaves below
+//! weights, tensorboard, dist                    leaves built on the leaves below
 //! fsutil, tensor_view, kernel_emu, precision, run_layout    leaves
 //! ```
 //!
@@ -36,7 +36,7 @@ const LAYERS: &[&[&str]] = &[
     &["adapter", "data", "diffusion"],
     &["model"],
     &["nn", "optim", "memory"],
-    &["weights", "tensorboard"],
+    &["weights", "tensorboard", "dist"],
     &[
         "fsutil",
         "tensor_view",
