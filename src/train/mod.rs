@@ -5,6 +5,9 @@ pub mod adapters;
 mod caches;
 pub mod checkpoint_choice;
 pub mod data_feed;
+pub mod data_parallel;
+#[cfg(test)]
+mod data_parallel_tests;
 pub mod ema;
 mod ema_init;
 mod fused;

@@ -16,6 +16,7 @@ use candle_core::{Device, Tensor, Var};
 
 use super::accumulate::{Accumulated, GradAccumulator};
 use super::data_feed::StepData;
+use super::data_parallel::{agree_micro, reduce_step, RankLink};
 use super::micro_batch::MicroBatching;
 use super::oom::{injected, OutOfMemory};
 use super::oom_policy::{halve_after_oom, retry_once_on_oom};
@@ -39,6 +40,8 @@ pub(super) struct Optimization {
     /// `fused_backward_pass`: each parameter updated as its gradient completes
     /// ([`super::fused`]).
     pub fused: bool,
+    /// Data parallel: this rank's link to the others ([`super::data_parallel`]).
+    pub dist: Option<RankLink>,
 }
 
 /// What one optimizer step did.
@@ -77,17 +80,21 @@ impl Optimization {
         device: &Device,
     ) -> anyhow::Result<StepReport> {
         if self.fused {
+            if self.dist.is_some() {
+                anyhow::bail!("fused_backward_pass does not run data-parallel");
+            }
             return self.step_fused(sd, settings, data, step, clip, device);
         }
         let started = Instant::now();
         self.scaler.begin_step(step);
         let loss_scale = self.scaler.scale();
         let mut micro = self.micro;
+        let shard = self.dist.as_ref().map_or((0, 1), |l| (l.rank(), l.world()));
         let result = accumulate_grads(
             sd,
             settings,
             data,
-            &self.params,
+            (&self.params, shard),
             step,
             &mut micro,
             loss_scale,
@@ -95,7 +102,10 @@ impl Optimization {
         );
         // Kept whether the step succeeded or ran out of memory at batch 1: the save says so.
         self.micro = micro;
-        let (mut done, retries) = result?;
+        let (done, retries) = result?;
+        let mut done = self
+            .combine(done, device)?
+            .ok_or_else(|| anyhow!("optimizer step {} had no micro-batches", step + 1))?;
         let pre_clip = match clip {
             Some(max) => Some(self.clip(&mut done.grads, max)?),
             None => None,
@@ -132,6 +142,30 @@ impl Optimization {
         })
     }
 
+    /// The step's loss and gradients over every rank (this rank's alone without data
+    /// parallel); `None` when no rank had a micro-batch.
+    fn combine(
+        &mut self,
+        done: Option<Accumulated>,
+        device: &Device,
+    ) -> anyhow::Result<Option<Accumulated>> {
+        let Some(link) = self.dist.as_mut() else {
+            return Ok(done);
+        };
+        let mut done = match done {
+            Some(d) => d,
+            None => Accumulated {
+                loss: Tensor::new(0f32, device)?,
+                grads: GradStore::default(),
+                micro_batches: 0,
+                samples: 0,
+            },
+        };
+        reduce_step(link.coll.as_mut(), &self.params, &mut done)?;
+        agree_micro(link.coll.as_mut(), &mut self.micro)?;
+        Ok((done.micro_batches > 0).then_some(done))
+    }
+
     /// EveryDream2's clip_grad_norm: each group clipped to the norm on its own (UNet, text
     /// encoder). Returns the global norm before clipping, which is what the log shows.
     fn clip(&self, grads: &mut GradStore, max: f64) -> anyhow::Result<f64> {
@@ -145,23 +179,24 @@ impl Optimization {
     }
 }
 
-/// Forward and backward over every sample of `data`, `micro.size` at a time within each
-/// micro-batch, halving `micro` on an out-of-memory error and retrying the same samples.
-/// Returns the accumulated loss and gradients, and one line per retry.
+/// Forward and backward over every sample of `data` (this rank's micro-batches of it, with
+/// `shard` = (rank, world)), `micro.size` at a time within each micro-batch, halving `micro` on
+/// an out-of-memory error and retrying the same samples. Returns the accumulated loss and
+/// gradients (`None` when there was nothing to train), and one line per retry.
 #[allow(clippy::too_many_arguments)]
 fn accumulate_grads(
     sd: &StableDiffusion,
     settings: &StepSettings<'_>,
     data: &StepData,
-    params: &[Var],
+    (params, shard): (&[Var], (usize, usize)),
     step: usize,
     micro: &mut MicroBatching,
     loss_scale: f64,
     device: &Device,
-) -> anyhow::Result<(Accumulated, Vec<String>)> {
+) -> anyhow::Result<(Option<Accumulated>, Vec<String>)> {
     let mut acc = GradAccumulator::new(params);
     let mut retries = Vec::new();
-    let mut cursor = SampleCursor::new(&data.micro);
+    let mut cursor = SampleCursor::for_rank(&data.micro, shard.0, shard.1);
     while let Some(chunk) = cursor.peek(micro.size) {
         match train_chunk(sd, settings, data, &chunk, step, loss_scale) {
             Ok((loss, grads)) => {
@@ -171,9 +206,7 @@ fn accumulate_grads(
             Err(e) => retries.push(halve_after_oom(e, micro, device, step, cursor.effective())?),
         }
     }
-    let done = acc.finish(loss_scale)?;
-    done.map(|d| (d, retries))
-        .ok_or_else(|| anyhow!("optimizer step {} had no micro-batches", step + 1))
+    Ok((acc.finish(loss_scale)?, retries))
 }
 
 /// Draws, forward and backward for one chunk of the step's samples, with their own seeds; the

@@ -32,16 +32,28 @@ pub(super) struct SampleCursor<'a> {
     micro_start: usize,
     /// The next sample to train.
     next: usize,
+    /// Data parallel: this rank trains the micro-batches whose index is `rank` modulo `world`.
+    rank: usize,
+    world: usize,
 }
 
 impl<'a> SampleCursor<'a> {
     pub fn new(micro: &'a [MicroBatch]) -> Self {
+        Self::for_rank(micro, 0, 1)
+    }
+
+    /// A cursor over rank `rank`'s share of the step in a data-parallel run of `world` ranks:
+    /// the whole micro-batches whose index is `rank` modulo `world`. Shares stay parts of the
+    /// whole step, so the ranks' gradients add up to the step's.
+    pub fn for_rank(micro: &'a [MicroBatch], rank: usize, world: usize) -> Self {
         let mut cursor = Self {
             micro,
             effective: micro.iter().map(|m| m.ids.len()).sum(),
             micro_batch: 0,
             micro_start: 0,
             next: 0,
+            rank,
+            world: world.max(1),
         };
         cursor.skip_empty();
         cursor
@@ -76,14 +88,16 @@ impl<'a> SampleCursor<'a> {
         self.skip_empty();
     }
 
-    /// Moves past finished (or empty) micro-batches.
+    /// Moves past finished (or empty) micro-batches, and other ranks' ones.
     fn skip_empty(&mut self) {
         while let Some(mb) = self.micro.get(self.micro_batch) {
-            if self.next < self.micro_start + mb.ids.len() {
+            let mine = self.micro_batch % self.world == self.rank;
+            if mine && self.next < self.micro_start + mb.ids.len() {
                 break;
             }
             self.micro_start += mb.ids.len();
             self.micro_batch += 1;
+            self.next = self.next.max(self.micro_start);
         }
     }
 }
@@ -92,6 +106,28 @@ impl<'a> SampleCursor<'a> {
 mod tests {
     use super::*;
     use crate::data::Bucket;
+
+    #[test]
+    fn ranks_take_whole_micro_batches_round_robin_and_cover_the_step_once() {
+        let micro = data(&[(2, 1.0), (3, 1.0), (1, 0.5), (2, 1.0), (2, 1.0)]);
+        let whole = walk(&micro, &mut |_| 2);
+        for world in [2, 3, 4] {
+            let mut all = Vec::new();
+            for rank in 0..world {
+                let mut cursor = SampleCursor::for_rank(&micro, rank, world);
+                while let Some(chunk) = cursor.peek(2) {
+                    let mb = micro
+                        .iter()
+                        .position(|m| m.ids.contains(&chunk.range.start));
+                    assert_eq!(mb.map(|i| i % world), Some(rank), "world {world}");
+                    all.push((chunk.range.clone(), chunk.share));
+                    cursor.advance(&chunk);
+                }
+            }
+            all.sort_by_key(|(r, _)| r.start);
+            assert_eq!(all, whole, "world {world}");
+        }
+    }
 
     fn data(micro: &[(usize, f64)]) -> Vec<MicroBatch> {
         let mut next = 0;

@@ -12,6 +12,7 @@ use candle_core::{DType, Device, Var};
 use super::adapters;
 use super::caches;
 use super::data_feed::{self, DataFeed};
+use super::data_parallel::RankLink;
 use super::ema::Ema;
 use super::interrupt::Interrupt;
 use super::log::RunLog;
@@ -41,6 +42,24 @@ impl<'a> Session<'a> {
     /// attaches adapters, reads the data, builds the optimizer groups and creates the run folder;
     /// then restores a save point and starts EMA, samples and caches.
     pub(super) fn setup(plan: &'a TrainPlan, opts: &'a RunOptions) -> anyhow::Result<Self> {
+        Self::setup_with(plan, opts, None)
+    }
+
+    /// [`Session::setup`] for one rank of a data-parallel run. Rank 0 writes the run's folder
+    /// and logs; every other rank keeps its log in a scratch folder removed at its end.
+    pub(super) fn setup_rank(
+        plan: &'a TrainPlan,
+        opts: &'a RunOptions,
+        link: RankLink,
+    ) -> anyhow::Result<Self> {
+        Self::setup_with(plan, opts, Some(link))
+    }
+
+    fn setup_with(
+        plan: &'a TrainPlan,
+        opts: &'a RunOptions,
+        link: Option<RankLink>,
+    ) -> anyhow::Result<Self> {
         let started = Instant::now();
         // Before anything slow loads: a run that cannot save, or resume, should not start.
         super::run_dir::ensure_output_dir(&plan.output_dir)?;
@@ -66,7 +85,9 @@ impl<'a> Session<'a> {
         let (feed, validation) = load_data(plan, &model, data_seed, opts.show_progress)?;
         let steps_per_epoch = feed.steps_in(&feed.epoch(data_seed, 0));
         let total_steps = plan.total_steps(|e| feed.steps_in(&feed.epoch(data_seed, e)));
-        let opt = optimization(plan, &mut model, total_steps, data_seed, &opts.device)?;
+        let mut opt = optimization(plan, &mut model, total_steps, data_seed, &opts.device)?;
+        let follower = link.as_ref().filter(|l| !l.leads()).map(RankLink::rank);
+        opt.dist = link;
         let shape = StartShape {
             shape: RunShape {
                 resolution: model.resolution,
@@ -78,16 +99,21 @@ impl<'a> Session<'a> {
         let resumed = resume_from
             .as_ref()
             .map(|(dir, state)| (dir.as_path(), state.steps));
-        let outputs = open_outputs(plan, resumed, &shape, started)?;
-        eprintln!(
-            "run folder: {}\n{} samples/epoch, {} steps/epoch of {}×{}, {} steps in all",
-            outputs.run.path.display(),
-            feed.dataset.epoch_len(),
-            steps_per_epoch,
-            plan.batch_size,
-            plan.grad_accum,
-            total_steps
-        );
+        let outputs = match follower {
+            Some(rank) => follower_outputs(rank, started)?,
+            None => open_outputs(plan, resumed, &shape, started)?,
+        };
+        if follower.is_none() {
+            eprintln!(
+                "run folder: {}\n{} samples/epoch, {} steps/epoch of {}×{}, {} steps in all",
+                outputs.run.path.display(),
+                feed.dataset.epoch_len(),
+                steps_per_epoch,
+                plan.batch_size,
+                plan.grad_accum,
+                total_steps
+            );
+        }
         let mut session = Self {
             plan,
             opts,
@@ -247,6 +273,7 @@ fn optimization(
         micro: MicroBatching::new(plan.batch_size),
         total_steps,
         fused,
+        dist: None,
     })
 }
 
@@ -390,6 +417,24 @@ fn open_outputs(
         started,
         started_unix,
         caches: Vec::new(),
+        _scratch: None,
+    })
+}
+
+/// A data-parallel follower's outputs: its log in a scratch folder of its own, removed when the
+/// rank ends (rank 0 writes the run's).
+fn follower_outputs(rank: usize, started: Instant) -> anyhow::Result<Outputs> {
+    let scratch = super::data_parallel::ScratchDir::create(rank)?;
+    let log = RunLog::open(&scratch.path().join("logs"), false, None)?;
+    Ok(Outputs {
+        run: RunDir {
+            path: scratch.path().to_path_buf(),
+        },
+        log,
+        started,
+        started_unix: 0.0,
+        caches: Vec::new(),
+        _scratch: Some(scratch),
     })
 }
 

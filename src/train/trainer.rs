@@ -107,6 +107,8 @@ pub(super) struct Outputs {
     pub started_unix: f64,
     /// What the caches did, for the summary.
     pub caches: Vec<String>,
+    /// A data-parallel follower's scratch folder (its log), removed with it.
+    pub _scratch: Option<super::data_parallel::ScratchDir>,
 }
 
 /// Where the run is in its data.
@@ -198,9 +200,24 @@ enum Flow {
 }
 
 impl Session<'_> {
+    /// Whether this process writes the run's outputs: always, but for data-parallel ranks
+    /// other than 0.
+    fn leads(&self) -> bool {
+        self.opt.dist.as_ref().is_none_or(|l| l.leads())
+    }
+
+    /// Whether to stop for Ctrl-C; data-parallel ranks agree, so all stop at the same step.
+    fn interrupt_agreed(&mut self) -> anyhow::Result<bool> {
+        let asked = self.extras.interrupt.requested();
+        match self.opt.dist.as_mut() {
+            Some(link) => super::data_parallel::agree_flag(link.coll.as_mut(), asked),
+            None => Ok(asked),
+        }
+    }
+
     /// The epoch loop: steps, progress, logs, periodic and final saves, Ctrl-C. A resumed run
     /// starts at its save point's epoch, past the steps of it already done.
-    fn run(mut self) -> anyhow::Result<TrainOutcome> {
+    pub(super) fn run(mut self) -> anyhow::Result<TrainOutcome> {
         let plan = self.plan;
         let progress = Progress::new(self.opt.total_steps, self.opts.show_progress);
         let mut out = self.initial_outcome();
@@ -275,7 +292,7 @@ impl Session<'_> {
     ) -> anyhow::Result<Flow> {
         let seed = self.pos.seed;
         let batches = self.feed.epoch(seed, epoch);
-        if self.plan.data.write_schedule && skip == 0 {
+        if self.plan.data.write_schedule && skip == 0 && self.leads() {
             let items = &self.feed.dataset.items;
             write_schedule(&self.outputs.run.path, epoch, &batches.batches, items)?;
         }
@@ -314,7 +331,7 @@ impl Session<'_> {
                 return Err(self.stop_after_skips(out, epoch, in_a_row, progress));
             }
             self.sample_if_due(out.steps, false, progress)?;
-            if self.extras.interrupt.requested() {
+            if self.interrupt_agreed()? {
                 out.interrupted = true;
                 let point = SavePoint::Interrupted(out.steps);
                 let saved = self.save_point(point, out, epoch + 1, progress)?;
@@ -597,6 +614,9 @@ impl Session<'_> {
     /// go to its `val_sets` by name (with their mean, EveryDream2's `_all_val_combined`, when
     /// there are several).
     fn validate(&mut self, out: &mut TrainOutcome, progress: &Progress) -> anyhow::Result<()> {
+        if !self.leads() {
+            return Ok(());
+        }
         let Some(val) = &mut self.extras.validation else {
             return Ok(());
         };
@@ -635,6 +655,9 @@ impl Session<'_> {
         force: bool,
         progress: &Progress,
     ) -> anyhow::Result<()> {
+        if !self.leads() {
+            return Ok(());
+        }
         let Some(samples) = &mut self.extras.samples else {
             return Ok(());
         };
@@ -676,6 +699,9 @@ impl Session<'_> {
         epoch: usize,
         progress: &Progress,
     ) -> anyhow::Result<Vec<PathBuf>> {
+        if !self.leads() {
+            return Ok(Vec::new());
+        }
         self.outputs.log.write_held()?;
         let state = self.trainer_state(out);
         let saver = Saver {

@@ -1,0 +1,240 @@
+//! Data-parallel training (issue 24): the same run on several ranks, each with its own copy of the
+//! model, each taking whole micro-batches of every step ([`super::sample_cursor::SampleCursor::for_rank`]).
+//!
+//! After its micro-batches, each rank's summed loss and gradients are summed over the ranks
+//! ([`reduce_step`]): every micro-batch's loss is already weighted by its share of the whole
+//! step, so the sum is the step's gradient, the same as one process accumulating every
+//! micro-batch (to f32 rounding: the order of the additions differs). Every rank then applies
+//! the same update to the same weights. The ranks also agree on the micro-batch size after an
+//! out-of-memory halving ([`agree_micro`]), and on stopping ([`agree_flag`]).
+//!
+//! [`train_ranks`] runs the ranks as threads of this process, through the in-process
+//! collective; rank 0 alone logs, samples, validates and saves.
+
+use std::time::Duration;
+
+use anyhow::Context;
+use candle_core::{DType, Device, Tensor, Var};
+
+use super::accumulate::Accumulated;
+use super::micro_batch::MicroBatching;
+use super::outcome::TrainOutcome;
+use super::trainer::{RunOptions, Session};
+use crate::config::TrainPlan;
+use crate::dist::{Collective, DistError, InProcess};
+
+/// This rank's place in the run and its link to the others.
+pub struct RankLink {
+    pub coll: Box<dyn Collective>,
+}
+
+impl RankLink {
+    pub fn rank(&self) -> usize {
+        self.coll.rank()
+    }
+
+    pub fn world(&self) -> usize {
+        self.coll.world()
+    }
+
+    pub fn leads(&self) -> bool {
+        self.rank() == 0
+    }
+}
+
+/// Sums the step's loss, gradients and sample count over the ranks, into `done` on every rank.
+/// A parameter no rank has a gradient for stays without one (as in one process); one that some
+/// rank lacks counts as zeros there.
+pub(super) fn reduce_step(
+    coll: &mut dyn Collective,
+    params: &[Var],
+    done: &mut Accumulated,
+) -> anyhow::Result<()> {
+    let mut flat = Vec::new();
+    let mut dtypes = Vec::with_capacity(params.len());
+    for v in params {
+        match done.grads.get(v) {
+            Some(g) => {
+                dtypes.push(g.dtype());
+                flat.extend(g.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?);
+            }
+            None => {
+                dtypes.push(v.dtype());
+                flat.extend(std::iter::repeat_n(0f32, v.elem_count()));
+            }
+        }
+    }
+    let present = flat.len();
+    flat.extend(
+        params
+            .iter()
+            .map(|v| f32::from(u8::from(done.grads.get(v).is_some()))),
+    );
+    let tail = flat.len();
+    flat.push(done.loss.to_dtype(DType::F32)?.to_scalar::<f32>()?);
+    flat.push(done.samples as f32);
+    flat.push(done.micro_batches as f32);
+    coll.all_reduce_sum(&mut flat)
+        .context("summing the step's gradients over the ranks")?;
+    let mut offset = 0;
+    for (i, v) in params.iter().enumerate() {
+        let n = v.elem_count();
+        if flat[present + i] > 0.0 {
+            let g = Tensor::from_slice(&flat[offset..offset + n], v.shape(), &Device::Cpu)?
+                .to_dtype(dtypes[i])?
+                .to_device(v.device())?;
+            done.grads.insert(v, g);
+        }
+        offset += n;
+    }
+    let device = done.loss.device().clone();
+    done.loss = Tensor::new(flat[tail], &device)?.to_dtype(done.loss.dtype())?;
+    done.samples = flat[tail + 1] as usize;
+    done.micro_batches = flat[tail + 2] as usize;
+    Ok(())
+}
+
+/// The smallest micro-batch size in force on any rank, on every rank: after an out-of-memory
+/// halving on one rank, all go on at the halved size (the effective batch is the step's either
+/// way).
+pub(super) fn agree_micro(
+    coll: &mut dyn Collective,
+    micro: &mut MicroBatching,
+) -> anyhow::Result<()> {
+    let sizes = coll
+        .all_gather("micro_batch_size", &(micro.size as u64).to_le_bytes())
+        .context("agreeing on the micro-batch size")?;
+    let smallest = sizes
+        .iter()
+        .filter_map(|b| b.as_slice().try_into().ok().map(u64::from_le_bytes))
+        .min()
+        .unwrap_or(micro.size as u64) as usize;
+    while micro.size > smallest.max(1) {
+        if !micro.halve() {
+            break;
+        }
+    }
+    Ok(())
+}
+
+/// Whether any rank's `flag` is set (Ctrl-C seen, a stop asked for), on every rank.
+pub(super) fn agree_flag(coll: &mut dyn Collective, flag: bool) -> anyhow::Result<bool> {
+    coll.any(flag).context("agreeing to stop")
+}
+
+/// How long a rank waits for the others at a collective before the run ends. Rank 0 may be
+/// sampling, validating or saving meanwhile, which can take minutes on a large model.
+pub const RANK_TIMEOUT: Duration = Duration::from_secs(30 * 60);
+
+/// Runs `plan` data-parallel on `devices`, one rank per device as a thread of this process;
+/// rank 0 alone logs, samples, validates and saves, and its outcome is returned. A rank that
+/// fails ends the run on every rank, and its error is the one returned.
+pub fn train_ranks(
+    plan: &TrainPlan,
+    devices: &[Device],
+    show_progress: bool,
+    timeout: Duration,
+) -> anyhow::Result<TrainOutcome> {
+    if devices.is_empty() {
+        anyhow::bail!("a data-parallel run needs at least one device");
+    }
+    if plan.precision.fused_backward_pass {
+        anyhow::bail!(
+            "fused_backward_pass updates each parameter during backward, before the ranks could \
+             sum its gradient: turn it off to train on several devices"
+        );
+    }
+    if plan.load_settings_every_epoch {
+        anyhow::bail!(
+            "load_settings_every_epoch would let ranks read train.json at different moments: \
+             turn it off to train on several devices"
+        );
+    }
+    let links = InProcess::group(devices.len(), timeout);
+    let results: Vec<anyhow::Result<TrainOutcome>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = links
+            .into_iter()
+            .zip(devices)
+            .map(|(link, device)| {
+                let opts = RunOptions {
+                    device: device.clone(),
+                    show_progress: show_progress && link.rank() == 0,
+                };
+                scope.spawn(move || run_rank(plan, &opts, Box::new(link)))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .enumerate()
+            .map(|(rank, h)| {
+                h.join()
+                    .unwrap_or_else(|_| Err(anyhow::anyhow!("rank {rank} panicked")))
+            })
+            .collect()
+    });
+    pick_result(results)
+}
+
+fn run_rank(
+    plan: &TrainPlan,
+    opts: &RunOptions,
+    coll: Box<dyn Collective>,
+) -> anyhow::Result<TrainOutcome> {
+    let rank = coll.rank();
+    let session = Session::setup_rank(plan, opts, RankLink { coll })
+        .with_context(|| format!("rank {rank}"))?;
+    session.run().with_context(|| format!("rank {rank}"))
+}
+
+/// Rank 0's outcome when every rank finished; else the first error that is not another rank's
+/// leaving (the cause), else the first error.
+fn pick_result(results: Vec<anyhow::Result<TrainOutcome>>) -> anyhow::Result<TrainOutcome> {
+    if results.iter().all(Result::is_ok) {
+        return results
+            .into_iter()
+            .next()
+            .unwrap_or_else(|| Err(anyhow::anyhow!("no ranks")));
+    }
+    let is_echo = |e: &anyhow::Error| {
+        e.chain().any(|c| {
+            matches!(
+                c.downcast_ref::<DistError>(),
+                Some(DistError::RankLost { .. })
+            )
+        })
+    };
+    let errors: Vec<anyhow::Error> = results.into_iter().filter_map(Result::err).collect();
+    let cause = errors.iter().position(|e| !is_echo(e)).unwrap_or(0);
+    Err(errors
+        .into_iter()
+        .nth(cause)
+        .unwrap_or_else(|| anyhow::anyhow!("no ranks")))
+}
+
+/// A folder of its own for a data-parallel follower's log, removed when dropped.
+pub struct ScratchDir {
+    path: std::path::PathBuf,
+}
+
+impl ScratchDir {
+    pub fn create(rank: usize) -> anyhow::Result<Self> {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.subsec_nanos());
+        let name = format!("sdtrain-rank{rank}-{}-{nanos}", std::process::id());
+        let path = std::env::temp_dir().join(name);
+        std::fs::create_dir_all(&path)
+            .with_context(|| format!("creating rank {rank}'s scratch folder {}", path.display()))?;
+        Ok(Self { path })
+    }
+
+    pub fn path(&self) -> &std::path::Path {
+        &self.path
+    }
+}
+
+impl Drop for ScratchDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.path);
+    }
+}

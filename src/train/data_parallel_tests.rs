@@ -1,0 +1,138 @@
+//! Data parallel end to end on the CPU: LoRA runs on the tiny SD1.5 fixture on 2, 3 and 4
+//! in-process ranks against the same run in one process.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use candle_core::{Device, Tensor};
+
+use super::data_parallel::train_ranks;
+use super::{train, RunOptions, TrainOutcome};
+use crate::config::TrainPlan;
+
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// A LoRA run of `steps` steps of 1 × `accum` samples, logging every step with its gradient
+/// norm.
+fn plan(dir: &Path, accum: usize, steps: usize) -> TrainPlan {
+    std::fs::create_dir_all(dir).unwrap();
+    std::fs::write(dir.join("optimizer.json"), r#"{"log_grad_norm": true}"#).unwrap();
+    let cfg = serde_json::json!({
+        "model": repo().join("tests/fixtures/tiny-sd15"),
+        "data_root": repo().join("data/demo"),
+        "output_dir": dir.join("out"),
+        "optimizer_config": dir.join("optimizer.json"),
+        "project_name": "dp",
+        "mode": "lora",
+        "adapter": {"save_dtype": "fp32"},
+        "resolution": 64,
+        "batch_size": 1,
+        "grad_accum": accum,
+        "max_steps": steps,
+        "lr": 1e-3,
+        "log_step": 1,
+        "seed": 11,
+    });
+    let path = dir.join("train.json");
+    std::fs::write(&path, cfg.to_string()).unwrap();
+    TrainPlan::resolve(&path, &[]).unwrap()
+}
+
+fn one_process(plan: &TrainPlan) -> TrainOutcome {
+    let opts = RunOptions {
+        device: Device::Cpu,
+        show_progress: false,
+    };
+    train(plan, &opts).unwrap()
+}
+
+fn lora(path: &Path) -> HashMap<String, Tensor> {
+    candle_core::safetensors::load(path, &Device::Cpu).unwrap()
+}
+
+fn max_abs(t: &Tensor) -> f32 {
+    t.abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
+}
+
+/// Each logged step's gradient norm.
+fn grad_norms(out: &TrainOutcome) -> Vec<f64> {
+    let log = std::fs::read_to_string(out.run_dir.join("train_log.jsonl")).unwrap();
+    log.lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter_map(|v| v["grad_norm"].as_f64())
+        .collect()
+}
+
+fn assert_close(what: &str, got: &[f64], want: &[f64]) {
+    assert_eq!(got.len(), want.len(), "{what}: {got:?} vs {want:?}");
+    for (x, y) in got.iter().zip(want) {
+        assert!(
+            (x - y).abs() <= 1e-5 * y.abs().max(1e-6),
+            "{what}: {got:?} vs {want:?}"
+        );
+    }
+}
+
+#[test]
+fn ranks_train_the_same_weights_as_one_process() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (accum, steps) = (4, 3);
+    let single = one_process(&plan(&tmp.path().join("one"), accum, steps));
+    let norms = grad_norms(&single);
+    assert_eq!(norms.len(), steps);
+    // 3 ranks over 4 micro-batches: rank 0 takes two of them.
+    for world in [2, 3, 4] {
+        let dir = tmp.path().join(format!("ranks{world}"));
+        let p = plan(&dir, accum, steps);
+        let devices = vec![Device::Cpu; world];
+        let out = train_ranks(&p, &devices, false, Duration::from_secs(120)).unwrap();
+        let what = format!("{world} ranks");
+        assert_eq!(out.images_seen, single.images_seen, "{what}");
+        assert_eq!(out.images_seen, accum * steps, "{what}");
+        // The summed loss and gradient: an average over the ranks instead of a sum, or a rank
+        // left out of it, moves both.
+        assert_close(&format!("{what}: losses"), &out.losses, &single.losses);
+        assert_close(
+            &format!("{what}: gradient norms"),
+            &grad_norms(&out),
+            &norms,
+        );
+        let (got, want) = (
+            lora(out.saved.last().unwrap()),
+            lora(single.saved.last().unwrap()),
+        );
+        assert_eq!(got.len(), want.len(), "{what}");
+        for (name, w) in &want {
+            let (scale, diff) = (max_abs(w), max_abs(&(&got[name] - w).unwrap()));
+            assert!(
+                diff <= 1e-4 * scale.max(1e-3),
+                "{what}: {name} differs by {diff} (scale {scale})"
+            );
+        }
+        // Rank 0 alone wrote a run folder.
+        let runs = std::fs::read_dir(dir.join("out")).unwrap().count();
+        assert_eq!(runs, 1, "{what}: run folders in the output dir");
+    }
+}
+
+#[test]
+fn options_that_cannot_run_data_parallel_are_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut p = plan(tmp.path(), 2, 1);
+    p.precision.fused_backward_pass = true;
+    let e = train_ranks(
+        &p,
+        &[Device::Cpu, Device::Cpu],
+        false,
+        Duration::from_secs(5),
+    );
+    assert!(format!("{:#}", e.unwrap_err()).contains("fused_backward_pass"));
+}
