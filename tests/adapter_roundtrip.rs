@@ -60,23 +60,8 @@ fn unet_out(sd: &StableDiffusion, name: &str) -> Tensor {
         .unwrap()
 }
 
-/// Sets every module's zero-initialised tensors (LoRA's `up`, LoHa's `hada_w2_a`, LoKr's `w2`
-/// or `w2_b`) to seeded normal draws with standard deviation 0.5, and moves DoRA's magnitude
-/// 20% off the base weight's norm.
 fn randomise(a: &TrainedAdapters) {
-    for (i, m) in a.modules.iter().enumerate() {
-        for (j, (suffix, v)) in m.params.iter().enumerate() {
-            let seed = (i * 16 + j) as u64;
-            let zero = v.as_tensor().abs().unwrap().sum_all().unwrap();
-            if *suffix == "dora_scale" {
-                let noise = common::randn(v.dims(), seed).affine(0.2, 1.0).unwrap();
-                v.set(&(v.as_tensor() * noise).unwrap()).unwrap();
-            } else if zero.to_scalar::<f32>().unwrap() == 0.0 {
-                v.set(&(common::randn(v.dims(), seed) * 0.5).unwrap())
-                    .unwrap();
-            }
-        }
-    }
+    common::randomise_adapters(&a.modules);
 }
 
 fn round_trip(name: &str, mode: TrainMode, dtype: SaveDtype, tol: f32) {
