@@ -93,7 +93,7 @@ impl Algo {
 /// most balanced split with `m <= factor` (`factor = -1`: no bound) is searched from `m = 1` up,
 /// stopping at the first step that does not reduce `m + n`.
 pub fn factorization(dimension: usize, factor: i64) -> (usize, usize) {
-    if factor > 0 && dimension % factor as usize == 0 {
+    if factor > 0 && dimension.is_multiple_of(factor as usize) {
         let m = factor as usize;
         let n = dimension / m;
         return (m.min(n), m.max(n));
@@ -107,7 +107,7 @@ pub fn factorization(dimension: usize, factor: i64) -> (usize, usize) {
     let length = m + n;
     while m < n {
         let mut new_m = m + 1;
-        while dimension % new_m != 0 {
+        while !dimension.is_multiple_of(new_m) {
             new_m += 1;
         }
         let new_n = dimension / new_m;
