@@ -45,6 +45,7 @@ fn main() -> Result<()> {
         conv_rank: 4,
         conv_alpha: 4.0,
         dropout: 0.0,
+        factor: -1,
         seed: 0,
     };
     let modules = attach_unet(&mut unet, &spec)?;

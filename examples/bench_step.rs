@@ -568,6 +568,7 @@ fn build(shape: &Shape, device: &Device) -> Result<Model> {
                 conv_rank: shape.rank,
                 conv_alpha: shape.rank as f64,
                 dropout: 0.0,
+                factor: -1,
                 seed: 0,
             };
             let modules = attach_unet(&mut unet, &spec)?;

@@ -93,6 +93,7 @@ fn main() -> anyhow::Result<()> {
         unet_lr: None,
         text_encoder_lr: None,
         dropout: 0.0,
+        factor: -1,
         init_from: Some(PathBuf::from(&args[2])),
         save_dtype: SaveDtype::Fp16,
     };

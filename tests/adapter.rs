@@ -32,6 +32,7 @@ fn spec(mode: AdapterMode) -> AdapterSpec {
         conv_rank: 2,
         conv_alpha: 1.0,
         dropout: 0.0,
+        factor: -1,
         seed: 7,
     }
 }
@@ -90,7 +91,8 @@ fn zero_initialised_adapters_do_not_change_outputs() {
         .unwrap();
     let mods = attach_unet(&mut unet, &spec(AdapterMode::Locon)).unwrap();
     assert!(mods.iter().all(|m| m
-        .up
+        .var("lora_up.weight")
+        .unwrap()
         .as_tensor()
         .abs()
         .unwrap()
@@ -133,7 +135,13 @@ fn attach_is_deterministic() {
     assert_eq!(ma.len(), mb.len());
     for (x, y) in ma.iter().zip(&mb) {
         assert_eq!(x.module_path, y.module_path);
-        assert_eq!(max_abs_diff(x.down.as_tensor(), y.down.as_tensor()), 0.0);
+        assert_eq!(
+            max_abs_diff(
+                x.var("lora_down.weight").unwrap().as_tensor(),
+                y.var("lora_down.weight").unwrap().as_tensor()
+            ),
+            0.0
+        );
     }
 }
 
@@ -151,14 +159,14 @@ fn delta_matches_hand_computation() {
     // Linear: (alpha/rank)·x·downᵀ·upᵀ.
     let q = find(&mods, "attn1.to_q");
     assert_eq!(q.kind, LoraKind::Linear);
-    set_random(&q.up, 1);
-    let in_dim = q.down.dim(1).unwrap();
+    set_random(q.var("lora_up.weight").unwrap(), 1);
+    let in_dim = q.var("lora_down.weight").unwrap().dim(1).unwrap();
     let x = common::randn(&[2, 5, in_dim], 11);
     let got = q.delta(&x).unwrap();
     let want = x
-        .broadcast_matmul(&q.down.as_tensor().t().unwrap())
+        .broadcast_matmul(&q.var("lora_down.weight").unwrap().as_tensor().t().unwrap())
         .unwrap()
-        .broadcast_matmul(&q.up.as_tensor().t().unwrap())
+        .broadcast_matmul(&q.var("lora_up.weight").unwrap().as_tensor().t().unwrap())
         .unwrap()
         .affine(2.0 / 4.0, 0.0)
         .unwrap();
@@ -175,14 +183,20 @@ fn delta_matches_hand_computation() {
         panic!("conv1 is a conv")
     };
     assert_eq!((kernel, c.rank, c.alpha), (3, 2, 1.0));
-    set_random(&c.up, 2);
-    let ch = c.down.dim(1).unwrap();
+    set_random(c.var("lora_up.weight").unwrap(), 2);
+    let ch = c.var("lora_down.weight").unwrap().dim(1).unwrap();
     let x = common::randn(&[1, ch, 6, 6], 12);
     let got = c.delta(&x).unwrap();
     let want = x
-        .conv2d(c.down.as_tensor(), padding, stride, 1, 1)
+        .conv2d(
+            c.var("lora_down.weight").unwrap().as_tensor(),
+            padding,
+            stride,
+            1,
+            1,
+        )
         .unwrap()
-        .conv2d(c.up.as_tensor(), 0, 1, 1, 1)
+        .conv2d(c.var("lora_up.weight").unwrap().as_tensor(), 0, 1, 1, 1)
         .unwrap()
         .affine(1.0 / 2.0, 0.0)
         .unwrap();
@@ -206,8 +220,11 @@ fn dropout_only_while_training() {
     s.dropout = 0.5;
     let mods = attach_unet(&mut unet, &s).unwrap();
     let q = find(&mods, "attn1.to_q");
-    set_random(&q.up, 3);
-    let x = common::randn(&[1, 8, q.down.dim(1).unwrap()], 13);
+    set_random(q.var("lora_up.weight").unwrap(), 3);
+    let x = common::randn(
+        &[1, 8, q.var("lora_down.weight").unwrap().dim(1).unwrap()],
+        13,
+    );
     let eval = q.delta(&x).unwrap();
     assert_eq!(max_abs_diff(&eval, &q.delta(&x).unwrap()), 0.0);
     q.set_training(true);
@@ -295,7 +312,10 @@ fn check_grad_store(mode: AdapterMode, strict: bool) {
         );
     }
     for m in &mods {
-        for (name, v) in [("down", &m.down), ("up", &m.up)] {
+        for (name, v) in [
+            ("down", m.var("lora_down.weight").unwrap()),
+            ("up", m.var("lora_up.weight").unwrap()),
+        ] {
             let g = grads
                 .get(v.as_tensor())
                 .unwrap_or_else(|| panic!("{} {name}: no gradient", m.module_path));

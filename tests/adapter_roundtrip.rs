@@ -1,4 +1,4 @@
-//! LoRA/LoCon files round-trip: adapters with trained (non-zero) weights are saved in kohya's
+//! Adapter files (LoRA, LoCon, LoHa, LoKr, DoRA) round-trip: adapters with trained (non-zero) weights are saved in kohya's
 //! format, loaded into a fresh model with `init_from`, and give the same UNet output. The same
 //! file merged into a fresh model's weights (`sdtrain sample --lora`) gives that output too, and
 //! the same text-encoder outputs.
@@ -38,6 +38,7 @@ fn plan(init_from: Option<PathBuf>, save_dtype: SaveDtype) -> AdapterPlan {
         unet_lr: None,
         text_encoder_lr: None,
         dropout: 0.0,
+        factor: -1,
         init_from,
         save_dtype,
     }
@@ -59,12 +60,8 @@ fn unet_out(sd: &StableDiffusion, name: &str) -> Tensor {
         .unwrap()
 }
 
-/// Sets every module's `up` to seeded normal draws with standard deviation 0.5.
 fn randomise(a: &TrainedAdapters) {
-    for (i, m) in a.modules.iter().enumerate() {
-        let up = (common::randn(m.up.dims(), i as u64) * 0.5).unwrap();
-        m.up.set(&up).unwrap();
-    }
+    common::randomise_adapters(&a.modules);
 }
 
 fn round_trip(name: &str, mode: TrainMode, dtype: SaveDtype, tol: f32) {
@@ -122,6 +119,21 @@ fn round_trip(name: &str, mode: TrainMode, dtype: SaveDtype, tol: f32) {
     let mut zero = load(name);
     sdtrain::adapter::merge::merge_kohya(&mut zero, &naming, &kohya, 0.0).unwrap();
     assert!(common::rel_err(&unet_out(&zero, name), &base) <= 1e-6);
+}
+
+#[test]
+fn loha_round_trips_exactly_in_fp32_sd15() {
+    round_trip("tiny-sd15", TrainMode::Loha, SaveDtype::Fp32, 1e-6);
+}
+
+#[test]
+fn lokr_round_trips_in_default_fp16_sd21() {
+    round_trip("tiny-sd21", TrainMode::Lokr, SaveDtype::Fp16, 2e-3);
+}
+
+#[test]
+fn dora_round_trips_exactly_in_fp32_sdxl() {
+    round_trip("tiny-sdxl", TrainMode::Dora, SaveDtype::Fp32, 1e-6);
 }
 
 #[test]

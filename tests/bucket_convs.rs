@@ -350,10 +350,14 @@ fn locon_conv(hw: (usize, usize), stride: usize, tracked_input: bool) {
     )
     .unwrap();
     // A fresh `up` is zeros, which would leave `down` with a zero gradient.
-    m.up.set(&up.tensor(false)).unwrap();
+    m.var("lora_up.weight")
+        .unwrap()
+        .set(&up.tensor(false))
+        .unwrap();
     let down = Arr {
-        dims: m.down.dims().to_vec(),
-        v: m.down
+        dims: m.var("lora_down.weight").unwrap().dims().to_vec(),
+        v: m.var("lora_down.weight")
+            .unwrap()
             .flatten_all()
             .unwrap()
             .to_vec1::<f32>()
@@ -400,12 +404,12 @@ fn locon_conv(hw: (usize, usize), stride: usize, tracked_input: bool) {
     let gh = conv_grad_x(&gz, &h.dims, &up, 0, 1);
     check(
         &what("∂up"),
-        grads.get(&m.up),
+        grads.get(m.var("lora_up.weight").unwrap()),
         &conv_grad_w(&gz, &h, &up.dims, 0, 1),
     );
     check(
         &what("∂down"),
-        grads.get(&m.down),
+        grads.get(m.var("lora_down.weight").unwrap()),
         &conv_grad_w(&gh, &x, &down.dims, p, stride),
     );
     if tracked_input {

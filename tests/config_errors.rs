@@ -382,8 +382,20 @@ fn adapter_section_is_validated_and_only_for_adapter_modes() {
     assert!(msg.contains("did you mean `adapter.rank`"), "{msg}");
     let msg = s.error(json!({"adapter": {"rank": 4}}), &[]);
     assert!(msg.contains("adapter") && msg.contains("lora"), "{msg}");
-    let msg = s.error(json!({"mode": "dora"}), &[]);
-    assert!(msg.contains("\"locon\""), "{msg}");
+    let msg = s.error(json!({"mode": "glora"}), &[]);
+    assert!(msg.contains("\"lokr\""), "{msg}");
+    // The LyCORIS modes resolve, with LoKr's factor; factor and dropout are refused where the
+    // mode does not use them.
+    for mode in ["loha", "lokr", "dora"] {
+        let plan = s.resolve(json!({"mode": mode}), &[]).expect(mode);
+        assert_eq!(plan.adapter.expect(mode).factor, -1);
+    }
+    let plan = s.resolve(json!({"mode": "lokr", "adapter": {"factor": 8}}), &[]);
+    assert_eq!(plan.expect("lokr").adapter.expect("adapter").factor, 8);
+    let msg = s.error(json!({"mode": "loha", "adapter": {"factor": 8}}), &[]);
+    assert!(msg.contains("adapter.factor"), "{msg}");
+    let msg = s.error(json!({"mode": "dora", "adapter": {"dropout": 0.1}}), &[]);
+    assert!(msg.contains("adapter.dropout"), "{msg}");
 }
 
 #[test]

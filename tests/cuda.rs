@@ -496,6 +496,7 @@ fn cuda_lora_grad_store_holds_exactly_the_adapter_vars() {
             conv_rank: 2,
             conv_alpha: 1.0,
             dropout: 0.0,
+            factor: -1,
             seed: 7,
         };
         // A fresh UNet per mode: attaching twice is an error.

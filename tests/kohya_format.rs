@@ -55,12 +55,7 @@ fn set(name: &str, down: &[usize], up: &[usize], alpha: f32) -> KohyaTensorSet {
     let seed = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
         (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
     });
-    KohyaTensorSet {
-        name: name.into(),
-        down: randn(down, seed),
-        up: randn(up, seed ^ 1),
-        alpha,
-    }
+    KohyaTensorSet::lora(name, randn(down, seed), randn(up, seed ^ 1), alpha)
 }
 
 /// Writes `tensors` as a plain safetensors file (candle's writer, no metadata).
@@ -73,12 +68,7 @@ fn write_raw(path: &Path, tensors: &[(&str, Tensor)]) {
 }
 
 fn expected(component: KohyaComponent, path: &str, down: &[usize], up: &[usize]) -> ExpectedModule {
-    ExpectedModule {
-        component,
-        module_path: path.into(),
-        down_shape: down.to_vec(),
-        up_shape: up.to_vec(),
-    }
+    ExpectedModule::lora(component, path, down, up)
 }
 
 const Q_NAME: &str = "lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q";
@@ -140,14 +130,15 @@ fn save_load_round_trip_f16_default() {
     assert_eq!(file.modules.len(), 3);
     for m in &modules {
         let got = file.modules.iter().find(|g| g.name == m.name).unwrap();
-        assert_eq!(got.down.dims(), m.down.dims());
-        assert_eq!(got.up.dims(), m.up.dims());
-        assert_eq!(got.down.dtype(), DType::F32);
+        let (m_down, m_up) = (&m.tensors[0].1, &m.tensors[1].1);
+        assert_eq!(got.down().unwrap().dims(), m_down.dims());
+        assert_eq!(got.up().unwrap().dims(), m_up.dims());
+        assert_eq!(got.down().unwrap().dtype(), DType::F32);
         assert_eq!(got.alpha, m.alpha);
         assert!(got.alpha_in_file);
         // f16 rounding of N(0, 1) values: relative 2^-11, |x| < ~6.
-        assert!(max_abs_diff(&got.down, &m.down) < 4e-3);
-        assert!(max_abs_diff(&got.up, &m.up) < 4e-3);
+        assert!(max_abs_diff(got.down().unwrap(), m_down) < 4e-3);
+        assert!(max_abs_diff(got.up().unwrap(), m_up) < 4e-3);
     }
 }
 
@@ -165,7 +156,7 @@ fn save_in_bf16_and_f32() {
         let st = SafeTensors::deserialize(&bytes).unwrap();
         assert!(st.tensors().iter().all(|(_, v)| v.dtype() == st_dtype));
         let file = load_kohya(&path, &Device::Cpu).unwrap();
-        assert!(max_abs_diff(&file.modules[0].down, &modules[0].down) <= tol);
+        assert!(max_abs_diff(file.modules[0].down().unwrap(), &modules[0].tensors[0].1) <= tol);
         assert_eq!(file.modules[0].alpha, 3.0);
     }
     let err = save_kohya(
@@ -234,11 +225,9 @@ fn kohya_python_fixture_loads_and_matches_tiny_sd15() {
     for m in &file.modules {
         assert!(m.alpha_in_file);
         // Values as the script builds them (exact in fp16).
-        assert_eq!(
-            max_abs_diff(&m.down, &pattern(m.down.dims(), 17, 8, 16.0)),
-            0.0
-        );
-        assert_eq!(max_abs_diff(&m.up, &pattern(m.up.dims(), 13, 6, 32.0)), 0.0);
+        let (down, up) = (m.down().unwrap(), m.up().unwrap());
+        assert_eq!(max_abs_diff(down, &pattern(down.dims(), 17, 8, 16.0)), 0.0);
+        assert_eq!(max_abs_diff(up, &pattern(up.dims(), 13, 6, 32.0)), 0.0);
     }
 
     let mut want = tiny_sd15_expected();
@@ -260,8 +249,8 @@ fn kohya_python_fixture_loads_and_matches_tiny_sd15() {
         .iter()
         .find(|m| m.expected_index == 6)
         .unwrap();
-    assert_eq!(te.alpha, 4.0);
-    assert_eq!(te.down.dims(), &[4, 32]);
+    assert_eq!(te.module.alpha, 4.0);
+    assert_eq!(te.module.down().unwrap().dims(), &[4, 32]);
 }
 
 #[test]
@@ -304,8 +293,8 @@ fn unknown_modules_are_all_listed() {
 fn shape_mismatch_names_module_and_both_shapes() {
     let file = load_kohya(&fixture(), &Device::Cpu).unwrap();
     let mut want = tiny_sd15_expected();
-    want[1].down_shape = vec![8, 8];
-    want[1].up_shape = vec![8, 8];
+    want[1].shapes[0].1 = vec![8, 8];
+    want[1].shapes[1].1 = vec![8, 8];
     let err = match_to_model(&file, &KohyaNaming::Diffusers, &want).unwrap_err();
     let msg = err.to_string();
     assert!(
@@ -326,22 +315,17 @@ fn shape_mismatch_names_module_and_both_shapes() {
 }
 
 #[test]
-fn lycoris_keys_are_rejected_with_their_names() {
+fn lycoris_tucker_keys_are_rejected_with_their_names() {
     let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("loha.safetensors");
-    let n = "lora_unet_down_blocks_0_attentions_0_proj_in";
+    let path = dir.path().join("tucker.safetensors");
+    let n = "lora_unet_down_blocks_0_resnets_0_conv1";
     write_raw(
         &path,
         &[
-            (&format!("{n}.hada_w1_a"), randn(&[8, 4], 1)),
-            (&format!("{n}.hada_w1_b"), randn(&[4, 8], 2)),
-            (
-                &format!("{n}.alpha"),
-                Tensor::new(4f32, &Device::Cpu).unwrap(),
-            ),
-            (&format!("{Q_NAME}.lora_down.weight"), randn(&[4, 8], 3)),
-            (&format!("{Q_NAME}.lora_up.weight"), randn(&[8, 4], 4)),
-            (&format!("{Q_NAME}.dora_scale"), randn(&[1, 8], 5)),
+            (&format!("{n}.hada_w1_a"), randn(&[4, 8], 1)),
+            (&format!("{n}.hada_t1"), randn(&[4, 4, 3, 3], 2)),
+            (&format!("{n}.lora_mid.weight"), randn(&[4, 4, 3, 3], 2)),
+            (&format!("{Q_NAME}.lokr_t2"), randn(&[4, 4], 5)),
         ],
     );
     let err = load_kohya(&path, &Device::Cpu).unwrap_err();
@@ -350,10 +334,40 @@ fn lycoris_keys_are_rejected_with_their_names() {
         matches!(err, KohyaError::UnsupportedKeys { ref keys, .. } if keys.len() == 3),
         "{msg}"
     );
-    assert!(msg.contains(&format!("{n}.hada_w1_a")), "{msg}");
-    assert!(msg.contains(&format!("{n}.hada_w1_b")), "{msg}");
-    assert!(msg.contains(&format!("{Q_NAME}.dora_scale")), "{msg}");
-    assert!(msg.contains("LyCORIS"), "{msg}");
+    assert!(msg.contains(&format!("{n}.hada_t1")), "{msg}");
+    assert!(msg.contains(&format!("{Q_NAME}.lokr_t2")), "{msg}");
+    assert!(msg.contains("Tucker"), "{msg}");
+}
+
+#[test]
+fn incomplete_or_mixed_lycoris_modules_name_the_module() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("loha.safetensors");
+    let n = "lora_unet_down_blocks_0_attentions_0_proj_in";
+    write_raw(
+        &path,
+        &[
+            (&format!("{n}.hada_w1_a"), randn(&[8, 4], 1)),
+            (&format!("{n}.hada_w1_b"), randn(&[4, 8], 2)),
+        ],
+    );
+    let msg = load_kohya(&path, &Device::Cpu).unwrap_err().to_string();
+    assert!(msg.contains(&format!("module `{n}`")), "{msg}");
+    assert!(msg.contains("hada_w2_a"), "{msg}");
+    write_raw(
+        &path,
+        &[
+            (&format!("{n}.lokr_w1"), randn(&[2, 2], 1)),
+            (&format!("{n}.lokr_w2_a"), randn(&[4, 2], 2)),
+            (&format!("{n}.lokr_w2_b"), randn(&[3, 4], 3)),
+        ],
+    );
+    let msg = load_kohya(&path, &Device::Cpu).unwrap_err().to_string();
+    assert!(msg.contains(&format!("module `{n}`")), "{msg}");
+    assert!(
+        msg.contains("lokr_w2_a` [4, 2] and `lokr_w2_b` [3, 4]"),
+        "{msg}"
+    );
 }
 
 #[test]
@@ -373,7 +387,7 @@ fn down_without_up_names_the_module() {
     let msg = load_kohya(&path, &Device::Cpu).unwrap_err().to_string();
     assert!(
         msg.contains(&format!(
-            "module `{Q_NAME}` has lora_down.weight but no lora_up.weight"
+            "module `{Q_NAME}` has [\"lora_down.weight\", \"alpha\"]"
         )),
         "{msg}"
     );
@@ -478,7 +492,7 @@ fn sdxl_save_uses_ldm_names_and_loads_back() {
     assert!(report.missing.is_empty());
     for m in &report.matched {
         let original = &modules[m.expected_index];
-        assert!(max_abs_diff(&m.down, &original.down) < 4e-3);
+        assert!(max_abs_diff(m.module.down().unwrap(), &original.tensors[0].1) < 4e-3);
     }
 }
 

@@ -41,6 +41,7 @@ fn adapter_plan(dropout: f64) -> AdapterPlan {
         unet_lr: None,
         text_encoder_lr: None,
         dropout,
+        factor: -1,
         init_from: None,
         save_dtype: SaveDtype::Fp32,
     }

@@ -1,5 +1,6 @@
-//! Attaching LoRA/LoCon modules to the layers kohya sd-scripts targets (`networks/lora.py`,
-//! `LoRANetwork`):
+//! Attaching adapter modules to the layers kohya sd-scripts targets (`networks/lora.py`,
+//! `LoRANetwork`); LoHa, LoKr and DoRA take LoCon's targets (LyCORIS's kohya network attaches to
+//! the same blocks), with conv_rank/conv_alpha on the 3×3 convs:
 //!
 //! - "lora": every Linear and 1×1 conv inside a `Transformer2DModel` of the UNet
 //!   (`UNET_TARGET_REPLACE_MODULE = ["Transformer2DModel"]`): proj_in, proj_out, attn1/attn2
@@ -20,7 +21,8 @@ use std::sync::Arc;
 use candle_core::Device;
 use rand::{rngs::StdRng, SeedableRng};
 
-use super::lora::{AdapterComponent, LoraKind, LoraModule, LoraShape};
+use super::factors::Algo;
+use super::lora::{AdapterComponent, LoraKind, LoraModule, LoraShape, ModuleAlgo};
 use crate::model::clip::ClipTextModel;
 use crate::model::unet::UNet2DConditionModel;
 use crate::nn::{LayerMut, VisitLayers};
@@ -32,6 +34,25 @@ pub enum AdapterMode {
     Lora,
     /// `Lora` plus the resnets, downsamplers and upsamplers.
     Locon,
+    /// LyCORIS LoHa on LoCon's targets.
+    Loha,
+    /// LyCORIS LoKr on LoCon's targets.
+    Lokr,
+    /// DoRA (LoCon with a trained magnitude per input channel) on LoCon's targets.
+    Dora,
+}
+
+impl AdapterMode {
+    /// The module type this mode attaches; `factor` is LoKr's.
+    pub fn module_algo(self, factor: i64) -> ModuleAlgo {
+        let (algo, dora) = match self {
+            AdapterMode::Lora | AdapterMode::Locon => (Algo::LowRank, false),
+            AdapterMode::Loha => (Algo::Hadamard, false),
+            AdapterMode::Lokr => (Algo::Kron, false),
+            AdapterMode::Dora => (Algo::LowRank, true),
+        };
+        ModuleAlgo { algo, factor, dora }
+    }
 }
 
 /// Sizes and seeds for a set of adapters. An alpha of 0 means "= rank" (scale 1), as in kohya.
@@ -44,6 +65,8 @@ pub struct AdapterSpec {
     pub conv_rank: usize,
     pub conv_alpha: f64,
     pub dropout: f64,
+    /// LoKr's factorisation bound (LyCORIS `factor`; -1 = most balanced).
+    pub factor: i64,
     pub seed: u64,
 }
 
@@ -91,14 +114,20 @@ pub fn unet_target(path: &str, g: &LayerGeometry, spec: &AdapterSpec) -> Option<
         .any(|b| path.contains(b));
     match spec.mode {
         AdapterMode::Lora => None,
-        AdapterMode::Locon if !conv_blocks => None,
-        AdapterMode::Locon => match g.kind {
-            LoraKind::Conv { kernel, .. } if kernel > 1 => Some((
-                spec.conv_rank,
-                alpha_or_rank(spec.conv_alpha, spec.conv_rank),
-            )),
-            _ => Some(plain),
-        },
+        AdapterMode::Locon | AdapterMode::Loha | AdapterMode::Lokr | AdapterMode::Dora
+            if !conv_blocks =>
+        {
+            None
+        }
+        AdapterMode::Locon | AdapterMode::Loha | AdapterMode::Lokr | AdapterMode::Dora => {
+            match g.kind {
+                LoraKind::Conv { kernel, .. } if kernel > 1 => Some((
+                    spec.conv_rank,
+                    alpha_or_rank(spec.conv_alpha, spec.conv_rank),
+                )),
+                _ => Some(plain),
+            }
+        }
     }
 }
 
@@ -156,6 +185,14 @@ fn component_seed(component: AdapterComponent, seed: u64) -> u64 {
 }
 
 type Select<'a> = dyn Fn(&str, &LayerGeometry) -> Option<(usize, f64)> + 'a;
+
+/// The layer's weight in f32 (dequantised when stored as fp8), for DoRA's initial magnitude.
+fn layer_weight(layer: &LayerMut<'_>) -> candle_core::Result<candle_core::Tensor> {
+    match layer {
+        LayerMut::Linear(l) => l.base_weight().get(candle_core::DType::F32),
+        LayerMut::Conv2d(c) => c.base_weight().get(candle_core::DType::F32),
+    }
+}
 
 fn layer_info(layer: &LayerMut<'_>) -> (String, LayerGeometry, Device, bool) {
     match layer {
@@ -222,7 +259,33 @@ fn attach(
             in_dim: g.in_dim,
             out_dim: g.out_dim,
         };
-        match LoraModule::new(shape, rank, alpha, spec.dropout, &mut rng, &device) {
+        let algo = spec.mode.module_algo(spec.factor);
+        let created = if algo.dora {
+            layer_weight(&layer).and_then(|w| {
+                LoraModule::with_algo(
+                    shape,
+                    algo,
+                    rank,
+                    alpha,
+                    spec.dropout,
+                    Some(&w),
+                    &mut rng,
+                    &device,
+                )
+            })
+        } else {
+            LoraModule::with_algo(
+                shape,
+                algo,
+                rank,
+                alpha,
+                spec.dropout,
+                None,
+                &mut rng,
+                &device,
+            )
+        };
+        match created {
             Ok(m) => {
                 let m = Arc::new(m);
                 match layer {
@@ -258,6 +321,7 @@ mod tests {
             conv_rank: 8,
             conv_alpha: 0.0,
             dropout: 0.0,
+            factor: -1,
             seed: 0,
         }
     }

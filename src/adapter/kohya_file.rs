@@ -1,27 +1,29 @@
-//! The kohya LoRA/LoCon safetensors file: saving, loading, and matching a loaded file against
-//! the model's adapter modules (for `adapter.init_from`).
+//! The kohya-named adapter safetensors file (LoRA, LoCon, and LyCORIS's LoHa, LoKr and DoRA):
+//! saving, loading, and matching a loaded file against the model's adapter modules (for
+//! `adapter.init_from`).
 //!
-//! Layout (kohya sd-scripts `networks/lora.py`, `LoRANetwork.save_weights`), per module `<name>`
-//! (see [`super::kohya_names`]):
-//! - `<name>.lora_down.weight` [r, in] or [r, in, kh, kw];
-//! - `<name>.lora_up.weight` [out, r] or [out, r, 1, 1];
-//! - `<name>.alpha`, a 0-d tensor (`torch.tensor(alpha)`); the update is
-//!   `(alpha / r) · up · down`. A file without `.alpha` means alpha = r (scale 1), as kohya reads it.
+//! Layout (kohya sd-scripts `networks/lora.py`, `LoRANetwork.save_weights`; LyCORIS
+//! `lycoris/kohya.py` writes the same names), per module `<name>` (see [`super::kohya_names`]):
+//! - LoRA/LoCon: `<name>.lora_down.weight` [r, in] or [r, in, kh, kw], `<name>.lora_up.weight`
+//!   [out, r] or [out, r, 1, 1];
+//! - LoHa: `hada_w1_a`, `hada_w1_b`, `hada_w2_a`, `hada_w2_b`; LoKr: `lokr_w1` (or `lokr_w1_a`,
+//!   `lokr_w1_b`) and `lokr_w2` (or `lokr_w2_a`, `lokr_w2_b`); DoRA adds `dora_scale` to any of
+//!   them (see [`super::factors`] for the shapes and the update each encodes);
+//! - `<name>.alpha`, a 0-d tensor (`torch.tensor(alpha)`). A file without `.alpha` means a scale
+//!   of 1 (alpha = r), as kohya and LyCORIS read it.
 //!
 //! Every tensor, alpha included, is written in the file dtype (fp16 by default, as kohya's
-//! `--save_precision fp16`). The header's `__metadata__` holds kohya's `ss_*` strings (values
-//! formatted as Python's `str()` formats them, since kohya writes `str(v)`) and the ModelSpec
-//! `modelspec.*` keys that kohya's `library/sai_model_spec.py` writes for a LoRA.
+//! `--save_precision fp16`). The header is [`super::kohya_meta`]'s.
 //!
-//! Loaded tensors are returned as f32 (the adapter keeps f32 masters). Keys that are not one of
-//! the three LoRA suffixes (LyCORIS `hada_*`/`lokr_*`, DoRA `dora_scale`, `lora_mid`, …) are an
-//! error listing them, never dropped.
+//! Loaded tensors are returned as f32 (the adapter keeps f32 masters). Keys with another suffix
+//! (LyCORIS's Tucker `lora_mid`/`hada_t1`/`lokr_t2`, full `diff`, OFT, IA3, …) are an error
+//! listing them, never dropped; so is a module whose keys mix two types or miss one.
 //!
 //! [`match_to_model`] policy: every module of the file must name a module of the model (else an
-//! error lists all that do not), with the model's shapes (else an error lists every mismatch).
-//! Model modules absent from the file are allowed and returned in [`MatchReport::missing`]: they
-//! keep their fresh initialisation (up = 0, so they start as a no-op), which is what resuming a
-//! LoRA file into a LoCon run, or a UNet-only file into a run that also trains the text encoder,
+//! error lists all that do not), with the model's keys and shapes (else an error lists every
+//! mismatch). Model modules absent from the file are allowed and returned in
+//! [`MatchReport::missing`]: they keep their fresh initialisation (a no-op), which is what resuming
+//! a LoRA file into a LoCon run, or a UNet-only file into a run that also trains the text encoder,
 //! needs. The caller should log that count.
 
 use std::collections::{BTreeMap, HashMap};
@@ -31,13 +33,13 @@ use candle_core::{DType, Device, Tensor};
 use half::{bf16, f16};
 use safetensors::tensor::{Dtype as StDtype, SafeTensors, TensorView, View};
 
+use super::factors::{self, Algo, ALL_SUFFIXES, DOWN, UP};
+pub use super::kohya_meta::{py_float, KohyaBase, KohyaMetadata};
 use super::kohya_names::{KohyaComponent, KohyaNameError, KohyaNaming, KohyaResolver};
 use crate::error_chain::External;
 use crate::fsutil::{self, FsError};
 
-const DOWN: &str = ".lora_down.weight";
-const UP: &str = ".lora_up.weight";
-const ALPHA: &str = ".alpha";
+const ALPHA: &str = "alpha";
 
 #[derive(Debug, thiserror::Error)]
 pub enum KohyaError {
@@ -72,8 +74,8 @@ pub enum KohyaError {
         dtype: StDtype,
     },
     #[error(
-        "{}: {} key(s) are not kohya LoRA weights (`<module>.lora_down.weight`, \
-         `.lora_up.weight`, `.alpha`){hint}: {}",
+        "{}: {} key(s) are not adapter weights sdtrain reads (`<module>.lora_down.weight`, \
+         `.lora_up.weight`, `.hada_w*`, `.lokr_w*`, `.dora_scale`, `.alpha`){hint}: {}",
         path.display(), keys.len(), keys.join(", ")
     )]
     UnsupportedKeys {
@@ -81,12 +83,21 @@ pub enum KohyaError {
         keys: Vec<String>,
         hint: &'static str,
     },
-    #[error("{}: module `{name}` has {present} but no {absent}", path.display())]
+    #[error(
+        "{}: module `{name}` has {present:?}, which is no complete adapter (want {want})",
+        path.display()
+    )]
     Incomplete {
         path: PathBuf,
         name: String,
-        present: &'static str,
-        absent: &'static str,
+        present: Vec<String>,
+        want: &'static str,
+    },
+    #[error("{}: module `{name}`: {problem}", path.display())]
+    BadFactors {
+        path: PathBuf,
+        name: String,
+        problem: String,
     },
     #[error(
         "{}: module `{name}`: lora_down {down:?} and lora_up {up:?} are not a LoRA pair \
@@ -134,225 +145,25 @@ pub enum KohyaError {
     },
 }
 
-/// One module to save: its full kohya name (e.g. `lora_unet_down_blocks_0_…_to_q`), the two
-/// factors in any float dtype and on any device, and alpha.
+/// One module to save: its full kohya name (e.g. `lora_unet_down_blocks_0_…_to_q`), its tensors
+/// by key suffix (`lora_down.weight`, `hada_w1_a`, …) in any float dtype and on any device, and
+/// alpha.
 #[derive(Debug, Clone)]
 pub struct KohyaTensorSet {
     pub name: String,
-    pub down: Tensor,
-    pub up: Tensor,
+    pub tensors: Vec<(String, Tensor)>,
     pub alpha: f32,
 }
 
-/// The base model a LoRA was trained on, as kohya records it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum KohyaBase {
-    SdV1,
-    SdV2,
-    /// SD2 768-v (v-prediction).
-    SdV2V,
-    SdxlBase,
-}
-
-impl KohyaBase {
-    /// `ss_base_model_version`.
-    pub fn ss_name(self) -> &'static str {
-        match self {
-            KohyaBase::SdV1 => "sd_v1",
-            KohyaBase::SdV2 => "sd_v2",
-            KohyaBase::SdV2V => "sd_v2_v",
-            KohyaBase::SdxlBase => "sdxl_base_v1-0",
+impl KohyaTensorSet {
+    /// A LoRA/LoCon module: `down` and `up`.
+    pub fn lora(name: &str, down: Tensor, up: Tensor, alpha: f32) -> Self {
+        Self {
+            name: name.to_string(),
+            tensors: vec![(DOWN.to_string(), down), (UP.to_string(), up)],
+            alpha,
         }
     }
-
-    /// Parses an `ss_base_model_version` value (e.g. from `ModelFamily::kohya_base_model_version`).
-    pub fn from_ss_name(name: &str) -> Option<Self> {
-        [Self::SdV1, Self::SdV2, Self::SdV2V, Self::SdxlBase]
-            .into_iter()
-            .find(|b| b.ss_name() == name)
-    }
-
-    /// `modelspec.architecture` (kohya `sai_model_spec.determine_architecture`, lora=True).
-    pub fn modelspec_architecture(self) -> &'static str {
-        match self {
-            KohyaBase::SdV1 => "stable-diffusion-v1/lora",
-            KohyaBase::SdV2 => "stable-diffusion-v2-512/lora",
-            KohyaBase::SdV2V => "stable-diffusion-v2-768-v/lora",
-            KohyaBase::SdxlBase => "stable-diffusion-xl-v1-base/lora",
-        }
-    }
-
-    /// `modelspec.implementation` (kohya `determine_implementation`: sgm for SDXL LoRAs).
-    fn modelspec_implementation(self) -> &'static str {
-        match self {
-            KohyaBase::SdV1 | KohyaBase::SdV2 | KohyaBase::SdV2V => "diffusers",
-            KohyaBase::SdxlBase => "https://github.com/Stability-AI/generative-models",
-        }
-    }
-
-    fn is_v2(self) -> bool {
-        match self {
-            KohyaBase::SdV2 | KohyaBase::SdV2V => true,
-            KohyaBase::SdV1 | KohyaBase::SdxlBase => false,
-        }
-    }
-
-    fn is_v_prediction(self) -> bool {
-        match self {
-            KohyaBase::SdV2V => true,
-            KohyaBase::SdV1 | KohyaBase::SdV2 | KohyaBase::SdxlBase => false,
-        }
-    }
-}
-
-/// What the header records about the training run.
-#[derive(Debug, Clone, PartialEq)]
-pub struct KohyaMetadata {
-    pub base: KohyaBase,
-    /// `ss_network_module`, "networks.lora" for LoRA and kohya-style LoCon.
-    pub network_module: String,
-    /// Rank (`ss_network_dim`).
-    pub network_dim: usize,
-    pub network_alpha: f64,
-    /// `ss_network_args`, in order, e.g. `[("conv_dim", "4"), ("conv_alpha", "1")]` for LoCon;
-    /// written as a JSON object (`{}` when empty).
-    pub network_args: Vec<(String, String)>,
-    pub learning_rate: f64,
-    pub unet_lr: Option<f64>,
-    pub text_encoder_lr: Option<f64>,
-    pub steps: u64,
-    pub epoch: u64,
-    pub num_train_images: u64,
-    /// (width, height), written `(512, 512)`.
-    pub resolution: (u32, u32),
-    pub seed: u64,
-    /// e.g. `torch.optim.adamw.AdamW(weight_decay=0.01)` in kohya's files; free text.
-    pub optimizer: String,
-    pub output_name: String,
-    /// Unix time in seconds (kohya: `time.time()`).
-    pub training_started_at: f64,
-    /// Further header entries, written last (they may override the ones above).
-    pub extra: BTreeMap<String, String>,
-}
-
-impl KohyaMetadata {
-    /// The `__metadata__` map written to the file.
-    pub fn to_header(&self) -> HashMap<String, String> {
-        let py_opt = |v: Option<f64>| v.map_or_else(|| "None".to_string(), py_float);
-        let args = self
-            .network_args
-            .iter()
-            .map(|(k, v)| format!("{}: {}", json_str(k), json_str(v)))
-            .collect::<Vec<_>>()
-            .join(", ");
-        let (w, h) = self.resolution;
-        let started = self.training_started_at;
-        let date = chrono::DateTime::from_timestamp(started.floor() as i64, 0)
-            .map(|d| d.format("%Y-%m-%dT%H:%M:%S").to_string())
-            .unwrap_or_default();
-        let prediction = if self.base.is_v_prediction() {
-            "v"
-        } else {
-            "epsilon"
-        };
-        let mut m: HashMap<String, String> = [
-            ("ss_network_module", self.network_module.clone()),
-            ("ss_network_dim", self.network_dim.to_string()),
-            ("ss_network_alpha", py_float(self.network_alpha)),
-            ("ss_network_args", format!("{{{args}}}")),
-            ("ss_base_model_version", self.base.ss_name().to_string()),
-            ("ss_v2", py_bool(self.base.is_v2())),
-            ("ss_learning_rate", py_float(self.learning_rate)),
-            ("ss_unet_lr", py_opt(self.unet_lr)),
-            ("ss_text_encoder_lr", py_opt(self.text_encoder_lr)),
-            ("ss_steps", self.steps.to_string()),
-            ("ss_epoch", self.epoch.to_string()),
-            ("ss_num_train_images", self.num_train_images.to_string()),
-            ("ss_resolution", format!("({w}, {h})")),
-            ("ss_seed", self.seed.to_string()),
-            ("ss_optimizer", self.optimizer.clone()),
-            ("ss_output_name", self.output_name.clone()),
-            ("ss_training_started_at", py_float(started)),
-            ("modelspec.sai_model_spec", "1.0.0".to_string()),
-            (
-                "modelspec.architecture",
-                self.base.modelspec_architecture().to_string(),
-            ),
-            (
-                "modelspec.implementation",
-                self.base.modelspec_implementation().to_string(),
-            ),
-            ("modelspec.title", self.output_name.clone()),
-            ("modelspec.resolution", format!("{w}x{h}")),
-            ("modelspec.prediction_type", prediction.to_string()),
-            ("modelspec.date", date),
-        ]
-        .into_iter()
-        .map(|(k, v)| (k.to_string(), v))
-        .collect();
-        m.extend(self.extra.iter().map(|(k, v)| (k.clone(), v.clone())));
-        m
-    }
-}
-
-/// Python's `str(bool)`.
-fn py_bool(b: bool) -> String {
-    if b { "True" } else { "False" }.to_string()
-}
-
-/// Python's `str(float)`: shortest round-trip digits; scientific (`1e-05`) when the decimal
-/// exponent is < -4 or >= 16; otherwise positional with at least one decimal (`1.0`).
-pub fn py_float(v: f64) -> String {
-    if v.is_nan() {
-        return "nan".to_string();
-    }
-    if v.is_infinite() {
-        return if v > 0.0 { "inf" } else { "-inf" }.to_string();
-    }
-    if v == 0.0 {
-        return if v.is_sign_negative() { "-0.0" } else { "0.0" }.to_string();
-    }
-    // `{:e}` gives the shortest round-trip mantissa, e.g. "1.5e-5".
-    let sci = format!("{v:e}");
-    let Some((mantissa, exp)) = sci.split_once('e') else {
-        return sci;
-    };
-    let exp: i32 = exp.parse().unwrap_or(0);
-    if (-4..16).contains(&exp) {
-        let s = format!("{v}");
-        if s.contains('.') {
-            s
-        } else {
-            format!("{s}.0")
-        }
-    } else {
-        let sign = if exp < 0 { '-' } else { '+' };
-        format!("{mantissa}e{sign}{:02}", exp.abs())
-    }
-}
-
-/// A JSON string literal (as Python's `json.dumps` writes it, ASCII-escaped).
-fn json_str(s: &str) -> String {
-    let mut out = String::with_capacity(s.len() + 2);
-    out.push('"');
-    for c in s.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            '\n' => out.push_str("\\n"),
-            '\r' => out.push_str("\\r"),
-            '\t' => out.push_str("\\t"),
-            c if (c as u32) < 0x20 || (c as u32) > 0x7e => {
-                let mut buf = [0u16; 2];
-                for unit in c.encode_utf16(&mut buf) {
-                    out.push_str(&format!("\\u{unit:04x}"));
-                }
-            }
-            c => out.push(c),
-        }
-    }
-    out.push('"');
-    out
 }
 
 /// A tensor already encoded for the file.
@@ -418,6 +229,47 @@ fn encode_tensor(name: &str, t: &Tensor, dtype: DType) -> Result<Encoded, KohyaE
     encode_values(&values, t.dims().to_vec(), dtype)
 }
 
+/// Checks that a module's tensors (by suffix) form one complete adapter whose factors agree on
+/// their inner dimensions; returns its type.
+fn check_factors(dims: &BTreeMap<&str, &[usize]>) -> Result<Algo, String> {
+    let suffixes: Vec<&str> = dims.keys().copied().collect();
+    let algo =
+        Algo::detect(&suffixes).ok_or_else(|| format!("{suffixes:?} are no complete adapter"))?;
+    let d = |s: &str| dims.get(s).copied().unwrap_or(&[]);
+    let pairs: &[(&str, &str)] = match algo {
+        Algo::LowRank => {
+            return pair_rank(d(DOWN), d(UP)).map(|_| algo).ok_or_else(|| {
+                format!(
+                    "lora_down {:?} and lora_up {:?} are not a LoRA pair (want down [r, in] / \
+                     up [out, r], or down [r, in, kh, kw] / up [out, r, 1, 1])",
+                    d(DOWN),
+                    d(UP)
+                )
+            })
+        }
+        Algo::Hadamard => &[
+            (factors::HADA_W1_A, factors::HADA_W1_B),
+            (factors::HADA_W2_A, factors::HADA_W2_B),
+        ],
+        Algo::Kron => &[
+            (factors::LOKR_W1_A, factors::LOKR_W1_B),
+            (factors::LOKR_W2_A, factors::LOKR_W2_B),
+        ],
+    };
+    for (a, b) in pairs {
+        let (da, db) = (d(a), d(b));
+        if da.is_empty() && db.is_empty() {
+            continue;
+        }
+        if da.len() != 2 || db.len() < 2 || da[1] != db[0] || da[1] == 0 {
+            return Err(format!(
+                "`{a}` {da:?} and `{b}` {db:?} are not a low-rank pair"
+            ));
+        }
+    }
+    Ok(algo)
+}
+
 /// Checks that `down`/`up` form a LoRA pair; returns the rank.
 fn pair_rank(down: &[usize], up: &[usize]) -> Option<usize> {
     match (down, up) {
@@ -447,23 +299,24 @@ pub fn save_kohya(
                 problem: "the name appears twice".to_string(),
             });
         }
-        if pair_rank(m.down.dims(), m.up.dims()).is_none() {
+        let dims: BTreeMap<&str, &[usize]> = m
+            .tensors
+            .iter()
+            .map(|(k, t)| (k.as_str(), t.dims()))
+            .collect();
+        if let Err(problem) = check_factors(&dims) {
             return Err(KohyaError::BadModule {
                 name: m.name.clone(),
-                problem: format!(
-                    "lora_down {:?} and lora_up {:?} are not a LoRA pair",
-                    m.down.dims(),
-                    m.up.dims()
-                ),
+                problem,
             });
         }
-        let down = format!("{}{DOWN}", m.name);
-        let up = format!("{}{UP}", m.name);
-        tensors.push((down.clone(), encode_tensor(&down, &m.down, dtype)?));
-        tensors.push((up.clone(), encode_tensor(&up, &m.up, dtype)?));
+        for (suffix, t) in &m.tensors {
+            let key = format!("{}.{suffix}", m.name);
+            tensors.push((key.clone(), encode_tensor(&key, t, dtype)?));
+        }
         // 0-d, like kohya's `torch.tensor(alpha)`.
         tensors.push((
-            format!("{}{ALPHA}", m.name),
+            format!("{}.{ALPHA}", m.name),
             encode_values(&[m.alpha], Vec::new(), dtype)?,
         ));
     }
@@ -483,17 +336,59 @@ pub fn save_kohya(
 #[derive(Debug, Clone)]
 pub struct KohyaModule {
     pub name: String,
-    pub down: Tensor,
-    pub up: Tensor,
-    /// The file's alpha, or the rank when the file has none (kohya's convention).
+    pub algo: Algo,
+    /// By key suffix (`lora_down.weight`, `hada_w1_a`, `dora_scale`, …).
+    pub tensors: BTreeMap<String, Tensor>,
+    /// The file's alpha, or the one that makes the scale 1 when the file has none (kohya's and
+    /// LyCORIS's convention).
     pub alpha: f32,
     /// Whether the file held `<name>.alpha`.
     pub alpha_in_file: bool,
 }
 
 impl KohyaModule {
+    pub fn get(&self, suffix: &str) -> Option<&Tensor> {
+        self.tensors.get(suffix)
+    }
+
+    /// LoRA's `lora_down.weight`.
+    pub fn down(&self) -> Option<&Tensor> {
+        self.get(DOWN)
+    }
+
+    /// LoRA's `lora_up.weight`.
+    pub fn up(&self) -> Option<&Tensor> {
+        self.get(UP)
+    }
+
+    /// The rank the scale divides alpha by (see [`factors::scale`]); 0 for a LoKr of two full
+    /// halves, whose scale is 1.
     pub fn rank(&self) -> usize {
-        self.down.dims().first().copied().unwrap_or(0)
+        let dim = |s: &str, i: usize| self.get(s).and_then(|t| t.dims().get(i).copied());
+        match self.algo {
+            Algo::LowRank => dim(DOWN, 0),
+            Algo::Hadamard => dim(factors::HADA_W1_B, 0),
+            Algo::Kron => dim(factors::LOKR_W2_A, 1).or_else(|| dim(factors::LOKR_W1_A, 1)),
+        }
+        .unwrap_or(0)
+    }
+
+    /// The update this module encodes for a weight of shape `w`, f32: `ΔW`, or DoRA's `W' − W`
+    /// when the module has a `dora_scale` (then `weight` must be given).
+    pub fn weight_update(
+        &self,
+        w: &[usize],
+        weight: Option<&Tensor>,
+    ) -> candle_core::Result<Tensor> {
+        let get = |s: &str| self.get(s).cloned();
+        let delta = factors::delta_weight(self.algo, &get, f64::from(self.alpha), w)?;
+        match (self.get(factors::DORA_SCALE), weight) {
+            (None, _) => Ok(delta),
+            (Some(m), Some(weight)) => {
+                factors::dora_update(&weight.to_dtype(DType::F32)?, &delta, m)
+            }
+            (Some(_), None) => candle_core::bail!("a DoRA module needs the layer's weight"),
+        }
     }
 }
 
@@ -544,9 +439,8 @@ fn decode(
 /// A hint for keys of adapter formats we do not read.
 fn unsupported_hint(keys: &[String]) -> &'static str {
     let lycoris = [
-        "hada_",
-        "lokr_",
-        "dora_scale",
+        "hada_t",
+        "lokr_t",
         "lora_mid",
         ".diff",
         ".on_input",
@@ -554,8 +448,9 @@ fn unsupported_hint(keys: &[String]) -> &'static str {
         "boft_",
     ];
     if keys.iter().any(|k| lycoris.iter().any(|p| k.contains(p))) {
-        " (this looks like a LyCORIS file: LoHa, LoKr, DoRA, Tucker LoCon, full diff and OFT \
-         modules are not supported; use a plain LoRA/LoCon)"
+        " (this looks like a LyCORIS file of a type sdtrain does not read: Tucker \
+         decompositions (`lora_mid`, `hada_t*`, `lokr_t2`), full diff, OFT/BOFT and IA3 are not \
+         supported; LoRA, LoCon, LoHa, LoKr and DoRA are)"
     } else {
         ""
     }
@@ -588,15 +483,10 @@ pub fn load_kohya(path: &Path, device: &Device) -> Result<KohyaFile, KohyaError>
     })
 }
 
-/// One module's tensors in the file, each with its key.
-#[derive(Default)]
-struct Parts<'a> {
-    down: Option<(&'a str, TensorView<'a>)>,
-    up: Option<(&'a str, TensorView<'a>)>,
-    alpha: Option<(&'a str, TensorView<'a>)>,
-}
+/// One module's tensors in the file by suffix, each with its key.
+type Parts<'a> = BTreeMap<&'static str, (&'a str, TensorView<'a>)>;
 
-/// Groups the file's tensors by module name; a key with none of the three suffixes is an error.
+/// Groups the file's tensors by module name; a key with no known suffix is an error.
 fn group_by_module<'a>(
     path: &Path,
     tensors: &'a [(String, TensorView<'a>)],
@@ -605,17 +495,19 @@ fn group_by_module<'a>(
     let mut unsupported = Vec::new();
     for (key, view) in tensors {
         let key = key.as_str();
-        let entry = if let Some(m) = key.strip_suffix(DOWN) {
-            &mut by_module.entry(m).or_default().down
-        } else if let Some(m) = key.strip_suffix(UP) {
-            &mut by_module.entry(m).or_default().up
-        } else if let Some(m) = key.strip_suffix(ALPHA) {
-            &mut by_module.entry(m).or_default().alpha
-        } else {
-            unsupported.push(key.to_string());
-            continue;
-        };
-        *entry = Some((key, view.clone()));
+        let hit = ALL_SUFFIXES.iter().chain(&[ALPHA]).find_map(|suffix| {
+            let module = key.strip_suffix(suffix)?.strip_suffix('.')?;
+            Some((module, *suffix))
+        });
+        match hit {
+            Some((module, suffix)) => {
+                by_module
+                    .entry(module)
+                    .or_default()
+                    .insert(suffix, (key, view.clone()));
+            }
+            None => unsupported.push(key.to_string()),
+        }
     }
     if !unsupported.is_empty() {
         unsupported.sort();
@@ -629,42 +521,69 @@ fn group_by_module<'a>(
     Ok(by_module)
 }
 
-/// Checks module `name`'s tensors (both weights, agreeing ranks) and decodes them onto `device`.
+/// Checks module `name`'s tensors (one complete adapter, agreeing factors) and decodes them onto
+/// `device`.
 fn load_module(
     path: &Path,
     name: &str,
-    parts: Parts<'_>,
+    mut parts: Parts<'_>,
     device: &Device,
 ) -> Result<KohyaModule, KohyaError> {
-    let incomplete = |present, absent| KohyaError::Incomplete {
+    let alpha_part = parts.remove(ALPHA);
+    let dims: BTreeMap<&str, &[usize]> = parts.iter().map(|(s, (_, v))| (*s, v.shape())).collect();
+    let suffixes: Vec<&str> = dims.keys().copied().collect();
+    let Some(algo) = Algo::detect(&suffixes) else {
+        let want = if suffixes.iter().any(|s| s.starts_with("hada_")) {
+            Algo::Hadamard.describe()
+        } else if suffixes.iter().any(|s| s.starts_with("lokr_")) {
+            Algo::Kron.describe()
+        } else {
+            Algo::LowRank.describe()
+        };
+        let mut present: Vec<String> = suffixes.iter().map(|s| s.to_string()).collect();
+        if alpha_part.is_some() {
+            present.push(ALPHA.to_string());
+        }
+        return Err(KohyaError::Incomplete {
+            path: path.to_path_buf(),
+            name: name.to_string(),
+            present,
+            want,
+        });
+    };
+    if algo == Algo::LowRank {
+        if let (Some(d), Some(u)) = (dims.get(DOWN), dims.get(UP)) {
+            if pair_rank(d, u).is_none() {
+                return Err(KohyaError::BadPair {
+                    path: path.to_path_buf(),
+                    name: name.to_string(),
+                    down: d.to_vec(),
+                    up: u.to_vec(),
+                });
+            }
+        }
+    }
+    check_factors(&dims).map_err(|problem| KohyaError::BadFactors {
         path: path.to_path_buf(),
         name: name.to_string(),
-        present,
-        absent,
-    };
-    let (down, up) = match (parts.down, parts.up) {
-        (Some(d), Some(u)) => (d, u),
-        (Some(_), None) => return Err(incomplete("lora_down.weight", "lora_up.weight")),
-        (None, Some(_)) => return Err(incomplete("lora_up.weight", "lora_down.weight")),
-        (None, None) => return Err(incomplete("alpha", "lora_down/lora_up weights")),
-    };
-    let rank = pair_rank(down.1.shape(), up.1.shape()).ok_or_else(|| KohyaError::BadPair {
-        path: path.to_path_buf(),
-        name: name.to_string(),
-        down: down.1.shape().to_vec(),
-        up: up.1.shape().to_vec(),
+        problem,
     })?;
-    let alpha = match &parts.alpha {
-        Some((key, view)) => read_alpha(path, key, view)?,
-        None => rank as f32,
-    };
-    Ok(KohyaModule {
+    let mut tensors = BTreeMap::new();
+    for (suffix, (key, view)) in &parts {
+        tensors.insert(suffix.to_string(), decode(path, key, view, device)?);
+    }
+    let mut module = KohyaModule {
         name: name.to_string(),
-        down: decode(path, down.0, &down.1, device)?,
-        up: decode(path, up.0, &up.1, device)?,
-        alpha,
-        alpha_in_file: parts.alpha.is_some(),
-    })
+        algo,
+        tensors,
+        alpha: 1.0,
+        alpha_in_file: alpha_part.is_some(),
+    };
+    module.alpha = match &alpha_part {
+        Some((key, view)) => read_alpha(path, key, view)?,
+        None => module.rank().max(1) as f32,
+    };
+    Ok(module)
 }
 
 /// The value of the one-element `.alpha` tensor `key`.
@@ -691,8 +610,22 @@ pub struct ExpectedModule {
     pub component: KohyaComponent,
     /// diffusers/transformers module path, e.g. `down_blocks.1.attentions.0.proj_in`.
     pub module_path: String,
-    pub down_shape: Vec<usize>,
-    pub up_shape: Vec<usize>,
+    /// The module's tensors by key suffix, with their shapes.
+    pub shapes: Vec<(String, Vec<usize>)>,
+}
+
+impl ExpectedModule {
+    /// A LoRA/LoCon module's `down` and `up` shapes.
+    pub fn lora(component: KohyaComponent, path: &str, down: &[usize], up: &[usize]) -> Self {
+        Self {
+            component,
+            module_path: path.to_string(),
+            shapes: vec![
+                (DOWN.to_string(), down.to_vec()),
+                (UP.to_string(), up.to_vec()),
+            ],
+        }
+    }
 }
 
 /// A file module resolved to a model module; tensors are f32.
@@ -700,9 +633,7 @@ pub struct ExpectedModule {
 pub struct MatchedModule {
     /// Index into the `expected` slice given to [`match_to_model`].
     pub expected_index: usize,
-    pub down: Tensor,
-    pub up: Tensor,
-    pub alpha: f32,
+    pub module: KohyaModule,
 }
 
 #[derive(Debug, Clone)]
@@ -748,23 +679,10 @@ pub fn match_to_model(
                 index,
             });
         }
-        let want = &expected[index];
-        for (suffix, have, wanted) in [
-            (DOWN, m.down.dims(), &want.down_shape),
-            (UP, m.up.dims(), &want.up_shape),
-        ] {
-            if have != wanted.as_slice() {
-                mismatches.push(format!(
-                    "shape mismatch for {}{suffix}: file has {have:?}, model wants {wanted:?}",
-                    m.name
-                ));
-            }
-        }
+        mismatches.extend(module_mismatches(m, &expected[index]));
         matched.push(MatchedModule {
             expected_index: index,
-            down: m.down.clone(),
-            up: m.up.clone(),
-            alpha: m.alpha,
+            module: m.clone(),
         });
     }
     if !unknown.is_empty() {
@@ -791,34 +709,38 @@ pub fn match_to_model(
     Ok(MatchReport { matched, missing })
 }
 
+/// How a file module differs from the model's: other keys (another adapter type), or other
+/// shapes.
+fn module_mismatches(m: &KohyaModule, want: &ExpectedModule) -> Vec<String> {
+    let have: Vec<&str> = m.tensors.keys().map(String::as_str).collect();
+    let wanted: Vec<&str> = want.shapes.iter().map(|(s, _)| s.as_str()).collect();
+    let (mut h, mut w) = (have.clone(), wanted.clone());
+    h.sort_unstable();
+    w.sort_unstable();
+    if h != w {
+        return vec![format!(
+            "{} holds {have:?}, the model's module has {wanted:?} (another adapter type or \
+             LoKr layout; set `mode` and `adapter` to match the file)",
+            m.name
+        )];
+    }
+    want.shapes
+        .iter()
+        .filter_map(|(suffix, wanted)| {
+            let have = m.tensors.get(suffix)?.dims();
+            (have != wanted.as_slice()).then(|| {
+                format!(
+                    "shape mismatch for {}.{suffix}: file has {have:?}, model wants {wanted:?}",
+                    m.name
+                )
+            })
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn python_float_formatting() {
-        for (v, want) in [
-            (1e-4, "0.0001"),
-            (1e-5, "1e-05"),
-            (5e-6, "5e-06"),
-            (1.0, "1.0"),
-            (4.0, "4.0"),
-            (0.5, "0.5"),
-            (1.5e-5, "1.5e-05"),
-            (1700000000.25, "1700000000.25"),
-            (1e16, "1e+16"),
-            (123.0, "123.0"),
-            (0.0, "0.0"),
-        ] {
-            assert_eq!(py_float(v), want, "{v}");
-        }
-    }
-
-    #[test]
-    fn json_args_match_python_json_dumps() {
-        assert_eq!(json_str("conv_dim"), "\"conv_dim\"");
-        assert_eq!(json_str("a\"b\\é"), "\"a\\\"b\\\\\\u00e9\"");
-    }
 
     #[test]
     fn pair_rank_accepts_linear_and_conv() {
@@ -827,54 +749,5 @@ mod tests {
         assert_eq!(pair_rank(&[4, 320], &[640, 8]), None);
         assert_eq!(pair_rank(&[4, 320, 3, 3], &[640, 4, 3, 3]), None);
         assert_eq!(pair_rank(&[0, 320], &[640, 0]), None);
-    }
-
-    #[test]
-    fn metadata_header_has_kohya_keys() {
-        let m = KohyaMetadata {
-            base: KohyaBase::SdV2V,
-            network_module: "networks.lora".into(),
-            network_dim: 8,
-            network_alpha: 4.0,
-            network_args: vec![
-                ("conv_dim".into(), "4".into()),
-                ("conv_alpha".into(), "1".into()),
-            ],
-            learning_rate: 1e-4,
-            unet_lr: Some(1e-4),
-            text_encoder_lr: None,
-            steps: 100,
-            epoch: 2,
-            num_train_images: 10,
-            resolution: (768, 768),
-            seed: 42,
-            optimizer: "torch.optim.adamw.AdamW".into(),
-            output_name: "my_lora".into(),
-            training_started_at: 1700000000.5,
-            extra: BTreeMap::new(),
-        };
-        let h = m.to_header();
-        assert_eq!(
-            h["ss_network_args"],
-            r#"{"conv_dim": "4", "conv_alpha": "1"}"#
-        );
-        assert_eq!(h["ss_network_alpha"], "4.0");
-        assert_eq!(h["ss_v2"], "True");
-        assert_eq!(h["ss_base_model_version"], "sd_v2_v");
-        assert_eq!(h["ss_resolution"], "(768, 768)");
-        assert_eq!(h["ss_text_encoder_lr"], "None");
-        assert_eq!(h["ss_training_started_at"], "1700000000.5");
-        assert_eq!(
-            h["modelspec.architecture"],
-            "stable-diffusion-v2-768-v/lora"
-        );
-        assert_eq!(h["modelspec.prediction_type"], "v");
-        assert_eq!(h["modelspec.date"], "2023-11-14T22:13:20");
-        let parsed: serde_json::Value = serde_json::from_str(&h["ss_network_args"]).unwrap();
-        assert_eq!(parsed["conv_dim"], "4");
-        assert_eq!(
-            KohyaBase::from_ss_name("sdxl_base_v1-0"),
-            Some(KohyaBase::SdxlBase)
-        );
     }
 }

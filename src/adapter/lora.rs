@@ -1,5 +1,6 @@
-//! One LoRA / LoCon module: `delta(x) = (alpha/rank) · up(dropout(down(x)))` (Hu et al., LoRA,
-//! arXiv 2106.09685), laid out as kohya sd-scripts' `networks/lora.py` `LoRAModule`:
+//! One adapter module on a frozen Linear or Conv2d. LoRA / LoCon compute
+//! `delta(x) = (alpha/rank) · up(dropout(down(x)))` (Hu et al., LoRA, arXiv 2106.09685), laid out
+//! as kohya sd-scripts' `networks/lora.py` `LoRAModule`:
 //!
 //! - on a Linear: `down` `[r, in]`, `up` `[out, r]`, so `delta = s · x·downᵀ·upᵀ`;
 //! - on a Conv2d (LoCon): `down` is a conv with the base's kernel, stride and padding
@@ -8,6 +9,11 @@
 //! Init as kohya (and microsoft/LoRA): `down` kaiming-uniform with `a = √5`, i.e. uniform in
 //! `±sqrt(6 / ((1 + a²)·fan_in)) = ±1/sqrt(fan_in)`, `up` zeros, so a fresh adapter is a no-op.
 //! Dropout (kohya's `dropout`) acts on the `down` output, only while training.
+//!
+//! LoHa, LoKr and DoRA (LyCORIS's types, [`super::factors`]) rebuild the weight update `ΔW` from
+//! their factors each forward and run the layer's own op on it, `op(x, ΔW)`, as LyCORIS's default
+//! (non-bypass) forward does; DoRA normalises `W + ΔW` with the frozen weight it is handed
+//! ([`LayerAdapter::delta_on`]). Their inits are LyCORIS's ([`factors::param_shapes`]).
 //!
 //! The Vars are f32 masters; `delta` casts them to the input's dtype, and the cast's backward
 //! returns f32 gradients (the base layer stays in its loaded dtype).
@@ -18,9 +24,10 @@ use std::sync::Mutex;
 use candle_core::{DType, Device, Result, Tensor, Var};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
+use super::factors::{self, Algo, Init, DORA_SCALE, DOWN, LOKR_W1_A, LOKR_W2_A, UP};
 use crate::nn::{
-    cast_like, cpu_bf16, frozen_conv2d_low_rank, frozen_linear_low_rank, FrozenBase, LayerAdapter,
-    LowRank,
+    cast_like, cpu_bf16, frozen_conv2d_low_rank, frozen_linear_low_rank, BaseWeight, FrozenBase,
+    LayerAdapter, LowRank,
 };
 
 /// Which model an adapter module belongs to (kohya prefixes `lora_unet`, `lora_te`/`lora_te1`,
@@ -44,22 +51,25 @@ pub enum LoraKind {
     },
 }
 
-/// A LoRA/LoCon module attached to one Linear or Conv2d.
+/// An adapter module (LoRA, LoCon, LoHa, LoKr, DoRA) attached to one Linear or Conv2d.
 #[derive(Debug)]
 pub struct LoraModule {
     /// The diffusers/transformers path of the wrapped layer, e.g.
     /// `down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q`.
     pub module_path: String,
     pub component: AdapterComponent,
-    /// `[r, in]` or `[r, in, kh, kw]`, f32.
-    pub down: Var,
-    /// `[out, r]` or `[out, r, 1, 1]`, f32.
-    pub up: Var,
+    /// How the factors build the update ([`factors`]).
+    pub algo: Algo,
+    /// The trainable tensors by key suffix (`lora_down.weight`, `hada_w1_a`, `dora_scale`, …), in
+    /// init and file order; f32.
+    pub params: Vec<(&'static str, Var)>,
     pub alpha: f64,
     pub rank: usize,
-    /// Probability of zeroing an element of `down(x)` while training (0 = off).
+    /// Probability of zeroing an element of `down(x)` while training (0 = off; LoRA/LoCon only).
     pub dropout: f64,
     pub kind: LoraKind,
+    /// The wrapped layer's weight shape, `[out, in]` or `[out, in, k, k]`.
+    pub weight_dims: Vec<usize>,
     training: AtomicBool,
     rng: Mutex<StdRng>,
     /// The dropout stream's seed: [`LoraModule::begin_step`] restarts the stream from it.
@@ -76,14 +86,94 @@ pub struct LoraShape {
     pub out_dim: usize,
 }
 
+impl LoraShape {
+    /// The wrapped layer's weight shape.
+    pub fn weight_dims(&self) -> Vec<usize> {
+        match self.kind {
+            LoraKind::Linear => vec![self.out_dim, self.in_dim],
+            LoraKind::Conv { kernel, .. } => vec![self.out_dim, self.in_dim, kernel, kernel],
+        }
+    }
+}
+
+/// Which adapter a module is: the factor layout, LoKr's `factor`, and whether DoRA's magnitude
+/// is trained on top.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ModuleAlgo {
+    pub algo: Algo,
+    /// LoKr's factorisation bound (LyCORIS `factor`, -1 = most balanced).
+    pub factor: i64,
+    pub dora: bool,
+}
+
+impl ModuleAlgo {
+    pub const LORA: ModuleAlgo = ModuleAlgo {
+        algo: Algo::LowRank,
+        factor: -1,
+        dora: false,
+    };
+}
+
+/// Draws `n` values for `init` from `rng`.
+fn draw(init: Init, dims: &[usize], base: Option<&Tensor>, rng: &mut StdRng) -> Result<Vec<f32>> {
+    let n: usize = dims.iter().product();
+    let fan_in: usize = dims.iter().skip(1).product();
+    Ok(match init {
+        Init::Zeros => vec![0.0; n],
+        Init::KaimingUniform => {
+            let bound = 1.0 / (fan_in.max(1) as f64).sqrt();
+            (0..n)
+                .map(|_| rng.random_range(-bound..bound) as f32)
+                .collect()
+        }
+        Init::Normal(std) => {
+            let normal = rand_distr::Normal::new(0.0, std)
+                .map_err(|e| candle_core::Error::Msg(format!("normal init: {e}")))?;
+            (0..n).map(|_| rng.sample(normal) as f32).collect()
+        }
+        Init::BaseNorm => {
+            let Some(w) = base else {
+                candle_core::bail!("DoRA needs the base weight to initialise its magnitude");
+            };
+            factors::input_norm(w)?.flatten_all()?.to_vec1::<f32>()?
+        }
+    })
+}
+
 impl LoraModule {
-    /// A fresh module: `down` kaiming-uniform (a = √5) drawn from `rng`, `up` zeros. The
-    /// dropout mask stream is seeded from `rng` too, so a run is reproducible.
+    /// A fresh LoRA/LoCon module: `down` kaiming-uniform (a = √5) drawn from `rng`, `up` zeros.
+    /// The dropout mask stream is seeded from `rng` too, so a run is reproducible.
     pub fn new(
         shape: LoraShape,
         rank: usize,
         alpha: f64,
         dropout: f64,
+        rng: &mut StdRng,
+        device: &Device,
+    ) -> Result<Self> {
+        Self::with_algo(
+            shape,
+            ModuleAlgo::LORA,
+            rank,
+            alpha,
+            dropout,
+            None,
+            rng,
+            device,
+        )
+    }
+
+    /// A fresh module of any type, its tensors shaped and initialised as LyCORIS does
+    /// ([`factors::param_shapes`]), drawn from `rng` in order. `base` is the wrapped layer's
+    /// weight, needed for DoRA's magnitude.
+    #[allow(clippy::too_many_arguments)]
+    pub fn with_algo(
+        shape: LoraShape,
+        algo: ModuleAlgo,
+        rank: usize,
+        alpha: f64,
+        dropout: f64,
+        base: Option<&Tensor>,
         rng: &mut StdRng,
         device: &Device,
     ) -> Result<Self> {
@@ -93,49 +183,94 @@ impl LoraModule {
         if !(0.0..1.0).contains(&dropout) {
             candle_core::bail!("{}: dropout {dropout} is not in [0, 1)", shape.module_path);
         }
-        let (down_dims, up_dims, fan_in) = match shape.kind {
-            LoraKind::Linear => (
-                vec![rank, shape.in_dim],
-                vec![shape.out_dim, rank],
-                shape.in_dim,
-            ),
-            LoraKind::Conv { kernel, .. } => (
-                vec![rank, shape.in_dim, kernel, kernel],
-                vec![shape.out_dim, rank, 1, 1],
-                shape.in_dim * kernel * kernel,
-            ),
-        };
-        let bound = 1.0 / (fan_in.max(1) as f64).sqrt();
-        let n: usize = down_dims.iter().product();
-        let values: Vec<f32> = (0..n)
-            .map(|_| rng.random_range(-bound..bound) as f32)
-            .collect();
-        let down = Var::from_vec(values, down_dims, device)?;
-        let up = Var::zeros(up_dims, DType::F32, device)?;
+        if dropout > 0.0 && (algo.algo != Algo::LowRank || algo.dora) {
+            candle_core::bail!("{}: dropout is only for LoRA/LoCon", shape.module_path);
+        }
+        let weight_dims = shape.weight_dims();
+        let mut params = Vec::new();
+        for ps in factors::param_shapes(algo.algo, &weight_dims, rank, algo.factor, algo.dora) {
+            let values = draw(ps.init, &ps.dims, base, rng)?;
+            params.push((ps.suffix, Var::from_vec(values, ps.dims, device)?));
+        }
         let dropout_seed = rng.random::<u64>();
         Ok(Self {
             module_path: shape.module_path,
             component: shape.component,
-            down,
-            up,
+            algo: algo.algo,
+            params,
             alpha,
             rank,
             dropout,
             kind: shape.kind,
+            weight_dims,
             training: AtomicBool::new(false),
             rng: Mutex::new(StdRng::seed_from_u64(dropout_seed)),
             dropout_seed,
         })
     }
 
-    /// `alpha / rank`.
-    pub fn scale(&self) -> f64 {
-        self.alpha / self.rank as f64
+    /// The Var stored under `suffix`, if this module has one.
+    pub fn var(&self, suffix: &str) -> Option<&Var> {
+        self.params
+            .iter()
+            .find(|(s, _)| *s == suffix)
+            .map(|(_, v)| v)
     }
 
-    /// `[down, up]`, the trainable parameters.
-    pub fn vars(&self) -> [&Var; 2] {
-        [&self.down, &self.up]
+    /// Every trainable Var, in init order.
+    pub fn vars(&self) -> Vec<&Var> {
+        self.params.iter().map(|(_, v)| v).collect()
+    }
+
+    /// Whether DoRA's magnitude is trained.
+    pub fn is_dora(&self) -> bool {
+        self.var(DORA_SCALE).is_some()
+    }
+
+    /// The device the module lives on.
+    pub fn device(&self) -> Device {
+        self.params
+            .first()
+            .map_or(Device::Cpu, |(_, v)| v.device().clone())
+    }
+
+    fn get(&self, suffix: &str) -> Option<Tensor> {
+        self.var(suffix).map(|v| v.as_tensor().clone())
+    }
+
+    /// The update's scale ([`factors::scale`]): `alpha / rank`, or 1 for a LoKr whose halves are
+    /// both full.
+    pub fn scale(&self) -> f64 {
+        factors::scale(self.algo, &|s| self.get(s), self.alpha).unwrap_or(1.0)
+    }
+
+    /// The alpha written to the file: LyCORIS writes the rank for a LoKr of two full halves
+    /// (whose scale is 1 whatever alpha says).
+    pub fn saved_alpha(&self) -> f64 {
+        match self.algo {
+            Algo::Kron if self.var(LOKR_W1_A).is_none() && self.var(LOKR_W2_A).is_none() => {
+                self.rank as f64
+            }
+            Algo::LowRank | Algo::Hadamard | Algo::Kron => self.alpha,
+        }
+    }
+
+    /// `ΔW` without DoRA, f32, shaped like the wrapped weight, tracked through the Vars.
+    pub fn delta_weight(&self) -> Result<Tensor> {
+        factors::delta_weight(self.algo, &|s| self.get(s), self.alpha, &self.weight_dims)
+    }
+
+    /// The whole update to the weight `w` (f32, a constant): `ΔW`, or DoRA's `W' − W`.
+    pub fn weight_update(&self, w: Option<&Tensor>) -> Result<Tensor> {
+        let delta = self.delta_weight()?;
+        match (self.get(DORA_SCALE), w) {
+            (None, _) => Ok(delta),
+            (Some(m), Some(w)) => factors::dora_update(&w.to_dtype(DType::F32)?, &delta, &m),
+            (Some(_), None) => candle_core::bail!(
+                "{}: a DoRA module needs its layer's weight",
+                self.module_path
+            ),
+        }
     }
 
     /// Restarts the dropout mask stream for optimizer step `step`: the masks of a step depend
@@ -195,9 +330,18 @@ impl LoraModule {
         }
     }
 
-    fn delta_in_dtype(&self, x: &Tensor) -> Result<Tensor> {
-        let down = cast_like(self.down.as_tensor(), x)?;
-        let up = cast_like(self.up.as_tensor(), x)?;
+    fn lora_pair(&self) -> Result<(Tensor, Tensor)> {
+        match (self.get(DOWN), self.get(UP)) {
+            (Some(d), Some(u)) => Ok((d, u)),
+            _ => candle_core::bail!("{}: not a LoRA module", self.module_path),
+        }
+    }
+
+    /// LoRA/LoCon: `s · up(dropout(down(x)))` through the two small layers.
+    fn low_rank_delta(&self, x: &Tensor) -> Result<Tensor> {
+        let (down, up) = self.lora_pair()?;
+        let down = cast_like(&down, x)?;
+        let up = cast_like(&up, x)?;
         let y = match self.kind {
             LoraKind::Linear => {
                 let dims = x.dims().to_vec();
@@ -224,26 +368,72 @@ impl LoraModule {
         };
         y.affine(self.scale(), 0.0)
     }
+
+    /// LoHa, LoKr, DoRA: the layer's own op on the rebuilt update, `op(x, ΔW)` (LyCORIS's
+    /// default, non-bypass forward). `base` is the frozen weight DoRA normalises.
+    fn rebuilt_delta(&self, x: &Tensor, base: Option<&BaseWeight>) -> Result<Tensor> {
+        let w = base.map(|b| b.get(DType::F32)).transpose()?;
+        let update = cast_like(&self.weight_update(w.as_ref())?, x)?;
+        match self.kind {
+            LoraKind::Linear => {
+                let dims = x.dims().to_vec();
+                let in_dim = dims[dims.len() - 1];
+                let rows = x.elem_count() / in_dim.max(1);
+                let y = crate::nn::matmul_const_lhs(&x.reshape((rows, in_dim))?, &update)?;
+                let mut out_dims = dims;
+                let last = out_dims.len() - 1;
+                out_dims[last] = update.dim(0)?;
+                y.reshape(out_dims)
+            }
+            LoraKind::Conv {
+                stride, padding, ..
+            } => crate::nn::conv2d_const_input(x, &update, padding, stride),
+        }
+    }
+
+    fn delta_in_dtype(&self, x: &Tensor, base: Option<&BaseWeight>) -> Result<Tensor> {
+        if self.algo == Algo::LowRank && !self.is_dora() {
+            self.low_rank_delta(x)
+        } else {
+            self.rebuilt_delta(x, base)
+        }
+    }
+
+    fn delta_any(&self, x: &Tensor, base: Option<&BaseWeight>) -> Result<Tensor> {
+        // No bf16 gemm/conv kernels on the CPU: compute in f32 and round once, like the base.
+        if cpu_bf16(x) {
+            return self
+                .delta_in_dtype(&x.to_dtype(DType::F32)?, base)?
+                .to_dtype(DType::BF16);
+        }
+        self.delta_in_dtype(x, base)
+    }
 }
 
 impl LayerAdapter for LoraModule {
     fn delta(&self, x: &Tensor) -> Result<Tensor> {
-        // No bf16 gemm/conv kernels on the CPU: compute in f32 and round once, like the base.
-        if cpu_bf16(x) {
-            return self
-                .delta_in_dtype(&x.to_dtype(DType::F32)?)?
-                .to_dtype(DType::BF16);
-        }
-        self.delta_in_dtype(x)
+        self.delta_any(x, None)
     }
 
-    /// The frozen layer and this module as one op (`nn::low_rank`): what the backward keeps is
-    /// the input and the rank-r `down` output, not three layer-output-sized tensors.
+    fn delta_on(&self, x: &Tensor, base: &BaseWeight) -> Result<Tensor> {
+        self.delta_any(x, Some(base))
+    }
+
+    /// LoRA/LoCon: the frozen layer and this module as one op (`nn::low_rank`): what the
+    /// backward keeps is the input and the rank-r `down` output, not three layer-output-sized
+    /// tensors. The other types rebuild `ΔW` and have no such form.
     fn forward_frozen(&self, x: &Tensor, base: FrozenBase<'_>) -> Option<Result<Tensor>> {
+        if self.algo != Algo::LowRank || self.is_dora() {
+            return None;
+        }
+        let (down, up) = match self.lora_pair() {
+            Ok(pair) => pair,
+            Err(e) => return Some(Err(e)),
+        };
         let mask = |h: &Tensor| self.dropout_mask(h);
         let lr = LowRank {
-            down: self.down.as_tensor(),
-            up: self.up.as_tensor(),
+            down: &down,
+            up: &up,
             scale: self.scale(),
             dropout: &mask,
         };

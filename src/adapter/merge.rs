@@ -1,7 +1,12 @@
-//! Folding a kohya LoRA/LoCon file into a model's frozen weights, as A1111 and ComfyUI apply
-//! one for inference: `W += m · (alpha/rank) · up·down` for each module of the file, with
-//! `up·down` taken over the flattened `[out, r]` and `[r, in·kh·kw]` and shaped like `W` (so a
-//! 1×1-conv LoRA fits a linear layer and the other way round). `m` is the user's multiplier.
+//! Folding a kohya-named adapter file (LoRA, LoCon, LoHa, LoKr, DoRA) into a model's frozen
+//! weights, as A1111 and ComfyUI apply one for inference: `W += m · U` for each module of the
+//! file, `U` the update it encodes ([`super::factors`]: `ΔW`, or DoRA's `W' − W`), taken over the
+//! flattened factors and shaped like `W` (so a 1×1-conv LoRA fits a linear layer and the other
+//! way round). `m` is the user's multiplier; `m = 0` leaves the base weights.
+//!
+//! DoRA with a multiplier is A1111's and ComfyUI's `W + m·(W' − W)`. LyCORIS's own merge scales
+//! the magnitude ratio instead, `W' = (W + ΔW)·(m·(‖·‖ratio − 1) + 1)`, which at `m = 0` leaves
+//! `W + ΔW`, not `W`; the two agree at `m = 1`.
 //!
 //! The sum is done in f32 and rounded once to the weight's dtype. A module the model does not
 //! have, or a shape that does not fit, is an error naming the file and the module; nothing is
@@ -89,28 +94,11 @@ pub fn merge_kohya(
             name: m.name.clone(),
             problem,
         };
-        let (rank, out_dim) = (m.rank(), m.up.dims().first().copied().unwrap_or(0));
-        let up = m.up.to_dtype(DType::F32)?.reshape((out_dim, ()))?;
-        let down = m.down.to_dtype(DType::F32)?.reshape((rank, ()))?;
-        if up.dim(1)? != rank {
-            return Err(bad(format!(
-                "up {:?} and down {:?} disagree on the rank",
-                m.up.dims(),
-                m.down.dims()
-            )));
-        }
-        let delta = up.matmul(&down)?;
-        if delta.elem_count() != weight.elem_count() || out_dim != weight.dim(0)? {
-            return Err(bad(format!(
-                "up {:?} · down {:?} does not fit the weight {:?}",
-                m.up.dims(),
-                m.down.dims(),
-                weight.dims()
-            )));
-        }
-        let scale = multiplier * f64::from(m.alpha) / rank.max(1) as f64;
-        let merged = (weight.to_dtype(DType::F32)? + (delta.reshape(weight.shape())? * scale)?)?
-            .to_dtype(weight.dtype())?;
+        let w32 = weight.to_dtype(DType::F32)?;
+        let update = m
+            .weight_update(weight.dims(), Some(&w32))
+            .map_err(|e| bad(e.to_string()))?;
+        let merged = (&w32 + (update * multiplier)?)?.to_dtype(weight.dtype())?;
         updates.insert((*component, path.clone()), merged);
     }
     if !unknown.is_empty() {

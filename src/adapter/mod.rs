@@ -1,7 +1,8 @@
 //! Trainable adapters on a frozen base model: LoRA (Hu et al., arXiv 2106.09685) and kohya's
 //! LoCon, `y = W·x + (alpha/rank)·up(down(x))`, attached where kohya sd-scripts'
-//! `networks/lora.py` attaches them.
+//! `networks/lora.py` attaches them, and LyCORIS's LoHa, LoKr and DoRA on LoCon's targets.
 //!
+//! - [`factors`]: the weight update each type encodes, as LyCORIS rebuilds it;
 //! - [`lora`]: one module and its init;
 //! - [`attach`]: the target rules and attaching to a UNet or CLIP text encoder;
 //! - [`kohya_names`], [`kohya_file`]: kohya's module names and file format, and
@@ -9,7 +10,9 @@
 //! - [`merge`]: folding a kohya file into a model's weights.
 
 pub mod attach;
+pub mod factors;
 pub mod kohya_file;
+pub mod kohya_meta;
 pub mod kohya_names;
 pub mod lora;
 pub mod merge;
@@ -17,7 +20,8 @@ pub mod merge;
 pub use attach::{
     attach_text_encoder, attach_unet, AdapterMode, AdapterSpec, AttachError, LayerGeometry,
 };
-pub use lora::{AdapterComponent, LoraKind, LoraModule, LoraShape};
+pub use factors::Algo;
+pub use lora::{AdapterComponent, LoraKind, LoraModule, LoraShape, ModuleAlgo};
 
 use std::sync::Arc;
 
@@ -28,11 +32,12 @@ use crate::model::pipeline::StableDiffusion;
 use crate::model::unet::config::BlockKind;
 use kohya_names::{KohyaNaming, UnetLayout};
 
-/// Every trainable Var of `modules`, `down` before `up`, in module order.
+/// Every trainable Var of `modules`, in module order and, within a module, in init order (`down`
+/// before `up`).
 pub fn adapter_vars(modules: &[Arc<LoraModule>]) -> Vec<Var> {
     modules
         .iter()
-        .flat_map(|m| [m.down.clone(), m.up.clone()])
+        .flat_map(|m| m.params.iter().map(|(_, v)| v.clone()))
         .collect()
 }
 

@@ -1,4 +1,4 @@
-//! train.json's `adapter` section (modes "lora" and "locon"): [`AdapterFile`], parsed strictly like
+//! train.json's `adapter` section (modes "lora", "locon", "loha", "lokr", "dora"): [`AdapterFile`], parsed strictly like
 //! the rest of the file (as part of it, [`super::TrainFile`]), and resolved into an
 //! [`AdapterPlan`]. Defaults follow kohya sd-scripts' train_network
 //! (network_dim 4, network_alpha 1; conv_dim/conv_alpha default to them for LoCon).
@@ -10,6 +10,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::error::ConfigError;
+use super::plan::TrainMode;
 use super::strict::{known_keys, Section};
 
 /// `adapter: {…}` as written.
@@ -32,6 +33,10 @@ pub struct AdapterFile {
     pub text_encoder_lr: Option<f64>,
     #[serde(default)]
     pub dropout: Option<f64>,
+    /// LoKr's factorisation bound (LyCORIS `factor`): -1 (default) splits each dimension as
+    /// evenly as it can, `f > 0` takes `f` when it divides the dimension.
+    #[serde(default)]
+    pub factor: Option<i64>,
     /// An existing LoRA/LoCon file (ours or kohya's) to start from.
     #[serde(default)]
     pub init_from: Option<String>,
@@ -62,6 +67,8 @@ pub struct AdapterPlan {
     pub unet_lr: Option<f64>,
     pub text_encoder_lr: Option<f64>,
     pub dropout: f64,
+    /// LoKr's `factor` (-1 = most balanced; unused by the other modes).
+    pub factor: i64,
     pub init_from: Option<PathBuf>,
     pub save_dtype: SaveDtype,
 }
@@ -100,6 +107,7 @@ pub fn parse_adapter_section(
 pub fn resolve_adapter(
     a: &AdapterFile,
     file: &Path,
+    mode: TrainMode,
     default_train_te: bool,
     resolve_input: impl Fn(&str, &str) -> Result<PathBuf, ConfigError>,
 ) -> Result<AdapterPlan, ConfigError> {
@@ -139,6 +147,35 @@ pub fn resolve_adapter(
             format!("must be in [0, 1) (got {dropout})"),
         ));
     }
+    let low_rank = match mode {
+        TrainMode::Lora | TrainMode::Locon => true,
+        TrainMode::Full | TrainMode::Loha | TrainMode::Lokr | TrainMode::Dora => false,
+    };
+    if dropout > 0.0 && !low_rank {
+        return Err(invalid(
+            "dropout",
+            format!(
+                "is {dropout}, but only \"lora\" and \"locon\" have dropout (LyCORIS's LoHa, \
+                 LoKr and DoRA ignore it); remove it"
+            ),
+        ));
+    }
+    let factor = match (a.factor, mode) {
+        (None, _) => -1,
+        (Some(f), TrainMode::Lokr) if f == -1 || (1..=4096).contains(&f) => f,
+        (Some(f), TrainMode::Lokr) => {
+            return Err(invalid(
+                "factor",
+                format!("must be -1 or in 1..=4096 (got {f})"),
+            ))
+        }
+        (Some(_), _) => {
+            return Err(invalid(
+                "factor",
+                "is LoKr's factorisation; it is only used with \"mode\": \"lokr\"".into(),
+            ))
+        }
+    };
     let save_dtype =
         save_dtype(a.save_dtype.as_deref()).map_err(|message| invalid("save_dtype", message))?;
     let init_from = a
@@ -166,6 +203,7 @@ pub fn resolve_adapter(
         unet_lr: lr("unet_lr", a.unet_lr)?,
         text_encoder_lr: lr("text_encoder_lr", a.text_encoder_lr)?,
         dropout,
+        factor,
         init_from,
         save_dtype,
     })
@@ -197,7 +235,15 @@ mod tests {
     fn plan(v: Value) -> Result<AdapterPlan, ConfigError> {
         let f = Path::new("train.json");
         let a = parse_adapter_section(&v, f, &HashMap::new())?;
-        resolve_adapter(&a, f, true, |_, p| Ok(PathBuf::from(p)))
+        plan_mode(v_mode(&a), a, f)
+    }
+
+    fn v_mode(_: &AdapterFile) -> TrainMode {
+        TrainMode::Locon
+    }
+
+    fn plan_mode(mode: TrainMode, a: AdapterFile, f: &Path) -> Result<AdapterPlan, ConfigError> {
+        resolve_adapter(&a, f, mode, true, |_, p| Ok(PathBuf::from(p)))
     }
 
     #[test]
@@ -232,6 +278,25 @@ mod tests {
             let e = plan(v).unwrap_err().to_string();
             assert!(e.contains(field), "{e}");
         }
+        let lokr = |v| {
+            let f = Path::new("train.json");
+            let a = parse_adapter_section(&v, f, &HashMap::new()).unwrap();
+            plan_mode(TrainMode::Lokr, a, f)
+        };
+        assert_eq!(lokr(serde_json::json!({})).unwrap().factor, -1);
+        assert_eq!(lokr(serde_json::json!({"factor": 8})).unwrap().factor, 8);
+        let e = lokr(serde_json::json!({"factor": 0}))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("adapter.factor"), "{e}");
+        let e = plan(serde_json::json!({"factor": 4}))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("only used with \"mode\": \"lokr\""), "{e}");
+        let e = lokr(serde_json::json!({"dropout": 0.1}))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("adapter.dropout"), "{e}");
         let e = plan(serde_json::json!({"rnak": 4}))
             .unwrap_err()
             .to_string();

@@ -125,7 +125,11 @@ fn resolve_save_format(
     };
     let adapters = match mode {
         TrainMode::Full => false,
-        TrainMode::Lora | TrainMode::Locon => true,
+        TrainMode::Lora
+        | TrainMode::Locon
+        | TrainMode::Loha
+        | TrainMode::Lokr
+        | TrainMode::Dora => true,
     };
     if adapters && (asked.is_some() || file.no_save_ckpt == Some(false)) {
         let field = if asked.is_some() {

@@ -53,6 +53,26 @@ pub enum TrainMode {
     Lora,
     /// LoRA plus the resnets', downsamplers' and upsamplers' 3×3 convs (kohya's LoCon).
     Locon,
+    /// LyCORIS LoHa (Hadamard product of two low-rank pairs) on LoCon's targets.
+    Loha,
+    /// LyCORIS LoKr (Kronecker product) on LoCon's targets.
+    Lokr,
+    /// DoRA (LoCon with a trained magnitude per input channel, the form A1111 and ComfyUI load).
+    Dora,
+}
+
+impl TrainMode {
+    /// Whether the mode trains adapters (every mode but `full`).
+    pub fn is_adapter(self) -> bool {
+        match self {
+            TrainMode::Full => false,
+            TrainMode::Lora
+            | TrainMode::Locon
+            | TrainMode::Loha
+            | TrainMode::Lokr
+            | TrainMode::Dora => true,
+        }
+    }
 }
 
 /// The resolved training plan.
@@ -382,9 +402,15 @@ fn resolve_mode(mode: Option<&str>, ctx: &Ctx<'_>) -> Result<TrainMode, ConfigEr
         None | Some("full") => Ok(TrainMode::Full),
         Some("lora") => Ok(TrainMode::Lora),
         Some("locon") => Ok(TrainMode::Locon),
+        Some("loha") => Ok(TrainMode::Loha),
+        Some("lokr") => Ok(TrainMode::Lokr),
+        Some("dora") => Ok(TrainMode::Dora),
         Some(m) => Err(ctx.invalid(
             "mode",
-            format!("is \"{m}\"; allowed: \"full\", \"lora\", \"locon\""),
+            format!(
+                "is \"{m}\"; allowed: \"full\", \"lora\", \"locon\", \"loha\", \"lokr\", \
+                 \"dora\""
+            ),
         )),
     }
 }
@@ -401,15 +427,27 @@ fn resolve_adapter(
         (TrainMode::Full, None) => Ok(None),
         (TrainMode::Full, Some(_)) => Err(ctx.invalid(
             "adapter",
-            "is only used with \"mode\": \"lora\" or \"locon\"; remove the section, or train \
+            "is only used with an adapter `mode` (lora, locon, loha, lokr, dora); remove the \
+             section, or train \
              without it by adding `--set adapter=null`"
                 .into(),
         )),
-        (TrainMode::Lora | TrainMode::Locon, section) => {
+        (
+            TrainMode::Lora
+            | TrainMode::Locon
+            | TrainMode::Loha
+            | TrainMode::Lokr
+            | TrainMode::Dora,
+            section,
+        ) => {
             let section = section.clone().unwrap_or_default();
-            adapter_file::resolve_adapter(&section, ctx.file, train_text_encoder, |field, p| {
-                ctx.input_path(field, p)
-            })
+            adapter_file::resolve_adapter(
+                &section,
+                ctx.file,
+                mode,
+                train_text_encoder,
+                |field, p| ctx.input_path(field, p),
+            )
             .map(Some)
         }
     }

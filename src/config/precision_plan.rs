@@ -173,8 +173,20 @@ fn resolve_weight_dtype(
     })?;
     match mode {
         TrainMode::Full => Ok(w),
-        TrainMode::Lora | TrainMode::Locon if w == WeightDtype::F32 => Ok(w),
-        TrainMode::Lora | TrainMode::Locon => Err(invalid(
+        TrainMode::Lora
+        | TrainMode::Locon
+        | TrainMode::Loha
+        | TrainMode::Lokr
+        | TrainMode::Dora
+            if w == WeightDtype::F32 =>
+        {
+            Ok(w)
+        }
+        TrainMode::Lora
+        | TrainMode::Locon
+        | TrainMode::Loha
+        | TrainMode::Lokr
+        | TrainMode::Dora => Err(invalid(
             file,
             "weight_dtype",
             format!(

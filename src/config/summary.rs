@@ -71,6 +71,9 @@ impl TrainPlan {
             TrainMode::Full => return "full fine-tune".to_string(),
             TrainMode::Lora => "LoRA",
             TrainMode::Locon => "LoCon",
+            TrainMode::Loha => "LoHa",
+            TrainMode::Lokr => "LoKr",
+            TrainMode::Dora => "DoRA",
         };
         match &self.adapter {
             Some(a) => format!(

@@ -91,7 +91,7 @@ impl Conv2d {
         }
         // A frozen layer on an untracked input has an untracked output: `add_maybe_const`
         // stores no gradient for it.
-        super::add_maybe_const(&self.base_forward(x)?, &a.delta(x)?)
+        super::add_maybe_const(&self.base_forward(x)?, &a.delta_on(x, &self.base_weight())?)
     }
 
     /// Whether the weight and the bias are plain tensors (no gradient wanted).

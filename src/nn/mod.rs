@@ -61,10 +61,20 @@ pub use chunked_attention::chunked_attention;
 pub use flash_attention::{flash_attention, MAX_HEAD_DIM};
 
 /// A trainable addition to a frozen layer's output, `y = base(x) + delta(x)`: LoRA on a Linear or
-/// a 1×1 conv, LoCon on a 3×3 conv. Implemented in `crate::adapter`.
+/// a 1×1 conv, LoCon on a 3×3 conv, and LyCORIS's LoHa, LoKr and DoRA. Implemented in `crate::adapter`.
 pub trait LayerAdapter: std::fmt::Debug + Send + Sync {
     /// The adapter's contribution for the layer input `x` (same shape as the layer output).
     fn delta(&self, x: &candle_core::Tensor) -> candle_core::Result<candle_core::Tensor>;
+
+    /// [`LayerAdapter::delta`] for a layer whose weight is `base`: what the layers call. An
+    /// adapter that depends on the frozen weight (DoRA normalises `W + ΔW`) overrides it.
+    fn delta_on(
+        &self,
+        x: &candle_core::Tensor,
+        _base: &BaseWeight,
+    ) -> candle_core::Result<candle_core::Tensor> {
+        self.delta(x)
+    }
 
     /// The whole adapted output `base(x) + delta(x)` as one op on a frozen base, which keeps
     /// less for the backward than the sum of the two (see [`low_rank`]); `None` where the adapter

@@ -1,4 +1,4 @@
-//! Adapter training glue: attaches LoRA/LoCon modules to the loaded (frozen) model as the plan
+//! Adapter training glue: attaches LoRA/LoCon/LoHa/LoKr/DoRA modules to the loaded (frozen) model as the plan
 //! says, optionally starts them from an existing kohya file (`adapter.init_from`), names their
 //! parameters for the optimizer, and saves them in kohya's format.
 
@@ -8,6 +8,7 @@ use std::sync::Arc;
 use anyhow::Context;
 use candle_core::{DType, Var};
 
+use crate::adapter::factors;
 use crate::adapter::kohya_file::{
     load_kohya, match_to_model, save_kohya, ExpectedModule, KohyaBase, KohyaMetadata,
     KohyaTensorSet,
@@ -59,6 +60,9 @@ pub fn adapter_spec(mode: TrainMode, a: &AdapterPlan, seed: u64) -> Option<Adapt
     let mode = match mode {
         TrainMode::Lora => AdapterMode::Lora,
         TrainMode::Locon => AdapterMode::Locon,
+        TrainMode::Loha => AdapterMode::Loha,
+        TrainMode::Lokr => AdapterMode::Lokr,
+        TrainMode::Dora => AdapterMode::Dora,
         TrainMode::Full => return None,
     };
     Some(AdapterSpec {
@@ -68,6 +72,7 @@ pub fn adapter_spec(mode: TrainMode, a: &AdapterPlan, seed: u64) -> Option<Adapt
         conv_rank: a.conv_rank,
         conv_alpha: a.conv_alpha,
         dropout: a.dropout,
+        factor: a.factor,
         seed,
     })
 }
@@ -122,14 +127,14 @@ pub fn attach_with(
 }
 
 impl TrainedAdapters {
-    /// Loads a kohya file into the modules. A file alpha that differs from the configured one is
-    /// folded into `up`, so the module computes exactly what the file describes.
+    /// Loads a kohya-named file into the modules. A file scale that differs from the module's
+    /// (another alpha) is folded into the factor `ΔW` is linear in ([`factors::scale_carrier`]),
+    /// so the module computes exactly what the file describes.
     fn init_from(&self, path: &Path) -> anyhow::Result<()> {
         let device = self
             .modules
             .first()
-            .map(|m| m.down.device().clone())
-            .unwrap_or(candle_core::Device::Cpu);
+            .map_or(candle_core::Device::Cpu, |m| m.device());
         let file = load_kohya(path, &device)?;
         let expected: Vec<ExpectedModule> = self
             .modules
@@ -137,17 +142,30 @@ impl TrainedAdapters {
             .map(|m| ExpectedModule {
                 component: kohya_component(m.component),
                 module_path: m.module_path.clone(),
-                down_shape: m.down.dims().to_vec(),
-                up_shape: m.up.dims().to_vec(),
+                shapes: m
+                    .params
+                    .iter()
+                    .map(|(s, v)| (s.to_string(), v.dims().to_vec()))
+                    .collect(),
             })
             .collect();
         let report = match_to_model(&file, &self.naming, &expected)?;
         for hit in &report.matched {
             let m = &self.modules[hit.expected_index];
-            let file_scale = f64::from(hit.alpha) / m.rank as f64;
-            let up = (hit.up.to_dtype(DType::F32)? * (file_scale / m.scale()))?;
-            m.down.set(&hit.down.to_dtype(DType::F32)?)?;
-            m.up.set(&up)?;
+            let f = &hit.module;
+            let get = |s: &str| f.get(s).cloned();
+            let file_scale = factors::scale(f.algo, &get, f64::from(f.alpha))?;
+            let carrier = factors::scale_carrier(m.algo, &get);
+            for (suffix, var) in &m.params {
+                let Some(t) = f.get(suffix) else {
+                    anyhow::bail!("{}: module `{}` has no `{suffix}`", path.display(), f.name);
+                };
+                let mut t = t.to_dtype(DType::F32)?;
+                if *suffix == carrier {
+                    t = (t * (file_scale / m.scale()))?;
+                }
+                var.set(&t)?;
+            }
         }
         eprintln!(
             "adapter: started from {} ({} modules loaded, {} new)",
@@ -174,10 +192,9 @@ impl TrainedAdapters {
             .zip(&self.names)
             .filter(|(m, _)| (m.component != AdapterComponent::Unet) == text_encoder)
             .flat_map(|(m, name)| {
-                [
-                    (format!("{name}.lora_down.weight"), m.down.clone()),
-                    (format!("{name}.lora_up.weight"), m.up.clone()),
-                ]
+                m.params
+                    .iter()
+                    .map(move |(suffix, v)| (format!("{name}.{suffix}"), v.clone()))
             })
             .collect()
     }
@@ -190,29 +207,19 @@ impl TrainedAdapters {
             .zip(&self.names)
             .map(|(m, name)| KohyaTensorSet {
                 name: name.clone(),
-                down: m.down.as_detached_tensor(),
-                up: m.up.as_detached_tensor(),
-                alpha: m.alpha as f32,
+                tensors: m
+                    .params
+                    .iter()
+                    .map(|(s, v)| (s.to_string(), v.as_detached_tensor()))
+                    .collect(),
+                alpha: m.saved_alpha() as f32,
             })
             .collect();
         let a = &self.plan;
-        let mut args = Vec::new();
-        if self.mode == AdapterMode::Locon {
-            args.push(("conv_dim".to_string(), a.conv_rank.to_string()));
-            args.push((
-                "conv_alpha".to_string(),
-                crate::adapter::kohya_file::py_float(a.conv_alpha),
-            ));
-        }
-        if a.dropout > 0.0 {
-            args.push((
-                "dropout".to_string(),
-                crate::adapter::kohya_file::py_float(a.dropout),
-            ));
-        }
+        let (network_module, args) = network_args(self.mode, a);
         let metadata = KohyaMetadata {
             base: self.base,
-            network_module: "networks.lora".to_string(),
+            network_module: network_module.to_string(),
             network_dim: a.rank,
             network_alpha: a.alpha,
             network_args: args,
@@ -237,6 +244,39 @@ impl TrainedAdapters {
         save_kohya(path, &sets, &metadata, dtype)?;
         Ok(())
     }
+}
+
+/// `ss_network_module` and `ss_network_args`: kohya's for LoRA/LoCon, LyCORIS's kohya network
+/// (`lycoris.kohya`, with its `algo`) for LoHa, LoKr and DoRA (LyCORIS's `lora` with `dora_wd`,
+/// input-axis: `wd_on_output` False).
+fn network_args(mode: AdapterMode, a: &AdapterPlan) -> (&'static str, Vec<(String, String)>) {
+    let f = crate::adapter::kohya_file::py_float;
+    let mut args = Vec::new();
+    let (module, algo) = match mode {
+        AdapterMode::Lora => ("networks.lora", None),
+        AdapterMode::Locon => ("networks.lora", None),
+        AdapterMode::Loha => ("lycoris.kohya", Some("loha")),
+        AdapterMode::Lokr => ("lycoris.kohya", Some("lokr")),
+        AdapterMode::Dora => ("lycoris.kohya", Some("lora")),
+    };
+    if let Some(algo) = algo {
+        args.push(("algo".to_string(), algo.to_string()));
+    }
+    if mode != AdapterMode::Lora {
+        args.push(("conv_dim".to_string(), a.conv_rank.to_string()));
+        args.push(("conv_alpha".to_string(), f(a.conv_alpha)));
+    }
+    if mode == AdapterMode::Lokr {
+        args.push(("factor".to_string(), a.factor.to_string()));
+    }
+    if mode == AdapterMode::Dora {
+        args.push(("dora_wd".to_string(), "True".to_string()));
+        args.push(("wd_on_output".to_string(), "False".to_string()));
+    }
+    if a.dropout > 0.0 {
+        args.push(("dropout".to_string(), f(a.dropout)));
+    }
+    (module, args)
 }
 
 /// The run facts a saved adapter file records.

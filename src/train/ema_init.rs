@@ -29,7 +29,11 @@ use crate::model::source::ModelSource;
 pub(super) fn start_ema_from(ema: &mut Ema, plan: &TrainPlan, source: &str) -> anyhow::Result<()> {
     let values = match plan.mode {
         TrainMode::Full => model_values(plan, source),
-        TrainMode::Lora | TrainMode::Locon => adapter_values(Path::new(source)),
+        TrainMode::Lora
+        | TrainMode::Locon
+        | TrainMode::Loha
+        | TrainMode::Lokr
+        | TrainMode::Dora => adapter_values(Path::new(source)),
     }
     .with_context(|| format!("ema_resume_model `{source}`"))?;
     ema.start_from(|name| values.get(name).cloned())

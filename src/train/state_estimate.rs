@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use std::fmt;
 
 use crate::adapter::attach::{text_encoder_target, unet_target, AdapterSpec, LayerGeometry};
+use crate::adapter::factors;
 use crate::adapter::lora::LoraKind;
 use crate::config::{ParamGroupPlan, TrainPlan};
 use crate::model::files::{Component, ComponentFiles};
@@ -183,13 +184,17 @@ fn spec(plan: &TrainPlan) -> Option<AdapterSpec> {
     super::adapters::adapter_spec(plan.mode, plan.adapter.as_ref()?, 0)
 }
 
-/// The adapter's two tensors for a base layer of weight shape `w` at `rank`.
-fn adapter_shapes(w: &[usize], rank: usize) -> Vec<Vec<usize>> {
-    match w {
-        [out, inp] => vec![vec![rank, *inp], vec![*out, rank]],
-        [out, inp, kh, kw] => vec![vec![rank, *inp, *kh, *kw], vec![*out, rank, 1, 1]],
-        _ => Vec::new(),
+/// The adapter's tensors for a base layer of weight shape `w` at `rank` (LoRA's two, LoHa's
+/// four, LoKr's two or three, DoRA's three; [`factors::param_shapes`]).
+fn adapter_shapes(w: &[usize], rank: usize, spec: &AdapterSpec) -> Vec<Vec<usize>> {
+    if !matches!(w.len(), 2 | 4) {
+        return Vec::new();
     }
+    let a = spec.mode.module_algo(spec.factor);
+    factors::param_shapes(a.algo, w, rank, a.factor, a.dora)
+        .into_iter()
+        .map(|p| p.dims)
+        .collect()
 }
 
 fn geometry(w: &[usize]) -> Option<LayerGeometry> {
@@ -224,7 +229,7 @@ fn unet_shapes(tensors: &BTreeMap<String, Vec<usize>>, plan: &TrainPlan) -> Vec<
         .filter_map(|(name, w)| {
             let path = name.strip_suffix(".weight")?;
             let (rank, _) = unet_target(path, &geometry(w)?, &spec)?;
-            Some(adapter_shapes(w, rank))
+            Some(adapter_shapes(w, rank, &spec))
         })
         .flatten()
         .collect()
@@ -253,7 +258,7 @@ fn text_encoder_shapes(
                     let full = named(name);
                     let path = full.strip_suffix(".weight")?;
                     let (rank, _) = text_encoder_target(path, &spec)?;
-                    Some(adapter_shapes(w, rank))
+                    Some(adapter_shapes(w, rank, &spec))
                 })
                 .flatten()
                 .collect()

@@ -140,3 +140,21 @@ pub fn copy_dir(from: &Path, to: &Path) {
         }
     }
 }
+
+/// Sets every adapter module's zero-initialised tensors (LoRA's `up`, LoHa's `hada_w2_a`, LoKr's
+/// `w2` or `w2_b`) to seeded normal draws with standard deviation 0.5, and moves DoRA's
+/// magnitude 20% off the base weight's norm, so that every factor changes the output.
+pub fn randomise_adapters(modules: &[std::sync::Arc<sdtrain::adapter::LoraModule>]) {
+    for (i, m) in modules.iter().enumerate() {
+        for (j, (suffix, v)) in m.params.iter().enumerate() {
+            let seed = (i * 16 + j) as u64;
+            let zero = v.as_tensor().abs().unwrap().sum_all().unwrap();
+            if *suffix == "dora_scale" {
+                let noise = randn(v.dims(), seed).affine(0.2, 1.0).unwrap();
+                v.set(&(v.as_tensor() * noise).unwrap()).unwrap();
+            } else if zero.to_scalar::<f32>().unwrap() == 0.0 {
+                v.set(&(randn(v.dims(), seed) * 0.5).unwrap()).unwrap();
+            }
+        }
+    }
+}
