@@ -68,6 +68,14 @@ pub struct TrainArgs {
     /// card `gpuid`, else the CPU when the machine has no CUDA card).
     #[arg(long, value_name = "cpu|cuda:N")]
     pub device: Option<crate::memory::DeviceRequest>,
+    /// Data parallel: one rank per device, e.g. `0,1,2,3` (cards) or `cpu,cpu`; over
+    /// train.json's `devices`. See docs/MULTI_GPU.md.
+    #[arg(long, value_name = "LIST", conflicts_with_all = ["device", "cpu"])]
+    pub devices: Option<String>,
+    /// Data parallel: how long a rank waits for the others at each exchange before the run
+    /// ends on every rank (seconds; rank 0 may be sampling or saving meanwhile).
+    #[arg(long, value_name = "SECS", default_value_t = 1800)]
+    pub dist_timeout: u64,
 }
 
 #[derive(Debug, Args)]
@@ -125,6 +133,21 @@ fn run_train(args: &TrainArgs) -> anyhow::Result<ExitCode> {
     let plan = TrainPlan::resolve(config, &args.set)?;
     if args.dry_run {
         print_stdout(&format_args!("{plan}"))?;
+        let devices = devices_requested(args, &plan)?;
+        if devices.len() > 1 {
+            let names: Vec<String> = devices
+                .iter()
+                .map(|d| crate::config::devices_plan::device_name(*d))
+                .collect();
+            print_stdout(&format_args!(
+                "{:<15}{} ranks ({}): each holds the whole model and optimizer state, the memory \
+                 plan below is per card; each step's {} micro-batches are shared out among them\n",
+                "data parallel",
+                devices.len(),
+                names.join(", "),
+                plan.grad_accum
+            ))?;
+        }
         // The state size and the memory plan need the model's headers; a model that is not
         // at hand only costs these lines.
         match train::state_estimate::estimate(&plan) {
@@ -140,16 +163,81 @@ fn run_train(args: &TrainArgs) -> anyhow::Result<ExitCode> {
         print_stdout(&"\n")?;
         return Ok(ExitCode::SUCCESS);
     }
-    let device = crate::memory::open_device(device_request(args, &plan))?;
     let show_progress = std::io::stderr().is_terminal();
-    let outcome = train::train(
-        &plan,
-        &RunOptions {
-            device,
-            show_progress,
-        },
-    )?;
+    let timeout = std::time::Duration::from_secs(args.dist_timeout.max(1));
+    if let Some(env) = crate::dist::DistEnv::from_env()? {
+        return run_rank_process(args, &plan, &env, timeout, show_progress);
+    }
+    let devices = devices_requested(args, &plan)?;
+    let outcome = if devices.len() > 1 {
+        let opened = devices
+            .into_iter()
+            .map(crate::memory::open_device)
+            .collect::<Result<Vec<_>, _>>()?;
+        train::data_parallel::train_ranks(&plan, &opened, show_progress, timeout)?
+    } else {
+        let request = devices.first().copied();
+        let device = crate::memory::open_device(request.unwrap_or(device_request(args, &plan)))?;
+        train::train(
+            &plan,
+            &RunOptions {
+                device,
+                show_progress,
+            },
+        )?
+    };
     print_stdout(&summary::Summary(&outcome))?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The data-parallel devices: `--devices`, else train.json's `devices` (empty: one device).
+fn devices_requested(
+    args: &TrainArgs,
+    plan: &TrainPlan,
+) -> anyhow::Result<Vec<crate::memory::DeviceRequest>> {
+    use crate::config::devices_plan::parse_device_list;
+    match &args.devices {
+        Some(list) => parse_device_list(list).map_err(|why| anyhow::anyhow!("--devices {list:?}: {why}")),
+        None if plan.devices.is_empty() => Ok(Vec::new()),
+        None => parse_device_list(&plan.devices.join(","))
+            .map_err(|why| anyhow::anyhow!("devices: {why}")),
+    }
+}
+
+/// One process of a multi-process run (torchrun's environment is set): its device is
+/// `--device`/`--cpu`, else entry `LOCAL_RANK` of the devices, else card `LOCAL_RANK`. Rank 0
+/// alone prints the summary.
+fn run_rank_process(
+    args: &TrainArgs,
+    plan: &TrainPlan,
+    env: &crate::dist::DistEnv,
+    timeout: std::time::Duration,
+    show_progress: bool,
+) -> anyhow::Result<ExitCode> {
+    use crate::memory::DeviceRequest;
+    let listed = devices_requested(args, plan)?;
+    let request = match (args.cpu, args.device) {
+        (true, _) => DeviceRequest::Cpu,
+        (false, Some(d)) => d,
+        (false, None) if listed.is_empty() => DeviceRequest::Cuda(env.local_rank),
+        (false, None) => *listed.get(env.local_rank).ok_or_else(|| {
+            anyhow::anyhow!(
+                "LOCAL_RANK {} but only {} devices are listed",
+                env.local_rank,
+                listed.len()
+            )
+        })?,
+    };
+    let device = crate::memory::open_device(request)?;
+    let link = crate::dist::Tcp::join(env, timeout)?;
+    let opts = RunOptions {
+        device,
+        show_progress: show_progress && env.rank == 0,
+    };
+    let outcome = train::data_parallel::train_rank(plan, &opts, Box::new(link))?;
+    if env.rank == 0 {
+        print_stdout(&summary::Summary(&outcome))?;
+    }
     Ok(ExitCode::SUCCESS)
 }
 

@@ -8,6 +8,7 @@
 mod adapter_file;
 mod ctx;
 mod data_plan;
+pub mod devices_plan;
 mod ema_plan;
 mod error;
 mod loss_plan;

@@ -113,6 +113,9 @@ pub struct TrainPlan {
     pub vram_limit_gb: Option<f64>,
     /// EveryDream2's `gpuid`: the CUDA card to train on (`--device` overrides it).
     pub gpuid: usize,
+    /// Data parallel: the devices, one rank each, as `cpu` or `cuda:N` (empty: one device, as
+    /// `gpuid` says; `--devices` overrides it).
+    pub devices: Vec<String>,
     /// EveryDream2's `load_settings_every_epoch`: read train.json again at each epoch's start
     /// and apply what a running run can change.
     pub load_settings_every_epoch: bool,
@@ -248,6 +251,7 @@ impl TrainPlan {
             max_consecutive_skipped_steps: resolve_skip_limit(&file, &ctx)?,
             save_optimizer: file.save_optimizer.unwrap_or(false),
             gpuid: ctx.at_least("gpuid", file.gpuid, 0, 0)? as usize,
+            devices: super::devices_plan::resolve_devices(file.devices.as_ref(), &ctx)?,
             load_settings_every_epoch: file.load_settings_every_epoch.unwrap_or(false),
             vram_limit_gb: ctx.opt_positive(
                 "vram_limit_gb",

@@ -327,6 +327,9 @@ pub struct TrainFile {
     /// The CUDA card to train on (`--device cuda:N` overrides it).
     #[serde(default)]
     pub gpuid: Option<i64>,
+    /// Data parallel: one rank per device (`--devices` overrides it).
+    #[serde(default)]
+    pub devices: Option<super::devices_plan::DevicesValue>,
     /// Freeze the UNet and train only the text encoder(s) (full fine-tunes).
     #[serde(default)]
     pub disable_unet_training: Option<bool>,

@@ -160,7 +160,7 @@ pub fn train_ranks(
                     device: device.clone(),
                     show_progress: show_progress && link.rank() == 0,
                 };
-                scope.spawn(move || run_rank(plan, &opts, Box::new(link)))
+                scope.spawn(move || train_rank(plan, &opts, Box::new(link)))
             })
             .collect();
         handles
@@ -175,7 +175,9 @@ pub fn train_ranks(
     pick_result(results)
 }
 
-fn run_rank(
+/// Runs one rank of a data-parallel run over `coll` (the in-process group's, or a TCP group's in
+/// a multi-process run): rank 0 writes the run's outputs.
+pub fn train_rank(
     plan: &TrainPlan,
     opts: &RunOptions,
     coll: Box<dyn Collective>,

@@ -120,6 +120,11 @@ pub struct TrainerState {
     /// from save points of earlier versions).
     #[serde(default)]
     pub total_steps: Option<usize>,
+    /// The data-parallel ranks of the run that saved it (absent from earlier versions: 1). A
+    /// save point resumes on any number of ranks: the data order and the effective batch depend
+    /// on the config alone.
+    #[serde(default)]
+    pub world_size: Option<usize>,
 }
 
 impl TrainerState {
@@ -139,6 +144,7 @@ impl TrainerState {
             key,
             groups,
             total_steps: None,
+            world_size: None,
         }
     }
 }
@@ -413,6 +419,13 @@ pub(super) fn restore(
         state.epoch + 1,
         state.steps_in_epoch
     );
+    let world = opt.dist.as_ref().map_or(1, |l| l.world());
+    if let Some(saved) = state.world_size.filter(|w| *w != world) {
+        eprintln!(
+            "note: the save point was written by {saved} rank(s) and this run has {world}: the \
+             data order and the effective batch are the same"
+        );
+    }
     Ok(())
 }
 

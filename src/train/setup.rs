@@ -61,10 +61,13 @@ impl<'a> Session<'a> {
         link: Option<RankLink>,
     ) -> anyhow::Result<Self> {
         let started = Instant::now();
-        // Before anything slow loads: a run that cannot save, or resume, should not start.
-        super::run_dir::ensure_output_dir(&plan.output_dir)?;
-        if let Some(dir) = &plan.saving.ckpt_dir {
-            super::run_dir::ensure_output_dir(dir).context("save_ckpt_dir")?;
+        // Before anything slow loads: a run that cannot save, or resume, should not start. Only
+        // the rank that saves checks (ranks checking the same folder at once race).
+        if link.as_ref().is_none_or(RankLink::leads) {
+            super::run_dir::ensure_output_dir(&plan.output_dir)?;
+            if let Some(dir) = &plan.saving.ckpt_dir {
+                super::run_dir::ensure_output_dir(dir).context("save_ckpt_dir")?;
+            }
         }
         let resume_from = match &plan.resume {
             Some(r) => {

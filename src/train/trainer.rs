@@ -687,6 +687,7 @@ impl Session<'_> {
         st.micro = self.opt.micro;
         st.scaler = self.opt.scaler.state();
         st.total_steps = Some(self.opt.total_steps);
+        st.world_size = Some(self.opt.dist.as_ref().map_or(1, |l| l.world()));
         st
     }
 
