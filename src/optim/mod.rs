@@ -33,6 +33,7 @@ pub mod adaptive_args;
 mod adaptive_cuda;
 #[cfg(test)]
 mod adaptive_emu_tests;
+pub mod came;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod dadapt_adam;
@@ -56,6 +57,7 @@ pub mod quant8;
 mod rounding_cuda;
 pub mod rule;
 pub mod schedule;
+pub mod schedulefree;
 pub mod state;
 pub mod stochastic_round;
 
@@ -67,6 +69,7 @@ pub use adacoor::{AdaCoor, AdaCoorParams};
 pub use adafactor::{Adafactor, AdafactorParams};
 pub use adamw::{AdamW, AdamWParams};
 pub use adamw8bit::AdamW8bit;
+pub use came::{Came, CameParams};
 pub use dadapt_adam::{DAdaptAdam, DAdaptAdamParams};
 pub use dadapt_adan::{DAdaptAdan, DAdaptAdanParams};
 pub use dadapt_lion::{DAdaptLion, DAdaptLionParams};
@@ -78,6 +81,7 @@ pub use lion::{Lion, LionParams};
 pub use prodigy::{Prodigy, ProdigyParams};
 pub use rule::{ParamState, Shares, StepEstimate, StepScalars, UpdateRule};
 pub use schedule::{LrSchedule, ScheduleError, ScheduleKind};
+pub use schedulefree::{AdamWScheduleFree, ScheduleFreeParams};
 
 /// Errors from the optimizers and their state files.
 #[derive(Debug, thiserror::Error)]
