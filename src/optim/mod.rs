@@ -16,6 +16,9 @@
 //!   DoWG ([`CoordinateDowg`], [`ScalarDowg`]: the dowg package) and EveryDream2's [`AdaCoor`],
 //!   written with tensor ops ([`dense`]). The estimators that need every gradient before any
 //!   update take two passes ([`StepEstimate`]).
+//! - [`AdamWScheduleFree`] (the schedulefree package's; a two-pass rule for its group scalars,
+//!   whose evaluation weights the group swaps in with [`GroupOptimizer::eval_weights`]), and
+//!   [`Came`] (came-pytorch's CAME, f32 or 8-bit, in candle ops).
 //! - [`LrSchedule`]: constant/linear/cosine/polynomial with warmup, a pure function of the step,
 //!   matching diffusers' `get_scheduler`.
 //! - [`grad_norm`] / [`clip_grad_norm`]: global L2 norm of the gradients, as the trainer logs it.
