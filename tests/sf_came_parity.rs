@@ -283,6 +283,12 @@ fn came8bit_tracks_came() {
     for k in 0..STEPS {
         opt.step(&grads(&pr, &vars, k)).unwrap();
     }
+    // What `--dry-run` prices equals what the states hold (8-bit codes and absmax included).
+    let priced: usize = vars
+        .iter()
+        .map(|(_, v)| rule(case, true).state_bytes(v.dims()))
+        .sum();
+    assert_eq!(opt.state_bytes(), priced);
     let want = &case.steps.last().unwrap().params;
     for (n, v) in &vars {
         let got = values(v);
@@ -337,6 +343,11 @@ fn resumes_exactly(case: &Case, eight_bit: bool) {
         }
     }
     let (fresh, copy) = resumed.unwrap();
+    let priced: usize = vars
+        .iter()
+        .map(|(_, v)| rule(case, eight_bit).state_bytes(v.dims()))
+        .sum();
+    assert_eq!(fresh.state_bytes(), priced, "{}", case.optimizer);
     assert_eq!(fresh.estimate_values(), opt.estimate_values());
     for ((n, x), (_, y)) in vars.iter().zip(&copy) {
         assert_eq!(values(x), values(y), "{}: {n}", case.optimizer);
