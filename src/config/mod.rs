@@ -24,6 +24,7 @@ mod resume_plan;
 mod run_shape;
 mod sample_plan;
 mod save_plan;
+mod sf_came_plan;
 mod strict;
 mod summary;
 mod te_freeze_plan;
@@ -53,6 +54,7 @@ pub use precision_plan::{
 pub use run_shape::RunShape;
 pub use sample_plan::{SamplePlan, DEFAULT_SAMPLE_STEPS};
 pub use save_plan::SavePlan;
+pub use sf_came_plan::{CamePlan, ScheduleFreePlan, CAME_BETAS_DEFAULT};
 pub use te_freeze_plan::{TextEncoderFreeze, TrainedLayers};
 pub use train_file::TrainFile;
 pub use validation_plan::{NamedSet, SplitRule, ValidationPlan, ValidationWhen};

@@ -4,7 +4,7 @@
 //! ```json
 //! { "doc": …, "base": {optimizer, lr, lr_scheduler, lr_warmup_steps, lr_decay_steps, betas,
 //!   epsilon, weight_decay, adafactor, d0, decouple, growth_rate, momentum, no_prox,
-//!   safeguard_warmup, use_bias_correction}, "text_encoder_overrides": {same keys}, "text_encoder_freezing":
+//!   safeguard_warmup, use_bias_correction, schedulefree, came}, "text_encoder_overrides": {same keys}, "text_encoder_freezing":
 //!   {unfreeze_last_n_layers}, "apply_grad_scaler_step_tweaks": false }
 //! ```
 //!
@@ -99,6 +99,36 @@ pub struct GroupFile {
     /// Adam's bias correction inside `d·lr` (prodigy, dadapt_adam).
     #[serde(default)]
     pub use_bias_correction: Option<bool>,
+    /// adamw_schedulefree's own settings; ignored by the other optimizers.
+    #[serde(default)]
+    pub schedulefree: Option<ScheduleFreeFile>,
+    /// came's and came8bit's own settings; ignored by the other optimizers.
+    #[serde(default)]
+    pub came: Option<CameFile>,
+}
+
+/// A group's `schedulefree` object (the schedulefree package's `AdamWScheduleFree` arguments
+/// beyond lr, betas, eps and weight_decay, which are the group's).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ScheduleFreeFile {
+    #[serde(default)]
+    pub warmup_steps: Option<i64>,
+    #[serde(default)]
+    pub r: Option<f64>,
+    #[serde(default)]
+    pub weight_lr_power: Option<f64>,
+}
+
+/// A group's `came` object (came-pytorch's `CAME` arguments beyond lr, betas and weight_decay,
+/// which are the group's).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CameFile {
+    #[serde(default)]
+    pub eps: Option<Vec<f64>>,
+    #[serde(default)]
+    pub clip_threshold: Option<f64>,
 }
 
 /// A group's `adafactor` object (transformers' `Adafactor` arguments; the lr is the group's).

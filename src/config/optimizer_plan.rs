@@ -21,6 +21,9 @@ use serde::{Serialize, Serializer};
 
 use super::error::ConfigError;
 use super::optimizer_file::{GroupFile, OptimizerFile};
+use super::sf_came_plan::{
+    check_came, check_schedule, check_schedulefree, CamePlan, ScheduleFreePlan, CAME_BETAS_DEFAULT,
+};
 use crate::optim::AdafactorParams;
 
 /// EveryDream2's `LR_DEFAULT`.
@@ -67,6 +70,13 @@ pub enum OptimizerKind {
     ScalarDowg,
     /// EveryDream2's AdaCoor (no lr).
     Adacoor,
+    /// The schedulefree package's AdamWScheduleFree (its own warmup; no lr schedule).
+    #[serde(rename = "adamw_schedulefree")]
+    AdamWScheduleFree,
+    /// came-pytorch's CAME, and the same with 8-bit full-size moments.
+    Came,
+    #[serde(rename = "came8bit")]
+    Came8bit,
 }
 
 impl OptimizerKind {
@@ -85,11 +95,14 @@ impl OptimizerKind {
             OptimizerKind::CoordinateDowg => "coordinate_dowg",
             OptimizerKind::ScalarDowg => "scalar_dowg",
             OptimizerKind::Adacoor => "adacoor",
+            OptimizerKind::AdamWScheduleFree => "adamw_schedulefree",
+            OptimizerKind::Came => "came",
+            OptimizerKind::Came8bit => "came8bit",
         }
     }
 
     /// Every optimizer, in the order the docs list them.
-    pub const ALL: [OptimizerKind; 13] = [
+    pub const ALL: [OptimizerKind; 16] = [
         OptimizerKind::AdamW,
         OptimizerKind::AdamW8bit,
         OptimizerKind::Lion,
@@ -103,6 +116,9 @@ impl OptimizerKind {
         OptimizerKind::CoordinateDowg,
         OptimizerKind::ScalarDowg,
         OptimizerKind::Adacoor,
+        OptimizerKind::AdamWScheduleFree,
+        OptimizerKind::Came,
+        OptimizerKind::Came8bit,
     ];
 
     /// Why the optimizer cannot run inside a fused backward pass, if it cannot: its update
@@ -162,7 +178,8 @@ impl Default for AdafactorPlan {
 
 /// The names accepted in `optimizer`, for error messages.
 const OPTIMIZER_NAMES: &str = "adamw, adamw8bit, lion, lion8bit, adafactor, prodigy, dadapt_adam, \
-     dadapt_adan, dadapt_lion, dadapt_sgd, coordinate_dowg, scalar_dowg, adacoor";
+     dadapt_adan, dadapt_lion, dadapt_sgd, coordinate_dowg, scalar_dowg, adacoor, adamw_schedulefree, \
+     came, came8bit";
 
 /// D-Adaptation Adan's third beta when `betas` is not set (the dadaptation package's).
 pub const ADAN_BETA3_DEFAULT: f64 = 0.99;
@@ -293,6 +310,8 @@ pub struct ParamGroupPlan {
     pub schedule: ScheduleSpec,
     pub adafactor: AdafactorPlan,
     pub estimator: EstimatorPlan,
+    pub schedulefree: ScheduleFreePlan,
+    pub came: CamePlan,
 }
 
 impl fmt::Display for ParamGroupPlan {
@@ -385,6 +404,8 @@ struct CheckedGroup {
     epsilon: Option<f64>,
     weight_decay: Option<f64>,
     adafactor: Option<AdafactorPlan>,
+    schedulefree: Option<ScheduleFreePlan>,
+    came: Option<CamePlan>,
     d0: Option<f64>,
     decouple: Option<bool>,
     growth_rate: Option<f64>,
@@ -477,12 +498,14 @@ fn merge(
         use_bias_correction: flag(own.use_bias_correction, parent.use_bias_correction),
         beta3,
     };
-    Ok(ParamGroupPlan {
+    let plan = ParamGroupPlan {
         optimizer,
         lr: train_lr.or(own.lr).or(parent.lr).unwrap_or(LR_DEFAULT),
         betas: (b1, b2),
         estimator,
         adafactor: own.adafactor.or(parent.adafactor).unwrap_or_default(),
+        schedulefree: own.schedulefree.or(parent.schedulefree).unwrap_or_default(),
+        came: own.came.or(parent.came).unwrap_or_default(),
         epsilon: own.epsilon.or(parent.epsilon).unwrap_or(EPSILON_DEFAULT),
         weight_decay: own
             .weight_decay
@@ -496,7 +519,9 @@ fn merge(
             warmup_steps: own.warmup.or(parent.warmup).unwrap_or(StepCount::Auto),
             decay_steps: own.decay.or(parent.decay).unwrap_or(StepCount::Auto),
         },
-    })
+    };
+    check_schedule(optimizer, &plan.schedule, file, section)?;
+    Ok(plan)
 }
 
 /// The group's betas for its optimizer: two numbers, or three for dadapt_adan (which needs a
@@ -519,13 +544,32 @@ fn merged_betas(
             "has two numbers; dadapt_adan takes three [beta1, beta2, beta3] (its defaults are \
              [0.98, 0.92, 0.99]; EveryDream2 passes two and so cannot build it)",
         )),
-        (OptimizerKind::DadaptAdan | OptimizerKind::Prodigy, Some(b)) => Ok(b),
+        (OptimizerKind::Came | OptimizerKind::Came8bit, None) => {
+            let (b1, b2, b3) = CAME_BETAS_DEFAULT;
+            Ok((b1, b2, Some(b3)))
+        }
+        (OptimizerKind::Came | OptimizerKind::Came8bit, Some((_, _, None))) => Err(invalid(
+            file,
+            &field,
+            &format!(
+                "has two numbers; {} takes three [beta1, beta2, beta3] (came-pytorch's defaults \
+                 are [0.9, 0.999, 0.9999])",
+                optimizer.name()
+            ),
+        )),
+        (
+            OptimizerKind::DadaptAdan
+            | OptimizerKind::Prodigy
+            | OptimizerKind::Came
+            | OptimizerKind::Came8bit,
+            Some(b),
+        ) => Ok(b),
         (_, Some((_, _, Some(_)))) => Err(invalid(
             file,
             &field,
             &format!(
-                "has three numbers; {} takes two [beta1, beta2] (three are for dadapt_adan and \
-                 prodigy)",
+                "has three numbers; {} takes two [beta1, beta2] (three are for dadapt_adan, \
+                 prodigy, came and came8bit)",
                 optimizer.name()
             ),
         )),
@@ -596,6 +640,16 @@ fn check_group(g: &GroupFile, section: &str, file: &Path) -> Result<CheckedGroup
             .adafactor
             .as_ref()
             .map(|a| check_adafactor(a, file, &field("adafactor")))
+            .transpose()?,
+        schedulefree: g
+            .schedulefree
+            .as_ref()
+            .map(|x| check_schedulefree(x, file, &field("schedulefree")))
+            .transpose()?,
+        came: g
+            .came
+            .as_ref()
+            .map(|x| check_came(x, file, &field("came")))
             .transpose()?,
         d0: positive("d0", g.d0)?,
         decouple: g.decouple,

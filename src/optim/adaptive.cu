@@ -318,6 +318,49 @@ __device__ void adacoor_update(P* p, const float* g, __nv_bfloat16* v, float eps
   }
 }
 
+// ---------------------------------------------------------------- Schedule-free AdamW
+
+// First pass of a parameter's first step: z takes the starting point.
+template <typename P>
+__device__ void sf_adamw_start(P* p, const float* g, float* z, float* v, u64 n) {
+  GRID_STRIDE(i, n) { z[i] = load_p(p, i); }
+}
+
+// torch's lerp(a, b, ·): a + w·(b − a) when `first`, else b + w·(b − a) with w = −(1 − c).
+__device__ __forceinline__ float sf_lerp(float a, float b, float first, float w) {
+  const float d = b - a;
+  return first != 0.0f ? mix(a, 1.0f, d, w) : mix(b, 1.0f, d, w);
+}
+
+// Apply. Scalars: b2, vw = 1−β2, inv_bc2 = 1/(1−β2^(k+1)), eps, wd (decay at y, 0: none), the
+// lerp's form and weight (sf_lerp), y_coef = lr·(β1(1−c)−1), z_coef = −lr.
+template <typename P>
+__device__ void sf_adamw_apply(P* p, const float* g, float* z, float* v, float b2, float vw,
+                               float inv_bc2, float eps, float wd, float lerp_first, float lerp_w,
+                               float y_coef, float z_coef, u64 n) {
+  GRID_STRIDE(i, n) {
+    const float gi = g[i];
+    float yi = load_p(p, i);
+    const float zi = z[i];
+    const float vi = mix(v[i], b2, gi * gi, vw);
+    const float denom = sqrtf(vi * inv_bc2 + 0.0f) * 1.0f + eps;
+    float gn = gi / denom;
+    if (wd != 0.0f) gn = mix(gn, 1.0f, yi, wd);
+    yi = sf_lerp(yi, zi, lerp_first, lerp_w);
+    yi = mix(yi, 1.0f, gn, y_coef);
+    z[i] = mix(zi, 1.0f, gn, z_coef);
+    v[i] = vi;
+    store_p(p, i, yi);
+  }
+}
+
+// The evaluation weights x = lerp(y, z, 1 − 1/β1) written over y (g unused).
+template <typename P>
+__device__ void sf_adamw_eval(P* p, const float* g, float* z, float* v, float lerp_first,
+                              float lerp_w, u64 n) {
+  GRID_STRIDE(i, n) { store_p(p, i, sf_lerp(load_p(p, i), z[i], lerp_first, lerp_w)); }
+}
+
 // ---------------------------------------------------------------- entry points
 
 #define ADAPTIVE_ENTRY_POINTS(SUFFIX, P)                                                          \
@@ -400,6 +443,19 @@ __device__ void adacoor_update(P* p, const float* g, __nv_bfloat16* v, float eps
   extern "C" __global__ void adacoor_update_##SUFFIX(P* p, const float* g, __nv_bfloat16* v,    \
                                                      float eps_b, float eps, u64 n) {           \
     adacoor_update(p, g, v, eps_b, eps, n);                                                      \
+  }                                                                                              \
+  extern "C" __global__ void sf_adamw_start_##SUFFIX(P* p, const float* g, float* z, float* v,  \
+                                                     u64 n) {                                   \
+    sf_adamw_start(p, g, z, v, n);                                                               \
+  }                                                                                              \
+  extern "C" __global__ void sf_adamw_apply_##SUFFIX(                                           \
+      P* p, const float* g, float* z, float* v, float b2, float vw, float inv_bc2, float eps,    \
+      float wd, float lerp_first, float lerp_w, float y_coef, float z_coef, u64 n) {             \
+    sf_adamw_apply(p, g, z, v, b2, vw, inv_bc2, eps, wd, lerp_first, lerp_w, y_coef, z_coef, n); \
+  }                                                                                              \
+  extern "C" __global__ void sf_adamw_eval_##SUFFIX(P* p, const float* g, float* z, float* v,   \
+                                                    float lerp_first, float lerp_w, u64 n) {    \
+    sf_adamw_eval(p, g, z, v, lerp_first, lerp_w, n);                                            \
   }
 
 ADAPTIVE_ENTRY_POINTS(f32, float)

@@ -15,6 +15,7 @@ use super::dadapt_sgd::DAdaptSgdParams;
 use super::dowg::DowgParams;
 use super::prodigy::ProdigyParams;
 use super::rule::{Shares, StepScalars};
+use super::schedulefree::{AdamWScheduleFree, Coefficients, ScheduleFreeParams};
 
 /// A state buffer's element type.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -80,6 +81,11 @@ pub trait AdaptiveKernel: Send + Sync {
     }
     /// A one-pass rule's update number `t` (1 on the first) at learning rate `lr`.
     fn update(&self, _lr: f64, _t: u64) -> Option<Launch> {
+        None
+    }
+    /// Writes the evaluation weights into the parameter (schedule-free AdamW's `x`; the launch's
+    /// gradient is unused).
+    fn eval(&self) -> Option<Launch> {
         None
     }
 }
@@ -411,5 +417,65 @@ impl AdaptiveKernel for AdaCoorKernel {
             scalars: vec![eps_b, self.0.eps as f32],
             sums: 0,
         })
+    }
+}
+
+/// Schedule-free AdamW (src/optim/schedulefree.rs).
+pub struct ScheduleFreeKernel(pub ScheduleFreeParams);
+
+impl AdaptiveKernel for ScheduleFreeKernel {
+    fn buffers(&self) -> Vec<Buffer> {
+        ["z", "exp_avg_sq"].map(f32_buffer).to_vec()
+    }
+
+    /// Only a parameter's first step launches: `z` takes its starting point.
+    fn accumulate(&self, _step: &StepScalars, done: u64) -> Option<Launch> {
+        (done == 0).then(|| Launch {
+            entry: "sf_adamw_start",
+            scalars: Vec::new(),
+            sums: 0,
+        })
+    }
+
+    fn apply(&self, step: &StepScalars) -> Option<Launch> {
+        let h = &self.0;
+        let c = Coefficients::new(h, step);
+        let (lerp_w, lerp_first) = lerp_args(c.ckp1);
+        let scalars = [
+            h.beta2,
+            1.0 - h.beta2,
+            c.inv_bc2,
+            h.eps,
+            h.weight_decay,
+            lerp_first,
+            lerp_w,
+            c.y_coef,
+            c.z_coef,
+        ];
+        Some(Launch {
+            entry: "sf_adamw_apply",
+            scalars: scalars.map(|x| x as f32).to_vec(),
+            sums: 0,
+        })
+    }
+
+    fn eval(&self) -> Option<Launch> {
+        let (w, first) = lerp_args(AdamWScheduleFree::eval_weight(&self.0));
+        Some(Launch {
+            entry: "sf_adamw_eval",
+            scalars: vec![first as f32, w as f32],
+            sums: 0,
+        })
+    }
+}
+
+/// torch's lerp by `w` as the kernels take it (src/optim/schedulefree.rs `lerp`): the
+/// coefficient of `b − a` and a flag for the first form (`a + w·(b − a)`; else
+/// `b − (1 − w)·(b − a)`).
+fn lerp_args(w: f64) -> (f64, f64) {
+    if w < 0.5 {
+        (w, 1.0)
+    } else {
+        (-(1.0 - w), 0.0)
     }
 }

@@ -1,5 +1,5 @@
 //! The CUDA state and step of the rules whose CPU path is written with tensor ops (Prodigy,
-//! D-Adaptation, DoWG, AdaCoor): the state buffers in device memory, each pass one launch of a
+//! D-Adaptation, DoWG, AdaCoor, schedule-free AdamW): the state buffers in device memory, each pass one launch of a
 //! fused kernel from src/optim/adaptive.cu in the parameter's own storage, with the scalars
 //! [`super::adaptive_args`] gives. A first pass's sums come back as one partial sum per block,
 //! added here in f64 in block order; that copy is the pass's one host sync.
@@ -195,6 +195,16 @@ impl ParamState for FusedState {
             Some(launch) => self.run(var, grad, &launch).map(|_| ()),
             None => Ok(()),
         }
+    }
+
+    fn eval_weights(&mut self, var: &Var) -> Result<()> {
+        let Some(launch) = self.kernel.eval() else {
+            return Ok(());
+        };
+        // The entry point takes a gradient it does not read; the parameter itself cannot stand
+        // in (the launch writes it in place).
+        let unused = Tensor::zeros(var.shape(), DType::F32, var.device())?;
+        self.run(var, &unused, &launch).map(|_| ())
     }
 
     fn save(&self) -> Result<Vec<(&'static str, Tensor)>> {

@@ -1,5 +1,5 @@
 //! src/optim/adaptive.cu under the host emulation ([`crate::kernel_emu`]) against the CPU path of
-//! every rule it serves, launched from [`super::adaptive_args`] as the CUDA path launches it.
+//! every rule it serves (and schedule-free AdamW's evaluation weights), launched from [`super::adaptive_args`] as the CUDA path launches it.
 //!
 //! Both paths start from the same parameter and take the same gradients, and every pass of both
 //! gets the same scalars (those of the CPU path's own estimate). Each pass must then leave the
@@ -14,12 +14,13 @@ use half::bf16;
 use super::adaptive_args::{
     AdaCoorKernel, AdaptiveKernel, BufKind, CoordinateDowgKernel, DAdaptAdamKernel,
     DAdaptAdanKernel, DAdaptLionKernel, DAdaptSgdKernel, Launch, ProdigyKernel, ScalarDowgKernel,
+    ScheduleFreeKernel,
 };
 use super::rule::{ParamState, Shares, StepEstimate, StepScalars, UpdateRule};
 use super::{
-    AdaCoor, AdaCoorParams, CoordinateDowg, DAdaptAdam, DAdaptAdamParams, DAdaptAdan,
-    DAdaptAdanParams, DAdaptLion, DAdaptLionParams, DAdaptSgd, DAdaptSgdParams, DowgParams,
-    Prodigy, ProdigyParams, ScalarDowg,
+    AdaCoor, AdaCoorParams, AdamWScheduleFree, CoordinateDowg, DAdaptAdam, DAdaptAdamParams,
+    DAdaptAdan, DAdaptAdanParams, DAdaptLion, DAdaptLionParams, DAdaptSgd, DAdaptSgdParams,
+    DowgParams, Prodigy, ProdigyParams, ScalarDowg, ScheduleFreeParams,
 };
 use crate::kernel_emu::{self, Arg};
 
@@ -220,6 +221,18 @@ fn check(
         }
         assert_same(&what, &var, state.as_ref(), kernel, &emu);
     }
+    // The evaluation weights (schedule-free's x), where a rule has them.
+    if let Some(launch) = kernel.eval() {
+        state.eval_weights(&var).unwrap();
+        emu.run(&launch, &vec![0.0; n]);
+        assert_same(
+            &format!("{what}, eval weights"),
+            &var,
+            state.as_ref(),
+            kernel,
+            &emu,
+        );
+    }
 }
 
 /// One step of a two-pass rule on both paths, with the CPU path's scalars.
@@ -375,4 +388,21 @@ fn adacoor_kernel_matches_the_cpu_path() {
         &AdaCoorKernel(h),
         &[1.0],
     );
+}
+
+#[test]
+fn schedulefree_kernels_match_the_cpu_path() {
+    let warm = ScheduleFreeParams {
+        weight_decay: 0.1,
+        warmup_steps: 3,
+        r: 0.5,
+        ..ScheduleFreeParams::default()
+    };
+    for (what, h) in [
+        ("adamw_schedulefree", ScheduleFreeParams::default()),
+        ("adamw_schedulefree warmup, decay, r", warm),
+    ] {
+        let rule = AdamWScheduleFree::rule(h).unwrap();
+        each_grid(what, &rule, &ScheduleFreeKernel(h), &[1e-2, 1e-2, 5e-3]);
+    }
 }

@@ -66,6 +66,9 @@ pub struct GroupOptimizer {
     estimate: Option<Box<dyn StepEstimate>>,
     /// The two-pass step under way.
     open: Option<OpenStep>,
+    /// While the parameters hold their evaluation weights ([`GroupOptimizer::eval_weights`]):
+    /// the training weights of each swapped slot, on the host.
+    stash: Option<Vec<(usize, Tensor)>>,
 }
 
 /// A two-pass step between its begin and its last update.
@@ -119,6 +122,7 @@ impl GroupOptimizer {
             stochastic: None,
             estimate,
             open: None,
+            stash: None,
         })
     }
 
@@ -149,6 +153,74 @@ impl GroupOptimizer {
             }
             _ => Ok(self.rule.init(var)?),
         }
+    }
+
+    /// Puts the weights to evaluate and save into the parameters (schedule-free AdamW's `x`),
+    /// keeping a host copy of the training weights for [`GroupOptimizer::train_weights`]. Nothing
+    /// for the other rules, for parameters not updated yet, or when already done. On an error
+    /// every parameter is put back.
+    ///
+    /// The copy costs host memory the size of the trained parameters (in their dtype), for as long
+    /// as the evaluation lasts; device memory is untouched.
+    pub fn eval_weights(&mut self) -> Result<()> {
+        if self.stash.is_some() || !self.rule.eval_weights_differ() {
+            return Ok(());
+        }
+        let mut stash = Vec::new();
+        for i in 0..self.slots.len() {
+            let s = &mut self.slots[i];
+            if s.step == 0 {
+                continue;
+            }
+            let swapped = (|| {
+                let y = s.var.as_tensor().to_device(&candle_core::Device::Cpu)?;
+                // On the CPU that is the parameter's own storage, which the swap overwrites.
+                let y = if s.var.device().is_cpu() {
+                    y.copy()?
+                } else {
+                    y
+                };
+                s.state.eval_weights(&s.var)?;
+                Ok::<_, candle_core::Error>(y)
+            })();
+            match swapped {
+                Ok(y) => stash.push((i, y)),
+                Err(e) => {
+                    let name = s.name.clone();
+                    self.stash = Some(stash);
+                    self.train_weights()?;
+                    return Err(OptimError::Tensor {
+                        name,
+                        source: Box::new(e),
+                    });
+                }
+            }
+        }
+        self.stash = Some(stash);
+        Ok(())
+    }
+
+    /// Puts back the training weights [`GroupOptimizer::eval_weights`] kept, exactly as they
+    /// were. Nothing when the parameters hold them already.
+    pub fn train_weights(&mut self) -> Result<()> {
+        let Some(stash) = self.stash.take() else {
+            return Ok(());
+        };
+        for (i, y) in stash {
+            let s = &self.slots[i];
+            s.var
+                .set(&y.to_device(s.var.device())?)
+                .map_err(|e| OptimError::Tensor {
+                    name: s.name.clone(),
+                    source: Box::new(e),
+                })?;
+        }
+        Ok(())
+    }
+
+    /// Whether the parameters hold their evaluation weights.
+    pub fn in_eval(&self) -> bool {
+        self.stash.is_some()
     }
 
     /// The optimizer's name (`"adamw8bit"`, …).
@@ -361,6 +433,12 @@ impl GroupOptimizer {
         g: &Tensor,
         f: impl FnOnce(&mut dyn ParamState, &Var, &Tensor) -> candle_core::Result<()>,
     ) -> Result<()> {
+        if self.stash.is_some() {
+            return Err(OptimError::Pass(
+                "the parameters hold their evaluation weights; training weights must be put back \
+                 (train_weights) before a step",
+            ));
+        }
         let s = &mut self.slots[i];
         let done = match self.stochastic {
             Some(seed) if s.var.dtype() != DType::F32 => (|| {

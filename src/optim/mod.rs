@@ -16,6 +16,9 @@
 //!   DoWG ([`CoordinateDowg`], [`ScalarDowg`]: the dowg package) and EveryDream2's [`AdaCoor`],
 //!   written with tensor ops ([`dense`]). The estimators that need every gradient before any
 //!   update take two passes ([`StepEstimate`]).
+//! - [`AdamWScheduleFree`] (the schedulefree package's; a two-pass rule for its group scalars,
+//!   whose evaluation weights the group swaps in with [`GroupOptimizer::eval_weights`]), and
+//!   [`Came`] (came-pytorch's CAME, f32 or 8-bit, in candle ops).
 //! - [`LrSchedule`]: constant/linear/cosine/polynomial with warmup, a pure function of the step,
 //!   matching diffusers' `get_scheduler`.
 //! - [`grad_norm`] / [`clip_grad_norm`]: global L2 norm of the gradients, as the trainer logs it.
@@ -33,6 +36,7 @@ pub mod adaptive_args;
 mod adaptive_cuda;
 #[cfg(test)]
 mod adaptive_emu_tests;
+pub mod came;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod dadapt_adam;
@@ -56,6 +60,7 @@ pub mod quant8;
 mod rounding_cuda;
 pub mod rule;
 pub mod schedule;
+pub mod schedulefree;
 pub mod state;
 pub mod stochastic_round;
 
@@ -67,6 +72,7 @@ pub use adacoor::{AdaCoor, AdaCoorParams};
 pub use adafactor::{Adafactor, AdafactorParams};
 pub use adamw::{AdamW, AdamWParams};
 pub use adamw8bit::AdamW8bit;
+pub use came::{Came, CameParams};
 pub use dadapt_adam::{DAdaptAdam, DAdaptAdamParams};
 pub use dadapt_adan::{DAdaptAdan, DAdaptAdanParams};
 pub use dadapt_lion::{DAdaptLion, DAdaptLionParams};
@@ -78,6 +84,7 @@ pub use lion::{Lion, LionParams};
 pub use prodigy::{Prodigy, ProdigyParams};
 pub use rule::{ParamState, Shares, StepEstimate, StepScalars, UpdateRule};
 pub use schedule::{LrSchedule, ScheduleError, ScheduleKind};
+pub use schedulefree::{AdamWScheduleFree, ScheduleFreeParams};
 
 /// Errors from the optimizers and their state files.
 #[derive(Debug, thiserror::Error)]

@@ -22,10 +22,11 @@ pub type Shares = [f64; 3];
 /// The scalars of one pass of a step-size estimator, the same for every parameter.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct StepScalars {
-    /// The estimate the pass uses: Prodigy's and D-Adaptation's `d`, scalar DoWG's `r²`.
+    /// The estimate the pass uses: Prodigy's and D-Adaptation's `d`, scalar DoWG's `r²`,
+    /// schedule-free AdamW's averaging weight `c`.
     pub d: f64,
     /// The effective step: `d · lr` (times Prodigy's bias correction), scalar DoWG's
-    /// denominator `√v + ε`.
+    /// denominator `√v + ε`, schedule-free AdamW's lr after its warmup.
     pub dlr: f64,
     /// The group's step count before this step (0 on the first).
     pub k: u64,
@@ -90,6 +91,13 @@ pub trait ParamState: Send {
             "this optimizer updates each parameter in one pass".into(),
         ))
     }
+    /// Writes the weights the model is evaluated and saved with into `var`, from the training
+    /// weights it holds (schedule-free's `x` from `y`). Called only for rules whose
+    /// [`UpdateRule::eval_weights_differ`], on parameters with at least one update; the caller
+    /// keeps the training weights and puts them back itself.
+    fn eval_weights(&mut self, _var: &Var) -> Result<()> {
+        Ok(())
+    }
     /// The state as named tensors, always in the same order with the same names, shapes and
     /// dtypes for a parameter of a given shape: the caller validates a state file against the
     /// list a fresh state returns.
@@ -111,6 +119,12 @@ pub trait UpdateRule: Send + Sync {
     /// update each parameter from its own gradient alone.
     fn estimate(&self) -> Option<Box<dyn StepEstimate>> {
         None
+    }
+    /// Whether the weights to evaluate and save differ from those the gradient is taken at
+    /// (schedule-free AdamW): the group then swaps them in with [`ParamState::eval_weights`]
+    /// around sampling, validation and saving.
+    fn eval_weights_differ(&self) -> bool {
+        false
     }
     /// The hyper-parameters, for the state file's metadata (informational).
     fn hyper_json(&self) -> serde_json::Value;

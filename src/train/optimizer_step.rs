@@ -68,6 +68,40 @@ impl Optimization {
         self.groups.iter().any(|g| g.name == "text_encoder")
     }
 
+    /// `f` with the weights to evaluate and save in the parameters (schedule-free AdamW's `x`;
+    /// the training weights for every other optimizer), and the training weights put back
+    /// exactly afterwards, whether `f` failed or not. Sampling, validation and the saved weights
+    /// go through here; the resume save point does not (it keeps the training weights).
+    pub fn with_eval_weights<T>(
+        &mut self,
+        f: impl FnOnce(&mut Self) -> anyhow::Result<T>,
+    ) -> anyhow::Result<T> {
+        let swapped = self.swap_eval();
+        let result = swapped.and_then(|()| f(self));
+        let back = self.swap_train();
+        let value = result?;
+        back?;
+        Ok(value)
+    }
+
+    fn swap_eval(&mut self) -> anyhow::Result<()> {
+        for g in self.groups.iter_mut() {
+            g.optimizer
+                .eval_weights()
+                .with_context(|| format!("{} optimizer: evaluation weights", g.name))?;
+        }
+        Ok(())
+    }
+
+    fn swap_train(&mut self) -> anyhow::Result<()> {
+        for g in self.groups.iter_mut() {
+            g.optimizer
+                .train_weights()
+                .with_context(|| format!("{} optimizer: training weights", g.name))?;
+        }
+        Ok(())
+    }
+
     /// One optimizer step over `data` (the step's micro-batches, each of one bucket, and their
     /// samples), (0-based) `step` of the run.
     pub fn step(

@@ -13,9 +13,10 @@ use crate::model::files::Component;
 use crate::model::pipeline::StableDiffusion;
 use crate::optim::{
     AdaCoor, AdaCoorParams, Adafactor, AdafactorParams, AdamW, AdamW8bit, AdamWParams,
-    CoordinateDowg, DAdaptAdam, DAdaptAdamParams, DAdaptAdan, DAdaptAdanParams, DAdaptLion,
-    DAdaptLionParams, DAdaptSgd, DAdaptSgdParams, DowgParams, GroupOptimizer, Lion, LionParams,
-    LrSchedule, Optimizer, Prodigy, ProdigyParams, ScalarDowg, UpdateRule,
+    AdamWScheduleFree, Came, CameParams, CoordinateDowg, DAdaptAdam, DAdaptAdamParams, DAdaptAdan,
+    DAdaptAdanParams, DAdaptLion, DAdaptLionParams, DAdaptSgd, DAdaptSgdParams, DowgParams,
+    GroupOptimizer, Lion, LionParams, LrSchedule, Optimizer, Prodigy, ProdigyParams, ScalarDowg,
+    ScheduleFreeParams, UpdateRule,
 };
 
 /// One optimizer over one parameter group, with its schedule.
@@ -67,6 +68,36 @@ pub(crate) fn update_rule(plan: &ParamGroupPlan) -> crate::optim::Result<Box<dyn
             weight_decay: plan.weight_decay,
             scale_parameter: plan.adafactor.scale_parameter,
         })?),
+        OptimizerKind::AdamWScheduleFree => {
+            Box::new(AdamWScheduleFree::rule(ScheduleFreeParams {
+                beta1: plan.betas.0,
+                beta2: plan.betas.1,
+                eps: plan.epsilon,
+                weight_decay: plan.weight_decay,
+                warmup_steps: plan.schedulefree.warmup_steps,
+                r: plan.schedulefree.r,
+                weight_lr_power: plan.schedulefree.weight_lr_power,
+            })?)
+        }
+        OptimizerKind::Came | OptimizerKind::Came8bit => {
+            let betas = (
+                plan.betas.0,
+                plan.betas.1,
+                plan.estimator
+                    .beta3
+                    .unwrap_or(crate::config::CAME_BETAS_DEFAULT.2),
+            );
+            let params = CameParams {
+                betas,
+                eps: plan.came.eps,
+                clip_threshold: plan.came.clip_threshold,
+                weight_decay: plan.weight_decay,
+            };
+            Box::new(Came::rule(
+                params,
+                plan.optimizer == OptimizerKind::Came8bit,
+            )?)
+        }
         kind => estimator_rule(kind, plan)?,
     })
 }
@@ -142,7 +173,10 @@ fn estimator_rule(
         | OptimizerKind::AdamW8bit
         | OptimizerKind::Lion
         | OptimizerKind::Lion8bit
-        | OptimizerKind::Adafactor => {
+        | OptimizerKind::Adafactor
+        | OptimizerKind::AdamWScheduleFree
+        | OptimizerKind::Came
+        | OptimizerKind::Came8bit => {
             return Err(crate::optim::OptimError::Pass(
                 "not a learning-rate-free optimizer (built by update_rule)",
             ))

@@ -57,16 +57,21 @@ impl Saver<'_> {
     /// Saves at `point`: the weights, the EMA weights and, except at the end of a run that
     /// writes no save points ([`TrainPlan::writes_save_points`]), a resume save point holding
     /// `state`. Returns the weights' paths.
+    ///
+    /// The weights are the evaluation weights ([`Optimization::with_eval_weights`]: schedule-free
+    /// AdamW's `x`, as kohya and OneTrainer save them); the save point keeps the training weights,
+    /// so a resumed run goes on exactly.
     pub fn save_point(
         &self,
-        opt: &Optimization,
+        opt: &mut Optimization,
         state: &TrainerState,
         point: SavePoint,
         epoch: usize,
         progress: &Progress,
     ) -> anyhow::Result<Vec<PathBuf>> {
         let steps = state.steps;
-        let mut paths = self.save(&opt.groups, point, steps, epoch, progress, "")?;
+        let mut paths =
+            opt.with_eval_weights(|opt| self.save(&opt.groups, point, steps, epoch, progress, ""))?;
         if let Some(ema) = self.ema {
             paths.extend(ema.with_weights(&opt.params, || {
                 self.save(&opt.groups, point, steps, epoch, progress, EMA_SUFFIX)

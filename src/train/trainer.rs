@@ -622,9 +622,12 @@ impl Session<'_> {
         };
         let te_trains = self.opt.text_encoder_trains();
         let (plan, micro) = (self.plan, self.opt.micro.size);
-        let losses = self.model.evaluating(|m| {
-            let settings = m.step_settings(plan, te_trains);
-            val.losses(&m.sd, &settings, micro)
+        let model = &mut self.model;
+        let losses = self.opt.with_eval_weights(|_| {
+            model.evaluating(|m| {
+                let settings = m.step_settings(plan, te_trains);
+                val.losses(&m.sd, &settings, micro)
+            })
         });
         let losses = val.logged(losses.context("validation loss")?);
         let Some((_, loss)) = losses.first().cloned() else {
@@ -664,15 +667,18 @@ impl Session<'_> {
         if !force && !samples.due(step) {
             return Ok(());
         }
-        let round = super::samples::Round {
-            ema: self.extras.ema.as_ref(),
-            params: &self.opt.params,
-            micro: self.opt.micro.size,
-            tensorboard: self.outputs.log.tensorboard.as_mut(),
-            device: &self.opts.device,
-        };
-        self.model
-            .evaluating(|m| samples.draw(&mut m.sd, m.amp, round, step, progress))
+        let (model, ema) = (&mut self.model, self.extras.ema.as_ref());
+        let (tensorboard, device) = (self.outputs.log.tensorboard.as_mut(), &self.opts.device);
+        self.opt.with_eval_weights(|opt| {
+            let round = super::samples::Round {
+                ema,
+                params: &opt.params,
+                micro: opt.micro.size,
+                tensorboard,
+                device,
+            };
+            model.evaluating(|m| samples.draw(&mut m.sd, m.amp, round, step, progress))
+        })
     }
 
     /// The trainer's state after `out`'s steps, for a save point.
@@ -720,7 +726,7 @@ impl Session<'_> {
         };
         let place = || format!("while saving at step {}", out.steps);
         retry_once_on_oom(&self.opts.device, place, || {
-            saver.save_point(&self.opt, &state, point, epoch, progress)
+            saver.save_point(&mut self.opt, &state, point, epoch, progress)
         })
     }
 

@@ -7,16 +7,17 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 use sdtrain::optim::{
     AdaCoor, AdaCoorParams, Adafactor, AdafactorParams, AdamW, AdamW8bit, AdamWParams,
-    CoordinateDowg, DAdaptAdam, DAdaptAdamParams, DAdaptAdan, DAdaptAdanParams, DAdaptLion,
-    DAdaptLionParams, DAdaptSgd, DAdaptSgdParams, DowgParams, GroupOptimizer, Lion, LionParams,
-    Optimizer, Prodigy, ProdigyParams, ScalarDowg, UpdateRule,
+    AdamWScheduleFree, Came, CameParams, CoordinateDowg, DAdaptAdam, DAdaptAdamParams, DAdaptAdan,
+    DAdaptAdanParams, DAdaptLion, DAdaptLionParams, DAdaptSgd, DAdaptSgdParams, DowgParams,
+    GroupOptimizer, Lion, LionParams, Optimizer, Prodigy, ProdigyParams, ScalarDowg,
+    ScheduleFreeParams, UpdateRule,
 };
 
 use super::common;
 
 type MakeRule = fn() -> Box<dyn UpdateRule>;
 
-fn rules() -> [(&'static str, MakeRule); 14] {
+fn rules() -> [(&'static str, MakeRule); 17] {
     const ADAM: AdamWParams = AdamWParams {
         lr: 1e-2,
         beta1: 0.9,
@@ -104,6 +105,29 @@ fn rules() -> [(&'static str, MakeRule); 14] {
         }),
         ("adacoor", || {
             Box::new(AdaCoor::rule(AdaCoorParams { eps: 1e-8 }).unwrap())
+        }),
+        ("adamw_schedulefree", || {
+            let p = ScheduleFreeParams {
+                weight_decay: 0.1,
+                warmup_steps: 2,
+                ..ScheduleFreeParams::default()
+            };
+            Box::new(AdamWScheduleFree::rule(p).unwrap())
+        }),
+        // CAME's step is candle ops on either device (src/optim/came.rs).
+        ("came", || {
+            let p = CameParams {
+                weight_decay: 0.1,
+                ..CameParams::default()
+            };
+            Box::new(Came::rule(p, false).unwrap())
+        }),
+        ("came8bit", || {
+            let p = CameParams {
+                weight_decay: 0.1,
+                ..CameParams::default()
+            };
+            Box::new(Came::rule(p, true).unwrap())
         }),
     ]
 }
