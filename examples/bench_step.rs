@@ -65,8 +65,9 @@ use sdtrain::model::reference_configs::{SD15_UNET, SDXL_UNET};
 use sdtrain::model::unet::{AddedConditions, UNet2DConditionModel, UnetConfig};
 use sdtrain::model::weights::Weights;
 use sdtrain::optim::{
-    Adafactor, AdafactorParams, AdamW, AdamW8bit, AdamWParams, GroupOptimizer, Lion, LionParams,
-    Optimizer, StepCheck, UpdateRule,
+    Adafactor, AdafactorParams, AdamW, AdamW8bit, AdamWParams, AdamWScheduleFree, Came, CameParams,
+    GroupOptimizer, Lion, LionParams, Optimizer, Prodigy, ProdigyParams, ScheduleFreeParams,
+    StepCheck, UpdateRule,
 };
 use serde_json::{json, Value};
 
@@ -556,13 +557,19 @@ fn build(shape: &Shape, device: &Device) -> Result<Model> {
             let n = vars.iter().map(|v| v.elem_count()).sum();
             (unet, vars, n)
         }
-        "lora" => {
+        mode @ ("lora" | "locon" | "loha" | "lokr" | "dora") => {
             let w = Weights::random(0, "unet", dtype, device, false);
             w.set_fp8_base(shape.fp8_base);
             let mut unet = UNet2DConditionModel::new(&w, &cfg)?;
             let n = w.element_count();
             let spec = AdapterSpec {
-                mode: AdapterMode::Lora,
+                mode: match mode {
+                    "locon" => AdapterMode::Locon,
+                    "loha" => AdapterMode::Loha,
+                    "lokr" => AdapterMode::Lokr,
+                    "dora" => AdapterMode::Dora,
+                    _ => AdapterMode::Lora,
+                },
                 rank: shape.rank,
                 alpha: shape.rank as f64,
                 conv_rank: shape.rank,
@@ -574,7 +581,7 @@ fn build(shape: &Shape, device: &Device) -> Result<Model> {
             let modules = attach_unet(&mut unet, &spec)?;
             (unet, adapter_vars(&modules), n)
         }
-        other => bail!("--mode {other}: use lora or full"),
+        other => bail!("--mode {other}: use lora, locon, loha, lokr, dora or full"),
     };
     let named = vars
         .iter()
@@ -843,6 +850,13 @@ fn update_rule(name: &str) -> Result<Box<dyn UpdateRule>> {
         "lion" => Box::new(Lion::rule(lion, false)?),
         "lion8bit" => Box::new(Lion::rule(lion, true)?),
         "adafactor" => Box::new(Adafactor::rule(AdafactorParams::default())?),
-        other => bail!("--optimizer {other}: use adamw, adamw8bit, lion, lion8bit or adafactor"),
+        "adamw_schedulefree" => Box::new(AdamWScheduleFree::rule(ScheduleFreeParams::default())?),
+        "came" => Box::new(Came::rule(CameParams::default(), false)?),
+        "came8bit" => Box::new(Came::rule(CameParams::default(), true)?),
+        "prodigy" => Box::new(Prodigy::rule(ProdigyParams::default())?),
+        other => bail!(
+            "--optimizer {other}: use adamw, adamw8bit, lion, lion8bit, adafactor, \
+             adamw_schedulefree, came, came8bit or prodigy"
+        ),
     })
 }

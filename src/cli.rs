@@ -197,7 +197,9 @@ fn devices_requested(
 ) -> anyhow::Result<Vec<crate::memory::DeviceRequest>> {
     use crate::config::devices_plan::parse_device_list;
     match &args.devices {
-        Some(list) => parse_device_list(list).map_err(|why| anyhow::anyhow!("--devices {list:?}: {why}")),
+        Some(list) => {
+            parse_device_list(list).map_err(|why| anyhow::anyhow!("--devices {list:?}: {why}"))
+        }
         None if plan.devices.is_empty() => Ok(Vec::new()),
         None => parse_device_list(&plan.devices.join(","))
             .map_err(|why| anyhow::anyhow!("devices: {why}")),

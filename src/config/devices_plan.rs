@@ -3,14 +3,14 @@
 //! string (`"0,1,2,3"`). A card may be listed once; `cpu` any number of times (ranks on the CPU,
 //! for tests and for trying a config on a machine without cards).
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use super::ctx::Ctx;
 use super::ConfigError;
 use crate::memory::DeviceRequest;
 
 /// `devices` as train.json may give it.
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(untagged)]
 pub enum DevicesValue {
     List(Vec<DeviceName>),
@@ -18,7 +18,7 @@ pub enum DevicesValue {
 }
 
 /// One entry: a card index or a device name.
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(untagged)]
 pub enum DeviceName {
     Index(i64),
@@ -65,7 +65,10 @@ fn checked(list: Vec<DeviceRequest>) -> Result<Vec<DeviceRequest>, String> {
 }
 
 /// train.json's `devices`, as canonical names (empty when unset).
-pub fn resolve_devices(v: Option<&DevicesValue>, ctx: &Ctx<'_>) -> Result<Vec<String>, ConfigError> {
+pub(super) fn resolve_devices(
+    v: Option<&DevicesValue>,
+    ctx: &Ctx<'_>,
+) -> Result<Vec<String>, ConfigError> {
     let list = match v {
         None => return Ok(Vec::new()),
         Some(DevicesValue::Text(t)) => parse_device_list(t),
@@ -90,9 +93,23 @@ mod tests {
     #[test]
     fn lists_parse_to_one_rank_per_entry() {
         let l = parse_device_list("0, 1,cuda:3").unwrap();
-        assert_eq!(l, vec![DeviceRequest::Cuda(0), DeviceRequest::Cuda(1), DeviceRequest::Cuda(3)]);
-        assert_eq!(parse_device_list("cpu,cpu").unwrap(), vec![DeviceRequest::Cpu; 2]);
-        for (bad, why) in [("", "no device"), ("0,0", "card 0 twice"), ("0,x", "\"x\" is not")] {
+        assert_eq!(
+            l,
+            vec![
+                DeviceRequest::Cuda(0),
+                DeviceRequest::Cuda(1),
+                DeviceRequest::Cuda(3)
+            ]
+        );
+        assert_eq!(
+            parse_device_list("cpu,cpu").unwrap(),
+            vec![DeviceRequest::Cpu; 2]
+        );
+        for (bad, why) in [
+            ("", "no device"),
+            ("0,0", "card 0 twice"),
+            ("0,x", "\"x\" is not"),
+        ] {
             let e = parse_device_list(bad).unwrap_err();
             assert!(e.contains(why), "{bad}: {e}");
         }
@@ -102,9 +119,15 @@ mod tests {
     fn train_json_takes_a_list_or_a_string() {
         let ctx = Ctx::new(std::path::Path::new("train.json"));
         let list: DevicesValue = serde_json::from_str(r#"[0, "cuda:2", "cpu"]"#).unwrap();
-        assert_eq!(resolve_devices(Some(&list), &ctx).unwrap(), ["cuda:0", "cuda:2", "cpu"]);
+        assert_eq!(
+            resolve_devices(Some(&list), &ctx).unwrap(),
+            ["cuda:0", "cuda:2", "cpu"]
+        );
         let text: DevicesValue = serde_json::from_str(r#""1,0""#).unwrap();
-        assert_eq!(resolve_devices(Some(&text), &ctx).unwrap(), ["cuda:1", "cuda:0"]);
+        assert_eq!(
+            resolve_devices(Some(&text), &ctx).unwrap(),
+            ["cuda:1", "cuda:0"]
+        );
         let bad: DevicesValue = serde_json::from_str("[-1]").unwrap();
         let e = resolve_devices(Some(&bad), &ctx).unwrap_err().to_string();
         assert!(e.contains("devices") && e.contains("-1"), "{e}");
