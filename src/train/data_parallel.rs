@@ -117,6 +117,41 @@ pub(super) fn agree_micro(
     Ok(())
 }
 
+/// Steps between the weight checks of debug builds and tests ([`check_same_weights`]).
+pub const WEIGHT_CHECK_EVERY: usize = 10;
+
+/// Debug builds and tests: every rank's trained weights hash to rank 0's, or the run ends with
+/// the rank that differs (a rank that skipped or mis-summed a gradient). Copies every trained
+/// parameter to the host, so release builds do not run it.
+pub(super) fn check_same_weights(
+    coll: &mut dyn Collective,
+    params: &[Var],
+    step: usize,
+) -> anyhow::Result<()> {
+    let mut hash = 0xcbf2_9ce4_8422_2325u64;
+    for v in params {
+        for x in v
+            .as_tensor()
+            .to_dtype(DType::F32)?
+            .flatten_all()?
+            .to_vec1::<f32>()?
+        {
+            hash = (hash ^ u64::from(x.to_bits())).wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    let all = coll
+        .all_gather("weight_check", &hash.to_le_bytes())
+        .context("comparing the ranks' weights")?;
+    if let Some(rank) = all.iter().position(|h| *h != all[0]) {
+        anyhow::bail!(
+            "after step {}: rank {rank}'s weights differ from rank 0's (the ranks' updates \
+             diverged)",
+            step + 1
+        );
+    }
+    Ok(())
+}
+
 /// Whether any rank's `flag` is set (Ctrl-C seen, a stop asked for), on every rank.
 pub(super) fn agree_flag(coll: &mut dyn Collective, flag: bool) -> anyhow::Result<bool> {
     coll.any(flag).context("agreeing to stop")
@@ -160,7 +195,11 @@ pub fn train_ranks(
                     device: device.clone(),
                     show_progress: show_progress && link.rank() == 0,
                 };
-                scope.spawn(move || train_rank(plan, &opts, Box::new(link)))
+                scope.spawn(move || {
+                    #[cfg(test)]
+                    super::oom::inject::install_for_rank(link.rank());
+                    train_rank(plan, &opts, Box::new(link))
+                })
             })
             .collect();
         handles

@@ -11,6 +11,9 @@ use super::data_parallel::train_ranks;
 use super::{train, RunOptions, TrainOutcome};
 use crate::config::TrainPlan;
 
+/// The runs here share the process-wide rank hook of [`super::oom::inject`]: one at a time.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
@@ -18,6 +21,10 @@ fn repo() -> PathBuf {
 /// A LoRA run of `steps` steps of 1 × `accum` samples, logging every step with its gradient
 /// norm.
 fn plan(dir: &Path, accum: usize, steps: usize) -> TrainPlan {
+    plan_batch(dir, 1, accum, steps)
+}
+
+fn plan_batch(dir: &Path, batch: usize, accum: usize, steps: usize) -> TrainPlan {
     std::fs::create_dir_all(dir).unwrap();
     std::fs::write(dir.join("optimizer.json"), r#"{"log_grad_norm": true}"#).unwrap();
     let cfg = serde_json::json!({
@@ -29,7 +36,7 @@ fn plan(dir: &Path, accum: usize, steps: usize) -> TrainPlan {
         "mode": "lora",
         "adapter": {"save_dtype": "fp32"},
         "resolution": 64,
-        "batch_size": 1,
+        "batch_size": batch,
         "grad_accum": accum,
         "max_steps": steps,
         "lr": 1e-3,
@@ -83,6 +90,7 @@ fn assert_close(what: &str, got: &[f64], want: &[f64]) {
 
 #[test]
 fn ranks_train_the_same_weights_as_one_process() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let tmp = tempfile::tempdir().unwrap();
     let (accum, steps) = (4, 3);
     let single = one_process(&plan(&tmp.path().join("one"), accum, steps));
@@ -135,4 +143,49 @@ fn options_that_cannot_run_data_parallel_are_refused() {
         Duration::from_secs(5),
     );
     assert!(format!("{:#}", e.unwrap_err()).contains("fused_backward_pass"));
+}
+
+/// An out-of-memory error on one rank: that rank halves its micro-batch and retries the same
+/// samples, every rank goes on at the halved size, and the run trains what one process does.
+#[test]
+fn an_oom_on_one_rank_halves_every_rank_and_keeps_the_update() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let tmp = tempfile::tempdir().unwrap();
+    let steps = 3;
+    let single = one_process(&plan_batch(&tmp.path().join("one"), 2, 2, steps));
+    let p = plan_batch(&tmp.path().join("ranks"), 2, 2, steps);
+    let fired = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let count = fired.clone();
+    super::oom::inject::set_for_ranks(move |rank, step, ids| {
+        let fire = rank == 1 && step == 1 && ids.len() > 1;
+        if fire {
+            count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+        fire
+    });
+    let out = train_ranks(
+        &p,
+        &[Device::Cpu, Device::Cpu],
+        false,
+        Duration::from_secs(120),
+    );
+    super::oom::inject::clear_ranks();
+    let out = out.unwrap();
+    assert_eq!(fired.load(std::sync::atomic::Ordering::SeqCst), 1);
+    // Rank 0 never ran out of memory, yet goes on at rank 1's halved size.
+    assert_eq!(out.micro.size, 1, "{:?}", out.micro);
+    assert_eq!(out.images_seen, single.images_seen);
+    assert_close("losses", &out.losses, &single.losses);
+    assert_close("gradient norms", &grad_norms(&out), &grad_norms(&single));
+    let (got, want) = (
+        lora(out.saved.last().unwrap()),
+        lora(single.saved.last().unwrap()),
+    );
+    for (name, w) in &want {
+        let (scale, diff) = (max_abs(w), max_abs(&(&got[name] - w).unwrap()));
+        assert!(
+            diff <= 1e-4 * scale.max(1e-3),
+            "{name}: differs by {diff} (scale {scale})"
+        );
+    }
 }

@@ -115,6 +115,28 @@ pub(crate) mod inject {
     pub(super) fn fires(step: usize, ids: &[usize]) -> bool {
         HOOK.with(|h| h.borrow_mut().as_mut().is_some_and(|f| f(step, ids)))
     }
+
+    type RankHook = std::sync::Arc<dyn Fn(usize, usize, &[usize]) -> bool + Send + Sync>;
+
+    static RANK_HOOK: std::sync::Mutex<Option<RankHook>> = std::sync::Mutex::new(None);
+
+    /// For data-parallel runs, whose ranks are threads of their own: `f(rank, step, ids)`
+    /// decides on every rank thread that [`install_for_rank`] starts (until [`clear_ranks`]).
+    pub fn set_for_ranks(f: impl Fn(usize, usize, &[usize]) -> bool + Send + Sync + 'static) {
+        *RANK_HOOK.lock().unwrap_or_else(|e| e.into_inner()) = Some(std::sync::Arc::new(f));
+    }
+
+    pub fn clear_ranks() {
+        *RANK_HOOK.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    }
+
+    /// Called by each rank thread as it starts: installs the ranks' hook on it, if one is set.
+    pub fn install_for_rank(rank: usize) {
+        let hook = RANK_HOOK.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        if let Some(f) = hook {
+            set(move |step, ids| f(rank, step, ids));
+        }
+    }
 }
 
 #[cfg(test)]

@@ -16,7 +16,9 @@ use candle_core::{Device, Tensor, Var};
 
 use super::accumulate::{Accumulated, GradAccumulator};
 use super::data_feed::StepData;
-use super::data_parallel::{agree_micro, reduce_step, RankLink};
+use super::data_parallel::{
+    agree_micro, check_same_weights, reduce_step, RankLink, WEIGHT_CHECK_EVERY,
+};
 use super::micro_batch::MicroBatching;
 use super::oom::{injected, OutOfMemory};
 use super::oom_policy::{halve_after_oom, retry_once_on_oom};
@@ -161,6 +163,11 @@ impl Optimization {
         if let Some(finite) = finite {
             for g in self.groups.iter_mut() {
                 update_group(g, &done.grads, finite, device, step)?;
+            }
+        }
+        if let Some(link) = self.dist.as_mut() {
+            if cfg!(debug_assertions) && step.is_multiple_of(WEIGHT_CHECK_EVERY) {
+                check_same_weights(link.coll.as_mut(), &self.params, step)?;
             }
         }
         Ok(StepReport {
