@@ -50,6 +50,18 @@ pub struct Launch {
     pub sums: usize,
 }
 
+/// The totals of `k` sums from an accumulate launch's per-block partials (`[block][k]`), added
+/// in f64 in block order: what the CUDA path and the emulation tests both do with them.
+pub fn block_totals(partials: &[f32], k: usize) -> Vec<f64> {
+    let mut totals = vec![0f64; k];
+    for block in partials.chunks_exact(k.max(1)) {
+        for (t, s) in totals.iter_mut().zip(block) {
+            *t += f64::from(*s);
+        }
+    }
+    totals
+}
+
 /// A flag as the kernels take it.
 fn flag(b: bool) -> f32 {
     if b {
@@ -477,5 +489,17 @@ fn lerp_args(w: f64) -> (f64, f64) {
         (w, 1.0)
     } else {
         (-(1.0 - w), 0.0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::block_totals;
+
+    #[test]
+    fn block_totals_add_each_sum_over_the_blocks() {
+        let partials = [1.0, 10.0, 2.0, 20.0, 4.0, 40.0];
+        assert_eq!(block_totals(&partials, 2), vec![7.0, 70.0]);
+        assert!(block_totals(&[], 0).is_empty());
     }
 }

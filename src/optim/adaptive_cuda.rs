@@ -10,7 +10,7 @@ use candle_core::cuda_backend::cudarc::driver::{CudaSlice, LaunchArgs, PushKerne
 use candle_core::{bail, CudaDevice, DType, Device, Result, Tensor, Var};
 use half::bf16;
 
-use super::adaptive_args::{AdaptiveKernel, BufKind, Buffer, Launch};
+use super::adaptive_args::{block_totals, AdaptiveKernel, BufKind, Buffer, Launch};
 use super::cuda::{launch_in_place, KernelCall, KernelFile, StateArgs};
 use super::launch;
 use super::rule::{ParamState, Shares, StepScalars};
@@ -127,18 +127,6 @@ impl FusedState {
     }
 }
 
-/// The totals of `k` sums from their per-block partials (`[block][k]`), added in f64 in block
-/// order.
-fn block_totals(partials: &[f32], k: usize) -> Vec<f64> {
-    let mut totals = vec![0f64; k];
-    for block in partials.chunks_exact(k) {
-        for (t, s) in totals.iter_mut().zip(block) {
-            *t += f64::from(*s);
-        }
-    }
-    totals
-}
-
 /// The state buffers in order, then the sums buffer of an accumulate pass.
 struct SlotArgs<'s, 'm> {
     slots: &'s mut [Slot],
@@ -235,16 +223,5 @@ impl ParamState for FusedState {
 
     fn bytes(&self) -> usize {
         self.slots.iter().map(Slot::bytes).sum()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::block_totals;
-
-    #[test]
-    fn block_totals_add_each_sum_over_the_blocks() {
-        let partials = [1.0, 10.0, 2.0, 20.0, 4.0, 40.0];
-        assert_eq!(block_totals(&partials, 2), vec![7.0, 70.0]);
     }
 }

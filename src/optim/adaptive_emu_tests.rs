@@ -1,3 +1,4 @@
+#![cfg(test)]
 //! src/optim/adaptive.cu under the host emulation ([`crate::kernel_emu`]) against the CPU path of
 //! every rule it serves (and schedule-free AdamW's evaluation weights), launched from [`super::adaptive_args`] as the CUDA path launches it.
 //!
@@ -12,7 +13,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use half::bf16;
 
 use super::adaptive_args::{
-    AdaCoorKernel, AdaptiveKernel, BufKind, CoordinateDowgKernel, DAdaptAdamKernel,
+    block_totals, AdaCoorKernel, AdaptiveKernel, BufKind, CoordinateDowgKernel, DAdaptAdamKernel,
     DAdaptAdanKernel, DAdaptLionKernel, DAdaptSgdKernel, Launch, ProdigyKernel, ScalarDowgKernel,
     ScheduleFreeKernel,
 };
@@ -101,13 +102,7 @@ impl Emulated {
             [super::launch::THREADS, 1, 1],
             &mut args,
         );
-        let mut totals = vec![0f64; launch.sums];
-        for block in sums.chunks_exact(launch.sums.max(1)) {
-            for (t, s) in totals.iter_mut().zip(block) {
-                *t += f64::from(*s);
-            }
-        }
-        totals
+        block_totals(&sums, launch.sums)
     }
 }
 

@@ -1,22 +1,18 @@
 //! Data parallel end to end on the CPU: LoRA runs on the tiny SD1.5 fixture on 2, 3 and 4
 //! in-process ranks against the same run in one process.
 
-use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
-use candle_core::{Device, Tensor};
+use candle_core::Device;
 
 use super::data_parallel::train_ranks;
+use super::test_runs::{lora, max_abs, repo};
 use super::{train, RunOptions, TrainOutcome};
 use crate::config::TrainPlan;
 
 /// The runs here share the process-wide rank hook of [`super::oom::inject`]: one at a time.
 static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn repo() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
 
 /// A LoRA run of `steps` steps of 1 × `accum` samples, logging every step with its gradient
 /// norm.
@@ -54,19 +50,6 @@ fn one_process(plan: &TrainPlan) -> TrainOutcome {
         show_progress: false,
     };
     train(plan, &opts).unwrap()
-}
-
-fn lora(path: &Path) -> HashMap<String, Tensor> {
-    candle_core::safetensors::load(path, &Device::Cpu).unwrap()
-}
-
-fn max_abs(t: &Tensor) -> f32 {
-    t.abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap()
 }
 
 /// Each logged step's gradient norm.

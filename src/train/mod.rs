@@ -41,6 +41,8 @@ pub mod state_estimate;
 pub mod step;
 pub mod summary;
 pub mod te_freeze;
+#[cfg(test)]
+mod test_runs;
 pub mod text_cache;
 pub mod trainer;
 pub mod validation;

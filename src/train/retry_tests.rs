@@ -3,20 +3,16 @@
 //! without them.
 
 use std::cell::RefCell;
-use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::rc::Rc;
 
-use candle_core::{Device, Tensor};
+use candle_core::Device;
 
 use super::micro_batch::GaveUp;
 use super::oom::inject;
+use super::test_runs::{lora, max_abs, repo};
 use super::{train, RunOptions, TrainOutcome};
 use crate::config::TrainPlan;
-
-fn repo() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
 
 fn plan(dir: &Path, batch: usize, accum: usize, steps: usize) -> TrainPlan {
     let cfg = serde_json::json!({
@@ -82,19 +78,6 @@ fn samples_per_step(seen: &[Micro]) -> Vec<Vec<usize>> {
         steps[*step].extend(ids);
     }
     steps
-}
-
-fn max_abs(t: &Tensor) -> f32 {
-    t.abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap()
-}
-
-fn lora(path: &Path) -> HashMap<String, Tensor> {
-    candle_core::safetensors::load(path, &Device::Cpu).unwrap()
 }
 
 #[test]
