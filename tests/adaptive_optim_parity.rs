@@ -234,7 +234,20 @@ fn replay(case: &Case) -> (f64, f64) {
             worst_e = worst_e.max(rel(a, *b, 1e-12));
         }
     }
+    assert_state_untracked(&opt, vars.iter().map(|(n, _)| n.clone()));
     (worst_p, worst_e)
+}
+
+/// No state tensor carries an autograd graph: a state computed from the tracked parameter would
+/// keep every earlier step's tensors alive (schedule-free's `z` chain grew by the model's size
+/// per step before `dense::value` detached).
+fn assert_state_untracked(opt: &GroupOptimizer, names: impl Iterator<Item = String>) {
+    for n in names {
+        let state = opt.state(&n).unwrap();
+        for (suffix, t) in state.tensors() {
+            assert!(!t.track_op(), "{n}.{suffix} keeps an autograd graph");
+        }
+    }
 }
 
 #[test]

@@ -13,21 +13,23 @@
 //! LoHa, LoKr and DoRA (LyCORIS's types, [`super::factors`]) rebuild the weight update `ΔW` from
 //! their factors each forward and run the layer's own op on it, `op(x, ΔW)`, as LyCORIS's default
 //! (non-bypass) forward does; DoRA normalises `W + ΔW` with the frozen weight it is handed
-//! ([`LayerAdapter::delta_on`]). Their inits are LyCORIS's ([`factors::param_shapes`]).
+//! ([`LayerAdapter::delta_on`]). Their inits are LyCORIS's ([`factors::param_shapes`]). On a
+//! frozen layer the layer and the update run as one op (`nn::rebuilt`) that keeps none of the
+//! weight-sized tensors for the backward and rebuilds `ΔW` there instead.
 //!
 //! The Vars are f32 masters; `delta` casts them to the input's dtype, and the cast's backward
 //! returns f32 gradients (the base layer stays in its loaded dtype).
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Device, Result, Tensor, Var};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
 use super::factors::{self, Algo, Init, DORA_SCALE, DOWN, LOKR_W1_A, LOKR_W2_A, UP};
 use crate::nn::{
-    cast_like, cpu_bf16, frozen_conv2d_low_rank, frozen_linear_low_rank, BaseWeight, FrozenBase,
-    LayerAdapter, LowRank,
+    cast_like, cpu_bf16, frozen_conv2d_low_rank, frozen_conv2d_rebuilt, frozen_linear_low_rank,
+    frozen_linear_rebuilt, BaseWeight, FrozenBase, LayerAdapter, LowRank, Rebuild, WeightUpdate,
 };
 
 /// Which model an adapter module belongs to (kohya prefixes `lora_unet`, `lora_te`/`lora_te1`,
@@ -419,12 +421,13 @@ impl LayerAdapter for LoraModule {
         self.delta_any(x, Some(base))
     }
 
-    /// LoRA/LoCon: the frozen layer and this module as one op (`nn::low_rank`): what the
-    /// backward keeps is the input and the rank-r `down` output, not three layer-output-sized
-    /// tensors. The other types rebuild `ΔW` and have no such form.
+    /// The frozen layer and this module as one op, which keeps less for the backward than the
+    /// sum of the two. LoRA/LoCon (`nn::low_rank`): the input and the rank-r `down` output, not
+    /// three layer-output-sized tensors. LoHa, LoKr, DoRA (`nn::rebuilt`): the input and the
+    /// packed factors, none of the weight-sized tensors that rebuild `ΔW`.
     fn forward_frozen(&self, x: &Tensor, base: FrozenBase<'_>) -> Option<Result<Tensor>> {
         if self.algo != Algo::LowRank || self.is_dora() {
-            return None;
+            return Some(self.rebuilt_forward(x, base));
         }
         let (down, up) = match self.lora_pair() {
             Ok(pair) => pair,
@@ -452,19 +455,87 @@ impl LayerAdapter for LoraModule {
             ) if (stride, padding) == (base_stride, base_padding) => {
                 frozen_conv2d_low_rank(x, &w, b, padding, stride, lr)
             }
-            (kind, base) => {
-                let layer = match base {
-                    FrozenBase::Linear { .. } => "a linear".to_string(),
-                    FrozenBase::Conv {
-                        padding, stride, ..
-                    } => format!("a conv with padding {padding} and stride {stride}"),
-                };
-                Err(candle_core::Error::Msg(format!(
-                    "{}: a LoRA module of kind {kind:?} does not fit its layer, {layer}",
-                    self.module_path
-                )))
-            }
+            (kind, base) => Err(self.misfit(kind, &base)),
         })
+    }
+}
+
+impl LoraModule {
+    /// The error for a module whose kind does not fit the layer it is attached to.
+    fn misfit(&self, kind: LoraKind, base: &FrozenBase<'_>) -> candle_core::Error {
+        let layer = match base {
+            FrozenBase::Linear { .. } => "a linear".to_string(),
+            FrozenBase::Conv {
+                padding, stride, ..
+            } => format!("a conv with padding {padding} and stride {stride}"),
+        };
+        candle_core::Error::Msg(format!(
+            "{}: a LoRA module of kind {kind:?} does not fit its layer, {layer}",
+            self.module_path
+        ))
+    }
+
+    /// The trainable tensors packed into one flat f32 vector (a tracked `cat`, so each Var gets
+    /// its part of the gradient) and the function that rebuilds the whole update from it: `ΔW`,
+    /// or DoRA's `W' − W` on the frozen weight `w`.
+    fn packed_update(&self, w: &BaseWeight) -> Result<(Tensor, Rebuild)> {
+        let parts = self
+            .params
+            .iter()
+            .map(|(_, v)| v.as_tensor().flatten_all())
+            .collect::<Result<Vec<_>>>()?;
+        let packed = Tensor::cat(&parts, 0)?;
+        let layout: Vec<(&'static str, Vec<usize>)> = self
+            .params
+            .iter()
+            .map(|(s, v)| (*s, v.dims().to_vec()))
+            .collect();
+        let (algo, alpha, dims, w) = (self.algo, self.alpha, self.weight_dims.clone(), w.clone());
+        let rebuild: Rebuild = Arc::new(move |theta: &Tensor| {
+            let mut parts = Vec::with_capacity(layout.len());
+            let mut at = 0;
+            for (suffix, d) in &layout {
+                let n: usize = d.iter().product();
+                parts.push((*suffix, theta.narrow(0, at, n)?.reshape(d.as_slice())?));
+                at += n;
+            }
+            let get = |s: &str| parts.iter().find(|(k, _)| *k == s).map(|(_, t)| t.clone());
+            let delta = factors::delta_weight(algo, &get, alpha, &dims)?;
+            match get(DORA_SCALE) {
+                None => Ok(delta),
+                Some(m) => factors::dora_update(&w.get(DType::F32)?, &delta, &m),
+            }
+        });
+        Ok((packed, rebuild))
+    }
+
+    /// LoHa, LoKr, DoRA on a frozen layer: `op(x, W) + op(x, U) + b` as one op (`nn::rebuilt`).
+    fn rebuilt_forward(&self, x: &Tensor, base: FrozenBase<'_>) -> Result<Tensor> {
+        let w = match &base {
+            FrozenBase::Linear { w, .. } | FrozenBase::Conv { w, .. } => w,
+        };
+        let (packed, rebuild) = self.packed_update(w)?;
+        let up = WeightUpdate {
+            packed: &packed,
+            rebuild,
+        };
+        match (self.kind, base) {
+            (LoraKind::Linear, FrozenBase::Linear { w, b }) => frozen_linear_rebuilt(x, &w, b, up),
+            (
+                LoraKind::Conv {
+                    stride, padding, ..
+                },
+                FrozenBase::Conv {
+                    w,
+                    b,
+                    padding: base_padding,
+                    stride: base_stride,
+                },
+            ) if (stride, padding) == (base_stride, base_padding) => {
+                frozen_conv2d_rebuilt(x, &w, b, padding, stride, up)
+            }
+            (kind, base) => Err(self.misfit(kind, &base)),
+        }
     }
 }
 
@@ -522,5 +593,129 @@ mod tests {
             .to_vec1::<f32>()
             .unwrap();
         assert!(v.iter().all(|&x| x == 1.0));
+    }
+
+    /// A module of `algo` on a layer of `weight_dims` (linear or 3×3 conv, padding 1), every
+    /// factor set to seeded non-zero draws (the inits leave some at zero).
+    fn rebuilt_module(algo: ModuleAlgo, weight_dims: &[usize], base: &Tensor) -> LoraModule {
+        let kind = match weight_dims.len() {
+            2 => LoraKind::Linear,
+            _ => LoraKind::Conv {
+                kernel: 3,
+                stride: 1,
+                padding: 1,
+            },
+        };
+        let shape = LoraShape {
+            module_path: "t.layer".into(),
+            component: AdapterComponent::Unet,
+            kind,
+            in_dim: weight_dims[1],
+            out_dim: weight_dims[0],
+        };
+        let mut rng = StdRng::seed_from_u64(3);
+        let m = LoraModule::with_algo(shape, algo, 2, 1.5, 0.0, Some(base), &mut rng, &Device::Cpu)
+            .unwrap();
+        for (i, v) in m.vars().into_iter().enumerate() {
+            let t = crate::nn::test_util::randn(v.dims(), 10 + i as u64);
+            v.set(&(t * 0.5).unwrap()).unwrap();
+        }
+        m
+    }
+
+    /// The one-op forward of LoHa, LoKr (both factorisations) and DoRA on a frozen linear and a
+    /// 3×3 conv gives the output and every factor's gradient of the composed form, the base layer
+    /// plus `op(x, ΔW)`. Catches factors unpacked in the wrong order or at the wrong offset.
+    #[test]
+    fn one_op_forward_matches_the_composed_form() {
+        use crate::nn::test_util::randn;
+        let lokr_full = ModuleAlgo {
+            algo: Algo::Kron,
+            factor: 2,
+            dora: false,
+        };
+        let algos = [
+            ModuleAlgo {
+                algo: Algo::Hadamard,
+                factor: -1,
+                dora: false,
+            },
+            ModuleAlgo {
+                algo: Algo::Kron,
+                factor: -1,
+                dora: false,
+            },
+            lokr_full,
+            ModuleAlgo {
+                dora: true,
+                ..ModuleAlgo::LORA
+            },
+            ModuleAlgo {
+                algo: Algo::Hadamard,
+                factor: -1,
+                dora: true,
+            },
+        ];
+        for dims in [vec![8usize, 12], vec![8, 6, 3, 3]] {
+            let w = randn(&dims, 1);
+            let b = randn(&dims[..1], 2);
+            let x = match dims.len() {
+                2 => randn(&[5, 12], 3),
+                _ => randn(&[2, 6, 5, 4], 3),
+            };
+            let r = |y: &Tensor| crate::nn::test_util::randn(y.dims(), 4);
+            for algo in algos {
+                let m = rebuilt_module(algo, &dims, &w);
+                let base = BaseWeight::plain(&w);
+                let frozen = match dims.len() {
+                    2 => FrozenBase::Linear {
+                        w: base.clone(),
+                        b: Some(&b),
+                    },
+                    _ => FrozenBase::Conv {
+                        w: base.clone(),
+                        b: Some(&b),
+                        padding: 1,
+                        stride: 1,
+                    },
+                };
+                let one = m.forward_frozen(&x, frozen).unwrap().unwrap();
+                let plain = match dims.len() {
+                    2 => x.matmul(&w.t().unwrap()).unwrap().broadcast_add(&b),
+                    _ => x
+                        .conv2d(&w, 1, 1, 1, 1)
+                        .unwrap()
+                        .broadcast_add(&b.reshape((8, 1, 1)).unwrap()),
+                };
+                let composed = (plain.unwrap() + m.delta_on(&x, &base).unwrap()).unwrap();
+                let what = format!("{algo:?} on {dims:?}");
+                let e = crate::nn::test_util::max_abs(&one, &composed);
+                assert!(e < 1e-4, "{what}: output differs by {e}");
+                let g1 = (&one * r(&one))
+                    .unwrap()
+                    .sum_all()
+                    .unwrap()
+                    .backward()
+                    .unwrap();
+                let g2 = (&composed * r(&composed))
+                    .unwrap()
+                    .sum_all()
+                    .unwrap()
+                    .backward()
+                    .unwrap();
+                for (suffix, v) in &m.params {
+                    let (a, c) = (
+                        g1.get(v.as_tensor()).unwrap(),
+                        g2.get(v.as_tensor()).unwrap(),
+                    );
+                    let e = crate::nn::test_util::max_abs(a, c);
+                    let scale = crate::nn::test_util::max_abs(c, &c.zeros_like().unwrap());
+                    assert!(
+                        e <= 1e-4 * scale.max(1.0),
+                        "{what}: {suffix} grad differs by {e}"
+                    );
+                }
+            }
+        }
     }
 }

@@ -46,10 +46,11 @@ mod norm_kernels;
 #[cfg(any(test, feature = "cuda"))]
 mod norm_launch;
 mod output_slot;
+mod rebuilt;
 mod softmax;
 mod softmax_row;
 #[cfg(test)]
-mod test_util;
+pub(crate) mod test_util;
 mod upsample;
 
 pub use activation::{gelu_erf, quick_gelu, silu};
@@ -134,6 +135,7 @@ pub use linear::Linear;
 pub use low_rank::{frozen_conv2d_low_rank, frozen_linear_low_rank, DropoutMask, LowRank};
 pub use norm::{GroupNorm, LayerNorm};
 pub use norm_conv::{group_norm_silu_conv, group_norm_silu_conv_applies, Extra};
+pub use rebuilt::{frozen_conv2d_rebuilt, frozen_linear_rebuilt, Rebuild, WeightUpdate};
 pub use softmax::{softmax_last_dim, softmax_last_dim_reference};
 pub use upsample::upsample_nearest;
 

@@ -6,10 +6,11 @@
 
 use candle_core::{DType, Result, Tensor, Var};
 
-/// The parameter's values in f32 (sharing the parameter's storage when it is f32: keep a
-/// [`snapshot`] instead).
+/// The parameter's values in f32, detached (sharing the parameter's storage when it is f32: keep
+/// a [`snapshot`] instead). Detached, because a state computed from the tracked parameter would
+/// carry an autograd graph from step to step, keeping every earlier state alive.
 pub fn value(var: &Var) -> Result<Tensor> {
-    var.as_tensor().to_dtype(DType::F32)
+    var.as_detached_tensor().to_dtype(DType::F32)
 }
 
 /// A copy of the parameter's values in f32 that later writes to the parameter leave alone (a
@@ -18,9 +19,9 @@ pub fn snapshot(var: &Var) -> Result<Tensor> {
     value(var)?.copy()
 }
 
-/// The gradient in f32.
+/// The gradient in f32, detached (as [`value`]).
 pub fn grad(g: &Tensor) -> Result<Tensor> {
-    g.to_dtype(DType::F32)
+    g.detach().to_dtype(DType::F32)
 }
 
 /// Writes f32 `values` into the parameter, in its dtype.

@@ -173,7 +173,10 @@ impl GroupOptimizer {
                 continue;
             }
             let swapped = (|| {
-                let y = s.var.as_tensor().to_device(&candle_core::Device::Cpu)?;
+                let y = s
+                    .var
+                    .as_detached_tensor()
+                    .to_device(&candle_core::Device::Cpu)?;
                 // On the CPU that is the parameter's own storage, which the swap overwrites.
                 let y = if s.var.device().is_cpu() {
                     y.copy()?
