@@ -687,9 +687,10 @@ pub fn match_to_model(
     }
     if !unknown.is_empty() {
         let naming = if naming.is_sdxl() {
-            "SDXL naming: lora_unet_ with LDM block names, lora_te1_, lora_te2_"
+            "SDXL naming: lora_unet_ with LDM block names (or diffusers names under lora_unet_ \
+             or lycoris_), lora_te1_, lora_te2_"
         } else {
-            "SD1/SD2 naming: lora_unet_ with diffusers names, lora_te_"
+            "SD1/SD2 naming: lora_unet_ (or lycoris_) with diffusers names, lora_te_"
         };
         return Err(KohyaError::UnknownModules {
             path: file.path.clone(),

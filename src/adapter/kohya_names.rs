@@ -29,11 +29,19 @@
 //!     add_embedding.linear_1/2 → label_emb.0.0/0.2, conv_norm_out → out.0, conv_out → out.2.
 //! - Checked against diffusers 0.42.1's SDXL kohya loader (`_maybe_map_sgm_blocks_to_diffusers`
 //!   and `_convert_non_diffusers_lora_to_diffusers`): all 786 LoCon modules of an SDXL-structured
-//!   UNet map back to their paths (`tests/fixtures/kohya_reference.py sdxl-check`, manual).
+//!   UNet map back to their paths (`tests/fixtures/kohya_reference.py sdxl-check`, manual); in CI,
+//!   every UNet module of tiny-sdxl against the converter's map
+//!   (tests/lycoris_sdxl_parity.rs, `sdtrain_sgm_names_are_diffusers_converter_names`).
 //! - Loading inverts the map by building the forward name of every known module path
 //!   ([`KohyaResolver`]): `_` is ambiguous (`to_out_0` vs `to_out.0`, `text_model`), so names are
-//!   never split back. For SDXL the diffusers-style spelling is accepted as an alias, as ComfyUI
-//!   does, since some other trainers write SDXL LoRAs that way.
+//!   never split back. Two other UNet spellings are accepted as aliases, as ComfyUI
+//!   (`comfy/lora.py::model_lora_keys_unet`) accepts them:
+//!   - for SDXL, the diffusers path under `lora_unet_` (`lora_unet_down_blocks_1_attentions_0_…`):
+//!     LyCORIS's own `create_lycoris` on a diffusers UNet (with kohya's prefix) writes that;
+//!   - for every family, the diffusers path under LyCORIS's default prefix `lycoris_`: SimpleTuner
+//!     calls `create_lycoris` on the bare UNet and saves its network as is.
+//!
+//!   Text-encoder names have one spelling (`text_model.…` paths, as transformers 4 names them).
 
 use std::collections::HashMap;
 
@@ -168,17 +176,25 @@ impl KohyaNaming {
         Ok(underscored(self.prefix(component), &path))
     }
 
-    /// Other spellings accepted on load: for SDXL, the diffusers-path name of a UNet module.
+    /// Other spellings accepted on load, for a UNet module: its diffusers path under LyCORIS's
+    /// default prefix (`lycoris_down_blocks_…`, what SimpleTuner's LyCORIS files hold; ComfyUI's
+    /// "simpletuner lycoris format"), and for SDXL also under `lora_unet_` (LyCORIS or other
+    /// trainers run on a diffusers UNet).
     fn aliases(&self, component: KohyaComponent, module_path: &str) -> Vec<String> {
+        let lycoris = underscored(LYCORIS_PREFIX, module_path);
         match (self, component) {
             (KohyaNaming::Ldm(_), KohyaComponent::Unet) => {
-                vec![underscored(self.prefix(component), module_path)]
+                vec![underscored(self.prefix(component), module_path), lycoris]
             }
-            (KohyaNaming::Ldm(_), KohyaComponent::TextEncoder | KohyaComponent::TextEncoder2)
-            | (KohyaNaming::Diffusers, _) => Vec::new(),
+            (KohyaNaming::Diffusers, KohyaComponent::Unet) => vec![lycoris],
+            (_, KohyaComponent::TextEncoder | KohyaComponent::TextEncoder2) => Vec::new(),
         }
     }
 }
+
+/// LyCORIS's default module-name prefix (`LycorisNetwork.LORA_PREFIX`), kept by trainers that call
+/// `create_lycoris` on the bare UNet (SimpleTuner).
+pub const LYCORIS_PREFIX: &str = "lycoris";
 
 /// `lora_unet` | `lora_te` (SD1/SD2) | `lora_te1` / `lora_te2` (SDXL).
 pub fn kohya_prefix(family_is_sdxl: bool, component: KohyaComponent) -> &'static str {
@@ -614,8 +630,10 @@ mod tests {
                 "{name}"
             );
             assert_eq!(resolver.resolve(&name), Some(i), "{name}");
-            // The diffusers spelling is accepted as an alias on load.
+            // The diffusers spelling is accepted as an alias on load, under kohya's prefix and
+            // under LyCORIS's default one (SimpleTuner).
             assert_eq!(resolver.resolve(&underscored("lora_unet", p)), Some(i));
+            assert_eq!(resolver.resolve(&underscored("lycoris", p)), Some(i));
         }
         assert_eq!(
             resolver.resolve("lora_unet_input_blocks_99_1_proj_in"),
@@ -665,6 +683,41 @@ mod tests {
             resolve(
                 &naming,
                 "lora_unet_down_blocks_0_attentions_0_proj_out",
+                &known
+            ),
+            None
+        );
+    }
+
+    #[test]
+    fn lycoris_prefix_names_unet_modules_only() {
+        let unet = "down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_out.0";
+        let te = "text_model.encoder.layers.0.self_attn.out_proj";
+        let known = [(U, unet), (KohyaComponent::TextEncoder, te)];
+        for naming in [KohyaNaming::Diffusers, KohyaNaming::for_family(true)] {
+            assert_eq!(
+                resolve(
+                    &naming,
+                    "lycoris_down_blocks_1_attentions_0_transformer_blocks_0_attn1_to_out_0",
+                    &known
+                ),
+                Some(unet),
+                "{naming:?}"
+            );
+            assert_eq!(
+                resolve(
+                    &naming,
+                    "lycoris_text_model_encoder_layers_0_self_attn_out_proj",
+                    &known
+                ),
+                None
+            );
+        }
+        // SD1/SD2 have one UNet spelling under lora_unet_: the diffusers one.
+        assert_eq!(
+            resolve(
+                &KohyaNaming::Diffusers,
+                "lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_out_0",
                 &known
             ),
             None

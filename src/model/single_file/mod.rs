@@ -306,12 +306,13 @@ fn family_of(path: &Path, h: &Shapes) -> Result<ModelFamily, SingleFileError> {
         path: path.to_path_buf(),
         message,
     };
+    // `lycoris_`: SimpleTuner's LyCORIS files keep LyCORIS's default module prefix.
     if h.keys()
-        .any(|k| k.starts_with("lora_") || k.contains(".lora_"))
+        .any(|k| k.starts_with("lora_") || k.starts_with("lycoris_") || k.contains(".lora_"))
     {
         return Err(not(
-            "it holds LoRA tensors (`lora_*`): a LoRA file, not a model; load it with \
-             `adapter.init_from`"
+            "it holds LoRA tensors (`lora_*`, `lycoris_*`): an adapter file, not a model; load \
+             it with `adapter.init_from` or `sdtrain sample --lora`"
                 .into(),
         ));
     }
@@ -759,10 +760,13 @@ mod tests {
             err.contains("no VAE") && err.contains("no text encoder"),
             "{err}"
         );
-        let err = family_of(p, &h(&["lora_unet_down_blocks_0.alpha"]))
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("LoRA"), "{err}");
+        for lora in [
+            "lora_unet_down_blocks_0.alpha",
+            "lycoris_down_blocks_0.lokr_w1",
+        ] {
+            let err = family_of(p, &h(&[lora])).unwrap_err().to_string();
+            assert!(err.contains("LoRA"), "{err}");
+        }
         let sd2 = h(&[
             "model.diffusion_model.out.2.weight",
             "first_stage_model.x",
