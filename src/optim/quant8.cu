@@ -17,6 +17,9 @@
 
 #ifdef SDTRAIN_EMULATE
 #include "emu.h"
+#else
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #endif
 
 #include "param_access.cuh"
