@@ -9,7 +9,8 @@
 //! - a tiny LoRA run and a tiny full fine-tune from the CLI entry point, whose per-step losses
 //!   track the same run on the CPU with the same seed;
 //! - the gradient store of a LoRA step holds exactly the adapter Vars;
-//! - every optimizer's CUDA kernel against its host kernel, and its state resumed across devices
+//! - every optimizer's CUDA kernel against its host kernel, and its state resumed across devices;
+//!   the 8-bit state kernels (src/optim/quant8.cu) against the host's quantization, bit for bit
 //!   (tests/cuda/optim.rs);
 //! - flash attention (src/nn/kernels/flash_attention.cu) against the CPU attention, forward and
 //!   gradients, on SD's shapes, with its time beside chunked attention

@@ -28,14 +28,19 @@
 //! step the update uses the f32 moment before it is requantized, as both do.
 //!
 //! The step is written with candle ops on the parameter's device (the reductions over rows,
-//! columns and the whole tensor are Adafactor's, [`super::adafactor_device`]); an 8-bit moment is
-//! held on the host and dequantized to, and requantized from, the device each step.
+//! columns and the whole tensor are Adafactor's, [`super::adafactor_device`]). An 8-bit moment
+//! lives where its parameter does ([`PlacedMoment`]): on the host for a CPU parameter, in device
+//! memory for a CUDA one, where each step dequantizes it to an f32 tensor and requantizes the new
+//! values with the kernels of src/optim/quant8.cu (`super::quant8_cuda`, bit for bit the host's
+//! [`super::quant8`] arithmetic), so the step copies no moment between host and device. The state
+//! file is the same from either device.
 
 use candle_core::{DType, Device, Tensor, Var, D};
 use serde::Serialize;
 
 use super::adafactor::factoring;
 use super::hyper::invalid;
+use super::placed::PlacedMoment;
 use super::quant8::{maps, requantize, Moment, BLOCK, MIN_8BIT_SIZE};
 use super::rule::{ParamState, UpdateRule};
 use super::Result;
@@ -122,10 +127,9 @@ impl UpdateRule for Came {
         let dev = var.device();
         let zeros = |s: &[usize]| Tensor::zeros(s, DType::F32, dev);
         let full = |signed: bool| -> candle_core::Result<Full> {
-            let n = var.elem_count();
-            Ok(if self.q8(n) {
+            Ok(if self.q8(var.elem_count()) {
                 let (s, u) = maps();
-                Full::Q8(Moment::zeros(n, true, if signed { s } else { u }))
+                Full::Q8(PlacedMoment::zeros(var, true, if signed { s } else { u })?)
             } else {
                 Full::F32(zeros(&shape)?)
             })
@@ -162,11 +166,12 @@ impl UpdateRule for Came {
     }
 }
 
-/// A full-size moment: an f32 tensor on the parameter's device, or 8-bit on the host.
+/// A full-size moment: an f32 tensor on the parameter's device, or 8-bit where the parameter
+/// lives.
 #[derive(Debug)]
 enum Full {
     F32(Tensor),
-    Q8(Moment),
+    Q8(PlacedMoment),
 }
 
 impl Full {
@@ -174,11 +179,13 @@ impl Full {
     fn values(&self, shape: &[usize], dev: &Device, signed: bool) -> candle_core::Result<Tensor> {
         match self {
             Full::F32(t) => Ok(t.clone()),
-            Full::Q8(m) => {
+            Full::Q8(PlacedMoment::Host(m)) => {
                 let (s, u) = maps();
                 Tensor::from_vec(m.values(if signed { s } else { u }), shape, &Device::Cpu)?
                     .to_device(dev)
             }
+            #[cfg(feature = "cuda")]
+            Full::Q8(PlacedMoment::Cuda(m)) => m.dequantize(shape, signed),
         }
     }
 
@@ -186,7 +193,7 @@ impl Full {
     fn store(&mut self, t: Tensor, signed: bool) -> candle_core::Result<()> {
         match self {
             Full::F32(x) => *x = t,
-            Full::Q8(Moment::Q8 { codes, absmax }) => {
+            Full::Q8(PlacedMoment::Host(Moment::Q8 { codes, absmax })) => {
                 let vals = t.flatten_all()?.to_device(&Device::Cpu)?.to_vec1::<f32>()?;
                 let (s, u) = maps();
                 let map = if signed { s } else { u };
@@ -194,7 +201,11 @@ impl Full {
                     *a = requantize(v, map, c);
                 }
             }
-            Full::Q8(m @ Moment::F32(_)) => *m = Moment::F32(t.flatten_all()?.to_vec1()?),
+            Full::Q8(PlacedMoment::Host(m @ Moment::F32(_))) => {
+                *m = Moment::F32(t.flatten_all()?.to_vec1()?)
+            }
+            #[cfg(feature = "cuda")]
+            Full::Q8(PlacedMoment::Cuda(m)) => m.requantize(&t, signed)?,
         }
         Ok(())
     }
@@ -220,6 +231,7 @@ impl Full {
                 Some(x) => *t = x.to_dtype(DType::F32)?.to_device(dev)?,
                 None => candle_core::bail!("came state: too few tensors"),
             },
+            // A device moment is uploaded from the loaded host values.
             Full::Q8(m) => m.load(it)?,
         }
         Ok(())

@@ -15,7 +15,8 @@ use candle_core::cuda_backend::cudarc::driver::{
 };
 use candle_core::cuda_backend::{DeviceId, WrapErr};
 use candle_core::{
-    bail, CpuStorage, CudaDevice, CudaStorage, DType, InplaceOp2, Layout, Result, Tensor, Var,
+    bail, CpuStorage, CudaDevice, CudaStorage, DType, InplaceOp1, InplaceOp2, Layout, Result,
+    Tensor, Var,
 };
 
 use super::launch;
@@ -112,6 +113,32 @@ impl CudaMoment {
         matches!(self.data, Data::Q8 { .. })
     }
 
+    /// An 8-bit moment's codes and absmax, and the two dynamic maps (signed, then unsigned).
+    pub(super) fn q8_parts(&self) -> Option<(&CudaSlice<u8>, &CudaSlice<f32>, &CudaSlice<f32>)> {
+        match &self.data {
+            Data::Q8 {
+                codes,
+                absmax,
+                maps,
+            } => Some((codes, absmax, &**maps)),
+            Data::F32(_) => None,
+        }
+    }
+
+    /// [`CudaMoment::q8_parts`], the codes and absmax to be written.
+    pub(super) fn q8_parts_mut(
+        &mut self,
+    ) -> Option<(&mut CudaSlice<u8>, &mut CudaSlice<f32>, &CudaSlice<f32>)> {
+        match &mut self.data {
+            Data::Q8 {
+                codes,
+                absmax,
+                maps,
+            } => Some((codes, absmax, &**maps)),
+            Data::F32(_) => None,
+        }
+    }
+
     pub fn bytes(&self) -> usize {
         match &self.data {
             Data::F32(v) => 4 * v.len(),
@@ -190,6 +217,17 @@ pub fn launch_in_place(
     var.inplace_op2(&grad, &op)
 }
 
+/// Launches `call` on `target`'s own storage (f32, bf16 or f16; the entry point's dtype suffix is
+/// the target's) with `state` after it and no gradient: entry points `(target, state…, scalars…,
+/// n)`, `THREADS` threads per block.
+pub fn launch_on(target: &Tensor, call: &KernelCall, state: &mut dyn StateArgs) -> Result<()> {
+    let op = Launch {
+        call,
+        state: RefCell::new(state),
+    };
+    target.inplace_op1(&op)
+}
+
 /// The moments of kernels.cu's entry points, then the dynamic maps for 8-bit ones.
 struct MomentArgs<'m, 'n> {
     moments: &'m mut [&'n mut CudaMoment],
@@ -221,6 +259,20 @@ struct Launch<'a, 's> {
     state: RefCell<&'a mut (dyn StateArgs + 's)>,
 }
 
+impl InplaceOp1 for Launch<'_, '_> {
+    fn name(&self) -> &'static str {
+        "optimizer-cuda-kernel"
+    }
+
+    fn cpu_fwd(&self, _: &mut CpuStorage, _: &Layout) -> Result<()> {
+        bail!("{}: the CUDA kernel got a CPU tensor", self.call.entry)
+    }
+
+    fn cuda_fwd(&self, p: &mut CudaStorage, pl: &Layout) -> Result<()> {
+        self.run(p, pl, None)
+    }
+}
+
 impl InplaceOp2 for Launch<'_, '_> {
     fn name(&self) -> &'static str {
         "optimizer-cuda-kernel"
@@ -237,15 +289,35 @@ impl InplaceOp2 for Launch<'_, '_> {
         g: &CudaStorage,
         gl: &Layout,
     ) -> Result<()> {
+        self.run(p, pl, Some((g, gl)))
+    }
+}
+
+impl Launch<'_, '_> {
+    /// The launch on `p` (in place), with the f32 gradient `g` after it where there is one.
+    fn run(
+        &self,
+        p: &mut CudaStorage,
+        pl: &Layout,
+        g: Option<(&CudaStorage, &Layout)>,
+    ) -> Result<()> {
         let entry = self.call.entry;
-        let (Some((p0, p1)), Some((g0, g1))) = (pl.contiguous_offsets(), gl.contiguous_offsets())
-        else {
+        let Some((p0, p1)) = pl.contiguous_offsets() else {
             bail!("{entry}: the parameter is not contiguous");
         };
         let n = p1 - p0;
-        if g1 - g0 != n {
-            bail!("{entry}: gradient of {} values for {n}", g1 - g0);
-        }
+        let g = match g {
+            Some((g, gl)) => {
+                let Some((g0, g1)) = gl.contiguous_offsets() else {
+                    bail!("{entry}: the gradient is not contiguous");
+                };
+                if g1 - g0 != n {
+                    bail!("{entry}: gradient of {} values for {n}", g1 - g0);
+                }
+                Some(g.as_cuda_slice::<f32>()?.slice(g0..g1))
+            }
+            None => None,
+        };
         let mut state = self.state.borrow_mut();
         if n == 0 {
             return Ok(());
@@ -262,7 +334,6 @@ impl InplaceOp2 for Launch<'_, '_> {
             .get_or_load_custom_func(&format!("{entry}_{suffix}"), file.module, file.ptx)?
             .into_cuda_function();
         let stream = dev.cuda_stream();
-        let g = g.as_cuda_slice::<f32>()?.slice(g0..g1);
         let cfg = LaunchConfig {
             grid_dim: (self.call.grid, 1, 1),
             block_dim: (launch::THREADS, 1, 1),
@@ -271,7 +342,7 @@ impl InplaceOp2 for Launch<'_, '_> {
         let args = Args {
             stream: &stream,
             func: &func,
-            g: &g,
+            g: g.as_ref(),
             n: n as u64,
             scalars: self.call.scalars,
             cfg,
@@ -288,7 +359,7 @@ impl InplaceOp2 for Launch<'_, '_> {
 struct Args<'a> {
     stream: &'a CudaStream,
     func: &'a CudaFunction,
-    g: &'a CudaView<'a, f32>,
+    g: Option<&'a CudaView<'a, f32>>,
     n: u64,
     scalars: &'a [f32],
     cfg: LaunchConfig,
@@ -304,7 +375,9 @@ impl Args<'_> {
         let mut p = p.slice_mut(range);
         let mut b = self.stream.launch_builder(self.func);
         b.arg(&mut p);
-        b.arg(self.g);
+        if let Some(g) = self.g {
+            b.arg(g);
+        }
         state.push(&mut b);
         for s in self.scalars {
             b.arg(s);

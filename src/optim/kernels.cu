@@ -29,71 +29,7 @@
 #endif
 
 #include "param_access.cuh"
-
-// Elements per quantization block, and threads per CUDA block.
-#define QBLOCK 256
-
-// ---------------------------------------------------------------- quantization
-
-__device__ __forceinline__ bool sign_bit(float x) { return (__float_as_uint(x) >> 31) != 0; }
-
-// The nearest code to x (|x| <= 1) in the sorted 256-entry map `code`: bitsandbytes' binary
-// search with a midpoint comparison, then its sign fix for the signed map (a code whose sign
-// differs from x's moves one step toward x, so a small moment never flips sign or becomes 0).
-__device__ __forceinline__ u8 quantize_search(const float* code, bool is_signed, float x) {
-  int pivot = 127, upper_pivot = 255, lower_pivot = 0;
-  float lower = is_signed ? -1.0f : 0.0f, upper = 1.0f;
-  float val = code[127];
-  for (int step = 64; step > 0; step >>= 1) {
-    if (x > val) {
-      lower_pivot = pivot;
-      lower = val;
-      pivot += step;
-    } else {
-      upper_pivot = pivot;
-      upper = val;
-      pivot -= step;
-    }
-    val = code[pivot];
-  }
-  int q;
-  if (x > val) {
-    q = x > (upper + val) * 0.5f ? upper_pivot : pivot;
-  } else {
-    q = x < (lower + val) * 0.5f ? lower_pivot : pivot;
-  }
-  if (is_signed && sign_bit(code[q]) != sign_bit(x)) {
-    q += x > 0.0f ? 1 : -1;
-  }
-  return (u8)q;
-}
-
-// The block's maximum of x (every thread of the block must call it). `red` is QBLOCK floats of
-// shared memory, free again on return.
-__device__ __forceinline__ float block_max(float x, float* red) {
-  const unsigned t = threadIdx.x;
-  red[t] = x;
-  __syncthreads();
-  for (unsigned s = QBLOCK / 2; s > 0; s >>= 1) {
-    if (t < s) red[t] = fmaxf(red[t], red[t + s]);
-    __syncthreads();
-  }
-  const float r = red[0];
-  __syncthreads();
-  return r;
-}
-
-// The code of x in a block whose absmax is `absmax` (the zero code when the block is all zero).
-__device__ __forceinline__ u8 requantize(const float* code, bool is_signed, float x,
-                                         float absmax) {
-  if (absmax == 0.0f) return is_signed ? 127 : 0;
-  return quantize_search(code, is_signed, x / absmax);
-}
-
-// Copies a 256-entry map into shared memory (one entry per thread; the caller synchronizes).
-__device__ __forceinline__ void load_map(const float* map, float* code) {
-  code[threadIdx.x] = map[threadIdx.x];
-}
+#include "quant8.cuh"
 
 // ---------------------------------------------------------------- AdamW (torch semantics)
 

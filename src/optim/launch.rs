@@ -30,3 +30,26 @@ pub fn grid(n: usize, q8: bool) -> u32 {
 pub fn entry(kernel: &str, q8: bool) -> String {
     format!("{kernel}_{}", if q8 { "q8" } else { "f32" })
 }
+
+/// The 256 entries of the signed (first) or unsigned (second) dynamic map in the two-map buffer
+/// the 8-bit kernels take: src/optim/quant8.cu's `map` argument.
+pub fn map_range(signed: bool) -> std::ops::Range<usize> {
+    if signed {
+        0..256
+    } else {
+        256..512
+    }
+}
+
+/// src/optim/quant8.cu's dequantization entry point, without its `_f32` suffix.
+pub const DEQUANT_ENTRY: &str = "q8_dequant";
+
+/// src/optim/quant8.cu's requantization entry point for the signed or unsigned map, without its
+/// `_f32` suffix.
+pub fn requant_entry(signed: bool) -> &'static str {
+    if signed {
+        "q8_requant_signed"
+    } else {
+        "q8_requant_unsigned"
+    }
+}

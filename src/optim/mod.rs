@@ -57,6 +57,10 @@ pub mod placed;
 pub mod prodigy;
 pub mod quant8;
 #[cfg(feature = "cuda")]
+mod quant8_cuda;
+#[cfg(test)]
+mod quant8_emu_tests;
+#[cfg(feature = "cuda")]
 mod rounding_cuda;
 pub mod rule;
 pub mod schedule;

@@ -1,10 +1,14 @@
 //! The optimizers' CUDA kernels (src/optim/kernels.cu, src/optim/adaptive.cu) against the CPU
 //! path: every optimizer, f32 and bf16 parameters, a tensor with 8-bit state (ragged last block)
 //! and one with f32 state. Then the state file crosses devices: CUDA state saved and resumed on
-//! the CPU continues as the CUDA run does.
+//! the CPU continues as the CUDA run does. The 8-bit state kernels of src/optim/quant8.cu
+//! against the host's quantization, bit for bit, and came8bit's device-held 8-bit moments
+//! resumed across devices both ways.
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
+use sdtrain::optim::cuda::CudaMoment;
+use sdtrain::optim::quant8::{maps, requantize, Moment, BLOCK};
 use sdtrain::optim::{
     AdaCoor, AdaCoorParams, Adafactor, AdafactorParams, AdamW, AdamW8bit, AdamWParams,
     AdamWScheduleFree, Came, CameParams, CoordinateDowg, DAdaptAdam, DAdaptAdamParams, DAdaptAdan,
@@ -114,7 +118,8 @@ fn rules() -> [(&'static str, MakeRule); 17] {
             };
             Box::new(AdamWScheduleFree::rule(p).unwrap())
         }),
-        // CAME's step is candle ops on either device (src/optim/came.rs).
+        // CAME's step is candle ops on either device (src/optim/came.rs); came8bit's 8-bit
+        // moments stay on the device (more shapes in came8bit_state_on_the_device_resumes_both_ways).
         ("came", || {
             let p = CameParams {
                 weight_decay: 0.1,
@@ -273,5 +278,139 @@ fn cuda_optimizers_match_cpu_and_resume_across_devices() {
                 tol,
             );
         }
+    }
+}
+
+/// Values for the quantization kernels: a block per scale from 1e-30 to 1e30, a block of zeros
+/// with signed zeros, a block exactly on the map's midpoints (absmax 1), then a ragged tail.
+fn q8_values(signed: bool) -> Vec<f32> {
+    let map = if signed { &maps().0 } else { &maps().1 };
+    let mut v = Vec::new();
+    for (b, scale) in [1e-30f32, 1e-8, 1e-3, 1.0, 1e30].into_iter().enumerate() {
+        v.extend((0..BLOCK).map(|j| {
+            let x = (((j * 31 + b * 17) % 97) as f32 - 48.0) / 48.0 * scale;
+            if signed {
+                x
+            } else {
+                x.abs()
+            }
+        }));
+    }
+    v.extend((0..BLOCK).map(|j| if j % 2 == 0 { -0.0 } else { 0.0 }));
+    v.extend(map.code.windows(2).map(|w| (w[0] + w[1]) * 0.5));
+    v.push(1.0);
+    v.extend((0..131).map(|j| j as f32 * if signed { -1e-4 } else { 1e-4 }));
+    v
+}
+
+/// src/optim/quant8.cu on the GPU against the host's quantization (src/optim/quant8.rs), bit for
+/// bit: `q8_requant` gives `quant8::requantize`'s codes and absmax block by block, `q8_dequant`
+/// gives `Moment::values`. The unit tests check the same under the host emulation.
+#[test]
+#[ignore = "needs a CUDA device: scripts/gpu-check runs it (--include-ignored)"]
+fn q8_kernels_match_host_quantization_bit_for_bit() {
+    let dev = super::cuda("q8_kernels_match_host_quantization_bit_for_bit");
+    let Device::Cuda(cuda) = &dev else {
+        unreachable!()
+    };
+    for signed in [true, false] {
+        let map = if signed { &maps().0 } else { &maps().1 };
+        let vals = q8_values(signed);
+        let n = vals.len();
+        let mut want_codes = vec![0u8; n];
+        let want_absmax: Vec<f32> = vals
+            .chunks(BLOCK)
+            .zip(want_codes.chunks_mut(BLOCK))
+            .map(|(v, c)| requantize(v, map, c))
+            .collect();
+        let mut m = CudaMoment::upload(&Moment::zeros(n, true, map), cuda).unwrap();
+        let t = Tensor::from_slice(&vals, n, &dev).unwrap();
+        m.requantize(&t, signed).unwrap();
+        let Moment::Q8 { codes, absmax } = m.download().unwrap() else {
+            panic!("signed={signed}: the moment is not 8-bit")
+        };
+        let differ = codes
+            .iter()
+            .zip(&want_codes)
+            .filter(|(a, b)| a != b)
+            .count();
+        assert_eq!(differ, 0, "signed={signed}: {differ} of {n} codes differ");
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&absmax), bits(&want_absmax), "signed={signed}: absmax");
+        let back = host_f32(&m.dequantize(&[n], signed).unwrap());
+        let want = Moment::Q8 { codes, absmax }.values(map);
+        assert_eq!(bits(&back), bits(&want), "signed={signed}: dequantized");
+    }
+}
+
+/// came8bit's 8-bit moments on the device (src/optim/came.rs, `q8_dequant`/`q8_requant` each
+/// step): a factored matrix (`exp_avg` 8-bit), a vector over 4096 elements (`exp_avg` and
+/// `exp_avg_sq` 8-bit) and a small tensor (f32), f32 and bf16 parameters. The CUDA run tracks the
+/// CPU run, and the state crosses devices both ways: saved on CUDA and resumed on the CPU, saved
+/// on the CPU and resumed on CUDA, each then tracking the run it left.
+#[test]
+#[ignore = "needs a CUDA device: scripts/gpu-check runs it (--include-ignored)"]
+fn came8bit_state_on_the_device_resumes_both_ways() {
+    let dev = super::cuda("came8bit_state_on_the_device_resumes_both_ways");
+    let dir = tempfile::tempdir().unwrap();
+    let make = || -> Box<dyn UpdateRule> {
+        let p = CameParams {
+            weight_decay: 0.1,
+            ..CameParams::default()
+        };
+        Box::new(Came::rule(p, true).unwrap())
+    };
+    let shapes: [&[usize]; 3] = [&[70, 80], &[4500], &[7, 3]];
+    for (dtype, tol) in [(DType::F32, 1e-6), (DType::BF16, 1e-2)] {
+        let what = format!("came8bit {dtype:?}");
+        let init: Vec<Tensor> = shapes
+            .iter()
+            .enumerate()
+            .map(|(i, s)| common::fill(s, i as u64 + 1).to_dtype(dtype).unwrap())
+            .collect();
+        let (cpu, gpu) = (vars(&init, &Device::Cpu), vars(&init, &dev));
+        let mut a = GroupOptimizer::new(make(), cpu.clone(), 1e-2).unwrap();
+        let mut b = GroupOptimizer::new(make(), gpu.clone(), 1e-2).unwrap();
+        assert_eq!(a.state_bytes(), b.state_bytes(), "{what}: state bytes");
+        for k in 0..3 {
+            a.step(&grads(k, &cpu)).unwrap();
+            b.step(&grads(k, &gpu)).unwrap();
+        }
+        assert_same(&format!("{what}, 3 steps"), (&a, &cpu), (&b, &gpu), tol);
+        let vector = b.state("p1").unwrap();
+        for name in ["exp_avg", "exp_avg_sq"] {
+            assert_eq!(
+                vector.tensor(name).unwrap().dtype(),
+                DType::U8,
+                "{what}: {name}"
+            );
+        }
+
+        let (from_gpu, from_cpu) = (dir.path().join("gpu.st"), dir.path().join("cpu.st"));
+        b.save_state(&from_gpu).unwrap();
+        a.save_state(&from_cpu).unwrap();
+        let on = |vars: &[(String, Var)], dev: &Device| {
+            let copies: Vec<Tensor> = vars.iter().map(|(_, v)| v.as_tensor().clone()).collect();
+            self::vars(&copies, dev)
+        };
+        let (to_cpu, to_gpu) = (on(&gpu, &Device::Cpu), on(&cpu, &dev));
+        let mut c = GroupOptimizer::new(make(), to_cpu.clone(), 1e-2).unwrap();
+        c.load_state(&from_gpu).unwrap();
+        let mut d = GroupOptimizer::new(make(), to_gpu.clone(), 1e-2).unwrap();
+        d.load_state(&from_cpu).unwrap();
+        for k in 3..5 {
+            for (o, v) in [
+                (&mut a, &cpu),
+                (&mut b, &gpu),
+                (&mut c, &to_cpu),
+                (&mut d, &to_gpu),
+            ] {
+                o.step(&grads(k, v)).unwrap();
+            }
+        }
+        let resumed = format!("{what}, resumed on the CPU");
+        assert_same(&resumed, (&c, &to_cpu), (&b, &gpu), tol);
+        let resumed = format!("{what}, resumed on CUDA");
+        assert_same(&resumed, (&d, &to_gpu), (&a, &cpu), tol);
     }
 }
