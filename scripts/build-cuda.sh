@@ -5,7 +5,8 @@
 #  1. The CUDA 13.0 compiler toolchain from pinned PyPI wheels (nvcc, ptxas, nvvm, crt, cccl and
 #     the cudart runtime) in a venv. Pin all five: a newer nvvm emits PTX that ptxas 13.0 rejects.
 #  2. Empty stub shared libraries for the libraries cudarc links with `dynamic-linking`
-#     (libcuda.so.1, libcublas.so.13, libcublasLt.so.13, libcurand.so.10, libnvrtc.so.13),
+#     (libcuda.so.1, libcublas.so.13, libcublasLt.so.13, libcurand.so.10, libnvrtc.so.13, and
+#     libnccl.so.2 for the `nccl` feature),
 #     generated from the extern "C" names in cudarc's own bindings, as the toolkit's lib/stubs are.
 #     They are on LIBRARY_PATH only (link time); nothing is baked into the binary (no rpath), so
 #     at run time the loader finds the real driver and CUDA libraries of the GPU machine.
@@ -76,8 +77,9 @@ LIBS = [
     ("cublaslt", "libcublasLt.so.13", "libcublasLt.so", 1,   "libcublasLt.so.13"),
     ("curand",   "libcurand.so.10",   "libcurand.so",   203, "libcurand.so.10"),  # INITIALIZATION_FAILED
     ("nvrtc",    "libnvrtc.so.13",    "libnvrtc.so",    11,  "libnvrtc.so.13"),   # INTERNAL_ERROR
+    ("nccl",     "libnccl.so.2",      "libnccl.so",     2,   None),  # ncclSystemError (feature nccl)
 ]
-STATUS = {"CUresult", "cublasStatus_t", "curandStatus_t", "nvrtcResult"}
+STATUS = {"CUresult", "cublasStatus_t", "curandStatus_t", "nvrtcResult", "ncclResult_t"}
 decl = re.compile(r'^\s+fn (\w+)\((.*)\)(?: -> (.+))?;$')
 for mod, soname, linkname, err, node in LIBS:
     text = open(os.path.join(src, mod, "sys", "mod.rs")).read()

@@ -17,6 +17,8 @@
 //!   (tests/cuda/flash_attention.rs);
 //! - the fused norm and GEGLU kernels (src/nn/kernels/norm.cu) against the CPU, forward and
 //!   every gradient, on SD's shapes (tests/cuda/norm_kernels.rs);
+//! - with the `nccl` feature, data parallel through NCCL on one card: the in-place sum, and a
+//!   one-rank run from the CLI's torchrun path against the plain run (tests/cuda/dist.rs);
 //! - the out-of-memory classifier on the real CUDA error types (tests/cuda/oom.rs; no device
 //!   needed).
 //!
@@ -29,6 +31,9 @@
 #![cfg(feature = "cuda")]
 
 mod common;
+#[cfg(feature = "nccl")]
+#[path = "cuda/dist.rs"]
+mod dist;
 #[path = "cuda/flash_attention.rs"]
 mod flash_attention;
 #[path = "cuda/norm_kernels.rs"]

@@ -10,6 +10,8 @@ pub trait Collective: Send {
     fn rank(&self) -> usize;
     /// The number of ranks.
     fn world(&self) -> usize;
+    /// How long a rank waits for the others before the run ends.
+    fn timeout(&self) -> std::time::Duration;
     /// Every rank's `bytes`, in rank order. `op` names the operation in errors and is checked to
     /// be the same on every rank.
     fn all_gather(&mut self, op: &'static str, bytes: &[u8]) -> Result<Vec<Vec<u8>>, DistError>;
@@ -53,6 +55,14 @@ pub trait Collective: Send {
         let mut parts = self.all_gather("broadcast", send)?;
         Ok(std::mem::take(&mut parts[0]))
     }
+}
+
+/// A sum over the ranks that stays on the card (NCCL): the gradients' data plane, beside the
+/// [`Collective`] that carries everything else.
+pub trait DeviceSum: Send {
+    /// Sums `t` (a contiguous f32 tensor with storage of its own, on this rank's device) over
+    /// the ranks, in place.
+    fn sum_in_place(&mut self, t: &candle_core::Tensor) -> Result<(), DistError>;
 }
 
 /// `out[i] = ((parts[0][i] + parts[1][i]) + …)`, in f32, in the parts' order.

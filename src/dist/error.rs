@@ -35,6 +35,9 @@ pub enum DistError {
         value: String,
         why: String,
     },
+    /// NCCL (the CUDA cards' sum) failed.
+    #[error("{op}: {why}")]
+    Nccl { op: &'static str, why: String },
     /// The rendezvous could not be made.
     #[error("rendezvous at {addr}: {why}")]
     Rendezvous { addr: String, why: String },

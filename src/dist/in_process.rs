@@ -95,6 +95,10 @@ impl Collective for InProcess {
         self.shared.world
     }
 
+    fn timeout(&self) -> Duration {
+        self.shared.timeout
+    }
+
     fn all_gather(&mut self, op: &'static str, bytes: &[u8]) -> Result<Vec<Vec<u8>>, DistError> {
         let shared = &self.shared;
         let mut round = shared.lock();

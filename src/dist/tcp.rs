@@ -305,6 +305,10 @@ impl Collective for Tcp {
         self.world
     }
 
+    fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
     fn all_gather(&mut self, op: &'static str, bytes: &[u8]) -> Result<Vec<Vec<u8>>, DistError> {
         if let Some(why) = &self.broken {
             return Err(DistError::RankLost {

@@ -57,11 +57,32 @@ fn rebuilt(up: &Rebuild, packed: &Tensor, w: &BaseWeight) -> Result<Tensor> {
     Ok(u)
 }
 
-/// `J_rebuild(θ)ᵀ · du`: the factors' gradient for the update's gradient `du` (f32), by a
-/// backward pass over `rebuild` alone (the surrogate `Σ U ⊙ du`).
-fn factor_grad(up: &Rebuild, packed: &Tensor, du: &Tensor) -> Result<Tensor> {
+/// `U` for the backward, rebuilt once for both gradients: tracked through a fresh Var of the
+/// factors when they want a gradient ([`factor_grad`]), detached otherwise.
+fn rebuilt_for_backward(
+    up: &Rebuild,
+    packed: &Tensor,
+    w: &BaseWeight,
+) -> Result<(Tensor, Option<Var>)> {
+    if !packed.track_op() {
+        return Ok((rebuilt(up, packed, w)?, None));
+    }
     let theta = Var::from_tensor(&packed.detach().to_dtype(DType::F32)?)?;
     let u = up(theta.as_tensor())?;
+    if u.dims() != w.dims() {
+        candle_core::bail!(
+            "an adapter's update {:?} does not fit its layer's weight {:?}",
+            u.dims(),
+            w.dims()
+        );
+    }
+    Ok((u, Some(theta)))
+}
+
+/// `J_rebuild(θ)ᵀ · du`: the factors' gradient for the update's gradient `du`, by a backward pass
+/// over `rebuild` alone (the surrogate `Σ U ⊙ du`, `u` built from `theta` by
+/// [`rebuilt_for_backward`]).
+fn factor_grad(u: Tensor, theta: &Var, du: &Tensor) -> Result<Tensor> {
     let grads = (u * du.to_dtype(DType::F32)?)?.sum_all()?.backward()?;
     match grads.get(theta.as_tensor()) {
         Some(g) => Ok(g.clone()),
@@ -129,16 +150,20 @@ impl Backward2 for LinearBackward {
         let cd = self.cd;
         let (out_dim, in_dim) = (self.w.dims()[0], self.w.dims()[1]);
         let g = grad.reshape((self.rows, out_dim))?.to_dtype(cd)?;
+        let (u, theta) = rebuilt_for_backward(&self.rebuild, packed, &self.w)?;
         let dx = if_tracked(x, || {
-            let u = rebuilt(&self.rebuild, packed, &self.w)?.to_dtype(cd)?;
+            let u = u.detach().to_dtype(cd)?;
             (g.matmul(&self.w.get(cd)?)? + g.matmul(&u)?)?.reshape(self.x_dims.as_slice())
         })?;
-        let d_packed = if_tracked(packed, || {
-            let x2 = x.detach().reshape((self.rows, in_dim))?.to_dtype(cd)?;
-            let du = g.t()?.matmul(&x2)?;
-            drop(x2);
-            factor_grad(&self.rebuild, packed, &du)
-        })?;
+        let d_packed = match theta {
+            Some(theta) => {
+                let x2 = x.detach().reshape((self.rows, in_dim))?.to_dtype(cd)?;
+                let du = g.t()?.matmul(&x2)?;
+                drop(x2);
+                Some(factor_grad(u, &theta, &du)?)
+            }
+            None => None,
+        };
         Ok((dx, d_packed))
     }
 }
@@ -201,16 +226,20 @@ impl Backward2 for ConvBackward {
         let cd = self.cd;
         let g = grad.to_dtype(cd)?;
         let (p, s) = (self.padding, self.stride);
+        let (u, theta) = rebuilt_for_backward(&self.rebuild, packed, &self.w)?;
         let dx = if_tracked(x, || {
-            let u = rebuilt(&self.rebuild, packed, &self.w)?.to_dtype(cd)?;
+            let u = u.detach().to_dtype(cd)?;
             let base = conv2d_input_grad(&g, &self.w.get(cd)?, p, s, self.x_hw)?;
             base + conv2d_input_grad(&g, &u, p, s, self.x_hw)?
         })?;
-        let d_packed = if_tracked(packed, || {
-            let (kh, kw) = (self.w.dims()[2], self.w.dims()[3]);
-            let du = conv2d_weight_grad(&x.detach().to_dtype(cd)?, &g, p, s, (kh, kw))?;
-            factor_grad(&self.rebuild, packed, &du)
-        })?;
+        let d_packed = match theta {
+            Some(theta) => {
+                let (kh, kw) = (self.w.dims()[2], self.w.dims()[3]);
+                let du = conv2d_weight_grad(&x.detach().to_dtype(cd)?, &g, p, s, (kh, kw))?;
+                Some(factor_grad(u, &theta, &du)?)
+            }
+            None => None,
+        };
         Ok((dx, d_packed))
     }
 }

@@ -21,14 +21,25 @@ use super::micro_batch::MicroBatching;
 use super::outcome::TrainOutcome;
 use super::trainer::{RunOptions, Session};
 use crate::config::TrainPlan;
-use crate::dist::{Collective, DistError, InProcess};
+use crate::dist::{Collective, DeviceSum, DistError, InProcess};
 
 /// This rank's place in the run and its link to the others.
 pub struct RankLink {
     pub coll: Box<dyn Collective>,
+    /// The gradients' sum on the cards (NCCL), when the ranks train on CUDA and the build has
+    /// it; else the gradients go through `coll` on the host.
+    pub device_sum: Option<Box<dyn DeviceSum>>,
 }
 
 impl RankLink {
+    /// A link whose gradients are summed through `coll` on the host.
+    pub fn host(coll: Box<dyn Collective>) -> Self {
+        Self {
+            coll,
+            device_sum: None,
+        }
+    }
+
     pub fn rank(&self) -> usize {
         self.coll.rank()
     }
@@ -42,55 +53,106 @@ impl RankLink {
     }
 }
 
+/// The most gradient elements summed in one exchange: the step's gradients go in chunks of about
+/// 256 MiB of f32, each a fresh buffer, so the sum needs that much memory beyond the gradients,
+/// not a second copy of all of them.
+pub(super) const CHUNK_ELEMS: usize = 64 << 20;
+
 /// Sums the step's loss, gradients and sample count over the ranks, into `done` on every rank.
 /// A parameter no rank has a gradient for stays without one (as in one process); one that some
-/// rank lacks counts as zeros there.
+/// rank lacks counts as zeros there. The small values (which parameters have a gradient, the
+/// loss, the counts) go through the collective first; the gradients follow in f32 chunks of at
+/// most `chunk` elements, summed on the card when the link has a [`DeviceSum`].
 pub(super) fn reduce_step(
-    coll: &mut dyn Collective,
+    link: &mut RankLink,
     params: &[Var],
     done: &mut Accumulated,
+    chunk: usize,
 ) -> anyhow::Result<()> {
-    let mut flat = Vec::new();
-    let mut dtypes = Vec::with_capacity(params.len());
-    for v in params {
-        match done.grads.get(v) {
-            Some(g) => {
-                dtypes.push(g.dtype());
-                flat.extend(g.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?);
-            }
-            None => {
-                dtypes.push(v.dtype());
-                flat.extend(std::iter::repeat_n(0f32, v.elem_count()));
-            }
+    let mut small: Vec<f32> = params
+        .iter()
+        .map(|v| f32::from(u8::from(done.grads.get(v).is_some())))
+        .collect();
+    small.push(done.loss.to_dtype(DType::F32)?.to_scalar::<f32>()?);
+    small.push(done.samples as f32);
+    small.push(done.micro_batches as f32);
+    link.coll
+        .all_reduce_sum(&mut small)
+        .context("summing the step's loss over the ranks")?;
+    let n = params.len();
+    let wanted: Vec<&Var> = params
+        .iter()
+        .zip(&small)
+        .filter(|(_, &p)| p > 0.0)
+        .map(|(v, _)| v)
+        .collect();
+    let mut start = 0;
+    while start < wanted.len() {
+        let mut end = start + 1;
+        let mut elems = wanted[start].elem_count();
+        while end < wanted.len() && elems + wanted[end].elem_count() <= chunk {
+            elems += wanted[end].elem_count();
+            end += 1;
         }
-    }
-    let present = flat.len();
-    flat.extend(
-        params
-            .iter()
-            .map(|v| f32::from(u8::from(done.grads.get(v).is_some()))),
-    );
-    let tail = flat.len();
-    flat.push(done.loss.to_dtype(DType::F32)?.to_scalar::<f32>()?);
-    flat.push(done.samples as f32);
-    flat.push(done.micro_batches as f32);
-    coll.all_reduce_sum(&mut flat)
-        .context("summing the step's gradients over the ranks")?;
-    let mut offset = 0;
-    for (i, v) in params.iter().enumerate() {
-        let n = v.elem_count();
-        if flat[present + i] > 0.0 {
-            let g = Tensor::from_slice(&flat[offset..offset + n], v.shape(), &Device::Cpu)?
-                .to_dtype(dtypes[i])?
-                .to_device(v.device())?;
-            done.grads.insert(v, g);
-        }
-        offset += n;
+        sum_chunk(link, &wanted[start..end], done)
+            .context("summing the step's gradients over the ranks")?;
+        start = end;
     }
     let device = done.loss.device().clone();
-    done.loss = Tensor::new(flat[tail], &device)?.to_dtype(done.loss.dtype())?;
-    done.samples = flat[tail + 1] as usize;
-    done.micro_batches = flat[tail + 2] as usize;
+    done.loss = Tensor::new(small[n], &device)?.to_dtype(done.loss.dtype())?;
+    done.samples = small[n + 1] as usize;
+    done.micro_batches = small[n + 2] as usize;
+    Ok(())
+}
+
+/// Sums the gradients of `params` (zeros where this rank has none) over the ranks, as one fresh
+/// f32 buffer, and puts the sums back in each gradient's dtype.
+fn sum_chunk(link: &mut RankLink, params: &[&Var], done: &mut Accumulated) -> anyhow::Result<()> {
+    let Some(first) = params.first() else {
+        return Ok(());
+    };
+    let device = first.device().clone();
+    let mut parts = Vec::with_capacity(params.len());
+    let mut dtypes = Vec::with_capacity(params.len());
+    for v in params {
+        let g = match done.grads.get(v) {
+            Some(g) => g.to_dtype(DType::F32)?.flatten_all()?,
+            None => Tensor::zeros(v.elem_count(), DType::F32, &device)?,
+        };
+        dtypes.push(done.grads.get(v).map_or(v.dtype(), Tensor::dtype));
+        parts.push(g);
+    }
+    // The device sum writes in place, so it gets a buffer of its own: `cat` makes one for
+    // several parts, but hands one part back as it is (a gradient's own storage).
+    let single = parts.len() == 1;
+    let flat = Tensor::cat(&parts, 0)?;
+    drop(parts);
+    let flat = match link.device_sum.as_mut() {
+        Some(sum) if !device.is_cpu() => {
+            let flat = if single {
+                flat.copy()?
+            } else {
+                flat.contiguous()?
+            };
+            sum.sum_in_place(&flat)?;
+            flat
+        }
+        _ => {
+            let mut host = flat.to_vec1::<f32>()?;
+            link.coll.all_reduce_sum(&mut host)?;
+            Tensor::from_vec(host, flat.dims1()?, &Device::Cpu)?.to_device(&device)?
+        }
+    };
+    let mut offset = 0;
+    for (v, dtype) in params.iter().zip(dtypes) {
+        let n = v.elem_count();
+        let g = flat
+            .narrow(0, offset, n)?
+            .reshape(v.shape())?
+            .to_dtype(dtype)?;
+        done.grads.insert(v, g);
+        offset += n;
+    }
     Ok(())
 }
 
@@ -222,9 +284,27 @@ pub fn train_rank(
     coll: Box<dyn Collective>,
 ) -> anyhow::Result<TrainOutcome> {
     let rank = coll.rank();
-    let session = Session::setup_rank(plan, opts, RankLink { coll })
-        .with_context(|| format!("rank {rank}"))?;
+    let link = link_for(&opts.device, coll).with_context(|| format!("rank {rank}"))?;
+    let session = Session::setup_rank(plan, opts, link).with_context(|| format!("rank {rank}"))?;
     session.run().with_context(|| format!("rank {rank}"))
+}
+
+/// This rank's link: on a CUDA card with the `nccl` feature, the gradients are summed by NCCL
+/// on the cards (every rank joins the communicator here, at the same point); otherwise through
+/// `coll` on the host.
+fn link_for(device: &Device, mut coll: Box<dyn Collective>) -> anyhow::Result<RankLink> {
+    #[cfg(feature = "nccl")]
+    if let Device::Cuda(card) = device {
+        let timeout = coll.timeout();
+        let nccl = crate::dist::Nccl::join(coll.as_mut(), card, timeout)
+            .context("joining the NCCL communicator")?;
+        return Ok(RankLink {
+            coll,
+            device_sum: Some(Box::new(nccl)),
+        });
+    }
+    let _ = (device, &mut coll);
+    Ok(RankLink::host(coll))
 }
 
 /// Rank 0's outcome when every rank finished; else the first error that is not another rank's

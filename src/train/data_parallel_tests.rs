@@ -172,3 +172,121 @@ fn an_oom_on_one_rank_halves_every_rank_and_keeps_the_update() {
         );
     }
 }
+
+/// One rank's step for [`the_sum_is_the_same_in_chunks_of_any_size`]: gradients for the
+/// parameters `have`, seeded by rank, a bf16 parameter among them.
+fn rank_step(
+    rank: usize,
+    params: &[candle_core::Var],
+    have: &[usize],
+) -> super::accumulate::Accumulated {
+    use candle_core::{backprop::GradStore, Tensor};
+    let mut grads = GradStore::default();
+    for &i in have {
+        let v = &params[i];
+        let n = v.elem_count();
+        let vals: Vec<f32> = (0..n)
+            .map(|k| ((k * 7 + i * 3 + rank * 11) % 13) as f32 - 6.0)
+            .collect();
+        let g = Tensor::from_vec(vals, v.shape(), &Device::Cpu)
+            .unwrap()
+            .to_dtype(v.dtype())
+            .unwrap();
+        grads.insert(v.as_tensor(), g);
+    }
+    super::accumulate::Accumulated {
+        loss: Tensor::new(0.5f32 + rank as f32, &Device::Cpu).unwrap(),
+        grads,
+        micro_batches: 1 + rank,
+        samples: 2 + rank,
+    }
+}
+
+/// The step's sum over two ranks is each parameter's sum of the ranks' gradients (zeros where a
+/// rank has none; none where no rank has one), the same whether the gradients go in one
+/// exchange or in chunks of any size (one parameter per chunk, several, a chunk smaller than a
+/// parameter). Catches an offset carried wrongly from chunk to chunk, a parameter skipped at a
+/// chunk's edge, and a gradient that lost its dtype.
+#[test]
+fn the_sum_is_the_same_in_chunks_of_any_size() {
+    use super::data_parallel::{reduce_step, RankLink};
+    use crate::dist::InProcess;
+    use candle_core::{DType, Var};
+    let params: Vec<Var> = [
+        (vec![3, 4], DType::F32),
+        (vec![5], DType::BF16),
+        (vec![2, 2], DType::F32),
+        (vec![7], DType::F32),
+        (vec![6], DType::F32),
+    ]
+    .into_iter()
+    .map(|(d, dt)| Var::zeros(d, dt, &Device::Cpu).unwrap())
+    .collect();
+    let have: [&[usize]; 2] = [&[0, 1, 3], &[1, 2, 3]];
+    let run = |chunk: usize| {
+        let links = InProcess::group(2, Duration::from_secs(30));
+        std::thread::scope(|s| {
+            let hs: Vec<_> = links
+                .into_iter()
+                .enumerate()
+                .map(|(rank, link)| {
+                    let params = &params;
+                    s.spawn(move || {
+                        let mut link = RankLink::host(Box::new(link));
+                        let mut done = rank_step(rank, params, have[rank]);
+                        reduce_step(&mut link, params, &mut done, chunk).unwrap();
+                        done
+                    })
+                })
+                .collect();
+            hs.into_iter()
+                .map(|h| h.join().unwrap())
+                .collect::<Vec<_>>()
+        })
+    };
+    let whole = run(usize::MAX);
+    let one = rank_step(0, &params, have[0]);
+    let two = rank_step(1, &params, have[1]);
+    for (i, v) in params.iter().enumerate() {
+        let got = whole[0].grads.get(v);
+        if i == 4 {
+            assert!(got.is_none(), "no rank has a gradient for parameter 4");
+            continue;
+        }
+        let got = got.unwrap();
+        assert_eq!(got.dtype(), v.dtype(), "parameter {i}'s dtype");
+        let part = |d: &super::accumulate::Accumulated| {
+            d.grads.get(v).map_or_else(
+                || v.zeros_like().unwrap().to_dtype(DType::F32).unwrap(),
+                |g| g.to_dtype(DType::F32).unwrap(),
+            )
+        };
+        let want = (part(&one) + part(&two)).unwrap();
+        let diff = (got.to_dtype(DType::F32).unwrap() - &want).unwrap();
+        assert_eq!(max_abs(&diff), 0.0, "parameter {i}");
+    }
+    assert_eq!(whole[1].samples, 5);
+    assert_eq!(whole[0].micro_batches, 3);
+    assert_eq!(whole[1].loss.to_scalar::<f32>().unwrap(), 2.0);
+    for chunk in [1, 5, 12, 17, 20] {
+        let chunked = run(chunk);
+        for (rank, (a, b)) in chunked.iter().zip(&whole).enumerate() {
+            for (i, v) in params.iter().enumerate() {
+                match (a.grads.get(v), b.grads.get(v)) {
+                    (Some(x), Some(y)) => {
+                        let diff = (x.to_dtype(DType::F32).unwrap()
+                            - y.to_dtype(DType::F32).unwrap())
+                        .unwrap();
+                        assert_eq!(
+                            max_abs(&diff),
+                            0.0,
+                            "chunk {chunk}, rank {rank}, parameter {i}"
+                        )
+                    }
+                    (None, None) => {}
+                    _ => panic!("chunk {chunk}, rank {rank}, parameter {i}: presence differs"),
+                }
+            }
+        }
+    }
+}

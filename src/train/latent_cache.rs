@@ -367,7 +367,11 @@ fn write_entry(path: &Path, key: &str, latent: &CachedLatent) -> anyhow::Result<
         let mask = Tensor::from_vec(m.clone(), (g.height, g.width), &Device::Cpu)?;
         tensors.push(("mask".to_string(), mask));
     }
-    let tmp = path.with_extension("safetensors.partial");
+    // Several writers (data-parallel ranks, runs sharing the folder) may write the same entry at
+    // once: each writes a temporary file of its own, and each rename puts a whole file in place.
+    static WRITES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = WRITES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let tmp = path.with_extension(format!("safetensors.{}-{n}.partial", std::process::id()));
     candle_core::safetensors::save(&tensors.iter().cloned().collect::<HashMap<_, _>>(), &tmp)
         .map_err(External)
         .with_context(|| format!("cannot write {}", tmp.display()))?;
@@ -499,7 +503,31 @@ mod tests {
             g.mask.as_ref().unwrap()[..16],
             (0..16).rev().collect::<Vec<u8>>()
         );
-        assert!(!path.with_extension("safetensors.partial").exists());
+        let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
+        assert_eq!(left.len(), 1, "a temporary file was left behind");
+    }
+
+    /// Data-parallel ranks on one machine build the same disk cache at once: writers of the same
+    /// entry never see each other's temporary file, and what is left is one whole entry. With a
+    /// shared temporary name, a rename moves the file another writer still writes, which then
+    /// fails to find it.
+    #[test]
+    fn concurrent_writers_of_one_entry_leave_a_whole_entry() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("e.safetensors");
+        std::thread::scope(|s| {
+            for _ in 0..4 {
+                s.spawn(|| {
+                    let l = latent("img.png");
+                    for _ in 0..10 {
+                        write_entry(&path, "k1", &l).unwrap();
+                    }
+                });
+            }
+        });
+        assert!(entry_is_valid(&path, "k1"));
+        let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
+        assert_eq!(left.len(), 1);
     }
 
     #[test]

@@ -17,7 +17,7 @@ use candle_core::{Device, Tensor, Var};
 use super::accumulate::{Accumulated, GradAccumulator};
 use super::data_feed::StepData;
 use super::data_parallel::{
-    agree_micro, check_same_weights, reduce_step, RankLink, WEIGHT_CHECK_EVERY,
+    agree_micro, check_same_weights, reduce_step, RankLink, CHUNK_ELEMS, WEIGHT_CHECK_EVERY,
 };
 use super::micro_batch::MicroBatching;
 use super::oom::{injected, OutOfMemory};
@@ -202,7 +202,7 @@ impl Optimization {
                 samples: 0,
             },
         };
-        reduce_step(link.coll.as_mut(), &self.params, &mut done)?;
+        reduce_step(link, &self.params, &mut done, CHUNK_ELEMS)?;
         agree_micro(link.coll.as_mut(), &mut self.micro)?;
         Ok((done.micro_batches > 0).then_some(done))
     }
