@@ -7,25 +7,14 @@ mod common;
 
 use std::path::PathBuf;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{Device, Tensor};
 use sdtrain::config::{AdapterPlan, SaveDtype, TrainMode};
-use sdtrain::model::layout::ModelLayout;
-use sdtrain::model::pipeline::{LoadOptions, StableDiffusion};
+use sdtrain::model::pipeline::StableDiffusion;
 use sdtrain::model::unet::AddedConditions;
 use sdtrain::train::adapters::{attach_with, SaveInfo, TrainedAdapters};
 
 fn load(name: &str) -> StableDiffusion {
-    let layout = ModelLayout::read(&common::fixture(name), None).unwrap();
-    let opts = LoadOptions {
-        dtype: DType::F32,
-        vae_dtype: None,
-        device: Device::Cpu,
-        train_unet: false,
-        train_text_encoders: false,
-        fp8_base: false,
-        trained_dtype: candle_core::DType::F32,
-    };
-    StableDiffusion::load(layout, &opts).unwrap()
+    common::load_frozen_f32(name)
 }
 
 fn plan(init_from: Option<PathBuf>, save_dtype: SaveDtype) -> AdapterPlan {

@@ -22,10 +22,9 @@ use rand::SeedableRng;
 use sdtrain::adapter::kohya_file::{load_kohya, KohyaModule};
 use sdtrain::adapter::{AdapterComponent, Algo, LoraKind, LoraModule, LoraShape, ModuleAlgo};
 use sdtrain::config::{AdapterPlan, SaveDtype, TrainMode};
-use sdtrain::model::layout::ModelLayout;
-use sdtrain::model::pipeline::{LoadOptions, StableDiffusion};
+use sdtrain::model::pipeline::StableDiffusion;
 use sdtrain::nn::{BaseWeight, LayerAdapter};
-use sdtrain::train::adapters::{attach_with, SaveInfo};
+use sdtrain::train::adapters::attach_with;
 
 const MODES: [(&str, TrainMode); 5] = [
     ("lora", TrainMode::Lora),
@@ -163,34 +162,12 @@ fn module_updates_and_outputs_match_lycoris() {
 }
 
 fn load_sd15() -> StableDiffusion {
-    let layout = ModelLayout::read(&common::fixture("tiny-sd15"), None).unwrap();
-    let opts = LoadOptions {
-        dtype: DType::F32,
-        vae_dtype: None,
-        device: Device::Cpu,
-        train_unet: false,
-        train_text_encoders: false,
-        fp8_base: false,
-        trained_dtype: DType::F32,
-    };
-    StableDiffusion::load(layout, &opts).unwrap()
+    common::load_frozen_f32("tiny-sd15")
 }
 
-/// The settings lycoris_reference.py uses: rank = conv rank 2, alpha = conv alpha 1.5.
+/// The settings lycoris_reference.py uses.
 fn plan(init_from: Option<PathBuf>) -> AdapterPlan {
-    AdapterPlan {
-        rank: 2,
-        alpha: 1.5,
-        conv_rank: 2,
-        conv_alpha: 1.5,
-        train_text_encoder: true,
-        unet_lr: None,
-        text_encoder_lr: None,
-        dropout: 0.0,
-        factor: -1,
-        init_from,
-        save_dtype: SaveDtype::Fp32,
-    }
+    common::lycoris_plan(init_from, SaveDtype::Fp32)
 }
 
 fn unet_out(sd: &StableDiffusion) -> Tensor {
@@ -207,21 +184,7 @@ fn unet_out(sd: &StableDiffusion) -> Tensor {
 
 /// Writes sdtrain's file for `mode` (seed 7, every factor randomised) to `path`.
 fn write_sdtrain_file(mode: TrainMode, path: &Path) {
-    let mut sd = load_sd15();
-    let a = attach_with(&mut sd, mode, plan(None), 7).unwrap();
-    common::randomise_adapters(&a.modules);
-    let info = SaveInfo {
-        steps: 1,
-        epoch: 1,
-        num_train_images: 1,
-        resolution: 32,
-        seed: 7,
-        unet_lr: 1e-4,
-        text_encoder_lr: None,
-        output_name: "sdtrain",
-        started_at: 0.0,
-    };
-    a.save(path, info).unwrap();
+    common::write_random_adapter(load_sd15(), mode, plan(None), path);
 }
 
 /// Regenerates the committed `sdtrain_<mode>.safetensors` that lycoris_reference.py reads.

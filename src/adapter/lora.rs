@@ -440,8 +440,28 @@ impl LayerAdapter for LoraModule {
             scale: self.scale(),
             dropout: &mask,
         };
-        Some(match (self.kind, base) {
-            (LoraKind::Linear, FrozenBase::Linear { w, b }) => frozen_linear_low_rank(x, &w, b, lr),
+        Some(self.fit(base).and_then(|layer| match layer {
+            Fitted::Linear(w, b) => frozen_linear_low_rank(x, &w, b, lr),
+            Fitted::Conv(w, b, padding, stride) => {
+                frozen_conv2d_low_rank(x, &w, b, padding, stride, lr)
+            }
+        }))
+    }
+}
+
+/// A frozen layer that fits its module: a linear's weight and bias, or a conv's with its padding
+/// and stride.
+enum Fitted<'a> {
+    Linear(BaseWeight, Option<&'a Tensor>),
+    Conv(BaseWeight, Option<&'a Tensor>, usize, usize),
+}
+
+impl LoraModule {
+    /// The frozen layer as this module's kind expects it (a linear, or a conv with the module's
+    /// padding and stride); an error naming the module when it does not fit.
+    fn fit<'a>(&self, base: FrozenBase<'a>) -> Result<Fitted<'a>> {
+        match (self.kind, base) {
+            (LoraKind::Linear, FrozenBase::Linear { w, b }) => Ok(Fitted::Linear(w, b)),
             (
                 LoraKind::Conv {
                     stride, padding, ..
@@ -453,26 +473,21 @@ impl LayerAdapter for LoraModule {
                     stride: base_stride,
                 },
             ) if (stride, padding) == (base_stride, base_padding) => {
-                frozen_conv2d_low_rank(x, &w, b, padding, stride, lr)
+                Ok(Fitted::Conv(w, b, padding, stride))
             }
-            (kind, base) => Err(self.misfit(kind, &base)),
-        })
-    }
-}
-
-impl LoraModule {
-    /// The error for a module whose kind does not fit the layer it is attached to.
-    fn misfit(&self, kind: LoraKind, base: &FrozenBase<'_>) -> candle_core::Error {
-        let layer = match base {
-            FrozenBase::Linear { .. } => "a linear".to_string(),
-            FrozenBase::Conv {
-                padding, stride, ..
-            } => format!("a conv with padding {padding} and stride {stride}"),
-        };
-        candle_core::Error::Msg(format!(
-            "{}: a LoRA module of kind {kind:?} does not fit its layer, {layer}",
-            self.module_path
-        ))
+            (kind, base) => {
+                let layer = match base {
+                    FrozenBase::Linear { .. } => "a linear".to_string(),
+                    FrozenBase::Conv {
+                        padding, stride, ..
+                    } => format!("a conv with padding {padding} and stride {stride}"),
+                };
+                candle_core::bail!(
+                    "{}: a LoRA module of kind {kind:?} does not fit its layer, {layer}",
+                    self.module_path
+                )
+            }
+        }
     }
 
     /// The trainable tensors packed into one flat f32 vector (a tracked `cat`, so each Var gets
@@ -519,22 +534,11 @@ impl LoraModule {
             packed: &packed,
             rebuild,
         };
-        match (self.kind, base) {
-            (LoraKind::Linear, FrozenBase::Linear { w, b }) => frozen_linear_rebuilt(x, &w, b, up),
-            (
-                LoraKind::Conv {
-                    stride, padding, ..
-                },
-                FrozenBase::Conv {
-                    w,
-                    b,
-                    padding: base_padding,
-                    stride: base_stride,
-                },
-            ) if (stride, padding) == (base_stride, base_padding) => {
+        match self.fit(base)? {
+            Fitted::Linear(w, b) => frozen_linear_rebuilt(x, &w, b, up),
+            Fitted::Conv(w, b, padding, stride) => {
                 frozen_conv2d_rebuilt(x, &w, b, padding, stride, up)
             }
-            (kind, base) => Err(self.misfit(kind, &base)),
         }
     }
 }

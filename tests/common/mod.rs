@@ -158,3 +158,66 @@ pub fn randomise_adapters(modules: &[std::sync::Arc<sdtrain::adapter::LoraModule
         }
     }
 }
+
+/// The fixture pipeline `tests/fixtures/<name>` on the CPU in f32, everything frozen (the
+/// adapter tests attach to it).
+pub fn load_frozen_f32(name: &str) -> sdtrain::model::pipeline::StableDiffusion {
+    use sdtrain::model::pipeline::{LoadOptions, StableDiffusion};
+    let layout = sdtrain::model::layout::ModelLayout::read(&fixture(name), None).unwrap();
+    let opts = LoadOptions {
+        dtype: DType::F32,
+        vae_dtype: None,
+        device: Device::Cpu,
+        train_unet: false,
+        train_text_encoders: false,
+        fp8_base: false,
+        trained_dtype: DType::F32,
+    };
+    StableDiffusion::load(layout, &opts).unwrap()
+}
+
+/// The adapter settings the LyCORIS reference scripts use (tests/fixtures/lycoris*_reference.py):
+/// rank = conv rank 2, alpha = conv alpha 1.5, text encoders trained.
+pub fn lycoris_plan(
+    init_from: Option<PathBuf>,
+    save_dtype: sdtrain::config::SaveDtype,
+) -> sdtrain::config::AdapterPlan {
+    sdtrain::config::AdapterPlan {
+        rank: 2,
+        alpha: 1.5,
+        conv_rank: 2,
+        conv_alpha: 1.5,
+        train_text_encoder: true,
+        unet_lr: None,
+        text_encoder_lr: None,
+        dropout: 0.0,
+        factor: -1,
+        init_from,
+        save_dtype,
+    }
+}
+
+/// Attaches `mode` with `plan` to `sd` (seed 7), sets every factor to seeded random values and
+/// saves the adapter file to `path`: the files the LyCORIS reference scripts read.
+pub fn write_random_adapter(
+    mut sd: sdtrain::model::pipeline::StableDiffusion,
+    mode: sdtrain::config::TrainMode,
+    plan: sdtrain::config::AdapterPlan,
+    path: &Path,
+) {
+    use sdtrain::train::adapters::{attach_with, SaveInfo};
+    let a = attach_with(&mut sd, mode, plan, 7).unwrap();
+    randomise_adapters(&a.modules);
+    let info = SaveInfo {
+        steps: 1,
+        epoch: 1,
+        num_train_images: 1,
+        resolution: 32,
+        seed: 7,
+        unet_lr: 1e-4,
+        text_encoder_lr: None,
+        output_name: "sdtrain",
+        started_at: 0.0,
+    };
+    a.save(path, info).unwrap();
+}
