@@ -1,5 +1,6 @@
 //! The rebuilt-update op against its composed form, `base(x) + op(x, rebuild(θ))` in plain candle
 //! ops, forward and every gradient.
+#![cfg(test)]
 
 use std::sync::Arc;
 

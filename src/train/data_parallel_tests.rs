@@ -1,5 +1,6 @@
 //! Data parallel end to end on the CPU: LoRA runs on the tiny SD1.5 fixture on 2, 3 and 4
 //! in-process ranks against the same run in one process.
+#![cfg(test)]
 
 use std::path::Path;
 use std::time::Duration;
