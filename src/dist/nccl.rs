@@ -4,9 +4,9 @@
 //! NCCL is the data plane only. The ranks still agree, vote and detect a lost rank through their
 //! [`Collective`] (threads, or TCP between processes), which also carries NCCL's unique id from
 //! rank 0 to the others, as torchrun's store does. A call into NCCL that does not finish within
-//! the group's timeout (a rank died between the host exchange and the sum) aborts the
-//! communicator and ends the run with [`DistError::Timeout`], so no rank spins forever on the
-//! card.
+//! the group's timeout (a rank died between the host exchange and the sum) ends the run with a
+//! [`DistError::Nccl`] that says so, and the communicator is aborted when it is dropped, so no
+//! rank spins forever on the card.
 
 use std::sync::mpsc;
 use std::sync::Arc;
@@ -38,6 +38,17 @@ fn nccl_error(op: &'static str, e: impl std::fmt::Debug) -> DistError {
     DistError::Nccl {
         op,
         why: format!("{e:?}"),
+    }
+}
+
+/// The error for an NCCL call still unfinished at the deadline: some rank never joined it.
+fn overdue(op: &'static str, timeout: Duration) -> DistError {
+    DistError::Nccl {
+        op,
+        why: format!(
+            "not finished within {timeout:?}: a rank did not join it (it stopped or is stuck); \
+             ending the run on every rank"
+        ),
     }
 }
 
@@ -88,13 +99,7 @@ impl Nccl {
         });
         let comm = match rx.recv_timeout(timeout) {
             Ok(made) => made?.0,
-            Err(_) => {
-                return Err(DistError::Timeout {
-                    op: "ncclCommInitRank",
-                    missing: Vec::new(),
-                    timeout,
-                })
-            }
+            Err(_) => return Err(overdue("ncclCommInitRank", timeout)),
         };
         Ok(Self {
             comm,
@@ -118,11 +123,7 @@ impl Nccl {
                 Err(e) => return Err(nccl_error(op, e)),
             }
             if start.elapsed() > self.timeout {
-                return Err(DistError::Timeout {
-                    op,
-                    missing: Vec::new(),
-                    timeout: self.timeout,
-                });
+                return Err(overdue(op, self.timeout));
             }
             std::thread::sleep(Duration::from_micros(200));
         }
