@@ -87,32 +87,8 @@ fn every_mode_trains_every_fixture_and_the_plan_counts_its_parameters() {
 #[test]
 fn sample_merges_lycoris_files_and_scale_zero_is_the_base_model() {
     let tmp = tempfile::tempdir().unwrap();
-    let model = common::fixture("tiny-sd15").display().to_string();
-    let run = |out: &str, extra: &[&str]| {
-        let mut args = vec![
-            "sample",
-            "--model",
-            &model,
-            "--prompt",
-            "a red cat",
-            "--steps",
-            "2",
-            "--width",
-            "32",
-            "--height",
-            "32",
-            "--cpu",
-            "--out",
-            out,
-        ];
-        args.extend_from_slice(extra);
-        let o = sdtrain(&args, tmp.path());
-        assert!(o.status.success(), "{extra:?}: {}", text(&o));
-        (
-            text(&o),
-            image::open(tmp.path().join(out)).unwrap().to_rgb8(),
-        )
-    };
+    let run =
+        |out: &str, extra: &[&str]| common::cli::sample_tiny("tiny-sd15", tmp.path(), out, extra);
     let (_, base) = run("base.png", &[]);
     for mode in ["loha", "lokr", "dora", "locon"] {
         let lora = common::fixture(&format!("lycoris/lycoris_{mode}.safetensors"));

@@ -26,27 +26,7 @@ fn modules_in(file: &str) -> usize {
 }
 
 fn sample(dir: &Path, out: &str, extra: &[&str]) -> (String, image::RgbImage) {
-    let model = common::fixture("tiny-sdxl").display().to_string();
-    let mut args = vec![
-        "sample",
-        "--model",
-        &model,
-        "--prompt",
-        "a red cat",
-        "--steps",
-        "2",
-        "--width",
-        "32",
-        "--height",
-        "32",
-        "--cpu",
-        "--out",
-        out,
-    ];
-    args.extend_from_slice(extra);
-    let o = sdtrain(&args, dir);
-    assert!(o.status.success(), "{extra:?}: {}", text(&o));
-    (text(&o), image::open(dir.join(out)).unwrap().to_rgb8())
+    common::cli::sample_tiny("tiny-sdxl", dir, out, extra)
 }
 
 #[test]

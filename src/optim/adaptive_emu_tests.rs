@@ -106,13 +106,8 @@ impl Emulated {
     }
 }
 
-fn host(t: &Tensor) -> Vec<f32> {
-    t.to_dtype(DType::F32)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1()
-        .unwrap()
+fn host(t: &Tensor) -> candle_core::Result<Vec<f32>> {
+    t.to_dtype(DType::F32)?.flatten_all()?.to_vec1()
 }
 
 /// The parameter and every state buffer equal, bit for bit, by name.
@@ -122,8 +117,8 @@ fn assert_same(
     state: &dyn ParamState,
     kernel: &dyn AdaptiveKernel,
     emu: &Emulated,
-) {
-    let p = host(var.as_tensor());
+) -> candle_core::Result<()> {
+    let p = host(var.as_tensor())?;
     let worst = p
         .iter()
         .zip(&emu.p)
@@ -138,7 +133,7 @@ fn assert_same(
         differ, 0,
         "{what}: parameter: {differ} differ, worst {worst:e}"
     );
-    let saved = state.save().unwrap();
+    let saved = state.save()?;
     let buffers = kernel.buffers();
     let names: Vec<_> = saved.iter().map(|(n, _)| *n).collect();
     let kernel_names: Vec<_> = buffers.iter().map(|b| b.name).collect();
@@ -149,7 +144,7 @@ fn assert_same(
             HostBuf::Bf16(_) => DType::BF16,
         };
         assert_eq!(t.dtype(), want, "{what}: {name} dtype");
-        let (a, b) = (host(t), b.as_f32());
+        let (a, b) = (host(t)?, b.as_f32());
         let differ = a
             .iter()
             .zip(&b)
@@ -157,6 +152,7 @@ fn assert_same(
             .count();
         assert_eq!(differ, 0, "{what}: {name}: {differ} of {} differ", a.len());
     }
+    Ok(())
 }
 
 fn assert_shares(what: &str, cpu: &Shares, emu: &Shares) {
@@ -179,23 +175,26 @@ fn check(
     grid: Option<u32>,
     lrs: &[f64],
     steps: usize,
-) {
+) -> candle_core::Result<()> {
     let init = values(1, n, 1.0);
-    let var = Var::from_slice(&init, n, &Device::Cpu).unwrap();
-    let mut state = rule.init(&var).unwrap();
+    let var = Var::from_slice(&init, n, &Device::Cpu)?;
+    let mut state = rule.init(&var)?;
     let mut emu = Emulated::new(kernel, init, grid);
     let mut estimate = rule.estimate();
     let mut done = 0u64;
     for k in 0..steps {
         let what = format!("{what}, grid {grid:?}, step {k}");
         let gv = values(10 + k, n, 1e-2);
-        let g = Tensor::from_slice(&gv, n, &Device::Cpu).unwrap();
+        let g = Tensor::from_slice(&gv, n, &Device::Cpu)?;
         let lr = lrs[k % lrs.len()];
         match estimate.as_mut() {
             None => {
                 let t = k as u64 + 1;
-                state.update(&var, &g, lr, t).unwrap();
-                emu.run(&kernel.update(lr, t).expect("a one-pass rule updates"), &gv);
+                state.update(&var, &g, lr, t)?;
+                let Some(launch) = kernel.update(lr, t) else {
+                    candle_core::bail!("{what}: a one-pass rule has no update launch");
+                };
+                emu.run(&launch, &gv);
             }
             Some(estimate) => {
                 let grad_sq = estimate
@@ -211,14 +210,14 @@ fn check(
                     &first,
                     (&g, &gv),
                     &mut done,
-                );
+                )?;
             }
         }
-        assert_same(&what, &var, state.as_ref(), kernel, &emu);
+        assert_same(&what, &var, state.as_ref(), kernel, &emu)?;
     }
     // The evaluation weights (schedule-free's x), where a rule has them.
     if let Some(launch) = kernel.eval() {
-        state.eval_weights(&var).unwrap();
+        state.eval_weights(&var)?;
         emu.run(&launch, &vec![0.0; n]);
         assert_same(
             &format!("{what}, eval weights"),
@@ -226,8 +225,9 @@ fn check(
             state.as_ref(),
             kernel,
             &emu,
-        );
+        )?;
     }
+    Ok(())
 }
 
 /// One step of a two-pass rule on both paths, with the CPU path's scalars.
@@ -241,30 +241,33 @@ fn two_pass(
     first: &StepScalars,
     (g, gv): (&Tensor, &[f32]),
     done: &mut u64,
-) {
+) -> candle_core::Result<()> {
     let mut cpu = [0.0; 3];
-    state.accumulate(var, g, first, *done, &mut cpu).unwrap();
+    state.accumulate(var, g, first, *done, &mut cpu)?;
     let mut mine = [0.0; 3];
     if let Some(launch) = kernel.accumulate(first, *done) {
         let sums = emu.run(&launch, gv);
         mine = kernel.shares(first, &sums);
     }
     assert_shares(what, &cpu, &mine);
-    assert_same(&format!("{what}, first pass"), var, state, kernel, emu);
+    assert_same(&format!("{what}, first pass"), var, state, kernel, emu)?;
     let Some(second) = estimate.finish(&cpu) else {
-        return;
+        return Ok(());
     };
-    state.apply(var, g, &second).unwrap();
+    state.apply(var, g, &second)?;
     if let Some(launch) = kernel.apply(&second) {
         emu.run(&launch, gv);
     }
     *done += 1;
+    Ok(())
 }
 
 /// 1,000 elements: four blocks at the launch's own grid, and grid 2 makes the loops go round.
 fn each_grid(what: &str, rule: &dyn UpdateRule, kernel: &dyn AdaptiveKernel, lrs: &[f64]) {
     for grid in [None, Some(2)] {
-        check(what, rule, kernel, 1000, grid, lrs, 6);
+        if let Err(e) = check(what, rule, kernel, 1000, grid, lrs, 6) {
+            panic!("{what}, grid {grid:?}: {e}");
+        }
     }
 }
 

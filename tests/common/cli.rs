@@ -76,3 +76,35 @@ pub fn step_losses(run: &Path) -> Vec<f64> {
         })
         .collect()
 }
+
+/// `sdtrain sample` on the tiny fixture `fixture` (2 steps, 32×32, "a red cat", on the CPU) with
+/// `extra` arguments, writing `out` under `dir`: the log and the image. Fails the test when the
+/// command fails.
+pub fn sample_tiny(
+    fixture: &str,
+    dir: &Path,
+    out: &str,
+    extra: &[&str],
+) -> (String, image::RgbImage) {
+    let model = super::fixture(fixture).display().to_string();
+    let mut args = vec![
+        "sample",
+        "--model",
+        &model,
+        "--prompt",
+        "a red cat",
+        "--steps",
+        "2",
+        "--width",
+        "32",
+        "--height",
+        "32",
+        "--cpu",
+        "--out",
+        out,
+    ];
+    args.extend_from_slice(extra);
+    let o = sdtrain(&args, dir);
+    assert!(o.status.success(), "{extra:?}: {}", text(&o));
+    (text(&o), image::open(dir.join(out)).unwrap().to_rgb8())
+}
