@@ -397,6 +397,17 @@ fn fused_kernel_profile(
                     false
                 )?))?),
             );
+            // The same call on the SIMT kernels (bf16/f16 take the tensor-core ones by default).
+            ops.insert(
+                format!("attn_{label}_flash_simt"),
+                json!(time(&mut || bwd(n::flash_attention_simt(
+                    qv.as_tensor(),
+                    &ks,
+                    &vs,
+                    scale,
+                    false
+                )?))?),
+            );
         }
     }
     Ok(())
@@ -436,6 +447,12 @@ fn run(args: &[String], report: &mut Value) -> Result<()> {
     let fused_ops = on_off(args, "--fused-ops", "on")?;
     sdtrain::nn::set_fused_ops_enabled(fused_ops);
     report["fused_ops"] = json!(fused_ops);
+    // SDTRAIN_FLASH_TC=0 keeps bf16/f16 flash attention on the SIMT kernels: the "before" row of
+    // the tensor-core kernels in scripts/gpu-check.
+    #[cfg(feature = "cuda")]
+    if !sdtrain::nn::tensor_cores_enabled() {
+        report["variant"] = json!("SIMT flash attention (SDTRAIN_FLASH_TC=0)");
+    }
     let steps: usize = arg(args, "--steps", "10").parse().context("--steps")?;
     let warmup: usize = arg(args, "--warmup", "3").parse().context("--warmup")?;
     let settings = DeviceSettings {

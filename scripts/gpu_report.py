@@ -167,7 +167,21 @@ def main(out):
             shape = f"{k[0]} {k[1]} {k[2]}px b{k[3]} {k[4]}" + (" checkpointing" if k[5] else "")
             print(f"| {shape} | {cell(r, 'step_ms_median', '{:.0f} ms')} | {cell(b, 'step_ms_median', '{:.0f} ms')} "
                   f"| {cell(r, 'peak_gib', '{:.2f} GiB')} | {cell(b, 'peak_gib', '{:.2f} GiB')} |")
-    variants = [r for r in ours if r not in default and not r.get("fp8_base")]
+    simt = [r for r in ours if str(r.get("variant", "")).startswith("SIMT flash")]
+    if simt:
+        print("\nFlash attention on tensor cores (the default for bf16) beside the SIMT kernels "
+              "(`SDTRAIN_FLASH_TC=0`), the same shape:\n")
+        print("| shape | tensor-core step | SIMT step | tensor-core fwd/bwd ms | SIMT fwd/bwd ms |")
+        print("|---|---|---|---|---|")
+        base = {key(r): r for r in default}
+        for r in simt:
+            k = key(r)
+            b = base.get(k)
+            shape = f"{k[0]} {k[1]} {k[2]}px b{k[3]} {k[4]}" + (" checkpointing" if k[5] else "")
+            fb = lambda x: f"{x.get('fwd_ms', 0):.0f} / {x.get('bwd_ms', 0):.0f}" if x and x.get("status") == "ok" else "—"
+            print(f"| {shape} | {cell(b, 'step_ms_median', '{:.0f} ms')} | {cell(r, 'step_ms_median', '{:.0f} ms')} "
+                  f"| {fb(b)} | {fb(r)} |")
+    variants = [r for r in ours if r not in default and not r.get("fp8_base") and r not in simt]
     if variants:
         print("\nDevice settings and variants (sdtrain, sd15 LoRA 512 px b1 bf16; default: pool cache on, "
               "event tracking off, fused ops on):\n")

@@ -42,6 +42,23 @@ pub(crate) const BUCKETS: [(usize, usize); 4] = [(40, 32), (64, 32), (80, 32), (
 /// The largest head dim the kernels take.
 pub const MAX_HEAD_DIM: usize = 160;
 
+/// The head-dim buckets of the tensor-core kernels (`kernels/flash_attention_tc.cu`, bf16 and
+/// f16 on compute capability 8.0 and later); bucket 160 stays on the SIMT kernels.
+pub(crate) const TC_BUCKETS: [usize; 3] = [40, 64, 80];
+
+/// Query rows per forward block and key rows per backward block of the tensor-core kernels.
+const TC_FWD_ROWS: usize = 64;
+const TC_BWD_ROWS: usize = 64;
+
+/// Whether bf16/f16 attention may take the tensor-core kernels where the card has them: yes,
+/// unless the environment sets `SDTRAIN_FLASH_TC=0` (read once), which keeps every call on the
+/// SIMT kernels (a fallback, and the "before" of a before/after).
+#[cfg(feature = "cuda")]
+pub fn tensor_cores_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| !std::env::var("SDTRAIN_FLASH_TC").is_ok_and(|v| v.trim() == "0"))
+}
+
 /// The largest grid y (heads × batch).
 const MAX_GRID_Y: usize = 65535;
 
@@ -57,6 +74,8 @@ pub(crate) struct Geometry {
     bucket: usize,
     /// Key rows per backward block.
     bwd_rows: usize,
+    /// The forward and backward run on the tensor-core kernels.
+    tc: bool,
 }
 
 impl Geometry {
@@ -83,10 +102,25 @@ impl Geometry {
             d,
             bucket,
             bwd_rows,
+            tc: false,
         })
     }
 
-    /// The entry point of `kernel` (`flash_fwd`, `flash_dot`, `flash_bwd`) for `dtype`.
+    /// This call on the tensor-core kernels when they take its dtype (bf16, f16) and head dim;
+    /// otherwise unchanged. The caller checks that the card has them (compute capability 8.0).
+    pub fn with_tensor_cores(self, dtype: DType) -> Self {
+        let tc = matches!(dtype, DType::BF16 | DType::F16) && TC_BUCKETS.contains(&self.bucket);
+        Self { tc, ..self }
+    }
+
+    /// Whether the forward and backward run on the tensor-core kernels.
+    #[cfg(test)]
+    pub fn tensor_cores(&self) -> bool {
+        self.tc
+    }
+
+    /// The entry point of `kernel` (`flash_fwd`, `flash_dot`, `flash_bwd`) for `dtype`: the
+    /// forward and backward of the tensor-core file (`flash_fwd_tc_…`) when [`Self::tensor_cores`].
     pub fn entry(&self, kernel: &str, dtype: DType) -> Result<String> {
         let ty = match dtype {
             DType::F32 => "f32",
@@ -94,12 +128,18 @@ impl Geometry {
             DType::F16 => "f16",
             other => bail!("flash attention: no kernel for {other:?}"),
         };
-        Ok(format!("{kernel}_d{}_{ty}", self.bucket))
+        let tc = if self.tc && kernel != "flash_dot" {
+            "_tc"
+        } else {
+            ""
+        };
+        Ok(format!("{kernel}{tc}_d{}_{ty}", self.bucket))
     }
 
     /// One block per query tile and head.
     pub fn fwd_grid(&self) -> [u32; 3] {
-        [self.lq.div_ceil(FWD_ROWS) as u32, self.bh as u32, 1]
+        let rows = if self.tc { TC_FWD_ROWS } else { FWD_ROWS };
+        [self.lq.div_ceil(rows) as u32, self.bh as u32, 1]
     }
 
     /// One warp per query row.
@@ -109,7 +149,8 @@ impl Geometry {
 
     /// One block per key tile and head.
     pub fn bwd_grid(&self) -> [u32; 3] {
-        [self.lk.div_ceil(self.bwd_rows) as u32, self.bh as u32, 1]
+        let rows = if self.tc { TC_BWD_ROWS } else { self.bwd_rows };
+        [self.lk.div_ceil(rows) as u32, self.bh as u32, 1]
     }
 
     /// Elements of `q` (and of the output, dO and dQ) and of `k` (and `v`, dK, dV).
@@ -130,6 +171,7 @@ fn flash_op(
     v: &Tensor,
     scale: f64,
     causal: bool,
+    tensor_cores: bool,
 ) -> Result<FlashAttention> {
     let (b, h, lq, d) = q.dims4()?;
     let (bk, hk, lk, dk) = k.dims4()?;
@@ -144,12 +186,29 @@ fn flash_op(
     if k.dtype() != q.dtype() || v.dtype() != q.dtype() {
         bail!("flash attention: q, k, v must share a dtype")
     }
+    let mut geo = Geometry::new(b * h, lq, lk, d)?;
+    if tensor_cores && has_tensor_cores(q.device()) {
+        geo = geo.with_tensor_cores(q.dtype());
+    }
     Ok(FlashAttention {
-        geo: Geometry::new(b * h, lq, lk, d)?,
+        geo,
         scale: scale as f32,
         causal,
         lse: Mutex::new(None),
     })
+}
+
+/// Whether `device` is a CUDA card with bf16/f16 `mma.sync` (compute capability 8.0 or later).
+#[cfg(feature = "cuda")]
+fn has_tensor_cores(device: &candle_core::Device) -> bool {
+    match device {
+        candle_core::Device::Cuda(dev) => dev
+            .cuda_stream()
+            .context()
+            .compute_capability()
+            .is_ok_and(|(major, _)| major >= 8),
+        _ => false,
+    }
 }
 
 /// `softmax(s·q·kᵀ)·v` for `q` `[B, H, Lq, D]`, `k`/`v` `[B, H, Lk, D]` (same dtype: f32, bf16
@@ -162,7 +221,32 @@ pub fn flash_attention(
     scale: f64,
     causal: bool,
 ) -> Result<Tensor> {
-    let op = flash_op(q, k, v, scale, causal)?;
+    flash_attention_on(q, k, v, scale, causal, tensor_cores_enabled())
+}
+
+/// [`flash_attention`] on the SIMT kernels whatever the dtype and card: the tensor-core kernels'
+/// reference on a GPU, and their "before" in benchmarks.
+#[cfg(feature = "cuda")]
+pub fn flash_attention_simt(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f64,
+    causal: bool,
+) -> Result<Tensor> {
+    flash_attention_on(q, k, v, scale, causal, false)
+}
+
+#[cfg(feature = "cuda")]
+fn flash_attention_on(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f64,
+    causal: bool,
+    tensor_cores: bool,
+) -> Result<Tensor> {
+    let op = flash_op(q, k, v, scale, causal, tensor_cores)?;
     let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
     if q.track_op() || k.track_op() || v.track_op() {
         q.apply_op3(&k, &v, op)
@@ -181,7 +265,7 @@ pub(crate) fn flash_detached(
     scale: f64,
     causal: bool,
 ) -> Result<(Tensor, FlashAttention)> {
-    let op = flash_op(q, k, v, scale, causal)?;
+    let op = flash_op(q, k, v, scale, causal, tensor_cores_enabled())?;
     let (q, k, v) = (
         q.detach().contiguous()?,
         k.detach().contiguous()?,
@@ -199,6 +283,7 @@ mod tests {
     use candle_core::{Device, Tensor, WithDType, D};
 
     const CU: &str = "src/nn/kernels/flash_attention.cu";
+    const CU_TC: &str = "src/nn/kernels/flash_attention_tc.cu";
 
     /// One emulated case: `bh` heads of `lq` queries and `lk` keys of head dim `d`.
     #[derive(Clone, Copy)]
@@ -229,13 +314,36 @@ mod tests {
         Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
     }
 
-    /// The output and L of the emulated forward.
-    fn emu_forward<T: WithDType + Elem>(c: Case, q: &[T], k: &[T], v: &[T]) -> (Vec<T>, Vec<f32>) {
+    /// The geometry of `c` in dtype `T`, on the tensor-core kernels when `tc`, and the .cu file
+    /// of its forward and backward.
+    fn geometry<T: WithDType>(c: Case, tc: bool) -> (Geometry, &'static str) {
         let g = Geometry::new(c.bh, c.lq, c.lk, c.d).unwrap();
+        if !tc {
+            return (g, CU);
+        }
+        let g = g.with_tensor_cores(T::DTYPE);
+        assert!(
+            g.tensor_cores(),
+            "no tensor-core kernel for {:?}, d {}",
+            T::DTYPE,
+            c.d
+        );
+        (g, CU_TC)
+    }
+
+    /// The output and L of the emulated forward.
+    fn emu_forward<T: WithDType + Elem>(
+        c: Case,
+        tc: bool,
+        q: &[T],
+        k: &[T],
+        v: &[T],
+    ) -> (Vec<T>, Vec<f32>) {
+        let (g, cu) = geometry::<T>(c, tc);
         let mut o = vec![T::zero(); g.q_len()];
         let mut lse = vec![0f32; c.bh * c.lq];
         kernel_emu::launch(
-            CU,
+            cu,
             &g.entry("flash_fwd", T::DTYPE).unwrap(),
             g.fwd_grid(),
             [THREADS, 1, 1],
@@ -260,6 +368,7 @@ mod tests {
     #[allow(clippy::too_many_arguments)]
     fn emu_backward<T: WithDType + Elem>(
         c: Case,
+        tc: bool,
         q: &[T],
         k: &[T],
         v: &[T],
@@ -267,7 +376,7 @@ mod tests {
         go: &[T],
         lse: &[f32],
     ) -> (Vec<f32>, Vec<T>, Vec<T>) {
-        let g = Geometry::new(c.bh, c.lq, c.lk, c.d).unwrap();
+        let (g, cu) = geometry::<T>(c, tc);
         let mut dr = vec![0f32; c.bh * c.lq];
         let rows = (c.bh * c.lq) as i64;
         kernel_emu::launch(
@@ -286,7 +395,7 @@ mod tests {
         let mut dq = vec![0f32; g.q_len()];
         let (mut dk, mut dv) = (vec![T::zero(); g.k_len()], vec![T::zero(); g.k_len()]);
         kernel_emu::launch(
-            CU,
+            cu,
             &g.entry("flash_bwd", T::DTYPE).unwrap(),
             g.bwd_grid(),
             [THREADS, 1, 1],
@@ -341,6 +450,11 @@ mod tests {
 
     /// As [`errors`], on the given `q`, `k`, `v` (rounded to `T` first).
     fn errors_on<T: WithDType + Elem>(c: Case, qkv: [Tensor; 3]) -> [f32; 5] {
+        errors_with::<T>(c, false, qkv)
+    }
+
+    /// As [`errors_on`], on the tensor-core kernels when `tc`.
+    fn errors_with<T: WithDType + Elem>(c: Case, tc: bool, qkv: [Tensor; 3]) -> [f32; 5] {
         let round = |t: Tensor| t.to_dtype(T::DTYPE).unwrap().to_dtype(DType::F32).unwrap();
         let qkv = qkv.map(round);
         let (o_ref, grads) = output_and_grads(&qkv, &[true; 3], &|a| Ok(reference(c, a)?.0));
@@ -348,8 +462,8 @@ mod tests {
         // output_and_grads's upstream gradient.
         let go = round(fill(o_ref.dims(), 99, 1.0));
         let (q, k, v) = (host::<T>(&qkv[0]), host::<T>(&qkv[1]), host::<T>(&qkv[2]));
-        let (o, lse) = emu_forward(c, &q, &k, &v);
-        let (dq, dk, dv) = emu_backward(c, &q, &k, &v, &o, &host::<T>(&go), &lse);
+        let (o, lse) = emu_forward(c, tc, &q, &k, &v);
+        let (dq, dk, dv) = emu_backward(c, tc, &q, &k, &v, &o, &host::<T>(&go), &lse);
         let g = |i: usize| grads[i].clone().unwrap();
         [
             rel_err(&tensor(o, o_ref.dims()), &o_ref),
@@ -518,6 +632,141 @@ mod tests {
             causal: true,
         };
         check_each::<half::bf16>("bf16 d160 causal", c, tol);
+    }
+
+    /// The tensor-core kernels' bounds against the f32 reference on the same rounded inputs (O,
+    /// L, dQ, dK, dV). P and dS are rounded to the input dtype before their products, as in
+    /// FlashAttention-2. Measured in bf16 over the cases below: O ≤ 3.1e-3, L ≤ 1e-7, dQ ≤ 2.2e-2,
+    /// dK ≤ 2.6e-2, dV ≤ 4.5e-3 (the SIMT kernels' bf16 dQ and dK reach 7e-2, from Dr's
+    /// cancellation; see [`bf16_matches_f32_reference`]).
+    const TC_TOL: [f32; 5] = [6e-3, 1e-6, 5e-2, 5e-2, 1e-2];
+
+    fn check_tc<T: WithDType + Elem>(what: &str, c: Case, qkv: Option<[Tensor; 3]>) {
+        let qkv = qkv.unwrap_or_else(|| {
+            [
+                fill(&[c.bh, c.lq, c.d], 1, 2.0),
+                fill(&[c.bh, c.lk, c.d], 2, 2.0),
+                fill(&[c.bh, c.lk, c.d], 3, 2.0),
+            ]
+        });
+        let e = errors_with::<T>(c, true, qkv);
+        eprintln!("{what}: O L dQ dK dV {e:?}");
+        for ((name, e), tol) in ["O", "L", "dQ", "dK", "dV"].iter().zip(e).zip(TC_TOL) {
+            assert!(e <= tol, "{what}: {name} differs by {e:.2e} (relative)");
+        }
+    }
+
+    /// Tensor cores, bf16, head dim 40 (SD1.5's 4096-token level; Q·Kᵀ padded to 48), ragged:
+    /// 93 queries (two forward tiles of 64, three backward steps of 32) against 75 keys (two
+    /// key tiles, two backward blocks).
+    #[test]
+    fn tc_ragged_self_attention_d40_matches_reference() {
+        let c = Case {
+            bh: 2,
+            lq: 93,
+            lk: 75,
+            d: 40,
+            causal: false,
+        };
+        check_tc::<half::bf16>("tc d40", c, None);
+    }
+
+    /// Tensor cores, bf16, head dim 64, keys that score higher the later they come over three
+    /// key tiles, so every row's max moves: the running sum and O must be rescaled.
+    #[test]
+    fn tc_rising_key_scores_force_the_online_rescale() {
+        let c = Case {
+            bh: 1,
+            lq: 70,
+            lk: 150,
+            d: 64,
+            causal: false,
+        };
+        let ramp: Vec<f32> = (0..c.lk)
+            .map(|j| 0.25 + 2.0 * j as f32 / c.lk as f32)
+            .collect();
+        let ramp = Tensor::from_vec(ramp, (1, c.lk, 1), &Device::Cpu).unwrap();
+        let k = fill(&[c.bh, c.lk, c.d], 2, 2.0)
+            .broadcast_mul(&ramp)
+            .unwrap();
+        let qkv = [
+            fill(&[c.bh, c.lq, c.d], 1, 2.0),
+            k,
+            fill(&[c.bh, c.lk, c.d], 3, 2.0),
+        ];
+        check_tc::<half::bf16>("tc rising keys", c, Some(qkv));
+    }
+
+    /// Tensor cores, f16, cross-attention over 77 text tokens at head dim 80.
+    #[test]
+    fn tc_f16_cross_attention_lk77_d80_matches_reference() {
+        let c = Case {
+            bh: 2,
+            lq: 67,
+            lk: 77,
+            d: 80,
+            causal: false,
+        };
+        check_tc::<half::f16>("tc f16 cross d80", c, None);
+    }
+
+    /// Tensor cores, CLIP's causal self-attention over 77 tokens at head dim 64, bf16.
+    #[test]
+    fn tc_causal_clip_shape_matches_reference() {
+        let c = Case {
+            bh: 2,
+            lq: 77,
+            lk: 77,
+            d: 64,
+            causal: true,
+        };
+        check_tc::<half::bf16>("tc causal", c, None);
+    }
+
+    /// Tensor cores, head dims inside a bucket (36 in 40, 72 in 80): the padded columns.
+    #[test]
+    fn tc_head_dims_between_buckets_are_padded() {
+        for d in [36, 72] {
+            let c = Case {
+                bh: 1,
+                lq: 40,
+                lk: 66,
+                d,
+                causal: false,
+            };
+            check_tc::<half::bf16>(&format!("tc d{d}"), c, None);
+        }
+    }
+
+    /// f32 and bucket 160 stay on the SIMT kernels; bf16/f16 at 40, 64 and 80 take the tensor-core
+    /// entry points and grids (64 rows per block).
+    #[test]
+    fn tensor_cores_take_bf16_and_f16_up_to_head_dim_80() {
+        let g = Geometry::new(16, 4096, 77, 40).unwrap();
+        assert!(!g.with_tensor_cores(DType::F32).tensor_cores());
+        let tc = g.with_tensor_cores(DType::BF16);
+        assert_eq!(
+            tc.entry("flash_fwd", DType::BF16).unwrap(),
+            "flash_fwd_tc_d40_bf16"
+        );
+        assert_eq!(
+            tc.entry("flash_dot", DType::BF16).unwrap(),
+            "flash_dot_d40_bf16"
+        );
+        assert_eq!(tc.fwd_grid(), [64, 16, 1]);
+        assert_eq!(tc.bwd_grid(), [2, 16, 1]);
+        let big = Geometry::new(2, 256, 256, 160).unwrap();
+        assert!(!big.with_tensor_cores(DType::F16).tensor_cores());
+        let src = std::fs::read_to_string(CU_TC).unwrap();
+        assert!(src.contains(&format!("#define TC_THREADS {THREADS}\n")));
+        assert!(src.contains(&format!("constexpr int BQ = {TC_FWD_ROWS}, BK = 64,")));
+        assert!(src.contains(&format!("constexpr int BK = {TC_BWD_ROWS}, BQ = 32,")));
+        for b in TC_BUCKETS {
+            for (ty, t) in [("bf16", "__nv_bfloat16"), ("f16", "__half")] {
+                let line = format!("TC_ENTRY_POINTS(d{b}_{ty}, {t}, {b})");
+                assert!(src.contains(&line), "no {line}");
+            }
+        }
     }
 
     #[test]

@@ -59,7 +59,9 @@ pub use base_weight::BaseWeight;
 pub use checkpoint::{replayable, Checkpointing, Segment};
 pub use chunked_attention::chunked_attention;
 #[cfg(feature = "cuda")]
-pub use flash_attention::{flash_attention, MAX_HEAD_DIM};
+pub use flash_attention::{
+    flash_attention, flash_attention_simt, tensor_cores_enabled, MAX_HEAD_DIM,
+};
 
 /// A trainable addition to a frozen layer's output, `y = base(x) + delta(x)`: LoRA on a Linear or
 /// a 1×1 conv, LoCon on a 3×3 conv, and LyCORIS's LoHa, LoKr and DoRA. Implemented in `crate::adapter`.

@@ -1,6 +1,7 @@
-//! Flash attention on CUDA (src/nn/kernels/flash_attention.cu; FlashAttention-2, Dao, arXiv
-//! 2307.08691) against the CPU: the forward output and the q, k, v gradients of
-//! `Σ attention(q, k, v)·r` on SD's shapes, f32 and bf16, against chunked attention on the CPU in
+//! Flash attention on CUDA (src/nn/kernels/flash_attention.cu, and flash_attention_tc.cu on
+//! tensor cores; FlashAttention-2, Dao, arXiv 2307.08691) against the CPU: the forward output and
+//! the q, k, v gradients of `Σ attention(q, k, v)·r` on SD's shapes, f32, bf16 and f16 (bf16 on
+//! both kernel sets), against chunked attention on the CPU in
 //! f32 (the same math with every score materialised); CLIP's causal attention through
 //! `nn::causal_attention` against the composed reference; and a timing print, ms per
 //! forward+backward at 4096 tokens, flash beside chunked attention on the same device.
@@ -67,7 +68,13 @@ fn output_and_grads(qkv: &[Tensor; 3], r: &Tensor, f: Attn) -> (Tensor, Vec<Tens
 
 /// `[bh, lq, d]` queries against `[bh, lk, d]` keys: flash on `dev` in `dtype` against chunked
 /// attention on the CPU in f32 on the same (rounded) inputs; the relative errors of O, dQ, dK, dV.
-fn errors(dev: &Device, dtype: DType, bh: usize, lq: usize, lk: usize, d: usize) -> [f32; 4] {
+/// `simt`: the SIMT kernels even where bf16/f16 would take the tensor-core ones.
+fn errors(
+    dev: &Device,
+    dtype: DType,
+    simt: bool,
+    (bh, lq, lk, d): (usize, usize, usize, usize),
+) -> [f32; 4] {
     let round = |t: Tensor| t.to_dtype(dtype).unwrap().to_dtype(DType::F32).unwrap();
     let cpu = [
         round(fill(&[1, bh, lq, d], 1, 2.0)),
@@ -79,7 +86,11 @@ fn errors(dev: &Device, dtype: DType, bh: usize, lq: usize, lk: usize, d: usize)
     let on_dev = |t: &Tensor| t.to_device(dev).unwrap().to_dtype(dtype).unwrap();
     let gpu = [on_dev(&cpu[0]), on_dev(&cpu[1]), on_dev(&cpu[2])];
     let (y, g) = output_and_grads(&gpu, &on_dev(&r), &|q, k, v| {
-        nn::flash_attention(q, k, v, scale, false)
+        if simt {
+            nn::flash_attention_simt(q, k, v, scale, false)
+        } else {
+            nn::flash_attention(q, k, v, scale, false)
+        }
     });
     let (y_ref, g_ref) = output_and_grads(&cpu, &r, &|q, k, v| {
         nn::chunked_attention(q, k, v, scale, None)
@@ -98,6 +109,7 @@ fn errors(dev: &Device, dtype: DType, bh: usize, lq: usize, lk: usize, d: usize)
 fn tolerances(dtype: DType) -> [f32; 4] {
     match dtype {
         DType::BF16 => [2e-2, 1e-1, 1e-1, 2e-2],
+        DType::F16 => [5e-3, 5e-2, 5e-2, 5e-3],
         _ => [1e-3; 4],
     }
 }
@@ -118,14 +130,22 @@ fn cuda_flash_attention_matches_cpu_on_sd_shapes() {
         (3, 37, 53, 40),
         (3, 100, 29, 48),
     ];
-    for dtype in [DType::F32, DType::BF16] {
-        for (bh, lq, lk, d) in shapes {
-            let e = errors(&dev, dtype, bh, lq, lk, d);
-            eprintln!("flash {dtype:?} [{bh}, {lq}, {lk}, {d}]: O dQ dK dV {e:?}");
+    // bf16 and f16 take the tensor-core kernels (head dims up to 80, compute capability 8.0+),
+    // checked here against the CPU, and bf16 also the SIMT kernels they replace.
+    for (dtype, simt) in [
+        (DType::F32, false),
+        (DType::BF16, false),
+        (DType::F16, false),
+        (DType::BF16, true),
+    ] {
+        for shape in shapes {
+            let e = errors(&dev, dtype, simt, shape);
+            let kernels = if simt { "simt" } else { "default" };
+            eprintln!("flash {dtype:?} {kernels} {shape:?}: O dQ dK dV {e:?}");
             for ((name, e), tol) in ["O", "dQ", "dK", "dV"].iter().zip(e).zip(tolerances(dtype)) {
                 assert!(
                     e <= tol,
-                    "{dtype:?} [{bh}, {lq}, {lk}, {d}]: {name} differs by {e:.2e} (relative)"
+                    "{dtype:?} {kernels} {shape:?}: {name} differs by {e:.2e} (relative)"
                 );
             }
         }
@@ -194,7 +214,8 @@ fn time_fwd_bwd(dev: &Device, bh: usize, d: usize, f: Attn) -> f64 {
     start.elapsed().as_secs_f64() * 1e3 / n as f64
 }
 
-/// Prints flash against chunked attention, bf16, at 4096 tokens (SD1.5's 8 heads of 40 and
+/// Prints flash (tensor cores where the card has them, and the SIMT kernels) against chunked
+/// attention, bf16, at 4096 tokens (SD1.5's 8 heads of 40 and
 /// SDXL's 10 heads of 64, batch 2). Informational: it asserts nothing about speed.
 #[test]
 #[ignore = "needs a CUDA device: scripts/gpu-check runs it (--include-ignored)"]
@@ -205,11 +226,15 @@ fn cuda_flash_attention_timing() {
         let flash = time_fwd_bwd(&dev, bh, d, &|q, k, v| {
             nn::flash_attention(q, k, v, scale, false)
         });
+        let simt = time_fwd_bwd(&dev, bh, d, &|q, k, v| {
+            nn::flash_attention_simt(q, k, v, scale, false)
+        });
         let chunked = time_fwd_bwd(&dev, bh, d, &|q, k, v| {
             nn::chunked_attention(q, k, v, scale, None)
         });
         eprintln!(
-            "attention fwd+bwd bf16 [{bh}, 4096, {d}]: flash {flash:.2} ms, chunked {chunked:.2} ms"
+            "attention fwd+bwd bf16 [{bh}, 4096, {d}]: flash {flash:.2} ms (SIMT kernels \
+             {simt:.2} ms), chunked {chunked:.2} ms"
         );
     }
 }

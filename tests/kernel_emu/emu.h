@@ -13,6 +13,8 @@
 //   instead of hanging the test.
 // - Warp shuffles (__shfl_*_sync, full mask) exchange values through a per-warp slot array and a
 //   per-warp barrier; warps are 32 consecutive linear thread ids, as on a GPU.
+// - ldmatrix and mma.sync (m16n8k16, bf16/f16 into f32) are warp collectives with the fragment
+//   layouts of the PTX ISA, through the same per-warp slots and barrier (src/nn/kernels/mma.cuh).
 // - atomicAdd on floats and ints is a real atomic (std::atomic_ref).
 // - __nv_bfloat16 and __half are host types with CUDA's round-to-nearest-even conversions.
 #pragma once
@@ -94,6 +96,7 @@ inline thread_local unsigned emu_linear_tid;
 inline EmuBarrier* emu_block_barrier;
 inline std::vector<EmuBarrier>* emu_warp_barriers;
 inline std::vector<unsigned long long>* emu_warp_slots;
+inline std::vector<uint32_t>* emu_warp_frags;  // 6 words per thread: an mma's A and B fragments
 constexpr int warpSize = 32;
 
 #define __global__
@@ -102,6 +105,7 @@ constexpr int warpSize = 32;
 #define __forceinline__ inline
 #define __shared__ static
 #define __launch_bounds__(...)
+#define __align__(n) __attribute__((aligned(n)))
 
 inline void __syncthreads() { emu_block_barrier->arrive_and_wait("__syncthreads"); }
 
@@ -233,6 +237,73 @@ inline __half __float2half_rn(float x) {
   return {(uint16_t)(s | h)};
 }
 
+inline unsigned short __bfloat16_as_ushort(__nv_bfloat16 h) { return h.bits; }
+inline unsigned short __half_as_ushort(__half h) { return h.bits; }
+
+// ---------------------------------------------------------------- tensor cores (sm_80)
+//
+// The PTX ISA's layouts, lane = 4·g + t (g = lane / 4, t = lane % 4), two 16-bit elements per
+// 32-bit register, the lower index in the low half:
+// - ldmatrix .m8n8 .x1/.x2/.x4: lanes 8j..8j+7 give the row addresses of matrix j (16 bytes
+//   each, 16-byte aligned); register j of lane (g, t) gets row g, columns 2t and 2t+1 of matrix j,
+//   or with .trans rows 2t and 2t+1 of column g.
+// - mma.m16n8k16 .row.col, A 16×16, B 16×8, C/D 16×8 (f32): A register r holds row g + 8·(r % 2),
+//   columns 2t, 2t+1 (+8 when r >= 2); B register r holds rows 2t, 2t+1 (+8 when r = 1) of
+//   column g; C element i holds row g + 8·(i / 2), column 2t + i % 2.
+
+// ldmatrix of `nmat` 8×8 matrices of 16-bit elements, `row` this lane's row address.
+inline void emu_ldmatrix(uint32_t* r, int nmat, bool trans, const void* row) {
+  const unsigned tid = emu_linear_tid, lane = tid % 32, base = tid - lane;
+  auto& slots = *emu_warp_slots;
+  auto& bar = (*emu_warp_barriers)[tid / 32];
+  if (lane < 8u * nmat && (uintptr_t)row % 16 != 0) {
+    std::fprintf(stderr, "emu: ldmatrix row address %p of lane %u is not 16-byte aligned\n", row,
+                 lane);
+    std::fflush(stderr);
+    std::_Exit(5);
+  }
+  slots[tid] = (unsigned long long)(uintptr_t)row;
+  bar.arrive_and_wait("ldmatrix");
+  const unsigned g = lane / 4, t = lane % 4;
+  auto at = [&](int j, unsigned rr, unsigned cc) {
+    return ((const uint16_t*)(uintptr_t)slots[base + 8 * j + rr])[cc];
+  };
+  for (int j = 0; j < nmat; ++j) {
+    const uint16_t lo = trans ? at(j, 2 * t, g) : at(j, g, 2 * t);
+    const uint16_t hi = trans ? at(j, 2 * t + 1, g) : at(j, g, 2 * t + 1);
+    r[j] = (uint32_t)lo | (uint32_t)hi << 16;
+  }
+  bar.arrive_and_wait("ldmatrix");
+}
+
+// d += A·B for one m16n8k16 tile of bf16 (or f16) operands, f32 accumulation.
+inline void emu_mma_m16n8k16(float* d, const uint32_t* a, const uint32_t* b, bool bf16) {
+  const unsigned tid = emu_linear_tid, lane = tid % 32, base = tid - lane;
+  auto& fr = *emu_warp_frags;
+  auto& bar = (*emu_warp_barriers)[tid / 32];
+  for (int i = 0; i < 4; ++i) fr[6 * tid + i] = a[i];
+  fr[6 * tid + 4] = b[0];
+  fr[6 * tid + 5] = b[1];
+  bar.arrive_and_wait("mma.sync");
+  auto elem = [&](unsigned holder, int reg, int half) {
+    const uint32_t w = fr[6 * (base + holder) + reg];
+    const uint16_t h = half ? (uint16_t)(w >> 16) : (uint16_t)(w & 0xffffu);
+    return bf16 ? __bfloat162float({h}) : __half2float({h});
+  };
+  auto A = [&](int r, int k) { return elem((r % 8) * 4 + (k % 8) / 2, r / 8 + 2 * (k / 8), k % 2); };
+  auto B = [&](int k, int n) { return elem(n * 4 + (k % 8) / 2, 4 + k / 8, k % 2); };
+  const unsigned g = lane / 4, t = lane % 4;
+  float out[4];
+  for (int i = 0; i < 4; ++i) {
+    const int r = g + 8 * (i / 2), n = 2 * t + i % 2;
+    float s = d[i];
+    for (int k = 0; k < 16; ++k) s = std::fma(A(r, k), B(k, n), s);
+    out[i] = s;
+  }
+  bar.arrive_and_wait("mma.sync");
+  for (int i = 0; i < 4; ++i) d[i] = out[i];
+}
+
 // ---------------------------------------------------------------- launch
 
 // Runs `body` as a grid of `grid` blocks of `block` threads: one OS thread per CUDA thread of a
@@ -246,9 +317,11 @@ void emu_launch(dim3 grid, dim3 block, F body) {
   EmuBarrier block_barrier, grid_barrier;
   std::vector<EmuBarrier> warp_barriers((nthreads + 31) / 32);
   std::vector<unsigned long long> slots(nthreads);
+  std::vector<uint32_t> frags(6 * (size_t)nthreads);
   emu_block_barrier = &block_barrier;
   emu_warp_barriers = &warp_barriers;
   emu_warp_slots = &slots;
+  emu_warp_frags = &frags;
   grid_barrier.reset(nthreads);
   auto reset_block = [&] {
     block_barrier.reset(nthreads);

@@ -24,6 +24,9 @@ use crate::nn::merged_heads::HeadsKernel;
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/kernels_flash_attention.ptx"));
 const MODULE: &str = "sdtrain_flash_attention";
+/// The tensor-core kernels (PTX for compute_80), loaded only on cards that have them.
+const TC_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/kernels_flash_attention_tc.ptx"));
+const TC_MODULE: &str = "sdtrain_flash_attention_tc";
 
 /// The op: its geometry, and L `[BH, Lq]` (f32) once the forward has run.
 pub(crate) struct FlashAttention {
@@ -67,9 +70,15 @@ fn cuda_storage(s: &Storage) -> Result<&CudaStorage> {
     }
 }
 
+/// Entry point `name`, from the tensor-core module when it is one of its (`flash_*_tc_*`).
 fn func(dev: &CudaDevice, name: &str) -> Result<CudaFunction> {
+    let (module, ptx) = if name.contains("_tc_") {
+        (TC_MODULE, TC_PTX)
+    } else {
+        (MODULE, PTX)
+    };
     Ok(dev
-        .get_or_load_custom_func(name, MODULE, PTX)?
+        .get_or_load_custom_func(name, module, ptx)?
         .into_cuda_function())
 }
 
