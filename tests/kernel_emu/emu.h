@@ -237,6 +237,11 @@ inline __half __float2half_rn(float x) {
   return {(uint16_t)(s | h)};
 }
 
+// CUDA's 16-byte vector type (loads and stores of 8 half-precision values at once).
+struct alignas(16) uint4 {
+  unsigned x, y, z, w;
+};
+
 inline unsigned short __bfloat16_as_ushort(__nv_bfloat16 h) { return h.bits; }
 inline unsigned short __half_as_ushort(__half h) { return h.bits; }
 
