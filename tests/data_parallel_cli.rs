@@ -197,3 +197,71 @@ fn a_two_rank_save_point_resumes_on_one_process() {
     // then the resumed run's 3 and 4.
     assert_close("two ranks, then one process", &step_losses(&run), &want);
 }
+
+/// With a disk latent cache, the two ranks (threads, one folder) each encode half of the 8 images
+/// (`cache_share`), and train what one process with the same cache does.
+#[test]
+fn two_ranks_split_the_disk_cache_and_train_what_one_process_does() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = |dir: &Path| {
+        std::fs::create_dir_all(dir).unwrap();
+        write_config(
+            dir,
+            "tiny-sd15",
+            &demo_data(),
+            serde_json::json!({
+                "mode": "lora",
+                "grad_accum": 2,
+                "max_steps": 2,
+                "seed": 3,
+                "cache_latents_to_disk": true,
+                "adapter": {"save_dtype": "fp32"},
+            }),
+        )
+    };
+    let one = tmp.path().join("one");
+    let out = sdtrain(
+        &["--config", cfg(&one).to_str().unwrap(), "--cpu"],
+        tmp.path(),
+    );
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(
+        text(&out).contains(": 8 encoded, 0 reused"),
+        "{}",
+        text(&out)
+    );
+    let want = step_losses(&run_folder(&one));
+
+    let two = tmp.path().join("two");
+    let out = sdtrain(
+        &[
+            "--config",
+            cfg(&two).to_str().unwrap(),
+            "--devices",
+            "cpu,cpu",
+        ],
+        tmp.path(),
+    );
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(
+        text(&out).contains(": 4 encoded, 4 by the other ranks, 0 reused"),
+        "{}",
+        text(&out)
+    );
+    let entries = std::fs::read_dir(two.join("out").join("latent_cache"))
+        .unwrap()
+        .filter(|e| {
+            e.as_ref()
+                .unwrap()
+                .path()
+                .extension()
+                .is_some_and(|x| x == "safetensors")
+        })
+        .count();
+    assert_eq!(entries, 8, "one entry per image, no probe left");
+    assert_close(
+        "two ranks, disk cache",
+        &step_losses(&run_folder(&two)),
+        &want,
+    );
+}

@@ -14,6 +14,7 @@ use super::latent_cache::{self, CacheSpec};
 use super::text_cache::TextCache;
 use super::validation::Validation;
 use crate::config::{CacheLatents, TextCacheDecision, TrainPlan};
+use crate::dist::Collective;
 use crate::memory::trim_pool;
 use crate::model::pipeline::StableDiffusion;
 
@@ -23,18 +24,20 @@ pub(super) struct Caches {
     pub lines: Vec<String>,
 }
 
-/// Builds the caches that apply to `plan`.
+/// Builds the caches that apply to `plan`. `share`: the ranks of a data-parallel run, which split
+/// the encoding of a disk latent cache.
 pub(super) fn build(
     plan: &TrainPlan,
     sd: &mut StableDiffusion,
     feed: &mut DataFeed,
     validation: Option<&mut Validation>,
     device: &Device,
+    share: Option<&mut dyn Collective>,
 ) -> anyhow::Result<Caches> {
     let (text, line) = text_encoder_cache(plan, sd, feed, validation.as_deref())?;
     eprintln!("{line}");
     let mut lines = vec![line];
-    match latents(plan, sd, feed, validation, device)? {
+    match latents(plan, sd, feed, validation, device, share)? {
         Some(line) => {
             eprintln!("{line}");
             lines.push(line);
@@ -93,6 +96,7 @@ fn latents(
     feed: &mut DataFeed,
     validation: Option<&mut Validation>,
     device: &Device,
+    share: Option<&mut dyn Collective>,
 ) -> anyhow::Result<Option<String>> {
     let data = &plan.data;
     if data.cache_latents == CacheLatents::Off {
@@ -116,7 +120,8 @@ fn latents(
         batch,
         masks: plan.objective.loss.mask.map(|m| m.source),
     };
-    let (store, stats) = latent_cache::build(sd, &spec, device).context("caching latents")?;
+    let (store, stats) =
+        latent_cache::build(sd, &spec, device, share).context("caching latents")?;
     feed.use_latents(store);
     if let Some(v) = validation {
         v.cache_latents(sd, dir.clone(), batch, device)
@@ -128,8 +133,13 @@ fn latents(
         Some(d) => format!("in {}", d.display()),
         None => "in memory".into(),
     };
+    let others = if stats.by_others > 0 {
+        format!(", {} by the other ranks", stats.by_others)
+    } else {
+        String::new()
+    };
     Ok(Some(format!(
-        "latent cache {place}: {} encoded, {} reused, in {:.1} s; VAE released",
+        "latent cache {place}: {} encoded{others}, {} reused, in {:.1} s; VAE released",
         stats.encoded,
         stats.reused,
         started.elapsed().as_secs_f64()

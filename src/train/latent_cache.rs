@@ -27,8 +27,10 @@ use candle_core::{DType, Device, Tensor};
 use rayon::prelude::*;
 use sha2::{Digest, Sha256};
 
+use super::cache_share;
 use crate::data::mask::MaskSource;
 use crate::data::{augment, load_with_mask, Bucket, ImageMeta, ItemOptions, TrainImage};
+use crate::dist::Collective;
 use crate::error_chain::External;
 use crate::model::files::ComponentSource;
 use crate::model::pipeline::StableDiffusion;
@@ -108,8 +110,12 @@ impl LatentStore {
 /// What building a cache did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct CacheStats {
+    /// Entries this rank encoded.
     pub encoded: usize,
+    /// Entries already on disk from an earlier run.
     pub reused: usize,
+    /// Entries the other ranks sharing the folder encoded (data parallel).
+    pub by_others: usize,
 }
 
 /// How to build a cache.
@@ -215,10 +221,15 @@ pub fn entry_path(dir: &Path, key: &str) -> PathBuf {
 }
 
 /// Encodes (or, on disk, finds) every item's latents with `sd`'s VAE.
+///
+/// `share`: the ranks of a data-parallel run (every rank calls `build` at the same point). For a
+/// disk cache, the ranks that see the same folder split the missing entries among themselves
+/// ([`super::cache_share`]); an in-memory cache is built whole on each rank.
 pub fn build(
     sd: &StableDiffusion,
     spec: &CacheSpec<'_>,
     device: &Device,
+    share: Option<&mut dyn Collective>,
 ) -> anyhow::Result<(LatentStore, CacheStats)> {
     let mut stats = CacheStats::default();
     match &spec.dir {
@@ -249,9 +260,29 @@ pub fn build(
                 .filter(|&i| !entry_is_valid(&keys[i].1, &keys[i].0))
                 .collect();
             stats.reused = keys.len() - missing.len();
-            for (i, latent) in encode_items(sd, spec, &missing, device)? {
-                write_entry(&keys[i].1, &keys[i].0, &latent)?;
-                stats.encoded += 1;
+            let write = |which: &[usize]| -> anyhow::Result<usize> {
+                let encoded = encode_items(sd, spec, which, device)?;
+                for (i, latent) in &encoded {
+                    write_entry(&keys[*i].1, &keys[*i].0, latent)?;
+                }
+                Ok(encoded.len())
+            };
+            match share.filter(|c| c.world() > 1) {
+                None => stats.encoded = write(&missing)?,
+                Some(coll) => {
+                    let mine = cache_share::shard_for(dir, coll)?.take(&missing);
+                    let done = write(&mine);
+                    cache_share::wait_for_shares(coll, done.is_ok())?;
+                    stats.encoded = done?;
+                    // Entries no other rank wrote here (none when the folder is shared).
+                    let left: Vec<usize> = missing
+                        .iter()
+                        .copied()
+                        .filter(|&i| !entry_is_valid(&keys[i].1, &keys[i].0))
+                        .collect();
+                    stats.encoded += write(&left)?;
+                    stats.by_others = missing.len().saturating_sub(mine.len() + left.len());
+                }
             }
             let files = keys
                 .into_iter()

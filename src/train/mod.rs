@@ -2,6 +2,7 @@
 
 pub mod accumulate;
 pub mod adapters;
+mod cache_share;
 mod caches;
 pub mod checkpoint_choice;
 pub mod data_feed;

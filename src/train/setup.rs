@@ -204,6 +204,10 @@ impl<'a> Session<'a> {
             &mut self.feed,
             self.extras.validation.as_mut(),
             device,
+            self.opt
+                .dist
+                .as_mut()
+                .map(|l| l.coll.as_mut() as &mut dyn crate::dist::Collective),
         )?;
         self.model.text_cache = built.text;
         self.outputs.caches = built.lines;

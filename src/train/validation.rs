@@ -256,7 +256,7 @@ impl Validation {
                 batch,
                 masks: self.masks,
             };
-            set.latents = Some(latent_cache::build(sd, &spec, device)?.0);
+            set.latents = Some(latent_cache::build(sd, &spec, device, None)?.0);
         }
         Ok(())
     }

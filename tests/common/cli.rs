@@ -41,11 +41,13 @@ pub fn sdtrain(args: &[&str], cwd: &Path) -> Output {
         .unwrap()
 }
 
+/// The one run folder under `dir/out` (the disk latent cache's folder beside it is not a run).
 pub fn run_folder(dir: &Path) -> PathBuf {
     let out = dir.join("out");
     let mut runs: Vec<PathBuf> = std::fs::read_dir(&out)
         .unwrap()
         .map(|e| e.unwrap().path())
+        .filter(|p| !p.ends_with("latent_cache"))
         .collect();
     assert_eq!(
         runs.len(),
