@@ -66,42 +66,64 @@ fn output_and_grads(qkv: &[Tensor; 3], r: &Tensor, f: Attn) -> (Tensor, Vec<Tens
     (y, gs)
 }
 
-/// `[bh, lq, d]` queries against `[bh, lk, d]` keys: flash on `dev` in `dtype` against chunked
-/// attention on the CPU in f32 on the same (rounded) inputs; the relative errors of O, dQ, dK, dV.
-/// `simt`: the SIMT kernels even where bf16/f16 would take the tensor-core ones.
-fn errors(
-    dev: &Device,
+/// One case's inputs rounded to `dtype` (on the CPU, in f32) and the CPU reference on them:
+/// chunked attention's output and q, k, v gradients for the loss `Σ attention·r`.
+struct Reference {
     dtype: DType,
-    simt: bool,
-    (bh, lq, lk, d): (usize, usize, usize, usize),
-) -> [f32; 4] {
-    let round = |t: Tensor| t.to_dtype(dtype).unwrap().to_dtype(DType::F32).unwrap();
-    let cpu = [
-        round(fill(&[1, bh, lq, d], 1, 2.0)),
-        round(fill(&[1, bh, lk, d], 2, 2.0)),
-        round(fill(&[1, bh, lk, d], 3, 2.0)),
-    ];
-    let r = round(fill(&[1, bh, lq, d], 4, 1.0));
-    let scale = 1.0 / (d as f64).sqrt();
-    let on_dev = |t: &Tensor| t.to_device(dev).unwrap().to_dtype(dtype).unwrap();
-    let gpu = [on_dev(&cpu[0]), on_dev(&cpu[1]), on_dev(&cpu[2])];
-    let (y, g) = output_and_grads(&gpu, &on_dev(&r), &|q, k, v| {
-        if simt {
-            nn::flash_attention_simt(q, k, v, scale, false)
-        } else {
-            nn::flash_attention(q, k, v, scale, false)
+    shape: (usize, usize, usize, usize),
+    inputs: [Tensor; 3],
+    r: Tensor,
+    out: Tensor,
+    grads: Vec<Tensor>,
+}
+
+impl Reference {
+    /// `[bh, lq, d]` queries against `[bh, lk, d]` keys, rounded to `dtype`.
+    fn new(dtype: DType, shape: (usize, usize, usize, usize)) -> Self {
+        let (bh, lq, lk, d) = shape;
+        let round = |t: Tensor| t.to_dtype(dtype).unwrap().to_dtype(DType::F32).unwrap();
+        let inputs = [
+            round(fill(&[1, bh, lq, d], 1, 2.0)),
+            round(fill(&[1, bh, lk, d], 2, 2.0)),
+            round(fill(&[1, bh, lk, d], 3, 2.0)),
+        ];
+        let r = round(fill(&[1, bh, lq, d], 4, 1.0));
+        let scale = 1.0 / (d as f64).sqrt();
+        let (out, grads) = output_and_grads(&inputs, &r, &|q, k, v| {
+            nn::chunked_attention(q, k, v, scale, None)
+        });
+        Self {
+            dtype,
+            shape,
+            inputs,
+            r,
+            out,
+            grads,
         }
-    });
-    let (y_ref, g_ref) = output_and_grads(&cpu, &r, &|q, k, v| {
-        nn::chunked_attention(q, k, v, scale, None)
-    });
-    assert_eq!(y.dtype(), dtype);
-    [
-        rel(&y, &y_ref),
-        rel(&g[0], &g_ref[0]),
-        rel(&g[1], &g_ref[1]),
-        rel(&g[2], &g_ref[2]),
-    ]
+    }
+
+    /// Flash on `dev` against the reference: the relative errors of O, dQ, dK, dV. `simt`: the
+    /// SIMT kernels even where bf16/f16 would take the tensor-core ones.
+    fn errors(&self, dev: &Device, simt: bool) -> [f32; 4] {
+        let dtype = self.dtype;
+        let scale = 1.0 / (self.shape.3 as f64).sqrt();
+        let on_dev = |t: &Tensor| t.to_device(dev).unwrap().to_dtype(dtype).unwrap();
+        let gpu = self.inputs.each_ref().map(on_dev);
+        let (y, g) = output_and_grads(&gpu, &on_dev(&self.r), &|q, k, v| {
+            if simt {
+                nn::flash_attention_simt(q, k, v, scale, false)
+            } else {
+                nn::flash_attention(q, k, v, scale, false)
+            }
+        });
+        assert_eq!(y.dtype(), dtype);
+        [
+            rel(&y, &self.out),
+            rel(&g[0], &self.grads[0]),
+            rel(&g[1], &self.grads[1]),
+            rel(&g[2], &self.grads[2]),
+        ]
+    }
 }
 
 /// bf16's dQ and dK bound is looser: Dr = rowsum(dO ∘ O) comes from the bf16 output and cancels
@@ -131,22 +153,25 @@ fn cuda_flash_attention_matches_cpu_on_sd_shapes() {
         (3, 100, 29, 48),
     ];
     // bf16 and f16 take the tensor-core kernels (head dims up to 80, compute capability 8.0+),
-    // checked here against the CPU, and bf16 also the SIMT kernels they replace.
-    for (dtype, simt) in [
-        (DType::F32, false),
-        (DType::BF16, false),
-        (DType::F16, false),
-        (DType::BF16, true),
+    // checked here against the CPU, and bf16 also on the SIMT kernels they replace.
+    for (dtype, kernel_sets) in [
+        (DType::F32, &[false][..]),
+        (DType::BF16, &[false, true][..]),
+        (DType::F16, &[false][..]),
     ] {
         for shape in shapes {
-            let e = errors(&dev, dtype, simt, shape);
-            let kernels = if simt { "simt" } else { "default" };
-            eprintln!("flash {dtype:?} {kernels} {shape:?}: O dQ dK dV {e:?}");
-            for ((name, e), tol) in ["O", "dQ", "dK", "dV"].iter().zip(e).zip(tolerances(dtype)) {
-                assert!(
-                    e <= tol,
-                    "{dtype:?} {kernels} {shape:?}: {name} differs by {e:.2e} (relative)"
-                );
+            let reference = Reference::new(dtype, shape);
+            for &simt in kernel_sets {
+                let e = reference.errors(&dev, simt);
+                let kernels = if simt { "simt" } else { "default" };
+                eprintln!("flash {dtype:?} {kernels} {shape:?}: O dQ dK dV {e:?}");
+                for ((name, e), tol) in ["O", "dQ", "dK", "dV"].iter().zip(e).zip(tolerances(dtype))
+                {
+                    assert!(
+                        e <= tol,
+                        "{dtype:?} {kernels} {shape:?}: {name} differs by {e:.2e} (relative)"
+                    );
+                }
             }
         }
     }
