@@ -103,9 +103,13 @@ impl Checkpointing {
 
     /// Runs `segment(a, b)` keeping only `a` and `b` for backward.
     pub fn run(&self, a: &Tensor, b: Option<&Tensor>, segment: Segment) -> Result<Tensor> {
-        self.inner.segments.fetch_add(1, Ordering::Relaxed);
+        // A segment nested in one being recomputed was counted by the forward.
+        let first_run = !replaying();
+        if first_run {
+            self.inner.segments.fetch_add(1, Ordering::Relaxed);
+        }
         let (out, tape) = record(|| segment(&a.detach(), b.map(Tensor::detach).as_ref()))?;
-        if self.inner.track_uses.load(Ordering::Relaxed) {
+        if first_run && self.inner.track_uses.load(Ordering::Relaxed) {
             let mut uses = lock(&self.inner.uses)?;
             for node in out.sorted_nodes() {
                 if node.is_variable() && self.inner.param_ids.contains(&node.id()) {
@@ -224,58 +228,77 @@ impl Recompute {
     }
 }
 
-/// What [`replayable`] does on this thread right now.
-enum TapeMode {
-    Off,
+/// One level of the RNG tape: a segment's forward recording its draws, or its recomputation
+/// replaying them. Segments nest (SDXL's transformers checkpoint each of their blocks inside the
+/// transformer's own segment), so the tape is a stack.
+enum Frame {
     Record(VecDeque<StdRng>),
     Replay(VecDeque<StdRng>),
 }
 
 thread_local! {
-    static TAPE: RefCell<TapeMode> = const { RefCell::new(TapeMode::Off) };
+    static TAPE: RefCell<Vec<Frame>> = const { RefCell::new(Vec::new()) };
 }
 
-/// Runs `f` with `mode` as the tape, restoring the previous one after; returns the tape left.
-fn with_tape<T>(mode: TapeMode, f: impl FnOnce() -> Result<T>) -> Result<(T, TapeMode)> {
-    let previous = TAPE.with(|t| std::mem::replace(&mut *t.borrow_mut(), mode));
+/// Runs `f` with `frame` on top of the tape; returns the frame as `f` left it.
+fn with_frame<T>(frame: Frame, f: impl FnOnce() -> Result<T>) -> Result<(T, Frame)> {
+    TAPE.with(|t| t.borrow_mut().push(frame));
     let result = f();
-    let tape = TAPE.with(|t| std::mem::replace(&mut *t.borrow_mut(), previous));
-    Ok((result?, tape))
+    let frame = TAPE.with(|t| t.borrow_mut().pop());
+    match frame {
+        Some(frame) => Ok((result?, frame)),
+        None => candle_core::bail!("checkpointing: the RNG tape lost a frame"),
+    }
 }
 
 fn record<T>(f: impl FnOnce() -> Result<T>) -> Result<(T, VecDeque<StdRng>)> {
-    let (value, tape) = with_tape(TapeMode::Record(VecDeque::new()), f)?;
-    match tape {
-        TapeMode::Record(states) => Ok((value, states)),
+    match with_frame(Frame::Record(VecDeque::new()), f)? {
+        (value, Frame::Record(states)) => Ok((value, states)),
         _ => candle_core::bail!("checkpointing: the RNG tape changed mode while recording"),
     }
 }
 
 fn replay<T>(states: VecDeque<StdRng>, f: impl FnOnce() -> Result<T>) -> Result<T> {
-    let (value, left) = with_tape(TapeMode::Replay(states), f)?;
-    match left {
-        TapeMode::Replay(s) if s.is_empty() => Ok(value),
+    match with_frame(Frame::Replay(states), f)? {
+        (value, Frame::Replay(s)) if s.is_empty() => Ok(value),
         _ => candle_core::bail!("checkpointing: the recomputation drew a different number of random values than the forward"),
     }
 }
 
+/// Whether a segment is being recomputed on this thread (segments run inside it are then
+/// replays of segments the forward already counted).
+fn replaying() -> bool {
+    TAPE.with(|t| t.borrow().iter().any(|f| matches!(f, Frame::Replay(_))))
+}
+
 /// Draws with `draw` from `rng` so that a checkpointed segment's recomputation draws the same
 /// values: recorded (the state before the draw) inside a segment's forward, replayed from that
-/// state inside its recomputation, a plain draw elsewhere.
+/// state inside its recomputation, a plain draw elsewhere. Nested segments: the draw comes from
+/// the innermost recomputation under way (what the original forward drew), else from `rng`, and
+/// every segment recording on the tape records it.
 pub fn replayable<T>(rng: &mut StdRng, draw: impl FnOnce(&mut StdRng) -> T) -> T {
     TAPE.with(|t| {
-        let mut mode = t.borrow_mut();
-        match &mut *mode {
-            TapeMode::Off => draw(rng),
-            TapeMode::Record(states) => {
-                states.push_back(rng.clone());
-                draw(rng)
+        let mut stack = t.borrow_mut();
+        if stack.is_empty() {
+            return draw(rng);
+        }
+        // Some(None): more draws than recorded; `replay` reports it after the segment.
+        let replayed: Option<Option<StdRng>> = stack.iter_mut().rev().find_map(|f| match f {
+            Frame::Replay(states) => Some(states.pop_front()),
+            Frame::Record(_) => None,
+        });
+        let state = match &replayed {
+            Some(Some(saved)) => saved.clone(),
+            _ => rng.clone(),
+        };
+        for f in stack.iter_mut() {
+            if let Frame::Record(states) = f {
+                states.push_back(state.clone());
             }
-            TapeMode::Replay(states) => match states.pop_front() {
-                Some(mut saved) => draw(&mut saved),
-                // More draws than recorded: `replay` reports it after the segment.
-                None => draw(&mut rng.clone()),
-            },
+        }
+        match replayed {
+            None => draw(rng),
+            Some(_) => draw(&mut state.clone()),
         }
     })
 }
@@ -411,6 +434,67 @@ mod tests {
         assert!(outer.get(&x).is_none());
         let inner = ck.take_grads().unwrap();
         assert!(rel_diff(inner.get(w.as_tensor()).unwrap(), plain.get(&w).unwrap()) < 1e-6);
+    }
+
+    /// Segments nested in a segment (SDXL's transformer blocks inside their transformer's): the
+    /// loss and every gradient equal the plain path's, with each inner segment drawing a random
+    /// mask, and the segment count is the forward's (3), not the recomputations'. Catches an outer
+    /// tape that misses the inner draws (the outer recomputation would draw fresh masks), and the
+    /// replays counted as segments.
+    #[test]
+    fn nested_segments_replay_their_draws() {
+        let dev = Device::Cpu;
+        let w = Var::from_tensor(&randn(&[4, 4], 21)).unwrap();
+        let a = Var::from_tensor(&randn(&[3, 4], 22)).unwrap();
+        let inner = |rng: Arc<Mutex<StdRng>>| -> Segment {
+            let wt = w.as_tensor().clone();
+            Arc::new(move |x: &Tensor, _| {
+                let mask: Vec<f32> = {
+                    let mut g = rng.lock().unwrap();
+                    replayable(&mut g, |g| {
+                        (0..12).map(|_| g.random_range(0.0..2.0f32)).collect()
+                    })
+                };
+                let m = Tensor::from_vec(mask, (3, 4), x.device())?;
+                (x.matmul(&wt)? * m)?.tanh()
+            })
+        };
+        let run = |ck: Option<&Checkpointing>| {
+            let rng = Arc::new(Mutex::new(StdRng::seed_from_u64(5)));
+            let seg = inner(rng);
+            let ck_inner = ck.cloned();
+            let outer: Segment = Arc::new(move |x: &Tensor, _| {
+                let mut y = x.clone();
+                for _ in 0..2 {
+                    y = match &ck_inner {
+                        Some(ck) => ck.run(&y, None, seg.clone())?,
+                        None => seg(&y, None)?,
+                    };
+                }
+                Ok(y)
+            });
+            let y = match ck {
+                Some(ck) => ck.run(a.as_tensor(), None, outer).unwrap(),
+                None => outer(a.as_tensor(), None).unwrap(),
+            };
+            let loss = y.sqr().unwrap().sum_all().unwrap();
+            let mut grads = loss.backward().unwrap();
+            if let Some(ck) = ck {
+                let inner = ck.take_grads().unwrap();
+                let g = inner.get(w.as_tensor()).unwrap().clone();
+                grads.insert(w.as_tensor(), g);
+            }
+            (loss.to_scalar::<f32>().unwrap(), grads)
+        };
+        let (l0, g0) = run(None);
+        let ck = Checkpointing::new(vec![w.clone()], &dev).unwrap();
+        let (l1, g1) = run(Some(&ck));
+        assert_eq!(l0, l1);
+        for v in [&w, &a] {
+            let d = rel_diff(g1.get(v).unwrap(), g0.get(v).unwrap());
+            assert!(d < 1e-6, "gradient differs by {d}");
+        }
+        assert_eq!(ck.segments(), 3, "one outer and two inner segments");
     }
 
     /// The recomputation sees the forward's random draws, not fresh ones.

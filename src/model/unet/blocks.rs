@@ -42,11 +42,13 @@ fn run_attention(
         None => attn.forward(x, context),
         Some(ck) => {
             let a = attn.clone();
+            // More than one transformer block: each is a segment too, nested in this one.
+            let inner = (a.transformer_blocks.len() > 1).then(|| ck.clone());
             ck.run(
                 x,
                 Some(context),
                 std::sync::Arc::new(move |x: &Tensor, c: Option<&Tensor>| match c {
-                    Some(c) => a.forward(x, c),
+                    Some(c) => a.forward_layers(x, c, inner.as_ref()),
                     None => candle_core::bail!("checkpointed attention lost its context"),
                 }),
             )

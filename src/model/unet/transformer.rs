@@ -10,7 +10,8 @@ use candle_core::{Result, Tensor};
 use crate::model::attention::Attention;
 use crate::model::weights::{Weights, WeightsError};
 use crate::nn::{
-    add_maybe_const, Conv2d, Conv2dConfig, GroupNorm, LayerMut, LayerNorm, Linear, VisitLayers,
+    add_maybe_const, Checkpointing, Conv2d, Conv2dConfig, GroupNorm, LayerMut, LayerNorm, Linear,
+    VisitLayers,
 };
 
 #[derive(Debug, Clone)]
@@ -167,6 +168,19 @@ impl Transformer2DModel {
 
     /// `x` `[B, C, H, W]`, `context` `[B, Lc, context_dim]`.
     pub fn forward(&self, x: &Tensor, context: &Tensor) -> Result<Tensor> {
+        self.forward_layers(x, context, None)
+    }
+
+    /// [`Self::forward`] with each transformer block a checkpointed segment of its own under
+    /// `ck`, as diffusers checkpoints them. Run inside the whole model's own segment (see
+    /// `blocks::run_attention`), a recomputation then holds one block's activations at a time,
+    /// not all of them: SDXL's ten-block transformers.
+    pub fn forward_layers(
+        &self,
+        x: &Tensor,
+        context: &Tensor,
+        ck: Option<&Checkpointing>,
+    ) -> Result<Tensor> {
         let (b, c, h, w) = x.dims4()?;
         let to_tokens = |t: &Tensor| t.permute((0, 2, 3, 1))?.reshape((b, h * w, c));
         let to_image = |t: &Tensor| t.reshape((b, h, w, c))?.permute((0, 3, 1, 2))?.contiguous();
@@ -176,7 +190,20 @@ impl Transformer2DModel {
             Projection::Linear(lin) => lin.forward(&to_tokens(&normed)?)?,
         };
         for block in &self.transformer_blocks {
-            tokens = block.forward(&tokens, context)?;
+            tokens = match ck {
+                None => block.forward(&tokens, context)?,
+                Some(ck) => {
+                    let block = block.clone();
+                    ck.run(
+                        &tokens,
+                        Some(context),
+                        std::sync::Arc::new(move |x: &Tensor, c: Option<&Tensor>| match c {
+                            Some(c) => block.forward(x, c),
+                            None => candle_core::bail!("checkpointed block lost its context"),
+                        }),
+                    )?
+                }
+            };
         }
         let out = match &self.proj_out {
             Projection::Conv(conv) => conv.forward(&to_image(&tokens)?)?,
