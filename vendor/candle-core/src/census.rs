@@ -274,27 +274,3 @@ fn op_name(op: &Op) -> &'static str {
         Op::CustomOp3(..) => "CustomOp3",
     }
 }
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn short_place_keeps_the_path_from_src() {
-        assert_eq!(
-            short_place("/work/x/src/nn/conv.rs:12:5"),
-            "src/nn/conv.rs:12"
-        );
-        assert_eq!(short_place("./src/a.rs:3:1"), "src/a.rs:3");
-    }
-
-    #[test]
-    fn layout_tag_tells_broadcast_from_strided() {
-        let c = Layout::contiguous((2, 3));
-        let t = c.transpose(0, 1).unwrap();
-        let b = Layout::contiguous((1, 3)).broadcast_as((2, 3)).unwrap();
-        assert_eq!(layout_tag(&[&c, &c]), "");
-        assert_eq!(layout_tag(&[&c, &t]), ":strided");
-        assert_eq!(layout_tag(&[&c, &b]), ":bcast");
-    }
-}
