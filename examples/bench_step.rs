@@ -18,6 +18,11 @@
 //! - `--heap-census` (CPU): the last step reports the host heap (a counting allocator): held
 //!   before it, held by the forward graph once the loss exists, the step's peak, and the
 //!   graph's largest tracked tensors by shape; what the activation-memory work measures.
+//! - `--op-census` (feature `op-census`): the last step's candle storage ops counted by kind with
+//!   the bytes each writes, and the `--op-census-top N` (25) call sites of the strided copies,
+//!   casts and broadcast binaries, each named by its `--op-census-depth N` (1) innermost sdtrain
+//!   frames (`op_census` in the report; a table on stderr). `--op-census-sites a,b` records the
+//!   sites of the kinds containing `a` or `b` instead (`all`: every op). Counting slows that step.
 //! - `--profile-last-step`: the CUDA profiler collects during the last step only
 //!   (`ncu --profile-from-start off`; scripts/gpu-kernel-profile).
 //! - `lora`: frozen base (bf16 under `--precision bf16`), LoRA rank/alpha `--rank` on kohya's
@@ -49,6 +54,8 @@
 mod bench;
 #[path = "support/counting_alloc.rs"]
 mod counting_alloc;
+#[path = "support/op_census.rs"]
+mod op_census;
 
 #[global_allocator]
 static ALLOC: counting_alloc::CountingAlloc = counting_alloc::CountingAlloc;
@@ -509,13 +516,20 @@ fn run(args: &[String], report: &mut Value) -> Result<()> {
     if census_wanted && !device.is_cpu() {
         bail!("--heap-census counts host memory: use --device cpu");
     }
+    let ops_wanted = args.iter().any(|a| a == "--op-census");
     for i in 0..warmup + steps {
         let last = i + 1 == warmup + steps;
         if profile_last && last {
             profiler(true)?;
         }
         let heap = (last && census_wanted).then_some(&mut *report);
+        if ops_wanted && last {
+            op_census::start(args)?;
+        }
         let (t, census) = step(&mut model, &inputs, &device, heap)?;
+        if ops_wanted && last {
+            report["op_census"] = op_census::finish(args)?;
+        }
         if profile_last && last {
             profiler(false)?;
         }

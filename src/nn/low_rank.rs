@@ -42,12 +42,20 @@ fn compute_dtype(x: &Tensor) -> DType {
     }
 }
 
-/// `s · up` in `dtype` (scaled in f32, rounded once).
+/// `s · up` in `dtype` (scaled in f32, rounded once), detached. The forward makes it once and
+/// its backward reuses it: the cast and the scaling are a kernel each on a GPU.
 fn scaled(up: &Tensor, scale: f64, dtype: DType) -> Result<Tensor> {
-    up.detach()
-        .to_dtype(DType::F32)?
-        .affine(scale, 0.0)?
-        .to_dtype(dtype)
+    times(&up.detach().to_dtype(DType::F32)?, scale)?.to_dtype(dtype)
+}
+
+/// `s · t`; `t` itself when `s` is 1 (kohya's `alpha = rank`), where the product is exact and
+/// the multiply would be one more kernel launch for nothing (up to the sign of a zero).
+fn times(t: &Tensor, scale: f64) -> Result<Tensor> {
+    if scale == 1.0 {
+        Ok(t.clone())
+    } else {
+        t.affine(scale, 0.0)
+    }
 }
 
 /// `h ⊙ mask` when there is a mask.
@@ -86,7 +94,8 @@ pub fn frozen_linear_low_rank(
     let cd = compute_dtype(x);
     let rows = x.elem_count() / in_dim.max(1);
     let x2 = x.detach().reshape((rows, in_dim))?.to_dtype(cd)?;
-    let h = x2.matmul(&lr.down.detach().to_dtype(cd)?.t()?)?;
+    let down = lr.down.detach().to_dtype(cd)?;
+    let h = x2.matmul(&down.t()?)?;
     let mask = (lr.dropout)(&h)?;
     let h = masked(h, mask.as_ref())?;
     let mut y = x2.matmul(&w.get(cd)?.t()?)?;
@@ -94,7 +103,8 @@ pub fn frozen_linear_low_rank(
     if let Some(b) = b {
         y = y.broadcast_add(&b.detach().to_dtype(cd)?)?;
     }
-    let y = (y + h.matmul(&scaled(lr.up, lr.scale, cd)?.t()?)?)?;
+    let up = scaled(lr.up, lr.scale, cd)?;
+    let y = (y + h.matmul(&up.t()?)?)?;
     let mut out_dims = x_dims.clone();
     if let Some(last) = out_dims.last_mut() {
         *last = out_dim;
@@ -103,6 +113,8 @@ pub fn frozen_linear_low_rank(
     let backward = LinearBackward {
         w: w.clone(),
         h,
+        down,
+        up,
         mask,
         scale: lr.scale,
         rows,
@@ -116,6 +128,10 @@ struct LinearBackward {
     w: BaseWeight,
     /// `m ⊙ x·downᵀ`, `[rows, r]` in the compute dtype.
     h: Tensor,
+    /// `down` and `s · up` in the compute dtype, as the forward used them (rank-sized: kept so
+    /// that the backward does not cast and scale them again).
+    down: Tensor,
+    up: Tensor,
     mask: Option<Tensor>,
     scale: f64,
     rows: usize,
@@ -134,12 +150,9 @@ impl Backward3 for LinearBackward {
         let cd = self.h.dtype();
         let out_dim = up.dim(0)?;
         let g = grad.reshape((self.rows, out_dim))?.to_dtype(cd)?;
-        let gh = masked(g.matmul(&scaled(up, self.scale, cd)?)?, self.mask.as_ref())?;
+        let gh = masked(g.matmul(&self.up)?, self.mask.as_ref())?;
         let d_up = if_tracked(up, || {
-            g.t()?
-                .matmul(&self.h)?
-                .to_dtype(DType::F32)?
-                .affine(self.scale, 0.0)
+            times(&g.t()?.matmul(&self.h)?.to_dtype(DType::F32)?, self.scale)
         })?;
         let x2 = || {
             x.detach()
@@ -149,7 +162,7 @@ impl Backward3 for LinearBackward {
         let d_down = if_tracked(down, || gh.t()?.matmul(&x2()?))?;
         let dx = if_tracked(x, || {
             let base = g.matmul(&self.w.get(cd)?)?;
-            (base + gh.matmul(&down.detach().to_dtype(cd)?)?)?.reshape(self.x_dims.as_slice())
+            (base + gh.matmul(&self.down)?)?.reshape(self.x_dims.as_slice())
         })?;
         Ok((dx, d_down, d_up))
     }
@@ -181,7 +194,8 @@ pub fn frozen_conv2d_low_rank(
     }
     let cd = compute_dtype(x);
     let xc = x.detach().to_dtype(cd)?;
-    let h = super::conv2d_detached(&xc, &lr.down.detach().to_dtype(cd)?, padding, stride)?;
+    let down = lr.down.detach().to_dtype(cd)?;
+    let h = super::conv2d_detached(&xc, &down, padding, stride)?;
     let mask = (lr.dropout)(&h)?;
     let h = masked(h, mask.as_ref())?;
     let mut y = super::conv2d_detached(&xc, &w.get(cd)?, padding, stride)?;
@@ -189,12 +203,15 @@ pub fn frozen_conv2d_low_rank(
     if let Some(b) = b {
         y = y.broadcast_add(&b.detach().to_dtype(cd)?.reshape((1, out_ch, 1, 1))?)?;
     }
-    let y = (y + super::conv2d_detached(&h, &scaled(lr.up, lr.scale, cd)?, 0, 1)?)?;
+    let up = scaled(lr.up, lr.scale, cd)?;
+    let y = (y + super::conv2d_detached(&h, &up, 0, 1)?)?;
     let y = y.to_dtype(x.dtype())?;
     let (_, _, x_h, x_w) = x.dims4()?;
     let backward = ConvBackward {
         w: w.clone(),
         h,
+        down,
+        up,
         mask,
         scale: lr.scale,
         padding,
@@ -209,6 +226,9 @@ struct ConvBackward {
     w: BaseWeight,
     /// `m ⊙ conv2d(x, down)`, `[B, r, H', W']` in the compute dtype.
     h: Tensor,
+    /// `down` and `s · up` in the compute dtype, as the forward used them.
+    down: Tensor,
+    up: Tensor,
     mask: Option<Tensor>,
     scale: f64,
     padding: usize,
@@ -229,15 +249,15 @@ impl Backward3 for ConvBackward {
         let cd = self.h.dtype();
         let g = grad.to_dtype(cd)?;
         let (_, _, h_h, h_w) = self.h.dims4()?;
-        let up_s = scaled(up, self.scale, cd)?;
         let gh = masked(
-            conv2d_input_grad(&g, &up_s, 0, 1, (h_h, h_w))?,
+            conv2d_input_grad(&g, &self.up, 0, 1, (h_h, h_w))?,
             self.mask.as_ref(),
         )?;
         let d_up = if_tracked(up, || {
-            conv2d_weight_grad(&self.h, &g, 0, 1, (1, 1))?
-                .to_dtype(DType::F32)?
-                .affine(self.scale, 0.0)
+            times(
+                &conv2d_weight_grad(&self.h, &g, 0, 1, (1, 1))?.to_dtype(DType::F32)?,
+                self.scale,
+            )
         })?;
         let (_, _, kh, kw) = down.dims4()?;
         let (p, s) = (self.padding, self.stride);
@@ -246,7 +266,7 @@ impl Backward3 for ConvBackward {
         })?;
         let dx = if_tracked(x, || {
             let base = conv2d_input_grad(&g, &self.w.get(cd)?, p, s, self.x_hw)?;
-            let low = conv2d_input_grad(&gh, &down.detach().to_dtype(cd)?, p, s, self.x_hw)?;
+            let low = conv2d_input_grad(&gh, &self.down, p, s, self.x_hw)?;
             base + low
         })?;
         Ok((dx, d_down, d_up))
@@ -276,7 +296,7 @@ mod tests {
 
     /// The composed form: `base(x) + s·up(m ⊙ down(x))` in plain candle ops, in f32 for a bf16
     /// input (rounded once at the end, as the fused op does on the CPU).
-    fn composed_linear(a: &[Tensor], mask: DropoutMask<'_>) -> Result<Tensor> {
+    fn composed_linear(a: &[Tensor], mask: DropoutMask<'_>, scale: f64) -> Result<Tensor> {
         let x = a[0].to_dtype(DType::F32)?;
         let f = |t: &Tensor| t.to_dtype(DType::F32);
         let y = x.matmul(&f(&a[1])?.t()?)?.broadcast_add(&f(&a[2])?)?;
@@ -286,15 +306,15 @@ mod tests {
             Some(m) => (h * m)?,
             None => h,
         };
-        let d = (h.matmul(&f(&a[4])?.t()?)? * SCALE)?;
+        let d = (h.matmul(&f(&a[4])?.t()?)? * scale)?;
         (y + d)?.to_dtype(a[0].dtype())
     }
 
-    fn fused_linear(a: &[Tensor], mask: DropoutMask<'_>) -> Result<Tensor> {
+    fn fused_linear(a: &[Tensor], mask: DropoutMask<'_>, scale: f64) -> Result<Tensor> {
         let lr = LowRank {
             down: &a[3],
             up: &a[4],
-            scale: SCALE,
+            scale,
             dropout: mask,
         };
         frozen_linear_low_rank(&a[0], &BaseWeight::plain(&a[1]), Some(&a[2]), lr)
@@ -313,22 +333,24 @@ mod tests {
     }
 
     /// Forward and the gradients of `x`, `down` and `up` equal the composed form's, with and
-    /// without dropout and with `x` a constant. Catches a wrong scale on either factor's
-    /// gradient, a dropout mask left out of `∂L/∂h`, and a missing term of `∂L/∂x`.
+    /// without dropout and with `x` a constant, at a scale of 0.75 and at 1 (where the op skips
+    /// the multiplies). Catches a wrong scale on either factor's gradient (the forward's `s·up`
+    /// reused unscaled, or the skip taken at another scale), a dropout mask left out of `∂L/∂h`,
+    /// and a missing term of `∂L/∂x`.
     #[test]
     fn linear_matches_the_composed_form() {
         for (mask, label) in [
             (&half_mask as DropoutMask<'_>, "dropout"),
             (&no_mask as DropoutMask<'_>, "no dropout"),
         ] {
-            for track_x in [true, false] {
+            for (track_x, scale) in [(true, SCALE), (false, SCALE), (true, 1.0)] {
                 assert_parity(
-                    &format!("low-rank linear, {label}, x tracked {track_x}"),
+                    &format!("low-rank linear, {label}, x tracked {track_x}, scale {scale}"),
                     &linear_inputs(DType::F32),
                     &[track_x, false, false, true, true],
                     1e-6,
-                    &|a| fused_linear(a, mask),
-                    &|a| composed_linear(a, mask),
+                    &|a| fused_linear(a, mask, scale),
+                    &|a| composed_linear(a, mask, scale),
                 );
             }
         }
@@ -343,8 +365,8 @@ mod tests {
             &linear_inputs(DType::BF16),
             &[true, false, false, true, true],
             1e-2,
-            &|a| fused_linear(a, &half_mask),
-            &|a| composed_linear(a, &half_mask),
+            &|a| fused_linear(a, &half_mask, SCALE),
+            &|a| composed_linear(a, &half_mask, SCALE),
         );
     }
 
@@ -369,9 +391,9 @@ mod tests {
             vars[1].clone(),
             vars[2].clone(),
         ];
-        let fused = fused_linear(&args, &no_mask).unwrap();
+        let fused = fused_linear(&args, &no_mask, SCALE).unwrap();
         assert_eq!(fused.sorted_nodes().len(), 4);
-        let composed = composed_linear(&args, &no_mask).unwrap();
+        let composed = composed_linear(&args, &no_mask, SCALE).unwrap();
         assert!(composed.sorted_nodes().len() > 4);
     }
 
@@ -388,7 +410,12 @@ mod tests {
         ]
     }
 
-    fn composed_conv(a: &[Tensor], p: usize, s: usize, mask: DropoutMask<'_>) -> Result<Tensor> {
+    fn composed_conv(
+        a: &[Tensor],
+        (p, s): (usize, usize),
+        mask: DropoutMask<'_>,
+        scale: f64,
+    ) -> Result<Tensor> {
         let f = |t: &Tensor| t.to_dtype(DType::F32);
         let x = f(&a[0])?;
         let y = crate::nn::conv2d_trainable(&x, &f(&a[1])?, p, s)?
@@ -398,35 +425,42 @@ mod tests {
             Some(m) => (h * m)?,
             None => h,
         };
-        let d = (crate::nn::conv2d_trainable(&h, &f(&a[4])?, 0, 1)? * SCALE)?;
+        let d = (crate::nn::conv2d_trainable(&h, &f(&a[4])?, 0, 1)? * scale)?;
         (y + d)?.to_dtype(a[0].dtype())
     }
 
-    fn fused_conv(a: &[Tensor], p: usize, s: usize, mask: DropoutMask<'_>) -> Result<Tensor> {
+    fn fused_conv(
+        a: &[Tensor],
+        (p, s): (usize, usize),
+        mask: DropoutMask<'_>,
+        scale: f64,
+    ) -> Result<Tensor> {
         let lr = LowRank {
             down: &a[3],
             up: &a[4],
-            scale: SCALE,
+            scale,
             dropout: mask,
         };
         frozen_conv2d_low_rank(&a[0], &BaseWeight::plain(&a[1]), Some(&a[2]), p, s, lr)
     }
 
-    /// LoCon's shapes: 3×3 at stride 1 and 2 (padding 1), 1×1; with and without dropout.
+    /// LoCon's shapes: 3×3 at stride 1 and 2 (padding 1), 1×1; with and without dropout, at
+    /// scales 0.75 and 1.
     #[test]
     fn conv_matches_the_composed_form() {
         for (k, p, s) in [(3, 1, 1), (3, 1, 2), (1, 0, 1)] {
-            for (mask, label) in [
-                (&half_mask as DropoutMask<'_>, "dropout"),
-                (&no_mask as DropoutMask<'_>, "no dropout"),
+            for (mask, label, scale) in [
+                (&half_mask as DropoutMask<'_>, "dropout", SCALE),
+                (&no_mask as DropoutMask<'_>, "no dropout", SCALE),
+                (&no_mask as DropoutMask<'_>, "no dropout", 1.0),
             ] {
                 assert_parity(
-                    &format!("low-rank conv {k}x{k} stride {s}, {label}"),
+                    &format!("low-rank conv {k}x{k} stride {s}, {label}, scale {scale}"),
                     &conv_inputs(k, DType::F32),
                     &[true, false, false, true, true],
                     1e-5,
-                    &|a| fused_conv(a, p, s, mask),
-                    &|a| composed_conv(a, p, s, mask),
+                    &|a| fused_conv(a, (p, s), mask, scale),
+                    &|a| composed_conv(a, (p, s), mask, scale),
                 );
             }
         }
@@ -435,8 +469,8 @@ mod tests {
             &conv_inputs(3, DType::BF16),
             &[true, false, false, true, true],
             1e-2,
-            &|a| fused_conv(a, 1, 1, &half_mask),
-            &|a| composed_conv(a, 1, 1, &half_mask),
+            &|a| fused_conv(a, (1, 1), &half_mask, SCALE),
+            &|a| composed_conv(a, (1, 1), &half_mask, SCALE),
         );
     }
 

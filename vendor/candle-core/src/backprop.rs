@@ -206,6 +206,9 @@ impl Tensor {
             let do_not_detach = CANDLE_GRAD_DO_NOT_DETACH.with(|b| *b);
             let grad = if do_not_detach { grad } else { grad.detach() };
             if let Some(op) = node.op() {
+                // The census attributes the ops of this rule to the forward op.
+                #[cfg(feature = "census")]
+                let _census = crate::census::backward_of(op);
                 match op {
                     Op::Binary(lhs, rhs, BinaryOp::Add) => {
                         grads.accumulate(lhs, &grad)?;

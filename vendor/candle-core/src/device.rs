@@ -359,6 +359,7 @@ impl Device {
         shape: &Shape,
         dtype: DType,
     ) -> Result<Storage> {
+        census!(shape.elem_count() * dtype.size_in_bytes(), "rand_uniform");
         match self {
             Device::Cpu => {
                 let storage = CpuDevice.rand_uniform(shape, dtype, lo, up)?;
@@ -397,6 +398,7 @@ impl Device {
         shape: &Shape,
         dtype: DType,
     ) -> Result<Storage> {
+        census!(shape.elem_count() * dtype.size_in_bytes(), "rand_normal");
         match self {
             Device::Cpu => {
                 let storage = CpuDevice.rand_normal(shape, dtype, mean, std)?;
@@ -429,6 +431,7 @@ impl Device {
     }
 
     pub(crate) fn zeros(&self, shape: &Shape, dtype: DType) -> Result<Storage> {
+        census!(shape.elem_count() * dtype.size_in_bytes(), "zeros");
         match self {
             Device::Cpu => {
                 let storage = CpuDevice.zeros_impl(shape, dtype)?;
@@ -463,6 +466,7 @@ impl Device {
     }
 
     pub(crate) fn storage_from_slice<D: WithDType>(&self, data: &[D]) -> Result<Storage> {
+        census!(std::mem::size_of_val(data), "upload");
         match self {
             Device::Cpu => Ok(Storage::Cpu(data.to_cpu_storage())),
             Device::Cuda(device) => {
@@ -477,6 +481,7 @@ impl Device {
     }
 
     pub(crate) fn storage<A: NdArray>(&self, array: A) -> Result<Storage> {
+        census!(0, "upload");
         match self {
             Device::Cpu => Ok(Storage::Cpu(array.to_cpu_storage())),
             Device::Cuda(device) => {
@@ -493,6 +498,7 @@ impl Device {
     }
 
     pub(crate) fn storage_owned<S: WithDType>(&self, data: Vec<S>) -> Result<Storage> {
+        census!(data.len() * S::DTYPE.size_in_bytes(), "upload");
         match self {
             Device::Cpu => Ok(Storage::Cpu(S::to_cpu_storage_owned(data))),
             Device::Cuda(device) => {

@@ -47,10 +47,25 @@
 //! - [candle-transformers](https://docs.rs/candle-transformers/). Candle implementation of many published transformer models.
 //!
 
+/// Op counting for the census (feature `census`, sdtrain's patch; `census.rs`): compiled away
+/// without the feature, and the kind is formatted only while collecting.
+macro_rules! census {
+    ($bytes:expr, $($fmt:tt)*) => {{
+        #[cfg(feature = "census")]
+        {
+            if $crate::census::collecting() {
+                $crate::census::record(format!($($fmt)*), $bytes);
+            }
+        }
+    }};
+}
+
 #[cfg(feature = "accelerate")]
 mod accelerate;
 pub mod backend;
 pub mod backprop;
+#[cfg(feature = "census")]
+pub mod census;
 pub mod conv;
 mod convert;
 pub mod cpu;

@@ -80,6 +80,7 @@ impl Storage {
     }
 
     pub(crate) fn const_set(&mut self, v: Scalar, l: &Layout) -> Result<()> {
+        census!(l.shape().elem_count() * self.dtype().size_in_bytes(), "const_set");
         match self {
             Storage::Cpu(storage) => storage.const_set(v, l),
             Storage::Cuda(storage) => storage.const_set(v, l),
@@ -88,6 +89,11 @@ impl Storage {
     }
 
     pub(crate) fn affine(&self, layout: &Layout, mul: f64, add: f64) -> Result<Self> {
+        census!(
+            layout.shape().elem_count() * self.dtype().size_in_bytes(),
+            "affine{}",
+            crate::census::layout_tag(&[layout])
+        );
         match self {
             Storage::Cpu(storage) => {
                 let storage = storage.affine(layout, mul, add)?;
@@ -105,6 +111,11 @@ impl Storage {
     }
 
     pub(crate) fn powf(&self, layout: &Layout, alpha: f64) -> Result<Self> {
+        census!(
+            layout.shape().elem_count() * self.dtype().size_in_bytes(),
+            "powf{}",
+            crate::census::layout_tag(&[layout])
+        );
         match self {
             Storage::Cpu(storage) => {
                 let storage = storage.powf(layout, alpha)?;
@@ -122,6 +133,11 @@ impl Storage {
     }
 
     pub(crate) fn elu(&self, layout: &Layout, alpha: f64) -> Result<Self> {
+        census!(
+            layout.shape().elem_count() * self.dtype().size_in_bytes(),
+            "elu{}",
+            crate::census::layout_tag(&[layout])
+        );
         match self {
             Storage::Cpu(storage) => {
                 let storage = storage.elu(layout, alpha)?;
@@ -145,6 +161,11 @@ impl Storage {
         lhs_layout: &Layout,
         rhs_layout: &Layout,
     ) -> Result<Self> {
+        census!(
+            lhs_layout.shape().elem_count(),
+            "cmp{}",
+            crate::census::layout_tag(&[lhs_layout, rhs_layout])
+        );
         self.same_device(rhs, "cmp")?;
         self.same_dtype(rhs, "cmp")?;
         match (self, rhs) {
@@ -174,6 +195,12 @@ impl Storage {
     }
 
     pub(crate) fn reduce_op(&self, op: ReduceOp, layout: &Layout, s: &[usize]) -> Result<Self> {
+        census!(
+            layout.shape().elem_count() / s.iter().map(|&d| layout.dims()[d]).product::<usize>().max(1)
+                * self.dtype().size_in_bytes(),
+            "reduce:{op:?}{}",
+            crate::census::layout_tag(&[layout])
+        );
         match self {
             Storage::Cpu(storage) => {
                 let storage = storage.reduce_op(op, layout, s)?;
@@ -191,6 +218,13 @@ impl Storage {
     }
 
     pub(crate) fn to_dtype(&self, layout: &Layout, dtype: DType) -> Result<Self> {
+        census!(
+            layout.shape().elem_count() * dtype.size_in_bytes(),
+            "to_dtype:{}->{}{}",
+            self.dtype().as_str(),
+            dtype.as_str(),
+            crate::census::layout_tag(&[layout])
+        );
         match self {
             Storage::Cpu(storage) => {
                 let storage = storage.to_dtype(layout, dtype)?;
@@ -208,20 +242,26 @@ impl Storage {
     }
 
     pub(crate) fn apply_op1(&self, l: &Layout, c: &dyn CustomOp1) -> Result<(Self, Shape)> {
-        match self {
+        let out = match self {
             Self::Cpu(storage) => {
                 let (storage, shape) = c.cpu_fwd(storage, l)?;
-                Ok((Self::Cpu(storage), shape))
+                (Self::Cpu(storage), shape)
             }
             Self::Cuda(storage) => {
                 let (storage, shape) = c.cuda_fwd(storage, l)?;
-                Ok((Self::Cuda(storage), shape))
+                (Self::Cuda(storage), shape)
             }
             Self::Metal(storage) => {
                 let (storage, shape) = c.metal_fwd(storage, l)?;
-                Ok((Self::Metal(storage), shape))
+                (Self::Metal(storage), shape)
             }
-        }
+        };
+        census!(
+            out.1.elem_count() * out.0.dtype().size_in_bytes(),
+            "custom:{}",
+            c.name()
+        );
+        Ok(out)
     }
 
     pub(crate) fn apply_op2(
@@ -232,21 +272,27 @@ impl Storage {
         c: &dyn CustomOp2,
     ) -> Result<(Self, Shape)> {
         self.same_device(t2, c.name())?;
-        match (self, t2) {
+        let out = match (self, t2) {
             (Self::Cpu(s1), Self::Cpu(s2)) => {
                 let (s, shape) = c.cpu_fwd(s1, l1, s2, l2)?;
-                Ok((Self::Cpu(s), shape))
+                (Self::Cpu(s), shape)
             }
             (Self::Cuda(s1), Self::Cuda(s2)) => {
                 let (s, shape) = c.cuda_fwd(s1, l1, s2, l2)?;
-                Ok((Self::Cuda(s), shape))
+                (Self::Cuda(s), shape)
             }
             (Self::Metal(s1), Self::Metal(s2)) => {
                 let (s, shape) = c.metal_fwd(s1, l1, s2, l2)?;
-                Ok((Self::Metal(s), shape))
+                (Self::Metal(s), shape)
             }
             _ => unreachable!(),
-        }
+        };
+        census!(
+            out.1.elem_count() * out.0.dtype().size_in_bytes(),
+            "custom:{}",
+            c.name()
+        );
+        Ok(out)
     }
 
     pub(crate) fn apply_op3(
@@ -260,21 +306,27 @@ impl Storage {
     ) -> Result<(Self, Shape)> {
         self.same_device(t2, c.name())?;
         self.same_device(t3, c.name())?;
-        match (self, t2, t3) {
+        let out = match (self, t2, t3) {
             (Self::Cpu(s1), Self::Cpu(s2), Self::Cpu(s3)) => {
                 let (s, shape) = c.cpu_fwd(s1, l1, s2, l2, s3, l3)?;
-                Ok((Self::Cpu(s), shape))
+                (Self::Cpu(s), shape)
             }
             (Self::Cuda(s1), Self::Cuda(s2), Self::Cuda(s3)) => {
                 let (s, shape) = c.cuda_fwd(s1, l1, s2, l2, s3, l3)?;
-                Ok((Self::Cuda(s), shape))
+                (Self::Cuda(s), shape)
             }
             (Self::Metal(s1), Self::Metal(s2), Self::Metal(s3)) => {
                 let (s, shape) = c.metal_fwd(s1, l1, s2, l2, s3, l3)?;
-                Ok((Self::Metal(s), shape))
+                (Self::Metal(s), shape)
             }
             _ => unreachable!(),
-        }
+        };
+        census!(
+            out.1.elem_count() * out.0.dtype().size_in_bytes(),
+            "custom:{}",
+            c.name()
+        );
+        Ok(out)
     }
 
     /// Applies an custom in-place op for the `self` tensor.
@@ -288,6 +340,11 @@ impl Storage {
         srcs: [(Src<'_, Storage>, &Layout); N],
         c: &C,
     ) -> Result<()> {
+        census!(
+            dst_l.shape().elem_count() * self.dtype().size_in_bytes(),
+            "inplace:{}",
+            c.name()
+        );
         // Aliased sources are `self`. Only distinct needs checking.
         for (s, _) in srcs.iter() {
             if let Src::Distinct(s) = s {
@@ -324,6 +381,12 @@ impl Storage {
     }
 
     pub(crate) fn unary_impl<B: op::UnaryOpT>(&self, layout: &Layout) -> Result<Self> {
+        census!(
+            layout.shape().elem_count() * self.dtype().size_in_bytes(),
+            "unary:{}{}",
+            B::NAME,
+            crate::census::layout_tag(&[layout])
+        );
         match self {
             Storage::Cpu(storage) => {
                 let storage = storage.unary_impl::<B>(layout)?;
@@ -346,6 +409,12 @@ impl Storage {
         lhs_layout: &Layout,
         rhs_layout: &Layout,
     ) -> Result<Self> {
+        census!(
+            lhs_layout.shape().elem_count() * self.dtype().size_in_bytes(),
+            "binary:{}{}",
+            B::NAME,
+            crate::census::layout_tag(&[lhs_layout, rhs_layout])
+        );
         self.same_device(rhs, B::NAME)?;
         self.same_dtype(rhs, B::NAME)?;
         match (self, rhs) {
@@ -381,6 +450,10 @@ impl Storage {
         kernel_l: &Layout,
         params: &crate::conv::ParamsConv1D,
     ) -> Result<Self> {
+        census!(
+            params.out_dims().iter().product::<usize>() * self.dtype().size_in_bytes(),
+            "conv1d"
+        );
         self.same_device(kernel, "conv1d")?;
         self.same_dtype(kernel, "conv1d")?;
         match (self, &kernel) {
@@ -412,6 +485,10 @@ impl Storage {
         kernel_l: &Layout,
         params: &crate::conv::ParamsConvTranspose1D,
     ) -> Result<Self> {
+        census!(
+            params.out_dims().iter().product::<usize>() * self.dtype().size_in_bytes(),
+            "conv_transpose1d"
+        );
         self.same_device(kernel, "conv-transpose1d")?;
         self.same_dtype(kernel, "conv-transpose1d")?;
         match (self, &kernel) {
@@ -443,6 +520,10 @@ impl Storage {
         kernel_l: &Layout,
         params: &crate::conv::ParamsConv2D,
     ) -> Result<Self> {
+        census!(
+            params.out_dims().iter().product::<usize>() * self.dtype().size_in_bytes(),
+            "conv2d"
+        );
         self.same_device(kernel, "conv2d")?;
         self.same_dtype(kernel, "conv2d")?;
         match (self, &kernel) {
@@ -474,6 +555,10 @@ impl Storage {
         kernel_l: &Layout,
         params: &crate::conv::ParamsConvTranspose2D,
     ) -> Result<Self> {
+        census!(
+            params.out_dims().iter().product::<usize>() * self.dtype().size_in_bytes(),
+            "conv_transpose2d"
+        );
         self.same_device(kernel, "conv_transpose2d")?;
         self.same_dtype(kernel, "conv_transpose2d")?;
         match (self, &kernel) {
@@ -504,6 +589,10 @@ impl Storage {
         kernel_size: (usize, usize),
         stride: (usize, usize),
     ) -> Result<Self> {
+        census!(
+            pool_out(layout, kernel_size, stride) * self.dtype().size_in_bytes(),
+            "avg_pool2d"
+        );
         match self {
             Storage::Cpu(storage) => {
                 let storage = storage.avg_pool2d(layout, kernel_size, stride)?;
@@ -526,6 +615,10 @@ impl Storage {
         kernel_size: (usize, usize),
         stride: (usize, usize),
     ) -> Result<Self> {
+        census!(
+            pool_out(layout, kernel_size, stride) * self.dtype().size_in_bytes(),
+            "max_pool2d"
+        );
         match self {
             Storage::Cpu(storage) => {
                 let storage = storage.max_pool2d(layout, kernel_size, stride)?;
@@ -543,6 +636,10 @@ impl Storage {
     }
 
     pub(crate) fn upsample_nearest1d(&self, layout: &Layout, sz: usize) -> Result<Self> {
+        census!(
+            layout.shape().elem_count() / layout.dims()[2].max(1) * sz * self.dtype().size_in_bytes(),
+            "upsample_nearest1d"
+        );
         match self {
             Storage::Cpu(storage) => {
                 let storage = storage.upsample_nearest1d(layout, sz)?;
@@ -560,6 +657,13 @@ impl Storage {
     }
 
     pub(crate) fn upsample_nearest2d(&self, layout: &Layout, h: usize, w: usize) -> Result<Self> {
+        census!(
+            layout.shape().elem_count() / (layout.dims()[2] * layout.dims()[3]).max(1)
+                * h
+                * w
+                * self.dtype().size_in_bytes(),
+            "upsample_nearest2d"
+        );
         match self {
             Storage::Cpu(storage) => {
                 let storage = storage.upsample_nearest2d(layout, h, w)?;
@@ -585,6 +689,13 @@ impl Storage {
         scale_h: Option<f64>,
         scale_w: Option<f64>,
     ) -> Result<Self> {
+        census!(
+            layout.shape().elem_count() / (layout.dims()[2] * layout.dims()[3]).max(1)
+                * h
+                * w
+                * self.dtype().size_in_bytes(),
+            "upsample_bilinear2d"
+        );
         match self {
             Storage::Cpu(storage) => {
                 let storage =
@@ -612,6 +723,10 @@ impl Storage {
         f: &Self,
         layout_f: &Layout,
     ) -> Result<Self> {
+        census!(
+            layout.shape().elem_count() * t.dtype().size_in_bytes(),
+            "where_cond"
+        );
         self.same_device(t, "where")?;
         self.same_device(f, "where")?;
         t.same_dtype(f, "where")?;
@@ -644,6 +759,10 @@ impl Storage {
         indexes_l: &Layout,
         d: usize,
     ) -> Result<Self> {
+        census!(
+            indexes_l.shape().elem_count() * self.dtype().size_in_bytes(),
+            "gather"
+        );
         self.same_device(indexes, "index-add")?;
         match (self, indexes) {
             (Self::Cpu(s), Self::Cpu(indexes)) => {
@@ -671,6 +790,10 @@ impl Storage {
         source_l: &Layout,
         d: usize,
     ) -> Result<()> {
+        census!(
+            source_l.shape().elem_count() * self.dtype().size_in_bytes(),
+            "scatter_set"
+        );
         self.same_device(indexes, "scatter-set")?;
         self.same_device(source, "scatter-set")?;
         match (self, indexes, source) {
@@ -697,6 +820,10 @@ impl Storage {
         source_l: &Layout,
         d: usize,
     ) -> Result<()> {
+        census!(
+            source_l.shape().elem_count() * self.dtype().size_in_bytes(),
+            "scatter_add"
+        );
         self.same_device(indexes, "scatter-add")?;
         self.same_device(source, "scatter-add")?;
         match (self, indexes, source) {
@@ -723,6 +850,10 @@ impl Storage {
         source_l: &Layout,
         d: usize,
     ) -> Result<Self> {
+        census!(
+            l.shape().elem_count() * self.dtype().size_in_bytes(),
+            "index_add"
+        );
         self.same_device(indexes, "index-add")?;
         self.same_device(source, "index-add")?;
         match (self, indexes, source) {
@@ -749,6 +880,12 @@ impl Storage {
         rhs_l: &Layout,
         d: usize,
     ) -> Result<Self> {
+        census!(
+            lhs_l.shape().elem_count() / lhs_l.dims()[d].max(1)
+                * rhs_l.shape().elem_count()
+                * self.dtype().size_in_bytes(),
+            "index_select"
+        );
         self.same_device(rhs, "index-select")?;
         match (self, rhs) {
             (Self::Cpu(lhs), Self::Cpu(rhs)) => {
@@ -779,6 +916,11 @@ impl Storage {
         lhs_layout: &Layout,
         rhs_layout: &Layout,
     ) -> Result<Self> {
+        census!(
+            bmnk.0 * bmnk.1 * bmnk.2 * self.dtype().size_in_bytes(),
+            "matmul:{}",
+            self.dtype().as_str()
+        );
         self.same_device(rhs, "matmul")?;
         self.same_dtype(rhs, "matmul")?;
         match (self, rhs) {
@@ -810,6 +952,11 @@ impl Storage {
         dst_offset: usize,
         src_l: &Layout,
     ) -> Result<()> {
+        census!(
+            src_l.shape().elem_count() * self.dtype().size_in_bytes(),
+            "copy_strided:{}",
+            if src_l.is_contiguous() { "contiguous" } else { "strided" }
+        );
         match (self, dst) {
             (Self::Cpu(src), Self::Cpu(dst)) => src.copy_strided_src(dst, dst_offset, src_l),
             (Self::Cuda(src), Self::Cuda(dst)) => Ok(src.copy_strided_src(dst, dst_offset, src_l)?),
@@ -836,6 +983,7 @@ impl Storage {
         src_o: usize,
         dst_o: usize,
     ) -> Result<()> {
+        census!(d1 * d2 * self.dtype().size_in_bytes(), "copy2d");
         match (self, dst) {
             (Self::Cpu(src), Self::Cpu(dst)) => src.copy2d(dst, d1, d2, src_s, dst_s, src_o, dst_o),
             (Self::Cuda(src), Self::Cuda(dst)) => {
@@ -851,5 +999,16 @@ impl Storage {
             }
             .bt()),
         }
+    }
+}
+
+/// Elements written by a 2-D pool over an NCHW `layout` (the census's byte count).
+#[cfg(feature = "census")]
+fn pool_out(layout: &Layout, k: (usize, usize), stride: (usize, usize)) -> usize {
+    match layout.dims() {
+        [b, c, h, w] if stride.0 > 0 && stride.1 > 0 && *h >= k.0 && *w >= k.1 => {
+            b * c * ((h - k.0) / stride.0 + 1) * ((w - k.1) / stride.1 + 1)
+        }
+        _ => 0,
     }
 }
