@@ -88,6 +88,10 @@ fn flash(q: &Tensor, k: &Tensor, v: &Tensor, heads: usize, causal: bool) -> Resu
         return Ok(None);
     }
     let scale = head_scale(q, heads)?;
+    // The tensor-core kernels read the merged heads in place; the others take split copies.
+    if let Some(out) = super::flash_attention::flash_merged(q, k, v, heads, scale, causal)? {
+        return Ok(Some(out));
+    }
     let out = super::merged_heads::merged_heads(q, k, v, heads, |q, k, v| {
         flash_detached(q, k, v, scale, causal)
     })?;

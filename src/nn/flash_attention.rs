@@ -76,6 +76,11 @@ pub(crate) struct Geometry {
     bwd_rows: usize,
     /// The forward and backward run on the tensor-core kernels.
     tc: bool,
+    /// The layout (tensor-core kernels only): split heads `[BH, L, D]` (heads 1, rows D apart),
+    /// or merged heads `[B, L, H·D]` read in place (heads H, rows H·D apart).
+    pub heads: usize,
+    pub q_rs: usize,
+    pub k_rs: usize,
 }
 
 impl Geometry {
@@ -103,6 +108,21 @@ impl Geometry {
             bucket,
             bwd_rows,
             tc: false,
+            heads: 1,
+            q_rs: d,
+            k_rs: d,
+        })
+    }
+
+    /// This call on merged heads `[B, L, H·D]` read in place (`bh` = B·`heads`), on the
+    /// tensor-core kernels; `None` when they do not take its dtype or head dim.
+    pub fn merged(self, heads: usize, dtype: DType) -> Option<Self> {
+        let g = self.with_tensor_cores(dtype);
+        (g.tc && heads > 0 && g.bh.is_multiple_of(heads)).then(|| Self {
+            heads,
+            q_rs: heads * g.d,
+            k_rs: heads * g.d,
+            ..g
         })
     }
 
@@ -114,13 +134,17 @@ impl Geometry {
     }
 
     /// Whether the forward and backward run on the tensor-core kernels.
-    #[cfg(test)]
     pub fn tensor_cores(&self) -> bool {
         self.tc
     }
 
+    /// The tensor-core kernels' layout arguments: heads, q's and k's row strides.
+    pub fn layout_args(&self) -> [i32; 3] {
+        [self.heads as i32, self.q_rs as i32, self.k_rs as i32]
+    }
+
     /// The entry point of `kernel` (`flash_fwd`, `flash_dot`, `flash_bwd`) for `dtype`: the
-    /// forward and backward of the tensor-core file (`flash_fwd_tc_…`) when [`Self::tensor_cores`].
+    /// tensor-core file's (`flash_fwd_tc_…`) when [`Self::tensor_cores`].
     pub fn entry(&self, kernel: &str, dtype: DType) -> Result<String> {
         let ty = match dtype {
             DType::F32 => "f32",
@@ -128,11 +152,7 @@ impl Geometry {
             DType::F16 => "f16",
             other => bail!("flash attention: no kernel for {other:?}"),
         };
-        let tc = if self.tc && kernel != "flash_dot" {
-            "_tc"
-        } else {
-            ""
-        };
+        let tc = if self.tc { "_tc" } else { "" };
         Ok(format!("{kernel}{tc}_d{}_{ty}", self.bucket))
     }
 
@@ -255,6 +275,72 @@ fn flash_attention_on(
     }
 }
 
+/// Flash attention on merged heads, `q` `[B, Lq, H·D]`, `k`/`v` `[B, Lk, H·D]`, read and written
+/// in place by the tensor-core kernels: no split copies of q, k, v, the output or the gradients,
+/// forward or backward (`super::merged_heads` makes twelve per layer). `None` where those kernels
+/// do not run (dtype, head dim, card, `SDTRAIN_FLASH_TC=0`): the caller splits the heads then.
+#[cfg(feature = "cuda")]
+pub(crate) fn flash_merged(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    heads: usize,
+    scale: f64,
+    causal: bool,
+) -> Result<Option<Tensor>> {
+    let (b, lq, inner) = q.dims3()?;
+    let (bk, lk, ik) = k.dims3()?;
+    let same = (bk, ik) == (b, inner)
+        && v.dims() == k.dims()
+        && k.dtype() == q.dtype()
+        && v.dtype() == q.dtype();
+    if heads == 0 || !inner.is_multiple_of(heads) || !same {
+        return Ok(None);
+    }
+    if !(tensor_cores_enabled() && has_tensor_cores(q.device())) {
+        return Ok(None);
+    }
+    let Some(geo) = Geometry::new(b * heads, lq, lk, inner / heads)?.merged(heads, q.dtype())
+    else {
+        return Ok(None);
+    };
+    let op = FlashAttention {
+        geo,
+        scale: scale as f32,
+        causal,
+        lse: Mutex::new(None),
+    };
+    let (qd, kd, vd) = (
+        q.detach().contiguous()?,
+        k.detach().contiguous()?,
+        v.detach().contiguous()?,
+    );
+    let out = qd.apply_op3_no_bwd(&kd, &vd, &op)?;
+    let out = super::fused_op::attach3((q, k, v), "flash-attention", out, MergedFlash(op))?;
+    Ok(Some(out))
+}
+
+/// The backward of [`flash_merged`]: the kernels' own, on the merged layout.
+#[cfg(feature = "cuda")]
+struct MergedFlash(FlashAttention);
+
+#[cfg(feature = "cuda")]
+impl super::fused_op::Backward3 for MergedFlash {
+    fn backward(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<super::fused_op::Grads3> {
+        use super::merged_heads::HeadsKernel;
+        let want = [q.track_op(), k.track_op(), v.track_op()];
+        let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
+        self.0.backward(&q, &k, &v, res, grad, want)
+    }
+}
+
 /// [`flash_attention`]'s forward on detached operands, for an op that carries the backward
 /// itself (`super::merged_heads`): the output, and the op holding L for the backward.
 #[cfg(feature = "cuda")]
@@ -314,14 +400,25 @@ mod tests {
         Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
     }
 
-    /// The geometry of `c` in dtype `T`, on the tensor-core kernels when `tc`, and the .cu file
-    /// of its forward and backward.
-    fn geometry<T: WithDType>(c: Case, tc: bool) -> (Geometry, &'static str) {
+    /// Which kernels a case runs: the SIMT ones, the tensor-core ones on split heads, or the
+    /// tensor-core ones reading merged heads `[B, L, H·D]` in place (H heads per batch row).
+    #[derive(Clone, Copy)]
+    enum Mode {
+        Simt,
+        Tc,
+        Merged(usize),
+    }
+
+    /// The geometry of `c` in dtype `T` under `mode`, and the .cu file of its kernels.
+    fn geometry<T: WithDType>(c: Case, mode: Mode) -> (Geometry, &'static str) {
         let g = Geometry::new(c.bh, c.lq, c.lk, c.d).unwrap();
-        if !tc {
-            return (g, CU);
-        }
-        let g = g.with_tensor_cores(T::DTYPE);
+        let g = match mode {
+            Mode::Simt => return (g, CU),
+            Mode::Tc => g.with_tensor_cores(T::DTYPE),
+            Mode::Merged(h) => g
+                .merged(h, T::DTYPE)
+                .expect("a merged tensor-core geometry"),
+        };
         assert!(
             g.tensor_cores(),
             "no tensor-core kernel for {:?}, d {}",
@@ -331,35 +428,49 @@ mod tests {
         (g, CU_TC)
     }
 
+    /// The tensor-core kernels' layout arguments of `g` (none for the SIMT ones).
+    fn layout<'a>(g: &Geometry) -> Vec<Arg<'a>> {
+        if !g.tensor_cores() {
+            return Vec::new();
+        }
+        g.layout_args()
+            .iter()
+            .map(|&a| Arg::Int(i64::from(a)))
+            .collect()
+    }
+
     /// The output and L of the emulated forward.
     fn emu_forward<T: WithDType + Elem>(
         c: Case,
-        tc: bool,
+        mode: Mode,
         q: &[T],
         k: &[T],
         v: &[T],
     ) -> (Vec<T>, Vec<f32>) {
-        let (g, cu) = geometry::<T>(c, tc);
+        let (g, cu) = geometry::<T>(c, mode);
         let mut o = vec![T::zero(); g.q_len()];
         let mut lse = vec![0f32; c.bh * c.lq];
+        let mut args = vec![
+            Arg::input(q),
+            Arg::input(k),
+            Arg::input(v),
+            Arg::out(&mut o),
+            Arg::out(&mut lse),
+            Arg::F32(c.scale()),
+            Arg::Int(c.lq as i64),
+            Arg::Int(c.lk as i64),
+            Arg::Int(c.d as i64),
+            Arg::Int(c.causal as i64),
+        ];
+        args.extend(layout(&g));
         kernel_emu::launch(
             cu,
             &g.entry("flash_fwd", T::DTYPE).unwrap(),
             g.fwd_grid(),
             [THREADS, 1, 1],
-            &mut [
-                Arg::input(q),
-                Arg::input(k),
-                Arg::input(v),
-                Arg::out(&mut o),
-                Arg::out(&mut lse),
-                Arg::F32(c.scale()),
-                Arg::Int(c.lq as i64),
-                Arg::Int(c.lk as i64),
-                Arg::Int(c.d as i64),
-                Arg::Int(c.causal as i64),
-            ],
+            &mut args,
         );
+        drop(args);
         (o, lse)
     }
 
@@ -368,7 +479,7 @@ mod tests {
     #[allow(clippy::too_many_arguments)]
     fn emu_backward<T: WithDType + Elem>(
         c: Case,
-        tc: bool,
+        mode: Mode,
         q: &[T],
         k: &[T],
         v: &[T],
@@ -376,47 +487,76 @@ mod tests {
         go: &[T],
         lse: &[f32],
     ) -> (Vec<f32>, Vec<T>, Vec<T>) {
-        let (g, cu) = geometry::<T>(c, tc);
+        let (g, cu) = geometry::<T>(c, mode);
         let mut dr = vec![0f32; c.bh * c.lq];
-        let rows = (c.bh * c.lq) as i64;
+        let mut args = vec![Arg::input(o), Arg::input(go), Arg::out(&mut dr)];
+        if g.tensor_cores() {
+            let [heads, q_rs, _] = g.layout_args();
+            for x in [
+                c.bh as i64,
+                c.lq as i64,
+                c.d as i64,
+                heads.into(),
+                q_rs.into(),
+            ] {
+                args.push(Arg::Int(x));
+            }
+        } else {
+            args.extend([Arg::Int((c.bh * c.lq) as i64), Arg::Int(c.d as i64)]);
+        }
         kernel_emu::launch(
-            CU,
+            cu,
             &g.entry("flash_dot", T::DTYPE).unwrap(),
             g.dot_grid(),
             [THREADS, 1, 1],
-            &mut [
-                Arg::input(o),
-                Arg::input(go),
-                Arg::out(&mut dr),
-                Arg::Int(rows),
-                Arg::Int(c.d as i64),
-            ],
+            &mut args,
         );
+        drop(args);
         let mut dq = vec![0f32; g.q_len()];
         let (mut dk, mut dv) = (vec![T::zero(); g.k_len()], vec![T::zero(); g.k_len()]);
+        let mut args = vec![
+            Arg::input(q),
+            Arg::input(k),
+            Arg::input(v),
+            Arg::input(go),
+            Arg::input(lse),
+            Arg::input(&dr),
+            Arg::out(&mut dq),
+            Arg::out(&mut dk),
+            Arg::out(&mut dv),
+            Arg::F32(c.scale()),
+            Arg::Int(c.lq as i64),
+            Arg::Int(c.lk as i64),
+            Arg::Int(c.d as i64),
+            Arg::Int(c.causal as i64),
+        ];
+        args.extend(layout(&g));
         kernel_emu::launch(
             cu,
             &g.entry("flash_bwd", T::DTYPE).unwrap(),
             g.bwd_grid(),
             [THREADS, 1, 1],
-            &mut [
-                Arg::input(q),
-                Arg::input(k),
-                Arg::input(v),
-                Arg::input(go),
-                Arg::input(lse),
-                Arg::input(&dr),
-                Arg::out(&mut dq),
-                Arg::out(&mut dk),
-                Arg::out(&mut dv),
-                Arg::F32(c.scale()),
-                Arg::Int(c.lq as i64),
-                Arg::Int(c.lk as i64),
-                Arg::Int(c.d as i64),
-                Arg::Int(c.causal as i64),
-            ],
+            &mut args,
         );
+        drop(args);
         (dq, dk, dv)
+    }
+
+    /// Split heads `[B·H, L, D]` as merged `[B, L, H·D]`, and back (`back`).
+    fn relayout<T: Copy>(x: &[T], h: usize, l: usize, d: usize, back: bool) -> Vec<T> {
+        let mut out = x.to_vec();
+        for (i, &val) in x.iter().enumerate() {
+            let (bh, rest) = (i / (l * d), i % (l * d));
+            let (t, c) = (rest / d, rest % d);
+            let (b, head) = (bh / h, bh % h);
+            let merged = (b * l + t) * h * d + head * d + c;
+            if back {
+                out[i] = x[merged];
+            } else {
+                out[merged] = val;
+            }
+        }
+        out
     }
 
     /// The composed reference on `[BH, L, D]` inputs (one head each): output and L.
@@ -450,20 +590,37 @@ mod tests {
 
     /// As [`errors`], on the given `q`, `k`, `v` (rounded to `T` first).
     fn errors_on<T: WithDType + Elem>(c: Case, qkv: [Tensor; 3]) -> [f32; 5] {
-        errors_with::<T>(c, false, qkv)
+        errors_with::<T>(c, Mode::Simt, qkv)
     }
 
-    /// As [`errors_on`], on the tensor-core kernels when `tc`.
-    fn errors_with<T: WithDType + Elem>(c: Case, tc: bool, qkv: [Tensor; 3]) -> [f32; 5] {
+    /// As [`errors_on`], on the kernels of `mode`.
+    fn errors_with<T: WithDType + Elem>(c: Case, mode: Mode, qkv: [Tensor; 3]) -> [f32; 5] {
         let round = |t: Tensor| t.to_dtype(T::DTYPE).unwrap().to_dtype(DType::F32).unwrap();
         let qkv = qkv.map(round);
         let (o_ref, grads) = output_and_grads(&qkv, &[true; 3], &|a| Ok(reference(c, a)?.0));
         let (_, lse_ref) = reference(c, &qkv).unwrap();
         // output_and_grads's upstream gradient.
         let go = round(fill(o_ref.dims(), 99, 1.0));
-        let (q, k, v) = (host::<T>(&qkv[0]), host::<T>(&qkv[1]), host::<T>(&qkv[2]));
-        let (o, lse) = emu_forward(c, tc, &q, &k, &v);
-        let (dq, dk, dv) = emu_backward(c, tc, &q, &k, &v, &o, &host::<T>(&go), &lse);
+        // Merged heads: the kernels see [B, L, H·D]; their results go back to split heads.
+        let heads = match mode {
+            Mode::Merged(h) => h,
+            _ => 1,
+        };
+        let to = |x: Vec<T>, l: usize| relayout(&x, heads, l, c.d, false);
+        let (q, k, v) = (
+            to(host::<T>(&qkv[0]), c.lq),
+            to(host::<T>(&qkv[1]), c.lk),
+            to(host::<T>(&qkv[2]), c.lk),
+        );
+        let (o, lse) = emu_forward(c, mode, &q, &k, &v);
+        let go = to(host::<T>(&go), c.lq);
+        let (dq, dk, dv) = emu_backward(c, mode, &q, &k, &v, &o, &go, &lse);
+        let (o, dk, dv) = (
+            relayout(&o, heads, c.lq, c.d, true),
+            relayout(&dk, heads, c.lk, c.d, true),
+            relayout(&dv, heads, c.lk, c.d, true),
+        );
+        let dq = relayout(&dq, heads, c.lq, c.d, true);
         let g = |i: usize| grads[i].clone().unwrap();
         [
             rel_err(&tensor(o, o_ref.dims()), &o_ref),
@@ -642,6 +799,10 @@ mod tests {
     const TC_TOL: [f32; 5] = [6e-3, 1e-6, 5e-2, 5e-2, 1e-2];
 
     fn check_tc<T: WithDType + Elem>(what: &str, c: Case, qkv: Option<[Tensor; 3]>) {
+        check_mode::<T>(what, c, Mode::Tc, qkv);
+    }
+
+    fn check_mode<T: WithDType + Elem>(what: &str, c: Case, mode: Mode, qkv: Option<[Tensor; 3]>) {
         let qkv = qkv.unwrap_or_else(|| {
             [
                 fill(&[c.bh, c.lq, c.d], 1, 2.0),
@@ -649,7 +810,7 @@ mod tests {
                 fill(&[c.bh, c.lk, c.d], 3, 2.0),
             ]
         });
-        let e = errors_with::<T>(c, true, qkv);
+        let e = errors_with::<T>(c, mode, qkv);
         eprintln!("{what}: O L dQ dK dV {e:?}");
         for ((name, e), tol) in ["O", "L", "dQ", "dK", "dV"].iter().zip(e).zip(TC_TOL) {
             assert!(e <= tol, "{what}: {name} differs by {e:.2e} (relative)");
@@ -738,6 +899,30 @@ mod tests {
         }
     }
 
+    /// Tensor cores reading merged heads `[B, L, H·D]` in place (what the attention layers pass,
+    /// without split copies): 2 batch rows × 3 heads at head dim 40 (bf16, ragged), and CLIP's
+    /// causal shape with 2 heads of 64 (f16). Catches a head's base taken as split (`bh·L·D`),
+    /// a row stride of D instead of H·D in any load or store, and Dr read in the wrong order.
+    #[test]
+    fn tc_merged_heads_are_read_in_place() {
+        let c = Case {
+            bh: 6,
+            lq: 70,
+            lk: 75,
+            d: 40,
+            causal: false,
+        };
+        check_mode::<half::bf16>("tc merged d40", c, Mode::Merged(3), None);
+        let c = Case {
+            bh: 2,
+            lq: 77,
+            lk: 77,
+            d: 64,
+            causal: true,
+        };
+        check_mode::<half::f16>("tc merged causal f16", c, Mode::Merged(2), None);
+    }
+
     /// f32 and bucket 160 stay on the SIMT kernels; bf16/f16 at 40, 64 and 80 take the tensor-core
     /// entry points and grids (64 rows per block).
     #[test]
@@ -751,7 +936,15 @@ mod tests {
         );
         assert_eq!(
             tc.entry("flash_dot", DType::BF16).unwrap(),
-            "flash_dot_d40_bf16"
+            "flash_dot_tc_d40_bf16"
+        );
+        assert_eq!(tc.layout_args(), [1, 40, 40]);
+        let merged = g.merged(8, DType::BF16).unwrap();
+        assert_eq!(merged.layout_args(), [8, 320, 320]);
+        assert!(g.merged(8, DType::F32).is_none());
+        assert!(
+            g.merged(3, DType::BF16).is_none(),
+            "16 heads do not split by 3"
         );
         assert_eq!(tc.fwd_grid(), [64, 16, 1]);
         assert_eq!(tc.bwd_grid(), [2, 16, 1]);

@@ -178,7 +178,8 @@ fn cuda_flash_attention_matches_cpu_on_sd_shapes() {
 }
 
 /// CLIP's text attention (77 tokens, 12 heads of 64) through `nn::causal_attention`, which takes
-/// the flash kernel's causal flag on CUDA, against the composed masked reference on the CPU.
+/// the flash kernel's causal flag on CUDA (in bf16 the tensor-core kernels on the merged heads),
+/// against the composed masked reference on the CPU.
 #[test]
 #[ignore = "needs a CUDA device: scripts/gpu-check runs it (--include-ignored)"]
 fn cuda_causal_attention_matches_cpu() {
@@ -210,6 +211,47 @@ fn cuda_causal_attention_matches_cpu() {
         eprintln!("causal {dtype:?}: O dQ dK dV {e:?}");
         for ((name, e), tol) in ["O", "dQ", "dK", "dV"].iter().zip(e).zip(tolerances(dtype)) {
             assert!(e <= tol, "causal {dtype:?}: {name} differs by {e:.2e}");
+        }
+    }
+}
+
+/// Unmasked attention as the UNet's layers call it, `nn::attention` on merged heads
+/// `[B, L, H·D]`: on CUDA in bf16 and f16 the tensor-core kernels read the heads in place (no
+/// split copies), in f32 the SIMT kernels run on split heads; against the CPU's attention in f32.
+/// SD1.5's first level (8 heads of 40) at 1024 tokens and SDXL's (10 heads of 64), batch 2.
+#[test]
+#[ignore = "needs a CUDA device: scripts/gpu-check runs it (--include-ignored)"]
+fn cuda_layer_attention_matches_cpu() {
+    let dev = device();
+    for (l, inner, heads) in [(1024, 320, 8), (1024, 640, 10)] {
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            let round = |t: Tensor| t.to_dtype(dtype).unwrap().to_dtype(DType::F32).unwrap();
+            let cpu = [
+                round(fill(&[2, l, inner], 15, 2.0)),
+                round(fill(&[2, l, inner], 16, 2.0)),
+                round(fill(&[2, l, inner], 17, 2.0)),
+            ];
+            let r = round(fill(&[2, l, inner], 18, 1.0));
+            let on_dev = |t: &Tensor| t.to_device(&dev).unwrap().to_dtype(dtype).unwrap();
+            let gpu = cpu.each_ref().map(on_dev);
+            let (y, g) = output_and_grads(&gpu, &on_dev(&r), &|q, k, v| {
+                nn::attention(q, k, v, heads, None)
+            });
+            let (y_ref, g_ref) =
+                output_and_grads(&cpu, &r, &|q, k, v| nn::attention(q, k, v, heads, None));
+            let e = [
+                rel(&y, &y_ref),
+                rel(&g[0], &g_ref[0]),
+                rel(&g[1], &g_ref[1]),
+                rel(&g[2], &g_ref[2]),
+            ];
+            eprintln!("layer attention {dtype:?} [2, {l}, {inner}] / {heads}: O dQ dK dV {e:?}");
+            for ((name, e), tol) in ["O", "dQ", "dK", "dV"].iter().zip(e).zip(tolerances(dtype)) {
+                assert!(
+                    e <= tol,
+                    "layer attention {dtype:?} {heads} heads: {name} differs by {e:.2e}"
+                );
+            }
         }
     }
 }

@@ -115,12 +115,17 @@ impl FlashAttention {
         let f = func(&dev, &g.entry("flash_fwd", dtype)?)?;
         let stream = dev.cuda_stream();
         let (lq, lk, d, causal) = (g.lq as i32, g.lk as i32, g.d as i32, self.causal as i32);
+        let layout = g.layout_args();
         let mut b = stream.launch_builder(&f);
         b.arg(&qv).arg(&kv).arg(&vv).arg(&mut o).arg(&mut lse);
         b.arg(&self.scale).arg(&lq).arg(&lk).arg(&d).arg(&causal);
-        // SAFETY: the arguments follow flash_fwd's signature; q holds BH·Lq·D elements, k and v
-        // BH·Lk·D, o as q, lse BH·Lq (checked above), and the grid is `fwd_grid` of the same
-        // geometry, which the kernel's indexing assumes.
+        if g.tensor_cores() {
+            b.arg(&layout[0]).arg(&layout[1]).arg(&layout[2]);
+        }
+        // SAFETY: the arguments follow flash_fwd's signature (the tensor-core kernels' adds the
+        // layout); q holds BH·Lq·D elements, k and v BH·Lk·D, o as q, lse BH·Lq (checked above),
+        // in the layout the geometry names, and the grid is `fwd_grid` of the same geometry,
+        // which the kernel's indexing assumes.
         unsafe { b.launch(launch_cfg(g.fwd_grid())) }.w()?;
         let lse = wrap(lse, &dev, &Shape::from((g.bh, g.lq)));
         *self
@@ -160,22 +165,32 @@ impl FlashAttention {
         let lv = view::<f32>(cuda_storage(&ls)?, ll, geo.bh * geo.lq, "L")?;
         let stream = dev.cuda_stream();
         let (rows, d) = ((geo.bh * geo.lq) as i32, geo.d as i32);
+        let (bhs, lq) = (geo.bh as i32, geo.lq as i32);
+        let layout = geo.layout_args();
         let mut dr = dev.alloc_zeros::<f32>(geo.bh * geo.lq)?;
         let f = func(&dev, &geo.entry("flash_dot", dtype)?)?;
         let mut b = stream.launch_builder(&f);
-        b.arg(&ov).arg(&gv).arg(&mut dr).arg(&rows).arg(&d);
+        b.arg(&ov).arg(&gv).arg(&mut dr);
+        if geo.tensor_cores() {
+            b.arg(&bhs).arg(&lq).arg(&d).arg(&layout[0]).arg(&layout[1]);
+        } else {
+            b.arg(&rows).arg(&d);
+        }
         // SAFETY: flash_dot's signature; o and g hold `rows` rows of D, dr `rows` values, and the
         // grid has a warp per row (`dot_grid`).
         unsafe { b.launch(launch_cfg(geo.dot_grid())) }.w()?;
         let mut dq = dev.alloc_zeros::<f32>(geo.q_len())?;
         let mut dk = dev.alloc_zeros::<T>(geo.k_len())?;
         let mut dv = dev.alloc_zeros::<T>(geo.k_len())?;
-        let (lq, lk, causal) = (geo.lq as i32, geo.lk as i32, self.causal as i32);
+        let (lk, causal) = (geo.lk as i32, self.causal as i32);
         let f = func(&dev, &geo.entry("flash_bwd", dtype)?)?;
         let mut b = stream.launch_builder(&f);
         b.arg(&qv).arg(&kv).arg(&vv).arg(&gv).arg(&lv).arg(&dr);
         b.arg(&mut dq).arg(&mut dk).arg(&mut dv);
         b.arg(&self.scale).arg(&lq).arg(&lk).arg(&d).arg(&causal);
+        if geo.tensor_cores() {
+            b.arg(&layout[0]).arg(&layout[1]).arg(&layout[2]);
+        }
         // SAFETY: flash_bwd's signature; q, g and dq hold BH·Lq·D elements, k, v, dk and dv
         // BH·Lk·D, lse and dr BH·Lq; dq starts at zero (the kernel adds into it), and the grid is
         // `bwd_grid` of the same geometry.

@@ -2,8 +2,10 @@
 // Flash attention on tensor cores (sm_80 and later), bf16 and f16: the algorithm of
 // flash_attention.cu (FlashAttention-2, Dao, arXiv 2307.08691, Algorithms 1 and 2) with its tile
 // products as mma.sync m16n8k16 (src/nn/kernels/mma.cuh), as FlashAttention-2's own kernels do.
-// The entry points take the same arguments as flash_attention.cu's, which keeps flash_dot_* (Dr)
-// and the f32 and head-dim-160 kernels.
+// The entry points take flash_attention.cu's arguments plus the layout (`head_base`): split heads
+// `[BH, L, D]`, or the attention layers' merged heads `[B, L, H·D]` read and written in place, so
+// no split copy of q, k, v, the output or a gradient is made. flash_attention.cu keeps f32 and
+// head dim 160.
 //
 // Forward: a block per 64 query rows and head, a warp per 16 rows. The warp's Q rows stay in
 // registers as A fragments. Each step stages 64 keys and values in shared memory; S = Q·Kᵀ
@@ -47,17 +49,18 @@ __device__ __forceinline__ void tc_from_f(__nv_bfloat16* p, float x) {
 }
 __device__ __forceinline__ void tc_from_f(__half* p, float x) { *p = __float2half_rn(x); }
 
-// Rows [row0, row0 + ROWS) of a [rows, d] matrix into a shared tile of DP columns (stride LD);
-// rows past `rows` and columns past `d` are zero. When d is a multiple of 8 and `src` 16-byte
-// aligned (SD's head dims 40, 64 and 80 from fresh buffers), 8 elements move per load.
+// Rows [row0, row0 + ROWS) of a matrix of `rows` rows of `d` values, `rs` elements apart, into a
+// shared tile of DP columns (stride LD); rows past `rows` and columns past `d` are zero. When d
+// and rs are multiples of 8 and `src` is 16-byte aligned (SD's head dims 40, 64 and 80), 8
+// elements move per load.
 template <int ROWS, int DP, int LD, class T>
-__device__ void tc_load_rows(T (*tile)[LD], const T* src, int row0, int rows, int d) {
-  if (d % 8 == 0 && ((unsigned long long)src & 15) == 0) {
+__device__ void tc_load_rows(T (*tile)[LD], const T* src, int row0, int rows, int d, int rs) {
+  if (d % 8 == 0 && rs % 8 == 0 && ((unsigned long long)src & 15) == 0) {
     constexpr int CH = DP / 8;  // 16-byte chunks per tile row
     for (int e = threadIdx.x; e < ROWS * CH; e += TC_THREADS) {
       const int r = e / CH, c = (e % CH) * 8, g = row0 + r;
       uint4 x = {0u, 0u, 0u, 0u};
-      if (g < rows && c < d) x = *reinterpret_cast<const uint4*>(src + (long long)g * d + c);
+      if (g < rows && c < d) x = *reinterpret_cast<const uint4*>(src + (long long)g * rs + c);
       *reinterpret_cast<uint4*>(&tile[r][c]) = x;
     }
     return;
@@ -66,11 +69,19 @@ __device__ void tc_load_rows(T (*tile)[LD], const T* src, int row0, int rows, in
     const int r = e / DP, c = e % DP;
     const int g = row0 + r;
     if (g < rows && c < d) {
-      tile[r][c] = src[(long long)g * d + c];
+      tile[r][c] = src[(long long)g * rs + c];
     } else {
       tc_from_f(&tile[r][c], 0.0f);
     }
   }
+}
+
+// Where head `bh` (= batch · heads + head) starts in a tensor of `len` rows `rs` elements apart:
+// split heads `[BH, L, D]` have heads = 1 and rs = D; merged heads `[B, L, H·D]` (what the
+// attention layers' projections give, read without a split copy) have rs = H·D, a head's D
+// values at column head·D.
+__device__ __forceinline__ long long head_base(long long bh, int heads, int len, int rs, int d) {
+  return (bh / heads) * len * (long long)rs + (bh % heads) * (long long)d;
 }
 
 // The largest of x over the 4 lanes of a group (the lanes holding one row of a C tile).
@@ -87,7 +98,7 @@ __device__ __forceinline__ float group_sum(float x) {
 
 template <class T, int DM>
 __device__ void fa_tc_fwd(const T* q, const T* k, const T* v, T* o, float* lse, float scale,
-                          int lq, int lk, int d, int causal) {
+                          int lq, int lk, int d, int causal, int heads, int q_rs, int k_rs) {
   constexpr int BQ = 64, BK = 64, DP = (DM + 15) / 16 * 16, LD = DP + 8;
   constexpr int KS = DP / 16, NS = BK / 8, NO = DM / 8;
   static_assert(DM % 8 == 0, "head-dim bucket must be a multiple of 8");
@@ -96,12 +107,14 @@ __device__ void fa_tc_fwd(const T* q, const T* k, const T* v, T* o, float* lse, 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const long long bh = blockIdx.y;
   const int q0 = blockIdx.x * BQ;
-  q += bh * lq * d;
-  k += bh * lk * d;
-  v += bh * lk * d;
+  const long long qb = head_base(bh, heads, lq, q_rs, d), kb = head_base(bh, heads, lk, k_rs, d);
+  q += qb;
+  o += qb;
+  k += kb;
+  v += kb;
 
   // The warp's 16 query rows as A fragments, staged through sK.
-  tc_load_rows<BQ, DP, LD>(sK, q, q0, lq, d);
+  tc_load_rows<BQ, DP, LD>(sK, q, q0, lq, d, q_rs);
   __syncthreads();
   uint32_t qa[KS][4];
 #pragma unroll
@@ -118,8 +131,8 @@ __device__ void fa_tc_fwd(const T* q, const T* k, const T* v, T* o, float* lse, 
   const int k_end = causal && q0 + BQ < lk ? q0 + BQ : lk;
   for (int k0 = 0; k0 < k_end; k0 += BK) {
     __syncthreads();  // Q (first step) or the previous K and V are no longer read
-    tc_load_rows<BK, DP, LD>(sK, k, k0, lk, d);
-    tc_load_rows<BK, DP, LD>(sV, v, k0, lk, d);
+    tc_load_rows<BK, DP, LD>(sK, k, k0, lk, d, k_rs);
+    tc_load_rows<BK, DP, LD>(sV, v, k0, lk, d, k_rs);
     __syncthreads();
     float s[NS][4];
 #pragma unroll
@@ -190,7 +203,7 @@ __device__ void fa_tc_fwd(const T* q, const T* k, const T* v, T* o, float* lse, 
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int col = n * 8 + 2 * t + e;
-        if (col < d) tc_from_f(&o[(bh * lq + qi) * d + col], acc[n][2 * r + e] * inv);
+        if (col < d) tc_from_f(&o[(long long)qi * q_rs + col], acc[n][2 * r + e] * inv);
       }
     if (t == 0) lse[bh * lq + qi] = m[r] + logf(sum);
   }
@@ -201,7 +214,7 @@ __device__ void fa_tc_fwd(const T* q, const T* k, const T* v, T* o, float* lse, 
 template <class T, int DM>
 __device__ void fa_tc_bwd(const T* q, const T* k, const T* v, const T* go, const float* lse,
                           const float* dr, float* dq, T* dk, T* dv, float scale, int lq, int lk,
-                          int d, int causal) {
+                          int d, int causal, int heads, int q_rs, int k_rs) {
   constexpr int BK = 64, BQ = 32, DP = (DM + 15) / 16 * 16, LD = DP + 8, LDS = BK + 8;
   constexpr int KS = DP / 16, NQ = BQ / 8, QS = BQ / 16, NO = DM / 8;
   static_assert(DM % 8 == 0, "head-dim bucket must be a multiple of 8");
@@ -214,13 +227,18 @@ __device__ void fa_tc_bwd(const T* q, const T* k, const T* v, const T* go, const
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const long long bh = blockIdx.y;
   const int k0 = blockIdx.x * BK;
-  q += bh * lq * d;
-  go += bh * lq * d;
+  const long long qb = head_base(bh, heads, lq, q_rs, d), kb = head_base(bh, heads, lk, k_rs, d);
+  q += qb;
+  go += qb;
+  dq += qb;
+  k += kb;
+  v += kb;
+  dk += kb;
+  dv += kb;
   lse += bh * lq;
   dr += bh * lq;
-  dq += bh * lq * d;
-  tc_load_rows<BK, DP, LD>(sK, k + bh * lk * d, k0, lk, d);
-  tc_load_rows<BK, DP, LD>(sV, v + bh * lk * d, k0, lk, d);
+  tc_load_rows<BK, DP, LD>(sK, k, k0, lk, d, k_rs);
+  tc_load_rows<BK, DP, LD>(sV, v, k0, lk, d, k_rs);
   __syncthreads();
   // The warp's 16 keys and values as A fragments.
   uint32_t ka[KS][4], va[KS][4];
@@ -239,8 +257,8 @@ __device__ void fa_tc_bwd(const T* q, const T* k, const T* v, const T* go, const
   const int q_begin = causal ? k0 / BQ * BQ : 0;
   for (int q0 = q_begin; q0 < lq; q0 += BQ) {
     __syncthreads();  // the previous query tile and dS are no longer read
-    tc_load_rows<BQ, DP, LD>(sQ, q, q0, lq, d);
-    tc_load_rows<BQ, DP, LD>(sG, go, q0, lq, d);
+    tc_load_rows<BQ, DP, LD>(sQ, q, q0, lq, d, q_rs);
+    tc_load_rows<BQ, DP, LD>(sG, go, q0, lq, d, q_rs);
     for (int e = threadIdx.x; e < BQ; e += TC_THREADS) {
       const bool in = q0 + e < lq;
       sL[e] = in ? lse[q0 + e] : 0.0f;
@@ -313,7 +331,7 @@ __device__ void fa_tc_bwd(const T* q, const T* k, const T* v, const T* go, const
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int qi = qrow + 8 * (i / 2), col = n * 8 + 2 * t + i % 2;
-        if (qi < lq && col < d) atomicAdd(&dq[(long long)qi * d + col], a[i]);
+        if (qi < lq && col < d) atomicAdd(&dq[(long long)qi * q_rs + col], a[i]);
       }
     }
   }
@@ -325,28 +343,52 @@ __device__ void fa_tc_bwd(const T* q, const T* k, const T* v, const T* go, const
     for (int n = 0; n < NO; ++n) {
       const int col = n * 8 + 2 * t + i % 2;
       if (col < d) {
-        tc_from_f(&dk[(bh * lk + key) * d + col], dk_acc[n][i]);
-        tc_from_f(&dv[(bh * lk + key) * d + col], dv_acc[n][i]);
+        tc_from_f(&dk[(long long)key * k_rs + col], dk_acc[n][i]);
+        tc_from_f(&dv[(long long)key * k_rs + col], dv_acc[n][i]);
       }
     }
   }
 }
 
+// ---------------------------------------------------------------- Dr
+
+// dr[bh·Lq + i] = Σ_c dO[i][c]·O[i][c] over head bh's rows (laid out as the forward's q): one
+// warp per row.
+template <class T>
+__device__ void fa_tc_dot(const T* o, const T* g, float* dr, int bhs, int lq, int d, int heads,
+                          int q_rs) {
+  const long long row = (long long)blockIdx.x * (TC_THREADS / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= (long long)bhs * lq) return;  // whole warps leave together
+  const long long bh = row / lq;
+  const long long at = head_base(bh, heads, lq, q_rs, d) + (row % lq) * q_rs;
+  float s = 0.0f;
+  for (int c = lane; c < d; c += 32) s += tc_to_f(o[at + c]) * tc_to_f(g[at + c]);
+  for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+  if (lane == 0) dr[row] = s;
+}
+
 // ---------------------------------------------------------------- entry points
 
 // SUFFIX: head-dim bucket and dtype (d40_bf16). The Rust side (src/nn/flash_attention.rs)
-// launches TC_THREADS threads per block with grids: forward (ceil(Lq/64), BH), backward
-// (ceil(Lk/64), BH).
+// launches TC_THREADS threads per block with grids: forward (ceil(Lq/64), BH), Dr
+// (ceil(BH·Lq/4)), backward (ceil(Lk/64), BH). `heads`, `q_rs`, `k_rs`: the layout (head_base).
 #define TC_ENTRY_POINTS(SUFFIX, T, DM)                                                           \
-  extern "C" __global__ void flash_fwd_tc_##SUFFIX(                \
+  extern "C" __global__ void flash_fwd_tc_##SUFFIX(                                              \
       const T* q, const T* k, const T* v, T* o, float* lse, float scale, int lq, int lk, int d,  \
-      int causal) {                                                                              \
-    fa_tc_fwd<T, DM>(q, k, v, o, lse, scale, lq, lk, d, causal);                                 \
+      int causal, int heads, int q_rs, int k_rs) {                                               \
+    fa_tc_fwd<T, DM>(q, k, v, o, lse, scale, lq, lk, d, causal, heads, q_rs, k_rs);             \
   }                                                                                              \
-  extern "C" __global__ void flash_bwd_tc_##SUFFIX(                \
+  extern "C" __global__ void flash_dot_tc_##SUFFIX(const T* o, const T* g, float* dr, int bhs,   \
+                                                   int lq, int d, int heads, int q_rs) {         \
+    fa_tc_dot<T>(o, g, dr, bhs, lq, d, heads, q_rs);                                             \
+  }                                                                                              \
+  extern "C" __global__ void flash_bwd_tc_##SUFFIX(                                              \
       const T* q, const T* k, const T* v, const T* g, const float* lse, const float* dr,         \
-      float* dq, T* dk, T* dv, float scale, int lq, int lk, int d, int causal) {                 \
-    fa_tc_bwd<T, DM>(q, k, v, g, lse, dr, dq, dk, dv, scale, lq, lk, d, causal);                 \
+      float* dq, T* dk, T* dv, float scale, int lq, int lk, int d, int causal, int heads,        \
+      int q_rs, int k_rs) {                                                                      \
+    fa_tc_bwd<T, DM>(q, k, v, g, lse, dr, dq, dk, dv, scale, lq, lk, d, causal, heads, q_rs,     \
+                     k_rs);                                                                      \
   }
 
 TC_ENTRY_POINTS(d40_bf16, __nv_bfloat16, 40)
