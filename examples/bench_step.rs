@@ -392,29 +392,27 @@ fn fused_kernel_profile(
                 None
             )?))?),
         );
+        // Flash (tensor cores for bf16/f16 where the card has them), and the same call on the
+        // SIMT kernels.
         #[cfg(feature = "cuda")]
         if device.is_cuda() {
-            ops.insert(
-                format!("attn_{label}_flash"),
-                json!(time(&mut || bwd(n::flash_attention(
-                    qv.as_tensor(),
-                    &ks,
-                    &vs,
-                    scale,
-                    false
-                )?))?),
-            );
-            // The same call on the SIMT kernels (bf16/f16 take the tensor-core ones by default).
-            ops.insert(
-                format!("attn_{label}_flash_simt"),
-                json!(time(&mut || bwd(n::flash_attention_simt(
-                    qv.as_tensor(),
-                    &ks,
-                    &vs,
-                    scale,
-                    false
-                )?))?),
-            );
+            type Flash = fn(&Tensor, &Tensor, &Tensor, f64, bool) -> candle_core::Result<Tensor>;
+            let kernels: [(&str, Flash); 2] = [
+                ("flash", n::flash_attention),
+                ("flash_simt", n::flash_attention_simt),
+            ];
+            for (name, flash) in kernels {
+                ops.insert(
+                    format!("attn_{label}_{name}"),
+                    json!(time(&mut || bwd(flash(
+                        qv.as_tensor(),
+                        &ks,
+                        &vs,
+                        scale,
+                        false
+                    )?))?),
+                );
+            }
         }
     }
     Ok(())

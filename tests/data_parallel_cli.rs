@@ -11,19 +11,23 @@ use std::time::{Duration, Instant};
 use common::cli::{demo_data, run_folder, sdtrain, step_losses, text, write_config};
 
 fn config(dir: &Path, steps: usize) -> std::path::PathBuf {
+    config_with(dir, steps, serde_json::json!({}))
+}
+
+/// [`config`] with `extra` keys on top.
+fn config_with(dir: &Path, steps: usize, extra: serde_json::Value) -> std::path::PathBuf {
     std::fs::create_dir_all(dir).unwrap();
-    write_config(
-        dir,
-        "tiny-sd15",
-        &demo_data(),
-        serde_json::json!({
-            "mode": "lora",
-            "grad_accum": 2,
-            "max_steps": steps,
-            "seed": 3,
-            "adapter": {"save_dtype": "fp32"},
-        }),
-    )
+    let mut keys = serde_json::json!({
+        "mode": "lora",
+        "grad_accum": 2,
+        "max_steps": steps,
+        "seed": 3,
+        "adapter": {"save_dtype": "fp32"},
+    });
+    if let (Some(k), Some(e)) = (keys.as_object_mut(), extra.as_object()) {
+        k.extend(e.clone());
+    }
+    write_config(dir, "tiny-sd15", &demo_data(), keys)
 }
 
 fn assert_close(what: &str, got: &[f64], want: &[f64]) {
@@ -154,18 +158,7 @@ fn dry_run_prints_the_per_card_plan_and_bad_lists_are_named() {
 #[test]
 fn a_two_rank_save_point_resumes_on_one_process() {
     let tmp = tempfile::tempdir().unwrap();
-    let extra = |dir: &Path| {
-        std::fs::create_dir_all(dir).unwrap();
-        write_config(
-            dir,
-            "tiny-sd15",
-            &demo_data(),
-            serde_json::json!({
-                "mode": "lora", "grad_accum": 2, "max_steps": 4, "seed": 3,
-                "save_every_n_steps": 2, "adapter": {"save_dtype": "fp32"},
-            }),
-        )
-    };
+    let extra = |dir: &Path| config_with(dir, 4, serde_json::json!({"save_every_n_steps": 2}));
     let one = tmp.path().join("one");
     let out = sdtrain(
         &["--config", extra(&one).to_str().unwrap(), "--cpu"],
@@ -203,22 +196,7 @@ fn a_two_rank_save_point_resumes_on_one_process() {
 #[test]
 fn two_ranks_split_the_disk_cache_and_train_what_one_process_does() {
     let tmp = tempfile::tempdir().unwrap();
-    let cfg = |dir: &Path| {
-        std::fs::create_dir_all(dir).unwrap();
-        write_config(
-            dir,
-            "tiny-sd15",
-            &demo_data(),
-            serde_json::json!({
-                "mode": "lora",
-                "grad_accum": 2,
-                "max_steps": 2,
-                "seed": 3,
-                "cache_latents_to_disk": true,
-                "adapter": {"save_dtype": "fp32"},
-            }),
-        )
-    };
+    let cfg = |dir: &Path| config_with(dir, 2, serde_json::json!({"cache_latents_to_disk": true}));
     let one = tmp.path().join("one");
     let out = sdtrain(
         &["--config", cfg(&one).to_str().unwrap(), "--cpu"],

@@ -580,12 +580,27 @@ mod tests {
     /// Runs `c` in dtype `T` through the emulated kernels and the composed reference (in f32, on
     /// the inputs rounded to `T`) and returns the relative errors of O, L, dQ, dK, dV.
     fn errors<T: WithDType + Elem>(c: Case) -> [f32; 5] {
-        let qkv = [
+        errors_on::<T>(c, plain_inputs(c))
+    }
+
+    /// `c`'s q, k, v: deterministic fills in [−2, 2).
+    fn plain_inputs(c: Case) -> [Tensor; 3] {
+        [
             fill(&[c.bh, c.lq, c.d], 1, 2.0),
             fill(&[c.bh, c.lk, c.d], 2, 2.0),
             fill(&[c.bh, c.lk, c.d], 3, 2.0),
-        ];
-        errors_on::<T>(c, qkv)
+        ]
+    }
+
+    /// [`plain_inputs`] with keys that score higher the later they come (k scaled by a ramp
+    /// 0.25 → 2.25), so every row's running max moves from one key tile to the next.
+    fn rising_keys(c: Case) -> [Tensor; 3] {
+        let ramp: Vec<f32> = (0..c.lk)
+            .map(|j| 0.25 + 2.0 * j as f32 / c.lk as f32)
+            .collect();
+        let ramp = Tensor::from_vec(ramp, (1, c.lk, 1), &Device::Cpu).unwrap();
+        let [q, k, v] = plain_inputs(c);
+        [q, k.broadcast_mul(&ramp).unwrap(), v]
     }
 
     /// As [`errors`], on the given `q`, `k`, `v` (rounded to `T` first).
@@ -637,7 +652,11 @@ mod tests {
 
     /// As [`check`], with a tolerance per result (O, L, dQ, dK, dV).
     fn check_each<T: WithDType + Elem>(what: &str, c: Case, tol: [f32; 5]) {
-        let e = errors::<T>(c);
+        assert_within(what, errors::<T>(c), tol);
+    }
+
+    /// Each of the errors of O, L, dQ, dK, dV within its bound.
+    fn assert_within(what: &str, e: [f32; 5], tol: [f32; 5]) {
         for ((name, e), tol) in ["O", "L", "dQ", "dK", "dV"].iter().zip(e).zip(tol) {
             assert!(e <= tol, "{what}: {name} differs by {e:.2e} (relative)");
         }
@@ -687,18 +706,7 @@ mod tests {
             d: 40,
             causal: false,
         };
-        let ramp: Vec<f32> = (0..c.lk)
-            .map(|j| 0.25 + 2.0 * j as f32 / c.lk as f32)
-            .collect();
-        let ramp = Tensor::from_vec(ramp, (1, c.lk, 1), &Device::Cpu).unwrap();
-        let k = fill(&[c.bh, c.lk, c.d], 2, 2.0)
-            .broadcast_mul(&ramp)
-            .unwrap();
-        let qkv = [
-            fill(&[c.bh, c.lq, c.d], 1, 2.0),
-            k,
-            fill(&[c.bh, c.lk, c.d], 3, 2.0),
-        ];
+        let qkv = rising_keys(c);
         let e = errors_on::<f32>(c, qkv);
         for (name, e) in ["O", "L", "dQ", "dK", "dV"].iter().zip(e) {
             assert!(
@@ -803,18 +811,10 @@ mod tests {
     }
 
     fn check_mode<T: WithDType + Elem>(what: &str, c: Case, mode: Mode, qkv: Option<[Tensor; 3]>) {
-        let qkv = qkv.unwrap_or_else(|| {
-            [
-                fill(&[c.bh, c.lq, c.d], 1, 2.0),
-                fill(&[c.bh, c.lk, c.d], 2, 2.0),
-                fill(&[c.bh, c.lk, c.d], 3, 2.0),
-            ]
-        });
+        let qkv = qkv.unwrap_or_else(|| plain_inputs(c));
         let e = errors_with::<T>(c, mode, qkv);
         eprintln!("{what}: O L dQ dK dV {e:?}");
-        for ((name, e), tol) in ["O", "L", "dQ", "dK", "dV"].iter().zip(e).zip(TC_TOL) {
-            assert!(e <= tol, "{what}: {name} differs by {e:.2e} (relative)");
-        }
+        assert_within(what, e, TC_TOL);
     }
 
     /// Tensor cores, bf16, head dim 40 (SD1.5's 4096-token level; Q·Kᵀ padded to 48), ragged:
@@ -843,18 +843,7 @@ mod tests {
             d: 64,
             causal: false,
         };
-        let ramp: Vec<f32> = (0..c.lk)
-            .map(|j| 0.25 + 2.0 * j as f32 / c.lk as f32)
-            .collect();
-        let ramp = Tensor::from_vec(ramp, (1, c.lk, 1), &Device::Cpu).unwrap();
-        let k = fill(&[c.bh, c.lk, c.d], 2, 2.0)
-            .broadcast_mul(&ramp)
-            .unwrap();
-        let qkv = [
-            fill(&[c.bh, c.lq, c.d], 1, 2.0),
-            k,
-            fill(&[c.bh, c.lk, c.d], 3, 2.0),
-        ];
+        let qkv = rising_keys(c);
         check_tc::<half::bf16>("tc rising keys", c, Some(qkv));
     }
 

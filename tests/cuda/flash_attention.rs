@@ -177,41 +177,57 @@ fn cuda_flash_attention_matches_cpu_on_sd_shapes() {
     }
 }
 
+/// `f_dev` on `dev` against `f_cpu` on the CPU, for `[2, l, inner]` inputs rounded to `dtype`:
+/// asserts the relative errors of O, dQ, dK, dV within [`tolerances`] and prints them.
+fn check_layer(
+    what: &str,
+    dev: &Device,
+    dtype: DType,
+    (l, inner): (usize, usize),
+    f_dev: Attn,
+    f_cpu: Attn,
+) {
+    let round = |t: Tensor| t.to_dtype(dtype).unwrap().to_dtype(DType::F32).unwrap();
+    let cpu = [
+        round(fill(&[2, l, inner], 15, 2.0)),
+        round(fill(&[2, l, inner], 16, 2.0)),
+        round(fill(&[2, l, inner], 17, 2.0)),
+    ];
+    let r = round(fill(&[2, l, inner], 18, 1.0));
+    let on_dev = |t: &Tensor| t.to_device(dev).unwrap().to_dtype(dtype).unwrap();
+    let gpu = cpu.each_ref().map(on_dev);
+    let (y, g) = output_and_grads(&gpu, &on_dev(&r), f_dev);
+    let (y_ref, g_ref) = output_and_grads(&cpu, &r, f_cpu);
+    let e = [
+        rel(&y, &y_ref),
+        rel(&g[0], &g_ref[0]),
+        rel(&g[1], &g_ref[1]),
+        rel(&g[2], &g_ref[2]),
+    ];
+    eprintln!("{what} {dtype:?} [2, {l}, {inner}]: O dQ dK dV {e:?}");
+    for ((name, e), tol) in ["O", "dQ", "dK", "dV"].iter().zip(e).zip(tolerances(dtype)) {
+        assert!(e <= tol, "{what} {dtype:?}: {name} differs by {e:.2e}");
+    }
+}
+
 /// CLIP's text attention (77 tokens, 12 heads of 64) through `nn::causal_attention`, which takes
-/// the flash kernel's causal flag on CUDA (in bf16 the tensor-core kernels on the merged heads),
-/// against the composed masked reference on the CPU.
+/// the flash kernel's causal flag on CUDA (in bf16/f16 the tensor-core kernels on the merged
+/// heads), against the composed masked reference on the CPU.
 #[test]
 #[ignore = "needs a CUDA device: scripts/gpu-check runs it (--include-ignored)"]
 fn cuda_causal_attention_matches_cpu() {
     let dev = device();
     let mask_cpu = nn::causal_mask(77, &Device::Cpu).unwrap();
     let mask_dev = nn::causal_mask(77, &dev).unwrap();
-    for dtype in [DType::F32, DType::BF16] {
-        let round = |t: Tensor| t.to_dtype(dtype).unwrap().to_dtype(DType::F32).unwrap();
-        let cpu = [
-            round(fill(&[2, 77, 768], 5, 2.0)),
-            round(fill(&[2, 77, 768], 6, 2.0)),
-            round(fill(&[2, 77, 768], 7, 2.0)),
-        ];
-        let r = round(fill(&[2, 77, 768], 8, 1.0));
-        let on_dev = |t: &Tensor| t.to_device(&dev).unwrap().to_dtype(dtype).unwrap();
-        let gpu = [on_dev(&cpu[0]), on_dev(&cpu[1]), on_dev(&cpu[2])];
-        let (y, g) = output_and_grads(&gpu, &on_dev(&r), &|q, k, v| {
-            nn::causal_attention(q, k, v, 12, &mask_dev)
-        });
-        let (y_ref, g_ref) = output_and_grads(&cpu, &r, &|q, k, v| {
-            nn::attention_reference(q, k, v, 12, Some(mask_cpu.tensor()))
-        });
-        let e = [
-            rel(&y, &y_ref),
-            rel(&g[0], &g_ref[0]),
-            rel(&g[1], &g_ref[1]),
-            rel(&g[2], &g_ref[2]),
-        ];
-        eprintln!("causal {dtype:?}: O dQ dK dV {e:?}");
-        for ((name, e), tol) in ["O", "dQ", "dK", "dV"].iter().zip(e).zip(tolerances(dtype)) {
-            assert!(e <= tol, "causal {dtype:?}: {name} differs by {e:.2e}");
-        }
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        check_layer(
+            "causal",
+            &dev,
+            dtype,
+            (77, 768),
+            &|q, k, v| nn::causal_attention(q, k, v, 12, &mask_dev),
+            &|q, k, v| nn::attention_reference(q, k, v, 12, Some(mask_cpu.tensor())),
+        );
     }
 }
 
@@ -225,33 +241,8 @@ fn cuda_layer_attention_matches_cpu() {
     let dev = device();
     for (l, inner, heads) in [(1024, 320, 8), (1024, 640, 10)] {
         for dtype in [DType::F32, DType::BF16, DType::F16] {
-            let round = |t: Tensor| t.to_dtype(dtype).unwrap().to_dtype(DType::F32).unwrap();
-            let cpu = [
-                round(fill(&[2, l, inner], 15, 2.0)),
-                round(fill(&[2, l, inner], 16, 2.0)),
-                round(fill(&[2, l, inner], 17, 2.0)),
-            ];
-            let r = round(fill(&[2, l, inner], 18, 1.0));
-            let on_dev = |t: &Tensor| t.to_device(&dev).unwrap().to_dtype(dtype).unwrap();
-            let gpu = cpu.each_ref().map(on_dev);
-            let (y, g) = output_and_grads(&gpu, &on_dev(&r), &|q, k, v| {
-                nn::attention(q, k, v, heads, None)
-            });
-            let (y_ref, g_ref) =
-                output_and_grads(&cpu, &r, &|q, k, v| nn::attention(q, k, v, heads, None));
-            let e = [
-                rel(&y, &y_ref),
-                rel(&g[0], &g_ref[0]),
-                rel(&g[1], &g_ref[1]),
-                rel(&g[2], &g_ref[2]),
-            ];
-            eprintln!("layer attention {dtype:?} [2, {l}, {inner}] / {heads}: O dQ dK dV {e:?}");
-            for ((name, e), tol) in ["O", "dQ", "dK", "dV"].iter().zip(e).zip(tolerances(dtype)) {
-                assert!(
-                    e <= tol,
-                    "layer attention {dtype:?} {heads} heads: {name} differs by {e:.2e}"
-                );
-            }
+            let attend = |q: &Tensor, k: &Tensor, v: &Tensor| nn::attention(q, k, v, heads, None);
+            check_layer("layer attention", &dev, dtype, (l, inner), &attend, &attend);
         }
     }
 }
