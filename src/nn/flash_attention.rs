@@ -594,13 +594,13 @@ mod tests {
 
     /// [`plain_inputs`] with keys that score higher the later they come (k scaled by a ramp
     /// 0.25 → 2.25), so every row's running max moves from one key tile to the next.
-    fn rising_keys(c: Case) -> [Tensor; 3] {
+    fn rising_keys(c: Case) -> Result<[Tensor; 3]> {
         let ramp: Vec<f32> = (0..c.lk)
             .map(|j| 0.25 + 2.0 * j as f32 / c.lk as f32)
             .collect();
-        let ramp = Tensor::from_vec(ramp, (1, c.lk, 1), &Device::Cpu).unwrap();
+        let ramp = Tensor::from_vec(ramp, (1, c.lk, 1), &Device::Cpu)?;
         let [q, k, v] = plain_inputs(c);
-        [q, k.broadcast_mul(&ramp).unwrap(), v]
+        Ok([q, k.broadcast_mul(&ramp)?, v])
     }
 
     /// As [`errors`], on the given `q`, `k`, `v` (rounded to `T` first).
@@ -706,7 +706,7 @@ mod tests {
             d: 40,
             causal: false,
         };
-        let qkv = rising_keys(c);
+        let qkv = rising_keys(c).unwrap();
         let e = errors_on::<f32>(c, qkv);
         for (name, e) in ["O", "L", "dQ", "dK", "dV"].iter().zip(e) {
             assert!(
@@ -843,7 +843,7 @@ mod tests {
             d: 64,
             causal: false,
         };
-        let qkv = rising_keys(c);
+        let qkv = rising_keys(c).unwrap();
         check_tc::<half::bf16>("tc rising keys", c, Some(qkv));
     }
 

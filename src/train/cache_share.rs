@@ -91,8 +91,11 @@ mod tests {
     use std::time::Duration;
 
     /// Runs `f` on each rank of an in-process group of `world`, returning the results in rank
-    /// order.
-    fn on_ranks<T: Send>(world: usize, f: impl Fn(&mut dyn Collective) -> T + Sync) -> Vec<T> {
+    /// order (an error if a rank's thread panicked).
+    fn on_ranks<T: Send>(
+        world: usize,
+        f: impl Fn(&mut dyn Collective) -> T + Sync,
+    ) -> std::thread::Result<Vec<T>> {
         let links = InProcess::group(world, Duration::from_secs(20));
         std::thread::scope(|s| {
             let handles: Vec<_> = links
@@ -102,14 +105,14 @@ mod tests {
                     s.spawn(move || f(&mut l))
                 })
                 .collect();
-            handles.into_iter().map(|h| h.join().unwrap()).collect()
+            handles.into_iter().map(|h| h.join()).collect()
         })
     }
 
     #[test]
     fn ranks_sharing_a_folder_split_the_missing_entries() {
         let dir = tempfile::tempdir().unwrap();
-        let shards = on_ranks(3, |c| shard_for(dir.path(), c).unwrap());
+        let shards = on_ranks(3, |c| shard_for(dir.path(), c).unwrap()).unwrap();
         let missing: Vec<usize> = (10..20).collect();
         let mut all: Vec<usize> = Vec::new();
         for (r, s) in shards.iter().enumerate() {
@@ -135,7 +138,8 @@ mod tests {
         let shards = on_ranks(2, |c| {
             let r = c.rank();
             shard_for(&paths[r], c).unwrap()
-        });
+        })
+        .unwrap();
         for s in shards {
             assert_eq!(
                 s,
@@ -153,14 +157,15 @@ mod tests {
         let results = on_ranks(2, |c| {
             let ok = c.rank() == 0;
             wait_for_shares(c, ok).map_err(|e| e.to_string())
-        });
+        })
+        .unwrap();
         assert_eq!(
             results[0].as_ref().unwrap_err(),
             "rank 1 could not encode its share of the latent cache (see its error)"
         );
         // Rank 1 returns its own error to its caller; the vote itself succeeds there.
         assert!(results[1].is_ok());
-        let results = on_ranks(2, |c| wait_for_shares(c, true).is_ok());
+        let results = on_ranks(2, |c| wait_for_shares(c, true).is_ok()).unwrap();
         assert_eq!(results, [true, true]);
     }
 }
