@@ -37,14 +37,19 @@ fn summarize_with(
     extra: &[&Tensor],
     grads: &[&Tensor],
 ) -> candle_core::Result<(Vec<f32>, GradSummary)> {
-    let mut scalars = extra
-        .iter()
-        .map(|t| t.to_dtype(DType::F32)?.reshape(()))
-        .collect::<candle_core::Result<Vec<_>>>()?;
-    for g in grads {
-        scalars.push(sum_of_squares(g)?);
-    }
-    let mut sums = fetch_scalars(&scalars)?;
+    let mut sums = match device_sums(extra, grads)? {
+        Some(sums) => sums,
+        None => {
+            let mut scalars = extra
+                .iter()
+                .map(|t| t.to_dtype(DType::F32)?.reshape(()))
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            for g in grads {
+                scalars.push(sum_of_squares(g)?);
+            }
+            fetch_scalars(&scalars)?
+        }
+    };
     let extra_values: Vec<f32> = sums.drain(..extra.len()).collect();
     let total: f64 = sums.iter().map(|&s| f64::from(s)).sum();
     let mut nonfinite = Vec::new();
@@ -112,6 +117,18 @@ pub struct Finite(());
 impl Finite {
     /// For the optimizer's own step, which checked the gradients itself.
     pub(super) const CHECKED: Finite = Finite(());
+}
+
+/// The values of `extra` and each gradient's Σ g² from one kernel per gradient on a CUDA device
+/// (`super::sumsq_cuda`), or `None` (the composed path): other devices, or mixed ones.
+#[cfg(feature = "cuda")]
+fn device_sums(extra: &[&Tensor], grads: &[&Tensor]) -> candle_core::Result<Option<Vec<f32>>> {
+    super::sumsq_cuda::fetch(extra, grads)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn device_sums(_: &[&Tensor], _: &[&Tensor]) -> candle_core::Result<Option<Vec<f32>>> {
+    Ok(None)
 }
 
 /// `Σ g²` in f32, as a 0-d tensor. Reduced in two levels, over rows of a `[rows, n/rows]` view

@@ -67,6 +67,10 @@ pub mod schedule;
 pub mod schedulefree;
 pub mod state;
 pub mod stochastic_round;
+#[cfg(feature = "cuda")]
+mod sumsq_cuda;
+#[cfg(test)]
+mod sumsq_emu_tests;
 
 use std::path::{Path, PathBuf};
 

@@ -414,3 +414,39 @@ fn came8bit_state_on_the_device_resumes_both_ways() {
         assert_same(&resumed, (&d, &to_gpu), (&a, &cpu), tol);
     }
 }
+
+/// The step check's gradient norm on CUDA (src/optim/sumsq.cu: one launch per gradient into one
+/// buffer) against the CPU's: f32, bf16 and f16 gradients, a tensor past one block's share
+/// (1,024 blocks of 256 threads), and a non-finite gradient still found.
+#[test]
+#[ignore = "needs a CUDA device: scripts/gpu-check runs it (--include-ignored)"]
+fn cuda_gradient_norm_matches_cpu() {
+    let dev = super::cuda("cuda_gradient_norm_matches_cpu");
+    let shapes: [&[usize]; 4] = [&[320, 16], &[16, 640], &[3_000_000], &[7]];
+    let vars: Vec<Var> = shapes
+        .iter()
+        .map(|s| Var::from_tensor(&Tensor::zeros(*s, DType::F32, &Device::Cpu).unwrap()).unwrap())
+        .collect();
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        let grads: Vec<Tensor> = shapes
+            .iter()
+            .enumerate()
+            .map(|(i, s)| common::fill(s, i as u64 + 3).to_dtype(dtype).unwrap())
+            .collect();
+        let store = |dev: &Device| {
+            let mut g = GradStore::default();
+            for (v, t) in vars.iter().zip(&grads) {
+                g.insert(v.as_tensor(), t.to_device(dev).unwrap());
+            }
+            g
+        };
+        let cpu = sdtrain::optim::grad_norm(&vars, &store(&Device::Cpu)).unwrap();
+        let gpu = sdtrain::optim::grad_norm(&vars, &store(&dev)).unwrap();
+        eprintln!("gradient norm {dtype:?}: cpu {cpu}, cuda {gpu}");
+        assert!((gpu - cpu).abs() <= 1e-5 * cpu, "{dtype:?}: {gpu} vs {cpu}");
+    }
+    let mut bad = GradStore::default();
+    let inf = Tensor::new(&[1.0f32, f32::INFINITY, 2.0, 0.0, 0.0, 0.0, 0.0], &dev).unwrap();
+    bad.insert(vars[3].as_tensor(), inf);
+    assert!(!sdtrain::optim::grad_norm(&vars, &bad).unwrap().is_finite());
+}
