@@ -221,8 +221,8 @@ fn frames(config: &Config) -> String {
     }
 }
 
-/// `src/nn/conv.rs:12` from `/work/x/src/nn/conv.rs:12:5` (the column dropped, the path from its
-/// last `src/`).
+/// `src/nn/conv.rs:12` from `/home/me/sdtrain/src/nn/conv.rs:12:5` (the column dropped, the
+/// path from its last `src/`).
 fn short_place(at: &str) -> String {
     let no_col = match at.rsplit_once(':') {
         Some((head, col)) if col.chars().all(|c| c.is_ascii_digit()) => head,
