@@ -25,6 +25,9 @@ use super::{
 };
 use crate::kernel_emu::{self, Arg};
 
+/// The tests' result: a rule that refuses its hyperparameters fails the test with its error.
+type TestResult = Result<(), Box<dyn std::error::Error>>;
+
 const SOURCE: &str = "src/optim/adaptive.cu";
 
 /// Deterministic values in about ±scale, a few of them 100 times larger.
@@ -272,7 +275,7 @@ fn each_grid(what: &str, rule: &dyn UpdateRule, kernel: &dyn AdaptiveKernel, lrs
 }
 
 #[test]
-fn prodigy_kernels_match_the_cpu_path() {
+fn prodigy_kernels_match_the_cpu_path() -> TestResult {
     let ed2 = ProdigyParams {
         weight_decay: 0.1,
         use_bias_correction: true,
@@ -288,14 +291,15 @@ fn prodigy_kernels_match_the_cpu_path() {
         ..ProdigyParams::default()
     };
     for (what, h) in [("prodigy", ed2), ("prodigy β1=0, coupled", no_m)] {
-        let rule = Prodigy::rule(h).unwrap();
+        let rule = Prodigy::rule(h)?;
         // lr 0 first, as the first step of a warmup: only the starting point is taken.
         each_grid(what, &rule, &ProdigyKernel(h), &[0.0, 1.0, 1.0, 0.5]);
     }
+    Ok(())
 }
 
 #[test]
-fn dadapt_adam_kernels_match_the_cpu_path() {
+fn dadapt_adam_kernels_match_the_cpu_path() -> TestResult {
     for decouple in [true, false] {
         let h = DAdaptAdamParams {
             weight_decay: 0.1,
@@ -304,7 +308,7 @@ fn dadapt_adam_kernels_match_the_cpu_path() {
             d0: 1e-4,
             ..DAdaptAdamParams::default()
         };
-        let rule = DAdaptAdam::rule(h).unwrap();
+        let rule = DAdaptAdam::rule(h)?;
         each_grid(
             &format!("dadapt_adam decouple={decouple}"),
             &rule,
@@ -312,10 +316,11 @@ fn dadapt_adam_kernels_match_the_cpu_path() {
             &[0.0, 1.0, 0.7],
         );
     }
+    Ok(())
 }
 
 #[test]
-fn dadapt_adan_kernels_match_the_cpu_path() {
+fn dadapt_adan_kernels_match_the_cpu_path() -> TestResult {
     for no_prox in [false, true] {
         let h = DAdaptAdanParams {
             weight_decay: 0.1,
@@ -323,7 +328,7 @@ fn dadapt_adan_kernels_match_the_cpu_path() {
             d0: 1e-4,
             ..DAdaptAdanParams::default()
         };
-        let rule = DAdaptAdan::rule(h).unwrap();
+        let rule = DAdaptAdan::rule(h)?;
         each_grid(
             &format!("dadapt_adan no_prox={no_prox}"),
             &rule,
@@ -331,65 +336,65 @@ fn dadapt_adan_kernels_match_the_cpu_path() {
             &[1.0, 0.5],
         );
     }
+    Ok(())
 }
 
 #[test]
-fn dadapt_lion_kernel_matches_the_cpu_path() {
+fn dadapt_lion_kernel_matches_the_cpu_path() -> TestResult {
     let h = DAdaptLionParams {
         weight_decay: 0.1,
         d0: 1e-4,
         ..DAdaptLionParams::default()
     };
-    let rule = DAdaptLion::rule(h).unwrap();
+    let rule = DAdaptLion::rule(h)?;
     each_grid("dadapt_lion", &rule, &DAdaptLionKernel(h), &[1.0, 0.5]);
+    Ok(())
 }
 
 #[test]
-fn dadapt_sgd_kernels_match_the_cpu_path() {
+fn dadapt_sgd_kernels_match_the_cpu_path() -> TestResult {
     let h = DAdaptSgdParams {
         momentum: 0.9,
         weight_decay: 0.01,
         d0: 1e-4,
         growth_rate: 2.0,
     };
-    let rule = DAdaptSgd::rule(h).unwrap();
+    let rule = DAdaptSgd::rule(h)?;
     each_grid("dadapt_sgd", &rule, &DAdaptSgdKernel(h), &[1.0, 0.0, 0.8]);
+    Ok(())
 }
 
 #[test]
-fn dowg_kernels_match_the_cpu_path() {
+fn dowg_kernels_match_the_cpu_path() -> TestResult {
     let h = DowgParams {
         eps: 1e-4,
         clip: 0.5,
     };
     each_grid(
         "coordinate_dowg",
-        &CoordinateDowg::rule(h).unwrap(),
+        &CoordinateDowg::rule(h)?,
         &CoordinateDowgKernel(h),
         &[1.0],
     );
     each_grid(
         "scalar_dowg",
-        &ScalarDowg::rule(h).unwrap(),
+        &ScalarDowg::rule(h)?,
         &ScalarDowgKernel(h),
         &[1.0],
     );
+    Ok(())
 }
 
 #[test]
-fn adacoor_kernel_matches_the_cpu_path() {
+fn adacoor_kernel_matches_the_cpu_path() -> TestResult {
     let h = AdaCoorParams { eps: 1e-8 };
     // Gradients of 1e-2 make ε·g² 1e-12: the bf16 accumulator and its rounding are exercised.
-    each_grid(
-        "adacoor",
-        &AdaCoor::rule(h).unwrap(),
-        &AdaCoorKernel(h),
-        &[1.0],
-    );
+    each_grid("adacoor", &AdaCoor::rule(h)?, &AdaCoorKernel(h), &[1.0]);
+    Ok(())
 }
 
 #[test]
-fn schedulefree_kernels_match_the_cpu_path() {
+fn schedulefree_kernels_match_the_cpu_path() -> TestResult {
     let warm = ScheduleFreeParams {
         weight_decay: 0.1,
         warmup_steps: 3,
@@ -400,7 +405,8 @@ fn schedulefree_kernels_match_the_cpu_path() {
         ("adamw_schedulefree", ScheduleFreeParams::default()),
         ("adamw_schedulefree warmup, decay, r", warm),
     ] {
-        let rule = AdamWScheduleFree::rule(h).unwrap();
+        let rule = AdamWScheduleFree::rule(h)?;
         each_grid(what, &rule, &ScheduleFreeKernel(h), &[1e-2, 1e-2, 5e-3]);
     }
+    Ok(())
 }
