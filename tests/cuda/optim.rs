@@ -181,6 +181,40 @@ fn host_f32(t: &Tensor) -> Vec<f32> {
         .unwrap()
 }
 
+/// Two optimizers of one rule, on the CPU and on `dev`, over the same parameters (`shapes`, in
+/// `dtype`), after three steps on the same gradients, checked to agree within `tol`.
+struct Stepped {
+    a: GroupOptimizer,
+    b: GroupOptimizer,
+    cpu: Vec<(String, Var)>,
+    gpu: Vec<(String, Var)>,
+}
+
+fn three_steps(
+    what: &str,
+    make: &dyn Fn() -> Box<dyn UpdateRule>,
+    shapes: &[&[usize]],
+    dtype: DType,
+    dev: &Device,
+    tol: f32,
+) -> Stepped {
+    let init: Vec<Tensor> = shapes
+        .iter()
+        .enumerate()
+        .map(|(i, s)| common::fill(s, i as u64 + 1).to_dtype(dtype).unwrap())
+        .collect();
+    let (cpu, gpu) = (vars(&init, &Device::Cpu), vars(&init, dev));
+    let mut a = GroupOptimizer::new(make(), cpu.clone(), 1e-2).unwrap();
+    let mut b = GroupOptimizer::new(make(), gpu.clone(), 1e-2).unwrap();
+    assert_eq!(a.state_bytes(), b.state_bytes(), "{what}: state bytes");
+    for k in 0..3 {
+        a.step(&grads(k, &cpu)).unwrap();
+        b.step(&grads(k, &gpu)).unwrap();
+    }
+    assert_same(&format!("{what}, 3 steps"), (&a, &cpu), (&b, &gpu), tol);
+    Stepped { a, b, cpu, gpu }
+}
+
 /// Parameters within `tol`; state codes equal but for 1 + 1/100 of them; f32 state within 1e-5
 /// relative to its largest value. With 8-bit state, a moment whose code differs from the host's
 /// moves that element's later updates by a quantisation step, so a few parameters may differ by
@@ -245,20 +279,7 @@ fn cuda_optimizers_match_cpu_and_resume_across_devices() {
     for (name, make) in rules() {
         for (dtype, tol) in [(DType::F32, 1e-6), (DType::BF16, 1e-2)] {
             let what = format!("{name} {dtype:?}");
-            let init: Vec<Tensor> = SHAPES
-                .iter()
-                .enumerate()
-                .map(|(i, s)| common::fill(s, i as u64 + 1).to_dtype(dtype).unwrap())
-                .collect();
-            let (cpu, gpu) = (vars(&init, &Device::Cpu), vars(&init, &dev));
-            let mut a = GroupOptimizer::new(make(), cpu.clone(), 1e-2).unwrap();
-            let mut b = GroupOptimizer::new(make(), gpu.clone(), 1e-2).unwrap();
-            assert_eq!(a.state_bytes(), b.state_bytes(), "{what}: state bytes");
-            for k in 0..3 {
-                a.step(&grads(k, &cpu)).unwrap();
-                b.step(&grads(k, &gpu)).unwrap();
-            }
-            assert_same(&format!("{what}, 3 steps"), (&a, &cpu), (&b, &gpu), tol);
+            let Stepped { mut b, gpu, .. } = three_steps(&what, &make, &SHAPES, dtype, &dev, tol);
 
             // The CUDA state, resumed on the CPU over copies of the CUDA parameters.
             let path = dir.path().join(format!("{name}-{dtype:?}.safetensors"));
@@ -363,20 +384,12 @@ fn came8bit_state_on_the_device_resumes_both_ways() {
     let shapes: [&[usize]; 3] = [&[70, 80], &[4500], &[7, 3]];
     for (dtype, tol) in [(DType::F32, 1e-6), (DType::BF16, 1e-2)] {
         let what = format!("came8bit {dtype:?}");
-        let init: Vec<Tensor> = shapes
-            .iter()
-            .enumerate()
-            .map(|(i, s)| common::fill(s, i as u64 + 1).to_dtype(dtype).unwrap())
-            .collect();
-        let (cpu, gpu) = (vars(&init, &Device::Cpu), vars(&init, &dev));
-        let mut a = GroupOptimizer::new(make(), cpu.clone(), 1e-2).unwrap();
-        let mut b = GroupOptimizer::new(make(), gpu.clone(), 1e-2).unwrap();
-        assert_eq!(a.state_bytes(), b.state_bytes(), "{what}: state bytes");
-        for k in 0..3 {
-            a.step(&grads(k, &cpu)).unwrap();
-            b.step(&grads(k, &gpu)).unwrap();
-        }
-        assert_same(&format!("{what}, 3 steps"), (&a, &cpu), (&b, &gpu), tol);
+        let Stepped {
+            mut a,
+            mut b,
+            cpu,
+            gpu,
+        } = three_steps(&what, &make, &shapes, dtype, &dev, tol);
         let vector = b.state("p1").unwrap();
         for name in ["exp_avg", "exp_avg_sq"] {
             assert_eq!(
