@@ -28,8 +28,9 @@ use rand::{rngs::StdRng, Rng, SeedableRng};
 
 use super::factors::{self, Algo, Init, DORA_SCALE, DOWN, LOKR_W1_A, LOKR_W2_A, UP};
 use crate::nn::{
-    cast_like, cpu_bf16, frozen_conv2d_low_rank, frozen_conv2d_rebuilt, frozen_linear_low_rank,
-    frozen_linear_rebuilt, BaseWeight, FrozenBase, LayerAdapter, LowRank, Rebuild, WeightUpdate,
+    add_maybe_const, cast_like, cpu_bf16, frozen_conv2d_low_rank, frozen_conv2d_rebuilt,
+    frozen_geglu_linear_low_rank, frozen_linear_low_rank, frozen_linear_rebuilt, BaseWeight,
+    FrozenBase, LayerAdapter, LowRank, Rebuild, WeightUpdate,
 };
 
 /// Which model an adapter module belongs to (kohya prefixes `lora_unet`, `lora_te`/`lora_te1`,
@@ -425,27 +426,59 @@ impl LayerAdapter for LoraModule {
     /// sum of the two. LoRA/LoCon (`nn::low_rank`): the input and the rank-r `down` output, not
     /// three layer-output-sized tensors. LoHa, LoKr, DoRA (`nn::rebuilt`): the input and the
     /// packed factors, none of the weight-sized tensors that rebuild `ΔW`.
-    fn forward_frozen(&self, x: &Tensor, base: FrozenBase<'_>) -> Option<Result<Tensor>> {
+    fn forward_frozen(
+        &self,
+        x: &Tensor,
+        base: FrozenBase<'_>,
+        residual: Option<&Tensor>,
+    ) -> Option<Result<Tensor>> {
         if self.algo != Algo::LowRank || self.is_dora() {
-            return Some(self.rebuilt_forward(x, base));
+            let y = self.rebuilt_forward(x, base);
+            return Some(match residual {
+                Some(r) => y.and_then(|y| add_maybe_const(&y, r)),
+                None => y,
+            });
         }
-        let (down, up) = match self.lora_pair() {
-            Ok(pair) => pair,
-            Err(e) => return Some(Err(e)),
-        };
+        Some(self.with_low_rank(|lr| {
+            self.fit(base).and_then(|layer| match layer {
+                Fitted::Linear(w, b) => frozen_linear_low_rank(x, &w, b, lr, residual),
+                Fitted::Conv(w, b, padding, stride) => {
+                    frozen_conv2d_low_rank(x, &w, b, padding, stride, lr, residual)
+                }
+            })
+        }))
+    }
+
+    /// LoRA on a linear after GEGLU (`ff.net.2`) as one op with the GEGLU
+    /// (`nn::geglu_low_rank`); the other algorithms and DoRA have no such form.
+    fn forward_frozen_geglu(
+        &self,
+        p: &Tensor,
+        base: FrozenBase<'_>,
+        residual: Option<&Tensor>,
+    ) -> Option<Result<Tensor>> {
+        if self.algo != Algo::LowRank || self.is_dora() {
+            return None;
+        }
+        Some(self.with_low_rank(|lr| match self.fit(base)? {
+            Fitted::Linear(w, b) => frozen_geglu_linear_low_rank(p, &w, b, lr, residual),
+            Fitted::Conv(..) => candle_core::bail!("{}: a conv after GEGLU", self.module_path),
+        }))
+    }
+}
+
+impl LoraModule {
+    /// `f` on this module's factors as the low-rank ops take them (`down`, `up`, the scale and
+    /// the dropout mask).
+    fn with_low_rank(&self, f: impl FnOnce(LowRank<'_>) -> Result<Tensor>) -> Result<Tensor> {
+        let (down, up) = self.lora_pair()?;
         let mask = |h: &Tensor| self.dropout_mask(h);
-        let lr = LowRank {
+        f(LowRank {
             down: &down,
             up: &up,
             scale: self.scale(),
             dropout: &mask,
-        };
-        Some(self.fit(base).and_then(|layer| match layer {
-            Fitted::Linear(w, b) => frozen_linear_low_rank(x, &w, b, lr),
-            Fitted::Conv(w, b, padding, stride) => {
-                frozen_conv2d_low_rank(x, &w, b, padding, stride, lr)
-            }
-        }))
+        })
     }
 }
 
@@ -683,7 +716,7 @@ mod tests {
                         stride: 1,
                     },
                 };
-                let one = m.forward_frozen(&x, frozen).unwrap().unwrap();
+                let one = m.forward_frozen(&x, frozen, None).unwrap().unwrap();
                 let plain = match dims.len() {
                     2 => x.matmul(&w.t().unwrap()).unwrap().broadcast_add(&b),
                     _ => x

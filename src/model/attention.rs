@@ -40,12 +40,28 @@ impl Attention {
 
     /// `x` `[B, L, C]`, `context` `[B, Lc, Cc]` → `[B, L, C]`.
     pub fn forward(&self, x: &Tensor, context: Option<&Tensor>) -> Result<Tensor> {
+        self.to_out.forward(&self.heads_out(x, context)?)
+    }
+
+    /// `residual + forward(x, context)`, the residual added inside `to_out`'s op where it can be
+    /// (see `Linear::forward_add`).
+    pub fn forward_add(
+        &self,
+        x: &Tensor,
+        context: Option<&Tensor>,
+        residual: &Tensor,
+    ) -> Result<Tensor> {
+        self.to_out
+            .forward_add(&self.heads_out(x, context)?, residual)
+    }
+
+    /// The attention's output before `to_out`, heads merged.
+    fn heads_out(&self, x: &Tensor, context: Option<&Tensor>) -> Result<Tensor> {
         let ctx = context.unwrap_or(x);
         let q = self.to_q.forward(x)?;
         let k = self.to_k.forward(ctx)?;
         let v = self.to_v.forward(ctx)?;
-        self.to_out
-            .forward(&attention(&q, &k, &v, self.heads, None)?)
+        attention(&q, &k, &v, self.heads, None)
     }
 }
 

@@ -75,8 +75,22 @@ impl Conv2d {
 
     /// `base(x) + adapter.delta(x)`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.forward_plus(x, None)
+    }
+
+    /// `residual + forward(x)` (a transformer's `x + proj_out(…)`): added inside an adapted
+    /// frozen layer's op, as [`super::Linear::forward_add`] does.
+    pub fn forward_add(&self, x: &Tensor, residual: &Tensor) -> Result<Tensor> {
+        self.forward_plus(x, Some(residual))
+    }
+
+    fn forward_plus(&self, x: &Tensor, residual: Option<&Tensor>) -> Result<Tensor> {
+        let plus = |y: Tensor| match residual {
+            Some(r) => super::add_maybe_const(&y, r),
+            None => Ok(y),
+        };
         let Some(a) = &self.adapter else {
-            return self.base_forward(x);
+            return plus(self.base_forward(x)?);
         };
         if self.is_frozen() && super::frozen::supported(x) {
             let base = super::FrozenBase::Conv {
@@ -85,13 +99,16 @@ impl Conv2d {
                 padding: self.cfg.padding,
                 stride: self.cfg.stride,
             };
-            if let Some(y) = a.forward_frozen(x, base) {
+            if let Some(y) = a.forward_frozen(x, base, residual) {
                 return y;
             }
         }
         // A frozen layer on an untracked input has an untracked output: `add_maybe_const`
         // stores no gradient for it.
-        super::add_maybe_const(&self.base_forward(x)?, &a.delta_on(x, &self.base_weight())?)
+        plus(super::add_maybe_const(
+            &self.base_forward(x)?,
+            &a.delta_on(x, &self.base_weight())?,
+        )?)
     }
 
     /// Whether the weight and the bias are plain tensors (no gradient wanted).

@@ -1,8 +1,9 @@
 //! The carrier every fused op here shares: a forward computed on detached operands with ordinary
 //! candle ops (so it runs on every backend, and its intermediates are freed as soon as it
-//! returns), handed to a `CustomOp1`/`CustomOp3` through an [`OutputSlot`], and an analytic
-//! backward that keeps only what it needs (the op's arguments, its output, and whatever small
-//! statistics the op saved, e.g. a norm's per-row mean and 1/σ).
+//! returns), attached to its arguments as one node of candle's graph (`Tensor::attach`, the
+//! vendored candle-core's: the node shares the result's storage, nothing is copied), and an
+//! analytic backward that keeps only what it needs (the op's arguments, its output, and whatever
+//! small statistics the op saved, e.g. a norm's per-row mean and 1/σ).
 //!
 //! Unlike the composed references, the graph then holds no f32 upcast, centred copy or
 //! normalised copy of the activation: one output, plus the arguments it already held.
@@ -11,9 +12,9 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
+use std::sync::Arc;
 
-use super::output_slot::OutputSlot;
+use candle_core::{AttachedBackward, Result, Tensor};
 
 /// The gradients of a three-argument op; `None` for an argument that is not tracked.
 pub(crate) type Grads3 = (Option<Tensor>, Option<Tensor>, Option<Tensor>);
@@ -61,162 +62,127 @@ pub(crate) trait Backward2: Send + Sync + 'static {
     ) -> Result<(Option<Tensor>, Option<Tensor>)>;
 }
 
+/// The backward of a fused op of any number of arguments: one gradient per argument, in order
+/// (`None` where the argument is not tracked), from the arguments, the op's output `res` and
+/// the upstream gradient.
+pub(crate) trait BackwardN: Send + Sync + 'static {
+    fn backward(&self, args: &[Tensor], res: &Tensor, grad: &Tensor)
+        -> Result<Vec<Option<Tensor>>>;
+}
+
+/// A fused op's node in candle's graph: its name and backward.
 struct Fused<B> {
     name: &'static str,
-    out: OutputSlot,
     backward: B,
 }
 
-impl<B> Fused<B> {
-    fn new(name: &'static str, out: Tensor, backward: B) -> Result<Self> {
-        Ok(Self {
-            name,
-            out: OutputSlot::new(name, out)?,
-            backward,
-        })
-    }
-}
-
-impl<B: Backward1> CustomOp1 for Fused<B> {
+impl<B: BackwardN> AttachedBackward for Fused<B> {
     fn name(&self) -> &'static str {
         self.name
     }
 
-    fn cpu_fwd(&self, _s: &CpuStorage, _l: &Layout) -> Result<(CpuStorage, Shape)> {
-        self.out.cpu()
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        _s: &candle_core::CudaStorage,
-        _l: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        self.out.cuda()
-    }
-
-    fn bwd(&self, arg: &Tensor, res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
-        Ok(Some(self.backward.backward(arg, res, grad)?))
+    fn bwd(&self, args: &[Tensor], res: &Tensor, grad: &Tensor) -> Result<Vec<Option<Tensor>>> {
+        self.backward.backward(args, res, grad)
     }
 }
 
-impl<B: Backward2> CustomOp2 for Fused<B> {
-    fn name(&self) -> &'static str {
-        self.name
-    }
+/// The arguments of a fused op of fixed arity, for its backward.
+fn arg<'a, const N: usize>(args: &'a [Tensor], name: &'static str) -> Result<&'a [Tensor; N]> {
+    args.try_into()
+        .map_err(|_| candle_core::Error::Msg(format!("{name}: {} arguments, not {N}", args.len())))
+}
 
-    fn cpu_fwd(
-        &self,
-        _s1: &CpuStorage,
-        _l1: &Layout,
-        _s2: &CpuStorage,
-        _l2: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        self.out.cpu()
-    }
+struct One<B>(&'static str, B);
 
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
+impl<B: Backward1> BackwardN for One<B> {
+    fn backward(
         &self,
-        _s1: &candle_core::CudaStorage,
-        _l1: &Layout,
-        _s2: &candle_core::CudaStorage,
-        _l2: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        self.out.cuda()
-    }
-
-    fn bwd(
-        &self,
-        a: &Tensor,
-        b: &Tensor,
+        args: &[Tensor],
         res: &Tensor,
         grad: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        self.backward.backward(a, b, res, grad)
+    ) -> Result<Vec<Option<Tensor>>> {
+        let [a] = arg::<1>(args, self.0)?;
+        Ok(vec![Some(self.1.backward(a, res, grad)?)])
     }
 }
 
-impl<B: Backward3> CustomOp3 for Fused<B> {
-    fn name(&self) -> &'static str {
-        self.name
-    }
+struct Two<B>(&'static str, B);
 
-    fn cpu_fwd(
+impl<B: Backward2> BackwardN for Two<B> {
+    fn backward(
         &self,
-        _s1: &CpuStorage,
-        _l1: &Layout,
-        _s2: &CpuStorage,
-        _l2: &Layout,
-        _s3: &CpuStorage,
-        _l3: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        self.out.cpu()
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        _s1: &candle_core::CudaStorage,
-        _l1: &Layout,
-        _s2: &candle_core::CudaStorage,
-        _l2: &Layout,
-        _s3: &candle_core::CudaStorage,
-        _l3: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        self.out.cuda()
-    }
-
-    fn bwd(
-        &self,
-        a: &Tensor,
-        b: &Tensor,
-        c: &Tensor,
+        args: &[Tensor],
         res: &Tensor,
         grad: &Tensor,
-    ) -> Result<Grads3> {
-        self.backward.backward(a, b, c, res, grad)
+    ) -> Result<Vec<Option<Tensor>>> {
+        let [a, b] = arg::<2>(args, self.0)?;
+        let (da, db) = self.1.backward(a, b, res, grad)?;
+        Ok(vec![da, db])
     }
 }
 
-/// Attaches `out` (computed on detached operands) to `arg` with `backward`. When `arg` is not
-/// tracked there is nothing to differentiate and `out` is returned as it is.
+struct Three<B>(&'static str, B);
+
+impl<B: Backward3> BackwardN for Three<B> {
+    fn backward(
+        &self,
+        args: &[Tensor],
+        res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<Vec<Option<Tensor>>> {
+        let [a, b, c] = arg::<3>(args, self.0)?;
+        let (da, db, dc) = self.1.backward(a, b, c, res, grad)?;
+        Ok(vec![da, db, dc])
+    }
+}
+
+/// Attaches `out` (computed on detached operands) to `args` with `backward`: the op's output
+/// is `out` itself, its storage shared, not copied. When no argument is tracked there is nothing
+/// to differentiate and `out` is returned as it is.
+pub(crate) fn attach_n(
+    args: &[&Tensor],
+    name: &'static str,
+    out: Tensor,
+    backward: impl BackwardN,
+) -> Result<Tensor> {
+    if !args.iter().any(|a| a.track_op()) {
+        return Ok(out);
+    }
+    Ok(Tensor::attach(
+        &out,
+        args,
+        Arc::new(Fused { name, backward }),
+    ))
+}
+
+/// [`attach_n`] for one argument.
 pub(crate) fn attach1(
     arg: &Tensor,
     name: &'static str,
     out: Tensor,
     backward: impl Backward1,
 ) -> Result<Tensor> {
-    if !arg.track_op() {
-        return Ok(out);
-    }
-    arg.apply_op1(Fused::new(name, out, backward)?)
+    attach_n(&[arg], name, out, One(name, backward))
 }
 
-/// Attaches `out` to `(a, b)` with `backward`; `out` as it is when neither is tracked.
+/// [`attach_n`] for two arguments.
 pub(crate) fn attach2(
     (a, b): (&Tensor, &Tensor),
     name: &'static str,
     out: Tensor,
     backward: impl Backward2,
 ) -> Result<Tensor> {
-    if !(a.track_op() || b.track_op()) {
-        return Ok(out);
-    }
-    a.apply_op2(b, Fused::new(name, out, backward)?)
+    attach_n(&[a, b], name, out, Two(name, backward))
 }
 
-/// Attaches `out` to `(a, b, c)` with `backward`; `out` as it is when none of them is tracked.
+/// [`attach_n`] for three arguments.
 pub(crate) fn attach3(
     (a, b, c): (&Tensor, &Tensor, &Tensor),
     name: &'static str,
     out: Tensor,
     backward: impl Backward3,
 ) -> Result<Tensor> {
-    if !(a.track_op() || b.track_op() || c.track_op()) {
-        return Ok(out);
-    }
-    a.apply_op3(b, c, Fused::new(name, out, backward)?)
+    attach_n(&[a, b, c], name, out, Three(name, backward))
 }
 
 /// `Some(f(t))` when `t` is tracked, `None` otherwise (candle stores whatever a backward

@@ -34,6 +34,22 @@ pub fn geglu(p: &Tensor) -> Result<Tensor> {
     attach1(p, "geglu", out, GegluBackward)
 }
 
+/// [`geglu`]'s value, untracked: what an op that takes `geglu(p)` as its input computes, and
+/// computes again in its backward rather than keep it (`nn::geglu_low_rank`).
+pub(crate) fn geglu_detached(p: &Tensor) -> Result<Tensor> {
+    geglu(&p.detach())
+}
+
+/// `∂L/∂p` for the upstream gradient `grad` of `geglu(p)`, in `p`'s dtype: [`geglu`]'s
+/// backward, for an op that recomputes `geglu(p)` inside its own.
+pub(crate) fn geglu_grad(p: &Tensor, grad: &Tensor) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if p.device().is_cuda() {
+        return super::norm_cuda::geglu_grad(p, grad);
+    }
+    GegluBackward.backward(p, p, grad)
+}
+
 /// [`geglu`] from composed candle ops in `p`'s dtype, every intermediate kept for backward.
 pub fn geglu_reference(p: &Tensor) -> Result<Tensor> {
     let (a, z) = halves(p)?;

@@ -61,21 +61,58 @@ impl Linear {
 
     /// `base(x) + adapter.delta(x)`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.forward_plus(x, None)
+    }
+
+    /// `residual + forward(x)`, the residual add after a layer (a transformer block's `x +
+    /// to_out(…)`). An adapted frozen layer adds it inside its op, which then keeps no
+    /// output-sized tensor of its own for the backward (`nn::low_rank`); the values are those of
+    /// the add.
+    pub fn forward_add(&self, x: &Tensor, residual: &Tensor) -> Result<Tensor> {
+        self.forward_plus(x, Some(residual))
+    }
+
+    /// `residual + forward(geglu(p))`, for the feed-forward's output layer: an adapted frozen
+    /// layer runs the GEGLU inside its op and keeps only `p` (`nn::geglu_low_rank`); otherwise
+    /// the GEGLU is its own op ([`super::geglu_layer`]) before [`Self::forward_add`].
+    pub fn forward_geglu_add(&self, p: &Tensor, residual: &Tensor) -> Result<Tensor> {
+        if let Some(a) = &self.adapter {
+            if self.is_frozen() && super::frozen::supported(p) && super::fused_op::use_fused(p) {
+                let base = super::FrozenBase::Linear {
+                    w: self.base_weight(),
+                    b: self.bias.as_ref(),
+                };
+                if let Some(y) = a.forward_frozen_geglu(p, base, Some(residual)) {
+                    return y;
+                }
+            }
+        }
+        self.forward_add(&super::geglu_layer(p)?, residual)
+    }
+
+    fn forward_plus(&self, x: &Tensor, residual: Option<&Tensor>) -> Result<Tensor> {
+        let plus = |y: Tensor| match residual {
+            Some(r) => super::add_maybe_const(&y, r),
+            None => Ok(y),
+        };
         let Some(a) = &self.adapter else {
-            return self.base_forward(x);
+            return plus(self.base_forward(x)?);
         };
         if self.is_frozen() && super::frozen::supported(x) {
             let base = super::FrozenBase::Linear {
                 w: self.base_weight(),
                 b: self.bias.as_ref(),
             };
-            if let Some(y) = a.forward_frozen(x, base) {
+            if let Some(y) = a.forward_frozen(x, base, residual) {
                 return y;
             }
         }
         // A frozen layer on an untracked input has an untracked output: `add_maybe_const`
         // stores no gradient for it.
-        super::add_maybe_const(&self.base_forward(x)?, &a.delta_on(x, &self.base_weight())?)
+        plus(super::add_maybe_const(
+            &self.base_forward(x)?,
+            &a.delta_on(x, &self.base_weight())?,
+        )?)
     }
 
     /// Whether the weight and the bias are plain tensors (no gradient wanted).

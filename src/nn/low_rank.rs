@@ -15,7 +15,7 @@
 
 use candle_core::{DType, Result, Tensor};
 
-use super::fused_op::{attach3, if_tracked, Backward3, Grads3};
+use super::fused_op::{attach3, attach_n, if_tracked, Backward3, BackwardN, Grads3};
 use super::BaseWeight;
 
 /// The inverted-dropout mask for `h = down(x)`: `0` or `1/(1-p)` per element, `h`'s shape, dtype
@@ -67,14 +67,34 @@ fn masked(h: Tensor, mask: Option<&Tensor>) -> Result<Tensor> {
 }
 
 /// `x·Wᵀ + b + s·(m ⊙ x·downᵀ)·upᵀ` over the last dimension of `x`, with `W` `[out, in]` and
-/// `b` `[out]` frozen (plain tensors: they get no gradient). `x`, `down` and `up` get gradients
-/// where they are tracked.
+/// `b` `[out]` frozen (plain tensors: they get no gradient), plus `residual` when there is one
+/// (see [`with_residual`]). `x`, `down`, `up` and the residual get gradients where they are
+/// tracked.
 pub fn frozen_linear_low_rank(
     x: &Tensor,
     w: &BaseWeight,
     b: Option<&Tensor>,
     lr: LowRank<'_>,
+    residual: Option<&Tensor>,
 ) -> Result<Tensor> {
+    let (y, backward) = linear_forward(x, w, b, &lr)?;
+    with_residual(
+        (x, lr.down, lr.up),
+        "frozen-linear-low-rank",
+        y,
+        backward,
+        residual,
+    )
+}
+
+/// The low-rank linear's output for the input `x` (its value only: nothing is tracked), in
+/// `x`'s dtype, and what its backward keeps.
+pub(super) fn linear_forward(
+    x: &Tensor,
+    w: &BaseWeight,
+    b: Option<&Tensor>,
+    lr: &LowRank<'_>,
+) -> Result<(Tensor, LinearBackward)> {
     let (out_dim, in_dim) = match *w.dims() {
         [o, i] => (o, i),
         ref d => candle_core::bail!("low-rank linear: a weight of shape {d:?}"),
@@ -120,10 +140,57 @@ pub fn frozen_linear_low_rank(
         rows,
         x_dims,
     };
-    attach3((x, lr.down, lr.up), "frozen-linear-low-rank", y, backward)
+    Ok((y, backward))
 }
 
-struct LinearBackward {
+/// Attaches the op's output `y` to `(x, down, up)`, or `y + residual` to `(x, down, up,
+/// residual)`. The residual add of a transformer block (`x + to_out(…)`, `x + ff(…)`) composed
+/// after the op keeps the op's output alive until the backward as the add's operand; added here,
+/// the layer's own output is never a tensor of the graph: one layer-output-sized tensor fewer
+/// per residual (3 per transformer block). The sum is taken in the output's dtype, after the
+/// op's rounding, as the composed add does, so the values are the same bit for bit.
+pub(super) fn with_residual(
+    (x, down, up): (&Tensor, &Tensor, &Tensor),
+    name: &'static str,
+    y: Tensor,
+    backward: impl Backward3,
+    residual: Option<&Tensor>,
+) -> Result<Tensor> {
+    let Some(r) = residual else {
+        return attach3((x, down, up), name, y, backward);
+    };
+    if r.dims() != y.dims() {
+        candle_core::bail!(
+            "{name}: a residual of shape {:?} for an output of shape {:?}",
+            r.dims(),
+            y.dims()
+        );
+    }
+    let y = (y + r.detach())?;
+    attach_n(&[x, down, up, r], name, y, Residual(backward))
+}
+
+/// A three-argument op's backward with a residual as the fourth argument, whose gradient is the
+/// output's.
+struct Residual<B>(B);
+
+impl<B: Backward3> BackwardN for Residual<B> {
+    fn backward(
+        &self,
+        args: &[Tensor],
+        res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<Vec<Option<Tensor>>> {
+        let [x, down, up, r] = args else {
+            candle_core::bail!("low-rank op with a residual: {} arguments", args.len());
+        };
+        let (dx, d_down, d_up) = self.0.backward(x, down, up, res, grad)?;
+        let dr = if_tracked(r, || Ok(grad.clone()))?;
+        Ok(vec![dx, d_down, d_up, dr])
+    }
+}
+
+pub(super) struct LinearBackward {
     /// The frozen weight as stored (dequantised again here for fp8).
     w: BaseWeight,
     /// `m ⊙ x·downᵀ`, `[rows, r]` in the compute dtype.
@@ -138,13 +205,15 @@ struct LinearBackward {
     x_dims: Vec<usize>,
 }
 
-impl Backward3 for LinearBackward {
-    fn backward(
+impl LinearBackward {
+    /// The gradients of the input `x` (when `want_dx`, in `x`'s dtype), `down` and `up` (where
+    /// tracked) for the upstream gradient `grad`.
+    pub(super) fn grads(
         &self,
         x: &Tensor,
+        want_dx: bool,
         down: &Tensor,
         up: &Tensor,
-        _res: &Tensor,
         grad: &Tensor,
     ) -> Result<Grads3> {
         let cd = self.h.dtype();
@@ -160,17 +229,33 @@ impl Backward3 for LinearBackward {
                 .to_dtype(cd)
         };
         let d_down = if_tracked(down, || gh.t()?.matmul(&x2()?))?;
-        let dx = if_tracked(x, || {
+        let dx = if want_dx {
             let base = g.matmul(&self.w.get(cd)?)?;
-            (base + gh.matmul(&self.down)?)?.reshape(self.x_dims.as_slice())
-        })?;
+            let dx = (base + gh.matmul(&self.down)?)?.reshape(self.x_dims.as_slice())?;
+            Some(dx.to_dtype(x.dtype())?)
+        } else {
+            None
+        };
         Ok((dx, d_down, d_up))
+    }
+}
+
+impl Backward3 for LinearBackward {
+    fn backward(
+        &self,
+        x: &Tensor,
+        down: &Tensor,
+        up: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<Grads3> {
+        self.grads(x, x.track_op(), down, up, grad)
     }
 }
 
 /// `conv2d(x, W) + b + s·conv1×1(m ⊙ conv2d(x, down), up)` for `x` `[B, C, H, W]`, `W`
 /// `[O, C, kh, kw]` and `b` `[O]` frozen, `down` `[r, C, kh, kw]` with the base's `padding` and
-/// `stride`, `up` `[O, r, 1, 1]`.
+/// `stride`, `up` `[O, r, 1, 1]`; plus `residual` when there is one (see [`with_residual`]).
 pub fn frozen_conv2d_low_rank(
     x: &Tensor,
     w: &BaseWeight,
@@ -178,6 +263,7 @@ pub fn frozen_conv2d_low_rank(
     padding: usize,
     stride: usize,
     lr: LowRank<'_>,
+    residual: Option<&Tensor>,
 ) -> Result<Tensor> {
     let (out_ch, in_ch, kh, kw) = match *w.dims() {
         [o, i, kh, kw] => (o, i, kh, kw),
@@ -218,7 +304,13 @@ pub fn frozen_conv2d_low_rank(
         stride,
         x_hw: (x_h, x_w),
     };
-    attach3((x, lr.down, lr.up), "frozen-conv2d-low-rank", y, backward)
+    with_residual(
+        (x, lr.down, lr.up),
+        "frozen-conv2d-low-rank",
+        y,
+        backward,
+        residual,
+    )
 }
 
 struct ConvBackward {
@@ -317,7 +409,7 @@ mod tests {
             scale,
             dropout: mask,
         };
-        frozen_linear_low_rank(&a[0], &BaseWeight::plain(&a[1]), Some(&a[2]), lr)
+        frozen_linear_low_rank(&a[0], &BaseWeight::plain(&a[1]), Some(&a[2]), lr, None)
     }
 
     /// `[x, W, b, down, up]` for a 6 → 5 linear of rank 3 on 7 rows; `x` in `dtype`.
@@ -441,7 +533,15 @@ mod tests {
             scale,
             dropout: mask,
         };
-        frozen_conv2d_low_rank(&a[0], &BaseWeight::plain(&a[1]), Some(&a[2]), p, s, lr)
+        frozen_conv2d_low_rank(
+            &a[0],
+            &BaseWeight::plain(&a[1]),
+            Some(&a[2]),
+            p,
+            s,
+            lr,
+            None,
+        )
     }
 
     /// LoCon's shapes: 3×3 at stride 1 and 2 (padding 1), 1×1; with and without dropout, at
@@ -474,6 +574,142 @@ mod tests {
         );
     }
 
+    /// `[x, W, b, down, up, residual]`: the linear's inputs and a residual of its output's
+    /// shape, in `x`'s dtype.
+    fn linear_residual_inputs(dtype: DType) -> Vec<Tensor> {
+        let mut a = linear_inputs(dtype);
+        a.push(fill(&[7, 5], 7, 1.0).to_dtype(dtype).unwrap());
+        a
+    }
+
+    fn fused_linear_residual(a: &[Tensor], mask: DropoutMask<'_>) -> Result<Tensor> {
+        let lr = LowRank {
+            down: &a[3],
+            up: &a[4],
+            scale: SCALE,
+            dropout: mask,
+        };
+        frozen_linear_low_rank(
+            &a[0],
+            &BaseWeight::plain(&a[1]),
+            Some(&a[2]),
+            lr,
+            Some(&a[5]),
+        )
+    }
+
+    /// The residual added inside the op: forward and every gradient (the residual's is the
+    /// output's) equal the composed `residual + layer(x)`, with the residual tracked and as a
+    /// constant (which then gets no gradient entry). Catches the residual's gradient dropped or
+    /// scaled, and the residual added twice or not at all.
+    #[test]
+    fn linear_with_a_residual_matches_the_add() {
+        for track_r in [true, false] {
+            for (mask, label) in [
+                (&half_mask as DropoutMask<'_>, "dropout"),
+                (&no_mask as DropoutMask<'_>, "no dropout"),
+            ] {
+                assert_parity(
+                    &format!("low-rank linear + residual, {label}, residual tracked {track_r}"),
+                    &linear_residual_inputs(DType::F32),
+                    &[true, false, false, true, true, track_r],
+                    1e-6,
+                    &|a| fused_linear_residual(a, mask),
+                    &|a| crate::nn::add_maybe_const(&composed_linear(a, mask, SCALE)?, &a[5]),
+                );
+            }
+        }
+    }
+
+    /// In bf16 the sum is the composed add's, bit for bit: the op's output rounded first, then
+    /// added in bf16 (not the f32 sum rounded once, which would change the model's numbers).
+    #[test]
+    fn a_bf16_residual_is_added_after_the_rounding() -> Result<()> {
+        let a = linear_residual_inputs(DType::BF16);
+        let fused = fused_linear_residual(&a, &half_mask)?;
+        let lr = LowRank {
+            down: &a[3],
+            up: &a[4],
+            scale: SCALE,
+            dropout: &half_mask,
+        };
+        let layer =
+            frozen_linear_low_rank(&a[0], &BaseWeight::plain(&a[1]), Some(&a[2]), lr, None)?;
+        let composed = (layer + &a[5])?;
+        assert_eq!(
+            fused.to_dtype(DType::F32)?.to_vec2::<f32>()?,
+            composed.to_dtype(DType::F32)?.to_vec2::<f32>()?
+        );
+        Ok(())
+    }
+
+    /// What the residual saves: the op's node is the block's output, over its four arguments;
+    /// the composed add keeps the layer's output as a node of its own.
+    #[test]
+    fn the_residual_leaves_no_layer_output_in_the_graph() -> Result<()> {
+        let a = linear_residual_inputs(DType::F32);
+        let args: Vec<Tensor> = a
+            .iter()
+            .enumerate()
+            .map(|(i, t)| match i {
+                1 | 2 => Ok(t.clone()),
+                _ => Ok(candle_core::Var::from_tensor(t)?.as_tensor().clone()),
+            })
+            .collect::<Result<_>>()?;
+        let fused = fused_linear_residual(&args, &no_mask)?;
+        // x, down, up, the residual and the output.
+        assert_eq!(fused.sorted_nodes().len(), 5);
+        let lr = LowRank {
+            down: &args[3],
+            up: &args[4],
+            scale: SCALE,
+            dropout: &no_mask,
+        };
+        let layer = frozen_linear_low_rank(
+            &args[0],
+            &BaseWeight::plain(&args[1]),
+            Some(&args[2]),
+            lr,
+            None,
+        )?;
+        assert_eq!((layer + &args[5])?.sorted_nodes().len(), 6);
+        Ok(())
+    }
+
+    /// The conv form with a residual (SD1's conv `proj_out` under LoCon), dropout on.
+    #[test]
+    fn conv_with_a_residual_matches_the_add() {
+        let mut inputs = conv_inputs(3, DType::F32);
+        inputs.push(fill(&[2, 4, 7, 6], 16, 1.0));
+        assert_parity(
+            "low-rank conv + residual",
+            &inputs,
+            &[true, false, false, true, true, true],
+            1e-5,
+            &|a| {
+                let lr = LowRank {
+                    down: &a[3],
+                    up: &a[4],
+                    scale: SCALE,
+                    dropout: &half_mask,
+                };
+                let w = BaseWeight::plain(&a[1]);
+                frozen_conv2d_low_rank(&a[0], &w, Some(&a[2]), 1, 1, lr, Some(&a[5]))
+            },
+            &|a| composed_conv(a, (1, 1), &half_mask, SCALE)? + &a[5],
+        );
+    }
+
+    /// A residual that is not the output's shape is an error naming both shapes, not a
+    /// broadcast.
+    #[test]
+    fn a_misshapen_residual_is_an_error() {
+        let mut a = linear_residual_inputs(DType::F32);
+        a[5] = fill(&[1, 5], 8, 1.0);
+        let e = fused_linear_residual(&a, &no_mask).unwrap_err().to_string();
+        assert!(e.contains("[1, 5]") && e.contains("[7, 5]"), "{e}");
+    }
+
     #[test]
     fn mismatched_factors_are_an_error() {
         let a = linear_inputs(DType::F32);
@@ -484,7 +720,8 @@ mod tests {
             scale: SCALE,
             dropout: &no_mask,
         };
-        let e = frozen_linear_low_rank(&a[0], &BaseWeight::plain(&a[1]), None, lr).unwrap_err();
+        let e =
+            frozen_linear_low_rank(&a[0], &BaseWeight::plain(&a[1]), None, lr, None).unwrap_err();
         assert!(e.to_string().contains("do not fit"), "{e}");
     }
 }

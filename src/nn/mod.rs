@@ -29,6 +29,7 @@ mod fp8_cuda;
 mod frozen;
 mod fused_op;
 mod geglu;
+mod geglu_low_rank;
 pub mod grad_sink;
 mod group_norm;
 mod handover;
@@ -79,13 +80,27 @@ pub trait LayerAdapter: std::fmt::Debug + Send + Sync {
         self.delta(x)
     }
 
-    /// The whole adapted output `base(x) + delta(x)` as one op on a frozen base, which keeps
-    /// less for the backward than the sum of the two (see [`low_rank`]); `None` where the adapter
-    /// has no such form, and the layer then adds [`LayerAdapter::delta`] to its own output.
+    /// The whole adapted output `base(x) + delta(x)` (plus `residual`, when there is one) as one
+    /// op on a frozen base, which keeps less for the backward than the sum of the parts (see
+    /// [`low_rank`]); `None` where the adapter has no such form, and the layer then adds
+    /// [`LayerAdapter::delta`] and the residual to its own output.
     fn forward_frozen(
         &self,
         _x: &candle_core::Tensor,
         _base: FrozenBase<'_>,
+        _residual: Option<&candle_core::Tensor>,
+    ) -> Option<candle_core::Result<candle_core::Tensor>> {
+        None
+    }
+
+    /// [`LayerAdapter::forward_frozen`] on a linear whose input is `geglu(p)`, given `p`: one
+    /// op that computes the GEGLU again in its backward instead of keeping its output (see
+    /// [`geglu_low_rank`]); `None` where the adapter has no such form.
+    fn forward_frozen_geglu(
+        &self,
+        _p: &candle_core::Tensor,
+        _base: FrozenBase<'_>,
+        _residual: Option<&candle_core::Tensor>,
     ) -> Option<candle_core::Result<candle_core::Tensor>> {
         None
     }
@@ -125,6 +140,7 @@ pub use frozen::{
 };
 pub use fused_op::set_fused_ops_enabled;
 pub use geglu::{geglu, geglu_layer, geglu_reference};
+pub use geglu_low_rank::frozen_geglu_linear_low_rank;
 pub use group_norm::{
     group_norm, group_norm_reference, group_norm_silu, group_norm_silu_reference,
 };

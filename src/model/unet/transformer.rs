@@ -35,6 +35,12 @@ impl FeedForward {
         self.out
             .forward(&crate::nn::geglu_layer(&self.proj.forward(x)?)?)
     }
+
+    /// `residual + forward(x)`: the GEGLU and the residual inside `ff.net.2`'s op where it can
+    /// take them (`Linear::forward_geglu_add`).
+    pub fn forward_add(&self, x: &Tensor, residual: &Tensor) -> Result<Tensor> {
+        self.out.forward_geglu_add(&self.proj.forward(x)?, residual)
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -74,15 +80,14 @@ impl BasicTransformerBlock {
 
     /// `x` `[B, L, dim]`, `context` `[B, Lc, context_dim]`.
     pub fn forward(&self, x: &Tensor, context: &Tensor) -> Result<Tensor> {
-        // Residuals through `add_maybe_const`: below the first adapter they are constants.
-        let x = add_maybe_const(&self.attn1.forward(&self.norm1.forward(x)?, None)?, x)?;
-        let x = add_maybe_const(
-            &self
-                .attn2
-                .forward(&self.norm2.forward(&x)?, Some(context))?,
-            &x,
-        )?;
-        add_maybe_const(&self.ff.forward(&self.norm3.forward(&x)?)?, &x)
+        // The residuals are added inside the output layers' ops where they are adapted and
+        // frozen (`Linear::forward_add`), through `add_maybe_const` otherwise: below the first
+        // adapter they are constants.
+        let x = self.attn1.forward_add(&self.norm1.forward(x)?, None, x)?;
+        let x = self
+            .attn2
+            .forward_add(&self.norm2.forward(&x)?, Some(context), &x)?;
+        self.ff.forward_add(&self.norm3.forward(&x)?, &x)
     }
 }
 
@@ -205,11 +210,13 @@ impl Transformer2DModel {
                 }
             };
         }
-        let out = match &self.proj_out {
-            Projection::Conv(conv) => conv.forward(&to_image(&tokens)?)?,
-            Projection::Linear(lin) => to_image(&lin.forward(&tokens)?)?,
-        };
-        add_maybe_const(&out, x)
+        // `x + proj_out(…)`, the residual added inside a conv proj_out's op where it can be. A
+        // linear one's output goes back to the image layout first (a copy; `x` as tokens would
+        // be a copy too).
+        match &self.proj_out {
+            Projection::Conv(conv) => conv.forward_add(&to_image(&tokens)?, x),
+            Projection::Linear(lin) => add_maybe_const(&to_image(&lin.forward(&tokens)?)?, x),
+        }
     }
 }
 

@@ -69,9 +69,14 @@ struct GegluBackward;
 
 impl Backward1 for GegluBackward {
     fn backward(&self, p: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Tensor> {
-        let g = grad.detach().to_dtype(p.dtype())?.contiguous()?;
-        p.detach().contiguous()?.apply_op2_no_bwd(&g, &GegluBwd)
+        geglu_grad(p, grad)
     }
+}
+
+/// `∂L/∂p` for the upstream gradient `grad` of `geglu(p)`, one launch.
+pub(crate) fn geglu_grad(p: &Tensor, grad: &Tensor) -> Result<Tensor> {
+    let g = grad.detach().to_dtype(p.dtype())?.contiguous()?;
+    p.detach().contiguous()?.apply_op2_no_bwd(&g, &GegluBwd)
 }
 
 /// `(p, g)` → `dp`.

@@ -53,7 +53,7 @@ mod geglu;
 mod group_norm;
 mod layer_norm;
 
-pub(crate) use geglu::geglu;
+pub(crate) use geglu::{geglu, geglu_grad};
 pub(crate) use group_norm::group_norm_parts;
 pub(crate) use layer_norm::layer_norm;
 

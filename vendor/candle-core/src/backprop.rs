@@ -97,11 +97,13 @@ impl Tensor {
                         track_grad |= tg;
                         nodes
                     }
-                    Op::Cat(args, _) => args.iter().fold(nodes, |nodes, arg| {
-                        let (tg, nodes) = walk(arg, nodes, already_seen);
-                        track_grad |= tg;
-                        nodes
-                    }),
+                    Op::Cat(args, _) | Op::Attached(args, _) => {
+                        args.iter().fold(nodes, |nodes, arg| {
+                            let (tg, nodes) = walk(arg, nodes, already_seen);
+                            track_grad |= tg;
+                            nodes
+                        })
+                    }
                     Op::Affine { arg, mul, .. } => {
                         if *mul == 0. {
                             nodes
@@ -659,6 +661,22 @@ impl Tensor {
                         }
                         if let Some(arg_grad3) = arg_grad3 {
                             grads.accumulate(arg3, &arg_grad3)?;
+                        }
+                    }
+                    Op::Attached(args, c) => {
+                        let arg_grads = c.bwd(args, node, &grad)?;
+                        if arg_grads.len() != args.len() {
+                            crate::bail!(
+                                "{}: {} gradients for {} arguments",
+                                c.name(),
+                                arg_grads.len(),
+                                args.len()
+                            )
+                        }
+                        for (arg, arg_grad) in args.iter().zip(arg_grads) {
+                            if let Some(arg_grad) = arg_grad {
+                                grads.accumulate(arg, &arg_grad)?;
+                            }
                         }
                     }
                     Op::Unary(arg, UnaryOp::Sqr) => {

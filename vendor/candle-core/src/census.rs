@@ -272,5 +272,6 @@ fn op_name(op: &Op) -> &'static str {
         Op::CustomOp1(..) => "CustomOp1",
         Op::CustomOp2(..) => "CustomOp2",
         Op::CustomOp3(..) => "CustomOp3",
+        Op::Attached(..) => "Attached",
     }
 }

@@ -152,7 +152,30 @@ pub trait CustomOp3 {
     }
 }
 
+/// The backward of a result attached to the graph with [`Tensor::attach`] (sdtrain): one
+/// gradient per argument, in order, `None` for an argument that gets none.
+pub trait AttachedBackward {
+    /// The op's name, for errors.
+    fn name(&self) -> &'static str;
+
+    /// The arguments' gradients from the arguments, the attached result and its gradient.
+    fn bwd(&self, args: &[Tensor], res: &Tensor, grad: &Tensor) -> Result<Vec<Option<Tensor>>>;
+}
+
 impl Tensor {
+    /// `result`, computed outside the graph (on detached tensors), as the output of an op over
+    /// `args` whose backward is `bwd`: a new node that shares `result`'s storage, nothing is
+    /// copied or computed. When no argument is tracked, the node has no op. (sdtrain: fused ops
+    /// of any number of arguments.)
+    pub fn attach(
+        result: &Tensor,
+        args: &[&Tensor],
+        bwd: Arc<dyn AttachedBackward + Send + Sync>,
+    ) -> Tensor {
+        let op = BackpropOp::new(args, |args| Op::Attached(args, bwd.clone()));
+        Tensor::attached(result, op)
+    }
+
     /// Applies a unary custom op without backward support
     pub fn apply_op1_no_bwd<C: CustomOp1>(&self, c: &C) -> Result<Self> {
         let (storage, shape) = self.storage().apply_op1(self.layout(), c)?;

@@ -187,6 +187,12 @@ pub enum Op {
         Tensor,
         std::sync::Arc<Box<dyn crate::CustomOp3 + Send + Sync>>,
     ),
+    /// A result computed outside the graph, attached to its arguments with a backward of its
+    /// own (`Tensor::attach`; sdtrain).
+    Attached(
+        Vec<Tensor>,
+        std::sync::Arc<dyn crate::AttachedBackward + Send + Sync>,
+    ),
 }
 
 pub trait UnaryOpT {

@@ -2392,6 +2392,35 @@ impl Tensor {
         }
     }
 
+    /// A new node over `self`'s storage and layout with `op` (see [`Tensor::attach`]).
+    pub(crate) fn attached(&self, op: BackpropOp) -> Tensor {
+        let tensor_ = Tensor_ {
+            id: TensorId::new(),
+            storage: self.storage.clone(),
+            layout: self.layout.clone(),
+            op,
+            is_variable: false,
+            dtype: self.dtype,
+            device: self.device.clone(),
+        };
+        Tensor(Arc::new(tensor_))
+    }
+
+    /// This tensor's storage and layout, moved out without a copy when this handle is the only
+    /// owner of both (no clone, view or other tensor shares them); the tensor back otherwise.
+    /// (sdtrain: a custom op whose result was computed before the op hands it over as its
+    /// output without copying it.)
+    pub fn into_storage(self) -> std::result::Result<(Storage, Layout), Tensor> {
+        let inner = match Arc::try_unwrap(self.0) {
+            Ok(inner) => inner,
+            Err(shared) => return Err(Tensor(shared)),
+        };
+        match Arc::try_unwrap(inner.storage) {
+            Ok(lock) => Ok((lock.into_inner(), inner.layout)),
+            Err(storage) => Err(Tensor(Arc::new(Tensor_ { storage, ..inner }))),
+        }
+    }
+
     /// If the target device is the same as the tensor device, only a shallow copy is performed.
     pub fn to_device(&self, device: &Device) -> Result<Tensor> {
         if self.device().same_device(device) {
