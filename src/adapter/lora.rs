@@ -29,8 +29,8 @@ use rand::{rngs::StdRng, Rng, SeedableRng};
 use super::factors::{self, Algo, Init, DORA_SCALE, DOWN, LOKR_W1_A, LOKR_W2_A, UP};
 use crate::nn::{
     add_maybe_const, cast_like, cpu_bf16, frozen_conv2d_low_rank, frozen_conv2d_rebuilt,
-    frozen_geglu_linear_low_rank, frozen_linear_low_rank, frozen_linear_rebuilt, BaseWeight,
-    FrozenBase, LayerAdapter, LowRank, Rebuild, WeightUpdate,
+    frozen_linear_low_rank, frozen_linear_low_rank_on, frozen_linear_rebuilt, BaseWeight,
+    DerivedInput, FrozenBase, LayerAdapter, LowRank, Rebuild, WeightUpdate,
 };
 
 /// Which model an adapter module belongs to (kohya prefixes `lora_unet`, `lora_te`/`lora_te1`,
@@ -449,11 +449,13 @@ impl LayerAdapter for LoraModule {
         }))
     }
 
-    /// LoRA on a linear after GEGLU (`ff.net.2`) as one op with the GEGLU
-    /// (`nn::geglu_low_rank`); the other algorithms and DoRA have no such form.
-    fn forward_frozen_geglu(
+    /// LoRA on a linear after GEGLU (`ff.net.2`) or a frozen LayerNorm as one op with that
+    /// input (`nn::low_rank_input`); the other algorithms and DoRA have no such form.
+    fn forward_frozen_on(
         &self,
-        p: &Tensor,
+        a: &Tensor,
+        input: &DerivedInput,
+        value: Option<&Tensor>,
         base: FrozenBase<'_>,
         residual: Option<&Tensor>,
     ) -> Option<Result<Tensor>> {
@@ -461,8 +463,10 @@ impl LayerAdapter for LoraModule {
             return None;
         }
         Some(self.with_low_rank(|lr| match self.fit(base)? {
-            Fitted::Linear(w, b) => frozen_geglu_linear_low_rank(p, &w, b, lr, residual),
-            Fitted::Conv(..) => candle_core::bail!("{}: a conv after GEGLU", self.module_path),
+            Fitted::Linear(w, b) => frozen_linear_low_rank_on(a, input, value, &w, b, lr, residual),
+            Fitted::Conv(..) => {
+                candle_core::bail!("{}: a conv on a derived input", self.module_path)
+            }
         }))
     }
 }

@@ -5,7 +5,7 @@
 use candle_core::{Result, Tensor};
 
 use super::weights::{Weights, WeightsError};
-use crate::nn::{attention, LayerMut, Linear, VisitLayers};
+use crate::nn::{attention, LayerMut, Linear, Normed, VisitLayers};
 
 #[derive(Debug, Clone)]
 pub struct Attention {
@@ -43,16 +43,22 @@ impl Attention {
         self.to_out.forward(&self.heads_out(x, context)?)
     }
 
-    /// `residual + forward(x, context)`, the residual added inside `to_out`'s op where it can be
-    /// (see `Linear::forward_add`).
-    pub fn forward_add(
+    /// `residual + forward(norm(x), context)` for the norm's output `n`: the projections of the
+    /// normed tokens take the norm inside their ops where they can (`Linear::forward_normed`),
+    /// and `to_out` the residual (`Linear::forward_add`).
+    pub fn forward_normed_add(
         &self,
-        x: &Tensor,
+        n: &Normed<'_>,
         context: Option<&Tensor>,
         residual: &Tensor,
     ) -> Result<Tensor> {
+        let q = self.to_q.forward_normed(n)?;
+        let (k, v) = match context {
+            Some(c) => (self.to_k.forward(c)?, self.to_v.forward(c)?),
+            None => (self.to_k.forward_normed(n)?, self.to_v.forward_normed(n)?),
+        };
         self.to_out
-            .forward_add(&self.heads_out(x, context)?, residual)
+            .forward_add(&attention(&q, &k, &v, self.heads, None)?, residual)
     }
 
     /// The attention's output before `to_out`, heads merged.

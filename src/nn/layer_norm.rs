@@ -44,6 +44,26 @@ pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Resul
     attach3((x, weight, bias), "layer-norm", out, stats)
 }
 
+/// `∂L/∂x` of [`layer_norm`] for the upstream gradient `grad`, in `x`'s dtype, the statistics
+/// computed again from `x`: for an op that recomputes the norm inside its own backward
+/// (`nn::low_rank_input`) instead of keeping the norm's output.
+pub(crate) fn layer_norm_dx(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: &Tensor,
+    eps: f64,
+    grad: &Tensor,
+) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() {
+        return super::norm_cuda::layer_norm_dx(x, weight, bias, eps, grad);
+    }
+    let _ = bias;
+    let xd = x.detach();
+    let stats = Stats::of(&xd, eps)?;
+    stats.dx(&xd, weight, grad)?.to_dtype(x.dtype())
+}
+
 /// [`layer_norm`] from composed candle ops, every intermediate kept for backward.
 pub fn layer_norm_reference(
     x: &Tensor,
@@ -107,15 +127,26 @@ impl Backward3 for Stats {
         let per_feature = |t: &Tensor| t.reshape(((), d))?.sum(0);
         let dw = if_tracked(weight, || per_feature(&(&g * &xhat)?))?;
         let db = if_tracked(bias, || per_feature(&g))?;
-        let dx = if_tracked(x, || {
-            let dy = g.broadcast_mul(&weight.detach().to_dtype(DType::F32)?)?;
-            let mean_dy = dy.mean_keepdim(D::Minus1)?;
-            let mean_dy_xhat = (&dy * &xhat)?.mean_keepdim(D::Minus1)?;
-            dy.broadcast_sub(&mean_dy)?
-                .sub(&xhat.broadcast_mul(&mean_dy_xhat)?)?
-                .broadcast_mul(&self.rstd)
-        })?;
+        let dx = if_tracked(x, || self.dx_from(&xhat, weight, &g))?;
         Ok((dx, dw, db))
+    }
+}
+
+impl Stats {
+    /// `∂L/∂x` (f32) for the upstream gradient `grad`.
+    fn dx(&self, x: &Tensor, weight: &Tensor, grad: &Tensor) -> Result<Tensor> {
+        let g = grad.detach().to_dtype(DType::F32)?;
+        self.dx_from(&self.normalised(&x.detach())?, weight, &g)
+    }
+
+    /// `r·(dŷ − mean dŷ − x̂·mean(dŷ·x̂))`, `dŷ = g·γ`, from `x̂` and an f32 `g`.
+    fn dx_from(&self, xhat: &Tensor, weight: &Tensor, g: &Tensor) -> Result<Tensor> {
+        let dy = g.broadcast_mul(&weight.detach().to_dtype(DType::F32)?)?;
+        let mean_dy = dy.mean_keepdim(D::Minus1)?;
+        let mean_dy_xhat = (&dy * xhat)?.mean_keepdim(D::Minus1)?;
+        dy.broadcast_sub(&mean_dy)?
+            .sub(&xhat.broadcast_mul(&mean_dy_xhat)?)?
+            .broadcast_mul(&self.rstd)
     }
 }
 

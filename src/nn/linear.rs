@@ -82,12 +82,31 @@ impl Linear {
                     w: self.base_weight(),
                     b: self.bias.as_ref(),
                 };
-                if let Some(y) = a.forward_frozen_geglu(p, base, Some(residual)) {
+                let geglu = super::DerivedInput::Geglu;
+                if let Some(y) = a.forward_frozen_on(p, &geglu, None, base, Some(residual)) {
                     return y;
                 }
             }
         }
         self.forward_add(&super::geglu_layer(p)?, residual)
+    }
+
+    /// `forward(norm(x))` for the norm's output `n`: an adapted frozen layer after a frozen norm
+    /// takes the norm inside its op and keeps only `x` (`nn::low_rank_input`); otherwise the
+    /// norm's output is a tensor of the graph, made once for the layers that share it.
+    pub fn forward_normed(&self, n: &super::Normed<'_>) -> Result<Tensor> {
+        if let (Some(a), Some(input)) = (&self.adapter, n.derived()) {
+            if self.is_frozen() && super::frozen::supported(n.x) {
+                let base = super::FrozenBase::Linear {
+                    w: self.base_weight(),
+                    b: self.bias.as_ref(),
+                };
+                if let Some(y) = a.forward_frozen_on(n.x, &input, Some(n.value()?), base, None) {
+                    return y;
+                }
+            }
+        }
+        self.forward(n.tracked()?)
     }
 
     fn forward_plus(&self, x: &Tensor, residual: Option<&Tensor>) -> Result<Tensor> {

@@ -29,7 +29,6 @@ mod fp8_cuda;
 mod frozen;
 mod fused_op;
 mod geglu;
-mod geglu_low_rank;
 pub mod grad_sink;
 mod group_norm;
 mod handover;
@@ -37,6 +36,7 @@ mod im2col;
 mod layer_norm;
 mod linear;
 mod low_rank;
+mod low_rank_input;
 mod merged_heads;
 mod norm;
 mod norm_conv;
@@ -46,6 +46,7 @@ mod norm_cuda;
 mod norm_kernels;
 #[cfg(any(test, feature = "cuda"))]
 mod norm_launch;
+mod normed;
 mod output_slot;
 mod rebuilt;
 mod softmax;
@@ -93,12 +94,15 @@ pub trait LayerAdapter: std::fmt::Debug + Send + Sync {
         None
     }
 
-    /// [`LayerAdapter::forward_frozen`] on a linear whose input is `geglu(p)`, given `p`: one
-    /// op that computes the GEGLU again in its backward instead of keeping its output (see
-    /// [`geglu_low_rank`]); `None` where the adapter has no such form.
-    fn forward_frozen_geglu(
+    /// [`LayerAdapter::forward_frozen`] on a linear whose input is `input(a)` (GEGLU, a frozen
+    /// LayerNorm), given `a` (and the input's `value` where the caller computed it for several
+    /// layers): one op that computes the input again in its backward instead of keeping it (see
+    /// [`low_rank_input`]); `None` where the adapter has no such form.
+    fn forward_frozen_on(
         &self,
-        _p: &candle_core::Tensor,
+        _a: &candle_core::Tensor,
+        _input: &DerivedInput,
+        _value: Option<&candle_core::Tensor>,
         _base: FrozenBase<'_>,
         _residual: Option<&candle_core::Tensor>,
     ) -> Option<candle_core::Result<candle_core::Tensor>> {
@@ -140,7 +144,7 @@ pub use frozen::{
 };
 pub use fused_op::set_fused_ops_enabled;
 pub use geglu::{geglu, geglu_layer, geglu_reference};
-pub use geglu_low_rank::frozen_geglu_linear_low_rank;
+
 pub use group_norm::{
     group_norm, group_norm_reference, group_norm_silu, group_norm_silu_reference,
 };
@@ -151,8 +155,10 @@ pub use handover::{
 pub use layer_norm::{layer_norm, layer_norm_reference};
 pub use linear::Linear;
 pub use low_rank::{frozen_conv2d_low_rank, frozen_linear_low_rank, DropoutMask, LowRank};
+pub use low_rank_input::{frozen_linear_low_rank_on, DerivedInput};
 pub use norm::{GroupNorm, LayerNorm};
 pub use norm_conv::{group_norm_silu_conv, group_norm_silu_conv_applies, Extra};
+pub use normed::Normed;
 pub use rebuilt::{frozen_conv2d_rebuilt, frozen_linear_rebuilt, Rebuild, WeightUpdate};
 pub use softmax::{softmax_last_dim, softmax_last_dim_reference};
 pub use upsample::upsample_nearest;

@@ -102,10 +102,14 @@ fn ranks_train_the_same_weights_as_one_process() {
             lora(single.saved.last().unwrap()),
         );
         assert_eq!(got.len(), want.len(), "{what}");
+        // AdamW divides each gradient by its own running RMS, so a gradient's relative rounding
+        // (sums over the samples that nearly cancel, taken in another order across ranks)
+        // reaches the weights undamped: up to 1.2e-4 of a tensor's scale after three steps. The
+        // bugs above move the losses and gradient norms by whole factors.
         for (name, w) in &want {
             let (scale, diff) = (max_abs(w), max_abs(&(&got[name] - w).unwrap()));
             assert!(
-                diff <= 1e-4 * scale.max(1e-3),
+                diff <= 5e-4 * scale.max(1e-3),
                 "{what}: {name} differs by {diff} (scale {scale})"
             );
         }

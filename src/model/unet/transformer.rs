@@ -11,7 +11,7 @@ use crate::model::attention::Attention;
 use crate::model::weights::{Weights, WeightsError};
 use crate::nn::{
     add_maybe_const, Checkpointing, Conv2d, Conv2dConfig, GroupNorm, LayerMut, LayerNorm, Linear,
-    VisitLayers,
+    Normed, VisitLayers,
 };
 
 #[derive(Debug, Clone)]
@@ -36,10 +36,12 @@ impl FeedForward {
             .forward(&crate::nn::geglu_layer(&self.proj.forward(x)?)?)
     }
 
-    /// `residual + forward(x)`: the GEGLU and the residual inside `ff.net.2`'s op where it can
-    /// take them (`Linear::forward_geglu_add`).
-    pub fn forward_add(&self, x: &Tensor, residual: &Tensor) -> Result<Tensor> {
-        self.out.forward_geglu_add(&self.proj.forward(x)?, residual)
+    /// `residual + forward(norm(x))` for the norm's output `n`: the norm inside the projection's
+    /// op, the GEGLU and the residual inside `ff.net.2`'s, where they can take them
+    /// (`Linear::forward_normed`, `Linear::forward_geglu_add`).
+    pub fn forward_normed_add(&self, n: &Normed<'_>, residual: &Tensor) -> Result<Tensor> {
+        self.out
+            .forward_geglu_add(&self.proj.forward_normed(n)?, residual)
     }
 }
 
@@ -80,14 +82,18 @@ impl BasicTransformerBlock {
 
     /// `x` `[B, L, dim]`, `context` `[B, Lc, context_dim]`.
     pub fn forward(&self, x: &Tensor, context: &Tensor) -> Result<Tensor> {
-        // The residuals are added inside the output layers' ops where they are adapted and
-        // frozen (`Linear::forward_add`), through `add_maybe_const` otherwise: below the first
-        // adapter they are constants.
-        let x = self.attn1.forward_add(&self.norm1.forward(x)?, None, x)?;
+        // The norms run inside the adapted frozen layers after them and the residuals inside the
+        // output layers' ops (`Linear::forward_normed`, `Linear::forward_add`), where they can;
+        // the residuals through `add_maybe_const` otherwise: below the first adapter they are
+        // constants.
+        let x = self
+            .attn1
+            .forward_normed_add(&Normed::new(x, &self.norm1), None, x)?;
         let x = self
             .attn2
-            .forward_add(&self.norm2.forward(&x)?, Some(context), &x)?;
-        self.ff.forward_add(&self.norm3.forward(&x)?, &x)
+            .forward_normed_add(&Normed::new(&x, &self.norm2), Some(context), &x)?;
+        self.ff
+            .forward_normed_add(&Normed::new(&x, &self.norm3), &x)
     }
 }
 

@@ -35,6 +35,34 @@ pub(crate) fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -
     )
 }
 
+/// `∂L/∂x` of the layer norm of `x` (`weight`, `bias`, `eps`) for the upstream gradient `grad`,
+/// in `x`'s dtype: the forward kernel again for the row statistics (its output dropped), then
+/// the backward's dx kernel. For an op that recomputes the norm inside its own backward.
+pub(crate) fn layer_norm_dx(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: &Tensor,
+    eps: f64,
+    grad: &Tensor,
+) -> Result<Tensor> {
+    let d = x.dim(D::Minus1)?;
+    let geo = LnGeometry::new(x.elem_count() / d.max(1), d, TUNING)?;
+    let op = LnFwd {
+        geo,
+        eps: eps as f32,
+        stats: Mutex::new(None),
+    };
+    let xd = x.detach().contiguous()?;
+    let w = f32_contiguous(weight)?;
+    drop(xd.apply_op3_no_bwd(&w, &f32_contiguous(bias)?, &op)?);
+    let back = LnBackward {
+        geo,
+        stats: take_stats(&op.stats, "layer norm")?,
+    };
+    let g = grad.detach().to_dtype(x.dtype())?.contiguous()?;
+    xd.apply_op3_no_bwd(&g, &w, &LnBwdDx(&back))
+}
+
 struct LnFwd {
     geo: LnGeometry,
     eps: f32,
