@@ -368,19 +368,9 @@ impl Backward3 for ConvBackward {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::nn::test_util::{assert_parity, fill};
+    use crate::nn::test_util::{assert_parity, fill, half_mask, tracked_except};
 
     const SCALE: f64 = 0.75;
-
-    /// A fixed inverted-dropout mask (p = 0.5) of `h`'s shape: every third element dropped.
-    fn half_mask(h: &Tensor) -> Result<Option<Tensor>> {
-        let v: Vec<f32> = (0..h.elem_count())
-            .map(|i| if i % 3 == 0 { 0.0 } else { 2.0 })
-            .collect();
-        Ok(Some(
-            Tensor::from_vec(v, h.shape(), h.device())?.to_dtype(h.dtype())?,
-        ))
-    }
 
     fn no_mask(_: &Tensor) -> Result<Option<Tensor>> {
         Ok(None)
@@ -649,14 +639,7 @@ mod tests {
     #[test]
     fn the_residual_leaves_no_layer_output_in_the_graph() -> Result<()> {
         let a = linear_residual_inputs(DType::F32)?;
-        let args: Vec<Tensor> = a
-            .iter()
-            .enumerate()
-            .map(|(i, t)| match i {
-                1 | 2 => Ok(t.clone()),
-                _ => Ok(candle_core::Var::from_tensor(t)?.as_tensor().clone()),
-            })
-            .collect::<Result<_>>()?;
+        let args = tracked_except(&a, &[1, 2])?;
         let fused = fused_linear_residual(&args, &no_mask)?;
         // x, down, up, the residual and the output.
         assert_eq!(fused.sorted_nodes().len(), 5);

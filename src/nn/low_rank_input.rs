@@ -119,17 +119,7 @@ mod tests {
     use candle_core::DType;
 
     use super::*;
-    use crate::nn::test_util::{assert_parity, fill};
-
-    /// A fixed inverted-dropout mask (p = 0.5): every third element dropped.
-    fn half_mask(h: &Tensor) -> Result<Option<Tensor>> {
-        let v: Vec<f32> = (0..h.elem_count())
-            .map(|i| if i % 3 == 0 { 0.0 } else { 2.0 })
-            .collect();
-        Ok(Some(
-            Tensor::from_vec(v, h.shape(), h.device())?.to_dtype(h.dtype())?,
-        ))
-    }
+    use crate::nn::test_util::{assert_parity, fill, half_mask, tracked_except};
 
     /// `[a, W, b, down, up, residual]` for a 6 → 5 linear of rank 3 after `input`: for GEGLU
     /// `a` is `p` `[2, 3, 12]` (`z` spanning [−3, 3)), for the norm `x` `[2, 3, 6]` with a
@@ -227,14 +217,7 @@ mod tests {
 
     /// The forward output and every gradient in bf16, flattened to f32.
     fn run_bf16(a: &[Tensor], f: &dyn Fn(&[Tensor]) -> Result<Tensor>) -> Result<Vec<Vec<f32>>> {
-        let args: Vec<Tensor> = a
-            .iter()
-            .enumerate()
-            .map(|(i, t)| match i {
-                1 | 2 => Ok(t.clone()),
-                _ => Ok(candle_core::Var::from_tensor(t)?.as_tensor().clone()),
-            })
-            .collect::<Result<_>>()?;
+        let args = tracked_except(a, &[1, 2])?;
         let y = f(&args)?;
         let weights = fill(y.dims(), 99, 1.0);
         let grads = (y.to_dtype(DType::F32)? * weights)?.sum_all()?.backward()?;
@@ -320,11 +303,7 @@ mod tests {
     #[test]
     fn the_graph_keeps_no_input_value() -> Result<()> {
         for input in [DerivedInput::Geglu, norm()?] {
-            let a = inputs(&input, DType::F32)?;
-            let mut args = a.clone();
-            for i in [0, 3, 4, 5] {
-                args[i] = candle_core::Var::from_tensor(&a[i])?.as_tensor().clone();
-            }
+            let args = tracked_except(&inputs(&input, DType::F32)?, &[1, 2])?;
             assert_eq!(fused(&input, &args, true)?.sorted_nodes().len(), 5);
             assert_eq!(composed(&input, &args, true)?.sorted_nodes().len(), 7);
         }

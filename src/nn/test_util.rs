@@ -122,3 +122,33 @@ pub(crate) fn assert_parity(
         }
     }
 }
+
+/// A fixed inverted-dropout mask (p = 0.5) of `h`'s shape, dtype and device: every third element
+/// dropped, the others scaled by 2.
+pub(crate) fn half_mask(h: &Tensor) -> candle_core::Result<Option<Tensor>> {
+    let v: Vec<f32> = (0..h.elem_count())
+        .map(|i| if i % 3 == 0 { 0.0 } else { 2.0 })
+        .collect();
+    Ok(Some(
+        Tensor::from_vec(v, h.shape(), h.device())?.to_dtype(h.dtype())?,
+    ))
+}
+
+/// `inputs` as a fused op's arguments: each a fresh variable (tracked), but those at the
+/// positions in `constants`, passed as they are.
+pub(crate) fn tracked_except(
+    inputs: &[Tensor],
+    constants: &[usize],
+) -> candle_core::Result<Vec<Tensor>> {
+    inputs
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            if constants.contains(&i) {
+                Ok(t.clone())
+            } else {
+                Ok(candle_core::Var::from_tensor(t)?.as_tensor().clone())
+            }
+        })
+        .collect()
+}

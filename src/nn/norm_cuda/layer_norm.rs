@@ -17,6 +17,13 @@ use crate::nn::norm_launch::{entry, LnGeometry};
 
 /// [`super::layer_norm`] on a CUDA device; the arguments are already checked.
 pub(crate) fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
+    let (out, back) = forward(x, weight, bias, eps)?;
+    attach3((x, weight, bias), "layer-norm", out, back)
+}
+
+/// The forward kernel on `x` (detached): the output and what the backward needs (the geometry
+/// and the row statistics).
+fn forward(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<(Tensor, LnBackward)> {
     let d = x.dim(D::Minus1)?;
     let geo = LnGeometry::new(x.elem_count() / d.max(1), d, TUNING)?;
     let op = LnFwd {
@@ -27,12 +34,7 @@ pub(crate) fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -
     let xd = x.detach().contiguous()?;
     let out = xd.apply_op3_no_bwd(&f32_contiguous(weight)?, &f32_contiguous(bias)?, &op)?;
     let stats = take_stats(&op.stats, "layer norm")?;
-    attach3(
-        (x, weight, bias),
-        "layer-norm",
-        out,
-        LnBackward { geo, stats },
-    )
+    Ok((out, LnBackward { geo, stats }))
 }
 
 /// `∂L/∂x` of the layer norm of `x` (`weight`, `bias`, `eps`) for the upstream gradient `grad`,
@@ -45,22 +47,13 @@ pub(crate) fn layer_norm_dx(
     eps: f64,
     grad: &Tensor,
 ) -> Result<Tensor> {
-    let d = x.dim(D::Minus1)?;
-    let geo = LnGeometry::new(x.elem_count() / d.max(1), d, TUNING)?;
-    let op = LnFwd {
-        geo,
-        eps: eps as f32,
-        stats: Mutex::new(None),
-    };
-    let xd = x.detach().contiguous()?;
-    let w = f32_contiguous(weight)?;
-    drop(xd.apply_op3_no_bwd(&w, &f32_contiguous(bias)?, &op)?);
-    let back = LnBackward {
-        geo,
-        stats: take_stats(&op.stats, "layer norm")?,
-    };
+    let (out, back) = forward(x, weight, bias, eps)?;
+    drop(out);
     let g = grad.detach().to_dtype(x.dtype())?.contiguous()?;
-    xd.apply_op3_no_bwd(&g, &w, &LnBwdDx(&back))
+    let w = f32_contiguous(weight)?;
+    x.detach()
+        .contiguous()?
+        .apply_op3_no_bwd(&g, &w, &LnBwdDx(&back))
 }
 
 struct LnFwd {
