@@ -16,7 +16,8 @@
 //!   gradients, on SD's shapes, with its time beside chunked attention
 //!   (tests/cuda/flash_attention.rs);
 //! - the fused norm and GEGLU kernels (src/nn/kernels/norm.cu) against the CPU, forward and
-//!   every gradient, on SD's shapes (tests/cuda/norm_kernels.rs);
+//!   every gradient, on SD's shapes, and the LoRA layers that recompute a norm or GEGLU in their
+//!   backward (tests/cuda/norm_kernels.rs);
 //! - with the `nccl` feature, data parallel through NCCL on one card: the in-place sum, and a
 //!   one-rank run from the CLI's torchrun path against the plain run (tests/cuda/dist.rs);
 //! - the out-of-memory classifier on the real CUDA error types (tests/cuda/oom.rs; no device

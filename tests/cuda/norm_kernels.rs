@@ -1,6 +1,7 @@
 //! The norm and GEGLU CUDA kernels (src/nn/kernels/norm.cu) against the CPU path: forward and
 //! the gradients of `x` (or `p`), `γ` and `β` for `L = Σ out·r` (`r` a fixed fill), in f32 and
-//! bf16, on SD-sized shapes and ragged ones. Formulas: the headers of src/nn/group_norm.rs,
+//! bf16, on SD-sized shapes and ragged ones; and the LoRA layers that recompute a norm or GEGLU
+//! inside their op (`nn::low_rank_input`). Formulas: the headers of src/nn/group_norm.rs,
 //! layer_norm.rs and geglu.rs.
 //!
 //! Tolerances are relative to the largest magnitude of the CPU result: f32 1e-4 (the kernels sum
@@ -8,7 +9,10 @@
 //! each result, compared on results that were rounded on both sides).
 
 use candle_core::{DType, Device, Tensor, Var};
-use sdtrain::nn::{geglu, group_norm, group_norm_silu, layer_norm};
+use sdtrain::nn::{
+    frozen_linear_low_rank_on, geglu, group_norm, group_norm_silu, layer_norm, BaseWeight,
+    DerivedInput, LowRank,
+};
 
 /// The first CUDA device. These tests are `#[ignore]`d so that a machine without a GPU reports
 /// them as ignored, never as passed; asked to run (`--include-ignored`), they fail without one.
@@ -79,7 +83,7 @@ fn rel_err(got: &Tensor, want: &Tensor) -> f32 {
 fn check(dev: &Device, what: &str, inputs: &[Tensor], op: &Op, tol: f32) {
     let gpu = output_and_grads(dev, inputs, op);
     let cpu = output_and_grads(&Device::Cpu, inputs, op);
-    let names = ["output", "grad 0", "grad 1", "grad 2"];
+    let names = ["output", "grad 0", "grad 1", "grad 2", "grad 3"];
     for ((g, c), name) in gpu.iter().zip(&cpu).zip(names) {
         assert_eq!(g.dims(), c.dims(), "{what}: {name} shape");
         let e = rel_err(g, c);
@@ -173,6 +177,51 @@ fn cuda_geglu_kernels_match_cpu() {
                 &op,
                 tol(dtype),
             );
+        }
+    }
+}
+
+/// A LoRA layer (rank 16, scale 0.5) after a frozen LayerNorm and after GEGLU as one op with the
+/// block's residual (`nn::low_rank_input`): the norm (`layer_norm_dx`: the forward kernel again
+/// for the statistics, then the dx kernel) and GEGLU recomputed in the backward. SD1.5's
+/// level-0 block: 4096 tokens, width 320 (GEGLU's projection 2·1280). Gradients of the input,
+/// `down`, `up` and the residual.
+#[test]
+#[ignore = "needs a CUDA device: scripts/gpu-check runs it (--include-ignored)"]
+fn cuda_low_rank_on_derived_inputs_matches_cpu() {
+    let dev = cuda("cuda_low_rank_on_derived_inputs_matches_cpu");
+    for dtype in [DType::F32, DType::BF16] {
+        for (what, norm, width) in [("layer norm", true, 320), ("geglu", false, 2 * 1280)] {
+            let inner = if norm { width } else { width / 2 };
+            let inputs = vec![
+                fill(&[1, 4096, width], 21, 2.0).to_dtype(dtype).unwrap(),
+                fill(&[16, inner], 22, 0.1),
+                fill(&[320, 16], 23, 0.1),
+                fill(&[1, 4096, 320], 24, 1.0).to_dtype(dtype).unwrap(),
+            ];
+            let op = move |a: &[Tensor]| {
+                let on = |t: Tensor| t.to_dtype(dtype)?.to_device(a[0].device());
+                let w = on(fill(&[320, inner], 25, 0.05))?;
+                let b = on(fill(&[320], 26, 0.5))?;
+                let input = if norm {
+                    DerivedInput::LayerNorm {
+                        weight: (fill(&[width], 27, 1.0) + 1.5)?.to_device(a[0].device())?,
+                        bias: fill(&[width], 28, 0.8).to_device(a[0].device())?,
+                        eps: 1e-5,
+                    }
+                } else {
+                    DerivedInput::Geglu
+                };
+                let lr = LowRank {
+                    down: &a[1],
+                    up: &a[2],
+                    scale: 0.5,
+                    dropout: &|_| Ok(None),
+                };
+                let w = BaseWeight::plain(&w);
+                frozen_linear_low_rank_on(&a[0], &input, None, &w, Some(&b), lr, Some(&a[3]))
+            };
+            check(&dev, &format!("{what} {dtype:?}"), &inputs, &op, tol(dtype));
         }
     }
 }
