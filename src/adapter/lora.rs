@@ -449,6 +449,10 @@ impl LayerAdapter for LoraModule {
         }))
     }
 
+    fn derives_inputs(&self) -> bool {
+        self.algo == Algo::LowRank && !self.is_dora()
+    }
+
     /// LoRA on a linear after GEGLU (`ff.net.2`) or a frozen LayerNorm as one op with that
     /// input (`nn::low_rank_input`); the other algorithms and DoRA have no such form.
     fn forward_frozen_on(
@@ -459,7 +463,7 @@ impl LayerAdapter for LoraModule {
         base: FrozenBase<'_>,
         residual: Option<&Tensor>,
     ) -> Option<Result<Tensor>> {
-        if self.algo != Algo::LowRank || self.is_dora() {
+        if !self.derives_inputs() {
             return None;
         }
         Some(self.with_low_rank(|lr| match self.fit(base)? {

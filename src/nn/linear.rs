@@ -96,7 +96,7 @@ impl Linear {
     /// norm's output is a tensor of the graph, made once for the layers that share it.
     pub fn forward_normed(&self, n: &super::Normed<'_>) -> Result<Tensor> {
         if let (Some(a), Some(input)) = (&self.adapter, n.derived()) {
-            if self.is_frozen() && super::frozen::supported(n.x) {
+            if a.derives_inputs() && self.is_frozen() && super::frozen::supported(n.x) {
                 let base = super::FrozenBase::Linear {
                     w: self.base_weight(),
                     b: self.bias.as_ref(),

@@ -94,6 +94,12 @@ pub trait LayerAdapter: std::fmt::Debug + Send + Sync {
         None
     }
 
+    /// Whether [`LayerAdapter::forward_frozen_on`] takes derived inputs (so that a layer computes
+    /// a shared input's value only for an adapter that will use it).
+    fn derives_inputs(&self) -> bool {
+        false
+    }
+
     /// [`LayerAdapter::forward_frozen`] on a linear whose input is `input(a)` (GEGLU, a frozen
     /// LayerNorm), given `a` (and the input's `value` where the caller computed it for several
     /// layers): one op that computes the input again in its backward instead of keeping it (see
