@@ -44,24 +44,30 @@ pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Resul
     attach3((x, weight, bias), "layer-norm", out, stats)
 }
 
-/// `∂L/∂x` of [`layer_norm`] for the upstream gradient `grad`, in `x`'s dtype, the statistics
-/// computed again from `x`: for an op that recomputes the norm inside its own backward
-/// (`nn::low_rank_input`) instead of keeping the norm's output.
-pub(crate) fn layer_norm_dx(
+/// `∂L/∂x` of a norm for an upstream gradient, in the norm input's dtype.
+pub(crate) type InputGrad = Box<dyn Fn(&Tensor) -> Result<Tensor>>;
+
+/// [`layer_norm`]'s value (untracked) and its `∂L/∂x` from the same row statistics, one pass
+/// over `x`: for an op that recomputes the norm inside its own backward (`nn::low_rank_input`)
+/// instead of keeping the norm's output. The value is [`layer_norm`]'s bit for bit.
+pub(crate) fn layer_norm_recomputed(
     x: &Tensor,
     weight: &Tensor,
     bias: &Tensor,
     eps: f64,
-    grad: &Tensor,
-) -> Result<Tensor> {
+) -> Result<(Tensor, InputGrad)> {
     #[cfg(feature = "cuda")]
     if x.device().is_cuda() {
-        return super::norm_cuda::layer_norm_dx(x, weight, bias, eps, grad);
+        return super::norm_cuda::layer_norm_recomputed(x, weight, bias, eps);
     }
-    let _ = bias;
     let xd = x.detach();
     let stats = Stats::of(&xd, eps)?;
-    stats.dx(&xd, weight, grad)?.to_dtype(x.dtype())
+    let value = stats
+        .affine(&xd, &weight.detach(), &bias.detach())?
+        .to_dtype(x.dtype())?;
+    let (w, dtype) = (weight.detach(), x.dtype());
+    let dx = move |g: &Tensor| stats.dx(&xd, &w, g)?.to_dtype(dtype);
+    Ok((value, Box::new(dx)))
 }
 
 /// [`layer_norm`] from composed candle ops, every intermediate kept for backward.

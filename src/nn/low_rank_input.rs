@@ -23,6 +23,7 @@ use candle_core::{Result, Tensor};
 
 use super::fused_op::{Backward3, Grads3};
 use super::geglu::{geglu_detached, geglu_grad};
+use super::layer_norm::{layer_norm_recomputed, InputGrad};
 use super::low_rank::{linear_forward, with_residual, LinearBackward, LowRank};
 use super::BaseWeight;
 
@@ -50,13 +51,15 @@ impl DerivedInput {
         }
     }
 
-    /// `∂L/∂a` from `∂L/∂u`, in `a`'s dtype.
-    fn grad(&self, a: &Tensor, du: &Tensor) -> Result<Tensor> {
+    /// `u = f(a)` again, and how to take `∂L/∂a` from `∂L/∂u` (in `a`'s dtype); the norm's
+    /// from the row statistics of the same pass.
+    fn recomputed(&self, a: &Tensor) -> Result<(Tensor, InputGrad)> {
         match self {
-            Self::Geglu => geglu_grad(a, du),
-            Self::LayerNorm { weight, bias, eps } => {
-                super::layer_norm::layer_norm_dx(a, weight, bias, *eps, du)
+            Self::Geglu => {
+                let p = a.clone();
+                Ok((geglu_detached(a)?, Box::new(move |du| geglu_grad(&p, du))))
             }
+            Self::LayerNorm { weight, bias, eps } => layer_norm_recomputed(a, weight, bias, *eps),
         }
     }
 }
@@ -106,10 +109,10 @@ impl Backward3 for Derived {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<Grads3> {
-        let u = self.input.value(a)?;
+        let (u, input_grad) = self.input.recomputed(a)?;
         let (du, d_down, d_up) = self.lin.grads(&u, a.track_op(), down, up, grad)?;
         drop(u);
-        let da = du.map(|du| self.input.grad(a, &du)).transpose()?;
+        let da = du.map(|du| input_grad(&du)).transpose()?;
         Ok((da, d_down, d_up))
     }
 }

@@ -13,6 +13,7 @@ use super::{
     alloc, f32_contiguous, function, launch, no_cpu, take_stats, threads, view, Act, Stats, TUNING,
 };
 use crate::nn::fused_op::{attach3, if_tracked, Backward3, Grads3};
+use crate::nn::layer_norm::InputGrad;
 use crate::nn::norm_launch::{entry, LnGeometry};
 
 /// [`super::layer_norm`] on a CUDA device; the arguments are already checked.
@@ -37,23 +38,23 @@ fn forward(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<(Tens
     Ok((out, LnBackward { geo, stats }))
 }
 
-/// `∂L/∂x` of the layer norm of `x` (`weight`, `bias`, `eps`) for the upstream gradient `grad`,
-/// in `x`'s dtype: the forward kernel again for the row statistics (its output dropped), then
-/// the backward's dx kernel. For an op that recomputes the norm inside its own backward.
-pub(crate) fn layer_norm_dx(
+/// [`super::super::layer_norm::layer_norm_recomputed`] on a CUDA device: the forward kernel
+/// (output and row statistics), and the backward's dx kernel on those statistics.
+pub(crate) fn layer_norm_recomputed(
     x: &Tensor,
     weight: &Tensor,
     bias: &Tensor,
     eps: f64,
-    grad: &Tensor,
-) -> Result<Tensor> {
+) -> Result<(Tensor, InputGrad)> {
     let (out, back) = forward(x, weight, bias, eps)?;
-    drop(out);
-    let g = grad.detach().to_dtype(x.dtype())?.contiguous()?;
+    let xd = x.detach().contiguous()?;
     let w = f32_contiguous(weight)?;
-    x.detach()
-        .contiguous()?
-        .apply_op3_no_bwd(&g, &w, &LnBwdDx(&back))
+    let dtype = x.dtype();
+    let dx = move |grad: &Tensor| {
+        let g = grad.detach().to_dtype(dtype)?.contiguous()?;
+        xd.apply_op3_no_bwd(&g, &w, &LnBwdDx(&back))
+    };
+    Ok((out, Box::new(dx)))
 }
 
 struct LnFwd {

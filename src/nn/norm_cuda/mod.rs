@@ -55,7 +55,7 @@ mod layer_norm;
 
 pub(crate) use geglu::{geglu, geglu_grad};
 pub(crate) use group_norm::group_norm_parts;
-pub(crate) use layer_norm::{layer_norm, layer_norm_dx};
+pub(crate) use layer_norm::{layer_norm, layer_norm_recomputed};
 
 fn function(dev: &CudaDevice, name: &str) -> Result<CudaFunction> {
     Ok(dev
