@@ -182,10 +182,10 @@ fn cuda_geglu_kernels_match_cpu() {
 }
 
 /// A LoRA layer (rank 16, scale 0.5) after a frozen LayerNorm and after GEGLU as one op with the
-/// block's residual (`nn::low_rank_input`): the norm (`layer_norm_dx`: the forward kernel again
-/// for the statistics, then the dx kernel) and GEGLU recomputed in the backward. SD1.5's
-/// level-0 block: 4096 tokens, width 320 (GEGLU's projection 2·1280). Gradients of the input,
-/// `down`, `up` and the residual.
+/// block's residual (`nn::low_rank_input`): the norm (`layer_norm_recomputed`: the forward
+/// kernel again, then the dx kernel on its statistics) and GEGLU recomputed in the backward.
+/// SD1.5's level-0 block: 4096 tokens, width 320 (GEGLU's projection 2·1280). Gradients of the
+/// input, `down`, `up` and the residual.
 #[test]
 #[ignore = "needs a CUDA device: scripts/gpu-check runs it (--include-ignored)"]
 fn cuda_low_rank_on_derived_inputs_matches_cpu() {
