@@ -36,12 +36,17 @@ pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Resul
     if x.device().is_cuda() {
         return super::norm_cuda::layer_norm(x, weight, bias, eps);
     }
-    let xd = x.detach();
-    let stats = Stats::of(&xd, eps)?;
-    let out = stats
-        .affine(&xd, &weight.detach(), &bias.detach())?
-        .to_dtype(x.dtype())?;
+    let (out, stats) = forward(&x.detach(), weight, bias, eps)?;
     attach3((x, weight, bias), "layer-norm", out, stats)
+}
+
+/// The norm of the detached `x` in `x`'s dtype, and its row statistics.
+fn forward(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<(Tensor, Stats)> {
+    let stats = Stats::of(x, eps)?;
+    let out = stats
+        .affine(x, &weight.detach(), &bias.detach())?
+        .to_dtype(x.dtype())?;
+    Ok((out, stats))
 }
 
 /// `∂L/∂x` of a norm for an upstream gradient, in the norm input's dtype.
@@ -61,10 +66,7 @@ pub(crate) fn layer_norm_recomputed(
         return super::norm_cuda::layer_norm_recomputed(x, weight, bias, eps);
     }
     let xd = x.detach();
-    let stats = Stats::of(&xd, eps)?;
-    let value = stats
-        .affine(&xd, &weight.detach(), &bias.detach())?
-        .to_dtype(x.dtype())?;
+    let (value, stats) = forward(&xd, weight, bias, eps)?;
     let (w, dtype) = (weight.detach(), x.dtype());
     let dx = move |g: &Tensor| stats.dx(&xd, &w, g)?.to_dtype(dtype);
     Ok((value, Box::new(dx)))
