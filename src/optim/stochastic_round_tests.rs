@@ -169,16 +169,16 @@ fn special_values_round_as_a_cast_does() {
 /// parallel chunks; anything but an f32 source of the same size, or a bf16/f16 parameter, is
 /// refused. Catches a chunk that restarts its draws at index 0.
 #[test]
-fn round_into_writes_each_element_with_its_own_draw() {
+fn round_into_writes_each_element_with_its_own_draw() -> candle_core::Result<()> {
     let base = ordinary(DType::F16);
     let n = 3 * (1 << 16) + 17;
     let xs: Vec<f32> = base.iter().copied().cycle().take(n).collect();
-    let master = Tensor::from_slice(&xs, n, &Device::Cpu).unwrap();
+    let master = Tensor::from_slice(&xs, n, &Device::Cpu)?;
     for dtype in [DType::BF16, DType::F16] {
-        let var = Var::zeros(n, dtype, &Device::Cpu).unwrap();
+        let var = Var::zeros(n, dtype, &Device::Cpu)?;
         let view = var.as_tensor().clone();
-        round_into(&var, &master, 99).unwrap();
-        let got = view.to_dtype(DType::F32).unwrap().to_vec1::<f32>().unwrap();
+        round_into(&var, &master, 99)?;
+        let got = view.to_dtype(DType::F32)?.to_vec1::<f32>()?;
         for (i, (&x, &y)) in xs.iter().zip(&got).enumerate() {
             let r = random_bits(99, i as u64);
             let want = match dtype {
@@ -188,13 +188,14 @@ fn round_into_writes_each_element_with_its_own_draw() {
             assert_eq!(y.to_bits(), want.to_bits(), "{dtype:?} element {i}");
         }
     }
-    let f32_var = Var::zeros(n, DType::F32, &Device::Cpu).unwrap();
+    let f32_var = Var::zeros(n, DType::F32, &Device::Cpu)?;
     assert!(round_into(&f32_var, &master, 1).is_err());
-    let bf16 = Var::zeros(n + 1, DType::BF16, &Device::Cpu).unwrap();
+    let bf16 = Var::zeros(n + 1, DType::BF16, &Device::Cpu)?;
     assert!(round_into(&bf16, &master, 1).is_err());
-    let half_master = master.to_dtype(DType::F16).unwrap();
-    let f16 = Var::zeros(n, DType::F16, &Device::Cpu).unwrap();
+    let half_master = master.to_dtype(DType::F16)?;
+    let f16 = Var::zeros(n, DType::F16, &Device::Cpu)?;
     assert!(round_into(&f16, &half_master, 1).is_err());
+    Ok(())
 }
 
 /// Over a tensor, the elements draw independent bits: 1.0003 rounds up 3.84% of the time, and
