@@ -202,13 +202,13 @@ fn round_into_writes_each_element_with_its_own_draw() -> candle_core::Result<()>
 /// the mean of 65536 roundings is within four standard deviations of 1.0003. Catches draws
 /// shared by every element (the mean would be 1 or 1.0078) or a seed that ignores the index.
 #[test]
-fn a_tensor_rounds_to_its_mean() {
+fn a_tensor_rounds_to_its_mean() -> candle_core::Result<()> {
     let x = 1.0003f32;
     let n = 1 << 16;
-    let master = Tensor::full(x, n, &Device::Cpu).unwrap();
-    let var = Var::zeros(n, DType::BF16, &Device::Cpu).unwrap();
-    round_into(&var, &master, tensor_seed(5, "down.0.weight", 3)).unwrap();
-    let got = var.to_dtype(DType::F32).unwrap().to_vec1::<f32>().unwrap();
+    let master = Tensor::full(x, n, &Device::Cpu)?;
+    let var = Var::zeros(n, DType::BF16, &Device::Cpu)?;
+    round_into(&var, &master, tensor_seed(5, "down.0.weight", 3))?;
+    let got = var.to_dtype(DType::F32)?.to_vec1::<f32>()?;
     let mean = got.iter().map(|&y| f64::from(y)).sum::<f64>() / n as f64;
     let gap = 0.0078125f64;
     let p = (f64::from(x) - 1.0) / gap;
@@ -218,6 +218,7 @@ fn a_tensor_rounds_to_its_mean() {
         "mean {mean}, want {x} ± {}",
         4.0 * sd
     );
+    Ok(())
 }
 
 /// The seed changes with the run's seed, the name and the step, and with nothing else.
