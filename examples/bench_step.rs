@@ -18,6 +18,9 @@
 //! - `--heap-census` (CPU): the last step reports the host heap (a counting allocator): held
 //!   before it, held by the forward graph once the loss exists, the step's peak, and the
 //!   graph's largest tracked tensors by shape; what the activation-memory work measures.
+//!   `--heap-peak-site` adds what the peak is made of: the allocations of 256 KiB or more live at
+//!   it, grouped by the `BENCH_SITE_DEPTH` (3) innermost sdtrain frames that made them (a
+//!   backtrace per large allocation, which slows the step; build with debug line tables).
 //! - `--op-census` (feature `op-census`): the last step's candle storage ops counted by kind with
 //!   the bytes each writes, and the `--op-census-top N` (25) call sites of the strided copies,
 //!   casts and broadcast binaries, each named by its `--op-census-depth N` (1) innermost sdtrain
@@ -666,6 +669,9 @@ fn step(
 ) -> Result<([f64; 4], (usize, usize, f64))> {
     let before = counting_alloc::live_bytes();
     counting_alloc::reset_peak();
+    if heap.is_some() && std::env::args().any(|a| a == "--heap-peak-site") {
+        counting_alloc::trace_peaks(true);
+    }
     let start = Instant::now();
     let out = m.unet.forward(&i.x, &i.t, &i.ctx, i.added.as_ref())?;
     // The trainer's loss: its target is a constant and gets no gradient entry.
@@ -765,10 +771,64 @@ fn finish_step(
     device.synchronize()?;
     let total = start.elapsed().as_secs_f64();
     if let Some(r) = heap {
+        counting_alloc::trace_peaks(false);
+        if let Some((held, sites)) = counting_alloc::peak_composition() {
+            r["heap_peak_composition"] = peak_composition(held.saturating_sub(before), &sites);
+        }
         r["heap_step_peak_mib"] = json!(mib(counting_alloc::peak_bytes() - before));
         r["heap_after_step_mib"] = json!(mib(counting_alloc::live_bytes()));
     }
     Ok(total)
+}
+
+/// `--heap-peak-site`: the large allocations live at the step's peak, grouped by their innermost
+/// sdtrain frames (the site that made them), largest group first.
+fn peak_composition(held_over_before: usize, sites: &[(usize, String)]) -> Value {
+    let depth: usize = std::env::var("BENCH_SITE_DEPTH")
+        .ok()
+        .and_then(|d| d.parse().ok())
+        .unwrap_or(3);
+    let mut groups: Vec<(String, usize, usize)> = Vec::new();
+    for (bytes, backtrace) in sites {
+        let frames = sdtrain_frames(backtrace);
+        let key = frames[..frames.len().min(depth)].join(" < ");
+        match groups.iter_mut().find(|g| g.0 == key) {
+            Some(g) => (g.1, g.2) = (g.1 + bytes, g.2 + 1),
+            None => groups.push((key, *bytes, 1)),
+        }
+    }
+    groups.sort_by_key(|g| std::cmp::Reverse(g.1));
+    json!({
+        "held_over_before_mib": mib(held_over_before),
+        "traced_mib": mib(sites.iter().map(|s| s.0).sum()),
+        "groups": groups
+            .iter()
+            .take(24)
+            .map(|(k, b, n)| json!({"mib": mib(*b), "allocations": n, "site": k}))
+            .collect::<Vec<_>>(),
+    })
+}
+
+/// The frames of a formatted backtrace that lie in sdtrain's own sources (its library and this
+/// example, not the allocator's), innermost first, each as `name (file:line)`.
+fn sdtrain_frames(backtrace: &str) -> Vec<String> {
+    let lines: Vec<&str> = backtrace.lines().map(str::trim).collect();
+    let mut frames = Vec::new();
+    for pair in lines.windows(2) {
+        let (Some((_, name)), Some(at)) = (pair[0].split_once(": "), pair[1].strip_prefix("at "))
+        else {
+            continue;
+        };
+        let ours = (at.contains("/src/") || at.contains("/examples/"))
+            && !(at.contains("/rustc/") || at.contains("/vendor/") || at.contains("/.cargo/"))
+            && !at.contains("counting_alloc")
+            && name != "__rust_alloc";
+        if ours {
+            let file = at.rsplit_once("src/").map_or(at, |(_, f)| f);
+            frames.push(format!("{name} ({file})"));
+        }
+    }
+    frames
 }
 
 fn mib(bytes: usize) -> f64 {

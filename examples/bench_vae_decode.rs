@@ -19,6 +19,7 @@
 #[allow(dead_code)]
 mod bench;
 #[path = "support/counting_alloc.rs"]
+#[allow(dead_code)] // the peak tracing is bench_step's
 mod counting_alloc;
 
 #[global_allocator]

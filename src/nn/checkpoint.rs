@@ -3,13 +3,15 @@
 //!
 //! Candle has no facility for this, so it is built from its pieces (../shared/NOTES.md):
 //! - the forward runs the segment on detached inputs; its graph is dropped at once and only the
-//!   output is handed (through the fused ops' carrier, `super::fused_op`) to a custom op (`(a, b, anchor) → out`), so the outer graph holds the
-//!   segment's inputs and nothing inside it;
-//! - the op's backward reruns the segment with the tracked inputs as fresh Vars, injects the
-//!   upstream gradient with the surrogate `Σ(out · grad)`, and runs an inner backward. The
-//!   inputs' gradients go back to candle's backward; the parameters' gradients (which candle's
-//!   backward cannot return from a custom op) are summed into this object's store, which the
-//!   step merges after the outer backward ([`Checkpointing::take_grads`]);
+//!   output is attached (`super::fused_op`) as an op over the inputs and an anchor
+//!   (`(inputs…, anchor) → out`), so the outer graph holds the segment's inputs and nothing
+//!   inside it;
+//! - the op's backward reruns the segment with the tracked inputs as fresh Vars and runs an
+//!   inner backward seeded with the upstream gradient (`Tensor::backward_seeded`, the gradients
+//!   of `Σ(out · grad)` without that sum in the graph). The inputs' gradients go back to
+//!   candle's backward; the parameters' gradients (which candle's backward cannot return from
+//!   an attached op) are summed into this object's store, which the step merges after the outer
+//!   backward ([`Checkpointing::take_grads`]);
 //! - `anchor` is a 1-element Var, so the op joins the graph even when no input is tracked (the
 //!   first resnet of a LoRA run sees a constant input, yet its adapters train).
 //!
@@ -26,10 +28,13 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Result, Tensor, TensorId, Var};
 use rand::rngs::StdRng;
 
-use super::fused_op::{attach3, Backward3, Grads3};
+use super::fused_op::{attach_n, BackwardN};
 
 /// A segment: inputs `(a, b)` → output. `b` is `None` for one-input segments.
 pub type Segment = Arc<dyn Fn(&Tensor, Option<&Tensor>) -> Result<Tensor> + Send + Sync>;
+
+/// A segment of any number of inputs, in the order [`Checkpointing::run_n`] was given them.
+pub type SegmentN = Arc<dyn Fn(&[Tensor]) -> Result<Tensor> + Send + Sync>;
 
 /// The checkpointing context of one model: the trainable parameters and the gradients the
 /// recomputations produced for them. Cheap to clone (shared).
@@ -103,12 +108,28 @@ impl Checkpointing {
 
     /// Runs `segment(a, b)` keeping only `a` and `b` for backward.
     pub fn run(&self, a: &Tensor, b: Option<&Tensor>, segment: Segment) -> Result<Tensor> {
+        let inputs: Vec<&Tensor> = std::iter::once(a).chain(b).collect();
+        self.run_n(
+            &inputs,
+            Arc::new(move |xs: &[Tensor]| segment(&xs[0], xs.get(1))),
+        )
+    }
+
+    /// Runs `segment(inputs)` keeping only `inputs` for backward. A segment that combines
+    /// tensors the outer graph keeps anyway (an up block's resnet concatenating its input with
+    /// a skip) takes them as separate inputs, so the combination is not kept beside them.
+    pub fn run_n(&self, inputs: &[&Tensor], segment: SegmentN) -> Result<Tensor> {
+        if inputs.is_empty() {
+            candle_core::bail!("checkpointing: a segment without inputs");
+        }
         // A segment nested in one being recomputed was counted by the forward.
         let first_run = !replaying();
         if first_run {
             self.inner.segments.fetch_add(1, Ordering::Relaxed);
         }
-        let (out, tape) = record(|| segment(&a.detach(), b.map(Tensor::detach).as_ref()))?;
+        let detached: Vec<Tensor> = inputs.iter().map(|t| t.detach()).collect();
+        let (out, tape) = record(|| segment(&detached))?;
+        drop(detached);
         if first_run && self.inner.track_uses.load(Ordering::Relaxed) {
             let mut uses = lock(&self.inner.uses)?;
             for node in out.sorted_nodes() {
@@ -121,14 +142,13 @@ impl Checkpointing {
             ctx: self.clone(),
             segment,
             tape: Mutex::new(tape),
-            has_b: b.is_some(),
         };
         // Detached: the segment's forward graph is dropped with `out`.
         let held = out.detach();
         drop(out);
-        let anchor = self.inner.anchor.as_tensor();
-        let b = b.unwrap_or(anchor);
-        attach3((a, b, anchor), "checkpoint", held, recompute)
+        let mut args = inputs.to_vec();
+        args.push(self.inner.anchor.as_tensor());
+        attach_n(&args, "checkpoint", held, recompute)
     }
 
     fn add_param_grads(&self, mut inner: GradStore) -> Result<()> {
@@ -149,9 +169,8 @@ impl Checkpointing {
 /// The backward of a checkpointed segment: rerun it, then backpropagate through the rerun.
 struct Recompute {
     ctx: Checkpointing,
-    segment: Segment,
+    segment: SegmentN,
     tape: Mutex<VecDeque<StdRng>>,
-    has_b: bool,
 }
 
 /// `t` as a recomputation input: a fresh Var when the outer graph wants its gradient, else a
@@ -165,35 +184,41 @@ fn recompute_input(t: &Tensor) -> Result<(Tensor, Option<Var>)> {
     }
 }
 
-impl Backward3 for Recompute {
+impl BackwardN for Recompute {
+    /// `args` are the segment's inputs and the anchor, last (it gets no gradient).
     fn backward(
         &self,
-        a: &Tensor,
-        b: &Tensor,
-        _anchor: &Tensor,
+        args: &[Tensor],
         _res: &Tensor,
         grad: &Tensor,
-    ) -> Result<Grads3> {
-        let (a_in, a_var) = recompute_input(a)?;
-        let (b_in, b_var) = if self.has_b {
-            let (t, v) = recompute_input(b)?;
-            (Some(t), v)
-        } else {
-            (None, None)
+    ) -> Result<Vec<Option<Tensor>>> {
+        let Some((_anchor, inputs)) = args.split_last() else {
+            candle_core::bail!("checkpointing: a segment's op lost its arguments");
         };
+        let (values, vars): (Vec<Tensor>, Vec<Option<Var>>) = inputs
+            .iter()
+            .map(recompute_input)
+            .collect::<Result<Vec<_>>>()?
+            .into_iter()
+            .unzip();
         let tape = std::mem::take(&mut *lock(&self.tape)?);
-        let out = replay(tape, || (self.segment)(&a_in, b_in.as_ref()))?;
-        let surrogate =
-            (out.to_dtype(DType::F32)? * grad.detach().to_dtype(DType::F32)?)?.sum_all()?;
-        if super::grad_sink::active() {
-            return self.backward_fused(&surrogate, a_var.as_ref(), b_var.as_ref());
-        }
-        let mut grads = surrogate.backward()?;
-        drop(surrogate);
-        let ga = a_var.and_then(|v| grads.remove(v.as_tensor()));
-        let gb = b_var.and_then(|v| grads.remove(v.as_tensor()));
-        self.ctx.add_param_grads(grads)?;
-        Ok((ga, gb, None))
+        let out = replay(tape, || (self.segment)(&values))?;
+        drop(values);
+        let grad = grad.detach().to_dtype(out.dtype())?;
+        let mut grads = if super::grad_sink::active() {
+            self.backward_fused(&out, &grad, &vars)?
+        } else {
+            let mut store = out.backward_seeded(&grad)?;
+            drop((out, grad));
+            let grads = vars
+                .iter()
+                .map(|v| v.as_ref().and_then(|v| store.remove(v.as_tensor())))
+                .collect();
+            self.ctx.add_param_grads(store)?;
+            grads
+        };
+        grads.push(None);
+        Ok(grads)
     }
 }
 
@@ -203,28 +228,25 @@ impl Recompute {
     /// gradients come back.
     fn backward_fused(
         &self,
-        surrogate: &Tensor,
-        a_var: Option<&Var>,
-        b_var: Option<&Var>,
-    ) -> Result<Grads3> {
-        let (a_id, b_id) = (
-            a_var.map(|v| v.as_tensor().id()),
-            b_var.map(|v| v.as_tensor().id()),
-        );
-        let (mut ga, mut gb) = (None, None);
+        out: &Tensor,
+        grad: &Tensor,
+        vars: &[Option<Var>],
+    ) -> Result<Vec<Option<Tensor>>> {
+        let ids: Vec<Option<TensorId>> = vars
+            .iter()
+            .map(|v| v.as_ref().map(|v| v.as_tensor().id()))
+            .collect();
+        let mut grads: Vec<Option<Tensor>> = vec![None; vars.len()];
         let params = &self.ctx.inner.param_ids;
-        surrogate.backward_with(&mut |node, g| {
-            let id = Some(node.id());
-            if id == a_id {
-                ga = Some(g);
-            } else if id == b_id {
-                gb = Some(g);
+        out.backward_seeded_with(grad, &mut |node, g| {
+            if let Some(i) = ids.iter().position(|id| *id == Some(node.id())) {
+                grads[i] = Some(g);
             } else if params.contains(&node.id()) {
                 super::grad_sink::deliver(node, g)?;
             }
             Ok(())
         })?;
-        Ok((ga, gb, None))
+        Ok(grads)
     }
 }
 
@@ -411,6 +433,80 @@ mod tests {
             ck.take_grads().unwrap().get(w.as_tensor()).is_none(),
             "taken once"
         );
+    }
+
+    /// A seeded backward (what a segment's recomputation runs) gives the gradients of the
+    /// surrogate `Σ(out ⊙ grad)` it replaced, bit for bit in bf16, and refuses a seed that does
+    /// not match its tensor. Catches a seed ignored (ones), or cast in a way that rounds it.
+    #[test]
+    fn a_seeded_backward_equals_the_surrogate_sum() -> Result<()> {
+        let x = Var::from_tensor(&randn(&[3, 6], 21).to_dtype(DType::BF16)?)?;
+        let w = Var::from_tensor(&randn(&[6, 6], 22).to_dtype(DType::BF16)?)?;
+        let out = (x.as_tensor().matmul(w.as_tensor())?.tanh()? * x.as_tensor())?;
+        let g = randn(&[3, 6], 23).to_dtype(DType::BF16)?;
+        let surrogate = (out.to_dtype(DType::F32)? * g.to_dtype(DType::F32)?)?.sum_all()?;
+        let want = surrogate.backward()?;
+        let got = out.backward_seeded(&g)?;
+        let bits = |t: &Tensor| -> Result<Vec<u16>> {
+            Ok(t.flatten_all()?
+                .to_vec1::<half::bf16>()?
+                .into_iter()
+                .map(half::bf16::to_bits)
+                .collect())
+        };
+        for v in [&x, &w] {
+            let (Some(a), Some(b)) = (got.get(v.as_tensor()), want.get(v.as_tensor())) else {
+                candle_core::bail!("a gradient is missing");
+            };
+            assert_eq!(bits(a)?, bits(b)?);
+        }
+        assert!(out.backward_seeded(&g.t()?).is_err(), "a transposed seed");
+        assert!(
+            out.backward_seeded(&g.to_dtype(DType::F32)?).is_err(),
+            "an f32 seed"
+        );
+        Ok(())
+    }
+
+    /// A three-input segment with a constant in the middle (an up block's resnet over its input,
+    /// a skip from below the adapters and the time embedding): each tracked input gets its own
+    /// gradient, the constant none, and the parameter's equals the plain path's. Catches the
+    /// inputs' gradients returned in the wrong places (the anchor's slot, a swap) or a constant
+    /// recomputed as a Var.
+    #[test]
+    fn a_three_input_segment_matches_the_plain_path() -> Result<()> {
+        let dev = Device::Cpu;
+        let w = Var::from_tensor(&randn(&[7, 5], 31))?;
+        let a = Var::from_tensor(&randn(&[2, 4], 32))?;
+        let skip = randn(&[2, 3], 33);
+        let t = Var::from_tensor(&randn(&[2, 5], 34))?;
+        let wt = w.as_tensor().clone();
+        let seg: SegmentN = Arc::new(move |xs: &[Tensor]| match xs {
+            [a, skip, t] => Tensor::cat(&[a, skip], 1)?.matmul(&wt)?.tanh()? * t.sin()?,
+            _ => candle_core::bail!("three inputs"),
+        });
+        let loss = |out: Tensor| -> Result<Tensor> { (out.sqr()? * 0.5)?.sum_all() };
+        let inputs = [a.as_tensor(), &skip, t.as_tensor()];
+        let owned: Vec<Tensor> = inputs.iter().map(|t| (*t).clone()).collect();
+        let plain = loss(seg(&owned)?)?.backward()?;
+        let ck = Checkpointing::new(vec![w.clone()], &dev)?;
+        let outer = loss(ck.run_n(&inputs, seg)?)?.backward()?;
+        let inner = ck.take_grads()?;
+        assert!(outer.get(&skip).is_none(), "the constant got a gradient");
+        assert!(outer.get(w.as_tensor()).is_none());
+        let pairs = [
+            (outer.get(a.as_tensor()), plain.get(a.as_tensor())),
+            (outer.get(t.as_tensor()), plain.get(t.as_tensor())),
+            (inner.get(w.as_tensor()), plain.get(w.as_tensor())),
+        ];
+        for (i, pair) in pairs.into_iter().enumerate() {
+            let (Some(got), Some(want)) = pair else {
+                candle_core::bail!("gradient {i} is missing");
+            };
+            let d = crate::nn::test_util::rel_err(got, want);
+            assert!(d < 1e-6, "gradient {i} differs by {d}");
+        }
+        Ok(())
     }
 
     /// A constant input (no tracked op) still lets the segment's parameters train, and gets no

@@ -31,6 +31,36 @@ fn run_resnet(
     }
 }
 
+/// `resnet(cat(h, skip), temb)`, an up block's resnet. Under checkpointing `h` and `skip` are
+/// the segment's inputs and the concatenation happens inside it: the outer graph keeps the skip
+/// anyway (it is a down block's output), so keeping their concatenation too would hold the skip
+/// twice.
+fn run_resnet_on_skip(
+    resnet: &ResnetBlock2D,
+    h: &Tensor,
+    skip: &Tensor,
+    temb: &Tensor,
+    ck: Option<&Checkpointing>,
+) -> Result<Tensor> {
+    // A skip from below the first adapter is a constant: no gradient is stored for it.
+    let on_skip = |r: &ResnetBlock2D, h: &Tensor, skip: &Tensor, t: &Tensor| {
+        r.forward(&crate::nn::cat_with_const(h, skip, 1)?, Some(t))
+    };
+    match ck {
+        None => on_skip(resnet, h, skip, temb),
+        Some(ck) => {
+            let r = resnet.clone();
+            ck.run_n(
+                &[h, skip, temb],
+                std::sync::Arc::new(move |xs: &[Tensor]| match xs {
+                    [h, skip, t] => on_skip(&r, h, skip, t),
+                    _ => candle_core::bail!("an up block's resnet lost its inputs"),
+                }),
+            )
+        }
+    }
+}
+
 /// `attn(x, context)`, recomputed in backward under checkpointing.
 fn run_attention(
     attn: &Transformer2DModel,
@@ -281,8 +311,7 @@ impl UpBlock {
         let mut h = x.clone();
         for (j, resnet) in self.resnets.iter().enumerate() {
             let skip = &skips[skips.len() - 1 - j];
-            // A skip from below the first adapter is a constant: no gradient is stored for it.
-            h = run_resnet(resnet, &crate::nn::cat_with_const(&h, skip, 1)?, temb, ck)?;
+            h = run_resnet_on_skip(resnet, &h, skip, temb, ck)?;
             if let Some(attn) = self.attentions.get(j) {
                 h = run_attention(attn, &h, context, ck)?;
             }

@@ -165,7 +165,24 @@ impl Tensor {
     }
 
     pub fn backward(&self) -> Result<GradStore> {
-        self.backward_impl(None)
+        self.backward_impl(None, None)
+    }
+
+    /// [`Tensor::backward`] seeded with `grad`, the gradient of some scalar with respect to this
+    /// tensor, instead of ones: the gradients of `Σ(self ⊙ grad)` without building that sum in
+    /// the graph (a checkpointed segment's recomputation backpropagates the upstream gradient
+    /// this way). `grad` must have this tensor's shape, dtype and device.
+    pub fn backward_seeded(&self, grad: &Tensor) -> Result<GradStore> {
+        self.backward_impl(Some(grad), None)
+    }
+
+    /// [`Tensor::backward_with`] seeded with `grad`, as [`Tensor::backward_seeded`] is.
+    pub fn backward_seeded_with(
+        &self,
+        grad: &Tensor,
+        ready: &mut dyn FnMut(&Tensor, Tensor) -> Result<()>,
+    ) -> Result<GradStore> {
+        self.backward_impl(Some(grad), Some(ready))
     }
 
     /// [`Tensor::backward`], handing each variable's gradient to `ready` as soon as it is
@@ -178,16 +195,47 @@ impl Tensor {
         &self,
         ready: &mut dyn FnMut(&Tensor, Tensor) -> Result<()>,
     ) -> Result<GradStore> {
-        self.backward_impl(Some(ready))
+        self.backward_impl(None, Some(ready))
     }
 
     fn backward_impl(
         &self,
+        seed: Option<&Tensor>,
         mut ready: Option<&mut dyn FnMut(&Tensor, Tensor) -> Result<()>>,
     ) -> Result<GradStore> {
+        let seed = match seed {
+            None => self.ones_like()?,
+            Some(g) => {
+                if g.shape() != self.shape() {
+                    Err(Error::ShapeMismatchBinaryOp {
+                        lhs: self.shape().clone(),
+                        rhs: g.shape().clone(),
+                        op: "backward_seeded",
+                    }
+                    .bt())?
+                }
+                if g.dtype() != self.dtype() {
+                    Err(Error::DTypeMismatchBinaryOp {
+                        lhs: self.dtype(),
+                        rhs: g.dtype(),
+                        op: "backward_seeded",
+                    }
+                    .bt())?
+                }
+                if !g.device().same_device(self.device()) {
+                    Err(Error::DeviceMismatchBinaryOp {
+                        lhs: self.device().location(),
+                        rhs: g.device().location(),
+                        op: "backward_seeded",
+                    }
+                    .bt())?
+                }
+                g.detach()
+            }
+        };
         let sorted_nodes = self.sorted_nodes();
         let mut grads = GradStore::new();
-        grads.insert(self, self.ones_like()?.contiguous()?);
+        grads.insert(self, seed.contiguous()?);
         for node in sorted_nodes.iter() {
             if node.is_variable() {
                 if let Some(ready) = ready.as_mut() {
