@@ -685,7 +685,11 @@ fn step(
     if m.fused {
         return fused_step(m, loss, device, heap, start, fwd, before);
     }
-    let mut grads = loss.backward()?;
+    // The trainer gives the graph up to the backward (`into_backward`), which frees it as the
+    // walk passes; the loss value is kept apart.
+    let value = loss.detach();
+    let mut grads = loss.into_backward()?;
+    let loss = value;
     if let Some(ck) = &m.checkpointing {
         grads.extend(ck.take_grads()?)?;
     }
@@ -750,11 +754,11 @@ fn fused_step(
         by_id,
         updated: updated.clone(),
     }));
-    let backward = loss.backward_with(&mut |n, g| sdtrain::nn::grad_sink::deliver(n, g));
+    let value = loss.detach();
+    let backward = loss.into_backward_with(&mut |n, g| sdtrain::nn::grad_sink::deliver(n, g));
     drop(sdtrain::nn::grad_sink::take());
     backward?;
-    let value = f64::from(loss.to_dtype(DType::F32)?.to_scalar::<f32>()?);
-    drop(loss);
+    let value = f64::from(value.to_dtype(DType::F32)?.to_scalar::<f32>()?);
     let total = finish_step(device, start, heap, before)?;
     // Backward and the updates are one phase here.
     Ok(([total, fwd, total - fwd, 0.0], (0, updated.get(), value)))

@@ -7,11 +7,12 @@
 //!   (`(inputs…, anchor) → out`), so the outer graph holds the segment's inputs and nothing
 //!   inside it;
 //! - the op's backward reruns the segment with the tracked inputs as fresh Vars and runs an
-//!   inner backward seeded with the upstream gradient (`Tensor::backward_seeded`, the gradients
-//!   of `Σ(out · grad)` without that sum in the graph). The inputs' gradients go back to
-//!   candle's backward; the parameters' gradients (which candle's backward cannot return from
-//!   an attached op) are summed into this object's store, which the step merges after the outer
-//!   backward ([`Checkpointing::take_grads`]);
+//!   inner backward seeded with the upstream gradient (`Tensor::into_backward_seeded`: the
+//!   gradients of `Σ(out · grad)` without that sum in the graph, the recomputed graph freed as
+//!   the walk passes it). The inputs' gradients go back to candle's backward; the parameters'
+//!   gradients (which candle's backward cannot return from an attached op) are summed into this
+//!   object's store, which the step merges after the outer backward
+//!   ([`Checkpointing::take_grads`]);
 //! - `anchor` is a 1-element Var, so the op joins the graph even when no input is tracked (the
 //!   first resnet of a LoRA run sees a constant input, yet its adapters train).
 //!
@@ -206,10 +207,11 @@ impl BackwardN for Recompute {
         drop(values);
         let grad = grad.detach().to_dtype(out.dtype())?;
         let mut grads = if super::grad_sink::active() {
-            self.backward_fused(&out, &grad, &vars)?
+            self.backward_fused(out, &grad, &vars)?
         } else {
-            let mut store = out.backward_seeded(&grad)?;
-            drop((out, grad));
+            // Given up to the backward: the recomputed graph is freed as the walk passes it.
+            let mut store = out.into_backward_seeded(&grad)?;
+            drop(grad);
             let grads = vars
                 .iter()
                 .map(|v| v.as_ref().and_then(|v| store.remove(v.as_tensor())))
@@ -228,7 +230,7 @@ impl Recompute {
     /// gradients come back.
     fn backward_fused(
         &self,
-        out: &Tensor,
+        out: Tensor,
         grad: &Tensor,
         vars: &[Option<Var>],
     ) -> Result<Vec<Option<Tensor>>> {
@@ -238,7 +240,7 @@ impl Recompute {
             .collect();
         let mut grads: Vec<Option<Tensor>> = vec![None; vars.len()];
         let params = &self.ctx.inner.param_ids;
-        out.backward_seeded_with(grad, &mut |node, g| {
+        out.into_backward_seeded_with(grad, &mut |node, g| {
             if let Some(i) = ids.iter().position(|id| *id == Some(node.id())) {
                 grads[i] = Some(g);
             } else if params.contains(&node.id()) {
@@ -446,7 +448,7 @@ mod tests {
         let g = randn(&[3, 6], 23).to_dtype(DType::BF16)?;
         let surrogate = (out.to_dtype(DType::F32)? * g.to_dtype(DType::F32)?)?.sum_all()?;
         let want = surrogate.backward()?;
-        let got = out.backward_seeded(&g)?;
+        let got = out.clone().into_backward_seeded(&g)?;
         let bits = |t: &Tensor| -> Result<Vec<u16>> {
             Ok(t.flatten_all()?
                 .to_vec1::<half::bf16>()?
@@ -460,9 +462,12 @@ mod tests {
             };
             assert_eq!(bits(a)?, bits(b)?);
         }
-        assert!(out.backward_seeded(&g.t()?).is_err(), "a transposed seed");
         assert!(
-            out.backward_seeded(&g.to_dtype(DType::F32)?).is_err(),
+            out.clone().into_backward_seeded(&g.t()?).is_err(),
+            "a transposed seed"
+        );
+        assert!(
+            out.into_backward_seeded(&g.to_dtype(DType::F32)?).is_err(),
             "an f32 seed"
         );
         Ok(())

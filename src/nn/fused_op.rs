@@ -208,3 +208,95 @@ pub fn set_fused_ops_enabled(on: bool) {
 pub(crate) fn use_fused(t: &Tensor) -> bool {
     ENABLED.load(Ordering::Relaxed) && super::frozen::custom_op_device(t)
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Mutex};
+
+    use candle_core::{Device, Result, Tensor, Var};
+
+    use super::{attach1, Backward1};
+
+    /// `2·x`, whose backward and drop are written to a shared log.
+    struct Logged {
+        name: &'static str,
+        log: Arc<Mutex<Vec<String>>>,
+    }
+
+    impl Logged {
+        fn note(&self, what: &str) {
+            if let Ok(mut log) = self.log.lock() {
+                log.push(format!("{what} {}", self.name));
+            }
+        }
+    }
+
+    impl Backward1 for Logged {
+        fn backward(&self, _arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Tensor> {
+            self.note("backward");
+            grad * 2.0
+        }
+    }
+
+    impl Drop for Logged {
+        fn drop(&mut self) {
+            self.note("drop");
+        }
+    }
+
+    fn chain(log: &Arc<Mutex<Vec<String>>>) -> Result<(Var, Tensor)> {
+        let x = Var::from_tensor(&Tensor::new(&[1f32, 2., 3.], &Device::Cpu)?)?;
+        let mut y = x.as_tensor().clone();
+        for name in ["a", "b", "c"] {
+            let out = (y.detach() * 2.0)?;
+            let op = Logged {
+                name,
+                log: log.clone(),
+            };
+            y = attach1(&y, name, out, op)?;
+        }
+        Ok((x, y.sum_all()?))
+    }
+
+    /// A graph given up to the backward (`Tensor::into_backward`, the vendored candle-core) frees
+    /// each node once its rule has run: the last op is dropped before the one below it runs its
+    /// backward, so what each node kept is not held to the end. `backward()` on a graph the
+    /// caller keeps drops nothing, and both give the same gradient. Catches a walk that still
+    /// holds the root, or borrowed nodes that keep the whole graph.
+    #[test]
+    fn a_graph_given_up_to_the_backward_frees_each_node_after_its_rule() -> Result<()> {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let (x, loss) = chain(&log)?;
+        let kept = loss.backward()?;
+        let taken = |log: &Arc<Mutex<Vec<String>>>| -> Vec<String> {
+            log.lock()
+                .map(|mut l| std::mem::take(&mut *l))
+                .unwrap_or_default()
+        };
+        assert_eq!(taken(&log), ["backward c", "backward b", "backward a"]);
+        drop(loss);
+        let mut dropped = taken(&log);
+        dropped.sort();
+        assert_eq!(dropped, ["drop a", "drop b", "drop c"]);
+
+        let (x2, loss) = chain(&log)?;
+        let given = loss.into_backward()?;
+        assert_eq!(
+            taken(&log),
+            [
+                "backward c",
+                "drop c",
+                "backward b",
+                "drop b",
+                "backward a",
+                "drop a"
+            ]
+        );
+        let (Some(g1), Some(g2)) = (kept.get(x.as_tensor()), given.get(x2.as_tensor())) else {
+            candle_core::bail!("a gradient is missing");
+        };
+        assert_eq!(g1.to_vec1::<f32>()?, [8., 8., 8.]);
+        assert_eq!(g2.to_vec1::<f32>()?, [8., 8., 8.]);
+        Ok(())
+    }
+}

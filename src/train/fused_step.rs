@@ -204,9 +204,8 @@ fn last_chunk(
     };
     sink.borrow_mut().expect(&uses, &outer);
     grad_sink::install(Box::new(Shared(sink.clone())));
-    let backward = scaled.backward_with(&mut |node, g| grad_sink::deliver(node, g));
+    let backward = scaled.into_backward_with(&mut |node, g| grad_sink::deliver(node, g));
     drop(grad_sink::take());
-    drop(scaled);
     if let Err(e) = backward {
         return Err(match sink.borrow_mut().error.take() {
             Some(update) => update,

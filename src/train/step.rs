@@ -357,8 +357,9 @@ pub fn forward_backward(
 ) -> anyhow::Result<(Tensor, GradStore)> {
     let loss = forward_loss(sd, batch, settings)?;
     let value = (loss.detach().to_dtype(DType::F32)? * weight)?;
+    // Given up to the backward: the forward's tensors are freed as the walk passes them.
     let mut grads = (loss * (weight * loss_scale))?
-        .backward()
+        .into_backward()
         .context("backward pass")?;
     if let Some(ck) = settings.checkpointing {
         grads.extend(ck.take_grads()?)?;

@@ -165,24 +165,7 @@ impl Tensor {
     }
 
     pub fn backward(&self) -> Result<GradStore> {
-        self.backward_impl(None, None)
-    }
-
-    /// [`Tensor::backward`] seeded with `grad`, the gradient of some scalar with respect to this
-    /// tensor, instead of ones: the gradients of `Σ(self ⊙ grad)` without building that sum in
-    /// the graph (a checkpointed segment's recomputation backpropagates the upstream gradient
-    /// this way). `grad` must have this tensor's shape, dtype and device.
-    pub fn backward_seeded(&self, grad: &Tensor) -> Result<GradStore> {
-        self.backward_impl(Some(grad), None)
-    }
-
-    /// [`Tensor::backward_with`] seeded with `grad`, as [`Tensor::backward_seeded`] is.
-    pub fn backward_seeded_with(
-        &self,
-        grad: &Tensor,
-        ready: &mut dyn FnMut(&Tensor, Tensor) -> Result<()>,
-    ) -> Result<GradStore> {
-        self.backward_impl(Some(grad), Some(ready))
+        Self::backward_impl(self.clone(), None, None)
     }
 
     /// [`Tensor::backward`], handing each variable's gradient to `ready` as soon as it is
@@ -195,48 +178,89 @@ impl Tensor {
         &self,
         ready: &mut dyn FnMut(&Tensor, Tensor) -> Result<()>,
     ) -> Result<GradStore> {
-        self.backward_impl(None, Some(ready))
+        Self::backward_impl(self.clone(), None, Some(ready))
     }
 
+    /// [`Tensor::backward`] on a graph given up to it: each node is released as soon as its
+    /// backward rule has run, so the tensors the forward kept are freed while the gradients
+    /// build up, instead of all living until the caller drops the root (they are freed where
+    /// nothing outside the graph holds them). The gradients are `backward()`'s.
+    pub fn into_backward(self) -> Result<GradStore> {
+        Self::backward_impl(self, None, None)
+    }
+
+    /// [`Tensor::backward_with`] on a graph given up to it, as [`Tensor::into_backward`].
+    pub fn into_backward_with(
+        self,
+        ready: &mut dyn FnMut(&Tensor, Tensor) -> Result<()>,
+    ) -> Result<GradStore> {
+        Self::backward_impl(self, None, Some(ready))
+    }
+
+    /// [`Tensor::into_backward`] seeded with `grad`, the gradient of some scalar with respect
+    /// to this tensor, instead of ones: the gradients of `Σ(self ⊙ grad)` without building that
+    /// sum in the graph (a checkpointed segment's recomputation backpropagates the upstream
+    /// gradient this way). `grad` must have this tensor's shape, dtype and device.
+    pub fn into_backward_seeded(self, grad: &Tensor) -> Result<GradStore> {
+        Self::backward_impl(self, Some(grad), None)
+    }
+
+    /// [`Tensor::into_backward_with`] seeded with `grad`, as [`Tensor::into_backward_seeded`].
+    pub fn into_backward_seeded_with(
+        self,
+        grad: &Tensor,
+        ready: &mut dyn FnMut(&Tensor, Tensor) -> Result<()>,
+    ) -> Result<GradStore> {
+        Self::backward_impl(self, Some(grad), Some(ready))
+    }
+
+    /// The gradient a backward pass starts from: ones, or `seed` checked against `root`.
+    fn seed_of(root: &Tensor, seed: Option<&Tensor>) -> Result<Tensor> {
+        let Some(g) = seed else {
+            return root.ones_like()?.contiguous();
+        };
+        if g.shape() != root.shape() {
+            Err(Error::ShapeMismatchBinaryOp {
+                lhs: root.shape().clone(),
+                rhs: g.shape().clone(),
+                op: "backward_seeded",
+            }
+            .bt())?
+        }
+        if g.dtype() != root.dtype() {
+            Err(Error::DTypeMismatchBinaryOp {
+                lhs: root.dtype(),
+                rhs: g.dtype(),
+                op: "backward_seeded",
+            }
+            .bt())?
+        }
+        if !g.device().same_device(root.device()) {
+            Err(Error::DeviceMismatchBinaryOp {
+                lhs: root.device().location(),
+                rhs: g.device().location(),
+                op: "backward_seeded",
+            }
+            .bt())?
+        }
+        g.detach().contiguous()
+    }
+
+    /// The backward pass from `root`. The nodes are walked as owned handles and each is
+    /// dropped once its rule has run: when the caller gave `root` up, a node nothing else holds
+    /// is freed then, and with it what its op kept.
     fn backward_impl(
-        &self,
+        root: Tensor,
         seed: Option<&Tensor>,
         mut ready: Option<&mut dyn FnMut(&Tensor, Tensor) -> Result<()>>,
     ) -> Result<GradStore> {
-        let seed = match seed {
-            None => self.ones_like()?,
-            Some(g) => {
-                if g.shape() != self.shape() {
-                    Err(Error::ShapeMismatchBinaryOp {
-                        lhs: self.shape().clone(),
-                        rhs: g.shape().clone(),
-                        op: "backward_seeded",
-                    }
-                    .bt())?
-                }
-                if g.dtype() != self.dtype() {
-                    Err(Error::DTypeMismatchBinaryOp {
-                        lhs: self.dtype(),
-                        rhs: g.dtype(),
-                        op: "backward_seeded",
-                    }
-                    .bt())?
-                }
-                if !g.device().same_device(self.device()) {
-                    Err(Error::DeviceMismatchBinaryOp {
-                        lhs: self.device().location(),
-                        rhs: g.device().location(),
-                        op: "backward_seeded",
-                    }
-                    .bt())?
-                }
-                g.detach()
-            }
-        };
-        let sorted_nodes = self.sorted_nodes();
         let mut grads = GradStore::new();
-        grads.insert(self, seed.contiguous()?);
-        for node in sorted_nodes.iter() {
+        grads.insert(&root, Self::seed_of(&root, seed)?);
+        let sorted_nodes: Vec<Tensor> = root.sorted_nodes().into_iter().cloned().collect();
+        drop(root);
+        for owned in sorted_nodes {
+            // The rules below were written for `&&Tensor` (an iterator over `Vec<&Tensor>`).
+            let node = &&owned;
             if node.is_variable() {
                 if let Some(ready) = ready.as_mut() {
                     if let Some(grad) = grads.remove(node) {
