@@ -138,7 +138,8 @@ def main(out):
     peer = {key(r): r for r in read_jsonl(os.path.join(out, "peer.jsonl"))}
     print(f"## gpu-check on {device}\n")
     default = [r for r in ours if r.get("pool_cache", True) and not r.get("event_tracking", False)
-               and r.get("fused_ops", True) and not r.get("variant") and not r.get("fp8_base")]
+               and r.get("fused_ops", True) and not r.get("variant") and not r.get("fp8_base")
+               and not r.get("fused")]
     print("| shape | precision | sdtrain step | diffusers step | time ratio | sdtrain peak | diffusers peak | memory ratio | sdtrain fwd/bwd/opt ms |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in default:
@@ -167,6 +168,20 @@ def main(out):
             shape = f"{k[0]} {k[1]} {k[2]}px b{k[3]} {k[4]}" + (" checkpointing" if k[5] else "")
             print(f"| {shape} | {cell(r, 'step_ms_median', '{:.0f} ms')} | {cell(b, 'step_ms_median', '{:.0f} ms')} "
                   f"| {cell(r, 'peak_gib', '{:.2f} GiB')} | {cell(b, 'peak_gib', '{:.2f} GiB')} |")
+    fused = [r for r in ours if r.get("fused")]
+    if fused:
+        print("\nThe fused backward pass (`--fused`, `fused_backward_pass: true`) beside the same shape "
+              "unfused and diffusers:\n")
+        print("| shape | fused step | unfused step | diffusers step | fused peak | unfused peak | diffusers peak |")
+        print("|---|---|---|---|---|---|---|")
+        base = {key(r): r for r in default}
+        for r in fused:
+            k = key(r)
+            b, p = base.get(k), peer.get(k)
+            shape = f"{k[0]} {k[1]} {k[2]}px b{k[3]} {k[4]}" + (" checkpointing" if k[5] else "")
+            print(f"| {shape} | {cell(r, 'step_ms_median', '{:.0f} ms')} | {cell(b, 'step_ms_median', '{:.0f} ms')} "
+                  f"| {cell(p, 'step_ms_median', '{:.0f} ms')} | {cell(r, 'peak_gib', '{:.2f} GiB')} "
+                  f"| {cell(b, 'peak_gib', '{:.2f} GiB')} | {cell(p, 'peak_alloc_gib', '{:.2f} GiB')} |")
     simt = [r for r in ours if str(r.get("variant", "")).startswith("SIMT flash")]
     if simt:
         print("\nFlash attention on tensor cores (the default for bf16) beside the SIMT kernels "
@@ -181,7 +196,8 @@ def main(out):
             fb = lambda x: f"{x.get('fwd_ms', 0):.0f} / {x.get('bwd_ms', 0):.0f}" if x and x.get("status") == "ok" else "—"
             print(f"| {shape} | {cell(b, 'step_ms_median', '{:.0f} ms')} | {cell(r, 'step_ms_median', '{:.0f} ms')} "
                   f"| {fb(b)} | {fb(r)} |")
-    variants = [r for r in ours if r not in default and not r.get("fp8_base") and r not in simt]
+    variants = [r for r in ours if r not in default and not r.get("fp8_base") and r not in simt
+                and not r.get("fused")]
     if variants:
         print("\nDevice settings and variants (sdtrain, sd15 LoRA 512 px b1 bf16; default: pool cache on, "
               "event tracking off, fused ops on):\n")
