@@ -33,6 +33,11 @@ def key(r):
     return (r.get("family"), r.get("mode"), int(r.get("res", 0)), int(r.get("batch", 0)), prec, gc)
 
 
+def label(k):
+    """A shape key as a table's row label: `sd15 lora 512px b1 bf16 checkpointing`."""
+    return f"{k[0]} {k[1]} {k[2]}px b{k[3]} {k[4]}" + (" checkpointing" if k[5] else "")
+
+
 def cell(r, field, fmt):
     if r is None:
         return "—"
@@ -165,7 +170,7 @@ def main(out):
         for r in fp8:
             k = key(r)
             b = base.get(k)
-            shape = f"{k[0]} {k[1]} {k[2]}px b{k[3]} {k[4]}" + (" checkpointing" if k[5] else "")
+            shape = label(k)
             print(f"| {shape} | {cell(r, 'step_ms_median', '{:.0f} ms')} | {cell(b, 'step_ms_median', '{:.0f} ms')} "
                   f"| {cell(r, 'peak_gib', '{:.2f} GiB')} | {cell(b, 'peak_gib', '{:.2f} GiB')} |")
     fused = [r for r in ours if r.get("fused")]
@@ -178,7 +183,7 @@ def main(out):
         for r in fused:
             k = key(r)
             b, p = base.get(k), peer.get(k)
-            shape = f"{k[0]} {k[1]} {k[2]}px b{k[3]} {k[4]}" + (" checkpointing" if k[5] else "")
+            shape = label(k)
             print(f"| {shape} | {cell(r, 'step_ms_median', '{:.0f} ms')} | {cell(b, 'step_ms_median', '{:.0f} ms')} "
                   f"| {cell(p, 'step_ms_median', '{:.0f} ms')} | {cell(r, 'peak_gib', '{:.2f} GiB')} "
                   f"| {cell(b, 'peak_gib', '{:.2f} GiB')} | {cell(p, 'peak_alloc_gib', '{:.2f} GiB')} |")
@@ -192,7 +197,7 @@ def main(out):
         for r in simt:
             k = key(r)
             b = base.get(k)
-            shape = f"{k[0]} {k[1]} {k[2]}px b{k[3]} {k[4]}" + (" checkpointing" if k[5] else "")
+            shape = label(k)
             fb = lambda x: f"{x.get('fwd_ms', 0):.0f} / {x.get('bwd_ms', 0):.0f}" if x and x.get("status") == "ok" else "—"
             print(f"| {shape} | {cell(b, 'step_ms_median', '{:.0f} ms')} | {cell(r, 'step_ms_median', '{:.0f} ms')} "
                   f"| {fb(b)} | {fb(r)} |")
