@@ -372,9 +372,8 @@ impl RunTerms {
         if !self.fused {
             return buffers * all;
         }
-        let live = (FUSED_LIVE_TENSORS * census.largest_trained as f64 * bytes).min(all);
         let earlier = if self.accumulating { all } else { 0.0 };
-        earlier + live
+        earlier + self.new_gradients(census, bytes)
     }
 
     /// The gradients one micro-batch's backward creates: every trained parameter's, or with the
