@@ -330,34 +330,38 @@ fn cuda_custom_ops_match_cpu() {
     );
 }
 
-/// A conv whose columns exceed the forward's budget (256 channels, 3×3, at 192² in f32: 340 MB
-/// of columns, batch 1; and at 256² through a stride 2 with batch 2: 302 MB) runs in chunks of output
-/// rows on CUDA and equals the CPU's conv.
+/// A conv whose columns exceed the budget of one GEMM (256 channels, 3×3, at 192² in f32: 340 MB
+/// of columns, batch 1; and at 256² through a stride 2 with batch 2: 302 MB) runs in chunks of
+/// output rows on CUDA, and both its gradients in bands of rows (src/nn/conv_windows.rs), and
+/// all three equal the CPU's.
 #[test]
 #[ignore = "needs a CUDA device: scripts/gpu-check runs it (--include-ignored)"]
 fn cuda_large_conv_runs_in_row_chunks_and_matches_cpu() {
     let dev = cuda("cuda_large_conv_runs_in_row_chunks_and_matches_cpu");
+    let on_cpu = |t: Tensor| t.to_device(&Device::Cpu).unwrap();
+    let check = |what: &str, got: &Tensor, want: &Tensor| {
+        assert_eq!(got.dims(), want.dims(), "{what}");
+        let scale = max_abs_diff(want, &want.zeros_like().unwrap());
+        let e = max_abs_diff(got, want);
+        eprintln!("large conv {what}: max abs diff {e:.2e} (scale {scale:.2})");
+        assert!(e <= 1e-4 * scale, "{what}: {e} (scale {scale})");
+    };
     for (batch, size, stride) in [(1, 192, 1), (2, 256, 2)] {
         let x = fill(&[batch, 256, size, size], 41);
         let w = (fill(&[64, 256, 3, 3], 42) * 0.05).unwrap();
+        let (xd, wd) = (x.to_device(&dev).unwrap(), w.to_device(&dev).unwrap());
+        let shape = format!("b{batch} {size}² s{stride}");
         let want = nn::conv2d_detached(&x, &w, 1, stride).unwrap();
-        let got = nn::conv2d_detached(
-            &x.to_device(&dev).unwrap(),
-            &w.to_device(&dev).unwrap(),
-            1,
-            stride,
-        )
-        .unwrap()
-        .to_device(&Device::Cpu)
-        .unwrap();
-        assert_eq!(got.dims(), want.dims());
-        let scale = max_abs_diff(&want, &want.zeros_like().unwrap());
-        let e = max_abs_diff(&got, &want);
-        eprintln!("large conv b{batch} {size}² s{stride}: max abs diff {e:.2e} (scale {scale:.2})");
-        assert!(
-            e <= 1e-4 * scale,
-            "b{batch} {size}² s{stride}: {e} (scale {scale})"
-        );
+        let got = on_cpu(nn::conv2d_detached(&xd, &wd, 1, stride).unwrap());
+        check(&format!("forward {shape}"), &got, &want);
+        let g = fill(want.dims(), 43);
+        let gd = g.to_device(&dev).unwrap();
+        let want = nn::conv2d_input_grad(&g, &w, 1, stride, (size, size)).unwrap();
+        let got = on_cpu(nn::conv2d_input_grad(&gd, &wd, 1, stride, (size, size)).unwrap());
+        check(&format!("input grad {shape}"), &got, &want);
+        let want = nn::conv2d_weight_grad(&x, &g, 1, stride, (3, 3)).unwrap();
+        let got = on_cpu(nn::conv2d_weight_grad(&xd, &gd, 1, stride, (3, 3)).unwrap());
+        check(&format!("weight grad {shape}"), &got, &want);
     }
 }
 

@@ -14,6 +14,9 @@ use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKe
 use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::{bail, CpuStorage, CudaStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
 
+use super::conv_windows::{
+    input_grad_in_windows, input_windows, output_windows, weight_grad_in_windows, RowWindow,
+};
 use super::im2col::ConvGeometry;
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/kernels_conv.ptx"));
@@ -76,9 +79,16 @@ impl Geo {
         self.c * self.k.0 * self.k.1
     }
 
-    /// Output pixels of every image together.
-    fn cols(&self) -> usize {
-        self.batch * self.g.0 * self.g.1
+    /// The same conv as the band planning sees it.
+    fn geometry(&self) -> ConvGeometry {
+        ConvGeometry {
+            c_in: self.c,
+            x_hw: self.hw,
+            k_hw: self.k,
+            g_hw: self.g,
+            padding: self.padding,
+            stride: self.stride,
+        }
     }
 
     fn ints(&self) -> Result<[u32; 10]> {
@@ -137,12 +147,15 @@ pub(crate) fn conv2d(x: &Tensor, w: &Tensor, padding: usize, stride: usize) -> R
     y.transpose(0, 1)?.contiguous()
 }
 
-/// The columns one forward GEMM takes at most: a VAE decoder's 3×3 conv over 256 channels
-/// would otherwise take 1.2 GB of bf16 columns at once at 512 px, 4.8 GB at 1024 px. Larger
-/// convs run in chunks of output rows (one GEMM each, then one copy of the output).
-const COLUMN_BUDGET_BYTES: usize = 256 << 20;
+/// The columns one GEMM takes at most, in the forward and in both gradients: a VAE decoder's 3×3
+/// conv over 256 channels would otherwise take 1.2 GB of bf16 columns at once at 512 px, and
+/// SDXL's 960-channel input gradient at 1024 px 270 MiB (inside the backward segment that holds
+/// a checkpointed step's peak). A 64 MiB band is still a GEMM of thousands of columns (3,880 for
+/// that conv).
+const COLUMN_BUDGET_BYTES: usize = 64 << 20;
 
-/// `∂L/∂x` of `y = conv2d(x, w, padding, stride)` for an `x_hw` input: `col2im(Wᵀ · G)`.
+/// `∂L/∂x` of `y = conv2d(x, w, padding, stride)` for an `x_hw` input: `col2im(Wᵀ · G)`, a band
+/// of input rows at a time within [`COLUMN_BUDGET_BYTES`] of columns ([`super::conv_windows`]).
 pub(crate) fn input_grad(
     grad: &Tensor,
     w: &Tensor,
@@ -162,12 +175,17 @@ pub(crate) fn input_grad(
             x_hw.1
         );
     }
-    let g = channels_first(grad)?;
-    let cols = w.reshape((c_out, geo.rows()))?.t()?.matmul(&g)?;
-    col2im(&cols, geo)
+    let plan = geo.geometry();
+    let elem = grad.dtype().size_in_bytes();
+    let windows = input_windows(&plan, batch, elem, COLUMN_BUDGET_BYTES);
+    let w_t = w.reshape((c_out, geo.rows()))?.t()?;
+    input_grad_in_windows(grad, &w_t, &plan, &windows, |cols, window| {
+        col2im(cols, geo, window.clone())
+    })
 }
 
-/// `∂L/∂w` of `y = conv2d(x, w, padding, stride)` for a `k_hw` kernel: `G · im2col(x)ᵀ`.
+/// `∂L/∂w` of `y = conv2d(x, w, padding, stride)` for a `k_hw` kernel: `G · im2col(x)ᵀ`, a band
+/// of output rows at a time within [`COLUMN_BUDGET_BYTES`] of columns (bands summed in f32).
 pub(crate) fn weight_grad(
     x: &Tensor,
     grad: &Tensor,
@@ -185,22 +203,10 @@ pub(crate) fn weight_grad(
             x.dims()
         );
     }
-    let cols = im2col(x, geo, 0..geo.g.0)?;
-    channels_first(grad)?
-        .matmul(&cols.t()?)?
+    let row_bytes = geo.rows() * batch * g_w * x.dtype().size_in_bytes();
+    let windows = output_windows(g_h, row_bytes, COLUMN_BUDGET_BYTES);
+    weight_grad_in_windows(grad, &windows, |rows| im2col(x, geo, rows))?
         .reshape((c_out, c_in, k_hw.0, k_hw.1))
-}
-
-/// `[B, C, H, W]` → `[C, B·H·W]` (a reshape at batch 1, a transpose copy otherwise).
-fn channels_first(t: &Tensor) -> Result<Tensor> {
-    let (b, c, h, w) = t.dims4()?;
-    if b == 1 {
-        return t.reshape((c, h * w));
-    }
-    t.reshape((b, c, h * w))?
-        .transpose(0, 1)?
-        .contiguous()?
-        .reshape((c, b * h * w))
 }
 
 /// `[C, B·N]` → `[B, C, g_h, g_w]`.
@@ -220,30 +226,35 @@ fn im2col(x: &Tensor, geo: Geo, rows: std::ops::Range<usize>) -> Result<Tensor> 
         geo,
         col2im: false,
         rows,
+        input_rows: 0..0,
     })
 }
 
-fn col2im(cols: &Tensor, geo: Geo) -> Result<Tensor> {
+/// Input rows `window.input` of `∂L/∂x` (`[B, C, rows, W]`) from the columns of output rows
+/// `window.output`.
+fn col2im(cols: &Tensor, geo: Geo, window: RowWindow) -> Result<Tensor> {
     cols.detach().contiguous()?.apply_op1_no_bwd(&Columns {
         geo,
         col2im: true,
-        rows: 0..geo.g.0,
+        rows: window.output,
+        input_rows: window.input,
     })
 }
 
-/// im2col (`x` → columns `[C·k_h·k_w, B·N]`, of the output rows `rows`) or col2im (columns of
-/// every row → `x` `[B, C, H, W]`).
+/// im2col (`x` → columns `[C·k_h·k_w, B·N]` of the output rows `rows`) or col2im (columns of
+/// output rows `rows` → input rows `input_rows` of `x`, `[B, C, rows, W]`).
 struct Columns {
     geo: Geo,
     col2im: bool,
     rows: std::ops::Range<usize>,
+    input_rows: std::ops::Range<usize>,
 }
 
 impl Columns {
     fn out_shape(&self) -> Shape {
         let g = &self.geo;
         if self.col2im {
-            Shape::from((g.batch, g.c, g.hw.0, g.hw.1))
+            Shape::from((g.batch, g.c, self.input_rows.len(), g.hw.1))
         } else {
             Shape::from((g.rows(), g.batch * self.rows.len() * g.g.1))
         }
@@ -252,7 +263,7 @@ impl Columns {
     fn in_len(&self) -> usize {
         let g = &self.geo;
         if self.col2im {
-            g.rows() * g.cols()
+            g.rows() * g.batch * self.rows.len() * g.g.1
         } else {
             g.batch * g.c * g.hw.0 * g.hw.1
         }
@@ -290,13 +301,21 @@ impl Columns {
             .get_or_load_custom_func(&format!("{stem}_{suffix}"), MODULE, PTX)?
             .into_cuda_function();
         let ints = self.geo.ints()?;
-        let row_args = [self.rows.start as u32, self.rows.len() as u32];
-        if self.rows.end > self.geo.g.0 {
+        // Within g_h and h, which fit u32 as checked by `ints`.
+        let row_args = [
+            self.rows.start as u32,
+            self.rows.len() as u32,
+            self.input_rows.start as u32,
+            self.input_rows.len() as u32,
+        ];
+        if self.rows.end > self.geo.g.0 || self.input_rows.end > self.geo.hw.0 {
             bail!(
-                "{}: output rows {:?} past {}",
+                "{}: output rows {:?} past {} or input rows {:?} past {}",
                 self.name(),
                 self.rows,
-                self.geo.g.0
+                self.geo.g.0,
+                self.input_rows,
+                self.geo.hw.0
             );
         }
         let stream = dev.cuda_stream();
@@ -305,7 +324,13 @@ impl Columns {
         for v in &ints {
             lb.arg(v);
         }
-        if !self.col2im {
+        if self.col2im {
+            // (y0, ys, oy0, oys)
+            lb.arg(&row_args[2])
+                .arg(&row_args[3])
+                .arg(&row_args[0])
+                .arg(&row_args[1]);
+        } else {
             lb.arg(&row_args[0]).arg(&row_args[1]);
         }
         let blocks = (n as u64).div_ceil(THREADS as u64).clamp(1, MAX_BLOCKS) as u32;
@@ -314,10 +339,10 @@ impl Columns {
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: conv.cu's (out, in, batch, c, h, w, kh, kw, gh, gw, pad, stride[, row0, rows])
-        // signature; `input` holds in_len elements and `out` n, as the geometry (and the rows,
-        // checked within g_h above, each fitting u32 as g_h does) says the kernel reads and
-        // writes.
+        // SAFETY: conv.cu's (out, in, batch, c, h, w, kh, kw, gh, gw, pad, stride, then row0,
+        // rows for im2col or y0, ys, oy0, oys for col2im) signature; `input` holds in_len
+        // elements and `out` n, as the geometry and the rows (checked within g_h and h above)
+        // say the kernel reads and writes.
         unsafe { lb.launch(cfg) }.w()?;
         Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
     }

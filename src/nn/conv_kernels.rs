@@ -7,7 +7,8 @@
 
 use half::bf16;
 
-use super::im2col::{col2im, im2col, ConvGeometry};
+use super::conv_windows::input_windows;
+use super::im2col::{col2im, im2col, ConvGeometry, RowWindow};
 use crate::kernel_emu::{self, Arg, Elem};
 
 const CU: &str = "src/nn/kernels/conv.cu";
@@ -47,7 +48,7 @@ fn launch<T: Elem>(entry: &str, out: &mut [T], input: &[T], case: &Case, geo: &C
     launch_rows(entry, out, input, case, geo, 0..rows);
 }
 
-/// im2col of output rows `rows` only (col2im takes no rows).
+/// im2col of output rows `rows` only, or col2im of all input rows from all output rows.
 fn launch_rows<T: Elem>(
     entry: &str,
     out: &mut [T],
@@ -56,11 +57,38 @@ fn launch_rows<T: Elem>(
     geo: &ConvGeometry,
     rows: std::ops::Range<usize>,
 ) {
+    if entry.starts_with("conv_col2im") {
+        let whole = RowWindow {
+            input: 0..geo.x_hw.0,
+            output: rows,
+        };
+        return launch_band(entry, out, input, case, geo, &whole);
+    }
     let mut args = vec![Arg::out(out), Arg::input(input)];
     args.extend(ints(case, geo));
-    if entry.starts_with("conv_im2col") {
-        args.push(Arg::Int(rows.start as i64));
-        args.push(Arg::Int(rows.len() as i64));
+    args.push(Arg::Int(rows.start as i64));
+    args.push(Arg::Int(rows.len() as i64));
+    kernel_emu::launch(CU, entry, [3, 1, 1], [32, 1, 1], &mut args);
+}
+
+/// col2im of one band: input rows `window.input` from the columns of `window.output`.
+fn launch_band<T: Elem>(
+    entry: &str,
+    out: &mut [T],
+    cols: &[T],
+    case: &Case,
+    geo: &ConvGeometry,
+    window: &RowWindow,
+) {
+    let mut args = vec![Arg::out(out), Arg::input(cols)];
+    args.extend(ints(case, geo));
+    for v in [
+        window.input.start,
+        window.input.len(),
+        window.output.start,
+        window.output.len(),
+    ] {
+        args.push(Arg::Int(v as i64));
     }
     kernel_emu::launch(CU, entry, [3, 1, 1], [32, 1, 1], &mut args);
 }
@@ -166,6 +194,41 @@ fn col2im_kernel_matches_the_cpu_scatter_add_in_f32() {
                 |m, d| if d.is_nan() { f32::INFINITY } else { m.max(d) },
             );
         assert!(worst <= 1e-6, "{case:?}: worst {worst}");
+    }
+}
+
+/// col2im band by band (bands of one input row and of a few, each from the columns of the
+/// output rows reaching it, cut out of the whole columns) equals col2im in one launch, bit for
+/// bit: a band that reads the columns from the wrong output row (a missing `− oy0`), writes the
+/// wrong input rows, or drops the contributions of output rows at its edges fails. The whole
+/// launch starts from NaN, so a band that leaves an element unwritten fails too.
+#[test]
+fn col2im_kernel_builds_the_gradient_band_by_band() {
+    for case in &CASES {
+        let geo = geometry(case);
+        let (rows, bn, x_len) = sizes(case, &geo);
+        let (batch, (x_h, x_w), g_w) = (case.0, case.2, geo.g_hw.1);
+        let n = bn / batch;
+        let cols = values(rows * bn, 4);
+        let mut whole = vec![f32::NAN; x_len];
+        launch("conv_col2im_f32", &mut whole, &cols, case, &geo);
+        let row_bytes = rows * batch * g_w * 4;
+        for budget in [0, 3 * row_bytes] {
+            let mut got = vec![f32::NAN; x_len];
+            for w in input_windows(&geo, batch, 4, budget) {
+                let on = w.output.len() * g_w;
+                let band_cols: Vec<f32> = (0..rows * batch)
+                    .flat_map(|rb| cols[rb * n + w.output.start * g_w..][..on].to_vec())
+                    .collect();
+                let plane = w.input.len() * x_w;
+                let mut band = vec![f32::NAN; batch * case.1 * plane];
+                launch_band("conv_col2im_f32", &mut band, &band_cols, case, &geo, &w);
+                for (bc, p) in band.chunks(plane).enumerate() {
+                    got[bc * x_h * x_w + w.input.start * x_w..][..plane].copy_from_slice(p);
+                }
+            }
+            assert_eq!(got, whole, "{case:?} budget {budget}");
+        }
     }
 }
 

@@ -12,7 +12,10 @@
 
 use candle_core::{DType, Device, Result, Tensor};
 
-use super::im2col::{col2im, im2col, im2col_rows, ConvGeometry};
+use super::conv_windows::{
+    input_grad_in_windows, input_windows, output_windows, weight_grad_in_windows,
+};
+use super::im2col::{col2im_window, im2col_batch, im2col_rows, ConvGeometry};
 use super::with_cpu_f32;
 
 /// `conv2d(x, w, padding, stride)` (groups 1, dilation 1) on detached operands, by the faster
@@ -107,13 +110,26 @@ fn rows_per_chunk(k: usize, g_h: usize, g_w: usize, budget: usize) -> usize {
     (budget / row_bytes).clamp(1, g_h.max(1))
 }
 
-/// `∂L/∂x` per image as `col2im(Wᵀ · G)`, in the gradient's dtype.
+/// `∂L/∂x` as `col2im(Wᵀ · G)` in f32, the images side by side, in bands of input rows whose
+/// columns stay within [`COLUMN_BUDGET_BYTES`] ([`super::conv_windows`]); in the gradient's dtype.
 pub fn conv2d_input_grad_col2im(
     grad: &Tensor,
     w: &Tensor,
     padding: usize,
     stride: usize,
     x_hw: (usize, usize),
+) -> Result<Tensor> {
+    conv2d_input_grad_within(grad, w, padding, stride, x_hw, COLUMN_BUDGET_BYTES)
+}
+
+/// [`conv2d_input_grad_col2im`] with its column budget given.
+fn conv2d_input_grad_within(
+    grad: &Tensor,
+    w: &Tensor,
+    padding: usize,
+    stride: usize,
+    x_hw: (usize, usize),
+    budget: usize,
 ) -> Result<Tensor> {
     let (c_out, c_in, k_h, k_w) = w.dims4()?;
     let (batch, g_c, g_h, g_w) = grad.dims4()?;
@@ -134,23 +150,25 @@ pub fn conv2d_input_grad_col2im(
         .t()?;
     let grad32 = grad.to_dtype(DType::F32)?;
     let identity = k_h == 1 && k_w == 1 && padding == 0 && stride == 1;
-    let mut images = Vec::with_capacity(batch);
-    for i in 0..batch {
-        let g = grad32.get(i)?.reshape((c_out, g_h * g_w))?;
-        let cols = w_t.matmul(&g)?;
-        let gx = if identity {
-            cols
+    let windows = input_windows(&geo, batch, 4, budget);
+    // Each band rounds to the gradient's dtype before the bands are joined.
+    let gx = input_grad_in_windows(&grad32, &w_t, &geo, &windows, |cols, window| {
+        let shape = (batch, c_in, window.input.len(), x_hw.1);
+        let band = if identity && batch == 1 {
+            // A 1×1 conv's columns are the gradient itself.
+            cols.reshape(shape)?
         } else {
-            let data = with_cpu_f32(&cols, |c| col2im(c, &geo))?;
-            Tensor::from_vec(data, (c_in, x_hw.0, x_hw.1), &Device::Cpu)?
+            let data = with_cpu_f32(cols, |c| col2im_window(c, &geo, batch, window))?;
+            Tensor::from_vec(data, shape, &Device::Cpu)?
         };
-        images.push(gx.reshape((1, c_in, x_hw.0, x_hw.1))?);
-    }
-    cat_images(images)?.to_dtype(grad.dtype())
+        band.to_dtype(grad.dtype())
+    })?;
+    gx.to_dtype(grad.dtype())
 }
 
-/// `∂L/∂w = Σ_images G · im2col(x)ᵀ`, in the weight-gradient shape `[c_out, c_in, k_h, k_w]`
-/// and the gradient's dtype.
+/// `∂L/∂w = G · im2col(x)ᵀ` in f32 over all images at once, in bands of output rows whose
+/// columns stay within [`COLUMN_BUDGET_BYTES`]; shaped `[c_out, c_in, k_h, k_w]` in the
+/// gradient's dtype.
 pub fn conv2d_weight_grad_im2col(
     x: &Tensor,
     grad: &Tensor,
@@ -158,11 +176,23 @@ pub fn conv2d_weight_grad_im2col(
     stride: usize,
     k_hw: (usize, usize),
 ) -> Result<Tensor> {
+    conv2d_weight_grad_within(x, grad, padding, stride, k_hw, COLUMN_BUDGET_BYTES)
+}
+
+/// [`conv2d_weight_grad_im2col`] with its column budget given.
+fn conv2d_weight_grad_within(
+    x: &Tensor,
+    grad: &Tensor,
+    padding: usize,
+    stride: usize,
+    k_hw: (usize, usize),
+    budget: usize,
+) -> Result<Tensor> {
     let (batch, c_in, x_h, x_w) = x.dims4()?;
     let (g_b, c_out, g_h, g_w) = grad.dims4()?;
     let (k_h, k_w) = k_hw;
     let geo = ConvGeometry::for_gradient(c_in, (x_h, x_w), k_hw, (g_h, g_w), padding, stride);
-    let Some(geo) = geo.filter(|_| g_b == batch) else {
+    let Some(geo) = geo.filter(|_| g_b == batch && batch > 0) else {
         candle_core::bail!(
             "conv2d weight grad: gradient {:?} does not match input {:?} for a {k_h}x{k_w} \
              kernel (padding {padding}, stride {stride})",
@@ -172,20 +202,13 @@ pub fn conv2d_weight_grad_im2col(
     };
     let x32 = x.to_dtype(DType::F32)?.contiguous()?;
     let grad32 = grad.to_dtype(DType::F32)?;
-    let mut sum: Option<Tensor> = None;
-    for i in 0..batch {
-        let cols = with_cpu_f32(&x32.get(i)?, |plane| im2col(plane, &geo))?;
-        let cols = Tensor::from_vec(cols, (c_in * k_h * k_w, g_h * g_w), &Device::Cpu)?;
-        let g = grad32.get(i)?.reshape((c_out, g_h * g_w))?;
-        let gw = g.matmul(&cols.t()?)?;
-        sum = Some(match sum {
-            Some(s) => (s + gw)?,
-            None => gw,
-        });
-    }
-    let Some(gw) = sum else {
-        candle_core::bail!("conv2d weight grad: empty batch");
-    };
+    let k = c_in * k_h * k_w;
+    let windows = output_windows(g_h, k * batch * g_w * 4, budget);
+    let gw = weight_grad_in_windows(&grad32, &windows, |rows| {
+        let n = batch * rows.len() * g_w;
+        let cols = with_cpu_f32(&x32, |plane| im2col_batch(plane, &geo, batch, rows))?;
+        Tensor::from_vec(cols, (k, n), &Device::Cpu)
+    })?;
     gw.reshape((c_out, c_in, k_h, k_w))?.to_dtype(grad.dtype())
 }
 
@@ -248,6 +271,36 @@ mod tests {
         }
         assert_eq!(rows_per_chunk(2304, 512, 512, COLUMN_BUDGET_BYTES), 28);
         assert_eq!(rows_per_chunk(27, 8, 8, COLUMN_BUDGET_BYTES), 8);
+    }
+
+    /// Both gradients built in bands (a budget of one byte: one output row per band; and of
+    /// about two rows) equal the gradients in one band, which match candle's: a band joined at
+    /// the wrong row, a weight-gradient band left out of the sum or an image's block misread
+    /// fails.
+    #[test]
+    fn gradients_in_bands_match_one_band() {
+        for (k, p, s) in CASES.into_iter().chain([(1, 0, 2)]) {
+            for (h, w) in SIZES {
+                let x = fill(&[2, 3, h, w], 6, 1.0);
+                let wt = fill(&[4, 3, k, k], 7, 1.0);
+                let y = conv2d_im2col(&x, &wt, p, s).unwrap();
+                let g = fill(y.dims(), 8, 1.0);
+                let g_w = y.dim(3).unwrap();
+                let whole_x = conv2d_input_grad_within(&g, &wt, p, s, (h, w), usize::MAX).unwrap();
+                let candle_x = crate::nn::conv2d_input_grad_reference(&g, &wt, p, s, (h, w));
+                let e = max_abs(&whole_x, &candle_x.unwrap());
+                assert!(e < 1e-4, "input grad k{k} p{p} s{s} {h}x{w}: {e}");
+                let whole_w = conv2d_weight_grad_within(&x, &g, p, s, (k, k), usize::MAX).unwrap();
+                for budget in [1, 2 * 2 * 3 * k * k * g_w * 4] {
+                    let gx = conv2d_input_grad_within(&g, &wt, p, s, (h, w), budget).unwrap();
+                    let e = max_abs(&gx, &whole_x);
+                    assert!(e < 1e-5, "input grad k{k} p{p} s{s} {h}x{w} {budget}: {e}");
+                    let gw = conv2d_weight_grad_within(&x, &g, p, s, (k, k), budget).unwrap();
+                    let e = max_abs(&gw, &whole_w);
+                    assert!(e < 1e-4, "weight grad k{k} p{p} s{s} {h}x{w} {budget}: {e}");
+                }
+            }
+        }
     }
 
     #[test]

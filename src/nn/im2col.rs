@@ -57,8 +57,22 @@ impl ConvGeometry {
         })
     }
 
-    fn col_len(&self) -> usize {
-        self.g_hw.0 * self.g_hw.1
+    /// The output rows whose columns reach input rows `in_rows`: every `oy` with
+    /// `oy·s + u − p` in `in_rows` for some tap `u` (empty for empty `in_rows`). The input
+    /// gradient of those input rows needs these output rows' columns and no others.
+    pub fn out_rows_reaching(&self, in_rows: &std::ops::Range<usize>) -> std::ops::Range<usize> {
+        let g_h = self.g_hw.0;
+        if in_rows.is_empty() {
+            return 0..0;
+        }
+        let s = self.stride;
+        // oy·s ≥ in_rows.start + p − (k_h − 1)
+        let lo = (in_rows.start + self.padding)
+            .saturating_sub(self.k_hw.0 - 1)
+            .div_ceil(s);
+        // oy·s ≤ in_rows.end − 1 + p
+        let hi = (in_rows.end - 1 + self.padding) / s + 1;
+        lo.min(g_h)..hi.min(g_h)
     }
 
     fn plane_len(&self) -> usize {
@@ -79,7 +93,9 @@ impl ConvGeometry {
     }
 }
 
-/// The columns of one `[c_in, x_h, x_w]` image: `[c_in·k_h·k_w, g_h·g_w]`, row-major.
+/// The columns of one `[c_in, x_h, x_w]` image: `[c_in·k_h·k_w, g_h·g_w]`, row-major (the
+/// reference the kernels' tests compare with).
+#[cfg(test)]
 pub fn im2col(x: &[f32], geo: &ConvGeometry) -> Vec<f32> {
     im2col_rows(x, geo, 0..geo.g_hw.0)
 }
@@ -87,22 +103,37 @@ pub fn im2col(x: &[f32], geo: &ConvGeometry) -> Vec<f32> {
 /// The columns of output rows `out_rows` only: `[c_in·k_h·k_w, out_rows.len()·g_w]`, the
 /// column block of [`im2col`] those rows cover.
 pub fn im2col_rows(x: &[f32], geo: &ConvGeometry, out_rows: std::ops::Range<usize>) -> Vec<f32> {
+    im2col_batch(x, geo, 1, out_rows)
+}
+
+/// The columns of output rows `out_rows` of `batch` images (`x`: `[batch, c_in, x_h, x_w]`),
+/// side by side: `[c_in·k_h·k_w, batch·out_rows.len()·g_w]`, each row image after image (the
+/// layout the CUDA kernels use).
+pub fn im2col_batch(
+    x: &[f32],
+    geo: &ConvGeometry,
+    batch: usize,
+    out_rows: std::ops::Range<usize>,
+) -> Vec<f32> {
     let (k_h, k_w) = geo.k_hw;
     let taps = k_h * k_w;
-    assert_eq!(x.len(), geo.c_in * geo.plane_len(), "im2col: input size");
+    let plane_len = geo.plane_len();
+    assert_eq!(x.len(), batch * geo.c_in * plane_len, "im2col: input size");
     assert!(
         out_rows.end <= geo.g_hw.0,
         "im2col: output rows {out_rows:?}"
     );
     let len = out_rows.len() * geo.g_hw.1;
-    let mut cols = vec![0f32; geo.c_in * taps * len];
+    let mut cols = vec![0f32; geo.c_in * taps * batch * len];
     if len == 0 {
         return cols;
     }
-    cols.par_chunks_mut(taps * len)
-        .zip(x.par_chunks(geo.plane_len()))
-        .for_each(|(rows, plane)| {
-            for (tap, row) in rows.chunks_mut(len).enumerate() {
+    cols.par_chunks_mut(taps * batch * len)
+        .enumerate()
+        .for_each(|(c, rows)| {
+            for (r, row) in rows.chunks_mut(len).enumerate() {
+                let (tap, b) = (r / batch, r % batch);
+                let plane = &x[(b * geo.c_in + c) * plane_len..][..plane_len];
                 gather_tap(row, plane, geo, (tap / k_w, tap % k_w), &out_rows);
             }
         });
@@ -142,28 +173,72 @@ fn gather_tap(
 }
 
 /// Scatter-adds `cols` (`[c_in·k_h·k_w, g_h·g_w]`, row-major) onto a zeroed `[c_in, x_h, x_w]`
-/// input gradient and returns it.
+/// input gradient and returns it (one window of the whole; the reference of the tests).
+#[cfg(test)]
 pub fn col2im(cols: &[f32], geo: &ConvGeometry) -> Vec<f32> {
+    let window = RowWindow {
+        input: 0..geo.x_hw.0,
+        output: 0..geo.g_hw.0,
+    };
+    col2im_window(cols, geo, 1, &window)
+}
+
+/// A band of input rows and the output rows whose columns reach it
+/// ([`ConvGeometry::out_rows_reaching`]): the unit an input gradient is built in when all its
+/// columns at once would not fit a budget.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RowWindow {
+    pub input: std::ops::Range<usize>,
+    pub output: std::ops::Range<usize>,
+}
+
+/// col2im of a window, for `batch` images side by side: `cols` holds the output rows
+/// `window.output` (`[c_in·k_h·k_w, batch·output.len()·g_w]`, each row image after image, the
+/// layout the CUDA kernels use), and the result is input rows `window.input` of the gradient,
+/// `[batch, c_in, input.len(), x_w]`. Entries landing outside those input rows are skipped, so
+/// with `output` reaching all of `input` each element is complete, summed in the order of
+/// [`col2im`].
+pub fn col2im_window(
+    cols: &[f32],
+    geo: &ConvGeometry,
+    batch: usize,
+    window: &RowWindow,
+) -> Vec<f32> {
     let (k_h, k_w) = geo.k_hw;
     let taps = k_h * k_w;
-    assert_eq!(
-        cols.len(),
-        geo.c_in * taps * geo.col_len(),
-        "col2im: cols size"
+    let n = window.output.len() * geo.g_hw.1;
+    assert_eq!(cols.len(), geo.c_in * taps * batch * n, "col2im: cols size");
+    assert!(
+        window.output.end <= geo.g_hw.0 && window.input.end <= geo.x_hw.0,
+        "col2im: window {window:?}"
     );
-    let mut out = vec![0f32; geo.c_in * geo.plane_len()];
-    out.par_chunks_mut(geo.plane_len())
-        .zip(cols.par_chunks(taps * geo.col_len()))
-        .for_each(|(plane, rows)| {
-            for (tap, row) in rows.chunks(geo.col_len()).enumerate() {
-                scatter_tap(plane, row, geo, tap / k_w, tap % k_w);
+    let plane_len = window.input.len() * geo.x_hw.1;
+    let mut out = vec![0f32; batch * geo.c_in * plane_len];
+    if plane_len == 0 {
+        return out;
+    }
+    out.par_chunks_mut(plane_len)
+        .enumerate()
+        .for_each(|(bc, plane)| {
+            let (b, c) = (bc / geo.c_in, bc % geo.c_in);
+            for tap in 0..taps {
+                let at = ((c * taps + tap) * batch + b) * n;
+                let row = &cols[at..at + n];
+                scatter_tap(plane, row, geo, (tap / k_w, tap % k_w), window);
             }
         });
     out
 }
 
-/// Adds one kernel tap's row (`[g_h·g_w]`) into one input plane.
-fn scatter_tap(plane: &mut [f32], row: &[f32], geo: &ConvGeometry, u: usize, v: usize) {
+/// Adds one kernel tap's row (`[output.len()·g_w]`) into one input plane's rows
+/// `window.input`.
+fn scatter_tap(
+    plane: &mut [f32],
+    row: &[f32],
+    geo: &ConvGeometry,
+    (u, v): (usize, usize),
+    window: &RowWindow,
+) {
     let (x_h, x_w) = geo.x_hw;
     let (g_h, g_w) = geo.g_hw;
     let (s, p) = (geo.stride, geo.padding);
@@ -171,11 +246,17 @@ fn scatter_tap(plane: &mut [f32], row: &[f32], geo: &ConvGeometry, u: usize, v: 
     if cols.is_empty() {
         return;
     }
-    for oy in geo.valid(g_h, x_h, u) {
+    let valid = geo.valid(g_h, x_h, u);
+    for oy in valid.start.max(window.output.start)..valid.end.min(window.output.end) {
         let iy = oy * s + u - p;
-        let src = &row[oy * g_w + cols.start..oy * g_w + cols.end];
+        if !window.input.contains(&iy) {
+            continue;
+        }
+        let at = (oy - window.output.start) * g_w;
+        let src = &row[at + cols.start..at + cols.end];
         let x0 = cols.start * s + v - p;
-        let dst = &mut plane[iy * x_w..(iy + 1) * x_w];
+        let y = iy - window.input.start;
+        let dst = &mut plane[y * x_w..(y + 1) * x_w];
         if s == 1 {
             for (d, g) in dst[x0..x0 + src.len()].iter_mut().zip(src) {
                 *d += g;

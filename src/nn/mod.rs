@@ -17,6 +17,7 @@ mod conv_cuda;
 mod conv_grad;
 #[cfg(test)]
 mod conv_kernels;
+mod conv_windows;
 mod cpu_conv;
 mod cpu_flash_attention;
 mod cpu_gemm;

@@ -7,7 +7,10 @@
 //   y = W · cols  ([C_out, K] · [K, B·N]: every image in one GEMM, NCHW out for B = 1)
 //   ∂L/∂W = G · colsᵀ  (G: [C_out, B·N])
 //   ∂L/∂x = col2im(Wᵀ · G): each x element sums the (at most k_h·k_w) column entries im2col read
-//   it into; a gather per output element, so no atomics and a fixed summation order.
+//   it into; a gather per output element, so no atomics and a fixed summation order. A large
+//   conv's input gradient is built a band of input rows at a time (the columns of the output
+//   rows reaching the band; src/nn/conv_windows.rs), its weight gradient a band of output rows
+//   at a time (im2col of a chunk of rows).
 //
 // The rows are ordered (c, u, v) as the weight's [C_out, C, k_h, k_w] layout flattens, the
 // columns (b, oy, ox): the layout of src/nn/im2col.rs (the CPU's, per image) with the images
@@ -67,29 +70,33 @@ __device__ void im2col(T* cols, const T* x, ConvGeo g, u32 row0, u32 rows) {
   }
 }
 
+// col2im of a band (src/nn/conv_windows.rs): input rows [y0, y0 + ys) of every image and
+// channel (x: [B, C, ys, W]) from the columns of output rows [oy0, oy0 + oys) (cols: [K,
+// B·oys·G_w], columns (b, oy − oy0, ox)). With the output rows reaching the band, each element
+// is complete; the whole: y0 0, ys h, oy0 0, oys gh.
 template <class T>
-__device__ void col2im(T* x, const T* cols, ConvGeo g) {
-  const u64 n = (u64)g.gh * g.gw;
+__device__ void col2im(T* x, const T* cols, ConvGeo g, u32 y0, u32 ys, u32 oy0, u32 oys) {
+  const u64 n = (u64)oys * g.gw;
   const u64 bn = (u64)g.batch * n;
-  const u64 total = (u64)g.batch * g.c * g.h * g.w;
+  const u64 total = (u64)g.batch * g.c * ys * g.w;
   const u64 step = (u64)gridDim.x * blockDim.x;
   for (u64 e = (u64)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += step) {
-    const u32 xx = (u32)(e % g.w), y = (u32)((e / g.w) % g.h);
-    const u64 bc = e / ((u64)g.w * g.h);
+    const u32 xx = (u32)(e % g.w), y = y0 + (u32)((e / g.w) % ys);
+    const u64 bc = e / ((u64)g.w * ys);
     const u32 c = (u32)(bc % g.c), b = (u32)(bc / g.c);
     float acc = 0.0f;
     for (u32 u = 0; u < g.kh; ++u) {
       const long long ty = (long long)y + g.pad - u;
       if (ty < 0 || ty % g.stride != 0) continue;
       const long long oy = ty / g.stride;
-      if (oy >= g.gh) continue;
+      if (oy < oy0 || oy >= (long long)oy0 + oys) continue;
       for (u32 v = 0; v < g.kw; ++v) {
         const long long tx = (long long)xx + g.pad - v;
         if (tx < 0 || tx % g.stride != 0) continue;
         const long long ox = tx / g.stride;
         if (ox >= g.gw) continue;
         const u64 row = ((u64)c * g.kh + u) * g.kw + v;
-        acc += cv_to_f(cols[row * bn + (u64)b * n + (u64)oy * g.gw + (u64)ox]);
+        acc += cv_to_f(cols[row * bn + (u64)b * n + (u64)(oy - oy0) * g.gw + (u64)ox]);
       }
     }
     cv_from_f(&x[e], acc);
@@ -104,8 +111,9 @@ __device__ void col2im(T* x, const T* cols, ConvGeo g) {
   }                                                                                               \
   extern "C" __global__ void conv_col2im_##SUFFIX(T* x, const T* cols, u32 batch, u32 c, u32 h,  \
                                                   u32 w, u32 kh, u32 kw, u32 gh, u32 gw,          \
-                                                  u32 pad, u32 stride) {                          \
-    col2im(x, cols, ConvGeo{batch, c, h, w, kh, kw, gh, gw, pad, stride});                        \
+                                                  u32 pad, u32 stride, u32 y0, u32 ys, u32 oy0,   \
+                                                  u32 oys) {                                      \
+    col2im(x, cols, ConvGeo{batch, c, h, w, kh, kw, gh, gw, pad, stride}, y0, ys, oy0, oys);      \
   }
 
 CONV_ENTRY_POINTS(f32, float)
