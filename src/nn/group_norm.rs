@@ -12,7 +12,8 @@
 //! ```
 //!
 //! On a CUDA device the forward and backward are the kernels of kernels/norm.cu (see
-//! `norm_cuda.rs`); elsewhere they are composed candle ops.
+//! `norm_cuda.rs`), on the CPU those of `cpu_group_norm.rs`; elsewhere they are composed candle
+//! ops.
 //!
 //! Statistics and math are f32 whatever the input dtype (as torch does for half inputs on CUDA);
 //! the output is cast back to `x`'s dtype and each gradient to its argument's dtype. The graph
@@ -20,6 +21,7 @@
 
 use candle_core::{DType, Result, Tensor};
 
+use super::cpu_group_norm;
 use super::frozen::{broadcast_add_const, broadcast_mul_const};
 use super::fused_op::{attach3, if_tracked, Backward3, Grads3};
 
@@ -139,6 +141,25 @@ pub(crate) fn parts(
     if x.device().is_cuda() {
         return super::norm_cuda::group_norm_parts(x, weight, bias, groups, eps, silu);
     }
+    if cpu_group_norm::supported(x) {
+        let xd = x.detach().contiguous()?;
+        let st = cpu_group_norm::stats(&xd, groups, eps)?;
+        let out = cpu_group_norm::forward(&xd, &f32s(weight)?, &f32s(bias)?, &st, silu)?;
+        return Ok((out, Box::new(CpuBackward { st, silu })));
+    }
+    composed_parts(x, weight, bias, groups, eps, silu)
+}
+
+/// [`parts`] as composed candle ops in f32 (devices with neither kernel; the tests' second
+/// reference).
+fn composed_parts(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: &Tensor,
+    groups: usize,
+    eps: f64,
+    silu: bool,
+) -> Result<(Tensor, Box<dyn Backward3>)> {
     let stats = Stats::of(&x.detach(), groups, eps)?;
     let y = stats.affine(&x.detach(), &weight.detach(), &bias.detach())?;
     let out = if silu { y.silu()? } else { y }.to_dtype(x.dtype())?;
@@ -237,6 +258,43 @@ impl Backward3 for GroupNormBackward {
     }
 }
 
+/// A `[C]` parameter's values in f32.
+fn f32s(t: &Tensor) -> Result<Vec<f32>> {
+    t.detach().to_dtype(DType::F32)?.flatten_all()?.to_vec1()
+}
+
+/// The backward of the CPU kernels (`cpu_group_norm`).
+struct CpuBackward {
+    st: cpu_group_norm::Stats,
+    silu: bool,
+}
+
+impl Backward3 for CpuBackward {
+    fn backward(
+        &self,
+        x: &Tensor,
+        weight: &Tensor,
+        bias: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<Grads3> {
+        let (gamma, beta) = (f32s(weight)?, f32s(bias)?);
+        let xd = x.detach().contiguous()?;
+        let (dx, dw, db) = cpu_group_norm::backward(
+            &xd,
+            &grad.detach(),
+            &gamma,
+            &beta,
+            &self.st,
+            self.silu,
+            x.track_op(),
+        )?;
+        let param =
+            |t: &Tensor, v: Vec<f32>| if_tracked(t, || Tensor::from_vec(v, t.dims(), t.device()));
+        Ok((dx, param(weight, dw)?, param(bias, db)?))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -293,6 +351,52 @@ mod tests {
     fn group_norm_bf16_matches_reference() {
         for silu in [false, true] {
             check(silu, DType::BF16, [true; 3], 1e-2);
+        }
+    }
+
+    /// The composed form (for devices with neither kernel) against the reference, now that the
+    /// CPU runs its kernels: a wrong term there fails here.
+    #[test]
+    fn the_composed_form_matches_the_reference() {
+        fn composed(a: &[Tensor], silu: bool) -> Result<Tensor> {
+            let (out, back) = composed_parts(&a[0], &a[1], &a[2], 4, 1e-5, silu)?;
+            attach3((&a[0], &a[1], &a[2]), "group-norm-composed", out, back)
+        }
+        for silu in [false, true] {
+            let reference: NormFn = if silu {
+                group_norm_silu_reference
+            } else {
+                group_norm_reference
+            };
+            assert_parity(
+                &format!("composed silu {silu}"),
+                &inputs(DType::F32),
+                &[true; 3],
+                1e-5,
+                &|a| composed(a, silu),
+                &|a| reference(&a[0], &a[1], &a[2], 4, 1e-5),
+            );
+        }
+    }
+
+    /// f16 activations through the CPU kernels; and a `[B, C, L]` input and a `[B, C]` one (one
+    /// pixel per channel), which the kernels' pixel count covers.
+    #[test]
+    fn group_norm_takes_f16_and_other_ranks() {
+        for silu in [false, true] {
+            check(silu, DType::F16, [true; 3], 2e-2);
+        }
+        let a = inputs(DType::F32);
+        for dims in [&[3usize, 12, 35][..], &[3, 12][..]] {
+            let x = fill(dims, 4, 2.0);
+            assert_parity(
+                &format!("rank {}", dims.len()),
+                &[x, a[1].clone(), a[2].clone()],
+                &[true; 3],
+                1e-5,
+                &|t| group_norm_silu(&t[0], &t[1], &t[2], 4, 1e-5),
+                &|t| group_norm_silu_reference(&t[0], &t[1], &t[2], 4, 1e-5),
+            );
         }
     }
 

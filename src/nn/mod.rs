@@ -21,6 +21,7 @@ mod conv_windows;
 mod cpu_conv;
 mod cpu_flash_attention;
 mod cpu_gemm;
+mod cpu_group_norm;
 mod embedding;
 #[cfg(any(test, feature = "cuda"))]
 mod flash_attention;
