@@ -19,60 +19,11 @@
 //! dy = g_y·γ_c          ∂L/∂x = r·(dy − mean(dy) − x̂·mean(dy·x̂))   (means over the group)
 //! ```
 
-use candle_core::{bail, DType, Device, Result, Storage, Tensor, WithDType};
-use half::{bf16, f16};
+use candle_core::{bail, Device, Result, Tensor};
 use rayon::prelude::*;
 
-/// Runs `f` on `t`'s elements (contiguous, on the CPU) at `t`'s own dtype.
-macro_rules! dispatch {
-    ($t:expr, |$xs:ident| $body:expr) => {{
-        let t: &Tensor = $t;
-        match t.dtype() {
-            DType::F32 => with_slice::<f32, _>(t, |$xs| $body),
-            DType::BF16 => with_slice::<bf16, _>(t, |$xs| $body),
-            DType::F16 => with_slice::<f16, _>(t, |$xs| $body),
-            other => bail!("group norm: no CPU kernel for {other:?}"),
-        }
-    }};
-}
-
-/// An element type the kernels read and write.
-pub(crate) trait Elem: WithDType + Copy + Default + Send + Sync {
-    fn f(self) -> f32;
-    fn of(v: f32) -> Self;
-}
-
-impl Elem for f32 {
-    fn f(self) -> f32 {
-        self
-    }
-    fn of(v: f32) -> Self {
-        v
-    }
-}
-
-impl Elem for bf16 {
-    fn f(self) -> f32 {
-        self.to_f32()
-    }
-    fn of(v: f32) -> Self {
-        bf16::from_f32(v)
-    }
-}
-
-impl Elem for f16 {
-    fn f(self) -> f32 {
-        self.to_f32()
-    }
-    fn of(v: f32) -> Self {
-        f16::from_f32(v)
-    }
-}
-
-/// Whether the kernels take `x`: a CPU tensor of a dtype they read.
-pub(crate) fn supported(x: &Tensor) -> bool {
-    x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::BF16 | DType::F16)
-}
+pub(crate) use super::cpu_elem::supported;
+use super::cpu_elem::{dispatch, with_slice, Elem};
 
 /// `[B, C, ...]` split into `groups`: images, channels, groups and pixels per channel.
 #[derive(Debug, Clone, Copy)]
@@ -122,7 +73,7 @@ pub(crate) struct Stats {
 pub(crate) fn stats(x: &Tensor, groups: usize, eps: f64) -> Result<Stats> {
     let shape = GroupShape::of(x.dims(), groups)?;
     let len = shape.group_len();
-    let (mean, rstd) = dispatch!(x, |xs| {
+    let (mean, rstd) = dispatch!("group norm", x, |xs| {
         xs.par_chunks(len.max(1))
             .take(shape.batch * groups)
             .map(|g| group_stats(g, eps))
@@ -146,7 +97,7 @@ pub(crate) fn forward(
     st: &Stats,
     silu: bool,
 ) -> Result<Tensor> {
-    let out = dispatch!(x, |xs| {
+    let out = dispatch!("group norm", x, |xs| {
         let out = forward_typed(xs, gamma, beta, st, silu);
         Tensor::from_vec(out, x.dims(), &Device::Cpu)
     })??;
@@ -190,7 +141,7 @@ pub(crate) fn backward(
         st,
         silu,
     };
-    let (dx, partials) = dispatch!(x, |xs| {
+    let (dx, partials) = dispatch!("group norm", x, |xs| {
         with_slice(&grad, |gs| {
             let (dx, partials) = ctx.all_groups(xs, gs, want_dx);
             let dx = dx.map(|v| Tensor::from_vec(v, x.dims(), &Device::Cpu));
@@ -292,17 +243,5 @@ impl Ctx<'_> {
             }
         }
         per_channel
-    }
-}
-
-/// `f` on `t`'s elements as `&[T]` (a contiguous CPU tensor of dtype `T`).
-fn with_slice<T: Elem, R>(t: &Tensor, f: impl FnOnce(&[T]) -> R) -> Result<R> {
-    let (storage, layout) = t.storage_and_layout();
-    let Some((a, b)) = layout.contiguous_offsets() else {
-        bail!("group norm: the CPU kernel needs a contiguous input");
-    };
-    match &*storage {
-        Storage::Cpu(cpu) => Ok(f(&cpu.as_slice::<T>()?[a..b])),
-        _ => bail!("group norm: the CPU kernel got a tensor on another device"),
     }
 }

@@ -25,7 +25,7 @@ pub fn geglu(p: &Tensor) -> Result<Tensor> {
     if p.device().is_cuda() {
         return super::norm_cuda::geglu(p);
     }
-    let out = if p.device().is_cpu() {
+    let out = if super::cpu_elem::supported(p) {
         cpu::run(p, None)?
     } else {
         let (a, z) = halves(&p.detach().to_dtype(DType::F32)?)?;
@@ -82,7 +82,7 @@ struct GegluBackward;
 
 impl Backward1 for GegluBackward {
     fn backward(&self, p: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Tensor> {
-        if p.device().is_cpu() {
+        if super::cpu_elem::supported(p) {
             return cpu::run(p, Some(grad));
         }
         let (a, z) = halves(&p.detach().to_dtype(DType::F32)?)?;
@@ -96,35 +96,42 @@ impl Backward1 for GegluBackward {
     }
 }
 
-/// The CPU kernels: one pass over each row of `p`, in f32.
+/// The CPU kernels: one pass over each row of `p`, each element in f32, reading and writing
+/// `p`'s own dtype (no f32 copy of `p`, the gradient or the result).
 mod cpu {
-    use candle_core::{DType, Result, Tensor, D};
+    use candle_core::{Result, Tensor, D};
+    use rayon::prelude::*;
 
     use super::INV_SQRT_2PI;
-    use crate::nn::with_cpu_f32;
+    use crate::nn::cpu_elem::{dispatch, with_slice, Elem};
 
     /// The forward (`grad` None, `[..., I]`) or the backward (`[..., 2·I]`), in `p`'s dtype.
     pub(super) fn run(p: &Tensor, grad: Option<&Tensor>) -> Result<Tensor> {
-        let p32 = p.detach().to_dtype(DType::F32)?.contiguous()?;
+        let p = p.detach().contiguous()?;
         let two_i = p.dim(D::Minus1)?;
         if two_i % 2 != 0 {
             candle_core::bail!("geglu: last dimension of {:?} is odd", p.dims());
         }
         let i = two_i / 2;
         let mut dims = p.dims().to_vec();
-        let out = match grad {
+        match grad {
             None => {
                 if let Some(last) = dims.last_mut() {
                     *last = i;
                 }
-                with_cpu_f32(&p32, |p| forward(p, i))?
+                dispatch!("geglu", &p, |ps| {
+                    Tensor::from_vec(forward(ps, i), dims.as_slice(), p.device())
+                })?
             }
             Some(g) => {
-                let g = g.detach().to_dtype(DType::F32)?.contiguous()?;
-                with_cpu_f32(&p32, |p| with_cpu_f32(&g, |g| backward(p, g, i)))??
+                let g = g.detach().to_dtype(p.dtype())?.contiguous()?;
+                dispatch!("geglu", &p, |ps| {
+                    with_slice(&g, |gs| {
+                        Tensor::from_vec(backward(ps, gs, i), dims.as_slice(), p.device())
+                    })
+                })??
             }
-        };
-        Tensor::from_vec(out, dims, p.device())?.to_dtype(p.dtype())
+        }
     }
 
     /// `Φ(z)` and `φ(z)`.
@@ -134,33 +141,33 @@ mod cpu {
         (cdf, pdf)
     }
 
-    fn forward(p: &[f32], i: usize) -> Vec<f32> {
-        use rayon::prelude::*;
-        let mut out = vec![0f32; p.len() / 2];
-        out.par_chunks_mut(i)
-            .zip(p.par_chunks(2 * i))
+    fn forward<T: Elem>(p: &[T], i: usize) -> Vec<T> {
+        let mut out = vec![T::default(); p.len() / 2];
+        out.par_chunks_mut(i.max(1))
+            .zip(p.par_chunks(2 * i.max(1)))
             .for_each(|(o, row)| {
                 let (a, z) = row.split_at(i);
-                for ((o, &a), &z) in o.iter_mut().zip(a).zip(z) {
-                    *o = a * z * cdf_pdf(z).0;
+                for ((o, a), z) in o.iter_mut().zip(a).zip(z) {
+                    let z = z.f();
+                    *o = T::of(a.f() * z * cdf_pdf(z).0);
                 }
             });
         out
     }
 
-    fn backward(p: &[f32], g: &[f32], i: usize) -> Vec<f32> {
-        use rayon::prelude::*;
-        let mut out = vec![0f32; p.len()];
-        out.par_chunks_mut(2 * i)
-            .zip(p.par_chunks(2 * i))
-            .zip(g.par_chunks(i))
+    fn backward<T: Elem>(p: &[T], g: &[T], i: usize) -> Vec<T> {
+        let mut out = vec![T::default(); p.len()];
+        out.par_chunks_mut(2 * i.max(1))
+            .zip(p.par_chunks(2 * i.max(1)))
+            .zip(g.par_chunks(i.max(1)))
             .for_each(|((o, row), g)| {
                 let (a, z) = row.split_at(i);
                 let (da, dz) = o.split_at_mut(i);
                 for j in 0..i {
-                    let (cdf, pdf) = cdf_pdf(z[j]);
-                    da[j] = g[j] * z[j] * cdf;
-                    dz[j] = g[j] * a[j] * (cdf + z[j] * pdf);
+                    let (zj, gj) = (z[j].f(), g[j].f());
+                    let (cdf, pdf) = cdf_pdf(zj);
+                    da[j] = T::of(gj * zj * cdf);
+                    dz[j] = T::of(gj * a[j].f() * (cdf + zj * pdf));
                 }
             });
         out

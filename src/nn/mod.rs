@@ -19,6 +19,7 @@ mod conv_grad;
 mod conv_kernels;
 mod conv_windows;
 mod cpu_conv;
+mod cpu_elem;
 mod cpu_flash_attention;
 mod cpu_gemm;
 mod cpu_group_norm;
