@@ -128,14 +128,13 @@ pub(crate) fn conv2d(x: &Tensor, w: &Tensor, padding: usize, stride: usize) -> R
     let w2 = w.reshape((c_out, geo.rows()))?;
     let (g_h, g_w) = geo.g;
     let row_bytes = geo.rows() * batch * g_w * x.dtype().size_in_bytes();
-    let chunk = (COLUMN_BUDGET_BYTES / row_bytes.max(1)).clamp(1, g_h.max(1));
-    if chunk >= g_h {
+    let windows = output_windows(g_h, row_bytes, COLUMN_BUDGET_BYTES);
+    if windows.len() <= 1 {
         let y = w2.matmul(&im2col(x, geo, 0..g_h)?)?;
         return images_first(y, batch, c_out, geo.g);
     }
-    let mut parts = Vec::with_capacity(g_h.div_ceil(chunk));
-    for r0 in (0..g_h).step_by(chunk) {
-        let rows = r0..(r0 + chunk).min(g_h);
+    let mut parts = Vec::with_capacity(windows.len());
+    for rows in windows {
         let n = rows.len();
         let y = w2.matmul(&im2col(x, geo, rows)?)?;
         parts.push(y.reshape((c_out, batch, n, g_w))?);
@@ -179,7 +178,7 @@ pub(crate) fn input_grad(
     let elem = grad.dtype().size_in_bytes();
     let windows = input_windows(&plan, batch, elem, COLUMN_BUDGET_BYTES);
     let w_t = w.reshape((c_out, geo.rows()))?.t()?;
-    input_grad_in_windows(grad, &w_t, &plan, &windows, |cols, window| {
+    input_grad_in_windows(grad, &w_t, &plan, &windows, grad.dtype(), |cols, window| {
         col2im(cols, geo, window.clone())
     })
 }

@@ -71,21 +71,23 @@ pub fn output_windows(g_h: usize, row_bytes: usize, budget: usize) -> Vec<Range<
 /// `∂L/∂x = col2im(Wᵀ · G)` band by band, for `geo`. `w_t` is `Wᵀ`, `[C_in·k_h·k_w, C_out]`;
 /// `grad` is `[B, C_out, g_h, g_w]` in `w_t`'s dtype; `col2im` turns one band's columns
 /// (`[C_in·k_h·k_w, B·rows·g_w]`, the images side by side) into that band's input rows,
-/// `[B, C_in, rows, x_w]`.
+/// `[B, C_in, rows, x_w]`, in `out_dtype` (the bands are joined in it).
 pub fn input_grad_in_windows(
     grad: &Tensor,
     w_t: &Tensor,
     geo: &ConvGeometry,
     windows: &[RowWindow],
+    out_dtype: DType,
     col2im: impl Fn(&Tensor, &RowWindow) -> Result<Tensor>,
 ) -> Result<Tensor> {
     let (batch, _, _, _) = grad.dims4()?;
     let mut parts = Vec::with_capacity(windows.len());
     for window in windows {
         if window.output.is_empty() {
-            // Input rows no output row reads (a strided 1×1 conv skips some): a zero gradient.
+            // Input rows no output row reads (a 1×1 conv of stride 2 with padding skips some):
+            // a zero gradient.
             let shape = (batch, geo.c_in, window.input.len(), geo.x_hw.1);
-            parts.push(Tensor::zeros(shape, grad.dtype(), grad.device())?);
+            parts.push(Tensor::zeros(shape, out_dtype, grad.device())?);
             continue;
         }
         let g = grad.narrow(2, window.output.start, window.output.len())?;

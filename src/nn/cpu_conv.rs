@@ -152,7 +152,8 @@ fn conv2d_input_grad_within(
     let identity = k_h == 1 && k_w == 1 && padding == 0 && stride == 1;
     let windows = input_windows(&geo, batch, 4, budget);
     // Each band rounds to the gradient's dtype before the bands are joined.
-    let gx = input_grad_in_windows(&grad32, &w_t, &geo, &windows, |cols, window| {
+    let dtype = grad.dtype();
+    input_grad_in_windows(&grad32, &w_t, &geo, &windows, dtype, |cols, window| {
         let shape = (batch, c_in, window.input.len(), x_hw.1);
         let band = if identity && batch == 1 {
             // A 1×1 conv's columns are the gradient itself.
@@ -161,9 +162,8 @@ fn conv2d_input_grad_within(
             let data = with_cpu_f32(cols, |c| col2im_window(c, &geo, batch, window))?;
             Tensor::from_vec(data, shape, &Device::Cpu)?
         };
-        band.to_dtype(grad.dtype())
-    })?;
-    gx.to_dtype(grad.dtype())
+        band.to_dtype(dtype)
+    })
 }
 
 /// `∂L/∂w = G · im2col(x)ᵀ` in f32 over all images at once, in bands of output rows whose
@@ -301,6 +301,29 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// A 1×1 conv of stride 2 with padding 1 reads only odd input rows; in one-row bands the
+    /// last even row of an odd-height input has no output row reaching it, so its band is a
+    /// zero gradient, joined with the others in bf16: a zero band made in the f32 the GEMMs
+    /// ran in would fail the join, a band of the wrong height the shape.
+    #[test]
+    fn an_unread_band_is_a_zero_gradient_in_the_output_dtype() {
+        let (h, w) = (7, 6);
+        let x = fill(&[1, 3, h, w], 9, 1.0).to_dtype(DType::BF16).unwrap();
+        let wt = fill(&[4, 3, 1, 1], 10, 1.0).to_dtype(DType::BF16).unwrap();
+        let y = conv2d_im2col(&x, &wt, 1, 2).unwrap();
+        let g = fill(y.dims(), 11, 1.0).to_dtype(DType::BF16).unwrap();
+        let whole = conv2d_input_grad_within(&g, &wt, 1, 2, (h, w), usize::MAX).unwrap();
+        let banded = conv2d_input_grad_within(&g, &wt, 1, 2, (h, w), 1).unwrap();
+        assert_eq!(banded.dtype(), DType::BF16);
+        assert_eq!(max_abs(&banded, &whole), 0.0);
+        let last = banded
+            .narrow(2, h - 1, 1)
+            .unwrap()
+            .to_dtype(DType::F32)
+            .unwrap();
+        assert_eq!(max_abs(&last, &last.zeros_like().unwrap()), 0.0);
     }
 
     #[test]

@@ -1,5 +1,6 @@
 //! Parity with torch's `float8_e4m3fn` (tests/fixtures/fp8_reference.py made the numbers), and the
 //! CUDA kernels (src/nn/kernels/fp8.cu) under the host emulation against the host functions.
+#![cfg(test)]
 
 use super::*;
 use candle_core::Device;
