@@ -6,6 +6,7 @@
 //! thread uses for the crop and the step for everything else, so the order of decoding never
 //! changes what is trained.
 
+use std::ops::Range;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -70,14 +71,52 @@ pub fn assign(items: &[ImageMeta], buckets: &[Bucket]) -> Vec<Bucket> {
         .collect()
 }
 
-/// The decode jobs of `steps`, the first of which is global step `first_step`: each sample's
-/// crop seed is the seed [`DataFeed::next`] gives that sample for the step's other draws,
-/// `step_seeds(seed, step, n)[k]` of its global step, in every epoch and after a resume.
+/// A data-parallel rank's part of every step: the micro-batches whose index in the step is
+/// `rank` modulo `world`, the ones [`super::sample_cursor::SampleCursor::for_rank`] trains there.
+/// Only those are decoded (or read from the latent cache) on the rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shard {
+    pub rank: usize,
+    pub world: usize,
+}
+
+impl Shard {
+    /// One process: every micro-batch.
+    pub const WHOLE: Shard = Shard { rank: 0, world: 1 };
+
+    /// Whether the step's `index`-th micro-batch is this rank's.
+    pub fn takes(&self, index: usize) -> bool {
+        index % self.world.max(1) == self.rank
+    }
+
+    /// The positions in the step (its samples in the order of the micro-batches' ids) of this
+    /// rank's samples, in order.
+    fn positions(&self, micro: &[MicroBatch]) -> Vec<usize> {
+        let mut out = Vec::new();
+        let mut start = 0;
+        for (i, m) in micro.iter().enumerate() {
+            if self.takes(i) {
+                out.extend(start..start + m.ids.len());
+            }
+            start += m.ids.len();
+        }
+        out
+    }
+}
+
+/// A sample that failed to decode: its position in the step, its file and why.
+pub type Failure = (usize, PathBuf, String);
+
+/// The decode jobs of `steps` on `shard`'s rank, the first of which is global step
+/// `first_step`: each sample's crop seed is the seed [`DataFeed::next`] gives that sample for
+/// the step's other draws, `step_seeds(seed, step, n)[k]` of its global step and its position
+/// `k` in the whole step, in every epoch, after a resume and on every rank.
 fn decode_jobs(
     buckets: &[Bucket],
     seed: u64,
     steps: &[Vec<MicroBatch>],
     first_step: usize,
+    shard: Shard,
 ) -> Vec<Vec<SampleJob>> {
     steps
         .iter()
@@ -85,22 +124,27 @@ fn decode_jobs(
         .map(|(k, micro)| {
             let ids: Vec<usize> = micro.iter().flat_map(|m| m.ids.iter().copied()).collect();
             let seeds = step_seeds(seed, first_step + k, ids.len());
-            ids.iter()
-                .zip(seeds)
-                .map(|(&item, seed)| SampleJob {
-                    item,
-                    bucket: buckets[item],
-                    seed,
+            shard
+                .positions(micro)
+                .into_iter()
+                .map(|pos| SampleJob {
+                    item: ids[pos],
+                    bucket: buckets[ids[pos]],
+                    seed: seeds[pos],
                 })
                 .collect()
         })
         .collect()
 }
 
-/// One step's micro-batches and their samples (in the order of the micro-batches' ids).
+/// One step's micro-batches and their samples (in the order of the micro-batches' ids). On a
+/// data-parallel rank, only the rank's own samples are here (`None` for the others'); the
+/// micro-batches, seeds and failures are the whole step's, the same on every rank.
 pub struct StepData {
+    /// The step's micro-batches without the samples that failed to decode; one left empty by
+    /// its failures stays in place, so that each rank keeps its micro-batches' indices.
     pub micro: Vec<MicroBatch>,
-    pub samples: Vec<SampleData>,
+    pub samples: Vec<Option<SampleData>>,
     pub seeds: Vec<u64>,
     /// Files that failed to decode for this step, with the reason; left out of it.
     pub failed: Vec<(PathBuf, String)>,
@@ -114,6 +158,66 @@ impl StepData {
             .map(|m| m.ids.len() * m.bucket.width * m.bucket.height)
             .sum()
     }
+
+    /// Whether no sample of the step is left to train (every file failed to decode).
+    pub fn is_empty(&self) -> bool {
+        self.micro.iter().all(|m| m.ids.is_empty())
+    }
+
+    /// The samples at `range` (positions in the step), which must be this rank's.
+    pub fn chunk_samples(&self, range: Range<usize>) -> anyhow::Result<Vec<&SampleData>> {
+        let Some(samples) = self.samples.get(range.clone()) else {
+            bail!(
+                "samples {range:?} of a step of {} samples",
+                self.samples.len()
+            );
+        };
+        samples
+            .iter()
+            .zip(range)
+            .map(|(s, pos)| {
+                s.as_ref().ok_or_else(|| {
+                    anyhow::anyhow!("sample {} of the step is another rank's", pos + 1)
+                })
+            })
+            .collect()
+    }
+}
+
+/// The step made of `micro` from its samples by position (`got`, `None` where another rank
+/// holds one) and seeds, without the samples of `failed` (every rank's, in the step's order).
+fn assemble(
+    micro: &[MicroBatch],
+    mut got: Vec<Option<SampleData>>,
+    seeds: Vec<u64>,
+    failed: Vec<Failure>,
+) -> StepData {
+    let left_out: std::collections::HashSet<usize> = failed.iter().map(|f| f.0).collect();
+    let n = got.len();
+    let mut out = StepData {
+        micro: Vec::with_capacity(micro.len()),
+        samples: Vec::with_capacity(n),
+        seeds: Vec::with_capacity(n),
+        failed: failed
+            .into_iter()
+            .map(|(_, path, why)| (path, why))
+            .collect(),
+    };
+    let mut pos = 0;
+    for m in micro {
+        let mut kept = m.clone();
+        kept.ids.clear();
+        for &id in &m.ids {
+            if !left_out.contains(&pos) {
+                kept.ids.push(id);
+                out.samples.push(got.get_mut(pos).and_then(Option::take));
+                out.seeds.push(seeds.get(pos).copied().unwrap_or_default());
+            }
+            pos += 1;
+        }
+        out.micro.push(kept);
+    }
+    out
 }
 
 /// The training data of a run.
@@ -129,6 +233,8 @@ pub struct DataFeed {
     prefetch: Option<Prefetcher>,
     /// `rated_dataset`'s schedule, when on.
     rated: Option<RatedSchedule>,
+    /// The part of each step this process trains, from [`Self::start`].
+    shard: Shard,
 }
 
 impl DataFeed {
@@ -155,6 +261,7 @@ impl DataFeed {
             latents: None,
             prefetch: None,
             rated: data.rated,
+            shard: Shard::WHOLE,
         }
     }
 
@@ -194,15 +301,17 @@ impl DataFeed {
             .collect()
     }
 
-    /// Starts decoding `steps` (the first is global step `first_step`) ahead of [`Self::next`].
-    pub fn start(&mut self, seed: u64, steps: &[Vec<MicroBatch>], first_step: usize) {
+    /// Starts decoding `steps` (the first is global step `first_step`) ahead of [`Self::next`],
+    /// `shard`'s part of each.
+    pub fn start(&mut self, seed: u64, steps: &[Vec<MicroBatch>], first_step: usize, shard: Shard) {
         self.prefetch = None;
+        self.shard = shard;
         if self.latents.is_some() {
             return;
         }
         self.prefetch = Some(Prefetcher::spawn(
             self.items.clone(),
-            decode_jobs(&self.buckets, seed, steps, first_step),
+            decode_jobs(&self.buckets, seed, steps, first_step, shard),
             self.decode,
             PREFETCH_DEPTH,
         ));
@@ -210,61 +319,45 @@ impl DataFeed {
 
     /// The samples of global step `step` made of `micro`, which must be the next of the steps
     /// given to [`Self::start`]. A file that fails to decode is left out of its micro-batch.
+    /// `agree` turns this rank's failures into every rank's (the identity in one process), so
+    /// that the ranks leave out the same samples and weigh the others alike.
     pub fn next(
         &mut self,
         seed: u64,
         step: usize,
         micro: &[MicroBatch],
+        agree: impl FnOnce(Vec<Failure>) -> anyhow::Result<Vec<Failure>>,
     ) -> anyhow::Result<StepData> {
-        let n: usize = micro.iter().map(|m| m.ids.len()).sum();
-        let seeds = step_seeds(seed, step, n);
-        let ids = micro.iter().flat_map(|m| m.ids.iter().copied());
+        let ids: Vec<usize> = micro.iter().flat_map(|m| m.ids.iter().copied()).collect();
+        let seeds = step_seeds(seed, step, ids.len());
+        let mine = self.shard.positions(micro);
+        let mut got: Vec<Option<SampleData>> = vec![None; ids.len()];
+        let mut failed = Vec::new();
         if let Some(store) = &self.latents {
-            let samples = ids
-                .map(|i| store.get(i).map(SampleData::Latent))
-                .collect::<anyhow::Result<Vec<_>>>()?;
-            return Ok(StepData {
-                micro: micro.to_vec(),
-                samples,
-                seeds,
-                failed: Vec::new(),
-            });
-        }
-        let Some(decoded) = self.prefetch.as_mut().and_then(Prefetcher::next_step) else {
-            bail!("the image decoding thread stopped before step {}", step + 1);
-        };
-        if decoded.len() != n {
-            bail!(
-                "the image decoding thread returned {} images for step {} of {n}",
-                decoded.len(),
-                step + 1
-            );
-        }
-        let mut out = StepData {
-            micro: Vec::with_capacity(micro.len()),
-            samples: Vec::with_capacity(n),
-            seeds: Vec::with_capacity(n),
-            failed: Vec::new(),
-        };
-        let mut decoded = decoded.into_iter().zip(seeds);
-        for m in micro {
-            let mut kept = m.clone();
-            kept.ids.clear();
-            for (&id, (image, seed)) in m.ids.iter().zip(decoded.by_ref()) {
+            for &pos in &mine {
+                got[pos] = Some(SampleData::Latent(store.get(ids[pos])?));
+            }
+        } else {
+            let Some(decoded) = self.prefetch.as_mut().and_then(Prefetcher::next_step) else {
+                bail!("the image decoding thread stopped before step {}", step + 1);
+            };
+            if decoded.len() != mine.len() {
+                bail!(
+                    "the image decoding thread returned {} images for step {} of {}",
+                    decoded.len(),
+                    step + 1,
+                    mine.len()
+                );
+            }
+            for (pos, image) in mine.into_iter().zip(decoded) {
                 match image {
-                    Ok(image) => {
-                        kept.ids.push(id);
-                        out.samples.push(SampleData::Pixels(image));
-                        out.seeds.push(seed);
-                    }
-                    Err(failure) => out.failed.push(failure),
+                    Ok(image) => got[pos] = Some(SampleData::Pixels(image)),
+                    Err((path, why)) => failed.push((pos, path, why)),
                 }
             }
-            if !kept.ids.is_empty() {
-                out.micro.push(kept);
-            }
         }
-        Ok(out)
+        let failed = agree(failed)?;
+        Ok(assemble(micro, got, seeds, failed))
     }
 }
 
@@ -327,9 +420,9 @@ mod tests {
             .map(|ids| vec![mb(ids)])
             .collect();
         let seed = 42;
-        let whole = decode_jobs(&buckets, seed, &steps, 0);
+        let whole = decode_jobs(&buckets, seed, &steps, 0, Shard::WHOLE);
         for first in [1, 3, 5] {
-            let later = decode_jobs(&buckets, seed, &steps[first..], first);
+            let later = decode_jobs(&buckets, seed, &steps[first..], first, Shard::WHOLE);
             assert_eq!(later, whole[first..], "started at step {first}");
         }
         for (step, jobs) in whole.iter().enumerate() {
@@ -338,6 +431,112 @@ mod tests {
             let items: Vec<usize> = jobs.iter().map(|j| j.item).collect();
             assert_eq!(items, steps[step][0].ids);
         }
+    }
+
+    fn micro(sizes: &[usize]) -> Vec<MicroBatch> {
+        let mut next = 0;
+        sizes
+            .iter()
+            .map(|&n| {
+                let ids = (next..next + n).collect();
+                next += n;
+                MicroBatch {
+                    ids,
+                    bucket: Bucket::new(64, 64),
+                    weight: 1.0,
+                }
+            })
+            .collect()
+    }
+
+    /// A rank decodes the micro-batches whose index is its rank modulo the world, each sample
+    /// with the seed of its position in the whole step: the ranks' jobs together are one
+    /// process's, once each. Catches a seed counted from the rank's own first sample, and a
+    /// rank decoding micro-batches another rank trains.
+    #[test]
+    fn each_rank_decodes_its_own_micro_batches_with_the_steps_seeds() {
+        let steps = vec![micro(&[2, 1, 3]), micro(&[1, 1, 1, 2, 1])];
+        let buckets = vec![Bucket::new(64, 64); 8];
+        let whole = decode_jobs(&buckets, 7, &steps, 3, Shard::WHOLE);
+        for world in [2, 3, 4] {
+            for (k, step) in steps.iter().enumerate() {
+                let mut union = Vec::new();
+                for rank in 0..world {
+                    let shard = Shard { rank, world };
+                    let jobs = &decode_jobs(&buckets, 7, &steps, 3, shard)[k];
+                    let want: Vec<usize> = step
+                        .iter()
+                        .enumerate()
+                        .filter(|(i, _)| i % world == rank)
+                        .flat_map(|(_, m)| m.ids.iter().copied())
+                        .collect();
+                    let items: Vec<usize> = jobs.iter().map(|j| j.item).collect();
+                    assert_eq!(items, want, "world {world}, rank {rank}, step {k}");
+                    union.extend(jobs.iter().copied());
+                }
+                union.sort_by_key(|j| j.item);
+                assert_eq!(union, whole[k], "world {world}, step {k}");
+            }
+        }
+    }
+
+    fn image(tag: usize) -> SampleData {
+        SampleData::Pixels(crate::data::TrainImage {
+            pixels: Vec::new(),
+            width: 0,
+            height: 0,
+            original_size: (0, 0),
+            resized_size: (0, 0),
+            crop_top_left: (0, 0),
+            caption: tag.to_string(),
+            path: PathBuf::new(),
+            multiplier: 1.0,
+            options: Default::default(),
+            mask: None,
+        })
+    }
+
+    fn tag(s: &Option<SampleData>) -> Option<String> {
+        match s {
+            Some(SampleData::Pixels(im)) => Some(im.caption.clone()),
+            _ => None,
+        }
+    }
+
+    /// Every rank's failures leave the step, its own and the others'; the samples, seeds and
+    /// micro-batches stay aligned, and a micro-batch emptied by its failures keeps its place,
+    /// so each rank's micro-batches keep their indices (dropping it would hand rank 0's next
+    /// micro-batch to rank 1, which never decoded it).
+    #[test]
+    fn failures_leave_the_step_on_every_rank_and_keep_the_micro_batches_in_place() {
+        let step = micro(&[1, 2, 2]);
+        // Rank 1 of 2 holds positions 1 and 2 (micro-batch 1); rank 0 the others.
+        let got: Vec<Option<SampleData>> = (0..5)
+            .map(|pos| [0, 3, 4].contains(&pos).then(|| image(pos)))
+            .collect();
+        let seeds: Vec<u64> = (100..105).collect();
+        let failed = vec![
+            (0, PathBuf::from("a.png"), "bad".to_string()),
+            (2, PathBuf::from("c.png"), "worse".to_string()),
+        ];
+        let data = assemble(&step, got, seeds, failed);
+        let ids: Vec<Vec<usize>> = data.micro.iter().map(|m| m.ids.clone()).collect();
+        assert_eq!(ids, [vec![], vec![1], vec![3, 4]]);
+        assert_eq!(data.seeds, [101, 103, 104]);
+        let tags: Vec<Option<String>> = data.samples.iter().map(tag).collect();
+        assert_eq!(tags, [None, Some("3".into()), Some("4".into())]);
+        assert_eq!(data.failed.len(), 2);
+        assert!(!data.is_empty());
+        let mine = data.chunk_samples(1..3).unwrap();
+        assert_eq!(mine.len(), 2);
+        let err = data.chunk_samples(0..1).unwrap_err().to_string();
+        assert!(err.contains("another rank"), "{err}");
+        assert!(data.chunk_samples(2..4).is_err());
+        let all_failed = vec![
+            (0, PathBuf::from("a.png"), String::new()),
+            (1, PathBuf::from("b.png"), String::new()),
+        ];
+        assert!(assemble(&micro(&[2]), vec![None, None], vec![1, 2], all_failed).is_empty());
     }
 
     #[test]

@@ -5,18 +5,21 @@
 //! ([`reduce_step`]): every micro-batch's loss is already weighted by its share of the whole
 //! step, so the sum is the step's gradient, the same as one process accumulating every
 //! micro-batch (to f32 rounding: the order of the additions differs). Every rank then applies
-//! the same update to the same weights. The ranks also agree on the micro-batch size after an
-//! out-of-memory halving ([`agree_micro`]), and on stopping ([`agree_flag`]).
+//! the same update to the same weights. Each rank decodes only its own micro-batches' images,
+//! and the ranks agree on those that failed to decode ([`agree_failures`]), on the micro-batch
+//! size after an out-of-memory halving ([`agree_micro`]), and on stopping ([`agree_flag`]).
 //!
 //! [`train_ranks`] runs the ranks as threads of this process, through the in-process
 //! collective; rank 0 alone logs, samples, validates and saves.
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::Context;
 use candle_core::{DType, Device, Tensor, Var};
 
 use super::accumulate::Accumulated;
+use super::data_feed::Failure;
 use super::micro_batch::MicroBatching;
 use super::outcome::TrainOutcome;
 use super::trainer::{RunOptions, Session};
@@ -177,6 +180,36 @@ pub(super) fn agree_micro(
         }
     }
     Ok(())
+}
+
+/// Every rank's decode failures of a step, on every rank, in the step's order: each rank
+/// decodes only its own micro-batches ([`super::data_feed::Shard`]), and all must leave out the
+/// same samples, or their shares of the step (and so the summed gradient) would differ. Paths
+/// travel as text (they are shown, not opened).
+pub(super) fn agree_failures(
+    coll: &mut dyn Collective,
+    own: Vec<Failure>,
+) -> anyhow::Result<Vec<Failure>> {
+    let wire: Vec<(usize, String, String)> = own
+        .into_iter()
+        .map(|(pos, path, why)| (pos, path.to_string_lossy().into_owned(), why))
+        .collect();
+    let parts = coll
+        .all_gather("decode_failures", &serde_json::to_vec(&wire)?)
+        .context("agreeing on the step's images that failed to decode")?;
+    let mut all = Vec::new();
+    for (rank, bytes) in parts.iter().enumerate() {
+        let theirs: Vec<(usize, String, String)> = serde_json::from_slice(bytes)
+            .with_context(|| format!("rank {rank}'s list of images that failed to decode"))?;
+        all.extend(
+            theirs
+                .into_iter()
+                .map(|(pos, path, why)| (pos, PathBuf::from(path), why)),
+        );
+    }
+    all.sort_by_key(|f| f.0);
+    all.dedup_by_key(|f| f.0);
+    Ok(all)
 }
 
 /// Steps between the weight checks of debug builds and tests ([`check_same_weights`]).

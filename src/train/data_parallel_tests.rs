@@ -22,11 +22,15 @@ fn plan(dir: &Path, accum: usize, steps: usize) -> TrainPlan {
 }
 
 fn plan_batch(dir: &Path, batch: usize, accum: usize, steps: usize) -> TrainPlan {
+    plan_on(dir, batch, accum, steps, &repo().join("data/demo"))
+}
+
+fn plan_on(dir: &Path, batch: usize, accum: usize, steps: usize, data: &Path) -> TrainPlan {
     std::fs::create_dir_all(dir).unwrap();
     std::fs::write(dir.join("optimizer.json"), r#"{"log_grad_norm": true}"#).unwrap();
     let cfg = serde_json::json!({
         "model": repo().join("tests/fixtures/tiny-sd15"),
-        "data_root": repo().join("data/demo"),
+        "data_root": data,
         "output_dir": dir.join("out"),
         "optimizer_config": dir.join("optimizer.json"),
         "project_name": "dp",
@@ -293,5 +297,57 @@ fn the_sum_is_the_same_in_chunks_of_any_size() {
                 }
             }
         }
+    }
+}
+
+/// A PNG whose container is whole (the dataset reads its size) but whose pixel data is
+/// corrupt, so it fails only when the step decodes it.
+fn corrupt_png(path: &Path) {
+    let mut png = Vec::new();
+    image::RgbImage::from_fn(64, 64, |x, y| image::Rgb([x as u8 * 4, y as u8 * 4, 9]))
+        .write_to(&mut std::io::Cursor::new(&mut png), image::ImageFormat::Png)
+        .unwrap();
+    let at = png.windows(4).position(|w| w == b"IDAT").unwrap();
+    let len = u32::from_be_bytes([png[at - 4], png[at - 3], png[at - 2], png[at - 1]]) as usize;
+    for b in &mut png[at + 4 + len / 4..at + 4 + len / 2] {
+        *b ^= 0x5a;
+    }
+    std::fs::write(path, png).unwrap();
+}
+
+/// Each rank decodes only its own micro-batches, so a file that fails to decode is seen by the
+/// rank that took it; the ranks agree on the failures and leave out the same samples, so the
+/// losses and gradient norms are one process's and rank 0 counts every failure. A rank that left
+/// out only its own failures would weigh its samples by another share of the step than the
+/// others (the losses move), and rank 0 would count fewer.
+#[test]
+fn a_file_that_fails_to_decode_on_one_rank_is_left_out_on_every_rank() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("data");
+    std::fs::create_dir(&data).unwrap();
+    for entry in std::fs::read_dir(repo().join("data/demo")).unwrap() {
+        let p = entry.unwrap().path();
+        std::fs::copy(&p, data.join(p.file_name().unwrap())).unwrap();
+    }
+    for name in ["broken_a", "broken_b", "broken_c"] {
+        corrupt_png(&data.join(format!("{name}.png")));
+    }
+    let with_data = |dir: &Path| plan_on(dir, 1, 4, 3, &data);
+    let single = one_process(&with_data(&tmp.path().join("one")));
+    assert!(single.failed_samples > 0, "no image failed to decode");
+    for world in [2, 3] {
+        let p = with_data(&tmp.path().join(format!("ranks{world}")));
+        let devices = vec![Device::Cpu; world];
+        let out = train_ranks(&p, &devices, false, Duration::from_secs(120)).unwrap();
+        let what = format!("{world} ranks");
+        assert_eq!(out.failed_samples, single.failed_samples, "{what}");
+        assert_eq!(out.images_seen, single.images_seen, "{what}");
+        assert_close(&format!("{what}: losses"), &out.losses, &single.losses);
+        assert_close(
+            &format!("{what}: gradient norms"),
+            &grad_norms(&out),
+            &grad_norms(&single),
+        );
     }
 }

@@ -17,7 +17,7 @@ use super::oom::{injected, OutOfMemory};
 use super::oom_policy::halve_after_oom;
 use super::optimizer_step::{train_chunk, Optimization, StepReport};
 use super::sample_cursor::{Chunk, SampleCursor};
-use super::step::{forward_loss, prepare_batch, sample_rngs, SampleData, StepSettings};
+use super::step::{forward_loss, prepare_batch, sample_rngs, StepSettings};
 use crate::model::pipeline::StableDiffusion;
 use crate::nn::grad_sink::{self, GradSink};
 
@@ -180,7 +180,7 @@ fn last_chunk(
         // Counts from the earlier chunks' forwards are not this backward's.
         ck.take_uses()?;
     }
-    let samples: Vec<&SampleData> = data.samples[chunk.range.clone()].iter().collect();
+    let samples = data.chunk_samples(chunk.range.clone())?;
     let mut rngs = sample_rngs(&data.seeds[chunk.range.clone()]);
     let batch = prepare_batch(sd, &samples, settings, &mut rngs)?;
     let loss = forward_loss(sd, &batch, settings)?;

@@ -24,7 +24,7 @@ use super::oom::{injected, OutOfMemory};
 use super::oom_policy::{halve_after_oom, retry_once_on_oom};
 use super::param_groups::Group;
 use super::sample_cursor::{Chunk, SampleCursor};
-use super::step::{forward_backward, prepare_batch, sample_rngs, SampleData, StepSettings};
+use super::step::{forward_backward, prepare_batch, sample_rngs, StepSettings};
 use crate::model::pipeline::StableDiffusion;
 use crate::optim::{clip_grad_norm, Finite, StepCheck};
 use crate::precision::{LossScaler, ScaleChange};
@@ -260,7 +260,7 @@ pub(super) fn train_chunk(
     step: usize,
     loss_scale: f64,
 ) -> anyhow::Result<(Tensor, GradStore)> {
-    let samples: Vec<&SampleData> = data.samples[chunk.range.clone()].iter().collect();
+    let samples = data.chunk_samples(chunk.range.clone())?;
     let mut rngs = sample_rngs(&data.seeds[chunk.range.clone()]);
     let batch = prepare_batch(sd, &samples, settings, &mut rngs)?;
     let result = forward_backward(sd, &batch, settings, chunk.share, loss_scale)?;

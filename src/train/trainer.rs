@@ -12,7 +12,7 @@ use anyhow::Context;
 use candle_core::Device;
 
 use super::adapters::TrainedAdapters;
-use super::data_feed::DataFeed;
+use super::data_feed::{DataFeed, Shard};
 use super::ema::Ema;
 use super::interrupt::Interrupt;
 use super::log::{LogRecord, RunLog};
@@ -206,6 +206,14 @@ impl Session<'_> {
         self.opt.dist.as_ref().is_none_or(|l| l.leads())
     }
 
+    /// The part of each step this process trains.
+    fn shard(&self) -> Shard {
+        self.opt.dist.as_ref().map_or(Shard::WHOLE, |l| Shard {
+            rank: l.rank(),
+            world: l.world(),
+        })
+    }
+
     /// Whether to stop for Ctrl-C; data-parallel ranks agree, so all stop at the same step.
     fn interrupt_agreed(&mut self) -> anyhow::Result<bool> {
         let asked = self.extras.interrupt.requested();
@@ -300,8 +308,9 @@ impl Session<'_> {
         let steps_in_epoch = self.feed.steps_in(&batches);
         let steps = self.feed.steps(&batches, skip);
         let left = self.opt.total_steps.saturating_sub(out.steps);
+        let shard = self.shard();
         self.feed
-            .start(seed, &steps[..steps.len().min(left)], out.steps);
+            .start(seed, &steps[..steps.len().min(left)], out.steps, shard);
         for (i, micro) in steps.iter().enumerate().map(|(k, m)| (k + skip, m)) {
             if out.steps >= self.opt.total_steps {
                 return Ok(Flow::Stop);
@@ -363,7 +372,13 @@ impl Session<'_> {
         out: &mut TrainOutcome,
         progress: &Progress,
     ) -> anyhow::Result<Option<StepReport>> {
-        let data = self.feed.next(self.pos.seed, out.steps, micro)?;
+        let dist = &mut self.opt.dist;
+        let data = self
+            .feed
+            .next(self.pos.seed, out.steps, micro, |own| match dist {
+                Some(link) => super::data_parallel::agree_failures(link.coll.as_mut(), own),
+                None => Ok(own),
+            })?;
         for (path, why) in &data.failed {
             let step = out.steps + 1;
             progress.println(format!(
@@ -372,7 +387,7 @@ impl Session<'_> {
             ));
         }
         out.failed_samples += data.failed.len();
-        if data.samples.is_empty() {
+        if data.is_empty() {
             progress.println(format!(
                 "warning: step {}: skipped, none of its images could be decoded",
                 out.steps + 1
