@@ -197,6 +197,25 @@ fn a_bad_prompts_file_is_refused_up_front() {
         msg.contains("q.json") && msg.contains("`scheduler` is \"heun\"; the samplers are"),
         "{msg}"
     );
+    let file = tmp.path().join("r.json");
+    std::fs::write(
+        &file,
+        r#"{"samples": [{"prompt": "x", "size": [81920, 64]}]}"#,
+    )
+    .unwrap();
+    let cfg = write_config(
+        tmp.path(),
+        "tiny-sd15",
+        &demo_data(),
+        serde_json::json!({"sample_prompts": file}),
+    );
+    let out = sdtrain(&["--config", cfg.to_str().unwrap(), "--cpu"], tmp.path());
+    assert!(!out.status.success());
+    let msg = text(&out);
+    assert!(
+        msg.contains("r.json: samples[0]") && msg.contains("at most 8192"),
+        "{msg}"
+    );
 }
 
 /// `sdtrain sample`: numbered PNGs at the asked size, the same seed gives the same image, a LoRA
@@ -266,6 +285,25 @@ fn sample_command_draws_pngs_with_and_without_a_lora() {
     );
     assert!(!out.status.success());
     assert!(text(&out).contains("multiple of 8"), "{}", text(&out));
+    // Found by fuzzing the command: a 100000 px side aborted on a failed allocation, and a NaN
+    // guidance scale drew a NaN image.
+    for (args, needle) in [
+        (
+            &["--width", "100000", "--height", "100000"][..],
+            "at most 8192",
+        ),
+        (&["--cfg", "NaN"][..], "--cfg must be a finite number"),
+        (
+            &["--lora-scale", "inf"][..],
+            "--lora-scale must be a finite",
+        ),
+    ] {
+        let mut all = vec!["sample", "--model", &model, "--prompt", "x", "--cpu"];
+        all.extend_from_slice(args);
+        let out = sdtrain(&all, tmp.path());
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {}", text(&out));
+        assert!(text(&out).contains(needle), "{args:?}: {}", text(&out));
+    }
     let sdxl = common::fixture("tiny-sdxl").display().to_string();
     let out = sdtrain(
         &[

@@ -34,6 +34,10 @@ use super::train_file::TrainFile;
 
 /// EveryDream2's `--batch_size` default.
 pub const DEFAULT_BATCH_SIZE: u64 = 2;
+/// The largest `batch_size` taken: a micro-batch is filled to its size by repeating images
+/// (EveryDream2's runt rule), so a size far past any card's reach would fill memory before the
+/// first step; `grad_accum` is the way to larger effective batches.
+pub const MAX_BATCH_SIZE: u64 = 1 << 16;
 /// EveryDream2's `--max_epochs` default, used when neither max_epochs nor max_steps is set.
 pub const DEFAULT_MAX_EPOCHS: u64 = 300;
 /// EveryDream2's `--seed` default.
@@ -242,8 +246,7 @@ impl TrainPlan {
                 .transpose()?,
             seed,
             random_seed,
-            batch_size: ctx.at_least("batch_size", file.batch_size, DEFAULT_BATCH_SIZE, 1)?
-                as usize,
+            batch_size: batch_size(&ctx, file.batch_size)?,
             grad_accum: ctx.at_least("grad_accum", file.grad_accum, 1, 1)? as usize,
             max_epochs,
             max_steps,
@@ -583,6 +586,21 @@ fn resolve_skip_limit(file: &TrainFile, ctx: &Ctx) -> Result<Option<usize>, Conf
     })
 }
 
+/// `batch_size`: 1 to [`MAX_BATCH_SIZE`].
+fn batch_size(ctx: &Ctx<'_>, v: Option<i64>) -> Result<usize, ConfigError> {
+    let n = ctx.at_least("batch_size", v, DEFAULT_BATCH_SIZE, 1)?;
+    if n > MAX_BATCH_SIZE {
+        return Err(ctx.invalid(
+            "batch_size",
+            format!(
+                "must be at most {MAX_BATCH_SIZE} (got {n}); use grad_accum for a larger \
+                 effective batch"
+            ),
+        ));
+    }
+    Ok(n as usize)
+}
+
 #[cfg(test)]
 mod tests {
     use serde_json::json;
@@ -885,6 +903,7 @@ mod tests {
         let fx = Fixture::new();
         for (extra, field) in [
             (json!({"batch_size": 0}), "batch_size"),
+            (json!({"batch_size": 1u64 << 40}), "batch_size"),
             (json!({"grad_accum": 0}), "grad_accum"),
             (json!({"max_epochs": 0}), "max_epochs"),
             (json!({"max_steps": 0}), "max_steps"),

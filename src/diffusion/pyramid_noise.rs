@@ -48,6 +48,9 @@ pub struct PyramidNoise {
 /// EveryDream2's number of levels.
 pub const EVERYDREAM2_LEVELS: usize = 10;
 
+/// More levels than any size reaches: the 64th divides it by at least 2^63.
+const MAX_LEVELS: usize = 64;
+
 impl PyramidNoise {
     /// Adds the pyramid to one sample's noise `[c, h, w]` and rescales it, drawing the level
     /// ratios and the low-resolution noise from `rng`.
@@ -60,7 +63,10 @@ impl PyramidNoise {
         rng: &mut R,
     ) {
         let mut ratio = || rng.random::<f64>() * 2.0 + 2.0;
-        let ratios: Vec<f64> = (0..self.iterations).map(|_| ratio()).collect();
+        // Level i divides the size by at least 2^i, so no level past the 64th is ever reached
+        // (`multires_noise_iterations` may be any count, as in kohya).
+        let levels = self.iterations.min(MAX_LEVELS);
+        let ratios: Vec<f64> = (0..levels).map(|_| ratio()).collect();
         let mut draws = |n: usize| -> Vec<f32> {
             (0..n)
                 .map(|_| rng.sample::<f32, _>(StandardNormal))
@@ -180,6 +186,27 @@ mod tests {
         };
         p.apply(&mut noise, 4, 32, 32, &mut rng);
         assert!((unbiased_std(&noise) - 1.0).abs() < 1e-5);
+    }
+
+    /// Any level count is taken, as in kohya: the levels stop at 1×1 (a config fuzz found
+    /// 2^62 levels drawing 2^62 ratios up front: a capacity-overflow panic). Up to 64 levels the
+    /// draws are the same as before, so the noise is too.
+    #[test]
+    fn a_huge_level_count_stops_at_one_pixel() {
+        let run = |iterations: usize| {
+            let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+            let mut noise = vec![0.5f32; 4 * 16 * 16];
+            noise[7] = -1.0;
+            let p = PyramidNoise {
+                style: PyramidStyle::Kohya,
+                discount: 0.5,
+                iterations,
+            };
+            p.apply(&mut noise, 4, 16, 16, &mut rng);
+            noise
+        };
+        assert_eq!(run(1 << 62), run(64));
+        assert!((unbiased_std(&run(usize::MAX)) - 1.0).abs() < 1e-5);
     }
 
     /// EveryDream2's and kohya's own functions on recorded draws

@@ -120,6 +120,15 @@ pub fn run(args: &SampleArgs) -> anyhow::Result<Vec<PathBuf>> {
     if args.count == 0 {
         anyhow::bail!("--count must be at least 1");
     }
+    if !args.cfg.is_finite() {
+        anyhow::bail!("--cfg must be a finite number (got {})", args.cfg);
+    }
+    if !args.lora_scale.is_finite() {
+        anyhow::bail!(
+            "--lora-scale must be a finite number (got {})",
+            args.lora_scale
+        );
+    }
     let request = match (args.cpu, args.device) {
         (true, _) => crate::memory::DeviceRequest::Cpu,
         (false, Some(d)) => d,

@@ -181,8 +181,24 @@ fn predict(
     &out_u + ((&out_c - &out_u)? * req.cfg)?
 }
 
-/// Checks that `req`'s size fits the model: multiples of the VAE's and UNet's combined factor.
+/// The longest side a sample may have, in pixels: training's `aspects` bound. Far past it the
+/// latents alone would not fit in memory, and the allocation failure would abort the process.
+pub const MAX_SAMPLE_SIDE: usize = 8192;
+
+/// `Err` naming the limit when a side of `width`×`height` is over [`MAX_SAMPLE_SIDE`].
+pub fn check_side_limit(width: usize, height: usize) -> Result<(), String> {
+    if width > MAX_SAMPLE_SIDE || height > MAX_SAMPLE_SIDE {
+        return Err(format!(
+            "sample size {width}x{height}: each side must be at most {MAX_SAMPLE_SIDE} pixels"
+        ));
+    }
+    Ok(())
+}
+
+/// Checks that `req`'s size fits the model: multiples of the VAE's and UNet's combined factor,
+/// each side at most [`MAX_SAMPLE_SIDE`].
 pub fn check_size(sd: &StableDiffusion, req: &SampleRequest) -> Result<(), String> {
+    check_side_limit(req.width, req.height)?;
     let align = sd.vae_scale << sd.unet.config.num_downsamples();
     if req.width == 0
         || req.height == 0

@@ -136,6 +136,7 @@ fn image_size(p: &SamplePrompt, resolution: usize, align: usize) -> Result<(usiz
             "size {width}x{height} must be a positive multiple of {align} for this model"
         ));
     }
+    super::generate::check_side_limit(width, height)?;
     Ok((width, height))
 }
 

@@ -38,8 +38,10 @@ impl SaveClock {
         let by_steps = plan
             .every_n_steps
             .is_some_and(|n| n > 0 && steps.is_multiple_of(n as usize));
+        // A period past what a Duration holds (1e30 minutes) never comes round.
         let by_time = plan.every_n_minutes.is_some_and(|m| {
-            now.saturating_duration_since(self.since) >= Duration::from_secs_f64(m * 60.0)
+            Duration::try_from_secs_f64(m * 60.0)
+                .is_ok_and(|period| now.saturating_duration_since(self.since) >= period)
         });
         if by_time {
             self.since = now;
@@ -107,6 +109,12 @@ mod tests {
         assert!(clock.step_save_due(&p, 4, 100, at(40)));
         // The last step is the final save's.
         assert!(!clock.step_save_due(&p, 100, 100, at(90)));
+        // A period no Duration holds (found by a config fuzz: it panicked) never comes round.
+        let never = SavePlan {
+            every_n_minutes: Some(1e30),
+            ..plan()
+        };
+        assert!(!clock.step_save_due(&never, 5, 100, at(10_000)));
     }
 
     #[test]
