@@ -512,3 +512,56 @@ fn dump_sdxl_names_for_diffusers_check() {
         .collect();
     std::fs::write(names_file, serde_json::to_string(&names).unwrap()).unwrap();
 }
+
+/// A factor holding NaN or infinity (a damaged file, or one saved from a diverged run) is
+/// refused naming the tensor; it merged silently into a NaN image before (found by a fuzz of
+/// `sdtrain sample --lora`). PEFT's DoRA (`lora_magnitude_vector`, per output channel) is
+/// refused with the reason, and two spellings of one factor are an error, not one dropped.
+#[test]
+fn non_finite_factors_peft_dora_and_doubled_factors_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("nan.safetensors");
+    let mut up = randn(&[8, 4], 2)
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
+    up[5] = f32::NAN;
+    let up = Tensor::from_vec(up, (8, 4), &Device::Cpu).unwrap();
+    write_raw(
+        &path,
+        &[
+            (&format!("{Q_NAME}.lora_down.weight"), randn(&[4, 8], 1)),
+            (&format!("{Q_NAME}.lora_up.weight"), up),
+        ],
+    );
+    let msg = load_kohya(&path, &Device::Cpu).unwrap_err().to_string();
+    assert!(
+        msg.contains(&format!("`{Q_NAME}.lora_up.weight` holds NaN")),
+        "{msg}"
+    );
+    let m = "unet.down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q";
+    write_raw(
+        &path,
+        &[
+            (&format!("{m}.lora_A.weight"), randn(&[4, 8], 1)),
+            (&format!("{m}.lora_B.weight"), randn(&[8, 4], 2)),
+            (&format!("{m}.lora_magnitude_vector"), randn(&[8], 3)),
+        ],
+    );
+    let msg = load_kohya(&path, &Device::Cpu).unwrap_err().to_string();
+    assert!(
+        msg.contains("lora_magnitude_vector") && msg.contains("per output channel"),
+        "{msg}"
+    );
+    write_raw(
+        &path,
+        &[
+            (&format!("{m}.lora_A.weight"), randn(&[4, 8], 1)),
+            (&format!("{m}.lora.down.weight"), randn(&[4, 8], 1)),
+            (&format!("{m}.lora_B.weight"), randn(&[8, 4], 2)),
+        ],
+    );
+    let msg = load_kohya(&path, &Device::Cpu).unwrap_err().to_string();
+    assert!(msg.contains("holds the same factor as"), "{msg}");
+}

@@ -33,6 +33,7 @@ use candle_core::{DType, Device, Tensor};
 use half::{bf16, f16};
 use safetensors::tensor::{Dtype as StDtype, SafeTensors, TensorView, View};
 
+use super::diffusers_keys::{diffusers_key, metadata_alphas};
 use super::factors::{self, Algo, ALL_SUFFIXES, DOWN, UP};
 pub use super::kohya_meta::{py_float, KohyaBase, KohyaMetadata};
 use super::kohya_names::{KohyaComponent, KohyaNameError, KohyaNaming, KohyaResolver};
@@ -75,7 +76,8 @@ pub enum KohyaError {
     },
     #[error(
         "{}: {} key(s) are not adapter weights sdtrain reads (`<module>.lora_down.weight`, \
-         `.lora_up.weight`, `.hada_w*`, `.lokr_w*`, `.dora_scale`, `.alpha`){hint}: {}",
+         `.lora_up.weight`, `.hada_w*`, `.lokr_w*`, `.dora_scale`, `.alpha`, or diffusers' \
+         `unet.<path>.lora_A.weight`/`.lora_B.weight`, `.lora.down.weight`/`.lora.up.weight`){hint}: {}",
         path.display(), keys.len(), keys.join(", ")
     )]
     UnsupportedKeys {
@@ -115,6 +117,16 @@ pub enum KohyaError {
         path: PathBuf,
         name: String,
         shape: Vec<usize>,
+    },
+    #[error(
+        "{}: tensor `{name}` holds {value} (the file is damaged, or was saved from a run whose \
+         weights diverged)",
+        path.display()
+    )]
+    NonFinite {
+        path: PathBuf,
+        name: String,
+        value: f32,
     },
     #[error("{}: holds no LoRA modules", path.display())]
     Empty { path: PathBuf },
@@ -430,6 +442,13 @@ fn decode(
             })
         }
     };
+    if let Some(bad) = values.iter().find(|v| !v.is_finite()) {
+        return Err(KohyaError::NonFinite {
+            path: path.to_path_buf(),
+            name: name.to_string(),
+            value: *bad,
+        });
+    }
     Tensor::from_vec(values, view.shape(), device).map_err(|source| KohyaError::Tensor {
         name: name.to_string(),
         source,
@@ -451,6 +470,13 @@ fn unsupported_hint(keys: &[String]) -> &'static str {
         " (this looks like a LyCORIS file of a type sdtrain does not read: Tucker \
          decompositions (`lora_mid`, `hada_t*`, `lokr_t2`), full diff, OFT/BOFT and IA3 are not \
          supported; LoRA, LoCon, LoHa, LoKr and DoRA are)"
+    } else if keys.iter().any(|k| k.contains("lora_magnitude_vector")) {
+        " (PEFT's DoRA keeps its magnitude per output channel, where the kohya/LyCORIS DoRA \
+         sdtrain reads keeps it per input channel; save the LoRA without DoRA, or as a \
+         LyCORIS DoRA)"
+    } else if keys.iter().any(|k| k.starts_with("base_model.model.")) {
+        " (a PEFT `save_pretrained` adapter: load it into the pipeline with diffusers and save \
+         it with `save_lora_weights`, which writes the unet./text_encoder. keys sdtrain reads)"
     } else {
         ""
     }
@@ -474,8 +500,9 @@ pub fn load_kohya(path: &Path, device: &Device) -> Result<KohyaFile, KohyaError>
     let by_module = group_by_module(path, &tensors)?;
     let mut modules = Vec::with_capacity(by_module.len());
     for (name, parts) in by_module {
-        modules.push(load_module(path, name, parts, device)?);
+        modules.push(load_module(path, &name, parts, device)?);
     }
+    set_metadata_alphas(path, &metadata, &mut modules)?;
     Ok(KohyaFile {
         path: path.to_path_buf(),
         modules,
@@ -486,25 +513,32 @@ pub fn load_kohya(path: &Path, device: &Device) -> Result<KohyaFile, KohyaError>
 /// One module's tensors in the file by suffix, each with its key.
 type Parts<'a> = BTreeMap<&'static str, (&'a str, TensorView<'a>)>;
 
-/// Groups the file's tensors by module name; a key with no known suffix is an error.
+/// Groups the file's tensors by module name; a key with no known suffix is an error. Keys in
+/// diffusers' layouts ([`super::diffusers_keys`]) group under their dotted module name.
 fn group_by_module<'a>(
     path: &Path,
     tensors: &'a [(String, TensorView<'a>)],
-) -> Result<BTreeMap<&'a str, Parts<'a>>, KohyaError> {
-    let mut by_module: BTreeMap<&str, Parts<'_>> = BTreeMap::new();
+) -> Result<BTreeMap<String, Parts<'a>>, KohyaError> {
+    let mut by_module: BTreeMap<String, Parts<'_>> = BTreeMap::new();
     let mut unsupported = Vec::new();
     for (key, view) in tensors {
         let key = key.as_str();
-        let hit = ALL_SUFFIXES.iter().chain(&[ALPHA]).find_map(|suffix| {
-            let module = key.strip_suffix(suffix)?.strip_suffix('.')?;
-            Some((module, *suffix))
+        let hit = diffusers_key(key).or_else(|| {
+            ALL_SUFFIXES.iter().chain(&[ALPHA]).find_map(|suffix| {
+                let module = key.strip_suffix(suffix)?.strip_suffix('.')?;
+                Some((module.to_string(), *suffix))
+            })
         });
         match hit {
             Some((module, suffix)) => {
-                by_module
-                    .entry(module)
-                    .or_default()
-                    .insert(suffix, (key, view.clone()));
+                let parts = by_module.entry(module).or_default();
+                if let Some((first, _)) = parts.insert(suffix, (key, view.clone())) {
+                    return Err(KohyaError::BadFactors {
+                        path: path.to_path_buf(),
+                        name: key.to_string(),
+                        problem: format!("holds the same factor as `{first}`"),
+                    });
+                }
             }
             None => unsupported.push(key.to_string()),
         }
@@ -519,6 +553,31 @@ fn group_by_module<'a>(
         });
     }
     Ok(by_module)
+}
+
+/// The alphas a diffusers file's `lora_adapter_metadata` gives, for modules without an `.alpha`
+/// key ([`super::diffusers_keys::metadata_alphas`]).
+fn set_metadata_alphas(
+    path: &Path,
+    metadata: &HashMap<String, String>,
+    modules: &mut [KohyaModule],
+) -> Result<(), KohyaError> {
+    let ranks: Vec<(&str, usize)> = modules
+        .iter()
+        .filter(|m| !m.alpha_in_file)
+        .map(|m| (m.name.as_str(), m.rank()))
+        .collect();
+    let alphas = metadata_alphas(metadata, &ranks).map_err(|problem| KohyaError::BadFactors {
+        path: path.to_path_buf(),
+        name: "lora_adapter_metadata".to_string(),
+        problem,
+    })?;
+    for m in modules.iter_mut() {
+        if let Some(&a) = alphas.get(&m.name) {
+            m.alpha = a;
+        }
+    }
+    Ok(())
 }
 
 /// Checks module `name`'s tensors (one complete adapter, agreeing factors) and decodes them onto
@@ -688,9 +747,11 @@ pub fn match_to_model(
     if !unknown.is_empty() {
         let naming = if naming.is_sdxl() {
             "SDXL naming: lora_unet_ with LDM block names (or diffusers names under lora_unet_ \
-             or lycoris_), lora_te1_, lora_te2_"
+             or lycoris_), lora_te1_, lora_te2_, or diffusers' unet., text_encoder., \
+             text_encoder_2."
         } else {
-            "SD1/SD2 naming: lora_unet_ (or lycoris_) with diffusers names, lora_te_"
+            "SD1/SD2 naming: lora_unet_ (or lycoris_) with diffusers names, lora_te_, or \
+             diffusers' unet., text_encoder."
         };
         return Err(KohyaError::UnknownModules {
             path: file.path.clone(),

@@ -176,19 +176,41 @@ impl KohyaNaming {
         Ok(underscored(self.prefix(component), &path))
     }
 
-    /// Other spellings accepted on load, for a UNet module: its diffusers path under LyCORIS's
+    /// Other spellings accepted on load: for a UNet module, its diffusers path under LyCORIS's
     /// default prefix (`lycoris_down_blocks_…`, what SimpleTuner's LyCORIS files hold; ComfyUI's
     /// "simpletuner lycoris format"), and for SDXL also under `lora_unet_` (LyCORIS or other
-    /// trainers run on a diffusers UNet).
+    /// trainers run on a diffusers UNet); for every module, diffusers' own dotted name
+    /// `<component>.<path>` (`unet.down_blocks.0.…`, `text_encoder.text_model.…`), which its
+    /// LoRA files use ([`super::diffusers_keys`]).
     fn aliases(&self, component: KohyaComponent, module_path: &str) -> Vec<String> {
         let lycoris = underscored(LYCORIS_PREFIX, module_path);
+        let diffusers = format!("{}.{module_path}", diffusers_component(component));
         match (self, component) {
-            (KohyaNaming::Ldm(_), KohyaComponent::Unet) => {
-                vec![underscored(self.prefix(component), module_path), lycoris]
+            (KohyaNaming::Ldm(_), KohyaComponent::Unet) => vec![
+                underscored(self.prefix(component), module_path),
+                lycoris,
+                diffusers,
+            ],
+            (KohyaNaming::Diffusers, KohyaComponent::Unet) => vec![lycoris, diffusers],
+            // transformers 5's CLIPTextModel has no `text_model.` level, so diffusers' files
+            // made with it name `text_encoder.encoder.layers.…`.
+            (_, KohyaComponent::TextEncoder | KohyaComponent::TextEncoder2) => {
+                let mut names = vec![diffusers];
+                if let Some(inner) = module_path.strip_prefix("text_model.") {
+                    names.push(format!("{}.{inner}", diffusers_component(component)));
+                }
+                names
             }
-            (KohyaNaming::Diffusers, KohyaComponent::Unet) => vec![lycoris],
-            (_, KohyaComponent::TextEncoder | KohyaComponent::TextEncoder2) => Vec::new(),
         }
+    }
+}
+
+/// diffusers' pipeline attribute name of `component`, its LoRA files' key prefix.
+pub fn diffusers_component(component: KohyaComponent) -> &'static str {
+    match component {
+        KohyaComponent::Unet => "unet",
+        KohyaComponent::TextEncoder => "text_encoder",
+        KohyaComponent::TextEncoder2 => "text_encoder_2",
     }
 }
 

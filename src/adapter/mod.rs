@@ -10,6 +10,7 @@
 //! - [`merge`]: folding a kohya file into a model's weights.
 
 pub mod attach;
+pub mod diffusers_keys;
 pub mod factors;
 pub mod kohya_file;
 pub mod kohya_meta;
