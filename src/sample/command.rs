@@ -33,7 +33,8 @@ pub struct SampleArgs {
     /// For a single-file `--model`: `epsilon` or `v_prediction`, overriding what is detected.
     #[arg(long, value_parser = parse_prediction)]
     pub prediction_type: Option<PredictionType>,
-    /// A kohya LoRA/LoCon .safetensors to merge into the weights. Repeatable.
+    /// A LoRA .safetensors to merge into the weights: kohya's layout (LoRA, LoCon, LyCORIS's LoHa,
+    /// LoKr, DoRA) or diffusers' (`pytorch_lora_weights.safetensors`). Repeatable.
     #[arg(long = "lora", value_name = "FILE")]
     pub loras: Vec<PathBuf>,
     /// The LoRA multiplier (A1111's `<lora:name:m>`), one for all files.
