@@ -501,10 +501,23 @@ mod tests {
         let offset = sample_noise(&mut b, (2, 3, 4, 4), 0.5, DType::F32, &dev).unwrap();
         let d = (offset - plain).unwrap().flatten_from(2).unwrap();
         let d = d.to_vec3::<f32>().unwrap();
+        // EveryDream2's offset is `ratio · N(0, 1)` per (image, channel), drawn after the
+        // noise: the standard normals that follow the 96 noise values, scaled (a dropped ratio
+        // fails).
+        let mut after = StdRng::seed_from_u64(3);
+        for _ in 0..2 * 3 * 4 * 4 {
+            let _: f32 = after.sample(StandardNormal);
+        }
         for sample in &d {
             for plane in sample {
                 assert!(plane.iter().all(|&x| (x - plane[0]).abs() < 1e-6));
-                assert!(plane[0] != 0.0);
+                let z: f32 = after.sample(StandardNormal);
+                assert!(
+                    (plane[0] - 0.5 * z).abs() < 1e-6,
+                    "{} vs {}",
+                    plane[0],
+                    0.5 * z
+                );
             }
         }
         assert!(sample_noise(&mut a, (1, 1, 1, 1), -0.1, DType::F32, &dev).is_err());
@@ -612,5 +625,21 @@ mod tests {
             .unwrap();
         assert_eq!(flat(&quiet.noisy), flat(&a.noisy));
         assert!(quiet.embedding_seeds.is_empty());
+        // On zero latents the UNet input is √(1−ᾱ)·noise, so per sample the perturbation over
+        // the plain input is γ·ξ over ε: a deviation ratio of γ = 0.5 (ε and ξ swapped give
+        // √(1 + (γ−1)²) ≈ 1.12).
+        let zeros = x0.zeros_like().unwrap();
+        let a = plain.noise_per_sample(&mut rngs(), &zeros).unwrap();
+        let b = ip.noise_per_sample(&mut rngs(), &zeros).unwrap();
+        let std = |t: &Tensor| {
+            let v = flat(t);
+            let m = v.iter().sum::<f32>() / v.len() as f32;
+            (v.iter().map(|x| (x - m).powi(2)).sum::<f32>() / v.len() as f32).sqrt()
+        };
+        for i in 0..2 {
+            let (pa, pb) = (a.noisy.get(i).unwrap(), b.noisy.get(i).unwrap());
+            let ratio = std(&(&pb - &pa).unwrap()) / std(&pa);
+            assert!((ratio - 0.5).abs() < 0.08, "sample {i}: {ratio}");
+        }
     }
 }

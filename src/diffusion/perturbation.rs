@@ -84,6 +84,45 @@ mod tests {
     use super::*;
     use candle_core::{DType, Device};
 
+    /// kohya's random strength is one `U[0, 1)` draw times γ (a sum instead, or a draw
+    /// ignored, fails); without it the strength is γ and draws nothing.
+    #[test]
+    fn the_random_strength_is_a_uniform_fraction_of_gamma() {
+        let ip = InputPerturbation {
+            gamma: 0.3,
+            random_strength: true,
+        };
+        let mut rng = StdRng::seed_from_u64(4);
+        let mut copy = rng.clone();
+        let s: Vec<f64> = (0..4000).map(|_| ip.strength(&mut rng)).collect();
+        for (x, want) in s.iter().zip((0..4000).map(|_| copy.random::<f64>() * 0.3)) {
+            assert_eq!(*x, want);
+        }
+        assert!(s.iter().all(|x| (0.0..0.3).contains(x)));
+        let mean = s.iter().sum::<f64>() / s.len() as f64;
+        assert!((mean - 0.15).abs() < 0.01, "{mean}");
+        let fixed = InputPerturbation {
+            gamma: 0.3,
+            random_strength: false,
+        };
+        let before = rng.clone().random::<u64>();
+        assert_eq!(fixed.strength(&mut rng), 0.3);
+        assert_eq!(rng.random::<u64>(), before);
+    }
+
+    /// `ε + s·ξ`: the perturbation scales the second draw, not the noise the target is built
+    /// from (swapping the two fails).
+    #[test]
+    fn perturbed_noise_scales_the_second_draw() {
+        let n = Tensor::new(&[1.0f32, -2.0], &Device::Cpu).unwrap();
+        let xi = Tensor::new(&[10.0f32, 20.0], &Device::Cpu).unwrap();
+        let got = perturbed_noise(&n, &xi, 0.1)
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        assert_eq!(got, [2.0, 0.0]);
+    }
+
     #[test]
     fn embedding_noise_has_the_scaled_deviation_and_repeats_by_seed() {
         let ctx = Tensor::zeros((2, 77, 64), DType::F32, &Device::Cpu).unwrap();

@@ -188,6 +188,35 @@ mod tests {
         assert!((unbiased_std(&noise) - 1.0).abs() < 1e-5);
     }
 
+    /// `apply` draws each level's ratio as kohya and EveryDream2 do, `r = 2 + 2·U[0, 1)` (all
+    /// of them first), then the levels' normals: the same noise as [`PyramidNoise::apply_with`]
+    /// given those draws. The reference test goes through `apply_with`, so a wrong mapping in
+    /// `apply` (`U·2 + 1`) fails only here.
+    #[test]
+    fn apply_draws_the_ratios_kohya_draws() {
+        for style in [PyramidStyle::Kohya, PyramidStyle::EveryDream2] {
+            let p = PyramidNoise {
+                style,
+                discount: 0.8,
+                iterations: 6,
+            };
+            let base: Vec<f32> = (0..2 * 32 * 32).map(|i| (i as f32 * 0.37).sin()).collect();
+            let mut rng = rand::rngs::StdRng::seed_from_u64(9);
+            let mut got = base.clone();
+            p.apply(&mut got, 2, 32, 32, &mut rng);
+            let mut rng = rand::rngs::StdRng::seed_from_u64(9);
+            let ratios: Vec<f64> = (0..6).map(|_| rng.random::<f64>() * 2.0 + 2.0).collect();
+            let mut draws = |n: usize| -> Vec<f32> {
+                (0..n)
+                    .map(|_| rng.sample::<f32, _>(StandardNormal))
+                    .collect()
+            };
+            let mut want = base.clone();
+            p.apply_with(&mut want, (2, 32, 32), &ratios, &mut draws);
+            assert_eq!(got, want, "{style:?}");
+        }
+    }
+
     /// Any level count is taken, as in kohya: the levels stop at 1×1 (a config fuzz found
     /// 2^62 levels drawing 2^62 ratios up front: a capacity-overflow panic). Up to 64 levels the
     /// draws are the same as before, so the noise is too.

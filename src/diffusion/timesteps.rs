@@ -68,4 +68,19 @@ mod tests {
         // σ(z) puts about 38% of the draws in the middle quarter of the range, uniform 25%.
         assert!(mid > 1300, "{mid}");
     }
+
+    /// Uniform draws cover `[start, end)`, `end` excluded, as torch.randint does: a one-wide
+    /// range always gives `start`, and `end` never comes (an inclusive range fails both).
+    #[test]
+    fn uniform_draws_exclude_the_end() {
+        let mut rng = StdRng::seed_from_u64(2);
+        let u = TimestepDistribution::Uniform;
+        assert!((0..2000).all(|_| u.draw(&mut rng, 7, 8) == 7));
+        let ts: Vec<u32> = (0..4000).map(|_| u.draw(&mut rng, 0, 4)).collect();
+        assert!(ts.iter().all(|&t| t < 4));
+        for v in 0..4 {
+            let n = ts.iter().filter(|&&t| t == v).count();
+            assert!((850..1150).contains(&n), "{v}: {n} of 4000");
+        }
+    }
 }
