@@ -309,5 +309,21 @@ mod tests {
         assert_eq!(n, 5.0);
         let after = grad_norm([&a], &g).unwrap();
         assert!((after - 1.0).abs() < 1e-5, "{after}");
+        // torch's coefficient is max / (norm + 1e-6): at max 1e-3 the eps is visible (a
+        // misplaced eps, max / norm + 1e-6, is 0.1% off).
+        let mut g = store(&[(&a, &[3.0, 4.0])]);
+        clip_grad_norm([&a], &mut g, 1e-3).unwrap();
+        let coef = 1e-3 / (5.0 + 1e-6);
+        for (got, x) in g
+            .get(&a)
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+            .iter()
+            .zip([3.0, 4.0])
+        {
+            let want = (x * coef) as f32;
+            assert!((got - want).abs() <= 1e-7 * want.abs(), "{got} vs {want}");
+        }
     }
 }

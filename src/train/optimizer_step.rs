@@ -207,17 +207,29 @@ impl Optimization {
         Ok((done.micro_batches > 0).then_some(done))
     }
 
-    /// EveryDream2's clip_grad_norm: each group clipped to the norm on its own (UNet, text
-    /// encoder). Returns the global norm before clipping, which is what the log shows.
     fn clip(&self, grads: &mut GradStore, max: f64) -> anyhow::Result<f64> {
-        let mut sq = 0f64;
-        for g in &self.groups {
-            let n = clip_grad_norm(&g.vars, grads, max)
-                .with_context(|| format!("{} gradient clipping", g.name))?;
-            sq += f64::from(n).powi(2);
-        }
-        Ok(sq.sqrt())
+        clip_each_group(
+            self.groups.iter().map(|g| (g.name, g.vars.as_slice())),
+            grads,
+            max,
+        )
     }
+}
+
+/// EveryDream2's clip_grad_norm: each group (UNet, text encoder) clipped to the norm on its own.
+/// Returns the global norm before clipping, which is what the log shows.
+fn clip_each_group<'a>(
+    groups: impl IntoIterator<Item = (&'a str, &'a [Var])>,
+    grads: &mut GradStore,
+    max: f64,
+) -> anyhow::Result<f64> {
+    let mut sq = 0f64;
+    for (name, vars) in groups {
+        let n = clip_grad_norm(vars, grads, max)
+            .with_context(|| format!("{name} gradient clipping"))?;
+        sq += f64::from(n).powi(2);
+    }
+    Ok(sq.sqrt())
 }
 
 /// Forward and backward over every sample of `data` (this rank's micro-batches of it, with
@@ -314,5 +326,31 @@ pub(super) fn skipped_message(step: usize, scale: ScaleChange) -> String {
         ScaleChange::Unchanged | ScaleChange::Grew(_) => {
             format!("step {step}: non-finite loss or gradient, step skipped")
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each group is clipped to `max` on its own, and the norm returned (the log's) is the
+    /// global one before clipping: √(3² + 4²) = 5 for groups of norms 3 and 4 (an overwrite
+    /// instead of a sum returns 4; one norm over both groups would clip them alike).
+    #[test]
+    fn each_group_is_clipped_alone_and_the_global_norm_is_logged() -> anyhow::Result<()> {
+        let dev = candle_core::Device::Cpu;
+        let unet = [Var::zeros(2, candle_core::DType::F32, &dev)?];
+        let te = [Var::zeros(1, candle_core::DType::F32, &dev)?];
+        let mut grads = GradStore::default();
+        grads.insert(unet[0].as_tensor(), Tensor::new(&[0.0f32, 3.0], &dev)?);
+        grads.insert(te[0].as_tensor(), Tensor::new(&[4.0f32], &dev)?);
+        let groups = [("unet", &unet[..]), ("text_encoder", &te[..])];
+        let norm = clip_each_group(groups, &mut grads, 3.5)?;
+        assert!((norm - 5.0).abs() < 1e-6, "{norm}");
+        let get = |v: &Var| grads.get(v).map(|g| g.to_vec1::<f32>());
+        assert_eq!(get(&unet[0]).transpose()?, Some(vec![0.0, 3.0]));
+        let t = get(&te[0]).transpose()?.unwrap_or_default();
+        assert!((t[0] - 3.5).abs() < 1e-5, "{t:?}");
+        Ok(())
     }
 }
