@@ -100,6 +100,16 @@ fn ed2_saving_schedule_and_freezing_keys_work_end_to_end() {
         .map(|r| r["lr_unet"].as_f64().unwrap())
         .collect();
     assert!(lrs.windows(2).all(|w| w[1] < w[0]), "linear decay: {lrs:?}");
+    // torch's LambdaLR as diffusers' get_scheduler builds it: step k (from 1) trains at
+    // lr·(1 − (k−1)/6); a schedule read one step ahead starts at 5/6.
+    for (k, lr) in lrs.iter().enumerate() {
+        let want = 1e-3 * (6 - k) as f64 / 6.0;
+        assert!(
+            (lr - want).abs() < 1e-9,
+            "step {}: lr {lr}, want {want}",
+            k + 1
+        );
+    }
     assert!(
         records.iter().all(|r| r.get("grad_norm").is_none()),
         "{log}"

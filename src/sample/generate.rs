@@ -127,6 +127,14 @@ pub struct UnetRun {
     pub batch_halves: bool,
 }
 
+/// SDXL's added time ids for a `width`×`height` sample, as diffusers' pipeline builds them
+/// (`_get_add_time_ids`: `original_size + crops_coords_top_left + target_size`, sizes as
+/// `(height, width)`, crop `(0, 0)`).
+fn sample_time_ids(width: usize, height: usize) -> [f32; 6] {
+    let (h, w) = (height as f32, width as f32);
+    [h, w, 0.0, 0.0, h, w]
+}
+
 /// The model's guided prediction for latents `x` at timestep `t`.
 fn predict(
     sd: &StableDiffusion,
@@ -142,8 +150,7 @@ fn predict(
         let ts = Tensor::from_vec(vec![t as f32; b], b, device)?;
         let added = match &c.pooled {
             Some(p) => {
-                let (h, w) = (req.height as f32, req.width as f32);
-                let row = [h, w, 0.0, 0.0, h, w];
+                let row = sample_time_ids(req.width, req.height);
                 let ids: Vec<f32> = (0..b).flat_map(|_| row).collect();
                 Some(AddedConditions {
                     text_embeds: p.clone(),
@@ -272,4 +279,17 @@ pub fn generate(
         &mut |_, _| {},
     )?;
     Ok(decode(vae, &x)?)
+}
+
+#[cfg(test)]
+mod tests {
+    /// Height before width, as diffusers orders them: every SDXL parity case is square, so a
+    /// swap fails only here.
+    #[test]
+    fn time_ids_put_the_height_first() {
+        assert_eq!(
+            super::sample_time_ids(48, 32),
+            [32.0, 48.0, 0.0, 0.0, 32.0, 48.0]
+        );
+    }
 }
