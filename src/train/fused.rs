@@ -38,9 +38,10 @@ use crate::optim::grad::check_one;
 /// torch's `clip_grad_norm_` guard against a zero norm.
 const CLIP_EPS: f64 = 1e-6;
 
-/// `g` scaled so its L2 norm (`norm`) is at most `max`: torch's `clip_grad_norm_` on one tensor.
-pub fn clip_tensor(g: &Tensor, norm: f64, max: f64) -> Result<Tensor> {
-    let coef = max / (norm + CLIP_EPS);
+/// `g` scaled so its L2 norm (`√sumsq`, from the step check's sum of squares) is at most `max`:
+/// torch's `clip_grad_norm_` on one tensor.
+pub fn clip_tensor(g: &Tensor, sumsq: f64, max: f64) -> Result<Tensor> {
+    let coef = max / (sumsq.sqrt() + CLIP_EPS);
     if coef < 1.0 {
         g * coef
     } else {
@@ -179,7 +180,7 @@ impl FusedSink {
             return Ok(());
         };
         let g = match self.clip {
-            Some(max) => clip_tensor(&g, sq.sqrt(), max)?,
+            Some(max) => clip_tensor(&g, sq, max)?,
             None => g,
         };
         group.optimizer.update_one_checked(&var, &g, finite)?;
@@ -242,15 +243,19 @@ mod tests {
 
     /// torch's `clip_grad_norm_` on one tensor: `coef = max / (norm + 1e-6)`, applied when below
     /// 1 (torch/nn/utils/clip_grad.py). A gradient of norm 5 clipped to 1 scales by 1/5.000001;
-    /// one of norm 0.5 is left alone. Catches a missing epsilon, clipping up, or the norm squared.
+    /// one of norm 0.5 is left alone. Catches a missing epsilon, clipping up, or the sum of
+    /// squares taken for the norm (a mutation sweep found that at the call site, untested).
     #[test]
     fn per_tensor_clipping_is_torchs_rule() {
         let g = Tensor::new(&[3f32, 4.0], &Device::Cpu).unwrap();
-        let c = clip_tensor(&g, 5.0, 1.0).unwrap().to_vec1::<f32>().unwrap();
+        let c = clip_tensor(&g, 25.0, 1.0)
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
         let coef = (1.0 / (5.0 + 1e-6)) as f32;
         assert_eq!(c, vec![3.0 * coef, 4.0 * coef]);
         let small = Tensor::new(&[0.3f32, 0.4], &Device::Cpu).unwrap();
-        let c = clip_tensor(&small, 0.5, 1.0)
+        let c = clip_tensor(&small, 0.25, 1.0)
             .unwrap()
             .to_vec1::<f32>()
             .unwrap();
