@@ -116,15 +116,7 @@ fn plan(init_from: PathBuf) -> AdapterPlan {
 }
 
 fn unet_out(sd: &StableDiffusion) -> Tensor {
-    let refs = common::reference("tiny-sd15");
-    sd.unet
-        .forward(
-            &common::get(&refs, "unet.sample"),
-            &common::get(&refs, "unet.timesteps"),
-            &common::get(&refs, "unet.encoder_hidden_states"),
-            None,
-        )
-        .unwrap()
+    common::sd15_unet_out(sd)
 }
 
 /// A diffusers file as `init_from` of a LoRA run: the adapters start from its factors and its

@@ -171,15 +171,7 @@ fn plan(init_from: Option<PathBuf>) -> AdapterPlan {
 }
 
 fn unet_out(sd: &StableDiffusion) -> Tensor {
-    let refs = common::reference("tiny-sd15");
-    sd.unet
-        .forward(
-            &common::get(&refs, "unet.sample"),
-            &common::get(&refs, "unet.timesteps"),
-            &common::get(&refs, "unet.encoder_hidden_states"),
-            None,
-        )
-        .unwrap()
+    common::sd15_unet_out(sd)
 }
 
 /// Writes sdtrain's file for `mode` (seed 7, every factor randomised) to `path`.

@@ -167,55 +167,36 @@ fn sd21_euler_ancestral_samples_on_schedule() {
 #[test]
 fn a_bad_prompts_file_is_refused_up_front() {
     let tmp = tempfile::tempdir().unwrap();
-    let file = tmp.path().join("p.json");
-    std::fs::write(&file, r#"{"samples": [{"prompt": "x", "size": [30, 30]}]}"#).unwrap();
-    let cfg = write_config(
-        tmp.path(),
-        "tiny-sd15",
-        &demo_data(),
-        serde_json::json!({"sample_prompts": file}),
-    );
-    let out = sdtrain(&["--config", cfg.to_str().unwrap(), "--cpu"], tmp.path());
-    assert!(!out.status.success());
-    let msg = text(&out);
-    assert!(
-        msg.contains("p.json: samples[0]: size 30x30 must be a positive multiple of 8"),
-        "{msg}"
-    );
-    let file = tmp.path().join("q.json");
-    std::fs::write(&file, r#"{"scheduler": "heun"}"#).unwrap();
-    let cfg = write_config(
-        tmp.path(),
-        "tiny-sd15",
-        &demo_data(),
-        serde_json::json!({"sample_prompts": file}),
-    );
-    let out = sdtrain(&["--config", cfg.to_str().unwrap(), "--cpu"], tmp.path());
-    assert!(!out.status.success());
-    let msg = text(&out);
-    assert!(
-        msg.contains("q.json") && msg.contains("`scheduler` is \"heun\"; the samplers are"),
-        "{msg}"
-    );
-    let file = tmp.path().join("r.json");
-    std::fs::write(
-        &file,
-        r#"{"samples": [{"prompt": "x", "size": [81920, 64]}]}"#,
-    )
-    .unwrap();
-    let cfg = write_config(
-        tmp.path(),
-        "tiny-sd15",
-        &demo_data(),
-        serde_json::json!({"sample_prompts": file}),
-    );
-    let out = sdtrain(&["--config", cfg.to_str().unwrap(), "--cpu"], tmp.path());
-    assert!(!out.status.success());
-    let msg = text(&out);
-    assert!(
-        msg.contains("r.json: samples[0]") && msg.contains("at most 8192"),
-        "{msg}"
-    );
+    for (name, prompts, needles) in [
+        (
+            "p.json",
+            r#"{"samples": [{"prompt": "x", "size": [30, 30]}]}"#,
+            &["p.json: samples[0]: size 30x30 must be a positive multiple of 8"][..],
+        ),
+        (
+            "q.json",
+            r#"{"scheduler": "heun"}"#,
+            &["q.json", "`scheduler` is \"heun\"; the samplers are"][..],
+        ),
+        (
+            "r.json",
+            r#"{"samples": [{"prompt": "x", "size": [81920, 64]}]}"#,
+            &["r.json: samples[0]", "at most 8192"][..],
+        ),
+    ] {
+        let file = tmp.path().join(name);
+        std::fs::write(&file, prompts).unwrap();
+        let cfg = write_config(
+            tmp.path(),
+            "tiny-sd15",
+            &demo_data(),
+            serde_json::json!({"sample_prompts": file}),
+        );
+        let out = sdtrain(&["--config", cfg.to_str().unwrap(), "--cpu"], tmp.path());
+        assert!(!out.status.success(), "{name}");
+        let msg = text(&out);
+        assert!(needles.iter().all(|n| msg.contains(n)), "{name}: {msg}");
+    }
 }
 
 /// `sdtrain sample`: numbered PNGs at the asked size, the same seed gives the same image, a LoRA

@@ -159,6 +159,20 @@ pub fn randomise_adapters(modules: &[std::sync::Arc<sdtrain::adapter::LoraModule
     }
 }
 
+/// tiny-sd15's UNet output on the reference inputs (`unet.sample`, `unet.timesteps`,
+/// `unet.encoder_hidden_states` of tests/fixtures/reference/tiny-sd15.safetensors).
+pub fn sd15_unet_out(sd: &sdtrain::model::pipeline::StableDiffusion) -> Tensor {
+    let refs = reference("tiny-sd15");
+    sd.unet
+        .forward(
+            &get(&refs, "unet.sample"),
+            &get(&refs, "unet.timesteps"),
+            &get(&refs, "unet.encoder_hidden_states"),
+            None,
+        )
+        .unwrap()
+}
+
 /// The fixture pipeline `tests/fixtures/<name>` on the CPU in f32, everything frozen (the
 /// adapter tests attach to it).
 pub fn load_frozen_f32(name: &str) -> sdtrain::model::pipeline::StableDiffusion {
