@@ -128,6 +128,8 @@ pub enum KohyaError {
         name: String,
         value: f32,
     },
+    #[error("{}: the header's `lora_adapter_metadata` {problem}", path.display())]
+    BadMetadata { path: PathBuf, problem: String },
     #[error("{}: holds no LoRA modules", path.display())]
     Empty { path: PathBuf },
     #[error("cannot save module `{name}`: {problem}")]
@@ -567,9 +569,8 @@ fn set_metadata_alphas(
         .filter(|m| !m.alpha_in_file)
         .map(|m| (m.name.as_str(), m.rank()))
         .collect();
-    let alphas = metadata_alphas(metadata, &ranks).map_err(|problem| KohyaError::BadFactors {
+    let alphas = metadata_alphas(metadata, &ranks).map_err(|problem| KohyaError::BadMetadata {
         path: path.to_path_buf(),
-        name: "lora_adapter_metadata".to_string(),
         problem,
     })?;
     for m in modules.iter_mut() {
