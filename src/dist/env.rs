@@ -68,7 +68,15 @@ impl DistEnv {
             ));
         }
         let master_addr = need("MASTER_ADDR")?;
-        if master_addr.trim().is_empty() {
+        // An IPv6 address may come bracketed, as in a URL (`[fe80::1]`).
+        let host = master_addr.trim();
+        let host = match host.strip_prefix('[') {
+            Some(rest) => rest
+                .strip_suffix(']')
+                .ok_or_else(|| bad("MASTER_ADDR", &master_addr, "opens a `[` it does not close"))?,
+            None => host,
+        };
+        if host.is_empty() {
             return Err(bad("MASTER_ADDR", &master_addr, "is empty"));
         }
         let port_s = need("MASTER_PORT")?;
@@ -85,7 +93,7 @@ impl DistEnv {
             None => rank,
         };
         Ok(Some(Self {
-            master_addr: master_addr.trim().to_string(),
+            master_addr: host.to_string(),
             master_port,
             world_size,
             rank,
@@ -93,9 +101,13 @@ impl DistEnv {
         }))
     }
 
-    /// `MASTER_ADDR:MASTER_PORT`.
+    /// `MASTER_ADDR:MASTER_PORT` (an IPv6 address bracketed).
     pub fn master(&self) -> String {
-        format!("{}:{}", self.master_addr, self.master_port)
+        if self.master_addr.contains(':') {
+            format!("[{}]:{}", self.master_addr, self.master_port)
+        } else {
+            format!("{}:{}", self.master_addr, self.master_port)
+        }
     }
 }
 
@@ -127,9 +139,26 @@ mod tests {
         assert_eq!(DistEnv::from_lookup(lookup(&[])).unwrap(), None);
     }
 
+    /// An IPv6 MASTER_ADDR, bare or bracketed, is the same host; the address printed in errors
+    /// brackets it so that its port stands apart.
+    #[test]
+    fn an_ipv6_master_address_is_read_bare_or_bracketed() {
+        for addr in ["::1", "[::1]", " [::1] "] {
+            let env = [
+                ("MASTER_ADDR", addr),
+                ("MASTER_PORT", "29500"),
+                ("WORLD_SIZE", "2"),
+                ("RANK", "0"),
+            ];
+            let d = DistEnv::from_lookup(lookup(&env)).unwrap().unwrap();
+            assert_eq!(d.master_addr, "::1", "{addr:?}");
+            assert_eq!(d.master(), "[::1]:29500", "{addr:?}");
+        }
+    }
+
     #[test]
     fn bad_variables_name_the_key() {
-        let cases: [(&[(&str, &str)], &str); 5] = [
+        let cases: [(&[(&str, &str)], &str); 7] = [
             (&[("WORLD_SIZE", "two")], "WORLD_SIZE"),
             (&[("WORLD_SIZE", "2")], "RANK"),
             (
@@ -145,6 +174,14 @@ mod tests {
                     ("MASTER_PORT", "0"),
                 ],
                 "MASTER_PORT",
+            ),
+            (
+                &[("WORLD_SIZE", "2"), ("RANK", "1"), ("MASTER_ADDR", "[::1")],
+                "MASTER_ADDR=\"[::1\": opens a `[`",
+            ),
+            (
+                &[("WORLD_SIZE", "2"), ("RANK", "1"), ("MASTER_ADDR", "[]")],
+                "MASTER_ADDR=\"[]\": is empty",
             ),
         ];
         for (env, want) in cases {

@@ -53,18 +53,78 @@ fn write_frame(s: &mut TcpStream, op: &str, payload: &[u8]) -> std::io::Result<(
     s.write_all(&buf)
 }
 
-fn read_frame(s: &mut TcpStream) -> std::io::Result<(String, Vec<u8>)> {
+/// Reads one frame. The payload is read as it arrives, never allocated from the length field
+/// alone, so a frame that lies about its length (a stray connection's bytes) costs only what was
+/// sent; `limit` refuses a longer one outright.
+fn read_frame_within(s: &mut TcpStream, limit: u64) -> std::io::Result<(String, Vec<u8>)> {
     let mut len = [0u8; 1];
     s.read_exact(&mut len)?;
     let mut op = vec![0u8; usize::from(len[0])];
     s.read_exact(&mut op)?;
     let mut n = [0u8; 8];
     s.read_exact(&mut n)?;
-    let n = usize::try_from(u64::from_le_bytes(n))
-        .map_err(|_| std::io::Error::new(ErrorKind::InvalidData, "frame too large"))?;
-    let mut payload = vec![0u8; n];
-    s.read_exact(&mut payload)?;
+    let n = u64::from_le_bytes(n);
+    if n > limit {
+        return Err(std::io::Error::new(
+            ErrorKind::InvalidData,
+            format!("a frame of {n} bytes (at most {limit})"),
+        ));
+    }
+    let mut payload = Vec::with_capacity(usize::try_from(n.min(1 << 20)).unwrap_or(0));
+    s.take(n).read_to_end(&mut payload)?;
+    if payload.len() as u64 != n {
+        return Err(ErrorKind::UnexpectedEof.into());
+    }
     Ok((String::from_utf8_lossy(&op).into_owned(), payload))
+}
+
+fn read_frame(s: &mut TcpStream) -> std::io::Result<(String, Vec<u8>)> {
+    read_frame_within(s, u64::MAX)
+}
+
+/// How long rank 0 waits for a new connection's greeting before closing it as stray.
+const GREETING_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Why a connection was not taken as a rank.
+enum Greeting {
+    /// Not an sdtrain rank: closed, and the wait goes on.
+    Stray,
+    /// An sdtrain rank of another run shape: the run cannot start.
+    Fatal(DistError),
+}
+
+/// Rank 0's listening sockets on `MASTER_PORT`: IPv6 and IPv4 on every interface, so that
+/// `MASTER_ADDR` may name either. Where the IPv6 socket takes IPv4 as well (Linux's default), the
+/// IPv4 bind finds the port in use and the one socket serves both; where there is no IPv6, the
+/// IPv4 socket alone.
+fn listen(env: &DistEnv) -> Result<Vec<TcpListener>, DistError> {
+    let v6 = TcpListener::bind((std::net::Ipv6Addr::UNSPECIFIED, env.master_port));
+    let v4 = TcpListener::bind((std::net::Ipv4Addr::UNSPECIFIED, env.master_port));
+    let listeners: Vec<TcpListener> = match (v6, v4) {
+        (Ok(a), Ok(b)) => vec![a, b],
+        (Ok(a), Err(_)) => vec![a],
+        (Err(_), Ok(b)) => vec![b],
+        (Err(_), Err(e)) => {
+            let hint = if e.kind() == ErrorKind::AddrInUse {
+                " (another process holds MASTER_PORT; under torchrun its agent's store does: \
+                 sdtrain needs no launcher, run it on each machine with the environment set, \
+                 or pick a free port)"
+            } else {
+                ""
+            };
+            return Err(rendezvous(
+                env,
+                format!(
+                    "rank 0 cannot listen on port {}: {e}{hint}",
+                    env.master_port
+                ),
+            ));
+        }
+    };
+    for l in &listeners {
+        l.set_nonblocking(true).map_err(|e| rendezvous(env, e))?;
+    }
+    Ok(listeners)
 }
 
 fn rendezvous(env: &DistEnv, why: impl std::fmt::Display) -> DistError {
@@ -94,30 +154,44 @@ impl Tcp {
     }
 
     fn accept_all(&mut self, env: &DistEnv) -> Result<(), DistError> {
-        let listener = TcpListener::bind(("0.0.0.0", env.master_port))
-            .map_err(|e| rendezvous(env, format!("rank 0 cannot listen: {e}")))?;
-        listener
-            .set_nonblocking(true)
-            .map_err(|e| rendezvous(env, e))?;
+        let listeners = listen(env)?;
         let deadline = Instant::now() + self.timeout;
         while self.links.iter().skip(1).any(Option::is_none) {
-            match listener.accept() {
-                Ok((s, _)) => self.greet(env, s)?,
-                Err(e) if e.kind() == ErrorKind::WouldBlock => {
-                    if Instant::now() >= deadline {
-                        let missing = (1..self.world).filter(|r| self.links[*r].is_none());
-                        let missing: Vec<usize> = missing.collect();
-                        self.fail_all(&format!("ranks {missing:?} never joined"));
-                        return Err(DistError::Timeout {
-                            op: "join",
-                            missing,
-                            timeout: self.timeout,
-                        });
+            let mut accepted = false;
+            for listener in &listeners {
+                match listener.accept() {
+                    Ok((s, from)) => {
+                        accepted = true;
+                        if let Err(e) = self.greet(env, s) {
+                            if let Greeting::Fatal(e) = e {
+                                self.fail_all(&e.to_string());
+                                return Err(e);
+                            }
+                            eprintln!(
+                                "warning: rendezvous at {}: closed a connection from {from} \
+                                 that is not an sdtrain rank",
+                                env.master()
+                            );
+                        }
                     }
-                    std::thread::sleep(Duration::from_millis(20));
+                    Err(e) if e.kind() == ErrorKind::WouldBlock => {}
+                    Err(e) => return Err(rendezvous(env, e)),
                 }
-                Err(e) => return Err(rendezvous(env, e)),
             }
+            if accepted {
+                continue;
+            }
+            if Instant::now() >= deadline {
+                let missing = (1..self.world).filter(|r| self.links[*r].is_none());
+                let missing: Vec<usize> = missing.collect();
+                self.fail_all(&format!("ranks {missing:?} never joined"));
+                return Err(DistError::Timeout {
+                    op: "join",
+                    missing,
+                    timeout: self.timeout,
+                });
+            }
+            std::thread::sleep(Duration::from_millis(20));
         }
         for r in 1..self.world {
             if let Some(s) = self.links[r].as_mut() {
@@ -127,25 +201,29 @@ impl Tcp {
         Ok(())
     }
 
-    /// Reads a joining rank's greeting and keeps its stream.
-    fn greet(&mut self, env: &DistEnv, mut s: TcpStream) -> Result<(), DistError> {
-        self.configure(&s, self.timeout)
-            .map_err(|e| rendezvous(env, e))?;
-        let (op, hello) = read_frame(&mut s).map_err(|e| rendezvous(env, e))?;
+    /// Reads a joining rank's greeting and keeps its stream. A connection that does not greet as
+    /// an sdtrain rank within [`GREETING_TIMEOUT`] (a port scan, a health check) is a
+    /// [`Greeting::Stray`]; a rank of another shape of run is [`Greeting::Fatal`].
+    fn greet(&mut self, env: &DistEnv, mut s: TcpStream) -> Result<(), Greeting> {
+        let stray = |_| Greeting::Stray;
+        self.configure(&s, GREETING_TIMEOUT.min(self.timeout))
+            .map_err(stray)?;
+        let (op, hello) = read_frame_within(&mut s, 24).map_err(stray)?;
         if op != "hello" || hello.len() != 24 || &hello[..8] != MAGIC {
-            return Err(rendezvous(env, "a connection that is not an sdtrain rank"));
+            return Err(Greeting::Stray);
         }
         let word = |i: usize| u64::from_le_bytes(hello[i..i + 8].try_into().unwrap_or_default());
         let (rank, world) = (word(8) as usize, word(16) as usize);
         if world != self.world || rank == 0 || rank >= self.world || self.links[rank].is_some() {
-            return Err(rendezvous(
-                env,
-                format!(
-                    "a rank says it is {rank} of {world}; this run has {}",
-                    self.world
-                ),
-            ));
+            let why = format!(
+                "a rank says it is {rank} of {world}; this run has {}",
+                self.world
+            );
+            let _ = write_frame(&mut s, ERROR_OP, why.as_bytes());
+            return Err(Greeting::Fatal(rendezvous(env, why)));
         }
+        self.configure(&s, self.timeout)
+            .map_err(|e| Greeting::Fatal(rendezvous(env, e)))?;
         self.links[rank] = Some(s);
         Ok(())
     }
@@ -421,5 +499,96 @@ mod tests {
         let errs: Vec<String> = out.into_iter().flatten().collect();
         assert!(errs[0].contains("[2] did not arrive"), "{}", errs[0]);
         assert!(errs[1].contains("ranks [2] never joined"), "{}", errs[1]);
+    }
+
+    /// Rank 0 listens on IPv6 and IPv4: a MASTER_ADDR of `::1`, `127.0.0.1` or a host name
+    /// reaches it. Catches a listener bound to IPv4 only (`::1` is refused until the timeout).
+    #[test]
+    fn master_addresses_in_ipv6_ipv4_or_by_name_reach_rank_0() {
+        for addr in ["::1", "127.0.0.1", "localhost"] {
+            if addr == "::1" && TcpListener::bind("[::1]:0").is_err() {
+                eprintln!("no IPv6 loopback on this machine: ::1 not tried");
+                continue;
+            }
+            let out = on_ranks(2, move |r, port| {
+                let mut e = env(port, 2, r);
+                e.master_addr = addr.into();
+                let mut c = Tcp::join(&e, Duration::from_secs(5)).map_err(|e| e.to_string())?;
+                c.broadcast(b"hello").map_err(|e| e.to_string())
+            });
+            for o in out {
+                assert_eq!(o.as_deref(), Ok(&b"hello"[..]), "MASTER_ADDR={addr}");
+            }
+        }
+    }
+
+    /// Connections that are not ranks (a port scan, a health check, an HTTP request, a frame that
+    /// claims 2^60 bytes, another program's greeting) are closed and the rendezvous goes on. Catches a stray
+    /// connection that ends the run, and a frame allocated from its length field alone (which
+    /// aborts the process).
+    #[test]
+    fn stray_connections_are_closed_and_the_rendezvous_goes_on() {
+        let out = on_ranks(2, |r, port| {
+            if r == 1 {
+                let connect = || loop {
+                    match TcpStream::connect(("127.0.0.1", port)) {
+                        Ok(s) => break s,
+                        Err(_) => std::thread::sleep(Duration::from_millis(20)),
+                    }
+                };
+                drop(connect());
+                let mut http = connect();
+                http.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+                    .unwrap();
+                let mut huge = connect();
+                let mut frame = vec![5u8];
+                frame.extend_from_slice(b"hello");
+                frame.extend_from_slice(&(1u64 << 60).to_le_bytes());
+                huge.write_all(&frame).unwrap();
+                // A well-formed greeting without sdtrain's magic (another program's frames).
+                let mut other = connect();
+                write_frame(&mut other, "hello", &[7u8; 24]).unwrap();
+                drop((http, huge, other));
+            }
+            let mut c = Tcp::join(&env(port, 2, r), Duration::from_secs(20)).unwrap();
+            c.broadcast(b"joined").unwrap()
+        });
+        assert_eq!(out, vec![b"joined".to_vec(), b"joined".to_vec()]);
+    }
+
+    /// A rank of another run shape is no stray: the rendezvous fails on both sides, naming it.
+    #[test]
+    fn a_rank_of_another_world_size_ends_the_rendezvous() {
+        let port = free_port();
+        let root = std::thread::spawn(move || {
+            Tcp::join(&env(port, 2, 0), Duration::from_secs(10))
+                .map(|_| ())
+                .unwrap_err()
+                .to_string()
+        });
+        let leaf = Tcp::join(&env(port, 3, 1), Duration::from_secs(10))
+            .map(|_| ())
+            .unwrap_err()
+            .to_string();
+        let root = root.join().unwrap();
+        for e in [root, leaf] {
+            assert!(
+                e.contains("a rank says it is 1 of 3; this run has 2"),
+                "{e}"
+            );
+        }
+    }
+
+    /// Rank 0 cannot listen where another process does, and says what to do about it.
+    #[test]
+    fn a_taken_master_port_is_named_with_the_likely_cause() {
+        let taken = TcpListener::bind(("0.0.0.0", 0)).unwrap();
+        let port = taken.local_addr().unwrap().port();
+        let e = Tcp::join(&env(port, 2, 0), Duration::from_secs(1))
+            .map(|_| ())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(&format!("cannot listen on port {port}")), "{e}");
+        assert!(e.contains("torchrun"), "{e}");
     }
 }

@@ -94,6 +94,9 @@ impl Geometry {
         if bh > MAX_GRID_Y {
             bail!("flash attention: {bh} batch×heads is over the grid's {MAX_GRID_Y}")
         }
+        if bh.saturating_mul(lq) > i32::MAX as usize {
+            bail!("flash attention: {bh} batch×heads × {lq} queries overflows i32")
+        }
         if lq.max(lk).saturating_mul(d) > i32::MAX as usize {
             bail!(
                 "flash attention: sequence of {} × head dim {d} overflows i32",

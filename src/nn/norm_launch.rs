@@ -139,6 +139,10 @@ impl LnGeometry {
             bail!("layer norm kernel: {rows} rows of {d} is out of range");
         }
         let rows_per_chunk = (t.ln_rows_per_chunk as usize).min(rows.max(1));
+        // The chunks are the parameter-gradient grid's y (at most 65,535 blocks).
+        if rows.max(1).div_ceil(rows_per_chunk) > 65_535 {
+            bail!("layer norm kernel: {rows} rows is over the grid's 65,535 chunks of {rows_per_chunk}");
+        }
         Ok(Self {
             rows: to_u32("rows", rows)?,
             d: to_u32("width", d)?,
@@ -207,5 +211,9 @@ mod tests {
         assert_eq!(g.part_grid(), ([10, 128, 1], [32, 8, 1]));
         let g = LnGeometry::new(77, 1280, Tuning::CUDA).unwrap();
         assert_eq!((g.rows_per_chunk, g.chunks), (64, 2));
+        // 65,535 chunks of 64 rows fill the parameter-gradient grid's y; one more row is over.
+        assert!(LnGeometry::new(65_535 * 64, 8, Tuning::CUDA).is_ok());
+        let e = LnGeometry::new(65_535 * 64 + 1, 8, Tuning::CUDA).unwrap_err();
+        assert!(e.to_string().contains("65,535 chunks"), "{e}");
     }
 }

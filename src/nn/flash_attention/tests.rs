@@ -596,6 +596,12 @@ fn geometry_refuses_head_dims_over_160() {
     let e = Geometry::new(2, 10, 10, 161).unwrap_err().to_string();
     assert!(e.contains("head dim 161"), "{e}");
     assert!(Geometry::new(0, 10, 10, 64).is_err());
+    // The kernels count query rows over all heads in i32.
+    assert!(Geometry::new(32_768, 65_535, 77, 40).is_ok());
+    let e = Geometry::new(32_768, 65_536, 77, 40)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("overflows i32"), "{e}");
     let g = Geometry::new(16, 4096, 77, 40).unwrap();
     assert_eq!(
         g.entry("flash_bwd", DType::BF16).unwrap(),
