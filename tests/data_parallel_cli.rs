@@ -243,3 +243,47 @@ fn two_ranks_split_the_disk_cache_and_train_what_one_process_does() {
         &want,
     );
 }
+
+/// With the latent cache in memory, the two ranks each encode half of the 8 images and send each
+/// other what they encoded (`latent_exchange`), and train what one process with the same cache
+/// does. Catches a rank that trains on another image's latents (an entry filed under the wrong
+/// item) or on latents it never received.
+#[test]
+fn two_ranks_split_the_memory_cache_and_train_what_one_process_does() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = |dir: &Path| config_with(dir, 2, serde_json::json!({"cache_latents": true}));
+    let one = tmp.path().join("one");
+    let out = sdtrain(
+        &["--config", cfg(&one).to_str().unwrap(), "--cpu"],
+        tmp.path(),
+    );
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(
+        text(&out).contains("in memory: 8 encoded, 0 reused"),
+        "{}",
+        text(&out)
+    );
+    let want = step_losses(&run_folder(&one));
+
+    let two = tmp.path().join("two");
+    let out = sdtrain(
+        &[
+            "--config",
+            cfg(&two).to_str().unwrap(),
+            "--devices",
+            "cpu,cpu",
+        ],
+        tmp.path(),
+    );
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(
+        text(&out).contains("in memory: 4 encoded, 4 by the other ranks, 0 reused"),
+        "{}",
+        text(&out)
+    );
+    assert_close(
+        "two ranks, memory cache",
+        &step_losses(&run_folder(&two)),
+        &want,
+    );
+}

@@ -27,7 +27,7 @@ use candle_core::{DType, Device, Tensor};
 use rayon::prelude::*;
 use sha2::{Digest, Sha256};
 
-use super::cache_share;
+use super::{cache_share, latent_exchange};
 use crate::data::mask::MaskSource;
 use crate::data::{augment, load_with_mask, Bucket, ImageMeta, ItemOptions, TrainImage};
 use crate::dist::Collective;
@@ -105,6 +105,15 @@ impl LatentStore {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+}
+
+/// An entry read back (from disk or another rank) with its item's caption and settings, which
+/// the entry does not hold.
+fn with_item(mut latent: CachedLatent, item: &ImageMeta) -> CachedLatent {
+    latent.geometry.caption.clone_from(&item.caption);
+    latent.geometry.multiplier = item.multiplier;
+    latent.geometry.options = item.options.clone();
+    latent
 }
 
 /// What building a cache did.
@@ -234,10 +243,40 @@ pub fn build(
     let mut stats = CacheStats::default();
     match &spec.dir {
         None => {
-            let all: Vec<usize> = (0..spec.items.len()).collect();
-            let mut encoded = encode_items(sd, spec, &all, device)?;
-            stats.encoded = encoded.len();
+            let n = spec.items.len();
+            let mut encoded = match share.filter(|c| c.world() > 1) {
+                None => {
+                    let all: Vec<usize> = (0..n).collect();
+                    let encoded = encode_items(sd, spec, &all, device)?;
+                    stats.encoded = encoded.len();
+                    encoded
+                }
+                Some(coll) => {
+                    let mine = latent_exchange::share_of(n, coll.rank(), coll.world());
+                    let done = encode_items(sd, spec, &mine, device);
+                    cache_share::wait_for_shares(coll, done.is_ok())?;
+                    let mut encoded = done?;
+                    stats.encoded = encoded.len();
+                    let others =
+                        latent_exchange::exchange(coll, &encoded, latent_exchange::ROUND_BYTES)?;
+                    stats.by_others = others.len();
+                    // The entries carry the geometry; the caption and settings are the items'.
+                    for (i, latent) in others {
+                        let item = spec.items.get(i).with_context(|| {
+                            format!("another rank sent latents for item {i} of {n}")
+                        })?;
+                        encoded.push((i, with_item(latent, item)));
+                    }
+                    encoded
+                }
+            };
             encoded.sort_by_key(|(i, _)| *i);
+            if encoded.len() != n || encoded.iter().enumerate().any(|(k, (i, _))| k != *i) {
+                bail!(
+                    "the latent cache holds {} entries for {n} images",
+                    encoded.len()
+                );
+            }
             let store = encoded.into_iter().map(|(_, l)| Arc::new(l)).collect();
             Ok((LatentStore::Memory(store), stats))
         }
@@ -375,8 +414,9 @@ fn entry_is_valid(path: &Path, key: &str) -> bool {
     matches!(read_entry(path), Ok((_, stored)) if stored == key)
 }
 
-/// Writes one entry: the moments, the flipped ones, and the key and geometry as metadata.
-fn write_entry(path: &Path, key: &str, latent: &CachedLatent) -> anyhow::Result<()> {
+/// One entry as the bytes of a safetensors file: the moments, the flipped ones and the mask, with
+/// the key and the geometry as metadata.
+pub(super) fn entry_bytes(key: &str, latent: &CachedLatent) -> anyhow::Result<Vec<u8>> {
     let g = &latent.geometry;
     let pair = |(a, b): (usize, usize)| format!("{a},{b}");
     let metadata: HashMap<String, String> = [
@@ -390,43 +430,68 @@ fn write_entry(path: &Path, key: &str, latent: &CachedLatent) -> anyhow::Result<
     .into_iter()
     .map(|(k, v)| (k.to_string(), v))
     .collect();
-    let mut tensors = vec![("moments".to_string(), latent.moments.clone())];
+    let f32_bytes = |t: &Tensor| -> anyhow::Result<(Vec<usize>, Vec<u8>)> {
+        let v = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        Ok((
+            t.dims().to_vec(),
+            v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        ))
+    };
+    let mut data: Vec<(&str, safetensors::Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
+    let (shape, bytes) = f32_bytes(&latent.moments)?;
+    data.push(("moments", safetensors::Dtype::F32, shape, bytes));
     if let Some(f) = &latent.flipped {
-        tensors.push(("moments_flipped".to_string(), f.clone()));
+        let (shape, bytes) = f32_bytes(f)?;
+        data.push(("moments_flipped", safetensors::Dtype::F32, shape, bytes));
     }
     if let Some(m) = &g.mask {
-        let mask = Tensor::from_vec(m.clone(), (g.height, g.width), &Device::Cpu)?;
-        tensors.push(("mask".to_string(), mask));
+        data.push((
+            "mask",
+            safetensors::Dtype::U8,
+            vec![g.height, g.width],
+            m.clone(),
+        ));
     }
+    let views = data
+        .iter()
+        .map(|(name, dtype, shape, bytes)| {
+            let view = safetensors::tensor::TensorView::new(*dtype, shape.clone(), bytes)
+                .map_err(External)
+                .with_context(|| format!("{}: latent cache tensor {name}", g.path.display()))?;
+            Ok((name.to_string(), view))
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    safetensors::serialize(views, Some(metadata))
+        .map_err(External)
+        .with_context(|| format!("{}: writing its latent cache entry", g.path.display()))
+}
+
+/// Writes one entry ([`entry_bytes`]) to `path`.
+fn write_entry(path: &Path, key: &str, latent: &CachedLatent) -> anyhow::Result<()> {
+    let bytes = entry_bytes(key, latent)?;
     // Several writers (data-parallel ranks, runs sharing the folder) may write the same entry at
     // once: each writes a temporary file of its own, and each rename puts a whole file in place.
     static WRITES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let n = WRITES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let tmp = path.with_extension(format!("safetensors.{}-{n}.partial", std::process::id()));
-    candle_core::safetensors::save(&tensors.iter().cloned().collect::<HashMap<_, _>>(), &tmp)
-        .map_err(External)
-        .with_context(|| format!("cannot write {}", tmp.display()))?;
-    // candle's save has no metadata: rewrite with it through the safetensors crate.
-    let bytes = std::fs::read(&tmp)?;
-    let st = safetensors::SafeTensors::deserialize(&bytes)
-        .map_err(External)
-        .with_context(|| format!("reading back {}", tmp.display()))?;
-    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = st
-        .tensors()
-        .into_iter()
-        .map(|(n, v)| (n.to_string(), v))
-        .collect();
-    safetensors::serialize_to_file(views, Some(metadata), &tmp)
-        .map_err(External)
-        .with_context(|| format!("cannot write {}", tmp.display()))?;
-    std::fs::rename(&tmp, path).with_context(|| format!("cannot write {}", path.display()))?;
+    let written = std::fs::write(&tmp, &bytes).and_then(|()| std::fs::rename(&tmp, path));
+    if let Err(e) = written {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e).with_context(|| format!("cannot write {}", path.display()));
+    }
     Ok(())
 }
 
 /// Reads one entry and the key it was written for.
 fn read_entry(path: &Path) -> anyhow::Result<(CachedLatent, String)> {
     let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
-    let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes)
+    parse_entry(&bytes, path)
+}
+
+/// An entry from its bytes ([`entry_bytes`]) and the key it was written for; `path` names where
+/// the bytes came from in errors.
+pub(super) fn parse_entry(bytes: &[u8], path: &Path) -> anyhow::Result<(CachedLatent, String)> {
+    let (_, meta) = safetensors::SafeTensors::read_metadata(bytes)
         .map_err(External)
         .with_context(|| format!("{} is not a latent cache file", path.display()))?;
     let meta = meta.metadata().clone().unwrap_or_default();
@@ -442,7 +507,7 @@ fn read_entry(path: &Path) -> anyhow::Result<(CachedLatent, String)> {
             .and_then(|(a, b)| Some((a.parse().ok()?, b.parse().ok()?)));
         parsed.with_context(|| format!("{}: bad `{k}` {v:?}", path.display()))
     };
-    let tensors = candle_core::safetensors::load_buffer(&bytes, &Device::Cpu)
+    let tensors = candle_core::safetensors::load_buffer(bytes, &Device::Cpu)
         .map_err(External)
         .with_context(|| format!("cannot read {}", path.display()))?;
     let moments = tensors

@@ -17,6 +17,7 @@ mod fused_step;
 mod fused_tests;
 pub mod interrupt;
 pub mod latent_cache;
+mod latent_exchange;
 pub mod log;
 pub mod loss_stats;
 pub mod memory_plan;
