@@ -382,6 +382,28 @@ mod tests {
             }
         }
     }
+
+    /// kernels.cu's `adamw_f32_bf16`/`_f16` (bf16 and f16 trained weights, `weight_dtype` with
+    /// nearest rounding) against `adamw_f32_f32` under the emulation: each update is the f32
+    /// update rounded to nearest even, with the same state. Catches a store that truncates, a
+    /// load that misreads the dtype, and an entry point of the wrong rule.
+    #[test]
+    fn bf16_and_f16_entry_points_round_the_f32_update() {
+        let h = AdamWParams {
+            weight_decay: 0.05,
+            ..AdamWParams::default()
+        };
+        let n = 1500;
+        kernel_emu::assert_low_precision_tracks_f32(
+            NAME,
+            n,
+            &[Moment::F32(vec![0.0; n]), Moment::F32(vec![0.0; n])],
+            &[],
+            |t| test_values(300 + t, n, 0.01),
+            |t| StepScalars::new(&h, 1e-2, t).device_args(&h).to_vec(),
+            4,
+        );
+    }
     use candle_core::backprop::GradStore;
     use candle_core::Device;
 

@@ -262,6 +262,31 @@ pub(crate) mod tests {
         }
     }
 
+    /// `adamw8bit_q8_bf16`/`_f16` against `adamw8bit_q8_f32` under the emulation: the f32
+    /// update rounded to nearest even, the same codes and absmax.
+    #[test]
+    fn bf16_and_f16_entry_points_round_the_f32_update() {
+        let h = AdamWParams {
+            lr: 1e-2,
+            weight_decay: 0.1,
+            ..AdamWParams::default()
+        };
+        let (signed, unsigned) = maps();
+        let n = 5000;
+        kernel_emu::assert_low_precision_tracks_f32(
+            NAME,
+            n,
+            &[
+                Moment::zeros(n, true, signed),
+                Moment::zeros(n, true, unsigned),
+            ],
+            &kernel_emu::map_buffer(),
+            |t| spread_values(100 + t, n, false),
+            |t| Scalars::new(&h, h.lr, t).device_args().to_vec(),
+            4,
+        );
+    }
+
     /// Kernel vs reference over 5 steps on a tensor of 8-bit size with a ragged last block, and
     /// on one small enough for f32 state: parameters identical, codes identical but for exact
     /// midpoint ties.

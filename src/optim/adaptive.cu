@@ -21,8 +21,8 @@
 // Every entry point is `<name>_<param dtype>(p, g, state…, [sums], scalars…, n)`: `p` the parameter
 // (f32, bf16 or f16), `g` its f32 gradient, every state buffer of the rule in its state file's
 // order whether the pass uses it or not (f32; AdaCoor's bf16), `sums` only for an accumulate pass, the scalars f32, `n` the element count. Flags are f32 scalars, 0 or 1. With
-// SDTRAIN_EMULATE defined, the file compiles as host C++ against tests/kernel_emu/emu.h (f32
-// parameters only), where the unit tests run it thread by thread against the CPU path.
+// SDTRAIN_EMULATE defined, the file compiles as host C++ against tests/kernel_emu/emu.h (bf16
+// and f16 as host types that convert as CUDA does), where the unit tests run it thread by thread against the CPU path.
 
 #ifdef SDTRAIN_EMULATE
 #include "emu.h"
@@ -459,7 +459,5 @@ __device__ void sf_adamw_eval(P* p, const float* g, float* z, float* v, float le
   }
 
 ADAPTIVE_ENTRY_POINTS(f32, float)
-#ifndef SDTRAIN_EMULATE
 ADAPTIVE_ENTRY_POINTS(bf16, __nv_bfloat16)
 ADAPTIVE_ENTRY_POINTS(f16, __half)
-#endif

@@ -14,6 +14,9 @@ pub enum Buf<'a> {
     /// Read and written back.
     F32(&'a mut [f32]),
     U8(&'a mut [u8]),
+    /// A bf16 or f16 parameter, read and written back (the entry point of its dtype).
+    Bf16(&'a mut [half::bf16]),
+    F16(&'a mut [half::f16]),
     /// Read only.
     In(&'a [f32]),
 }
@@ -31,9 +34,23 @@ pub fn run_moments(
     scalars: &[f32],
     grid: Option<u32>,
 ) {
+    run_moments_on(name, Buf::F32(p), g, moments, maps, scalars, grid)
+}
+
+/// [`run_moments`] on a parameter of any dtype (`Buf::F32`, `Buf::Bf16` or `Buf::F16`), through
+/// the entry point of its dtype.
+pub fn run_moments_on(
+    name: &str,
+    p: Buf,
+    g: &[f32],
+    moments: &mut [&mut Moment],
+    maps: &[f32],
+    scalars: &[f32],
+    grid: Option<u32>,
+) {
     let q8 = matches!(moments.first().map(|m| &**m), Some(Moment::Q8 { .. }));
-    let n = p.len();
-    let mut bufs = vec![Buf::F32(p), Buf::In(g)];
+    let n = g.len();
+    let mut bufs = vec![p, Buf::In(g)];
     for m in moments.iter_mut() {
         match &mut **m {
             Moment::F32(v) => bufs.push(Buf::F32(v)),
@@ -50,14 +67,21 @@ pub fn run_moments(
     run(&launch::entry(name, q8), n, grid, scalars, &mut bufs);
 }
 
-/// Runs entry point `entry` (without its dtype suffix; f32 parameters) on `n` elements over
-/// `grid` blocks, then writes the buffers back.
+/// Runs entry point `entry` (without its dtype suffix, which is the first buffer's: the
+/// parameter) on `n` elements over `grid` blocks, then writes the buffers back.
 pub fn run(entry: &str, n: usize, grid: u32, scalars: &[f32], bufs: &mut [Buf]) {
+    let suffix = match bufs.first() {
+        Some(Buf::Bf16(_)) => "bf16",
+        Some(Buf::F16(_)) => "f16",
+        _ => "f32",
+    };
     let mut args: Vec<Arg> = bufs
         .iter_mut()
         .map(|b| match b {
             Buf::F32(x) => Arg::out(x),
             Buf::U8(x) => Arg::out(x),
+            Buf::Bf16(x) => Arg::out(x),
+            Buf::F16(x) => Arg::out(x),
             Buf::In(x) => Arg::input(x),
         })
         .collect();
@@ -65,7 +89,7 @@ pub fn run(entry: &str, n: usize, grid: u32, scalars: &[f32], bufs: &mut [Buf]) 
     args.push(Arg::Int(n as i64));
     kernel_emu::launch(
         SOURCE,
-        &format!("{entry}_f32"),
+        &format!("{entry}_{suffix}"),
         [grid, 1, 1],
         [launch::THREADS, 1, 1],
         &mut args,
@@ -136,4 +160,95 @@ pub fn gap(p_host: &[f32], p_emu: &[f32], m_host: &[&Moment], m_emu: &[&Moment])
 pub fn map_buffer() -> Vec<f32> {
     let (signed, unsigned) = super::quant8::maps();
     signed.code.iter().chain(&unsigned.code).copied().collect()
+}
+
+/// A bf16 or f16 parameter on the host.
+enum LowPrecision {
+    Bf16(Vec<half::bf16>),
+    F16(Vec<half::f16>),
+}
+
+impl LowPrecision {
+    /// `values` rounded to nearest even into the same dtype as `self`.
+    fn rounded(&self, values: &[f32]) -> Self {
+        match self {
+            Self::Bf16(_) => Self::Bf16(values.iter().map(|&x| half::bf16::from_f32(x)).collect()),
+            Self::F16(_) => Self::F16(values.iter().map(|&x| half::f16::from_f32(x)).collect()),
+        }
+    }
+
+    fn to_f32(&self) -> Vec<f32> {
+        match self {
+            Self::Bf16(v) => v.iter().map(|x| x.to_f32()).collect(),
+            Self::F16(v) => v.iter().map(|x| x.to_f32()).collect(),
+        }
+    }
+
+    fn bits(&self) -> Vec<u16> {
+        match self {
+            Self::Bf16(v) => v.iter().map(|x| x.to_bits()).collect(),
+            Self::F16(v) => v.iter().map(|x| x.to_bits()).collect(),
+        }
+    }
+
+    fn buf(&mut self) -> Buf<'_> {
+        match self {
+            Self::Bf16(v) => Buf::Bf16(v),
+            Self::F16(v) => Buf::F16(v),
+        }
+    }
+}
+
+/// Entry point `name`'s bf16 and f16 versions against its f32 one under the emulation, for
+/// `steps` updates of `n` elements from `moments` (with gradients `grad(t)` and scalars
+/// `scalars(t)`): before each update the f32 run starts from the low-precision parameter's
+/// values, and after it the low-precision parameter must be the f32 result rounded to nearest
+/// even, and the state bit for bit the f32 run's. The f32 entry points are held to the host
+/// kernels by each optimizer's own emulation test, so this holds the others to them too.
+pub fn assert_low_precision_tracks_f32(
+    name: &str,
+    n: usize,
+    moments: &[Moment],
+    maps: &[f32],
+    grad: impl Fn(u64) -> Vec<f32>,
+    scalars: impl Fn(u64) -> Vec<f32>,
+    steps: u64,
+) {
+    let start = super::test_values(9, n, 1.0);
+    let kinds = [
+        LowPrecision::Bf16(Vec::new()),
+        LowPrecision::F16(Vec::new()),
+    ];
+    for kind in kinds {
+        let dtype = match kind {
+            LowPrecision::Bf16(_) => "bf16",
+            LowPrecision::F16(_) => "f16",
+        };
+        let mut low = kind.rounded(&start);
+        let (mut m_low, mut m_f32) = (moments.to_vec(), moments.to_vec());
+        for t in 1..=steps {
+            let (g, k) = (grad(t), scalars(t));
+            let mut p_f32 = low.to_f32();
+            let mut refs: Vec<&mut Moment> = m_f32.iter_mut().collect();
+            run_moments(name, &mut p_f32, &g, &mut refs, maps, &k, None);
+            let mut refs: Vec<&mut Moment> = m_low.iter_mut().collect();
+            run_moments_on(name, low.buf(), &g, &mut refs, maps, &k, None);
+            let (got, want) = (low.bits(), low.rounded(&p_f32).bits());
+            let wrong = (0..n).filter(|&i| got[i] != want[i]).count();
+            let first = (0..n).find(|&i| got[i] != want[i]);
+            assert_eq!(
+                wrong, 0,
+                "{name} {dtype} t={t}: {wrong} of {n} parameters are not the f32 update \
+                 rounded to nearest even (first at {first:?})"
+            );
+            let a: Vec<&Moment> = m_f32.iter().collect();
+            let b: Vec<&Moment> = m_low.iter().collect();
+            let gap = gap(&p_f32, &p_f32, &a, &b);
+            assert_eq!(
+                (gap.codes, gap.state),
+                (0, 0.0),
+                "{name} {dtype} t={t}: state differs from the f32 run's: {gap:?}"
+            );
+        }
+    }
 }

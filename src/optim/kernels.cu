@@ -18,7 +18,7 @@
 //
 // Every kernel exists for f32, bf16 and f16 parameters (suffix _f32, _bf16, _f16); gradients and
 // state are always f32. With SDTRAIN_EMULATE defined, the file compiles as host C++ against
-// tests/kernel_emu/emu.h (f32 parameters only), where the unit tests run it thread by thread
+// tests/kernel_emu/emu.h (its bf16/f16 host types convert as CUDA does), where the unit tests run it thread by thread
 // against the host kernels.
 
 #ifdef SDTRAIN_EMULATE
@@ -178,7 +178,5 @@ __device__ void lion_q8(P* p, const float* g, u8* c1, float* a1, const float* ma
   }
 
 ENTRY_POINTS(f32, float)
-#ifndef SDTRAIN_EMULATE
 ENTRY_POINTS(bf16, __nv_bfloat16)
 ENTRY_POINTS(f16, __half)
-#endif

@@ -258,6 +258,28 @@ mod tests {
         }
     }
 
+    /// `lion_{f32,q8}_bf16`/`_f16` against their f32-parameter versions under the emulation:
+    /// the f32 update rounded to nearest even, the same momentum (f32 and 8-bit).
+    #[test]
+    fn bf16_and_f16_entry_points_round_the_f32_update() {
+        let h = LionParams {
+            weight_decay: 0.3,
+            ..LionParams::default()
+        };
+        let n = 5000;
+        for eight_bit in [false, true] {
+            kernel_emu::assert_low_precision_tracks_f32(
+                "lion",
+                n,
+                &[Moment::zeros(n, eight_bit, &maps().0)],
+                &kernel_emu::map_buffer(),
+                |t| crate::optim::adamw8bit::tests::spread_values(200 + t, n, false),
+                |_| Scalars::new(&h, 1e-2).device_args().to_vec(),
+                4,
+            );
+        }
+    }
+
     /// The paper's update on fixture numbers, by hand: two steps from m = 0.
     #[test]
     fn two_steps_match_the_paper_by_hand() {
