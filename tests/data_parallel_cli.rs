@@ -191,41 +191,37 @@ fn a_two_rank_save_point_resumes_on_one_process() {
     assert_close("two ranks, then one process", &step_losses(&run), &want);
 }
 
-/// With a disk latent cache, the two ranks (threads, one folder) each encode half of the 8 images
+/// One process and two ranks (threads) with the latent cache `key` on: the one process encodes
+/// all 8 images, each rank half of them, and the ranks train what the one process does.
+/// `where_` is the cache's place in the summary's line. Returns the two-rank run's folder.
+fn two_ranks_split_the_cache(tmp: &Path, key: &str, where_: &str) -> std::path::PathBuf {
+    let cfg = |dir: &Path| config_with(dir, 2, serde_json::json!({ key: true }));
+    let one = tmp.join("one");
+    let out = sdtrain(&["--config", cfg(&one).to_str().unwrap(), "--cpu"], tmp);
+    assert!(out.status.success(), "{}", text(&out));
+    let line = format!("{where_}: 8 encoded, 0 reused");
+    assert!(text(&out).contains(&line), "{}", text(&out));
+    let want = step_losses(&run_folder(&one));
+
+    let two = tmp.join("two");
+    let config = cfg(&two);
+    let out = sdtrain(
+        &["--config", config.to_str().unwrap(), "--devices", "cpu,cpu"],
+        tmp,
+    );
+    assert!(out.status.success(), "{}", text(&out));
+    let line = format!("{where_}: 4 encoded, 4 by the other ranks, 0 reused");
+    assert!(text(&out).contains(&line), "{}", text(&out));
+    assert_close(key, &step_losses(&run_folder(&two)), &want);
+    two
+}
+
+/// With a disk latent cache, the two ranks (one folder) each encode half of the 8 images
 /// (`cache_share`), and train what one process with the same cache does.
 #[test]
 fn two_ranks_split_the_disk_cache_and_train_what_one_process_does() {
     let tmp = tempfile::tempdir().unwrap();
-    let cfg = |dir: &Path| config_with(dir, 2, serde_json::json!({"cache_latents_to_disk": true}));
-    let one = tmp.path().join("one");
-    let out = sdtrain(
-        &["--config", cfg(&one).to_str().unwrap(), "--cpu"],
-        tmp.path(),
-    );
-    assert!(out.status.success(), "{}", text(&out));
-    assert!(
-        text(&out).contains(": 8 encoded, 0 reused"),
-        "{}",
-        text(&out)
-    );
-    let want = step_losses(&run_folder(&one));
-
-    let two = tmp.path().join("two");
-    let out = sdtrain(
-        &[
-            "--config",
-            cfg(&two).to_str().unwrap(),
-            "--devices",
-            "cpu,cpu",
-        ],
-        tmp.path(),
-    );
-    assert!(out.status.success(), "{}", text(&out));
-    assert!(
-        text(&out).contains(": 4 encoded, 4 by the other ranks, 0 reused"),
-        "{}",
-        text(&out)
-    );
+    let two = two_ranks_split_the_cache(tmp.path(), "cache_latents_to_disk", "latent_cache");
     let entries = std::fs::read_dir(two.join("out").join("latent_cache"))
         .unwrap()
         .filter(|e| {
@@ -237,11 +233,6 @@ fn two_ranks_split_the_disk_cache_and_train_what_one_process_does() {
         })
         .count();
     assert_eq!(entries, 8, "one entry per image, no probe left");
-    assert_close(
-        "two ranks, disk cache",
-        &step_losses(&run_folder(&two)),
-        &want,
-    );
 }
 
 /// With the latent cache in memory, the two ranks each encode half of the 8 images and send each
@@ -251,39 +242,5 @@ fn two_ranks_split_the_disk_cache_and_train_what_one_process_does() {
 #[test]
 fn two_ranks_split_the_memory_cache_and_train_what_one_process_does() {
     let tmp = tempfile::tempdir().unwrap();
-    let cfg = |dir: &Path| config_with(dir, 2, serde_json::json!({"cache_latents": true}));
-    let one = tmp.path().join("one");
-    let out = sdtrain(
-        &["--config", cfg(&one).to_str().unwrap(), "--cpu"],
-        tmp.path(),
-    );
-    assert!(out.status.success(), "{}", text(&out));
-    assert!(
-        text(&out).contains("in memory: 8 encoded, 0 reused"),
-        "{}",
-        text(&out)
-    );
-    let want = step_losses(&run_folder(&one));
-
-    let two = tmp.path().join("two");
-    let out = sdtrain(
-        &[
-            "--config",
-            cfg(&two).to_str().unwrap(),
-            "--devices",
-            "cpu,cpu",
-        ],
-        tmp.path(),
-    );
-    assert!(out.status.success(), "{}", text(&out));
-    assert!(
-        text(&out).contains("in memory: 4 encoded, 4 by the other ranks, 0 reused"),
-        "{}",
-        text(&out)
-    );
-    assert_close(
-        "two ranks, memory cache",
-        &step_losses(&run_folder(&two)),
-        &want,
-    );
+    two_ranks_split_the_cache(tmp.path(), "cache_latents", "in memory");
 }
