@@ -231,12 +231,14 @@ fn run_rank_process(
         })?,
     };
     let device = crate::memory::open_device(request)?;
-    let link = crate::dist::Tcp::join(env, timeout)?;
+    let mut link = crate::dist::Tcp::join(env, timeout)?;
+    // Each process read its own train.json: the ranks agree on it (and on a drawn seed) first.
+    let plan = train::rank_agreement::agree_plan(plan, &mut link)?;
     let opts = RunOptions {
         device,
         show_progress: show_progress && env.rank == 0,
     };
-    let outcome = train::data_parallel::train_rank(plan, &opts, Box::new(link))?;
+    let outcome = train::data_parallel::train_rank(&plan, &opts, Box::new(link))?;
     if env.rank == 0 {
         print_stdout(&summary::Summary(&outcome))?;
     }

@@ -116,6 +116,95 @@ fn threads_and_processes_train_what_one_process_does() {
     assert_close("two processes", &step_losses(&run_folder(&procs)), &want);
 }
 
+/// Both ranks of a two-process run, each with its own config: their outputs, rank order.
+fn two_processes(cfgs: [&Path; 2], cwd: &Path) -> Vec<std::process::Output> {
+    let port = free_port();
+    let ranks: Vec<Child> = (0..2)
+        .map(|r| rank_process(cfgs[r], port, r, cwd))
+        .collect();
+    ranks
+        .into_iter()
+        .map(|c| c.wait_with_output().unwrap())
+        .collect()
+}
+
+/// `seed: -1` draws a seed in each process: the ranks take rank 0's, so the run is the one
+/// process run with that seed. Catches each rank keeping its own draw (the ranks then train
+/// other images in each micro-batch and other noise, and the losses move).
+#[test]
+fn processes_with_a_drawn_seed_train_rank_0s_seed() {
+    let tmp = tempfile::tempdir().unwrap();
+    let procs = tmp.path().join("procs");
+    let cfg = config_with(&procs, 3, serde_json::json!({"seed": -1}));
+    for (r, o) in two_processes([&cfg, &cfg], tmp.path()).iter().enumerate() {
+        assert!(o.status.success(), "rank {r}: {}", text(o));
+    }
+    let run = run_folder(&procs);
+    let plan: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(run.join("plan.json")).unwrap()).unwrap();
+    let seed = plan["seed"].as_u64().unwrap();
+    let one = tmp.path().join("one");
+    let cfg = config_with(&one, 3, serde_json::json!({ "seed": seed }));
+    let out = sdtrain(&["--config", cfg.to_str().unwrap(), "--cpu"], tmp.path());
+    assert!(out.status.success(), "{}", text(&out));
+    assert_close(
+        "two processes, seed -1",
+        &step_losses(&run),
+        &step_losses(&run_folder(&one)),
+    );
+}
+
+/// Two processes whose train.json differ (another learning rate), or whose data differ (one
+/// caption changed in rank 1's copy of data_root), stop before training, each naming what
+/// differs. Paths may differ: rank 1's data_root is another folder in the second case.
+#[test]
+fn processes_with_other_settings_or_data_stop_naming_the_difference() {
+    let tmp = tempfile::tempdir().unwrap();
+    let a = config_with(&tmp.path().join("a"), 2, serde_json::json!({}));
+    let b = config_with(&tmp.path().join("b"), 2, serde_json::json!({"lr": 2e-3}));
+    let out = two_processes([&a, &b], tmp.path());
+    let (rank0, rank1) = (text(&out[0]), text(&out[1]));
+    assert!(!out[0].status.success() && !out[1].status.success());
+    assert!(
+        rank0.contains("rank 1's train.json differs from rank 0's")
+            && rank0.contains("lr is 0.002 here, 0.001 on rank 0"),
+        "{rank0}"
+    );
+    assert!(
+        rank1.contains("this rank's train.json differs from rank 0's"),
+        "{rank1}"
+    );
+
+    let data = tmp.path().join("data-copy");
+    std::fs::create_dir_all(&data).unwrap();
+    for e in std::fs::read_dir(demo_data()).unwrap() {
+        let p = e.unwrap().path();
+        std::fs::copy(&p, data.join(p.file_name().unwrap())).unwrap();
+    }
+    std::fs::write(data.join("blue_stripes.txt"), "a changed caption").unwrap();
+    let c = tmp.path().join("c");
+    std::fs::create_dir_all(&c).unwrap();
+    let c = write_config(
+        &c,
+        "tiny-sd15",
+        &data,
+        serde_json::json!({"mode": "lora", "grad_accum": 2, "max_steps": 2, "seed": 3,
+            "adapter": {"save_dtype": "fp32"}}),
+    );
+    let out = two_processes([&a, &c], tmp.path());
+    let (rank0, rank1) = (text(&out[0]), text(&out[1]));
+    assert!(!out[0].status.success() && !out[1].status.success());
+    assert!(
+        rank1.contains("this rank's training images differ from rank 0's")
+            && rank1.contains("blue_stripes.png"),
+        "{rank1}"
+    );
+    assert!(
+        rank0.contains("rank 1's training images differ") && rank0.contains("blue_stripes.png"),
+        "{rank0}"
+    );
+}
+
 #[test]
 fn a_killed_rank_ends_the_run_on_the_other_with_its_number() {
     let tmp = tempfile::tempdir().unwrap();

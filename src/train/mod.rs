@@ -28,6 +28,7 @@ mod optimizer_step;
 mod outcome;
 mod param_groups;
 pub mod progress;
+pub mod rank_agreement;
 pub mod resume;
 #[cfg(test)]
 mod retry_tests;

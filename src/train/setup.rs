@@ -58,7 +58,7 @@ impl<'a> Session<'a> {
     fn setup_with(
         plan: &'a TrainPlan,
         opts: &'a RunOptions,
-        link: Option<RankLink>,
+        mut link: Option<RankLink>,
     ) -> anyhow::Result<Self> {
         let started = Instant::now();
         // Before anything slow loads: a run that cannot save, or resume, should not start. Only
@@ -86,6 +86,13 @@ impl<'a> Session<'a> {
         let data_seed = resume_from.as_ref().map_or(plan.seed, |(_, st)| st.seed);
         let mut model = load(plan, opts, data_seed)?;
         let (feed, validation) = load_data(plan, &model, data_seed, opts.show_progress)?;
+        if let Some(l) = link.as_mut() {
+            super::rank_agreement::check_same_data(
+                l.coll.as_mut(),
+                &feed.dataset.items,
+                &plan.data.data_root,
+            )?;
+        }
         let steps_per_epoch = feed.steps_in(&feed.epoch(data_seed, 0));
         let total_steps = plan.total_steps(|e| feed.steps_in(&feed.epoch(data_seed, e)));
         let mut opt = optimization(plan, &mut model, total_steps, data_seed, &opts.device)?;
