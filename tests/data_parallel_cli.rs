@@ -205,6 +205,25 @@ fn processes_with_other_settings_or_data_stop_naming_the_difference() {
     );
 }
 
+/// What several ranks cannot honour is refused in processes too, not only with `--devices`.
+/// Catches a multi-process run that trains with `fused_backward_pass` (each rank updating its
+/// weights before the sum, so the ranks' weights part).
+#[test]
+fn processes_refuse_what_several_ranks_cannot_honour() {
+    let tmp = tempfile::tempdir().unwrap();
+    for key in ["fused_backward_pass", "load_settings_every_epoch"] {
+        let cfg = config_with(&tmp.path().join(key), 2, serde_json::json!({ key: true }));
+        for (r, o) in two_processes([&cfg, &cfg], tmp.path()).iter().enumerate() {
+            assert!(!o.status.success(), "rank {r} trained with {key}");
+            assert!(
+                text(o).contains(key) && text(o).contains("several devices"),
+                "rank {r}: {}",
+                text(o)
+            );
+        }
+    }
+}
+
 #[test]
 fn a_killed_rank_ends_the_run_on_the_other_with_its_number() {
     let tmp = tempfile::tempdir().unwrap();

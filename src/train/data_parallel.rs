@@ -268,18 +268,7 @@ pub fn train_ranks(
     if devices.is_empty() {
         anyhow::bail!("a data-parallel run needs at least one device");
     }
-    if plan.precision.fused_backward_pass {
-        anyhow::bail!(
-            "fused_backward_pass updates each parameter during backward, before the ranks could \
-             sum its gradient: turn it off to train on several devices"
-        );
-    }
-    if plan.load_settings_every_epoch {
-        anyhow::bail!(
-            "load_settings_every_epoch would let ranks read train.json at different moments: \
-             turn it off to train on several devices"
-        );
-    }
+    refuse_unsupported(plan)?;
     let links = InProcess::group(devices.len(), timeout);
     let results: Vec<anyhow::Result<TrainOutcome>> = std::thread::scope(|scope| {
         let handles: Vec<_> = links
@@ -309,14 +298,35 @@ pub fn train_ranks(
     pick_result(results)
 }
 
+/// The settings a run on several ranks cannot honour.
+fn refuse_unsupported(plan: &TrainPlan) -> anyhow::Result<()> {
+    if plan.precision.fused_backward_pass {
+        anyhow::bail!(
+            "fused_backward_pass updates each parameter during backward, before the ranks could \
+             sum its gradient: turn it off to train on several devices"
+        );
+    }
+    if plan.load_settings_every_epoch {
+        anyhow::bail!(
+            "load_settings_every_epoch would let ranks read train.json at different moments: \
+             turn it off to train on several devices"
+        );
+    }
+    Ok(())
+}
+
 /// Runs one rank of a data-parallel run over `coll` (the in-process group's, or a TCP group's in
-/// a multi-process run): rank 0 writes the run's outputs.
+/// a multi-process run): rank 0 writes the run's outputs. A run of more than one rank refuses
+/// what it cannot honour ([`refuse_unsupported`]) on every rank.
 pub fn train_rank(
     plan: &TrainPlan,
     opts: &RunOptions,
     coll: Box<dyn Collective>,
 ) -> anyhow::Result<TrainOutcome> {
     let rank = coll.rank();
+    if coll.world() > 1 {
+        refuse_unsupported(plan).with_context(|| format!("rank {rank}"))?;
+    }
     let link = link_for(&opts.device, coll).with_context(|| format!("rank {rank}"))?;
     let session = Session::setup_rank(plan, opts, link).with_context(|| format!("rank {rank}"))?;
     session.run().with_context(|| format!("rank {rank}"))
