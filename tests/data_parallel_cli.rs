@@ -205,6 +205,56 @@ fn processes_with_other_settings_or_data_stop_naming_the_difference() {
     );
 }
 
+/// Copies `from` into `to`, folders included.
+fn copy_tree(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let p = e.unwrap().path();
+        let dest = to.join(p.file_name().unwrap());
+        if p.is_dir() {
+            copy_tree(&p, &dest);
+        } else {
+            std::fs::copy(&p, dest).unwrap();
+        }
+    }
+}
+
+/// A rank whose machine holds another model (here the same pipeline with every UNet weight one
+/// ulp away, as another revision would be) stops before training, naming the file; so does
+/// rank 0. Catches ranks that train from different models without noticing (their gradients
+/// are summed all the same, and the adapters stay identical).
+#[test]
+fn processes_that_load_other_model_files_stop_naming_the_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("model-copy");
+    copy_tree(&common::fixture("tiny-sd15"), &model);
+    let unet = model.join("unet/diffusion_pytorch_model.safetensors");
+    let mut bytes = std::fs::read(&unet).unwrap();
+    let header = 8 + u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    for b in bytes[header..].iter_mut().step_by(4) {
+        *b ^= 1; // the lowest mantissa bit of every f32
+    }
+    std::fs::write(&unet, bytes).unwrap();
+    let a = config_with(&tmp.path().join("a"), 2, serde_json::json!({}));
+    let b = config_with(
+        &tmp.path().join("b"),
+        2,
+        serde_json::json!({ "model": model }),
+    );
+    let out = two_processes([&a, &b], tmp.path());
+    let (rank0, rank1) = (text(&out[0]), text(&out[1]));
+    assert!(!out[0].status.success() && !out[1].status.success());
+    assert!(
+        rank1.contains("this rank starts from other files than rank 0: its unet weights")
+            && rank1.contains("model-copy"),
+        "{rank1}"
+    );
+    assert!(
+        rank0.contains("rank 1 starts from other model or adapter files"),
+        "{rank0}"
+    );
+}
+
 /// What several ranks cannot honour is refused in processes too, not only with `--devices`.
 /// Catches a multi-process run that trains with `fused_backward_pass` (each rank updating its
 /// weights before the sum, so the ranks' weights part).

@@ -13,8 +13,11 @@
 //! - **The data:** every image's path under `data_root`, caption, size, repeat count and own
 //!   settings are compared with rank 0's (a hash each); a difference ends the run naming the
 //!   first image that differs.
+//! - **The files it starts from:** each model component's weight files and the adapter file
+//!   `init_from`, sampled ([`file_sample`]); another model, another revision of it, or another
+//!   init_from ends the run naming the file.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
 use serde_json::Value;
@@ -23,6 +26,8 @@ use sha2::{Digest, Sha256};
 use crate::config::TrainPlan;
 use crate::data::ImageMeta;
 use crate::dist::Collective;
+use crate::model::files::ComponentSource;
+use crate::model::layout::ModelLayout;
 
 /// Settings that are each machine's own, or that only rank 0 reads (how it names and logs the
 /// run), by their dotted name in plan.json.
@@ -193,6 +198,135 @@ pub fn check_same_data(
         );
     }
     Ok(())
+}
+
+/// Blocks sampled from each file ([`file_sample`]).
+const SAMPLES: u64 = 64;
+/// Bytes per sampled block.
+const BLOCK: u64 = 4096;
+
+/// A sample of `path`'s content into `h`: its length and [`SAMPLES`] blocks of [`BLOCK`] bytes
+/// spread evenly over it, the first at the start (a safetensors header: names, dtypes, shapes).
+/// Two fine-tunes of one model differ in nearly every block, so a few hundred KiB tell them
+/// apart without reading gigabytes.
+fn file_sample(h: &mut Sha256, path: &Path) -> anyhow::Result<()> {
+    use std::io::{Read, Seek, SeekFrom};
+    let read = || format!("cannot read {}", path.display());
+    let mut f = std::fs::File::open(path).with_context(read)?;
+    let len = f.metadata().with_context(read)?.len();
+    h.update(len.to_le_bytes());
+    let mut buf = vec![0u8; BLOCK as usize];
+    let last = len.saturating_sub(BLOCK);
+    for k in 0..SAMPLES {
+        let at = last * k / (SAMPLES - 1);
+        f.seek(SeekFrom::Start(at)).with_context(read)?;
+        let n = usize::try_from(BLOCK.min(len - at)).unwrap_or(0);
+        f.read_exact(&mut buf[..n]).with_context(read)?;
+        h.update(&buf[..n]);
+    }
+    Ok(())
+}
+
+/// What the ranks compare of the files they start from: each model component's weight files
+/// (sampled, [`file_sample`]; configs are left out, their shapes are in the weights' headers)
+/// and the adapter file `init_from`, as `(what, file, hash)`.
+pub fn start_files(
+    layout: &ModelLayout,
+    init_from: Option<&Path>,
+) -> anyhow::Result<Vec<(String, PathBuf, [u8; 8])>> {
+    let mut out = Vec::new();
+    let mut add = |what: String, files: &[PathBuf]| -> anyhow::Result<()> {
+        let mut h = Sha256::new();
+        for f in files {
+            file_sample(&mut h, f)?;
+        }
+        let mut hash = [0u8; 8];
+        hash.copy_from_slice(&h.finalize()[..8]);
+        let first = files.first().cloned().unwrap_or_default();
+        out.push((what, first, hash));
+        Ok(())
+    };
+    for c in &layout.components {
+        let files = match &c.source {
+            ComponentSource::Folder { weights, .. } => weights.clone(),
+            ComponentSource::Packed { file, .. } => vec![file.clone()],
+        };
+        add(format!("{} weights", c.component), &files)?;
+    }
+    if let Some(p) = init_from {
+        add("adapter.init_from file".into(), &[p.to_path_buf()])?;
+    }
+    Ok(out)
+}
+
+/// Ends the run on every rank when a rank starts from other files than rank 0 (another model,
+/// another revision, another init_from), naming the first that differs. Every rank calls it at
+/// the same point.
+pub fn check_same_files(
+    coll: &mut dyn Collective,
+    files: &[(String, PathBuf, [u8; 8])],
+) -> anyhow::Result<()> {
+    let mine: Vec<u8> = files
+        .iter()
+        .flat_map(|(what, _, hash)| {
+            let mut b = (what.len() as u64).to_le_bytes().to_vec();
+            b.extend_from_slice(what.as_bytes());
+            b.extend_from_slice(hash);
+            b
+        })
+        .collect();
+    let all = coll.all_gather("start files", &mine)?;
+    let Some(lead) = all.first() else {
+        return Ok(());
+    };
+    let rank = coll.rank();
+    let Some(r) = all.iter().position(|other| other != lead) else {
+        return Ok(());
+    };
+    if rank == 0 {
+        bail!(
+            "rank {r} starts from other model or adapter files than rank 0 (see its error). \
+             Every rank must load the same files"
+        );
+    }
+    if r != rank && all[rank] == *lead {
+        bail!("rank {r} starts from other model or adapter files than rank 0 (see its error)");
+    }
+    // This rank differs: name the first entry that is not rank 0's.
+    let lead_entries = entries(lead);
+    let differs = files
+        .iter()
+        .find(|(what, _, hash)| !lead_entries.contains(&(what.clone(), *hash)));
+    let what = match differs {
+        Some((what, path, _)) => format!("its {what} ({})", path.display()),
+        None => format!(
+            "{} files against rank 0's {}",
+            files.len(),
+            lead_entries.len()
+        ),
+    };
+    bail!(
+        "this rank starts from other files than rank 0: {what} differ from rank 0's. Every rank \
+         must load the same model and adapter files (compare `model` and `adapter.init_from` on \
+         each machine)"
+    )
+}
+
+/// The `(what, hash)` entries of a rank's [`check_same_files`] message.
+fn entries(mut b: &[u8]) -> Vec<(String, [u8; 8])> {
+    let mut out = Vec::new();
+    while b.len() >= 8 {
+        let n = u64::from_le_bytes(b[..8].try_into().unwrap_or_default()) as usize;
+        let Some(rest) = b.get(8..8 + n + 8) else {
+            break;
+        };
+        let what = String::from_utf8_lossy(&rest[..n]).into_owned();
+        let mut hash = [0u8; 8];
+        hash.copy_from_slice(&rest[n..]);
+        out.push((what, hash));
+        b = &b[8 + n + 8..];
+    }
+    out
 }
 
 #[cfg(test)]

@@ -87,6 +87,9 @@ impl<'a> Session<'a> {
         let mut model = load(plan, opts, data_seed)?;
         let (feed, validation) = load_data(plan, &model, data_seed, opts.show_progress)?;
         if let Some(l) = link.as_mut() {
+            let init_from = plan.adapter.as_ref().and_then(|a| a.init_from.as_deref());
+            let files = super::rank_agreement::start_files(&model.sd.layout, init_from)?;
+            super::rank_agreement::check_same_files(l.coll.as_mut(), &files)?;
             super::rank_agreement::check_same_data(
                 l.coll.as_mut(),
                 &feed.dataset.items,
