@@ -10,6 +10,7 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 pub mod adapter;
 pub mod cli;
 pub mod config;
+pub mod console;
 pub mod data;
 pub mod diffusion;
 pub mod dist;

@@ -89,6 +89,15 @@ fn threads_and_processes_train_what_one_process_does() {
         tmp.path(),
     );
     assert!(out.status.success(), "{}", text(&out));
+    // Rank 0 speaks for the run: the thread ranks' setup lines are not repeated.
+    for line in ["data: 8 images loaded", "model: ", "aspect buckets: "] {
+        assert_eq!(
+            text(&out).matches(line).count(),
+            1,
+            "{line}: {}",
+            text(&out)
+        );
+    }
     assert_close(
         "--devices cpu,cpu",
         &step_losses(&run_folder(&threads)),

@@ -162,7 +162,10 @@ fn load_records(
         match result {
             Ok(image) => items.push(image),
             Err(DataError::Decode { reason, .. }) => {
-                eprintln!("warning: skipping {}: {reason}", record.path.display());
+                crate::console::say(format_args!(
+                    "warning: skipping {}: {reason}",
+                    record.path.display()
+                ));
                 skipped.push((record.path.clone(), reason));
             }
             Err(other) => return Err(other),

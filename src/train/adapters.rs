@@ -167,12 +167,12 @@ impl TrainedAdapters {
                 var.set(&t)?;
             }
         }
-        eprintln!(
+        crate::console::say(format_args!(
             "adapter: started from {} ({} modules loaded, {} new)",
             path.display(),
             report.matched.len(),
             report.missing.len()
-        );
+        ));
         Ok(())
     }
 

@@ -35,11 +35,11 @@ pub(super) fn build(
     share: Option<&mut dyn Collective>,
 ) -> anyhow::Result<Caches> {
     let (text, line) = text_encoder_cache(plan, sd, feed, validation.as_deref())?;
-    eprintln!("{line}");
+    crate::console::say(format_args!("{line}"));
     let mut lines = vec![line];
     match latents(plan, sd, feed, validation, device, share)? {
         Some(line) => {
-            eprintln!("{line}");
+            crate::console::say(format_args!("{line}"));
             lines.push(line);
         }
         None => lines.push("latent cache: off (the VAE encodes every step)".into()),

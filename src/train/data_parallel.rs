@@ -282,6 +282,8 @@ pub fn train_ranks(
                 scope.spawn(move || {
                     #[cfg(test)]
                     super::oom::inject::install_for_rank(link.rank());
+                    // Rank 0 speaks for the run: the others would repeat its setup lines.
+                    crate::console::set_quiet(link.rank() != 0);
                     train_rank(plan, &opts, Box::new(link))
                 })
             })

@@ -61,10 +61,10 @@ impl Ema {
     ) -> anyhow::Result<Option<Self>> {
         let Some(plan) = plan else {
             if let Some(f) = resumed.filter(|f| f.is_file()) {
-                eprintln!(
+                crate::console::say(format_args!(
                     "warning: {} is not continued: this run has no ema_decay_rate",
                     f.display()
-                );
+                ));
             }
             return Ok(None);
         };
@@ -88,16 +88,16 @@ impl Ema {
         } else {
             "the device"
         };
-        eprintln!(
+        crate::console::say(format_args!(
             "ema: decay {decay} every {} steps, on {place}",
             plan.update_interval
-        );
+        ));
         if total_steps < plan.update_interval {
-            eprintln!(
+            crate::console::say(format_args!(
                 "warning: ema_update_interval {} is more than the run's {total_steps} steps: the \
                  EMA weights will equal the starting ones",
                 plan.update_interval
-            );
+            ));
         }
         Ok(Some(ema))
     }

@@ -38,7 +38,7 @@ pub(super) fn start_ema_from(ema: &mut Ema, plan: &TrainPlan, source: &str) -> a
     .with_context(|| format!("ema_resume_model `{source}`"))?;
     ema.start_from(|name| values.get(name).cloned())
         .with_context(|| format!("ema_resume_model `{source}`"))?;
-    eprintln!("ema: starts from {source}");
+    crate::console::say(format_args!("ema: starts from {source}"));
     Ok(())
 }
 

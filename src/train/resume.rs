@@ -410,21 +410,23 @@ pub(super) fn restore(
     }
     opt.micro = state.micro;
     for d in state.key.differences(key) {
-        eprintln!("warning: resumed run changed {d}; the resume is not exact");
+        crate::console::say(format_args!(
+            "warning: resumed run changed {d}; the resume is not exact"
+        ));
     }
-    eprintln!(
+    crate::console::say(format_args!(
         "resumed from {} at step {} (epoch {}, {} steps into it)",
         dir.display(),
         state.steps,
         state.epoch + 1,
         state.steps_in_epoch
-    );
+    ));
     let world = opt.dist.as_ref().map_or(1, |l| l.world());
     if let Some(saved) = state.world_size.filter(|w| *w != world) {
-        eprintln!(
+        crate::console::say(format_args!(
             "note: the save point was written by {saved} rank(s) and this run has {world}: the \
              data order and the effective batch are the same"
-        );
+        ));
     }
     Ok(())
 }

@@ -117,7 +117,7 @@ impl<'a> Session<'a> {
             None => open_outputs(plan, resumed, &shape, started)?,
         };
         if follower.is_none() {
-            eprintln!(
+            crate::console::say(format_args!(
                 "run folder: {}\n{} samples/epoch, {} steps/epoch of {}×{}, {} steps in all",
                 outputs.run.path.display(),
                 feed.dataset.epoch_len(),
@@ -125,7 +125,7 @@ impl<'a> Session<'a> {
                 plan.batch_size,
                 plan.grad_accum,
                 total_steps
-            );
+            ));
         }
         let mut session = Self {
             plan,
@@ -183,9 +183,9 @@ impl<'a> Session<'a> {
         )?;
         if let (Some(ema), Some(source)) = (&mut self.extras.ema, &self.plan.ema_resume_model) {
             match resumed {
-                true => eprintln!(
+                true => crate::console::say(format_args!(
                     "ema: ema_resume_model `{source}` is not used: the save point's EMA continues"
-                ),
+                )),
                 false => super::ema_init::start_ema_from(ema, self.plan, source)?,
             }
         }
@@ -229,16 +229,19 @@ impl<'a> Session<'a> {
     fn restore(&mut self, dir: &Path, state: TrainerState) -> anyhow::Result<()> {
         resume::restore(dir, &state, &mut self.opt, &self.pos.key)?;
         if state.seed != self.pos.seed {
-            eprintln!("resume: seed {} from the save point", state.seed);
+            crate::console::say(format_args!(
+                "resume: seed {} from the save point",
+                state.seed
+            ));
         }
         self.pos.seed = state.seed;
         (self.pos.epoch, self.pos.steps_in_epoch) = (state.epoch, state.steps_in_epoch);
         let total = self.opt.total_steps;
         if let Some(saved) = state.total_steps.filter(|&t| t != total) {
-            eprintln!(
+            crate::console::say(format_args!(
                 "warning: resume: the run's length changed from {saved} to {total} steps; {}",
                 schedule_change(&self.opt.groups, saved, state.steps)
-            );
+            ));
         }
         self.pos.resumed = Some(state);
         Ok(())
@@ -321,7 +324,7 @@ fn checkpointed_blocks(
         super::memory_plan::plan_memory(plan, model.amp, cfg, model.resolution, &census, card);
     let decision = memory.checkpointing;
     if let Some(note) = &decision.note {
-        eprintln!("gradient checkpointing {note}");
+        crate::console::say(format_args!("gradient checkpointing {note}"));
     }
     Ok(decision.blocks)
 }
@@ -397,7 +400,7 @@ fn load_data(
             .iter()
             .map(|c| format!("{} ×{}", c.bucket, c.images))
             .collect();
-        eprintln!("aspect buckets: {}", list.join(", "));
+        crate::console::say(format_args!("aspect buckets: {}", list.join(", ")));
     }
     Ok((feed, validation))
 }
@@ -465,8 +468,12 @@ fn vram_limit(
     };
     let cap = crate::memory::vram_cap::cap(device, gb).context("vram_limit_gb")?;
     match &cap {
-        Some(c) => eprintln!("vram_limit_gb: this run has {}", c.describe()),
-        None => eprintln!("vram_limit_gb {gb} applies to CUDA cards; not on the CPU"),
+        Some(c) => {
+            crate::console::say(format_args!("vram_limit_gb: this run has {}", c.describe()))
+        }
+        None => crate::console::say(format_args!(
+            "vram_limit_gb {gb} applies to CUDA cards; not on the CPU"
+        )),
     }
     Ok(cap)
 }
@@ -491,7 +498,7 @@ fn describe_model(plan: &TrainPlan, layout: &ModelLayout, amp: Amp) {
         WeightDtype::F32 => String::new(),
         w => format!(", trained weights {} (stochastic rounding)", w.name()),
     };
-    eprintln!(
+    crate::console::say(format_args!(
         "model: {} ({}, {} prediction, native {}px); precision {}{weights}{}",
         plan.model,
         layout.family.name(),
@@ -503,7 +510,7 @@ fn describe_model(plan: &TrainPlan, layout: &ModelLayout, amp: Amp) {
             CheckpointChoice::On => ", gradient checkpointing",
             CheckpointChoice::Auto => ", gradient checkpointing auto",
         }
-    );
+    ));
 }
 
 /// Loads the model for `amp`: frozen weights in the compute dtype (the VAE in f32 under fp16),
@@ -551,14 +558,14 @@ fn describe_fp8_base(sd: &mut StableDiffusion, amp: Amp) {
         te.model.visit_layers(&mut count);
     }
     let mib = |b: f64| b / (1u64 << 20) as f64;
-    eprintln!(
+    crate::console::say(format_args!(
         "frozen base fp8: {layers} layers in {:.1} MiB ({:.1} MiB in {}), dequantised to {} where \
          used",
         mib(elements as f64),
         mib((elements * amp.compute_dtype().size_in_bytes()) as f64),
         amp.compute_dtype().as_str(),
         amp.compute_dtype().as_str()
-    );
+    ));
 }
 
 fn check_resolution(sd: &StableDiffusion, resolution: usize) -> anyhow::Result<()> {
@@ -582,11 +589,11 @@ pub(super) fn build_objective(plan: &TrainPlan, layout: &ModelLayout) -> anyhow:
     if o.zero_terminal_snr {
         schedule = schedule.with_zero_terminal_snr();
         if schedule.prediction_type() == crate::model::family::PredictionType::Epsilon {
-            eprintln!(
+            crate::console::say(format_args!(
                 "warning: zero_terminal_snr on an epsilon-prediction model: at the last timestep \
                  the noisy latent is the noise itself, so that step teaches nothing; the paper \
                  pairs zero terminal SNR with v-prediction (SD2.x-v)"
-            );
+            ));
         }
     }
     let loss = LossConfig {
@@ -634,18 +641,18 @@ fn hold_out_validation(
         [one] => format!("{} images", one.items.len()),
         _ => sets.join(", "),
     };
-    eprintln!("validation: {what}, {}", v.when_text());
+    crate::console::say(format_args!("validation: {what}, {}", v.when_text()));
     Ok(Some(val))
 }
 
 fn report_dataset(dataset: &LoadedDataset) {
-    eprintln!(
+    crate::console::say(format_args!(
         "data: {} images loaded, {} skipped",
         dataset.items.len(),
         dataset.skipped.len()
-    );
+    ));
     for (path, why) in &dataset.skipped {
-        eprintln!("  skipped {}: {why}", path.display());
+        crate::console::say(format_args!("  skipped {}: {why}", path.display()));
     }
 }
 
