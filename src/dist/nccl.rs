@@ -34,6 +34,8 @@ struct Made(Comm);
 // SAFETY: as for `Nccl`: the communicator is handed over, never shared.
 unsafe impl Send for Made {}
 
+/// An NCCL failure in `op`. Pass an NCCL error's code (`e.0`, which prints as
+/// `ncclSystemError` and the like), not the error itself, which prints only "NcclError".
 fn nccl_error(op: &'static str, e: impl std::fmt::Debug) -> DistError {
     DistError::Nccl {
         op,
@@ -62,7 +64,7 @@ impl Nccl {
     ) -> Result<Self, DistError> {
         let (rank, world) = (coll.rank(), coll.world());
         let mine = if rank == 0 {
-            let id = Id::new().map_err(|e| nccl_error("ncclGetUniqueId", e))?;
+            let id = Id::new().map_err(|e| nccl_error("ncclGetUniqueId", e.0))?;
             id.internal().iter().map(|&c| c as u8).collect()
         } else {
             Vec::new()
@@ -93,7 +95,7 @@ impl Nccl {
                 .and_then(|()| {
                     Comm::from_rank(init_stream, rank, world, id)
                         .map(Made)
-                        .map_err(|e| nccl_error("ncclCommInitRank", e))
+                        .map_err(|e| nccl_error("ncclCommInitRank", e.0))
                 });
             let _ = tx.send(made);
         });
@@ -167,7 +169,7 @@ impl InplaceOp1 for AllReduce<'_> {
         let mut view = slice.slice_mut(start..end);
         self.comm
             .all_reduce_in_place(&mut view, &ReduceOp::Sum)
-            .map_err(|e| candle_core::Error::Msg(format!("ncclAllReduce: {e:?}")))?;
+            .map_err(|e| candle_core::Error::Msg(format!("ncclAllReduce: {:?}", e.0)))?;
         Ok(())
     }
 }
