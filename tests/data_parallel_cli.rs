@@ -264,6 +264,45 @@ fn processes_that_load_other_model_files_stop_naming_the_file() {
     );
 }
 
+/// Two processes resume a run, rank 1 from a copy of its folder that lacks the newest save
+/// point (copied before it was written): rank 1 would start from step 1 while rank 0 starts from
+/// step 2. Both stop before training, rank 1 naming its save point; from the same folder they
+/// resume.
+#[test]
+fn processes_resuming_from_other_save_points_stop_naming_them() {
+    let tmp = tempfile::tempdir().unwrap();
+    let first = tmp.path().join("first");
+    let cfg = config_with(&first, 2, serde_json::json!({"save_every_n_steps": 1}));
+    let out = sdtrain(&["--config", cfg.to_str().unwrap(), "--cpu"], tmp.path());
+    assert!(out.status.success(), "{}", text(&out));
+    let run = run_folder(&first);
+    let copy = tmp.path().join("run-copy");
+    copy_tree(&run, &copy);
+    std::fs::remove_dir_all(copy.join("state-step-000002")).unwrap();
+    let resume = |name: &str, from: &Path| {
+        config_with(
+            &tmp.path().join(name),
+            4,
+            serde_json::json!({"save_every_n_steps": 1, "resume_ckpt": from}),
+        )
+    };
+    let (a, b) = (resume("a", &run), resume("b", &copy));
+    let out = two_processes([&a, &b], tmp.path());
+    let (rank0, rank1) = (text(&out[0]), text(&out[1]));
+    assert!(!out[0].status.success() && !out[1].status.success());
+    assert!(
+        rank1.contains("its save point state-step-000001"),
+        "{rank1}"
+    );
+    assert!(rank0.contains("rank 1 starts from other"), "{rank0}");
+
+    let c = resume("c", &run);
+    let out = two_processes([&a, &c], tmp.path());
+    for (r, o) in out.iter().enumerate() {
+        assert!(o.status.success(), "rank {r}: {}", text(o));
+    }
+}
+
 /// What several ranks cannot honour is refused in processes too, not only with `--devices`.
 /// Catches a multi-process run that trains with `fused_backward_pass` (each rank updating its
 /// weights before the sum, so the ranks' weights part).

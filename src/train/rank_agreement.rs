@@ -13,9 +13,9 @@
 //! - **The data:** every image's path under `data_root`, caption, size, repeat count and own
 //!   settings are compared with rank 0's (a hash each); a difference ends the run naming the
 //!   first image that differs.
-//! - **The files it starts from:** each model component's weight files and the adapter file
-//!   `init_from`, sampled ([`file_sample`]); another model, another revision of it, or another
-//!   init_from ends the run naming the file.
+//! - **The files it starts from:** each model component's weight files, the adapter file
+//!   `init_from` and a resumed run's save point, sampled ([`file_sample`]); another model,
+//!   another revision of it, another init_from or another save point ends the run naming it.
 
 use std::path::{Path, PathBuf};
 
@@ -227,17 +227,48 @@ fn file_sample(h: &mut Sha256, path: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// What the ranks compare of the files they start from: each model component's weight files
-/// (sampled, [`file_sample`]; configs are left out, their shapes are in the weights' headers)
-/// and the adapter file `init_from`, as `(what, file, hash)`.
+/// Every file under `dir`, in path order.
+fn files_under(dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
+    let mut out = Vec::new();
+    let mut dirs = vec![dir.to_path_buf()];
+    while let Some(d) = dirs.pop() {
+        let entries =
+            std::fs::read_dir(&d).with_context(|| format!("cannot list {}", d.display()))?;
+        for e in entries {
+            let path = e
+                .with_context(|| format!("cannot list {}", d.display()))?
+                .path();
+            if path.is_dir() {
+                dirs.push(path);
+            } else {
+                out.push(path);
+            }
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+
+/// What the ranks compare of the files they start from, as `(what, file, hash)`:
+/// - each model component's weight files (sampled, [`file_sample`]; configs are left out, their
+///   shapes are in the weights' headers);
+/// - the adapter file `init_from`;
+/// - the save point a resumed run starts from: every file in it, by its path inside the save
+///   point (a machine whose copy is older, or whose run folder ends at another save point, has
+///   other files).
 pub fn start_files(
     layout: &ModelLayout,
     init_from: Option<&Path>,
+    save_point: Option<&Path>,
 ) -> anyhow::Result<Vec<(String, PathBuf, [u8; 8])>> {
     let mut out = Vec::new();
     let mut add = |what: String, files: &[PathBuf]| -> anyhow::Result<()> {
         let mut h = Sha256::new();
         for f in files {
+            if let Some(dir) = save_point.filter(|d| f.starts_with(d)) {
+                let rel = f.strip_prefix(dir).unwrap_or(f).to_string_lossy();
+                h.update(rel.as_bytes());
+            }
             file_sample(&mut h, f)?;
         }
         let mut hash = [0u8; 8];
@@ -255,6 +286,12 @@ pub fn start_files(
     }
     if let Some(p) = init_from {
         add("adapter.init_from file".into(), &[p.to_path_buf()])?;
+    }
+    if let Some(dir) = save_point {
+        let name = dir
+            .file_name()
+            .map_or(String::new(), |n| n.to_string_lossy().into_owned());
+        add(format!("save point {name}"), &files_under(dir)?)?;
     }
     Ok(out)
 }
@@ -307,8 +344,8 @@ pub fn check_same_files(
     };
     bail!(
         "this rank starts from other files than rank 0: {what} differ from rank 0's. Every rank \
-         must load the same model and adapter files (compare `model` and `adapter.init_from` on \
-         each machine)"
+         must load the same model, adapter and save point files (compare `model`, \
+         `adapter.init_from` and `resume_ckpt` on each machine)"
     )
 }
 

@@ -88,7 +88,9 @@ impl<'a> Session<'a> {
         let (feed, validation) = load_data(plan, &model, data_seed, opts.show_progress)?;
         if let Some(l) = link.as_mut() {
             let init_from = plan.adapter.as_ref().and_then(|a| a.init_from.as_deref());
-            let files = super::rank_agreement::start_files(&model.sd.layout, init_from)?;
+            let save_point = resume_from.as_ref().map(|(dir, _)| dir.as_path());
+            let files =
+                super::rank_agreement::start_files(&model.sd.layout, init_from, save_point)?;
             super::rank_agreement::check_same_files(l.coll.as_mut(), &files)?;
             super::rank_agreement::check_same_data(
                 l.coll.as_mut(),
