@@ -303,6 +303,42 @@ fn processes_resuming_from_other_save_points_stop_naming_them() {
     }
 }
 
+/// Rank 0 alone samples: in a two-process run rank 0 writes the round and announces it, and
+/// rank 1 neither sets the prompts up nor says it samples (its scratch folder is no place for
+/// them).
+#[test]
+fn only_rank_0_samples_in_a_two_process_run() {
+    let tmp = tempfile::tempdir().unwrap();
+    let prompts = tmp.path().join("prompts.json");
+    std::fs::write(
+        &prompts,
+        r#"{"cfgs": [5], "num_inference_steps": 2, "samples": [{"prompt": "a dog"}]}"#,
+    )
+    .unwrap();
+    let dir = tmp.path().join("run");
+    let cfg = config_with(
+        &dir,
+        2,
+        serde_json::json!({"sample_prompts": prompts, "sample_steps": 2}),
+    );
+    let out = two_processes([&cfg, &cfg], tmp.path());
+    for (r, o) in out.iter().enumerate() {
+        assert!(o.status.success(), "rank {r}: {}", text(o));
+        assert_eq!(
+            text(o).contains("samples: 1 prompt every 2 steps"),
+            r == 0,
+            "rank {r}: {}",
+            text(o)
+        );
+    }
+    let samples = run_folder(&dir).join("samples");
+    assert!(
+        samples.join("gs00002-grid.png").is_file(),
+        "{}",
+        text(&out[0])
+    );
+}
+
 /// What several ranks cannot honour is refused in processes too, not only with `--devices`.
 /// Catches a multi-process run that trains with `fused_backward_pass` (each rank updating its
 /// weights before the sum, so the ranks' weights part).

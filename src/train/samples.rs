@@ -192,9 +192,10 @@ pub(super) fn start(
         samples, sd, run_dir, seed, resolution, captions, te_trains, clip_skip, vae_load,
     )
     .context("sample_prompts")?;
+    let n = samples.set.prompts.len();
     eprintln!(
-        "samples: {} prompts every {} steps into {}",
-        samples.set.prompts.len(),
+        "samples: {n} prompt{} every {} steps into {}",
+        if n == 1 { "" } else { "s" },
         samples.every_n_steps,
         samples_dir(run_dir).display()
     );

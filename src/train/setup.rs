@@ -199,17 +199,22 @@ impl<'a> Session<'a> {
             .iter()
             .map(|m| m.caption.clone())
             .collect();
-        self.extras.samples = samples::start(
-            self.plan,
-            &self.model.sd,
-            &self.outputs.run.path,
-            self.pos.seed,
-            self.model.resolution,
-            &captions,
-            self.opt.text_encoder_trains(),
-            self.model.amp,
-            device,
-        )?;
+        // Rank 0 alone samples: the other ranks neither encode the prompts nor announce a round.
+        let leads = self.opt.dist.as_ref().is_none_or(RankLink::leads);
+        self.extras.samples = match leads {
+            false => None,
+            true => samples::start(
+                self.plan,
+                &self.model.sd,
+                &self.outputs.run.path,
+                self.pos.seed,
+                self.model.resolution,
+                &captions,
+                self.opt.text_encoder_trains(),
+                self.model.amp,
+                device,
+            )?,
+        };
         let built = caches::build(
             self.plan,
             &mut self.model.sd,
