@@ -146,7 +146,9 @@ impl<'a> Session<'a> {
             extras: Extras {
                 ema: None,
                 samples: None,
-                validation,
+                // Rank 0 alone validates: the others leave the held-out images out of training
+                // (the split above) but do not keep or cache them.
+                validation: validation.filter(|_| follower.is_none()),
                 val_loss: None,
                 val_sets: Default::default(),
                 vram_cap,
