@@ -33,11 +33,17 @@ pub fn exchange(
     let rank = coll.rank();
     let mut next = 0;
     let mut received = Vec::new();
+    // The entry that did not fit the last round, serialized once: it opens the next.
+    let mut held: Option<Vec<u8>> = None;
     loop {
         let mut message = Vec::new();
         while let Some((item, latent)) = mine.get(next) {
-            let entry = entry_bytes(&item.to_string(), latent)?;
+            let entry = match held.take() {
+                Some(e) => e,
+                None => entry_bytes(&item.to_string(), latent)?,
+            };
             if !message.is_empty() && message.len() + entry.len() + 16 > round_bytes {
+                held = Some(entry);
                 break;
             }
             message.extend_from_slice(&(*item as u64).to_le_bytes());

@@ -84,11 +84,7 @@ pub fn agree_plan(plan: &TrainPlan, coll: &mut dyn Collective) -> anyhow::Result
             0 => String::new(),
             n => format!(" and {n} more"),
         };
-        let who = if r == rank {
-            "this rank's".to_string()
-        } else {
-            format!("rank {r}'s")
-        };
+        let who = whose(r, rank);
         bail!(
             "{who} train.json differs from rank 0's: {}{more}. Every rank must train the same \
              settings (paths and devices may differ)",
@@ -96,6 +92,15 @@ pub fn agree_plan(plan: &TrainPlan, coll: &mut dyn Collective) -> anyhow::Result
         );
     }
     Ok(plan)
+}
+
+/// How this rank's errors name rank `r`'s copy: "this rank's" or "rank r's".
+fn whose(r: usize, rank: usize) -> String {
+    if r == rank {
+        "this rank's".to_string()
+    } else {
+        format!("rank {r}'s")
+    }
 }
 
 /// The settings that differ between `lead` (rank 0's) and `other`, as `key: value on rank 0,
@@ -176,11 +181,7 @@ pub fn check_same_data(
         let first = (0..n_lead.min(n_other))
             .find(|&k| lead[8 * k..8 * k + 8] != other[8 * k..8 * k + 8])
             .unwrap_or(n_lead.min(n_other));
-        let who = if r == rank {
-            "this rank's".to_string()
-        } else {
-            format!("rank {r}'s")
-        };
+        let who = whose(r, rank);
         let place = match (r == rank).then(|| items.get(first)).flatten() {
             Some(item) => format!(
                 "{} (its path, caption, size, repeats or settings)",
