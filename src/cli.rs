@@ -234,6 +234,16 @@ fn run_rank_process(
     let mut link = crate::dist::Tcp::join(env, timeout)?;
     // Each process read its own train.json: the ranks agree on it (and on a drawn seed) first.
     let plan = train::rank_agreement::agree_plan(plan, &mut link)?;
+    if env.rank != 0 {
+        // Rank 0 speaks for the run, as with `--devices`: this rank's setup lines would repeat its.
+        crate::console::say(format_args!(
+            "rank {} of {}: joined the run at {}; rank 0 reports its progress",
+            env.rank,
+            env.world_size,
+            env.master()
+        ));
+        crate::console::set_quiet(true);
+    }
     let opts = RunOptions {
         device,
         show_progress: show_progress && env.rank == 0,

@@ -113,13 +113,20 @@ fn threads_and_processes_train_what_one_process_does() {
     for (r, child) in ranks.into_iter().enumerate() {
         let o = child.wait_with_output().unwrap();
         assert!(o.status.success(), "rank {r}: {}", text(&o));
-        // Rank 0 alone prints the summary.
-        assert_eq!(
-            text(&o).contains("images seen"),
-            r == 0,
-            "rank {r}: {}",
-            text(&o)
-        );
+        // Rank 0 alone prints the summary and the setup lines; rank 1 says it joined.
+        for (line, on_rank_0) in [
+            ("images seen", true),
+            ("data: 8 images loaded", true),
+            ("model: ", true),
+            ("rank 1 of 2: joined the run at 127.0.0.1:", false),
+        ] {
+            assert_eq!(
+                text(&o).contains(line),
+                (r == 0) == on_rank_0,
+                "rank {r}, {line}: {}",
+                text(&o)
+            );
+        }
     }
     // One run folder (rank 0's), with the losses of one process.
     assert_close("two processes", &step_losses(&run_folder(&procs)), &want);
