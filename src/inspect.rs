@@ -233,7 +233,14 @@ impl InspectReport {
     fn fmt_model(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let layout = &self.layout;
         writeln!(f, "family      {}", layout.family)?;
-        writeln!(f, "prediction  {}", layout.prediction_type)?;
+        match layout.single_file() {
+            Some(sf) => writeln!(
+                f,
+                "prediction  {} (from {})",
+                layout.prediction_type, sf.prediction_from
+            )?,
+            None => writeln!(f, "prediction  {}", layout.prediction_type)?,
+        }
         writeln!(f, "resolution  {0}x{0}", layout.native_resolution)?;
         writeln!(f)?;
         writeln!(

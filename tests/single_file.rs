@@ -31,6 +31,33 @@ fn script_file(name: &str) -> PathBuf {
     common::fixture("single-file").join(format!("{name}.safetensors"))
 }
 
+/// A safetensors file's `__metadata__`.
+fn file_metadata(path: &Path) -> std::collections::HashMap<String, String> {
+    let bytes = std::fs::read(path).unwrap();
+    let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+    meta.metadata().clone().unwrap_or_default()
+}
+
+/// `src` with `pairs` added to its `__metadata__`, written to `dst`: the header is rewritten,
+/// the tensor bytes copied (their offsets count from the end of the header).
+fn with_metadata(src: &Path, dst: &Path, pairs: &[(&str, &str)]) {
+    let bytes = std::fs::read(src).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let mut header: serde_json::Map<String, Value> =
+        serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let meta = header
+        .entry("__metadata__")
+        .or_insert_with(|| Value::Object(Default::default()));
+    for (k, v) in pairs {
+        meta[*k] = Value::String(v.to_string());
+    }
+    let text = serde_json::to_vec(&header).unwrap();
+    let mut out = (text.len() as u64).to_le_bytes().to_vec();
+    out.extend(text);
+    out.extend(&bytes[8 + n..]);
+    std::fs::write(dst, out).unwrap();
+}
+
 fn opts() -> LoadOptions {
     LoadOptions {
         dtype: DType::F32,
@@ -317,6 +344,88 @@ fn prediction_type_option_overrides_detection() {
     assert!(err.to_string().contains("prediction_type"), "{err}");
 }
 
+/// What other tools write into a file decides its prediction type: kohya's and OneTrainer's
+/// `modelspec.prediction_type` makes an SD2 file epsilon (at 512 px, SD2-base) and an SD1 file
+/// v; the option still overrides; declarations that disagree stop with both named. Catches the
+/// metadata not read (the SD2 default, v at 768 px, would train the wrong objective silently).
+#[test]
+fn the_prediction_type_other_tools_write_into_a_file_is_read() {
+    let tmp = tempfile::tempdir().unwrap();
+    let sd2 = tmp.path().join("sd2-base.safetensors");
+    with_metadata(
+        &script_file("tiny-sd21"),
+        &sd2,
+        &[("modelspec.prediction_type", "epsilon")],
+    );
+    let layout = ModelLayout::read(&sd2, None).unwrap();
+    assert_eq!(layout.prediction_type, PredictionType::Epsilon);
+    // SD2-base's size, 512 px against 768-v's (the tiny VAE halves once: 128 against 192).
+    let default = ModelLayout::read(&script_file("tiny-sd21"), None).unwrap();
+    assert_eq!(default.prediction_type, PredictionType::VPrediction);
+    assert_eq!(
+        (layout.native_resolution, default.native_resolution),
+        (128, 192)
+    );
+    let from = &layout.single_file().unwrap().prediction_from;
+    assert!(from.contains("modelspec.prediction_type"), "{from}");
+    let sd1 = tmp.path().join("sd1-v.safetensors");
+    with_metadata(
+        &script_file("tiny-sd15"),
+        &sd1,
+        &[("ss_v_parameterization", "True")],
+    );
+    let v = ModelLayout::read(&sd1, None).unwrap();
+    assert_eq!(v.prediction_type, PredictionType::VPrediction);
+    let eps = SingleFileOptions {
+        model_config: None,
+        prediction_type: Some(PredictionType::Epsilon),
+    };
+    let layout = ModelLayout::read_with(&sd1, None, &eps).unwrap();
+    assert_eq!(layout.prediction_type, PredictionType::Epsilon);
+    let both = tmp.path().join("both.safetensors");
+    with_metadata(&sd1, &both, &[("modelspec.prediction_type", "epsilon")]);
+    let err = ModelLayout::read(&both, None).unwrap_err().to_string();
+    assert!(
+        err.contains("ss_v_parameterization") && err.contains("modelspec.prediction_type"),
+        "{err}"
+    );
+}
+
+/// An inpainting UNet (9 input channels: latents, mask, masked image) is refused when the model
+/// is opened, as a folder or a single file, before a run folder is made. Catches the check
+/// missing on either path (the run then failed at its first step with a conv shape error).
+#[test]
+fn inpainting_unets_are_refused_when_opened() {
+    let tmp = tempfile::tempdir().unwrap();
+    let folder = tmp.path().join("inpaint");
+    common::copy_dir(&common::fixture("tiny-sd15"), &folder);
+    let cfg_path = folder.join("unet/config.json");
+    let mut cfg: Value = serde_json::from_slice(&std::fs::read(&cfg_path).unwrap()).unwrap();
+    cfg["in_channels"] = Value::from(9);
+    std::fs::write(&cfg_path, cfg.to_string()).unwrap();
+    let err = ModelLayout::read(&folder, None).unwrap_err().to_string();
+    assert!(
+        err.contains("takes 9") && err.contains("inpainting") && err.contains("unet"),
+        "{err}"
+    );
+
+    let mut all = candle_core::safetensors::load(script_file("tiny-sd15"), &Device::Cpu).unwrap();
+    let key = "model.diffusion_model.input_blocks.0.0.weight";
+    let w = &all[key];
+    let (o, _, kh, kw) = w.dims4().unwrap();
+    all.insert(
+        key.into(),
+        Tensor::zeros((o, 9, kh, kw), w.dtype(), &Device::Cpu).unwrap(),
+    );
+    let file = tmp.path().join("inpaint.safetensors");
+    candle_core::safetensors::save(&all, &file).unwrap();
+    let err = ModelLayout::read(&file, None).unwrap_err().to_string();
+    assert!(
+        err.contains("takes 9") && err.contains("inpaint.safetensors"),
+        "{err}"
+    );
+}
+
 /// A LoRA file, a UNet-only file and a file with an unknown tensor are refused with the file
 /// and what is wrong.
 #[test]
@@ -368,6 +477,27 @@ fn files_that_are_not_checkpoints_are_refused() {
     assert_eq!(skipped.len(), 1);
     assert_eq!(skipped[0].0, "alphas_cumprod");
 
+    // The text encoder's token embedding twice, in both key layouts (a bad merge): kohya keeps
+    // one copy and this file's other readers the other, so the file is refused.
+    let mut twice = all.clone();
+    let te = "cond_stage_model.transformer.text_model.embeddings.token_embedding.weight";
+    twice.insert(
+        te.replace("text_model.", ""),
+        (&twice[te] + 1.0)
+            .unwrap()
+            .to_dtype(twice[te].dtype())
+            .unwrap(),
+    );
+    let path = tmp.path().join("twice.safetensors");
+    candle_core::safetensors::save(&twice, &path).unwrap();
+    let err = ModelLayout::read(&path, None).unwrap_err().to_string();
+    assert!(
+        err.contains("stored twice")
+            && err.contains("cond_stage_model.transformer.embeddings.token_embedding.weight")
+            && err.contains("twice.safetensors"),
+        "{err}"
+    );
+
     let ckpt = tmp.path().join("model.ckpt");
     std::fs::write(&ckpt, b"pickle").unwrap();
     let err = ModelLayout::read(&ckpt, None).unwrap_err().to_string();
@@ -391,11 +521,21 @@ fn diffusers_to_single_file_to_diffusers_is_exact() {
         let sf = single.single_file().unwrap();
         assert_eq!(sf.origin, ConfigOrigin::Metadata, "{name}");
         assert_eq!(single.family, family);
-        assert!(sf.skipped.is_empty(), "{name}: {:?}", sf.skipped);
+        // The prediction type, as kohya, OneTrainer and ComfyUI read it: ModelSpec metadata and,
+        // for v (tiny-sd21), ComfyUI's empty `v_pred` tensor, the one tensor left out on reading.
+        let v = folder.prediction_type == PredictionType::VPrediction;
+        assert_eq!(single.prediction_type, folder.prediction_type, "{name}");
+        let meta = file_metadata(&file);
+        for key in ["modelspec.prediction_type", "modelspec.predict_key"] {
+            assert_eq!(meta[key], if v { "v" } else { "epsilon" }, "{name} {key}");
+        }
+        let skipped: Vec<&str> = sf.skipped.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(skipped, if v { vec!["v_pred"] } else { vec![] }, "{name}");
         // The LDM names are the ones diffusers' scripts write.
         let ours: Vec<String> = candle_core::safetensors::load(&file, &Device::Cpu)
             .unwrap()
             .into_keys()
+            .filter(|n| n != "v_pred")
             .collect();
         let theirs = candle_core::safetensors::load(script_file(name), &Device::Cpu).unwrap();
         let mut ours_sorted = ours.clone();

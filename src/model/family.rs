@@ -44,6 +44,18 @@ pub enum FamilyError {
         field: &'static str,
         problem: &'static str,
     },
+    #[error(
+        "{}: the UNet takes {unet_in} and gives {unet_out} channels, but the VAE's latents have \
+         {latent}: an inpainting, depth or other conditioned UNet (extra input channels) is not a \
+         model sdtrain trains; use the base text-to-image model",
+        unet_file.display()
+    )]
+    LatentChannels {
+        unet_file: PathBuf,
+        unet_in: u64,
+        unet_out: u64,
+        latent: u64,
+    },
     #[error(transparent)]
     Files(#[from] FilesError),
     #[error(transparent)]
@@ -73,6 +85,7 @@ impl FamilyError {
             | FamilyError::NotAPipeline { .. }
             | FamilyError::Undetectable { .. }
             | FamilyError::UnsupportedPrediction { .. }
+            | FamilyError::LatentChannels { .. }
             | FamilyError::BadField { .. } => true,
         }
     }
@@ -86,6 +99,7 @@ impl FamilyError {
             | FamilyError::SingleFileOption { .. }
             | FamilyError::Undetectable { .. }
             | FamilyError::UnsupportedPrediction { .. }
+            | FamilyError::LatentChannels { .. }
             | FamilyError::BadField { .. } => false,
         }
     }
@@ -282,6 +296,37 @@ pub fn native_resolution(
             problem: "is missing or not a list of 1 to 8 entries",
         })?;
     Ok(sample_size as usize * (1usize << (levels - 1)))
+}
+
+/// Refuses a UNet whose input or output channels are not the VAE's latent channels (diffusers'
+/// defaults: 4 each): an inpainting UNet takes 9 (latents, mask, masked image), a depth UNet 5.
+/// sdtrain feeds the UNet noisy latents alone, so such a model would fail at its first step.
+pub fn check_latent_channels(
+    unet: &Value,
+    unet_file: &Path,
+    vae: &Value,
+    vae_file: &Path,
+) -> Result<(), FamilyError> {
+    let channels = |config: &Value, file: &Path, field: &'static str| match config.get(field) {
+        None | Some(Value::Null) => Ok(4),
+        Some(v) => v.as_u64().filter(|&n| n > 0).ok_or(FamilyError::BadField {
+            file: file.to_path_buf(),
+            field,
+            problem: "is not a positive integer",
+        }),
+    };
+    let unet_in = channels(unet, unet_file, "in_channels")?;
+    let unet_out = channels(unet, unet_file, "out_channels")?;
+    let latent = channels(vae, vae_file, "latent_channels")?;
+    if unet_in == latent && unet_out == latent {
+        return Ok(());
+    }
+    Err(FamilyError::LatentChannels {
+        unet_file: unet_file.to_path_buf(),
+        unet_in,
+        unet_out,
+        latent,
+    })
 }
 
 #[cfg(test)]

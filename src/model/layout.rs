@@ -97,6 +97,7 @@ impl ModelLayout {
         let vae_file = root.join("vae/config.json");
         let vae = files::read_json(&vae_file)?;
         let native_resolution = family::native_resolution(&unet, &unet_file, &vae, &vae_file)?;
+        family::check_latent_channels(&unet, &unet_file, &vae, &vae_file)?;
         let scheduler_config = root.join(SCHEDULER_CONFIG);
         let prediction_type = PredictionType::from_scheduler_config(
             &files::read_json(&scheduler_config)?,
@@ -131,12 +132,10 @@ impl ModelLayout {
                 .map(|p| p.config.clone())
                 .unwrap_or_default()
         };
-        let native_resolution = family::native_resolution(
-            &config(Component::Unet),
-            &named("unet config"),
-            &config(Component::Vae),
-            &named("vae config"),
-        )?;
+        let (unet, vae) = (config(Component::Unet), config(Component::Vae));
+        let (unet_file, vae_file) = (named("unet config"), named("vae config"));
+        let native_resolution = family::native_resolution(&unet, &unet_file, &vae, &vae_file)?;
+        family::check_latent_channels(&unet, &unet_file, &vae, &vae_file)?;
         let prediction_type =
             PredictionType::from_scheduler_config(&sf.scheduler, &named("scheduler config"))?;
         let components = sf

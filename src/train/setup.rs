@@ -507,8 +507,12 @@ fn describe_model(plan: &TrainPlan, layout: &ModelLayout, amp: Amp) {
         WeightDtype::F32 => String::new(),
         w => format!(", trained weights {} (stochastic rounding)", w.name()),
     };
+    let from = match layout.single_file() {
+        Some(sf) => format!(" (from {})", sf.prediction_from),
+        None => String::new(),
+    };
     crate::console::say(format_args!(
-        "model: {} ({}, {} prediction, native {}px); precision {}{weights}{}",
+        "model: {} ({}, {} prediction{from}, native {}px); precision {}{weights}{}",
         plan.model,
         layout.family.name(),
         layout.prediction_type.name(),

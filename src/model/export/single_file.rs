@@ -103,10 +103,8 @@ pub fn save_single_file<T: ExportTensor>(
         meta_key("model_index"),
         json!(base.model_index_json()?.to_string()),
     );
-    metadata.insert(
-        meta_key("scheduler_config"),
-        json!(base.scheduler_json()?.to_string()),
-    );
+    let scheduler = base.scheduler_json()?;
+    metadata.insert(meta_key("scheduler_config"), json!(scheduler.to_string()));
     let mut bases = Vec::new();
     for c in &base.components {
         bases.push((c, BaseTensors::open(c)?));
@@ -133,8 +131,44 @@ pub fn save_single_file<T: ExportTensor>(
         let parts = ldm_parts(base.family, component, &config, &diffusers)?;
         out.extend(ldm_tensors(component, parts, diffusers)?);
     }
+    out.extend(declare_schedule(&scheduler, &mut metadata));
     out.sort_by(|a, b| a.name.cmp(&b.name));
     write_safetensors(path, metadata, &out)
+}
+
+/// What the file's tensors cannot say, in the forms other tools read
+/// ([`prediction`](crate::model::single_file::prediction)): the prediction type as the ModelSpec
+/// key kohya and OneTrainer read and ComfyUI's `modelspec.predict_key`, and for a v-prediction
+/// model ComfyUI's empty `v_pred` tensor (and `ztsnr` when the schedule is rescaled to zero
+/// terminal SNR), which ComfyUI and Forge read. Without them those tools take a v-prediction SD1
+/// or SDXL file for epsilon.
+fn declare_schedule<'a>(
+    scheduler: &Value,
+    metadata: &mut serde_json::Map<String, Value>,
+) -> Vec<OutTensor<'a>> {
+    let v = scheduler.get("prediction_type").and_then(Value::as_str) == Some("v_prediction");
+    let name = if v { "v" } else { "epsilon" };
+    metadata.insert("modelspec.prediction_type".into(), json!(name));
+    metadata.insert("modelspec.predict_key".into(), json!(name));
+    let ztsnr = scheduler
+        .get("rescale_betas_zero_snr")
+        .and_then(Value::as_bool)
+        == Some(true);
+    let markers: &[&str] = match (v, ztsnr) {
+        (false, _) => &[],
+        (true, false) => &["v_pred"],
+        (true, true) => &["v_pred", "ztsnr"],
+    };
+    markers
+        .iter()
+        .map(|name| OutTensor {
+            name: name.to_string(),
+            shape: vec![0],
+            dtype: DType::F32,
+            component: Component::Unet,
+            load: Box::new(|| Tensor::zeros(0, DType::F32, &candle_core::Device::Cpu)),
+        })
+        .collect()
 }
 
 /// How each LDM tensor of `component` is made from its merged diffusers tensors.

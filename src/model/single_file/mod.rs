@@ -21,6 +21,7 @@
 
 pub mod detect;
 pub mod names;
+pub mod prediction;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -118,6 +119,17 @@ pub enum SingleFileError {
         count: usize,
         names: Vec<String>,
     },
+    #[error(
+        "{}: {count} weight(s) are stored twice, under two names, and the copies may differ \
+         (other tools keep one or the other): {}; keep one copy in the file",
+        path.display(),
+        pairs.join(", ")
+    )]
+    Twice {
+        path: PathBuf,
+        count: usize,
+        pairs: Vec<String>,
+    },
     #[error("{}: metadata `{key}`: {message}", path.display())]
     Metadata {
         path: PathBuf,
@@ -168,6 +180,7 @@ impl SingleFileError {
             | SingleFileError::NotACheckpoint { .. }
             | SingleFileError::Detect { .. }
             | SingleFileError::Unknown { .. }
+            | SingleFileError::Twice { .. }
             | SingleFileError::Metadata { .. }
             | SingleFileError::FamilyMismatch { .. }
             | SingleFileError::Config { .. }
@@ -233,6 +246,8 @@ pub struct SingleFile {
     pub tokenizers: Vec<(String, TokenizerSource)>,
     /// Tensors of the file that are deliberately not loaded, with the reason.
     pub skipped: Vec<(String, &'static str)>,
+    /// What decided the prediction type ([`prediction`]).
+    pub prediction_from: String,
 }
 
 /// Why a tensor outside every component may be left out, or `None` if it may not.
@@ -361,15 +376,27 @@ impl SingleFile {
         }
         let (shapes, metadata) = read_header(path)?;
         let family = family_of(path, &shapes)?;
-        let mut configs = match &opts.model_config {
-            Some(dir) => Configs::from_folder(path, dir, family)?,
-            None if metadata.contains_key(&meta_key("unet_config")) => {
-                Configs::from_metadata(path, &metadata, family)?
+        let (mut configs, mut prediction_from) = match &opts.model_config {
+            Some(dir) => (
+                Configs::from_folder(path, dir, family)?,
+                "model_config's scheduler config".to_string(),
+            ),
+            None if metadata.contains_key(&meta_key("unet_config")) => (
+                Configs::from_metadata(path, &metadata, family)?,
+                "the file's sdtrain metadata".to_string(),
+            ),
+            None => {
+                let v_pred = shapes.contains_key("v_pred");
+                let p = prediction::resolve(path, family, &metadata, v_pred, opts.prediction_type)?;
+                (
+                    Configs::detect(path, &shapes, family, p.prediction)?,
+                    p.from,
+                )
             }
-            None => Configs::detect(path, &shapes, family, opts.prediction_type)?,
         };
         if let Some(p) = opts.prediction_type {
             configs.scheduler["prediction_type"] = Value::String(p.name().to_string());
+            prediction_from = "`prediction_type`".to_string();
         }
         // SAFETY: mapped read-only for the life of the views; sdtrain never writes into a model
         // file it has loaded (saves go to a temp file and are renamed).
@@ -401,6 +428,7 @@ impl SingleFile {
             components,
             tokenizers: configs.tokenizers,
             skipped,
+            prediction_from,
         })
     }
 
@@ -525,7 +553,7 @@ impl Configs {
         path: &Path,
         h: &Shapes,
         family: ModelFamily,
-        prediction: Option<PredictionType>,
+        prediction: PredictionType,
     ) -> Result<Self, SingleFileError> {
         let fail = |what: &'static str| {
             move |message: String| SingleFileError::Detect {
@@ -534,14 +562,6 @@ impl Configs {
                 message,
             }
         };
-        let prediction = prediction.unwrap_or(if h.contains_key("v_pred") {
-            PredictionType::VPrediction
-        } else {
-            match family {
-                ModelFamily::Sd2 => PredictionType::VPrediction,
-                ModelFamily::Sd1 | ModelFamily::Sdxl => PredictionType::Epsilon,
-            }
-        });
         let mut tes = Vec::new();
         let mut pooled = None;
         for c in [Component::TextEncoder, Component::TextEncoder2] {
@@ -688,12 +708,15 @@ fn map_tensors(
     let mut maps: ComponentMaps = BTreeMap::new();
     let mut skipped = Vec::new();
     let mut unknown = Vec::new();
+    let mut twice = Vec::new();
     for (name, shape) in h {
         match rules.map(name, shape) {
             (Some(c), Mapped::To(list)) => {
                 let map = maps.entry(c).or_default();
                 for (d, op) in list {
-                    map.insert(d, (name.clone(), op));
+                    if let Some((first, _)) = map.insert(d.clone(), (name.clone(), op)) {
+                        twice.push(format!("`{first}` and `{name}` (both {c} `{d}`)"));
+                    }
                 }
             }
             (_, Mapped::Skip(reason)) => skipped.push((name.clone(), reason)),
@@ -707,6 +730,15 @@ fn map_tensors(
             path: path.to_path_buf(),
             count,
             names: unknown,
+        });
+    }
+    if !twice.is_empty() {
+        let count = twice.len();
+        twice.truncate(4);
+        return Err(SingleFileError::Twice {
+            path: path.to_path_buf(),
+            count,
+            pairs: twice,
         });
     }
     Ok((maps, skipped))
