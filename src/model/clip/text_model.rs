@@ -233,7 +233,23 @@ impl ClipTextModel {
         }
         // Read on the host before any work is queued: with ids already on a GPU this is the
         // forward's one device→host copy, with ids on the CPU it is free.
-        let rows = eos_positions(ids, self.config.eos_token_id)?;
+        let host = ids.to_dtype(DType::I64)?.to_vec2::<i64>()?;
+        // An id past the embedding (a tokenizer with added tokens whose rows the text encoder
+        // lacks) is an error on the CPU but not checked by the CUDA gather: refuse it here.
+        let vocab = self.token_embedding.vocab_size();
+        if let Some(&bad) = host
+            .iter()
+            .flatten()
+            .find(|&&v| v < 0 || v as usize >= vocab)
+        {
+            bail!(
+                "CLIP text model: token id {bad} is out of range for its {vocab}-row token \
+                 embedding (`{}`); the tokenizer has more tokens (added_tokens.json or \
+                 tokenizer.json's added_tokens) than the text encoder has embedding rows",
+                self.token_embedding.path
+            );
+        }
+        let rows = eos_positions_of(&host, self.config.eos_token_id);
         let device = self.token_embedding.weight.device();
         let ids = &ids.to_device(device)?;
         let positions = Tensor::arange(0u32, len as u32, device)?;
@@ -302,8 +318,12 @@ impl ClipTextModel {
 /// Reads the ids back to the host, a small device sync per forward.
 pub fn eos_positions(ids: &Tensor, eos_token_id: i64) -> candle_core::Result<Vec<usize>> {
     let rows = ids.to_dtype(DType::I64)?.to_vec2::<i64>()?;
-    Ok(rows
-        .iter()
+    Ok(eos_positions_of(&rows, eos_token_id))
+}
+
+/// [`eos_positions`] of ids already on the host.
+fn eos_positions_of(rows: &[Vec<i64>], eos_token_id: i64) -> Vec<usize> {
+    rows.iter()
         .map(|row| {
             if eos_token_id == 2 {
                 // First maximum, as torch.argmax returns.
@@ -318,7 +338,7 @@ pub fn eos_positions(ids: &Tensor, eos_token_id: i64) -> candle_core::Result<Vec
                 row.iter().position(|&v| v == eos_token_id).unwrap_or(0)
             }
         })
-        .collect())
+        .collect()
 }
 
 impl VisitLayers for ClipTextModel {

@@ -14,6 +14,20 @@
 //!
 //! BOS/EOS are always added here, never by a `tokenizer.json` post-processor (we encode with
 //! `add_special_tokens = false`), so both folder layouts give the same ids.
+//!
+//! Added tokens (a DreamBooth / textual-inversion `<sks>` with its own embedding row) come, in a
+//! `tokenizer.json`, in its `added_tokens`. A slow-tokenizer folder written by transformers < 5
+//! lists them instead in `added_tokens.json` (`{"<sks>": 49408}`) and, from transformers 4.34,
+//! also in `tokenizer_config.json`'s `added_tokens_decoder` (with their flags). As transformers
+//! does, `added_tokens_decoder` wins when present (we also check that `added_tokens.json` agrees
+//! with it); otherwise each `added_tokens.json` entry is a non-special token matched after the
+//! normalizer, so `<SKS>` and `Sks  Dog` match `<sks>` and `Sks Dog` (transformers 5 and 4.x's
+//! `CLIPTokenizerFast`; 4.x's slow `CLIPTokenizer` matched them case-exactly). Added tokens are
+//! split off the prompt before the pre-tokenizer, and keep the ids the files give them; an id
+//! or text that vocab.json gives another token is an error naming the file. An
+//! `added_tokens.json` beside a `tokenizer.json` must agree with it (a token it lacks is added
+//! only at the next free id). Whether the text encoder has a row for each id is checked by
+//! [`super::ClipTextModel::forward`].
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -111,6 +125,7 @@ impl ClipTokenizer {
             // otherwise pad before BOS/EOS are added.
             t.with_truncation(None).map_err(invalid)?;
             t.with_padding(None);
+            merge_added_tokens_json(&mut t, &dir, &special)?;
             t
         } else {
             build_from_vocab(&dir, &special)?
@@ -371,9 +386,199 @@ fn read_merges(dir: &Path) -> Result<Merges, TokenizerError> {
 }
 
 fn build_from_vocab(dir: &Path, special: &SpecialTokens) -> Result<Tokenizer, TokenizerError> {
-    let vocab = read_vocab(dir)?;
+    let mut vocab = read_vocab(dir)?;
     let merges = read_merges(dir)?;
-    build_bpe(vocab, merges, special, dir)
+    let added = read_added_tokens(dir, special)?;
+    let registered = [&special.bos, &special.eos, &special.pad, &special.unk];
+    let mut extra = Vec::new();
+    for (token, id, origin) in added {
+        let clash = |message: String| TokenizerError::Invalid {
+            path: origin.clone(),
+            message,
+        };
+        match vocab.get(&token.content) {
+            Some(&v) if v != id => {
+                return Err(clash(format!(
+                    "added token {:?} has id {id}, but vocab.json gives it {v}",
+                    token.content
+                )))
+            }
+            // The BOS/EOS/pad/unk tokens are already registered (build_bpe).
+            Some(_) if registered.contains(&&token.content) => continue,
+            Some(_) => {}
+            None => {
+                if let Some((other, _)) = vocab.iter().find(|(_, &v)| v == id) {
+                    return Err(clash(format!(
+                        "added token {:?} has id {id}, which vocab.json gives to {other:?}",
+                        token.content
+                    )));
+                }
+                // In the model's vocabulary the token keeps the id the file gives it (the
+                // tokenizers crate would number it itself); no merge produces it, so BPE never
+                // emits it: only the added-token match does.
+                vocab.insert(token.content.clone(), id);
+            }
+        }
+        extra.push(token);
+    }
+    let mut tokenizer = build_bpe(vocab, merges, special, dir)?;
+    tokenizer.add_tokens(&extra);
+    Ok(tokenizer)
+}
+
+/// An added token and where it was read from: `(token, id, file)`.
+type Added = (AddedToken, u32, PathBuf);
+
+/// The added tokens of a slow-tokenizer folder (module header): `added_tokens_decoder` when
+/// `tokenizer_config.json` has one (and `added_tokens.json` must agree with it), otherwise
+/// `added_tokens.json`, whose tokens are special only if they are the BOS/EOS/pad/unk token
+/// (transformers' `from_pretrained`).
+fn read_added_tokens(dir: &Path, special: &SpecialTokens) -> Result<Vec<Added>, TokenizerError> {
+    let json_path = dir.join("added_tokens.json");
+    let from_json = read_added_tokens_json(&json_path)?;
+    let cfg_path = dir.join("tokenizer_config.json");
+    let decoder = match read_json(&cfg_path)? {
+        Some(cfg) => match cfg.get("added_tokens_decoder") {
+            None | Some(Value::Null) => None,
+            Some(v) => Some(parse_added_tokens_decoder(v, &cfg_path)?),
+        },
+        None => None,
+    };
+    let Some(decoder) = decoder else {
+        let roles = [&special.bos, &special.eos, &special.pad, &special.unk];
+        return Ok(from_json
+            .into_iter()
+            .map(|(content, id)| {
+                let is_special = roles.contains(&&content);
+                (AddedToken::from(content, is_special), id, json_path.clone())
+            })
+            .collect());
+    };
+    // Both files list the same tokens (transformers ≥ 4.34 writes both); transformers reads only
+    // added_tokens_decoder, so a disagreement would silently change ids: refuse it.
+    for (content, id) in &from_json {
+        let listed = decoder.iter().find(|(t, _, _)| &t.content == content);
+        if listed.map(|(_, i, _)| i) != Some(id) {
+            let there = match (listed, decoder.iter().find(|(_, i, _)| i == id)) {
+                (Some((_, i, _)), _) => format!("gives it id {i}"),
+                (None, Some((t, _, _))) => format!("gives id {id} to {:?}", t.content),
+                (None, None) => "does not list it".to_string(),
+            };
+            return Err(TokenizerError::Invalid {
+                path: json_path,
+                message: format!(
+                    "added token {content:?} has id {id}, but the added_tokens_decoder of {} \
+                     {there}",
+                    cfg_path.display()
+                ),
+            });
+        }
+    }
+    Ok(decoder)
+}
+
+/// `added_tokens.json`: `{"<sks>": 49408, …}`, in id order; empty when the file is absent.
+fn read_added_tokens_json(path: &Path) -> Result<Vec<(String, u32)>, TokenizerError> {
+    let Some(value) = read_json(path)? else {
+        return Ok(Vec::new());
+    };
+    let map: HashMap<String, u32> =
+        serde_json::from_value(value).map_err(|source| TokenizerError::Json {
+            path: path.to_path_buf(),
+            source,
+        })?;
+    let mut tokens: Vec<(String, u32)> = map.into_iter().collect();
+    tokens.sort_by(|a, b| (a.1, &a.0).cmp(&(b.1, &b.0)));
+    if let Some(w) = tokens.windows(2).find(|w| w[0].1 == w[1].1) {
+        return Err(TokenizerError::Invalid {
+            path: path.to_path_buf(),
+            message: format!("{:?} and {:?} both have id {}", w[0].0, w[1].0, w[0].1),
+        });
+    }
+    Ok(tokens)
+}
+
+/// `added_tokens_decoder`: `{"49408": {"content": "<sks>", "normalized": true, …}, …}`, in id
+/// order. Flags missing from an entry take transformers' `AddedToken` defaults.
+fn parse_added_tokens_decoder(v: &Value, path: &Path) -> Result<Vec<Added>, TokenizerError> {
+    let invalid = |message: String| TokenizerError::Invalid {
+        path: path.to_path_buf(),
+        message: format!("field `added_tokens_decoder`: {message}"),
+    };
+    let Some(map) = v.as_object() else {
+        return Err(invalid(format!("expected an object, got {v}")));
+    };
+    let mut tokens = Vec::with_capacity(map.len());
+    for (key, entry) in map {
+        let id: u32 = key
+            .parse()
+            .map_err(|_| invalid(format!("key {key:?} is not a token id")))?;
+        let Some(content) = entry.get("content").and_then(Value::as_str) else {
+            return Err(invalid(format!("entry {key} has no string `content`")));
+        };
+        let flag = |name: &str, default: bool| match entry.get(name) {
+            None | Some(Value::Null) => Ok(default),
+            Some(Value::Bool(b)) => Ok(*b),
+            Some(other) => Err(invalid(format!(
+                "entry {key}: `{name}` should be true or false, got {other}"
+            ))),
+        };
+        let is_special = flag("special", false)?;
+        let token = AddedToken::from(content, is_special)
+            .normalized(flag("normalized", !is_special)?)
+            .lstrip(flag("lstrip", false)?)
+            .rstrip(flag("rstrip", false)?)
+            .single_word(flag("single_word", false)?);
+        tokens.push((token, id, path.to_path_buf()));
+    }
+    tokens.sort_by_key(|t| t.1);
+    let mut seen: HashMap<&str, u32> = HashMap::new();
+    for (token, id, _) in &tokens {
+        if let Some(first) = seen.insert(&token.content, *id) {
+            return Err(invalid(format!(
+                "{:?} is listed with ids {first} and {id}",
+                token.content
+            )));
+        }
+    }
+    Ok(tokens)
+}
+
+/// A `tokenizer.json` holds its own added tokens; an `added_tokens.json` beside it (transformers
+/// 4.x saves both for a fast tokenizer) must give them the same ids. A token it lists that
+/// `tokenizer.json` lacks is added, as transformers does, if its id is the next free one.
+fn merge_added_tokens_json(
+    tokenizer: &mut Tokenizer,
+    dir: &Path,
+    special: &SpecialTokens,
+) -> Result<(), TokenizerError> {
+    let path = dir.join("added_tokens.json");
+    let roles = [&special.bos, &special.eos, &special.pad, &special.unk];
+    for (content, id) in read_added_tokens_json(&path)? {
+        let have = tokenizer.token_to_id(&content);
+        if have.is_none() && id as usize == tokenizer.get_vocab_size(true) {
+            let is_special = roles.contains(&&content);
+            tokenizer.add_tokens(&[AddedToken::from(content.clone(), is_special)]);
+            continue;
+        }
+        if have != Some(id) {
+            let there = match have {
+                Some(h) => format!("gives it id {h}"),
+                None => format!(
+                    "does not have it (and its next free id is {})",
+                    tokenizer.get_vocab_size(true)
+                ),
+            };
+            return Err(TokenizerError::Invalid {
+                path,
+                message: format!(
+                    "added token {content:?} has id {id}, but {} {there}",
+                    dir.join("tokenizer.json").display()
+                ),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// The CLIP tokenizer of `vocab` and `merges` (module header); `dir` names the origin in errors.
