@@ -24,6 +24,7 @@ pub mod model;
 pub mod nn;
 pub mod optim;
 pub mod precision;
+pub mod py_json;
 pub mod run_layout;
 pub mod sample;
 pub mod tensor_view;

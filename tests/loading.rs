@@ -422,3 +422,39 @@ fn local_folder_spec_resolves_to_itself() {
     assert_eq!(resolved.path, dir);
     assert_eq!(resolved.origin, Origin::Local);
 }
+
+/// Configs as the real models and Python write them: SDXL-base's `"upcast_attention": null` and
+/// the `-Infinity` Python's `json` writes for a DPM-Solver scheduler's `lambda_min_clipped`.
+/// The model opens, its UNet config and noise schedule read, and the sampler configs build.
+/// Catches a strict parser (the model could not be used at all) or a null refused.
+#[test]
+fn configs_with_python_s_nulls_and_infinities_load() {
+    use sdtrain::diffusion::NoiseSchedule;
+    use sdtrain::model::unet::UnetConfig;
+    let (_tmp, dir) = fixture_copy("tiny-sd15");
+    let edit = |rel: &str, f: &dyn Fn(&mut serde_json::Value)| {
+        let path = dir.join(rel);
+        let mut v: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        f(&mut v);
+        std::fs::write(&path, serde_json::to_string_pretty(&v).unwrap()).unwrap();
+    };
+    edit("unet/config.json", &|v| {
+        v["upcast_attention"] = serde_json::Value::Null
+    });
+    edit("scheduler/scheduler_config.json", &|v| {
+        v["_class_name"] = "DPMSolverMultistepScheduler".into();
+        v["lambda_min_clipped"] = "@".into();
+    });
+    let path = dir.join("scheduler/scheduler_config.json");
+    let text = std::fs::read_to_string(&path).unwrap();
+    std::fs::write(&path, text.replace("\"@\"", "-Infinity")).unwrap();
+
+    let layout = ModelLayout::read(&dir, None).unwrap();
+    assert_eq!(layout.family, ModelFamily::Sd1);
+    let cfg = UnetConfig::from_file(&dir.join("unet/config.json")).unwrap();
+    assert!(!cfg.upcast_attention);
+    NoiseSchedule::from_file(&path).unwrap();
+    let sched = sdtrain::sample::scheduler_config::SchedulerConfig::from_layout(&layout).unwrap();
+    assert_eq!(sched.dpm.lambda_min_clipped, Some(f64::MIN));
+}

@@ -45,6 +45,7 @@ const LAYERS: &[&[&str]] = &[
         "run_layout",
         "error_chain",
         "console",
+        "py_json",
     ],
 ];
 

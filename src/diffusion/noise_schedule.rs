@@ -161,10 +161,11 @@ impl NoiseSchedule {
             path: path.to_path_buf(),
             source,
         })?;
-        let config: Value = serde_json::from_str(&text).map_err(|source| ScheduleError::Json {
-            path: path.to_path_buf(),
-            source,
-        })?;
+        let config: Value =
+            crate::py_json::from_str(&text).map_err(|source| ScheduleError::Json {
+                path: path.to_path_buf(),
+                source,
+            })?;
         Self::from_config(&config, path)
     }
 

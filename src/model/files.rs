@@ -679,7 +679,7 @@ pub fn read_json(path: &Path) -> Result<Value, FilesError> {
             }
         }
     })?;
-    serde_json::from_str(&text).map_err(|source| FilesError::Json {
+    crate::py_json::from_str(&text).map_err(|source| FilesError::Json {
         path: path.to_path_buf(),
         source,
     })

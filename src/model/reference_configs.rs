@@ -20,7 +20,7 @@ pub const SDXL_UNET: &str = r#"{"addition_embed_type":"text_time","addition_time
   "down_block_types":["DownBlock2D","CrossAttnDownBlock2D","CrossAttnDownBlock2D"],
   "projection_class_embeddings_input_dim":2816,"sample_size":128,"transformer_layers_per_block":[1,2,10],
   "up_block_types":["CrossAttnUpBlock2D","CrossAttnUpBlock2D","UpBlock2D"],"use_linear_projection":true,
-  "num_attention_heads":null,"class_embed_type":null}"#;
+  "num_attention_heads":null,"class_embed_type":null,"upcast_attention":null}"#;
 
 /// runwayml/stable-diffusion-v1-5 `text_encoder/config.json` (CLIP ViT-L/14 text).
 pub const CLIP_L: &str = r#"{"hidden_act":"quick_gelu","hidden_size":768,"intermediate_size":3072,

@@ -217,4 +217,31 @@ mod tests {
             assert!(SamplerKind::Ddim.build(&cfg, steps.min(10)).is_ok());
         }
     }
+
+    /// The configs diffusers writes for UniPC and DEIS (a model may ship either) build every
+    /// sampler: their `solver_type` (`bh2`, `logrho`) is DPM-Solver's `midpoint`, as diffusers'
+    /// DPM-Solver classes map it. Catches the DPM field check refusing the whole file.
+    #[test]
+    fn unipc_and_deis_configs_build_every_sampler() {
+        for extra in [
+            serde_json::json!({"solver_type": "bh2", "predict_x0": true, "disable_corrector": [],
+                "solver_p": null, "solver_order": 2, "lower_order_final": true}),
+            serde_json::json!({"solver_type": "logrho", "algorithm_type": "deis",
+                "solver_order": 2, "lower_order_final": true}),
+        ] {
+            let cfg = test_config(extra.clone());
+            assert_eq!(cfg.dpm.heun, Some(false), "{extra}");
+            for name in [
+                "ddim",
+                "euler",
+                "euler_a",
+                "dpm++_2m",
+                "dpm++_2m_k",
+                "dpm++_2s",
+            ] {
+                let kind = SamplerKind::parse(name).unwrap();
+                assert!(kind.build(&cfg, 10).is_ok(), "{name} on {extra}");
+            }
+        }
+    }
 }

@@ -234,7 +234,12 @@ impl SchedulerConfig {
                         .ok_or_else(|| bad("solver_order", "is not 1, 2 or 3"))
                 })
                 .transpose()?,
-            heun: choice("solver_type", "heun", "midpoint")?,
+            // UniPC's `bh1`/`bh2` and DEIS's `logrho` are what diffusers' DPM-Solver classes
+            // turn into `midpoint` when built from those classes' configs.
+            heun: match field("solver_type").and_then(Value::as_str) {
+                Some("bh1" | "bh2" | "logrho") => Some(false),
+                _ => choice("solver_type", "heun", "midpoint")?,
+            },
             lower_order_final: flag("lower_order_final")?,
             euler_at_final: flag("euler_at_final")?,
             final_sigma_min: choice("final_sigmas_type", "sigma_min", "zero")?,

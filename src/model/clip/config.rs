@@ -104,7 +104,7 @@ impl ClipTextConfig {
     /// Parses `json`; `origin` is the file name used in errors.
     pub fn from_json(json: &str, origin: &Path) -> Result<Self, ClipConfigError> {
         let raw: RawClipTextConfig =
-            serde_json::from_str(json).map_err(|source| ClipConfigError::Parse {
+            crate::py_json::from_str(json).map_err(|source| ClipConfigError::Parse {
                 path: origin.to_path_buf(),
                 source,
             })?;

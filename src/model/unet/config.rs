@@ -92,9 +92,12 @@ struct RawUnetConfig {
     in_channels: usize,
     #[serde(default = "default_4")]
     out_channels: usize,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "crate::py_json::null_is_false")]
     center_input_sample: bool,
-    #[serde(default = "default_true")]
+    #[serde(
+        default = "default_true",
+        deserialize_with = "crate::py_json::null_is_false"
+    )]
     flip_sin_to_cos: bool,
     #[serde(default)]
     freq_shift: usize,
@@ -125,15 +128,15 @@ struct RawUnetConfig {
     #[serde(default = "default_8")]
     attention_head_dim: OneOrMany,
     num_attention_heads: Option<OneOrMany>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "crate::py_json::null_is_false")]
     dual_cross_attention: bool,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "crate::py_json::null_is_false")]
     use_linear_projection: bool,
     class_embed_type: Option<String>,
     addition_embed_type: Option<String>,
     addition_time_embed_dim: Option<usize>,
     projection_class_embeddings_input_dim: Option<usize>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "crate::py_json::null_is_false")]
     upcast_attention: bool,
     #[serde(default = "default_default")]
     resnet_time_scale_shift: String,
@@ -210,7 +213,7 @@ impl UnetConfig {
     /// Parses `text`; `origin` names the file in errors.
     pub fn from_json(text: &str, origin: &str) -> Result<Self, UnetConfigError> {
         let raw: RawUnetConfig =
-            serde_json::from_str(text).map_err(|source| UnetConfigError::Parse {
+            crate::py_json::from_str(text).map_err(|source| UnetConfigError::Parse {
                 path: origin.to_string(),
                 source,
             })?;
@@ -492,7 +495,7 @@ mod tests {
         "down_block_types":["DownBlock2D","CrossAttnDownBlock2D","CrossAttnDownBlock2D"],
         "projection_class_embeddings_input_dim":2816,"sample_size":128,"transformer_layers_per_block":[1,2,10],
         "up_block_types":["CrossAttnUpBlock2D","CrossAttnUpBlock2D","UpBlock2D"],"use_linear_projection":true,
-        "num_attention_heads":null,"class_embed_type":null}"#;
+        "num_attention_heads":null,"class_embed_type":null,"upcast_attention":null}"#;
 
     #[test]
     fn sd15_heads_come_from_attention_head_dim() {
@@ -515,6 +518,27 @@ mod tests {
         assert_eq!(tl, vec![1, 2, 10]);
         let tt = c.text_time.unwrap();
         assert_eq!((tt.time_embed_dim, tt.input_dim), (256, 2816));
+    }
+
+    /// A null boolean reads as false, as diffusers' constructor takes `None` (SDXL-base ships
+    /// `"upcast_attention": null`); an absent one keeps its default (`flip_sin_to_cos` true).
+    /// Catches a null refused (SDXL-base then cannot be trained) or read as the default.
+    #[test]
+    fn null_booleans_read_as_false() {
+        assert!(
+            !UnetConfig::from_json(SDXL, "sdxl")
+                .unwrap()
+                .upcast_attention
+        );
+        assert!(UnetConfig::from_json(SD15, "sd15").unwrap().flip_sin_to_cos);
+        let nulls = SD15.replace(
+            "\"flip_sin_to_cos\":true",
+            "\"flip_sin_to_cos\":null,\"use_linear_projection\":null,\"dual_cross_attention\":null",
+        );
+        let c = UnetConfig::from_json(&nulls, "sd15").unwrap();
+        assert!(!c.flip_sin_to_cos && !c.use_linear_projection);
+        let bad = SD15.replace("\"center_input_sample\":false", "\"center_input_sample\":1");
+        assert!(UnetConfig::from_json(&bad, "c").is_err());
     }
 
     #[test]

@@ -78,13 +78,25 @@ pub struct VaeConfig {
     #[serde(default)]
     pub latents_std: Option<Vec<f64>>,
     /// True where the VAE overflows in f16 (SD1.x/SDXL); the caller decides what to do with it.
-    #[serde(default = "default_true")]
+    #[serde(
+        default = "default_true",
+        deserialize_with = "crate::py_json::null_is_false"
+    )]
     pub force_upcast: bool,
-    #[serde(default = "default_true")]
+    #[serde(
+        default = "default_true",
+        deserialize_with = "crate::py_json::null_is_false"
+    )]
     pub use_quant_conv: bool,
-    #[serde(default = "default_true")]
+    #[serde(
+        default = "default_true",
+        deserialize_with = "crate::py_json::null_is_false"
+    )]
     pub use_post_quant_conv: bool,
-    #[serde(default = "default_true")]
+    #[serde(
+        default = "default_true",
+        deserialize_with = "crate::py_json::null_is_false"
+    )]
     pub mid_block_add_attention: bool,
 }
 
@@ -164,7 +176,7 @@ impl VaeConfig {
 
     /// Parses and validates `text`; `origin` names where it came from in errors.
     pub fn from_json(text: &str, origin: &Path) -> Result<Self, VaeConfigError> {
-        let cfg: Self = serde_json::from_str(text).map_err(|source| VaeConfigError::Parse {
+        let cfg: Self = crate::py_json::from_str(text).map_err(|source| VaeConfigError::Parse {
             path: origin.to_path_buf(),
             source,
         })?;
@@ -245,6 +257,13 @@ mod tests {
         assert_eq!(cfg.scaling_factor, 0.18215);
         assert_eq!(cfg.shift_factor, None);
         assert!(cfg.use_quant_conv && cfg.use_post_quant_conv && cfg.mid_block_add_attention);
+        // null is Python's None: false in diffusers' constructor, not the default.
+        let cfg: VaeConfig = serde_json::from_str(
+            r#"{"use_quant_conv": null, "force_upcast": null, "mid_block_add_attention": null}"#,
+        )
+        .unwrap();
+        assert!(!cfg.use_quant_conv && !cfg.force_upcast && !cfg.mid_block_add_attention);
+        assert!(cfg.use_post_quant_conv);
         assert_eq!(cfg.downscale_factor(), 1);
         cfg.validate("test").unwrap();
     }

@@ -1,0 +1,80 @@
+//! JSON as Python's `json` module writes it. Python writes the non-finite floats as the bare
+//! tokens `NaN`, `Infinity` and `-Infinity`, which strict JSON lacks: diffusers' DPM-Solver
+//! scheduler configs hold `"lambda_min_clipped": -Infinity`, so a model shipped with a DPM++
+//! scheduler has a `scheduler_config.json` that strict parsers refuse. Outside strings, the
+//! infinities read as the largest finite numbers of their sign and `NaN` as null; everything
+//! else is strict JSON.
+
+use std::borrow::Cow;
+
+/// `text` with Python's non-finite tokens outside strings replaced (borrowed when it has none).
+pub fn finite(text: &str) -> Cow<'_, str> {
+    const TOKENS: [(&str, &str); 3] = [
+        ("-Infinity", "-1.7976931348623157e308"),
+        ("Infinity", "1.7976931348623157e308"),
+        ("NaN", "null"),
+    ];
+    if !text.contains("Infinity") && !text.contains("NaN") {
+        return Cow::Borrowed(text);
+    }
+    let mut out = String::with_capacity(text.len() + 32);
+    let mut in_string = false;
+    let mut escaped = false;
+    let mut rest = text;
+    while let Some(c) = rest.chars().next() {
+        if in_string {
+            match (escaped, c) {
+                (true, _) => escaped = false,
+                (false, '\\') => escaped = true,
+                (false, '"') => in_string = false,
+                _ => {}
+            }
+        } else if c == '"' {
+            in_string = true;
+        } else if let Some((token, with)) = TOKENS.iter().find(|(t, _)| rest.starts_with(t)) {
+            out.push_str(with);
+            rest = &rest[token.len()..];
+            continue;
+        }
+        out.push(c);
+        rest = &rest[c.len_utf8()..];
+    }
+    Cow::Owned(out)
+}
+
+/// A boolean config field that may be null, read as Python reads it: null is false. diffusers
+/// passes a config's null to the model's constructor as `None`, which its `if` tests take for
+/// false (SDXL's `unet/config.json` holds `"upcast_attention": null`). Use with
+/// `#[serde(default = "…", deserialize_with = "crate::py_json::null_is_false")]`: an absent
+/// field still takes the constructor's default.
+pub fn null_is_false<'de, D: serde::Deserializer<'de>>(d: D) -> Result<bool, D::Error> {
+    Ok(<Option<bool> as serde::Deserialize>::deserialize(d)?.unwrap_or(false))
+}
+
+/// Parses `text` as JSON, reading Python's non-finite tokens ([`finite`]).
+pub fn from_str<T: serde::de::DeserializeOwned>(text: &str) -> serde_json::Result<T> {
+    serde_json::from_str(&finite(text))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::Value;
+
+    /// What Python's `json.dumps` writes for a DPM-Solver config reads as the finite bounds, and
+    /// the same tokens inside strings (and after escaped quotes) are left alone. Catches a
+    /// replacement inside strings, or `-Infinity` read as `-` then `Infinity`.
+    #[test]
+    fn python_s_non_finite_tokens_read_outside_strings_only() {
+        let text = r#"{"lambda_min_clipped": -Infinity, "x": Infinity, "y": [NaN, 1],
+            "s": "NaN and -Infinity \" Infinity", "t": "caf\u00e9 Infinity"}"#;
+        let v: Value = from_str(text).unwrap();
+        assert_eq!(v["lambda_min_clipped"].as_f64(), Some(f64::MIN));
+        assert_eq!(v["x"].as_f64(), Some(f64::MAX));
+        assert_eq!(v["y"], serde_json::json!([null, 1]));
+        assert_eq!(v["s"], "NaN and -Infinity \" Infinity");
+        assert_eq!(v["t"], "café Infinity");
+        assert!(matches!(finite(r#"{"a": 1}"#), Cow::Borrowed(_)));
+        assert!(from_str::<Value>("{\"a\": Inf}").is_err());
+    }
+}
