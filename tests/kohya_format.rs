@@ -410,6 +410,32 @@ fn missing_alpha_means_alpha_equals_rank() {
     assert!(file.metadata.is_empty());
 }
 
+/// An alpha stored as int64 (kohya's `svd_merge_lora.py` stores the new rank so) or f64 reads as
+/// its value, as kohya, A1111 and ComfyUI read it (`alpha.item()`). Catches such files refused,
+/// or an integer's bytes read as a float.
+#[test]
+fn integer_and_f64_alphas_read_as_their_value() {
+    let dir = tempfile::tempdir().unwrap();
+    for (alpha, want) in [
+        (Tensor::new(3i64, &Device::Cpu).unwrap(), 3.0),
+        (Tensor::new(&[12i64], &Device::Cpu).unwrap(), 12.0),
+        (Tensor::new(2.5f64, &Device::Cpu).unwrap(), 2.5),
+    ] {
+        let path = dir.path().join("merged.safetensors");
+        write_raw(
+            &path,
+            &[
+                (&format!("{Q_NAME}.lora_down.weight"), randn(&[6, 8], 7)),
+                (&format!("{Q_NAME}.lora_up.weight"), randn(&[8, 6], 8)),
+                (&format!("{Q_NAME}.alpha"), alpha),
+            ],
+        );
+        let file = load_kohya(&path, &Device::Cpu).unwrap();
+        assert_eq!(file.modules[0].alpha, want);
+        assert!(file.modules[0].alpha_in_file);
+    }
+}
+
 #[test]
 fn mismatched_pair_is_rejected_on_load() {
     let dir = tempfile::tempdir().unwrap();

@@ -68,7 +68,7 @@ pub enum KohyaError {
     },
     #[error("kohya files are written as f16, bf16 or f32, not {0:?}")]
     SaveDtype(DType),
-    #[error("{}: tensor `{name}` has dtype {dtype:?}; only F16, BF16 and F32 are read", path.display())]
+    #[error("{}: tensor `{name}` has dtype {dtype:?}; only F16, BF16, F32 and F64 are read (and integer alphas)", path.display())]
     LoadDtype {
         path: PathBuf,
         name: String,
@@ -436,6 +436,11 @@ fn decode(
             .chunks_exact(4)
             .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
             .collect(),
+        // Some merge tools keep f64 (a scale, or weights computed in double).
+        StDtype::F64 => data
+            .chunks_exact(8)
+            .map(|c| f64::from_le_bytes(c.try_into().unwrap_or([0; 8])) as f32)
+            .collect(),
         dtype => {
             return Err(KohyaError::LoadDtype {
                 path: path.to_path_buf(),
@@ -654,6 +659,38 @@ fn read_alpha(path: &Path, key: &str, view: &TensorView<'_>) -> Result<f32, Kohy
             name: key.to_string(),
             shape: view.shape().to_vec(),
         });
+    }
+    // kohya's svd_merge_lora.py stores the new rank as an int64 alpha; kohya, A1111 and
+    // ComfyUI read any number (`alpha.item()`).
+    let d = view.data();
+    let int = |n: usize| -> Option<f32> {
+        let b = d.get(..n)?;
+        let mut w = [0u8; 8];
+        w[..n].copy_from_slice(b);
+        // Sign-extend from the top byte of the stored width.
+        if b[n - 1] & 0x80 != 0 {
+            w[n..].fill(0xff);
+        }
+        Some(i64::from_le_bytes(w) as f32)
+    };
+    let uint = |n: usize| -> Option<f32> {
+        let mut w = [0u8; 8];
+        w[..n].copy_from_slice(d.get(..n)?);
+        Some(u64::from_le_bytes(w) as f32)
+    };
+    let integer = match view.dtype() {
+        StDtype::I64 => int(8),
+        StDtype::I32 => int(4),
+        StDtype::I16 => int(2),
+        StDtype::I8 => int(1),
+        StDtype::U64 => uint(8),
+        StDtype::U32 => uint(4),
+        StDtype::U16 => uint(2),
+        StDtype::U8 => uint(1),
+        _ => None,
+    };
+    if let Some(alpha) = integer {
+        return Ok(alpha);
     }
     let t = decode(path, key, view, &Device::Cpu)?;
     Ok(t.flatten_all()
