@@ -93,8 +93,53 @@ pub fn save_points(run: &Path) -> Vec<(usize, PathBuf)> {
     out
 }
 
-/// The newest run folder under `output_dir` with a complete save point (EveryDream2's
-/// `findlast`): the one whose newest save point was written last.
+/// EveryDream2's `findlast`: the newest saved diffusers model under `output_dir` (a folder
+/// holding `model_index.json`, newest by that file's time, searched `depth` levels down: a run's
+/// `final/`, `epoch-NNNN/` or `step-NNNNNN/`): an EMA copy (`-ema`/`_ema`) when `ema`, else
+/// not. `Err` when the newest is an errored save (EveryDream2 stops there too), `Ok(None)` when
+/// there is none.
+pub fn find_last_model(
+    output_dir: &Path,
+    depth: usize,
+    ema: bool,
+) -> Result<Option<PathBuf>, String> {
+    type Best = Option<(std::time::SystemTime, PathBuf)>;
+    fn walk(dir: &Path, depth: usize, want_ema: bool, best: &mut Best) {
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            return;
+        };
+        for path in entries.filter_map(|e| e.ok().map(|e| e.path())) {
+            if !path.is_dir() {
+                continue;
+            }
+            let name = path.file_name().map(|n| n.to_string_lossy().into_owned());
+            let ema = name.is_some_and(|n| n.ends_with("-ema") || n.ends_with("_ema"));
+            let index = path.join("model_index.json");
+            match std::fs::metadata(&index).and_then(|m| m.modified()) {
+                Ok(t) if ema == want_ema && best.as_ref().is_none_or(|(b, _)| t > *b) => {
+                    *best = Some((t, path.clone()))
+                }
+                Ok(_) => {}
+                Err(_) if depth > 1 => walk(&path, depth - 1, want_ema, best),
+                Err(_) => {}
+            }
+        }
+    }
+    let mut best = None;
+    walk(output_dir, depth, ema, &mut best);
+    match best {
+        Some((_, p)) if p.to_string_lossy().contains("errored") => Err(format!(
+            "the newest saved model under {} is {}, saved when a run failed; give the model \
+             to start from",
+            output_dir.display(),
+            p.display()
+        )),
+        found => Ok(found.map(|(_, p)| p)),
+    }
+}
+
+/// The newest run folder under `output_dir` with a complete save point (`resume_ckpt:
+/// "last_run"`): the one whose newest save point was written last.
 pub fn find_last_run(output_dir: &Path) -> Option<PathBuf> {
     let entries = std::fs::read_dir(output_dir).ok()?;
     entries

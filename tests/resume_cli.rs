@@ -246,9 +246,9 @@ fn a_random_seed_is_restored_on_resume() {
 }
 
 /// `checkpoints_total_limit` keeps the newest save points and the step saves that go with them;
-/// `resume_ckpt: "findlast"` finds the run.
+/// `resume_ckpt: "last_run"` finds the run.
 #[test]
-fn old_save_points_are_pruned_and_findlast_resumes() {
+fn old_save_points_are_pruned_and_last_run_resumes() {
     let tmp = tempfile::tempdir().unwrap();
     let extra = serde_json::json!({"mode": "lora", "checkpoints_total_limit": 1});
     let cfg = config(tmp.path(), extra);
@@ -264,14 +264,14 @@ fn old_save_points_are_pruned_and_findlast_resumes() {
     // Save points at steps 2, 4 and 6 (the end of a run with save points on leaves one):
     // only the newest stays, and the step saves of 2 and 4 went with theirs.
     assert_eq!(names, ["state-step-000006"]);
-    // The run is finished: findlast resumes at its end, step 6, with nothing left to train.
+    // The run is finished: last_run resumes at its end, step 6, with nothing left to train.
     let out = sdtrain(
         &[
             "--config",
             cfg.to_str().unwrap(),
             "--cpu",
             "--set",
-            "resume_ckpt=findlast",
+            "resume_ckpt=last_run",
         ],
         tmp.path(),
     );
@@ -279,4 +279,69 @@ fn old_save_points_are_pruned_and_findlast_resumes() {
     assert!(text(&out).contains("at step 6"), "{}", text(&out));
     let steps: Vec<u64> = losses(&run).iter().map(|l| l.0).collect();
     assert_eq!(steps, vec![1, 2, 3, 4, 5, 6]);
+}
+
+/// EveryDream2's chaining: `resume_ckpt: "findlast"` starts a **new** run (its own folder and
+/// settings, here without the text encoder) from the newest diffusers model saved under
+/// `output_dir`, and leaves the first run's folder as it was. An adapter-only output has no
+/// model to find, and says so. Catches findlast resuming the old run (it then trained nothing,
+/// or trained on in the first run's folder and overwrote its `final/`).
+#[test]
+fn findlast_starts_a_new_run_from_the_newest_saved_model() {
+    let tmp = tempfile::tempdir().unwrap();
+    let first = config(
+        tmp.path(),
+        serde_json::json!({"mode": "full", "max_steps": 2, "save_every_n_steps": null}),
+    );
+    let out = sdtrain(&["--config", first.to_str().unwrap(), "--cpu"], tmp.path());
+    assert!(out.status.success(), "{}", text(&out));
+    let run1 = run_folder(tmp.path());
+    let final1 = run1.join("final/unet/diffusion_pytorch_model.safetensors");
+    let before = std::fs::read(&final1).unwrap();
+    let out = sdtrain(
+        &[
+            "--config",
+            first.to_str().unwrap(),
+            "--cpu",
+            "--set",
+            "resume_ckpt=findlast",
+            "--set",
+            "disable_textenc_training=true",
+            "--set",
+            "max_steps=1",
+        ],
+        tmp.path(),
+    );
+    assert!(out.status.success(), "{}", text(&out));
+    let runs: Vec<PathBuf> = std::fs::read_dir(tmp.path().join("out"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p != &run1)
+        .collect();
+    assert_eq!(runs.len(), 1, "a second run folder");
+    let plan: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(runs[0].join("plan.json")).unwrap()).unwrap();
+    assert_eq!(
+        Path::new(plan["model"].as_str().unwrap()),
+        std::path::absolute(run1.join("final")).unwrap()
+    );
+    assert_eq!(losses(&runs[0]).len(), 1);
+    assert_eq!(
+        std::fs::read(&final1).unwrap(),
+        before,
+        "run 1's model kept"
+    );
+
+    let lora = tmp.path().join("lora");
+    let cfg = config(
+        &lora,
+        serde_json::json!({"mode": "lora", "resume_ckpt": "findlast"}),
+    );
+    let out = sdtrain(&["--config", cfg.to_str().unwrap(), "--cpu"], tmp.path());
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(
+        text(&out).contains("holds no saved diffusers model"),
+        "{}",
+        text(&out)
+    );
 }

@@ -534,7 +534,8 @@ fn resolve_train_unet(
 }
 
 /// `ema_resume_model`: a local path (made absolute) or a hub id. EveryDream2's `"findlast"` is the
-/// save point's EMA, which a resumed run continues anyway.
+/// newest EMA model saved under `output_dir` (a `-ema` folder), or in a resumed run the save
+/// point's EMA, which it continues anyway.
 fn resolve_ema_resume(
     file: &TrainFile,
     ctx: &Ctx<'_>,
@@ -555,15 +556,22 @@ fn resolve_ema_resume(
         return Err(ctx.invalid(field, "is empty".to_string()));
     }
     if raw == "findlast" {
-        return match resuming {
-            true => Ok(None),
-            false => Err(ctx.invalid(
+        if resuming {
+            return Ok(None);
+        }
+        let out = ctx.output_path("output_dir", file.output_dir.as_deref().unwrap_or("output"))?;
+        return match crate::run_layout::find_last_model(&out, 3, true) {
+            Ok(Some(found)) => Ok(Some(ctx.absolute(field, &found)?.display().to_string())),
+            Ok(None) => Err(ctx.invalid(
                 field,
-                "is \"findlast\", the last run's EMA: resume that run (resume_ckpt: \"findlast\" \
-                 or its folder) to continue its EMA, or name the EMA weights to start from (a \
-                 `final-ema` folder, or an adapter's `-ema.safetensors` file)"
-                    .to_string(),
+                format!(
+                    "is \"findlast\", but output_dir {} holds no saved EMA model (a `-ema` \
+                     folder); name the EMA weights to start from (an adapter's \
+                     `-ema.safetensors` file), or resume the run to continue its EMA",
+                    out.display()
+                ),
             )),
+            Err(message) => Err(ctx.invalid(field, message)),
         };
     }
     match ctx.input_candidates(raw).iter().find(|p| p.exists()) {
