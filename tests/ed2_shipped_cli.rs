@@ -161,3 +161,44 @@ fn check_lr_override(dir: &Path, extra: &Value) {
         (15, &[7.0, 4.0][..], 3)
     );
 }
+
+/// EveryDream2's chain0.json (its chaining example, as shipped) still holds keys of older
+/// EveryDream2 versions (`disable_xformers`, `ed1_mode`, `lowvram`, `scale_lr`, `useadam8bit`),
+/// which EveryDream2 no longer reads and ignores. sdtrain plans it, naming each in a warning.
+/// Only the local paths change (and the empty sample_prompts.txt becomes the shipped .json, as in
+/// the test above). Catches those keys refused one per run as unknown (with
+/// `disable_xformers` taken for a typo of `disable_amp`).
+#[test]
+fn everydream2_chain_config_with_obsolete_keys_plans_with_warnings() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let mut chain: Value = serde_json::from_str(&shipped("chain0.json")).unwrap();
+    chain["resume_ckpt"] = common::fixture("tiny-sd15").display().to_string().into();
+    chain["data_root"] = demo_data().display().to_string().into();
+    std::fs::write(
+        dir.join("sample_prompts.json"),
+        shipped("sample_prompts.json"),
+    )
+    .unwrap();
+    chain["sample_prompts"] = "sample_prompts.json".into();
+    std::fs::write(
+        dir.join("chain0.json"),
+        serde_json::to_string_pretty(&chain).unwrap(),
+    )
+    .unwrap();
+    let dry = sdtrain(&["--config", "chain0.json", "--cpu", "--dry-run"], dir);
+    assert!(dry.status.success(), "{}", text(&dry));
+    for key in [
+        "disable_xformers",
+        "ed1_mode",
+        "lowvram",
+        "scale_lr",
+        "useadam8bit",
+    ] {
+        assert!(
+            text(&dry).contains(&format!("warning: chain0.json: `{key}` is a key of older")),
+            "{key}: {}",
+            text(&dry)
+        );
+    }
+}

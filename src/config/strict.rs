@@ -27,12 +27,15 @@ pub(crate) enum Accepts {
     Null,
     NullOrFalse,
     NullOrStr(&'static str),
+    /// Any value: a key EveryDream2 itself no longer reads (its shipped configs still hold it),
+    /// dropped with a warning.
+    Obsolete,
 }
 
 impl Accepts {
     fn matches(self, value: &Value) -> bool {
         match (self, value) {
-            (_, Value::Null) => true,
+            (_, Value::Null) | (Accepts::Obsolete, _) => true,
             (Accepts::NullOrFalse, Value::Bool(b)) => !b,
             (Accepts::NullOrStr(s), Value::String(v)) => v == s,
             _ => false,
@@ -44,6 +47,7 @@ impl Accepts {
             Accepts::Null => "null",
             Accepts::NullOrFalse => "false",
             Accepts::NullOrStr(s) => s,
+            Accepts::Obsolete => "anything",
         }
     }
 }
@@ -141,6 +145,14 @@ impl Section<'_> {
             let Some(value) = obj.remove(u.key) else {
                 continue;
             };
+            if matches!(u.accepts, Accepts::Obsolete) {
+                crate::console::say(format_args!(
+                    "warning: {}: `{}` {}; ignored",
+                    self.file.display(),
+                    self.path_of(u.key),
+                    u.reason
+                ));
+            }
             if !u.accepts.matches(&value) {
                 rejected.push(UnsupportedKey {
                     key: self.path_of(u.key),

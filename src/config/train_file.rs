@@ -360,7 +360,18 @@ pub(crate) const UNSUPPORTED: &[Unsupported] = &[
         Accepts::NullOrFalse,
         "wandb logging is not implemented",
     ),
+    // Keys of older EveryDream2 versions that its own chain0-2.json, trainSD21.json and
+    // cfgs/train_coco.json still hold; EveryDream2 merges a config into its arguments, so it
+    // ignores them.
+    un("disable_xformers", Accepts::Obsolete, OBSOLETE),
+    un("ed1_mode", Accepts::Obsolete, OBSOLETE),
+    un("lowvram", Accepts::Obsolete, OBSOLETE),
+    un("scale_lr", Accepts::Obsolete, OBSOLETE),
+    un("useadam8bit", Accepts::Obsolete, OBSOLETE),
 ];
+
+const OBSOLETE: &str = "is a key of older EveryDream2 versions, which EveryDream2 no longer reads \
+                        (its optimizer and memory settings live elsewhere now)";
 
 const fn un(key: &'static str, accepts: Accepts, reason: &'static str) -> Unsupported {
     Unsupported {
