@@ -216,6 +216,35 @@ fn complete_cached_snapshot_is_used_without_the_network() {
     assert!(err.to_string().contains("tiny/sd15@v1"), "{err}");
 }
 
+/// A snapshot Python's `huggingface_hub` filled with `.bin` weights (diffusers downloads `.bin`
+/// for every component when one lacks safetensors): online, the hub is asked for the
+/// safetensors the repo may have (here the request fails); offline, the pickle refusal stands.
+/// Catches the refusal returned online without a request.
+#[test]
+fn a_snapshot_holding_only_bin_weights_goes_to_the_hub_online() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cache = tmp.path().join("hub");
+    let repo = hub_cache(&cache);
+    let unet = repo.join("snapshots").join(COMMIT_MAIN).join("unet");
+    std::fs::remove_file(unet.join("diffusion_pytorch_model.safetensors")).unwrap();
+    std::fs::write(unet.join("diffusion_pytorch_model.bin"), b"pickle").unwrap();
+    let env = HubEnv {
+        offline: false,
+        endpoint: Some("http://127.0.0.1:9".to_string()),
+        ..HubEnv::offline(cache.clone())
+    };
+    let err = ModelSource::parse("tiny/sd15")
+        .unwrap()
+        .resolve_with(&env, None)
+        .unwrap_err();
+    assert!(matches!(err, SourceError::Hub { .. }), "{err}");
+    let err = ModelSource::parse("tiny/sd15")
+        .unwrap()
+        .resolve_with(&HubEnv::offline(cache), None)
+        .unwrap_err();
+    assert!(format!("{err:#}").contains("pickle"), "{err:#}");
+}
+
 #[test]
 fn incomplete_cached_snapshot_is_an_error_offline() {
     let tmp = tempfile::tempdir().unwrap();

@@ -90,6 +90,11 @@ impl FamilyError {
         }
     }
 
+    /// True when a component holds only pickle checkpoints ([`FilesError::is_pickle_only`]).
+    pub fn is_pickle_only(&self) -> bool {
+        matches!(self, FamilyError::Files(e) if e.is_pickle_only())
+    }
+
     /// True when files are absent (a partial hub download), as opposed to present but unusable.
     pub fn is_incomplete(&self) -> bool {
         match self {

@@ -5,7 +5,8 @@
 //! `text_encoder`, `text_encoder_2`) the rules here pick the safetensors to read, in this order:
 //!
 //! 1. with a variant requested (e.g. `fp16`): `<base>.<variant>.safetensors`, then the sharded
-//!    `<base>.safetensors.index.<variant>.json`;
+//!    `<base>.safetensors.index.<variant>.json` (or `<base>.safetensors.<variant>.index.json`,
+//!    as diffusers up to 0.30 named it);
 //! 2. the plain `<base>.safetensors`, then the sharded `<base>.safetensors.index.json`;
 //! 3. with no variant requested, the `fp16` variant names as a fallback when no plain file exists.
 //!
@@ -140,6 +141,13 @@ impl FilesError {
             | FilesError::Io { .. }
             | FilesError::Json { .. } => false,
         }
+    }
+
+    /// True when a component holds only pickle checkpoints: a hub snapshot that Python's
+    /// `huggingface_hub` filled with `.bin` files (diffusers downloads `.bin` for every component
+    /// when one lacks safetensors) may still have safetensors to download.
+    pub fn is_pickle_only(&self) -> bool {
+        matches!(self, FilesError::PickleOnly { .. })
     }
 }
 
@@ -391,6 +399,11 @@ fn candidates(variant: Option<&str>) -> Vec<WeightChoice> {
                     WeightChoice::Single(format!("{b}.{v}.safetensors")),
                     WeightChoice::Sharded {
                         index: format!("{b}.safetensors.index.{v}.json"),
+                    },
+                    // diffusers up to 0.30 named a sharded variant's index so (its loader
+                    // still reads it: `_fetch_index_file_legacy`).
+                    WeightChoice::Sharded {
+                        index: format!("{b}.safetensors.{v}.index.json"),
                     },
                 ]
             })
@@ -710,6 +723,22 @@ mod tests {
 
     fn names(list: &[&str]) -> Vec<String> {
         list.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn the_legacy_sharded_variant_index_is_found() {
+        // diffusers 0.30's save_pretrained(variant="fp16", max_shard_size=…).
+        let n: Vec<String> = [
+            "diffusion_pytorch_model.safetensors.fp16.index.json",
+            "diffusion_pytorch_model-00001-of-00002.fp16.safetensors",
+        ]
+        .map(String::from)
+        .to_vec();
+        let want = WeightChoice::Sharded {
+            index: "diffusion_pytorch_model.safetensors.fp16.index.json".into(),
+        };
+        assert_eq!(choose_weights("unet", &n, Some("fp16")).unwrap(), want);
+        assert_eq!(choose_weights("unet", &n, None).unwrap(), want);
     }
 
     #[test]

@@ -364,6 +364,8 @@ fn resolve_hub(
         let dir = hub_dir(commit);
         match ModelLayout::read(&dir.path, variant) {
             Ok(_) => return Ok(dir),
+            // Online, a snapshot holding only `.bin` weights may lack the safetensors the repo has.
+            Err(e) if e.is_pickle_only() && !env.offline => {}
             Err(e) if !e.is_incomplete() => return Err(e.into()),
             Err(source) if env.offline => {
                 return Err(SourceError::IncompleteOffline {
