@@ -245,6 +245,38 @@ fn diffusers_script_files_hold_the_folder_tensors_exactly() {
     }
 }
 
+/// The VAE mid-block attention's biases as diffusers' script of early 2024 wrote them, with the
+/// 1×1 conv's unit dims (`[c, 1, 1]`), read as the plain biases. Catches such files refused with
+/// a shape mismatch.
+#[test]
+fn vae_attention_biases_with_unit_dims_read_as_biases() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut all = candle_core::safetensors::load(script_file("tiny-sd15"), &Device::Cpu).unwrap();
+    let biases: Vec<String> = all
+        .keys()
+        .filter(|k| k.contains("mid.attn_1.") && k.ends_with(".bias") && !k.contains("norm"))
+        .cloned()
+        .collect();
+    assert_eq!(
+        biases.len(),
+        8,
+        "q, k, v, proj_out in the encoder and decoder"
+    );
+    for k in &biases {
+        let b = &all[k];
+        all.insert(k.clone(), b.reshape((b.dims()[0], 1, 1)).unwrap());
+    }
+    let path = tmp.path().join("unit-dims.safetensors");
+    candle_core::safetensors::save(&all, &path).unwrap();
+    let single = ModelLayout::read(&path, None).unwrap();
+    let plain = ModelLayout::read(&script_file("tiny-sd15"), None).unwrap();
+    let (got, want) = (
+        tensors(single.component(Component::Vae).unwrap()),
+        tensors(plain.component(Component::Vae).unwrap()),
+    );
+    assert_eq!(got, want);
+}
+
 /// With `model_config` the folder's configs and tokenizers are used, and the UNet, VAE and text
 /// encoders compute what the (f16-rounded) folder's do. SD1.5's detected configs compute the
 /// same too (SD2/SDXL's tiny head counts are not SD's, so detection cannot know them).

@@ -672,6 +672,15 @@ impl NameRules {
                 Some((d, true)) if shape.len() == 4 => {
                     Mapped::To(vec![(d, ViewOp::Reshape(shape[..2].to_vec()))])
                 }
+                // diffusers' conversion script of early 2024 (fixed by its #6933) wrote the
+                // mid-block attention's biases with the 1×1 conv's unit dims, `[c, 1, 1]`.
+                Some((d, false))
+                    if d.contains(".attentions.")
+                        && shape.len() > 1
+                        && shape[1..].iter().all(|&n| n == 1) =>
+                {
+                    Mapped::To(vec![(d, ViewOp::Reshape(vec![shape[0]]))])
+                }
                 Some((d, _)) => Mapped::To(vec![(d, ViewOp::Same)]),
                 None => Mapped::Unknown,
             };
