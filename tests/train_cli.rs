@@ -807,3 +807,60 @@ fn validation_loss_is_logged_and_repeats_exactly() {
     );
     assert_eq!(out.status.code(), Some(2), "{}", text(&out));
 }
+
+/// `variant` reads a folder's `<base>.<variant>.safetensors` weights, as diffusers'
+/// `from_pretrained(variant=…)`: a folder holding only bf16-variant files trains with
+/// `variant: "bf16"` and is refused without it (only `fp16` is a fallback). A single file takes
+/// no variant. Catches the key not reaching the model's loading (the run is refused).
+#[test]
+fn variant_reads_a_folder_s_variant_weights() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("bf16-only");
+    common::copy_dir(&common::fixture("tiny-sd15"), &model);
+    for (folder, base) in [
+        ("unet", "diffusion_pytorch_model"),
+        ("vae", "diffusion_pytorch_model"),
+        ("text_encoder", "model"),
+    ] {
+        let dir = model.join(folder);
+        std::fs::rename(
+            dir.join(format!("{base}.safetensors")),
+            dir.join(format!("{base}.bf16.safetensors")),
+        )
+        .unwrap();
+    }
+    let cfg = write_config(
+        tmp.path(),
+        "tiny-sd15",
+        &demo_data(),
+        serde_json::json!({"model": model, "max_steps": 1, "mode": "lora"}),
+    );
+    let out = sdtrain(&["--config", cfg.to_str().unwrap(), "--cpu"], tmp.path());
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    let set = [
+        "--config",
+        cfg.to_str().unwrap(),
+        "--cpu",
+        "--set",
+        "variant=bf16",
+    ];
+    let out = sdtrain(&set, tmp.path());
+    assert!(out.status.success(), "{}", text(&out));
+
+    let file = common::fixture("single-file").join("tiny-sd15.safetensors");
+    let set_model = format!("model={}", file.display());
+    let out = sdtrain(
+        &[
+            "--config",
+            cfg.to_str().unwrap(),
+            "--cpu",
+            "--set",
+            "variant=bf16",
+            "--set",
+            &set_model,
+        ],
+        tmp.path(),
+    );
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(text(&out).contains("variant `bf16`"), "{}", text(&out));
+}

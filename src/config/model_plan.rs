@@ -1,5 +1,5 @@
 //! The keys about the model file itself: how a single-file `model` is read (`model_config`,
-//! `prediction_type`) and in which format a full fine-tune is saved (`save_ckpt_format`,
+//! `prediction_type`), which weight `variant` of a pipeline is read, and in which format a full fine-tune is saved (`save_ckpt_format`,
 //! EveryDream2's `no_save_ckpt`).
 
 use std::path::{Path, PathBuf};
@@ -40,6 +40,8 @@ pub struct ModelFilePlan {
     pub model_config: Option<PathBuf>,
     #[serde(serialize_with = "prediction_name")]
     pub prediction_type: Option<PredictionType>,
+    /// diffusers' weight variant of a pipeline folder (`fp16`, `bf16`, `non_ema`, …).
+    pub variant: Option<String>,
     pub save_ckpt_format: SaveFormat,
 }
 
@@ -97,9 +99,13 @@ pub fn resolve_model_file(
             ));
         }
     }
+    let variant = file.variant.clone();
+    crate::model::files::check_variant(variant.as_deref())
+        .map_err(|e| invalid(train_path, "variant", e.to_string()))?;
     Ok(ModelFilePlan {
         model_config,
         prediction_type,
+        variant,
         save_ckpt_format: resolve_save_format(file, train_path, mode)?,
     })
 }

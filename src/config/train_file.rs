@@ -104,6 +104,10 @@ pub struct TrainFile {
     /// A diffusers folder whose configs and tokenizers describe a single-file `model`.
     #[serde(default)]
     pub model_config: Option<String>,
+    /// diffusers' `variant`: read a pipeline's `<base>.<variant>.safetensors` weights (`fp16`,
+    /// `bf16`, `non_ema`, …).
+    #[serde(default)]
+    pub variant: Option<String>,
     /// `"epsilon"` or `"v_prediction"`: what a single-file `model` predicts, when its own
     /// metadata or the detection default is not right.
     #[serde(default)]

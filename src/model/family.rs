@@ -66,6 +66,12 @@ pub enum FamilyError {
         dir.display()
     )]
     SingleFileOption { dir: PathBuf, option: &'static str },
+    #[error(
+        "{}: variant `{variant}` names weight files of a diffusers folder; a single file is read \
+         as it is (leave `variant` out)",
+        file.display()
+    )]
+    VariantOfSingleFile { file: PathBuf, variant: String },
 }
 
 impl From<SingleFileError> for FamilyError {
@@ -82,6 +88,7 @@ impl FamilyError {
             FamilyError::Files(e) => e.is_usage(),
             FamilyError::SingleFile(e) => e.is_usage(),
             FamilyError::SingleFileOption { .. }
+            | FamilyError::VariantOfSingleFile { .. }
             | FamilyError::NotAPipeline { .. }
             | FamilyError::Undetectable { .. }
             | FamilyError::UnsupportedPrediction { .. }
@@ -102,6 +109,7 @@ impl FamilyError {
             FamilyError::NotAPipeline { .. } => true,
             FamilyError::SingleFile(_)
             | FamilyError::SingleFileOption { .. }
+            | FamilyError::VariantOfSingleFile { .. }
             | FamilyError::Undetectable { .. }
             | FamilyError::UnsupportedPrediction { .. }
             | FamilyError::LatentChannels { .. }

@@ -66,6 +66,12 @@ impl ModelLayout {
         single: &SingleFileOptions,
     ) -> Result<Self, FamilyError> {
         if root.is_file() {
+            if let Some(variant) = variant {
+                return Err(FamilyError::VariantOfSingleFile {
+                    file: root.to_path_buf(),
+                    variant: variant.to_string(),
+                });
+            }
             return Self::from_single_file(SingleFile::open(root, single)?);
         }
         refuse_single_file_options(root, single)?;

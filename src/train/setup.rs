@@ -491,12 +491,13 @@ fn vram_limit(
 fn open_model(plan: &TrainPlan) -> anyhow::Result<ModelLayout> {
     let source =
         ModelSource::parse(&plan.model).with_context(|| format!("model `{}`", plan.model))?;
+    let variant = plan.model_file.variant.as_deref();
     let dir = source
-        .resolve()
+        .resolve_for(variant)
         .with_context(|| format!("model `{}`", plan.model))?;
     Ok(ModelLayout::read_with(
         &dir.path,
-        None,
+        variant,
         &plan.single_file_options(),
     )?)
 }

@@ -73,8 +73,9 @@ pub struct ModelEstimate {
 /// group's trained tensors.
 pub fn estimate(plan: &TrainPlan) -> anyhow::Result<ModelEstimate> {
     let source = ModelSource::parse(&plan.model)?;
-    let dir = source.resolve()?;
-    let layout = ModelLayout::read_with(&dir.path, None, &plan.single_file_options())?;
+    let variant = plan.model_file.variant.as_deref();
+    let dir = source.resolve_for(variant)?;
+    let layout = ModelLayout::read_with(&dir.path, variant, &plan.single_file_options())?;
     let mut unet = Vec::new();
     let mut text = Vec::new();
     let mut census = Census::default();
