@@ -591,3 +591,50 @@ fn non_finite_factors_peft_dora_and_doubled_factors_are_refused() {
     let msg = load_kohya(&path, &Device::Cpu).unwrap_err().to_string();
     assert!(msg.contains("holds the same factor as"), "{msg}");
 }
+
+fn write_owned(path: &Path, tensors: &[(String, Tensor)]) {
+    let refs: Vec<(&str, Tensor)> = tensors
+        .iter()
+        .map(|(k, t)| (k.as_str(), t.clone()))
+        .collect();
+    write_raw(path, &refs);
+}
+
+/// kohya sd-scripts run under transformers 5 (whose CLIPTextModel has no `text_model.` level)
+/// writes `lora_te_encoder_layers_0_…`: the same file with those names reaches the same modules
+/// with the same tensors.
+#[test]
+fn text_encoder_names_without_text_model_reach_the_same_modules() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("nowrap.safetensors");
+    let original = candle_core::safetensors::load(fixture(), &Device::Cpu).unwrap();
+    let renamed: Vec<(String, Tensor)> = original
+        .iter()
+        .map(|(k, t)| (k.replace("lora_te_text_model_", "lora_te_"), t.clone()))
+        .collect();
+    assert!(renamed
+        .iter()
+        .any(|(k, _)| k.starts_with("lora_te_encoder_")));
+    write_owned(&path, &renamed);
+    let want = tiny_sd15_expected();
+    let by_index = |path: &Path| {
+        let file = load_kohya(path, &Device::Cpu).unwrap();
+        let report = match_to_model(&file, &KohyaNaming::Diffusers, &want).unwrap();
+        assert!(report.missing.is_empty());
+        report
+            .matched
+            .into_iter()
+            .map(|m| (m.expected_index, m.module))
+            .collect::<BTreeMap<_, _>>()
+    };
+    let (a, b) = (by_index(&fixture()), by_index(&path));
+    assert_eq!(a.len(), 8);
+    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
+    for (i, m) in &a {
+        let n = &b[i];
+        assert_eq!(m.alpha, n.alpha);
+        for (s, t) in &m.tensors {
+            assert_eq!(max_abs_diff(t, &n.tensors[s]), 0.0, "{} {s}", m.name);
+        }
+    }
+}
