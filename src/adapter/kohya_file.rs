@@ -16,8 +16,10 @@
 //! `--save_precision fp16`). The header is [`super::kohya_meta`]'s.
 //!
 //! Loaded tensors are returned as f32 (the adapter keeps f32 masters). Keys with another suffix
-//! (LyCORIS's Tucker `lora_mid`/`hada_t1`/`lokr_t2`, full `diff`, OFT, IA3, …) are an error
-//! listing them, never dropped; so is a module whose keys mix two types or miss one.
+//! (LyCORIS's Tucker `lora_mid`/`hada_t1`/`lokr_t2`, full `diff`, OFT, IA3, train_norm's
+//! `w_norm`/`b_norm`, …) are an error naming them (the first [`LISTED`] and the count), never
+//! dropped; so is a module whose keys mix two types or miss one, and an output-axis DoRA module
+//! (LyCORIS `wd_on_output=True`, `dora_scale` `[out, 1]`).
 //!
 //! [`match_to_model`] policy: every module of the file must name a module of the model (else an
 //! error lists all that do not), with the model's keys and shapes (else an error lists every
@@ -41,6 +43,24 @@ use crate::error_chain::External;
 use crate::fsutil::{self, FsError};
 
 const ALPHA: &str = "alpha";
+
+/// How many keys, modules or mismatches an error names before it gives only the count (a real
+/// SDXL file has thousands of keys).
+pub const LISTED: usize = 8;
+
+/// The first [`LISTED`] of `items` joined by `sep`, then how many more there are.
+fn listed(items: &[String], sep: &str) -> String {
+    let mut s = items
+        .iter()
+        .take(LISTED)
+        .cloned()
+        .collect::<Vec<_>>()
+        .join(sep);
+    if items.len() > LISTED {
+        s.push_str(&format!("{sep}… and {} more", items.len() - LISTED));
+    }
+    s
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum KohyaError {
@@ -78,12 +98,23 @@ pub enum KohyaError {
         "{}: {} key(s) are not adapter weights sdtrain reads (`<module>.lora_down.weight`, \
          `.lora_up.weight`, `.hada_w*`, `.lokr_w*`, `.dora_scale`, `.alpha`, or diffusers' \
          `unet.<path>.lora_A.weight`/`.lora_B.weight`, `.lora.down.weight`/`.lora.up.weight`){hint}: {}",
-        path.display(), keys.len(), keys.join(", ")
+        path.display(), keys.len(), listed(keys, ", ")
     )]
     UnsupportedKeys {
         path: PathBuf,
         keys: Vec<String>,
-        hint: &'static str,
+        hint: String,
+    },
+    #[error(
+        "{}: module `{name}`: `dora_scale` {shape:?}: output-axis DoRA (LyCORIS \
+         wd_on_output=True) is not supported; sdtrain reads input-axis DoRA (`dora_scale` \
+         [1, in], LyCORIS wd_on_output=False), the form A1111 loads",
+        path.display()
+    )]
+    OutputAxisDora {
+        path: PathBuf,
+        name: String,
+        shape: Vec<usize>,
     },
     #[error(
         "{}: module `{name}` has {present:?}, which is no complete adapter (want {want})",
@@ -138,7 +169,7 @@ pub enum KohyaError {
     Name(#[from] KohyaNameError),
     #[error(
         "{}: {} module(s) match no module of the model ({naming}): {}",
-        path.display(), names.len(), names.join(", ")
+        path.display(), names.len(), listed(names, ", ")
     )]
     UnknownModules {
         path: PathBuf,
@@ -152,7 +183,10 @@ pub enum KohyaError {
         second: String,
         index: usize,
     },
-    #[error("{}: {}", path.display(), mismatches.join("; "))]
+    #[error(
+        "{}: {} module(s) do not fit the model: {}",
+        path.display(), mismatches.len(), listed(mismatches, "; ")
+    )]
     ShapeMismatch {
         path: PathBuf,
         mismatches: Vec<String>,
@@ -462,30 +496,52 @@ fn decode(
     })
 }
 
-/// A hint for keys of adapter formats we do not read.
-fn unsupported_hint(keys: &[String]) -> &'static str {
-    let lycoris = [
-        "hada_t",
-        "lokr_t",
-        "lora_mid",
-        ".diff",
-        ".on_input",
-        "oft_",
-        "boft_",
+/// A hint for keys of adapter formats we do not read, naming what each kind of key found is.
+fn unsupported_hint(keys: &[String]) -> String {
+    let any = |f: &dyn Fn(&str) -> bool| keys.iter().any(|k| f(k));
+    let lycoris: [(bool, &str); 5] = [
+        (
+            any(&|k| k.ends_with(".w_norm") || k.ends_with(".b_norm")),
+            "LyCORIS norm weights (train_norm) are not supported (`w_norm`, `b_norm`)",
+        ),
+        (
+            any(&|k| k.contains("lora_mid") || k.contains("hada_t") || k.contains("lokr_t")),
+            "LyCORIS Tucker decompositions (`lora_mid`, `hada_t*`, `lokr_t2`) are not supported",
+        ),
+        (
+            any(&|k| k.ends_with(".on_input")),
+            "LyCORIS IA3 (`weight`, `on_input`) is not supported",
+        ),
+        (
+            any(&|k| k.contains(".diff")),
+            "LyCORIS full (`diff`) is not supported",
+        ),
+        (
+            any(&|k| k.contains("oft_")),
+            "LyCORIS OFT/BOFT is not supported",
+        ),
     ];
-    if keys.iter().any(|k| lycoris.iter().any(|p| k.contains(p))) {
-        " (this looks like a LyCORIS file of a type sdtrain does not read: Tucker \
-         decompositions (`lora_mid`, `hada_t*`, `lokr_t2`), full diff, OFT/BOFT and IA3 are not \
-         supported; LoRA, LoCon, LoHa, LoKr and DoRA are)"
-    } else if keys.iter().any(|k| k.contains("lora_magnitude_vector")) {
+    let found: Vec<&str> = lycoris
+        .iter()
+        .filter(|(f, _)| *f)
+        .map(|(_, t)| *t)
+        .collect();
+    if !found.is_empty() {
+        format!(
+            " ({}; LoRA, LoCon, LoHa, LoKr and DoRA are read)",
+            found.join("; ")
+        )
+    } else if any(&|k| k.contains("lora_magnitude_vector")) {
         " (PEFT's DoRA keeps its magnitude per output channel, where the kohya/LyCORIS DoRA \
          sdtrain reads keeps it per input channel; save the LoRA without DoRA, or as a \
          LyCORIS DoRA)"
-    } else if keys.iter().any(|k| k.starts_with("base_model.model.")) {
+            .to_string()
+    } else if any(&|k| k.starts_with("base_model.model.")) {
         " (a PEFT `save_pretrained` adapter: load it into the pipeline with diffusers and save \
          it with `save_lora_weights`, which writes the unet./text_encoder. keys sdtrain reads)"
+            .to_string()
     } else {
-        ""
+        String::new()
     }
 }
 
@@ -633,6 +689,17 @@ fn load_module(
         name: name.to_string(),
         problem,
     })?;
+    // Input-axis DoRA keeps one magnitude per input channel, `[1, in(, 1, 1)]`; LyCORIS's
+    // `wd_on_output=True` keeps one per output channel, `[out, 1(, 1, 1)]`.
+    if let Some(&shape) = dims.get(factors::DORA_SCALE) {
+        if shape.first().is_some_and(|&d| d != 1) {
+            return Err(KohyaError::OutputAxisDora {
+                path: path.to_path_buf(),
+                name: name.to_string(),
+                shape: shape.to_vec(),
+            });
+        }
+    }
     let mut tensors = BTreeMap::new();
     for (suffix, (key, view)) in &parts {
         tensors.insert(suffix.to_string(), decode(path, key, view, device)?);
