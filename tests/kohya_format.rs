@@ -612,6 +612,42 @@ fn write_owned(path: &Path, tensors: &[(String, Tensor)]) {
     write_raw(path, &refs);
 }
 
+/// OneTrainer's `StableDiffusionLoRASaver` bundles textual-inversion embeddings beside the LoRA
+/// (`bundle_emb.<placeholder>.clip_l`, `.clip_g` for SDXL). sdtrain has no embeddings: the LoRA
+/// part loads, and the file says which placeholders it leaves out (as ComfyUI applies the LoRA
+/// and warns). The file was refused whole before.
+#[test]
+fn onetrainer_bundled_embeddings_are_set_aside_and_the_lora_loads() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("onetrainer.safetensors");
+    let mut tensors = raw_lora(Q_NAME, 3);
+    tensors.push(("bundle_emb.<mytoken>.clip_l".into(), randn(&[2, 32], 4)));
+    tensors.push(("bundle_emb.<mytoken>.clip_g".into(), randn(&[2, 64], 5)));
+    tensors.push(("bundle_emb.<other>.clip_l".into(), randn(&[1, 32], 6)));
+    write_owned(&path, &tensors);
+    let file = load_kohya(&path, &Device::Cpu).unwrap();
+    assert_eq!(file.modules.len(), 1);
+    assert_eq!(file.bundled_embeddings, ["<mytoken>", "<other>"]);
+    let warning = file.bundled_embeddings_warning().unwrap();
+    assert!(warning.starts_with("warning: "), "{warning}");
+    assert!(warning.contains(&path.display().to_string()), "{warning}");
+    assert!(
+        warning.contains("`<mytoken>`, `<other>`") && warning.contains("not loaded"),
+        "{warning}"
+    );
+    let want = [expected(
+        U,
+        "down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q",
+        &[4, 8],
+        &[8, 4],
+    )];
+    let report = match_to_model(&file, &KohyaNaming::Diffusers, &want).unwrap();
+    assert_eq!(report.matched.len(), 1);
+    // A plain file has none.
+    let plain = load_kohya(&fixture(), &Device::Cpu).unwrap();
+    assert!(plain.bundled_embeddings_warning().is_none());
+}
+
 /// A refusal names at most eight keys (or modules, or mismatches) and the count: listing every
 /// key made a 29 KB message for a tiny IA3 file. The hint says what the keys are (IA3 here, not
 /// Tucker).

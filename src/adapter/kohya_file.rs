@@ -19,7 +19,10 @@
 //! (LyCORIS's Tucker `lora_mid`/`hada_t1`/`lokr_t2`, full `diff`, OFT, IA3, train_norm's
 //! `w_norm`/`b_norm`, …) are an error naming them (the first [`LISTED`] and the count), never
 //! dropped; so is a module whose keys mix two types or miss one, and an output-axis DoRA module
-//! (LyCORIS `wd_on_output=True`, `dora_scale` `[out, 1]`).
+//! (LyCORIS `wd_on_output=True`, `dora_scale` `[out, 1]`). The one exception: the
+//! textual-inversion embeddings OneTrainer bundles beside the LoRA (`bundle_emb.<placeholder>.…`)
+//! are set aside in [`KohyaFile::bundled_embeddings`] (sdtrain has no embeddings), for the caller
+//! to warn about ([`KohyaFile::bundled_embeddings_warning`]), as ComfyUI loads the LoRA and warns.
 //!
 //! [`match_to_model`] policy: every module of the file must name a module of the model (else an
 //! error lists all that do not), with the model's keys and shapes (else an error lists every
@@ -61,6 +64,11 @@ fn listed(items: &[String], sep: &str) -> String {
     }
     s
 }
+
+/// The key prefix of OneTrainer's bundled textual-inversion embeddings
+/// (`StableDiffusionLoRASaver`: `bundle_emb.<placeholder>.clip_l`, and `.clip_g` for SDXL; A1111's
+/// `extra_networks_lora` reads them).
+const BUNDLE_EMB: &str = "bundle_emb.";
 
 #[derive(Debug, thiserror::Error)]
 pub enum KohyaError {
@@ -448,6 +456,30 @@ pub struct KohyaFile {
     pub modules: Vec<KohyaModule>,
     /// The header's `__metadata__` (empty when absent).
     pub metadata: HashMap<String, String>,
+    /// The placeholders of the textual-inversion embeddings bundled in the file (OneTrainer's
+    /// `bundle_emb.<placeholder>.clip_l`), sorted; not loaded.
+    pub bundled_embeddings: Vec<String>,
+}
+
+impl KohyaFile {
+    /// The warning line to print when the file bundles textual-inversion embeddings, which
+    /// sdtrain does not load (its LoRA part is used all the same).
+    pub fn bundled_embeddings_warning(&self) -> Option<String> {
+        if self.bundled_embeddings.is_empty() {
+            return None;
+        }
+        let names: Vec<String> = self
+            .bundled_embeddings
+            .iter()
+            .map(|p| format!("`{p}`"))
+            .collect();
+        Some(format!(
+            "warning: {}: the bundled textual-inversion embedding(s) {} are not loaded (sdtrain \
+             has no embedding support); its LoRA part is used",
+            self.path.display(),
+            listed(&names, ", ")
+        ))
+    }
 }
 
 fn decode(
@@ -560,7 +592,7 @@ pub fn load_kohya(path: &Path, device: &Device) -> Result<KohyaFile, KohyaError>
     let st = SafeTensors::deserialize(&bytes).map_err(format_err)?;
 
     let tensors = st.tensors();
-    let by_module = group_by_module(path, &tensors)?;
+    let (by_module, bundled_embeddings) = group_by_module(path, &tensors)?;
     let mut modules = Vec::with_capacity(by_module.len());
     for (name, parts) in by_module {
         modules.push(load_module(path, &name, parts, device)?);
@@ -570,6 +602,7 @@ pub fn load_kohya(path: &Path, device: &Device) -> Result<KohyaFile, KohyaError>
         path: path.to_path_buf(),
         modules,
         metadata,
+        bundled_embeddings,
     })
 }
 
@@ -577,15 +610,25 @@ pub fn load_kohya(path: &Path, device: &Device) -> Result<KohyaFile, KohyaError>
 type Parts<'a> = BTreeMap<&'static str, (&'a str, TensorView<'a>)>;
 
 /// Groups the file's tensors by module name; a key with no known suffix is an error. Keys in
-/// diffusers' layouts ([`super::diffusers_keys`]) group under their dotted module name.
+/// diffusers' layouts ([`super::diffusers_keys`]) group under their dotted module name. Also
+/// returns the placeholders of bundled embeddings (`bundle_emb.<placeholder>.<vector>`, split as
+/// A1111 splits them), sorted, which are set aside.
 fn group_by_module<'a>(
     path: &Path,
     tensors: &'a [(String, TensorView<'a>)],
-) -> Result<BTreeMap<String, Parts<'a>>, KohyaError> {
+) -> Result<(BTreeMap<String, Parts<'a>>, Vec<String>), KohyaError> {
     let mut by_module: BTreeMap<String, Parts<'_>> = BTreeMap::new();
     let mut unsupported = Vec::new();
+    let mut embeddings = std::collections::BTreeSet::new();
     for (key, view) in tensors {
         let key = key.as_str();
+        if let Some((placeholder, _vector)) = key
+            .strip_prefix(BUNDLE_EMB)
+            .and_then(|rest| rest.split_once('.'))
+        {
+            embeddings.insert(placeholder.to_string());
+            continue;
+        }
         let hit = diffusers_key(key).or_else(|| {
             ALL_SUFFIXES.iter().chain(&[ALPHA]).find_map(|suffix| {
                 let module = key.strip_suffix(suffix)?.strip_suffix('.')?;
@@ -615,7 +658,7 @@ fn group_by_module<'a>(
             hint,
         });
     }
-    Ok(by_module)
+    Ok((by_module, embeddings.into_iter().collect()))
 }
 
 /// The alphas a diffusers file's `lora_adapter_metadata` gives, for modules without an `.alpha`
