@@ -591,3 +591,224 @@ fn non_finite_factors_peft_dora_and_doubled_factors_are_refused() {
     let msg = load_kohya(&path, &Device::Cpu).unwrap_err().to_string();
     assert!(msg.contains("holds the same factor as"), "{msg}");
 }
+
+/// A LoRA module `name` (down [4, 8], up [8, 4], alpha 2) as raw tensors.
+fn raw_lora(name: &str, seed: u64) -> Vec<(String, Tensor)> {
+    vec![
+        (format!("{name}.lora_down.weight"), randn(&[4, 8], seed)),
+        (format!("{name}.lora_up.weight"), randn(&[8, 4], seed ^ 1)),
+        (
+            format!("{name}.alpha"),
+            Tensor::new(2f32, &Device::Cpu).unwrap(),
+        ),
+    ]
+}
+
+fn write_owned(path: &Path, tensors: &[(String, Tensor)]) {
+    let refs: Vec<(&str, Tensor)> = tensors
+        .iter()
+        .map(|(k, t)| (k.as_str(), t.clone()))
+        .collect();
+    write_raw(path, &refs);
+}
+
+/// OneTrainer's `StableDiffusionLoRASaver` bundles textual-inversion embeddings beside the LoRA
+/// (`bundle_emb.<placeholder>.clip_l`, `.clip_g` for SDXL). sdtrain has no embeddings: the LoRA
+/// part loads, and the file says which placeholders it leaves out (as ComfyUI applies the LoRA
+/// and warns). The file was refused whole before.
+#[test]
+fn onetrainer_bundled_embeddings_are_set_aside_and_the_lora_loads() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("onetrainer.safetensors");
+    let mut tensors = raw_lora(Q_NAME, 3);
+    tensors.push(("bundle_emb.<mytoken>.clip_l".into(), randn(&[2, 32], 4)));
+    tensors.push(("bundle_emb.<mytoken>.clip_g".into(), randn(&[2, 64], 5)));
+    tensors.push(("bundle_emb.<other>.clip_l".into(), randn(&[1, 32], 6)));
+    write_owned(&path, &tensors);
+    let file = load_kohya(&path, &Device::Cpu).unwrap();
+    assert_eq!(file.modules.len(), 1);
+    assert_eq!(file.bundled_embeddings, ["<mytoken>", "<other>"]);
+    let warning = file.bundled_embeddings_warning().unwrap();
+    assert!(warning.starts_with("warning: "), "{warning}");
+    assert!(warning.contains(&path.display().to_string()), "{warning}");
+    assert!(
+        warning.contains("`<mytoken>`, `<other>`") && warning.contains("not loaded"),
+        "{warning}"
+    );
+    let want = [expected(
+        U,
+        "down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q",
+        &[4, 8],
+        &[8, 4],
+    )];
+    let report = match_to_model(&file, &KohyaNaming::Diffusers, &want).unwrap();
+    assert_eq!(report.matched.len(), 1);
+    // A plain file has none.
+    let plain = load_kohya(&fixture(), &Device::Cpu).unwrap();
+    assert!(plain.bundled_embeddings_warning().is_none());
+}
+
+/// A refusal names at most eight keys (or modules, or mismatches) and the count: listing every
+/// key made a 29 KB message for a tiny IA3 file. The hint says what the keys are (IA3 here, not
+/// Tucker).
+#[test]
+fn long_refusals_name_eight_entries_and_the_count() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("ia3.safetensors");
+    let mut tensors = Vec::new();
+    for i in 0..20 {
+        let n = format!("lora_te_text_model_encoder_layers_{i:02}_mlp_fc1");
+        tensors.push((format!("{n}.weight"), randn(&[64], i)));
+        tensors.push((
+            format!("{n}.on_input"),
+            Tensor::new(0f32, &Device::Cpu).unwrap(),
+        ));
+    }
+    write_owned(&path, &tensors);
+    let err = load_kohya(&path, &Device::Cpu).unwrap_err();
+    let msg = err.to_string();
+    assert!(
+        matches!(err, KohyaError::UnsupportedKeys { ref keys, .. } if keys.len() == 40),
+        "{msg}"
+    );
+    assert!(msg.contains("40 key(s)"), "{msg}");
+    assert!(msg.contains("… and 32 more"), "{msg}");
+    assert!(
+        msg.contains("lora_te_text_model_encoder_layers_03_mlp_fc1.weight")
+            && !msg.contains("lora_te_text_model_encoder_layers_04_mlp_fc1"),
+        "{msg}"
+    );
+    assert!(msg.contains("LyCORIS IA3"), "{msg}");
+    assert!(!msg.contains("Tucker"), "{msg}");
+    assert!(msg.len() < 1500, "{} bytes: {msg}", msg.len());
+
+    // Modules that name nothing in the model, and shape mismatches.
+    let names: Vec<String> = (0..12)
+        .map(|i| format!("lora_unet_nowhere_{i:02}_to_q"))
+        .collect();
+    let tensors: Vec<(String, Tensor)> = names
+        .iter()
+        .enumerate()
+        .flat_map(|(i, n)| raw_lora(n, i as u64))
+        .collect();
+    write_owned(&path, &tensors);
+    let file = load_kohya(&path, &Device::Cpu).unwrap();
+    let want = [expected(U, "somewhere.to_q", &[4, 8], &[8, 4])];
+    let msg = match_to_model(&file, &KohyaNaming::Diffusers, &want)
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains("12 module(s) match no module"), "{msg}");
+    assert!(
+        msg.contains("lora_unet_nowhere_07_to_q, … and 4 more") && !msg.contains("nowhere_08"),
+        "{msg}"
+    );
+    let want: Vec<ExpectedModule> = (0..12)
+        .map(|i| expected(U, &format!("nowhere_{i:02}.to_q"), &[4, 16], &[8, 4]))
+        .collect();
+    let msg = match_to_model(&file, &KohyaNaming::Diffusers, &want)
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains("12 module(s) do not fit the model"), "{msg}");
+    assert!(msg.contains("; … and 4 more"), "{msg}");
+}
+
+/// LyCORIS's `train_norm` saves norm layers' weights (`w_norm`, `b_norm`) beside the LoRA; the
+/// refusal says what they are.
+#[test]
+fn lycoris_train_norm_keys_are_named_as_such() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("train_norm.safetensors");
+    let norm = "lora_unet_down_blocks_0_attentions_0_norm";
+    let mut tensors = raw_lora(Q_NAME, 1);
+    tensors.push((format!("{norm}.w_norm"), randn(&[8], 2)));
+    tensors.push((format!("{norm}.b_norm"), randn(&[8], 3)));
+    write_owned(&path, &tensors);
+    let msg = load_kohya(&path, &Device::Cpu).unwrap_err().to_string();
+    assert!(
+        msg.contains("LyCORIS norm weights (train_norm) are not supported"),
+        "{msg}"
+    );
+    assert!(msg.contains(&format!("{norm}.w_norm")), "{msg}");
+    assert!(!msg.contains("Tucker"), "{msg}");
+}
+
+/// LyCORIS's `wd_on_output=True` DoRA (its default for `dora_wd=True`, in 3.4.0 and 4.1.3) keeps
+/// one magnitude per output channel, `dora_scale` [out, 1]; sdtrain reads the input-axis form
+/// only, and says so on load (it failed at merge time before, with a shape error).
+#[test]
+fn output_axis_dora_is_refused_on_load() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("dora.safetensors");
+    let conv = "lora_unet_down_blocks_0_resnets_0_conv1";
+    for (name, down, up, m) in [
+        (Q_NAME, &[4usize, 8][..], &[8usize, 4][..], &[8usize, 1][..]),
+        (conv, &[2, 8, 3, 3], &[8, 2, 1, 1], &[8, 1, 1, 1]),
+    ] {
+        write_raw(
+            &path,
+            &[
+                (&format!("{name}.lora_down.weight"), randn(down, 1)),
+                (&format!("{name}.lora_up.weight"), randn(up, 2)),
+                (&format!("{name}.dora_scale"), randn(m, 3)),
+            ],
+        );
+        let err = load_kohya(&path, &Device::Cpu).unwrap_err();
+        let msg = err.to_string();
+        assert!(matches!(err, KohyaError::OutputAxisDora { .. }), "{msg}");
+        assert!(
+            msg.contains("output-axis DoRA (LyCORIS wd_on_output=True) is not supported")
+                && msg.contains(&format!("module `{name}`"))
+                && msg.contains(&format!("{m:?}")),
+            "{msg}"
+        );
+    }
+    // The input-axis form loads.
+    write_raw(
+        &path,
+        &[
+            (&format!("{Q_NAME}.lora_down.weight"), randn(&[4, 8], 1)),
+            (&format!("{Q_NAME}.lora_up.weight"), randn(&[8, 4], 2)),
+            (&format!("{Q_NAME}.dora_scale"), randn(&[1, 8], 3)),
+        ],
+    );
+    assert_eq!(load_kohya(&path, &Device::Cpu).unwrap().modules.len(), 1);
+}
+
+/// kohya sd-scripts run under transformers 5 (whose CLIPTextModel has no `text_model.` level)
+/// writes `lora_te_encoder_layers_0_…`: the same file with those names reaches the same modules
+/// with the same tensors.
+#[test]
+fn text_encoder_names_without_text_model_reach_the_same_modules() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("nowrap.safetensors");
+    let original = candle_core::safetensors::load(fixture(), &Device::Cpu).unwrap();
+    let renamed: Vec<(String, Tensor)> = original
+        .iter()
+        .map(|(k, t)| (k.replace("lora_te_text_model_", "lora_te_"), t.clone()))
+        .collect();
+    assert!(renamed
+        .iter()
+        .any(|(k, _)| k.starts_with("lora_te_encoder_")));
+    write_owned(&path, &renamed);
+    let want = tiny_sd15_expected();
+    let by_index = |path: &Path| {
+        let file = load_kohya(path, &Device::Cpu).unwrap();
+        let report = match_to_model(&file, &KohyaNaming::Diffusers, &want).unwrap();
+        assert!(report.missing.is_empty());
+        report
+            .matched
+            .into_iter()
+            .map(|m| (m.expected_index, m.module))
+            .collect::<BTreeMap<_, _>>()
+    };
+    let (a, b) = (by_index(&fixture()), by_index(&path));
+    assert_eq!(a.len(), 8);
+    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
+    for (i, m) in &a {
+        let n = &b[i];
+        assert_eq!(m.alpha, n.alpha);
+        for (s, t) in &m.tensors {
+            assert_eq!(max_abs_diff(t, &n.tensors[s]), 0.0, "{} {s}", m.name);
+        }
+    }
+}

@@ -1,7 +1,8 @@
 //! The five adapter modes from the CLI on the three tiny fixtures: each trains, saves its keys
 //! under kohya's names with LyCORIS's metadata, and `--dry-run`'s optimizer-state line counts
 //! exactly the parameters the saved file holds; `sdtrain sample --lora` merges LyCORIS's own
-//! files and sdtrain's, and `--lora-scale 0` draws the base model's image.
+//! files and sdtrain's, and `--lora-scale 0` draws the base model's image; a OneTrainer file with a
+//! bundled embedding samples and starts a run from its LoRA part, with a warning.
 
 mod common;
 
@@ -102,4 +103,50 @@ fn sample_merges_lycoris_files_and_scale_zero_is_the_base_model() {
         );
         assert_eq!(zero, base, "{mode}: --lora-scale 0 is not the base model");
     }
+}
+
+/// A LoRA file with OneTrainer's bundled embedding (`bundle_emb.<placeholder>.clip_l`, as its
+/// `StableDiffusionLoRASaver` writes) samples as the same file without it and starts a run as
+/// `adapter.init_from`, each time with a warning naming the file and the placeholder. Such files
+/// were refused whole before.
+#[test]
+fn onetrainer_bundled_embedding_is_left_out_with_a_warning() {
+    let tmp = tempfile::tempdir().unwrap();
+    let plain = common::fixture("lycoris/lycoris_locon.safetensors");
+    let mut tensors = candle_core::safetensors::load(&plain, &candle_core::Device::Cpu).unwrap();
+    tensors.insert(
+        "bundle_emb.<mytoken>.clip_l".into(),
+        common::randn(&[2, 32], 9),
+    );
+    let bundle = tmp.path().join("onetrainer.safetensors");
+    candle_core::safetensors::save(&tensors, &bundle).unwrap();
+    let bundle_s = bundle.display().to_string();
+    let warning =
+        format!("warning: {bundle_s}: the bundled textual-inversion embedding(s) `<mytoken>`");
+
+    let run =
+        |out: &str, extra: &[&str]| common::cli::sample_tiny("tiny-sd15", tmp.path(), out, extra);
+    let (_, want) = run("plain.png", &["--lora", &plain.display().to_string()]);
+    let (log, img) = run("bundle.png", &["--lora", &bundle_s]);
+    assert!(log.contains(&warning), "{log}");
+    assert!(log.contains("merged 222 modules"), "{log}");
+    assert_eq!(
+        img, want,
+        "the LoRA part is not what the plain file applies"
+    );
+
+    let extra = serde_json::json!({
+        "mode": "locon",
+        "max_steps": 1,
+        "adapter": {
+            "rank": 2, "alpha": 1.5, "conv_rank": 2, "conv_alpha": 1.5,
+            "init_from": bundle,
+        },
+    });
+    let cfg = write_config(tmp.path(), "tiny-sd15", &demo_data(), extra);
+    let out = sdtrain(&["--config", cfg.to_str().unwrap(), "--cpu"], tmp.path());
+    let log = text(&out);
+    assert!(out.status.success(), "{log}");
+    assert!(log.contains(&warning), "{log}");
+    assert!(log.contains("(222 modules loaded, 0 new)"), "{log}");
 }

@@ -16,8 +16,13 @@
 //! `--save_precision fp16`). The header is [`super::kohya_meta`]'s.
 //!
 //! Loaded tensors are returned as f32 (the adapter keeps f32 masters). Keys with another suffix
-//! (LyCORIS's Tucker `lora_mid`/`hada_t1`/`lokr_t2`, full `diff`, OFT, IA3, …) are an error
-//! listing them, never dropped; so is a module whose keys mix two types or miss one.
+//! (LyCORIS's Tucker `lora_mid`/`hada_t1`/`lokr_t2`, full `diff`, OFT, IA3, train_norm's
+//! `w_norm`/`b_norm`, …) are an error naming them (the first [`LISTED`] and the count), never
+//! dropped; so is a module whose keys mix two types or miss one, and an output-axis DoRA module
+//! (LyCORIS `wd_on_output=True`, `dora_scale` `[out, 1]`). The one exception: the
+//! textual-inversion embeddings OneTrainer bundles beside the LoRA (`bundle_emb.<placeholder>.…`)
+//! are set aside in [`KohyaFile::bundled_embeddings`] (sdtrain has no embeddings), for the caller
+//! to warn about ([`KohyaFile::bundled_embeddings_warning`]), as ComfyUI loads the LoRA and warns.
 //!
 //! [`match_to_model`] policy: every module of the file must name a module of the model (else an
 //! error lists all that do not), with the model's keys and shapes (else an error lists every
@@ -41,6 +46,29 @@ use crate::error_chain::External;
 use crate::fsutil::{self, FsError};
 
 const ALPHA: &str = "alpha";
+
+/// How many keys, modules or mismatches an error names before it gives only the count (a real
+/// SDXL file has thousands of keys).
+pub const LISTED: usize = 8;
+
+/// The first [`LISTED`] of `items` joined by `sep`, then how many more there are.
+fn listed(items: &[String], sep: &str) -> String {
+    let mut s = items
+        .iter()
+        .take(LISTED)
+        .cloned()
+        .collect::<Vec<_>>()
+        .join(sep);
+    if items.len() > LISTED {
+        s.push_str(&format!("{sep}… and {} more", items.len() - LISTED));
+    }
+    s
+}
+
+/// The key prefix of OneTrainer's bundled textual-inversion embeddings
+/// (`StableDiffusionLoRASaver`: `bundle_emb.<placeholder>.clip_l`, and `.clip_g` for SDXL; A1111's
+/// `extra_networks_lora` reads them).
+const BUNDLE_EMB: &str = "bundle_emb.";
 
 #[derive(Debug, thiserror::Error)]
 pub enum KohyaError {
@@ -78,12 +106,23 @@ pub enum KohyaError {
         "{}: {} key(s) are not adapter weights sdtrain reads (`<module>.lora_down.weight`, \
          `.lora_up.weight`, `.hada_w*`, `.lokr_w*`, `.dora_scale`, `.alpha`, or diffusers' \
          `unet.<path>.lora_A.weight`/`.lora_B.weight`, `.lora.down.weight`/`.lora.up.weight`){hint}: {}",
-        path.display(), keys.len(), keys.join(", ")
+        path.display(), keys.len(), listed(keys, ", ")
     )]
     UnsupportedKeys {
         path: PathBuf,
         keys: Vec<String>,
-        hint: &'static str,
+        hint: String,
+    },
+    #[error(
+        "{}: module `{name}`: `dora_scale` {shape:?}: output-axis DoRA (LyCORIS \
+         wd_on_output=True) is not supported; sdtrain reads input-axis DoRA (`dora_scale` \
+         [1, in], LyCORIS wd_on_output=False), the form A1111 loads",
+        path.display()
+    )]
+    OutputAxisDora {
+        path: PathBuf,
+        name: String,
+        shape: Vec<usize>,
     },
     #[error(
         "{}: module `{name}` has {present:?}, which is no complete adapter (want {want})",
@@ -138,7 +177,7 @@ pub enum KohyaError {
     Name(#[from] KohyaNameError),
     #[error(
         "{}: {} module(s) match no module of the model ({naming}): {}",
-        path.display(), names.len(), names.join(", ")
+        path.display(), names.len(), listed(names, ", ")
     )]
     UnknownModules {
         path: PathBuf,
@@ -152,7 +191,10 @@ pub enum KohyaError {
         second: String,
         index: usize,
     },
-    #[error("{}: {}", path.display(), mismatches.join("; "))]
+    #[error(
+        "{}: {} module(s) do not fit the model: {}",
+        path.display(), mismatches.len(), listed(mismatches, "; ")
+    )]
     ShapeMismatch {
         path: PathBuf,
         mismatches: Vec<String>,
@@ -414,6 +456,30 @@ pub struct KohyaFile {
     pub modules: Vec<KohyaModule>,
     /// The header's `__metadata__` (empty when absent).
     pub metadata: HashMap<String, String>,
+    /// The placeholders of the textual-inversion embeddings bundled in the file (OneTrainer's
+    /// `bundle_emb.<placeholder>.clip_l`), sorted; not loaded.
+    pub bundled_embeddings: Vec<String>,
+}
+
+impl KohyaFile {
+    /// The warning line to print when the file bundles textual-inversion embeddings, which
+    /// sdtrain does not load (its LoRA part is used all the same).
+    pub fn bundled_embeddings_warning(&self) -> Option<String> {
+        if self.bundled_embeddings.is_empty() {
+            return None;
+        }
+        let names: Vec<String> = self
+            .bundled_embeddings
+            .iter()
+            .map(|p| format!("`{p}`"))
+            .collect();
+        Some(format!(
+            "warning: {}: the bundled textual-inversion embedding(s) {} are not loaded (sdtrain \
+             has no embedding support); its LoRA part is used",
+            self.path.display(),
+            listed(&names, ", ")
+        ))
+    }
 }
 
 fn decode(
@@ -462,30 +528,52 @@ fn decode(
     })
 }
 
-/// A hint for keys of adapter formats we do not read.
-fn unsupported_hint(keys: &[String]) -> &'static str {
-    let lycoris = [
-        "hada_t",
-        "lokr_t",
-        "lora_mid",
-        ".diff",
-        ".on_input",
-        "oft_",
-        "boft_",
+/// A hint for keys of adapter formats we do not read, naming what each kind of key found is.
+fn unsupported_hint(keys: &[String]) -> String {
+    let any = |f: &dyn Fn(&str) -> bool| keys.iter().any(|k| f(k));
+    let lycoris: [(bool, &str); 5] = [
+        (
+            any(&|k| k.ends_with(".w_norm") || k.ends_with(".b_norm")),
+            "LyCORIS norm weights (train_norm) are not supported (`w_norm`, `b_norm`)",
+        ),
+        (
+            any(&|k| k.contains("lora_mid") || k.contains("hada_t") || k.contains("lokr_t")),
+            "LyCORIS Tucker decompositions (`lora_mid`, `hada_t*`, `lokr_t2`) are not supported",
+        ),
+        (
+            any(&|k| k.ends_with(".on_input")),
+            "LyCORIS IA3 (`weight`, `on_input`) is not supported",
+        ),
+        (
+            any(&|k| k.contains(".diff")),
+            "LyCORIS full (`diff`) is not supported",
+        ),
+        (
+            any(&|k| k.contains("oft_")),
+            "LyCORIS OFT/BOFT is not supported",
+        ),
     ];
-    if keys.iter().any(|k| lycoris.iter().any(|p| k.contains(p))) {
-        " (this looks like a LyCORIS file of a type sdtrain does not read: Tucker \
-         decompositions (`lora_mid`, `hada_t*`, `lokr_t2`), full diff, OFT/BOFT and IA3 are not \
-         supported; LoRA, LoCon, LoHa, LoKr and DoRA are)"
-    } else if keys.iter().any(|k| k.contains("lora_magnitude_vector")) {
+    let found: Vec<&str> = lycoris
+        .iter()
+        .filter(|(f, _)| *f)
+        .map(|(_, t)| *t)
+        .collect();
+    if !found.is_empty() {
+        format!(
+            " ({}; LoRA, LoCon, LoHa, LoKr and DoRA are read)",
+            found.join("; ")
+        )
+    } else if any(&|k| k.contains("lora_magnitude_vector")) {
         " (PEFT's DoRA keeps its magnitude per output channel, where the kohya/LyCORIS DoRA \
          sdtrain reads keeps it per input channel; save the LoRA without DoRA, or as a \
          LyCORIS DoRA)"
-    } else if keys.iter().any(|k| k.starts_with("base_model.model.")) {
+            .to_string()
+    } else if any(&|k| k.starts_with("base_model.model.")) {
         " (a PEFT `save_pretrained` adapter: load it into the pipeline with diffusers and save \
          it with `save_lora_weights`, which writes the unet./text_encoder. keys sdtrain reads)"
+            .to_string()
     } else {
-        ""
+        String::new()
     }
 }
 
@@ -504,7 +592,7 @@ pub fn load_kohya(path: &Path, device: &Device) -> Result<KohyaFile, KohyaError>
     let st = SafeTensors::deserialize(&bytes).map_err(format_err)?;
 
     let tensors = st.tensors();
-    let by_module = group_by_module(path, &tensors)?;
+    let (by_module, bundled_embeddings) = group_by_module(path, &tensors)?;
     let mut modules = Vec::with_capacity(by_module.len());
     for (name, parts) in by_module {
         modules.push(load_module(path, &name, parts, device)?);
@@ -514,6 +602,7 @@ pub fn load_kohya(path: &Path, device: &Device) -> Result<KohyaFile, KohyaError>
         path: path.to_path_buf(),
         modules,
         metadata,
+        bundled_embeddings,
     })
 }
 
@@ -521,15 +610,25 @@ pub fn load_kohya(path: &Path, device: &Device) -> Result<KohyaFile, KohyaError>
 type Parts<'a> = BTreeMap<&'static str, (&'a str, TensorView<'a>)>;
 
 /// Groups the file's tensors by module name; a key with no known suffix is an error. Keys in
-/// diffusers' layouts ([`super::diffusers_keys`]) group under their dotted module name.
+/// diffusers' layouts ([`super::diffusers_keys`]) group under their dotted module name. Also
+/// returns the placeholders of bundled embeddings (`bundle_emb.<placeholder>.<vector>`, split as
+/// A1111 splits them), sorted, which are set aside.
 fn group_by_module<'a>(
     path: &Path,
     tensors: &'a [(String, TensorView<'a>)],
-) -> Result<BTreeMap<String, Parts<'a>>, KohyaError> {
+) -> Result<(BTreeMap<String, Parts<'a>>, Vec<String>), KohyaError> {
     let mut by_module: BTreeMap<String, Parts<'_>> = BTreeMap::new();
     let mut unsupported = Vec::new();
+    let mut embeddings = std::collections::BTreeSet::new();
     for (key, view) in tensors {
         let key = key.as_str();
+        if let Some((placeholder, _vector)) = key
+            .strip_prefix(BUNDLE_EMB)
+            .and_then(|rest| rest.split_once('.'))
+        {
+            embeddings.insert(placeholder.to_string());
+            continue;
+        }
         let hit = diffusers_key(key).or_else(|| {
             ALL_SUFFIXES.iter().chain(&[ALPHA]).find_map(|suffix| {
                 let module = key.strip_suffix(suffix)?.strip_suffix('.')?;
@@ -559,7 +658,7 @@ fn group_by_module<'a>(
             hint,
         });
     }
-    Ok(by_module)
+    Ok((by_module, embeddings.into_iter().collect()))
 }
 
 /// The alphas a diffusers file's `lora_adapter_metadata` gives, for modules without an `.alpha`
@@ -633,6 +732,17 @@ fn load_module(
         name: name.to_string(),
         problem,
     })?;
+    // Input-axis DoRA keeps one magnitude per input channel, `[1, in(, 1, 1)]`; LyCORIS's
+    // `wd_on_output=True` keeps one per output channel, `[out, 1(, 1, 1)]`.
+    if let Some(&shape) = dims.get(factors::DORA_SCALE) {
+        if shape.first().is_some_and(|&d| d != 1) {
+            return Err(KohyaError::OutputAxisDora {
+                path: path.to_path_buf(),
+                name: name.to_string(),
+                shape: shape.to_vec(),
+            });
+        }
+    }
     let mut tensors = BTreeMap::new();
     for (suffix, (key, view)) in &parts {
         tensors.insert(suffix.to_string(), decode(path, key, view, device)?);

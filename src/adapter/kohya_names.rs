@@ -41,7 +41,10 @@
 //!   - for every family, the diffusers path under LyCORIS's default prefix `lycoris_`: SimpleTuner
 //!     calls `create_lycoris` on the bare UNet and saves its network as is.
 //!
-//!   Text-encoder names have one spelling (`text_model.…` paths, as transformers 4 names them).
+//!   Text-encoder names are saved with transformers 4's `text_model.` level
+//!   (`lora_te_text_model_encoder_…`); on load the same name without it (`lora_te_encoder_…`,
+//!   `lora_te1_encoder_…`, `lora_te2_encoder_…`), which kohya writes when run under
+//!   transformers 5 (whose CLIPTextModel has no `text_model.` level), is an alias.
 
 use std::collections::HashMap;
 
@@ -193,11 +196,13 @@ impl KohyaNaming {
             ],
             (KohyaNaming::Diffusers, KohyaComponent::Unet) => vec![lycoris, diffusers],
             // transformers 5's CLIPTextModel has no `text_model.` level, so diffusers' files
-            // made with it name `text_encoder.encoder.layers.…`.
+            // made with it name `text_encoder.encoder.layers.…`, and kohya's
+            // `lora_te_encoder_layers_…` (`lora_te1_…`/`lora_te2_…` for SDXL).
             (_, KohyaComponent::TextEncoder | KohyaComponent::TextEncoder2) => {
                 let mut names = vec![diffusers];
                 if let Some(inner) = module_path.strip_prefix("text_model.") {
                     names.push(format!("{}.{inner}", diffusers_component(component)));
+                    names.push(underscored(self.prefix(component), inner));
                 }
                 names
             }
@@ -743,6 +748,54 @@ mod tests {
                 &known
             ),
             None
+        );
+    }
+
+    #[test]
+    fn text_encoder_names_without_text_model_resolve_to_the_same_modules() {
+        let te = "text_model.encoder.layers.0.self_attn.out_proj";
+        let fc = "text_model.encoder.layers.1.mlp.fc1";
+        let sd1 = [
+            (KohyaComponent::TextEncoder, te),
+            (KohyaComponent::TextEncoder, fc),
+        ];
+        let naming = KohyaNaming::Diffusers;
+        assert_eq!(
+            resolve(&naming, "lora_te_encoder_layers_0_self_attn_out_proj", &sd1),
+            Some(te)
+        );
+        assert_eq!(
+            resolve(&naming, "lora_te_encoder_layers_1_mlp_fc1", &sd1),
+            Some(fc)
+        );
+        let sdxl = [
+            (KohyaComponent::TextEncoder, te),
+            (KohyaComponent::TextEncoder2, te),
+        ];
+        let naming = KohyaNaming::for_family(true);
+        assert_eq!(
+            resolve(
+                &naming,
+                "lora_te1_encoder_layers_0_self_attn_out_proj",
+                &sdxl
+            ),
+            Some(te)
+        );
+        let resolver = KohyaResolver::new(&naming, sdxl).unwrap();
+        assert_eq!(
+            resolver.resolve("lora_te2_encoder_layers_0_self_attn_out_proj"),
+            Some(1)
+        );
+        assert_eq!(
+            resolver.resolve("lora_te1_encoder_layers_0_self_attn_out_proj"),
+            Some(0)
+        );
+        // Saving keeps the standard name.
+        assert_eq!(
+            naming
+                .module_name(KohyaComponent::TextEncoder2, te)
+                .unwrap(),
+            "lora_te2_text_model_encoder_layers_0_self_attn_out_proj"
         );
     }
 

@@ -230,6 +230,9 @@ fn merge_loras(sd: &mut StableDiffusion, args: &SampleArgs, device: &Device) -> 
     let naming = crate::adapter::kohya_naming(sd);
     for path in &args.loras {
         let file = load_kohya(path, device)?;
+        if let Some(warning) = file.bundled_embeddings_warning() {
+            eprintln!("{warning}");
+        }
         let n = merge_kohya(sd, &naming, &file, args.lora_scale)?;
         eprintln!(
             "lora: merged {n} modules of {} (×{})",

@@ -136,6 +136,9 @@ impl TrainedAdapters {
             .first()
             .map_or(candle_core::Device::Cpu, |m| m.device());
         let file = load_kohya(path, &device)?;
+        if let Some(warning) = file.bundled_embeddings_warning() {
+            crate::console::say(format_args!("{warning}"));
+        }
         let expected: Vec<ExpectedModule> = self
             .modules
             .iter()
