@@ -24,6 +24,7 @@ pub mod scan;
 pub mod schedule;
 pub mod tag_shuffle;
 pub mod truncation;
+pub mod undersized;
 
 use std::path::PathBuf;
 
