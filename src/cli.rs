@@ -334,6 +334,7 @@ fn data_error_is_usage(e: &DataError) -> bool {
         | DataError::RootNotAFolder { .. }
         | DataError::Multiply { .. }
         | DataError::ImageConfig { .. }
+        | DataError::Text { .. }
         | DataError::EmptyCaption { .. }
         | DataError::NoImages { .. }
         | DataError::NoUsableImages { .. } => true,

@@ -145,3 +145,47 @@ fn validation_config_scores_every_set_under_its_name() {
         ["_all_val_combined", "santa suit", "stabilize-train"]
     );
 }
+
+/// Regressions: images under the training size were upscaled with no word, and kohya's
+/// `10_sks dog/IMG_0001.png` trained as "IMG" once with no word. Now one warning line each
+/// (EveryDream2's for the first, with its `undersized_images.txt` in the run folder).
+#[test]
+fn undersized_images_and_kohya_folders_are_warned_about() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("data");
+    common::copy_dir(&demo_data(), &data);
+    let kohya = data.join("10_sks dog");
+    std::fs::create_dir(&kohya).unwrap();
+    std::fs::copy(data.join("red_circle.png"), kohya.join("IMG_0001.png")).unwrap();
+    // The demo images are 64×64: at 128 every one of the 9 is undersized.
+    let cfg = write_config(
+        tmp.path(),
+        "tiny-sd15",
+        &data,
+        serde_json::json!({"resolution": 128, "max_steps": 1}),
+    );
+    let out = sdtrain(&["--config", cfg.to_str().unwrap(), "--cpu"], tmp.path());
+    let msg = text(&out);
+    assert!(out.status.success(), "{msg}");
+    let run = run_folder(tmp.path());
+    let listed = run.join("undersized_images.txt");
+    let undersized: Vec<&str> = msg.lines().filter(|l| l.contains("smaller than")).collect();
+    assert_eq!(undersized.len(), 1, "{msg}");
+    assert!(
+        undersized[0].starts_with("warning: 9 images are smaller than the target size")
+            && undersized[0].contains("10_sks dog/IMG_0001.png 64x64 for 128x128")
+            && undersized[0].contains("and 6 more")
+            && undersized[0].contains(&listed.display().to_string()),
+        "{msg}"
+    );
+    let list = std::fs::read_to_string(&listed).unwrap();
+    assert_eq!(list.lines().count(), 10, "{list}");
+    assert!(list
+        .contains("green_square.png with size: (64, 64) is smaller than target size: [128, 128]"));
+    let kohya_lines: Vec<&str> = msg.lines().filter(|l| l.contains("kohya")).collect();
+    assert_eq!(kohya_lines.len(), 1, "{msg}");
+    assert!(
+        kohya_lines[0].contains("10_sks dog") && kohya_lines[0].contains("\"IMG\""),
+        "{msg}"
+    );
+}

@@ -22,8 +22,10 @@
 //!
 //! Deliberate differences: an unknown key or a wrong type is an error naming the file (EveryDream2
 //! merges any key into its config); `validate_training: false` turns `manual` off too, as its
-//! documentation says (its code still loads `manual_data_root`); a string `"true"`/`"false"`
-//! (EveryDream2's own `validation_coco.json` writes one) is read as the boolean.
+//! documentation says (its code still loads `manual_data_root`); a string `"true"`/`"false"` in
+//! any case (EveryDream2's own `validation_coco.json` writes one; Python users write `"True"`) and
+//! 1/0 are read as the boolean, where EveryDream2 takes any non-empty string, `"False"` too, as
+//! true; any other string is an error.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -124,24 +126,60 @@ impl ValidationPlan {
     }
 }
 
-/// A boolean, or EveryDream2's string spelling of one.
-#[derive(Debug, Clone, Copy, Deserialize, Serialize)]
-#[serde(untagged)]
-enum Flag {
-    Bool(bool),
-    Text(String2),
-}
+/// A boolean as Python users write one: `true`/`false`, the strings `"True"`/`"False"` in any
+/// case, or `1`/`0`. Anything else is an error that lists these forms.
+#[derive(Debug, Clone, Copy, Serialize)]
+struct Flag(bool);
 
-#[derive(Debug, Clone, Copy, Deserialize, Serialize)]
-#[serde(rename_all = "lowercase")]
-enum String2 {
-    True,
-    False,
+/// What [`Flag`] accepts, for error messages.
+const FLAG_FORMS: &str = "true or false (also \"true\"/\"false\" in any case, or 1/0)";
+
+impl<'de> Deserialize<'de> for Flag {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visit;
+        impl serde::de::Visitor<'_> for Visit {
+            type Value = Flag;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str(FLAG_FORMS)
+            }
+            fn visit_bool<E: serde::de::Error>(self, v: bool) -> Result<Flag, E> {
+                Ok(Flag(v))
+            }
+            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Flag, E> {
+                match v {
+                    0 | 1 => Ok(Flag(v == 1)),
+                    _ => Err(E::custom(format!(
+                        "expected {FLAG_FORMS}, found the number {v}"
+                    ))),
+                }
+            }
+            fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<Flag, E> {
+                match u64::try_from(v) {
+                    Ok(u) => self.visit_u64(u),
+                    Err(_) => Err(E::custom(format!(
+                        "expected {FLAG_FORMS}, found the number {v}"
+                    ))),
+                }
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Flag, E> {
+                if v.eq_ignore_ascii_case("true") {
+                    Ok(Flag(true))
+                } else if v.eq_ignore_ascii_case("false") {
+                    Ok(Flag(false))
+                } else {
+                    Err(E::custom(format!(
+                        "expected {FLAG_FORMS}, found the string {v:?}"
+                    )))
+                }
+            }
+        }
+        d.deserialize_any(Visit)
+    }
 }
 
 impl Flag {
     fn get(self) -> bool {
-        matches!(self, Flag::Bool(true) | Flag::Text(String2::True))
+        self.0
     }
 }
 
@@ -446,6 +484,48 @@ mod tests {
         ] {
             let err = read(dir.path(), v.clone()).unwrap_err().to_string();
             assert!(err.contains("val.json") && err.contains(want), "{v}: {err}");
+        }
+    }
+
+    /// Regression: `"validate_training": "True"` (and 1/0) gave serde's "data did not match any
+    /// variant of untagged enum Flag".
+    #[test]
+    fn flags_take_python_spellings_and_name_the_forms_otherwise() {
+        let dir = tempfile::tempdir().unwrap();
+        for (flag, on) in [
+            (serde_json::json!("True"), true),
+            (serde_json::json!("TRUE"), true),
+            (serde_json::json!(1), true),
+            (serde_json::json!("False"), false),
+            (serde_json::json!("false"), false),
+            (serde_json::json!(0), false),
+        ] {
+            let p = read(
+                dir.path(),
+                serde_json::json!({"validate_training": flag, "use_relative_loss": flag}),
+            )
+            .unwrap();
+            assert_eq!((p.split.is_some(), p.relative), (on, on), "{flag}");
+        }
+        for flag in [
+            serde_json::json!("yes"),
+            serde_json::json!(2),
+            serde_json::json!(-1),
+            serde_json::json!([true]),
+        ] {
+            let err = read(
+                dir.path(),
+                serde_json::json!({"stabilize_training_loss": flag}),
+            )
+            .unwrap_err()
+            .to_string();
+            assert!(
+                err.contains("val.json")
+                    && err.contains("stabilize_training_loss")
+                    && err.contains("true or false (also \"true\"/\"false\" in any case, or 1/0)"),
+                "{flag}: {err}"
+            );
+            assert!(!err.contains("untagged"), "{flag}: {err}");
         }
     }
 }

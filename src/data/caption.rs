@@ -10,11 +10,13 @@
 //! - A caption file that is empty or whitespace gives no main prompt, so the file name's caption is
 //!   used instead (ED2's `__ensure_caption`); tags from the file are kept after it.
 //! - Text is UTF-8; a file that is not valid UTF-8 is read as Latin-1 (ED2 tries utf-8, then
-//!   iso-8859-1).
+//!   iso-8859-1). A file that starts with a UTF-16 byte-order mark (`FF FE` or `FE FF`, what
+//!   Windows Notepad saves as "Unicode") is read as UTF-16.
 //!
 //! Deliberate differences: when both `.txt` and `.caption` exist, `.txt` wins (ED2 merges both and
 //! ends up preferring `.caption`'s main prompt), empty tags (`a,,b`) are dropped rather than kept
-//! as `""`, a UTF-8 byte-order mark is stripped, and an image left with no caption at all is an
+//! as `""`, a UTF-8 byte-order mark is stripped, UTF-16 is decoded (ED2 reads it as Latin-1,
+//! a caption of NUL-separated letters), and an image left with no caption at all is an
 //! error naming it (ED2 fails with an unhelpful StopIteration).
 
 use std::path::Path;
@@ -68,18 +70,54 @@ pub fn caption_from_file_name(image: &Path) -> Caption {
     Caption::parse(before_underscore)
 }
 
-/// Reads a caption file as UTF-8 (byte-order mark stripped), falling back to Latin-1.
+/// Reads a caption file (also a YAML sidecar, `multiply.txt`, …) as text: see [`decode_text`].
 pub fn read_caption_file(path: &Path) -> Result<String, DataError> {
     let bytes = std::fs::read(path).map_err(|source| DataError::ReadFile {
         path: path.to_path_buf(),
         source,
     })?;
-    let text = match String::from_utf8(bytes) {
-        Ok(text) => text,
-        // Latin-1 maps every byte to the code point of the same value.
-        Err(err) => err.into_bytes().iter().map(|&b| char::from(b)).collect(),
-    };
-    Ok(text.strip_prefix('\u{feff}').unwrap_or(&text).to_string())
+    decode_text(&bytes).map_err(|reason| DataError::Text {
+        path: path.to_path_buf(),
+        reason,
+    })
+}
+
+/// Decodes a text file: UTF-16 (little- or big-endian) when it starts with that byte-order mark,
+/// else UTF-8 (its byte-order mark stripped), else Latin-1. Only UTF-16 can fail: an odd number
+/// of bytes or an unpaired surrogate.
+pub fn decode_text(bytes: &[u8]) -> Result<String, String> {
+    match bytes {
+        [0xFF, 0xFE, rest @ ..] => decode_utf16(rest, u16::from_le_bytes, "LE"),
+        [0xFE, 0xFF, rest @ ..] => decode_utf16(rest, u16::from_be_bytes, "BE"),
+        _ => {
+            let text = match String::from_utf8(bytes.to_vec()) {
+                Ok(text) => text,
+                // Latin-1 maps every byte to the code point of the same value.
+                Err(_) => bytes.iter().map(|&b| char::from(b)).collect(),
+            };
+            Ok(text.strip_prefix('\u{feff}').unwrap_or(&text).to_string())
+        }
+    }
+}
+
+fn decode_utf16(body: &[u8], unit: fn([u8; 2]) -> u16, order: &str) -> Result<String, String> {
+    if !body.len().is_multiple_of(2) {
+        return Err(format!(
+            "starts with a UTF-16 {order} byte-order mark but holds an odd number of bytes \
+             after it ({}); save it again as UTF-8 or UTF-16",
+            body.len()
+        ));
+    }
+    let units = body.chunks_exact(2).map(|pair| unit([pair[0], pair[1]]));
+    char::decode_utf16(units)
+        .collect::<Result<String, _>>()
+        .map_err(|e| {
+            format!(
+                "starts with a UTF-16 {order} byte-order mark but holds an unpaired surrogate \
+                 {:#06x}; save it again as UTF-8 or UTF-16",
+                e.unpaired_surrogate()
+            )
+        })
 }
 
 /// Resolves the caption of `image`. `sidecar` is the caption file found for it, if any (the
@@ -172,5 +210,42 @@ mod tests {
         let bom = dir.path().join("b.txt");
         std::fs::write(&bom, "\u{feff}hello").unwrap();
         assert_eq!(read_caption_file(&bom).unwrap(), "hello");
+    }
+
+    /// Regression: Notepad's "Unicode" (UTF-16 with a byte-order mark) was read as Latin-1, a
+    /// caption of letters separated by NUL characters.
+    #[test]
+    fn utf16_with_a_bom_is_decoded() {
+        let text = "a café, tag";
+        let mut le = vec![0xFF, 0xFE];
+        let mut be = vec![0xFE, 0xFF];
+        for unit in text.encode_utf16() {
+            le.extend(unit.to_le_bytes());
+            be.extend(unit.to_be_bytes());
+        }
+        assert_eq!(decode_text(&le).unwrap(), text);
+        assert_eq!(decode_text(&be).unwrap(), text);
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("a cat_1.txt");
+        std::fs::write(&file, &le).unwrap();
+        let image = dir.path().join("a cat_1.png");
+        assert_eq!(resolve_caption(&image, Some(&file)).unwrap(), text);
+        // Latin-1 without a mark is read as before.
+        assert_eq!(decode_text(b"\xffcaf\xe9").unwrap(), "\u{ff}café");
+    }
+
+    #[test]
+    fn broken_utf16_is_an_error_naming_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("odd.txt");
+        std::fs::write(&file, [0xFF, 0xFE, b'a', 0, b'b']).unwrap();
+        let err = read_caption_file(&file).unwrap_err().to_string();
+        assert!(
+            err.contains("odd.txt") && err.contains("odd number"),
+            "{err}"
+        );
+        std::fs::write(&file, [0xFF, 0xFE, 0x00, 0xD8, b'a', 0]).unwrap();
+        let err = read_caption_file(&file).unwrap_err().to_string();
+        assert!(err.contains("unpaired surrogate 0xd800"), "{err}");
     }
 }

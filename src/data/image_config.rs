@@ -13,7 +13,10 @@
 //!
 //! A YAML file holds `main_prompt` (a string or a list), `caption` (caption text, split like a
 //! `.txt`), `tags` (strings, or `{tag, weight}` maps; weight 1 when left out), `rating`,
-//! `max_caption_length`, `multiply`, `flip_p`, `cond_dropout` and `shuffle_tags`.
+//! `max_caption_length`, `multiply`, `flip_p`, `cond_dropout` and `shuffle_tags`. As EveryDream2
+//! reads them with PyYAML: `shuffle_tags` takes YAML 1.1's booleans (`yes`/`no`, `on`/`off`,
+//! `true`/`false`, each in lower, Title or UPPER case); a bare number, boolean or null in `tags`
+//! is no tag (dropped, with a warning), and a map's numeric `tag: 2024` is the tag "2024".
 //!
 //! Deliberate differences from EveryDream2:
 //! - a key EveryDream2 does not know (`cond_droput`, the typo in its own DATA.md), a wrong type or
@@ -33,6 +36,7 @@ use std::ffi::OsStr;
 use std::path::Path;
 
 use serde::Deserialize;
+use serde_norway::Value;
 
 use super::caption::{read_caption_file, Caption};
 use super::DataError;
@@ -120,44 +124,221 @@ impl ImageConfig {
     }
 }
 
-/// One tag entry of a YAML file.
-#[derive(Deserialize)]
-#[serde(untagged)]
-enum TagEntry {
-    Plain(String),
-    Weighted(WeightedTag),
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct WeightedTag {
-    tag: String,
-    weight: Option<f64>,
-}
-
-#[derive(Deserialize)]
-#[serde(untagged)]
-enum OneOrMany {
-    One(String),
-    Many(Vec<String>),
-}
-
-/// A YAML settings file as written.
+/// A YAML settings file as written. `main_prompt`, `tags` and `shuffle_tags` are read by hand
+/// ([`main_prompts`], [`yaml_tags`], [`yaml_bool`]) for PyYAML's leniency and errors that say
+/// what is allowed.
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct YamlFile {
-    main_prompt: Option<OneOrMany>,
+    main_prompt: Option<Value>,
     caption: Option<String>,
-    tags: Option<Vec<TagEntry>>,
+    tags: Option<Value>,
     rating: Option<f64>,
     max_caption_length: Option<i64>,
     multiply: Option<f64>,
     cond_dropout: Option<f64>,
     flip_p: Option<f64>,
-    shuffle_tags: Option<bool>,
-    batch_id: Option<serde_norway::Value>,
-    loss_scale: Option<serde_norway::Value>,
-    image: Option<serde_norway::Value>,
+    shuffle_tags: Option<Value>,
+    batch_id: Option<Value>,
+    loss_scale: Option<Value>,
+    image: Option<Value>,
+}
+
+/// The forms a `tags` entry may take, for error messages.
+const TAG_FORMS: &str = "each entry is a string (`- sitting`) or a map with a `tag` and an \
+                         optional numeric `weight` (`- {tag: tuxedo, weight: 1.5}`)";
+
+/// PyYAML's YAML 1.1 booleans (`resolver.py`): `yes`/`no`, `true`/`false`, `on`/`off`, each in
+/// lower, Title or UPPER case.
+fn pyyaml_bool(text: &str) -> Option<bool> {
+    match text {
+        "yes" | "Yes" | "YES" | "true" | "True" | "TRUE" | "on" | "On" | "ON" => Some(true),
+        "no" | "No" | "NO" | "false" | "False" | "FALSE" | "off" | "Off" | "OFF" => Some(false),
+        _ => None,
+    }
+}
+
+/// What kind of YAML value `v` is, for error messages.
+fn kind(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Sequence(_) => "a list",
+        Value::Mapping(_) => "a map",
+        Value::Tagged(_) => "a tagged value",
+    }
+}
+
+/// `v` in YAML's one-line flow style (`{tag: t, weight: '2'}`), shortened, for error messages.
+fn shown(v: &Value) -> String {
+    let line = flow(v);
+    match line.char_indices().nth(60) {
+        Some((cut, _)) => format!("{}…", &line[..cut]),
+        None => line,
+    }
+}
+
+fn flow(v: &Value) -> String {
+    match v {
+        Value::Sequence(items) => {
+            let items: Vec<String> = items.iter().map(flow).collect();
+            format!("[{}]", items.join(", "))
+        }
+        Value::Mapping(map) => {
+            let pairs: Vec<String> = map
+                .iter()
+                .map(|(k, v)| format!("{}: {}", flow(k), flow(v)))
+                .collect();
+            format!("{{{}}}", pairs.join(", "))
+        }
+        scalar => serde_norway::to_string(scalar)
+            .unwrap_or_default()
+            .trim()
+            .replace('\n', " "),
+    }
+}
+
+/// `shuffle_tags`: a boolean as PyYAML reads one (see [`pyyaml_bool`]); null leaves it unset.
+fn yaml_bool(path: &Path, key: &str, v: Option<Value>) -> Result<Option<bool>, DataError> {
+    match v {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Bool(b)) => Ok(Some(b)),
+        Some(Value::String(s)) if pyyaml_bool(&s).is_some() => Ok(pyyaml_bool(&s)),
+        Some(other) => Err(bad(
+            path,
+            format!(
+                "{key} must be a boolean: true/false, yes/no or on/off (lower, Title or UPPER \
+                 case), found {} `{}`",
+                kind(&other),
+                shown(&other)
+            ),
+        )),
+    }
+}
+
+/// `main_prompt`: a string or a list of strings (null entries skipped, as EveryDream2's
+/// `safe_set` skips `None`).
+fn main_prompts(path: &Path, v: Option<Value>) -> Result<Vec<String>, DataError> {
+    let wrong = |v: &Value| {
+        bad(
+            path,
+            format!(
+                "main_prompt must be a string or a list of strings, found {} `{}`",
+                kind(v),
+                shown(v)
+            ),
+        )
+    };
+    match v {
+        None | Some(Value::Null) => Ok(Vec::new()),
+        Some(Value::String(p)) => Ok(vec![p]),
+        Some(Value::Sequence(items)) => items
+            .into_iter()
+            .filter(|item| !item.is_null())
+            .map(|item| match item {
+                Value::String(p) => Ok(p),
+                other => Err(wrong(&other)),
+            })
+            .collect(),
+        Some(other) => Err(wrong(&other)),
+    }
+}
+
+/// Python's `str()` of a YAML scalar: EveryDream2 stringifies a map's `tag` (`tag: 2024` is the
+/// tag "2024").
+fn python_str(v: &Value) -> Option<String> {
+    match v {
+        Value::String(s) => Some(s.clone()),
+        Value::Bool(b) => Some(if *b { "True" } else { "False" }.into()),
+        Value::Number(n) => match (n.as_i64(), n.as_u64(), n.as_f64()) {
+            (Some(i), _, _) => Some(i.to_string()),
+            (None, Some(u), _) => Some(u.to_string()),
+            (None, None, Some(f)) => Some(crate::adapter::kohya_meta::py_float(f)),
+            (None, None, None) => None,
+        },
+        _ => None,
+    }
+}
+
+/// `tags`: a list whose entries are strings or `{tag, weight}` maps. As in EveryDream2
+/// (`Tag.parse` gives `None` for them and `safe_set` drops it), a bare number, boolean or null
+/// is no tag; it is dropped with a warning naming the file. A map's `tag` that is a number or a
+/// boolean is its Python `str()`.
+fn yaml_tags(path: &Path, v: Option<Value>) -> Result<Vec<Tag>, DataError> {
+    let entries = match v {
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(Value::Sequence(entries)) => entries,
+        Some(other) => {
+            return Err(bad(
+                path,
+                format!(
+                    "tags must be a list, found {} `{}`: {TAG_FORMS}; comma-separated tags go in \
+                     `caption`",
+                    kind(&other),
+                    shown(&other)
+                ),
+            ))
+        }
+    };
+    let mut tags = Vec::new();
+    let mut dropped = Vec::new();
+    for (i, entry) in entries.into_iter().enumerate() {
+        let wrong = |e: &Value, why: &str| {
+            bad(
+                path,
+                format!("tags: entry {} `{}` {why}: {TAG_FORMS}", i + 1, shown(e)),
+            )
+        };
+        match entry {
+            Value::String(value) => tags.push(Tag { value, weight: 1.0 }),
+            Value::Null | Value::Bool(_) | Value::Number(_) => dropped.push(shown(&entry)),
+            Value::Mapping(ref map) => {
+                let mut value = None;
+                let mut weight = None;
+                for (key, field) in map {
+                    match key.as_str() {
+                        Some("tag") => value = Some(field),
+                        Some("weight") => weight = Some(field),
+                        _ => {
+                            return Err(wrong(
+                                &entry,
+                                &format!("has the unknown key `{}`", shown(key)),
+                            ))
+                        }
+                    }
+                }
+                let Some(value) = value.and_then(python_str) else {
+                    return Err(wrong(&entry, "has no text or number `tag`"));
+                };
+                let weight = match weight {
+                    None | Some(Value::Null) => None,
+                    Some(w) => match w.as_f64() {
+                        Some(w) => Some(w),
+                        None => return Err(wrong(&entry, "has a `weight` that is not a number")),
+                    },
+                };
+                let weight = checked(path, "tags: weight", weight, f64::MAX)?.unwrap_or(1.0);
+                tags.push(Tag { value, weight });
+            }
+            Value::Sequence(_) | Value::Tagged(_) => {
+                return Err(wrong(&entry, &format!("is {}", kind(&entry))))
+            }
+        }
+    }
+    if !dropped.is_empty() {
+        crate::console::say(format_args!(
+            "warning: {}: {} not text and dropped from tags, as EveryDream2 drops it; quote \
+             a number (`- \"1990\"`) or write `- tag: 1990` to keep it",
+            path.display(),
+            match dropped.as_slice() {
+                [one] => format!("`{one}` is"),
+                many => format!("`{}` are", many.join("`, `")),
+            }
+        ));
+    }
+    Ok(tags)
 }
 
 fn bad(path: &Path, reason: impl Into<String>) -> DataError {
@@ -185,16 +366,12 @@ pub fn read_yaml(path: &Path) -> Result<ImageConfig, DataError> {
         }
     }
     let mut cfg = ImageConfig {
-        main_prompts: match file.main_prompt {
-            None => Vec::new(),
-            Some(OneOrMany::One(p)) => vec![p],
-            Some(OneOrMany::Many(ps)) => ps,
-        },
+        main_prompts: main_prompts(path, file.main_prompt)?,
         rating: checked(path, "rating", file.rating, f64::MAX)?,
         multiply: checked(path, "multiply", file.multiply, f64::MAX)?,
         flip_p: checked(path, "flip_p", file.flip_p, 1.0)?,
         cond_dropout: checked(path, "cond_dropout", file.cond_dropout, 1.0)?,
-        shuffle_tags: file.shuffle_tags.unwrap_or(false),
+        shuffle_tags: yaml_bool(path, "shuffle_tags", file.shuffle_tags)?.unwrap_or(false),
         ..ImageConfig::default()
     };
     cfg.main_prompts.retain(|p| !p.is_empty());
@@ -208,14 +385,7 @@ pub fn read_yaml(path: &Path) -> Result<ImageConfig, DataError> {
             ))
         }
     };
-    for entry in file.tags.unwrap_or_default() {
-        let tag = match entry {
-            TagEntry::Plain(value) => Tag { value, weight: 1.0 },
-            TagEntry::Weighted(w) => Tag {
-                value: w.tag,
-                weight: checked(path, "tags: weight", w.weight, f64::MAX)?.unwrap_or(1.0),
-            },
-        };
+    for tag in yaml_tags(path, file.tags)? {
         if !tag.value.is_empty() && !cfg.tags.contains(&tag) {
             cfg.tags.push(tag);
         }
@@ -421,5 +591,106 @@ mod tests {
             let err = read_fraction_file(&path).unwrap_err().to_string();
             assert!(err.contains("flip_p.txt"), "{err}");
         }
+    }
+
+    /// Regression: PyYAML reads `on`/`yes`/`off`/`no` (any of lower, Title, UPPER case) as
+    /// booleans; serde's YAML 1.2 refused them.
+    #[test]
+    fn shuffle_tags_reads_pyyaml_booleans() {
+        for word in [
+            "on", "On", "ON", "yes", "Yes", "YES", "true", "True", "TRUE",
+        ] {
+            let cfg = yaml(&format!("shuffle_tags: {word}\n")).unwrap();
+            assert!(cfg.shuffle_tags, "{word}");
+        }
+        for word in [
+            "off", "Off", "OFF", "no", "No", "NO", "false", "False", "FALSE", "~",
+        ] {
+            let cfg = yaml(&format!("shuffle_tags: {word}\n")).unwrap();
+            assert!(!cfg.shuffle_tags, "{word}");
+        }
+        for word in ["y", "maybe", "2"] {
+            let err = yaml(&format!("shuffle_tags: {word}\n"))
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains("a.yaml") && err.contains("shuffle_tags") && err.contains("yes/no"),
+                "{word}: {err}"
+            );
+        }
+    }
+
+    /// Regression: EveryDream2 trains `tags: [1990, {tag: 2024, weight: 2}]` as the one tag
+    /// "2024" (a bare number is no tag, a map's `tag` is stringified); sdtrain refused the file.
+    #[test]
+    fn numeric_tags_read_as_everydream2_reads_them() {
+        let cfg = yaml("main_prompt: m\ntags:\n  - 1990\n  - tag: 2024\n    weight: 2\n").unwrap();
+        assert_eq!(
+            cfg.tags,
+            [Tag {
+                value: "2024".into(),
+                weight: 2.0
+            }]
+        );
+        let cfg =
+            yaml("tags: [null, true, {tag: 1.5}, {tag: true}, {tag: x, weight: ~}]\n").unwrap();
+        let tags: Vec<(&str, f64)> = cfg
+            .tags
+            .iter()
+            .map(|t| (t.value.as_str(), t.weight))
+            .collect();
+        assert_eq!(tags, [("1.5", 1.0), ("True", 1.0), ("x", 1.0)]);
+    }
+
+    /// Regression: a wrong `tags` or `main_prompt` gave serde's "data did not match any variant
+    /// of untagged enum TagEntry"; the message names the file, the field and the accepted forms.
+    #[test]
+    fn wrong_tags_and_main_prompt_say_what_is_allowed() {
+        for (text, want) in [
+            ("tags: a, b, c\n", "tags must be a list"),
+            ("tags: [[a, b]]\n", "tags: entry 1 `[a, b]` is a list"),
+            (
+                "tags: [x, {tag: t, weight: '2'}]\n",
+                "entry 2 `{tag: t, weight: '2'}`",
+            ),
+            ("tags: [{weight: 2}]\n", "no text or number `tag`"),
+            (
+                "tags: [{tag: a, weight: \"2\"}]\n",
+                "`weight` that is not a number",
+            ),
+            ("tags: [{tag: a, wieght: 2}]\n", "unknown key `wieght`"),
+            (
+                "main_prompt: 5\n",
+                "main_prompt must be a string or a list of strings",
+            ),
+            (
+                "main_prompt: [a, {b: c}]\n",
+                "main_prompt must be a string or a list of strings",
+            ),
+        ] {
+            let err = yaml(text).unwrap_err().to_string();
+            assert!(
+                err.contains("a.yaml") && err.contains(want),
+                "{text}: {err}"
+            );
+            assert!(!err.contains("untagged"), "{text}: {err}");
+            if want.starts_with("tags") || text.starts_with("tags") {
+                assert!(err.contains("{tag: tuxedo, weight: 1.5}"), "{text}: {err}");
+            }
+        }
+    }
+
+    #[test]
+    fn utf16_yaml_is_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("a.yaml");
+        let mut bytes = vec![0xFF, 0xFE];
+        for unit in "main_prompt: café\nshuffle_tags: yes\n".encode_utf16() {
+            bytes.extend(unit.to_le_bytes());
+        }
+        std::fs::write(&path, bytes).unwrap();
+        let cfg = read_yaml(&path).unwrap();
+        assert_eq!(cfg.main_prompts, ["café"]);
+        assert!(cfg.shuffle_tags);
     }
 }

@@ -24,6 +24,7 @@ pub mod scan;
 pub mod schedule;
 pub mod tag_shuffle;
 pub mod truncation;
+pub mod undersized;
 
 use std::path::PathBuf;
 
@@ -74,6 +75,8 @@ pub enum DataError {
     Multiply { path: PathBuf, text: String },
     #[error("{}: {reason}", path.display())]
     ImageConfig { path: PathBuf, reason: String },
+    #[error("{}: {reason}", path.display())]
+    Text { path: PathBuf, reason: String },
     #[error(
         "{}: no caption: there is no sibling .txt or .caption file (or it is empty) and the file \
          name gives none (the caption is the file name's text before the first `_`)",

@@ -13,6 +13,10 @@
 //!   (`global.yaml`, `local.yaml`, `<stem>.yaml`, `flip_p.txt`, `cond_dropout.txt`, …): see
 //!   [`super::image_config`].
 //!
+//! kohya's DreamBooth folders (`10_sks dog/`: 10 repeats, caption "sks dog" from the name) are
+//! read as EveryDream2 reads them (captions from the files, repeats from `multiply.txt`); when a
+//! folder so named holds images whose caption comes from their file name, one warning says so.
+//!
 //! Deliberate differences: the order is sorted by path (ED2 uses the file system's order), a
 //! malformed `multiply.txt` is an error naming it (ED2 logs a warning and uses 1), images whose
 //! folder multiplier is 0 are dropped here instead of being carried and never picked, and a folder
@@ -67,7 +71,19 @@ pub fn scan(data_root: &Path) -> Result<Vec<ImageRecord>, DataError> {
         }
         Ok(_) => {}
     }
-    let mut walk = Walk::default();
+    let walk = walk(data_root)?;
+    if let Some(first) = walk.kohya.first() {
+        crate::console::say(format_args!("{}", kohya_warning(first, walk.kohya.len())));
+    }
+    Ok(walk.records)
+}
+
+/// Walks `data_root` (known to be a folder): its images sorted by path, and what else was seen.
+fn walk(data_root: &Path) -> Result<Walk, DataError> {
+    let mut walk = Walk {
+        root: data_root.to_path_buf(),
+        ..Walk::default()
+    };
     walk.visit(data_root, &ImageConfig::default())?;
     if walk.records.is_empty() {
         return Err(DataError::NoImages {
@@ -76,7 +92,51 @@ pub fn scan(data_root: &Path) -> Result<Vec<ImageRecord>, DataError> {
         });
     }
     walk.records.sort_by(|a, b| a.path.cmp(&b.path));
-    Ok(walk.records)
+    Ok(walk)
+}
+
+/// kohya's DreamBooth folder name (`^\d+_.+`, `train_util.py`): the repeat count and the caption
+/// kohya reads from it (`10_sks dog` → `("10", "sks dog")`).
+pub fn kohya_folder_name(name: &str) -> Option<(&str, &str)> {
+    let (repeats, caption) = name.split_once('_')?;
+    let is_count = !repeats.is_empty() && repeats.bytes().all(|b| b.is_ascii_digit());
+    (is_count && !caption.is_empty()).then_some((repeats, caption))
+}
+
+/// A kohya-named folder whose images take their captions from their file names.
+#[derive(Debug, Clone, PartialEq)]
+struct KohyaFolder {
+    folder: PathBuf,
+    /// The caption one of its images got (from its file name).
+    example: String,
+}
+
+/// The one warning for `first` of `count` kohya-named folders.
+fn kohya_warning(first: &KohyaFolder, count: usize) -> String {
+    let name = first
+        .folder
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let (repeats, caption) = kohya_folder_name(&name).unwrap_or_default();
+    let more = match count {
+        0 | 1 => String::new(),
+        n => format!(
+            " (and {} more such folder{})",
+            n - 1,
+            if n == 2 { "" } else { "s" }
+        ),
+    };
+    format!(
+        "warning: folder {}{more} is named like a kohya DreamBooth folder (`<repeats>_<caption>`) \
+         and holds images without caption files; sdtrain reads captions and repeats as \
+         EveryDream2 does, so they train with captions from their file names (e.g. \"{}\") and \
+         the repeats of a multiply.txt (1 without one), not kohya's \"{caption}\" ×{repeats}. \
+         Write captions in .txt files beside the images and the repeat count in the folder's \
+         multiply.txt (docs/config.md, \"EveryDream2's data keys and files\")",
+        first.folder.display(),
+        first.example,
+    )
 }
 
 /// True when `path` has one of [`IMAGE_EXTENSIONS`], in any case.
@@ -104,7 +164,11 @@ pub fn read_multiply(path: &Path) -> Result<f64, DataError> {
 
 #[derive(Default)]
 struct Walk {
+    /// The data_root, whose own name is not checked against kohya's convention.
+    root: PathBuf,
     records: Vec<ImageRecord>,
+    /// kohya-named folders holding images captioned by their file names, in walk order.
+    kohya: Vec<KohyaFolder>,
     /// Images dropped because their folder's multiplier is 0.
     excluded: usize,
     /// Canonical folders already walked, so a symbolic-link loop ends.
@@ -145,6 +209,13 @@ impl Walk {
         let images = files
             .iter()
             .filter(|path| is_image(path) && !super::mask::is_mask_file(path));
+        let kohya_named = dir != self.root
+            && dir
+                .file_name()
+                .and_then(OsStr::to_str)
+                .and_then(kohya_folder_name)
+                .is_some();
+        let mut kohya_example = None;
         for image in images {
             let cfg = folder.merge(&image_sidecars(dir, image, &file_names)?);
             let multiplier = cfg.multiply.unwrap_or(1.0);
@@ -152,12 +223,22 @@ impl Walk {
                 self.excluded += 1;
                 continue;
             }
+            let named_by_file = cfg.main_prompts.is_empty();
             let (caption, options) = resolve_item(image, cfg)?;
+            if kohya_named && named_by_file && kohya_example.is_none() {
+                kohya_example = Some(caption.clone());
+            }
             self.records.push(ImageRecord {
                 path: image.clone(),
                 caption,
                 multiplier,
                 options: Arc::new(options),
+            });
+        }
+        if let Some(example) = kohya_example {
+            self.kohya.push(KohyaFolder {
+                folder: dir.to_path_buf(),
+                example,
             });
         }
         for sub in &dirs {
@@ -314,5 +395,52 @@ mod tests {
         let err = scan(dir.path()).unwrap_err();
         assert!(matches!(err, DataError::NoImages { excluded: 1, .. }));
         assert!(err.to_string().contains("multiply.txt of 0"), "{err}");
+    }
+
+    #[test]
+    fn kohya_folder_names_are_recognised() {
+        assert_eq!(kohya_folder_name("10_sks dog"), Some(("10", "sks dog")));
+        assert_eq!(kohya_folder_name("1_a_b"), Some(("1", "a_b")));
+        for name in ["sks dog", "10_", "_dog", "x10_dog", "10 dog", "1.5_dog"] {
+            assert_eq!(kohya_folder_name(name), None, "{name}");
+        }
+    }
+
+    /// Regression: kohya's `10_sks dog/IMG_0001.png` trained as "IMG" once with no word.
+    #[test]
+    fn kohya_folders_without_captions_are_noted_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("10_root");
+        for sub in ["10_sks dog", "3_cat", "5_captioned", "plain"] {
+            std::fs::create_dir_all(root.join(sub)).unwrap();
+        }
+        std::fs::write(root.join("10_sks dog/IMG_0001.png"), b"").unwrap();
+        std::fs::write(root.join("3_cat/c_1.png"), b"").unwrap();
+        std::fs::write(root.join("5_captioned/d.png"), b"").unwrap();
+        std::fs::write(root.join("5_captioned/d.txt"), "a dog").unwrap();
+        std::fs::write(root.join("plain/e.png"), b"").unwrap();
+        // The data_root's own name is not a kohya subset folder.
+        std::fs::write(root.join("f.png"), b"").unwrap();
+        let walk = walk(&root).unwrap();
+        let folders: Vec<&Path> = walk.kohya.iter().map(|k| k.folder.as_path()).collect();
+        assert_eq!(folders, [root.join("10_sks dog"), root.join("3_cat")]);
+        let line = kohya_warning(&walk.kohya[0], walk.kohya.len());
+        assert!(!line.contains('\n'), "{line}");
+        for want in [
+            "10_sks dog (and 1 more such folder)",
+            "\"IMG\"",
+            "not kohya's \"sks dog\" ×10",
+            "multiply.txt",
+            "docs/config.md",
+        ] {
+            assert!(line.contains(want), "{want}: {line}");
+        }
+        // ED2's reading is kept: caption from the file name, 1 repeat.
+        let r = walk
+            .records
+            .iter()
+            .find(|r| r.path.ends_with("IMG_0001.png"))
+            .unwrap();
+        assert_eq!((r.caption.as_str(), r.multiplier), ("IMG", 1.0));
     }
 }

@@ -26,7 +26,7 @@ use super::samples;
 use super::trainer::{Extras, Model, Outputs, Position, RunOptions, Session};
 use super::validation::Validation;
 use crate::config::{BaseWeightDtype, CheckpointChoice, RunShape, TrainMode, TrainPlan};
-use crate::data::{load_data_root_limited, Bucket, LoadedDataset};
+use crate::data::{load_data_root_limited, undersized, Bucket, LoadedDataset};
 use crate::diffusion::loss::LossConfig;
 use crate::diffusion::{Objective, ObjectiveConfig};
 use crate::memory::{prepare_device, DeviceSettings};
@@ -128,6 +128,7 @@ impl<'a> Session<'a> {
                 plan.grad_accum,
                 total_steps
             ));
+            report_undersized(&feed, &outputs.run.path, &plan.data.data_root)?;
         }
         let mut session = Self {
             plan,
@@ -657,6 +658,20 @@ fn hold_out_validation(
     };
     crate::console::say(format_args!("validation: {what}, {}", v.when_text()));
     Ok(Some(val))
+}
+
+/// EveryDream2's warning for training images smaller than their bucket (one line) and their
+/// list in the run folder's `undersized_images.txt`.
+fn report_undersized(feed: &DataFeed, run_dir: &Path, data_root: &Path) -> anyhow::Result<()> {
+    let list = undersized::find_undersized(&feed.dataset.items, &feed.buckets);
+    if !list.is_empty() {
+        let written = undersized::write_list(run_dir, &list)?;
+        crate::console::say(format_args!(
+            "{}",
+            undersized::warning_line(&list, data_root, &written)
+        ));
+    }
+    Ok(())
 }
 
 fn report_dataset(dataset: &LoadedDataset) {
