@@ -1,4 +1,4 @@
-//! JSON as Python's `json` module writes it. Python writes the non-finite floats as the bare
+//! Values as Python writes them: JSON as its `json` module writes it, and `str(float)`. Python writes the non-finite floats as the bare
 //! tokens `NaN`, `Infinity` and `-Infinity`, which strict JSON lacks: diffusers' DPM-Solver
 //! scheduler configs hold `"lambda_min_clipped": -Infinity`, so a model shipped with a DPM++
 //! scheduler has a `scheduler_config.json` that strict parsers refuse. Outside strings, the
@@ -40,6 +40,37 @@ pub fn finite(text: &str) -> Cow<'_, str> {
         rest = &rest[c.len_utf8()..];
     }
     Cow::Owned(out)
+}
+
+/// Python's `str(float)`: shortest round-trip digits; scientific (`1e-05`) when the decimal
+/// exponent is < -4 or >= 16; otherwise positional with at least one decimal (`1.0`).
+pub fn py_float(v: f64) -> String {
+    if v.is_nan() {
+        return "nan".to_string();
+    }
+    if v.is_infinite() {
+        return if v > 0.0 { "inf" } else { "-inf" }.to_string();
+    }
+    if v == 0.0 {
+        return if v.is_sign_negative() { "-0.0" } else { "0.0" }.to_string();
+    }
+    // `{:e}` gives the shortest round-trip mantissa, e.g. "1.5e-5".
+    let sci = format!("{v:e}");
+    let Some((mantissa, exp)) = sci.split_once('e') else {
+        return sci;
+    };
+    let exp: i32 = exp.parse().unwrap_or(0);
+    if (-4..16).contains(&exp) {
+        let s = format!("{v}");
+        if s.contains('.') {
+            s
+        } else {
+            format!("{s}.0")
+        }
+    } else {
+        let sign = if exp < 0 { '-' } else { '+' };
+        format!("{mantissa}e{sign}{:02}", exp.abs())
+    }
 }
 
 /// A boolean config field that may be null, read as Python reads it: null is false. diffusers

@@ -4,6 +4,7 @@
 //! `library/sai_model_spec.py` writes for a LoRA. LyCORIS's kohya network writes the same keys,
 //! with `ss_network_module = "lycoris.kohya"` and its `algo` in `ss_network_args`.
 
+pub use crate::py_json::py_float;
 use std::collections::{BTreeMap, HashMap};
 
 /// The base model a LoRA was trained on, as kohya records it.
@@ -160,37 +161,6 @@ impl KohyaMetadata {
 /// Python's `str(bool)`.
 fn py_bool(b: bool) -> String {
     if b { "True" } else { "False" }.to_string()
-}
-
-/// Python's `str(float)`: shortest round-trip digits; scientific (`1e-05`) when the decimal
-/// exponent is < -4 or >= 16; otherwise positional with at least one decimal (`1.0`).
-pub fn py_float(v: f64) -> String {
-    if v.is_nan() {
-        return "nan".to_string();
-    }
-    if v.is_infinite() {
-        return if v > 0.0 { "inf" } else { "-inf" }.to_string();
-    }
-    if v == 0.0 {
-        return if v.is_sign_negative() { "-0.0" } else { "0.0" }.to_string();
-    }
-    // `{:e}` gives the shortest round-trip mantissa, e.g. "1.5e-5".
-    let sci = format!("{v:e}");
-    let Some((mantissa, exp)) = sci.split_once('e') else {
-        return sci;
-    };
-    let exp: i32 = exp.parse().unwrap_or(0);
-    if (-4..16).contains(&exp) {
-        let s = format!("{v}");
-        if s.contains('.') {
-            s
-        } else {
-            format!("{s}.0")
-        }
-    } else {
-        let sign = if exp < 0 { '-' } else { '+' };
-        format!("{mantissa}e{sign}{:02}", exp.abs())
-    }
 }
 
 /// A JSON string literal (as Python's `json.dumps` writes it, ASCII-escaped).

@@ -255,7 +255,7 @@ fn python_str(v: &Value) -> Option<String> {
         Value::Number(n) => match (n.as_i64(), n.as_u64(), n.as_f64()) {
             (Some(i), _, _) => Some(i.to_string()),
             (None, Some(u), _) => Some(u.to_string()),
-            (None, None, Some(f)) => Some(crate::adapter::kohya_meta::py_float(f)),
+            (None, None, Some(f)) => Some(crate::py_json::py_float(f)),
             (None, None, None) => None,
         },
         _ => None,
