@@ -6,8 +6,9 @@
 //!   final σ of zero or σ_min, λ clipping) from the same latents, model outputs and noise: the
 //!   timesteps, the σ table, the model's input and the latents after every step, and how many
 //!   noise draws each takes;
-//! - whole pipelines on the tiny fixtures from the same initial latents and ancestral noise: the
-//!   latents after every step and the decoded image.
+//! - whole pipelines on the tiny fixtures from the same initial latents and ancestral noise (two
+//!   with guidance rescale, one of them on the zero-terminal-SNR schedule): the latents after
+//!   every step and the decoded image.
 
 mod common;
 
@@ -159,7 +160,7 @@ fn load(fixture: &str) -> StableDiffusion {
 fn pipelines_match_diffusers_step_by_step() {
     let (refs, meta) = reference();
     let cases = meta["pipelines"].as_array().unwrap();
-    assert_eq!(cases.len(), 14);
+    assert_eq!(cases.len(), 16);
     for case in cases {
         let name = case["name"].as_str().unwrap();
         let get = |k: &str| common::get(&refs, &format!("{name}.{k}"));
@@ -172,9 +173,14 @@ fn pipelines_match_diffusers_step_by_step() {
             height: 32,
             steps: case["steps"].as_u64().unwrap() as usize,
             cfg: case["cfg"].as_f64().unwrap(),
+            guidance_rescale: case["guidance_rescale"].as_f64().unwrap(),
             sampler: SamplerKind::parse(case["sampler"].as_str().unwrap()).unwrap(),
         };
-        let cfg = SchedulerConfig::from_layout(&sd.layout).unwrap();
+        let mut config = sd.layout.scheduler_json().unwrap();
+        for (k, v) in case["scheduler_overrides"].as_object().unwrap() {
+            config[k] = v.clone();
+        }
+        let cfg = SchedulerConfig::from_config(&config, Path::new(name)).unwrap();
         let sampler = req.sampler.build(&cfg, req.steps).unwrap();
         let conds = PromptConds::encode(
             &sd,
@@ -265,6 +271,7 @@ fn bf16_sampling_stays_near_the_f32_reference() {
         height: 32,
         steps: case["steps"].as_u64().unwrap() as usize,
         cfg: case["cfg"].as_f64().unwrap(),
+        guidance_rescale: 0.0,
         sampler: SamplerKind::Ddim,
     };
     let cfg = SchedulerConfig::from_layout(&sd.layout).unwrap();
@@ -292,4 +299,17 @@ fn bf16_sampling_stays_near_the_f32_reference() {
         .unwrap();
     let err = common::rel_err(&x, &want);
     assert!(err < 3e-2, "bf16 latents rel err {err}");
+}
+
+/// Guidance rescale against diffusers' `rescale_noise_cfg` on a batch of 2 with different
+/// spreads: catches statistics taken over the whole batch (the pipelines draw one image) or a
+/// ratio upside down.
+#[test]
+fn guidance_rescale_matches_diffusers_rescale_noise_cfg() {
+    let (refs, _) = reference();
+    let get = |k: &str| common::get(&refs, &format!("rescale.{k}"));
+    let out =
+        sdtrain::sample::generate::rescale_guidance(&get("guided"), &get("cond"), 0.7).unwrap();
+    let d = max_diff(&out, &get("out"));
+    assert!(d < 1e-5, "differs by {d}");
 }

@@ -49,6 +49,9 @@ pub struct ModelLayout {
     /// One entry per text encoder, in the same order.
     pub tokenizers: Vec<TokenizerFiles>,
     pub source: LayoutSource,
+    /// The scheduler config in place of the model's own ([`ModelLayout::with_scheduler`]): a
+    /// trained model's schedule, which saves and samples follow.
+    pub scheduler_override: Option<Arc<Value>>,
 }
 
 impl ModelLayout {
@@ -126,6 +129,7 @@ impl ModelLayout {
             components,
             tokenizers,
             source: LayoutSource::Folder { model_index },
+            scheduler_override: None,
         })
     }
 
@@ -169,6 +173,7 @@ impl ModelLayout {
             components,
             tokenizers,
             source: LayoutSource::SingleFile(Arc::new(sf)),
+            scheduler_override: None,
         })
     }
 
@@ -180,20 +185,41 @@ impl ModelLayout {
         }
     }
 
-    /// The scheduler config.
+    /// The scheduler config: the override when there is one, else the model's.
     pub fn scheduler_json(&self) -> Result<Value, FilesError> {
+        if let Some(s) = &self.scheduler_override {
+            return Ok(Value::clone(s));
+        }
+        self.base_scheduler_json()
+    }
+
+    /// The model's own scheduler config, whatever the override.
+    pub fn base_scheduler_json(&self) -> Result<Value, FilesError> {
         match &self.source {
             LayoutSource::Folder { .. } => files::read_json(&self.scheduler_config),
             LayoutSource::SingleFile(sf) => Ok(sf.scheduler.clone()),
         }
     }
 
-    /// `model_index.json`.
-    pub fn model_index_json(&self) -> Result<Value, FilesError> {
-        match &self.source {
-            LayoutSource::Folder { model_index } => files::read_json(model_index),
-            LayoutSource::SingleFile(sf) => Ok(sf.model_index.clone()),
+    /// This layout with `scheduler` as its scheduler config (for what is sampled and saved; the
+    /// prediction type stays the model's).
+    pub fn with_scheduler(&self, scheduler: Value) -> Self {
+        Self {
+            scheduler_override: Some(Arc::new(scheduler)),
+            ..self.clone()
         }
+    }
+
+    /// `model_index.json`, whose `scheduler` entry names the overriding config's class.
+    pub fn model_index_json(&self) -> Result<Value, FilesError> {
+        let mut index = match &self.source {
+            LayoutSource::Folder { model_index } => files::read_json(model_index)?,
+            LayoutSource::SingleFile(sf) => sf.model_index.clone(),
+        };
+        if let Some(s) = &self.scheduler_override {
+            super::zero_snr::name_scheduler_class(&mut index, s);
+        }
+        Ok(index)
     }
 
     pub fn component(&self, component: Component) -> Option<&ComponentFiles> {

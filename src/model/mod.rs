@@ -14,6 +14,7 @@ pub mod single_file;
 pub mod source;
 pub mod unet;
 pub mod vae;
+pub mod zero_snr;
 // Weight loading lives at the crate root so `nn` does not depend on `model`; re-exported here
 // for the model-facing path `model::weights`.
 pub use crate::weights;

@@ -1,7 +1,10 @@
 //! One image from a prompt, as diffusers' `StableDiffusionPipeline` / `StableDiffusionXLPipeline`
 //! make it:
 //! - classifier-free guidance when `cfg > 1`: the UNet sees `[uncond, cond]` and the guided
-//!   output is `u + cfg·(c − u)`;
+//!   output is `g = u + cfg·(c − u)`;
+//! - guidance rescale φ (`guidance_rescale`, arXiv 2305.08891 §3.4, diffusers'
+//!   `rescale_noise_cfg`) under guidance when φ > 0: `φ·g·std(c)/std(g) + (1 − φ)·g`, each
+//!   standard deviation over all of a sample's elements (Bessel-corrected, as `torch.std`);
 //! - the negative conditioning is the negative prompt's encoding (`""` when none), except that
 //!   SDXL pipelines with `force_zeros_for_empty_prompt` use zeros for an empty negative prompt;
 //! - SDXL's `time_ids` are `(h, w, 0, 0, h, w)` for both halves;
@@ -35,6 +38,8 @@ pub struct SampleRequest {
     pub steps: usize,
     /// Guidance scale; ≤ 1 runs the conditional half alone.
     pub cfg: f64,
+    /// Guidance rescale φ in [0, 1] (diffusers' `guidance_rescale`); 0 leaves guidance as it is.
+    pub guidance_rescale: f64,
     pub sampler: SamplerKind,
 }
 
@@ -185,7 +190,28 @@ fn predict(
     } else {
         (one(x, u)?, one(x, &conds.cond)?)
     };
-    &out_u + ((&out_c - &out_u)? * req.cfg)?
+    let guided = (&out_u + ((&out_c - &out_u)? * req.cfg)?)?;
+    match req.guidance_rescale > 0.0 {
+        true => rescale_guidance(&guided, &out_c, req.guidance_rescale),
+        false => Ok(guided),
+    }
+}
+
+/// diffusers' `rescale_noise_cfg`: the guided output `guided` brought `phi` of the way to the
+/// standard deviation of the conditional output `cond`, per sample (dim 0).
+pub fn rescale_guidance(guided: &Tensor, cond: &Tensor, phi: f64) -> candle_core::Result<Tensor> {
+    let std = |t: &Tensor| -> candle_core::Result<Tensor> {
+        let flat = t.flatten_from(1)?;
+        let n = flat.dim(1)?;
+        let centred = flat.broadcast_sub(&flat.mean_keepdim(1)?)?;
+        (centred.sqr()?.sum_keepdim(1)? / (n.max(2) - 1) as f64)?.sqrt()
+    };
+    let ratio = (std(cond)? / std(guided)?)?;
+    let shape: Vec<usize> = (0..guided.rank())
+        .map(|d| if d == 0 { guided.dim(0) } else { Ok(1) })
+        .collect::<candle_core::Result<_>>()?;
+    let rescaled = guided.broadcast_mul(&ratio.reshape(shape)?)?;
+    (rescaled * phi)? + (guided * (1.0 - phi))?
 }
 
 /// The longest side a sample may have, in pixels: training's `aspects` bound. Far past it the

@@ -25,6 +25,8 @@ pub struct PromptJob {
     pub steps: usize,
     pub sampler: SamplerKind,
     pub cfgs: Vec<f64>,
+    /// Guidance rescale φ for every request (0: plain guidance).
+    pub guidance_rescale: f64,
 }
 
 impl PromptJob {
@@ -40,6 +42,7 @@ impl PromptJob {
                 height: self.height,
                 steps: self.steps,
                 cfg,
+                guidance_rescale: self.guidance_rescale,
                 sampler: self.sampler,
             })
             .collect()
@@ -56,9 +59,13 @@ impl PromptJob {
     /// The `.txt` written beside its images.
     pub fn describe(&self, seed: u64) -> String {
         let cfgs: Vec<String> = self.cfgs.iter().map(|c| format!("{c}")).collect();
+        let rescale = match self.guidance_rescale > 0.0 {
+            true => format!("guidance rescale: {}\n", self.guidance_rescale),
+            false => String::new(),
+        };
         format!(
             "prompt: {}\nnegative prompt: {}\nseed: {seed}\nsize: {}x{}\nsampler: {}, {} steps\n\
-             cfg (left to right): {}\n",
+             cfg (left to right): {}\n{rescale}",
             self.prompt,
             self.negative_prompt,
             self.width,
@@ -113,6 +120,7 @@ pub fn resolve(
             steps: p.steps.unwrap_or(set.steps),
             sampler: p.sampler.unwrap_or(set.sampler),
             cfgs: p.cfgs.clone().unwrap_or_else(|| set.cfgs.clone()),
+            guidance_rescale: 0.0,
         });
     }
     Ok(jobs)

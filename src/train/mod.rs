@@ -47,6 +47,7 @@ pub mod te_freeze;
 #[cfg(test)]
 mod test_runs;
 pub mod text_cache;
+mod trained_schedule;
 pub mod trainer;
 pub mod validation;
 #[cfg(test)]

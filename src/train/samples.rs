@@ -9,6 +9,8 @@
 //!   otherwise one after the other, as a micro-batch of 1. The UNet runs under checkpointing
 //!   (the run's own, or one made for the round), so a forward keeps only block inputs alive
 //!   even where its weights are training variables.
+//! - A run with `zero_terminal_snr` draws on the rescaled schedule with guidance rescale 0.7
+//!   ([`super::trained_schedule`]), following `load_settings_every_epoch` when it changes.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -24,6 +26,7 @@ use super::progress::Progress;
 use crate::config::{SamplePlan, TrainPlan};
 use crate::memory::trim_pool;
 use crate::model::files::Component;
+use crate::model::layout::ModelLayout;
 use crate::model::pipeline::{load_vae, LoadOptions, StableDiffusion};
 use crate::nn::Checkpointing;
 use crate::precision::Amp;
@@ -38,6 +41,8 @@ pub struct TrainingSamples {
     jobs: Vec<PromptJob>,
     dir: PathBuf,
     scheduler: SchedulerConfig,
+    /// The prompts file, naming it in errors.
+    prompts_file: PathBuf,
     /// One per job (host memory), when no text encoder trains.
     conds: Option<Vec<PromptConds>>,
     clip_skip: usize,
@@ -78,16 +83,12 @@ impl TrainingSamples {
         te_trains: bool,
         clip_skip: usize,
         vae_load: LoadOptions,
+        zero_terminal_snr: bool,
     ) -> anyhow::Result<Self> {
         let align = sd.vae_scale << sd.unet.config.num_downsamples();
         let jobs = jobs::resolve(&plan.set, seed, resolution, align, captions)
             .map_err(anyhow::Error::msg)?;
         let scheduler = SchedulerConfig::from_layout(&sd.layout)?;
-        for j in &jobs {
-            j.sampler
-                .build(&scheduler, j.steps)
-                .map_err(|e| anyhow::anyhow!("{}: {e}", plan.prompts_file.display()))?;
-        }
         let zero_negative = zero_empty_negative(sd);
         let conds = match te_trains {
             true => None,
@@ -97,17 +98,46 @@ impl TrainingSamples {
                     .collect::<candle_core::Result<Vec<_>>>()?,
             ),
         };
-        Ok(Self {
+        let mut samples = Self {
             plan: plan.clone(),
             jobs,
             dir: samples_dir(run_dir),
             scheduler,
+            prompts_file: plan.prompts_file.clone(),
             conds,
             clip_skip,
             zero_negative,
             rng: StdRng::seed_from_u64(seed ^ 0x5a4d_504c_4553),
             vae_load,
-        })
+        };
+        samples.follow_schedule(&sd.layout, zero_terminal_snr)?;
+        Ok(samples)
+    }
+
+    /// Draws on the schedule a run with `zero_terminal_snr` trains on, from the model `layout`
+    /// ([`super::trained_schedule`]); refuses, naming the prompts file, a sampler that cannot.
+    pub fn follow_schedule(
+        &mut self,
+        layout: &ModelLayout,
+        zero_terminal_snr: bool,
+    ) -> anyhow::Result<()> {
+        let layout = super::trained_schedule::trained_layout(layout, zero_terminal_snr)?;
+        let scheduler = SchedulerConfig::from_layout(&layout)?;
+        for j in &self.jobs {
+            j.sampler.build(&scheduler, j.steps).map_err(|e| {
+                let why = match zero_terminal_snr {
+                    true => " (zero_terminal_snr: the run's samples draw on its rescaled schedule)",
+                    false => "",
+                };
+                anyhow::anyhow!("{}: {e}{why}", self.prompts_file.display())
+            })?;
+        }
+        self.scheduler = scheduler;
+        let rescale = super::trained_schedule::sample_guidance_rescale(zero_terminal_snr);
+        for j in &mut self.jobs {
+            j.guidance_rescale = rescale;
+        }
+        Ok(())
     }
 
     /// Whether optimizer step `step` (1-based) ends with samples.
@@ -189,7 +219,16 @@ pub(super) fn start(
     };
     let clip_skip = plan.objective.clip_skip_layers;
     let started = TrainingSamples::setup(
-        samples, sd, run_dir, seed, resolution, captions, te_trains, clip_skip, vae_load,
+        samples,
+        sd,
+        run_dir,
+        seed,
+        resolution,
+        captions,
+        te_trains,
+        clip_skip,
+        vae_load,
+        plan.objective.zero_terminal_snr,
     )
     .context("sample_prompts")?;
     let n = samples.set.prompts.len();

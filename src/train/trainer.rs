@@ -491,6 +491,10 @@ impl Session<'_> {
                 if applied.iter().any(|k| k == "objective") {
                     self.model.objective =
                         super::setup::build_objective(&plan, &self.model.layout)?;
+                    if let Some(samples) = &mut self.extras.samples {
+                        let zero_snr = plan.objective.zero_terminal_snr;
+                        samples.follow_schedule(&self.model.layout, zero_snr)?;
+                    }
                 }
                 apply(&mut self.extras.live, &plan);
                 let list = |keys: &[String]| keys.join(", ");
@@ -726,9 +730,14 @@ impl Session<'_> {
         }
         self.outputs.log.write_held()?;
         let state = self.trainer_state(out);
+        let live = self.extras.reloaded.as_deref().unwrap_or(self.plan);
+        let layout = super::trained_schedule::trained_layout(
+            &self.model.layout,
+            live.objective.zero_terminal_snr,
+        )?;
         let saver = Saver {
             sd: &self.model.sd,
-            layout: &self.model.layout,
+            layout: &layout,
             plan: self.plan,
             adapters: self.model.adapters.as_ref(),
             run: &self.outputs.run,

@@ -17,7 +17,9 @@
 //! - configs, tokenizer files and other small JSON files of each copied folder come along
 //!   unchanged; `model_index.json` is copied with components the new folder lacks (e.g. a
 //!   `safety_checker` the base never downloaded) set to `[null, null]`, as diffusers itself
-//!   writes absent components.
+//!   writes absent components;
+//! - a layout with a scheduler override (a run trained on another schedule than the base's, see
+//!   [`crate::model::zero_snr`]) writes that config, and `model_index.json` names its class.
 //!
 //! Everything is written into `<out_dir>.tmp-<pid>` and renamed into place at the end
 //! ([`StagedDir`]), so `out_dir` is either the previous version or the complete new one. The
@@ -74,9 +76,7 @@ pub fn save_diffusers_folder<T: ExportTensor>(
     }
     check_not_base(base, out_dir)?;
     match &base.source {
-        LayoutSource::Folder { model_index } => {
-            save_from_folder(base, model_index, out_dir, &updates, dtype)
-        }
+        LayoutSource::Folder { .. } => save_from_folder(base, out_dir, &updates, dtype),
         LayoutSource::SingleFile(_) => save_from_single_file(base, out_dir, &updates, dtype),
     }
 }
@@ -85,7 +85,6 @@ pub fn save_diffusers_folder<T: ExportTensor>(
 /// components not updated are copied (module header), `model_index.json` is rewritten.
 fn save_from_folder<T: ExportTensor>(
     base: &ModelLayout,
-    model_index: &Path,
     out_dir: &Path,
     updates: &BTreeMap<Component, &[(String, T)]>,
     dtype: DType,
@@ -101,6 +100,10 @@ fn save_from_folder<T: ExportTensor>(
         "scheduler",
         std::slice::from_ref(&base.scheduler_config),
     )?;
+    if base.scheduler_override.is_some() {
+        let text = serde_json::to_string_pretty(&base.scheduler_json()?).unwrap_or_default();
+        fsutil::write_atomic(&root.join(files::SCHEDULER_CONFIG), text + "\n")?;
+    }
     for c in &base.components {
         let folder = c.component.folder();
         folders.insert(folder.to_string());
@@ -115,7 +118,7 @@ fn save_from_folder<T: ExportTensor>(
         folders.insert(t.folder.clone());
         copy_folder_files(base, root, &t.folder, &t.files)?;
     }
-    let index = files::read_json(model_index)?;
+    let index = base.model_index_json()?;
     for extra in extra_config_folders(base, &index, &folders)? {
         copy_folder_files(base, root, &extra, &[])?;
         folders.insert(extra);
