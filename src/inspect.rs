@@ -30,7 +30,7 @@ pub enum InspectError {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("{} is not a valid safetensors file", path.display())]
+    #[error("{} is not a valid safetensors file{}", path.display(), crate::file_sniff::safetensors_note(path))]
     Header {
         path: PathBuf,
         source: External<safetensors::SafeTensorError>,

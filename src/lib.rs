@@ -15,6 +15,7 @@ pub mod data;
 pub mod diffusion;
 pub mod dist;
 pub mod error_chain;
+pub mod file_sniff;
 pub mod fsutil;
 pub mod inspect;
 #[cfg(test)]
@@ -29,5 +30,6 @@ pub mod run_layout;
 pub mod sample;
 pub mod tensor_view;
 pub mod tensorboard;
+pub mod text_file;
 pub mod train;
 pub mod weights;

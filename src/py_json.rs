@@ -84,7 +84,13 @@ pub fn null_is_false<'de, D: serde::Deserializer<'de>>(d: D) -> Result<bool, D::
 
 /// Parses `text` as JSON, reading Python's non-finite tokens ([`finite`]).
 pub fn from_str<T: serde::de::DeserializeOwned>(text: &str) -> serde_json::Result<T> {
-    serde_json::from_str(&finite(text))
+    serde_json::from_str(&finite(without_bom(text)))
+}
+
+/// `text` without a leading UTF-8 byte order mark (Windows editors write one; Python's `json`
+/// refuses it, serde_json too).
+pub fn without_bom(text: &str) -> &str {
+    text.strip_prefix('\u{feff}').unwrap_or(text)
 }
 
 #[cfg(test)]

@@ -42,10 +42,13 @@ pub enum WeightsError {
         found: Vec<usize>,
         want: Vec<usize>,
     },
-    #[error("{component}: cannot read safetensors {files}")]
+    #[error("{component}: cannot read safetensors {files}{note}")]
     Open {
         component: String,
         files: String,
+        /// What a file is instead of safetensors, when its first bytes tell
+        /// ([`crate::file_sniff`]).
+        note: String,
         source: Box<External<candle_core::Error>>,
     },
     #[error("{component}: cannot load tensor `{name}`")]
@@ -164,6 +167,11 @@ impl Weights {
             unsafe { MmapedSafetensors::multi(files) }.map_err(|source| WeightsError::Open {
                 component: component.to_string(),
                 files: display_files(files),
+                note: files
+                    .iter()
+                    .map(|f| crate::file_sniff::safetensors_note(f))
+                    .find(|n| !n.is_empty())
+                    .unwrap_or_default(),
                 source: Box::new(External(without_path(source))),
             })?;
         Ok(Self::with_source(

@@ -39,6 +39,8 @@ const LAYERS: &[&[&str]] = &[
     &["weights", "tensorboard", "dist"],
     &[
         "fsutil",
+        "file_sniff",
+        "text_file",
         "tensor_view",
         "kernel_emu",
         "precision",

@@ -77,7 +77,7 @@ pub enum KohyaError {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("{} is not a valid safetensors file", path.display())]
+    #[error("{} is not a valid safetensors file{}", path.display(), crate::file_sniff::safetensors_note(path))]
     Format {
         path: PathBuf,
         source: External<safetensors::SafeTensorError>,

@@ -14,6 +14,9 @@ pub enum ConfigError {
         #[source]
         source: std::io::Error,
     },
+    /// Neither UTF-8 nor UTF-16 with a byte-order mark ([`crate::text_file`]).
+    #[error("{} {reason}", file.display())]
+    Encoding { file: PathBuf, reason: String },
     #[error("{} is not valid JSON: {message} (line {line}, column {column})", file.display())]
     Syntax {
         file: PathBuf,
@@ -191,6 +194,7 @@ impl ConfigError {
         match self {
             ConfigError::Read { source, .. } => source.kind() == std::io::ErrorKind::NotFound,
             ConfigError::Syntax { .. }
+            | ConfigError::Encoding { .. }
             | ConfigError::NotAnObject { .. }
             | ConfigError::UnknownKey { .. }
             | ConfigError::Unsupported { .. }

@@ -216,17 +216,21 @@ pub(crate) fn describe_value(value: &Value) -> String {
     }
 }
 
-/// Reads and parses a JSON file, with line and column on a syntax error.
+/// Reads and parses a JSON file (UTF-8, or UTF-16 with a byte-order mark), with line and column
+/// on a syntax error.
 pub(crate) fn read_json(file: &Path) -> Result<Value, ConfigError> {
-    let text = std::fs::read_to_string(file).map_err(|source| ConfigError::Read {
-        file: file.to_path_buf(),
-        source,
+    use crate::text_file::{read_unicode, TextFileError};
+    let text = read_unicode(file).map_err(|e| match e {
+        TextFileError::Io { path, source } => ConfigError::Read { file: path, source },
+        TextFileError::Encoding { path, reason } => ConfigError::Encoding { file: path, reason },
     })?;
     parse_json(&text, file)
 }
 
+/// Parses `text` (`file` names it in errors). A leading UTF-8 byte order mark, which Windows
+/// editors write, is skipped.
 pub(crate) fn parse_json(text: &str, file: &Path) -> Result<Value, ConfigError> {
-    serde_json::from_str(text).map_err(|e| ConfigError::Syntax {
+    serde_json::from_str(crate::py_json::without_bom(text)).map_err(|e| ConfigError::Syntax {
         file: file.to_path_buf(),
         message: e
             .to_string()

@@ -86,38 +86,15 @@ pub fn read_caption_file(path: &Path) -> Result<String, DataError> {
 /// else UTF-8 (its byte-order mark stripped), else Latin-1. Only UTF-16 can fail: an odd number
 /// of bytes or an unpaired surrogate.
 pub fn decode_text(bytes: &[u8]) -> Result<String, String> {
-    match bytes {
-        [0xFF, 0xFE, rest @ ..] => decode_utf16(rest, u16::from_le_bytes, "LE"),
-        [0xFE, 0xFF, rest @ ..] => decode_utf16(rest, u16::from_be_bytes, "BE"),
-        _ => {
-            let text = match String::from_utf8(bytes.to_vec()) {
-                Ok(text) => text,
-                // Latin-1 maps every byte to the code point of the same value.
-                Err(_) => bytes.iter().map(|&b| char::from(b)).collect(),
-            };
-            Ok(text.strip_prefix('\u{feff}').unwrap_or(&text).to_string())
-        }
+    if let Some(text) = crate::text_file::decode_utf16_bom(bytes) {
+        return text;
     }
-}
-
-fn decode_utf16(body: &[u8], unit: fn([u8; 2]) -> u16, order: &str) -> Result<String, String> {
-    if !body.len().is_multiple_of(2) {
-        return Err(format!(
-            "starts with a UTF-16 {order} byte-order mark but holds an odd number of bytes \
-             after it ({}); save it again as UTF-8 or UTF-16",
-            body.len()
-        ));
-    }
-    let units = body.chunks_exact(2).map(|pair| unit([pair[0], pair[1]]));
-    char::decode_utf16(units)
-        .collect::<Result<String, _>>()
-        .map_err(|e| {
-            format!(
-                "starts with a UTF-16 {order} byte-order mark but holds an unpaired surrogate \
-                 {:#06x}; save it again as UTF-8 or UTF-16",
-                e.unpaired_surrogate()
-            )
-        })
+    let text = match String::from_utf8(bytes.to_vec()) {
+        Ok(text) => text,
+        // Latin-1 maps every byte to the code point of the same value.
+        Err(_) => bytes.iter().map(|&b| char::from(b)).collect(),
+    };
+    Ok(text.strip_prefix('\u{feff}').unwrap_or(&text).to_string())
 }
 
 /// Resolves the caption of `image`. `sidecar` is the caption file found for it, if any (the

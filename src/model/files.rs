@@ -90,7 +90,7 @@ pub enum FilesError {
     BadIndex { path: PathBuf, reason: String },
     #[error("shard {} listed in {} not found", shard.display(), index.display())]
     MissingShard { index: PathBuf, shard: PathBuf },
-    #[error("{}: not a valid safetensors file: {message}", path.display())]
+    #[error("{}: not a valid safetensors file: {message}{}", path.display(), crate::file_sniff::safetensors_note(path))]
     BadSafetensors { path: PathBuf, message: String },
     #[error("invalid variant `{0}`: use letters, digits, `_` or `-` (e.g. `fp16`)")]
     BadVariant(String),
@@ -99,7 +99,7 @@ pub enum FilesError {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("cannot parse {}", path.display())]
+    #[error("cannot parse {}{}", path.display(), crate::file_sniff::json_note(path))]
     Json {
         path: PathBuf,
         source: serde_json::Error,

@@ -95,9 +95,13 @@ pub struct SampleSet {
 
 impl SampleSet {
     pub fn read(path: &Path) -> Result<Self, PromptsError> {
-        let text = std::fs::read_to_string(path).map_err(|source| PromptsError::Read {
-            path: path.to_path_buf(),
-            source,
+        use crate::text_file::{read_unicode, TextFileError};
+        let text = read_unicode(path).map_err(|e| match e {
+            TextFileError::Io { path, source } => PromptsError::Read { path, source },
+            TextFileError::Encoding { path, reason } => PromptsError::Invalid {
+                path,
+                message: reason,
+            },
         })?;
         let ext = path
             .extension()

@@ -58,7 +58,7 @@ pub enum TokenizerError {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("cannot parse {path}")]
+    #[error("cannot parse {}{}", path.display(), crate::file_sniff::json_note(path))]
     Json {
         path: PathBuf,
         source: serde_json::Error,

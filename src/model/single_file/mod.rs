@@ -99,7 +99,7 @@ pub enum SingleFileError {
     NotSafetensors { path: PathBuf },
     #[error("cannot read {}: {message}", path.display())]
     Read { path: PathBuf, message: String },
-    #[error("{}: not a valid safetensors file: {message}", path.display())]
+    #[error("{}: not a valid safetensors file: {message}{}", path.display(), crate::file_sniff::safetensors_note(path))]
     Invalid { path: PathBuf, message: String },
     #[error("{}: not a full Stable Diffusion checkpoint: {message}", path.display())]
     NotACheckpoint { path: PathBuf, message: String },
