@@ -151,3 +151,71 @@ fn a_v_prediction_single_file_carries_the_ztsnr_marker() {
         assert_eq!(names.contains(&"ztsnr"), zero_snr, "zero_snr {zero_snr}");
     }
 }
+
+/// `load_settings_every_epoch` turning `zero_terminal_snr` on after the first epoch turns the
+/// samples over with it: step 8's round (epoch 1) is plain, step 16's has guidance rescale.
+#[test]
+fn a_reloaded_zero_terminal_snr_switches_the_samples() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().to_path_buf();
+    let prompts = dir.join("prompts.json");
+    std::fs::write(
+        &prompts,
+        r#"{"cfgs": [5], "num_inference_steps": 2, "resolution": 32, "samples": [{"prompt": "a cat"}]}"#,
+    )
+    .unwrap();
+    let cfg = write_config(
+        &dir,
+        "tiny-sd15",
+        &demo_data(),
+        serde_json::json!({
+            "mode": "lora", "max_steps": null, "max_epochs": 2, "zero_terminal_snr": false,
+            "load_settings_every_epoch": true, "sample_prompts": prompts, "sample_steps": 8,
+        }),
+    );
+    let original = std::fs::read_to_string(&cfg).unwrap();
+    let changed = original.replace(
+        "\"zero_terminal_snr\": false",
+        "\"zero_terminal_snr\": true",
+    );
+    assert_ne!(original, changed);
+    // Rewrite train.json once the first step is logged (8 steps an epoch).
+    let watcher = {
+        let (dir, cfg) = (dir.clone(), cfg.clone());
+        std::thread::spawn(move || {
+            for _ in 0..6000 {
+                let logged = std::fs::read_dir(dir.join("out"))
+                    .ok()
+                    .and_then(|mut runs| runs.next())
+                    .and_then(|run| {
+                        std::fs::read_to_string(run.ok()?.path().join("train_log.jsonl")).ok()
+                    })
+                    .is_some_and(|log| !log.is_empty());
+                if logged {
+                    std::fs::write(&cfg, &changed).unwrap();
+                    return true;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            false
+        })
+    };
+    let out = sdtrain(&["--config", cfg.to_str().unwrap(), "--cpu"], &dir);
+    assert!(watcher.join().unwrap(), "the first step was never logged");
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(text(&out).contains("applied"), "{}", text(&out));
+    let samples = run_folder(&dir).join("samples");
+    let described = |step: usize| {
+        std::fs::read_to_string(samples.join(format!("gs{step:05}-000-a_cat.txt"))).unwrap()
+    };
+    assert!(
+        !described(8).contains("guidance rescale"),
+        "{}",
+        described(8)
+    );
+    assert!(
+        described(16).contains("guidance rescale: 0.7"),
+        "{}",
+        described(16)
+    );
+}

@@ -41,8 +41,6 @@ pub struct TrainingSamples {
     jobs: Vec<PromptJob>,
     dir: PathBuf,
     scheduler: SchedulerConfig,
-    /// The prompts file, naming it in errors.
-    prompts_file: PathBuf,
     /// One per job (host memory), when no text encoder trains.
     conds: Option<Vec<PromptConds>>,
     clip_skip: usize,
@@ -103,7 +101,6 @@ impl TrainingSamples {
             jobs,
             dir: samples_dir(run_dir),
             scheduler,
-            prompts_file: plan.prompts_file.clone(),
             conds,
             clip_skip,
             zero_negative,
@@ -129,7 +126,7 @@ impl TrainingSamples {
                     true => " (zero_terminal_snr: the run's samples draw on its rescaled schedule)",
                     false => "",
                 };
-                anyhow::anyhow!("{}: {e}{why}", self.prompts_file.display())
+                anyhow::anyhow!("{}: {e}{why}", self.plan.prompts_file.display())
             })?;
         }
         self.scheduler = scheduler;
