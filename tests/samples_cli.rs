@@ -183,6 +183,16 @@ fn a_bad_prompts_file_is_refused_up_front() {
             r#"{"samples": [{"prompt": "x", "size": [81920, 64]}]}"#,
             &["r.json: samples[0]", "at most 8192"][..],
         ),
+        (
+            "k.txt",
+            "a cat\n# a comment\na dog --cn pose.png\n",
+            &["k.txt: line 3: `--cn` (a ControlNet image) is not supported"][..],
+        ),
+        (
+            "k.toml",
+            "[prompt]\n",
+            &["k.toml: kohya's .toml prompt files are not read"][..],
+        ),
     ] {
         let file = tmp.path().join(name);
         std::fs::write(&file, prompts).unwrap();
@@ -404,5 +414,41 @@ fn every_everydream2_sampler_draws_in_a_run_and_from_the_command() {
         );
         assert!(out.status.success(), "{n}: {}", common::cli::text(&out));
         assert_eq!(dims(&tmp.path().join(format!("{i}.png"))), (32, 32), "{n}");
+    }
+}
+
+/// A kohya sd-scripts prompts file (`.txt` with ` --` options and `#` comments, and its `.json`
+/// list) draws what kohya's options ask: size, seed, steps, guidance scale, sampler and
+/// negative prompt, as each sample's `.txt` records.
+#[test]
+fn kohya_prompt_files_draw_what_their_options_ask() {
+    for (name, prompts) in [
+        (
+            "prompts.txt",
+            "# kohya's comment line\na red cat --n blurry --w 32 --h 48 --d 7 --l 3 --s 2 --ss k_euler_a\n",
+        ),
+        (
+            "prompts.json",
+            r#"[{"prompt": "a red cat", "negative_prompt": "blurry", "width": 32, "height": 48,
+                "seed": 7, "scale": 3, "sample_steps": 2, "sample_sampler": "k_euler_a"}]"#,
+        ),
+    ] {
+        let tmp = tempfile::tempdir().unwrap();
+        let extra = serde_json::json!({"mode": "lora", "max_steps": 1, "sample_steps": 1});
+        let run = train(tmp.path(), "tiny-sd15", (name, prompts), extra);
+        let samples = run.join("samples");
+        assert_eq!(
+            names(&samples),
+            ["gs00001-000-a_red_cat.png", "gs00001-000-a_red_cat.txt", "gs00001-grid.png"],
+            "{name}"
+        );
+        assert_eq!(dims(&samples.join("gs00001-000-a_red_cat.png")), (32, 48));
+        let txt = std::fs::read_to_string(samples.join("gs00001-000-a_red_cat.txt")).unwrap();
+        assert_eq!(
+            txt,
+            "prompt: a red cat\nnegative prompt: blurry\nseed: 7\nsize: 32x48\n\
+             sampler: euler_a, 2 steps\ncfg (left to right): 3\n",
+            "{name}"
+        );
     }
 }

@@ -132,6 +132,7 @@ fn image_size(p: &SamplePrompt, resolution: usize, align: usize) -> Result<(usiz
     let (width, height) = match p.size {
         SizeChoice::Default => (resolution, resolution),
         SizeChoice::Exact(w, h) => (w, h),
+        SizeChoice::Sides(w, h) => (w.unwrap_or(resolution), h.unwrap_or(resolution)),
         SizeChoice::Aspect(r) => {
             let buckets = aspect_buckets(resolution, align, None);
             let b = nearest_bucket(&buckets, (r * 1e6) as usize, 1_000_000)

@@ -14,6 +14,7 @@ pub mod generate;
 pub mod image_out;
 pub mod jobs;
 pub mod kdpm2_ancestral;
+pub mod kohya_prompts;
 pub mod lms;
 pub mod pndm;
 pub mod prompts;

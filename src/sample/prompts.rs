@@ -19,6 +19,7 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{Map, Value};
 
+use super::kohya_prompts;
 use super::sampler::SamplerKind;
 
 /// EveryDream2's `SampleGenerator` defaults.
@@ -57,6 +58,8 @@ pub enum SizeChoice {
     Default,
     /// `size`: `[width, height]`.
     Exact(usize, usize),
+    /// One side given (kohya's `--w` or `--h`), the other the resolution's.
+    Sides(Option<usize>, Option<usize>),
     /// `aspect_ratio` (width/height): the nearest training bucket at the resolution.
     Aspect(f64),
 }
@@ -108,8 +111,15 @@ impl SampleSet {
             .and_then(|e| e.to_str())
             .map(str::to_ascii_lowercase);
         match ext.as_deref() {
-            Some("txt") => Ok(Self::from_lines(path, &text)),
+            Some("txt") => Self::from_lines(path, &text),
             Some("json") => Self::from_json(path, &text),
+            Some("toml") => Err(PromptsError::Invalid {
+                path: path.to_path_buf(),
+                message: "kohya's .toml prompt files are not read: write the prompts as a .txt \
+                          (one per line, with kohya's --n/--w/--h/--d/--s/--l/--ss options) or a \
+                          .json"
+                    .into(),
+            }),
             _ => Err(PromptsError::Invalid {
                 path: path.to_path_buf(),
                 message: "a sample prompts file must be a .txt (one prompt per line) or a .json"
@@ -133,17 +143,24 @@ impl SampleSet {
         }
     }
 
-    /// One prompt per non-blank line.
-    pub fn from_lines(path: &Path, text: &str) -> Self {
+    /// One prompt per non-blank line, with kohya's options after ` --` and its `#` comments
+    /// ([`super::kohya_prompts`]).
+    pub fn from_lines(path: &Path, text: &str) -> Result<Self, PromptsError> {
         let mut set = Self::defaults(path);
         set.prompts = text
             .lines()
-            .map(str::trim)
-            .filter(|l| !l.is_empty())
-            .map(|l| SamplePrompt::plain(PromptText::Text(l.to_string())))
-            .collect();
+            .enumerate()
+            .map(|(i, l)| (i, l.trim()))
+            .filter(|(_, l)| !l.is_empty() && !kohya_prompts::is_comment(l))
+            .map(|(i, l)| {
+                kohya_prompts::parse_line(l).map_err(|message| PromptsError::Invalid {
+                    path: path.to_path_buf(),
+                    message: format!("line {}: {message}", i + 1),
+                })
+            })
+            .collect::<Result<_, _>>()?;
         set.fill_empty();
-        set
+        Ok(set)
     }
 
     /// EveryDream2 samples random captions when the file lists none.
@@ -163,9 +180,15 @@ impl SampleSet {
         };
         let root: Value =
             serde_json::from_str(text).map_err(|e| bad(format!("is not valid JSON: {e}")))?;
-        let obj = root
-            .as_object()
-            .ok_or_else(|| bad("must hold a JSON object".into()))?;
+        if let Some(items) = root.as_array() {
+            let mut set = Self::defaults(path);
+            set.prompts = kohya_prompts::parse_list(items).map_err(bad)?;
+            set.fill_empty();
+            return Ok(set);
+        }
+        let obj = root.as_object().ok_or_else(|| {
+            bad("must hold a JSON object (EveryDream2's) or a list (kohya's)".into())
+        })?;
         let top = Fields::new(obj, "", path);
         top.only(&[
             "batch_size",
@@ -400,12 +423,12 @@ mod tests {
 
     #[test]
     fn txt_lines_are_prompts_with_everydream2_defaults() {
-        let s = SampleSet::from_lines(Path::new("p.txt"), "a cat\n\n  a dog  \n");
+        let s = SampleSet::from_lines(Path::new("p.txt"), "a cat\n\n  a dog  \n").unwrap();
         assert_eq!(s.prompts.len(), 2);
         assert_eq!(s.prompts[1].prompt, PromptText::Text("a dog".into()));
         assert_eq!(s.cfgs, DEFAULT_CFGS);
         assert_eq!((s.steps, s.sampler), (30, SamplerKind::Ddim));
-        let empty = SampleSet::from_lines(Path::new("p.txt"), "\n");
+        let empty = SampleSet::from_lines(Path::new("p.txt"), "\n").unwrap();
         assert_eq!(empty.prompts.len(), 4);
         assert!(empty
             .prompts
@@ -460,7 +483,11 @@ mod tests {
                 r#"{"num_inference_steps": 0}"#,
                 "`num_inference_steps` must be",
             ),
-            ("[1]", "must hold a JSON object"),
+            ("[1]", "entry 0 is neither a prompt line nor an object"),
+            (
+                "7",
+                "must hold a JSON object (EveryDream2's) or a list (kohya's)",
+            ),
         ] {
             let e = json(text).unwrap_err().to_string();
             assert!(e.contains(needle) && e.contains("s.json"), "{text}: {e}");
