@@ -24,7 +24,9 @@ const SNIFF_BYTES: usize = 512;
 const MAX_HEADER: u64 = 100_000_000;
 
 /// `"; it is …"` when the first bytes of `path` show what it is instead of a safetensors file
-/// (see the module header), else `""`.
+/// (see the module header), else the note on the first entry of its header that disagrees with
+/// its dtype, shape, offsets or the file's length, naming the tensor ([`header_problem`]), else
+/// `""`.
 pub fn safetensors_note(path: &Path) -> String {
     let Some((head, len)) = read_head(path) else {
         return String::new();
@@ -32,7 +34,7 @@ pub fn safetensors_note(path: &Path) -> String {
     if let Some(note) = not_binary(&head, len) {
         return note;
     }
-    truncation(path, &head, len).unwrap_or_default()
+    header_note(path, &head, len).unwrap_or_default()
 }
 
 /// `"; it is …"` for a JSON file (a config, a tokenizer file) whose first bytes show it is a Git
@@ -103,21 +105,22 @@ fn not_binary(head: &[u8], len: u64) -> Option<String> {
     None
 }
 
-/// The note for a safetensors file shorter than its header says: the header's declared length,
-/// then the largest tensor end it lists, against the file's length.
-fn truncation(path: &Path, head: &[u8], len: u64) -> Option<String> {
+/// The note for a safetensors file shorter than its header says (the header's declared length,
+/// then the largest tensor end it lists, against the file's length), or whose header's entries
+/// are inconsistent ([`header_problem`]).
+fn header_note(path: &Path, head: &[u8], len: u64) -> Option<String> {
     let n = u64::from_le_bytes(head.get(..8)?.try_into().ok()?);
     if n == 0 || n > MAX_HEADER {
         return None;
     }
-    let stopped = |need: u64| {
+    let stopped = |need: u64, tensor: &str| {
         format!(
-            "; it is truncated: {len} bytes where its header needs {need} (a download or copy \
-             that stopped part-way; fetch it again)"
+            "; it is truncated: {len} bytes where its header needs {need}{tensor} (a download or \
+             copy that stopped part-way; fetch it again)"
         )
     };
     if 8 + n > len {
-        return Some(stopped(8 + n));
+        return Some(stopped(8 + n, ""));
     }
     let mut header = vec![0u8; n as usize];
     let mut file = std::fs::File::open(path).ok()?;
@@ -125,13 +128,139 @@ fn truncation(path: &Path, head: &[u8], len: u64) -> Option<String> {
     file.read_exact(&mut skip).ok()?;
     file.read_exact(&mut header).ok()?;
     let value: serde_json::Value = serde_json::from_slice(&header).ok()?;
-    let end = value
+    let last = value
         .as_object()?
         .iter()
-        .filter(|(k, _)| k.as_str() != "__metadata__")
-        .filter_map(|(_, t)| t.get("data_offsets")?.get(1)?.as_u64())
-        .max()?;
-    (8 + n + end > len).then(|| stopped(8 + n + end))
+        .filter(|(k, _)| k.as_str() != METADATA)
+        .filter_map(|(k, t)| Some((t.get("data_offsets")?.get(1)?.as_u64()?, k)))
+        .max();
+    if let Some((end, name)) = last {
+        if end.checked_add(8 + n).is_none_or(|need| need > len) {
+            let need = end.saturating_add(8 + n);
+            return Some(stopped(need, &format!(" for tensor `{name}`")));
+        }
+    }
+    header_problem(&value, len - 8 - n).map(|p| format!("; {p}"))
+}
+
+/// The header's metadata entry.
+const METADATA: &str = "__metadata__";
+
+/// The size in bits of an element of safetensors dtype `name`, if it is one.
+fn dtype_bits(name: &str) -> Option<u64> {
+    Some(match name {
+        "F4" => 4,
+        "F6_E2M3" | "F6_E3M2" => 6,
+        "BOOL" | "U8" | "I8" | "F8_E5M2" | "F8_E4M3" | "F8_E8M0" => 8,
+        "I16" | "U16" | "F16" | "BF16" => 16,
+        "I32" | "U32" | "F32" => 32,
+        "I64" | "U64" | "F64" | "C64" => 64,
+        _ => return None,
+    })
+}
+
+/// The problem with one tensor entry of a safetensors header, if any: its dtype, its shape, its
+/// offsets, or a byte count its shape and dtype do not give. Returns its offsets when sound.
+fn entry_problem(name: &str, e: &serde_json::Value) -> Result<(u64, u64), String> {
+    let dtype = e.get("dtype").and_then(|d| d.as_str());
+    let bits = dtype
+        .and_then(dtype_bits)
+        .ok_or_else(|| format!("tensor `{name}` has no known dtype (found {})", e["dtype"]))?;
+    let shape: Option<Vec<u64>> = e
+        .get("shape")
+        .and_then(|s| s.as_array())
+        .and_then(|s| s.iter().map(|d| d.as_u64()).collect());
+    let shape = shape.ok_or_else(|| {
+        format!(
+            "tensor `{name}` has shape {}, not a list of sizes",
+            e["shape"]
+        )
+    })?;
+    let offsets: Option<Vec<u64>> = e
+        .get("data_offsets")
+        .and_then(|s| s.as_array())
+        .and_then(|s| s.iter().map(|d| d.as_u64()).collect());
+    let (start, end) = match offsets.as_deref() {
+        Some(&[start, end]) if start <= end => (start, end),
+        _ => {
+            return Err(format!(
+                "tensor `{name}` has data_offsets {}, not [start, end] with start ≤ end",
+                e["data_offsets"]
+            ))
+        }
+    };
+    let need = shape
+        .iter()
+        .try_fold(bits, |acc, &d| acc.checked_mul(d))
+        .map(|b| b.div_ceil(8));
+    match need {
+        Some(need) if need == end - start => Ok((start, end)),
+        Some(need) => Err(format!(
+            "tensor `{name}` of shape {shape:?} and dtype {} needs {need} bytes, but its \
+             data_offsets [{start}, {end}] hold {}",
+            dtype.unwrap_or_default(),
+            end - start
+        )),
+        None => Err(format!(
+            "tensor `{name}` has shape {shape:?}, too large to be stored"
+        )),
+    }
+}
+
+/// The first inconsistency of a parsed safetensors header against itself and the `data_len`
+/// bytes after it, naming the tensor or metadata key: an entry's dtype, shape or offsets
+/// ([`entry_problem`]), two tensors that overlap or leave a gap, bytes no tensor covers, a
+/// `__metadata__` that is not strings.
+pub fn header_problem(header: &serde_json::Value, data_len: u64) -> Option<String> {
+    let Some(map) = header.as_object() else {
+        return Some("its header is not a JSON object".into());
+    };
+    if let Some(meta) = map.get(METADATA) {
+        let Some(meta) = meta.as_object() else {
+            return Some(format!("its `{METADATA}` is {meta}, not an object"));
+        };
+        if let Some((k, v)) = meta.iter().find(|(_, v)| !v.is_string()) {
+            return Some(format!(
+                "its `{METADATA}` value `{k}` is {v}; metadata values must be strings"
+            ));
+        }
+    }
+    let mut spans = Vec::new();
+    for (name, e) in map.iter().filter(|(k, _)| k.as_str() != METADATA) {
+        match entry_problem(name, e) {
+            Ok((start, end)) => spans.push((start, end, name)),
+            Err(problem) => return Some(problem),
+        }
+    }
+    spans.sort();
+    let mut at = (0, String::new());
+    for (start, end, name) in spans {
+        if at.1.is_empty() && start != 0 {
+            return Some(format!(
+                "tensor `{name}` (data_offsets [{start}, {end}]) comes first but does not start \
+                 at 0"
+            ));
+        }
+        if start != at.0 {
+            let how = if start < at.0 {
+                "overlaps"
+            } else {
+                "leaves a gap after"
+            };
+            return Some(format!(
+                "tensor `{name}` (data_offsets [{start}, {end}]) {how} {} (ending at {})",
+                at.1, at.0
+            ));
+        }
+        at = (end, format!("tensor `{name}`"));
+    }
+    (at.0 != data_len).then(|| {
+        format!(
+            "its tensors cover {} bytes, but {data_len} follow the header (bytes no tensor \
+             names)",
+            at.0
+        )
+    })
 }
 
 #[cfg(test)]
@@ -183,6 +312,60 @@ mod tests {
         assert!(
             note_of(&whole[..20]).contains("truncated"),
             "inside the header"
+        );
+    }
+
+    /// Each way a header's entries can disagree is named with the tensor (or metadata key): the
+    /// safetensors crate's own messages for these name none ("invalid shape, data type, or
+    /// offset for tensor", "overflow computing buffer size"), which is what scripts/fuzz-files
+    /// found for a LoRA with a rank of 2^31 in its header.
+    #[test]
+    fn header_problems_name_the_tensor() {
+        let entry = |dtype: &str, shape: serde_json::Value, a: u64, b: u64| serde_json::json!({"dtype": dtype, "shape": shape, "data_offsets": [a, b]});
+        let header = |x: serde_json::Value| serde_json::json!({"__metadata__": {"k": "v"}, "a.alpha": entry("F32", serde_json::json!([]), 0, 4), "b.down": x});
+        let ok = header(entry("F16", serde_json::json!([2, 3]), 4, 16));
+        assert_eq!(header_problem(&ok, 16), None, "a sound header");
+        for (x, data_len, want) in [
+            (entry("F16", serde_json::json!([2147483648u64, 3]), 4, 16), 16, "`b.down` of shape [2147483648, 3] and dtype F16 needs 12884901888 bytes, but its data_offsets [4, 16] hold 12"),
+            (entry("F16", serde_json::json!([1u64 << 62, 1u64 << 62]), 4, 16), 16, "`b.down` has shape [4611686018427387904, 4611686018427387904], too large"),
+            (entry("F16", serde_json::json!([-1, 3]), 4, 16), 16, "`b.down` has shape [-1,3], not a list of sizes"),
+            (entry("F16", serde_json::json!([1.5]), 4, 16), 16, "`b.down` has shape [1.5]"),
+            (entry("F128", serde_json::json!([2, 3]), 4, 16), 16, "`b.down` has no known dtype (found \"F128\")"),
+            (entry("F16", serde_json::json!([2, 3]), 16, 4), 16, "`b.down` has data_offsets [16,4], not [start, end]"),
+            (entry("F16", serde_json::json!([2, 3]), 0, 12), 12, "`b.down` (data_offsets [0, 12]) overlaps tensor `a.alpha`"),
+            (entry("F16", serde_json::json!([2, 3]), 8, 20), 20, "`b.down` (data_offsets [8, 20]) leaves a gap after tensor `a.alpha`"),
+            (entry("F16", serde_json::json!([2, 3]), 4, 16), 17, "cover 16 bytes, but 17 follow"),
+        ] {
+            let got = header_problem(&header(x), data_len).unwrap_or_default();
+            assert!(got.contains(want), "want `{want}` in `{got}`");
+        }
+        let meta = serde_json::json!({"__metadata__": {"ss_network_dim": 4}});
+        let got = header_problem(&meta, 0).unwrap_or_default();
+        assert!(got.contains("`ss_network_dim` is 4"), "{got}");
+
+        // Through the note, with the file: a LoRA header claiming a rank of 2^31.
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("lora.safetensors");
+        let text = serde_json::json!({"m.lora_down.weight": entry("F32", serde_json::json!([2147483648u64, 2]), 0, 8)}).to_string();
+        let mut bytes = (text.len() as u64).to_le_bytes().to_vec();
+        bytes.extend_from_slice(text.as_bytes());
+        bytes.extend_from_slice(&[0; 8]);
+        std::fs::write(&path, &bytes).unwrap();
+        let note = safetensors_note(&path);
+        assert!(
+            note.starts_with("; tensor `m.lora_down.weight` of shape [2147483648, 2]"),
+            "{note}"
+        );
+        // Offsets past the end name the tensor that ends there.
+        let text = serde_json::json!({"m.alpha": entry("F32", serde_json::json!([]), 0, 4), "m.lora_up.weight": entry("F32", serde_json::json!([2, 2]), 4, 20)}).to_string();
+        let mut bytes = (text.len() as u64).to_le_bytes().to_vec();
+        bytes.extend_from_slice(text.as_bytes());
+        bytes.extend_from_slice(&[0; 8]);
+        std::fs::write(&path, &bytes).unwrap();
+        let note = safetensors_note(&path);
+        assert!(
+            note.contains("truncated") && note.contains("for tensor `m.lora_up.weight`"),
+            "{note}"
         );
     }
 

@@ -176,10 +176,7 @@ pub(super) fn merged_tensors<'a, T: ExportTensor>(
                     Box::new(move || base.load(&n))
                 }
             };
-        let out_dtype = match dtype {
-            Some(d) if base_dtype.is_float() => d,
-            _ => base_dtype,
-        };
+        let out_dtype = export_dtype(base_dtype, dtype);
         out.push(OutTensor {
             name,
             shape,
@@ -197,6 +194,18 @@ pub(super) fn merged_tensors<'a, T: ExportTensor>(
     }
     out.sort_by(|a, b| a.name.cmp(&b.name));
     Ok(out)
+}
+
+/// What a base tensor stored as `base` is written as: floats in `dtype` when one is given, else as
+/// stored, except the 8/6/4-bit floats of fp8 checkpoints, which the writer has no encoding for:
+/// those are widened to F32, which holds each of their values exactly (a frozen fp8 VAE made a
+/// run fail at its first save, after training).
+fn export_dtype(base: DType, dtype: Option<DType>) -> DType {
+    match dtype {
+        Some(d) if base.is_float() => d,
+        _ if st_dtype(base).is_none() => DType::F32,
+        _ => base,
+    }
 }
 
 /// The safetensors name of a dtype the export writes.
@@ -298,6 +307,26 @@ mod tests {
         assert_eq!(v["b"]["data_offsets"], json!([12, 20]));
         assert_eq!(v["b"]["dtype"], "I64");
         assert_eq!(v["__metadata__"], json!({}));
+    }
+
+    /// An fp8 base tensor copied as stored is written as F32, value for value; it was an error
+    /// ("has dtype F8E4M3, which the export cannot write") at a run's first save.
+    #[test]
+    fn fp8_base_tensors_are_widened_to_f32() {
+        assert_eq!(export_dtype(DType::F8E4M3, None), DType::F32);
+        assert_eq!(export_dtype(DType::F8E4M3, Some(DType::F16)), DType::F16);
+        assert_eq!(export_dtype(DType::F16, None), DType::F16);
+        assert_eq!(export_dtype(DType::I64, Some(DType::F16)), DType::I64);
+        let t = Tensor::new(&[1.5f32, -0.25, 448.0], &Device::Cpu)
+            .unwrap()
+            .to_dtype(DType::F8E4M3)
+            .unwrap();
+        let bytes = tensor_bytes(&t, export_dtype(t.dtype(), None)).unwrap();
+        let back: Vec<f32> = bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        assert_eq!(back, [1.5, -0.25, 448.0]);
     }
 
     #[test]

@@ -54,11 +54,26 @@ fn shape<'a>(h: &'a Shapes, name: &str) -> Result<&'a [usize], String> {
         .ok_or_else(|| format!("`{name}` is missing"))
 }
 
-fn dim(h: &Shapes, name: &str, i: usize) -> Result<usize, String> {
+/// The shape of `name`, which must have `rank` dimensions, none of them 0 (a size read from a
+/// reshaped or emptied tensor would make a config no loader can build).
+fn sized<'a>(h: &'a Shapes, name: &str, rank: usize) -> Result<&'a [usize], String> {
     let s = shape(h, name)?;
-    s.get(i)
-        .copied()
-        .ok_or_else(|| format!("`{name}` has shape {s:?}, expected at least {} dims", i + 1))
+    if s.len() != rank || s.contains(&0) {
+        let what = if rank == 4 {
+            "a conv weight"
+        } else {
+            "a matrix"
+        };
+        return Err(format!(
+            "`{name}` has shape {s:?}, not {what} ({rank} dims, none 0)"
+        ));
+    }
+    Ok(s)
+}
+
+/// Dimension `i` of `name`, a tensor of `rank` dimensions ([`sized`]).
+fn dim(h: &Shapes, name: &str, rank: usize, i: usize) -> Result<usize, String> {
+    Ok(sized(h, name, rank)?[i])
 }
 
 /// The indices `N` of names `prefix N.…`.
@@ -117,7 +132,15 @@ pub fn unet(
 ) -> Result<Value, String> {
     let p = |s: &str| format!("{UNET}{s}");
     let (c0, in_channels) = unet_conv_in(h)?;
-    let out_channels = dim(h, &p("out.2.weight"), 0)?;
+    let out_channels = dim(h, &p("out.2.weight"), 4, 0)?;
+    if out_channels > in_channels {
+        // An inpainting or depth UNet takes more channels than it gives; never fewer.
+        return Err(format!(
+            "`{}` gives {out_channels} channels, more than conv_in `{}` takes ({in_channels})",
+            p("out.2.weight"),
+            p("input_blocks.0.0.weight")
+        ));
+    }
     let (layers, levels) = unet_layers(h)?;
     let l1 = layers + 1;
     let mut channels = Vec::new();
@@ -128,6 +151,7 @@ pub fn unet(
         channels.push(dim(
             h,
             &p(&format!("input_blocks.{n}.0.out_layers.3.weight")),
+            4,
             0,
         )?);
         let attn = p(&format!("input_blocks.{n}.1."));
@@ -140,7 +164,9 @@ pub fn unet(
     }
     if channels[0] != c0 {
         return Err(format!(
-            "conv_in has {c0} channels but the first level {}",
+            "conv_in `{}` has {c0} output channels but the first level's resnet `{}` {}",
+            p("input_blocks.0.0.weight"),
+            p("input_blocks.1.0.out_layers.3.weight"),
             channels[0]
         ));
     }
@@ -188,7 +214,7 @@ pub fn unet(
 /// The first level's channels and the input channels, from `conv_in`'s weight.
 fn unet_conv_in(h: &Shapes) -> Result<(usize, usize), String> {
     let key = format!("{UNET}input_blocks.0.0.weight");
-    match shape(h, &key)? {
+    match sized(h, &key, 4)? {
         [c, i, _, _] => Ok((*c, *i)),
         s => Err(format!("`{key}` has shape {s:?}, not a conv")),
     }
@@ -224,6 +250,7 @@ fn unet_attention(h: &Shapes, down_attn: &[bool], l1: usize) -> Result<(usize, b
     let cross = dim(
         h,
         &format!("{attn}transformer_blocks.0.attn2.to_k.weight"),
+        2,
         1,
     )?;
     let linear = shape(h, &format!("{attn}proj_in.weight"))?.len() == 2;
@@ -264,13 +291,17 @@ fn add_sdxl_conditions(
     cfg: &mut Value,
 ) -> Result<(), String> {
     let p = |s: &str| format!("{UNET}{s}");
-    let adm = dim(h, &p("label_emb.0.0.weight"), 1)?;
+    let adm = dim(h, &p("label_emb.0.0.weight"), 2, 1)?;
     let pooled = pooled_dim.ok_or("SDXL needs the second text encoder's projection width")?;
     let time_ids = adm
         .checked_sub(pooled)
         .filter(|d| d.is_multiple_of(6) && *d > 0)
         .ok_or_else(|| {
-            format!("`label_emb` takes {adm} inputs: not {pooled} pooled + 6 time ids")
+            format!(
+                "`{}` takes {adm} inputs: not {pooled} pooled + a multiple of 6 time-id \
+                 features",
+                p("label_emb.0.0.weight")
+            )
         })?;
     cfg["addition_embed_type"] = json!("text_time");
     cfg["addition_time_embed_dim"] = json!(time_ids / 6);
@@ -287,7 +318,14 @@ pub fn vae(h: &Shapes, family: ModelFamily, resolution: usize) -> Result<Value, 
     }
     let layers = indices(h, &p("encoder.down.0.block.")).len();
     let channels = (0..levels)
-        .map(|i| dim(h, &p(&format!("encoder.down.{i}.block.0.conv2.weight")), 0))
+        .map(|i| {
+            dim(
+                h,
+                &p(&format!("encoder.down.{i}.block.0.conv2.weight")),
+                4,
+                0,
+            )
+        })
         .collect::<Result<Vec<_>, _>>()?;
     let scaling = match family {
         ModelFamily::Sdxl => 0.13025,
@@ -299,12 +337,12 @@ pub fn vae(h: &Shapes, family: ModelFamily, resolution: usize) -> Result<Value, 
         "block_out_channels": channels,
         "down_block_types": vec!["DownEncoderBlock2D"; levels],
         "force_upcast": true,
-        "in_channels": dim(h, &p("encoder.conv_in.weight"), 1)?,
-        "latent_channels": dim(h, &p("decoder.conv_in.weight"), 1)?,
+        "in_channels": dim(h, &p("encoder.conv_in.weight"), 4, 1)?,
+        "latent_channels": dim(h, &p("decoder.conv_in.weight"), 4, 1)?,
         "layers_per_block": layers,
         "mid_block_add_attention": h.contains_key(&p("encoder.mid.attn_1.q.weight")),
         "norm_num_groups": groups(&channels),
-        "out_channels": dim(h, &p("decoder.conv_out.weight"), 0)?,
+        "out_channels": dim(h, &p("decoder.conv_out.weight"), 4, 0)?,
         "sample_size": resolution,
         "scaling_factor": scaling,
         "up_block_types": vec!["UpDecoderBlock2D"; levels],
@@ -345,7 +383,7 @@ pub fn text_encoder(
         }
         TextEncoderKind::OpenClip { projection } => open_clip_layout(h, prefix, projection)?,
     };
-    let (vocab, hidden) = match shape(h, &tok)? {
+    let (vocab, hidden) = match sized(h, &tok, 2)? {
         [v, d] => (*v, *d),
         s => return Err(format!("`{tok}` has shape {s:?}, not [vocab, width]")),
     };
@@ -373,9 +411,9 @@ pub fn text_encoder(
         "hidden_size": hidden,
         "initializer_factor": 1.0,
         "initializer_range": 0.02,
-        "intermediate_size": dim(h, &fc1, 0)?,
+        "intermediate_size": dim(h, &fc1, 2, 0)?,
         "layer_norm_eps": 1e-5,
-        "max_position_embeddings": dim(h, &pos, 0)?,
+        "max_position_embeddings": dim(h, &pos, 2, 0)?,
         "model_type": "clip_text_model",
         "num_attention_heads": heads,
         "num_hidden_layers": layers,
@@ -384,6 +422,19 @@ pub fn text_encoder(
         "vocab_size": vocab,
     });
     Ok((cfg, projection))
+}
+
+/// The tensor holding the position embeddings of a text encoder of `kind` under `prefix`.
+pub fn position_key(prefix: &str, kind: TextEncoderKind) -> String {
+    match kind {
+        TextEncoderKind::Clip { text_model: true } => {
+            format!("{prefix}text_model.embeddings.position_embedding.weight")
+        }
+        TextEncoderKind::Clip { text_model: false } => {
+            format!("{prefix}embeddings.position_embedding.weight")
+        }
+        TextEncoderKind::OpenClip { .. } => format!("{prefix}positional_embedding"),
+    }
 }
 
 /// The embeddings, layer-count, MLP and architecture layout of a text encoder.
@@ -402,10 +453,10 @@ fn open_clip_layout(h: &Shapes, prefix: &str, projection: bool) -> Result<TextLa
     let blocks = indices(h, &format!("{prefix}transformer.resblocks.")).len();
     let proj = if !projection {
         None
-    } else if let Some(s) = h.get(&format!("{prefix}text_projection")) {
-        Some(s.get(1).copied().ok_or("`text_projection` is not 2-D")?)
+    } else if h.contains_key(&format!("{prefix}text_projection")) {
+        Some(dim(h, &format!("{prefix}text_projection"), 2, 1)?)
     } else {
-        Some(dim(h, &format!("{prefix}text_projection.weight"), 0)?)
+        Some(dim(h, &format!("{prefix}text_projection.weight"), 2, 0)?)
     };
     Ok((
         format!("{prefix}token_embedding.weight"),
@@ -512,6 +563,62 @@ mod tests {
         .map(|n| (n.to_string(), vec![1]))
         .collect();
         assert_eq!(indices(&h, "a.blocks."), BTreeSet::from([0, 1, 10]));
+    }
+
+    /// A size is read only from a tensor of the rank it should have, with no 0 dimension, and
+    /// the error names it: scripts/fuzz-files found a flattened `out.2.weight` [288] detected as
+    /// 288 output channels (refused later as "an inpainting UNet", naming no tensor), and a
+    /// conv_in/first-level mismatch that named neither tensor.
+    #[test]
+    fn sizes_come_from_tensors_of_the_right_rank() {
+        let base: Shapes = [
+            ("input_blocks.0.0.weight", vec![8, 4, 3, 3]),
+            ("input_blocks.1.0.out_layers.3.weight", vec![8, 8, 3, 3]),
+            ("out.2.weight", vec![4, 8, 3, 3]),
+        ]
+        .into_iter()
+        .map(|(n, s)| (format!("{UNET}{n}"), s))
+        .collect();
+        let out = format!("{UNET}out.2.weight");
+        for bad in [vec![288], vec![0, 8, 3, 3], vec![4, 8]] {
+            let mut h = base.clone();
+            h.insert(out.clone(), bad.clone());
+            let e = unet(&h, ModelFamily::Sd1, PredictionType::Epsilon, None).unwrap_err();
+            assert!(
+                e.contains(&format!("`{out}` has shape {bad:?}, not a conv weight")),
+                "{e}"
+            );
+        }
+        let mut h = base.clone();
+        h.insert(out.clone(), vec![5, 8, 3, 3]);
+        let e = unet(&h, ModelFamily::Sd1, PredictionType::Epsilon, None).unwrap_err();
+        assert!(
+            e.contains(&format!("`{out}` gives 5 channels, more than conv_in")),
+            "{e}"
+        );
+        let mut h = base.clone();
+        h.insert(format!("{UNET}input_blocks.0.0.weight"), vec![9, 4, 3, 3]);
+        let e = unet(&h, ModelFamily::Sd1, PredictionType::Epsilon, None).unwrap_err();
+        assert!(
+            e.contains("input_blocks.0.0.weight` has 9 output channels")
+                && e.contains("input_blocks.1.0.out_layers.3.weight` 8"),
+            "{e}"
+        );
+        let mut h = base;
+        h.insert(format!("{UNET}input_blocks.0.0.weight"), vec![0, 4, 3, 3]);
+        let e = unet(&h, ModelFamily::Sd1, PredictionType::Epsilon, None).unwrap_err();
+        assert!(
+            e.contains("input_blocks.0.0.weight` has shape [0, 4, 3, 3]"),
+            "{e}"
+        );
+        let tok = "cond_stage_model.transformer.text_model.embeddings.token_embedding.weight";
+        let h: Shapes = [(tok.to_string(), vec![2514, 0])].into_iter().collect();
+        let kind = TextEncoderKind::Clip { text_model: true };
+        let e = text_encoder(&h, "cond_stage_model.transformer.", kind).unwrap_err();
+        assert!(
+            e.contains(&format!("`{tok}` has shape [2514, 0], not a matrix")),
+            "{e}"
+        );
     }
 
     /// A downsampler on the first input block (where conv_in is) is an error, not an underflow.

@@ -563,6 +563,7 @@ impl Configs {
             }
         };
         let mut tes = Vec::new();
+        let mut positions = Vec::new();
         let mut pooled = None;
         for c in [Component::TextEncoder, Component::TextEncoder2] {
             let Some(prefix) = text_encoder_prefix(family, c) else {
@@ -575,8 +576,10 @@ impl Configs {
             let (cfg, proj) =
                 detect::text_encoder(h, prefix, kind).map_err(fail("text encoder"))?;
             pooled = proj.or(pooled);
+            positions.push(detect::position_key(prefix, kind));
             tes.push((c, cfg, detect::pad_token(kind)));
         }
+        check_positions(h, &positions).map_err(fail("text encoder"))?;
         let unet = detect::unet(h, family, prediction, pooled).map_err(fail("UNet"))?;
         let resolution = unet["sample_size"].as_u64().unwrap_or(64) as usize * 8;
         let vae = detect::vae(h, family, resolution).map_err(fail("VAE"))?;
@@ -607,6 +610,24 @@ impl Configs {
             tokenizers,
         })
     }
+}
+
+/// Checks that SDXL's two text encoders (the tensors `keys` of their position embeddings) take
+/// as many tokens: their hidden states are joined token by token, so a mismatch failed only when
+/// a prompt was encoded, as candle's "shape mismatch in cat", naming no file.
+fn check_positions(h: &Shapes, keys: &[String]) -> Result<(), String> {
+    let rows = |k: &String| h.get(k).and_then(|s| s.first().copied());
+    if let [a, b] = keys {
+        if let (Some(ra), Some(rb)) = (rows(a), rows(b)) {
+            if ra != rb {
+                return Err(format!(
+                    "`{a}` has {ra} positions but `{b}` {rb}: SDXL's two text encoders read \
+                     the same tokens and need as many"
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Per component: diffusers name → (stored name, op). A [`BTreeMap`] so views list in order.
@@ -787,6 +808,27 @@ mod tests {
         assert!(skip_reason("model.diffusion_model.x").is_none());
         assert!(skip_reason("lora_unet_x.alpha").is_none());
         assert!(skip_reason("betas2").is_none());
+    }
+
+    /// SDXL's encoders with 77 and 78 positions are refused naming both tensors; it failed as
+    /// candle's "shape mismatch in cat" at the first prompt (scripts/fuzz-files).
+    #[test]
+    fn sdxl_encoders_need_as_many_positions() {
+        let a =
+            "conditioner.embedders.0.transformer.text_model.embeddings.position_embedding.weight";
+        let b = "conditioner.embedders.1.model.positional_embedding";
+        let keys = [a.to_string(), b.to_string()];
+        let h = |rb: usize| -> Shapes {
+            [(a.to_string(), vec![77, 32]), (b.to_string(), vec![rb, 32])]
+                .into_iter()
+                .collect()
+        };
+        assert!(check_positions(&h(77), &keys).is_ok());
+        let e = check_positions(&h(78), &keys).unwrap_err();
+        assert!(
+            e.contains(&format!("`{a}` has 77 positions but `{b}` 78")),
+            "{e}"
+        );
     }
 
     #[test]
