@@ -177,3 +177,27 @@ fn an_fp8_vae_tensor_failed_the_save_after_training() {
     let (header, _) = read_st(&saved);
     assert_eq!(header["encoder.conv_in.weight"]["dtype"], "F32", "{header}");
 }
+
+/// A single file sdtrain saved, with its `sdtrain.unet_config` metadata replaced by `[]`: the
+/// error said "the unet config: invalid UNet config unet config: invalid length 0", naming no key.
+#[test]
+fn a_bad_sdtrain_config_in_the_metadata_named_no_key() {
+    let tmp = tempfile::tempdir().unwrap();
+    let extra =
+        serde_json::json!({"mode": "full", "max_steps": 1, "save_ckpt_format": "safetensors"});
+    let cfg = write_config(tmp.path(), "tiny-sd15", &demo_data(), extra);
+    let out = sdtrain(&["--config", cfg.to_str().unwrap(), "--cpu"], tmp.path());
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    let run = run_folder(tmp.path());
+    let saved = std::fs::read_dir(&run)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.extension().is_some_and(|e| e == "safetensors"))
+        .expect("a single file");
+    let (mut header, data) = read_st(&saved);
+    header["__metadata__"]["sdtrain.unet_config"] = serde_json::json!("[]");
+    let file = tmp.path().join("bad.safetensors");
+    write_st(&file, &header, &data);
+    let out = sdtrain(&["inspect", "--model", file.to_str().unwrap()], tmp.path());
+    assert_refused(&out, 2, &file, &["metadata `sdtrain.unet_config`"]);
+}

@@ -147,10 +147,12 @@ pub enum SingleFileError {
         file_family: ModelFamily,
         config_family: ModelFamily,
     },
-    #[error("{}: the {component} config: {message}", path.display())]
+    #[error("{}: the {component} config ({from}): {message}", path.display())]
     Config {
         path: PathBuf,
         component: Component,
+        /// Where the config came from: the metadata key, `model_config` or detection.
+        from: String,
         message: String,
     },
     #[error(transparent)]
@@ -649,6 +651,10 @@ impl NameRules {
         let config_err = |component: Component, message: String| SingleFileError::Config {
             path: path.to_path_buf(),
             component,
+            from: match &configs.origin {
+                ConfigOrigin::Metadata => format!("metadata `{}`", config_key(component)),
+                other => other.to_string(),
+            },
             message,
         };
         let cfg = |c: Component| {
