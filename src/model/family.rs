@@ -46,12 +46,14 @@ pub enum FamilyError {
     },
     #[error(
         "{}: the UNet takes {unet_in} and gives {unet_out} channels, but the VAE's latents have \
-         {latent}: an inpainting, depth or other conditioned UNet (extra input channels) is not a \
-         model sdtrain trains; use the base text-to-image model",
-        unet_file.display()
+         {latent} (`latent_channels` in {}): an inpainting, depth or other conditioned UNet (extra \
+         input channels) is not a model sdtrain trains; use the base text-to-image model",
+        unet_file.display(),
+        vae_file.display()
     )]
     LatentChannels {
         unet_file: PathBuf,
+        vae_file: PathBuf,
         unet_in: u64,
         unet_out: u64,
         latent: u64,
@@ -336,6 +338,7 @@ pub fn check_latent_channels(
     }
     Err(FamilyError::LatentChannels {
         unet_file: unet_file.to_path_buf(),
+        vae_file: vae_file.to_path_buf(),
         unet_in,
         unet_out,
         latent,
@@ -565,6 +568,27 @@ mod tests {
         assert_eq!(
             ModelFamily::Sdxl.kohya_base_model_version(PredictionType::Epsilon),
             "sdxl_base_v1-0"
+        );
+    }
+
+    /// A VAE whose `latent_channels` differ from the UNet's channels names both files: the
+    /// error named only the UNet's config when the VAE's was the one changed.
+    #[test]
+    fn latent_channel_mismatch_names_both_configs() {
+        let unet = json!({"in_channels": 4, "out_channels": 4});
+        let vae = json!({"latent_channels": 16});
+        let e = check_latent_channels(
+            &unet,
+            Path::new("m/unet/config.json"),
+            &vae,
+            Path::new("m/vae/config.json"),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("m/unet/config.json")
+                && e.contains("`latent_channels` in m/vae/config.json"),
+            "{e}"
         );
     }
 }

@@ -159,6 +159,17 @@ impl ClipTextConfig {
             if value == 0 {
                 return Err(invalid(field, "must be positive".to_string()));
             }
+            // Refused before anything is allocated for them: no CLIP comes near.
+            use crate::model::size_limits::{
+                check, MAX_DEPTH, MAX_POSITIONS, MAX_VOCAB, MAX_WIDTH,
+            };
+            let max = match field {
+                "vocab_size" => MAX_VOCAB,
+                "num_hidden_layers" => MAX_DEPTH,
+                "max_position_embeddings" => MAX_POSITIONS,
+                _ => MAX_WIDTH,
+            };
+            check(value, 1, max).map_err(|m| invalid(field, m))?;
         }
         if !cfg.hidden_size.is_multiple_of(cfg.num_attention_heads) {
             return Err(invalid(
@@ -213,6 +224,25 @@ mod tests {
         .unwrap();
         assert_eq!(cfg.hidden_act, ClipActivation::Gelu);
         assert_eq!(cfg.hidden_size, 64);
+    }
+
+    /// Sizes no CLIP has are refused before anything is allocated, naming file and field.
+    #[test]
+    fn absurd_sizes_name_the_field() {
+        for field in [
+            "vocab_size",
+            "num_hidden_layers",
+            "max_position_embeddings",
+            "hidden_size",
+        ] {
+            let err = parse(&format!(r#"{{"{field}": 1099511627776}}"#))
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains(field) && err.contains("te/config.json") && err.contains("accepts"),
+                "{err}"
+            );
+        }
     }
 
     #[test]

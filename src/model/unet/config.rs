@@ -252,6 +252,7 @@ fn resolve(raw: RawUnetConfig, origin: &str) -> Result<UnetConfig, UnetConfigErr
         ));
     }
     let (down_blocks, up_kinds) = resolve_blocks(&raw, &err)?;
+    check_sizes(&raw, &down_blocks, &err)?;
     check_unsupported(&raw, &err)?;
     let text_time = resolve_text_time(&raw, &err)?;
     let norm_num_groups = raw
@@ -350,6 +351,78 @@ fn resolve_blocks(
         .map(|t| up_kind(t))
         .collect::<std::result::Result<Vec<_>, _>>()?;
     Ok((down_blocks, up_kinds))
+}
+
+/// Refuses sizes no model has before anything is allocated for them (an absurd
+/// `layers_per_block` aborted the process), and the values diffusers' UNet cannot run with.
+fn check_sizes(
+    raw: &RawUnetConfig,
+    blocks: &[BlockConfig],
+    err: &dyn Fn(&'static str, String) -> UnetConfigError,
+) -> Result<(), UnetConfigError> {
+    use crate::model::size_limits::{check, check_each, MAX_DEPTH, MAX_WIDTH};
+    let per_block = |f: fn(&BlockConfig) -> usize| blocks.iter().map(f).collect::<Vec<_>>();
+    let lists = [
+        (
+            "block_out_channels",
+            raw.block_out_channels.clone(),
+            1,
+            MAX_WIDTH,
+        ),
+        ("layers_per_block", per_block(|b| b.layers), 1, MAX_DEPTH),
+        (
+            "transformer_layers_per_block",
+            per_block(|b| b.transformer_layers),
+            // diffusers builds a transformer of no blocks for 0 (proj_in, then proj_out).
+            0,
+            MAX_DEPTH,
+        ),
+        (
+            "cross_attention_dim",
+            per_block(|b| b.cross_attention_dim),
+            1,
+            MAX_WIDTH,
+        ),
+    ];
+    for (field, values, min, max) in lists {
+        check_each(&values, min, max).map_err(|m| err(field, m))?;
+    }
+    let scalars = [
+        ("in_channels", Some(raw.in_channels), 1),
+        ("out_channels", Some(raw.out_channels), 1),
+        ("norm_num_groups", raw.norm_num_groups, 1),
+        ("addition_time_embed_dim", raw.addition_time_embed_dim, 1),
+        (
+            "projection_class_embeddings_input_dim",
+            raw.projection_class_embeddings_input_dim,
+            1,
+        ),
+        ("sample_size", raw.sample_size, 1),
+        ("freq_shift", Some(raw.freq_shift), 0),
+    ];
+    for (field, value, min) in scalars {
+        if let Some(v) = value {
+            check(v, min, MAX_WIDTH).map_err(|m| err(field, m))?;
+        }
+    }
+    // diffusers pads a stride-2 conv by 1, or by (0, 1, 0, 1) by hand for 0; any other padding
+    // gives feature maps the skip connections do not match.
+    check(raw.downsample_padding, 0, 1).map_err(|m| err("downsample_padding", m))?;
+    if let Some(g) = raw.norm_num_groups {
+        if let Some(c) = raw.block_out_channels.iter().find(|&&c| c % g != 0) {
+            return Err(err(
+                "norm_num_groups",
+                format!("{g} groups do not divide block_out_channels entry {c}"),
+            ));
+        }
+    }
+    if !(raw.norm_eps.is_finite() && raw.norm_eps > 0.0) {
+        return Err(err(
+            "norm_eps",
+            format!("is {}; it must be a positive number", raw.norm_eps),
+        ));
+    }
+    Ok(())
 }
 
 /// Resolves SDXL's `text_time` added conditioning, if `addition_embed_type` asks for it.
@@ -539,6 +612,62 @@ mod tests {
         assert!(!c.flip_sin_to_cos && !c.use_linear_projection);
         let bad = SD15.replace("\"center_input_sample\":false", "\"center_input_sample\":1");
         assert!(UnetConfig::from_json(&bad, "c").is_err());
+    }
+
+    /// An absurd size is refused naming the file and the key before the UNet is built: a
+    /// `layers_per_block` of 2^40 aborted the process on allocating its resnets. A negative
+    /// `norm_eps` made every loss NaN; a `downsample_padding` of 2 broke the skip shapes.
+    /// Zero transformer layers are accepted, as diffusers builds them (proj_in, proj_out).
+    #[test]
+    fn absurd_sizes_name_the_file_and_key() {
+        let cases = [
+            (
+                "\"layers_per_block\":2",
+                "\"layers_per_block\":1099511627776",
+                "layers_per_block",
+            ),
+            (
+                "\"layers_per_block\":2",
+                "\"layers_per_block\":0",
+                "layers_per_block",
+            ),
+            (
+                "\"cross_attention_dim\":768",
+                "\"cross_attention_dim\":1099511627776",
+                "cross_attention_dim",
+            ),
+            ("\"norm_eps\":1e-05", "\"norm_eps\":-1", "norm_eps"),
+            (
+                "\"downsample_padding\":1",
+                "\"downsample_padding\":2",
+                "downsample_padding",
+            ),
+            (
+                "\"norm_num_groups\":32",
+                "\"norm_num_groups\":7",
+                "norm_num_groups",
+            ),
+            ("\"in_channels\":4", "\"in_channels\":0", "in_channels"),
+            (
+                "\"sample_size\":64",
+                "\"sample_size\":1099511627776",
+                "sample_size",
+            ),
+        ];
+        for (from, to, field) in cases {
+            let bad = SD15.replace(from, to);
+            assert_ne!(bad, SD15, "{to}");
+            let e = UnetConfig::from_json(&bad, "m/unet/config.json")
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("m/unet/config.json") && e.contains(&format!("`{field}`")),
+                "{to}: {e}"
+            );
+        }
+        let zero = SD15.replace("\"freq_shift\":0", "\"transformer_layers_per_block\":0");
+        let c = UnetConfig::from_json(&zero, "c").unwrap();
+        assert!(c.down_blocks.iter().all(|b| b.transformer_layers == 0));
     }
 
     #[test]
