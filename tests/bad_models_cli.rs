@@ -182,3 +182,24 @@ fn nan_weights_were_blamed_on_the_learning_rate() {
         &["`conv_in.weight`", file.to_str().unwrap(), "NaN"],
     );
 }
+
+/// A vocab.json giving words ids past the text encoder's 2514 embedding rows failed at the first
+/// prompt with "token id 60000 is out of range …", naming no file.
+#[test]
+fn a_vocab_past_the_embedding_failed_at_the_first_prompt() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = model_with(
+        tmp.path(),
+        "tiny-sd15",
+        "tokenizer/vocab.json",
+        "cat</w>",
+        60000.into(),
+    );
+    let te = model.join("text_encoder/config.json");
+    let tok = model.join("tokenizer");
+    refused(
+        &sample(tmp.path(), &model),
+        1,
+        &[te.to_str().unwrap(), tok.to_str().unwrap(), "`vocab_size`"],
+    );
+}

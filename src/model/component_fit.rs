@@ -6,21 +6,25 @@
 //! - the UNet's `cross_attention_dim` is the text context width: the text encoder's
 //!   `hidden_size` (SDXL: the sum of both encoders');
 //! - SDXL's `projection_class_embeddings_input_dim` is `text_encoder_2`'s `projection_dim`
-//!   plus 6 × `addition_time_embed_dim` (the pooled text and six time ids).
+//!   plus 6 × `addition_time_embed_dim` (the pooled text and six time ids);
+//! - every id a tokenizer gives is a row of its text encoder's token embedding (`vocab_size`):
+//!   a tokenizer from another model, or added tokens the embedding lacks, failed at the first
+//!   prompt with an index error naming no file.
 
 use std::path::{Path, PathBuf};
 
-use super::clip::ClipTextConfig;
+use super::clip::{ClipTextConfig, ClipTokenizer};
 use super::unet::UnetConfig;
 
-/// A key of the UNet's config that the text encoders' configs contradict.
+/// A key of one component's config that another component contradicts.
 #[derive(Debug, thiserror::Error)]
-#[error("{}: `{field}` is {unet_value}, but {found}; the components do not belong together", unet.display())]
+#[error("{}: `{field}` is {value}, but {found}; the components do not belong together", file.display())]
 pub struct MisfitError {
-    pub unet: PathBuf,
+    /// The config file holding `field`.
+    pub file: PathBuf,
     pub field: &'static str,
-    pub unet_value: usize,
-    /// What the text encoders give, naming their config files.
+    pub value: usize,
+    /// What the other components give, naming their files.
     pub found: String,
 }
 
@@ -45,9 +49,9 @@ pub fn check_text_fit(
         .find(|b| b.cross_attention_dim != width)
     {
         return Err(MisfitError {
-            unet: unet_file.to_path_buf(),
+            file: unet_file.to_path_buf(),
             field: "cross_attention_dim",
-            unet_value: b.cross_attention_dim,
+            value: b.cross_attention_dim,
             found: format!("the text context is {width} wide ({})", parts.join(" + ")),
         });
     }
@@ -57,9 +61,9 @@ pub fn check_text_fit(
     let want = te2.projection_dim + 6 * tt.time_embed_dim;
     if tt.input_dim != want {
         return Err(MisfitError {
-            unet: unet_file.to_path_buf(),
+            file: unet_file.to_path_buf(),
             field: "projection_class_embeddings_input_dim",
-            unet_value: tt.input_dim,
+            value: tt.input_dim,
             found: format!(
                 "`projection_dim` {} in {} plus 6 × `addition_time_embed_dim` {} is {want}",
                 te2.projection_dim,
@@ -69,6 +73,27 @@ pub fn check_text_fit(
         });
     }
     Ok(())
+}
+
+/// Checks that every id `tokenizer` gives is below `vocab_size`, the rows of the text encoder
+/// whose config is `te_config`.
+pub fn check_vocab_fit(
+    tokenizer: &ClipTokenizer,
+    vocab_size: usize,
+    te_config: &Path,
+) -> Result<(), MisfitError> {
+    match tokenizer.largest_id() {
+        Some((token, id)) if id as usize >= vocab_size => Err(MisfitError {
+            file: te_config.to_path_buf(),
+            field: "vocab_size",
+            value: vocab_size,
+            found: format!(
+                "the tokenizer in {} gives `{token}` the id {id}",
+                tokenizer.dir().display()
+            ),
+        }),
+        _ => Ok(()),
+    }
 }
 
 #[cfg(test)]
@@ -121,6 +146,24 @@ mod tests {
             .to_string();
         assert!(
             e.contains("`cross_attention_dim` is 64") && e.contains("48 wide"),
+            "{e}"
+        );
+    }
+
+    /// A tokenizer whose ids pass the text encoder's rows failed at the first prompt with
+    /// "token id … is out of range" naming no file; it is refused at load naming both.
+    #[test]
+    fn a_tokenizer_past_the_embedding_names_both() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-sd15/tokenizer");
+        let tok = ClipTokenizer::from_dir(&dir).unwrap();
+        check_vocab_fit(&tok, 2514, Path::new("m/te/config.json")).unwrap();
+        let e = check_vocab_fit(&tok, 2000, Path::new("m/te/config.json"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("m/te/config.json: `vocab_size` is 2000")
+                && e.contains(dir.to_str().unwrap())
+                && e.contains("the id 2513"),
             "{e}"
         );
     }

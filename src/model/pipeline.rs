@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use candle_core::{DType, Device, Tensor};
 
 use super::clip::{ClipConfigError, ClipTextConfig, ClipTextModel, ClipTokenizer, TokenizerError};
-use super::component_fit::{check_text_fit, MisfitError};
+use super::component_fit::{check_text_fit, check_vocab_fit, MisfitError};
 use super::family::ModelFamily;
 use super::files::{Component, ComponentFiles, ComponentSource, FilesError, TokenizerFiles};
 use super::layout::ModelLayout;
@@ -157,6 +157,7 @@ impl StableDiffusion {
                 },
                 None => ClipTokenizer::from_dir(tokenizer_dir(&layout.root, c))?,
             };
+            check_vocab_fit(&tokenizer, model.config.vocab_size, te_files.config_path())?;
             text_encoders.push(TextEncoder {
                 model,
                 tokenizer,
