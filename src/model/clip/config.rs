@@ -68,6 +68,12 @@ pub struct RawClipTextConfig {
     pub bos_token_id: Option<i64>,
     pub eos_token_id: Option<i64>,
     pub pad_token_id: Option<i64>,
+    /// Dropout while training, in transformers; sdtrain's CLIP has none, so only 0 (every SD
+    /// text encoder's value) or null is accepted. Kept as written to name any other value.
+    #[serde(default)]
+    pub attention_dropout: serde_json::Value,
+    #[serde(default)]
+    pub dropout: serde_json::Value,
     /// Present when the file is a full `CLIPConfig` rather than a `CLIPTextConfig`.
     pub text_config: Option<Box<RawClipTextConfig>>,
 }
@@ -117,6 +123,7 @@ impl ClipTextConfig {
             Some(text) => *text,
             None => raw,
         };
+        check_no_dropout(&raw, origin)?;
         let invalid = |field: &'static str, message: String| ClipConfigError::Invalid {
             path: origin.to_path_buf(),
             field,
@@ -194,6 +201,26 @@ impl ClipTextConfig {
     }
 }
 
+/// Dropout while training, in transformers; sdtrain's CLIP has none, so only 0 (every SD text
+/// encoder's value) or null is accepted.
+fn check_no_dropout(raw: &RawClipTextConfig, origin: &Path) -> Result<(), ClipConfigError> {
+    for (field, v) in [
+        ("attention_dropout", &raw.attention_dropout),
+        ("dropout", &raw.dropout),
+    ] {
+        if !(v.is_null() || v.as_f64() == Some(0.0)) {
+            return Err(ClipConfigError::Invalid {
+                path: origin.to_path_buf(),
+                field,
+                message: format!(
+                    "is {v}; sdtrain trains the text encoder without dropout, so only 0.0"
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -224,6 +251,20 @@ mod tests {
         .unwrap();
         assert_eq!(cfg.hidden_act, ClipActivation::Gelu);
         assert_eq!(cfg.hidden_size, 64);
+    }
+
+    /// Dropout was ignored whatever its value (`"attention_dropout": 0.1` trained without it,
+    /// `"abc"` passed); only 0 or null is accepted.
+    #[test]
+    fn dropout_other_than_zero_names_the_field() {
+        parse(r#"{"attention_dropout": 0.0, "dropout": null}"#).unwrap();
+        for bad in [r#"{"attention_dropout": 0.1}"#, r#"{"dropout": "abc"}"#] {
+            let err = parse(bad).unwrap_err().to_string();
+            assert!(
+                err.contains("dropout`") && err.contains("te/config.json"),
+                "{err}"
+            );
+        }
     }
 
     /// Sizes no CLIP has are refused before anything is allocated, naming file and field.

@@ -151,6 +151,24 @@ struct RawUnetConfig {
     conv_out_kernel: usize,
     #[serde(default = "default_default")]
     attention_type: String,
+    /// Options that change the architecture or the training in diffusers, kept as written so any
+    /// value other than their SD default is refused by name ([`check_sd_defaults`]).
+    #[serde(default)]
+    resnet_out_scale_factor: serde_json::Value,
+    #[serde(default)]
+    resnet_skip_time_act: serde_json::Value,
+    #[serde(default)]
+    time_embedding_act_fn: serde_json::Value,
+    #[serde(default)]
+    timestep_post_act: serde_json::Value,
+    #[serde(default)]
+    cross_attention_norm: serde_json::Value,
+    #[serde(default)]
+    num_class_embeds: serde_json::Value,
+    #[serde(default)]
+    encoder_hid_dim_type: serde_json::Value,
+    #[serde(default)]
+    dropout: serde_json::Value,
 }
 
 /// The kind of a down or up block.
@@ -490,6 +508,7 @@ fn check_unsupported(
         return Err(err("dual_cross_attention", "true is not supported".into()));
     }
     check_unsupported_embeddings(raw, err)?;
+    check_sd_defaults(raw, err)?;
     if raw.conv_in_kernel != 3 || raw.conv_out_kernel != 3 {
         return Err(err(
             "conv_in_kernel",
@@ -513,6 +532,76 @@ fn check_unsupported(
         ));
     }
     Ok(())
+}
+
+/// Rejects options sdtrain's UNet does not read whose value differs from what every SD model
+/// has: each changes the model in diffusers (a scaled resnet output, an extra activation or
+/// norm, a class embedding, dropout while training), so ignoring it would train another model.
+/// Absent and null keep the default, as in diffusers' constructor.
+fn check_sd_defaults(
+    raw: &RawUnetConfig,
+    err: &dyn Fn(&'static str, String) -> UnetConfigError,
+) -> Result<(), UnetConfigError> {
+    use serde_json::Value;
+    type Check<'a> = (&'static str, &'a Value, fn(&Value) -> bool, &'static str);
+    let r = raw;
+    let checks: [Check; 8] = [
+        (
+            "resnet_out_scale_factor",
+            &r.resnet_out_scale_factor,
+            |v| is_num(v, 1.0),
+            "1.0",
+        ),
+        (
+            "resnet_skip_time_act",
+            &r.resnet_skip_time_act,
+            |v| v.is_null() || v == &Value::Bool(false),
+            "false",
+        ),
+        (
+            "time_embedding_act_fn",
+            &r.time_embedding_act_fn,
+            Value::is_null,
+            "null",
+        ),
+        (
+            "timestep_post_act",
+            &r.timestep_post_act,
+            Value::is_null,
+            "null",
+        ),
+        (
+            "cross_attention_norm",
+            &r.cross_attention_norm,
+            Value::is_null,
+            "null",
+        ),
+        (
+            "num_class_embeds",
+            &r.num_class_embeds,
+            Value::is_null,
+            "null",
+        ),
+        (
+            "encoder_hid_dim_type",
+            &r.encoder_hid_dim_type,
+            Value::is_null,
+            "null",
+        ),
+        ("dropout", &r.dropout, |v| is_num(v, 0.0), "0.0"),
+    ];
+    match checks.into_iter().find(|(_, v, ok, _)| !ok(v)) {
+        Some((field, value, _, default)) => Err(err(
+            field,
+            format!("is {value}; sdtrain supports only {default}, what SD1.x, SD2.x and SDXL use"),
+        )),
+        None => Ok(()),
+    }
+}
+
+/// Null (the default) or the number `want`.
+fn is_num(v: &serde_json::Value, want: f64) -> bool {
+    v.is_null() || v.as_f64() == Some(want)
 }
 
 /// Rejects class, custom time and encoder-projection embedding options.
@@ -668,6 +757,43 @@ mod tests {
         let zero = SD15.replace("\"freq_shift\":0", "\"transformer_layers_per_block\":0");
         let c = UnetConfig::from_json(&zero, "c").unwrap();
         assert!(c.down_blocks.iter().all(|b| b.transformer_layers == 0));
+    }
+
+    /// Options that change the model in diffusers but that sdtrain does not read were ignored
+    /// whatever their value (`"resnet_out_scale_factor": 1.5` trained another model, `"dropout":
+    /// "abc"` passed); a value other than the SD default is refused by name, null and the
+    /// default pass.
+    #[test]
+    fn ignored_architecture_options_must_keep_their_defaults() {
+        for (key, bad) in [
+            ("resnet_out_scale_factor", "1.5"),
+            ("resnet_skip_time_act", "true"),
+            ("time_embedding_act_fn", "\"silu\""),
+            ("timestep_post_act", "\"silu\""),
+            ("cross_attention_norm", "\"layer_norm\""),
+            ("num_class_embeds", "10"),
+            ("encoder_hid_dim_type", "\"text_proj\""),
+            ("dropout", "0.1"),
+            ("dropout", "\"abc\""),
+        ] {
+            let bad = SD15.replace(
+                "\"freq_shift\":0",
+                &format!("\"freq_shift\":0,\"{key}\":{bad}"),
+            );
+            let e = UnetConfig::from_json(&bad, "m/unet/config.json")
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("m/unet/config.json") && e.contains(&format!("`{key}`")),
+                "{e}"
+            );
+        }
+        let defaults = SD15.replace(
+            "\"freq_shift\":0",
+            "\"freq_shift\":0,\"resnet_out_scale_factor\":1.0,\"resnet_skip_time_act\":false,\
+             \"time_embedding_act_fn\":null,\"cross_attention_norm\":null,\"dropout\":0.0",
+        );
+        UnetConfig::from_json(&defaults, "c").unwrap();
     }
 
     #[test]
