@@ -203,3 +203,26 @@ fn a_vocab_past_the_embedding_failed_at_the_first_prompt() {
         &[te.to_str().unwrap(), tok.to_str().unwrap(), "`vocab_size`"],
     );
 }
+
+/// A UNet `sample_size` of 65536 made the native resolution, the default training size,
+/// 131072 pixels: the first step aborted allocating 51 GB (SIGABRT).
+#[test]
+fn a_huge_sample_size_aborted_the_first_step() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = model_with(
+        tmp.path(),
+        "tiny-sd15",
+        "unet/config.json",
+        "sample_size",
+        65536.into(),
+    );
+    let cfg = write_config(
+        tmp.path(),
+        "tiny-sd15",
+        &demo_data(),
+        serde_json::json!({"model": model, "max_steps": 1, "resolution": null}),
+    );
+    let out = sdtrain(&["--config", cfg.to_str().unwrap(), "--cpu"], tmp.path());
+    let unet = model.join("unet/config.json");
+    refused(&out, 2, &[unet.to_str().unwrap(), "`sample_size`", "4096"]);
+}
