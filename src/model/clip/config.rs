@@ -17,9 +17,11 @@ pub enum ClipConfigError {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("cannot parse CLIP text config {path}")]
+    #[error("cannot parse CLIP text config {path}{field}")]
     Parse {
         path: PathBuf,
+        /// `: field `key``, where the error names one ([`crate::py_json::field_at`]).
+        field: String,
         source: serde_json::Error,
     },
     #[error("invalid CLIP text config {path}: field `{field}`: {message}")]
@@ -112,6 +114,7 @@ impl ClipTextConfig {
         let raw: RawClipTextConfig =
             crate::py_json::from_str(json).map_err(|source| ClipConfigError::Parse {
                 path: origin.to_path_buf(),
+                field: crate::py_json::field_at(json, &source),
                 source,
             })?;
         Self::from_raw(raw, origin)

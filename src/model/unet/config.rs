@@ -17,9 +17,11 @@ pub enum UnetConfigError {
         path: String,
         source: std::io::Error,
     },
-    #[error("invalid UNet config {path}")]
+    #[error("invalid UNet config {path}{field}")]
     Parse {
         path: String,
+        /// `: field `key``, where the error names one ([`crate::py_json::field_at`]).
+        field: String,
         source: serde_json::Error,
     },
     #[error("UNet config {path}: field `{field}`: {message}")]
@@ -233,6 +235,7 @@ impl UnetConfig {
         let raw: RawUnetConfig =
             crate::py_json::from_str(text).map_err(|source| UnetConfigError::Parse {
                 path: origin.to_string(),
+                field: crate::py_json::field_at(text, &source),
                 source,
             })?;
         resolve(raw, origin)
@@ -794,6 +797,20 @@ mod tests {
              \"time_embedding_act_fn\":null,\"cross_attention_norm\":null,\"dropout\":0.0",
         );
         UnetConfig::from_json(&defaults, "c").unwrap();
+    }
+
+    /// A value of the wrong type (`"layers_per_block": "abc"`) was reported with serde's line
+    /// and column only; the error names the key too.
+    #[test]
+    fn a_wrong_type_names_the_key() {
+        let bad = SD15.replace("\"layers_per_block\":2", "\"layers_per_block\":\"abc\"");
+        let e = crate::error_chain::chain_text(
+            &UnetConfig::from_json(&bad, "m/unet/config.json").unwrap_err(),
+        );
+        assert!(
+            e.contains("m/unet/config.json: field `layers_per_block`: data did not match"),
+            "{e}"
+        );
     }
 
     #[test]

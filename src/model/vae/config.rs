@@ -25,9 +25,11 @@ pub enum VaeConfigError {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("cannot parse VAE config {path}")]
+    #[error("cannot parse VAE config {path}{field}")]
     Parse {
         path: PathBuf,
+        /// `: field `key``, where the error names one ([`crate::py_json::field_at`]).
+        field: String,
         source: serde_json::Error,
     },
     #[error("unsupported VAE config {origin}: {message}")]
@@ -178,6 +180,7 @@ impl VaeConfig {
     pub fn from_json(text: &str, origin: &Path) -> Result<Self, VaeConfigError> {
         let cfg: Self = crate::py_json::from_str(text).map_err(|source| VaeConfigError::Parse {
             path: origin.to_path_buf(),
+            field: crate::py_json::field_at(text, &source),
             source,
         })?;
         cfg.validate(&origin.display().to_string())?;
