@@ -87,6 +87,47 @@ pub fn from_str<T: serde::de::DeserializeOwned>(text: &str) -> serde_json::Resul
     serde_json::from_str(&finite(without_bom(text)))
 }
 
+/// For a type or value error of [`from_str`] on `text`, `": field `key`"`, naming the last object
+/// key before where the error was found (serde_json's line and column), so a config's error names
+/// its key as well as its file: `"layers_per_block": "abc"` is at `layers_per_block`. Empty for
+/// syntax errors, a missing field (its message names it) or no key before the error.
+pub fn field_at(text: &str, e: &serde_json::Error) -> String {
+    let data = e.classify() == serde_json::error::Category::Data;
+    if !data || e.line() == 0 || e.to_string().starts_with("missing field") {
+        return String::new();
+    }
+    let text = without_bom(text);
+    let line_start: usize = text
+        .split_inclusive('\n')
+        .take(e.line() - 1)
+        .map(str::len)
+        .sum();
+    let end = (line_start + e.column()).min(text.len());
+    let head = text.get(..end).unwrap_or(text);
+    last_key(head).map_or_else(String::new, |k| format!(": field `{k}`"))
+}
+
+/// The last string in `head` that is followed by `:` (an object key).
+fn last_key(head: &str) -> Option<String> {
+    let (mut key, mut current, mut in_string, mut escaped) = (None, None::<String>, false, false);
+    for c in head.chars() {
+        match (in_string, escaped, c) {
+            (true, true, _) => escaped = false,
+            (true, false, '\\') => escaped = true,
+            (true, false, '"') => in_string = false,
+            (true, false, c) => current.get_or_insert_with(String::new).push(c),
+            (false, _, '"') => {
+                in_string = true;
+                current = Some(String::new());
+            }
+            (false, _, ':') => key = current.take().or(key),
+            (false, _, c) if !c.is_whitespace() => current = None,
+            _ => {}
+        }
+    }
+    key
+}
+
 /// `text` without a leading UTF-8 byte order mark (Windows editors write one; Python's `json`
 /// refuses it, serde_json too).
 pub fn without_bom(text: &str) -> &str {
@@ -97,6 +138,32 @@ pub fn without_bom(text: &str) -> &str {
 mod tests {
     use super::*;
     use serde_json::Value;
+
+    /// A value of the wrong type names the key it sits under, on one line or many; a missing
+    /// field or a syntax error adds nothing. Catches the key before the last one named, or a
+    /// string value taken for a key.
+    #[test]
+    fn a_type_error_names_its_key() {
+        #[derive(serde::Deserialize, Debug)]
+        #[allow(dead_code)]
+        struct C {
+            a: String,
+            n: Vec<usize>,
+        }
+        for text in [
+            r#"{"a": "x:y", "n": [1, "abc"]}"#,
+            "{\n  \"a\": \"x\",\n  \"n\": [1,\n 2, -1]\n}",
+        ] {
+            let e = from_str::<C>(text).unwrap_err();
+            assert_eq!(field_at(text, &e), ": field `n`", "{text}");
+        }
+        let e = from_str::<C>(r#"{"a": 1, "n": []}"#).unwrap_err();
+        assert_eq!(field_at(r#"{"a": 1, "n": []}"#, &e), ": field `a`");
+        let e = from_str::<C>(r#"{"a": "x"}"#).unwrap_err();
+        assert_eq!(field_at(r#"{"a": "x"}"#, &e), "");
+        let e = from_str::<C>(r#"{"a": "#).unwrap_err();
+        assert_eq!(field_at(r#"{"a": "#, &e), "");
+    }
 
     /// What Python's `json.dumps` writes for a DPM-Solver config reads as the finite bounds, and
     /// the same tokens inside strings (and after escaped quotes) are left alone. Catches a

@@ -46,12 +46,14 @@ pub enum FamilyError {
     },
     #[error(
         "{}: the UNet takes {unet_in} and gives {unet_out} channels, but the VAE's latents have \
-         {latent}: an inpainting, depth or other conditioned UNet (extra input channels) is not a \
-         model sdtrain trains; use the base text-to-image model",
-        unet_file.display()
+         {latent} (`latent_channels` in {}): an inpainting, depth or other conditioned UNet (extra \
+         input channels) is not a model sdtrain trains; use the base text-to-image model",
+        unet_file.display(),
+        vae_file.display()
     )]
     LatentChannels {
         unet_file: PathBuf,
+        vae_file: PathBuf,
         unet_in: u64,
         unet_out: u64,
         latent: u64,
@@ -308,8 +310,22 @@ pub fn native_resolution(
             field: "block_out_channels",
             problem: "is missing or not a list of 1 to 8 entries",
         })?;
-    Ok(sample_size as usize * (1usize << (levels - 1)))
+    // Bounded as train.json's `resolution` is: the native resolution is the default training
+    // and sampling size, and 2^40 pixels aborted the first allocation.
+    let pixels = (sample_size as usize).saturating_mul(1usize << (levels - 1));
+    if pixels > MAX_NATIVE_RESOLUTION {
+        return Err(FamilyError::BadField {
+            file: unet_file.to_path_buf(),
+            field: "sample_size",
+            problem: "times the VAE's downsampling is over 4096 pixels, the largest native \
+                      resolution sdtrain accepts",
+        });
+    }
+    Ok(pixels)
 }
+
+/// The largest native resolution, in pixels per side: train.json's largest `resolution`.
+pub const MAX_NATIVE_RESOLUTION: usize = 4096;
 
 /// Refuses a UNet whose input or output channels are not the VAE's latent channels (diffusers'
 /// defaults: 4 each): an inpainting UNet takes 9 (latents, mask, masked image), a depth UNet 5.
@@ -336,6 +352,7 @@ pub fn check_latent_channels(
     }
     Err(FamilyError::LatentChannels {
         unet_file: unet_file.to_path_buf(),
+        vae_file: vae_file.to_path_buf(),
         unet_in,
         unet_out,
         latent,
@@ -566,5 +583,51 @@ mod tests {
             ModelFamily::Sdxl.kohya_base_model_version(PredictionType::Epsilon),
             "sdxl_base_v1-0"
         );
+    }
+
+    /// A VAE whose `latent_channels` differ from the UNet's channels names both files: the
+    /// error named only the UNet's config when the VAE's was the one changed.
+    #[test]
+    fn latent_channel_mismatch_names_both_configs() {
+        let unet = json!({"in_channels": 4, "out_channels": 4});
+        let vae = json!({"latent_channels": 16});
+        let e = check_latent_channels(
+            &unet,
+            Path::new("m/unet/config.json"),
+            &vae,
+            Path::new("m/vae/config.json"),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("m/unet/config.json")
+                && e.contains("`latent_channels` in m/vae/config.json"),
+            "{e}"
+        );
+    }
+
+    /// A UNet `sample_size` of 65536 made a 131072-pixel native resolution, the default
+    /// training size, and the first step aborted allocating 51 GB. It is refused naming the
+    /// file and key; SDXL's 128 × 8 passes.
+    #[test]
+    fn a_native_resolution_past_4096_names_sample_size() {
+        let vae = json!({"block_out_channels": [128, 256, 512, 512]});
+        let (u, v) = (
+            Path::new("m/unet/config.json"),
+            Path::new("m/vae/config.json"),
+        );
+        assert_eq!(
+            native_resolution(&json!({"sample_size": 128}), u, &vae, v).unwrap(),
+            1024
+        );
+        for big in [json!(65536), json!(u64::MAX)] {
+            let e = native_resolution(&json!({"sample_size": big}), u, &vae, v)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("m/unet/config.json") && e.contains("`sample_size`"),
+                "{e}"
+            );
+        }
     }
 }

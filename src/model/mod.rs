@@ -2,15 +2,18 @@
 
 pub mod attention;
 pub mod clip;
+pub mod component_fit;
 pub mod export;
 pub mod family;
 pub mod files;
 pub mod layout;
+pub mod nonfinite_weights;
 pub mod pipeline;
 pub mod reference_configs;
 pub mod resnet;
 pub mod sampling;
 pub mod single_file;
+pub mod size_limits;
 pub mod source;
 pub mod unet;
 pub mod vae;

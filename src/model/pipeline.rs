@@ -13,6 +13,7 @@ use std::path::{Path, PathBuf};
 use candle_core::{DType, Device, Tensor};
 
 use super::clip::{ClipConfigError, ClipTextConfig, ClipTextModel, ClipTokenizer, TokenizerError};
+use super::component_fit::{check_text_fit, check_vocab_fit, MisfitError};
 use super::family::ModelFamily;
 use super::files::{Component, ComponentFiles, ComponentSource, FilesError, TokenizerFiles};
 use super::layout::ModelLayout;
@@ -35,6 +36,8 @@ pub enum PipelineError {
     Tokenizer(#[from] TokenizerError),
     #[error(transparent)]
     Files(#[from] FilesError),
+    #[error(transparent)]
+    Misfit(#[from] MisfitError),
     #[error("loading {component} from {}", dir.display())]
     Weights {
         component: Component,
@@ -127,6 +130,7 @@ impl StableDiffusion {
         let unet_files = files(Component::Unet)?;
         let (text, origin) = unet_files.config_text()?;
         let unet_cfg = UnetConfig::from_json(&text, &origin.display().to_string())?;
+        check_fit(&layout, &unet_cfg, &origin)?;
         let unet_weights = weights(unet_files, opts, opts.train_unet)?;
         let unet =
             UNet2DConditionModel::new(&unet_weights, &unet_cfg).map_err(|e| wrap(unet_files, e))?;
@@ -153,6 +157,7 @@ impl StableDiffusion {
                 },
                 None => ClipTokenizer::from_dir(tokenizer_dir(&layout.root, c))?,
             };
+            check_vocab_fit(&tokenizer, model.config.vocab_size, te_files.config_path())?;
             text_encoders.push(TextEncoder {
                 model,
                 tokenizer,
@@ -225,6 +230,23 @@ impl StableDiffusion {
             }
         }
     }
+}
+
+/// The text encoders' configs checked against the UNet's ([`check_text_fit`]), before any
+/// weights are read.
+fn check_fit(
+    layout: &ModelLayout,
+    unet: &UnetConfig,
+    unet_file: &Path,
+) -> Result<(), PipelineError> {
+    let mut encoders = Vec::new();
+    for c in [Component::TextEncoder, Component::TextEncoder2] {
+        if let Some(files) = layout.component(c) {
+            let (text, origin) = files.config_text()?;
+            encoders.push((ClipTextConfig::from_json(&text, &origin)?, origin));
+        }
+    }
+    Ok(check_text_fit(unet, unet_file, &encoders)?)
 }
 
 /// Loads one text encoder from its component files, in either key layout

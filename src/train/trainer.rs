@@ -815,7 +815,11 @@ impl Session<'_> {
             step: out.steps,
             last_loss: out.losses.last().copied().unwrap_or(f64::NAN),
             saved,
-            rungs: rung_lines(&nonfinite_rungs(self.plan, self.model.amp)),
+            rungs: rung_lines(&nonfinite_rungs(
+                self.plan,
+                self.model.amp,
+                &self.model.layout,
+            )),
         }
         .into()
     }
@@ -851,13 +855,24 @@ pub struct NonFiniteStop {
     pub rungs: String,
 }
 
-/// What to change when the loss or gradients go non-finite, most likely first.
-fn nonfinite_rungs(plan: &TrainPlan, amp: Amp) -> Vec<String> {
+/// What to change when the loss or gradients go non-finite, most likely first: a model whose
+/// own files hold NaN or Inf (read again now, [`crate::model::nonfinite_weights::first_nonfinite`]) before the settings.
+fn nonfinite_rungs(plan: &TrainPlan, amp: Amp, layout: &ModelLayout) -> Vec<String> {
+    let mut rungs = Vec::new();
+    if let Some(bad) = crate::model::nonfinite_weights::first_nonfinite(layout) {
+        rungs.push(format!(
+            "replace the model: tensor `{}` in {} holds {} (the base weights are broken; no \
+             setting below can help)",
+            bad.tensor,
+            bad.file.display(),
+            bad.value
+        ));
+    }
     let lr = plan.optimizer.unet.lr;
-    let mut rungs = vec![format!(
+    rungs.push(format!(
         "lower the learning rate (the UNet's is {lr:e}; try {:e})",
         lr / 10.0
-    )];
+    ));
     if amp == Amp::Fp16 {
         rungs.push("use amp bf16 instead of fp16 (bf16 has fp32's range)".into());
     }

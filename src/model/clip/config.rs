@@ -17,9 +17,11 @@ pub enum ClipConfigError {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("cannot parse CLIP text config {path}")]
+    #[error("cannot parse CLIP text config {path}{field}")]
     Parse {
         path: PathBuf,
+        /// `: field `key``, where the error names one ([`crate::py_json::field_at`]).
+        field: String,
         source: serde_json::Error,
     },
     #[error("invalid CLIP text config {path}: field `{field}`: {message}")]
@@ -68,6 +70,12 @@ pub struct RawClipTextConfig {
     pub bos_token_id: Option<i64>,
     pub eos_token_id: Option<i64>,
     pub pad_token_id: Option<i64>,
+    /// Dropout while training, in transformers; sdtrain's CLIP has none, so only 0 (every SD
+    /// text encoder's value) or null is accepted. Kept as written to name any other value.
+    #[serde(default)]
+    pub attention_dropout: serde_json::Value,
+    #[serde(default)]
+    pub dropout: serde_json::Value,
     /// Present when the file is a full `CLIPConfig` rather than a `CLIPTextConfig`.
     pub text_config: Option<Box<RawClipTextConfig>>,
 }
@@ -106,6 +114,7 @@ impl ClipTextConfig {
         let raw: RawClipTextConfig =
             crate::py_json::from_str(json).map_err(|source| ClipConfigError::Parse {
                 path: origin.to_path_buf(),
+                field: crate::py_json::field_at(json, &source),
                 source,
             })?;
         Self::from_raw(raw, origin)
@@ -117,6 +126,7 @@ impl ClipTextConfig {
             Some(text) => *text,
             None => raw,
         };
+        check_no_dropout(&raw, origin)?;
         let invalid = |field: &'static str, message: String| ClipConfigError::Invalid {
             path: origin.to_path_buf(),
             field,
@@ -159,6 +169,17 @@ impl ClipTextConfig {
             if value == 0 {
                 return Err(invalid(field, "must be positive".to_string()));
             }
+            // Refused before anything is allocated for them: no CLIP comes near.
+            use crate::model::size_limits::{
+                check, MAX_DEPTH, MAX_POSITIONS, MAX_VOCAB, MAX_WIDTH,
+            };
+            let max = match field {
+                "vocab_size" => MAX_VOCAB,
+                "num_hidden_layers" => MAX_DEPTH,
+                "max_position_embeddings" => MAX_POSITIONS,
+                _ => MAX_WIDTH,
+            };
+            check(value, 1, max).map_err(|m| invalid(field, m))?;
         }
         if !cfg.hidden_size.is_multiple_of(cfg.num_attention_heads) {
             return Err(invalid(
@@ -181,6 +202,26 @@ impl ClipTextConfig {
     pub fn head_dim(&self) -> usize {
         self.hidden_size / self.num_attention_heads
     }
+}
+
+/// Dropout while training, in transformers; sdtrain's CLIP has none, so only 0 (every SD text
+/// encoder's value) or null is accepted.
+fn check_no_dropout(raw: &RawClipTextConfig, origin: &Path) -> Result<(), ClipConfigError> {
+    for (field, v) in [
+        ("attention_dropout", &raw.attention_dropout),
+        ("dropout", &raw.dropout),
+    ] {
+        if !(v.is_null() || v.as_f64() == Some(0.0)) {
+            return Err(ClipConfigError::Invalid {
+                path: origin.to_path_buf(),
+                field,
+                message: format!(
+                    "is {v}; sdtrain trains the text encoder without dropout, so only 0.0"
+                ),
+            });
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -213,6 +254,39 @@ mod tests {
         .unwrap();
         assert_eq!(cfg.hidden_act, ClipActivation::Gelu);
         assert_eq!(cfg.hidden_size, 64);
+    }
+
+    /// Dropout was ignored whatever its value (`"attention_dropout": 0.1` trained without it,
+    /// `"abc"` passed); only 0 or null is accepted.
+    #[test]
+    fn dropout_other_than_zero_names_the_field() {
+        parse(r#"{"attention_dropout": 0.0, "dropout": null}"#).unwrap();
+        for bad in [r#"{"attention_dropout": 0.1}"#, r#"{"dropout": "abc"}"#] {
+            let err = parse(bad).unwrap_err().to_string();
+            assert!(
+                err.contains("dropout`") && err.contains("te/config.json"),
+                "{err}"
+            );
+        }
+    }
+
+    /// Sizes no CLIP has are refused before anything is allocated, naming file and field.
+    #[test]
+    fn absurd_sizes_name_the_field() {
+        for field in [
+            "vocab_size",
+            "num_hidden_layers",
+            "max_position_embeddings",
+            "hidden_size",
+        ] {
+            let err = parse(&format!(r#"{{"{field}": 1099511627776}}"#))
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains(field) && err.contains("te/config.json") && err.contains("accepts"),
+                "{err}"
+            );
+        }
     }
 
     #[test]

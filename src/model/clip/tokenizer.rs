@@ -222,6 +222,14 @@ impl ClipTokenizer {
         &self.dir
     }
 
+    /// The token with the largest id, added tokens included, and that id.
+    pub fn largest_id(&self) -> Option<(String, u32)> {
+        self.tokenizer
+            .get_vocab(true)
+            .into_iter()
+            .max_by_key(|&(_, id)| id)
+    }
+
     /// The prompt's BPE ids, without BOS/EOS and untruncated.
     pub fn tokenize(&self, prompt: &str) -> Result<Vec<u32>, TokenizerError> {
         let enc = self

@@ -17,9 +17,11 @@ pub enum UnetConfigError {
         path: String,
         source: std::io::Error,
     },
-    #[error("invalid UNet config {path}")]
+    #[error("invalid UNet config {path}{field}")]
     Parse {
         path: String,
+        /// `: field `key``, where the error names one ([`crate::py_json::field_at`]).
+        field: String,
         source: serde_json::Error,
     },
     #[error("UNet config {path}: field `{field}`: {message}")]
@@ -151,6 +153,24 @@ struct RawUnetConfig {
     conv_out_kernel: usize,
     #[serde(default = "default_default")]
     attention_type: String,
+    /// Options that change the architecture or the training in diffusers, kept as written so any
+    /// value other than their SD default is refused by name ([`check_sd_defaults`]).
+    #[serde(default)]
+    resnet_out_scale_factor: serde_json::Value,
+    #[serde(default)]
+    resnet_skip_time_act: serde_json::Value,
+    #[serde(default)]
+    time_embedding_act_fn: serde_json::Value,
+    #[serde(default)]
+    timestep_post_act: serde_json::Value,
+    #[serde(default)]
+    cross_attention_norm: serde_json::Value,
+    #[serde(default)]
+    num_class_embeds: serde_json::Value,
+    #[serde(default)]
+    encoder_hid_dim_type: serde_json::Value,
+    #[serde(default)]
+    dropout: serde_json::Value,
 }
 
 /// The kind of a down or up block.
@@ -215,6 +235,7 @@ impl UnetConfig {
         let raw: RawUnetConfig =
             crate::py_json::from_str(text).map_err(|source| UnetConfigError::Parse {
                 path: origin.to_string(),
+                field: crate::py_json::field_at(text, &source),
                 source,
             })?;
         resolve(raw, origin)
@@ -252,6 +273,7 @@ fn resolve(raw: RawUnetConfig, origin: &str) -> Result<UnetConfig, UnetConfigErr
         ));
     }
     let (down_blocks, up_kinds) = resolve_blocks(&raw, &err)?;
+    check_sizes(&raw, &down_blocks, &err)?;
     check_unsupported(&raw, &err)?;
     let text_time = resolve_text_time(&raw, &err)?;
     let norm_num_groups = raw
@@ -352,6 +374,78 @@ fn resolve_blocks(
     Ok((down_blocks, up_kinds))
 }
 
+/// Refuses sizes no model has before anything is allocated for them (an absurd
+/// `layers_per_block` aborted the process), and the values diffusers' UNet cannot run with.
+fn check_sizes(
+    raw: &RawUnetConfig,
+    blocks: &[BlockConfig],
+    err: &dyn Fn(&'static str, String) -> UnetConfigError,
+) -> Result<(), UnetConfigError> {
+    use crate::model::size_limits::{check, check_each, MAX_DEPTH, MAX_WIDTH};
+    let per_block = |f: fn(&BlockConfig) -> usize| blocks.iter().map(f).collect::<Vec<_>>();
+    let lists = [
+        (
+            "block_out_channels",
+            raw.block_out_channels.clone(),
+            1,
+            MAX_WIDTH,
+        ),
+        ("layers_per_block", per_block(|b| b.layers), 1, MAX_DEPTH),
+        (
+            "transformer_layers_per_block",
+            per_block(|b| b.transformer_layers),
+            // diffusers builds a transformer of no blocks for 0 (proj_in, then proj_out).
+            0,
+            MAX_DEPTH,
+        ),
+        (
+            "cross_attention_dim",
+            per_block(|b| b.cross_attention_dim),
+            1,
+            MAX_WIDTH,
+        ),
+    ];
+    for (field, values, min, max) in lists {
+        check_each(&values, min, max).map_err(|m| err(field, m))?;
+    }
+    let scalars = [
+        ("in_channels", Some(raw.in_channels), 1),
+        ("out_channels", Some(raw.out_channels), 1),
+        ("norm_num_groups", raw.norm_num_groups, 1),
+        ("addition_time_embed_dim", raw.addition_time_embed_dim, 1),
+        (
+            "projection_class_embeddings_input_dim",
+            raw.projection_class_embeddings_input_dim,
+            1,
+        ),
+        ("sample_size", raw.sample_size, 1),
+        ("freq_shift", Some(raw.freq_shift), 0),
+    ];
+    for (field, value, min) in scalars {
+        if let Some(v) = value {
+            check(v, min, MAX_WIDTH).map_err(|m| err(field, m))?;
+        }
+    }
+    // diffusers pads a stride-2 conv by 1, or by (0, 1, 0, 1) by hand for 0; any other padding
+    // gives feature maps the skip connections do not match.
+    check(raw.downsample_padding, 0, 1).map_err(|m| err("downsample_padding", m))?;
+    if let Some(g) = raw.norm_num_groups {
+        if let Some(c) = raw.block_out_channels.iter().find(|&&c| c % g != 0) {
+            return Err(err(
+                "norm_num_groups",
+                format!("{g} groups do not divide block_out_channels entry {c}"),
+            ));
+        }
+    }
+    if !(raw.norm_eps.is_finite() && raw.norm_eps > 0.0) {
+        return Err(err(
+            "norm_eps",
+            format!("is {}; it must be a positive number", raw.norm_eps),
+        ));
+    }
+    Ok(())
+}
+
 /// Resolves SDXL's `text_time` added conditioning, if `addition_embed_type` asks for it.
 fn resolve_text_time(
     raw: &RawUnetConfig,
@@ -417,6 +511,7 @@ fn check_unsupported(
         return Err(err("dual_cross_attention", "true is not supported".into()));
     }
     check_unsupported_embeddings(raw, err)?;
+    check_sd_defaults(raw, err)?;
     if raw.conv_in_kernel != 3 || raw.conv_out_kernel != 3 {
         return Err(err(
             "conv_in_kernel",
@@ -440,6 +535,76 @@ fn check_unsupported(
         ));
     }
     Ok(())
+}
+
+/// Rejects options sdtrain's UNet does not read whose value differs from what every SD model
+/// has: each changes the model in diffusers (a scaled resnet output, an extra activation or
+/// norm, a class embedding, dropout while training), so ignoring it would train another model.
+/// Absent and null keep the default, as in diffusers' constructor.
+fn check_sd_defaults(
+    raw: &RawUnetConfig,
+    err: &dyn Fn(&'static str, String) -> UnetConfigError,
+) -> Result<(), UnetConfigError> {
+    use serde_json::Value;
+    type Check<'a> = (&'static str, &'a Value, fn(&Value) -> bool, &'static str);
+    let r = raw;
+    let checks: [Check; 8] = [
+        (
+            "resnet_out_scale_factor",
+            &r.resnet_out_scale_factor,
+            |v| is_num(v, 1.0),
+            "1.0",
+        ),
+        (
+            "resnet_skip_time_act",
+            &r.resnet_skip_time_act,
+            |v| v.is_null() || v == &Value::Bool(false),
+            "false",
+        ),
+        (
+            "time_embedding_act_fn",
+            &r.time_embedding_act_fn,
+            Value::is_null,
+            "null",
+        ),
+        (
+            "timestep_post_act",
+            &r.timestep_post_act,
+            Value::is_null,
+            "null",
+        ),
+        (
+            "cross_attention_norm",
+            &r.cross_attention_norm,
+            Value::is_null,
+            "null",
+        ),
+        (
+            "num_class_embeds",
+            &r.num_class_embeds,
+            Value::is_null,
+            "null",
+        ),
+        (
+            "encoder_hid_dim_type",
+            &r.encoder_hid_dim_type,
+            Value::is_null,
+            "null",
+        ),
+        ("dropout", &r.dropout, |v| is_num(v, 0.0), "0.0"),
+    ];
+    match checks.into_iter().find(|(_, v, ok, _)| !ok(v)) {
+        Some((field, value, _, default)) => Err(err(
+            field,
+            format!("is {value}; sdtrain supports only {default}, what SD1.x, SD2.x and SDXL use"),
+        )),
+        None => Ok(()),
+    }
+}
+
+/// Null (the default) or the number `want`.
+fn is_num(v: &serde_json::Value, want: f64) -> bool {
+    v.is_null() || v.as_f64() == Some(want)
 }
 
 /// Rejects class, custom time and encoder-projection embedding options.
@@ -539,6 +704,113 @@ mod tests {
         assert!(!c.flip_sin_to_cos && !c.use_linear_projection);
         let bad = SD15.replace("\"center_input_sample\":false", "\"center_input_sample\":1");
         assert!(UnetConfig::from_json(&bad, "c").is_err());
+    }
+
+    /// An absurd size is refused naming the file and the key before the UNet is built: a
+    /// `layers_per_block` of 2^40 aborted the process on allocating its resnets. A negative
+    /// `norm_eps` made every loss NaN; a `downsample_padding` of 2 broke the skip shapes.
+    /// Zero transformer layers are accepted, as diffusers builds them (proj_in, proj_out).
+    #[test]
+    fn absurd_sizes_name_the_file_and_key() {
+        let cases = [
+            (
+                "\"layers_per_block\":2",
+                "\"layers_per_block\":1099511627776",
+                "layers_per_block",
+            ),
+            (
+                "\"layers_per_block\":2",
+                "\"layers_per_block\":0",
+                "layers_per_block",
+            ),
+            (
+                "\"cross_attention_dim\":768",
+                "\"cross_attention_dim\":1099511627776",
+                "cross_attention_dim",
+            ),
+            ("\"norm_eps\":1e-05", "\"norm_eps\":-1", "norm_eps"),
+            (
+                "\"downsample_padding\":1",
+                "\"downsample_padding\":2",
+                "downsample_padding",
+            ),
+            (
+                "\"norm_num_groups\":32",
+                "\"norm_num_groups\":7",
+                "norm_num_groups",
+            ),
+            ("\"in_channels\":4", "\"in_channels\":0", "in_channels"),
+            (
+                "\"sample_size\":64",
+                "\"sample_size\":1099511627776",
+                "sample_size",
+            ),
+        ];
+        for (from, to, field) in cases {
+            let bad = SD15.replace(from, to);
+            assert_ne!(bad, SD15, "{to}");
+            let e = UnetConfig::from_json(&bad, "m/unet/config.json")
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("m/unet/config.json") && e.contains(&format!("`{field}`")),
+                "{to}: {e}"
+            );
+        }
+        let zero = SD15.replace("\"freq_shift\":0", "\"transformer_layers_per_block\":0");
+        let c = UnetConfig::from_json(&zero, "c").unwrap();
+        assert!(c.down_blocks.iter().all(|b| b.transformer_layers == 0));
+    }
+
+    /// Options that change the model in diffusers but that sdtrain does not read were ignored
+    /// whatever their value (`"resnet_out_scale_factor": 1.5` trained another model, `"dropout":
+    /// "abc"` passed); a value other than the SD default is refused by name, null and the
+    /// default pass.
+    #[test]
+    fn ignored_architecture_options_must_keep_their_defaults() {
+        for (key, bad) in [
+            ("resnet_out_scale_factor", "1.5"),
+            ("resnet_skip_time_act", "true"),
+            ("time_embedding_act_fn", "\"silu\""),
+            ("timestep_post_act", "\"silu\""),
+            ("cross_attention_norm", "\"layer_norm\""),
+            ("num_class_embeds", "10"),
+            ("encoder_hid_dim_type", "\"text_proj\""),
+            ("dropout", "0.1"),
+            ("dropout", "\"abc\""),
+        ] {
+            let bad = SD15.replace(
+                "\"freq_shift\":0",
+                &format!("\"freq_shift\":0,\"{key}\":{bad}"),
+            );
+            let e = UnetConfig::from_json(&bad, "m/unet/config.json")
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("m/unet/config.json") && e.contains(&format!("`{key}`")),
+                "{e}"
+            );
+        }
+        let defaults = SD15.replace(
+            "\"freq_shift\":0",
+            "\"freq_shift\":0,\"resnet_out_scale_factor\":1.0,\"resnet_skip_time_act\":false,\
+             \"time_embedding_act_fn\":null,\"cross_attention_norm\":null,\"dropout\":0.0",
+        );
+        UnetConfig::from_json(&defaults, "c").unwrap();
+    }
+
+    /// A value of the wrong type (`"layers_per_block": "abc"`) was reported with serde's line
+    /// and column only; the error names the key too.
+    #[test]
+    fn a_wrong_type_names_the_key() {
+        let bad = SD15.replace("\"layers_per_block\":2", "\"layers_per_block\":\"abc\"");
+        let e = crate::error_chain::chain_text(
+            &UnetConfig::from_json(&bad, "m/unet/config.json").unwrap_err(),
+        );
+        assert!(
+            e.contains("m/unet/config.json: field `layers_per_block`: data did not match"),
+            "{e}"
+        );
     }
 
     #[test]

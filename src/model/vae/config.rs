@@ -25,9 +25,11 @@ pub enum VaeConfigError {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("cannot parse VAE config {path}")]
+    #[error("cannot parse VAE config {path}{field}")]
     Parse {
         path: PathBuf,
+        /// `: field `key``, where the error names one ([`crate::py_json::field_at`]).
+        field: String,
         source: serde_json::Error,
     },
     #[error("unsupported VAE config {origin}: {message}")]
@@ -178,6 +180,7 @@ impl VaeConfig {
     pub fn from_json(text: &str, origin: &Path) -> Result<Self, VaeConfigError> {
         let cfg: Self = crate::py_json::from_str(text).map_err(|source| VaeConfigError::Parse {
             path: origin.to_path_buf(),
+            field: crate::py_json::field_at(text, &source),
             source,
         })?;
         cfg.validate(&origin.display().to_string())?;
@@ -227,14 +230,51 @@ impl VaeConfig {
                 "block_out_channels entry {c} is not divisible by norm_num_groups {groups}"
             ));
         }
-        if self.latent_channels == 0 || self.in_channels == 0 || self.out_channels == 0 {
-            return fail("in_channels, out_channels and latent_channels must be positive".into());
+        self.check_sizes().or_else(fail)?;
+        self.check_factors().or_else(fail)
+    }
+
+    /// Refuses sizes no VAE has before anything is allocated for them, and block counts
+    /// diffusers' AutoencoderKL cannot run with (no resnet in a block leaves its channels
+    /// unchanged, so the next block gets the wrong width).
+    fn check_sizes(&self) -> Result<(), String> {
+        use crate::model::size_limits::{check, check_each, MAX_DEPTH, MAX_WIDTH};
+        let named = |field: &str, r: Result<(), String>| r.map_err(|m| format!("{field} {m}"));
+        named(
+            "block_out_channels",
+            check(self.block_out_channels.len(), 1, 8)
+                .map_err(|m| format!("has {} entries; {m}", self.block_out_channels.len()))
+                .and_then(|()| check_each(&self.block_out_channels, 1, MAX_WIDTH)),
+        )?;
+        named(
+            "layers_per_block",
+            check(self.layers_per_block, 1, MAX_DEPTH),
+        )?;
+        for (field, v) in [
+            ("in_channels", self.in_channels),
+            ("out_channels", self.out_channels),
+            ("latent_channels", self.latent_channels),
+        ] {
+            named(field, check(v, 1, MAX_WIDTH))?;
         }
-        if !(self.scaling_factor.is_finite() && self.scaling_factor != 0.0) {
-            return fail(format!(
-                "scaling_factor {} must be finite and non-zero",
-                self.scaling_factor
+        Ok(())
+    }
+
+    /// `scaling_factor` and `shift_factor` within what a latent can be scaled by and stay finite
+    /// (SD's are 0.18215 and 0.13025; SD3's 1.5305 and 0.0609).
+    fn check_factors(&self) -> Result<(), String> {
+        let s = self.scaling_factor;
+        if !(s.is_finite() && (1e-4..=1e4).contains(&s.abs())) {
+            return Err(format!(
+                "scaling_factor is {s}; sdtrain accepts a magnitude from 1e-4 to 1e4"
             ));
+        }
+        if let Some(shift) = self.shift_factor {
+            if !(shift.is_finite() && shift.abs() <= 1e4) {
+                return Err(format!(
+                    "shift_factor is {shift}; sdtrain accepts -1e4 to 1e4 (or null)"
+                ));
+            }
         }
         Ok(())
     }
@@ -280,6 +320,37 @@ mod tests {
         assert_eq!(cfg.downscale_factor(), 8);
         assert_eq!(cfg.sample_size, SampleSize::Rect([64, 96]));
         cfg.validate("test").unwrap();
+    }
+
+    /// Sizes and factors no VAE has are refused naming the file and the key: a
+    /// `layers_per_block` of 0 failed in the first group norm with no file named, a
+    /// `shift_factor` of -1e30 made every loss non-finite, and 2^40 channels would abort.
+    #[test]
+    fn absurd_sizes_and_factors_name_the_key() {
+        type Spoil = fn(&mut VaeConfig);
+        let cases: [(&str, Spoil); 6] = [
+            ("layers_per_block", |c| c.layers_per_block = 0),
+            ("layers_per_block", |c| c.layers_per_block = 1 << 40),
+            ("latent_channels", |c| c.latent_channels = 1 << 40),
+            ("block_out_channels", |c| {
+                c.block_out_channels = vec![1 << 40]
+            }),
+            ("scaling_factor", |c| c.scaling_factor = 1e30),
+            ("shift_factor", |c| c.shift_factor = Some(-1e30)),
+        ];
+        for (field, spoil) in cases {
+            let mut cfg = VaeConfig {
+                norm_num_groups: 1,
+                ..VaeConfig::default()
+            };
+            cfg.validate("ok").unwrap();
+            spoil(&mut cfg);
+            let msg = cfg.validate("m/vae/config.json").unwrap_err().to_string();
+            assert!(
+                msg.contains("m/vae/config.json") && msg.contains(field),
+                "{field}: {msg}"
+            );
+        }
     }
 
     #[test]
