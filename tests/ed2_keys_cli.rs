@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
-use common::cli::{demo_data, sdtrain, text, write_config};
+use common::cli::{demo_data, rewrite_after_first_log, sdtrain, text, write_config};
 
 fn load(path: &Path) -> HashMap<String, Tensor> {
     candle_core::safetensors::load(path, &Device::Cpu)
@@ -249,26 +249,7 @@ fn load_settings_every_epoch_applies_a_changed_log_step() {
     let changed = original.replace("\"log_step\": 1", "\"log_step\": 100");
     assert_ne!(original, changed);
     // Rewrite train.json once the first step is logged (8 steps an epoch, 24 in all).
-    let watcher = {
-        let (dir, cfg) = (dir.clone(), cfg.clone());
-        std::thread::spawn(move || {
-            for _ in 0..6000 {
-                let logged = std::fs::read_dir(dir.join("out"))
-                    .ok()
-                    .and_then(|mut runs| runs.next())
-                    .and_then(|run| {
-                        std::fs::read_to_string(run.ok()?.path().join("train_log.jsonl")).ok()
-                    })
-                    .is_some_and(|log| !log.is_empty());
-                if logged {
-                    std::fs::write(&cfg, &changed).unwrap();
-                    return true;
-                }
-                std::thread::sleep(std::time::Duration::from_millis(10));
-            }
-            false
-        })
-    };
+    let watcher = rewrite_after_first_log(&dir, &cfg, changed);
     let out = sdtrain(&["--config", cfg.to_str().unwrap(), "--cpu"], &dir);
     assert!(watcher.join().unwrap(), "the first step was never logged");
     assert!(out.status.success(), "{}", text(&out));

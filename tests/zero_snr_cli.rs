@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::cli::{demo_data, run_folder, sdtrain, text, write_config};
+use common::cli::{demo_data, rewrite_after_first_log, run_folder, sdtrain, text, write_config};
 use sdtrain::model::layout::ModelLayout;
 use sdtrain::sample::SchedulerConfig;
 
@@ -180,26 +180,7 @@ fn a_reloaded_zero_terminal_snr_switches_the_samples() {
     );
     assert_ne!(original, changed);
     // Rewrite train.json once the first step is logged (8 steps an epoch).
-    let watcher = {
-        let (dir, cfg) = (dir.clone(), cfg.clone());
-        std::thread::spawn(move || {
-            for _ in 0..6000 {
-                let logged = std::fs::read_dir(dir.join("out"))
-                    .ok()
-                    .and_then(|mut runs| runs.next())
-                    .and_then(|run| {
-                        std::fs::read_to_string(run.ok()?.path().join("train_log.jsonl")).ok()
-                    })
-                    .is_some_and(|log| !log.is_empty());
-                if logged {
-                    std::fs::write(&cfg, &changed).unwrap();
-                    return true;
-                }
-                std::thread::sleep(std::time::Duration::from_millis(10));
-            }
-            false
-        })
-    };
+    let watcher = rewrite_after_first_log(&dir, &cfg, changed);
     let out = sdtrain(&["--config", cfg.to_str().unwrap(), "--cpu"], &dir);
     assert!(watcher.join().unwrap(), "the first step was never logged");
     assert!(out.status.success(), "{}", text(&out));

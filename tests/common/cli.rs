@@ -110,3 +110,30 @@ pub fn sample_tiny(
     assert!(o.status.success(), "{extra:?}: {}", text(&o));
     (text(&o), image::open(dir.join(out)).unwrap().to_rgb8())
 }
+
+/// Rewrites `cfg` with `changed` as soon as the run under `dir/out` has logged its first step
+/// (for `load_settings_every_epoch`); the thread returns whether it did, within 60 s.
+pub fn rewrite_after_first_log(
+    dir: &Path,
+    cfg: &Path,
+    changed: String,
+) -> std::thread::JoinHandle<bool> {
+    let (dir, cfg) = (dir.to_path_buf(), cfg.to_path_buf());
+    std::thread::spawn(move || {
+        for _ in 0..6000 {
+            let logged = std::fs::read_dir(dir.join("out"))
+                .ok()
+                .and_then(|mut runs| runs.next())
+                .and_then(|run| {
+                    std::fs::read_to_string(run.ok()?.path().join("train_log.jsonl")).ok()
+                })
+                .is_some_and(|log| !log.is_empty());
+            if logged {
+                std::fs::write(&cfg, &changed).unwrap();
+                return true;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        false
+    })
+}
