@@ -136,15 +136,7 @@ fn parse_object(obj: &Map<String, Value>) -> Result<SamplePrompt, String> {
 }
 
 fn empty(prompt: &str) -> SamplePrompt {
-    SamplePrompt {
-        prompt: PromptText::Text(prompt.to_string()),
-        negative_prompt: String::new(),
-        seed: None,
-        size: SizeChoice::Default,
-        cfgs: None,
-        steps: None,
-        sampler: None,
-    }
+    SamplePrompt::plain(PromptText::Text(prompt.to_string()))
 }
 
 fn size(width: Option<usize>, height: Option<usize>) -> SizeChoice {

@@ -238,7 +238,8 @@ impl SampleSet {
 }
 
 impl SamplePrompt {
-    fn plain(prompt: PromptText) -> Self {
+    /// `prompt` with every setting left to the file's or the run's.
+    pub(super) fn plain(prompt: PromptText) -> Self {
         Self {
             prompt,
             negative_prompt: String::new(),
