@@ -232,6 +232,36 @@ impl StableDiffusion {
     }
 }
 
+impl StableDiffusion {
+    /// What text encoder `index` contributes to the context for `ids` `[B, L]` (on the host), as
+    /// [`Self::encode_prompts`] takes it: SD1/SD2's last hidden state (`final_layer_norm` of an
+    /// earlier layer under `clip_skip`), SDXL's un-normed hidden state before the last layer.
+    /// `keep` masks keys out of the self-attention ([`ClipTextModel::forward_masked`]).
+    pub fn encoder_context(
+        &self,
+        index: usize,
+        ids: &Tensor,
+        keep: Option<&[Vec<bool>]>,
+        clip_skip: usize,
+    ) -> candle_core::Result<Tensor> {
+        let Some(te) = self.text_encoders.get(index) else {
+            candle_core::bail!(
+                "text encoder {index} is not loaded (released, or not in the model)"
+            );
+        };
+        match self.family() {
+            ModelFamily::Sd1 | ModelFamily::Sd2 => {
+                let out = te.model.forward_masked(ids, clip_skip, keep)?;
+                match clip_skip {
+                    0 => Ok(out.last_hidden_state),
+                    _ => te.model.final_layer_norm.forward(&out.hidden),
+                }
+            }
+            ModelFamily::Sdxl => Ok(te.model.forward_masked(ids, 1 + clip_skip, keep)?.hidden),
+        }
+    }
+}
+
 /// The text encoders' configs checked against the UNet's ([`check_text_fit`]), before any
 /// weights are read.
 fn check_fit(

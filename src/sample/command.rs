@@ -40,8 +40,11 @@ pub struct SampleArgs {
     /// The LoRA multiplier (A1111's `<lora:name:m>`), one for all files.
     #[arg(long, default_value_t = 1.0)]
     pub lora_scale: f64,
+    /// The prompt, with compel's weighting as EveryDream2's samples read it: `word+`, `word-`,
+    /// `(some words)1.3`, `("a", "b").blend(0.7, 0.3)`.
     #[arg(long)]
     pub prompt: String,
+    /// The negative prompt, read as `--prompt`.
     #[arg(long, default_value = "")]
     pub negative_prompt: String,
     /// The first image's seed; image i uses seed + i.
@@ -141,6 +144,14 @@ pub fn run(args: &SampleArgs) -> anyhow::Result<Vec<PathBuf>> {
             "--lora-scale must be a finite number (got {})",
             args.lora_scale
         );
+    }
+    for (flag, text) in [
+        ("--prompt", &args.prompt),
+        ("--negative-prompt", &args.negative_prompt),
+    ] {
+        super::compel_syntax::parse(text).map_err(|e| {
+            anyhow::anyhow!("{flag} `{text}`: {e} (compel's weighting syntax, as EveryDream2)")
+        })?;
     }
     let request = match (args.cpu, args.device) {
         (true, _) => crate::memory::DeviceRequest::Cpu,

@@ -57,7 +57,8 @@ pub struct PromptConds {
 }
 
 impl PromptConds {
-    /// Encodes `prompt` (and `negative` when `guided`) with the model's text encoders.
+    /// Encodes `prompt` (and `negative` when `guided`) with the model's text encoders, reading
+    /// compel's weighting syntax as EveryDream2's samples do ([`super::weighted_prompt`]).
     /// `zero_empty_negative` is the SDXL pipeline's `force_zeros_for_empty_prompt`.
     pub fn encode(
         sd: &StableDiffusion,
@@ -67,14 +68,16 @@ impl PromptConds {
         clip_skip: usize,
         zero_empty_negative: bool,
     ) -> candle_core::Result<Self> {
-        let cond = detach(sd.encode_prompts(&[prompt], clip_skip)?)?;
+        let cond = detach(super::weighted_prompt::encode(sd, prompt, clip_skip)?)?;
         let uncond = match guided {
             false => None,
             true if negative.is_empty() && zero_empty_negative => Some(TextConditioning {
                 context: cond.context.zeros_like()?,
                 pooled: cond.pooled.as_ref().map(Tensor::zeros_like).transpose()?,
             }),
-            true => Some(detach(sd.encode_prompts(&[negative], clip_skip)?)?),
+            true => Some(detach(super::weighted_prompt::encode(
+                sd, negative, clip_skip,
+            )?)?),
         };
         Ok(Self { cond, uncond })
     }

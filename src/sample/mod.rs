@@ -3,6 +3,7 @@
 //! and the PNGs a run or `sdtrain sample` writes.
 
 pub mod command;
+pub mod compel_syntax;
 pub mod ddim;
 pub mod ddpm;
 pub mod dpm_sde;
@@ -21,6 +22,7 @@ pub mod prompts;
 pub mod sampler;
 pub mod scheduler_config;
 pub mod sigmas;
+pub mod weighted_prompt;
 
 pub use generate::{generate, PromptConds, SampleRequest, UnetRun};
 pub use sampler::{NoiseFn, Sampler, SamplerKind};

@@ -45,6 +45,16 @@ pub enum PromptText {
     RandomCaption,
 }
 
+impl PromptText {
+    /// The prompt's text; `None` for a random caption.
+    pub fn text(&self) -> Option<&str> {
+        match self {
+            PromptText::Text(t) => Some(t),
+            PromptText::RandomCaption => None,
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum SeedChoice {
     Fixed(u64),
@@ -153,10 +163,12 @@ impl SampleSet {
             .map(|(i, l)| (i, l.trim()))
             .filter(|(_, l)| !l.is_empty() && !kohya_prompts::is_comment(l))
             .map(|(i, l)| {
-                kohya_prompts::parse_line(l).map_err(|message| PromptsError::Invalid {
-                    path: path.to_path_buf(),
-                    message: format!("line {}: {message}", i + 1),
-                })
+                kohya_prompts::parse_line(l)
+                    .and_then(|p| p.check_weighting().map(|()| p))
+                    .map_err(|message| PromptsError::Invalid {
+                        path: path.to_path_buf(),
+                        message: format!("line {}: {message}", i + 1),
+                    })
             })
             .collect::<Result<_, _>>()?;
         set.fill_empty();
@@ -183,6 +195,10 @@ impl SampleSet {
         if let Some(items) = root.as_array() {
             let mut set = Self::defaults(path);
             set.prompts = kohya_prompts::parse_list(items).map_err(bad)?;
+            for (i, p) in set.prompts.iter().enumerate() {
+                p.check_weighting()
+                    .map_err(|m| bad(format!("entry {i}: {m}")))?;
+            }
             set.fill_empty();
             return Ok(set);
         }
@@ -228,8 +244,10 @@ impl SampleSet {
                 let o = entry
                     .as_object()
                     .ok_or_else(|| bad(format!("`samples[{i}]` must be an object")))?;
-                set.prompts
-                    .push(SamplePrompt::from_json(Fields::new(o, &where_, path))?);
+                let p = SamplePrompt::from_json(Fields::new(o, &where_, path))?;
+                p.check_weighting()
+                    .map_err(|m| bad(format!("`samples[{i}]`: {m}")))?;
+                set.prompts.push(p);
             }
         }
         set.fill_empty();
@@ -238,6 +256,21 @@ impl SampleSet {
 }
 
 impl SamplePrompt {
+    /// The prompt and negative prompt read as compel's weighting syntax
+    /// ([`super::compel_syntax`]), as EveryDream2's samples read them.
+    pub fn check_weighting(&self) -> Result<(), String> {
+        let texts = [
+            ("prompt", self.prompt.text()),
+            ("negative prompt", Some(self.negative_prompt.as_str())),
+        ];
+        for (what, text) in texts {
+            if let Some(t) = text {
+                super::compel_syntax::parse(t).map_err(|e| format!("{what} `{t}`: {e}"))?;
+            }
+        }
+        Ok(())
+    }
+
     /// `prompt` with every setting left to the file's or the run's.
     pub(super) fn plain(prompt: PromptText) -> Self {
         Self {

@@ -1,6 +1,7 @@
 //! transformers' `CLIPTextModel` / `CLIPTextModelWithProjection`, written for training.
 //!
-//! A pre-LN transformer with a causal mask and no padding mask (SD pipelines pass none):
+//! A pre-LN transformer with a causal mask and no padding mask (SD pipelines pass none; compel's
+//! prompt weighting passes one, see [`ClipTextModel::forward_masked`]):
 //! ```text
 //! h₀ = token_embedding(ids) + position_embedding(0..L)
 //! hᵢ = hᵢ₋₁ + out_proj(attn(layer_norm1(hᵢ₋₁)))      (causal)
@@ -27,9 +28,45 @@ use candle_core::{bail, DType, Tensor};
 use super::config::{ClipActivation, ClipTextConfig};
 use crate::model::weights::{Weights, WeightsError};
 use crate::nn::{
-    causal_attention, causal_mask, gelu_erf, quick_gelu, CausalMask, Embedding, LayerMut,
-    LayerNorm, Linear, VisitLayers,
+    attention, causal_attention, causal_mask, gelu_erf, quick_gelu, CausalMask, Embedding,
+    LayerMut, LayerNorm, Linear, VisitLayers,
 };
+
+/// The self-attention mask: causal, or causal with some keys masked out as well (transformers'
+/// `attention_mask` of zeros and ones).
+#[derive(Debug, Clone)]
+pub enum TextMask {
+    Causal(CausalMask),
+    /// Additive `[B, 1, L, L]`: the most negative f32 above the diagonal and at masked keys.
+    CausalKeys(Tensor),
+}
+
+impl TextMask {
+    /// `keep[b][j]`: whether row `b` attends to key `j` (besides the causal rule).
+    pub fn with_keys(
+        keep: &[Vec<bool>],
+        device: &candle_core::Device,
+    ) -> candle_core::Result<Self> {
+        let (b, len) = (keep.len(), keep.first().map_or(0, Vec::len));
+        if keep.iter().all(|row| row.iter().all(|&k| k)) {
+            return Ok(Self::Causal(causal_mask(len, device)?));
+        }
+        let mut m = Vec::with_capacity(b * len * len);
+        for row in keep {
+            if row.len() != len {
+                bail!("CLIP text model: key mask rows of different lengths");
+            }
+            for i in 0..len {
+                m.extend((0..len).map(|j| if j > i || !row[j] { f32::MIN } else { 0.0 }));
+            }
+        }
+        Ok(Self::CausalKeys(Tensor::from_vec(
+            m,
+            (b, 1, len, len),
+            device,
+        )?))
+    }
+}
 
 /// What one forward returns.
 #[derive(Debug, Clone)]
@@ -68,12 +105,15 @@ impl ClipAttention {
     }
 
     /// `x` `[B, L, D]`, `mask` for `L` tokens.
-    pub fn forward(&self, x: &Tensor, mask: &CausalMask) -> candle_core::Result<Tensor> {
+    pub fn forward(&self, x: &Tensor, mask: &TextMask) -> candle_core::Result<Tensor> {
         let q = self.q_proj.forward(x)?;
         let k = self.k_proj.forward(x)?;
         let v = self.v_proj.forward(x)?;
-        self.out_proj
-            .forward(&causal_attention(&q, &k, &v, self.heads, mask)?)
+        let out = match mask {
+            TextMask::Causal(m) => causal_attention(&q, &k, &v, self.heads, m)?,
+            TextMask::CausalKeys(m) => attention(&q, &k, &v, self.heads, Some(m))?,
+        };
+        self.out_proj.forward(&out)
     }
 }
 
@@ -125,7 +165,7 @@ impl ClipEncoderLayer {
         })
     }
 
-    pub fn forward(&self, x: &Tensor, mask: &CausalMask) -> candle_core::Result<Tensor> {
+    pub fn forward(&self, x: &Tensor, mask: &TextMask) -> candle_core::Result<Tensor> {
         // `add_maybe_const`: below the first adapter the residual stream is a constant.
         let attn = self
             .self_attn
@@ -220,6 +260,18 @@ impl ClipTextModel {
     /// (the embeddings). Ids on the CPU (as the tokenizer makes them) cost no device sync: the
     /// pooled positions are read from them before they are uploaded.
     pub fn forward(&self, ids: &Tensor, skip: usize) -> candle_core::Result<ClipTextOutput> {
+        self.forward_masked(ids, skip, None)
+    }
+
+    /// [`Self::forward`] with some keys masked out of every layer's self-attention: `keep[b][j]`
+    /// false hides token `j` of row `b` from the tokens after it (transformers' `attention_mask`,
+    /// which compel's down-weighting passes). `None`: the causal mask alone.
+    pub fn forward_masked(
+        &self,
+        ids: &Tensor,
+        skip: usize,
+        keep: Option<&[Vec<bool>]>,
+    ) -> candle_core::Result<ClipTextOutput> {
         let (b, len) = ids.dims2()?;
         if len > self.config.max_position_embeddings {
             bail!(
@@ -262,7 +314,14 @@ impl ClipTextModel {
             .forward(&positions)?
             .to_dtype(self.compute_dtype)?;
         let mut h = tok.broadcast_add(&pos)?;
-        let mask = causal_mask(len, device)?;
+        let mask = match keep {
+            Some(keep) if keep.len() == b => TextMask::with_keys(keep, device)?,
+            Some(keep) => bail!(
+                "CLIP text model: {} key-mask rows for {b} prompts",
+                keep.len()
+            ),
+            None => TextMask::Causal(causal_mask(len, device)?),
+        };
         // hidden_states[k] is the input of layer k; we keep only the one `skip` asks for.
         let keep = n - skip;
         let mut hidden = if keep == 0 { Some(h.clone()) } else { None };

@@ -1,0 +1,112 @@
+//! compel's prompt weighting from the CLI (EveryDream2's samples run every prompt through
+//! compel): `sdtrain sample` and a run's prompts file read `word+`, `(words)0.5` and
+//! `.blend()`; a prompt without weights draws exactly the plain prompt's image; what compel
+//! refuses, or sdtrain's samples cannot draw, is refused up front naming the flag or the file's
+//! line. The numbers themselves are checked against compel in tests/compel_parity.rs.
+
+mod common;
+
+use common::cli::{demo_data, sdtrain, text, write_config};
+
+#[test]
+fn sample_command_reads_compel_weights() {
+    let tmp = tempfile::tempdir().unwrap();
+    for fixture in ["tiny-sd15", "tiny-sdxl"] {
+        let model = common::fixture(fixture).display().to_string();
+        let draw = |prompt: &str, out: &str| {
+            let args = [
+                "sample",
+                "--model",
+                &model,
+                "--prompt",
+                prompt,
+                "--negative-prompt",
+                "blurry-",
+                "--steps",
+                "2",
+                "--width",
+                "32",
+                "--height",
+                "32",
+                "--out",
+                out,
+                "--cpu",
+            ];
+            let o = sdtrain(&args, tmp.path());
+            assert!(o.status.success(), "{fixture} {prompt:?}: {}", text(&o));
+            image::open(tmp.path().join(out)).unwrap().to_rgb8()
+        };
+        let plain = draw("a red cat on a boat", "plain.png");
+        // Parentheses with weight 1 are grouping only: the same tokens, the same image. (Not
+        // for SDXL: its pooled embedding is of the prompt's raw text, parentheses and all, as
+        // compel 2 computes it.)
+        let grouped = draw("a (red cat)1 on a boat", "grouped.png");
+        let sdxl = fixture == "tiny-sdxl";
+        assert!((plain == grouped) != sdxl, "{fixture}: weight 1");
+        let down = draw("a (red cat)0.3 on a boat", "down.png");
+        assert!(plain != down, "{fixture}: down-weighting changed nothing");
+        let up = draw("a red++ cat on a boat", "up.png");
+        assert!(plain != up, "{fixture}: up-weighting changed nothing");
+        let blend = draw(r#"("a red cat", "a boat").blend(0.5, 0.5)"#, "blend.png");
+        assert!(plain != blend, "{fixture}: the blend changed nothing");
+
+        for (flag, prompt, needle) in [
+            ("--prompt", r#"("a cat", "a dog").and(1, 1)"#, "`.and()`"),
+            ("--prompt", "a (cat).swap(dog)", "`.swap()`"),
+            (
+                "--negative-prompt",
+                "withLora(style, 0.5) blurry",
+                "withLora",
+            ),
+        ] {
+            let mut args = vec!["sample", "--model", &model, "--cpu"];
+            if flag == "--prompt" {
+                args.extend(["--prompt", prompt]);
+            } else {
+                args.extend(["--prompt", "x", flag, prompt]);
+            }
+            let o = sdtrain(&args, tmp.path());
+            let msg = text(&o);
+            assert_eq!(o.status.code(), Some(1), "{prompt}: {msg}");
+            assert!(
+                msg.contains(flag) && msg.contains(needle),
+                "{prompt}: {msg}"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_prompts_file_with_compel_operators_sdtrain_cannot_draw_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (name, prompts, needles) in [
+        (
+            "p.txt",
+            "a (red cat)1.3\n(cat).swap(dog) on a mat\n",
+            &["p.txt: line 2: prompt `(cat).swap(dog) on a mat`: compel's `.swap()`"][..],
+        ),
+        (
+            "n.txt",
+            "a cat --n useLora(x) ugly\n",
+            &["n.txt: line 1: negative prompt `useLora(x) ugly`", "`--lora`"][..],
+        ),
+        (
+            "q.json",
+            r#"{"samples": [{"prompt": "a cat"}, {"prompt": "(a, b).blend(0.5)"}]}"#,
+            &["q.json: `samples[1]`: prompt `(a, b).blend(0.5)`: `.blend()` has 2 prompts and 1 weights"][..],
+        ),
+    ] {
+        let file = tmp.path().join(name);
+        std::fs::write(&file, prompts).unwrap();
+        let cfg = write_config(
+            tmp.path(),
+            "tiny-sd15",
+            &demo_data(),
+            serde_json::json!({"sample_prompts": file}),
+        );
+        let out = sdtrain(&["--config", cfg.to_str().unwrap(), "--cpu"], tmp.path());
+        assert!(!out.status.success(), "{name}");
+        let msg = text(&out);
+        assert!(needles.iter().all(|n| msg.contains(n)), "{name}: {msg}");
+    }
+}
