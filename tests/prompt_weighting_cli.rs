@@ -2,11 +2,13 @@
 //! compel): `sdtrain sample` and a run's prompts file read `word+`, `(words)0.5` and
 //! `.blend()`; a prompt without weights draws exactly the plain prompt's image; what compel
 //! refuses, or sdtrain's samples cannot draw, is refused up front naming the flag or the file's
-//! line. The numbers themselves are checked against compel in tests/compel_parity.rs.
+//! line. kohya's prompt files, and `--prompt-syntax kohya`, read A1111's `(words:1.3)` as kohya
+//! sd-scripts' samples do. The numbers themselves are checked against compel in
+//! tests/compel_parity.rs and against kohya in tests/kohya_weighting_parity.rs.
 
 mod common;
 
-use common::cli::{demo_data, sdtrain, text, write_config};
+use common::cli::{demo_data, run_folder, sdtrain, text, write_config};
 
 #[test]
 fn sample_command_reads_compel_weights() {
@@ -86,9 +88,14 @@ fn a_prompts_file_with_compel_operators_sdtrain_cannot_draw_is_refused() {
             &["p.txt: line 2: prompt `(cat).swap(dog) on a mat`: compel's `.swap()`"][..],
         ),
         (
-            "n.txt",
-            "a cat --n useLora(x) ugly\n",
-            &["n.txt: line 1: negative prompt `useLora(x) ugly`", "`--lora`"][..],
+            "n.json",
+            r#"{"samples": [{"prompt": "a cat", "negative_prompt": "useLora(x) ugly"}]}"#,
+            &["n.json: `samples[0]`: negative prompt `useLora(x) ugly`", "`--lora`"][..],
+        ),
+        (
+            "k.txt",
+            "a cat --n (ugly:1..2)\n",
+            &["k.txt: line 1: negative prompt `(ugly:1..2)`: `:1..2)`: the weight is not a number"][..],
         ),
         (
             "q.json",
@@ -108,5 +115,101 @@ fn a_prompts_file_with_compel_operators_sdtrain_cannot_draw_is_refused() {
         assert!(!out.status.success(), "{name}");
         let msg = text(&out);
         assert!(needles.iter().all(|n| msg.contains(n)), "{name}: {msg}");
+    }
+}
+
+/// `--prompt-syntax kohya` reads A1111's weights: `(red cat:1.3)` weighs the words, where
+/// compel reads `red cat:1 . 3` as text; a weight Python cannot read is refused.
+#[test]
+fn sample_command_reads_a1111_weights_as_kohya() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = common::fixture("tiny-sd15").display().to_string();
+    let draw = |syntax: &str, prompt: &str, out: &str| {
+        let args = [
+            "sample",
+            "--model",
+            &model,
+            "--prompt",
+            prompt,
+            "--prompt-syntax",
+            syntax,
+            "--steps",
+            "2",
+            "--width",
+            "32",
+            "--height",
+            "32",
+            "--out",
+            out,
+            "--cpu",
+        ];
+        let o = sdtrain(&args, tmp.path());
+        assert!(o.status.success(), "{syntax} {prompt:?}: {}", text(&o));
+        image::open(tmp.path().join(out)).unwrap().to_rgb8()
+    };
+    let kohya = draw("kohya", "a (red cat:1.3) on a boat", "k.png");
+    let compel = draw("compel", "a (red cat:1.3) on a boat", "c.png");
+    let plain = draw("kohya", "a red cat on a boat", "p.png");
+    let compel_plain = draw("compel", "a red cat on a boat", "cp.png");
+    assert!(
+        kohya != compel && kohya != plain,
+        "the weight changed nothing"
+    );
+    // Without weights both read the prompt as diffusers does (SD1.5 pads with EOS either way).
+    assert!(
+        plain == compel_plain,
+        "plain prompts differ between the syntaxes"
+    );
+    let args = [
+        "sample",
+        "--model",
+        &model,
+        "--prompt",
+        "a (cat:1..2)",
+        "--prompt-syntax",
+        "kohya",
+        "--cpu",
+    ];
+    let o = sdtrain(&args, tmp.path());
+    let msg = text(&o);
+    assert_eq!(o.status.code(), Some(1), "{msg}");
+    assert!(
+        msg.contains("--prompt `a (cat:1..2)`") && msg.contains("A1111"),
+        "{msg}"
+    );
+}
+
+/// A prompts file with kohya's options (or comments, or A1111 weights) is kohya's: its samples
+/// are weighted as kohya weights them, and the `.txt` beside each says so; an EveryDream2 file
+/// is compel's.
+#[test]
+fn kohya_prompt_files_are_weighted_as_kohya() {
+    for (file, prompts, kohya) in [
+        ("k.txt", "a (red cat:1.3) --n (blurry:1.2) --s 2\n", true),
+        ("a.txt", "a (red cat:1.3)\n", true),
+        ("e.txt", "a (red cat)1.3\n", false),
+    ] {
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join(file);
+        std::fs::write(&path, prompts).unwrap();
+        let cfg = write_config(
+            tmp.path(),
+            "tiny-sd15",
+            &demo_data(),
+            serde_json::json!({"sample_prompts": path, "max_steps": 1, "sample_steps": 1}),
+        );
+        let out = sdtrain(&["--config", cfg.to_str().unwrap(), "--cpu"], tmp.path());
+        assert!(out.status.success(), "{file}: {}", text(&out));
+        let samples = run_folder(tmp.path()).join("samples");
+        let txt: Vec<_> = std::fs::read_dir(&samples)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.extension().is_some_and(|e| e == "txt"))
+            .collect();
+        assert!(!txt.is_empty(), "{file}: no sample .txt");
+        for t in txt {
+            let said = std::fs::read_to_string(&t).unwrap();
+            assert_eq!(said.contains("A1111"), kohya, "{file}: {said}");
+        }
     }
 }

@@ -19,6 +19,7 @@ use candle_core::{DType, Device, Tensor};
 use sdtrain::model::layout::ModelLayout;
 use sdtrain::model::pipeline::{LoadOptions, StableDiffusion};
 use sdtrain::sample::generate::{decode, denoise, zero_empty_negative};
+use sdtrain::sample::prompts::PromptSyntax;
 use sdtrain::sample::{PromptConds, SampleRequest, SamplerKind, SchedulerConfig, UnetRun};
 use serde_json::Value;
 
@@ -189,6 +190,7 @@ fn pipelines_match_diffusers_step_by_step() {
             req.guided(),
             0,
             zero_empty_negative(&sd),
+            PromptSyntax::Compel,
         )
         .unwrap();
         let latents = (get("latents") * sampler.init_noise_sigma()).unwrap();
@@ -276,7 +278,8 @@ fn bf16_sampling_stays_near_the_f32_reference() {
     };
     let cfg = SchedulerConfig::from_layout(&sd.layout).unwrap();
     let sampler = req.sampler.build(&cfg, req.steps).unwrap();
-    let conds = PromptConds::encode(&sd, &req.prompt, "", false, 0, false).unwrap();
+    let conds =
+        PromptConds::encode(&sd, &req.prompt, "", false, 0, false, PromptSyntax::Compel).unwrap();
     let run = UnetRun {
         dtype: DType::BF16,
         batch_halves: true,

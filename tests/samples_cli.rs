@@ -447,7 +447,8 @@ fn kohya_prompt_files_draw_what_their_options_ask() {
         assert_eq!(
             txt,
             "prompt: a red cat\nnegative prompt: blurry\nseed: 7\nsize: 32x48\n\
-             sampler: euler_a, 2 steps\ncfg (left to right): 3\n",
+             sampler: euler_a, 2 steps\ncfg (left to right): 3\n\
+             prompt weights: A1111's, as kohya sd-scripts reads them\n",
             "{name}"
         );
     }

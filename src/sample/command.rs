@@ -9,6 +9,7 @@ use clap::Args;
 
 use super::generate::{zero_empty_negative, PromptConds, SampleRequest, UnetRun};
 use super::image_out;
+use super::prompts::PromptSyntax;
 use super::sampler::SamplerKind;
 use super::scheduler_config::SchedulerConfig;
 use crate::adapter::kohya_file::load_kohya;
@@ -47,6 +48,11 @@ pub struct SampleArgs {
     /// The negative prompt, read as `--prompt`.
     #[arg(long, default_value = "")]
     pub negative_prompt: String,
+    /// How the prompts' weights are written: `compel` (EveryDream2's samples: `word+`,
+    /// `(words)1.3`) or `kohya` (A1111's `(words:1.3)` and `[words]`, and prompts beyond 75
+    /// tokens, as kohya sd-scripts' samples read them).
+    #[arg(long, value_enum, default_value_t = PromptSyntax::Compel)]
+    pub prompt_syntax: PromptSyntax,
     /// The first image's seed; image i uses seed + i.
     #[arg(long, default_value_t = 555)]
     pub seed: u64,
@@ -149,8 +155,12 @@ pub fn run(args: &SampleArgs) -> anyhow::Result<Vec<PathBuf>> {
         ("--prompt", &args.prompt),
         ("--negative-prompt", &args.negative_prompt),
     ] {
-        super::compel_syntax::parse(text).map_err(|e| {
-            anyhow::anyhow!("{flag} `{text}`: {e} (compel's weighting syntax, as EveryDream2)")
+        super::prompts::check_syntax(args.prompt_syntax, text).map_err(|e| {
+            let syntax = match args.prompt_syntax {
+                PromptSyntax::Compel => "compel's weighting syntax, as EveryDream2",
+                PromptSyntax::Kohya => "A1111's weighting syntax, as kohya sd-scripts",
+            };
+            anyhow::anyhow!("{flag} `{text}`: {e} ({syntax})")
         })?;
     }
     let request = match (args.cpu, args.device) {
@@ -190,6 +200,7 @@ pub fn run(args: &SampleArgs) -> anyhow::Result<Vec<PathBuf>> {
         req0.guided(),
         args.clip_skip,
         zero_empty_negative(&sd),
+        args.prompt_syntax,
     )?;
     let run = UnetRun {
         dtype,

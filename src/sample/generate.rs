@@ -19,6 +19,7 @@ use candle_core::{DType, Device, Tensor};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 
+use super::prompts::PromptSyntax;
 use super::sampler::{NoiseFn, Sampler, SamplerKind};
 use crate::diffusion::host_randn;
 use crate::model::family::ModelFamily;
@@ -58,7 +59,8 @@ pub struct PromptConds {
 
 impl PromptConds {
     /// Encodes `prompt` (and `negative` when `guided`) with the model's text encoders, reading
-    /// compel's weighting syntax as EveryDream2's samples do ([`super::weighted_prompt`]).
+    /// their weights in `syntax`: compel's as EveryDream2's samples do
+    /// ([`super::weighted_prompt`]), or A1111's as kohya's do ([`super::kohya_weighting`]).
     /// `zero_empty_negative` is the SDXL pipeline's `force_zeros_for_empty_prompt`.
     pub fn encode(
         sd: &StableDiffusion,
@@ -67,7 +69,23 @@ impl PromptConds {
         guided: bool,
         clip_skip: usize,
         zero_empty_negative: bool,
+        syntax: PromptSyntax,
     ) -> candle_core::Result<Self> {
+        if syntax == PromptSyntax::Kohya {
+            let (cond, uncond) =
+                super::kohya_weighting::encode(sd, prompt, negative, guided, clip_skip)?;
+            let uncond = match uncond {
+                Some(_) if negative.is_empty() && zero_empty_negative => Some(TextConditioning {
+                    context: cond.context.zeros_like()?,
+                    pooled: cond.pooled.as_ref().map(Tensor::zeros_like).transpose()?,
+                }),
+                u => u.map(detach).transpose()?,
+            };
+            return Ok(Self {
+                cond: detach(cond)?,
+                uncond,
+            });
+        }
         let cond = detach(super::weighted_prompt::encode(sd, prompt, clip_skip)?)?;
         let uncond = match guided {
             false => None,

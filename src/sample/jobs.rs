@@ -8,7 +8,7 @@ use rand::Rng;
 
 use super::generate::SampleRequest;
 use super::image_out::{self, file_part, WriteError};
-use super::prompts::{PromptText, SamplePrompt, SampleSet, SeedChoice, SizeChoice};
+use super::prompts::{PromptSyntax, PromptText, SamplePrompt, SampleSet, SeedChoice, SizeChoice};
 use super::sampler::SamplerKind;
 use crate::data::bucket::{aspect_buckets, nearest_bucket};
 
@@ -27,6 +27,8 @@ pub struct PromptJob {
     pub cfgs: Vec<f64>,
     /// Guidance rescale φ for every request (0: plain guidance).
     pub guidance_rescale: f64,
+    /// How the prompts' weights are written.
+    pub syntax: PromptSyntax,
 }
 
 impl PromptJob {
@@ -63,9 +65,13 @@ impl PromptJob {
             true => format!("guidance rescale: {}\n", self.guidance_rescale),
             false => String::new(),
         };
+        let weights = match self.syntax {
+            PromptSyntax::Compel => "",
+            PromptSyntax::Kohya => "prompt weights: A1111's, as kohya sd-scripts reads them\n",
+        };
         format!(
             "prompt: {}\nnegative prompt: {}\nseed: {seed}\nsize: {}x{}\nsampler: {}, {} steps\n\
-             cfg (left to right): {}\n{rescale}",
+             cfg (left to right): {}\n{rescale}{weights}",
             self.prompt,
             self.negative_prompt,
             self.width,
@@ -121,6 +127,7 @@ pub fn resolve(
             sampler: p.sampler.unwrap_or(set.sampler),
             cfgs: p.cfgs.clone().unwrap_or_else(|| set.cfgs.clone()),
             guidance_rescale: 0.0,
+            syntax: p.syntax,
         });
     }
     Ok(jobs)

@@ -9,6 +9,10 @@
 //!   keys `prompt`, `negative_prompt`, `width`, `height`, `seed`, `sample_steps`, `scale` and
 //!   `sample_sampler`.
 //!
+//! Such a file's prompts are weighted as kohya's samples weight them (A1111's `(words:1.3)`,
+//! [`super::kohya_weighting`]); [`looks_like_kohya`] tells a `.txt` of kohya's from
+//! EveryDream2's (whose samples read compel's syntax).
+//!
 //! Differences, each deliberate:
 //! - kohya ignores an option it does not know (a prompt holding ` --` loses the rest of its
 //!   text) and falls back to DDIM for a sampler it does not know; both are errors here, naming
@@ -34,6 +38,14 @@ const REFUSED: &[(&str, &str)] = &[
     ("rcfg", "CFG renormalisation, for Lumina"),
     ("fs", "flow shift, for flow-matching models"),
 ];
+
+/// Whether a `.txt` prompts file is kohya's: a line with kohya's options or a `#` comment, or a
+/// prompt with A1111's `(words:1.3)` weights (which EveryDream2's compel reads as text).
+pub fn looks_like_kohya(text: &str) -> bool {
+    text.lines()
+        .map(str::trim)
+        .any(|l| is_comment(l) || l.contains(" --") || super::a1111_syntax::has_explicit_weight(l))
+}
 
 /// Whether a `.txt` line is a comment (kohya skips lines starting with `#`).
 pub fn is_comment(line: &str) -> bool {
@@ -200,6 +212,17 @@ fn unknown_option(key: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A file is kohya's by its options, comments or A1111 weights; EveryDream2's plain lines
+    /// and compel's `(words)1.3` are not.
+    #[test]
+    fn kohya_files_are_told_apart() {
+        assert!(looks_like_kohya("a cat --n ugly\n"));
+        assert!(looks_like_kohya("# samples\na cat\n"));
+        assert!(looks_like_kohya("a (cat:1.2)\n"));
+        assert!(!looks_like_kohya("a cat\na (dog)1.2, x--y\n"));
+        assert!(!looks_like_kohya("12:30 at noon (cat)\n"));
+    }
 
     /// kohya's example line reads as kohya's `line_to_prompt_dict` reads it. Catches an option
     /// applied to the wrong field, or the options left in the prompt.

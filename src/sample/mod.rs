@@ -2,6 +2,7 @@
 //! and the others named in `sampler.rs`) with classifier-free guidance, the sample prompts file,
 //! and the PNGs a run or `sdtrain sample` writes.
 
+pub mod a1111_syntax;
 pub mod command;
 pub mod compel_syntax;
 pub mod ddim;
@@ -16,6 +17,7 @@ pub mod image_out;
 pub mod jobs;
 pub mod kdpm2_ancestral;
 pub mod kohya_prompts;
+pub mod kohya_weighting;
 pub mod lms;
 pub mod pndm;
 pub mod prompts;

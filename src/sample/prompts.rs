@@ -45,6 +45,16 @@ pub enum PromptText {
     RandomCaption,
 }
 
+/// How a prompt's weights are written: compel's syntax (EveryDream2's samples: `word+`,
+/// `(words)1.3`), or A1111's as kohya sd-scripts reads it (`(words:1.3)`, `[words]`, prompts
+/// longer than 75 tokens).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum PromptSyntax {
+    #[default]
+    Compel,
+    Kohya,
+}
+
 impl PromptText {
     /// The prompt's text; `None` for a random caption.
     pub fn text(&self) -> Option<&str> {
@@ -84,6 +94,7 @@ pub struct SamplePrompt {
     pub cfgs: Option<Vec<f64>>,
     pub steps: Option<usize>,
     pub sampler: Option<SamplerKind>,
+    pub syntax: PromptSyntax,
 }
 
 /// A parsed sample prompts file.
@@ -154,9 +165,14 @@ impl SampleSet {
     }
 
     /// One prompt per non-blank line, with kohya's options after ` --` and its `#` comments
-    /// ([`super::kohya_prompts`]).
+    /// ([`super::kohya_prompts`]). A file with either, or with A1111's `(words:1.3)` weights, is
+    /// kohya's, and its prompts are weighted as kohya weights them; otherwise as EveryDream2's.
     pub fn from_lines(path: &Path, text: &str) -> Result<Self, PromptsError> {
         let mut set = Self::defaults(path);
+        let syntax = match kohya_prompts::looks_like_kohya(text) {
+            true => PromptSyntax::Kohya,
+            false => PromptSyntax::Compel,
+        };
         set.prompts = text
             .lines()
             .enumerate()
@@ -164,6 +180,7 @@ impl SampleSet {
             .filter(|(_, l)| !l.is_empty() && !kohya_prompts::is_comment(l))
             .map(|(i, l)| {
                 kohya_prompts::parse_line(l)
+                    .map(|p| SamplePrompt { syntax, ..p })
                     .and_then(|p| p.check_weighting().map(|()| p))
                     .map_err(|message| PromptsError::Invalid {
                         path: path.to_path_buf(),
@@ -195,7 +212,8 @@ impl SampleSet {
         if let Some(items) = root.as_array() {
             let mut set = Self::defaults(path);
             set.prompts = kohya_prompts::parse_list(items).map_err(bad)?;
-            for (i, p) in set.prompts.iter().enumerate() {
+            for (i, p) in set.prompts.iter_mut().enumerate() {
+                p.syntax = PromptSyntax::Kohya;
                 p.check_weighting()
                     .map_err(|m| bad(format!("entry {i}: {m}")))?;
             }
@@ -256,8 +274,9 @@ impl SampleSet {
 }
 
 impl SamplePrompt {
-    /// The prompt and negative prompt read as compel's weighting syntax
-    /// ([`super::compel_syntax`]), as EveryDream2's samples read them.
+    /// The prompt and negative prompt read in their weighting syntax: compel's
+    /// ([`super::compel_syntax`]), as EveryDream2's samples read them, or A1111's for a kohya
+    /// file ([`super::a1111_syntax`]).
     pub fn check_weighting(&self) -> Result<(), String> {
         let texts = [
             ("prompt", self.prompt.text()),
@@ -265,7 +284,7 @@ impl SamplePrompt {
         ];
         for (what, text) in texts {
             if let Some(t) = text {
-                super::compel_syntax::parse(t).map_err(|e| format!("{what} `{t}`: {e}"))?;
+                check_syntax(self.syntax, t).map_err(|e| format!("{what} `{t}`: {e}"))?;
             }
         }
         Ok(())
@@ -281,6 +300,7 @@ impl SamplePrompt {
             cfgs: None,
             steps: None,
             sampler: None,
+            syntax: PromptSyntax::Compel,
         }
     }
 
@@ -339,7 +359,16 @@ impl SamplePrompt {
             cfgs,
             steps,
             sampler: f.sampler("scheduler")?,
+            syntax: PromptSyntax::Compel,
         })
+    }
+}
+
+/// Whether `text` reads in `syntax`: the reason when not.
+pub fn check_syntax(syntax: PromptSyntax, text: &str) -> Result<(), String> {
+    match syntax {
+        PromptSyntax::Compel => super::compel_syntax::parse(text).map(drop),
+        PromptSyntax::Kohya => super::a1111_syntax::parse(text).map(drop),
     }
 }
 

@@ -340,5 +340,6 @@ fn encode(
         guided,
         clip_skip,
         zero_negative,
+        job.syntax,
     )
 }

@@ -1,0 +1,158 @@
+//! kohya sd-scripts' sample prompt weighting against kohya's own code
+//! (`tests/fixtures/kohya_prompt_reference.py`):
+//! - A1111's emphasis parser on 409 prompts (kohya's docstring examples and random strings of
+//!   its syntax): the pieces exactly, their weights to 1e-12, and the prompts kohya stops on;
+//! - the conditionings of the tiny fixtures' text encoders for kohya's samples: SD1/SD2 through
+//!   `get_weighted_text_embeddings` (one, two and three 75-token chunks, the prompt and the
+//!   negative prompt padded to the same length, SD2's chunk ends, clip skip, the mean kept),
+//!   SDXL through `encode_tokens_with_weights` (weights without rescaling, pooled unweighted).
+
+mod common;
+
+use std::collections::HashMap;
+
+use candle_core::{DType, Device, Tensor};
+use sdtrain::model::layout::ModelLayout;
+use sdtrain::model::pipeline::{LoadOptions, StableDiffusion};
+use sdtrain::sample::a1111_syntax::parse;
+use sdtrain::sample::prompts::PromptSyntax;
+use sdtrain::sample::PromptConds;
+use serde_json::Value;
+
+fn reference(name: &str) -> std::path::PathBuf {
+    common::fixture("reference").join(name)
+}
+
+#[test]
+fn a1111_parser_matches_kohya() {
+    let text = std::fs::read_to_string(reference("kohya_a1111_syntax.json")).unwrap();
+    let cases: Vec<Value> = serde_json::from_str(&text).unwrap();
+    assert!(cases.len() > 400);
+    let mut wrong = Vec::new();
+    let mut weighted = 0;
+    for case in &cases {
+        let prompt = case[0].as_str().unwrap();
+        let ours = parse(prompt);
+        let ok = match case[1].as_array() {
+            None => ours.is_err(),
+            Some(pieces) => {
+                weighted += usize::from(pieces.iter().any(|p| p[1].as_f64() != Some(1.0)));
+                matches!(&ours, Ok(o) if o.len() == pieces.len()
+                && o.iter().zip(pieces).all(|((t, w), p)| {
+                    p[0].as_str() == Some(t.as_str())
+                        && (w - p[1].as_f64().unwrap()).abs() < 1e-12
+                }))
+            }
+        };
+        if !ok {
+            wrong.push(format!("{prompt:?}: kohya {}, sdtrain {ours:?}", case[1]));
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "{} of {}:\n{}",
+        wrong.len(),
+        cases.len(),
+        wrong.join("\n")
+    );
+    assert!(weighted > 200, "{weighted}");
+}
+
+/// The fixture, its SD1/SD2 text encoder's final LayerNorm given the bias the reference gives
+/// it (`-0.1 - 0.001·i`: the tiny fixtures' zero bias leaves kohya's mean-keeping rescale
+/// dividing by about nothing).
+fn load(fixture: &str, dir: &std::path::Path) -> StableDiffusion {
+    let root = dir.join(fixture);
+    common::copy_dir(&common::fixture(fixture), &root);
+    if fixture != "tiny-sdxl" {
+        let file = root.join("text_encoder/model.safetensors");
+        let mut w = candle_core::safetensors::load(&file, &Device::Cpu).unwrap();
+        let key = "text_model.final_layer_norm.bias";
+        let n = w[key].elem_count();
+        let bias: Vec<f32> = (0..n).map(|i| -0.1 - 0.001 * i as f32).collect();
+        w.insert(key.into(), Tensor::new(bias, &Device::Cpu).unwrap());
+        std::fs::remove_file(&file).unwrap();
+        candle_core::safetensors::save(&w, &file).unwrap();
+    }
+    let layout = ModelLayout::read(&root, None).unwrap();
+    let opts = LoadOptions {
+        dtype: DType::F32,
+        vae_dtype: None,
+        device: Device::Cpu,
+        train_unet: false,
+        train_text_encoders: false,
+        fp8_base: false,
+        trained_dtype: DType::F32,
+    };
+    StableDiffusion::load(layout, &opts).unwrap()
+}
+
+fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+    assert_eq!(a.dims(), b.dims());
+    (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
+}
+
+#[test]
+fn conditionings_match_kohya() {
+    let meta: Value =
+        serde_json::from_str(&std::fs::read_to_string(reference("kohya_prompts.json")).unwrap())
+            .unwrap();
+    let tensors =
+        candle_core::safetensors::load(reference("kohya_prompts.safetensors"), &Device::Cpu)
+            .unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let mut models: HashMap<String, StableDiffusion> = HashMap::new();
+    let cases = meta["cases"].as_array().unwrap();
+    assert_eq!(cases.len(), 10);
+    for case in cases {
+        let name = case["name"].as_str().unwrap();
+        let fixture = case["fixture"].as_str().unwrap();
+        let prompt = case["prompt"].as_str().unwrap();
+        let negative = case["negative"].as_str().unwrap();
+        let guided = case["guided"].as_bool().unwrap();
+        let skip = case["clip_skip"].as_u64().unwrap() as usize;
+        let sd = models
+            .entry(fixture.to_string())
+            .or_insert_with(|| load(fixture, tmp.path()));
+        let ours = PromptConds::encode(
+            sd,
+            prompt,
+            negative,
+            guided,
+            skip,
+            false,
+            PromptSyntax::Kohya,
+        )
+        .unwrap();
+        let check = |what: &str, a: &Tensor| {
+            let theirs = &tensors[&format!("{name}.{what}")];
+            let d = max_diff(a, theirs);
+            assert!(d < 2e-5, "{name} {what} ({prompt:?}): differs by {d}");
+        };
+        check("cond", &ours.cond.context);
+        match (guided, &ours.uncond) {
+            (true, Some(u)) => check("uncond", &u.context),
+            (false, None) => {}
+            _ => panic!(
+                "{name}: guided {guided} but uncond {:?}",
+                ours.uncond.is_some()
+            ),
+        }
+        if fixture == "tiny-sdxl" {
+            check("cond_pooled", ours.cond.pooled.as_ref().unwrap());
+            check(
+                "uncond_pooled",
+                ours.uncond.as_ref().unwrap().pooled.as_ref().unwrap(),
+            );
+        }
+    }
+}
