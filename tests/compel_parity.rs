@@ -12,9 +12,9 @@ mod common;
 
 use std::collections::HashMap;
 
-use candle_core::{DType, Device, Tensor};
-use sdtrain::model::layout::ModelLayout;
-use sdtrain::model::pipeline::{LoadOptions, StableDiffusion};
+use candle_core::Device;
+use common::max_abs_diff as max_diff;
+use sdtrain::model::pipeline::StableDiffusion;
 use sdtrain::sample::compel_syntax::{parse, Fragment, WeightedPrompt};
 use sdtrain::sample::weighted_prompt;
 use serde_json::Value;
@@ -104,34 +104,6 @@ fn parser_matches_compel() {
     );
 }
 
-fn load(fixture: &str) -> StableDiffusion {
-    let layout = ModelLayout::read(&common::fixture(fixture), None).unwrap();
-    let opts = LoadOptions {
-        dtype: DType::F32,
-        vae_dtype: None,
-        device: Device::Cpu,
-        train_unet: false,
-        train_text_encoders: false,
-        fp8_base: false,
-        trained_dtype: DType::F32,
-    };
-    StableDiffusion::load(layout, &opts).unwrap()
-}
-
-fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-    assert_eq!(a.dims(), b.dims());
-    (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap()
-}
-
 #[test]
 fn conditionings_match_compel() {
     let meta: Value = serde_json::from_str(
@@ -151,7 +123,7 @@ fn conditionings_match_compel() {
         let skip = case["clip_skip"].as_u64().unwrap() as usize;
         let sd = models
             .entry(fixture.to_string())
-            .or_insert_with(|| load(fixture));
+            .or_insert_with(|| common::load_frozen_f32(fixture));
         let ours = weighted_prompt::encode(sd, prompt, skip).unwrap();
         let theirs = &tensors[&format!("{name}.context")];
         let d = max_diff(&ours.context, theirs);

@@ -11,9 +11,9 @@ mod common;
 
 use std::collections::HashMap;
 
-use candle_core::{DType, Device, Tensor};
-use sdtrain::model::layout::ModelLayout;
-use sdtrain::model::pipeline::{LoadOptions, StableDiffusion};
+use candle_core::{Device, Tensor};
+use common::max_abs_diff as max_diff;
+use sdtrain::model::pipeline::StableDiffusion;
 use sdtrain::sample::a1111_syntax::parse;
 use sdtrain::sample::prompts::PromptSyntax;
 use sdtrain::sample::PromptConds;
@@ -74,31 +74,7 @@ fn load(fixture: &str, dir: &std::path::Path) -> StableDiffusion {
         std::fs::remove_file(&file).unwrap();
         candle_core::safetensors::save(&w, &file).unwrap();
     }
-    let layout = ModelLayout::read(&root, None).unwrap();
-    let opts = LoadOptions {
-        dtype: DType::F32,
-        vae_dtype: None,
-        device: Device::Cpu,
-        train_unet: false,
-        train_text_encoders: false,
-        fp8_base: false,
-        trained_dtype: DType::F32,
-    };
-    StableDiffusion::load(layout, &opts).unwrap()
-}
-
-fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-    assert_eq!(a.dims(), b.dims());
-    (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap()
+    common::load_frozen_f32_at(&root)
 }
 
 #[test]

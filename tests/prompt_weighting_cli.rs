@@ -8,7 +8,32 @@
 
 mod common;
 
+use std::path::Path;
+
 use common::cli::{demo_data, run_folder, sdtrain, text, write_config};
+
+/// `sdtrain sample` of `model` at 32×32 in 2 steps into `dir/out`: `prompt_args` are the prompt
+/// and any flags after it.
+fn draw(dir: &Path, model: &str, prompt_args: &[&str], out: &str) -> image::RgbImage {
+    draw_said(dir, model, prompt_args, out).0
+}
+
+/// [`draw`], and what the command printed.
+fn draw_said(
+    dir: &Path,
+    model: &str,
+    prompt_args: &[&str],
+    out: &str,
+) -> (image::RgbImage, String) {
+    let mut args = vec!["sample", "--model", model, "--prompt"];
+    args.extend_from_slice(prompt_args);
+    args.extend([
+        "--steps", "2", "--width", "32", "--height", "32", "--out", out, "--cpu",
+    ]);
+    let o = sdtrain(&args, dir);
+    assert!(o.status.success(), "{prompt_args:?}: {}", text(&o));
+    (image::open(dir.join(out)).unwrap().to_rgb8(), text(&o))
+}
 
 #[test]
 fn sample_command_reads_compel_weights() {
@@ -16,27 +41,12 @@ fn sample_command_reads_compel_weights() {
     for fixture in ["tiny-sd15", "tiny-sdxl"] {
         let model = common::fixture(fixture).display().to_string();
         let draw = |prompt: &str, out: &str| {
-            let args = [
-                "sample",
-                "--model",
+            draw(
+                tmp.path(),
                 &model,
-                "--prompt",
-                prompt,
-                "--negative-prompt",
-                "blurry-",
-                "--steps",
-                "2",
-                "--width",
-                "32",
-                "--height",
-                "32",
-                "--out",
+                &[prompt, "--negative-prompt", "blurry-"],
                 out,
-                "--cpu",
-            ];
-            let o = sdtrain(&args, tmp.path());
-            assert!(o.status.success(), "{fixture} {prompt:?}: {}", text(&o));
-            image::open(tmp.path().join(out)).unwrap().to_rgb8()
+            )
         };
         let plain = draw("a red cat on a boat", "plain.png");
         // Parentheses with weight 1 are grouping only: the same tokens, the same image. (Not
@@ -103,17 +113,7 @@ fn a_prompts_file_with_compel_operators_sdtrain_cannot_draw_is_refused() {
             &["q.json: `samples[1]`: prompt `(a, b).blend(0.5)`: `.blend()` has 2 prompts and 1 weights"][..],
         ),
     ] {
-        let file = tmp.path().join(name);
-        std::fs::write(&file, prompts).unwrap();
-        let cfg = write_config(
-            tmp.path(),
-            "tiny-sd15",
-            &demo_data(),
-            serde_json::json!({"sample_prompts": file}),
-        );
-        let out = sdtrain(&["--config", cfg.to_str().unwrap(), "--cpu"], tmp.path());
-        assert!(!out.status.success(), "{name}");
-        let msg = text(&out);
+        let msg = common::cli::refused_with_prompts(tmp.path(), name, prompts);
         assert!(needles.iter().all(|n| msg.contains(n)), "{name}: {msg}");
     }
 }
@@ -125,29 +125,21 @@ fn sample_command_reads_a1111_weights_as_kohya() {
     let tmp = tempfile::tempdir().unwrap();
     let model = common::fixture("tiny-sd15").display().to_string();
     let draw = |syntax: &str, prompt: &str, out: &str| {
-        let args = [
-            "sample",
-            "--model",
+        draw(
+            tmp.path(),
             &model,
-            "--prompt",
-            prompt,
-            "--prompt-syntax",
-            syntax,
-            "--steps",
-            "2",
-            "--width",
-            "32",
-            "--height",
-            "32",
-            "--out",
+            &[prompt, "--prompt-syntax", syntax],
             out,
-            "--cpu",
-        ];
-        let o = sdtrain(&args, tmp.path());
-        assert!(o.status.success(), "{syntax} {prompt:?}: {}", text(&o));
-        image::open(tmp.path().join(out)).unwrap().to_rgb8()
+        )
     };
     let kohya = draw("kohya", "a (red cat:1.3) on a boat", "k.png");
+    // Without --prompt-syntax, A1111's `(words:1.3)` picks kohya's reading, and says so.
+    let auto = draw_said(tmp.path(), &model, &["a (red cat:1.3) on a boat"], "a.png");
+    assert!(
+        auto.0 == kohya && auto.1.contains("prompt weights: A1111's"),
+        "{}",
+        auto.1
+    );
     let compel = draw("compel", "a (red cat:1.3) on a boat", "c.png");
     let plain = draw("kohya", "a red cat on a boat", "p.png");
     let compel_plain = draw("compel", "a red cat on a boat", "cp.png");

@@ -194,17 +194,7 @@ fn a_bad_prompts_file_is_refused_up_front() {
             &["k.toml: kohya's .toml prompt files are not read"][..],
         ),
     ] {
-        let file = tmp.path().join(name);
-        std::fs::write(&file, prompts).unwrap();
-        let cfg = write_config(
-            tmp.path(),
-            "tiny-sd15",
-            &demo_data(),
-            serde_json::json!({"sample_prompts": file}),
-        );
-        let out = sdtrain(&["--config", cfg.to_str().unwrap(), "--cpu"], tmp.path());
-        assert!(!out.status.success(), "{name}");
-        let msg = text(&out);
+        let msg = common::cli::refused_with_prompts(tmp.path(), name, prompts);
         assert!(needles.iter().all(|n| msg.contains(n)), "{name}: {msg}");
     }
 }

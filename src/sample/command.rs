@@ -50,9 +50,10 @@ pub struct SampleArgs {
     pub negative_prompt: String,
     /// How the prompts' weights are written: `compel` (EveryDream2's samples: `word+`,
     /// `(words)1.3`) or `kohya` (A1111's `(words:1.3)` and `[words]`, and prompts beyond 75
-    /// tokens, as kohya sd-scripts' samples read them).
-    #[arg(long, value_enum, default_value_t = PromptSyntax::Compel)]
-    pub prompt_syntax: PromptSyntax,
+    /// tokens, as kohya sd-scripts' samples read them). Default: `kohya` when a prompt holds
+    /// A1111's `(words:1.3)`, else `compel`.
+    #[arg(long, value_enum)]
+    pub prompt_syntax: Option<PromptSyntax>,
     /// The first image's seed; image i uses seed + i.
     #[arg(long, default_value_t = 555)]
     pub seed: u64,
@@ -151,18 +152,7 @@ pub fn run(args: &SampleArgs) -> anyhow::Result<Vec<PathBuf>> {
             args.lora_scale
         );
     }
-    for (flag, text) in [
-        ("--prompt", &args.prompt),
-        ("--negative-prompt", &args.negative_prompt),
-    ] {
-        super::prompts::check_syntax(args.prompt_syntax, text).map_err(|e| {
-            let syntax = match args.prompt_syntax {
-                PromptSyntax::Compel => "compel's weighting syntax, as EveryDream2",
-                PromptSyntax::Kohya => "A1111's weighting syntax, as kohya sd-scripts",
-            };
-            anyhow::anyhow!("{flag} `{text}`: {e} ({syntax})")
-        })?;
-    }
+    let prompt_syntax = prompt_syntax(args)?;
     let request = match (args.cpu, args.device) {
         (true, _) => crate::memory::DeviceRequest::Cpu,
         (false, Some(d)) => d,
@@ -200,7 +190,7 @@ pub fn run(args: &SampleArgs) -> anyhow::Result<Vec<PathBuf>> {
         req0.guided(),
         args.clip_skip,
         zero_empty_negative(&sd),
-        args.prompt_syntax,
+        prompt_syntax,
     )?;
     let run = UnetRun {
         dtype,
@@ -276,6 +266,38 @@ fn merge_loras(sd: &mut StableDiffusion, args: &SampleArgs, device: &Device) -> 
         );
     }
     Ok(())
+}
+
+/// The syntax `--prompt` and `--negative-prompt` are read in (`--prompt-syntax`, else kohya's
+/// when one holds A1111's `(words:weight)`), checked against both.
+fn prompt_syntax(args: &SampleArgs) -> anyhow::Result<PromptSyntax> {
+    let a1111 = [&args.prompt, &args.negative_prompt]
+        .iter()
+        .any(|t| super::a1111_syntax::has_explicit_weight(t));
+    let prompt_syntax = match (args.prompt_syntax, a1111) {
+        (Some(s), _) => s,
+        (None, true) => {
+            eprintln!(
+                "prompt weights: A1111's, as kohya sd-scripts reads them (the prompt holds \
+                 `(words:weight)`; --prompt-syntax compel reads it as EveryDream2's compel)"
+            );
+            PromptSyntax::Kohya
+        }
+        (None, false) => PromptSyntax::Compel,
+    };
+    for (flag, text) in [
+        ("--prompt", &args.prompt),
+        ("--negative-prompt", &args.negative_prompt),
+    ] {
+        super::prompts::check_syntax(prompt_syntax, text).map_err(|e| {
+            let syntax = match prompt_syntax {
+                PromptSyntax::Compel => "compel's weighting syntax, as EveryDream2",
+                PromptSyntax::Kohya => "A1111's weighting syntax, as kohya sd-scripts",
+            };
+            anyhow::anyhow!("{flag} `{text}`: {e} ({syntax})")
+        })?;
+    }
+    Ok(prompt_syntax)
 }
 
 #[cfg(test)]

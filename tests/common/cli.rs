@@ -137,3 +137,19 @@ pub fn rewrite_after_first_log(
         false
     })
 }
+
+/// Runs a tiny SD1.5 training with `sample_prompts` = `dir/name` holding `prompts`, which must
+/// fail, and returns what it said.
+pub fn refused_with_prompts(dir: &Path, name: &str, prompts: &str) -> String {
+    let file = dir.join(name);
+    std::fs::write(&file, prompts).unwrap();
+    let cfg = write_config(
+        dir,
+        "tiny-sd15",
+        &demo_data(),
+        serde_json::json!({"sample_prompts": file}),
+    );
+    let out = sdtrain(&["--config", cfg.to_str().unwrap(), "--cpu"], dir);
+    assert!(!out.status.success(), "{name} was accepted");
+    text(&out)
+}

@@ -176,8 +176,13 @@ pub fn sd15_unet_out(sd: &sdtrain::model::pipeline::StableDiffusion) -> Tensor {
 /// The fixture pipeline `tests/fixtures/<name>` on the CPU in f32, everything frozen (the
 /// adapter tests attach to it).
 pub fn load_frozen_f32(name: &str) -> sdtrain::model::pipeline::StableDiffusion {
+    load_frozen_f32_at(&fixture(name))
+}
+
+/// [`load_frozen_f32`] of the model folder `root`.
+pub fn load_frozen_f32_at(root: &Path) -> sdtrain::model::pipeline::StableDiffusion {
     use sdtrain::model::pipeline::{LoadOptions, StableDiffusion};
-    let layout = sdtrain::model::layout::ModelLayout::read(&fixture(name), None).unwrap();
+    let layout = sdtrain::model::layout::ModelLayout::read(root, None).unwrap();
     let opts = LoadOptions {
         dtype: DType::F32,
         vae_dtype: None,
