@@ -12,16 +12,11 @@ mod common;
 
 use std::collections::HashMap;
 
-use candle_core::Device;
 use common::max_abs_diff as max_diff;
 use sdtrain::model::pipeline::StableDiffusion;
 use sdtrain::sample::compel_syntax::{parse, Fragment, WeightedPrompt};
 use sdtrain::sample::weighted_prompt;
 use serde_json::Value;
-
-fn reference(name: &str) -> std::path::PathBuf {
-    common::fixture("reference").join(name)
-}
 
 fn fragments(v: &Value) -> Vec<(String, f64)> {
     v.as_array()
@@ -41,12 +36,12 @@ fn same(ours: &[Fragment], theirs: &[(String, f64)]) -> bool {
 
 #[test]
 fn parser_matches_compel() {
-    let text = std::fs::read_to_string(reference("compel_syntax.json")).unwrap();
-    let cases: Vec<Value> = serde_json::from_str(&text).unwrap();
+    let cases = common::reference_json("reference/compel_syntax.json");
+    let cases = cases.as_array().unwrap();
     assert!(cases.len() > 1000, "{} cases", cases.len());
     let (mut weighted, mut blends, mut refused) = (0, 0, 0);
     let mut wrong = Vec::new();
-    for case in &cases {
+    for case in cases {
         let prompt = case[0].as_str().unwrap();
         let expected = &case[1];
         let ours = parse(prompt);
@@ -106,13 +101,8 @@ fn parser_matches_compel() {
 
 #[test]
 fn conditionings_match_compel() {
-    let meta: Value = serde_json::from_str(
-        &std::fs::read_to_string(reference("compel_embeddings.json")).unwrap(),
-    )
-    .unwrap();
-    let tensors =
-        candle_core::safetensors::load(reference("compel_embeddings.safetensors"), &Device::Cpu)
-            .unwrap();
+    let meta = common::reference_json("reference/compel_embeddings.json");
+    let tensors = common::reference("compel_embeddings");
     let mut models: HashMap<String, StableDiffusion> = HashMap::new();
     let cases = meta["cases"].as_array().unwrap();
     assert_eq!(cases.len(), 12);

@@ -17,20 +17,15 @@ use sdtrain::model::pipeline::StableDiffusion;
 use sdtrain::sample::a1111_syntax::parse;
 use sdtrain::sample::prompts::PromptSyntax;
 use sdtrain::sample::PromptConds;
-use serde_json::Value;
-
-fn reference(name: &str) -> std::path::PathBuf {
-    common::fixture("reference").join(name)
-}
 
 #[test]
 fn a1111_parser_matches_kohya() {
-    let text = std::fs::read_to_string(reference("kohya_a1111_syntax.json")).unwrap();
-    let cases: Vec<Value> = serde_json::from_str(&text).unwrap();
+    let cases = common::reference_json("reference/kohya_a1111_syntax.json");
+    let cases = cases.as_array().unwrap();
     assert!(cases.len() > 400);
     let mut wrong = Vec::new();
     let mut weighted = 0;
-    for case in &cases {
+    for case in cases {
         let prompt = case[0].as_str().unwrap();
         let ours = parse(prompt);
         let ok = match case[1].as_array() {
@@ -79,12 +74,8 @@ fn load(fixture: &str, dir: &std::path::Path) -> StableDiffusion {
 
 #[test]
 fn conditionings_match_kohya() {
-    let meta: Value =
-        serde_json::from_str(&std::fs::read_to_string(reference("kohya_prompts.json")).unwrap())
-            .unwrap();
-    let tensors =
-        candle_core::safetensors::load(reference("kohya_prompts.safetensors"), &Device::Cpu)
-            .unwrap();
+    let meta = common::reference_json("reference/kohya_prompts.json");
+    let tensors = common::reference("kohya_prompts");
     let tmp = tempfile::tempdir().unwrap();
     let mut models: HashMap<String, StableDiffusion> = HashMap::new();
     let cases = meta["cases"].as_array().unwrap();

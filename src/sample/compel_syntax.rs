@@ -365,30 +365,30 @@ impl<'a> Grammar<'a> {
     }
 
     fn quoted_uncached(&self, i: usize) -> Res<Vec<Node>> {
-        let Some((j, content)) = self.quoted_raw(i) else {
-            return Ok(None);
-        };
-        if content.trim().is_empty() {
-            return Ok(Some((j, vec![Node::Text(String::new())])));
-        }
-        let inner: Vec<char> = content.replace('"', "\\\"").chars().collect();
-        let g = Grammar::new(&inner);
-        let (k, nodes) = g.fragments(0, true)?;
-        Ok((g.ws(k) == inner.len()).then_some((j, nodes)))
+        self.quoted_as(i, |g| g.fragments(0, true))
     }
 
     /// `quoted_prompt` (in a blend's list): a quoted string parsed as a whole prompt.
     fn quoted_prompt(&self, i: usize) -> Res<Vec<Node>> {
+        self.quoted_as(i, |g| g.prompt(0))
+    }
+
+    /// A quoted string whose text (`"` escaped again, as compel does) `inner` parses to its end.
+    fn quoted_as(
+        &self,
+        i: usize,
+        inner: impl Fn(&Grammar) -> Result<(usize, Vec<Node>), String>,
+    ) -> Res<Vec<Node>> {
         let Some((j, content)) = self.quoted_raw(i) else {
             return Ok(None);
         };
         if content.trim().is_empty() {
             return Ok(Some((j, vec![Node::Text(String::new())])));
         }
-        let inner: Vec<char> = content.replace('"', "\\\"").chars().collect();
-        let g = Grammar::new(&inner);
-        let (k, nodes) = g.prompt(0)?;
-        Ok((g.ws(k) == inner.len()).then_some((j, nodes)))
+        let chars: Vec<char> = content.replace('"', "\\\"").chars().collect();
+        let g = Grammar::new(&chars);
+        let (k, nodes) = inner(&g)?;
+        Ok((g.ws(k) == chars.len()).then_some((j, nodes)))
     }
 
     /// `parenthesized_fragment`.
