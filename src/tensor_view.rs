@@ -58,11 +58,15 @@ pub enum ViewError {
     },
 }
 
+/// The name a file would store a tensor the view lacks under (`None`: no such name).
+pub type StoredNameFn = Arc<dyn Fn(&str) -> Option<String> + Send + Sync>;
+
 /// Names → stored tensors of one memory-mapped safetensors file.
 pub struct TensorView {
     file: PathBuf,
     st: Arc<MmapedSafetensors>,
     entries: BTreeMap<String, ViewEntry>,
+    stored_names: Option<StoredNameFn>,
 }
 
 impl std::fmt::Debug for TensorView {
@@ -123,7 +127,24 @@ impl TensorView {
             file: file.to_path_buf(),
             st,
             entries,
+            stored_names: None,
         })
+    }
+
+    /// The view, able to say under which name its file would store a tensor it lacks
+    /// ([`Self::stored_name_of`]), for errors about a missing tensor.
+    pub fn with_stored_names(mut self, f: StoredNameFn) -> Self {
+        self.stored_names = Some(f);
+        self
+    }
+
+    /// The name the file stores `name` under: the entry's, else what the view's naming rule
+    /// says the file would use.
+    pub fn stored_name_of(&self, name: &str) -> Option<String> {
+        match self.entries.get(name) {
+            Some(e) => Some(e.stored.clone()),
+            None => self.stored_names.as_ref().and_then(|f| f(name)),
+        }
     }
 
     /// The file the view reads.

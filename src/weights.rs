@@ -26,12 +26,21 @@ use crate::error_chain::External;
 use crate::tensor_view::TensorView;
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
+/// ` (`…` in the file's names)` for a tensor the file names otherwise.
+fn stored_as(stored: &Option<String>) -> String {
+    stored
+        .as_ref()
+        .map_or(String::new(), |s| format!(" (`{s}` in the file's names)"))
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum WeightsError {
-    #[error("{component}: tensor `{name}` not found in {files}")]
+    #[error("{component}: tensor `{name}`{} not found in {files}", stored_as(.stored))]
     Missing {
         component: String,
         name: String,
+        /// The name the file would store it under, where that differs (a single file's).
+        stored: Option<String>,
         files: String,
     },
     #[error("{component}: shape mismatch for `{name}` in {file}: file has {found:?}, model wants {want:?}")]
@@ -346,6 +355,7 @@ impl Weights {
                 let view = st.get(&stored).map_err(|_| WeightsError::Missing {
                     component: inner.component.clone(),
                     name: stored.clone(),
+                    stored: None,
                     files: display_files(files),
                 })?;
                 if view.shape() != shape.dims() {
@@ -365,6 +375,7 @@ impl Weights {
                 let entry = view.entry(&stored).ok_or_else(|| WeightsError::Missing {
                     component: inner.component.clone(),
                     name: stored.clone(),
+                    stored: view.stored_name_of(&stored).filter(|own| *own != stored),
                     files: inner.source.describe(),
                 })?;
                 if entry.shape != shape.dims() {

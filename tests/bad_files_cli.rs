@@ -201,3 +201,38 @@ fn a_bad_sdtrain_config_in_the_metadata_named_no_key() {
     let out = sdtrain(&["inspect", "--model", file.to_str().unwrap()], tmp.path());
     assert_refused(&out, 2, &file, &["metadata `sdtrain.unet_config`"]);
 }
+
+/// A single file without one of its tensors named the tensor by its diffusers name only, which
+/// a user cannot find in the file; the error now gives the file's own name too (for an OpenCLIP
+/// q/k/v, the fused tensor it is a third of).
+#[test]
+fn a_missing_single_file_tensor_was_named_as_diffusers_names_it() {
+    for (fixture_file, drop, names) in [
+        (
+            "single-file/tiny-sd15.safetensors",
+            "model.diffusion_model.output_blocks.2.0.emb_layers.1.bias",
+            &[
+                "up_blocks.0.resnets.2.time_emb_proj.bias",
+                "`model.diffusion_model.output_blocks.2.0.emb_layers.1.bias` in the file's names",
+            ][..],
+        ),
+        (
+            "single-file/tiny-sdxl.safetensors",
+            "conditioner.embedders.1.model.transformer.resblocks.1.attn.in_proj_weight",
+            &[
+                "`conditioner.embedders.1.model.transformer.resblocks.1.attn.in_proj_weight` in \
+               the file's names",
+            ][..],
+        ),
+    ] {
+        let tmp = tempfile::tempdir().unwrap();
+        let src = fixture(fixture_file);
+        let mut t = candle_core::safetensors::load(&src, &Device::Cpu).unwrap();
+        t.remove(drop).unwrap();
+        let file = tmp.path().join(src.file_name().unwrap());
+        candle_core::safetensors::save(&t, &file).unwrap();
+        let model = file.to_str().unwrap();
+        let out = sdtrain(&sample_args(model, "o.png"), tmp.path());
+        assert_refused(&out, 1, &file, names);
+    }
+}

@@ -409,10 +409,13 @@ impl SingleFile {
             }
         })?);
         let (maps, skipped) = map_tensors(path, &shapes, family, &configs)?;
+        let rules = Arc::new(NameRules::new(path, family, &configs)?);
         let mut components = Vec::new();
         for (&component, config) in family.components().iter().zip(&configs.components) {
             let map = maps.get(&component).cloned().unwrap_or_default();
-            let view = TensorView::new(path, st.clone(), map)?;
+            let rules = rules.clone();
+            let view = TensorView::new(path, st.clone(), map)?
+                .with_stored_names(Arc::new(move |name| rules.ldm_name(component, name)));
             components.push((
                 component,
                 Arc::new(PackedComponent {
@@ -686,6 +689,31 @@ impl NameRules {
             text.push((c, prefix, kind, te.num_hidden_layers));
         }
         Ok(Self { unet, vae, text })
+    }
+
+    /// The name a file of this layout stores `component`'s diffusers tensor `name` under (for a
+    /// fused q/k/v, the fused tensor).
+    fn ldm_name(&self, component: Component, name: &str) -> Option<String> {
+        match component {
+            Component::Unet => names::unet_to_ldm(name, &self.unet).map(|n| format!("{UNET}{n}")),
+            Component::Vae => names::vae_to_ldm(name, self.vae).map(|(n, _)| format!("{VAE}{n}")),
+            Component::TextEncoder | Component::TextEncoder2 => {
+                let (_, prefix, kind, _) = self.text.iter().find(|t| t.0 == component)?;
+                let name = match name.starts_with("text_model.") || name == "text_projection.weight"
+                {
+                    true => name.to_string(),
+                    false => format!("text_model.{name}"),
+                };
+                match kind {
+                    TextEncoderKind::Clip { .. } => Some(format!("{prefix}{name}")),
+                    TextEncoderKind::OpenClip { .. } => match names::openclip_to_ldm(&name)? {
+                        names::OpenClipPart::Whole(l)
+                        | names::OpenClipPart::Transposed(l)
+                        | names::OpenClipPart::Fused(l, _) => Some(format!("{prefix}{l}")),
+                    },
+                }
+            }
+        }
     }
 
     /// The component a stored tensor belongs to (none for a non-weight) and its diffusers names.
