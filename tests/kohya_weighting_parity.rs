@@ -123,3 +123,38 @@ fn conditionings_match_kohya() {
         }
     }
 }
+
+/// kohya's training on long captions (`max_token_length` 150 and 225): batches of captions in
+/// 75-token chunks against `SdTextEncodingStrategy.encode_tokens` and SDXL's
+/// `_get_hidden_states_sdxl` (a short caption beside a long one, a caption cut at 225 tokens,
+/// SD2's and SDXL's second tokenizer padding with `!`, clip skip, SDXL's first-chunk pooled).
+#[test]
+fn long_captions_match_kohya() {
+    let meta = common::reference_json("reference/kohya_prompts.json");
+    let tensors = common::reference("kohya_prompts");
+    let cases = meta["captions"].as_array().unwrap();
+    assert_eq!(cases.len(), 6);
+    let mut models: HashMap<String, StableDiffusion> = HashMap::new();
+    for case in cases {
+        let name = case["name"].as_str().unwrap();
+        let fixture = case["fixture"].as_str().unwrap();
+        let chunks = case["chunks"].as_u64().unwrap() as usize;
+        let skip = case["clip_skip"].as_u64().unwrap() as usize;
+        let captions: Vec<&str> = case["captions"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c.as_str().unwrap())
+            .collect();
+        let sd = models
+            .entry(fixture.to_string())
+            .or_insert_with(|| common::load_frozen_f32(fixture));
+        let ours = sd.encode_prompts_long(&captions, skip, chunks).unwrap();
+        let d = max_diff(&ours.context, &tensors[&format!("{name}.context")]);
+        assert!(d < 2e-5, "{name}: context differs by {d}");
+        if let Some(p) = tensors.get(&format!("{name}.pooled")) {
+            let d = max_diff(ours.pooled.as_ref().unwrap(), p);
+            assert!(d < 2e-5, "{name}: pooled differs by {d}");
+        }
+    }
+}

@@ -139,6 +139,7 @@ fn settings<'a>(m: &'a Model, ck: Option<&'a Checkpointing>) -> StepSettings<'a>
         shuffle_tags: false,
         keep_tags: 0,
         clip_skip_layers: 0,
+        caption_chunks: 1,
         train_text_encoder: m.train_te,
         compute_dtype: DType::F32,
         checkpointing: ck,

@@ -38,6 +38,9 @@ pub struct DataPlan {
     pub shuffle_tags: bool,
     /// Tags after the main prompt that the shuffle keeps in place (`keep_tags`).
     pub keep_tags: usize,
+    /// The 75-token chunks a caption is encoded in (kohya's `max_token_length` / 75: 1, 2 or
+    /// 3); see `crate::model::long_prompt`.
+    pub caption_chunks: usize,
     /// EveryDream2's rated dataset: later epochs train on fewer images, picked by rating.
     pub rated: Option<RatedSchedule>,
     /// Write each epoch's batches to `ep{N}_batch_schedule.txt` in the run folder.
@@ -162,6 +165,17 @@ pub(super) fn resolve_data(
         cond_dropout,
         shuffle_tags,
         keep_tags: ctx.at_least("keep_tags", file.keep_tags, 0, 0)? as usize,
+        caption_chunks: match file.max_token_length {
+            None | Some(75) => 1,
+            Some(150) => 2,
+            Some(225) => 3,
+            Some(n) => {
+                return Err(ctx.invalid(
+                    "max_token_length",
+                    format!("must be 75, 150 or 225 (kohya's choices; got {n})"),
+                ))
+            }
+        },
         rated: resolve_rated(file, ctx)?,
         write_schedule: file.write_schedule.unwrap_or(false),
         max_image_pixels: ctx.at_least(

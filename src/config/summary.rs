@@ -30,6 +30,17 @@ impl fmt::Display for TrainPlan {
                 d.flip_p, d.cond_dropout, d.shuffle_tags, d.crop_jitter
             ),
         )?;
+        if d.caption_chunks > 1 {
+            let tokens = 75 * d.caption_chunks;
+            row(
+                f,
+                "captions",
+                &format!(
+                    "up to {tokens} tokens, in {} chunks of 75 (kohya's max_token_length)",
+                    d.caption_chunks
+                ),
+            )?;
+        }
         let latents = match d.cache_latents {
             CacheLatents::Off => "off (the VAE encodes every step)",
             CacheLatents::Memory => "in memory",

@@ -73,6 +73,9 @@ pub struct TrainFile {
     /// With `shuffle_tags`, the tags after the main prompt kept in place.
     #[serde(default)]
     pub keep_tags: Option<i64>,
+    /// kohya's `max_token_length`: captions up to 75 (the default), 150 or 225 tokens.
+    #[serde(default)]
+    pub max_token_length: Option<i64>,
     /// EveryDream2's rated dataset: later epochs train on fewer images, picked by rating.
     #[serde(default)]
     pub rated_dataset: Option<bool>,

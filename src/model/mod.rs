@@ -7,6 +7,7 @@ pub mod export;
 pub mod family;
 pub mod files;
 pub mod layout;
+pub mod long_prompt;
 pub mod nonfinite_weights;
 pub mod pipeline;
 pub mod reference_configs;

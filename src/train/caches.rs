@@ -77,7 +77,8 @@ fn text_encoder_cache(
         captions.push("");
     }
     let batch = plan.batch_size.max(1);
-    let cache = TextCache::build(sd, captions, plan.objective.clip_skip_layers, batch)
+    let text = (plan.objective.clip_skip_layers, plan.data.caption_chunks);
+    let cache = TextCache::build(sd, captions, text, batch)
         .context("caching the text encoders' outputs")?;
     sd.release_text_encoders();
     let line = format!(

@@ -45,6 +45,8 @@ pub struct StepSettings<'a> {
     pub keep_tags: usize,
     /// Text-encoder layers skipped beyond the family default.
     pub clip_skip_layers: usize,
+    /// The 75-token chunks a caption is encoded in (`max_token_length`).
+    pub caption_chunks: usize,
     /// Whether any text-encoder parameter trains (otherwise the conditioning is detached).
     pub train_text_encoder: bool,
     /// The dtype the models compute in (the UNet input's dtype).
@@ -308,7 +310,9 @@ pub fn forward_loss(
     let prompts: Vec<&str> = batch.captions.iter().map(String::as_str).collect();
     let cond = match settings.text_cache {
         Some(cache) => cache.lookup(&prompts, &device)?,
-        None => sd.encode_prompts(&prompts, settings.clip_skip_layers)?,
+        None => {
+            sd.encode_prompts_long(&prompts, settings.clip_skip_layers, settings.caption_chunks)?
+        }
     };
     let (context, pooled) = if settings.train_text_encoder {
         (cond.context, cond.pooled)

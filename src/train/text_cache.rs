@@ -20,11 +20,12 @@ pub struct TextCache {
 }
 
 impl TextCache {
-    /// Encodes every distinct caption of `captions`, `batch` at a time.
+    /// Encodes every distinct caption of `captions`, `batch` at a time, in `chunks` 75-token
+    /// chunks ([`StableDiffusion::encode_prompts_long`]).
     pub fn build<'a>(
         sd: &StableDiffusion,
         captions: impl IntoIterator<Item = &'a str>,
-        clip_skip: usize,
+        (clip_skip, chunks): (usize, usize),
         batch: usize,
     ) -> candle_core::Result<Self> {
         let mut distinct: Vec<&str> = captions.into_iter().collect();
@@ -32,7 +33,7 @@ impl TextCache {
         distinct.dedup();
         let mut entries = HashMap::with_capacity(distinct.len());
         for chunk in distinct.chunks(batch.max(1)) {
-            let cond = sd.encode_prompts(chunk, clip_skip)?;
+            let cond = sd.encode_prompts_long(chunk, clip_skip, chunks)?;
             let context = cond.context.detach().to_device(&Device::Cpu)?;
             let pooled = match cond.pooled {
                 Some(p) => Some(p.detach().to_device(&Device::Cpu)?),

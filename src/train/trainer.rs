@@ -78,6 +78,7 @@ impl Model {
             shuffle_tags: data.shuffle_tags,
             keep_tags: data.keep_tags,
             clip_skip_layers: plan.objective.clip_skip_layers,
+            caption_chunks: data.caption_chunks,
             train_text_encoder: te_trains,
             compute_dtype: self.amp.compute_dtype(),
             checkpointing: self.checkpointing.as_ref(),
