@@ -71,32 +71,27 @@ impl PromptConds {
         zero_empty_negative: bool,
         syntax: PromptSyntax,
     ) -> candle_core::Result<Self> {
-        if syntax == PromptSyntax::Kohya {
-            let (cond, uncond) =
-                super::kohya_weighting::encode(sd, prompt, negative, guided, clip_skip)?;
-            let uncond = match uncond {
-                Some(_) if negative.is_empty() && zero_empty_negative => Some(TextConditioning {
-                    context: cond.context.zeros_like()?,
-                    pooled: cond.pooled.as_ref().map(Tensor::zeros_like).transpose()?,
-                }),
-                u => u.map(detach).transpose()?,
-            };
-            return Ok(Self {
-                cond: detach(cond)?,
-                uncond,
-            });
-        }
-        let cond = detach(super::weighted_prompt::encode(sd, prompt, clip_skip)?)?;
-        let uncond = match guided {
-            false => None,
-            true if negative.is_empty() && zero_empty_negative => Some(TextConditioning {
+        let zeros = guided && negative.is_empty() && zero_empty_negative;
+        let (cond, uncond) = match syntax {
+            PromptSyntax::Kohya => {
+                super::kohya_weighting::encode(sd, prompt, negative, guided, clip_skip)?
+            }
+            PromptSyntax::Compel => {
+                let cond = super::weighted_prompt::encode(sd, prompt, clip_skip)?;
+                let uncond = (guided && !zeros)
+                    .then(|| super::weighted_prompt::encode(sd, negative, clip_skip))
+                    .transpose()?;
+                (cond, uncond)
+            }
+        };
+        let uncond = match zeros {
+            true => Some(TextConditioning {
                 context: cond.context.zeros_like()?,
                 pooled: cond.pooled.as_ref().map(Tensor::zeros_like).transpose()?,
             }),
-            true => Some(detach(super::weighted_prompt::encode(
-                sd, negative, clip_skip,
-            )?)?),
+            false => uncond.map(detach).transpose()?,
         };
+        let cond = detach(cond)?;
         Ok(Self { cond, uncond })
     }
 
