@@ -236,3 +236,44 @@ fn a_missing_single_file_tensor_was_named_as_diffusers_names_it() {
         assert_refused(&out, 1, &file, names);
     }
 }
+
+/// A single file with a NaN in a weight sampled a black image and exited 0; `sdtrain sample`
+/// now refuses the image and names the tensor, and a run's samples before the first step skip
+/// the round with a warning (the run then stops on its non-finite loss, naming the tensor).
+#[test]
+fn a_nan_weight_drew_a_black_sample() {
+    let tmp = tempfile::tempdir().unwrap();
+    let name = "cond_stage_model.transformer.text_model.encoder.layers.0.mlp.fc2.weight";
+    let file = with_tensor(tmp.path(), "single-file/tiny-sd15.safetensors", name, |t| {
+        let mut v = t
+            .to_dtype(DType::F32)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        v[0] = f32::NAN;
+        Tensor::from_vec(v, t.dims(), &Device::Cpu)
+            .unwrap()
+            .to_dtype(t.dtype())
+            .unwrap()
+    });
+    let model = file.to_str().unwrap();
+    let out = sdtrain(&sample_args(model, "o.png"), tmp.path());
+    assert_refused(&out, 1, &file, &[name, "holds NaN", "NaN in the latents"]);
+    assert!(!tmp.path().join("o.png").exists(), "the image was written");
+
+    let prompts = tmp.path().join("p.json");
+    let json = r#"{"generate_pretrain_samples": true, "cfgs": [1], "num_inference_steps": 1,
+        "samples": [{"prompt": "a cat", "size": [32, 32]}]}"#;
+    std::fs::write(&prompts, json).unwrap();
+    let extra = serde_json::json!({"model": model, "sample_prompts": prompts, "max_steps": 2});
+    let cfg = write_config(tmp.path(), "tiny-sd15", &demo_data(), extra);
+    let out = sdtrain(&["--config", cfg.to_str().unwrap(), "--cpu"], tmp.path());
+    let all = text(&out);
+    assert!(
+        all.contains("samples skipped: sampling produced NaN"),
+        "{all}"
+    );
+    assert!(!all.contains("panicked"), "{all}");
+}

@@ -204,7 +204,8 @@ pub fn run(args: &SampleArgs) -> anyhow::Result<Vec<PathBuf>> {
             seed: args.seed + i as u64,
             ..req0.clone()
         };
-        let image = super::generate(&sd, vae, run, sampler.as_ref(), &conds, &req)?;
+        let image = super::generate(&sd, vae, run, sampler.as_ref(), &conds, &req)
+            .map_err(|e| explain_nonfinite(e, &sd, args))?;
         let path = out_path(&args.out, i, args.count);
         image_out::write_png(&path, &image_out::to_rgb(&image)?)?;
         eprintln!(
@@ -221,6 +222,30 @@ pub fn run(args: &SampleArgs) -> anyhow::Result<Vec<PathBuf>> {
         written.push(path);
     }
     Ok(written)
+}
+
+/// A sample that came out NaN or Inf, with its likely cause: a tensor of the model's own files
+/// that holds one, else the merged `--lora` files, else the precision.
+fn explain_nonfinite(e: anyhow::Error, sd: &StableDiffusion, args: &SampleArgs) -> anyhow::Error {
+    if e.downcast_ref::<super::generate::NonFiniteSample>()
+        .is_none()
+    {
+        return e;
+    }
+    let cause = match crate::model::nonfinite_weights::first_nonfinite(&sd.layout) {
+        Some(bad) => format!(
+            "tensor `{}` in {} holds {} (the model's weights are broken)",
+            bad.tensor,
+            bad.file.display(),
+            bad.value
+        ),
+        None if !args.loras.is_empty() => format!(
+            "the model's files are finite; the merged --lora files (at --lora-scale {}) are the              likely cause: a weight or `alpha` too large for the dtype",
+            args.lora_scale
+        ),
+        None => "the model's files are finite; try --precision fp32 or another --sampler".into(),
+    };
+    e.context(cause)
 }
 
 /// Loads `--model` on `device` in `dtype`, with the `--lora` files merged into it.

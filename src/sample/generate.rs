@@ -27,6 +27,21 @@ use crate::model::pipeline::{StableDiffusion, TextConditioning};
 use crate::model::unet::AddedConditions;
 use crate::model::vae::AutoencoderKL;
 
+/// The denoised latents of a sample hold NaN or Inf (broken or diverged weights, a LoRA merged
+/// at an overflowing scale, or f16 overflow): the image would be black or noise.
+#[derive(Debug, thiserror::Error)]
+#[error("sampling produced {value} in the latents (seed {seed}): the image would be meaningless")]
+pub struct NonFiniteSample {
+    pub value: f32,
+    pub seed: u64,
+}
+
+/// The first non-finite value of `t`, if any (read on the host: latents are small).
+fn first_nonfinite_value(t: &Tensor) -> candle_core::Result<Option<f32>> {
+    let v = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    Ok(v.into_iter().find(|x| !x.is_finite()))
+}
+
 /// What to draw.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SampleRequest {
@@ -320,6 +335,13 @@ pub fn generate(
         &mut noise,
         &mut |_, _| {},
     )?;
+    if let Some(value) = first_nonfinite_value(&x)? {
+        return Err(NonFiniteSample {
+            value,
+            seed: req.seed,
+        }
+        .into());
+    }
     Ok(decode(vae, &x)?)
 }
 

@@ -306,13 +306,18 @@ impl TrainingSamples {
     }
 }
 
-/// A round that ran out of memory is skipped with a warning; any other error ends the run.
+/// A round that ran out of memory, or whose latents came out NaN or Inf, is skipped with a
+/// warning (training's own checks judge the weights); any other error ends the run.
 fn skip_on_oom(
     e: anyhow::Error,
     step: usize,
     device: &Device,
     progress: &Progress,
 ) -> anyhow::Result<()> {
+    if let Some(bad) = e.downcast_ref::<crate::sample::generate::NonFiniteSample>() {
+        progress.println(format!("warning: step {step}: samples skipped: {bad}"));
+        return Ok(());
+    }
     let Some(oom) = find_oom(&e) else {
         return Err(e.context(format!("drawing the samples of step {step}")));
     };
