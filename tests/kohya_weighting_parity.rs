@@ -11,7 +11,7 @@ mod common;
 
 use std::collections::HashMap;
 
-use candle_core::{Device, Tensor};
+use candle_core::Tensor;
 use common::max_abs_diff as max_diff;
 use sdtrain::model::pipeline::StableDiffusion;
 use sdtrain::sample::a1111_syntax::parse;
@@ -53,23 +53,10 @@ fn a1111_parser_matches_kohya() {
     assert!(weighted > 200, "{weighted}");
 }
 
-/// The fixture, its SD1/SD2 text encoder's final LayerNorm given the bias the reference gives
-/// it (`-0.1 - 0.001·i`: the tiny fixtures' zero bias leaves kohya's mean-keeping rescale
-/// dividing by about nothing).
+/// The fixture with its text encoder's final LayerNorm given the reference's bias
+/// ([`common::with_text_ln_bias`]).
 fn load(fixture: &str, dir: &std::path::Path) -> StableDiffusion {
-    let root = dir.join(fixture);
-    common::copy_dir(&common::fixture(fixture), &root);
-    if fixture != "tiny-sdxl" {
-        let file = root.join("text_encoder/model.safetensors");
-        let mut w = candle_core::safetensors::load(&file, &Device::Cpu).unwrap();
-        let key = "text_model.final_layer_norm.bias";
-        let n = w[key].elem_count();
-        let bias: Vec<f32> = (0..n).map(|i| -0.1 - 0.001 * i as f32).collect();
-        w.insert(key.into(), Tensor::new(bias, &Device::Cpu).unwrap());
-        std::fs::remove_file(&file).unwrap();
-        candle_core::safetensors::save(&w, &file).unwrap();
-    }
-    common::load_frozen_f32_at(&root)
+    common::load_frozen_f32_at(&common::with_text_ln_bias(fixture, dir))
 }
 
 #[test]

@@ -119,11 +119,14 @@ fn a_prompts_file_with_compel_operators_sdtrain_cannot_draw_is_refused() {
 }
 
 /// `--prompt-syntax kohya` reads A1111's weights: `(red cat:1.3)` weighs the words, where
-/// compel reads `red cat:1 . 3` as text; a weight Python cannot read is refused.
+/// compel reads `red cat:1 . 3` as text; a weight Python cannot read is refused. (On the tiny
+/// SD1.5 with a non-zero final LayerNorm bias, as real CLIP has: kohya's mean-keeping rescale
+/// divides by the zero-bias fixture's ~1e-9 mean.)
 #[test]
 fn sample_command_reads_a1111_weights_as_kohya() {
     let tmp = tempfile::tempdir().unwrap();
-    let model = common::fixture("tiny-sd15").display().to_string();
+    let model = common::with_text_ln_bias("tiny-sd15", tmp.path());
+    let model = model.display().to_string();
     let draw = |syntax: &str, prompt: &str, out: &str| {
         draw(
             tmp.path(),
@@ -152,6 +155,21 @@ fn sample_command_reads_a1111_weights_as_kohya() {
         plain == compel_plain,
         "plain prompts differ between the syntaxes"
     );
+    // Past 75 tokens kohya reads on (the context grows to 2 chunks); compel cuts the prompt.
+    let head = (0..14)
+        .map(|i| format!("tag{i} word{i}"))
+        .collect::<Vec<_>>();
+    let long = |tail: &str| format!("{}, {tail}", head.join(", "));
+    let (k1, k2) = (
+        draw("kohya", &long("a red cat"), "k1.png"),
+        draw("kohya", &long("a blue dog"), "k2.png"),
+    );
+    let (c1, c2) = (
+        draw("compel", &long("a red cat"), "c1.png"),
+        draw("compel", &long("a blue dog"), "c2.png"),
+    );
+    assert!(k1 != k2, "kohya's reading cut the prompt at 75 tokens");
+    assert!(c1 == c2, "compel's reading went past 75 tokens");
     let args = [
         "sample",
         "--model",
@@ -184,11 +202,14 @@ fn kohya_prompt_files_are_weighted_as_kohya() {
         let tmp = tempfile::tempdir().unwrap();
         let path = tmp.path().join(file);
         std::fs::write(&path, prompts).unwrap();
+        // kohya's weighting needs a non-zero final LayerNorm bias (see above).
+        let model = common::with_text_ln_bias("tiny-sd15", tmp.path());
         let cfg = write_config(
             tmp.path(),
             "tiny-sd15",
             &demo_data(),
-            serde_json::json!({"sample_prompts": path, "max_steps": 1, "sample_steps": 1}),
+            serde_json::json!({"model": model, "sample_prompts": path, "max_steps": 1,
+                "sample_steps": 1}),
         );
         let out = sdtrain(&["--config", cfg.to_str().unwrap(), "--cpu"], tmp.path());
         assert!(out.status.success(), "{file}: {}", text(&out));

@@ -240,3 +240,24 @@ pub fn write_random_adapter(
     };
     a.save(path, info).unwrap();
 }
+
+/// A copy of fixture `name` in `dir` whose SD1/SD2 text encoder's final LayerNorm has the bias
+/// `-0.1 - 0.001·i` (SDXL's is left alone). The tiny fixtures' zero bias makes their encodings
+/// average ~1e-9, so kohya's mean-keeping prompt weighting divides by about nothing (inf, NaN)
+/// where real CLIP's non-zero bias keeps it stable; tests/fixtures/kohya_prompt_reference.py
+/// gives its copy the same bias.
+pub fn with_text_ln_bias(name: &str, dir: &Path) -> PathBuf {
+    let root = dir.join(name);
+    copy_dir(&fixture(name), &root);
+    if name != "tiny-sdxl" {
+        let file = root.join("text_encoder/model.safetensors");
+        let mut w = candle_core::safetensors::load(&file, &Device::Cpu).unwrap();
+        let key = "text_model.final_layer_norm.bias";
+        let n = w[key].elem_count();
+        let bias: Vec<f32> = (0..n).map(|i| -0.1 - 0.001 * i as f32).collect();
+        w.insert(key.into(), Tensor::new(bias, &Device::Cpu).unwrap());
+        std::fs::remove_file(&file).unwrap();
+        candle_core::safetensors::save(&w, &file).unwrap();
+    }
+    root
+}
