@@ -194,12 +194,25 @@ fn a_bad_sdtrain_config_in_the_metadata_named_no_key() {
         .map(|e| e.unwrap().path())
         .find(|p| p.extension().is_some_and(|e| e == "safetensors"))
         .expect("a single file");
-    let (mut header, data) = read_st(&saved);
-    header["__metadata__"]["sdtrain.unet_config"] = serde_json::json!("[]");
-    let file = tmp.path().join("bad.safetensors");
-    write_st(&file, &header, &data);
-    let out = sdtrain(&["inspect", "--model", file.to_str().unwrap()], tmp.path());
-    assert_refused(&out, 2, &file, &["metadata `sdtrain.unet_config`"]);
+    let (header, data) = read_st(&saved);
+    // Each config the file carries; `[]` for the VAE's read as zero levels and blamed 28
+    // tensors, and for the scheduler, tokenizer and model_index passed unnoticed.
+    for key in [
+        "unet_config",
+        "vae_config",
+        "text_encoder_config",
+        "scheduler_config",
+        "tokenizer",
+        "model_index",
+    ] {
+        let mut header = header.clone();
+        header["__metadata__"][format!("sdtrain.{key}")] = serde_json::json!("[]");
+        let file = tmp.path().join(format!("bad_{key}.safetensors"));
+        write_st(&file, &header, &data);
+        let out = sdtrain(&["inspect", "--model", file.to_str().unwrap()], tmp.path());
+        let named = format!("sdtrain.{key}");
+        assert_refused(&out, 2, &file, &[&named]);
+    }
 }
 
 /// A single file without one of its tensors named the tensor by its diffusers name only, which

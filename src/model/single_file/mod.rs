@@ -445,6 +445,18 @@ impl SingleFile {
     }
 }
 
+/// What a JSON value is, for errors.
+fn json_kind(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "a list",
+        Value::Object(_) => "an object",
+    }
+}
+
 /// `sdtrain.<name>`.
 pub fn meta_key(name: &str) -> String {
     format!("{META_PREFIX}{name}")
@@ -515,7 +527,14 @@ impl Configs {
                 message,
             };
             let text = meta.get(&key).ok_or_else(|| bad("missing".into()))?;
-            serde_json::from_str(text).map_err(|e| bad(e.to_string()))
+            let value: Value = serde_json::from_str(text).map_err(|e| bad(e.to_string()))?;
+            match value.is_object() {
+                true => Ok(value),
+                false => Err(bad(format!(
+                    "is {} where a JSON object is expected",
+                    json_kind(&value)
+                ))),
+            }
         };
         let mut components = Vec::new();
         let mut tokenizers = Vec::new();
