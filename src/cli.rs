@@ -361,6 +361,8 @@ pub fn exit_code(err: &anyhow::Error) -> ExitCode {
                 .is_some_and(SourceError::is_usage)
             || e.downcast_ref::<FamilyError>()
                 .is_some_and(FamilyError::is_usage)
+            || e.downcast_ref::<crate::model::pipeline::PipelineError>()
+                .is_some_and(crate::model::pipeline::PipelineError::is_usage)
             || e.downcast_ref::<DataError>()
                 .is_some_and(data_error_is_usage)
             || e.is::<NoCommand>()

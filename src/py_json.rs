@@ -182,3 +182,16 @@ mod tests {
         assert!(from_str::<Value>("{\"a\": Inf}").is_err());
     }
 }
+
+/// What a JSON value is, for errors ("a list", "a number", …).
+pub fn kind(v: &serde_json::Value) -> &'static str {
+    use serde_json::Value;
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "a list",
+        Value::Object(_) => "an object",
+    }
+}

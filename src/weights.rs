@@ -90,6 +90,22 @@ pub enum WeightsError {
     },
 }
 
+impl WeightsError {
+    /// True when the model's files are at fault (a tensor missing or of the wrong shape, a file
+    /// that is not safetensors), not the machine reading them.
+    pub fn is_usage(&self) -> bool {
+        match self {
+            WeightsError::Missing { .. }
+            | WeightsError::Shape { .. }
+            | WeightsError::Open { .. }
+            | WeightsError::Config(_)
+            | WeightsError::NoLayout { .. }
+            | WeightsError::MixedLayout { .. } => true,
+            WeightsError::Load { .. } => false,
+        }
+    }
+}
+
 /// A candle error without its `WithPath` layers: the message already names the file, and
 /// candle's `path: "…"` would say it twice.
 fn without_path(e: candle_core::Error) -> candle_core::Error {

@@ -246,7 +246,7 @@ fn a_missing_single_file_tensor_was_named_as_diffusers_names_it() {
         candle_core::safetensors::save(&t, &file).unwrap();
         let model = file.to_str().unwrap();
         let out = sdtrain(&sample_args(model, "o.png"), tmp.path());
-        assert_refused(&out, 1, &file, names);
+        assert_refused(&out, 2, &file, names);
     }
 }
 

@@ -92,7 +92,7 @@ fn a_huge_unet_layers_per_block_aborted_on_allocation() {
     let unet = model.join("unet/config.json");
     refused(
         &train(tmp.path(), &model),
-        1,
+        2,
         &[unet.to_str().unwrap(), "`layers_per_block`", "1 to 1024"],
     );
 }
@@ -112,7 +112,7 @@ fn a_zero_vae_layers_per_block_failed_in_a_group_norm() {
     let vae = model.join("vae/config.json");
     refused(
         &sample(tmp.path(), &model),
-        1,
+        2,
         &[vae.to_str().unwrap(), "layers_per_block"],
     );
 }
@@ -133,7 +133,7 @@ fn an_sdxl_time_embed_dim_mismatch_failed_in_a_matmul() {
     let te2 = model.join("text_encoder_2/config.json");
     refused(
         &sample(tmp.path(), &model),
-        1,
+        2,
         &[
             unet.to_str().unwrap(),
             te2.to_str().unwrap(),
@@ -199,7 +199,7 @@ fn a_vocab_past_the_embedding_failed_at_the_first_prompt() {
     let tok = model.join("tokenizer");
     refused(
         &sample(tmp.path(), &model),
-        1,
+        2,
         &[te.to_str().unwrap(), tok.to_str().unwrap(), "`vocab_size`"],
     );
 }
@@ -225,4 +225,37 @@ fn a_huge_sample_size_aborted_the_first_step() {
     let out = sdtrain(&["--config", cfg.to_str().unwrap(), "--cpu"], tmp.path());
     let unet = model.join("unet/config.json");
     refused(&out, 2, &[unet.to_str().unwrap(), "`sample_size`", "4096"]);
+}
+
+/// A `model_index.json` or `special_tokens_map.json` holding a list, and a special token that is
+/// a number, were accepted (the special token silently replaced by CLIP's default), where
+/// diffusers and transformers stop on them.
+#[test]
+fn json_files_of_the_wrong_shape_were_accepted() {
+    for (rel, key) in [
+        ("model_index.json", None),
+        ("tokenizer/special_tokens_map.json", None),
+        ("tokenizer/tokenizer_config.json", Some("pad_token")),
+    ] {
+        let tmp = tempfile::tempdir().unwrap();
+        let model = match key {
+            Some(k) => model_with(tmp.path(), "tiny-sd15", rel, k, serde_json::json!(5)),
+            None => {
+                let model = tmp.path().join("model");
+                common::copy_dir(&common::fixture("tiny-sd15"), &model);
+                std::fs::write(model.join(rel), "[1, 2]").unwrap();
+                model
+            }
+        };
+        let file = model.join(rel).display().to_string();
+        let out = sample(tmp.path(), &model);
+        match key {
+            Some(k) => refused(&out, 2, &[&file, &format!("`{k}`"), "is not a token"]),
+            None => refused(
+                &out,
+                2,
+                &[&file, "holds a list where a JSON object is expected"],
+            ),
+        }
+    }
 }

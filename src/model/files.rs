@@ -104,6 +104,8 @@ pub enum FilesError {
         path: PathBuf,
         source: serde_json::Error,
     },
+    #[error("{}: holds {kind} where a JSON object is expected", path.display())]
+    NotAnObject { path: PathBuf, kind: &'static str },
 }
 
 impl FilesError {
@@ -121,7 +123,8 @@ impl FilesError {
             | FilesError::MissingShard { .. }
             | FilesError::BadVariant(_)
             | FilesError::BadSafetensors { .. }
-            | FilesError::Json { .. } => true,
+            | FilesError::Json { .. }
+            | FilesError::NotAnObject { .. } => true,
         }
     }
 
@@ -139,7 +142,8 @@ impl FilesError {
             | FilesError::BadVariant(_)
             | FilesError::BadSafetensors { .. }
             | FilesError::Io { .. }
-            | FilesError::Json { .. } => false,
+            | FilesError::Json { .. }
+            | FilesError::NotAnObject { .. } => false,
         }
     }
 
@@ -692,10 +696,17 @@ pub fn read_json(path: &Path) -> Result<Value, FilesError> {
             }
         }
     })?;
-    crate::py_json::from_str(&text).map_err(|source| FilesError::Json {
+    let value: Value = crate::py_json::from_str(&text).map_err(|source| FilesError::Json {
         path: path.to_path_buf(),
         source,
-    })
+    })?;
+    match value {
+        Value::Object(_) => Ok(value),
+        other => Err(FilesError::NotAnObject {
+            path: path.to_path_buf(),
+            kind: crate::py_json::kind(&other),
+        }),
+    }
 }
 
 /// The names of the regular files (or links to them) directly in `dir`, sorted.

@@ -46,6 +46,23 @@ pub enum PipelineError {
     },
 }
 
+impl PipelineError {
+    /// True when the model is invalid (its configs, tokenizer or weights), which exits 2 as
+    /// docs/models.md says, rather than the machine failing to read it.
+    pub fn is_usage(&self) -> bool {
+        match self {
+            PipelineError::MissingComponent { .. }
+            | PipelineError::UnetConfig(_)
+            | PipelineError::VaeConfig(_)
+            | PipelineError::ClipConfig(_)
+            | PipelineError::Misfit(_) => true,
+            PipelineError::Tokenizer(e) => !matches!(e, TokenizerError::Io { .. }),
+            PipelineError::Files(e) => e.is_usage(),
+            PipelineError::Weights { source, .. } => source.is_usage(),
+        }
+    }
+}
+
 /// How to load: the dtype weights are held in, the device, and which components are trainable
 /// (their weights become `Var`s).
 #[derive(Debug, Clone)]

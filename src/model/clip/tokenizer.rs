@@ -313,13 +313,39 @@ fn token_string(v: &Value) -> Option<String> {
 /// defaults. transformers writes a huge sentinel (`int(1e30)`) for "no limit"; that means 77.
 fn read_special_tokens(dir: &Path) -> Result<SpecialTokens, TokenizerError> {
     let cfg_path = dir.join("tokenizer_config.json");
+    let map_path = dir.join("special_tokens_map.json");
     let cfg = read_json(&cfg_path)?;
-    let map = read_json(&dir.join("special_tokens_map.json"))?;
-    let lookup = |key: &str| -> Option<String> {
-        [&cfg, &map]
-            .into_iter()
-            .flatten()
-            .find_map(|v| v.get(key).and_then(token_string))
+    let map = read_json(&map_path)?;
+    for (path, v) in [(&cfg_path, &cfg), (&map_path, &map)] {
+        if let Some(v) = v.as_ref().filter(|v| !v.is_object()) {
+            return Err(TokenizerError::Invalid {
+                path: path.clone(),
+                message: format!(
+                    "holds {} where a JSON object is expected",
+                    crate::py_json::kind(v)
+                ),
+            });
+        }
+    }
+    // A special token must be a string or `{"content": …}`, as transformers requires.
+    let lookup = |key: &str| -> Result<Option<String>, TokenizerError> {
+        for (path, v) in [(&cfg_path, &cfg), (&map_path, &map)] {
+            match v.as_ref().and_then(|v| v.get(key)) {
+                None | Some(Value::Null) => continue,
+                Some(t) => {
+                    return token_string(t)
+                        .map(Some)
+                        .ok_or_else(|| TokenizerError::Invalid {
+                            path: path.clone(),
+                            message: format!(
+                                "field `{key}`: {t} is not a token (a string, or an object with \
+                             `content`)"
+                            ),
+                        })
+                }
+            }
+        }
+        Ok(None)
     };
     let max_length = match cfg.as_ref().and_then(|c| c.get("model_max_length")) {
         None | Some(Value::Null) => DEFAULT_MAX_LENGTH,
@@ -336,10 +362,10 @@ fn read_special_tokens(dir: &Path) -> Result<SpecialTokens, TokenizerError> {
     };
     Ok(SpecialTokens {
         max_length,
-        bos: lookup("bos_token").unwrap_or_else(|| DEFAULT_BOS.to_string()),
-        eos: lookup("eos_token").unwrap_or_else(|| DEFAULT_EOS.to_string()),
-        pad: lookup("pad_token").unwrap_or_else(|| DEFAULT_EOS.to_string()),
-        unk: lookup("unk_token").unwrap_or_else(|| DEFAULT_EOS.to_string()),
+        bos: lookup("bos_token")?.unwrap_or_else(|| DEFAULT_BOS.to_string()),
+        eos: lookup("eos_token")?.unwrap_or_else(|| DEFAULT_EOS.to_string()),
+        pad: lookup("pad_token")?.unwrap_or_else(|| DEFAULT_EOS.to_string()),
+        unk: lookup("unk_token")?.unwrap_or_else(|| DEFAULT_EOS.to_string()),
     })
 }
 

@@ -445,18 +445,6 @@ impl SingleFile {
     }
 }
 
-/// What a JSON value is, for errors.
-fn json_kind(v: &Value) -> &'static str {
-    match v {
-        Value::Null => "null",
-        Value::Bool(_) => "a boolean",
-        Value::Number(_) => "a number",
-        Value::String(_) => "a string",
-        Value::Array(_) => "a list",
-        Value::Object(_) => "an object",
-    }
-}
-
 /// `sdtrain.<name>`.
 pub fn meta_key(name: &str) -> String {
     format!("{META_PREFIX}{name}")
@@ -532,7 +520,7 @@ impl Configs {
                 true => Ok(value),
                 false => Err(bad(format!(
                     "is {} where a JSON object is expected",
-                    json_kind(&value)
+                    crate::py_json::kind(&value)
                 ))),
             }
         };
