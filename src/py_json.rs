@@ -134,6 +134,19 @@ pub fn without_bom(text: &str) -> &str {
     text.strip_prefix('\u{feff}').unwrap_or(text)
 }
 
+/// What a JSON value is, for errors ("a list", "a number", …).
+pub fn kind(v: &serde_json::Value) -> &'static str {
+    use serde_json::Value;
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "a list",
+        Value::Object(_) => "an object",
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -180,18 +193,5 @@ mod tests {
         assert_eq!(v["t"], "café Infinity");
         assert!(matches!(finite(r#"{"a": 1}"#), Cow::Borrowed(_)));
         assert!(from_str::<Value>("{\"a\": Inf}").is_err());
-    }
-}
-
-/// What a JSON value is, for errors ("a list", "a number", …).
-pub fn kind(v: &serde_json::Value) -> &'static str {
-    use serde_json::Value;
-    match v {
-        Value::Null => "null",
-        Value::Bool(_) => "a boolean",
-        Value::Number(_) => "a number",
-        Value::String(_) => "a string",
-        Value::Array(_) => "a list",
-        Value::Object(_) => "an object",
     }
 }
