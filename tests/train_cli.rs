@@ -686,7 +686,8 @@ fn bad_inputs_are_reported_early_and_once() {
         "the model loaded first: {}",
         text(&out)
     );
-    // A truncated safetensors: the cause appears once, and the file once.
+    // A truncated safetensors: the cause appears once, and the file once; an invalid model
+    // exits 2 (docs/models.md).
     let model = tmp.path().join("model");
     common::copy_dir(&common::fixture("tiny-sd15"), &model);
     let unet = std::fs::read_dir(model.join("unet"))
@@ -699,7 +700,7 @@ fn bad_inputs_are_reported_early_and_once() {
     let extra = serde_json::json!({"model": model});
     let cfg = write_config(tmp.path(), "tiny-sd15", &demo_data(), extra);
     let out = sdtrain(&["--config", cfg.to_str().unwrap(), "--cpu"], tmp.path());
-    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
     let err = text(&out);
     let line = err.lines().find(|l| l.starts_with("error:")).unwrap();
     assert_eq!(line.matches("invalid header length").count(), 1, "{line}");
