@@ -86,16 +86,7 @@ impl StableDiffusion {
         if chunks <= 1 {
             return self.encode_prompts(prompts, clip_skip);
         }
-        let needed = match self.family() {
-            ModelFamily::Sd1 | ModelFamily::Sd2 => 1,
-            ModelFamily::Sdxl => 2,
-        };
-        if self.text_encoders.len() < needed {
-            candle_core::bail!(
-                "the text encoders were released (their outputs are cached); this caption was \
-                 not in the cache"
-            );
-        }
+        self.require_text_encoders()?;
         let b = prompts.len();
         match self.family() {
             ModelFamily::Sd1 | ModelFamily::Sd2 => {

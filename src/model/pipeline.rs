@@ -196,13 +196,9 @@ impl StableDiffusion {
         self.layout.family
     }
 
-    /// Tokenises and encodes `prompts`. `clip_skip` counts the final text-encoder layers skipped
-    /// beyond the family's default (0: SD1/SD2 use the last layer, SDXL the penultimate).
-    pub fn encode_prompts(
-        &self,
-        prompts: &[&str],
-        clip_skip: usize,
-    ) -> candle_core::Result<TextConditioning> {
+    /// The text encoders the family conditions on (one for SD1/SD2, two for SDXL); an error when
+    /// they were released because their outputs are cached.
+    pub fn require_text_encoders(&self) -> candle_core::Result<()> {
         let needed = match self.family() {
             ModelFamily::Sd1 | ModelFamily::Sd2 => 1,
             ModelFamily::Sdxl => 2,
@@ -213,6 +209,17 @@ impl StableDiffusion {
                  not in the cache"
             );
         }
+        Ok(())
+    }
+
+    /// Tokenises and encodes `prompts`. `clip_skip` counts the final text-encoder layers skipped
+    /// beyond the family's default (0: SD1/SD2 use the last layer, SDXL the penultimate).
+    pub fn encode_prompts(
+        &self,
+        prompts: &[&str],
+        clip_skip: usize,
+    ) -> candle_core::Result<TextConditioning> {
+        self.require_text_encoders()?;
         // Ids stay on the host: the text model reads its pooled positions from them without a
         // device sync, then uploads them.
         let ids = |te: &TextEncoder| {

@@ -97,11 +97,7 @@ fn fragments_context(
         ModelFamily::Sd1 | ModelFamily::Sd2 => 1,
         ModelFamily::Sdxl => 2,
     };
-    if sd.text_encoders.len() < encoders {
-        candle_core::bail!(
-            "the text encoders were released (their outputs are cached); this prompt was not"
-        );
-    }
+    sd.require_text_encoders()?;
     let mut parts = Vec::with_capacity(encoders);
     for index in 0..encoders {
         parts.push(encoder_context(sd, index, fragments, clip_skip)?);
