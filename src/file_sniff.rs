@@ -346,22 +346,26 @@ mod tests {
         // Through the note, with the file: a LoRA header claiming a rank of 2^31.
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("lora.safetensors");
-        let text = serde_json::json!({"m.lora_down.weight": entry("F32", serde_json::json!([2147483648u64, 2]), 0, 8)}).to_string();
-        let mut bytes = (text.len() as u64).to_le_bytes().to_vec();
-        bytes.extend_from_slice(text.as_bytes());
-        bytes.extend_from_slice(&[0; 8]);
-        std::fs::write(&path, &bytes).unwrap();
+        // A safetensors file of `header` and 8 bytes of data.
+        let write = |header: serde_json::Value| {
+            let text = header.to_string();
+            let mut bytes = (text.len() as u64).to_le_bytes().to_vec();
+            bytes.extend_from_slice(text.as_bytes());
+            bytes.extend_from_slice(&[0; 8]);
+            std::fs::write(&path, &bytes).unwrap();
+        };
+        write(
+            serde_json::json!({"m.lora_down.weight": entry("F32", serde_json::json!([2147483648u64, 2]), 0, 8)}),
+        );
         let note = safetensors_note(&path);
         assert!(
             note.starts_with("; tensor `m.lora_down.weight` of shape [2147483648, 2]"),
             "{note}"
         );
         // Offsets past the end name the tensor that ends there.
-        let text = serde_json::json!({"m.alpha": entry("F32", serde_json::json!([]), 0, 4), "m.lora_up.weight": entry("F32", serde_json::json!([2, 2]), 4, 20)}).to_string();
-        let mut bytes = (text.len() as u64).to_le_bytes().to_vec();
-        bytes.extend_from_slice(text.as_bytes());
-        bytes.extend_from_slice(&[0; 8]);
-        std::fs::write(&path, &bytes).unwrap();
+        write(
+            serde_json::json!({"m.alpha": entry("F32", serde_json::json!([]), 0, 4), "m.lora_up.weight": entry("F32", serde_json::json!([2, 2]), 4, 20)}),
+        );
         let note = safetensors_note(&path);
         assert!(
             note.contains("truncated") && note.contains("for tensor `m.lora_up.weight`"),
