@@ -73,6 +73,92 @@ pub fn py_float(v: f64) -> String {
     }
 }
 
+/// A value as Python's `json.dumps` writes it ([`PyValue::dumps`]): dicts keep their insertion
+/// order, as Python's do.
+#[derive(Debug, Clone, PartialEq)]
+pub enum PyValue {
+    None,
+    Bool(bool),
+    Int(i64),
+    Float(f64),
+    Str(String),
+    List(Vec<PyValue>),
+    Dict(Vec<(String, PyValue)>),
+}
+
+impl PyValue {
+    /// `json.dumps(value)` with its defaults: `", "` and `": "` separators, ASCII-escaped
+    /// strings, floats as `repr` writes them (`NaN` and `Infinity` for the non-finite ones).
+    pub fn dumps(&self) -> String {
+        let mut out = String::new();
+        self.write(&mut out);
+        out
+    }
+
+    fn write(&self, out: &mut String) {
+        match self {
+            PyValue::None => out.push_str("null"),
+            PyValue::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
+            PyValue::Int(i) => out.push_str(&i.to_string()),
+            PyValue::Float(f) if f.is_nan() => out.push_str("NaN"),
+            PyValue::Float(f) if f.is_infinite() => {
+                out.push_str(if *f > 0.0 { "Infinity" } else { "-Infinity" })
+            }
+            PyValue::Float(f) => out.push_str(&py_float(*f)),
+            PyValue::Str(s) => out.push_str(&json_str(s)),
+            PyValue::List(items) => {
+                out.push('[');
+                for (i, v) in items.iter().enumerate() {
+                    if i > 0 {
+                        out.push_str(", ");
+                    }
+                    v.write(out);
+                }
+                out.push(']');
+            }
+            PyValue::Dict(entries) => {
+                out.push('{');
+                for (i, (k, v)) in entries.iter().enumerate() {
+                    if i > 0 {
+                        out.push_str(", ");
+                    }
+                    out.push_str(&json_str(k));
+                    out.push_str(": ");
+                    v.write(out);
+                }
+                out.push('}');
+            }
+        }
+    }
+}
+
+/// A JSON string literal as Python's `json.dumps` writes it (`ensure_ascii`: every character
+/// outside printable ASCII as `\uXXXX`, UTF-16 surrogate pairs beyond the BMP).
+pub fn json_str(s: &str) -> String {
+    let mut out = String::with_capacity(s.len() + 2);
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            '\u{8}' => out.push_str("\\b"),
+            '\u{c}' => out.push_str("\\f"),
+            c if (c as u32) < 0x20 || (c as u32) > 0x7e => {
+                let mut buf = [0u16; 2];
+                for unit in c.encode_utf16(&mut buf) {
+                    out.push_str(&format!("\\u{unit:04x}"));
+                }
+            }
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
+}
+
 /// A boolean config field that may be null, read as Python reads it: null is false. diffusers
 /// passes a config's null to the model's constructor as `None`, which its `if` tests take for
 /// false (SDXL's `unet/config.json` holds `"upcast_attention": null`). Use with
@@ -151,6 +237,32 @@ pub fn kind(v: &serde_json::Value) -> &'static str {
 mod tests {
     use super::*;
     use serde_json::Value;
+
+    /// `PyValue::dumps` writes what Python's `json.dumps` writes for the same value (printed by
+    /// `python3 -c 'import json; print(json.dumps({...}))'`). Catches compact separators, a
+    /// non-ASCII character left raw, or Python's float repr lost.
+    #[test]
+    fn dumps_writes_what_pythons_json_writes() {
+        let v = PyValue::Dict(vec![
+            (
+                "a".into(),
+                PyValue::List(vec![
+                    PyValue::Int(1),
+                    PyValue::Float(2.5),
+                    PyValue::None,
+                    PyValue::Bool(true),
+                    PyValue::Float(1e-5),
+                    PyValue::Float(f64::INFINITY),
+                ]),
+            ),
+            ("é".into(), PyValue::Str("x\"\n\u{8}\u{7f}\u{1F600}".into())),
+            ("b".into(), PyValue::Dict(Vec::new())),
+        ]);
+        assert_eq!(
+            v.dumps(),
+            r#"{"a": [1, 2.5, null, true, 1e-05, Infinity], "\u00e9": "x\"\n\b\u007f\ud83d\ude00", "b": {}}"#
+        );
+    }
 
     /// A value of the wrong type names the key it sits under, on one line or many; a missing
     /// field or a syntax error adds nothing. Catches the key before the last one named, or a

@@ -6,6 +6,7 @@
 mod common;
 
 use common::{max_abs_diff, randn};
+use sha2::Digest;
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
@@ -109,6 +110,12 @@ fn save_load_round_trip_f16_default() {
     assert_eq!(meta["modelspec.sai_model_spec"], "1.0.0");
     let args: serde_json::Value = serde_json::from_str(&meta["ss_network_args"]).unwrap();
     assert_eq!(args["conv_dim"], "2");
+    // kohya's precalculated A1111 hash: the SHA-256 of the tensors' bytes, after the header.
+    let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let data = sha2::Sha256::digest(&bytes[8 + header_len..]);
+    let hex: String = data.iter().map(|b| format!("{b:02x}")).collect();
+    assert_eq!(meta["sshs_model_hash"], hex);
+    assert_eq!(meta["sshs_legacy_hash"].len(), 8);
     let st = SafeTensors::deserialize(&bytes).unwrap();
     assert_eq!(st.names().len(), 9);
     for (name, view) in st.tensors() {

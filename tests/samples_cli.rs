@@ -190,8 +190,13 @@ fn a_bad_prompts_file_is_refused_up_front() {
         ),
         (
             "k.toml",
-            "[prompt]\n",
-            &["k.toml: kohya's .toml prompt files are not read"][..],
+            "[prompt]\nwidth = 512\n",
+            &["k.toml: has no `[[prompt.subset]]` entry"][..],
+        ),
+        (
+            "l.toml",
+            "[prompt]\nwidth = 512\n[[prompt.subset]]\nprompt = \"a cat\"\nwidth = \"wide\"\n",
+            &["l.toml: `[[prompt.subset]]` 0 `width` is not a whole number"][..],
         ),
     ] {
         let msg = common::cli::refused_with_prompts(tmp.path(), name, prompts);
@@ -407,8 +412,8 @@ fn every_everydream2_sampler_draws_in_a_run_and_from_the_command() {
     }
 }
 
-/// A kohya sd-scripts prompts file (`.txt` with ` --` options and `#` comments, and its `.json`
-/// list) draws what kohya's options ask: size, seed, steps, guidance scale, sampler and
+/// A kohya sd-scripts prompts file (`.txt` with ` --` options and `#` comments, its `.json`
+/// list, and its `.toml` subsets over `[prompt]` defaults) draws what kohya's options ask: size, seed, steps, guidance scale, sampler and
 /// negative prompt, as each sample's `.txt` records.
 #[test]
 fn kohya_prompt_files_draw_what_their_options_ask() {
@@ -421,6 +426,12 @@ fn kohya_prompt_files_draw_what_their_options_ask() {
             "prompts.json",
             r#"[{"prompt": "a red cat", "negative_prompt": "blurry", "width": 32, "height": 48,
                 "seed": 7, "scale": 3, "sample_steps": 2, "sample_sampler": "k_euler_a"}]"#,
+        ),
+        (
+            "prompts.toml",
+            "[prompt]\nnegative_prompt = \"blurry\"\nwidth = 32\nheight = 48\nscale = 3.0\n\
+             sample_steps = 2\nsample_sampler = \"k_euler_a\"\n\n\
+             [[prompt.subset]]\nprompt = \"a red cat\"\nseed = 7\n",
         ),
     ] {
         let tmp = tempfile::tempdir().unwrap();

@@ -38,6 +38,7 @@ use candle_core::{DType, Device, Tensor};
 use half::{bf16, f16};
 use safetensors::tensor::{Dtype as StDtype, SafeTensors, TensorView, View};
 
+use super::addnet_hash::addnet_hashes;
 use super::diffusers_keys::{diffusers_key, metadata_alphas};
 use super::factors::{self, Algo, ALL_SUFFIXES, DOWN, UP};
 pub use super::kohya_meta::{py_float, KohyaBase, KohyaMetadata};
@@ -376,15 +377,24 @@ pub fn save_kohya(
             encode_values(&[m.alpha], Vec::new(), dtype)?,
         ));
     }
-    let bytes = safetensors::tensor::serialize(
-        tensors.iter().map(|(n, e)| (n.as_str(), e)),
-        Some(metadata.to_header()),
-    )
-    .map_err(|source| KohyaError::Serialize {
-        path: path.to_path_buf(),
-        source: External(source),
-    })?;
-    fsutil::write_atomic(path, bytes)?;
+    let serialize = |header: HashMap<String, String>| {
+        safetensors::tensor::serialize(tensors.iter().map(|(n, e)| (n.as_str(), e)), Some(header))
+            .map_err(|source| KohyaError::Serialize {
+                path: path.to_path_buf(),
+                source: External(source),
+            })
+    };
+    // kohya's `save_weights`: the hashes of the file as written with its `ss_*` keys alone.
+    let mut header = metadata.to_header();
+    let training: HashMap<String, String> = header
+        .iter()
+        .filter(|(k, _)| k.starts_with("ss_"))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    let (model_hash, legacy_hash) = addnet_hashes(&serialize(training)?);
+    header.insert("sshs_model_hash".to_string(), model_hash);
+    header.insert("sshs_legacy_hash".to_string(), legacy_hash);
+    fsutil::write_atomic(path, serialize(header)?)?;
     Ok(())
 }
 

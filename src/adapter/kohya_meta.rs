@@ -4,6 +4,7 @@
 //! `library/sai_model_spec.py` writes for a LoRA. LyCORIS's kohya network writes the same keys,
 //! with `ss_network_module = "lycoris.kohya"` and its `algo` in `ss_network_args`.
 
+use crate::py_json::json_str;
 pub use crate::py_json::py_float;
 use std::collections::{BTreeMap, HashMap};
 
@@ -161,30 +162,6 @@ impl KohyaMetadata {
 /// Python's `str(bool)`.
 fn py_bool(b: bool) -> String {
     if b { "True" } else { "False" }.to_string()
-}
-
-/// A JSON string literal (as Python's `json.dumps` writes it, ASCII-escaped).
-fn json_str(s: &str) -> String {
-    let mut out = String::with_capacity(s.len() + 2);
-    out.push('"');
-    for c in s.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            '\n' => out.push_str("\\n"),
-            '\r' => out.push_str("\\r"),
-            '\t' => out.push_str("\\t"),
-            c if (c as u32) < 0x20 || (c as u32) > 0x7e => {
-                let mut buf = [0u16; 2];
-                for unit in c.encode_utf16(&mut buf) {
-                    out.push_str(&format!("\\u{unit:04x}"));
-                }
-            }
-            c => out.push(c),
-        }
-    }
-    out.push('"');
-    out
 }
 
 #[cfg(test)]

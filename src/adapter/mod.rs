@@ -9,6 +9,7 @@
 //!   [`kohya_naming`], which names a loaded model's modules;
 //! - [`merge`]: folding a kohya file into a model's weights.
 
+pub mod addnet_hash;
 pub mod attach;
 pub mod diffusers_keys;
 pub mod factors;

@@ -7,7 +7,9 @@
 //!   are comments;
 //! - a `.json` file that is a list holds, per prompt, a line as above or an object with the
 //!   keys `prompt`, `negative_prompt`, `width`, `height`, `seed`, `sample_steps`, `scale` and
-//!   `sample_sampler`.
+//!   `sample_sampler`;
+//! - a `.toml` file holds a `[prompt]` table of defaults (the same keys) and one
+//!   `[[prompt.subset]]` table per prompt, each read over the defaults.
 //!
 //! Such a file's prompts are weighted as kohya's samples weight them (A1111's `(words:1.3)`,
 //! [`super::kohya_weighting`]); [`looks_like_kohya`] tells a `.txt` of kohya's from
@@ -17,6 +19,9 @@
 //! - kohya ignores an option it does not know (a prompt holding ` --` loses the rest of its
 //!   text) and falls back to DDIM for a sampler it does not know; both are errors here, naming
 //!   the line or entry;
+//! - a `[[prompt.subset]]` key that `[prompt]` also sets overrides it (kohya's
+//!   `dict(**prompt, **subset)` stops with a `TypeError`); keys outside `[prompt]` are refused
+//!   (kohya ignores them);
 //! - options for other model types (`--g` guidance for Flux, `--cn` ControlNet image, `--ctr`,
 //!   `--rcfg`, `--fs`) are refused rather than ignored;
 //! - without `--w`/`--h` a sample takes the run's resolution (kohya: 512), and a side alone
@@ -91,6 +96,53 @@ pub fn parse_list(items: &[Value]) -> Result<Vec<SamplePrompt>, String> {
                 _ => Err("is neither a prompt line nor an object".to_string()),
             }
             .map_err(|e| format!("entry {i} {e}"))
+        })
+        .collect()
+}
+
+/// The prompts of a kohya `.toml` file: each `[[prompt.subset]]` over the `[prompt]` defaults.
+pub fn parse_toml(text: &str) -> Result<Vec<SamplePrompt>, String> {
+    let table: toml::Table = toml::from_str(text).map_err(|e| format!("is not valid TOML: {e}"))?;
+    let root = serde_json::to_value(table).map_err(|e| format!("is not readable: {e}"))?;
+    let root = root.as_object().ok_or("is not a TOML table")?;
+    if let Some(k) = root.keys().find(|k| *k != "prompt") {
+        return Err(format!(
+            "has `{k}`; kohya's prompt files hold a `[prompt]` table and its \
+             `[[prompt.subset]]` entries"
+        ));
+    }
+    let defaults = match root.get("prompt") {
+        Some(Value::Object(o)) => o,
+        Some(_) => return Err("has `prompt`, which is not a table".into()),
+        None => {
+            return Err(
+                "has no `[prompt]` table; kohya's prompt files hold one, with a \
+                 `[[prompt.subset]]` entry per prompt"
+                    .into(),
+            )
+        }
+    };
+    let subsets = match defaults.get("subset") {
+        Some(Value::Array(list)) => list,
+        Some(_) => {
+            return Err("`prompt.subset` is not a list of `[[prompt.subset]]` tables".into())
+        }
+        None => return Err("has no `[[prompt.subset]]` entry (one per prompt)".into()),
+    };
+    subsets
+        .iter()
+        .enumerate()
+        .map(|(i, subset)| {
+            let Value::Object(own) = subset else {
+                return Err(format!("`prompt.subset` {i} is not a table"));
+            };
+            let mut merged: Map<String, Value> = defaults
+                .iter()
+                .filter(|(k, _)| *k != "subset")
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect();
+            merged.extend(own.iter().map(|(k, v)| (k.clone(), v.clone())));
+            parse_object(&merged).map_err(|e| format!("`[[prompt.subset]]` {i} {e}"))
         })
         .collect()
 }
@@ -281,5 +333,72 @@ mod tests {
         let bad = serde_json::json!([{"prompt": "x", "controlnet_image": "a.png"}]);
         let err = parse_list(bad.as_array().unwrap()).unwrap_err();
         assert!(err.starts_with("entry 0 has `controlnet_image`"), "{err}");
+    }
+
+    /// Each `[[prompt.subset]]` reads over the `[prompt]` defaults, as kohya's
+    /// `dict(**prompt, **subset)`. Catches the defaults dropped, a subset's own key lost to the
+    /// default, or `subset` read as a key of each prompt.
+    #[test]
+    fn a_kohya_toml_reads_subsets_over_the_defaults() {
+        let text = r#"
+# kohya's .toml prompt file
+[prompt]
+negative_prompt = "blur"
+width = 768
+height = 512
+scale = 5.5
+sample_steps = 28
+
+[[prompt.subset]]
+prompt = "a (cat:1.2)"
+seed = 3
+
+[[prompt.subset]]
+prompt = "a dog"
+sample_sampler = "k_euler"
+width = 640
+"#;
+        let ps = parse_toml(text).unwrap();
+        assert_eq!(ps.len(), 2);
+        assert_eq!(ps[0].prompt, PromptText::Text("a (cat:1.2)".into()));
+        assert_eq!(ps[0].negative_prompt, "blur");
+        assert_eq!(ps[0].size, SizeChoice::Exact(768, 512));
+        assert_eq!(ps[0].cfgs, Some(vec![5.5]));
+        assert_eq!(ps[0].steps, Some(28));
+        assert_eq!(ps[0].seed, Some(SeedChoice::Fixed(3)));
+        assert_eq!(ps[0].sampler, None);
+        assert_eq!(ps[1].size, SizeChoice::Exact(640, 512));
+        assert_eq!(ps[1].seed, None);
+        assert_eq!(ps[1].negative_prompt, "blur");
+        assert_eq!(ps[1].sampler, SamplerKind::parse("euler"));
+    }
+
+    #[test]
+    fn a_bad_kohya_toml_is_refused_with_the_reason() {
+        for (text, needle) in [
+            ("[prompt\n", "is not valid TOML"),
+            ("title = \"x\"\n[prompt]\n[[prompt.subset]]\nprompt = \"a\"\n", "has `title`"),
+            ("prompt = 3\n", "`prompt`, which is not a table"),
+            ("[other]\n", "has `other`"),
+            ("[prompt]\nwidth = 512\n", "no `[[prompt.subset]]`"),
+            ("[prompt]\nsubset = 3\n", "not a list of `[[prompt.subset]]` tables"),
+            ("[prompt]\nsubset = [3]\n", "`prompt.subset` 0 is not a table"),
+            (
+                "[prompt]\n[[prompt.subset]]\nprompt = \"a\"\n[[prompt.subset]]\nprompt = \"b\"\nheight = 0\n",
+                "`[[prompt.subset]]` 1 `height` must be positive",
+            ),
+            (
+                "[prompt]\ncontrolnet_image = \"p.png\"\n[[prompt.subset]]\nprompt = \"a\"\n",
+                "`[[prompt.subset]]` 0 has `controlnet_image`",
+            ),
+            (
+                "[prompt]\n[[prompt.subset]]\nprompt = 1979-05-27\n",
+                "`prompt` is not a string",
+            ),
+        ] {
+            let err = parse_toml(text).unwrap_err();
+            assert!(err.contains(needle), "{text:?}: {err}");
+        }
+        assert!(parse_toml("[prompt]\nsubset = []\n").unwrap().is_empty());
     }
 }

@@ -134,16 +134,11 @@ impl SampleSet {
         match ext.as_deref() {
             Some("txt") => Self::from_lines(path, &text),
             Some("json") => Self::from_json(path, &text),
-            Some("toml") => Err(PromptsError::Invalid {
-                path: path.to_path_buf(),
-                message: "kohya's .toml prompt files are not read: write the prompts as a .txt \
-                          (one per line, with kohya's --n/--w/--h/--d/--s/--l/--ss options) or a \
-                          .json"
-                    .into(),
-            }),
+            Some("toml") => Self::from_toml(path, &text),
             _ => Err(PromptsError::Invalid {
                 path: path.to_path_buf(),
-                message: "a sample prompts file must be a .txt (one prompt per line) or a .json"
+                message: "a sample prompts file must be a .txt (one prompt per line), a .json \
+                          or a .toml (kohya's)"
                     .into(),
             }),
         }
@@ -200,6 +195,23 @@ impl SampleSet {
                 .collect();
             self.filled_in = true;
         }
+    }
+
+    /// kohya's `.toml` prompt files ([`kohya_prompts::parse_toml`]), weighted as kohya's.
+    pub fn from_toml(path: &Path, text: &str) -> Result<Self, PromptsError> {
+        let bad = |message: String| PromptsError::Invalid {
+            path: path.to_path_buf(),
+            message,
+        };
+        let mut set = Self::defaults(path);
+        set.prompts = kohya_prompts::parse_toml(text).map_err(bad)?;
+        for (i, p) in set.prompts.iter_mut().enumerate() {
+            p.syntax = PromptSyntax::Kohya;
+            p.check_weighting()
+                .map_err(|m| bad(format!("`[[prompt.subset]]` {i}: {m}")))?;
+        }
+        set.fill_empty();
+        Ok(set)
     }
 
     pub fn from_json(path: &Path, text: &str) -> Result<Self, PromptsError> {
