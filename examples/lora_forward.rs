@@ -96,6 +96,8 @@ fn main() -> anyhow::Result<()> {
         factor: -1,
         init_from: Some(PathBuf::from(&args[2])),
         save_dtype: SaveDtype::Fp16,
+        training_metadata: true,
+        training_comment: None,
     };
     let adapters = attach_with(&mut sd, mode, plan, 0)?;
     sdtrain::adapter::set_training(&adapters.modules, false);

@@ -30,6 +30,8 @@ fn plan(init_from: Option<PathBuf>, save_dtype: SaveDtype) -> AdapterPlan {
         factor: -1,
         init_from,
         save_dtype,
+        training_metadata: true,
+        training_comment: None,
     }
 }
 
@@ -76,6 +78,7 @@ fn round_trip(name: &str, mode: TrainMode, dtype: SaveDtype, tol: f32) {
         text_encoder_lr: Some(5e-5),
         output_name: "lora",
         started_at: 0.0,
+        run: None,
     };
     a.save(&file, info).unwrap();
 

@@ -112,6 +112,8 @@ fn plan(init_from: PathBuf) -> AdapterPlan {
         factor: -1,
         init_from: Some(init_from),
         save_dtype: SaveDtype::Fp32,
+        training_metadata: true,
+        training_comment: None,
     }
 }
 

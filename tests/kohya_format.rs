@@ -46,6 +46,7 @@ fn metadata(base: KohyaBase) -> KohyaMetadata {
         optimizer: "AdamW".into(),
         output_name: "unit".into(),
         training_started_at: 1_700_000_000.0,
+        minimal: false,
         extra: BTreeMap::new(),
     }
 }

@@ -44,6 +44,8 @@ fn adapter_plan(dropout: f64) -> AdapterPlan {
         factor: -1,
         init_from: None,
         save_dtype: SaveDtype::Fp32,
+        training_metadata: true,
+        training_comment: None,
     }
 }
 

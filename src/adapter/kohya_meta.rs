@@ -95,9 +95,21 @@ pub struct KohyaMetadata {
     pub output_name: String,
     /// Unix time in seconds (kohya: `time.time()`).
     pub training_started_at: f64,
+    /// kohya's `--no_metadata`: only the keys loaders need ([`MINIMUM_KEYS`]) and ModelSpec's.
+    pub minimal: bool,
     /// Further header entries, written last (they may override the ones above).
     pub extra: BTreeMap<String, String>,
 }
+
+/// kohya's `SS_METADATA_MINIMUM_KEYS`: what `--no_metadata` keeps.
+pub const MINIMUM_KEYS: [&str; 6] = [
+    "ss_v2",
+    "ss_base_model_version",
+    "ss_network_module",
+    "ss_network_dim",
+    "ss_network_alpha",
+    "ss_network_args",
+];
 
 impl KohyaMetadata {
     /// The `__metadata__` map written to the file.
@@ -155,6 +167,9 @@ impl KohyaMetadata {
         .map(|(k, v)| (k.to_string(), v))
         .collect();
         m.extend(self.extra.iter().map(|(k, v)| (k.clone(), v.clone())));
+        if self.minimal {
+            m.retain(|k, _| !k.starts_with("ss_") || MINIMUM_KEYS.contains(&k.as_str()));
+        }
         m
     }
 }
@@ -215,6 +230,7 @@ mod tests {
             optimizer: "torch.optim.adamw.AdamW".into(),
             output_name: "my_lora".into(),
             training_started_at: 1700000000.5,
+            minimal: false,
             extra: BTreeMap::new(),
         };
         let h = m.to_header();

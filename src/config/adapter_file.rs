@@ -43,6 +43,13 @@ pub struct AdapterFile {
     /// Dtype of the saved file: "fp16" (default, as kohya), "bf16" or "fp32".
     #[serde(default)]
     pub save_dtype: Option<String>,
+    /// kohya's `--no_metadata`: the file records only what loaders need (the network and the
+    /// base model), not the run's settings, dataset folders and caption tags.
+    #[serde(default)]
+    pub no_metadata: Option<bool>,
+    /// kohya's `--training_comment`: free text saved in the file (`ss_training_comment`).
+    #[serde(default)]
+    pub training_comment: Option<String>,
 }
 
 /// The saved adapter file's dtype.
@@ -71,6 +78,10 @@ pub struct AdapterPlan {
     pub factor: i64,
     pub init_from: Option<PathBuf>,
     pub save_dtype: SaveDtype,
+    /// The run's settings, dataset and tags in the saved file (kohya's metadata; off with
+    /// `no_metadata`).
+    pub training_metadata: bool,
+    pub training_comment: Option<String>,
 }
 
 /// Parses the raw `adapter` value of train.json (`file` names it in errors): an object, each key
@@ -206,6 +217,8 @@ pub fn resolve_adapter(
         factor,
         init_from,
         save_dtype,
+        training_metadata: !a.no_metadata.unwrap_or(false),
+        training_comment: a.training_comment.clone(),
     })
 }
 

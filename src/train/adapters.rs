@@ -220,7 +220,7 @@ impl TrainedAdapters {
             .collect();
         let a = &self.plan;
         let (network_module, args) = network_args(self.mode, a);
-        let metadata = KohyaMetadata {
+        let mut metadata = KohyaMetadata {
             base: self.base,
             network_module: network_module.to_string(),
             network_dim: a.rank,
@@ -234,11 +234,18 @@ impl TrainedAdapters {
             num_train_images: meta.num_train_images as u64,
             resolution: (meta.resolution as u32, meta.resolution as u32),
             seed: meta.seed,
-            optimizer: "adamw".to_string(),
+            optimizer: meta.run.map_or_else(String::new, |r| r.optimizer.clone()),
             output_name: meta.output_name.to_string(),
             training_started_at: meta.started_at,
-            extra: Default::default(),
+            minimal: !a.training_metadata,
+            extra: meta.run.map(|r| r.keys.clone()).unwrap_or_default(),
         };
+        if !metadata.minimal {
+            metadata.extra.insert(
+                "ss_training_finished_at".to_string(),
+                crate::py_json::py_float(unix_now()),
+            );
+        }
         let dtype = match a.save_dtype {
             SaveDtype::Fp16 => DType::F16,
             SaveDtype::Bf16 => DType::BF16,
@@ -282,6 +289,13 @@ fn network_args(mode: AdapterMode, a: &AdapterPlan) -> (&'static str, Vec<(Strin
     (module, args)
 }
 
+/// Seconds since the Unix epoch (kohya's `time.time()`).
+fn unix_now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
 /// The run facts a saved adapter file records.
 pub struct SaveInfo<'a> {
     pub steps: usize,
@@ -293,4 +307,6 @@ pub struct SaveInfo<'a> {
     pub text_encoder_lr: Option<f64>,
     pub output_name: &'a str,
     pub started_at: f64,
+    /// The run's kohya metadata: `ss_optimizer` and the rest of kohya's keys (none without).
+    pub run: Option<&'a super::kohya_run_metadata::KohyaRunMetadata>,
 }

@@ -16,6 +16,7 @@ mod fused_step;
 #[cfg(test)]
 mod fused_tests;
 pub mod interrupt;
+pub mod kohya_run_metadata;
 pub mod latent_cache;
 mod latent_exchange;
 pub mod log;

@@ -44,7 +44,10 @@ pub(super) struct Saver<'a> {
     pub adapters: Option<&'a TrainedAdapters>,
     pub run: &'a RunDir,
     pub resolution: usize,
+    /// Samples per epoch, repeats counted (kohya's `num_train_images`).
     pub images: usize,
+    /// The run's kohya metadata for adapter files.
+    pub kohya: Option<&'a super::kohya_run_metadata::KohyaRunMetadata>,
     pub started_unix: f64,
     pub seed: u64,
     /// The EMA copy, whose weights each save also writes (under [`EMA_SUFFIX`]).
@@ -210,6 +213,7 @@ impl Saver<'_> {
             text_encoder_lr: groups.get(1).map(|g| g.base_lr),
             output_name: &name,
             started_at: self.started_unix,
+            run: self.kohya,
         };
         adapters
             .save(&path, info)

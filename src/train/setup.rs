@@ -15,6 +15,7 @@ use super::data_feed::{self, DataFeed};
 use super::data_parallel::RankLink;
 use super::ema::Ema;
 use super::interrupt::Interrupt;
+use super::kohya_run_metadata::{KohyaRunMetadata, RunFacts};
 use super::log::RunLog;
 use super::loss_stats::Smoothed;
 use super::micro_batch::MicroBatching;
@@ -162,8 +163,34 @@ impl<'a> Session<'a> {
                 reloaded: None,
             },
         };
+        if follower.is_none() && plan.mode.is_adapter() {
+            session.outputs.kohya = Some(session.kohya_metadata(steps_per_epoch, total_steps)?);
+        }
         session.start_extras(resume_from)?;
         Ok(session)
+    }
+
+    /// The run's kohya metadata for its adapter files ([`KohyaRunMetadata`]).
+    fn kohya_metadata(
+        &self,
+        steps_per_epoch: usize,
+        total_steps: usize,
+    ) -> anyhow::Result<KohyaRunMetadata> {
+        let validation = self.extras.validation.as_ref();
+        let facts = RunFacts {
+            plan: self.plan,
+            items: &self.feed.dataset.items,
+            buckets: &self.feed.buckets,
+            amp: self.model.amp,
+            checkpointing: self.model.checkpointing.is_some(),
+            steps_per_epoch,
+            total_steps,
+            world: self.opt.dist.as_ref().map_or(1, |l| l.world()),
+            validation_images: validation.map_or(0, |v| v.sets.iter().map(|s| s.items.len()).sum()),
+            session_id: rand::random(),
+        };
+        KohyaRunMetadata::of(&facts)
+            .with_context(|| format!("hashing the base model {}", self.plan.model))
     }
 
     /// Restores the save point, if any, then starts the EMA, the samples and the caches.
@@ -448,6 +475,7 @@ fn open_outputs(
         started_unix,
         caches: Vec::new(),
         _scratch: None,
+        kohya: None,
     })
 }
 
@@ -465,6 +493,7 @@ fn follower_outputs(rank: usize, started: Instant) -> anyhow::Result<Outputs> {
         started_unix: 0.0,
         caches: Vec::new(),
         _scratch: Some(scratch),
+        kohya: None,
     })
 }
 

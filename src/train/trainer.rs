@@ -110,6 +110,8 @@ pub(super) struct Outputs {
     pub caches: Vec<String>,
     /// A data-parallel follower's scratch folder (its log), removed with it.
     pub _scratch: Option<super::data_parallel::ScratchDir>,
+    /// What adapter files record of the run (kohya's metadata), on the rank that saves.
+    pub kohya: Option<super::kohya_run_metadata::KohyaRunMetadata>,
 }
 
 /// Where the run is in its data.
@@ -743,7 +745,8 @@ impl Session<'_> {
             adapters: self.model.adapters.as_ref(),
             run: &self.outputs.run,
             resolution: self.model.resolution,
-            images: self.feed.dataset.items.len(),
+            images: self.feed.dataset.epoch_len(),
+            kohya: self.outputs.kohya.as_ref(),
             started_unix: self.outputs.started_unix,
             seed: self.pos.seed,
             ema: self.extras.ema.as_ref(),

@@ -213,6 +213,8 @@ pub fn lycoris_plan(
         factor: -1,
         init_from,
         save_dtype,
+        training_metadata: true,
+        training_comment: None,
     }
 }
 
@@ -237,6 +239,7 @@ pub fn write_random_adapter(
         text_encoder_lr: None,
         output_name: "sdtrain",
         started_at: 0.0,
+        run: None,
     };
     a.save(path, info).unwrap();
 }
