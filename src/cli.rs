@@ -47,7 +47,7 @@ pub enum Command {
     Inspect(InspectArgs),
     /// Draw images from a model (optionally with LoRA/LoCon files merged in), with the samplers
     /// a run's samples use.
-    Sample(crate::sample::command::SampleArgs),
+    Sample(Box<crate::sample::command::SampleArgs>),
 }
 
 #[derive(Debug, Clone, Args)]

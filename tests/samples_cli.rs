@@ -454,3 +454,109 @@ fn kohya_prompt_files_draw_what_their_options_ask() {
         );
     }
 }
+
+/// `sdtrain sample --prompts FILE` draws a prompts file as a run's round draws it: each prompt
+/// at its own size, seed, steps, sampler and scales, into `--out-dir` with its `.txt` and a grid.
+/// A prompt drawn from the file equals the same prompt drawn with `--prompt` and the same
+/// settings. Catches a file setting ignored (size, seed, sampler, scale) or the images misnamed.
+#[test]
+fn sample_command_draws_a_prompts_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = common::fixture("tiny-sd15").display().to_string();
+    std::fs::write(
+        tmp.path().join("p.toml"),
+        "[prompt]\nsample_steps = 2\nscale = 3.0\nsample_sampler = \"k_euler_a\"\n\n\
+         [[prompt.subset]]\nprompt = \"a red cat\"\nwidth = 32\nheight = 48\nseed = 7\n\n\
+         [[prompt.subset]]\nprompt = \"a (blue:1.2) dog\"\nwidth = 40\nheight = 32\n",
+    )
+    .unwrap();
+    let args = [
+        "sample",
+        "--model",
+        &model,
+        "--prompts",
+        "p.toml",
+        "--out-dir",
+        "s",
+        "--cpu",
+    ];
+    let out = sdtrain(&args, tmp.path());
+    assert!(out.status.success(), "{}", text(&out));
+    let s = tmp.path().join("s");
+    assert_eq!(
+        names(&s),
+        [
+            "gs00000-000-a_red_cat.png",
+            "gs00000-000-a_red_cat.txt",
+            "gs00000-001-a_blue12_dog.png",
+            "gs00000-001-a_blue12_dog.txt",
+            "gs00000-grid.png"
+        ]
+    );
+    assert_eq!(dims(&s.join("gs00000-001-a_blue12_dog.png")), (40, 32));
+    let txt = std::fs::read_to_string(s.join("gs00000-001-a_blue12_dog.txt")).unwrap();
+    assert!(txt.contains("seed: 555\n"), "the --seed default: {txt}");
+    let from_file = image::open(s.join("gs00000-000-a_red_cat.png"))
+        .unwrap()
+        .to_rgb8();
+    let single = [
+        "sample",
+        "--model",
+        &model,
+        "--prompt",
+        "a red cat",
+        "--prompt-syntax",
+        "kohya",
+        "--seed",
+        "7",
+        "--width",
+        "32",
+        "--height",
+        "48",
+        "--steps",
+        "2",
+        "--cfg",
+        "3",
+        "--sampler",
+        "euler_a",
+        "--out",
+        "one.png",
+        "--cpu",
+    ];
+    let out = sdtrain(&single, tmp.path());
+    assert!(out.status.success(), "{}", text(&out));
+    let one = image::open(tmp.path().join("one.png")).unwrap().to_rgb8();
+    assert_eq!(from_file, one, "the file's prompt drew another image");
+
+    // A flag the file decides, and a file with a random training caption, are refused.
+    let out = sdtrain(
+        &[
+            "sample",
+            "--model",
+            &model,
+            "--prompts",
+            "p.toml",
+            "--steps",
+            "3",
+            "--cpu",
+        ],
+        tmp.path(),
+    );
+    assert!(!out.status.success());
+    assert!(text(&out).contains("--steps"), "{}", text(&out));
+    std::fs::write(
+        tmp.path().join("r.json"),
+        r#"{"samples": [{"random_caption": true}]}"#,
+    )
+    .unwrap();
+    let out = sdtrain(
+        &["sample", "--model", &model, "--prompts", "r.json", "--cpu"],
+        tmp.path(),
+    );
+    assert!(!out.status.success());
+    assert!(
+        text(&out).contains("r.json: samples[0] asks for a random training caption"),
+        "{}",
+        text(&out)
+    );
+}

@@ -6,10 +6,13 @@ use std::path::{Path, PathBuf};
 use anyhow::Context;
 use candle_core::{DType, Device};
 use clap::Args;
+use rand::rngs::StdRng;
+use rand::SeedableRng;
 
 use super::generate::{zero_empty_negative, PromptConds, SampleRequest, UnetRun};
 use super::image_out;
-use super::prompts::PromptSyntax;
+use super::jobs::{self, PromptImages};
+use super::prompts::{PromptSyntax, PromptText, SampleSet};
 use super::sampler::SamplerKind;
 use super::scheduler_config::SchedulerConfig;
 use crate::adapter::kohya_file::load_kohya;
@@ -43,8 +46,26 @@ pub struct SampleArgs {
     pub lora_scale: f64,
     /// The prompt, with compel's weighting as EveryDream2's samples read it: `word+`, `word-`,
     /// `(some words)1.3`, `("a", "b").blend(0.7, 0.3)`.
-    #[arg(long)]
-    pub prompt: String,
+    #[arg(long, required_unless_present = "prompts")]
+    pub prompt: Option<String>,
+    /// A sample prompts file instead of `--prompt`, read as a run's `sample_prompts` reads it
+    /// (EveryDream2's .json or .txt; kohya sd-scripts' .txt with `--n`/`--w`/`--h`/`--d`/`--s`/
+    /// `--l`/`--ss` options, its .json list or its .toml, like kohya's `gen_img.py
+    /// --from_file`). Each prompt is drawn at its own size, seed, steps, sampler and guidance
+    /// scales (the file's defaults where it sets none); the images, their .txt and a grid go to
+    /// `--out-dir`.
+    #[arg(
+        long,
+        value_name = "FILE",
+        conflicts_with_all = [
+            "prompt", "negative_prompt", "prompt_syntax", "steps", "cfg", "sampler", "width",
+            "height", "count", "out",
+        ]
+    )]
+    pub prompts: Option<PathBuf>,
+    /// With `--prompts`: the folder the images go to.
+    #[arg(long, value_name = "DIR", default_value = "samples")]
+    pub out_dir: PathBuf,
     /// The negative prompt, read as `--prompt`.
     #[arg(long, default_value = "")]
     pub negative_prompt: String,
@@ -152,7 +173,14 @@ pub fn run(args: &SampleArgs) -> anyhow::Result<Vec<PathBuf>> {
             args.lora_scale
         );
     }
-    let prompt_syntax = prompt_syntax(args)?;
+    let set = match &args.prompts {
+        Some(file) => Some(SampleSet::read(file)?),
+        None => None,
+    };
+    let prompt_syntax = match &args.prompt {
+        Some(prompt) => prompt_syntax(args, prompt)?,
+        None => PromptSyntax::Compel,
+    };
     let request = match (args.cpu, args.device) {
         (true, _) => crate::memory::DeviceRequest::Cpu,
         (false, Some(d)) => d,
@@ -165,9 +193,24 @@ pub fn run(args: &SampleArgs) -> anyhow::Result<Vec<PathBuf>> {
         DType::BF16
     });
     let sd = load_model(args, &device, dtype)?;
+    match (&set, &args.prompt) {
+        (Some(set), _) => draw_file(args, &sd, dtype, set),
+        (None, Some(prompt)) => draw_prompt(args, &sd, dtype, prompt, prompt_syntax),
+        (None, None) => anyhow::bail!("give --prompt or --prompts"),
+    }
+}
+
+/// `--prompt`: `--count` images with seeds `--seed`, `--seed` + 1, ….
+fn draw_prompt(
+    args: &SampleArgs,
+    sd: &StableDiffusion,
+    dtype: DType,
+    prompt: &str,
+    prompt_syntax: PromptSyntax,
+) -> anyhow::Result<Vec<PathBuf>> {
     let native = sd.layout.native_resolution;
     let req0 = SampleRequest {
-        prompt: args.prompt.clone(),
+        prompt: prompt.to_string(),
         negative_prompt: args.negative_prompt.clone(),
         seed: args.seed,
         width: args.width.unwrap_or(native),
@@ -177,19 +220,19 @@ pub fn run(args: &SampleArgs) -> anyhow::Result<Vec<PathBuf>> {
         guidance_rescale: args.guidance_rescale,
         sampler: args.sampler,
     };
-    super::generate::check_size(&sd, &req0).map_err(anyhow::Error::msg)?;
+    super::generate::check_size(sd, &req0).map_err(anyhow::Error::msg)?;
     let scheduler = SchedulerConfig::from_layout(&sd.layout)?;
     let sampler = args
         .sampler
         .build(&scheduler, args.steps)
         .map_err(anyhow::Error::msg)?;
     let conds = PromptConds::encode(
-        &sd,
+        sd,
         &req0.prompt,
         &req0.negative_prompt,
         req0.guided(),
         args.clip_skip,
-        zero_empty_negative(&sd),
+        zero_empty_negative(sd),
         prompt_syntax,
     )?;
     let run = UnetRun {
@@ -204,8 +247,8 @@ pub fn run(args: &SampleArgs) -> anyhow::Result<Vec<PathBuf>> {
             seed: args.seed + i as u64,
             ..req0.clone()
         };
-        let image = super::generate(&sd, vae, run, sampler.as_ref(), &conds, &req)
-            .map_err(|e| explain_nonfinite(e, &sd, args))?;
+        let image = super::generate(sd, vae, run, sampler.as_ref(), &conds, &req)
+            .map_err(|e| explain_nonfinite(e, sd, args))?;
         let path = out_path(&args.out, i, args.count);
         image_out::write_png(&path, &image_out::to_rgb(&image)?)?;
         eprintln!(
@@ -222,6 +265,78 @@ pub fn run(args: &SampleArgs) -> anyhow::Result<Vec<PathBuf>> {
         written.push(path);
     }
     Ok(written)
+}
+
+/// `--prompts`: every prompt of `set` at its own settings, written as a run writes a round of
+/// samples (per prompt its guidance scales side by side and a `.txt`, then a grid). A prompt
+/// without a seed takes `--seed`; a random seed is drawn from `--seed`.
+fn draw_file(
+    args: &SampleArgs,
+    sd: &StableDiffusion,
+    dtype: DType,
+    set: &SampleSet,
+) -> anyhow::Result<Vec<PathBuf>> {
+    let file = set.path.display();
+    if set.filled_in {
+        anyhow::bail!(
+            "{file} lists no prompts (a run draws random training captions then; `sdtrain \
+             sample` has no training set)"
+        );
+    }
+    if let Some(i) = set
+        .prompts
+        .iter()
+        .position(|p| p.prompt == PromptText::RandomCaption)
+    {
+        anyhow::bail!(
+            "{file}: samples[{i}] asks for a random training caption; `sdtrain sample` has no \
+             training set: give it a prompt"
+        );
+    }
+    let align = sd.vae_scale << sd.unet.config.num_downsamples();
+    let native = sd.layout.native_resolution;
+    let mut jobs = jobs::resolve(set, args.seed, native, align, &[]).map_err(anyhow::Error::msg)?;
+    for job in &mut jobs {
+        job.guidance_rescale = args.guidance_rescale;
+    }
+    let scheduler = SchedulerConfig::from_layout(&sd.layout)?;
+    let zero_negative = zero_empty_negative(sd);
+    let run = UnetRun {
+        dtype,
+        batch_halves: true,
+    };
+    let vae = sd.vae()?;
+    let mut rng = StdRng::seed_from_u64(args.seed);
+    let mut round = Vec::with_capacity(jobs.len());
+    for job in &jobs {
+        let started = std::time::Instant::now();
+        let seed = job.seed_for_round(&mut rng);
+        let conds = job.encode(sd, args.clip_skip, zero_negative)?;
+        let images = job
+            .draw(sd, vae, run, &scheduler, &conds, seed)
+            .map_err(|e| explain_nonfinite(e, sd, args))
+            .with_context(|| format!("{file}: prompt {} `{}`", job.index, job.prompt))?;
+        eprintln!(
+            "prompt {} (seed {seed}, {}x{}, {} {} steps, cfg {}): {:.2}s",
+            job.index,
+            job.width,
+            job.height,
+            job.sampler,
+            job.steps,
+            job.cfgs
+                .iter()
+                .map(|c| c.to_string())
+                .collect::<Vec<_>>()
+                .join(", "),
+            started.elapsed().as_secs_f64()
+        );
+        round.push(PromptImages { job, seed, images });
+    }
+    let files = jobs::write_round(&args.out_dir, 0, "", &round)?;
+    if let Some(grid) = files.paths.last() {
+        eprintln!("{} prompts drawn into {}", jobs.len(), grid.display());
+    }
+    Ok(files.paths)
 }
 
 /// A sample that came out NaN or Inf, with its likely cause: a tensor of the model's own files
@@ -295,8 +410,8 @@ fn merge_loras(sd: &mut StableDiffusion, args: &SampleArgs, device: &Device) -> 
 
 /// The syntax `--prompt` and `--negative-prompt` are read in (`--prompt-syntax`, else kohya's
 /// when one holds A1111's `(words:weight)`), checked against both.
-fn prompt_syntax(args: &SampleArgs) -> anyhow::Result<PromptSyntax> {
-    let a1111 = [&args.prompt, &args.negative_prompt]
+fn prompt_syntax(args: &SampleArgs, prompt: &str) -> anyhow::Result<PromptSyntax> {
+    let a1111 = [prompt, args.negative_prompt.as_str()]
         .iter()
         .any(|t| super::a1111_syntax::has_explicit_weight(t));
     let prompt_syntax = match (args.prompt_syntax, a1111) {
@@ -311,8 +426,8 @@ fn prompt_syntax(args: &SampleArgs) -> anyhow::Result<PromptSyntax> {
         (None, false) => PromptSyntax::Compel,
     };
     for (flag, text) in [
-        ("--prompt", &args.prompt),
-        ("--negative-prompt", &args.negative_prompt),
+        ("--prompt", prompt),
+        ("--negative-prompt", args.negative_prompt.as_str()),
     ] {
         super::prompts::check_syntax(prompt_syntax, text).map_err(|e| {
             let syntax = match prompt_syntax {

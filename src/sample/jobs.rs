@@ -6,11 +6,14 @@ use std::path::{Path, PathBuf};
 use image::RgbImage;
 use rand::Rng;
 
-use super::generate::SampleRequest;
+use super::generate::{PromptConds, SampleRequest, UnetRun};
 use super::image_out::{self, file_part, WriteError};
 use super::prompts::{PromptSyntax, PromptText, SamplePrompt, SampleSet, SeedChoice, SizeChoice};
 use super::sampler::SamplerKind;
+use super::scheduler_config::SchedulerConfig;
 use crate::data::bucket::{aspect_buckets, nearest_bucket};
+use crate::model::pipeline::StableDiffusion;
+use crate::model::vae::AutoencoderKL;
 
 /// One prompt of the file, resolved.
 #[derive(Debug, Clone, PartialEq)]
@@ -48,6 +51,52 @@ impl PromptJob {
                 sampler: self.sampler,
             })
             .collect()
+    }
+
+    /// Its conditioning, with the negative half whenever any of its scales guides.
+    pub fn encode(
+        &self,
+        sd: &StableDiffusion,
+        clip_skip: usize,
+        zero_negative: bool,
+    ) -> candle_core::Result<PromptConds> {
+        let guided = self.cfgs.iter().any(|&c| c > 1.0);
+        PromptConds::encode(
+            sd,
+            &self.prompt,
+            &self.negative_prompt,
+            guided,
+            clip_skip,
+            zero_negative,
+            self.syntax,
+        )
+    }
+
+    /// Its images with `seed` and its conditioning `conds` ([`Self::encode`]): one per guidance
+    /// scale, left to right.
+    pub fn draw(
+        &self,
+        sd: &StableDiffusion,
+        vae: &AutoencoderKL,
+        run: UnetRun,
+        scheduler: &SchedulerConfig,
+        conds: &PromptConds,
+        seed: u64,
+    ) -> anyhow::Result<Vec<RgbImage>> {
+        let mut images = Vec::with_capacity(self.cfgs.len());
+        for req in self.requests(seed) {
+            let sampler = req
+                .sampler
+                .build(scheduler, req.steps)
+                .map_err(anyhow::Error::msg)?;
+            let conds = PromptConds {
+                cond: conds.cond.clone(),
+                uncond: conds.uncond.clone().filter(|_| req.guided()),
+            };
+            let image = super::generate(sd, vae, run, sampler.as_ref(), &conds, &req)?;
+            images.push(image_out::to_rgb(&image)?);
+        }
+        Ok(images)
     }
 
     /// The seed of this round: the fixed one, or a fresh draw.

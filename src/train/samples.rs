@@ -32,7 +32,7 @@ use crate::nn::Checkpointing;
 use crate::precision::Amp;
 use crate::sample::generate::{zero_empty_negative, PromptConds, UnetRun};
 use crate::sample::jobs::{self, PromptImages, PromptJob, RoundFiles};
-use crate::sample::{image_out, SchedulerConfig};
+use crate::sample::SchedulerConfig;
 use crate::tensorboard::EventWriter;
 
 /// The run's sampling state.
@@ -92,7 +92,10 @@ impl TrainingSamples {
             true => None,
             false => Some(
                 jobs.iter()
-                    .map(|j| encode(sd, j, clip_skip, zero_negative)?.to_device(&Device::Cpu))
+                    .map(|j| {
+                        j.encode(sd, clip_skip, zero_negative)?
+                            .to_device(&Device::Cpu)
+                    })
                     .collect::<candle_core::Result<Vec<_>>>()?,
             ),
         };
@@ -168,21 +171,9 @@ impl TrainingSamples {
             let seed = job.seed_for_round(&mut self.rng);
             let conds = match &self.conds {
                 Some(c) => c[i].clone(),
-                None => encode(sd, job, self.clip_skip, self.zero_negative)?,
+                None => job.encode(sd, self.clip_skip, self.zero_negative)?,
             };
-            let mut images = Vec::with_capacity(job.cfgs.len());
-            for req in job.requests(seed) {
-                let sampler = req
-                    .sampler
-                    .build(&self.scheduler, req.steps)
-                    .map_err(anyhow::Error::msg)?;
-                let conds = PromptConds {
-                    cond: conds.cond.clone(),
-                    uncond: conds.uncond.clone().filter(|_| req.guided()),
-                };
-                let image = crate::sample::generate(sd, vae, run, sampler.as_ref(), &conds, &req)?;
-                images.push(image_out::to_rgb(&image)?);
-            }
+            let images = job.draw(sd, vae, run, &self.scheduler, &conds, seed)?;
             round.push(PromptImages { job, seed, images });
         }
         Ok(jobs::write_round(&self.dir, step, label, &round)?)
@@ -328,23 +319,4 @@ fn skip_on_oom(
         oom.detail
     ));
     Ok(())
-}
-
-/// A job's conditioning, with the negative half whenever any of its scales guides.
-fn encode(
-    sd: &StableDiffusion,
-    job: &PromptJob,
-    clip_skip: usize,
-    zero_negative: bool,
-) -> candle_core::Result<PromptConds> {
-    let guided = job.cfgs.iter().any(|&c| c > 1.0);
-    PromptConds::encode(
-        sd,
-        &job.prompt,
-        &job.negative_prompt,
-        guided,
-        clip_skip,
-        zero_negative,
-        job.syntax,
-    )
 }
