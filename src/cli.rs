@@ -11,7 +11,7 @@ use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 
 use std::io::IsTerminal;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use candle_core::Device;
 
@@ -80,9 +80,11 @@ pub struct TrainArgs {
 
 #[derive(Debug, Args)]
 pub struct InspectArgs {
-    /// A diffusers pipeline folder, or a Hugging Face repo id `org/name[@revision]` (read from the
-    /// hub cache; set HF_HUB_OFFLINE=1 to never use the network).
-    #[arg(long, value_name = "HUB_ID[@REV]|FOLDER")]
+    /// A diffusers pipeline folder, a Hugging Face repo id `org/name[@revision]` (read from the
+    /// hub cache; set HF_HUB_OFFLINE=1 to never use the network), a single-file checkpoint, or
+    /// an adapter file (kohya's, LyCORIS's or diffusers' LoRA): its type, modules, ranks and
+    /// what its header records of the training.
+    #[arg(long, value_name = "HUB_ID[@REV]|FOLDER|FILE")]
     pub model: String,
     /// Prefer weight files of this variant (e.g. `fp16`) where the model has them.
     #[arg(long, value_name = "NAME")]
@@ -104,6 +106,13 @@ pub struct NoCommand;
 pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
         Some(Command::Inspect(args)) => {
+            let path = Path::new(&args.model);
+            if path.is_file() && crate::inspect_adapter::is_adapter_file(path) {
+                let report = crate::inspect_adapter::inspect_adapter(path)
+                    .with_context(|| format!("cannot inspect `{}`", args.model))?;
+                print_stdout(&report)?;
+                return Ok(ExitCode::SUCCESS);
+            }
             let report = ModelSource::parse(&args.model)
                 .map_err(InspectError::from)
                 .and_then(|source| {

@@ -18,6 +18,7 @@ pub mod error_chain;
 pub mod file_sniff;
 pub mod fsutil;
 pub mod inspect;
+pub mod inspect_adapter;
 #[cfg(test)]
 pub(crate) mod kernel_emu;
 pub mod memory;

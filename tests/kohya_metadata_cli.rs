@@ -152,11 +152,32 @@ fn a_lora_file_carries_kohyas_training_metadata() {
     let started: f64 = meta["ss_training_started_at"].parse().unwrap();
     let finished: f64 = meta["ss_training_finished_at"].parse().unwrap();
     assert!(finished >= started, "{started} {finished}");
+    // `sdtrain inspect` on the file reads it back as A1111's card would.
+    let file = run_folder(tmp.path()).join("sdtrain.safetensors");
+    let out = sdtrain(&["inspect", "--model", file.to_str().unwrap()], tmp.path());
+    assert!(out.status.success(), "{}", text(&out));
+    let report = String::from_utf8_lossy(&out.stdout).to_string();
+    for line in [
+        "type           LoRA (network module networks.lora)\n",
+        "base model     sd_v1\n",
+        "trained on     tiny-sd15\n",
+        "tags           ted bennet (3), a man (2), outdoors (1), smiling (1), watercolor (1)\n",
+        "folders        style/water: 1 images ×1, ted: 2 images ×3\n",
+        "comment        for ted\n",
+    ] {
+        assert!(report.contains(line), "{line:?} not in\n{report}");
+    }
+    assert!(report.contains("unet           "), "{report}");
+    assert!(report.contains("modules, rank 2\n"), "{report}");
     // A1111's hash of the tensors, precalculated as kohya does.
     let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
     let digest = sha2::Sha256::digest(&bytes[8 + header_len..]);
     let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
     assert_eq!(meta["sshs_model_hash"], hex);
+    assert!(
+        report.contains(&format!("A1111 hash     {hex}\n")),
+        "{report}"
+    );
 }
 
 /// `adapter.no_metadata` (kohya's `--no_metadata`) keeps what loaders need and nothing of the

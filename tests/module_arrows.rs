@@ -7,7 +7,7 @@
 //!
 //! ```text
 //! cli, main         the command line
-//! inspect           `sdtrain inspect`
+//! inspect, inspect_adapter   `sdtrain inspect` (models, adapter files)
 //! train             the run
 //! config            train.json → the plan
 //! sample            sampling (during a run and `sdtrain sample`)
@@ -29,7 +29,7 @@ use std::path::{Path, PathBuf};
 /// The layers, top first. A module may import from any later layer.
 const LAYERS: &[&[&str]] = &[
     &["cli", "main"],
-    &["inspect"],
+    &["inspect", "inspect_adapter"],
     &["train"],
     &["config"],
     &["sample"],
