@@ -48,6 +48,9 @@ pub enum Command {
     /// Draw images from a model (optionally with LoRA/LoCon files merged in), with the samplers
     /// a run's samples use.
     Sample(Box<crate::sample::command::SampleArgs>),
+    /// Extract a kohya LoRA (or LoCon) from the difference between a base model and a model
+    /// fine-tuned from it, as kohya sd-scripts' extract_lora_from_models.py does.
+    ExtractLora(Box<crate::adapter::extract_command::ExtractArgs>),
 }
 
 #[derive(Debug, Clone, Args)]
@@ -128,6 +131,10 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Some(Command::Sample(args)) => {
             crate::sample::command::run(&args)?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Some(Command::ExtractLora(args)) => {
+            crate::adapter::extract_command::run(&args)?;
             Ok(ExitCode::SUCCESS)
         }
         Some(Command::Train(args)) => run_train(&args),

@@ -21,6 +21,7 @@ pub mod inspect;
 pub mod inspect_adapter;
 #[cfg(test)]
 pub(crate) mod kernel_emu;
+pub mod linalg;
 pub mod memory;
 pub mod model;
 pub mod nn;

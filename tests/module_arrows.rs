@@ -15,7 +15,7 @@
 //! model             UNet, text encoders, VAE, loading
 //! nn, optim, memory
 //! weights, tensorboard, dist                    leaves built on the leaves below
-//! fsutil, tensor_view, kernel_emu, precision, run_layout, error_chain, console    leaves
+//! fsutil, tensor_view, kernel_emu, precision, run_layout, error_chain, console, linalg   leaves
 //! ```
 //!
 //! Modules in the same layer do not import each other: a module that needs a sibling belongs in
@@ -48,6 +48,7 @@ const LAYERS: &[&[&str]] = &[
         "error_chain",
         "console",
         "py_json",
+        "linalg",
     ],
 ];
 

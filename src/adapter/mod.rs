@@ -12,6 +12,8 @@
 pub mod addnet_hash;
 pub mod attach;
 pub mod diffusers_keys;
+pub mod extract;
+pub mod extract_command;
 pub mod factors;
 pub mod kohya_file;
 pub mod kohya_meta;
@@ -53,9 +55,13 @@ pub fn set_training(modules: &[Arc<LoraModule>], on: bool) {
 /// How kohya files name this model's modules: diffusers paths for SD1/SD2, LDM block names laid
 /// out from the UNet's own config for SDXL.
 pub fn kohya_naming(sd: &StableDiffusion) -> KohyaNaming {
-    match sd.family() {
+    kohya_naming_for(sd.family(), &sd.unet.config)
+}
+
+/// [`kohya_naming`] for a model not loaded: its family and UNet config.
+pub fn kohya_naming_for(family: ModelFamily, cfg: &crate::model::unet::UnetConfig) -> KohyaNaming {
+    match family {
         ModelFamily::Sdxl => {
-            let cfg = &sd.unet.config;
             let layers = cfg.down_blocks.first().map_or(2, |b| b.layers);
             let attention: Vec<bool> = cfg
                 .down_blocks

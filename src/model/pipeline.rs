@@ -340,6 +340,25 @@ pub fn load_vae(
     AutoencoderKL::new(&w, &cfg).map_err(|e| wrap(files, e))
 }
 
+/// A component's frozen weights, read lazily (memory-mapped) in `dtype` on `device`: for code
+/// that reads tensors by name without building the model.
+pub fn component_weights(
+    files: &ComponentFiles,
+    dtype: DType,
+    device: &Device,
+) -> Result<Weights, PipelineError> {
+    let opts = LoadOptions {
+        dtype,
+        vae_dtype: None,
+        device: device.clone(),
+        train_unet: false,
+        train_text_encoders: false,
+        fp8_base: false,
+        trained_dtype: dtype,
+    };
+    weights(files, &opts, false)
+}
+
 fn weights(
     files: &ComponentFiles,
     opts: &LoadOptions,
