@@ -78,11 +78,9 @@ fn tred2(v: &mut [Vec<f64>], d: &mut [f64], e: &mut [f64]) {
             for j in 0..i {
                 f = d[j];
                 v[i][j] = f;
-                g = e[j] + v[j][j] * f;
-                for k in j + 1..i {
-                    g += v[j][k] * d[k];
-                    e[k] += v[j][k] * f;
-                }
+                let row = &v[j][j + 1..i];
+                g = e[j] + v[j][j] * f + dot(row, &d[j + 1..i]);
+                axpy(f, row, &mut e[j + 1..i]);
                 e[j] = g;
             }
             f = 0.0;
@@ -97,9 +95,9 @@ fn tred2(v: &mut [Vec<f64>], d: &mut [f64], e: &mut [f64]) {
             for j in 0..i {
                 f = d[j];
                 g = e[j];
-                for k in j..i {
-                    v[j][k] -= f * e[k] + g * d[k];
-                }
+                let row = &mut v[j][j..i];
+                axpy(-f, &e[j..i], row);
+                axpy(-g, &d[j..i], row);
                 d[j] = v[j][i - 1];
                 v[j][i] = 0.0;
             }
@@ -114,11 +112,11 @@ fn tred2(v: &mut [Vec<f64>], d: &mut [f64], e: &mut [f64]) {
             for k in 0..=i {
                 d[k] = v[i + 1][k] / h;
             }
-            for j in 0..=i {
-                let g: f64 = (0..=i).map(|k| v[i + 1][k] * v[j][k]).sum();
-                for k in 0..=i {
-                    v[j][k] -= g * d[k];
-                }
+            let (head, tail) = v.split_at_mut(i + 1);
+            let pivot = &tail[0][..=i];
+            for row in head.iter_mut() {
+                let g = dot(pivot, &row[..=i]);
+                axpy(-g, &d[..=i], &mut row[..=i]);
             }
         }
         v[i + 1][..=i].fill(0.0);
@@ -129,6 +127,27 @@ fn tred2(v: &mut [Vec<f64>], d: &mut [f64], e: &mut [f64]) {
     }
     v[n - 1][n - 1] = 1.0;
     e[0] = 0.0;
+}
+
+/// `Σ a·b` with four running sums, so that the compiler can keep them in vector lanes.
+fn dot(a: &[f64], b: &[f64]) -> f64 {
+    let mut acc = [0.0f64; 4];
+    let (ca, cb) = (a.chunks_exact(4), b.chunks_exact(4));
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for l in 0..4 {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    let tail: f64 = ra.iter().zip(rb).map(|(x, y)| x * y).sum();
+    (acc[0] + acc[1]) + (acc[2] + acc[3]) + tail
+}
+
+/// `y += alpha·x`.
+fn axpy(alpha: f64, x: &[f64], y: &mut [f64]) {
+    for (yi, xi) in y.iter_mut().zip(x) {
+        *yi += alpha * xi;
+    }
 }
 
 /// The implicit QL algorithm on the tridiagonal `(d, e)`, accumulating into `w` (transposed:
