@@ -199,16 +199,26 @@ impl SampleSet {
 
     /// kohya's `.toml` prompt files ([`kohya_prompts::parse_toml`]), weighted as kohya's.
     pub fn from_toml(path: &Path, text: &str) -> Result<Self, PromptsError> {
+        Self::kohyas(path, kohya_prompts::parse_toml(text), "`[[prompt.subset]]`")
+    }
+
+    /// The set of a kohya file's `prompts` (or its error), read in A1111's weighting; `entry`
+    /// names one prompt of the file in errors.
+    fn kohyas(
+        path: &Path,
+        prompts: Result<Vec<SamplePrompt>, String>,
+        entry: &str,
+    ) -> Result<Self, PromptsError> {
         let bad = |message: String| PromptsError::Invalid {
             path: path.to_path_buf(),
             message,
         };
         let mut set = Self::defaults(path);
-        set.prompts = kohya_prompts::parse_toml(text).map_err(bad)?;
+        set.prompts = prompts.map_err(bad)?;
         for (i, p) in set.prompts.iter_mut().enumerate() {
             p.syntax = PromptSyntax::Kohya;
             p.check_weighting()
-                .map_err(|m| bad(format!("`[[prompt.subset]]` {i}: {m}")))?;
+                .map_err(|m| bad(format!("{entry} {i}: {m}")))?;
         }
         set.fill_empty();
         Ok(set)
@@ -222,15 +232,7 @@ impl SampleSet {
         let root: Value =
             serde_json::from_str(text).map_err(|e| bad(format!("is not valid JSON: {e}")))?;
         if let Some(items) = root.as_array() {
-            let mut set = Self::defaults(path);
-            set.prompts = kohya_prompts::parse_list(items).map_err(bad)?;
-            for (i, p) in set.prompts.iter_mut().enumerate() {
-                p.syntax = PromptSyntax::Kohya;
-                p.check_weighting()
-                    .map_err(|m| bad(format!("entry {i}: {m}")))?;
-            }
-            set.fill_empty();
-            return Ok(set);
+            return Self::kohyas(path, kohya_prompts::parse_list(items), "entry");
         }
         let obj = root.as_object().ok_or_else(|| {
             bad("must hold a JSON object (EveryDream2's) or a list (kohya's)".into())
