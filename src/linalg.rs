@@ -237,6 +237,9 @@ pub fn truncated_svd(a: &Tensor, rank: usize) -> candle_core::Result<(Tensor, Ve
     };
     let k = gram.dim(0)?;
     let flat: Vec<f64> = gram.flatten_all()?.to_vec1()?;
+    if flat.iter().any(|x| !x.is_finite()) {
+        candle_core::bail!("truncated_svd: the matrix holds NaN or infinite values");
+    }
     let (values, vectors) = symmetric_eigen(&flat, k);
     let sigma: Vec<f64> = values[..rank].iter().map(|v| v.max(0.0).sqrt()).collect();
     let mut short: Vec<f64> = Vec::with_capacity(k * rank);

@@ -57,9 +57,20 @@ pub fn low_rank_factors(
     clamp_quantile: f64,
 ) -> candle_core::Result<(Tensor, Tensor)> {
     let dims = delta.dims().to_vec();
-    let (out_dim, in_dim) = (dims[0], dims[1]);
+    let (out_dim, in_dim) = match dims[..] {
+        [o, i] | [o, i, _, _] => (o, i),
+        _ => candle_core::bail!("a weight change of shape {dims:?}: not a Linear or Conv2d"),
+    };
     let rank = rank.min(in_dim).min(out_dim);
     let mat = delta.flatten_from(1)?;
+    let energy = mat
+        .to_dtype(DType::F64)?
+        .sqr()?
+        .sum_all()?
+        .to_scalar::<f64>()?;
+    if !energy.is_finite() {
+        candle_core::bail!("the weight change holds NaN or infinite values (a broken weight)");
+    }
     let (u, s, vt) = truncated_svd(&mat, rank)?;
     let s = Tensor::from_vec(s, (1, rank), delta.device())?;
     let up = u.broadcast_mul(&s)?;
@@ -242,5 +253,26 @@ impl OpenWeights {
             .find(|(c, _, _)| *c == component)
             .ok_or_else(|| anyhow::anyhow!("{component:?} is not open"))?;
         Ok((t.get(shape, name)? - b.get(shape, name)?)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A broken weight (NaN) or a tensor that is no layer's weight is an error, not a file of
+    /// NaN factors or a panic.
+    #[test]
+    fn broken_changes_are_refused() {
+        let nan = Tensor::new(&[[1f32, f32::NAN], [0.5, 2.0]], &Device::Cpu).unwrap();
+        let err = low_rank_factors(&nan, 1, 0.99).unwrap_err().to_string();
+        assert!(err.contains("NaN"), "{err}");
+        let flat = Tensor::new(&[1f32, 2.0], &Device::Cpu).unwrap();
+        let err = low_rank_factors(&flat, 1, 0.99).unwrap_err().to_string();
+        assert!(err.contains("not a Linear or Conv2d"), "{err}");
+        // A rank above the channels is capped: 2 × 3 gives rank 2.
+        let ok = Tensor::new(&[[1f32, 0.0, 2.0], [0.0, 3.0, 1.0]], &Device::Cpu).unwrap();
+        let (up, down) = low_rank_factors(&ok, 8, 1.0).unwrap();
+        assert_eq!((up.dims(), down.dims()), (&[2, 2][..], &[2, 3][..]));
     }
 }
