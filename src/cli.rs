@@ -43,7 +43,7 @@ pub enum Command {
     /// Train from a train.json (the default command).
     Train(TrainArgs),
     /// Show a model's family, prediction type, resolution, component sizes and the files sdtrain
-    /// would load from it.
+    /// would load from it; or an adapter file's type, modules, ranks and training metadata.
     Inspect(InspectArgs),
     /// Draw images from a model (optionally with LoRA/LoCon files merged in), with the samplers
     /// a run's samples use.
