@@ -98,6 +98,7 @@ fn main() -> anyhow::Result<()> {
         save_dtype: SaveDtype::Fp16,
         training_metadata: true,
         training_comment: None,
+        dim_from_weights: false,
     };
     let adapters = attach_with(&mut sd, mode, plan, 0)?;
     sdtrain::adapter::set_training(&adapters.modules, false);

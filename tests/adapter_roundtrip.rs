@@ -32,6 +32,7 @@ fn plan(init_from: Option<PathBuf>, save_dtype: SaveDtype) -> AdapterPlan {
         save_dtype,
         training_metadata: true,
         training_comment: None,
+        dim_from_weights: false,
     }
 }
 

@@ -114,6 +114,7 @@ fn plan(init_from: PathBuf) -> AdapterPlan {
         save_dtype: SaveDtype::Fp32,
         training_metadata: true,
         training_comment: None,
+        dim_from_weights: false,
     }
 }
 

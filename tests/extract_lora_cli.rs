@@ -149,3 +149,57 @@ fn bad_extractions_are_refused_with_the_reason() {
     assert!(!out.status.success());
     assert!(text(&out).contains("--tuned"), "{}", text(&out));
 }
+
+/// kohya's `--dim_from_weights`: a file whose ranks differ by module (an extraction capped by
+/// the level-0 channels: 8 there, 12 elsewhere) trains on from `init_from` with each module's own
+/// rank and alpha, and saves them; without it the ranks must match and the run is refused.
+/// Catches the file's ranks ignored, or modules outside the file attached.
+#[test]
+fn dim_from_weights_takes_each_modules_rank_from_the_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tuned = tuned_copy(tmp.path());
+    let out = extract(tmp.path(), &tuned, &["--rank", "12", "--conv-rank", "12"]);
+    assert!(out.status.success(), "{}", text(&out));
+    let init = tmp.path().join("x.safetensors");
+    let file = load(&init);
+    let rank_of = |t: &HashMap<String, Tensor>, k: &str| t[k].dims()[0];
+    let small =
+        "lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q.lora_down.weight";
+    let large = "lora_unet_mid_block_attentions_0_transformer_blocks_0_attn1_to_q.lora_down.weight";
+    assert_eq!((rank_of(&file, small), rank_of(&file, large)), (8, 12));
+    let run = |adapter: serde_json::Value, dir: &Path| {
+        let extra = serde_json::json!({"mode": "locon", "max_steps": 1, "adapter": adapter});
+        let cfg = common::cli::write_config(dir, "tiny-sd15", &common::cli::demo_data(), extra);
+        sdtrain(&["--config", cfg.to_str().unwrap(), "--cpu"], dir)
+    };
+    let dir = tmp.path().join("from");
+    std::fs::create_dir_all(&dir).unwrap();
+    let out = run(
+        serde_json::json!({"init_from": init, "dim_from_weights": true}),
+        &dir,
+    );
+    assert!(out.status.success(), "{}", text(&out));
+    let saved = load(&common::cli::run_folder(&dir).join("sdtrain.safetensors"));
+    assert_eq!(
+        saved.keys().filter(|k| k.ends_with(".alpha")).count(),
+        file.keys().filter(|k| k.ends_with(".alpha")).count()
+    );
+    for k in file.keys().filter(|k| k.ends_with("lora_down.weight")) {
+        assert_eq!(saved[k].dims(), file[k].dims(), "{k}");
+    }
+    let dir = tmp.path().join("fixed");
+    std::fs::create_dir_all(&dir).unwrap();
+    let out = run(
+        serde_json::json!({"init_from": init, "rank": 12, "conv_rank": 12}),
+        &dir,
+    );
+    assert!(!out.status.success());
+    assert!(text(&out).contains("shape mismatch"), "{}", text(&out));
+    let out = run(serde_json::json!({"dim_from_weights": true}), &dir);
+    assert!(!out.status.success());
+    assert!(
+        text(&out).contains("adapter.dim_from_weights"),
+        "{}",
+        text(&out)
+    );
+}

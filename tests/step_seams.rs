@@ -46,6 +46,7 @@ fn adapter_plan(dropout: f64) -> AdapterPlan {
         save_dtype: SaveDtype::Fp32,
         training_metadata: true,
         training_comment: None,
+        dim_from_weights: false,
     }
 }
 

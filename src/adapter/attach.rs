@@ -176,6 +176,17 @@ pub fn attach_text_encoder(
     })
 }
 
+/// Attaches adapters to the layers `select` picks, each at the `(rank, alpha)` it returns (a
+/// file's own ranks, module by module: kohya's `--dim_from_weights`).
+pub fn attach_selected(
+    model: &mut dyn VisitLayers,
+    component: AdapterComponent,
+    spec: &AdapterSpec,
+    select: &Select<'_>,
+) -> Result<Vec<Arc<LoraModule>>, AttachError> {
+    attach(model, component, spec, select)
+}
+
 fn component_seed(component: AdapterComponent, seed: u64) -> u64 {
     match component {
         AdapterComponent::Unet => seed,
@@ -184,7 +195,8 @@ fn component_seed(component: AdapterComponent, seed: u64) -> u64 {
     }
 }
 
-type Select<'a> = dyn Fn(&str, &LayerGeometry) -> Option<(usize, f64)> + 'a;
+/// A layer's `(rank, alpha)` by its path and geometry, or `None` to leave it alone.
+pub type Select<'a> = dyn Fn(&str, &LayerGeometry) -> Option<(usize, f64)> + 'a;
 
 /// The layer's weight in f32 (dequantised when stored as fp8), for DoRA's initial magnitude.
 fn layer_weight(layer: &LayerMut<'_>) -> candle_core::Result<candle_core::Tensor> {

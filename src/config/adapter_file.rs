@@ -50,6 +50,10 @@ pub struct AdapterFile {
     /// kohya's `--training_comment`: free text saved in the file (`ss_training_comment`).
     #[serde(default)]
     pub training_comment: Option<String>,
+    /// kohya's `--dim_from_weights`: each module's rank and alpha are `init_from`'s, module by
+    /// module, and only the modules the file holds are trained.
+    #[serde(default)]
+    pub dim_from_weights: Option<bool>,
 }
 
 /// The saved adapter file's dtype.
@@ -82,6 +86,8 @@ pub struct AdapterPlan {
     /// `no_metadata`).
     pub training_metadata: bool,
     pub training_comment: Option<String>,
+    /// Ranks and alphas from `init_from`, module by module (kohya's `--dim_from_weights`).
+    pub dim_from_weights: bool,
 }
 
 /// Parses the raw `adapter` value of train.json (`file` names it in errors): an object, each key
@@ -205,6 +211,36 @@ pub fn resolve_adapter(
             format!("is {}, which {why}", p.display()),
         ));
     }
+    let dim_from_weights = a.dim_from_weights.unwrap_or(false);
+    if dim_from_weights {
+        if init_from.is_none() {
+            return Err(invalid(
+                "dim_from_weights",
+                "takes the ranks from `adapter.init_from`'s file; set init_from".into(),
+            ));
+        }
+        if !low_rank {
+            return Err(invalid(
+                "dim_from_weights",
+                "reads LoRA/LoCon files (kohya's `lora_down`/`lora_up`); use \"mode\": \"lora\" \
+                 or \"locon\""
+                    .into(),
+            ));
+        }
+        let set = [
+            ("rank", a.rank.is_some()),
+            ("alpha", a.alpha.is_some()),
+            ("conv_rank", a.conv_rank.is_some()),
+            ("conv_alpha", a.conv_alpha.is_some()),
+        ];
+        if let Some((key, _)) = set.iter().find(|(_, on)| *on) {
+            return Err(invalid(
+                key,
+                "is taken from init_from's file with dim_from_weights; remove one of the two"
+                    .into(),
+            ));
+        }
+    }
     Ok(AdapterPlan {
         rank: r,
         alpha,
@@ -219,6 +255,7 @@ pub fn resolve_adapter(
         save_dtype,
         training_metadata: !a.no_metadata.unwrap_or(false),
         training_comment: a.training_comment.clone(),
+        dim_from_weights,
     })
 }
 
@@ -314,5 +351,21 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("adapter.rank"), "{e}");
+    }
+
+    /// `dim_from_weights` needs the file and takes every rank from it.
+    #[test]
+    fn dim_from_weights_needs_init_from_and_no_ranks() {
+        let file = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/fixtures/kohya_tiny_sd15.safetensors"
+        );
+        let err = plan(serde_json::json!({"dim_from_weights": true})).unwrap_err();
+        assert!(err.to_string().contains("set init_from"), "{err}");
+        let with_rank = serde_json::json!({"dim_from_weights": true, "init_from": file, "rank": 8});
+        let err = plan(with_rank).unwrap_err();
+        assert!(err.to_string().contains("adapter.rank"), "{err}");
+        let a = plan(serde_json::json!({"dim_from_weights": true, "init_from": file}));
+        assert!(a.unwrap().dim_from_weights);
     }
 }

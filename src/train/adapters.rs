@@ -87,18 +87,30 @@ pub fn attach_with(
     let Some(spec) = adapter_spec(mode, &a, seed) else {
         anyhow::bail!("full fine-tuning has no adapters");
     };
-    let mut modules = attach_unet(&mut sd.unet, &spec)?;
-    if a.train_text_encoder {
-        let comps = [
-            AdapterComponent::TextEncoder,
-            AdapterComponent::TextEncoder2,
-        ];
-        for (te, comp) in sd.text_encoders.iter_mut().zip(comps) {
-            modules.extend(attach_text_encoder(&mut te.model, comp, &spec)?);
-        }
-    }
-    let family = sd.family();
     let naming = kohya_naming(sd);
+    let (modules, a) = match (&a.init_from, a.dim_from_weights) {
+        (Some(path), true) => {
+            let ranks = file_ranks(path, &candle_core::Device::Cpu)
+                .with_context(|| format!("adapter.init_from {}", path.display()))?;
+            let modules = attach_file_ranks(sd, &spec, &naming, &ranks, a.train_text_encoder)?;
+            let a = plan_of_file(a, &ranks);
+            (modules, a)
+        }
+        _ => {
+            let mut modules = attach_unet(&mut sd.unet, &spec)?;
+            if a.train_text_encoder {
+                let comps = [
+                    AdapterComponent::TextEncoder,
+                    AdapterComponent::TextEncoder2,
+                ];
+                for (te, comp) in sd.text_encoders.iter_mut().zip(comps) {
+                    modules.extend(attach_text_encoder(&mut te.model, comp, &spec)?);
+                }
+            }
+            (modules, a)
+        }
+    };
+    let family = sd.family();
     let names = modules
         .iter()
         .map(|m| naming.module_name(kohya_component(m.component), &m.module_path))
@@ -124,6 +136,74 @@ pub fn attach_with(
     }
     crate::adapter::set_training(&adapters.modules, true);
     Ok(adapters)
+}
+
+/// A kohya file's `(rank, alpha)` per module name, and whether the module is a 3×3 conv.
+type FileRanks = std::collections::HashMap<String, (usize, f64, bool)>;
+
+fn file_ranks(path: &Path, device: &candle_core::Device) -> anyhow::Result<FileRanks> {
+    let file = load_kohya(path, device)?;
+    Ok(file
+        .modules
+        .iter()
+        .map(|m| {
+            let conv = m
+                .down()
+                .is_some_and(|d| d.dims().len() == 4 && d.dims()[2] > 1);
+            (m.name.clone(), (m.rank(), f64::from(m.alpha), conv))
+        })
+        .collect())
+}
+
+/// kohya's `--dim_from_weights`: an adapter on each of the mode's target layers that the file
+/// holds, at the file's rank and alpha.
+fn attach_file_ranks(
+    sd: &mut StableDiffusion,
+    spec: &crate::adapter::attach::AdapterSpec,
+    naming: &KohyaNaming,
+    ranks: &FileRanks,
+    text_encoders: bool,
+) -> anyhow::Result<Vec<std::sync::Arc<crate::adapter::lora::LoraModule>>> {
+    use crate::adapter::attach::{attach_selected, text_encoder_target, unet_target};
+    let of = |component: AdapterComponent, path: &str| {
+        let name = naming.module_name(kohya_component(component), path).ok()?;
+        ranks.get(&name).map(|&(r, alpha, _)| (r, alpha))
+    };
+    let unet_select = |path: &str, g: &_| {
+        unet_target(path, g, spec).and_then(|_| of(AdapterComponent::Unet, path))
+    };
+    let mut modules = attach_selected(&mut sd.unet, AdapterComponent::Unet, spec, &unet_select)?;
+    if text_encoders {
+        let comps = [
+            AdapterComponent::TextEncoder,
+            AdapterComponent::TextEncoder2,
+        ];
+        for (te, comp) in sd.text_encoders.iter_mut().zip(comps) {
+            let select =
+                |path: &str, _: &_| text_encoder_target(path, spec).and_then(|_| of(comp, path));
+            modules.extend(attach_selected(&mut te.model, comp, spec, &select)?);
+        }
+    }
+    Ok(modules)
+}
+
+/// The plan with the file's largest ranks and their alphas, as the saved file's header
+/// records them.
+fn plan_of_file(mut a: AdapterPlan, ranks: &FileRanks) -> AdapterPlan {
+    let largest = |conv: bool| {
+        ranks
+            .values()
+            .filter(|v| v.2 == conv)
+            .max_by_key(|v| v.0)
+            .map(|&(r, alpha, _)| (r, alpha))
+    };
+    if let Some((r, alpha)) = largest(false) {
+        (a.rank, a.alpha) = (r, alpha);
+    }
+    if let Some((r, alpha)) = largest(true) {
+        (a.conv_rank, a.conv_alpha) = (r, alpha);
+    }
+    a
 }
 
 impl TrainedAdapters {

@@ -215,6 +215,7 @@ pub fn lycoris_plan(
         save_dtype,
         training_metadata: true,
         training_comment: None,
+        dim_from_weights: false,
     }
 }
 
