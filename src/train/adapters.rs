@@ -156,7 +156,7 @@ fn file_ranks(path: &Path, device: &candle_core::Device) -> anyhow::Result<FileR
 }
 
 /// kohya's `--dim_from_weights`: an adapter on each of the mode's target layers that the file
-/// holds, at the file's rank and alpha.
+/// holds, at the file's rank and alpha; a model part the file has no module of gets none.
 fn attach_file_ranks(
     sd: &mut StableDiffusion,
     spec: &crate::adapter::attach::AdapterSpec,
@@ -172,13 +172,30 @@ fn attach_file_ranks(
     let unet_select = |path: &str, g: &_| {
         unet_target(path, g, spec).and_then(|_| of(AdapterComponent::Unet, path))
     };
-    let mut modules = attach_selected(&mut sd.unet, AdapterComponent::Unet, spec, &unet_select)?;
+    let holds = |comp: AdapterComponent| {
+        let prefix = format!("{}_", naming.prefix(kohya_component(comp)));
+        let held = ranks.keys().any(|k| k.starts_with(&prefix));
+        if !held {
+            crate::console::say(format_args!(
+                "adapter: init_from has no {comp:?} modules; dim_from_weights trains none there"
+            ));
+        }
+        held
+    };
+    let mut modules = Vec::new();
+    if holds(AdapterComponent::Unet) {
+        modules = attach_selected(&mut sd.unet, AdapterComponent::Unet, spec, &unet_select)?;
+    }
     if text_encoders {
         let comps = [
             AdapterComponent::TextEncoder,
             AdapterComponent::TextEncoder2,
         ];
         for (te, comp) in sd.text_encoders.iter_mut().zip(comps) {
+            // A file that adapts the UNet alone leaves this encoder without adapters.
+            if !holds(comp) {
+                continue;
+            }
             let select =
                 |path: &str, _: &_| text_encoder_target(path, spec).and_then(|_| of(comp, path));
             modules.extend(attach_selected(&mut te.model, comp, spec, &select)?);
