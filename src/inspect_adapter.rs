@@ -88,7 +88,7 @@ pub fn inspect_adapter(path: &Path) -> Result<AdapterReport, KohyaError> {
     for m in &file.modules {
         let part = parts.entry(part_of(&m.name)).or_default();
         part.modules += 1;
-        let range = match is_conv3x3(m) {
+        let range = match m.is_conv3x3() {
             true => &mut part.conv_ranks,
             false => &mut part.linear_ranks,
         };
@@ -128,13 +128,6 @@ fn part_of(name: &str) -> &'static str {
     }
 }
 
-/// Whether a module adapts a 3×3 conv (LoCon's extra targets).
-fn is_conv3x3(m: &KohyaModule) -> bool {
-    m.tensors
-        .values()
-        .any(|t| t.dims().len() == 4 && t.dims()[2..].iter().any(|&k| k > 1))
-}
-
 /// The adapter type its modules' tensors make.
 fn kind_of(modules: &[KohyaModule]) -> &'static str {
     let any = |f: &dyn Fn(&KohyaModule) -> bool| modules.iter().any(f);
@@ -144,7 +137,7 @@ fn kind_of(modules: &[KohyaModule]) -> &'static str {
         "LoHa"
     } else if any(&|m| m.algo == Algo::Kron) {
         "LoKr"
-    } else if any(&|m| is_conv3x3(m)) {
+    } else if any(&|m| m.is_conv3x3()) {
         "LoCon"
     } else {
         "LoRA"

@@ -73,6 +73,11 @@ pub fn py_float(v: f64) -> String {
     }
 }
 
+/// Python's `str(bool)`: `True` or `False`.
+pub fn py_bool(b: bool) -> String {
+    if b { "True" } else { "False" }.to_string()
+}
+
 /// A value as Python's `json.dumps` writes it ([`PyValue::dumps`]): dicts keep their insertion
 /// order, as Python's do.
 #[derive(Debug, Clone, PartialEq)]

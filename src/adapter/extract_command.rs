@@ -175,9 +175,7 @@ fn metadata(args: &ExtractArgs, base: &ModelLayout) -> anyhow::Result<KohyaMetad
         seed: 0,
         optimizer: String::new(),
         output_name: title,
-        training_started_at: std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0.0, |d| d.as_secs_f64()),
+        training_started_at: super::kohya_meta::unix_now(),
         minimal: true,
         extra: Default::default(),
     })

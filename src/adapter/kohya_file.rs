@@ -417,6 +417,13 @@ impl KohyaModule {
         self.tensors.get(suffix)
     }
 
+    /// Whether the module adapts a 3×3 (or larger) conv: LoCon's extra targets, at `conv_dim`.
+    pub fn is_conv3x3(&self) -> bool {
+        self.tensors
+            .values()
+            .any(|t| t.dims().len() == 4 && t.dims()[2..].iter().any(|&k| k > 1))
+    }
+
     /// LoRA's `lora_down.weight`.
     pub fn down(&self) -> Option<&Tensor> {
         self.get(DOWN)

@@ -4,8 +4,8 @@
 //! `library/sai_model_spec.py` writes for a LoRA. LyCORIS's kohya network writes the same keys,
 //! with `ss_network_module = "lycoris.kohya"` and its `algo` in `ss_network_args`.
 
-use crate::py_json::json_str;
 pub use crate::py_json::py_float;
+use crate::py_json::{json_str, py_bool};
 use std::collections::{BTreeMap, HashMap};
 
 /// The base model a LoRA was trained on, as kohya records it.
@@ -174,9 +174,11 @@ impl KohyaMetadata {
     }
 }
 
-/// Python's `str(bool)`.
-fn py_bool(b: bool) -> String {
-    if b { "True" } else { "False" }.to_string()
+/// Seconds since the Unix epoch, as kohya's `time.time()` stamps its files.
+pub fn unix_now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
 }
 
 #[cfg(test)]

@@ -147,10 +147,8 @@ fn file_ranks(path: &Path, device: &candle_core::Device) -> anyhow::Result<FileR
         .modules
         .iter()
         .map(|m| {
-            let conv = m
-                .down()
-                .is_some_and(|d| d.dims().len() == 4 && d.dims()[2] > 1);
-            (m.name.clone(), (m.rank(), f64::from(m.alpha), conv))
+            let entry = (m.rank(), f64::from(m.alpha), m.is_conv3x3());
+            (m.name.clone(), entry)
         })
         .collect())
 }
@@ -340,7 +338,7 @@ impl TrainedAdapters {
         if !metadata.minimal {
             metadata.extra.insert(
                 "ss_training_finished_at".to_string(),
-                crate::py_json::py_float(unix_now()),
+                crate::py_json::py_float(crate::adapter::kohya_meta::unix_now()),
             );
         }
         let dtype = match a.save_dtype {
@@ -384,13 +382,6 @@ fn network_args(mode: AdapterMode, a: &AdapterPlan) -> (&'static str, Vec<(Strin
         args.push(("dropout".to_string(), f(a.dropout)));
     }
     (module, args)
-}
-
-/// Seconds since the Unix epoch (kohya's `time.time()`).
-fn unix_now() -> f64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0.0, |d| d.as_secs_f64())
 }
 
 /// The run facts a saved adapter file records.

@@ -27,7 +27,7 @@ use crate::data::bucket::Bucket;
 use crate::data::dataset::ImageMeta;
 use crate::diffusion::loss::{HuberSchedule, HuberScheduleKind, LossType};
 use crate::precision::Amp;
-use crate::py_json::{py_float, PyValue};
+use crate::py_json::{py_bool, py_float, PyValue};
 
 /// kohya's keys (`tests/fixtures/reference/kohya_metadata.json`) that sdtrain does not write.
 pub const OMITTED: &[(&str, &str)] = &[
@@ -449,10 +449,6 @@ fn model(model: &str, m: &mut BTreeMap<String, String>) -> std::io::Result<()> {
         m.insert("ss_new_sd_model_hash".into(), full);
     }
     Ok(())
-}
-
-fn py_bool(b: bool) -> String {
-    if b { "True" } else { "False" }.to_string()
 }
 
 #[cfg(test)]
