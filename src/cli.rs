@@ -353,6 +353,7 @@ fn data_error_is_usage(e: &DataError) -> bool {
         | DataError::Text { .. }
         | DataError::EmptyCaption { .. }
         | DataError::NoImages { .. }
+        | DataError::NoKohyaImages { .. }
         | DataError::NoUsableImages { .. } => true,
         DataError::ReadDir { .. }
         | DataError::ReadFile { .. }

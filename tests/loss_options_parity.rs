@@ -84,6 +84,7 @@ fn loss_of(cfg: &LossConfig, s: &NoiseSchedule, x: &Inputs, mask: Option<&Tensor
         target: &x.target,
         timesteps: &x.timesteps,
         mask,
+        sample_weights: None,
     };
     let l = cfg.loss(s, s.prediction_type(), &inputs).unwrap();
     f64::from(l.to_scalar::<f32>().unwrap())

@@ -9,9 +9,11 @@ use serde::Serialize;
 
 use super::ctx::Ctx;
 use super::error::ConfigError;
+use super::regularization_plan::{resolve_layout, resolve_regularization, RegularizationPlan};
 use super::train_file::TrainFile;
 use super::validation_plan::{resolve_validation, ValidationPlan};
 use crate::data::rated::RatedSchedule;
+use crate::data::DataLayout;
 
 /// EveryDream2's `--cond_dropout` default.
 pub const DEFAULT_COND_DROPOUT: f64 = 0.04;
@@ -27,6 +29,10 @@ pub const ASPECT_MULTIPLE: i64 = 8;
 pub struct DataPlan {
     /// Absolute path of an existing folder.
     pub data_root: PathBuf,
+    /// How `data_root` (and `reg_data_root`) are read.
+    pub layout: DataLayout,
+    /// Regularization images trained beside `data_root`'s.
+    pub regularization: Option<RegularizationPlan>,
     /// Square training size in pixels, a multiple of 64 in [64, 4096]; `None` uses the model's
     /// native resolution.
     pub resolution: Option<usize>,
@@ -139,6 +145,8 @@ pub(super) fn resolve_data(
     text_encoder_trains: bool,
 ) -> Result<DataPlan, ConfigError> {
     let data_root = resolve_data_root(file, ctx)?;
+    let layout = resolve_layout(file, ctx)?;
+    let regularization = resolve_regularization(file, ctx, &data_root)?;
     let resolution = match file.resolution {
         None => None,
         Some(r) if (64..=4096).contains(&r) && r % 64 == 0 => Some(r.unsigned_abs() as usize),
@@ -160,6 +168,8 @@ pub(super) fn resolve_data(
     let shuffle_tags = file.shuffle_tags.unwrap_or(false);
     Ok(DataPlan {
         data_root,
+        layout,
+        regularization,
         resolution,
         flip_p,
         cond_dropout,

@@ -20,6 +20,7 @@ mod optimizer_plan;
 mod overrides;
 mod plan;
 mod precision_plan;
+mod regularization_plan;
 mod resume_plan;
 mod run_shape;
 mod sample_plan;
@@ -51,6 +52,7 @@ pub use plan::{TrainMode, TrainPlan};
 pub use precision_plan::{
     AmpChoice, BaseWeightDtype, Checkpointing as CheckpointChoice, PrecisionPlan,
 };
+pub use regularization_plan::{RegularizationPlan, DEFAULT_PRIOR_LOSS_WEIGHT};
 pub use run_shape::RunShape;
 pub use sample_plan::{SamplePlan, DEFAULT_SAMPLE_STEPS};
 pub use save_plan::SavePlan;

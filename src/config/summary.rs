@@ -16,7 +16,28 @@ impl fmt::Display for TrainPlan {
         row(f, "model", &self.model)?;
         row(f, "mode", &self.mode_text())?;
         let d = &self.data;
-        row(f, "data_root", &d.data_root.display())?;
+        match &d.layout {
+            crate::data::DataLayout::Everydream => row(f, "data_root", &d.data_root.display())?,
+            crate::data::DataLayout::Kohya { caption_extension } => row(
+                f,
+                "data_root",
+                &format!(
+                    "{} (kohya's `<repeats>_<class tokens>` folders, captions in {caption_extension})",
+                    d.data_root.display()
+                ),
+            )?,
+        }
+        if let Some(reg) = &d.regularization {
+            row(
+                f,
+                "reg_data_root",
+                &format!(
+                    "{} (sized to data_root's samples per epoch as kohya sizes it; loss × {})",
+                    reg.data_root.display(),
+                    reg.prior_loss_weight
+                ),
+            )?;
+        }
         let resolution = d
             .resolution
             .map_or("model's native".to_string(), |r| format!("{r} px"));

@@ -131,6 +131,18 @@ pub struct TrainFile {
     pub resume_ckpt: Option<String>,
     #[serde(default)]
     pub data_root: Option<String>,
+    /// How `data_root` and `reg_data_root` are laid out: `"everydream"` or `"kohya"`.
+    #[serde(default)]
+    pub data_layout: Option<String>,
+    /// kohya's layout: the caption files' extension (kohya's `caption_extension`).
+    #[serde(default)]
+    pub caption_extension: Option<String>,
+    /// A folder of regularization (class) images (kohya's `reg_data_dir`).
+    #[serde(default)]
+    pub reg_data_root: Option<String>,
+    /// The regularization samples' loss weight (kohya's and diffusers' `prior_loss_weight`).
+    #[serde(default)]
+    pub prior_loss_weight: Option<f64>,
     #[serde(default)]
     pub batch_size: Option<i64>,
     #[serde(default)]

@@ -23,9 +23,10 @@ use rand::{Rng, SeedableRng};
 use rayon::prelude::*;
 
 use super::image_load::{probe_image, DEFAULT_MAX_PIXELS};
+use super::kohya_layout::{scan_kohya, DataLayout};
 use super::py_random::PyRandom;
 use super::rated::{pick_rated, RatedSchedule};
-use super::scan::{scan, ImageRecord};
+use super::scan::{scan_as, ImageRecord};
 use super::tag_shuffle::ItemOptions;
 use super::DataError;
 
@@ -118,8 +119,45 @@ pub fn load_data_root_limited(
     show_progress: bool,
     max_pixels: u64,
 ) -> Result<LoadedDataset, DataError> {
-    let records = scan(data_root)?;
-    load_records(&records, show_progress, data_root, max_pixels)
+    let source = DataSource {
+        key: "data_root",
+        root: data_root,
+        layout: &DataLayout::Everydream,
+        max_pixels,
+    };
+    load_source(&source, show_progress)
+}
+
+/// A folder of training images as train.json names it.
+#[derive(Debug, Clone, Copy)]
+pub struct DataSource<'a> {
+    /// The train.json key that names it, for errors.
+    pub key: &'static str,
+    pub root: &'a Path,
+    pub layout: &'a DataLayout,
+    /// Images with more pixels are skipped (`max_image_pixels`).
+    pub max_pixels: u64,
+}
+
+/// The folder's images, scanned by its layout, then [`load_dataset`]'s header read; errors name
+/// the key.
+pub fn load_source(
+    source: &DataSource<'_>,
+    show_progress: bool,
+) -> Result<LoadedDataset, DataError> {
+    let records = match source.layout {
+        DataLayout::Everydream => scan_as(source.key, source.root)?,
+        DataLayout::Kohya { caption_extension } => {
+            scan_kohya(source.key, source.root, caption_extension)?
+        }
+    };
+    load_records(
+        &records,
+        show_progress,
+        source.key,
+        source.root,
+        source.max_pixels,
+    )
 }
 
 /// Reads the headers of `records`, skipping (and reporting) files that fail. The progress bar
@@ -129,12 +167,19 @@ pub fn load_dataset(
     show_progress: bool,
 ) -> Result<LoadedDataset, DataError> {
     let root = common_folder(records.iter().map(|r| r.path.as_path()));
-    load_records(records, show_progress, &root, DEFAULT_MAX_PIXELS)
+    load_records(
+        records,
+        show_progress,
+        "data_root",
+        &root,
+        DEFAULT_MAX_PIXELS,
+    )
 }
 
 fn load_records(
     records: &[ImageRecord],
     show_progress: bool,
+    key: &'static str,
     root: &Path,
     max_pixels: u64,
 ) -> Result<LoadedDataset, DataError> {
@@ -173,6 +218,7 @@ fn load_records(
     }
     if items.is_empty() {
         return Err(DataError::NoUsableImages {
+            key,
             root: root.to_path_buf(),
             found: records.len(),
             skipped,

@@ -16,10 +16,12 @@ pub mod dataset;
 pub mod epoch_plan;
 pub mod image_config;
 pub mod image_load;
+pub mod kohya_layout;
 pub mod mask;
 pub mod prefetch;
 pub mod py_random;
 pub mod rated;
+pub mod regularization;
 pub mod scan;
 pub mod schedule;
 pub mod tag_shuffle;
@@ -31,14 +33,15 @@ use std::path::PathBuf;
 pub use augment::{cond_dropout, flip_p, hflip, shuffle_tags, to_tensor};
 pub use bucket::{aspect_buckets, nearest_bucket, Bucket};
 pub use dataset::{
-    epoch_order, load_data_root, load_data_root_limited, load_dataset, pick_multiplied, ImageMeta,
-    LoadedDataset,
+    epoch_order, load_data_root, load_data_root_limited, load_dataset, load_source,
+    pick_multiplied, DataSource, ImageMeta, LoadedDataset,
 };
 pub use epoch_plan::{epoch_batches, EpochBatches, MicroBatch};
 pub use image_load::{
     cover_size, jittered_crop, load_image, load_image_jittered, load_image_limited, load_image_to,
     load_with_mask, probe_image, resize_and_crop, TrainImage, DEFAULT_MAX_PIXELS,
 };
+pub use kohya_layout::DataLayout;
 pub use scan::{scan, ImageRecord, IMAGE_EXTENSIONS};
 pub use tag_shuffle::ItemOptions;
 
@@ -48,10 +51,10 @@ const LISTED_SKIPS: usize = 3;
 /// Everything that can go wrong between a `data_root` and a batch tensor.
 #[derive(Debug, thiserror::Error)]
 pub enum DataError {
-    #[error("data_root {} does not exist", root.display())]
-    RootMissing { root: PathBuf },
-    #[error("data_root {} is a file, not a folder of images", root.display())]
-    RootNotAFolder { root: PathBuf },
+    #[error("{key} {} does not exist", root.display())]
+    RootMissing { key: &'static str, root: PathBuf },
+    #[error("{key} {} is a file, not a folder of images", root.display())]
+    RootNotAFolder { key: &'static str, root: PathBuf },
     #[error("cannot read folder {}", path.display())]
     ReadDir {
         path: PathBuf,
@@ -84,7 +87,7 @@ pub enum DataError {
     )]
     EmptyCaption { path: PathBuf },
     #[error(
-        "no images ({}) under data_root {}{}",
+        "no images ({}) under {key} {}{}",
         IMAGE_EXTENSIONS.join(", "),
         root.display(),
         if *excluded > 0 {
@@ -93,16 +96,33 @@ pub enum DataError {
             String::new()
         }
     )]
-    NoImages { root: PathBuf, excluded: usize },
+    NoImages {
+        key: &'static str,
+        root: PathBuf,
+        excluded: usize,
+    },
+    #[error(
+        "no images ({}) in the `<repeats>_<class tokens>` subfolders of {key} {} (kohya's \
+         layout, `data_layout: \"kohya\"`; {subsets} such folder{} found)",
+        IMAGE_EXTENSIONS.join(", "),
+        root.display(),
+        if *subsets == 1 { "" } else { "s" }
+    )]
+    NoKohyaImages {
+        key: &'static str,
+        root: PathBuf,
+        subsets: usize,
+    },
     #[error("{}: {reason}", path.display())]
     Decode { path: PathBuf, reason: String },
     #[error(
-        "no usable image under data_root {}: {found} found, all {} skipped ({})",
+        "no usable image under {key} {}: {found} found, all {} skipped ({})",
         root.display(),
         skipped.len(),
         list_skipped(skipped)
     )]
     NoUsableImages {
+        key: &'static str,
         root: PathBuf,
         found: usize,
         skipped: Vec<(PathBuf, String)>,

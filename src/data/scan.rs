@@ -52,42 +52,50 @@ pub struct ImageRecord {
 
 /// Scans `data_root` recursively and returns its images sorted by path.
 pub fn scan(data_root: &Path) -> Result<Vec<ImageRecord>, DataError> {
-    match std::fs::metadata(data_root) {
-        Err(err) if err.kind() == std::io::ErrorKind::NotFound => {
-            return Err(DataError::RootMissing {
-                root: data_root.to_path_buf(),
-            })
-        }
-        Err(source) => {
-            return Err(DataError::ReadDir {
-                path: data_root.to_path_buf(),
-                source,
-            })
-        }
-        Ok(meta) if !meta.is_dir() => {
-            return Err(DataError::RootNotAFolder {
-                root: data_root.to_path_buf(),
-            })
-        }
-        Ok(_) => {}
-    }
-    let walk = walk(data_root)?;
+    scan_as("data_root", data_root)
+}
+
+/// [`scan`] of the folder train.json's `key` names (errors name the key).
+pub fn scan_as(key: &'static str, root: &Path) -> Result<Vec<ImageRecord>, DataError> {
+    check_root(key, root)?;
+    let walk = walk(key, root)?;
     if let Some(first) = walk.kohya.first() {
         crate::console::say(format_args!("{}", kohya_warning(first, walk.kohya.len())));
     }
     Ok(walk.records)
 }
 
-/// Walks `data_root` (known to be a folder): its images sorted by path, and what else was seen.
-fn walk(data_root: &Path) -> Result<Walk, DataError> {
+/// That `root` (train.json's `key`) is an existing folder.
+pub fn check_root(key: &'static str, root: &Path) -> Result<(), DataError> {
+    let root_buf = || root.to_path_buf();
+    match std::fs::metadata(root) {
+        Err(err) if err.kind() == std::io::ErrorKind::NotFound => Err(DataError::RootMissing {
+            key,
+            root: root_buf(),
+        }),
+        Err(source) => Err(DataError::ReadDir {
+            path: root_buf(),
+            source,
+        }),
+        Ok(meta) if !meta.is_dir() => Err(DataError::RootNotAFolder {
+            key,
+            root: root_buf(),
+        }),
+        Ok(_) => Ok(()),
+    }
+}
+
+/// Walks `root` (known to be a folder): its images sorted by path, and what else was seen.
+fn walk(key: &'static str, root: &Path) -> Result<Walk, DataError> {
     let mut walk = Walk {
-        root: data_root.to_path_buf(),
+        root: root.to_path_buf(),
         ..Walk::default()
     };
-    walk.visit(data_root, &ImageConfig::default())?;
+    walk.visit(root, &ImageConfig::default())?;
     if walk.records.is_empty() {
         return Err(DataError::NoImages {
-            root: data_root.to_path_buf(),
+            key,
+            root: root.to_path_buf(),
             excluded: walk.excluded,
         });
     }
@@ -132,8 +140,9 @@ fn kohya_warning(first: &KohyaFolder, count: usize) -> String {
          and holds images without caption files; sdtrain reads captions and repeats as \
          EveryDream2 does, so they train with captions from their file names (e.g. \"{}\") and \
          the repeats of a multiply.txt (1 without one), not kohya's \"{caption}\" ×{repeats}. \
-         Write captions in .txt files beside the images and the repeat count in the folder's \
-         multiply.txt (docs/config.md, \"EveryDream2's data keys and files\")",
+         Set `\"data_layout\": \"kohya\"` to read the folders as kohya does, or write captions in \
+         .txt files beside the images and the repeat count in the folder's multiply.txt \
+         (docs/config.md, \"EveryDream2's data keys and files\")",
         first.folder.display(),
         first.example,
     )
@@ -302,6 +311,7 @@ fn resolve_item(image: &Path, mut cfg: ImageConfig) -> Result<(String, ItemOptio
         max_caption_length: cfg
             .max_caption_length
             .unwrap_or(image_config::DEFAULT_MAX_CAPTION_LENGTH),
+        prior_loss_weight: None,
     };
     Ok((caption, options))
 }
@@ -421,7 +431,7 @@ mod tests {
         std::fs::write(root.join("plain/e.png"), b"").unwrap();
         // The data_root's own name is not a kohya subset folder.
         std::fs::write(root.join("f.png"), b"").unwrap();
-        let walk = walk(&root).unwrap();
+        let walk = walk("data_root", &root).unwrap();
         let folders: Vec<&Path> = walk.kohya.iter().map(|k| k.folder.as_path()).collect();
         assert_eq!(folders, [root.join("10_sks dog"), root.join("3_cat")]);
         let line = kohya_warning(&walk.kohya[0], walk.kohya.len());

@@ -38,6 +38,9 @@ pub struct ItemOptions {
     /// The tags' weights, when they are not all equal (then the shuffle is weighted).
     pub tag_weights: Option<Vec<f64>>,
     pub max_caption_length: usize,
+    /// `Some(w)` for a regularization image (`reg_data_root`): its loss is weighed by `w`
+    /// (kohya's `prior_loss_weight`, [`super::regularization`]).
+    pub prior_loss_weight: Option<f64>,
 }
 
 impl Default for ItemOptions {
@@ -51,6 +54,7 @@ impl Default for ItemOptions {
             tags: Vec::new(),
             tag_weights: None,
             max_caption_length: super::image_config::DEFAULT_MAX_CAPTION_LENGTH,
+            prior_loss_weight: None,
         }
     }
 }

@@ -19,9 +19,11 @@
 //!   - `snr`: `c = (1 − huber_c)/(1 + σ_t)² + huber_c` with `σ_t = √((1 − ᾱ_t)/ᾱ_t)` (kohya
 //!     does not apply `huber_scale` here).
 //!
-//! The weights `w_i` multiply: min-SNR-γ (see [`super::objective`]) and kohya's debiased
+//! The weights `w_i` multiply: min-SNR-γ (see [`super::objective`]), kohya's debiased
 //! estimation (`custom_train_functions.py` `apply_debiased_estimation`, after arXiv 2310.08442):
-//! `1/√SNR'` for an ε target and `1/(SNR' + 1)` for a v target, with `SNR' = min(SNR, 1000)`.
+//! `1/√SNR'` for an ε target and `1/(SNR' + 1)` for a v target, with `SNR' = min(SNR, 1000)`,
+//! and each sample's own weight (`prior_loss_weight` for a regularization image, 1 for the
+//! others: kohya's `loss_weights`, applied before its SNR weights, which is the same product).
 //!
 //! The mask `m` `[B, 1, h, w]` (latent size) is clamped to `[unmasked_weight, 1]`, and with
 //! `normalize` each sample's loss is divided by its clamped mask's mean (OneTrainer
@@ -266,6 +268,8 @@ pub struct LossInputs<'a> {
     pub target: &'a Tensor,
     pub timesteps: &'a [u32],
     pub mask: Option<&'a Tensor>,
+    /// Each sample's own loss weight (regularization images), `None` when all are 1.
+    pub sample_weights: Option<&'a [f64]>,
 }
 
 impl LossConfig {
@@ -323,7 +327,20 @@ impl LossConfig {
         if let Some(mask) = inputs.mask {
             elem = self.apply_mask(&elem, mask)?;
         }
-        let weights = self.sample_weights(schedule, prediction_type, inputs.timesteps)?;
+        let mut weights = self.sample_weights(schedule, prediction_type, inputs.timesteps)?;
+        if let Some(own) = inputs.sample_weights {
+            if own.len() != batch {
+                return Err(LossError::PerSample {
+                    what: "sample weights",
+                    got: own.len(),
+                    batch,
+                });
+            }
+            weights = Some(match weights {
+                Some(w) => w.iter().zip(own).map(|(a, b)| a * b).collect(),
+                None => own.to_vec(),
+            });
+        }
         let Some(weights) = weights else {
             return Ok(elem.mean_all()?);
         };
@@ -409,9 +426,35 @@ mod tests {
             target: &target,
             timesteps: &[1, 2],
             mask: None,
+            sample_weights: None,
         };
         let l = LossConfig::mse().loss(&sd(), PredictionType::Epsilon, &inputs);
         assert_eq!(scalar(&l.unwrap()), 1.5);
+    }
+
+    /// A regularization sample's weight multiplies its own loss only, and the mean stays over
+    /// the batch (not over the weights' sum).
+    #[test]
+    fn sample_weights_multiply_each_samples_loss() {
+        let dev = Device::Cpu;
+        let pred = Tensor::new(&[[1f32, 1.0], [0.0, 2.0]], &dev).unwrap();
+        let target = Tensor::zeros((2, 2), DType::F32, &dev).unwrap();
+        let inputs = LossInputs {
+            pred: &pred,
+            target: &target,
+            timesteps: &[1, 2],
+            mask: None,
+            sample_weights: Some(&[1.0, 0.25]),
+        };
+        let l = LossConfig::mse().loss(&sd(), PredictionType::Epsilon, &inputs);
+        assert_eq!(scalar(&l.unwrap()), (1.0 + 0.25 * 2.0) / 2.0);
+        let bad = LossInputs {
+            sample_weights: Some(&[1.0]),
+            ..inputs
+        };
+        assert!(LossConfig::mse()
+            .loss(&sd(), PredictionType::Epsilon, &bad)
+            .is_err());
     }
 
     #[test]
@@ -425,6 +468,7 @@ mod tests {
             target: &target,
             timesteps: &[0],
             mask: Some(&mask),
+            sample_weights: None,
         };
         let mut cfg = LossConfig::mse();
         let s = sd();

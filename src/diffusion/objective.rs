@@ -250,6 +250,9 @@ pub struct NoisedBatch {
     pub mask: Option<Tensor>,
     /// One embedding-noise seed per sample when embedding perturbation is on, else empty.
     pub embedding_seeds: Vec<u64>,
+    /// Each sample's own loss weight (regularization images' `prior_loss_weight`), or empty
+    /// when every sample weighs 1.
+    pub sample_weights: Vec<f64>,
 }
 
 impl NoisedBatch {
@@ -273,6 +276,11 @@ impl NoisedBatch {
                 Vec::new()
             } else {
                 self.embedding_seeds[start..start + len].to_vec()
+            },
+            sample_weights: if self.sample_weights.is_empty() {
+                Vec::new()
+            } else {
+                self.sample_weights[start..start + len].to_vec()
             },
         })
     }
@@ -421,6 +429,7 @@ impl Objective {
             target,
             mask: None,
             embedding_seeds: Vec::new(),
+            sample_weights: Vec::new(),
         })
     }
 
@@ -444,6 +453,8 @@ impl Objective {
             target: &batch.target,
             timesteps: &batch.timesteps,
             mask: batch.mask.as_ref(),
+            sample_weights: (!batch.sample_weights.is_empty())
+                .then_some(batch.sample_weights.as_slice()),
         };
         Ok(self
             .config

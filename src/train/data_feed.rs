@@ -19,6 +19,7 @@ use crate::data::epoch_plan::{bucket_counts, epoch_batches_rated, BucketCount};
 use crate::data::mask::MaskSource;
 use crate::data::prefetch::{DecodeSettings, Prefetcher, SampleJob};
 use crate::data::rated::RatedSchedule;
+use crate::data::regularization::RegularizationSummary;
 use crate::data::{
     aspect_buckets, nearest_bucket, Bucket, EpochBatches, ImageMeta, LoadedDataset, MicroBatch,
 };
@@ -235,6 +236,8 @@ pub struct DataFeed {
     rated: Option<RatedSchedule>,
     /// The part of each step this process trains, from [`Self::start`].
     shard: Shard,
+    /// How the regularization images (`reg_data_root`, already in `dataset`) joined.
+    pub regularization: Option<RegularizationSummary>,
 }
 
 impl DataFeed {
@@ -262,7 +265,20 @@ impl DataFeed {
             prefetch: None,
             rated: data.rated,
             shard: Shard::WHOLE,
+            regularization: None,
         }
+    }
+
+    /// Samples per epoch without the regularization ones (kohya's `num_train_images`).
+    pub fn train_samples(&self) -> usize {
+        let total: f64 = self
+            .dataset
+            .items
+            .iter()
+            .filter(|i| i.options.prior_loss_weight.is_none())
+            .map(|i| i.multiplier)
+            .sum();
+        total.floor() as usize
     }
 
     /// From now on samples come from `store` (one entry per item) instead of being decoded.

@@ -25,6 +25,7 @@ use std::path::Path;
 use crate::config::{CacheLatents, OptimizerKind, ParamGroupPlan, TrainPlan};
 use crate::data::bucket::Bucket;
 use crate::data::dataset::ImageMeta;
+use crate::data::regularization::RegularizationSummary;
 use crate::diffusion::loss::{HuberSchedule, HuberScheduleKind, LossType};
 use crate::precision::Amp;
 use crate::py_json::{py_bool, py_float, PyValue};
@@ -84,6 +85,8 @@ pub struct RunFacts<'a> {
     /// Data-parallel ranks (1 on one device).
     pub world: usize,
     pub validation_images: usize,
+    /// The regularization images, when `reg_data_root` is set (already among `items`).
+    pub regularization: Option<&'a RegularizationSummary>,
     /// A random id per run (kohya's `ss_session_id`).
     pub session_id: u32,
 }
@@ -167,7 +170,8 @@ fn settings(f: &RunFacts<'_>, m: &mut BTreeMap<String, String>) {
     };
     put("ss_session_id", f.session_id.to_string());
     put("ss_num_validation_images", f.validation_images.to_string());
-    put("ss_num_reg_images", "0".into());
+    let reg_samples = f.regularization.map_or(0.0, |r| r.samples_before);
+    put("ss_num_reg_images", py_count(reg_samples));
     put("ss_num_batches_per_epoch", micro_per_epoch.to_string());
     put("ss_num_epochs", epochs.to_string());
     put("ss_gradient_checkpointing", py_bool(f.checkpointing));
@@ -229,7 +233,11 @@ fn settings(f: &RunFacts<'_>, m: &mut BTreeMap<String, String>) {
     put("ss_caption_dropout_every_n_epochs", "0".into());
     put("ss_caption_tag_dropout_rate", "0.0".into());
     put("ss_face_crop_aug_range", "None".into());
-    put("ss_prior_loss_weight", "1.0".into());
+    let prior = p.data.regularization.as_ref();
+    put(
+        "ss_prior_loss_weight",
+        py_float(prior.map_or(1.0, |r| r.prior_loss_weight)),
+    );
     put(
         "ss_min_snr_gamma",
         o.min_snr_gamma.map_or("None".into(), py_float),
@@ -305,24 +313,43 @@ fn dataset(f: &RunFacts<'_>, m: &mut BTreeMap<String, String>) {
         sides.clone().min().unwrap_or(0).to_string(),
     );
     put("ss_max_bucket_reso", sides.max().unwrap_or(0).to_string());
-    let dirs = folders(f.items, &d.data_root);
-    put("ss_dataset_dirs", dataset_dirs(&dirs).dumps());
-    put("ss_reg_dataset_dirs", "{}".into());
-    let captions: Vec<(String, Vec<&str>)> = dirs
+    let train: Vec<ImageMeta> = f
+        .items
         .iter()
-        .map(|(name, items)| {
-            (
-                name.clone(),
-                items.iter().map(|i| i.caption.as_str()).collect(),
-            )
-        })
+        .filter(|i| i.options.prior_loss_weight.is_none())
+        .cloned()
         .collect();
+    let dirs = folders(&train, &d.data_root);
+    put("ss_dataset_dirs", dataset_dirs(&dirs).dumps());
+    let reg_dirs = match (f.regularization, &d.regularization) {
+        (Some(summary), Some(plan)) => folders(&summary.own, &plan.data_root),
+        _ => Vec::new(),
+    };
+    put("ss_reg_dataset_dirs", dataset_dirs(&reg_dirs).dumps());
+    // kohya counts every subset's captions, the regularization ones too, by folder name.
+    let mut captions: Vec<(String, Vec<&str>)> = Vec::new();
+    for (name, items) in dirs.iter().chain(&reg_dirs) {
+        let caps = items.iter().map(|i| i.caption.as_str());
+        match captions.iter_mut().find(|(n, _)| n == name) {
+            Some((_, list)) => list.extend(caps),
+            None => captions.push((name.clone(), caps.collect())),
+        }
+    }
     put("ss_tag_frequency", tag_frequency(&captions).dumps());
     let info = match d.buckets {
         Some(_) => bucket_info(f.items, f.buckets).dumps(),
         None => "null".to_string(),
     };
     put("ss_bucket_info", info);
+}
+
+/// A count as Python prints it: an `int` when whole, else a `float`.
+fn py_count(v: f64) -> String {
+    if v.fract() == 0.0 && v.abs() < 1e15 {
+        format!("{}", v as i64)
+    } else {
+        py_float(v)
+    }
 }
 
 /// The training images by folder, named as kohya names a subset (its folder's name; here the

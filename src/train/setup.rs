@@ -26,8 +26,11 @@ use super::run_dir::RunDir;
 use super::samples;
 use super::trainer::{Extras, Model, Outputs, Position, RunOptions, Session};
 use super::validation::Validation;
-use crate::config::{BaseWeightDtype, CheckpointChoice, RunShape, TrainMode, TrainPlan};
-use crate::data::{load_data_root_limited, undersized, Bucket, LoadedDataset};
+use crate::config::{
+    BaseWeightDtype, CheckpointChoice, DataPlan, RegularizationPlan, RunShape, TrainMode, TrainPlan,
+};
+use crate::data::regularization::{add_regularization, RegularizationSummary};
+use crate::data::{load_source, undersized, Bucket, DataSource, LoadedDataset};
 use crate::diffusion::loss::LossConfig;
 use crate::diffusion::{Objective, ObjectiveConfig};
 use crate::memory::{prepare_device, DeviceSettings};
@@ -187,6 +190,7 @@ impl<'a> Session<'a> {
             total_steps,
             world: self.opt.dist.as_ref().map_or(1, |l| l.world()),
             validation_images: validation.map_or(0, |v| v.sets.iter().map(|s| s.items.len()).sum()),
+            regularization: self.feed.regularization.as_ref(),
             session_id: rand::random(),
         };
         KohyaRunMetadata::of(&facts)
@@ -409,8 +413,13 @@ fn load_data(
     show_progress: bool,
 ) -> anyhow::Result<(DataFeed, Option<Validation>)> {
     let data = &plan.data;
-    let mut dataset =
-        load_data_root_limited(&data.data_root, show_progress, data.max_image_pixels)?;
+    let source = DataSource {
+        key: "data_root",
+        root: &data.data_root,
+        layout: &data.layout,
+        max_pixels: data.max_image_pixels,
+    };
+    let mut dataset = load_source(&source, show_progress)?;
     let align = model.sd.vae_scale << model.sd.unet.config.num_downsamples();
     let bucket_list = data_feed::bucket_list(data.buckets.as_ref(), model.resolution, align)?;
     let validation = hold_out_validation(plan, &mut dataset, data_seed, &bucket_list)?;
@@ -421,9 +430,13 @@ fn load_data(
             data.data_root.display(),
         );
     }
+    let regularization = match &data.regularization {
+        Some(reg) => Some(load_regularization(reg, data, &mut dataset, show_progress)?),
+        None => None,
+    };
     let buckets = data_feed::assign(&dataset.items, &bucket_list);
     let masks = plan.objective.loss.mask.map(|m| m.source);
-    let feed = DataFeed::new(
+    let mut feed = DataFeed::new(
         dataset,
         buckets,
         data,
@@ -431,6 +444,7 @@ fn load_data(
         plan.grad_accum,
         masks,
     );
+    feed.regularization = regularization;
     if data.buckets.is_some() {
         let list: Vec<String> = feed
             .bucket_counts()
@@ -440,6 +454,29 @@ fn load_data(
         crate::console::say(format_args!("aspect buckets: {}", list.join(", ")));
     }
     Ok((feed, validation))
+}
+
+/// `reg_data_root`'s images, read in the run's layout and added to `dataset` balanced and
+/// weighed ([`crate::data::regularization`]), announced on stderr.
+fn load_regularization(
+    reg: &RegularizationPlan,
+    data: &DataPlan,
+    dataset: &mut LoadedDataset,
+    show_progress: bool,
+) -> anyhow::Result<RegularizationSummary> {
+    let source = DataSource {
+        key: "reg_data_root",
+        root: &reg.data_root,
+        layout: &data.layout,
+        max_pixels: data.max_image_pixels,
+    };
+    let images = load_source(&source, show_progress)?;
+    for (path, why) in &images.skipped {
+        crate::console::say(format_args!("  skipped {}: {why}", path.display()));
+    }
+    let summary = add_regularization(dataset, images, reg.prior_loss_weight);
+    crate::console::say(format_args!("{}", summary.describe(reg.prior_loss_weight)));
+    Ok(summary)
 }
 
 /// The run's folder and logs: the save point's run continues in its own folder and log, a new

@@ -194,6 +194,7 @@ pub fn prepare_batch<R: Rng>(
         .detach()
         .to_dtype(settings.compute_dtype)?;
     let mut noised = settings.objective.noise_per_sample(rngs, &latents)?;
+    noised.sample_weights = sample_weights(samples);
     if let Some(p) = settings.unmasked_probability {
         // One draw per sample, the last, so masks change no other draw.
         let keep: Vec<bool> = rngs.iter_mut().map(|r| r.random::<f64>() >= p).collect();
@@ -204,6 +205,19 @@ pub fn prepare_batch<R: Rng>(
         captions,
         time_ids,
     })
+}
+
+/// Each sample's own loss weight (a regularization image's `prior_loss_weight`), or empty when
+/// every sample weighs 1.
+fn sample_weights(samples: &[&SampleData]) -> Vec<f64> {
+    let own: Vec<Option<f64>> = samples
+        .iter()
+        .map(|s| s.options().prior_loss_weight)
+        .collect();
+    match own.iter().any(Option::is_some) {
+        true => own.into_iter().map(|w| w.unwrap_or(1.0)).collect(),
+        false => Vec::new(),
+    }
 }
 
 /// `(z − shift) · scale` with the VAE's constants, kept when the VAE itself was released.

@@ -745,7 +745,7 @@ impl Session<'_> {
             adapters: self.model.adapters.as_ref(),
             run: &self.outputs.run,
             resolution: self.model.resolution,
-            images: self.feed.dataset.epoch_len(),
+            images: self.feed.train_samples(),
             kohya: self.outputs.kohya.as_ref(),
             started_unix: self.outputs.started_unix,
             seed: self.pos.seed,

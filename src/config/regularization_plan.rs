@@ -1,0 +1,227 @@
+//! [`RegularizationPlan`]: `reg_data_root` and `prior_loss_weight` (kohya's `reg_data_dir` and
+//! `prior_loss_weight`; diffusers' DreamBooth `class_data_dir` with prior preservation), and
+//! `data_layout`/`caption_extension`, how both image folders are read. What the regularization
+//! set does in training: `crate::data::regularization`; the layouts: `crate::data::kohya_layout`.
+//!
+//! `prior_loss_weight` is refused without `reg_data_root` (it would do nothing), and
+//! `caption_extension` without kohya's layout (EveryDream2's reads `.txt` and `.caption`).
+//! `reg_data_root` may not hold `data_root` or lie inside it, where the same images would train
+//! as both; it does not combine with `rated_dataset`, whose shrinking epochs kohya's one-time
+//! balance cannot follow.
+
+use std::path::{Path, PathBuf};
+
+use serde::Serialize;
+
+use super::ctx::Ctx;
+use super::error::ConfigError;
+use super::train_file::TrainFile;
+use crate::data::kohya_layout::DEFAULT_CAPTION_EXTENSION;
+use crate::data::DataLayout;
+
+/// kohya's and diffusers' `prior_loss_weight` default.
+pub const DEFAULT_PRIOR_LOSS_WEIGHT: f64 = 1.0;
+
+/// Regularization images, when `reg_data_root` is set.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RegularizationPlan {
+    /// Absolute path of an existing folder, read in the run's `data_layout`.
+    pub data_root: PathBuf,
+    /// The loss weight of each regularization sample, ≥ 0.
+    pub prior_loss_weight: f64,
+}
+
+/// `data_layout` (`"everydream"`, the default, or `"kohya"`) and its `caption_extension`.
+pub(super) fn resolve_layout(file: &TrainFile, ctx: &Ctx<'_>) -> Result<DataLayout, ConfigError> {
+    let kohya = match file.data_layout.as_deref() {
+        None | Some("everydream") => false,
+        Some("kohya") => true,
+        Some(other) => {
+            return Err(ctx.invalid(
+                "data_layout",
+                format!(
+                    "must be \"everydream\" (EveryDream2's folders, the default) or \"kohya\" \
+                     (kohya's `<repeats>_<class tokens>` folders); got \"{other}\""
+                ),
+            ))
+        }
+    };
+    let ext = file.caption_extension.as_deref();
+    if !kohya {
+        if ext.is_some() {
+            return Err(ctx.invalid(
+                "caption_extension",
+                "applies to `\"data_layout\": \"kohya\"`; EveryDream2's layout reads the .txt \
+                 or .caption file beside each image"
+                    .into(),
+            ));
+        }
+        return Ok(DataLayout::Everydream);
+    }
+    let ext = ext.unwrap_or(DEFAULT_CAPTION_EXTENSION).trim();
+    let bare = ext.strip_prefix('.').unwrap_or(ext);
+    if bare.is_empty() || bare.contains(['/', '\\', '\0']) {
+        return Err(ctx.invalid(
+            "caption_extension",
+            format!("must be a file extension such as \".txt\" or \".caption\" (got \"{ext}\")"),
+        ));
+    }
+    Ok(DataLayout::Kohya {
+        caption_extension: format!(".{bare}"),
+    })
+}
+
+/// `reg_data_root` and `prior_loss_weight`, given the resolved `data_root`.
+pub(super) fn resolve_regularization(
+    file: &TrainFile,
+    ctx: &Ctx<'_>,
+    data_root: &Path,
+) -> Result<Option<RegularizationPlan>, ConfigError> {
+    let Some(raw) = file.reg_data_root.as_deref() else {
+        if file.prior_loss_weight.is_some() {
+            return Err(ctx.invalid(
+                "prior_loss_weight",
+                "weighs the regularization images' loss, but `reg_data_root` is not set; set it \
+                 to the folder of class images, or leave prior_loss_weight out"
+                    .into(),
+            ));
+        }
+        return Ok(None);
+    };
+    let root = ctx.input_path("reg_data_root", raw)?;
+    if !root.is_dir() {
+        let problem = match root.exists() {
+            true => "is not a folder",
+            false => "does not exist",
+        };
+        return Err(ctx.invalid("reg_data_root", format!("{} {problem}", root.display())));
+    }
+    let same = |a: &Path, b: &Path| match (a.canonicalize(), b.canonicalize()) {
+        (Ok(a), Ok(b)) => a.starts_with(b),
+        _ => a.starts_with(b),
+    };
+    if same(&root, data_root) || same(data_root, &root) {
+        return Err(ctx.invalid(
+            "reg_data_root",
+            format!(
+                "{} and data_root {} hold one another; the regularization images need a folder \
+                 of their own",
+                root.display(),
+                data_root.display()
+            ),
+        ));
+    }
+    if file.rated_dataset == Some(true) {
+        return Err(ctx.invalid(
+            "reg_data_root",
+            "does not combine with rated_dataset: the regularization set is sized once to the \
+             training set (as kohya sizes it), which rated_dataset shrinks epoch by epoch"
+                .into(),
+        ));
+    }
+    let weight = file.prior_loss_weight.unwrap_or(DEFAULT_PRIOR_LOSS_WEIGHT);
+    if !(weight.is_finite() && weight >= 0.0) {
+        return Err(ctx.invalid(
+            "prior_loss_weight",
+            format!("must be a finite number ≥ 0 (got {weight})"),
+        ));
+    }
+    Ok(Some(RegularizationPlan {
+        data_root: root,
+        prior_loss_weight: weight,
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn file(v: serde_json::Value) -> TrainFile {
+        serde_json::from_value(v).unwrap()
+    }
+
+    #[test]
+    fn layouts_and_caption_extensions() {
+        let ctx = Ctx::new(Path::new("train.json"));
+        let layout = |v| resolve_layout(&file(v), &ctx);
+        assert_eq!(layout(json!({})).unwrap(), DataLayout::Everydream);
+        let kohya = |ext: &str| DataLayout::Kohya {
+            caption_extension: ext.into(),
+        };
+        assert_eq!(
+            layout(json!({"data_layout": "kohya"})).unwrap(),
+            kohya(".caption")
+        );
+        for given in ["txt", ".txt", " .txt "] {
+            let got = layout(json!({"data_layout": "kohya", "caption_extension": given}));
+            assert_eq!(got.unwrap(), kohya(".txt"), "{given}");
+        }
+        for (v, key) in [
+            (json!({"data_layout": "onetrainer"}), "data_layout"),
+            (json!({"caption_extension": ".txt"}), "caption_extension"),
+            (
+                json!({"data_layout": "kohya", "caption_extension": "."}),
+                "caption_extension",
+            ),
+            (
+                json!({"data_layout": "kohya", "caption_extension": "a/b"}),
+                "caption_extension",
+            ),
+        ] {
+            let msg = layout(v.clone()).unwrap_err().to_string();
+            assert!(msg.contains(key), "{v}: {msg}");
+        }
+    }
+
+    #[test]
+    fn regularization_keys_are_checked() {
+        let dir = tempfile::tempdir().unwrap();
+        let (data, reg) = (dir.path().join("data"), dir.path().join("reg"));
+        std::fs::create_dir_all(data.join("inner")).unwrap();
+        std::fs::create_dir_all(&reg).unwrap();
+        let ctx = Ctx::new(Path::new("train.json"));
+        let resolve = |v| resolve_regularization(&file(v), &ctx, &data);
+        let s = |p: &Path| p.display().to_string();
+        assert_eq!(resolve(json!({})).unwrap(), None);
+        let plan = resolve(json!({"reg_data_root": s(&reg)})).unwrap().unwrap();
+        assert_eq!(plan.prior_loss_weight, 1.0);
+        let plan = resolve(json!({"reg_data_root": s(&reg), "prior_loss_weight": 0.0}));
+        assert_eq!(plan.unwrap().unwrap().prior_loss_weight, 0.0);
+        for (v, key, says) in [
+            (
+                json!({"prior_loss_weight": 1.0}),
+                "prior_loss_weight",
+                "reg_data_root",
+            ),
+            (
+                json!({"reg_data_root": s(&reg), "prior_loss_weight": -1.0}),
+                "prior_loss_weight",
+                "≥ 0",
+            ),
+            (
+                json!({"reg_data_root": s(&dir.path().join("no"))}),
+                "reg_data_root",
+                "does not exist",
+            ),
+            (
+                json!({"reg_data_root": s(&data.join("inner"))}),
+                "reg_data_root",
+                "hold one another",
+            ),
+            (
+                json!({"reg_data_root": s(dir.path())}),
+                "reg_data_root",
+                "hold one another",
+            ),
+            (
+                json!({"reg_data_root": s(&reg), "rated_dataset": true}),
+                "reg_data_root",
+                "rated_dataset",
+            ),
+        ] {
+            let msg = resolve(v.clone()).unwrap_err().to_string();
+            assert!(msg.contains(key) && msg.contains(says), "{v}: {msg}");
+        }
+    }
+}
