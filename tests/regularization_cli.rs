@@ -152,3 +152,116 @@ fn regularization_keys_are_checked_and_shown() {
         "{log}"
     );
 }
+
+/// diffusers' DreamBooth class images: `reg_data_root` does not exist, so the base model draws
+/// `num_class_images` of `class_prompt` into it (EveryDream2's layout: PNGs with the prompt in
+/// caption files), they train as regularization images, and a second run finds them and draws
+/// none. In kohya's layout they go to `1_<class_prompt>`. Catches images drawn but not read,
+/// drawn again on every run, captioned with anything but the prompt, or of another size.
+#[test]
+fn missing_class_images_are_drawn_before_training() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (train, _) = folders(tmp.path());
+    let reg = tmp.path().join("class");
+    let extra = serde_json::json!({
+        "mode": "lora",
+        "max_steps": 1,
+        "data_layout": "kohya",
+        "caption_extension": ".txt",
+        "reg_data_root": reg,
+        "class_prompt": "a photo of a shape",
+        "num_class_images": 2,
+    });
+    let cfg = write_config(tmp.path(), "tiny-sd15", &train, extra);
+    let run = || sdtrain(&["--config", cfg.to_str().unwrap(), "--cpu"], tmp.path());
+    let out = run();
+    let log = text(&out);
+    assert!(out.status.success(), "{log}");
+    assert!(log.contains("drawing 2 of \"a photo of a shape\""), "{log}");
+    assert!(log.contains("(pndm, 50 steps, cfg 7.5"), "{log}");
+    assert!(log.contains("regularization: 2 images"), "{log}");
+    let folder = reg.join("1_a photo of a shape");
+    let mut names: Vec<String> = std::fs::read_dir(&folder)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    assert_eq!(names, ["class-00000.png", "class-00001.png"]);
+    let native = image::open(folder.join("class-00000.png")).unwrap();
+    // The pipeline's default size: the UNet's sample size × the VAE's factor.
+    let config = |part: &str| -> serde_json::Value {
+        let path = common::fixture(&format!("tiny-sd15/{part}/config.json"));
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+    };
+    let vae_factor = 1
+        << (config("vae")["block_out_channels"]
+            .as_array()
+            .unwrap()
+            .len()
+            - 1);
+    let side = config("unet")["sample_size"].as_u64().unwrap() as u32 * vae_factor;
+    assert_eq!((native.width(), native.height()), (side, side));
+    let a = std::fs::read(folder.join("class-00000.png")).unwrap();
+    let b = std::fs::read(folder.join("class-00001.png")).unwrap();
+    assert_ne!(a, b, "each class image has its own seed");
+    // A data-parallel run with images missing refuses to draw them, naming why.
+    let more = tmp.path().join("more");
+    let dp = write_config(
+        tmp.path(),
+        "tiny-sd15",
+        &train,
+        serde_json::json!({"mode": "lora", "max_steps": 1, "reg_data_root": more,
+                           "class_prompt": "a photo of a shape", "num_class_images": 1}),
+    );
+    std::fs::remove_dir_all(tmp.path().join("out")).unwrap();
+    let out = sdtrain(
+        &["--config", dp.to_str().unwrap(), "--devices", "cpu,cpu"],
+        tmp.path(),
+    );
+    let log = text(&out);
+    assert!(!out.status.success(), "{log}");
+    assert!(
+        log.contains("data-parallel run does not draw them"),
+        "{log}"
+    );
+    assert!(!more.join("class-00000.png").exists());
+    // train.json again as the first run's (the data-parallel config replaced it).
+    write_config(
+        tmp.path(),
+        "tiny-sd15",
+        &train,
+        serde_json::json!({"mode": "lora", "max_steps": 1, "data_layout": "kohya",
+                           "caption_extension": ".txt", "reg_data_root": reg,
+                           "class_prompt": "a photo of a shape", "num_class_images": 2}),
+    );
+    // A second run finds them.
+    let _ = std::fs::remove_dir_all(tmp.path().join("out"));
+    let out = run();
+    let log = text(&out);
+    assert!(out.status.success(), "{log}");
+    assert!(
+        log.contains("class images: 2 in reg_data_root (num_class_images 2), none to draw"),
+        "{log}"
+    );
+
+    // EveryDream2's layout: into the folder itself, each with its caption file.
+    let ed2 = tmp.path().join("class_ed2");
+    let extra = serde_json::json!({
+        "mode": "lora",
+        "max_steps": 1,
+        "reg_data_root": ed2,
+        "class_prompt": "a photo of a shape",
+        "num_class_images": 1,
+    });
+    let data = demo_data();
+    let cfg = write_config(tmp.path(), "tiny-sd15", &data, extra);
+    std::fs::remove_dir_all(tmp.path().join("out")).unwrap();
+    let out = sdtrain(&["--config", cfg.to_str().unwrap(), "--cpu"], tmp.path());
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(ed2.join("class-00000.png").is_file());
+    assert_eq!(
+        std::fs::read_to_string(ed2.join("class-00000.txt")).unwrap(),
+        "a photo of a shape"
+    );
+    let _ = run_folder(tmp.path());
+}

@@ -52,7 +52,9 @@ pub use plan::{TrainMode, TrainPlan};
 pub use precision_plan::{
     AmpChoice, BaseWeightDtype, Checkpointing as CheckpointChoice, PrecisionPlan,
 };
-pub use regularization_plan::{RegularizationPlan, DEFAULT_PRIOR_LOSS_WEIGHT};
+pub use regularization_plan::{
+    ClassImagesPlan, RegularizationPlan, DEFAULT_NUM_CLASS_IMAGES, DEFAULT_PRIOR_LOSS_WEIGHT,
+};
 pub use run_shape::RunShape;
 pub use sample_plan::{SamplePlan, DEFAULT_SAMPLE_STEPS};
 pub use save_plan::SavePlan;

@@ -21,6 +21,10 @@ use crate::data::DataLayout;
 
 /// kohya's and diffusers' `prior_loss_weight` default.
 pub const DEFAULT_PRIOR_LOSS_WEIGHT: f64 = 1.0;
+/// diffusers' `train_dreambooth.py` `--num_class_images` default.
+pub const DEFAULT_NUM_CLASS_IMAGES: i64 = 100;
+/// The most class images a run draws.
+const MAX_CLASS_IMAGES: i64 = 100_000;
 
 /// Regularization images, when `reg_data_root` is set.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -29,6 +33,16 @@ pub struct RegularizationPlan {
     pub data_root: PathBuf,
     /// The loss weight of each regularization sample, ≥ 0.
     pub prior_loss_weight: f64,
+    /// Class images drawn before training when the folder holds too few.
+    pub class_images: Option<ClassImagesPlan>,
+}
+
+/// diffusers' `class_prompt` and `num_class_images`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ClassImagesPlan {
+    pub prompt: String,
+    /// The images `reg_data_root` should hold, ≥ 1.
+    pub count: usize,
 }
 
 /// `data_layout` (`"everydream"`, the default, or `"kohya"`) and its `caption_extension`.
@@ -78,18 +92,26 @@ pub(super) fn resolve_regularization(
     data_root: &Path,
 ) -> Result<Option<RegularizationPlan>, ConfigError> {
     let Some(raw) = file.reg_data_root.as_deref() else {
-        if file.prior_loss_weight.is_some() {
+        let orphan = [
+            ("prior_loss_weight", file.prior_loss_weight.is_some()),
+            ("class_prompt", file.class_prompt.is_some()),
+            ("num_class_images", file.num_class_images.is_some()),
+        ];
+        if let Some((key, _)) = orphan.iter().find(|(_, set)| *set) {
             return Err(ctx.invalid(
-                "prior_loss_weight",
-                "weighs the regularization images' loss, but `reg_data_root` is not set; set it \
-                 to the folder of class images, or leave prior_loss_weight out"
+                key,
+                "applies to the regularization images, but `reg_data_root` is not set; set it to \
+                 the folder of class images, or leave this key out"
                     .into(),
             ));
         }
         return Ok(None);
     };
     let root = ctx.input_path("reg_data_root", raw)?;
-    if !root.is_dir() {
+    let class_images = resolve_class_images(file, ctx)?;
+    // A folder class images are drawn into may not exist yet (diffusers creates it).
+    let may_be_made = class_images.is_some() && !root.exists();
+    if !root.is_dir() && !may_be_made {
         let problem = match root.exists() {
             true => "is not a folder",
             false => "does not exist",
@@ -126,10 +148,65 @@ pub(super) fn resolve_regularization(
             format!("must be a finite number ≥ 0 (got {weight})"),
         ));
     }
+    if let (Some(class), DataLayout::Kohya { .. }) = (&class_images, resolve_layout(file, ctx)?) {
+        check_folder_name(ctx, &class.prompt)?;
+    }
     Ok(Some(RegularizationPlan {
         data_root: root,
         prior_loss_weight: weight,
+        class_images,
     }))
+}
+
+/// `class_prompt` and `num_class_images` (diffusers' default 100).
+fn resolve_class_images(
+    file: &TrainFile,
+    ctx: &Ctx<'_>,
+) -> Result<Option<ClassImagesPlan>, ConfigError> {
+    let Some(prompt) = file.class_prompt.as_deref() else {
+        if file.num_class_images.is_some() {
+            return Err(ctx.invalid(
+                "num_class_images",
+                "is how many class images to draw, but `class_prompt` (what to draw) is not set"
+                    .into(),
+            ));
+        }
+        return Ok(None);
+    };
+    if prompt.trim().is_empty() {
+        return Err(ctx.invalid(
+            "class_prompt",
+            "is empty; write the class, such as \"a photo of a dog\"".into(),
+        ));
+    }
+    let count = file.num_class_images.unwrap_or(DEFAULT_NUM_CLASS_IMAGES);
+    if !(1..=MAX_CLASS_IMAGES).contains(&count) {
+        return Err(ctx.invalid(
+            "num_class_images",
+            format!("must be between 1 and {MAX_CLASS_IMAGES} (got {count})"),
+        ));
+    }
+    Ok(Some(ClassImagesPlan {
+        prompt: prompt.to_string(),
+        count: count as usize,
+    }))
+}
+
+/// kohya's layout draws class images into `1_<class_prompt>`: the prompt must name a folder.
+fn check_folder_name(ctx: &Ctx<'_>, prompt: &str) -> Result<(), ConfigError> {
+    let bad = prompt.contains(['/', '\\', '\0']) || prompt.chars().any(char::is_control);
+    if bad || prompt.len() > 200 || prompt.starts_with('.') || prompt != prompt.trim() {
+        return Err(ctx.invalid(
+            "class_prompt",
+            format!(
+                "names the kohya folder `1_<class_prompt>` the class images are drawn into, and \
+                 \"{prompt}\" cannot name a folder (no `/`, `\\`, control characters, leading \
+                 `.` or outer spaces; at most 200 bytes); shorten it, or use EveryDream2's layout, \
+                 which writes the prompt into caption files"
+            ),
+        ));
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -188,6 +265,16 @@ mod tests {
         assert_eq!(plan.prior_loss_weight, 1.0);
         let plan = resolve(json!({"reg_data_root": s(&reg), "prior_loss_weight": 0.0}));
         assert_eq!(plan.unwrap().unwrap().prior_loss_weight, 0.0);
+        // class images: diffusers' default count, and a folder that is made when missing
+        let to_make = dir.path().join("class");
+        let plan = resolve(json!({"reg_data_root": s(&to_make), "class_prompt": "a dog"}));
+        let class = plan.unwrap().unwrap().class_images.unwrap();
+        assert_eq!((class.prompt.as_str(), class.count), ("a dog", 100));
+        let plan = resolve(json!({"reg_data_root": s(&to_make), "class_prompt": "a/b"}));
+        assert!(
+            plan.is_ok(),
+            "EveryDream2's layout writes the prompt into caption files"
+        );
         for (v, key, says) in [
             (
                 json!({"prior_loss_weight": 1.0}),

@@ -37,6 +37,17 @@ impl fmt::Display for TrainPlan {
                     reg.prior_loss_weight
                 ),
             )?;
+            if let Some(class) = &reg.class_images {
+                row(
+                    f,
+                    "class images",
+                    &format!(
+                        "{} of \"{}\": those reg_data_root lacks are drawn by the base model \
+                         before training (diffusers' DreamBooth: its scheduler, 50 steps, cfg 7.5)",
+                        class.count, class.prompt
+                    ),
+                )?;
+            }
         }
         let resolution = d
             .resolution

@@ -143,6 +143,12 @@ pub struct TrainFile {
     /// The regularization samples' loss weight (kohya's and diffusers' `prior_loss_weight`).
     #[serde(default)]
     pub prior_loss_weight: Option<f64>,
+    /// diffusers' DreamBooth: the prompt class images are drawn with when `reg_data_root`
+    /// holds fewer than `num_class_images`.
+    #[serde(default)]
+    pub class_prompt: Option<String>,
+    #[serde(default)]
+    pub num_class_images: Option<i64>,
     #[serde(default)]
     pub batch_size: Option<i64>,
     #[serde(default)]

@@ -5,6 +5,7 @@ pub mod adapters;
 mod cache_share;
 mod caches;
 pub mod checkpoint_choice;
+mod class_images;
 pub mod data_feed;
 pub mod data_parallel;
 #[cfg(test)]

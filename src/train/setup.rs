@@ -11,6 +11,7 @@ use candle_core::{DType, Device, Var};
 
 use super::adapters;
 use super::caches;
+use super::class_images;
 use super::data_feed::{self, DataFeed};
 use super::data_parallel::RankLink;
 use super::ema::Ema;
@@ -88,7 +89,8 @@ impl<'a> Session<'a> {
         // The run's seed: a resumed run draws as the saved one did (adapter dropout masks, the
         // validation split, the data order).
         let data_seed = resume_from.as_ref().map_or(plan.seed, |(_, st)| st.seed);
-        let mut model = load(plan, opts, data_seed)?;
+        let world = link.as_ref().map_or(1, RankLink::world);
+        let mut model = load(plan, opts, data_seed, (world, &interrupt))?;
         let (feed, validation) = load_data(plan, &model, data_seed, opts.show_progress)?;
         if let Some(l) = link.as_mut() {
             let init_from = plan.adapter.as_ref().and_then(|a| a.init_from.as_deref());
@@ -378,14 +380,41 @@ struct StartShape {
 }
 
 /// The model for `plan` in its precision, with its adapters (drawn from `seed`), objective and
-/// resolution, and
-/// described on stderr.
-fn load(plan: &TrainPlan, opts: &RunOptions, seed: u64) -> anyhow::Result<Model> {
+/// resolution, and described on stderr. The class images `reg_data_root` lacks are drawn with
+/// the base model first (`ranks`: the run's rank count and its Ctrl-C).
+fn load(
+    plan: &TrainPlan,
+    opts: &RunOptions,
+    seed: u64,
+    (world, interrupt): (usize, &Interrupt),
+) -> anyhow::Result<Model> {
     let layout = open_model(plan)?;
     let RunShape { resolution, amp } =
         plan.run_shape(layout.native_resolution, Amp::default_for(&opts.device));
     describe_model(plan, &layout, amp);
     let mut sd = load_model(&layout, plan, opts, amp)?;
+    let regularization = plan.data.regularization.as_ref();
+    if let Some(reg) = regularization.filter(|r| r.class_images.is_some()) {
+        // As a training run's samples: the UNet under a checkpointing of no parameters, which
+        // keeps no block's activations for a backward that never comes.
+        let own_checkpointing = sd.unet.checkpointing.is_none();
+        if own_checkpointing {
+            sd.unet.checkpointing = Some(Checkpointing::new(Vec::new(), &opts.device)?);
+        }
+        let cx = class_images::DrawContext {
+            sd: &sd,
+            amp,
+            resolution: layout.native_resolution,
+            seed,
+            world,
+            interrupt,
+        };
+        let drawn = class_images::fill(reg, &plan.data.layout, &cx);
+        if own_checkpointing {
+            sd.unet.checkpointing = None;
+        }
+        drawn.context("class_prompt")?;
+    }
     let adapters = match plan.mode {
         TrainMode::Full => None,
         _ => Some(adapters::attach(&mut sd, plan, seed)?),
