@@ -99,6 +99,7 @@ fn main() -> anyhow::Result<()> {
         training_metadata: true,
         training_comment: None,
         dim_from_weights: false,
+        loraplus: Default::default(),
     };
     let adapters = attach_with(&mut sd, mode, plan, 0)?;
     sdtrain::adapter::set_training(&adapters.modules, false);

@@ -33,6 +33,7 @@ fn plan(init_from: Option<PathBuf>, save_dtype: SaveDtype) -> AdapterPlan {
         training_metadata: true,
         training_comment: None,
         dim_from_weights: false,
+        loraplus: Default::default(),
     }
 }
 

@@ -115,6 +115,7 @@ fn plan(init_from: PathBuf) -> AdapterPlan {
         training_metadata: true,
         training_comment: None,
         dim_from_weights: false,
+        loraplus: Default::default(),
     }
 }
 

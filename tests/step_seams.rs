@@ -47,6 +47,7 @@ fn adapter_plan(dropout: f64) -> AdapterPlan {
         training_metadata: true,
         training_comment: None,
         dim_from_weights: false,
+        loraplus: Default::default(),
     }
 }
 

@@ -54,6 +54,14 @@ pub struct AdapterFile {
     /// module, and only the modules the file holds are trained.
     #[serde(default)]
     pub dim_from_weights: Option<bool>,
+    /// kohya's LoRA+ (`network_args`): the `lora_up` weights learn at this multiple of their
+    /// group's rate, in both groups unless one of the two below sets its own.
+    #[serde(default)]
+    pub loraplus_lr_ratio: Option<f64>,
+    #[serde(default)]
+    pub loraplus_unet_lr_ratio: Option<f64>,
+    #[serde(default)]
+    pub loraplus_text_encoder_lr_ratio: Option<f64>,
 }
 
 /// The saved adapter file's dtype.
@@ -88,6 +96,15 @@ pub struct AdapterPlan {
     pub training_comment: Option<String>,
     /// Ranks and alphas from `init_from`, module by module (kohya's `--dim_from_weights`).
     pub dim_from_weights: bool,
+    /// LoRA+'s ratio for the `lora_up` weights of the UNet's and the text encoders' modules.
+    pub loraplus: LoraPlus,
+}
+
+/// kohya's LoRA+ ratios as resolved: each group's is its own key, else `loraplus_lr_ratio`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct LoraPlus {
+    pub unet: Option<f64>,
+    pub text_encoder: Option<f64>,
 }
 
 /// Parses the raw `adapter` value of train.json (`file` names it in errors): an object, each key
@@ -241,6 +258,7 @@ pub fn resolve_adapter(
             ));
         }
     }
+    let loraplus = resolve_loraplus(a, low_rank).map_err(|(k, m)| invalid(k, m))?;
     Ok(AdapterPlan {
         rank: r,
         alpha,
@@ -256,6 +274,41 @@ pub fn resolve_adapter(
         training_metadata: !a.no_metadata.unwrap_or(false),
         training_comment: a.training_comment.clone(),
         dim_from_weights,
+        loraplus,
+    })
+}
+
+/// The LoRA+ keys (kohya's `networks/lora.py`: `loraplus_unet_lr_ratio or loraplus_lr_ratio`,
+/// likewise for the text encoder); `low_rank`: the mode is `lora` or `locon`, whose `lora_up`
+/// weights they scale. An error names the key.
+fn resolve_loraplus(a: &AdapterFile, low_rank: bool) -> Result<LoraPlus, (&'static str, String)> {
+    let keys = [
+        ("loraplus_lr_ratio", a.loraplus_lr_ratio),
+        ("loraplus_unet_lr_ratio", a.loraplus_unet_lr_ratio),
+        (
+            "loraplus_text_encoder_lr_ratio",
+            a.loraplus_text_encoder_lr_ratio,
+        ),
+    ];
+    for (key, v) in keys {
+        match v {
+            Some(x) if !(x.is_finite() && x > 0.0) => {
+                return Err((key, format!("must be greater than 0 (got {x})")))
+            }
+            Some(_) if !low_rank => {
+                return Err((
+                    key,
+                    "scales the learning rate of kohya's `lora_up` weights; use \"mode\": \
+                     \"lora\" or \"locon\""
+                        .into(),
+                ))
+            }
+            _ => {}
+        }
+    }
+    Ok(LoraPlus {
+        unet: a.loraplus_unet_lr_ratio.or(a.loraplus_lr_ratio),
+        text_encoder: a.loraplus_text_encoder_lr_ratio.or(a.loraplus_lr_ratio),
     })
 }
 

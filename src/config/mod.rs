@@ -32,7 +32,7 @@ mod te_freeze_plan;
 mod train_file;
 mod validation_plan;
 
-pub use adapter_file::{AdapterFile, AdapterPlan, SaveDtype};
+pub use adapter_file::{AdapterFile, AdapterPlan, LoraPlus, SaveDtype};
 pub use data_plan::{
     BucketPlan, CacheLatents, DataPlan, TextCacheDecision, TextCacheOff, DEFAULT_CROP_JITTER,
 };

@@ -121,6 +121,23 @@ impl OptimizerKind {
         OptimizerKind::Came8bit,
     ];
 
+    /// Whether a parameter's learning rate can be scaled on its own (LoRA+): the optimizers
+    /// whose step uses the learning rate directly, with no group-wide step scalars (the
+    /// learning-rate-free ones estimate the step for the whole group; schedule-free AdamW
+    /// weighs its average by the group's largest rate).
+    pub fn scales_per_parameter(self) -> bool {
+        matches!(
+            self,
+            OptimizerKind::AdamW
+                | OptimizerKind::AdamW8bit
+                | OptimizerKind::Lion
+                | OptimizerKind::Lion8bit
+                | OptimizerKind::Adafactor
+                | OptimizerKind::Came
+                | OptimizerKind::Came8bit
+        )
+    }
+
     /// Why the optimizer cannot run inside a fused backward pass, if it cannot: its update
     /// needs sums over every gradient of the step before it changes any parameter.
     pub fn refuses_fused_backward(self) -> Option<&'static str> {

@@ -224,6 +224,7 @@ impl TrainPlan {
         let input = |field: &str, p: &str| ctx.input_path(field, p);
         let precision = super::precision_plan::resolve_precision(&file, mode, train_path)?;
         check_fused_optimizers(&optimizer, precision.fused_backward_pass, train_path)?;
+        check_loraplus(adapter.as_ref(), &optimizer, train_path)?;
         Ok(TrainPlan {
             train_config: train_path.to_path_buf(),
             overrides: overrides.to_vec(),
@@ -310,6 +311,48 @@ impl TrainPlan {
             _ => run_dir.to_path_buf(),
         }
     }
+}
+
+/// LoRA+ with an optimizer that has no per-parameter learning rate is refused, naming the key,
+/// the group and why (kohya's own code meant to refuse Prodigy and D-Adaptation, in a comment).
+fn check_loraplus(
+    adapter: Option<&AdapterPlan>,
+    optimizer: &OptimizerPlan,
+    train_path: &Path,
+) -> Result<(), ConfigError> {
+    let Some(a) = adapter else {
+        return Ok(());
+    };
+    let groups = [
+        (
+            a.loraplus.unet,
+            "loraplus_unet_lr_ratio",
+            "base",
+            optimizer.unet.optimizer,
+        ),
+        (
+            a.loraplus.text_encoder.filter(|_| a.train_text_encoder),
+            "loraplus_text_encoder_lr_ratio",
+            "text_encoder_overrides",
+            optimizer.text_encoder.optimizer,
+        ),
+    ];
+    for (ratio, key, section, kind) in groups {
+        if ratio.is_some() && !kind.scales_per_parameter() {
+            return Err(ConfigError::Invalid {
+                file: train_path.to_path_buf(),
+                field: format!("adapter.{key}"),
+                message: format!(
+                    "(or loraplus_lr_ratio) scales the learning rate of the lora_up weights, but \
+                     optimizer \"{}\" ({section} in the optimizer config) computes its step size \
+                     for the whole group; use adamw, adamw8bit, lion, lion8bit, adafactor or \
+                     came with LoRA+",
+                    kind.name()
+                ),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// `fused_backward_pass` with an optimizer that must see every gradient of the step before it

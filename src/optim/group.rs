@@ -25,6 +25,8 @@ struct Slot {
     state: Box<dyn ParamState>,
     /// Updates applied to this parameter (torch's per-parameter `state["step"]`).
     step: u64,
+    /// Its learning rate over the group's (LoRA+'s ratio for `lora_up` weights, else 1).
+    lr_scale: f64,
 }
 
 /// A copy of one parameter's optimizer state, for tests and inspection.
@@ -112,6 +114,7 @@ impl GroupOptimizer {
                 var,
                 state,
                 step: 0,
+                lr_scale: 1.0,
             });
         }
         let estimate = rule.estimate();
@@ -124,6 +127,23 @@ impl GroupOptimizer {
             open: None,
             stash: None,
         })
+    }
+
+    /// Multiplies the learning rate of each parameter by `scale(name)`: the same updates as its
+    /// own group at the scaled rate (kohya's LoRA+ puts `lora_up` weights in such a group).
+    /// Refused for a two-pass rule (the learning-rate-free ones, schedule-free AdamW), whose
+    /// group-wide step scalars have no per-parameter rate.
+    pub fn scale_lr(mut self, scale: impl Fn(&str) -> f64) -> Result<Self> {
+        if self.estimate.is_some() {
+            return Err(OptimError::Pass(
+                "this optimizer computes its step size (or its average's weights) for the whole \
+                 group; it has no per-parameter learning rate to scale",
+            ));
+        }
+        for slot in &mut self.slots {
+            slot.lr_scale = scale(&slot.name);
+        }
+        Ok(self)
     }
 
     /// Writes bf16/f16 parameters back with stochastic rounding ([`stochastic_round`]): each is
@@ -499,7 +519,7 @@ impl GroupOptimizer {
         if self.estimate.is_some() {
             return self.apply_fused(i, g);
         }
-        let lr = self.lr;
+        let lr = self.lr * self.slots[i].lr_scale;
         let t = self.slots[i].step + 1;
         self.run_slot(i, g, |state, var, g| state.update(var, g, lr, t))?;
         self.slots[i].step = t;

@@ -381,6 +381,21 @@ fn network_args(mode: AdapterMode, a: &AdapterPlan) -> (&'static str, Vec<(Strin
     if a.dropout > 0.0 {
         args.push(("dropout".to_string(), f(a.dropout)));
     }
+    // LoRA+ as kohya's network_args would hold it: one ratio, or each group's.
+    match (a.loraplus.unet, a.loraplus.text_encoder) {
+        (Some(u), Some(t)) if u == t => args.push(("loraplus_lr_ratio".to_string(), f(u))),
+        (u, t) => {
+            let each = [
+                ("loraplus_unet_lr_ratio", u),
+                ("loraplus_text_encoder_lr_ratio", t),
+            ];
+            for (key, ratio) in each {
+                if let Some(r) = ratio {
+                    args.push((key.to_string(), f(r)));
+                }
+            }
+        }
+    }
     (module, args)
 }
 

@@ -193,11 +193,13 @@ pub(super) struct GroupShape {
 }
 
 impl Group {
+    /// `up_ratio`: LoRA+'s multiple of the rate for the group's `lora_up` weights.
     fn new(
         name: &'static str,
         params: Vec<(String, Var)>,
         plan: &ParamGroupPlan,
         shape: GroupShape,
+        up_ratio: Option<f64>,
     ) -> anyhow::Result<Self> {
         let schedule = lr_schedule(&plan.schedule, shape.total_steps);
         schedule
@@ -211,6 +213,13 @@ impl Group {
             .with_context(|| format!("{name} optimizer"))?
             .with_stochastic_rounding(shape.rounding_seed)
             .with_context(|| format!("{name} optimizer"))?;
+        let optimizer = match up_ratio {
+            // kohya's LoRA+ test: the parameter's name holds `lora_up`.
+            Some(r) => optimizer
+                .scale_lr(|n| if n.contains("lora_up") { r } else { 1.0 })
+                .with_context(|| format!("{name} optimizer (LoRA+)"))?,
+            None => optimizer,
+        };
         Ok(Self {
             name,
             optimizer,
@@ -294,6 +303,7 @@ pub(super) fn param_groups(
     adapters: Option<&TrainedAdapters>,
     shape: GroupShape,
 ) -> anyhow::Result<Vec<Group>> {
+    let loraplus = adapters.map(|a| a.plan.loraplus).unwrap_or_default();
     let (unet_params, te_params, unet_plan, te_plan) = match adapters {
         None => (
             sd.unet_weights.params(),
@@ -316,10 +326,22 @@ pub(super) fn param_groups(
     let mut groups = Vec::new();
     // `disable_unet_training`: the UNet is frozen and has no group.
     if plan.train_unet {
-        groups.push(Group::new("unet", unet_params, &unet_plan, shape)?);
+        groups.push(Group::new(
+            "unet",
+            unet_params,
+            &unet_plan,
+            shape,
+            loraplus.unet,
+        )?);
     }
     if !te_params.is_empty() {
-        groups.push(Group::new("text_encoder", te_params, &te_plan, shape)?);
+        groups.push(Group::new(
+            "text_encoder",
+            te_params,
+            &te_plan,
+            shape,
+            loraplus.text_encoder,
+        )?);
     }
     Ok(groups)
 }
@@ -356,4 +378,103 @@ fn trainable_text_encoder_params(
                 })
         })
         .collect())
+}
+
+#[cfg(test)]
+mod lr_scale_tests {
+    use super::*;
+    use crate::config::{ScheduleKind, StepCount};
+    use crate::optim::Optimizer;
+    use candle_core::{Device, Tensor};
+
+    fn plan(optimizer: OptimizerKind) -> ParamGroupPlan {
+        ParamGroupPlan {
+            optimizer,
+            lr: 1e-3,
+            betas: OptimizerKind::default_betas(optimizer),
+            epsilon: 1e-8,
+            weight_decay: 0.01,
+            schedule: ScheduleSpec {
+                kind: ScheduleKind::Constant,
+                warmup_steps: StepCount::Auto,
+                decay_steps: StepCount::Auto,
+            },
+            adafactor: Default::default(),
+            estimator: Default::default(),
+            schedulefree: Default::default(),
+            came: Default::default(),
+        }
+    }
+
+    fn var(seed: u64) -> Var {
+        let v = crate::optim::test_values(seed, 64, 0.5);
+        Var::from_tensor(&Tensor::from_vec(v, (8, 8), &Device::Cpu).unwrap()).unwrap()
+    }
+
+    /// Steps `opt` three times with fixed gradients for `vars` (the gradient of step `s` of var
+    /// `i` is seeded by `(i, s)`).
+    fn run(opt: &mut GroupOptimizer, vars: &[(usize, &Var)]) {
+        for step in 0..3u64 {
+            let mut loss = Tensor::zeros((), candle_core::DType::F32, &Device::Cpu).unwrap();
+            for &(i, v) in vars {
+                let g = crate::optim::test_values(100 + 10 * i as u64 + step, 64, 1.0);
+                let g = Tensor::from_vec(g, (8, 8), &Device::Cpu).unwrap();
+                loss = (loss + (v.as_tensor() * g).unwrap().sum_all().unwrap()).unwrap();
+            }
+            opt.step(&loss.backward().unwrap()).unwrap();
+        }
+    }
+
+    fn values(v: &Var) -> Vec<f32> {
+        v.as_tensor().flatten_all().unwrap().to_vec1().unwrap()
+    }
+
+    /// LoRA+'s scaled parameter updates exactly as it would in a group of its own at the scaled
+    /// rate (kohya's "plus" group), and the others as before, for every one-pass optimizer.
+    /// Catches the scale ignored, applied to the wrong parameter, or applied twice.
+    #[test]
+    fn a_scaled_parameter_steps_as_its_own_group_at_the_scaled_rate() {
+        let one_pass = [
+            OptimizerKind::AdamW,
+            OptimizerKind::AdamW8bit,
+            OptimizerKind::Lion,
+            OptimizerKind::Lion8bit,
+            OptimizerKind::Adafactor,
+            OptimizerKind::Came,
+            OptimizerKind::Came8bit,
+        ];
+        assert!(OptimizerKind::ALL
+            .iter()
+            .all(|k| k.scales_per_parameter() == one_pass.contains(k)));
+        for kind in one_pass {
+            let p = plan(kind);
+            let (down, up) = (var(1), var(2));
+            let params = vec![
+                ("m.lora_down.weight".to_string(), down.clone()),
+                ("m.lora_up.weight".to_string(), up.clone()),
+            ];
+            let mut joint = build_optimizer(&p, params)
+                .unwrap()
+                .scale_lr(|n| if n.contains("lora_up") { 4.0 } else { 1.0 })
+                .unwrap();
+            run(&mut joint, &[(0, &down), (1, &up)]);
+            let (down2, up2) = (var(1), var(2));
+            let mut alone = build_optimizer(&p, vec![("d".into(), down2.clone())]).unwrap();
+            run(&mut alone, &[(0, &down2)]);
+            let scaled = ParamGroupPlan {
+                lr: p.lr * 4.0,
+                ..p
+            };
+            let mut plus = build_optimizer(&scaled, vec![("u".into(), up2.clone())]).unwrap();
+            run(&mut plus, &[(1, &up2)]);
+            assert_eq!(values(&down), values(&down2), "{kind:?} down");
+            assert_eq!(values(&up), values(&up2), "{kind:?} up");
+            assert_ne!(values(&up), values(&var(2)), "{kind:?} moved");
+        }
+        // A learning-rate-free optimizer, or schedule-free AdamW, has no per-parameter rate.
+        for kind in [OptimizerKind::Prodigy, OptimizerKind::AdamWScheduleFree] {
+            let opt = build_optimizer(&plan(kind), vec![("x".into(), var(3))]);
+            assert!(opt.unwrap().scale_lr(|_| 2.0).is_err(), "{kind:?}");
+        }
+    }
 }

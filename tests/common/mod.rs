@@ -216,6 +216,7 @@ pub fn lycoris_plan(
         training_metadata: true,
         training_comment: None,
         dim_from_weights: false,
+        loraplus: Default::default(),
     }
 }
 
