@@ -100,6 +100,7 @@ fn main() -> anyhow::Result<()> {
         training_comment: None,
         dim_from_weights: false,
         loraplus: Default::default(),
+        scale_weight_norms: None,
     };
     let adapters = attach_with(&mut sd, mode, plan, 0)?;
     sdtrain::adapter::set_training(&adapters.modules, false);

@@ -34,6 +34,7 @@ fn plan(init_from: Option<PathBuf>, save_dtype: SaveDtype) -> AdapterPlan {
         training_comment: None,
         dim_from_weights: false,
         loraplus: Default::default(),
+        scale_weight_norms: None,
     }
 }
 

@@ -116,6 +116,7 @@ fn plan(init_from: PathBuf) -> AdapterPlan {
         training_comment: None,
         dim_from_weights: false,
         loraplus: Default::default(),
+        scale_weight_norms: None,
     }
 }
 

@@ -48,6 +48,7 @@ fn adapter_plan(dropout: f64) -> AdapterPlan {
         training_comment: None,
         dim_from_weights: false,
         loraplus: Default::default(),
+        scale_weight_norms: None,
     }
 }
 

@@ -19,6 +19,7 @@ pub mod kohya_file;
 pub mod kohya_meta;
 pub mod kohya_names;
 pub mod lora;
+pub mod max_norm;
 pub mod merge;
 
 pub use attach::{

@@ -62,6 +62,10 @@ pub struct AdapterFile {
     pub loraplus_unet_lr_ratio: Option<f64>,
     #[serde(default)]
     pub loraplus_text_encoder_lr_ratio: Option<f64>,
+    /// kohya's `--scale_weight_norms`: after each step, every LoRA/LoCon update `ΔW` whose
+    /// Frobenius norm exceeds this is scaled back to it.
+    #[serde(default)]
+    pub scale_weight_norms: Option<f64>,
 }
 
 /// The saved adapter file's dtype.
@@ -98,6 +102,8 @@ pub struct AdapterPlan {
     pub dim_from_weights: bool,
     /// LoRA+'s ratio for the `lora_up` weights of the UNet's and the text encoders' modules.
     pub loraplus: LoraPlus,
+    /// kohya's max-norm regularization's cap (`crate::adapter::max_norm`).
+    pub scale_weight_norms: Option<f64>,
 }
 
 /// kohya's LoRA+ ratios as resolved: each group's is its own key, else `loraplus_lr_ratio`.
@@ -259,6 +265,22 @@ pub fn resolve_adapter(
         }
     }
     let loraplus = resolve_loraplus(a, low_rank).map_err(|(k, m)| invalid(k, m))?;
+    let scale_weight_norms =
+        match a.scale_weight_norms {
+            Some(x) if !(x.is_finite() && x > 0.0) => {
+                return Err(invalid(
+                    "scale_weight_norms",
+                    format!("must be greater than 0 (got {x}); kohya suggests 1"),
+                ))
+            }
+            Some(_) if !low_rank => return Err(invalid(
+                "scale_weight_norms",
+                "caps the norm of kohya's `lora_up`·`lora_down` updates; use \"mode\": \"lora\" \
+                 or \"locon\""
+                    .into(),
+            )),
+            v => v,
+        };
     Ok(AdapterPlan {
         rank: r,
         alpha,
@@ -275,6 +297,7 @@ pub fn resolve_adapter(
         training_comment: a.training_comment.clone(),
         dim_from_weights,
         loraplus,
+        scale_weight_norms,
     })
 }
 

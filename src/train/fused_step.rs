@@ -102,6 +102,7 @@ impl Optimization {
             secs: started.elapsed().as_secs_f64(),
             scale,
             retries,
+            max_norm: None,
         })
     }
 }

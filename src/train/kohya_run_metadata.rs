@@ -242,7 +242,8 @@ fn settings(f: &RunFacts<'_>, m: &mut BTreeMap<String, String>) {
         "ss_min_snr_gamma",
         o.min_snr_gamma.map_or("None".into(), py_float),
     );
-    put("ss_scale_weight_norms", "None".into());
+    let cap = adapter.and_then(|a| a.scale_weight_norms);
+    put("ss_scale_weight_norms", cap.map_or("None".into(), py_float));
     let ip = o.input_perturbation.as_ref();
     put(
         "ss_ip_noise_gamma",

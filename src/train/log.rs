@@ -60,6 +60,9 @@ pub struct LogRecord {
     /// A memory creep or a slow step seen at this step (`memory::watch`).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub warnings: Vec<WatchEvent>,
+    /// `scale_weight_norms`' pass after this step's update (kohya's three numbers).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_norm: Option<crate::adapter::max_norm::MaxNormStats>,
 }
 
 const MIB: f64 = 1024.0 * 1024.0;
@@ -92,6 +95,11 @@ pub fn tensorboard_scalars(r: &LogRecord) -> Vec<(String, f64)> {
     }
     for (name, v) in &r.estimates {
         s.push((format!("estimate/{name}"), *v));
+    }
+    if let Some(m) = &r.max_norm {
+        s.push(("max_norm/keys_scaled".into(), m.keys_scaled as f64));
+        s.push(("max_norm/average_key_norm".into(), m.average_key_norm));
+        s.push(("max_norm/max_key_norm".into(), m.max_key_norm));
     }
     for w in &r.warnings {
         let (tag, v) = w.scalar();
@@ -246,6 +254,7 @@ mod tests {
             estimates: Default::default(),
             memory: None,
             warnings: Vec::new(),
+            max_norm: None,
         }
     }
 
@@ -263,6 +272,30 @@ mod tests {
         assert!(!serde_json::to_string(&record())
             .unwrap()
             .contains("estimates"));
+    }
+
+    /// kohya's max-norm tags, on steps that have them only.
+    #[test]
+    fn max_norm_numbers_get_kohyas_tags() {
+        assert!(!tags(&record()).iter().any(|t| t.starts_with("max_norm/")));
+        let r = LogRecord {
+            max_norm: Some(crate::adapter::max_norm::MaxNormStats {
+                keys_scaled: 3,
+                average_key_norm: 0.5,
+                max_key_norm: 1.0,
+            }),
+            ..record()
+        };
+        let s = tensorboard_scalars(&r);
+        for (tag, v) in [
+            ("max_norm/keys_scaled", 3.0),
+            ("max_norm/average_key_norm", 0.5),
+            ("max_norm/max_key_norm", 1.0),
+        ] {
+            assert!(s.contains(&(tag.to_string(), v)), "{s:?}");
+        }
+        let line = serde_json::to_string(&r).unwrap();
+        assert!(line.contains(r#""max_norm":{"keys_scaled":3"#), "{line}");
     }
 
     #[test]

@@ -62,6 +62,8 @@ pub(super) struct StepReport {
     pub scale: ScaleChange,
     /// One line per out-of-memory retry during the step.
     pub retries: Vec<String>,
+    /// What `scale_weight_norms` did after the update (set by the trainer).
+    pub max_norm: Option<crate::adapter::max_norm::MaxNormStats>,
 }
 
 impl Optimization {
@@ -180,6 +182,7 @@ impl Optimization {
             secs: started.elapsed().as_secs_f64(),
             scale,
             retries,
+            max_norm: None,
         })
     }
 

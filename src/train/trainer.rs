@@ -409,10 +409,20 @@ impl Session<'_> {
         let result = self
             .opt
             .step(&self.model.sd, &settings, &data, out.steps, clip, device);
-        let report = match result {
+        let mut report = match result {
             Ok(report) => report,
             Err(e) => return Err(self.stop_after_oom(e, out, epoch, progress)),
         };
+        // kohya's max-norm regularization, after the update and before the EMA follows it.
+        let cap = self
+            .plan
+            .adapter
+            .as_ref()
+            .and_then(|a| a.scale_weight_norms);
+        if let (Some(cap), Some(a), true) = (cap, &self.model.adapters, report.applied) {
+            report.max_norm = crate::adapter::max_norm::apply_max_norm(&a.modules, cap)
+                .with_context(|| format!("scale_weight_norms at step {}", out.steps + 1))?;
+        }
         for line in &report.retries {
             progress.println(line.clone());
         }
@@ -601,6 +611,7 @@ impl Session<'_> {
             oom_retries: micro.oom_retries,
             memory,
             warnings,
+            max_norm: report.max_norm,
         };
         let due = out.steps.is_multiple_of(self.extras.live.log_step as usize)
             || out.steps == 1
@@ -949,6 +960,7 @@ mod tests {
             secs: 0.1,
             scale,
             retries: Vec::new(),
+            max_norm: None,
         }
     }
 

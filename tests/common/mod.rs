@@ -217,6 +217,7 @@ pub fn lycoris_plan(
         training_comment: None,
         dim_from_weights: false,
         loraplus: Default::default(),
+        scale_weight_norms: None,
     }
 }
 
