@@ -67,6 +67,9 @@ pub struct GroupFile {
     pub lr_warmup_steps: Option<i64>,
     #[serde(default)]
     pub lr_decay_steps: Option<i64>,
+    /// `cosine_with_restarts`' cycles (kohya's `lr_scheduler_num_cycles`; default 1).
+    #[serde(default)]
+    pub lr_scheduler_num_cycles: Option<i64>,
     /// Checked to have two entries during resolution, with a better message than serde's.
     #[serde(default)]
     pub betas: Option<Vec<f64>>,

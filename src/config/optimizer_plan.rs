@@ -244,7 +244,7 @@ impl Default for EstimatorPlan {
 /// optimizer's own enum, so the plan and the schedule cannot drift apart.
 pub use crate::optim::ScheduleKind;
 
-const SCHEDULE_NAMES: &str = "constant, linear, cosine, polynomial";
+const SCHEDULE_NAMES: &str = "constant, linear, cosine, polynomial, cosine_with_restarts";
 
 /// A warmup or decay length: a number of steps, or automatic (decided by the training length).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -277,6 +277,8 @@ pub struct ScheduleSpec {
     pub kind: ScheduleKind,
     pub warmup_steps: StepCount,
     pub decay_steps: StepCount,
+    /// `cosine_with_restarts`' cycles (1 for the other kinds).
+    pub num_cycles: u32,
 }
 
 /// A schedule with every length a number.
@@ -285,6 +287,7 @@ pub struct ResolvedSchedule {
     pub kind: ScheduleKind,
     pub warmup_steps: u64,
     pub decay_steps: u64,
+    pub num_cycles: u32,
 }
 
 impl ScheduleSpec {
@@ -305,13 +308,17 @@ impl ScheduleSpec {
             (StepCount::Auto, ScheduleKind::Constant) => 0,
             (
                 StepCount::Auto,
-                ScheduleKind::Linear | ScheduleKind::Cosine | ScheduleKind::Polynomial,
+                ScheduleKind::Linear
+                | ScheduleKind::Cosine
+                | ScheduleKind::Polynomial
+                | ScheduleKind::CosineWithRestarts,
             ) => auto_decay / AUTO_WARMUP_DIVISOR,
         };
         ResolvedSchedule {
             kind: self.kind,
             warmup_steps,
             decay_steps,
+            num_cycles: self.num_cycles,
         }
     }
 }
@@ -346,7 +353,11 @@ impl fmt::Display for ParamGroupPlan {
             self.schedule.kind.name(),
             self.schedule.warmup_steps,
             self.schedule.decay_steps
-        )
+        )?;
+        if self.schedule.kind == ScheduleKind::CosineWithRestarts {
+            write!(f, ", {} cycles", self.schedule.num_cycles)?;
+        }
+        Ok(())
     }
 }
 
@@ -417,6 +428,7 @@ struct CheckedGroup {
     schedule: Option<ScheduleKind>,
     warmup: Option<StepCount>,
     decay: Option<StepCount>,
+    num_cycles: Option<u32>,
     betas: Option<(f64, f64, Option<f64>)>,
     epsilon: Option<f64>,
     weight_decay: Option<f64>,
@@ -535,8 +547,20 @@ fn merge(
                 .unwrap_or(ScheduleKind::Constant),
             warmup_steps: own.warmup.or(parent.warmup).unwrap_or(StepCount::Auto),
             decay_steps: own.decay.or(parent.decay).unwrap_or(StepCount::Auto),
+            num_cycles: own.num_cycles.or(parent.num_cycles).unwrap_or(1),
         },
     };
+    if own.num_cycles.is_some() && plan.schedule.kind != ScheduleKind::CosineWithRestarts {
+        return Err(invalid(
+            file,
+            &format!("{section}.lr_scheduler_num_cycles"),
+            &format!(
+                "is the number of cycles of \"cosine_with_restarts\", but this section's \
+                 lr_scheduler is \"{}\"; remove it or set lr_scheduler",
+                plan.schedule.kind.name()
+            ),
+        ));
+    }
     check_schedule(optimizer, &plan.schedule, file, section)?;
     Ok(plan)
 }
@@ -646,6 +670,16 @@ fn check_group(g: &GroupFile, section: &str, file: &Path) -> Result<CheckedGroup
             0 => StepCount::Auto,
             n => StepCount::Steps(n),
         }),
+        num_cycles: match g.lr_scheduler_num_cycles {
+            Some(n) if !(1..=100_000).contains(&n) => {
+                return Err(invalid(
+                    file,
+                    &field("lr_scheduler_num_cycles"),
+                    &format!("must be a whole number of cycles from 1 to 100000 (got {n})"),
+                ))
+            }
+            n => n.map(|n| n as u32),
+        },
         betas: g
             .betas
             .as_deref()
@@ -793,6 +827,7 @@ fn parse_schedule(name: &str, file: &Path, field: &str) -> Result<ScheduleKind, 
         "linear" => Ok(ScheduleKind::Linear),
         "cosine" => Ok(ScheduleKind::Cosine),
         "polynomial" => Ok(ScheduleKind::Polynomial),
+        "cosine_with_restarts" => Ok(ScheduleKind::CosineWithRestarts),
         "constant_with_warmup" => Err(invalid(
             file,
             field,
@@ -1050,18 +1085,19 @@ mod tests {
             ("linear", ScheduleKind::Linear),
             ("cosine", ScheduleKind::Cosine),
             ("polynomial", ScheduleKind::Polynomial),
+            ("cosine_with_restarts", ScheduleKind::CosineWithRestarts),
         ] {
             let p = plan(json!({"base": {"lr_scheduler": name}}), None).unwrap();
             assert_eq!(p.unet.schedule.kind, kind);
         }
         let err = plan(
-            json!({"base": {"lr_scheduler": "cosine_with_restarts"}}),
+            json!({"base": {"lr_scheduler": "piecewise_constant"}}),
             None,
         )
         .unwrap_err();
         assert!(
             err.to_string()
-                .contains("allowed: constant, linear, cosine, polynomial"),
+                .contains("allowed: constant, linear, cosine, polynomial, cosine_with_restarts"),
             "{err}"
         );
     }
@@ -1110,12 +1146,57 @@ mod tests {
         );
     }
 
+    /// kohya's `lr_scheduler_num_cycles`: read for cosine_with_restarts, inherited by the text
+    /// encoder, and refused where it would do nothing.
+    #[test]
+    fn restarts_take_their_cycles() {
+        let p = plan(
+            json!({"base": {"lr_scheduler": "cosine_with_restarts", "lr_scheduler_num_cycles": 3}}),
+            None,
+        )
+        .unwrap();
+        assert_eq!(p.unet.schedule.kind, ScheduleKind::CosineWithRestarts);
+        assert_eq!(
+            (
+                p.unet.schedule.num_cycles,
+                p.text_encoder.schedule.num_cycles
+            ),
+            (3, 3)
+        );
+        assert!(p.unet.to_string().ends_with(", 3 cycles"), "{}", p.unet);
+        let r = p.unet.schedule.resolve(100);
+        assert_eq!((r.warmup_steps, r.decay_steps, r.num_cycles), (3, 150, 3));
+        let p = plan(
+            json!({"base": {"lr_scheduler": "cosine_with_restarts"}}),
+            None,
+        )
+        .unwrap();
+        assert_eq!(p.unet.schedule.num_cycles, 1);
+        for (v, says) in [
+            (
+                json!({"base": {"lr_scheduler": "cosine", "lr_scheduler_num_cycles": 2}}),
+                "cosine_with_restarts",
+            ),
+            (
+                json!({"base": {"lr_scheduler": "cosine_with_restarts", "lr_scheduler_num_cycles": 0}}),
+                "from 1",
+            ),
+        ] {
+            let msg = plan(v.clone(), None).unwrap_err().to_string();
+            assert!(
+                msg.contains("lr_scheduler_num_cycles") && msg.contains(says),
+                "{v}: {msg}"
+            );
+        }
+    }
+
     #[test]
     fn automatic_lengths_follow_ed2() {
         let spec = |kind, warmup, decay| ScheduleSpec {
             kind,
             warmup_steps: warmup,
             decay_steps: decay,
+            num_cycles: 1,
         };
         let r = spec(ScheduleKind::Cosine, StepCount::Auto, StepCount::Auto).resolve(1000);
         assert_eq!((r.warmup_steps, r.decay_steps), (30, 1500));

@@ -17,6 +17,9 @@
 //! polynomial:   lr = (base − lr_end)·(1 − (s − w)/(d − w))^power + lr_end   for s ≤ d,
 //!               lr = lr_end                                                  for s > d,
 //!               lr_end = 1e-7, power = 1.0
+//! cosine_with_restarts (n cycles, diffusers' `get_cosine_with_hard_restarts_schedule_with_warmup`):
+//!               p = (s − w) / max(1, d − w);  λ = 0 for p ≥ 1,
+//!               else λ = max(0, ½·(1 + cos(π·((n·p) mod 1))))
 //! ```
 //!
 //! Deliberate differences from diffusers, each an edge case:
@@ -44,14 +47,19 @@ pub enum ScheduleKind {
     Cosine,
     /// diffusers `polynomial` (power 1, lr_end 1e-7): to lr_end at `decay_steps`.
     Polynomial,
+    /// diffusers `cosine_with_restarts`: `num_cycles` whole cosines (each from the base lr to 0)
+    /// over `decay_steps`, then 0.
+    #[serde(rename = "cosine_with_restarts")]
+    CosineWithRestarts,
 }
 
 impl ScheduleKind {
-    pub const ALL: [ScheduleKind; 4] = [
+    pub const ALL: [ScheduleKind; 5] = [
         ScheduleKind::Constant,
         ScheduleKind::Linear,
         ScheduleKind::Cosine,
         ScheduleKind::Polynomial,
+        ScheduleKind::CosineWithRestarts,
     ];
 
     /// The name used in optimizer.json (`lr_scheduler`).
@@ -61,6 +69,7 @@ impl ScheduleKind {
             ScheduleKind::Linear => "linear",
             ScheduleKind::Cosine => "cosine",
             ScheduleKind::Polynomial => "polynomial",
+            ScheduleKind::CosineWithRestarts => "cosine_with_restarts",
         }
     }
 
@@ -68,7 +77,10 @@ impl ScheduleKind {
     pub fn decays(self) -> bool {
         match self {
             ScheduleKind::Constant => false,
-            ScheduleKind::Linear | ScheduleKind::Cosine | ScheduleKind::Polynomial => true,
+            ScheduleKind::Linear
+            | ScheduleKind::Cosine
+            | ScheduleKind::Polynomial
+            | ScheduleKind::CosineWithRestarts => true,
         }
     }
 }
@@ -93,7 +105,7 @@ impl FromStr for ScheduleKind {
 /// Schedule errors, found before training starts.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum ScheduleError {
-    #[error("unknown lr_scheduler `{0}`: allowed are constant, linear, cosine, polynomial")]
+    #[error("unknown lr_scheduler `{0}`: allowed are constant, linear, cosine, polynomial, cosine_with_restarts")]
     UnknownKind(String),
     #[error("lr {0} must be finite and >= 0")]
     BadLr(f64),
@@ -103,6 +115,8 @@ pub enum ScheduleError {
         warmup: usize,
         decay: usize,
     },
+    #[error("lr_scheduler cosine_with_restarts needs at least 1 cycle (got {0})")]
+    NoCycles(u32),
     #[error("lr_scheduler polynomial decays to {lr_end:e}, so lr ({lr:e}) must be greater")]
     PolynomialLrTooSmall { lr: f64, lr_end: f64 },
 }
@@ -116,6 +130,9 @@ pub struct LrSchedule {
     /// Total steps (warmup included) over which the lr decays, after which it is 0 (linear,
     /// cosine) or `POLYNOMIAL_LR_END` (polynomial). Unused by constant.
     pub decay_steps: usize,
+    /// cosine_with_restarts' cycles (diffusers' `num_cycles`, kohya's
+    /// `lr_scheduler_num_cycles`; default 1); unused by the other kinds.
+    pub num_cycles: u32,
 }
 
 impl LrSchedule {
@@ -135,6 +152,9 @@ impl LrSchedule {
                 warmup: self.warmup_steps,
                 decay: self.decay_steps,
             });
+        }
+        if self.kind == ScheduleKind::CosineWithRestarts && self.num_cycles == 0 {
+            return Err(ScheduleError::NoCycles(self.num_cycles));
         }
         if self.kind == ScheduleKind::Polynomial && base_lr <= Self::POLYNOMIAL_LR_END {
             return Err(ScheduleError::PolynomialLrTooSmall {
@@ -183,6 +203,14 @@ impl LrSchedule {
                     (base_lr - lr_end) * pct_remaining.powf(Self::POLYNOMIAL_POWER) + lr_end;
                 base_lr * (decay / base_lr)
             }
+            ScheduleKind::CosineWithRestarts => {
+                let progress = (s - w) as f64 / span;
+                if progress >= 1.0 {
+                    return 0.0;
+                }
+                let phase = (f64::from(self.num_cycles) * progress) % 1.0;
+                base_lr * (0.5 * (1.0 + (PI * phase).cos())).max(0.0)
+            }
         }
     }
 }
@@ -197,6 +225,7 @@ mod tests {
             kind,
             warmup_steps,
             decay_steps,
+            num_cycles: 1,
         }
     }
 
@@ -302,8 +331,8 @@ mod tests {
             let json = serde_json::to_string(&kind).unwrap();
             assert_eq!(json, format!("\"{}\"", kind.name()));
         }
-        let err = "cosine_with_restarts".parse::<ScheduleKind>().unwrap_err();
-        assert!(err.to_string().contains("cosine_with_restarts"), "{err}");
+        let err = "piecewise_constant".parse::<ScheduleKind>().unwrap_err();
+        assert!(err.to_string().contains("piecewise_constant"), "{err}");
     }
 
     #[test]

@@ -246,6 +246,7 @@ fn lr_schedule(spec: &ScheduleSpec, total_steps: u64) -> LrSchedule {
         kind: resolved.kind,
         warmup_steps: resolved.warmup_steps as usize,
         decay_steps: resolved.decay_steps as usize,
+        num_cycles: resolved.num_cycles,
     }
 }
 
@@ -398,6 +399,7 @@ mod lr_scale_tests {
                 kind: ScheduleKind::Constant,
                 warmup_steps: StepCount::Auto,
                 decay_steps: StepCount::Auto,
+                num_cycles: 1,
             },
             adafactor: Default::default(),
             estimator: Default::default(),
