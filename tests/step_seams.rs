@@ -143,6 +143,7 @@ fn settings<'a>(m: &'a Model, ck: Option<&'a Checkpointing>) -> StepSettings<'a>
         cond_dropout: 0.0,
         shuffle_tags: false,
         keep_tags: 0,
+        tag_dropout: 0.0,
         clip_skip_layers: 0,
         caption_chunks: 1,
         train_text_encoder: m.train_te,
@@ -547,4 +548,58 @@ fn an_fp8_base_trains_as_its_dequantised_values_lora_sd15() {
 #[test]
 fn an_fp8_base_trains_as_its_dequantised_values_locon_sdxl_checkpointed() {
     fp8_base_equals_its_values("tiny-sdxl", TrainMode::Locon, true);
+}
+
+/// kohya's `caption_tag_dropout_rate` in a prepared batch: at 1 only the main prompt and the
+/// kept tags remain; at 0.5 a batch prepared in halves drops what the whole batch drops (one
+/// draw per sample, from its own generator). A regularization image's `prior_loss_weight`
+/// reaches the batch's sample weights, in order. Catches the dropout drawn from a shared
+/// generator, a kept tag dropped, and the weights lost or misordered.
+#[test]
+fn tag_dropout_and_prior_weights_reach_the_prepared_batch() {
+    let mut data = data();
+    for (i, d) in data.iter_mut().enumerate() {
+        let SampleData::Pixels(image) = d else {
+            unreachable!("the demo images are decoded")
+        };
+        image.caption = format!("main {i}, keep, a, b, c, d");
+        if i % 2 == 1 {
+            let mut options = (*image.options).clone();
+            options.prior_loss_weight = Some(0.25);
+            image.options = std::sync::Arc::new(options);
+        }
+    }
+    let m = model("tiny-sd15", TrainMode::Lora, 0.0);
+    let images: Vec<_> = data.iter().take(4).collect();
+    let seeds = step_seeds(3, 5, 4);
+    let all = StepSettings {
+        keep_tags: 1,
+        tag_dropout: 1.0,
+        ..settings(&m, None)
+    };
+    let batch = prepare_batch(&m.sd, &images, &all, &mut sample_rngs(&seeds)).unwrap();
+    let want: Vec<String> = (0..4).map(|i| format!("main {i}, keep")).collect();
+    assert_eq!(batch.captions, want);
+    assert_eq!(batch.noised.sample_weights, [1.0, 0.25, 1.0, 0.25]);
+    assert_eq!(
+        batch.narrow(1, 2).unwrap().noised.sample_weights,
+        [0.25, 1.0]
+    );
+    let half = StepSettings {
+        tag_dropout: 0.5,
+        ..all
+    };
+    let whole = prepare_batch(&m.sd, &images, &half, &mut sample_rngs(&seeds)).unwrap();
+    let halves: Vec<String> = [0..2, 2..4]
+        .into_iter()
+        .flat_map(|r| {
+            let mut rngs = sample_rngs(&seeds[r.clone()]);
+            prepare_batch(&m.sd, &images[r], &half, &mut rngs)
+                .unwrap()
+                .captions
+        })
+        .collect();
+    assert_eq!(halves, whole.captions);
+    assert!(whole.captions.iter().all(|c| c.contains(", keep")));
+    assert_ne!(whole.captions, batch.captions, "some tags survive at 0.5");
 }

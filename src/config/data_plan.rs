@@ -44,6 +44,9 @@ pub struct DataPlan {
     pub shuffle_tags: bool,
     /// Tags after the main prompt that the shuffle keeps in place (`keep_tags`).
     pub keep_tags: usize,
+    /// kohya's `caption_tag_dropout_rate`: each tag after the kept ones is dropped with this
+    /// probability, per sample and step.
+    pub tag_dropout: f64,
     /// The 75-token chunks a caption is encoded in (kohya's `max_token_length` / 75: 1, 2 or
     /// 3); see `crate::model::long_prompt`.
     pub caption_chunks: usize,
@@ -103,6 +106,8 @@ pub enum TextCacheOff {
     /// A text encoder (or its adapter) trains.
     TextEncoderTrains,
     ShuffleTags,
+    /// `caption_tag_dropout_rate` drops tags every step.
+    TagDropout,
 }
 
 impl TextCacheDecision {
@@ -110,12 +115,24 @@ impl TextCacheDecision {
     /// `text_encoder_trains` whether any text-encoder parameter is in an optimizer group.
     /// `cond_dropout` does not turn it off: its empty caption is cached with the others.
     pub fn decide(enabled: bool, text_encoder_trains: bool, shuffle_tags: bool) -> Self {
+        Self::decide_with(enabled, text_encoder_trains, shuffle_tags, false)
+    }
+
+    /// [`Self::decide`], with `tag_dropout`: `caption_tag_dropout_rate` is above 0.
+    pub fn decide_with(
+        enabled: bool,
+        text_encoder_trains: bool,
+        shuffle_tags: bool,
+        tag_dropout: bool,
+    ) -> Self {
         let off = if !enabled {
             TextCacheOff::Disabled
         } else if text_encoder_trains {
             TextCacheOff::TextEncoderTrains
         } else if shuffle_tags {
             TextCacheOff::ShuffleTags
+        } else if tag_dropout {
+            TextCacheOff::TagDropout
         } else {
             return TextCacheDecision::On;
         };
@@ -133,6 +150,7 @@ impl fmt::Display for TextCacheOff {
             TextCacheOff::Disabled => "cache_text_encoder_outputs is false",
             TextCacheOff::TextEncoderTrains => "a text encoder trains",
             TextCacheOff::ShuffleTags => "shuffle_tags changes captions every step",
+            TextCacheOff::TagDropout => "caption_tag_dropout_rate changes captions every step",
         })
     }
 }
@@ -166,6 +184,11 @@ pub(super) fn resolve_data(
     let flip_p = ctx.fraction("flip_p", file.flip_p, 0.0)?;
     let cond_dropout = ctx.fraction("cond_dropout", file.cond_dropout, DEFAULT_COND_DROPOUT)?;
     let shuffle_tags = file.shuffle_tags.unwrap_or(false);
+    let tag_dropout = ctx.fraction(
+        "caption_tag_dropout_rate",
+        file.caption_tag_dropout_rate,
+        0.0,
+    )?;
     Ok(DataPlan {
         data_root,
         layout,
@@ -175,6 +198,7 @@ pub(super) fn resolve_data(
         cond_dropout,
         shuffle_tags,
         keep_tags: ctx.at_least("keep_tags", file.keep_tags, 0, 0)? as usize,
+        tag_dropout,
         caption_chunks: match file.max_token_length {
             None | Some(75) => 1,
             Some(150) => 2,
@@ -198,10 +222,11 @@ pub(super) fn resolve_data(
         buckets: resolve_buckets(file, ctx)?,
         crop_jitter,
         cache_latents,
-        text_cache: TextCacheDecision::decide(
+        text_cache: TextCacheDecision::decide_with(
             file.cache_text_encoder_outputs.unwrap_or(true),
             text_encoder_trains,
             shuffle_tags,
+            tag_dropout > 0.0,
         ),
     })
 }

@@ -147,6 +147,9 @@ pub struct TrainFile {
     /// holds fewer than `num_class_images`.
     #[serde(default)]
     pub class_prompt: Option<String>,
+    /// kohya's `caption_tag_dropout_rate`.
+    #[serde(default)]
+    pub caption_tag_dropout_rate: Option<f64>,
     #[serde(default)]
     pub num_class_images: Option<i64>,
     #[serde(default)]

@@ -132,6 +132,27 @@ pub fn shuffled_caption(caption: &str, options: &ItemOptions, keep: usize, seed:
     }
 }
 
+/// kohya's `caption_tag_dropout_rate` (`process_caption`'s `dropout_tags`): the caption's
+/// comma-separated pieces, trimmed, with the first `1 + keep` (the main prompt and the tags
+/// `keep_tags` keeps; kohya's `keep_tokens` counts the first piece too) always kept and each
+/// other one dropped with probability `rate` (one draw per piece, in order), joined with `", "`
+/// as kohya joins them. Empty pieces go, as in kohya.
+pub fn drop_tags<R: rand::Rng>(caption: &str, keep: usize, rate: f64, rng: &mut R) -> String {
+    let pieces: Vec<&str> = caption
+        .split(',')
+        .map(str::trim)
+        .filter(|p| !p.is_empty())
+        .collect();
+    let fixed = pieces.len().min(keep.saturating_add(1));
+    let mut kept: Vec<&str> = pieces[..fixed].to_vec();
+    for piece in &pieces[fixed..] {
+        if rng.random::<f64>() >= rate {
+            kept.push(piece);
+        }
+    }
+    kept.join(", ")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -170,5 +191,36 @@ mod tests {
         let out = shuffled_caption("main, t1, t2, t3, t4", &o, 1, 9);
         assert!(out.starts_with("main, t1, "), "{out}");
         assert_eq!(shuffled_caption("only", &o, 0, 9), "only");
+    }
+
+    /// Catches the main prompt or a kept tag dropped, the rate inverted, and pieces joined
+    /// without kohya's `", "`.
+    #[test]
+    fn tag_dropout_keeps_the_fixed_pieces_and_drops_the_rest_at_its_rate() {
+        use rand::SeedableRng;
+        let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+        let caption = "a photo of sks, red,  blue ,, green,yellow";
+        assert_eq!(
+            drop_tags(caption, 0, 0.0, &mut rng),
+            "a photo of sks, red, blue, green, yellow"
+        );
+        assert_eq!(drop_tags(caption, 0, 1.0, &mut rng), "a photo of sks");
+        assert_eq!(
+            drop_tags(caption, 2, 1.0, &mut rng),
+            "a photo of sks, red, blue"
+        );
+        assert_eq!(
+            drop_tags(caption, 9, 1.0, &mut rng),
+            "a photo of sks, red, blue, green, yellow"
+        );
+        let (trials, mut kept) = (20_000, 0usize);
+        for _ in 0..trials {
+            let out = drop_tags("main, t", 0, 0.3, &mut rng);
+            assert!(out.starts_with("main"));
+            kept += usize::from(out == "main, t");
+        }
+        // P(kept) = 0.7; 4σ of a binomial over 20000 trials is 0.013.
+        let share = kept as f64 / trials as f64;
+        assert!((share - 0.7).abs() < 0.013, "{share}");
     }
 }

@@ -231,7 +231,7 @@ fn settings(f: &RunFacts<'_>, m: &mut BTreeMap<String, String>) {
     );
     put("ss_caption_dropout_rate", py_float(p.data.cond_dropout));
     put("ss_caption_dropout_every_n_epochs", "0".into());
-    put("ss_caption_tag_dropout_rate", "0.0".into());
+    put("ss_caption_tag_dropout_rate", py_float(p.data.tag_dropout));
     put("ss_face_crop_aug_range", "None".into());
     let prior = p.data.regularization.as_ref();
     put(

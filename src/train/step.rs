@@ -23,7 +23,7 @@ use rand::{Rng, SeedableRng};
 use std::sync::Arc;
 
 use crate::data::augment;
-use crate::data::tag_shuffle::shuffled_caption;
+use crate::data::tag_shuffle::{drop_tags, shuffled_caption};
 use crate::data::ItemOptions;
 use crate::data::TrainImage;
 use crate::diffusion::host_randn;
@@ -43,6 +43,8 @@ pub struct StepSettings<'a> {
     pub shuffle_tags: bool,
     /// Tags kept in place by the shuffle, after the main prompt (`keep_tags`).
     pub keep_tags: usize,
+    /// kohya's `caption_tag_dropout_rate` (0: off).
+    pub tag_dropout: f64,
     /// Text-encoder layers skipped beyond the family default.
     pub clip_skip_layers: usize,
     /// The 75-token chunks a caption is encoded in (`max_token_length`).
@@ -181,6 +183,18 @@ pub fn prepare_batch<R: Rng>(
         } else {
             caption.to_string()
         });
+        if settings.tag_dropout > 0.0 {
+            // One draw whether or not the caption was dropped; after the shuffle, as kohya.
+            let mut tags_rng = StdRng::seed_from_u64(rng.random::<u64>());
+            if let Some(last) = captions.last_mut().filter(|c| !c.is_empty()) {
+                *last = drop_tags(
+                    last,
+                    settings.keep_tags,
+                    settings.tag_dropout,
+                    &mut tags_rng,
+                );
+            }
+        }
     }
     let (moments, time_ids, masks) = posterior_moments(sd, samples, &flips, &device)?;
     let posterior = DiagonalGaussian::from_moments(&moments)?;

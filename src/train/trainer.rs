@@ -77,6 +77,7 @@ impl Model {
             cond_dropout: data.cond_dropout,
             shuffle_tags: data.shuffle_tags,
             keep_tags: data.keep_tags,
+            tag_dropout: data.tag_dropout,
             clip_skip_layers: plan.objective.clip_skip_layers,
             caption_chunks: data.caption_chunks,
             train_text_encoder: te_trains,

@@ -275,6 +275,7 @@ impl Validation {
             flip_p: 0.0,
             cond_dropout: 0.0,
             shuffle_tags: false,
+            tag_dropout: 0.0,
             train_text_encoder: false,
             // Every validation sample keeps its mask.
             unmasked_probability: settings.unmasked_probability.map(|_| 0.0),
