@@ -141,10 +141,15 @@ fn names_a_file(v: &Value) -> bool {
     matches!(v, Value::String(s) if s.contains('/') || s.contains('\\'))
 }
 
-/// One image as the ranks compare it: its path under `root`, caption, size, repeat count and
-/// own settings.
-fn item_hash(item: &ImageMeta, root: &Path) -> [u8; 8] {
-    let rel = item.path.strip_prefix(root).unwrap_or(&item.path);
+/// One image as the ranks compare it: its path under its folder (the first of `roots`,
+/// data_root then reg_data_root, that holds it), caption, size, repeat count and own settings.
+fn item_hash(item: &ImageMeta, roots: &[&Path]) -> [u8; 8] {
+    // Below its folder (data_root, or reg_data_root for a regularization image), so machines
+    // that mount the data at other places agree.
+    let rel = roots
+        .iter()
+        .find_map(|r| item.path.strip_prefix(r).ok())
+        .unwrap_or(&item.path);
     let mut h = Sha256::new();
     for part in [
         rel.to_string_lossy().replace('\\', "/"),
@@ -165,9 +170,9 @@ fn item_hash(item: &ImageMeta, root: &Path) -> [u8; 8] {
 pub fn check_same_data(
     coll: &mut dyn Collective,
     items: &[ImageMeta],
-    root: &Path,
+    roots: &[&Path],
 ) -> anyhow::Result<()> {
-    let mine: Vec<u8> = items.iter().flat_map(|i| item_hash(i, root)).collect();
+    let mine: Vec<u8> = items.iter().flat_map(|i| item_hash(i, roots)).collect();
     let all = coll.all_gather("dataset", &mine)?;
     let Some(lead) = all.first() else {
         return Ok(());

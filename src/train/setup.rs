@@ -98,11 +98,15 @@ impl<'a> Session<'a> {
             let files =
                 super::rank_agreement::start_files(&model.sd.layout, init_from, save_point)?;
             super::rank_agreement::check_same_files(l.coll.as_mut(), &files)?;
-            super::rank_agreement::check_same_data(
-                l.coll.as_mut(),
-                &feed.dataset.items,
-                &plan.data.data_root,
-            )?;
+            let reg_root = plan
+                .data
+                .regularization
+                .as_ref()
+                .map(|r| r.data_root.as_path());
+            let roots: Vec<&Path> = std::iter::once(plan.data.data_root.as_path())
+                .chain(reg_root)
+                .collect();
+            super::rank_agreement::check_same_data(l.coll.as_mut(), &feed.dataset.items, &roots)?;
         }
         let steps_per_epoch = feed.steps_in(&feed.epoch(data_seed, 0));
         let total_steps = plan.total_steps(|e| feed.steps_in(&feed.epoch(data_seed, e)));
