@@ -265,3 +265,31 @@ fn missing_class_images_are_drawn_before_training() {
     );
     let _ = run_folder(tmp.path());
 }
+
+/// kohya's `caption_prefix` and `caption_suffix` reach the training and the regularization
+/// images' captions (seen through the tags the LoRA file counts). Catches either folder left
+/// without them.
+#[test]
+fn caption_affixes_reach_both_folders() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (train, reg) = folders(tmp.path());
+    let extra = serde_json::json!({
+        "mode": "lora",
+        "max_steps": 1,
+        "data_layout": "kohya",
+        "caption_extension": ".txt",
+        "reg_data_root": reg,
+        "caption_prefix": "photo,",
+        "caption_suffix": ", 8k",
+    });
+    let cfg = write_config(tmp.path(), "tiny-sd15", &train, extra);
+    let out = sdtrain(&["--config", cfg.to_str().unwrap(), "--cpu"], tmp.path());
+    assert!(out.status.success(), "{}", text(&out));
+    let bytes = std::fs::read(run_folder(tmp.path()).join("sdtrain.safetensors")).unwrap();
+    let (_, header) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+    let tags: serde_json::Value =
+        serde_json::from_str(&header.metadata().as_ref().unwrap()["ss_tag_frequency"]).unwrap();
+    assert_eq!(tags["1_ted man"]["photo"], 2, "{tags}");
+    assert_eq!(tags["1_ted man"]["8k"], 2, "{tags}");
+    assert_eq!(tags["3_man"]["photo"], 3, "{tags}");
+}

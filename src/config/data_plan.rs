@@ -47,6 +47,10 @@ pub struct DataPlan {
     /// kohya's `caption_tag_dropout_rate`: each tag after the kept ones is dropped with this
     /// probability, per sample and step.
     pub tag_dropout: f64,
+    /// kohya's `caption_prefix` and `caption_suffix`, on every image's caption (training,
+    /// regularization and validation images); `None` when absent or empty.
+    pub caption_prefix: Option<String>,
+    pub caption_suffix: Option<String>,
     /// The 75-token chunks a caption is encoded in (kohya's `max_token_length` / 75: 1, 2 or
     /// 3); see `crate::model::long_prompt`.
     pub caption_chunks: usize,
@@ -199,6 +203,8 @@ pub(super) fn resolve_data(
         shuffle_tags,
         keep_tags: ctx.at_least("keep_tags", file.keep_tags, 0, 0)? as usize,
         tag_dropout,
+        caption_prefix: file.caption_prefix.clone().filter(|p| !p.is_empty()),
+        caption_suffix: file.caption_suffix.clone().filter(|s| !s.is_empty()),
         caption_chunks: match file.max_token_length {
             None | Some(75) => 1,
             Some(150) => 2,

@@ -150,6 +150,11 @@ pub struct TrainFile {
     /// kohya's `caption_tag_dropout_rate`.
     #[serde(default)]
     pub caption_tag_dropout_rate: Option<f64>,
+    /// kohya's `caption_prefix` and `caption_suffix`.
+    #[serde(default)]
+    pub caption_prefix: Option<String>,
+    #[serde(default)]
+    pub caption_suffix: Option<String>,
     #[serde(default)]
     pub num_class_images: Option<i64>,
     #[serde(default)]

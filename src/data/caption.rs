@@ -60,6 +60,19 @@ impl Caption {
     }
 }
 
+/// kohya's `caption_prefix` and `caption_suffix` (`process_caption`): `prefix + " " + caption`
+/// and `caption + " " + suffix`, each only when given and not empty.
+pub fn with_affixes(caption: &str, prefix: Option<&str>, suffix: Option<&str>) -> String {
+    let mut out = caption.to_string();
+    if let Some(p) = prefix.filter(|p| !p.is_empty()) {
+        out = format!("{p} {out}");
+    }
+    if let Some(s) = suffix.filter(|s| !s.is_empty()) {
+        out = format!("{out} {s}");
+    }
+    out
+}
+
 /// The caption EveryDream2 derives from a file name: the stem's text before the first `_`.
 pub fn caption_from_file_name(image: &Path) -> Caption {
     let stem = image
@@ -120,6 +133,15 @@ pub fn resolve_caption(image: &Path, sidecar: Option<&Path>) -> Result<String, D
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// kohya's `prefix + " " + caption + " " + suffix`; empty ones add nothing.
+    #[test]
+    fn affixes_join_with_a_space_as_kohya() {
+        let both = with_affixes("a cat", Some("masterpiece,"), Some("4k"));
+        assert_eq!(both, "masterpiece, a cat 4k");
+        assert_eq!(with_affixes("a cat", Some(""), None), "a cat");
+        assert_eq!(with_affixes("a cat", None, Some("sks")), "a cat sks");
+    }
 
     #[test]
     fn file_name_rule_takes_text_before_first_underscore_without_extension() {

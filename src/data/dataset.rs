@@ -49,6 +49,34 @@ pub struct ImageMeta {
     pub options: Arc<ItemOptions>,
 }
 
+impl ImageMeta {
+    /// kohya's `caption_prefix` and `caption_suffix` on this image's caption
+    /// ([`super::caption::with_affixes`]). An image whose main prompt and tags came from its
+    /// YAML (which the tag shuffle reads instead of the caption) gets the prefix on its main
+    /// prompt and the suffix on its last tag, where kohya's comma split puts them.
+    pub fn add_affixes(&mut self, prefix: Option<&str>, suffix: Option<&str>) {
+        let (prefix, suffix) = (
+            prefix.filter(|p| !p.is_empty()),
+            suffix.filter(|s| !s.is_empty()),
+        );
+        if prefix.is_none() && suffix.is_none() {
+            return;
+        }
+        self.caption = super::caption::with_affixes(&self.caption, prefix, suffix);
+        let o = &self.options;
+        if o.main.is_empty() && o.tags.is_empty() {
+            return;
+        }
+        let mut options = (**o).clone();
+        options.main = super::caption::with_affixes(&options.main, prefix, None);
+        match options.tags.last_mut() {
+            Some(last) => *last = super::caption::with_affixes(last, None, suffix),
+            None => options.main = super::caption::with_affixes(&options.main, None, suffix),
+        }
+        self.options = Arc::new(options);
+    }
+}
+
 /// The usable images, in scan order, and the files that were skipped with the reason.
 #[derive(Debug, Clone)]
 pub struct LoadedDataset {
@@ -312,6 +340,34 @@ pub(crate) fn mix_seed(seed: u64, epoch: usize, stream: u64) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The caption always; a YAML-tagged image's main prompt and last tag too (the shuffle
+    /// reads those). Catches the shuffle losing the prefix, or the suffix added twice.
+    #[test]
+    fn affixes_reach_the_caption_and_the_parts_the_shuffle_reads() {
+        let meta = |options: ItemOptions| ImageMeta {
+            path: PathBuf::from("a.png"),
+            caption: "sks dog, grass, sky".into(),
+            multiplier: 1.0,
+            size: (64, 64),
+            options: Arc::new(options),
+        };
+        let mut plain = meta(ItemOptions::default());
+        plain.add_affixes(Some("photo of"), Some("8k"));
+        assert_eq!(plain.caption, "photo of sks dog, grass, sky 8k");
+        assert!(plain.options.main.is_empty() && plain.options.tags.is_empty());
+        let mut tagged = meta(ItemOptions {
+            main: "sks dog".into(),
+            tags: vec!["grass".into(), "sky".into()],
+            ..ItemOptions::default()
+        });
+        tagged.add_affixes(Some("photo of"), Some("8k"));
+        assert_eq!(tagged.options.main, "photo of sks dog");
+        assert_eq!(tagged.options.tags, ["grass", "sky 8k"]);
+        let mut untouched = meta(ItemOptions::default());
+        untouched.add_affixes(Some(""), None);
+        assert_eq!(untouched.caption, "sks dog, grass, sky");
+    }
 
     #[test]
     fn epoch_order_is_a_deterministic_permutation() {

@@ -31,7 +31,7 @@ use crate::config::{
     BaseWeightDtype, CheckpointChoice, DataPlan, RegularizationPlan, RunShape, TrainMode, TrainPlan,
 };
 use crate::data::regularization::{add_regularization, RegularizationSummary};
-use crate::data::{load_source, undersized, Bucket, DataSource, LoadedDataset};
+use crate::data::{load_source, undersized, Bucket, DataSource, ImageMeta, LoadedDataset};
 use crate::diffusion::loss::LossConfig;
 use crate::diffusion::{Objective, ObjectiveConfig};
 use crate::memory::{prepare_device, DeviceSettings};
@@ -455,7 +455,15 @@ fn load_data(
     let mut dataset = load_source(&source, show_progress)?;
     let align = model.sd.vae_scale << model.sd.unet.config.num_downsamples();
     let bucket_list = data_feed::bucket_list(data.buckets.as_ref(), model.resolution, align)?;
-    let validation = hold_out_validation(plan, &mut dataset, data_seed, &bucket_list)?;
+    let mut validation = hold_out_validation(plan, &mut dataset, data_seed, &bucket_list)?;
+    let affixes = (
+        data.caption_prefix.as_deref(),
+        data.caption_suffix.as_deref(),
+    );
+    add_affixes(&mut dataset.items, affixes);
+    for set in validation.iter_mut().flat_map(|v| v.sets.iter_mut()) {
+        add_affixes(&mut set.items, affixes);
+    }
     report_dataset(&dataset);
     if dataset.epoch_len() == 0 {
         bail!(
@@ -489,6 +497,13 @@ fn load_data(
     Ok((feed, validation))
 }
 
+/// kohya's `caption_prefix` and `caption_suffix` on every image of `items`.
+fn add_affixes(items: &mut [ImageMeta], (prefix, suffix): (Option<&str>, Option<&str>)) {
+    for item in items {
+        item.add_affixes(prefix, suffix);
+    }
+}
+
 /// `reg_data_root`'s images, read in the run's layout and added to `dataset` balanced and
 /// weighed ([`crate::data::regularization`]), announced on stderr.
 fn load_regularization(
@@ -503,7 +518,12 @@ fn load_regularization(
         layout: &data.layout,
         max_pixels: data.max_image_pixels,
     };
-    let images = load_source(&source, show_progress)?;
+    let mut images = load_source(&source, show_progress)?;
+    let affixes = (
+        data.caption_prefix.as_deref(),
+        data.caption_suffix.as_deref(),
+    );
+    add_affixes(&mut images.items, affixes);
     for (path, why) in &images.skipped {
         crate::console::say(format_args!("  skipped {}: {why}", path.display()));
     }
