@@ -446,12 +446,7 @@ fn load_data(
     show_progress: bool,
 ) -> anyhow::Result<(DataFeed, Option<Validation>)> {
     let data = &plan.data;
-    let source = DataSource {
-        key: "data_root",
-        root: &data.data_root,
-        layout: &data.layout,
-        max_pixels: data.max_image_pixels,
-    };
+    let source = data_source("data_root", &data.data_root, data);
     let mut dataset = load_source(&source, show_progress)?;
     let align = model.sd.vae_scale << model.sd.unet.config.num_downsamples();
     let bucket_list = data_feed::bucket_list(data.buckets.as_ref(), model.resolution, align)?;
@@ -497,6 +492,16 @@ fn load_data(
     Ok((feed, validation))
 }
 
+/// The image folder train.json's `key` names, read in the run's layout and pixel limit.
+fn data_source<'a>(key: &'static str, root: &'a Path, data: &'a DataPlan) -> DataSource<'a> {
+    DataSource {
+        key,
+        root,
+        layout: &data.layout,
+        max_pixels: data.max_image_pixels,
+    }
+}
+
 /// kohya's `caption_prefix` and `caption_suffix` on every image of `items`.
 fn add_affixes(items: &mut [ImageMeta], (prefix, suffix): (Option<&str>, Option<&str>)) {
     for item in items {
@@ -512,12 +517,7 @@ fn load_regularization(
     dataset: &mut LoadedDataset,
     show_progress: bool,
 ) -> anyhow::Result<RegularizationSummary> {
-    let source = DataSource {
-        key: "reg_data_root",
-        root: &reg.data_root,
-        layout: &data.layout,
-        max_pixels: data.max_image_pixels,
-    };
+    let source = data_source("reg_data_root", &reg.data_root, data);
     let mut images = load_source(&source, show_progress)?;
     let affixes = (
         data.caption_prefix.as_deref(),
