@@ -116,14 +116,10 @@ pub enum TextCacheOff {
 
 impl TextCacheDecision {
     /// The decision, first reason first: `enabled` is `cache_text_encoder_outputs`,
-    /// `text_encoder_trains` whether any text-encoder parameter is in an optimizer group.
-    /// `cond_dropout` does not turn it off: its empty caption is cached with the others.
-    pub fn decide(enabled: bool, text_encoder_trains: bool, shuffle_tags: bool) -> Self {
-        Self::decide_with(enabled, text_encoder_trains, shuffle_tags, false)
-    }
-
-    /// [`Self::decide`], with `tag_dropout`: `caption_tag_dropout_rate` is above 0.
-    pub fn decide_with(
+    /// `text_encoder_trains` whether any text-encoder parameter is in an optimizer group,
+    /// `tag_dropout` whether `caption_tag_dropout_rate` is above 0. `cond_dropout` does not turn
+    /// it off: its empty caption is cached with the others.
+    pub fn decide(
         enabled: bool,
         text_encoder_trains: bool,
         shuffle_tags: bool,
@@ -168,7 +164,7 @@ pub(super) fn resolve_data(
 ) -> Result<DataPlan, ConfigError> {
     let data_root = resolve_data_root(file, ctx)?;
     let layout = resolve_layout(file, ctx)?;
-    let regularization = resolve_regularization(file, ctx, &data_root)?;
+    let regularization = resolve_regularization(file, ctx, &data_root, &layout)?;
     let resolution = match file.resolution {
         None => None,
         Some(r) if (64..=4096).contains(&r) && r % 64 == 0 => Some(r.unsigned_abs() as usize),
@@ -228,7 +224,7 @@ pub(super) fn resolve_data(
         buckets: resolve_buckets(file, ctx)?,
         crop_jitter,
         cache_latents,
-        text_cache: TextCacheDecision::decide_with(
+        text_cache: TextCacheDecision::decide(
             file.cache_text_encoder_outputs.unwrap_or(true),
             text_encoder_trains,
             shuffle_tags,
@@ -395,7 +391,7 @@ mod tests {
     /// The first reason that applies is the one given.
     #[test]
     fn text_cache_off_reasons_in_order() {
-        let decide = TextCacheDecision::decide;
+        let decide = |e, te, shuffle| TextCacheDecision::decide(e, te, shuffle, false);
         assert_eq!(decide(true, false, false), TextCacheDecision::On);
         let off = |d: TextCacheDecision| match d {
             TextCacheDecision::Off(why) => why.to_string(),
@@ -404,5 +400,7 @@ mod tests {
         assert!(off(decide(false, true, true)).contains("false"));
         assert!(off(decide(true, true, true)).contains("text encoder"));
         assert!(off(decide(true, false, true)).contains("shuffle_tags"));
+        let tags = TextCacheDecision::decide(true, false, false, true);
+        assert!(off(tags).contains("caption_tag_dropout_rate"));
     }
 }

@@ -85,11 +85,12 @@ pub(super) fn resolve_layout(file: &TrainFile, ctx: &Ctx<'_>) -> Result<DataLayo
     })
 }
 
-/// `reg_data_root` and `prior_loss_weight`, given the resolved `data_root`.
+/// `reg_data_root` and `prior_loss_weight`, given the resolved `data_root` and layout.
 pub(super) fn resolve_regularization(
     file: &TrainFile,
     ctx: &Ctx<'_>,
     data_root: &Path,
+    layout: &DataLayout,
 ) -> Result<Option<RegularizationPlan>, ConfigError> {
     let Some(raw) = file.reg_data_root.as_deref() else {
         let orphan = [
@@ -148,7 +149,7 @@ pub(super) fn resolve_regularization(
             format!("must be a finite number ≥ 0 (got {weight})"),
         ));
     }
-    if let (Some(class), DataLayout::Kohya { .. }) = (&class_images, resolve_layout(file, ctx)?) {
+    if let (Some(class), DataLayout::Kohya { .. }) = (&class_images, layout) {
         check_folder_name(ctx, &class.prompt)?;
     }
     Ok(Some(RegularizationPlan {
@@ -258,7 +259,11 @@ mod tests {
         std::fs::create_dir_all(data.join("inner")).unwrap();
         std::fs::create_dir_all(&reg).unwrap();
         let ctx = Ctx::new(Path::new("train.json"));
-        let resolve = |v| resolve_regularization(&file(v), &ctx, &data);
+        let resolve = |v: serde_json::Value| {
+            let f = file(v);
+            let layout = resolve_layout(&f, &ctx)?;
+            resolve_regularization(&f, &ctx, &data, &layout)
+        };
         let s = |p: &Path| p.display().to_string();
         assert_eq!(resolve(json!({})).unwrap(), None);
         let plan = resolve(json!({"reg_data_root": s(&reg)})).unwrap().unwrap();

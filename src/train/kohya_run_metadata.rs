@@ -314,13 +314,11 @@ fn dataset(f: &RunFacts<'_>, m: &mut BTreeMap<String, String>) {
         sides.clone().min().unwrap_or(0).to_string(),
     );
     put("ss_max_bucket_reso", sides.max().unwrap_or(0).to_string());
-    let train: Vec<ImageMeta> = f
+    let train = f
         .items
         .iter()
-        .filter(|i| i.options.prior_loss_weight.is_none())
-        .cloned()
-        .collect();
-    let dirs = folders(&train, &d.data_root);
+        .filter(|i| i.options.prior_loss_weight.is_none());
+    let dirs = folders(train, &d.data_root);
     put("ss_dataset_dirs", dataset_dirs(&dirs).dumps());
     let reg_dirs = match (f.regularization, &d.regularization) {
         (Some(summary), Some(plan)) => folders(&summary.own, &plan.data_root),
@@ -355,7 +353,10 @@ fn py_count(v: f64) -> String {
 
 /// The training images by folder, named as kohya names a subset (its folder's name; here the
 /// path below `data_root`, so that nested folders stay apart), in the order first seen.
-fn folders<'a>(items: &'a [ImageMeta], root: &Path) -> Vec<(String, Vec<&'a ImageMeta>)> {
+fn folders<'a>(
+    items: impl IntoIterator<Item = &'a ImageMeta>,
+    root: &Path,
+) -> Vec<(String, Vec<&'a ImageMeta>)> {
     let mut out: Vec<(String, Vec<&ImageMeta>)> = Vec::new();
     for item in items {
         let dir = item.path.parent().unwrap_or(root);
