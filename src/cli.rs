@@ -116,6 +116,12 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 print_stdout(&report)?;
                 return Ok(ExitCode::SUCCESS);
             }
+            if path.is_file() && crate::inspect_adapter::is_embedding_file(path) {
+                let report = crate::inspect_adapter::inspect_embedding(path)
+                    .with_context(|| format!("cannot inspect `{}`", args.model))?;
+                print_stdout(&report)?;
+                return Ok(ExitCode::SUCCESS);
+            }
             let report = ModelSource::parse(&args.model)
                 .map_err(InspectError::from)
                 .and_then(|source| {

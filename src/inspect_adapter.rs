@@ -313,3 +313,112 @@ impl fmt::Display for AdapterReport {
         row(f, "A1111 hash", &self.model_hash)
     }
 }
+
+/// Whether the safetensors file at `path` is a textual-inversion embedding
+/// ([`crate::adapter::embedding_file`]'s layouts), by its header only: `emb_params`,
+/// `clip_l`/`clip_g`, or one tensor of rank 1 or 2 (diffusers' `learned_embeds`).
+pub fn is_embedding_file(path: &Path) -> bool {
+    let Ok(file) = std::fs::File::open(path) else {
+        return false;
+    };
+    // SAFETY: as in `is_adapter_file`.
+    let Ok(map) = (unsafe { memmap2::Mmap::map(&file) }) else {
+        return false;
+    };
+    let Ok((_, meta)) = SafeTensors::read_metadata(&map) else {
+        return false;
+    };
+    let tensors = meta.tensors();
+    let known = ["emb_params", "clip_l", "clip_g"];
+    match tensors.len() {
+        0 => false,
+        1 => tensors.values().all(|t| matches!(t.shape.len(), 1 | 2)),
+        _ => tensors.keys().all(|k| known.contains(&k.as_str())),
+    }
+}
+
+/// What `sdtrain inspect` prints for an embedding file.
+#[derive(Debug, Clone)]
+pub struct EmbeddingReport {
+    pub path: PathBuf,
+    pub bytes: u64,
+    /// (key, shape, dtype) of each tensor, sorted by key.
+    pub tensors: Vec<(String, Vec<usize>, String)>,
+    /// The token `sdtrain sample --embedding` would use.
+    pub token: String,
+    pub vectors: usize,
+    pub metadata: HashMap<String, String>,
+}
+
+/// Reads the embedding file at `path`.
+pub fn inspect_embedding(
+    path: &Path,
+) -> Result<EmbeddingReport, crate::adapter::embedding_file::EmbeddingFileError> {
+    let file = crate::adapter::embedding_file::load_embedding(path, &Device::Cpu)?;
+    let bytes = std::fs::read(path).map_err(|source| KohyaError::Read {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let (_, header) = SafeTensors::read_metadata(&bytes).map_err(|source| KohyaError::Format {
+        path: path.to_path_buf(),
+        source: crate::error_chain::External(source),
+    })?;
+    let mut tensors: Vec<(String, Vec<usize>, String)> = header
+        .tensors()
+        .iter()
+        .map(|(k, t)| (k.clone(), t.shape.clone(), format!("{:?}", t.dtype)))
+        .collect();
+    tensors.sort();
+    Ok(EmbeddingReport {
+        path: path.to_path_buf(),
+        bytes: bytes.len() as u64,
+        tensors,
+        token: file.default_token(),
+        vectors: file.vectors_per_token(),
+        metadata: header.metadata().clone().unwrap_or_default(),
+    })
+}
+
+impl EmbeddingReport {
+    /// The model family its widths fit: 768 is SD1's text encoder, 1024 SD2's, 768 + 1280 SDXL's.
+    fn family(&self) -> &'static str {
+        let width = |k: &str| {
+            self.tensors
+                .iter()
+                .find(|(name, _, _)| name == k)
+                .and_then(|(_, s, _)| s.last().copied())
+        };
+        match (width("clip_l"), width("clip_g")) {
+            (Some(_), Some(_)) => "SDXL (clip_l for text_encoder, clip_g for text_encoder_2)",
+            (Some(_), None) | (None, Some(_)) => "SDXL, one text encoder's only",
+            (None, None) => match self.tensors.first().and_then(|(_, s, _)| s.last()) {
+                Some(768) => "SD1 (width 768)",
+                Some(1024) => "SD2 (width 1024)",
+                _ => "SD1/SD2 layout (one text encoder)",
+            },
+        }
+    }
+}
+
+impl fmt::Display for EmbeddingReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        row(f, "embedding", &self.path.display())?;
+        row(f, "size", &format!("{:.1} KiB", self.bytes as f64 / 1024.0))?;
+        row(f, "type", &"textual-inversion embedding")?;
+        row(f, "for", &self.family())?;
+        row(
+            f,
+            "token",
+            &format!("{} ({} vector(s))", self.token, self.vectors),
+        )?;
+        for (k, shape, dtype) in &self.tensors {
+            row(f, "tensor", &format!("{k} {shape:?} {dtype}"))?;
+        }
+        let mut keys: Vec<&String> = self.metadata.keys().collect();
+        keys.sort();
+        for k in keys {
+            row(f, "header", &format!("{k} = {}", self.metadata[k]))?;
+        }
+        Ok(())
+    }
+}

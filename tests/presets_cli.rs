@@ -14,11 +14,12 @@ use std::path::Path;
 /// (SimpleTuner's LoKr: 6.53 GiB), all on the whole expected peak; the SD1.5 LoRA rank 16 in
 /// 1.8 against SimpleTuner's 1.98 GiB, a `torch.cuda.max_memory_allocated` figure, so on the
 /// like measure, the pool (the peak less the CUDA context and cuBLAS workspace), and in 12 whole.
-const PRESETS: [(&str, &str, f64, Option<f64>); 5] = [
+const PRESETS: [(&str, &str, f64, Option<f64>); 6] = [
     ("sdxl-full-12gb", "sdxl", 9.0, None),
     ("sd21-full-12gb", "sd21", 12.0, None),
     ("sd15-lora-12gb", "sd15", 12.0, Some(1.8)),
     ("sd15-dreambooth-lora", "sd15", 12.0, Some(1.8)),
+    ("sd15-textual-inversion", "sd15", 12.0, Some(1.8)),
     ("sdxl-lora-12gb", "sdxl", 6.0, None),
 ];
 

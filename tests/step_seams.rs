@@ -146,6 +146,7 @@ fn settings<'a>(m: &'a Model, ck: Option<&'a Checkpointing>) -> StepSettings<'a>
         tag_dropout: 0.0,
         clip_skip_layers: 0,
         caption_chunks: 1,
+        caption_templates: &[],
         train_text_encoder: m.train_te,
         compute_dtype: DType::F32,
         checkpointing: ck,

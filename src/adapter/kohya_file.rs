@@ -53,7 +53,7 @@ const ALPHA: &str = "alpha";
 pub const LISTED: usize = 8;
 
 /// The first [`LISTED`] of `items` joined by `sep`, then how many more there are.
-fn listed(items: &[String], sep: &str) -> String {
+pub(super) fn listed(items: &[String], sep: &str) -> String {
     let mut s = items
         .iter()
         .take(LISTED)
@@ -224,7 +224,7 @@ impl KohyaTensorSet {
 }
 
 /// A tensor already encoded for the file.
-struct Encoded {
+pub(super) struct Encoded {
     dtype: StDtype,
     shape: Vec<usize>,
     bytes: Vec<u8>,
@@ -274,7 +274,7 @@ fn encode_values(values: &[f32], shape: Vec<usize>, dtype: DType) -> Result<Enco
     })
 }
 
-fn encode_tensor(name: &str, t: &Tensor, dtype: DType) -> Result<Encoded, KohyaError> {
+pub(super) fn encode_tensor(name: &str, t: &Tensor, dtype: DType) -> Result<Encoded, KohyaError> {
     let values = t
         .to_dtype(DType::F32)
         .and_then(|t| t.flatten_all())
@@ -499,7 +499,7 @@ impl KohyaFile {
     }
 }
 
-fn decode(
+pub(super) fn decode(
     path: &Path,
     name: &str,
     view: &TensorView<'_>,

@@ -12,6 +12,7 @@
 pub mod addnet_hash;
 pub mod attach;
 pub mod diffusers_keys;
+pub mod embedding_file;
 pub mod extract;
 pub mod extract_command;
 pub mod factors;

@@ -189,7 +189,11 @@ pub fn resolve_adapter(
     }
     let low_rank = match mode {
         TrainMode::Lora | TrainMode::Locon => true,
-        TrainMode::Full | TrainMode::Loha | TrainMode::Lokr | TrainMode::Dora => false,
+        TrainMode::Full
+        | TrainMode::TextualInversion
+        | TrainMode::Loha
+        | TrainMode::Lokr
+        | TrainMode::Dora => false,
     };
     if dropout > 0.0 && !low_rank {
         return Err(invalid(
@@ -336,7 +340,7 @@ fn resolve_loraplus(a: &AdapterFile, low_rank: bool) -> Result<LoraPlus, (&'stat
 }
 
 /// `save_dtype`: fp16 unless set; the error completes "`adapter.save_dtype` …".
-fn save_dtype(v: Option<&str>) -> Result<SaveDtype, String> {
+pub(super) fn save_dtype(v: Option<&str>) -> Result<SaveDtype, String> {
     match v {
         None | Some("fp16") | Some("float16") => Ok(SaveDtype::Fp16),
         Some("bf16") | Some("bfloat16") => Ok(SaveDtype::Bf16),

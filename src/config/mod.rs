@@ -10,6 +10,7 @@ mod ctx;
 mod data_plan;
 pub mod devices_plan;
 mod ema_plan;
+mod embedding_plan;
 mod error;
 mod loss_plan;
 mod mask_plan;
@@ -37,6 +38,7 @@ pub use data_plan::{
     BucketPlan, CacheLatents, DataPlan, TextCacheDecision, TextCacheOff, DEFAULT_CROP_JITTER,
 };
 pub use ema_plan::{EmaDecay, EmaDevice, EmaPlan, DEFAULT_EMA_UPDATE_INTERVAL};
+pub use embedding_plan::{CaptionTemplate, EmbeddingPlan};
 pub use error::{ConfigError, UnsupportedKey};
 pub use loss_plan::LossPlan;
 pub use mask_plan::MaskPlan;

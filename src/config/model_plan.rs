@@ -135,7 +135,8 @@ fn resolve_save_format(
         | TrainMode::Locon
         | TrainMode::Loha
         | TrainMode::Lokr
-        | TrainMode::Dora => true,
+        | TrainMode::Dora
+        | TrainMode::TextualInversion => true,
     };
     if adapters && (asked.is_some() || file.no_save_ckpt == Some(false)) {
         let field = if asked.is_some() {
@@ -146,8 +147,8 @@ fn resolve_save_format(
         return Err(invalid(
             train_path,
             field,
-            "applies to full fine-tunes (\"mode\": \"full\"); LoRA and LoCon runs always save \
-             kohya-format .safetensors files"
+            "applies to full fine-tunes (\"mode\": \"full\"); adapter runs always save \
+             kohya-format .safetensors files, and textual inversion embedding files"
                 .into(),
         ));
     }

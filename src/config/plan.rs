@@ -63,13 +63,15 @@ pub enum TrainMode {
     Lokr,
     /// DoRA (LoCon with a trained magnitude per input channel, the form A1111 and ComfyUI load).
     Dora,
+    /// Textual inversion: new token vectors in the text encoders, the whole model frozen.
+    TextualInversion,
 }
 
 impl TrainMode {
     /// Whether the mode trains adapters (every mode but `full`).
     pub fn is_adapter(self) -> bool {
         match self {
-            TrainMode::Full => false,
+            TrainMode::Full | TrainMode::TextualInversion => false,
             TrainMode::Lora
             | TrainMode::Locon
             | TrainMode::Loha
@@ -89,8 +91,10 @@ pub struct TrainPlan {
     /// Hub id `org/name[@revision]`, or the absolute path of a local folder or .safetensors file.
     pub model: String,
     pub mode: TrainMode,
-    /// Adapter settings; `Some` exactly when `mode` is lora or locon.
+    /// Adapter settings; `Some` exactly when `mode` is an adapter mode.
     pub adapter: Option<AdapterPlan>,
+    /// Textual-inversion settings; `Some` exactly when `mode` is textual_inversion.
+    pub embedding: Option<super::EmbeddingPlan>,
     /// Absolute; the run folder is `<output_dir>/<project_name>-<timestamp>`.
     pub output_dir: PathBuf,
     pub project_name: String,
@@ -206,12 +210,14 @@ impl TrainPlan {
         let train_text_encoder = !file.disable_textenc_training.unwrap_or(false);
         let train_unet = resolve_train_unet(&file, &ctx, mode, train_text_encoder)?;
         let adapter = resolve_adapter(&file, &ctx, mode, train_text_encoder)?;
+        let embedding = resolve_embedding(&file, &ctx, mode, train_text_encoder)?;
         // Whether any text-encoder parameter trains: the trainer's text-encoder group is
         // formed exactly when this holds (the encoders' own weights for a full fine-tune, their
-        // adapter modules for lora/locon).
-        let text_encoder_trains = adapter
-            .as_ref()
-            .map_or(train_text_encoder, |a| a.train_text_encoder);
+        // adapter modules for lora/locon, the new token vectors for textual inversion).
+        let text_encoder_trains = embedding.is_some()
+            || adapter
+                .as_ref()
+                .map_or(train_text_encoder, |a| a.train_text_encoder);
         let resume = resolve_resume(&file, &ctx)?;
         let ema_resume_model = resolve_ema_resume(
             &file,
@@ -232,6 +238,7 @@ impl TrainPlan {
             resume,
             mode,
             adapter,
+            embedding,
             output_dir: ctx
                 .output_path("output_dir", file.output_dir.as_deref().unwrap_or("output"))?,
             project_name: resolve_project_name(file.project_name.as_deref(), &ctx)?,
@@ -455,11 +462,12 @@ fn resolve_mode(mode: Option<&str>, ctx: &Ctx<'_>) -> Result<TrainMode, ConfigEr
         Some("loha") => Ok(TrainMode::Loha),
         Some("lokr") => Ok(TrainMode::Lokr),
         Some("dora") => Ok(TrainMode::Dora),
+        Some("textual_inversion") => Ok(TrainMode::TextualInversion),
         Some(m) => Err(ctx.invalid(
             "mode",
             format!(
                 "is \"{m}\"; allowed: \"full\", \"lora\", \"locon\", \"loha\", \"lokr\", \
-                 \"dora\""
+                 \"dora\", \"textual_inversion\""
             ),
         )),
     }
@@ -474,8 +482,8 @@ fn resolve_adapter(
     train_text_encoder: bool,
 ) -> Result<Option<AdapterPlan>, ConfigError> {
     match (mode, &file.adapter) {
-        (TrainMode::Full, None) => Ok(None),
-        (TrainMode::Full, Some(_)) => Err(ctx.invalid(
+        (TrainMode::Full | TrainMode::TextualInversion, None) => Ok(None),
+        (TrainMode::Full | TrainMode::TextualInversion, Some(_)) => Err(ctx.invalid(
             "adapter",
             "is only used with an adapter `mode` (lora, locon, loha, lokr, dora); remove the \
              section, or train \
@@ -500,6 +508,38 @@ fn resolve_adapter(
             )
             .map(Some)
         }
+    }
+}
+
+/// The `embedding` section: required by (and only used with) `mode: "textual_inversion"`, whose
+/// vectors live in the text encoders (so `disable_textenc_training` would leave nothing to train).
+fn resolve_embedding(
+    file: &TrainFile,
+    ctx: &Ctx<'_>,
+    mode: TrainMode,
+    train_text_encoder: bool,
+) -> Result<Option<super::EmbeddingPlan>, ConfigError> {
+    match (mode, &file.embedding) {
+        (TrainMode::TextualInversion, _) if !train_text_encoder => Err(ctx.invalid(
+            "disable_textenc_training",
+            "is true with mode \"textual_inversion\", whose vectors are the text encoders' \
+             new tokens: nothing would train"
+                .into(),
+        )),
+        (TrainMode::TextualInversion, section) => {
+            let section = section.clone().unwrap_or_default();
+            super::embedding_plan::resolve_embedding(&section, ctx.file, |field, p| {
+                ctx.input_path(field, p)
+            })
+            .map(Some)
+        }
+        (_, None) => Ok(None),
+        (_, Some(_)) => Err(ctx.invalid(
+            "embedding",
+            "is only used with `mode: \"textual_inversion\"`; remove the section, or add \
+             `--set embedding=null`"
+                .into(),
+        )),
     }
 }
 
@@ -556,6 +596,10 @@ fn resolve_train_unet(
     mode: TrainMode,
     train_text_encoder: bool,
 ) -> Result<bool, ConfigError> {
+    if mode == TrainMode::TextualInversion {
+        // The UNet is frozen; `disable_unet_training` says so already.
+        return Ok(false);
+    }
     if !file.disable_unet_training.unwrap_or(false) {
         return Ok(true);
     }

@@ -178,6 +178,7 @@ fn resolve_weight_dtype(
         | TrainMode::Loha
         | TrainMode::Lokr
         | TrainMode::Dora
+        | TrainMode::TextualInversion
             if w == WeightDtype::F32 =>
         {
             Ok(w)
@@ -186,12 +187,13 @@ fn resolve_weight_dtype(
         | TrainMode::Locon
         | TrainMode::Loha
         | TrainMode::Lokr
-        | TrainMode::Dora => Err(invalid(
+        | TrainMode::Dora
+        | TrainMode::TextualInversion => Err(invalid(
             file,
             "weight_dtype",
             format!(
-                "is \"{s}\", which applies to a full fine-tune (mode \"full\"): adapter weights \
-                 stay f32, as they are a few MiB and the frozen base is already stored in the \
+                "is \"{s}\", which applies to a full fine-tune (mode \"full\"): adapter and \
+                 embedding weights stay f32, as they are a few MiB and the frozen base is already stored in the \
                  compute dtype (amp); remove the key"
             ),
         )),

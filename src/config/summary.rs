@@ -109,6 +109,25 @@ impl fmt::Display for TrainPlan {
 }
 
 impl TrainPlan {
+    fn embedding_text(&self) -> String {
+        let Some(e) = &self.embedding else {
+            return "textual inversion".to_string();
+        };
+        let start = match (&e.init_from, &e.init_word) {
+            (Some(p), _) => format!("from {}", p.display()),
+            (None, Some(w)) => format!("from the init word {w:?}"),
+            (None, None) => String::new(),
+        };
+        let captions = match e.template {
+            Some(t) => format!(", captions from kohya's {t:?} templates").to_lowercase(),
+            None => String::new(),
+        };
+        format!(
+            "textual inversion: `{}` as {} vector(s) {start}{captions}, saved as {:?}",
+            e.token_string, e.num_vectors, e.save_dtype
+        )
+    }
+
     fn mode_text(&self) -> String {
         let kind = match self.mode {
             TrainMode::Full => return "full fine-tune".to_string(),
@@ -117,6 +136,7 @@ impl TrainPlan {
             TrainMode::Loha => "LoHa",
             TrainMode::Lokr => "LoKr",
             TrainMode::Dora => "DoRA",
+            TrainMode::TextualInversion => return self.embedding_text(),
         };
         match &self.adapter {
             Some(a) => format!(
@@ -199,6 +219,7 @@ impl TrainPlan {
         let freeze = &self.text_encoder_freeze;
         let te = match (self.train_text_encoder, freeze.trains_everything()) {
             // Adapter modes: the base is frozen; `adapter.train_text_encoder` decides.
+            _ if self.embedding.is_some() => "frozen, the token's new vectors train".to_string(),
             _ if self.adapter.is_some() => match &self.adapter {
                 Some(a) if a.train_text_encoder => "frozen, its adapter trains".to_string(),
                 _ => "frozen, no adapter".to_string(),
@@ -214,6 +235,10 @@ impl TrainPlan {
             .as_ref()
             .map_or("built-in default".to_string(), |p| p.display().to_string());
         row(f, "optimizer", &source)?;
+        if self.embedding.is_some() {
+            // One group, at the base settings (train.json's `lr`).
+            return row(f, "  embedding", &self.optimizer.unet);
+        }
         row(f, "  unet", &self.optimizer.unet)?;
         row(f, "  text_encoder", &self.optimizer.text_encoder)
     }

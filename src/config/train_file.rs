@@ -16,6 +16,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use super::adapter_file::{parse_adapter_section, AdapterFile};
+use super::embedding_plan::{parse_embedding_section, EmbeddingFile};
 use super::error::ConfigError;
 use super::strict::{known_keys, Accepts, Section, Unsupported};
 
@@ -36,6 +37,10 @@ pub struct TrainFile {
     /// The `adapter` section (modes lora/locon), checked key by key by `adapter_file`.
     #[serde(default)]
     pub adapter: Option<AdapterFile>,
+    /// The `embedding` section (mode textual_inversion), checked key by key by
+    /// `embedding_plan`.
+    #[serde(default)]
+    pub embedding: Option<EmbeddingFile>,
     /// Save the weights and a resume state every N optimizer steps.
     #[serde(default)]
     pub save_every_n_steps: Option<i64>,
@@ -454,6 +459,7 @@ impl TrainFile {
         // The `adapter` section is checked on its own, after the top level, so its errors name
         // `adapter.<key>`.
         let adapter = obj.remove("adapter");
+        let embedding = obj.remove("embedding");
         if let Some(err) = section.type_error::<TrainFile>(&obj) {
             return Err(err);
         }
@@ -466,6 +472,10 @@ impl TrainFile {
         parsed.adapter = match adapter {
             None | Some(Value::Null) => None,
             Some(value) => Some(parse_adapter_section(&value, file, set_args)?),
+        };
+        parsed.embedding = match embedding {
+            None | Some(Value::Null) => None,
+            Some(value) => Some(parse_embedding_section(&value, file, set_args)?),
         };
         Ok(parsed)
     }

@@ -12,6 +12,7 @@
 pub mod augment;
 pub mod bucket;
 pub mod caption;
+pub mod caption_templates;
 pub mod dataset;
 pub mod epoch_plan;
 pub mod image_config;

@@ -16,6 +16,7 @@ pub mod sampling;
 pub mod single_file;
 pub mod size_limits;
 pub mod source;
+pub mod textual_inversion;
 pub mod unet;
 pub mod vae;
 pub mod zero_snr;

@@ -41,6 +41,12 @@ pub struct SampleArgs {
     /// LoKr, DoRA) or diffusers' (`pytorch_lora_weights.safetensors`). Repeatable.
     #[arg(long = "lora", value_name = "FILE")]
     pub loras: Vec<PathBuf>,
+    /// A textual-inversion embedding to use in the prompts, as `FILE` or `TOKEN=FILE`: kohya's
+    /// and A1111's `emb_params` or SDXL `clip_l`/`clip_g` files, or diffusers'
+    /// `learned_embeds.safetensors`. Its token is TOKEN, else the one the file records, else its
+    /// file name (A1111's `embedding` name). Repeatable.
+    #[arg(long = "embedding", value_name = "[TOKEN=]FILE")]
+    pub embeddings: Vec<String>,
     /// The LoRA multiplier (A1111's `<lora:name:m>`), one for all files.
     #[arg(long, default_value_t = 1.0)]
     pub lora_scale: f64,
@@ -387,7 +393,57 @@ fn load_model(args: &SampleArgs, device: &Device, dtype: DType) -> anyhow::Resul
     };
     let mut sd = StableDiffusion::load(layout, &opts)?;
     merge_loras(&mut sd, args, device)?;
+    add_embeddings(&mut sd, &args.embeddings, device)?;
     Ok(sd)
+}
+
+/// `--embedding [TOKEN=]FILE`: the token (when given, a word before `=` with no path
+/// separator) and the file.
+fn embedding_arg(raw: &str) -> (Option<&str>, &Path) {
+    match raw.split_once('=') {
+        Some((token, file)) if !token.is_empty() && !token.contains(['/', '\\']) => {
+            (Some(token), Path::new(file))
+        }
+        _ => (None, Path::new(raw)),
+    }
+}
+
+/// Adds each `--embedding` to the text encoders, in the model's dtype.
+pub(crate) fn add_embeddings(
+    sd: &mut StableDiffusion,
+    embeddings: &[String],
+    device: &Device,
+) -> anyhow::Result<()> {
+    for raw in embeddings {
+        let (token, path) = embedding_arg(raw);
+        let file = crate::adapter::embedding_file::load_embedding(path, device)
+            .with_context(|| format!("--embedding {raw}"))?;
+        let token = token.map_or_else(|| file.default_token(), str::to_string);
+        let encoders: Vec<(usize, DType)> = sd
+            .text_encoders
+            .iter()
+            .map(|te| {
+                let e = &te.model.token_embedding;
+                (e.dim(), e.weight.dtype())
+            })
+            .collect();
+        let widths: Vec<usize> = encoders.iter().map(|(w, _)| *w).collect();
+        let vectors = file
+            .for_encoders(&widths)
+            .with_context(|| format!("--embedding {raw}"))?
+            .into_iter()
+            .zip(&encoders)
+            .map(|(v, (_, dtype))| v.to_dtype(*dtype))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        crate::model::textual_inversion::add_embedding(sd, &token, &vectors)
+            .with_context(|| format!("--embedding {raw}: token `{token}`"))?;
+        eprintln!(
+            "embedding: `{token}` stands for {} vector(s) from {}",
+            file.vectors_per_token(),
+            path.display()
+        );
+    }
+    Ok(())
 }
 
 /// Merges each `--lora` file into `sd` at `--lora-scale`, saying how many modules it changed.

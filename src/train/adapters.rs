@@ -63,7 +63,7 @@ pub fn adapter_spec(mode: TrainMode, a: &AdapterPlan, seed: u64) -> Option<Adapt
         TrainMode::Loha => AdapterMode::Loha,
         TrainMode::Lokr => AdapterMode::Lokr,
         TrainMode::Dora => AdapterMode::Dora,
-        TrainMode::Full => return None,
+        TrainMode::Full | TrainMode::TextualInversion => return None,
     };
     Some(AdapterSpec {
         mode,

@@ -34,6 +34,7 @@ pub(super) fn start_ema_from(ema: &mut Ema, plan: &TrainPlan, source: &str) -> a
         | TrainMode::Loha
         | TrainMode::Lokr
         | TrainMode::Dora => adapter_values(Path::new(source)),
+        TrainMode::TextualInversion => super::embeddings::ema_values(Path::new(source)),
     }
     .with_context(|| format!("ema_resume_model `{source}`"))?;
     ema.start_from(|name| values.get(name).cloned())

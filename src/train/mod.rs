@@ -12,6 +12,7 @@ pub mod data_parallel;
 mod data_parallel_tests;
 pub mod ema;
 mod ema_init;
+pub mod embeddings;
 mod fused;
 mod fused_step;
 #[cfg(test)]

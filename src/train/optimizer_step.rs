@@ -69,7 +69,9 @@ pub(super) struct StepReport {
 impl Optimization {
     /// Whether a text encoder trains (it has its own group).
     pub fn text_encoder_trains(&self) -> bool {
-        self.groups.iter().any(|g| g.name == "text_encoder")
+        self.groups
+            .iter()
+            .any(|g| g.name == "text_encoder" || g.name == super::embeddings::GROUP)
     }
 
     /// `f` with the weights to evaluate and save in the parameters (schedule-free AdamW's `x`;

@@ -298,12 +298,32 @@ pub(super) fn group_names(groups: &[Group]) -> Vec<String> {
 
 /// The optimizer groups: the UNet and, when trained, the text encoder(s); for adapter modes, the
 /// adapter parameters with `adapter.unet_lr`/`text_encoder_lr` overriding the groups' lr.
+/// What trains besides the model's own weights.
+#[derive(Clone, Copy, Default)]
+pub(super) struct Trained<'a> {
+    pub adapters: Option<&'a TrainedAdapters>,
+    pub embedding: Option<&'a super::embeddings::TrainedEmbedding>,
+}
+
 pub(super) fn param_groups(
     sd: &StableDiffusion,
     plan: &TrainPlan,
-    adapters: Option<&TrainedAdapters>,
+    trained: Trained<'_>,
     shape: GroupShape,
 ) -> anyhow::Result<Vec<Group>> {
+    if let Some(e) = trained.embedding {
+        // One group at the run's base settings (train.json's `lr`), as kohya's
+        // train_textual_inversion trains the vectors at `learning_rate`.
+        let group = Group::new(
+            super::embeddings::GROUP,
+            e.params(),
+            &plan.optimizer.unet,
+            shape,
+            None,
+        )?;
+        return Ok(vec![group]);
+    }
+    let adapters = trained.adapters;
     let loraplus = adapters.map(|a| a.plan.loraplus).unwrap_or_default();
     let (unet_params, te_params, unet_plan, te_plan) = match adapters {
         None => (

@@ -42,6 +42,8 @@ pub(super) struct Saver<'a> {
     pub layout: &'a ModelLayout,
     pub plan: &'a TrainPlan,
     pub adapters: Option<&'a TrainedAdapters>,
+    /// Textual inversion's vectors, saved as an embedding file.
+    pub embedding: Option<&'a super::embeddings::TrainedEmbedding>,
     pub run: &'a RunDir,
     pub resolution: usize,
     /// Samples per epoch, repeats counted (kohya's `num_train_images`).
@@ -121,12 +123,12 @@ impl Saver<'_> {
         };
         suffixes
             .iter()
-            .flat_map(|sfx| match self.adapters {
-                None => {
+            .flat_map(|sfx| match (self.adapters, self.embedding) {
+                (None, None) => {
                     let dir = with_suffix(&self.run.step_dir(step), sfx);
                     vec![self.single_file_path(&dir), dir]
                 }
-                Some(_) => vec![self.adapter_path(SavePoint::Step(step), sfx)],
+                _ => vec![self.adapter_path(SavePoint::Step(step), sfx)],
             })
             .collect()
     }
@@ -142,9 +144,10 @@ impl Saver<'_> {
         progress: &Progress,
         suffix: &str,
     ) -> anyhow::Result<Vec<PathBuf>> {
-        let paths = match self.adapters {
-            None => self.save_model(point, suffix)?,
-            Some(a) => vec![self.save_adapters(a, groups, point, steps, epoch, suffix)?],
+        let paths = match (self.adapters, self.embedding) {
+            (Some(a), _) => vec![self.save_adapters(a, groups, point, steps, epoch, suffix)?],
+            (None, Some(e)) => vec![self.save_embedding(e, point, steps, epoch, suffix)?],
+            (None, None) => self.save_model(point, suffix)?,
         };
         for p in &paths {
             progress.println(format!("saved {}", p.display()));
@@ -189,6 +192,34 @@ impl Saver<'_> {
             written.push(file);
         }
         Ok(written)
+    }
+
+    /// Textual inversion's embedding file, named as an adapter file is, with the token and the
+    /// run's position in its header.
+    fn save_embedding(
+        &self,
+        embedding: &super::embeddings::TrainedEmbedding,
+        point: SavePoint,
+        steps: usize,
+        epoch: usize,
+        suffix: &str,
+    ) -> anyhow::Result<PathBuf> {
+        let path = self.adapter_path(point, suffix);
+        let e = &embedding.plan;
+        let metadata = [
+            ("token_string", e.token_string.clone()),
+            ("num_vectors_per_token", e.num_vectors.to_string()),
+            ("steps", steps.to_string()),
+            ("epoch", epoch.to_string()),
+            ("base_model", self.plan.model.clone()),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+        embedding
+            .save(&path, &metadata)
+            .with_context(|| format!("saving {}", path.display()))?;
+        Ok(path)
     }
 
     /// An adapter mode's kohya file, with the metadata kohya writes.

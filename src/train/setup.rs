@@ -92,8 +92,21 @@ impl<'a> Session<'a> {
         let world = link.as_ref().map_or(1, RankLink::world);
         let mut model = load(plan, opts, data_seed, (world, &interrupt))?;
         let (feed, validation) = load_data(plan, &model, data_seed, opts.show_progress)?;
+        if let Some(e) = &model.embedding {
+            let captions: Vec<&str> = feed
+                .dataset
+                .items
+                .iter()
+                .map(|m| m.caption.as_str())
+                .collect();
+            e.check_captions(&model.sd, &captions)?;
+        }
         if let Some(l) = link.as_mut() {
-            let init_from = plan.adapter.as_ref().and_then(|a| a.init_from.as_deref());
+            let init_from = plan
+                .adapter
+                .as_ref()
+                .and_then(|a| a.init_from.as_deref())
+                .or(plan.embedding.as_ref().and_then(|e| e.init_from.as_deref()));
             let save_point = resume_from.as_ref().map(|(dir, _)| dir.as_path());
             let files =
                 super::rank_agreement::start_files(&model.sd.layout, init_from, save_point)?;
@@ -310,7 +323,11 @@ fn optimization(
         total_steps: total_steps as u64,
         rounding_seed: seed,
     };
-    let groups = param_groups(&model.sd, plan, model.adapters.as_ref(), shape)?;
+    let trained = super::param_groups::Trained {
+        adapters: model.adapters.as_ref(),
+        embedding: model.embedding.as_ref(),
+    };
+    let groups = param_groups(&model.sd, plan, trained, shape)?;
     let params: Vec<Var> = groups.iter().flat_map(|g| g.vars.iter().cloned()).collect();
     let fused = plan.precision.fused_backward_pass;
     if fused && model.amp == Amp::Fp16 {
@@ -420,8 +437,14 @@ fn load(
         drawn.context("class_prompt")?;
     }
     let adapters = match plan.mode {
-        TrainMode::Full => None,
+        TrainMode::Full | TrainMode::TextualInversion => None,
         _ => Some(adapters::attach(&mut sd, plan, seed)?),
+    };
+    let embedding = match plan.mode {
+        TrainMode::TextualInversion => {
+            Some(super::embeddings::attach(&mut sd, plan, &opts.device)?)
+        }
+        _ => None,
     };
     check_resolution(&sd, resolution)?;
     let objective = build_objective(plan, &layout)?;
@@ -429,6 +452,7 @@ fn load(
         layout,
         sd,
         adapters,
+        embedding,
         objective,
         amp,
         resolution,

@@ -128,8 +128,17 @@ pub fn estimate(plan: &TrainPlan) -> anyhow::Result<ModelEstimate> {
     if plan.train_unet {
         groups.push(price("unet", &plan.optimizer.unet, &unet)?);
     }
-    if !text.is_empty() {
-        groups.push(price("text_encoder", &plan.optimizer.text_encoder, &text)?);
+    match plan.embedding {
+        // Textual inversion: the token's vectors alone, at the base settings (param_groups).
+        Some(_) => groups.push(price(
+            super::embeddings::GROUP,
+            &plan.optimizer.unet,
+            &text,
+        )?),
+        None if !text.is_empty() => {
+            groups.push(price("text_encoder", &plan.optimizer.text_encoder, &text)?)
+        }
+        None => {}
     }
     census.trained = groups.iter().map(|g| g.params).sum();
     census.largest_trained = unet
@@ -248,6 +257,14 @@ fn text_encoder_shapes(
             format!("text_model.{name}")
         }
     };
+    if let Some(e) = &plan.embedding {
+        // Textual inversion's new rows: `[vectors, width]` beside each token embedding.
+        return tensors
+            .iter()
+            .filter(|(name, s)| name.ends_with("token_embedding.weight") && s.len() == 2)
+            .map(|(_, s)| vec![e.num_vectors, s[1]])
+            .collect();
+    }
     match spec(plan) {
         Some(spec) => {
             if !plan.adapter.as_ref().is_some_and(|a| a.train_text_encoder) {

@@ -49,6 +49,9 @@ pub struct StepSettings<'a> {
     pub clip_skip_layers: usize,
     /// The 75-token chunks a caption is encoded in (`max_token_length`).
     pub caption_chunks: usize,
+    /// Textual inversion's caption templates (`embedding.template`): when not empty, each
+    /// sample's caption is one of them, drawn from its generator first. Empty: the captions.
+    pub caption_templates: &'a [String],
     /// Whether any text-encoder parameter trains (otherwise the conditioning is detached).
     pub train_text_encoder: bool,
     /// The dtype the models compute in (the UNet input's dtype).
@@ -150,8 +153,8 @@ pub fn sample_rngs(seeds: &[u64]) -> Vec<StdRng> {
     seeds.iter().map(|&s| StdRng::seed_from_u64(s)).collect()
 }
 
-/// Makes every random draw for `samples`, sample `i` from `rngs[i]` in a fixed order (flip,
-/// caption dropout, tag shuffle, the VAE posterior sample, noise, timestep, and with masked loss
+/// Makes every random draw for `samples`, sample `i` from `rngs[i]` in a fixed order (the caption
+/// template when there are templates, flip, caption dropout, tag shuffle, the VAE posterior sample, noise, timestep, and with masked loss
 /// whether the sample ignores its mask), and encodes the
 /// pixels with the VAE or takes the cached posterior: the same draws either way.
 pub fn prepare_batch<R: Rng>(
@@ -169,10 +172,14 @@ pub fn prepare_batch<R: Rng>(
     for (sample, rng) in samples.iter().zip(rngs.iter_mut()) {
         // An image's own flip_p, cond_dropout and shuffle_tags (from its files) win.
         let own = sample.options();
+        let caption = match settings.caption_templates {
+            [] => sample.caption(),
+            templates => crate::data::caption_templates::draw(templates, rng),
+        };
         // One draw whatever `flip_p`, as augment::flip_p makes.
         flips.push(rng.random::<f64>() < own.flip_p.unwrap_or(settings.flip_p));
         let dropout = own.cond_dropout.unwrap_or(settings.cond_dropout);
-        let caption = augment::cond_dropout(sample.caption(), dropout, rng);
+        let caption = augment::cond_dropout(caption, dropout, rng);
         captions.push(if settings.shuffle_tags || own.shuffle_tags {
             // One draw whether or not the caption was dropped.
             let seed = rng.random::<u32>();

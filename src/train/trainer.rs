@@ -59,6 +59,8 @@ pub(super) struct Model {
     pub layout: ModelLayout,
     pub sd: StableDiffusion,
     pub adapters: Option<TrainedAdapters>,
+    /// Textual inversion's vectors (`mode: "textual_inversion"`).
+    pub embedding: Option<super::embeddings::TrainedEmbedding>,
     pub objective: Objective,
     pub amp: Amp,
     pub resolution: usize,
@@ -80,6 +82,10 @@ impl Model {
             tag_dropout: data.tag_dropout,
             clip_skip_layers: plan.objective.clip_skip_layers,
             caption_chunks: data.caption_chunks,
+            caption_templates: self
+                .embedding
+                .as_ref()
+                .map_or(&[][..], |e| e.templates.as_slice()),
             train_text_encoder: te_trains,
             compute_dtype: self.amp.compute_dtype(),
             checkpointing: self.checkpointing.as_ref(),
@@ -755,6 +761,7 @@ impl Session<'_> {
             layout: &layout,
             plan: self.plan,
             adapters: self.model.adapters.as_ref(),
+            embedding: self.model.embedding.as_ref(),
             run: &self.outputs.run,
             resolution: self.model.resolution,
             images: self.feed.train_samples(),

@@ -301,7 +301,19 @@ impl ClipTextModel {
                 self.token_embedding.path
             );
         }
-        let rows = eos_positions_of(&host, self.config.eos_token_id);
+        // With textual-inversion rows, the legacy argmax would pick their larger ids: the EOS
+        // is looked for among the table's own ids (kohya's `pool_workaround` finds it by id).
+        let rows = match self.token_embedding.added {
+            None => eos_positions_of(&host, self.config.eos_token_id),
+            Some(_) => {
+                let base = self.token_embedding.base_vocab() as i64;
+                let own: Vec<Vec<i64>> = host
+                    .iter()
+                    .map(|r| r.iter().map(|&v| if v < base { v } else { -1 }).collect())
+                    .collect();
+                eos_positions_of(&own, self.config.eos_token_id)
+            }
+        };
         let device = self.token_embedding.weight.device();
         let ids = &ids.to_device(device)?;
         let positions = Tensor::arange(0u32, len as u32, device)?;
@@ -461,6 +473,29 @@ mod tests {
         assert!(m.forward(&ids, 3).is_err());
         let long = Tensor::zeros((1, 7), DType::U32, &Device::Cpu).unwrap();
         assert!(m.forward(&long, 0).is_err());
+    }
+
+    #[test]
+    fn legacy_eos_rule_ignores_added_token_rows() {
+        // eos_token_id 2: transformers' argmax of the ids, which textual inversion's larger ids
+        // would win; the EOS (14, the table's largest id) is pooled instead, at position 3.
+        let cfg = ClipTextConfig {
+            eos_token_id: 2,
+            ..tiny_config()
+        };
+        let w = Weights::random(2, "text_encoder", DType::F32, &Device::Cpu, false);
+        let mut m = ClipTextModel::new(&w, &cfg, false).unwrap();
+        let rows = Tensor::ones((2, 8), DType::F32, &Device::Cpu).unwrap();
+        m.token_embedding.add_rows(rows).unwrap();
+        let ids = Tensor::new(&[[13u32, 16, 17, 14, 14]], &Device::Cpu).unwrap();
+        let out = m.forward(&ids, 0).unwrap();
+        let want = out.last_hidden_state.get(0).unwrap().get(3).unwrap();
+        let got = out.pooled.get(0).unwrap();
+        let diff = (got - want).unwrap().abs().unwrap().sum_all().unwrap();
+        assert_eq!(diff.to_scalar::<f32>().unwrap(), 0.0);
+        // An id past the added rows is still refused.
+        let bad = Tensor::new(&[[13u32, 18, 14, 14, 14]], &Device::Cpu).unwrap();
+        assert!(m.forward(&bad, 0).is_err());
     }
 
     #[test]

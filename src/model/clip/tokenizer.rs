@@ -92,6 +92,9 @@ pub struct ClipTokenizer {
     bos_id: u32,
     eos_id: u32,
     pad_id: u32,
+    /// Textual inversion's multi-vector tokens: where the first id appears, all of them do
+    /// ([`ClipTokenizer::add_embedding_tokens`]).
+    expansions: Vec<Vec<u32>>,
 }
 
 /// The special tokens and length read from `tokenizer_config.json` / `special_tokens_map.json`.
@@ -159,7 +162,54 @@ impl ClipTokenizer {
             bos_id,
             eos_id,
             pad_id,
+            expansions: Vec::new(),
         })
+    }
+
+    /// Adds a textual-inversion embedding's tokens (kohya's `tok`, `tok1`, … for one of
+    /// `tokens.len()` vectors) at the next free ids, and returns those ids. They are matched as
+    /// the folder's own added tokens are (after the normalizer, as transformers 5's `add_tokens`
+    /// matches them), and where the first one appears in a prompt all of them follow it, as
+    /// kohya replaces `tok` by `tok tok1 …` and diffusers' `maybe_convert_prompt` does. A token
+    /// the vocabulary already has is refused: its prompts would not reach the new rows.
+    pub fn add_embedding_tokens(&mut self, tokens: &[String]) -> Result<Vec<u32>, TokenizerError> {
+        let clash = |token: &str, message: &str| TokenizerError::Invalid {
+            path: self.dir.clone(),
+            message: format!("token {token:?} {message}; choose another token"),
+        };
+        for t in tokens {
+            if t.trim().is_empty() || t.chars().any(char::is_whitespace) {
+                return Err(clash(t, "is empty or holds a space"));
+            }
+            if self.tokenizer.token_to_id(t).is_some()
+                || self.tokenizer.token_to_id(&format!("{t}</w>")).is_some()
+            {
+                return Err(clash(t, "is already in the vocabulary"));
+            }
+        }
+        let added: Vec<AddedToken> = tokens
+            .iter()
+            .map(|t| AddedToken::from(t.as_str(), false))
+            .collect();
+        let n = self.tokenizer.add_tokens(&added);
+        let ids: Vec<u32> = tokens
+            .iter()
+            .filter_map(|t| self.tokenizer.token_to_id(t))
+            .collect();
+        let consecutive = ids.windows(2).all(|w| w[1] == w[0] + 1);
+        if n != tokens.len() || ids.len() != tokens.len() || !consecutive {
+            return Err(clash(
+                &tokens.join(" "),
+                &format!(
+                    "did not add as {} new consecutive ids (got {ids:?})",
+                    tokens.len()
+                ),
+            ));
+        }
+        if ids.len() > 1 {
+            self.expansions.push(ids.clone());
+        }
+        Ok(ids)
     }
 
     /// The tokenizer of a single-file checkpoint, which carries none: OpenAI CLIP's BPE
@@ -222,6 +272,11 @@ impl ClipTokenizer {
         &self.dir
     }
 
+    /// The id of `token` (a vocabulary entry or an added token).
+    pub fn token_id(&self, token: &str) -> Option<u32> {
+        self.tokenizer.token_to_id(token)
+    }
+
     /// The token with the largest id, added tokens included, and that id.
     pub fn largest_id(&self) -> Option<(String, u32)> {
         self.tokenizer
@@ -240,7 +295,18 @@ impl ClipTokenizer {
                 prompt: prompt.to_string(),
                 message: e.to_string(),
             })?;
-        Ok(enc.get_ids().to_vec())
+        let ids = enc.get_ids();
+        if self.expansions.is_empty() {
+            return Ok(ids.to_vec());
+        }
+        let mut out = Vec::with_capacity(ids.len());
+        for &id in ids {
+            match self.expansions.iter().find(|e| e[0] == id) {
+                Some(all) => out.extend_from_slice(all),
+                None => out.push(id),
+            }
+        }
+        Ok(out)
     }
 
     /// Exactly `max_length` ids: BOS, the tokens truncated to `max_length − 2`, EOS, then pad.

@@ -1,0 +1,353 @@
+//! Textual-inversion embedding files (safetensors), in the layouts A1111, ComfyUI, kohya
+//! sd-scripts and diffusers write and load:
+//! - SD1/SD2: `emb_params` `[n, dim]` (kohya's `train_textual_inversion.py`, A1111's safetensors
+//!   embeddings), or A1111's `string_to_param.*` key;
+//! - SDXL: `clip_l` `[n, 768]` for the first text encoder and `clip_g` `[n, 1280]` for the second
+//!   (kohya's `sdxl_train_textual_inversion.py`; A1111 and ComfyUI read these two keys);
+//! - diffusers' `learned_embeds.safetensors`: one tensor under the placeholder token's name,
+//!   `[n, dim]` or `[dim]` (`textual_inversion.py`'s `save_progress`).
+//!
+//! Vectors are read as f32; a 1-D tensor is one vector. Any other layout is an error that names
+//! the file and its keys.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor};
+use safetensors::tensor::SafeTensors;
+
+use super::kohya_file::{decode, encode_tensor, KohyaError};
+use crate::error_chain::External;
+use crate::fsutil;
+
+/// kohya's key for an SD1/SD2 embedding.
+pub const EMB_PARAMS: &str = "emb_params";
+/// kohya's (and A1111's, ComfyUI's) keys for SDXL's two text encoders.
+pub const CLIP_L: &str = "clip_l";
+pub const CLIP_G: &str = "clip_g";
+
+#[derive(Debug, thiserror::Error)]
+pub enum EmbeddingFileError {
+    #[error(transparent)]
+    Kohya(#[from] KohyaError),
+    #[error(
+        "{}: not a textual-inversion embedding (keys {keys}); expected `emb_params`, \
+         `clip_l`/`clip_g`, or one tensor named for its token",
+        path.display()
+    )]
+    Layout { path: PathBuf, keys: String },
+    #[error("{}: tensor `{key}` has shape {shape:?}; an embedding is [vectors, width] or [width]", path.display())]
+    Shape {
+        path: PathBuf,
+        key: String,
+        shape: Vec<usize>,
+    },
+    #[error("{}: {message}", path.display())]
+    Model { path: PathBuf, message: String },
+}
+
+/// The vectors a file holds.
+#[derive(Debug, Clone)]
+pub enum EmbeddingVectors {
+    /// One text encoder's (SD1/SD2).
+    Single(Tensor),
+    /// SDXL's, for each encoder the file has.
+    Sdxl {
+        clip_l: Option<Tensor>,
+        clip_g: Option<Tensor>,
+    },
+}
+
+/// A loaded embedding file.
+#[derive(Debug, Clone)]
+pub struct EmbeddingFile {
+    pub path: PathBuf,
+    pub vectors: EmbeddingVectors,
+    /// The token a diffusers file names its one tensor after (`<cat-toy>`), else `None`.
+    pub key_token: Option<String>,
+    /// The header's `token_string` (sdtrain writes it), else `None`.
+    pub header_token: Option<String>,
+}
+
+/// Reads the embedding at `path` (vectors as f32 on `device`).
+pub fn load_embedding(path: &Path, device: &Device) -> Result<EmbeddingFile, EmbeddingFileError> {
+    let bytes = std::fs::read(path).map_err(|source| KohyaError::Read {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let st = SafeTensors::deserialize(&bytes).map_err(|source| KohyaError::Format {
+        path: path.to_path_buf(),
+        source: External(source),
+    })?;
+    let header_token = SafeTensors::read_metadata(&bytes)
+        .ok()
+        .and_then(|(_, h)| h.metadata().as_ref()?.get("token_string").cloned())
+        .filter(|t| !t.trim().is_empty());
+    let mut names: Vec<String> = st.names().into_iter().map(str::to_string).collect();
+    names.sort();
+    let read = |key: &str| -> Result<Tensor, EmbeddingFileError> {
+        let view = st.tensor(key).map_err(|source| KohyaError::Format {
+            path: path.to_path_buf(),
+            source: External(source),
+        })?;
+        let t = decode(path, key, &view, device)?;
+        match *t.dims() {
+            [_] => Ok(t.unsqueeze(0).map_err(|source| KohyaError::Tensor {
+                name: key.to_string(),
+                source,
+            })?),
+            [n, _] if n > 0 => Ok(t),
+            _ => Err(EmbeddingFileError::Shape {
+                path: path.to_path_buf(),
+                key: key.to_string(),
+                shape: t.dims().to_vec(),
+            }),
+        }
+    };
+    let has = |k: &str| names.iter().any(|n| n == k);
+    let (vectors, key_token) = if has(CLIP_L) || has(CLIP_G) {
+        let l = has(CLIP_L).then(|| read(CLIP_L)).transpose()?;
+        let g = has(CLIP_G).then(|| read(CLIP_G)).transpose()?;
+        let sdxl = EmbeddingVectors::Sdxl {
+            clip_l: l,
+            clip_g: g,
+        };
+        (sdxl, None)
+    } else if has(EMB_PARAMS) {
+        (EmbeddingVectors::Single(read(EMB_PARAMS)?), None)
+    } else if let [only] = names.as_slice() {
+        let token = (!only.starts_with("string_to_param")).then(|| only.clone());
+        (EmbeddingVectors::Single(read(only)?), token)
+    } else {
+        return Err(EmbeddingFileError::Layout {
+            path: path.to_path_buf(),
+            keys: super::kohya_file::listed(&names, ", "),
+        });
+    };
+    Ok(EmbeddingFile {
+        path: path.to_path_buf(),
+        vectors,
+        key_token,
+        header_token,
+    })
+}
+
+impl EmbeddingFile {
+    /// The token prompts use for this file, when not given: the `token_string` its header
+    /// records, else the token a diffusers file names its tensor after, else the file's name
+    /// without its extension (A1111's and ComfyUI's rule).
+    pub fn default_token(&self) -> String {
+        self.header_token
+            .clone()
+            .or_else(|| self.key_token.clone())
+            .unwrap_or_else(|| {
+                self.path
+                    .file_stem()
+                    .map_or_else(String::new, |s| s.to_string_lossy().into_owned())
+            })
+    }
+
+    /// The vectors for a model with text encoders of these widths (one for SD1/SD2, two for
+    /// SDXL), one `[n, width]` tensor each, the same `n` for both.
+    pub fn for_encoders(&self, widths: &[usize]) -> Result<Vec<Tensor>, EmbeddingFileError> {
+        let model = |message: String| EmbeddingFileError::Model {
+            path: self.path.clone(),
+            message,
+        };
+        let vectors =
+            match (&self.vectors, widths.len()) {
+                (EmbeddingVectors::Single(t), 1) => vec![t.clone()],
+                (
+                    EmbeddingVectors::Sdxl {
+                        clip_l: Some(l),
+                        clip_g: Some(g),
+                    },
+                    2,
+                ) => {
+                    vec![l.clone(), g.clone()]
+                }
+                (EmbeddingVectors::Sdxl { clip_l, .. }, 2) => {
+                    let missing = if clip_l.is_none() { CLIP_L } else { CLIP_G };
+                    return Err(model(format!(
+                    "an SDXL embedding needs both `clip_l` and `clip_g`; `{missing}` is missing"
+                )));
+                }
+                (EmbeddingVectors::Sdxl { .. }, _) => return Err(model(
+                    "is an SDXL embedding (`clip_l`/`clip_g`), for a model with one text encoder"
+                        .into(),
+                )),
+                (EmbeddingVectors::Single(_), _) => {
+                    return Err(model(format!(
+                        "is an SD1/SD2 embedding (one tensor), for a model with {} text encoders",
+                        widths.len()
+                    )))
+                }
+            };
+        let counts: Vec<usize> = vectors.iter().map(|t| t.dims()[0]).collect();
+        if counts.windows(2).any(|w| w[0] != w[1]) {
+            return Err(model(format!(
+                "`clip_l` has {} vectors and `clip_g` {}; they must match",
+                counts[0], counts[1]
+            )));
+        }
+        for (i, (t, &w)) in vectors.iter().zip(widths).enumerate() {
+            if t.dims()[1] != w {
+                return Err(model(format!(
+                    "vectors of width {} for text encoder {} of width {w} (an embedding made \
+                     for another model family)",
+                    t.dims()[1],
+                    i + 1
+                )));
+            }
+        }
+        Ok(vectors)
+    }
+
+    /// How many vectors the token stands for.
+    pub fn vectors_per_token(&self) -> usize {
+        match &self.vectors {
+            EmbeddingVectors::Single(t) => t.dims()[0],
+            EmbeddingVectors::Sdxl { clip_l, clip_g } => clip_l
+                .as_ref()
+                .or(clip_g.as_ref())
+                .map_or(0, |t| t.dims()[0]),
+        }
+    }
+}
+
+/// Writes one vector set per text encoder (`emb_params` for one, `clip_l`/`clip_g` for two) to
+/// `path` atomically, in `dtype` (F16, BF16 or F32), with `metadata` in the header.
+pub fn save_embedding(
+    path: &Path,
+    vectors: &[Tensor],
+    dtype: DType,
+    metadata: &HashMap<String, String>,
+) -> Result<(), EmbeddingFileError> {
+    let keys: &[&str] = match vectors.len() {
+        1 => &[EMB_PARAMS],
+        2 => &[CLIP_L, CLIP_G],
+        n => {
+            return Err(EmbeddingFileError::Model {
+                path: path.to_path_buf(),
+                message: format!("{n} vector sets; an embedding has one or two"),
+            })
+        }
+    };
+    let encoded = keys
+        .iter()
+        .zip(vectors)
+        .map(|(k, t)| Ok((k.to_string(), encode_tensor(k, t, dtype)?)))
+        .collect::<Result<Vec<_>, KohyaError>>()?;
+    let bytes = safetensors::tensor::serialize(
+        encoded.iter().map(|(n, e)| (n.as_str(), e)),
+        Some(metadata.clone()),
+    )
+    .map_err(|source| KohyaError::Serialize {
+        path: path.to_path_buf(),
+        source: External(source),
+    })?;
+    fsutil::write_atomic(path, bytes).map_err(KohyaError::from)?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn vectors(n: usize, width: usize, offset: f32) -> Tensor {
+        let v: Vec<f32> = (0..n * width).map(|i| i as f32 * 0.25 + offset).collect();
+        Tensor::from_vec(v, (n, width), &Device::Cpu).unwrap()
+    }
+
+    fn values(t: &Tensor) -> Vec<Vec<f32>> {
+        t.to_vec2().unwrap()
+    }
+
+    #[test]
+    fn sd_and_sdxl_files_round_trip_under_kohyas_keys() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("sd.safetensors");
+        let v = vectors(3, 8, 0.5);
+        save_embedding(&p, std::slice::from_ref(&v), DType::F32, &HashMap::new()).unwrap();
+        let f = load_embedding(&p, &Device::Cpu).unwrap();
+        assert!(matches!(f.vectors, EmbeddingVectors::Single(_)));
+        assert_eq!(f.vectors_per_token(), 3);
+        let got = f.for_encoders(&[8]).unwrap();
+        assert_eq!(values(&got[0]), values(&v));
+        assert!(f.for_encoders(&[8, 16]).is_err());
+        assert!(f
+            .for_encoders(&[4])
+            .unwrap_err()
+            .to_string()
+            .contains("width 8"));
+
+        let p = dir.path().join("xl.safetensors");
+        let (l, g) = (vectors(2, 8, 0.0), vectors(2, 16, 1.0));
+        save_embedding(&p, &[l.clone(), g.clone()], DType::F16, &HashMap::new()).unwrap();
+        let st_bytes = std::fs::read(&p).unwrap();
+        let st = SafeTensors::deserialize(&st_bytes).unwrap();
+        let mut keys: Vec<&str> = st.names();
+        keys.sort();
+        assert_eq!(keys, vec!["clip_g", "clip_l"]);
+        let f = load_embedding(&p, &Device::Cpu).unwrap();
+        let got = f.for_encoders(&[8, 16]).unwrap();
+        assert_eq!(values(&got[0]), values(&l));
+        assert_eq!(values(&got[1]), values(&g));
+        let err = f.for_encoders(&[8]).unwrap_err().to_string();
+        assert!(err.contains("SDXL embedding"), "{err}");
+    }
+
+    #[test]
+    fn diffusers_single_token_files_and_bad_layouts() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("learned_embeds.safetensors");
+        let one = Tensor::new(&[1f32, 2., 3., 4.], &Device::Cpu).unwrap();
+        let write = |p: &Path, keys: &[&str]| {
+            let views: Vec<(String, F32View)> = keys
+                .iter()
+                .map(|k| (k.to_string(), st_view(&one)))
+                .collect();
+            let bytes =
+                safetensors::tensor::serialize(views.iter().map(|(k, v)| (k.as_str(), v)), None)
+                    .unwrap();
+            std::fs::write(p, bytes).unwrap();
+        };
+        write(&p, &["<cat-toy>"]);
+        let f = load_embedding(&p, &Device::Cpu).unwrap();
+        assert_eq!(f.key_token.as_deref(), Some("<cat-toy>"));
+        let got = f.for_encoders(&[4]).unwrap();
+        assert_eq!(values(&got[0]), vec![vec![1., 2., 3., 4.]]);
+
+        let p = dir.path().join("two.safetensors");
+        write(&p, &["a", "b"]);
+        let err = load_embedding(&p, &Device::Cpu).unwrap_err().to_string();
+        assert!(
+            err.contains("not a textual-inversion embedding") && err.contains("a, b"),
+            "{err}"
+        );
+    }
+
+    struct F32View(Vec<u8>, Vec<usize>);
+    impl safetensors::View for &F32View {
+        fn dtype(&self) -> safetensors::Dtype {
+            safetensors::Dtype::F32
+        }
+        fn shape(&self) -> &[usize] {
+            &self.1
+        }
+        fn data(&self) -> std::borrow::Cow<'_, [u8]> {
+            std::borrow::Cow::Borrowed(&self.0)
+        }
+        fn data_len(&self) -> usize {
+            self.0.len()
+        }
+    }
+
+    fn st_view(t: &Tensor) -> F32View {
+        let v: Vec<f32> = t.flatten_all().unwrap().to_vec1().unwrap();
+        F32View(
+            v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            t.dims().to_vec(),
+        )
+    }
+}
