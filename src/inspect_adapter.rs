@@ -68,6 +68,8 @@ pub struct AdapterReport {
     pub metadata: HashMap<String, String>,
     /// A1111's hash of the tensors (the SHA-256 after the header).
     pub model_hash: String,
+    /// The textual-inversion embeddings the file bundles, by token.
+    pub bundled: Vec<String>,
 }
 
 /// Reads the adapter file at `path`.
@@ -114,6 +116,7 @@ pub fn inspect_adapter(path: &Path) -> Result<AdapterReport, KohyaError> {
         alphas,
         metadata: file.metadata,
         model_hash: addnet_hashes(&bytes).0,
+        bundled: file.bundled_embeddings,
     })
 }
 
@@ -305,6 +308,14 @@ impl fmt::Display for AdapterReport {
                 false => format!("{lo}–{hi}"),
             };
             row(f, "alpha", &alpha)?;
+        }
+        if !self.bundled.is_empty() {
+            let tokens: Vec<String> = self.bundled.iter().map(|t| format!("`{t}`")).collect();
+            row(
+                f,
+                "embeddings",
+                &format!("{} (bundled: `sample --lora` adds them)", tokens.join(", ")),
+            )?;
         }
         if !self.metadata.keys().any(|k| k.starts_with("ss_")) {
             row(f, "training", &"not recorded (no kohya `ss_*` metadata)")?;

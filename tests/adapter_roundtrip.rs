@@ -82,6 +82,7 @@ fn round_trip(name: &str, mode: TrainMode, dtype: SaveDtype, tol: f32) {
         output_name: "lora",
         started_at: 0.0,
         run: None,
+        bundle: &[],
     };
     a.save(&file, info).unwrap();
 

@@ -621,9 +621,10 @@ fn write_owned(path: &Path, tensors: &[(String, Tensor)]) {
 }
 
 /// OneTrainer's `StableDiffusionLoRASaver` bundles textual-inversion embeddings beside the LoRA
-/// (`bundle_emb.<placeholder>.clip_l`, `.clip_g` for SDXL). sdtrain has no embeddings: the LoRA
-/// part loads, and the file says which placeholders it leaves out (as ComfyUI applies the LoRA
-/// and warns). The file was refused whole before.
+/// (`bundle_emb.<placeholder>.clip_l`, `.clip_g` for SDXL). `load_kohya` sets them aside
+/// (`embedding_file::load_bundled` reads them): the LoRA part loads, and the file says which
+/// placeholders it leaves out, for callers that do not load them. The file was refused whole
+/// before.
 #[test]
 fn onetrainer_bundled_embeddings_are_set_aside_and_the_lora_loads() {
     let dir = tempfile::tempdir().unwrap();

@@ -263,10 +263,7 @@ fn config_errors_name_the_key() {
             serde_json::json!({"embedding": null}),
             "embedding.token_string",
         ),
-        (
-            serde_json::json!({"mode": "lora", "adapter": {"rank": 4}}),
-            "embedding",
-        ),
+        (serde_json::json!({"mode": "full"}), "embedding"),
         (serde_json::json!({"adapter": {"rank": 4}}), "adapter"),
         (
             serde_json::json!({"disable_textenc_training": true}),
@@ -387,4 +384,58 @@ fn sampling_with_an_embedding_of_a_words_vector_draws_what_the_word_draws() {
         log.contains("SD1/SD2 embedding") && log.contains(file),
         "{log}"
     );
+}
+
+/// Pivotal tuning: `mode: "lora"` with an `embedding` trains the LoRA and the token's vectors
+/// together and bundles the vectors in the LoRA file as OneTrainer does
+/// (`bundle_emb.mytok.clip_l`); `sample --lora` adds the bundled token, so with the vector at
+/// "dog"'s row "a photo of mytok" draws what "a photo of dog" draws under the same LoRA;
+/// `inspect` lists it; and `embedding.init_from` continues from the LoRA file.
+#[test]
+fn a_lora_with_an_embedding_bundles_it_and_sample_uses_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = captioned_data(dir.path());
+    let lora = serde_json::json!({"mode": "lora", "adapter": {"rank": 4,
+        "train_text_encoder": true, "save_dtype": "fp32"}});
+    let mut extra = lora.clone();
+    extra["max_steps"] = 1.into();
+    extra["lr"] = 1e-30.into();
+    extra["embedding"] = serde_json::json!({"token_string": "mytok", "init_word": "dog"});
+    let cfg = ti_config(dir.path(), "tiny-sd15", &data, extra);
+    let log = run_ok(dir.path(), &cfg, &[]);
+    assert!(log.contains("`mytok` stands for 1 new token(s)"), "{log}");
+    let file = run_folder(dir.path()).join("sdtrain.safetensors");
+    let (tensors, _) = read_file(&file);
+    assert_eq!(tensors["bundle_emb.mytok.clip_l"].1, [1, 32]);
+    assert!(
+        tensors.keys().any(|k| k.starts_with("lora_te_")),
+        "the LoRA is there too"
+    );
+    let f = file.to_str().unwrap();
+    let (log, tok) = draw(dir.path(), "tok.png", "a photo of mytok", &["--lora", f]);
+    assert!(log.contains("`mytok` stands for 1 vector(s)"), "{log}");
+    let (_, dog) = draw(dir.path(), "dog.png", "a photo of dog", &["--lora", f]);
+    assert_eq!(tok, dog);
+    let out = sdtrain(&["inspect", "--model", f], dir.path());
+    assert!(text(&out).contains("`mytok` (bundled"), "{}", text(&out));
+
+    // Trained at a real rate, both parts move; a run started from the file's bundle keeps it.
+    let trained = tempfile::tempdir().unwrap();
+    let mut extra = lora.clone();
+    extra["embedding"] = serde_json::json!({"token_string": "mytok", "init_word": "dog"});
+    let cfg = ti_config(trained.path(), "tiny-sd15", &data, extra);
+    run_ok(trained.path(), &cfg, &[]);
+    let file = run_folder(trained.path()).join("sdtrain.safetensors");
+    let (moved, _) = read_file(&file);
+    let key = "bundle_emb.mytok.clip_l";
+    assert_ne!(moved[key].0, tensors[key].0, "the vector trained");
+    let again = tempfile::tempdir().unwrap();
+    let mut extra = lora;
+    extra["max_steps"] = 1.into();
+    extra["lr"] = 1e-30.into();
+    extra["embedding"] = serde_json::json!({"token_string": "mytok", "init_from": file});
+    let cfg = ti_config(again.path(), "tiny-sd15", &data, extra);
+    run_ok(again.path(), &cfg, &[]);
+    let (cont, _) = read_file(&run_folder(again.path()).join("sdtrain.safetensors"));
+    assert_eq!(cont[key].0, moved[key].0);
 }

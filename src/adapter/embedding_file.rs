@@ -5,7 +5,13 @@
 //! - SDXL: `clip_l` `[n, 768]` for the first text encoder and `clip_g` `[n, 1280]` for the second
 //!   (kohya's `sdxl_train_textual_inversion.py`; A1111 and ComfyUI read these two keys);
 //! - diffusers' `learned_embeds.safetensors`: one tensor under the placeholder token's name,
-//!   `[n, dim]` or `[dim]` (`textual_inversion.py`'s `save_progress`).
+//!   `[n, dim]` or `[dim]` (`textual_inversion.py`'s `save_progress`); OneTrainer's `emp_params`;
+//! - bundled in a LoRA file (OneTrainer's "bundle embeddings", which A1111 loads with the LoRA):
+//!   `bundle_emb.<placeholder>.clip_l` (SD1, SD2, and SDXL's first text encoder) and
+//!   `.clip_g` (SDXL's second), or `bundle_emb.<placeholder>.string_to_param.*`.
+//!
+//! A file holds SDXL vectors exactly when it has `clip_g`: a `clip_l` alone is one text encoder's
+//! (OneTrainer's SD1 bundles are named so).
 //!
 //! Vectors are read as f32; a 1-D tensor is one vector. Any other layout is an error that names
 //! the file and its keys.
@@ -69,28 +75,30 @@ pub struct EmbeddingFile {
     pub header_token: Option<String>,
 }
 
-/// Reads the embedding at `path` (vectors as f32 on `device`).
-pub fn load_embedding(path: &Path, device: &Device) -> Result<EmbeddingFile, EmbeddingFileError> {
-    let bytes = std::fs::read(path).map_err(|source| KohyaError::Read {
-        path: path.to_path_buf(),
-        source,
-    })?;
-    let st = SafeTensors::deserialize(&bytes).map_err(|source| KohyaError::Format {
-        path: path.to_path_buf(),
-        source: External(source),
-    })?;
-    let header_token = SafeTensors::read_metadata(&bytes)
-        .ok()
-        .and_then(|(_, h)| h.metadata().as_ref()?.get("token_string").cloned())
-        .filter(|t| !t.trim().is_empty());
-    let mut names: Vec<String> = st.names().into_iter().map(str::to_string).collect();
-    names.sort();
-    let read = |key: &str| -> Result<Tensor, EmbeddingFileError> {
-        let view = st.tensor(key).map_err(|source| KohyaError::Format {
+/// The key prefix of embeddings bundled in a LoRA file (OneTrainer's `StableDiffusionLoRASaver`
+/// and `StableDiffusionXLLoRASaver`: `bundle_emb.<placeholder>.clip_l`, and `.clip_g` for SDXL;
+/// A1111's Lora extension also reads `bundle_emb.<placeholder>.string_to_param.*`).
+pub const BUNDLE_EMB: &str = "bundle_emb.";
+
+/// OneTrainer's standalone SD1/SD2 key (`StableDiffusionEmbeddingSaver`).
+const EMP_PARAMS: &str = "emp_params";
+
+/// A safetensors file's tensors, read on demand.
+struct Reader<'a> {
+    path: &'a Path,
+    st: SafeTensors<'a>,
+    device: &'a Device,
+}
+
+impl Reader<'_> {
+    /// The tensor at `key` as `[vectors, width]` f32.
+    fn read(&self, key: &str) -> Result<Tensor, EmbeddingFileError> {
+        let path = self.path;
+        let view = self.st.tensor(key).map_err(|source| KohyaError::Format {
             path: path.to_path_buf(),
             source: External(source),
         })?;
-        let t = decode(path, key, &view, device)?;
+        let t = decode(path, key, &view, self.device)?;
         match *t.dims() {
             [_] => Ok(t.unsqueeze(0).map_err(|source| KohyaError::Tensor {
                 name: key.to_string(),
@@ -103,33 +111,175 @@ pub fn load_embedding(path: &Path, device: &Device) -> Result<EmbeddingFile, Emb
                 shape: t.dims().to_vec(),
             }),
         }
-    };
-    let has = |k: &str| names.iter().any(|n| n == k);
-    let (vectors, key_token) = if has(CLIP_L) || has(CLIP_G) {
-        let l = has(CLIP_L).then(|| read(CLIP_L)).transpose()?;
-        let g = has(CLIP_G).then(|| read(CLIP_G)).transpose()?;
-        let sdxl = EmbeddingVectors::Sdxl {
-            clip_l: l,
-            clip_g: g,
+    }
+
+    /// One embedding's vectors from its keys, each given as (the part after the embedding's
+    /// prefix, the whole key): SDXL's `clip_l`/`clip_g`, or one tensor (`emb_params`,
+    /// OneTrainer's `emp_params` or an SD1 `clip_l`, A1111's `string_to_param.*`, or a lone tensor
+    /// under any name, whose name is returned as its token).
+    fn vectors(
+        &self,
+        keys: &[(String, String)],
+    ) -> Result<(EmbeddingVectors, Option<String>), EmbeddingFileError> {
+        let find = |k: &str| {
+            keys.iter()
+                .find(|(part, _)| part == k)
+                .map(|(_, full)| full)
         };
-        (sdxl, None)
-    } else if has(EMB_PARAMS) {
-        (EmbeddingVectors::Single(read(EMB_PARAMS)?), None)
-    } else if let [only] = names.as_slice() {
-        let token = (!only.starts_with("string_to_param")).then(|| only.clone());
-        (EmbeddingVectors::Single(read(only)?), token)
-    } else {
-        return Err(EmbeddingFileError::Layout {
-            path: path.to_path_buf(),
-            keys: super::kohya_file::listed(&names, ", "),
-        });
-    };
+        if let Some((_, out)) = keys.iter().find(|(part, _)| part.ends_with("_out")) {
+            return Err(EmbeddingFileError::Layout {
+                path: self.path.to_path_buf(),
+                keys: format!(
+                    "`{out}`: OneTrainer's output embeddings (`*_out`) are not supported"
+                ),
+            });
+        }
+        if let Some(g) = find(CLIP_G) {
+            let clip_l = find(CLIP_L).map(|k| self.read(k)).transpose()?;
+            let clip_g = Some(self.read(g)?);
+            return Ok((EmbeddingVectors::Sdxl { clip_l, clip_g }, None));
+        }
+        let single = [CLIP_L, EMB_PARAMS, EMP_PARAMS]
+            .into_iter()
+            .find_map(find)
+            .or(match keys {
+                [(_, only)] => Some(only),
+                _ => None,
+            });
+        match single {
+            Some(key) => {
+                let part = keys.iter().find(|(_, k)| k == key).map(|(p, _)| p.as_str());
+                let named = part.filter(|p| {
+                    ![CLIP_L, EMB_PARAMS, EMP_PARAMS].contains(p)
+                        && !p.starts_with("string_to_param")
+                        && *p != "*"
+                });
+                Ok((
+                    EmbeddingVectors::Single(self.read(key)?),
+                    named.map(str::to_string),
+                ))
+            }
+            None => {
+                let names: Vec<String> = keys.iter().map(|(_, k)| k.clone()).collect();
+                Err(EmbeddingFileError::Layout {
+                    path: self.path.to_path_buf(),
+                    keys: super::kohya_file::listed(&names, ", "),
+                })
+            }
+        }
+    }
+}
+
+/// The placeholder and the rest of a bundled embedding's key (`bundle_emb.<placeholder>.<rest>`).
+fn bundled_key(key: &str) -> Option<(&str, &str)> {
+    key.strip_prefix(BUNDLE_EMB)?.split_once('.')
+}
+
+/// Reads the embedding at `path` (vectors as f32 on `device`): a file of one embedding, or a LoRA
+/// file that bundles exactly one.
+pub fn load_embedding(path: &Path, device: &Device) -> Result<EmbeddingFile, EmbeddingFileError> {
+    let bytes = read_bytes(path)?;
+    let reader = reader(path, &bytes, device)?;
+    let header_token = SafeTensors::read_metadata(&bytes)
+        .ok()
+        .and_then(|(_, h)| h.metadata().as_ref()?.get("token_string").cloned())
+        .filter(|t| !t.trim().is_empty());
+    let mut names: Vec<String> = reader.st.names().into_iter().map(str::to_string).collect();
+    names.sort();
+    if names.iter().any(|n| bundled_key(n).is_some()) {
+        let mut bundled = bundles(&reader, &names)?;
+        if bundled.len() != 1 {
+            let tokens: Vec<String> = bundled.iter().map(|b| b.default_token()).collect();
+            return Err(EmbeddingFileError::Model {
+                path: path.to_path_buf(),
+                message: format!(
+                    "bundles {} embeddings ({}); one is needed here",
+                    tokens.len(),
+                    tokens.join(", ")
+                ),
+            });
+        }
+        return Ok(bundled.remove(0));
+    }
+    let keys: Vec<(String, String)> = names.iter().map(|n| (n.clone(), n.clone())).collect();
+    let (vectors, key_token) = reader.vectors(&keys)?;
     Ok(EmbeddingFile {
         path: path.to_path_buf(),
         vectors,
         key_token,
         header_token,
     })
+}
+
+/// The embeddings a LoRA file bundles (`bundle_emb.<placeholder>.…`), by placeholder (each one's
+/// token); empty when it bundles none.
+pub fn load_bundled(
+    path: &Path,
+    device: &Device,
+) -> Result<Vec<EmbeddingFile>, EmbeddingFileError> {
+    let bytes = read_bytes(path)?;
+    let reader = reader(path, &bytes, device)?;
+    let mut names: Vec<String> = reader.st.names().into_iter().map(str::to_string).collect();
+    names.sort();
+    bundles(&reader, &names)
+}
+
+fn bundles(
+    reader: &Reader<'_>,
+    names: &[String],
+) -> Result<Vec<EmbeddingFile>, EmbeddingFileError> {
+    let mut by_placeholder: std::collections::BTreeMap<&str, Vec<(String, String)>> =
+        Default::default();
+    for n in names {
+        if let Some((placeholder, rest)) = bundled_key(n) {
+            by_placeholder
+                .entry(placeholder)
+                .or_default()
+                .push((rest.to_string(), n.clone()));
+        }
+    }
+    by_placeholder
+        .into_iter()
+        .map(|(placeholder, keys)| {
+            let (vectors, _) = reader.vectors(&keys)?;
+            Ok(EmbeddingFile {
+                path: reader.path.to_path_buf(),
+                vectors,
+                key_token: Some(placeholder.to_string()),
+                header_token: None,
+            })
+        })
+        .collect()
+}
+
+fn read_bytes(path: &Path) -> Result<Vec<u8>, EmbeddingFileError> {
+    Ok(std::fs::read(path).map_err(|source| KohyaError::Read {
+        path: path.to_path_buf(),
+        source,
+    })?)
+}
+
+fn reader<'a>(
+    path: &'a Path,
+    bytes: &'a [u8],
+    device: &'a Device,
+) -> Result<Reader<'a>, EmbeddingFileError> {
+    let st = SafeTensors::deserialize(bytes).map_err(|source| KohyaError::Format {
+        path: path.to_path_buf(),
+        source: External(source),
+    })?;
+    Ok(Reader { path, st, device })
+}
+
+/// The keys of `vectors` (one set per text encoder) bundled under `token` in a LoRA file, as
+/// OneTrainer writes them: `bundle_emb.<token>.clip_l` for the first text encoder (SD1, SD2 and
+/// SDXL alike) and `.clip_g` for SDXL's second.
+pub fn bundle_keys(token: &str, vectors: &[Tensor]) -> Vec<(String, Tensor)> {
+    [CLIP_L, CLIP_G]
+        .iter()
+        .zip(vectors)
+        .map(|(k, t)| (format!("{BUNDLE_EMB}{token}.{k}"), t.clone()))
+        .collect()
 }
 
 impl EmbeddingFile {
@@ -325,6 +475,60 @@ mod tests {
             err.contains("not a textual-inversion embedding") && err.contains("a, b"),
             "{err}"
         );
+    }
+
+    /// A LoRA file's bundles (OneTrainer's keys, A1111's `string_to_param.*`) come apart by
+    /// placeholder; one alone is what `load_embedding` reads; OneTrainer's output vectors and its
+    /// `emp_params` are handled.
+    #[test]
+    fn bundled_embeddings_by_placeholder() {
+        let dir = tempfile::tempdir().unwrap();
+        let one = Tensor::new(&[[1f32, 2.], [3., 4.]], &Device::Cpu).unwrap();
+        let write = |name: &str, keys: &[&str]| {
+            let p = dir.path().join(name);
+            let views: Vec<(String, F32View)> = keys
+                .iter()
+                .map(|k| (k.to_string(), st_view(&one)))
+                .collect();
+            let bytes =
+                safetensors::tensor::serialize(views.iter().map(|(k, v)| (k.as_str(), v)), None)
+                    .unwrap();
+            std::fs::write(&p, bytes).unwrap();
+            p
+        };
+        let p = write(
+            "pivotal.safetensors",
+            &[
+                "lora_unet_x.lora_down.weight",
+                "bundle_emb.a.clip_l",
+                "bundle_emb.b.clip_l",
+                "bundle_emb.b.clip_g",
+                "bundle_emb.c.string_to_param.*",
+            ],
+        );
+        let all = load_bundled(&p, &Device::Cpu).unwrap();
+        let tokens: Vec<String> = all.iter().map(EmbeddingFile::default_token).collect();
+        assert_eq!(tokens, ["a", "b", "c"]);
+        assert!(matches!(all[0].vectors, EmbeddingVectors::Single(_)));
+        assert!(matches!(all[1].vectors, EmbeddingVectors::Sdxl { .. }));
+        assert!(matches!(all[2].vectors, EmbeddingVectors::Single(_)));
+        let err = load_embedding(&p, &Device::Cpu).unwrap_err().to_string();
+        assert!(err.contains("bundles 3 embeddings (a, b, c)"), "{err}");
+        let p = write(
+            "one.safetensors",
+            &["lora_unet_x.alpha", "bundle_emb.tok.clip_l"],
+        );
+        let f = load_embedding(&p, &Device::Cpu).unwrap();
+        assert_eq!(
+            (f.default_token().as_str(), f.vectors_per_token()),
+            ("tok", 2)
+        );
+        let p = write("ot.safetensors", &["emp_params"]);
+        let f = load_embedding(&p, &Device::Cpu).unwrap();
+        assert_eq!(f.default_token(), "ot", "OneTrainer's key is not a token");
+        let p = write("out.safetensors", &["emp_params", "emp_params_out"]);
+        let err = load_embedding(&p, &Device::Cpu).unwrap_err().to_string();
+        assert!(err.contains("output embeddings"), "{err}");
     }
 
     struct F32View(Vec<u8>, Vec<usize>);

@@ -21,8 +21,8 @@
 //! dropped; so is a module whose keys mix two types or miss one, and an output-axis DoRA module
 //! (LyCORIS `wd_on_output=True`, `dora_scale` `[out, 1]`). The one exception: the
 //! textual-inversion embeddings OneTrainer bundles beside the LoRA (`bundle_emb.<placeholder>.…`)
-//! are set aside in [`KohyaFile::bundled_embeddings`] (sdtrain has no embeddings), for the caller
-//! to warn about ([`KohyaFile::bundled_embeddings_warning`]), as ComfyUI loads the LoRA and warns.
+//! are set aside in [`KohyaFile::bundled_embeddings`]: [`super::embedding_file::load_bundled`]
+//! reads them, and a caller that does not can warn ([`KohyaFile::bundled_embeddings_warning`]).
 //!
 //! [`match_to_model`] policy: every module of the file must name a module of the model (else an
 //! error lists all that do not), with the model's keys and shapes (else an error lists every
@@ -344,6 +344,18 @@ pub fn save_kohya(
     metadata: &KohyaMetadata,
     dtype: DType,
 ) -> Result<(), KohyaError> {
+    save_kohya_with(path, modules, &[], metadata, dtype)
+}
+
+/// [`save_kohya`] with `extra` tensors under their own keys beside the modules (embeddings
+/// bundled as `bundle_emb.<token>.…`), in the same dtype.
+pub fn save_kohya_with(
+    path: &Path,
+    modules: &[KohyaTensorSet],
+    extra: &[(String, Tensor)],
+    metadata: &KohyaMetadata,
+    dtype: DType,
+) -> Result<(), KohyaError> {
     if !matches!(dtype, DType::F16 | DType::BF16 | DType::F32) {
         return Err(KohyaError::SaveDtype(dtype));
     }
@@ -376,6 +388,9 @@ pub fn save_kohya(
             format!("{}.{ALPHA}", m.name),
             encode_values(&[m.alpha], Vec::new(), dtype)?,
         ));
+    }
+    for (key, t) in extra {
+        tensors.push((key.clone(), encode_tensor(key, t, dtype)?));
     }
     let serialize = |header: HashMap<String, String>| {
         safetensors::tensor::serialize(tensors.iter().map(|(n, e)| (n.as_str(), e)), Some(header))
@@ -474,7 +489,7 @@ pub struct KohyaFile {
     /// The header's `__metadata__` (empty when absent).
     pub metadata: HashMap<String, String>,
     /// The placeholders of the textual-inversion embeddings bundled in the file (OneTrainer's
-    /// `bundle_emb.<placeholder>.clip_l`), sorted; not loaded.
+    /// `bundle_emb.<placeholder>.clip_l`), sorted; not loaded here.
     pub bundled_embeddings: Vec<String>,
 }
 
@@ -491,8 +506,9 @@ impl KohyaFile {
             .map(|p| format!("`{p}`"))
             .collect();
         Some(format!(
-            "warning: {}: the bundled textual-inversion embedding(s) {} are not loaded (sdtrain \
-             has no embedding support); its LoRA part is used",
+            "warning: {}: the bundled textual-inversion embedding(s) {} are not loaded with the \
+             LoRA here (`embedding.init_from` continues one; `sdtrain sample --lora` loads them); \
+             its LoRA part is used",
             self.path.display(),
             listed(&names, ", ")
         ))

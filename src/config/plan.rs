@@ -511,8 +511,10 @@ fn resolve_adapter(
     }
 }
 
-/// The `embedding` section: required by (and only used with) `mode: "textual_inversion"`, whose
-/// vectors live in the text encoders (so `disable_textenc_training` would leave nothing to train).
+/// The `embedding` section: required by `mode: "textual_inversion"`, whose vectors live in the
+/// text encoders (so `disable_textenc_training` would leave nothing to train), and taken by the
+/// adapter modes, which then train the token's vectors beside the adapters (pivotal tuning, as
+/// OneTrainer's additional embeddings and diffusers' advanced DreamBooth script do).
 fn resolve_embedding(
     file: &TrainFile,
     ctx: &Ctx<'_>,
@@ -533,11 +535,18 @@ fn resolve_embedding(
             })
             .map(Some)
         }
+        // Pivotal tuning: the adapters and a new token's vectors train together.
+        (m, Some(section)) if m.is_adapter() => {
+            super::embedding_plan::resolve_embedding(section, ctx.file, |field, p| {
+                ctx.input_path(field, p)
+            })
+            .map(Some)
+        }
         (_, None) => Ok(None),
         (_, Some(_)) => Err(ctx.invalid(
             "embedding",
-            "is only used with `mode: \"textual_inversion\"`; remove the section, or add \
-             `--set embedding=null`"
+            "is only used with `mode: \"textual_inversion\"` or an adapter mode (a LoRA with \
+             its token's vectors); remove the section, or add `--set embedding=null`"
                 .into(),
         )),
     }

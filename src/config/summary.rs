@@ -138,7 +138,7 @@ impl TrainPlan {
             TrainMode::Dora => "DoRA",
             TrainMode::TextualInversion => return self.embedding_text(),
         };
-        match &self.adapter {
+        let base = match &self.adapter {
             Some(a) => format!(
                 "{kind} rank {} alpha {} (conv rank {} alpha {}), text encoder {}, saved as {:?}",
                 a.rank,
@@ -153,6 +153,13 @@ impl TrainPlan {
                 a.save_dtype
             ),
             None => kind.to_string(),
+        };
+        match &self.embedding {
+            Some(e) => format!(
+                "{base}; with the token `{}` as {} vector(s) (pivotal tuning, bundled in the file)",
+                e.token_string, e.num_vectors
+            ),
+            None => base,
         }
     }
 
@@ -219,11 +226,19 @@ impl TrainPlan {
         let freeze = &self.text_encoder_freeze;
         let te = match (self.train_text_encoder, freeze.trains_everything()) {
             // Adapter modes: the base is frozen; `adapter.train_text_encoder` decides.
-            _ if self.embedding.is_some() => "frozen, the token's new vectors train".to_string(),
-            _ if self.adapter.is_some() => match &self.adapter {
-                Some(a) if a.train_text_encoder => "frozen, its adapter trains".to_string(),
-                _ => "frozen, no adapter".to_string(),
-            },
+            _ if self.adapter.is_none() && self.embedding.is_some() => {
+                "frozen, the token's new vectors train".to_string()
+            }
+            _ if self.adapter.is_some() => {
+                let adapter = match &self.adapter {
+                    Some(a) if a.train_text_encoder => "frozen, its adapter trains",
+                    _ => "frozen, no adapter",
+                };
+                match self.embedding {
+                    Some(_) => format!("{adapter}; the token's new vectors train"),
+                    None => adapter.to_string(),
+                }
+            }
             (false, _) => "frozen".to_string(),
             (true, true) => "trained (every layer)".to_string(),
             (true, false) => format!("trained ({freeze})"),
@@ -235,12 +250,16 @@ impl TrainPlan {
             .as_ref()
             .map_or("built-in default".to_string(), |p| p.display().to_string());
         row(f, "optimizer", &source)?;
-        if self.embedding.is_some() {
+        if self.embedding.is_some() && self.adapter.is_none() {
             // One group, at the base settings (train.json's `lr`).
             return row(f, "  embedding", &self.optimizer.unet);
         }
         row(f, "  unet", &self.optimizer.unet)?;
-        row(f, "  text_encoder", &self.optimizer.text_encoder)
+        row(f, "  text_encoder", &self.optimizer.text_encoder)?;
+        match self.embedding {
+            Some(_) => row(f, "  embedding", &self.optimizer.unet),
+            None => Ok(()),
+        }
     }
 
     /// The output, save, EMA, samples, validation, VRAM, resume, precision and log rows.

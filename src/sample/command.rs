@@ -419,30 +419,41 @@ pub(crate) fn add_embeddings(
         let file = crate::adapter::embedding_file::load_embedding(path, device)
             .with_context(|| format!("--embedding {raw}"))?;
         let token = token.map_or_else(|| file.default_token(), str::to_string);
-        let encoders: Vec<(usize, DType)> = sd
-            .text_encoders
-            .iter()
-            .map(|te| {
-                let e = &te.model.token_embedding;
-                (e.dim(), e.weight.dtype())
-            })
-            .collect();
-        let widths: Vec<usize> = encoders.iter().map(|(w, _)| *w).collect();
-        let vectors = file
-            .for_encoders(&widths)
-            .with_context(|| format!("--embedding {raw}"))?
-            .into_iter()
-            .zip(&encoders)
-            .map(|(v, (_, dtype))| v.to_dtype(*dtype))
-            .collect::<candle_core::Result<Vec<_>>>()?;
-        crate::model::textual_inversion::add_embedding(sd, &token, &vectors)
-            .with_context(|| format!("--embedding {raw}: token `{token}`"))?;
-        eprintln!(
-            "embedding: `{token}` stands for {} vector(s) from {}",
-            file.vectors_per_token(),
-            path.display()
-        );
+        add_embedding_file(sd, &file, &token, &format!("--embedding {raw}"))?;
     }
+    Ok(())
+}
+
+/// Adds `file`'s vectors under `token`, in the model's dtype (`label` names the argument).
+fn add_embedding_file(
+    sd: &mut StableDiffusion,
+    file: &crate::adapter::embedding_file::EmbeddingFile,
+    token: &str,
+    label: &str,
+) -> anyhow::Result<()> {
+    let encoders: Vec<(usize, DType)> = sd
+        .text_encoders
+        .iter()
+        .map(|te| {
+            let e = &te.model.token_embedding;
+            (e.dim(), e.weight.dtype())
+        })
+        .collect();
+    let widths: Vec<usize> = encoders.iter().map(|(w, _)| *w).collect();
+    let vectors = file
+        .for_encoders(&widths)
+        .with_context(|| label.to_string())?
+        .into_iter()
+        .zip(&encoders)
+        .map(|(v, (_, dtype))| v.to_dtype(*dtype))
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    crate::model::textual_inversion::add_embedding(sd, token, &vectors)
+        .with_context(|| format!("{label}: token `{token}`"))?;
+    eprintln!(
+        "embedding: `{token}` stands for {} vector(s) from {}",
+        file.vectors_per_token(),
+        file.path.display()
+    );
     Ok(())
 }
 
@@ -451,15 +462,20 @@ fn merge_loras(sd: &mut StableDiffusion, args: &SampleArgs, device: &Device) -> 
     let naming = crate::adapter::kohya_naming(sd);
     for path in &args.loras {
         let file = load_kohya(path, device)?;
-        if let Some(warning) = file.bundled_embeddings_warning() {
-            eprintln!("{warning}");
-        }
         let n = merge_kohya(sd, &naming, &file, args.lora_scale)?;
         eprintln!(
             "lora: merged {n} modules of {} (×{})",
             path.display(),
             args.lora_scale
         );
+        // The embeddings it bundles, under their placeholders (as A1111 loads them with it).
+        let label = format!("--lora {}", path.display());
+        for e in crate::adapter::embedding_file::load_bundled(path, device)
+            .with_context(|| label.clone())?
+        {
+            let token = e.default_token();
+            add_embedding_file(sd, &e, &token, &label)?;
+        }
     }
     Ok(())
 }

@@ -10,7 +10,7 @@ use candle_core::{DType, Var};
 
 use crate::adapter::factors;
 use crate::adapter::kohya_file::{
-    load_kohya, match_to_model, save_kohya, ExpectedModule, KohyaBase, KohyaMetadata,
+    load_kohya, match_to_model, save_kohya_with, ExpectedModule, KohyaBase, KohyaMetadata,
     KohyaTensorSet,
 };
 use crate::adapter::kohya_names::{KohyaComponent, KohyaNaming};
@@ -346,7 +346,7 @@ impl TrainedAdapters {
             SaveDtype::Bf16 => DType::BF16,
             SaveDtype::Fp32 => DType::F32,
         };
-        save_kohya(path, &sets, &metadata, dtype)?;
+        save_kohya_with(path, &sets, meta.bundle, &metadata, dtype)?;
         Ok(())
     }
 }
@@ -412,4 +412,6 @@ pub struct SaveInfo<'a> {
     pub started_at: f64,
     /// The run's kohya metadata: `ss_optimizer` and the rest of kohya's keys (none without).
     pub run: Option<&'a super::kohya_run_metadata::KohyaRunMetadata>,
+    /// Tensors saved beside the modules: a token's vectors bundled as `bundle_emb.<token>.…`.
+    pub bundle: &'a [(String, candle_core::Tensor)],
 }

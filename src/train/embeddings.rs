@@ -134,6 +134,17 @@ impl TrainedEmbedding {
         self.vars.clone()
     }
 
+    /// The vectors as a LoRA file bundles them (OneTrainer's `bundle_emb.<token>.clip_l`/`clip_g`,
+    /// which A1111 loads with the LoRA).
+    pub fn bundle(&self) -> Vec<(String, Tensor)> {
+        let tensors: Vec<Tensor> = self
+            .vars
+            .iter()
+            .map(|(_, v)| v.as_tensor().clone())
+            .collect();
+        embedding_file::bundle_keys(&self.plan.token_string, &tensors)
+    }
+
     /// Writes the vectors to `path` in the plan's dtype.
     pub fn save(&self, path: &Path, metadata: &HashMap<String, String>) -> anyhow::Result<()> {
         let dtype = match self.plan.save_dtype {

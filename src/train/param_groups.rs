@@ -311,17 +311,23 @@ pub(super) fn param_groups(
     trained: Trained<'_>,
     shape: GroupShape,
 ) -> anyhow::Result<Vec<Group>> {
-    if let Some(e) = trained.embedding {
-        // One group at the run's base settings (train.json's `lr`), as kohya's
-        // train_textual_inversion trains the vectors at `learning_rate`.
-        let group = Group::new(
+    // The token's vectors: a group at the run's base settings (train.json's `lr`), as kohya's
+    // train_textual_inversion trains them at `learning_rate`; after the adapters' groups when a
+    // LoRA trains with them.
+    let embedding = match trained.embedding {
+        Some(e) => Some(Group::new(
             super::embeddings::GROUP,
             e.params(),
             &plan.optimizer.unet,
             shape,
             None,
-        )?;
-        return Ok(vec![group]);
+        )?),
+        None => None,
+    };
+    if trained.adapters.is_none() {
+        if let Some(group) = embedding {
+            return Ok(vec![group]);
+        }
     }
     let adapters = trained.adapters;
     let loraplus = adapters.map(|a| a.plan.loraplus).unwrap_or_default();
@@ -364,6 +370,7 @@ pub(super) fn param_groups(
             loraplus.text_encoder,
         )?);
     }
+    groups.extend(embedding);
     Ok(groups)
 }
 

@@ -145,7 +145,11 @@ impl Saver<'_> {
         suffix: &str,
     ) -> anyhow::Result<Vec<PathBuf>> {
         let paths = match (self.adapters, self.embedding) {
-            (Some(a), _) => vec![self.save_adapters(a, groups, point, steps, epoch, suffix)?],
+            (Some(a), e) => {
+                let bundle = e.map(|e| e.bundle()).unwrap_or_default();
+                let at = (point, steps, epoch);
+                vec![self.save_adapters(a, groups, at, &bundle, suffix)?]
+            }
             (None, Some(e)) => vec![self.save_embedding(e, point, steps, epoch, suffix)?],
             (None, None) => self.save_model(point, suffix)?,
         };
@@ -223,13 +227,13 @@ impl Saver<'_> {
     }
 
     /// An adapter mode's kohya file, with the metadata kohya writes.
+    /// `bundle`: a token's vectors saved in the file too (pivotal tuning).
     fn save_adapters(
         &self,
         adapters: &TrainedAdapters,
         groups: &[Group],
-        point: SavePoint,
-        steps: usize,
-        epoch: usize,
+        (point, steps, epoch): (SavePoint, usize, usize),
+        bundle: &[(String, candle_core::Tensor)],
         suffix: &str,
     ) -> anyhow::Result<PathBuf> {
         let name = self.adapter_name(point, suffix);
@@ -245,6 +249,7 @@ impl Saver<'_> {
             output_name: &name,
             started_at: self.started_unix,
             run: self.kohya,
+            bundle,
         };
         adapters
             .save(&path, info)

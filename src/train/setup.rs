@@ -440,11 +440,10 @@ fn load(
         TrainMode::Full | TrainMode::TextualInversion => None,
         _ => Some(adapters::attach(&mut sd, plan, seed)?),
     };
-    let embedding = match plan.mode {
-        TrainMode::TextualInversion => {
-            Some(super::embeddings::attach(&mut sd, plan, &opts.device)?)
-        }
-        _ => None,
+    // Textual inversion's vectors, or a LoRA's (pivotal tuning), after any adapters attach.
+    let embedding = match plan.embedding {
+        Some(_) => Some(super::embeddings::attach(&mut sd, plan, &opts.device)?),
+        None => None,
     };
     check_resolution(&sd, resolution)?;
     let objective = build_objective(plan, &layout)?;

@@ -78,6 +78,7 @@ pub fn estimate(plan: &TrainPlan) -> anyhow::Result<ModelEstimate> {
     let layout = ModelLayout::read_with(&dir.path, variant, &plan.single_file_options())?;
     let mut unet = Vec::new();
     let mut text = Vec::new();
+    let mut vectors = Vec::new();
     let mut census = Census::default();
     for files in &layout.components {
         let component = files.component;
@@ -107,6 +108,7 @@ pub fn estimate(plan: &TrainPlan) -> anyhow::Result<ModelEstimate> {
         };
         if is_te {
             text.extend(trained);
+            vectors.extend(embedding_shapes(&tensors, plan));
         } else {
             unet.extend(trained);
         }
@@ -128,22 +130,22 @@ pub fn estimate(plan: &TrainPlan) -> anyhow::Result<ModelEstimate> {
     if plan.train_unet {
         groups.push(price("unet", &plan.optimizer.unet, &unet)?);
     }
-    match plan.embedding {
-        // Textual inversion: the token's vectors alone, at the base settings (param_groups).
-        Some(_) => groups.push(price(
+    if !text.is_empty() {
+        groups.push(price("text_encoder", &plan.optimizer.text_encoder, &text)?);
+    }
+    if plan.embedding.is_some() {
+        // The token's vectors, at the base settings (param_groups).
+        groups.push(price(
             super::embeddings::GROUP,
             &plan.optimizer.unet,
-            &text,
-        )?),
-        None if !text.is_empty() => {
-            groups.push(price("text_encoder", &plan.optimizer.text_encoder, &text)?)
-        }
-        None => {}
+            &vectors,
+        )?);
     }
     census.trained = groups.iter().map(|g| g.params).sum();
     census.largest_trained = unet
         .iter()
         .chain(&text)
+        .chain(&vectors)
         .map(|s| s.iter().product::<usize>() as u64)
         .max()
         .unwrap_or(0);
@@ -245,6 +247,18 @@ fn unet_shapes(tensors: &BTreeMap<String, Vec<usize>>, plan: &TrainPlan) -> Vec<
         .collect()
 }
 
+/// A token's vectors (`embedding`): `[vectors, width]` beside a text encoder's token embedding.
+fn embedding_shapes(tensors: &BTreeMap<String, Vec<usize>>, plan: &TrainPlan) -> Vec<Vec<usize>> {
+    let Some(e) = &plan.embedding else {
+        return Vec::new();
+    };
+    tensors
+        .iter()
+        .filter(|(name, s)| name.ends_with("token_embedding.weight") && s.len() == 2)
+        .map(|(_, s)| vec![e.num_vectors, s[1]])
+        .collect()
+}
+
 fn text_encoder_shapes(
     tensors: &BTreeMap<String, Vec<usize>>,
     plan: &TrainPlan,
@@ -257,13 +271,9 @@ fn text_encoder_shapes(
             format!("text_model.{name}")
         }
     };
-    if let Some(e) = &plan.embedding {
-        // Textual inversion's new rows: `[vectors, width]` beside each token embedding.
-        return tensors
-            .iter()
-            .filter(|(name, s)| name.ends_with("token_embedding.weight") && s.len() == 2)
-            .map(|(_, s)| vec![e.num_vectors, s[1]])
-            .collect();
+    if plan.mode == crate::config::TrainMode::TextualInversion {
+        // The encoders' own weights stay frozen: only the token's vectors train.
+        return Vec::new();
     }
     match spec(plan) {
         Some(spec) => {

@@ -243,6 +243,7 @@ pub fn write_random_adapter(
         output_name: "sdtrain",
         started_at: 0.0,
         run: None,
+        bundle: &[],
     };
     a.save(path, info).unwrap();
 }
