@@ -147,6 +147,7 @@ fn settings<'a>(m: &'a Model, ck: Option<&'a Checkpointing>) -> StepSettings<'a>
         clip_skip_layers: 0,
         caption_chunks: 1,
         caption_templates: &[],
+        kohya_captions: None,
         train_text_encoder: m.train_te,
         compute_dtype: DType::F32,
         checkpointing: ck,
@@ -603,4 +604,86 @@ fn tag_dropout_and_prior_weights_reach_the_prepared_batch() {
     assert_eq!(halves, whole.captions);
     assert!(whole.captions.iter().all(|c| c.contains(", keep")));
     assert_ne!(whole.captions, batch.captions, "some tags survive at 0.5");
+}
+
+/// kohya's `keep_tokens_separator`, `secondary_separator` and `enable_wildcard` in a prepared
+/// batch, against kohya's own `process_caption` (tests/fixtures/kohya_caption_reference.py) on
+/// captions whose result draws nothing at random; then, shuffled, the middle part alone moves
+/// and a batch prepared in halves draws what the whole batch draws. Catches a separator left in,
+/// the suffix or fixed part dropped or shuffled, and the secondary separator replaced before
+/// the shuffle (its tags would come apart) or not at all.
+#[test]
+fn kohya_caption_keys_match_kohyas_process_caption() {
+    use sdtrain::data::kohya_caption::KohyaCaptions;
+    let reference = common::reference_json("reference/kohya_captions.json");
+    let m = model("tiny-sd15", TrainMode::Lora, 0.0);
+    let mut data = data();
+    let caption_of = |d: &mut SampleData, caption: &str| {
+        let SampleData::Pixels(image) = d else {
+            unreachable!("the demo images are decoded")
+        };
+        image.caption = caption.to_string();
+    };
+    let seeds = step_seeds(3, 5, 4);
+    for case in reference["cases"].as_array().unwrap() {
+        let text = |k: &str| case[k].as_str().map(str::to_string);
+        let keys = KohyaCaptions {
+            keep_tokens_separator: text("keep_tokens_separator"),
+            secondary_separator: text("secondary_separator"),
+            wildcard: case["wildcard"].as_bool().unwrap_or(false),
+        };
+        let s = StepSettings {
+            cond_dropout: 0.0,
+            keep_tags: 0,
+            tag_dropout: case["tag_dropout"].as_f64().unwrap_or(0.0),
+            kohya_captions: Some(&keys),
+            ..settings(&m, None)
+        };
+        let caption = text("caption").unwrap();
+        caption_of(&mut data[0], &caption);
+        let images = [&data[0]];
+        let batch = prepare_batch(&m.sd, &images, &s, &mut sample_rngs(&seeds[..1])).unwrap();
+        assert_eq!(batch.captions[0], text("expected").unwrap(), "{caption:?}");
+    }
+
+    let keys = KohyaCaptions {
+        keep_tokens_separator: Some("|||".into()),
+        secondary_separator: Some(";;;".into()),
+        wildcard: false,
+    };
+    let s = StepSettings {
+        cond_dropout: 0.0,
+        shuffle_tags: true,
+        kohya_captions: Some(&keys),
+        ..settings(&m, None)
+    };
+    for d in data.iter_mut().take(4) {
+        caption_of(d, "f1, f2 ||| a, b;;;c, d, e, g ||| s");
+    }
+    let images: Vec<_> = data.iter().take(4).collect();
+    let whole = prepare_batch(&m.sd, &images, &s, &mut sample_rngs(&seeds)).unwrap();
+    let halves: Vec<String> = [0..2, 2..4]
+        .into_iter()
+        .flat_map(|r| {
+            let mut rngs = sample_rngs(&seeds[r.clone()]);
+            prepare_batch(&m.sd, &images[r], &s, &mut rngs)
+                .unwrap()
+                .captions
+        })
+        .collect();
+    assert_eq!(halves, whole.captions);
+    for c in &whole.captions {
+        assert!(c.starts_with("f1, f2, ") && c.ends_with(", s"), "{c}");
+        let mut middle: Vec<&str> = c["f1, f2, ".len()..c.len() - ", s".len()]
+            .split(", ")
+            .collect();
+        middle.sort();
+        assert_eq!(middle, ["a", "b,c", "d", "e", "g"], "{c}");
+    }
+    let orders: std::collections::HashSet<&String> = whole.captions.iter().collect();
+    assert!(
+        orders.len() > 1,
+        "the middle part is shuffled: {:?}",
+        whole.captions
+    );
 }

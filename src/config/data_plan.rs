@@ -51,6 +51,8 @@ pub struct DataPlan {
     /// regularization and validation images); `None` when absent or empty.
     pub caption_prefix: Option<String>,
     pub caption_suffix: Option<String>,
+    /// kohya's `keep_tokens_separator`, `secondary_separator` and `enable_wildcard`.
+    pub kohya_captions: crate::data::kohya_caption::KohyaCaptions,
     /// The 75-token chunks a caption is encoded in (kohya's `max_token_length` / 75: 1, 2 or
     /// 3); see `crate::model::long_prompt`.
     pub caption_chunks: usize,
@@ -112,6 +114,8 @@ pub enum TextCacheOff {
     ShuffleTags,
     /// `caption_tag_dropout_rate` drops tags every step.
     TagDropout,
+    /// `enable_wildcard` picks a caption line and choices every step.
+    Wildcard,
 }
 
 impl TextCacheDecision {
@@ -151,6 +155,7 @@ impl fmt::Display for TextCacheOff {
             TextCacheOff::TextEncoderTrains => "a text encoder trains",
             TextCacheOff::ShuffleTags => "shuffle_tags changes captions every step",
             TextCacheOff::TagDropout => "caption_tag_dropout_rate changes captions every step",
+            TextCacheOff::Wildcard => "enable_wildcard changes captions every step",
         })
     }
 }
@@ -189,6 +194,7 @@ pub(super) fn resolve_data(
         file.caption_tag_dropout_rate,
         0.0,
     )?;
+    let kohya_captions = resolve_kohya_captions(file, ctx)?;
     Ok(DataPlan {
         data_root,
         layout,
@@ -201,6 +207,18 @@ pub(super) fn resolve_data(
         tag_dropout,
         caption_prefix: file.caption_prefix.clone().filter(|p| !p.is_empty()),
         caption_suffix: file.caption_suffix.clone().filter(|s| !s.is_empty()),
+        text_cache: match TextCacheDecision::decide(
+            file.cache_text_encoder_outputs.unwrap_or(true),
+            text_encoder_trains,
+            shuffle_tags,
+            tag_dropout > 0.0,
+        ) {
+            TextCacheDecision::On if kohya_captions.wildcard => {
+                TextCacheDecision::Off(TextCacheOff::Wildcard)
+            }
+            d => d,
+        },
+        kohya_captions,
         caption_chunks: match file.max_token_length {
             None | Some(75) => 1,
             Some(150) => 2,
@@ -224,12 +242,37 @@ pub(super) fn resolve_data(
         buckets: resolve_buckets(file, ctx)?,
         crop_jitter,
         cache_latents,
-        text_cache: TextCacheDecision::decide(
-            file.cache_text_encoder_outputs.unwrap_or(true),
-            text_encoder_trains,
-            shuffle_tags,
-            tag_dropout > 0.0,
-        ),
+    })
+}
+
+/// kohya's `keep_tokens_separator` and `secondary_separator` (not empty, not the tag separator
+/// `,`, and not each other) and `enable_wildcard`.
+fn resolve_kohya_captions(
+    file: &TrainFile,
+    ctx: &Ctx<'_>,
+) -> Result<crate::data::kohya_caption::KohyaCaptions, ConfigError> {
+    let separator = |key: &str, v: &Option<String>| match v.as_deref() {
+        None => Ok(None),
+        Some(s) if s.trim().is_empty() || s.trim() == "," => Err(ctx.invalid(
+            key,
+            format!(
+                "is {s:?}; it must be a marker such as \"|||\" or \";;;\", not empty or a comma"
+            ),
+        )),
+        Some(s) => Ok(Some(s.to_string())),
+    };
+    let keep = separator("keep_tokens_separator", &file.keep_tokens_separator)?;
+    let secondary = separator("secondary_separator", &file.secondary_separator)?;
+    if keep.is_some() && keep == secondary {
+        return Err(ctx.invalid(
+            "secondary_separator",
+            "is the same as keep_tokens_separator; they mark different things".into(),
+        ));
+    }
+    Ok(crate::data::kohya_caption::KohyaCaptions {
+        keep_tokens_separator: keep,
+        secondary_separator: secondary,
+        wildcard: file.enable_wildcard.unwrap_or(false),
     })
 }
 

@@ -752,6 +752,46 @@ mod tests {
     }
 
     #[test]
+    fn kohya_caption_keys_resolve_and_wildcards_turn_the_text_cache_off() {
+        let fx = Fixture::new();
+        let p = fx
+            .plan(
+                json!({"mode": "lora", "adapter": {"train_text_encoder": false},
+                       "keep_tokens_separator": "|||", "secondary_separator": ";;;"}),
+                &[],
+            )
+            .unwrap();
+        let k = &p.data.kohya_captions;
+        assert_eq!(k.keep_tokens_separator.as_deref(), Some("|||"));
+        assert_eq!(k.secondary_separator.as_deref(), Some(";;;"));
+        assert!(p.data.text_cache.is_on(), "static captions keep the cache");
+        let p = fx
+            .plan(
+                json!({"mode": "lora", "adapter": {"train_text_encoder": false},
+                       "enable_wildcard": true}),
+                &[],
+            )
+            .unwrap();
+        assert_eq!(
+            p.data.text_cache,
+            crate::config::TextCacheDecision::Off(crate::config::TextCacheOff::Wildcard)
+        );
+        for (extra, key) in [
+            (
+                json!({"keep_tokens_separator": ""}),
+                "keep_tokens_separator",
+            ),
+            (json!({"secondary_separator": ","}), "secondary_separator"),
+            (
+                json!({"keep_tokens_separator": "|", "secondary_separator": "|"}),
+                "secondary_separator",
+            ),
+        ] {
+            assert_eq!(fx.field_error(extra).0, key);
+        }
+    }
+
+    #[test]
     fn defaults_follow_everydream2() {
         let fx = Fixture::new();
         let p = fx.plan(json!({}), &[]).unwrap();

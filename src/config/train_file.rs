@@ -160,6 +160,14 @@ pub struct TrainFile {
     pub caption_prefix: Option<String>,
     #[serde(default)]
     pub caption_suffix: Option<String>,
+    /// kohya's `keep_tokens_separator`, `secondary_separator` and `enable_wildcard`
+    /// (`crate::data::kohya_caption`).
+    #[serde(default)]
+    pub keep_tokens_separator: Option<String>,
+    #[serde(default)]
+    pub secondary_separator: Option<String>,
+    #[serde(default)]
+    pub enable_wildcard: Option<bool>,
     #[serde(default)]
     pub num_class_images: Option<i64>,
     #[serde(default)]

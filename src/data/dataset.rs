@@ -23,7 +23,7 @@ use rand::{Rng, SeedableRng};
 use rayon::prelude::*;
 
 use super::image_load::{probe_image, DEFAULT_MAX_PIXELS};
-use super::kohya_layout::{scan_kohya, DataLayout};
+use super::kohya_layout::{scan_kohya_with, DataLayout};
 use super::py_random::PyRandom;
 use super::rated::{pick_rated, RatedSchedule};
 use super::scan::{scan_as, ImageRecord};
@@ -152,6 +152,7 @@ pub fn load_data_root_limited(
         root: data_root,
         layout: &DataLayout::Everydream,
         max_pixels,
+        all_caption_lines: false,
     };
     load_source(&source, show_progress)
 }
@@ -165,6 +166,8 @@ pub struct DataSource<'a> {
     pub layout: &'a DataLayout,
     /// Images with more pixels are skipped (`max_image_pixels`).
     pub max_pixels: u64,
+    /// kohya's layout: read every line of a caption file (`enable_wildcard`), not the first.
+    pub all_caption_lines: bool,
 }
 
 /// The folder's images, scanned by its layout, then [`load_dataset`]'s header read; errors name
@@ -175,9 +178,12 @@ pub fn load_source(
 ) -> Result<LoadedDataset, DataError> {
     let records = match source.layout {
         DataLayout::Everydream => scan_as(source.key, source.root)?,
-        DataLayout::Kohya { caption_extension } => {
-            scan_kohya(source.key, source.root, caption_extension)?
-        }
+        DataLayout::Kohya { caption_extension } => scan_kohya_with(
+            source.key,
+            source.root,
+            caption_extension,
+            source.all_caption_lines,
+        )?,
     };
     load_records(
         &records,

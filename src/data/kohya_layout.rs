@@ -77,6 +77,17 @@ pub fn scan_kohya(
     root: &Path,
     caption_extension: &str,
 ) -> Result<Vec<ImageRecord>, DataError> {
+    scan_kohya_with(key, root, caption_extension, false)
+}
+
+/// [`scan_kohya`], with every non-empty line of each caption file (joined by `\n`) when
+/// `all_lines` (kohya's `enable_wildcard`), else the first.
+pub fn scan_kohya_with(
+    key: &'static str,
+    root: &Path,
+    caption_extension: &str,
+    all_lines: bool,
+) -> Result<Vec<ImageRecord>, DataError> {
     check_root(key, root)?;
     let mut seen = Seen::default();
     let subsets = subsets(root, &mut seen)?;
@@ -87,7 +98,7 @@ pub fn scan_kohya(
             seen.empty.push(folder_name(&subset.dir));
         }
         for image in images {
-            let caption = match read_caption(&image, caption_extension)? {
+            let caption = match read_caption_lines(&image, caption_extension, all_lines)? {
                 Some(caption) => caption,
                 None => {
                     note_class_caption(&image, caption_extension, &mut seen);
@@ -189,6 +200,16 @@ fn caption_path(image: &Path, ext: &str) -> PathBuf {
 
 /// kohya's `read_caption`: the caption file's first line, stripped, or `None` without a file.
 pub fn read_caption(image: &Path, ext: &str) -> Result<Option<String>, DataError> {
+    read_caption_lines(image, ext, false)
+}
+
+/// [`read_caption`]; with `all_lines` (kohya's `enable_wildcard`), every non-empty line,
+/// stripped, joined by `\n`.
+pub fn read_caption_lines(
+    image: &Path,
+    ext: &str,
+    all_lines: bool,
+) -> Result<Option<String>, DataError> {
     let path = caption_path(image, ext);
     if !path.is_file() {
         return Ok(None);
@@ -203,6 +224,14 @@ pub fn read_caption(image: &Path, ext: &str) -> Result<Option<String>, DataError
                      caption, or delete the file to use the folder's class tokens)"
                 .into(),
         });
+    }
+    if all_lines {
+        let lines: Vec<&str> = text
+            .split(['\n', '\r'])
+            .map(str::trim)
+            .filter(|l| !l.is_empty())
+            .collect();
+        return Ok(Some(lines.join("\n")));
     }
     Ok(Some(first.trim().to_string()))
 }
@@ -295,6 +324,17 @@ mod tests {
     fn touch(path: &Path, text: &str) {
         std::fs::create_dir_all(path.parent().unwrap()).unwrap();
         std::fs::write(path, text).unwrap();
+    }
+
+    #[test]
+    fn all_caption_lines_for_wildcards_else_the_first() {
+        let dir = tempfile::tempdir().unwrap();
+        let image = dir.path().join("a.png");
+        std::fs::write(dir.path().join("a.txt"), "one {x|y}\r\n\n  two  \nthree\n").unwrap();
+        let first = read_caption(&image, ".txt").unwrap();
+        assert_eq!(first.as_deref(), Some("one {x|y}"));
+        let all = read_caption_lines(&image, ".txt", true).unwrap();
+        assert_eq!(all.as_deref(), Some("one {x|y}\ntwo\nthree"));
     }
 
     #[test]

@@ -45,6 +45,7 @@ mod settings_reload;
 mod setup;
 pub mod state_estimate;
 pub mod step;
+mod step_caption;
 pub mod summary;
 pub mod te_freeze;
 #[cfg(test)]

@@ -474,13 +474,9 @@ fn load_data(
     let align = model.sd.vae_scale << model.sd.unet.config.num_downsamples();
     let bucket_list = data_feed::bucket_list(data.buckets.as_ref(), model.resolution, align)?;
     let mut validation = hold_out_validation(plan, &mut dataset, data_seed, &bucket_list)?;
-    let affixes = (
-        data.caption_prefix.as_deref(),
-        data.caption_suffix.as_deref(),
-    );
-    add_affixes(&mut dataset.items, affixes);
+    prepare_captions(&mut dataset.items, data);
     for set in validation.iter_mut().flat_map(|v| v.sets.iter_mut()) {
-        add_affixes(&mut set.items, affixes);
+        prepare_captions(&mut set.items, data);
     }
     report_dataset(&dataset);
     if dataset.epoch_len() == 0 {
@@ -522,13 +518,26 @@ fn data_source<'a>(key: &'static str, root: &'a Path, data: &'a DataPlan) -> Dat
         root,
         layout: &data.layout,
         max_pixels: data.max_image_pixels,
+        all_caption_lines: data.kohya_captions.wildcard,
     }
 }
 
-/// kohya's `caption_prefix` and `caption_suffix` on every image of `items`.
-fn add_affixes(items: &mut [ImageMeta], (prefix, suffix): (Option<&str>, Option<&str>)) {
+/// kohya's `caption_prefix` and `caption_suffix` on every image of `items`, and, when captions
+/// do not change from step to step (no shuffle, tag dropout or wildcards), kohya's
+/// `secondary_separator` replaced once, so the text cache holds the captions that train.
+fn prepare_captions(items: &mut [ImageMeta], data: &DataPlan) {
+    let (prefix, suffix) = (
+        data.caption_prefix.as_deref(),
+        data.caption_suffix.as_deref(),
+    );
+    let k = &data.kohya_captions;
+    let per_step = data.shuffle_tags || data.tag_dropout > 0.0 || k.wildcard;
+    let secondary = k.secondary_separator.as_deref().filter(|_| !per_step);
     for item in items {
         item.add_affixes(prefix, suffix);
+        if secondary.is_some() {
+            item.caption = crate::data::kohya_caption::replace_secondary(&item.caption, secondary);
+        }
     }
 }
 
@@ -542,11 +551,7 @@ fn load_regularization(
 ) -> anyhow::Result<RegularizationSummary> {
     let source = data_source("reg_data_root", &reg.data_root, data);
     let mut images = load_source(&source, show_progress)?;
-    let affixes = (
-        data.caption_prefix.as_deref(),
-        data.caption_suffix.as_deref(),
-    );
-    add_affixes(&mut images.items, affixes);
+    prepare_captions(&mut images.items, data);
     for (path, why) in &images.skipped {
         crate::console::say(format_args!("  skipped {}: {why}", path.display()));
     }

@@ -23,7 +23,6 @@ use rand::{Rng, SeedableRng};
 use std::sync::Arc;
 
 use crate::data::augment;
-use crate::data::tag_shuffle::{drop_tags, shuffled_caption};
 use crate::data::ItemOptions;
 use crate::data::TrainImage;
 use crate::diffusion::host_randn;
@@ -52,6 +51,10 @@ pub struct StepSettings<'a> {
     /// Textual inversion's caption templates (`embedding.template`): when not empty, each
     /// sample's caption is one of them, drawn from its generator first. Empty: the captions.
     pub caption_templates: &'a [String],
+    /// kohya's `keep_tokens_separator`, `secondary_separator` and `enable_wildcard`, applied each
+    /// step (`None` when captions do not change from step to step: the setup applied what they
+    /// change once).
+    pub kohya_captions: Option<&'a crate::data::kohya_caption::KohyaCaptions>,
     /// Whether any text-encoder parameter trains (otherwise the conditioning is detached).
     pub train_text_encoder: bool,
     /// The dtype the models compute in (the UNet input's dtype).
@@ -178,30 +181,9 @@ pub fn prepare_batch<R: Rng>(
         };
         // One draw whatever `flip_p`, as augment::flip_p makes.
         flips.push(rng.random::<f64>() < own.flip_p.unwrap_or(settings.flip_p));
-        let dropout = own.cond_dropout.unwrap_or(settings.cond_dropout);
-        let caption = augment::cond_dropout(caption, dropout, rng);
-        captions.push(if settings.shuffle_tags || own.shuffle_tags {
-            // One draw whether or not the caption was dropped.
-            let seed = rng.random::<u32>();
-            match caption.is_empty() {
-                true => String::new(),
-                false => shuffled_caption(caption, own, settings.keep_tags, u64::from(seed)),
-            }
-        } else {
-            caption.to_string()
-        });
-        if settings.tag_dropout > 0.0 {
-            // One draw whether or not the caption was dropped; after the shuffle, as kohya.
-            let mut tags_rng = StdRng::seed_from_u64(rng.random::<u64>());
-            if let Some(last) = captions.last_mut().filter(|c| !c.is_empty()) {
-                *last = drop_tags(
-                    last,
-                    settings.keep_tags,
-                    settings.tag_dropout,
-                    &mut tags_rng,
-                );
-            }
-        }
+        captions.push(super::step_caption::step_caption(
+            caption, own, settings, rng,
+        ));
     }
     let (moments, time_ids, masks) = posterior_moments(sd, samples, &flips, &device)?;
     let posterior = DiagonalGaussian::from_moments(&moments)?;

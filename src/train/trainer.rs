@@ -71,7 +71,7 @@ pub(super) struct Model {
 
 impl Model {
     /// The step's settings from the plan (`te_trains`: whether a text encoder trains).
-    pub fn step_settings<'s>(&'s self, plan: &TrainPlan, te_trains: bool) -> StepSettings<'s> {
+    pub fn step_settings<'s>(&'s self, plan: &'s TrainPlan, te_trains: bool) -> StepSettings<'s> {
         let data = &plan.data;
         StepSettings {
             objective: &self.objective,
@@ -86,6 +86,7 @@ impl Model {
                 .embedding
                 .as_ref()
                 .map_or(&[][..], |e| e.templates.as_slice()),
+            kohya_captions: data.kohya_captions.any().then_some(&data.kohya_captions),
             train_text_encoder: te_trains,
             compute_dtype: self.amp.compute_dtype(),
             checkpointing: self.checkpointing.as_ref(),

@@ -1,0 +1,104 @@
+//! The caption a sample trains with in one step, from its caption (or textual inversion's
+//! template) and the step's settings, in kohya's `process_caption` order: caption dropout,
+//! wildcards (`enable_wildcard`), the tag shuffle and tag dropout (of the middle part alone when
+//! the caption holds kohya's `keep_tokens_separator`), then the secondary separator.
+//!
+//! Every draw comes from the sample's own generator, and each is made whether or not the caption
+//! was dropped, so a dropped caption moves none of the draws after it (the VAE sample, the
+//! noise, the timestep). A setting that is off makes no draw.
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use super::step::StepSettings;
+use crate::data::augment;
+use crate::data::kohya_caption::{expand_wildcards, replace_secondary, split_kept};
+use crate::data::py_random::PyRandom;
+use crate::data::tag_shuffle::{drop_tags, shuffled_caption, shuffled_tags};
+use crate::data::ItemOptions;
+
+/// `caption` as sample `own` trains with it this step (draws from `rng`).
+pub(super) fn step_caption<R: Rng>(
+    caption: &str,
+    own: &ItemOptions,
+    settings: &StepSettings<'_>,
+    rng: &mut R,
+) -> String {
+    let dropout = own.cond_dropout.unwrap_or(settings.cond_dropout);
+    let caption = augment::cond_dropout(caption, dropout, rng);
+    let kohya = settings.kohya_captions;
+    let caption = match kohya.filter(|k| k.wildcard) {
+        Some(_) => expand_wildcards(caption, &mut StdRng::seed_from_u64(rng.random::<u64>())),
+        None => caption.to_string(),
+    };
+    let shuffle = settings.shuffle_tags || own.shuffle_tags;
+    let kept = kohya
+        .and_then(|k| k.keep_tokens_separator.as_deref())
+        .filter(|_| shuffle || settings.tag_dropout > 0.0)
+        .and_then(|separator| split_kept(&caption, separator));
+    let out = match kept {
+        Some((fixed, flex, suffix)) => {
+            let flex = shuffled_and_dropped(flex, shuffle, settings.tag_dropout, rng);
+            let all: Vec<String> = fixed.into_iter().chain(flex).chain(suffix).collect();
+            all.join(", ")
+        }
+        None => shuffled_then_dropped(&caption, own, shuffle, settings, rng),
+    };
+    replace_secondary(&out, kohya.and_then(|k| k.secondary_separator.as_deref()))
+}
+
+/// kohya's middle part: shuffled (a [`PyRandom`] seeded by one draw, as every shuffle here), then
+/// each tag dropped with probability `rate` (one draw seeds the tag draws).
+fn shuffled_and_dropped<R: Rng>(
+    flex: Vec<String>,
+    shuffle: bool,
+    rate: f64,
+    rng: &mut R,
+) -> Vec<String> {
+    let mut flex = match shuffle {
+        true => {
+            let seed = rng.random::<u32>();
+            shuffled_tags(&flex, 0, &mut PyRandom::new(u64::from(seed)))
+        }
+        false => flex,
+    };
+    if rate > 0.0 {
+        let mut tags_rng = StdRng::seed_from_u64(rng.random::<u64>());
+        flex.retain(|_| tags_rng.random::<f64>() >= rate);
+    }
+    flex
+}
+
+/// A caption without kohya's separator: EveryDream2's shuffle (the main prompt and `keep_tags`
+/// stay), then kohya's tag dropout.
+fn shuffled_then_dropped<R: Rng>(
+    caption: &str,
+    own: &ItemOptions,
+    shuffle: bool,
+    settings: &StepSettings<'_>,
+    rng: &mut R,
+) -> String {
+    let mut out = if shuffle {
+        // One draw whether or not the caption was dropped.
+        let seed = rng.random::<u32>();
+        match caption.is_empty() {
+            true => String::new(),
+            false => shuffled_caption(caption, own, settings.keep_tags, u64::from(seed)),
+        }
+    } else {
+        caption.to_string()
+    };
+    if settings.tag_dropout > 0.0 {
+        // One draw whether or not the caption was dropped; after the shuffle, as kohya.
+        let mut tags_rng = StdRng::seed_from_u64(rng.random::<u64>());
+        if !out.is_empty() {
+            out = drop_tags(
+                &out,
+                settings.keep_tags,
+                settings.tag_dropout,
+                &mut tags_rng,
+            );
+        }
+    }
+    out
+}
