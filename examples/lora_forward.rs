@@ -100,6 +100,8 @@ fn main() -> anyhow::Result<()> {
         training_comment: None,
         dim_from_weights: false,
         loraplus: Default::default(),
+        rank_dropout: 0.0,
+        module_dropout: 0.0,
         scale_weight_norms: None,
     };
     let adapters = attach_with(&mut sd, mode, plan, 0)?;

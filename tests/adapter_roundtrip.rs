@@ -34,6 +34,8 @@ fn plan(init_from: Option<PathBuf>, save_dtype: SaveDtype) -> AdapterPlan {
         training_comment: None,
         dim_from_weights: false,
         loraplus: Default::default(),
+        rank_dropout: 0.0,
+        module_dropout: 0.0,
         scale_weight_norms: None,
     }
 }

@@ -116,6 +116,8 @@ fn plan(init_from: PathBuf) -> AdapterPlan {
         training_comment: None,
         dim_from_weights: false,
         loraplus: Default::default(),
+        rank_dropout: 0.0,
+        module_dropout: 0.0,
         scale_weight_norms: None,
     }
 }

@@ -48,6 +48,8 @@ fn adapter_plan(dropout: f64) -> AdapterPlan {
         training_comment: None,
         dim_from_weights: false,
         loraplus: Default::default(),
+        rank_dropout: 0.0,
+        module_dropout: 0.0,
         scale_weight_norms: None,
     }
 }

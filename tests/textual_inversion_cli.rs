@@ -68,6 +68,25 @@ fn read_file(path: &Path) -> (Tensors, HashMap<String, String>) {
     (tensors, header.metadata().clone().unwrap_or_default())
 }
 
+/// A run of `fixture` on `data` with `extra` over [`ti_config`], in a folder of its own; the
+/// saved file's tensors.
+fn run_file(fixture: &str, data: &Path, extra: serde_json::Value) -> Tensors {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = ti_config(dir.path(), fixture, data, extra);
+    run_ok(dir.path(), &cfg, &[]);
+    read_file(&run_folder(dir.path()).join("sdtrain.safetensors")).0
+}
+
+/// A one-step run at a learning rate too small to move anything: the file holds the vectors the
+/// run started from.
+fn start_of(fixture: &str, data: &Path, embedding: Option<serde_json::Value>) -> Tensors {
+    let mut extra = serde_json::json!({"max_steps": 1, "lr": 1e-30});
+    if let Some(e) = embedding {
+        extra["embedding"] = e;
+    }
+    run_file(fixture, data, extra)
+}
+
 fn run_ok(dir: &Path, cfg: &Path, extra: &[&str]) -> String {
     let mut args = vec!["--config", cfg.to_str().unwrap(), "--cpu"];
     args.extend_from_slice(extra);
@@ -89,14 +108,14 @@ fn an_sd15_run_trains_the_vectors_and_saves_kohyas_file() {
     assert!(log.contains("`mytok` stands for 3 new token(s)"), "{log}");
     assert!(log.contains("captions do not name `mytok`"), "{log}");
     let run = run_folder(dir.path());
-    let (tensors, header) = read_file(&run.join("sdtrain.safetensors"));
+    let file = run.join("sdtrain.safetensors");
+    let (tensors, header) = read_file(&file);
     assert_eq!(tensors.keys().collect::<Vec<_>>(), ["emb_params"]);
     let (trained, shape) = &tensors["emb_params"];
     assert_eq!(shape, &[3, 32]);
     assert_eq!(header["token_string"], "mytok");
     assert_eq!(header["num_vectors_per_token"], "3");
     assert_eq!(step_losses(&run).len(), 4);
-    let file = run.join("sdtrain.safetensors");
     let out = sdtrain(&["inspect", "--model", file.to_str().unwrap()], dir.path());
     let report = text(&out);
     assert!(out.status.success(), "{report}");
@@ -108,32 +127,21 @@ fn an_sd15_run_trains_the_vectors_and_saves_kohyas_file() {
     );
 
     // Zero steps' worth of change: lr 0 from the trained file keeps it exactly.
-    let again = tempfile::tempdir().unwrap();
-    let file = run.join("sdtrain.safetensors");
-    let cfg = ti_config(
-        again.path(),
+    let cont = start_of(
         "tiny-sd15",
         &data,
-        serde_json::json!({"max_steps": 1, "lr": 1e-30, "embedding": {
-            "token_string": "mytok", "num_vectors_per_token": 3, "init_from": file}}),
+        Some(
+            serde_json::json!({"token_string": "mytok", "num_vectors_per_token": 3,
+                                "init_from": file}),
+        ),
     );
-    run_ok(again.path(), &cfg, &[]);
-    let (cont, _) = read_file(&run_folder(again.path()).join("sdtrain.safetensors"));
     assert_eq!(
         &cont["emb_params"].0, trained,
         "init_from reads the vectors exactly"
     );
 
     // And the starting vectors (lr 0 from the init word) differ from the trained ones.
-    let start = tempfile::tempdir().unwrap();
-    let cfg = ti_config(
-        start.path(),
-        "tiny-sd15",
-        &data,
-        serde_json::json!({"max_steps": 1, "lr": 1e-30}),
-    );
-    run_ok(start.path(), &cfg, &[]);
-    let (init, _) = read_file(&run_folder(start.path()).join("sdtrain.safetensors"));
+    let init = start_of("tiny-sd15", &data, None);
     let moved = init["emb_params"]
         .0
         .iter()
@@ -213,15 +221,7 @@ fn sdxl_saves_both_vector_sets_and_checkpointing_changes_nothing() {
         );
     }
 
-    let lr0 = tempfile::tempdir().unwrap();
-    let cfg = ti_config(
-        lr0.path(),
-        "tiny-sdxl",
-        &data,
-        serde_json::json!({"max_steps": 1, "lr": 1e-30}),
-    );
-    run_ok(lr0.path(), &cfg, &[]);
-    let (start, _) = read_file(&run_folder(lr0.path()).join("sdtrain.safetensors"));
+    let start = start_of("tiny-sdxl", &data, None);
     for k in ["clip_l", "clip_g"] {
         assert_ne!(start[k].0, a[k].0, "{k} did not train");
     }

@@ -77,6 +77,20 @@ pub struct LoraModule {
     rng: Mutex<StdRng>,
     /// The dropout stream's seed: [`LoraModule::begin_step`] restarts the stream from it.
     dropout_seed: u64,
+    /// kohya's `rank_dropout` and `module_dropout`, set once after attaching (off when unset).
+    extra_dropout: std::sync::OnceLock<ExtraDropout>,
+}
+
+/// kohya's `network_args` `rank_dropout` and `module_dropout` (`networks/lora.py`'s
+/// `LoRAModule.forward`), while training, LoRA/LoCon only:
+/// - `rank`: each sample's rank channel of `down(x)` is zeroed with this probability, and the
+///   update is scaled by `1/(1 − rank)` (kohya treats it as a smaller rank);
+/// - `module`: with this probability the module adds nothing for a forward (one draw per
+///   forward, so per micro-batch), and gets no gradient from it.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct ExtraDropout {
+    pub rank: f64,
+    pub module: f64,
 }
 
 /// Where and how big one module is; see [`LoraModule::new`].
@@ -209,7 +223,52 @@ impl LoraModule {
             training: AtomicBool::new(false),
             rng: Mutex::new(StdRng::seed_from_u64(dropout_seed)),
             dropout_seed,
+            extra_dropout: std::sync::OnceLock::new(),
         })
+    }
+
+    /// Sets kohya's rank and module dropout ([`ExtraDropout`]) for the module's life; refused
+    /// outside [0, 1), for LoHa, LoKr and DoRA, and a second time.
+    pub fn set_extra_dropout(&self, e: ExtraDropout) -> Result<()> {
+        if ![e.rank, e.module].iter().all(|p| (0.0..1.0).contains(p)) {
+            candle_core::bail!(
+                "{}: rank dropout {} and module dropout {} must be in [0, 1)",
+                self.module_path,
+                e.rank,
+                e.module
+            );
+        }
+        if (e.rank > 0.0 || e.module > 0.0) && (self.algo != Algo::LowRank || self.is_dora()) {
+            candle_core::bail!(
+                "{}: rank and module dropout are for LoRA/LoCon",
+                self.module_path
+            );
+        }
+        self.extra_dropout.set(e).map_err(|_| {
+            candle_core::Error::Msg(format!("{}: dropout set twice", self.module_path))
+        })
+    }
+
+    fn extra_dropout(&self) -> ExtraDropout {
+        self.extra_dropout.get().copied().unwrap_or_default()
+    }
+
+    /// The scale this forward applies: [`LoraModule::scale`], or 0 when module dropout drops the
+    /// module for this forward (one draw from the module's stream, replayed under gradient
+    /// checkpointing).
+    fn forward_scale(&self) -> Result<f64> {
+        let p = self.extra_dropout().module;
+        if p <= 0.0 || !self.is_training() {
+            return Ok(self.scale());
+        }
+        let draw = {
+            let mut rng = self
+                .rng
+                .lock()
+                .map_err(|_| candle_core::Error::Msg("LoRA dropout: poisoned RNG lock".into()))?;
+            crate::nn::replayable(&mut rng, |rng| rng.random::<f64>())
+        };
+        Ok(if draw < p { 0.0 } else { self.scale() })
     }
 
     /// The Var stored under `suffix`, if this module has one.
@@ -298,15 +357,22 @@ impl LoraModule {
     }
 
     /// The inverted-dropout mask for `h`: each element 0 with probability `p`, else `1/(1-p)`,
-    /// in `h`'s shape, dtype and device; `None` when dropout is off or the module evaluates. The
-    /// mask comes from the module's seeded RNG on the CPU; `h` is the rank-r `down` output, so
-    /// the mask is small.
-    fn dropout_mask(&self, h: &Tensor) -> Result<Option<Tensor>> {
-        let p = self.dropout;
-        if p <= 0.0 || !self.is_training() {
+    /// times kohya's rank dropout (each of the `batch` samples' rank channels 0 with probability
+    /// `rank`, else `1/(1-rank)`), in `h`'s shape, dtype and device; `None` when both are off or
+    /// the module evaluates. `h` is the rank-r `down` output, `(rows, r)` for a linear (the
+    /// samples' rows in order) or `[B, r, H, W]` for a conv. The mask comes from the module's
+    /// seeded RNG on the CPU (the elements' draws, then the rank channels'), and is small.
+    fn dropout_mask(&self, h: &Tensor, batch: usize) -> Result<Option<Tensor>> {
+        let (p, rank_p) = (self.dropout, self.extra_dropout().rank);
+        if (p <= 0.0 && rank_p <= 0.0) || !self.is_training() {
             return Ok(None);
         }
-        let keep = (1.0 / (1.0 - p)) as f32;
+        let n = h.elem_count();
+        let (r, inner) = match (self.kind, h.dims()) {
+            (LoraKind::Conv { .. }, [_, r, hh, ww]) => (*r, hh * ww),
+            (_, dims) => (dims.last().copied().unwrap_or(1), 1),
+        };
+        let batch = batch.max(1);
         let mask: Vec<f32> = {
             let mut rng = self
                 .rng
@@ -315,9 +381,32 @@ impl LoraModule {
             // Recorded and replayed under gradient checkpointing: the recomputation draws the
             // same mask.
             crate::nn::replayable(&mut rng, |rng| {
-                (0..h.elem_count())
-                    .map(|_| if rng.random::<f64>() < p { 0.0 } else { keep })
-                    .collect()
+                let mut mask = vec![1f32; n];
+                if p > 0.0 {
+                    let keep = (1.0 / (1.0 - p)) as f32;
+                    for m in mask.iter_mut() {
+                        *m = if rng.random::<f64>() < p { 0.0 } else { keep };
+                    }
+                }
+                if rank_p > 0.0 {
+                    let keep = (1.0 / (1.0 - rank_p)) as f32;
+                    let channels: Vec<f32> = (0..batch * r)
+                        .map(|_| {
+                            if rng.random::<f64>() < rank_p {
+                                0.0
+                            } else {
+                                keep
+                            }
+                        })
+                        .collect();
+                    let per_sample = (n / batch).max(1);
+                    for (i, m) in mask.iter_mut().enumerate() {
+                        let b = (i / per_sample).min(batch - 1);
+                        let c = (i / inner) % r.max(1);
+                        *m *= channels[b * r + c];
+                    }
+                }
+                mask
             })
         };
         Ok(Some(
@@ -326,8 +415,8 @@ impl LoraModule {
     }
 
     /// Inverted dropout on `h` ([`LoraModule::dropout_mask`]).
-    fn dropout(&self, h: &Tensor) -> Result<Tensor> {
-        match self.dropout_mask(h)? {
+    fn dropout(&self, h: &Tensor, batch: usize) -> Result<Tensor> {
+        match self.dropout_mask(h, batch)? {
             Some(mask) => h * mask,
             None => Ok(h.clone()),
         }
@@ -345,6 +434,8 @@ impl LoraModule {
         let (down, up) = self.lora_pair()?;
         let down = cast_like(&down, x)?;
         let up = cast_like(&up, x)?;
+        let scale = self.forward_scale()?;
+        let batch = batch_of(x);
         let y = match self.kind {
             LoraKind::Linear => {
                 let dims = x.dims().to_vec();
@@ -352,7 +443,7 @@ impl LoraModule {
                 let rows = x.elem_count() / in_dim.max(1);
                 // A frozen layer's input is a constant: store no gradient for it.
                 let h = crate::nn::matmul_const_lhs(&x.reshape((rows, in_dim))?, &down)?;
-                let h = self.dropout(&h)?;
+                let h = self.dropout(&h, batch)?;
                 let y = h.matmul(&up.t()?)?;
                 let mut out_dims = dims;
                 let last = out_dims.len() - 1;
@@ -363,13 +454,13 @@ impl LoraModule {
                 stride, padding, ..
             } => {
                 let h = crate::nn::conv2d_const_input(x, &down, padding, stride)?;
-                let h = self.dropout(&h)?;
+                let h = self.dropout(&h, batch)?;
                 // Not candle's conv2d: its backward takes the input gradient through candle's
                 // naive conv_transpose2d (248 µs per 320-channel 64×64 layer on an H100).
                 crate::nn::conv2d_trainable(&h, &up, 0, 1)?
             }
         };
-        y.affine(self.scale(), 0.0)
+        y.affine(scale, 0.0)
     }
 
     /// LoHa, LoKr, DoRA: the layer's own op on the rebuilt update, `op(x, ΔW)` (LyCORIS's
@@ -439,7 +530,7 @@ impl LayerAdapter for LoraModule {
                 None => y,
             });
         }
-        Some(self.with_low_rank(|lr| {
+        Some(self.with_low_rank(batch_of(x), |lr| {
             self.fit(base).and_then(|layer| match layer {
                 Fitted::Linear(w, b) => frozen_linear_low_rank(x, &w, b, lr, residual),
                 Fitted::Conv(w, b, padding, stride) => {
@@ -466,7 +557,7 @@ impl LayerAdapter for LoraModule {
         if !self.derives_inputs() {
             return None;
         }
-        Some(self.with_low_rank(|lr| match self.fit(base)? {
+        Some(self.with_low_rank(batch_of(a), |lr| match self.fit(base)? {
             Fitted::Linear(w, b) => frozen_linear_low_rank_on(a, input, value, &w, b, lr, residual),
             Fitted::Conv(..) => {
                 candle_core::bail!("{}: a conv on a derived input", self.module_path)
@@ -478,13 +569,19 @@ impl LayerAdapter for LoraModule {
 impl LoraModule {
     /// `f` on this module's factors as the low-rank ops take them (`down`, `up`, the scale and
     /// the dropout mask).
-    fn with_low_rank(&self, f: impl FnOnce(LowRank<'_>) -> Result<Tensor>) -> Result<Tensor> {
+    /// `batch`: the samples of the layer input, for rank dropout.
+    fn with_low_rank(
+        &self,
+        batch: usize,
+        f: impl FnOnce(LowRank<'_>) -> Result<Tensor>,
+    ) -> Result<Tensor> {
         let (down, up) = self.lora_pair()?;
-        let mask = |h: &Tensor| self.dropout_mask(h);
+        let scale = self.forward_scale()?;
+        let mask = |h: &Tensor| self.dropout_mask(h, batch);
         f(LowRank {
             down: &down,
             up: &up,
-            scale: self.scale(),
+            scale,
             dropout: &mask,
         })
     }
@@ -584,6 +681,14 @@ impl LoraModule {
     }
 }
 
+/// The samples of a layer input: its first dimension (1 for a vector).
+fn batch_of(x: &Tensor) -> usize {
+    match x.dims() {
+        [b, _, ..] => *b,
+        _ => 1,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -601,13 +706,193 @@ mod tests {
         LoraModule::new(shape, 2, 2.0, dropout, &mut rng, &Device::Cpu).unwrap()
     }
 
+    /// A rank-4 LoRA on a 4×4 linear whose `down` and `up` are the identity (scale 1): its
+    /// update is `x` times the dropout mask, which the tests read back.
+    fn identity_module(extra: ExtraDropout) -> LoraModule {
+        let shape = LoraShape {
+            module_path: "t.to_q".into(),
+            component: AdapterComponent::Unet,
+            kind: LoraKind::Linear,
+            in_dim: 4,
+            out_dim: 4,
+        };
+        let mut rng = StdRng::seed_from_u64(3);
+        let m = LoraModule::new(shape, 4, 4.0, 0.0, &mut rng, &Device::Cpu).unwrap();
+        let eye = Tensor::eye(4, DType::F32, &Device::Cpu).unwrap();
+        for (_, v) in &m.params {
+            v.set(&eye).unwrap();
+        }
+        m.set_extra_dropout(extra).unwrap();
+        m.set_training(true);
+        m
+    }
+
+    /// kohya's rank dropout: each sample's rank channel is zeroed or scaled by `1/(1−p)`, the
+    /// same for every token of the sample; about `p` of them are zeroed; evaluation is exact.
+    /// Catches a mask per token instead of per sample, a missing rescale, and dropout while
+    /// sampling.
+    #[test]
+    fn rank_dropout_masks_each_samples_rank_channels() {
+        let m = identity_module(ExtraDropout {
+            rank: 0.5,
+            module: 0.0,
+        });
+        let x = Tensor::ones((8, 5, 4), DType::F32, &Device::Cpu).unwrap();
+        let (mut zeros, mut total) = (0, 0);
+        for step in 0..10 {
+            m.begin_step(step);
+            let y: Vec<Vec<Vec<f32>>> = m.delta(&x).unwrap().to_vec3().unwrap();
+            for sample in &y {
+                for token in sample {
+                    assert_eq!(token, &sample[0], "one mask per sample, not per token");
+                }
+                for &v in &sample[0] {
+                    assert!(v == 0.0 || (v - 2.0).abs() < 1e-6, "{v}");
+                    zeros += usize::from(v == 0.0);
+                    total += 1;
+                }
+            }
+        }
+        let share = zeros as f64 / total as f64;
+        assert!((share - 0.5).abs() < 0.1, "dropped share {share}");
+        m.set_training(false);
+        let y = m
+            .delta(&x)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        assert!(y.iter().all(|&v| v == 1.0));
+    }
+
+    /// kohya's module dropout: a forward adds nothing with probability `p` (all of its update
+    /// zero, no gradient), else the whole update; never while evaluating.
+    #[test]
+    fn module_dropout_drops_whole_forwards() {
+        let m = identity_module(ExtraDropout {
+            rank: 0.0,
+            module: 0.5,
+        });
+        let x = Tensor::ones((2, 3, 4), DType::F32, &Device::Cpu).unwrap();
+        let mut dropped = 0;
+        for step in 0..200 {
+            m.begin_step(step);
+            let y = m
+                .delta(&x)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap();
+            let zero = y.iter().all(|&v| v == 0.0);
+            assert!(zero || y.iter().all(|&v| v == 1.0));
+            dropped += usize::from(zero);
+        }
+        assert!(
+            (60..140).contains(&dropped),
+            "{dropped} of 200 forwards dropped"
+        );
+        m.set_training(false);
+        let y = m
+            .delta(&x)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        assert!(y.iter().all(|&v| v == 1.0));
+        assert!(
+            m.set_extra_dropout(ExtraDropout::default()).is_err(),
+            "set twice"
+        );
+        let fresh = module(0.0);
+        let out_of_range = ExtraDropout {
+            rank: 1.0,
+            module: 0.0,
+        };
+        assert!(fresh.set_extra_dropout(out_of_range).is_err());
+    }
+
+    /// The one-op forward on a frozen layer (`nn::low_rank`, what training runs) draws the masks
+    /// and the module draw the composed `base + delta` form draws, for a linear (rows of several
+    /// samples) and a conv: same output at the same step.
+    #[test]
+    fn rank_and_module_dropout_agree_between_the_one_op_and_composed_forms() {
+        use crate::nn::test_util::randn;
+        for dims in [vec![8usize, 12], vec![8, 6, 3, 3]] {
+            let shape = LoraShape {
+                module_path: "t.proj".into(),
+                component: AdapterComponent::Unet,
+                kind: match dims.len() {
+                    2 => LoraKind::Linear,
+                    _ => LoraKind::Conv {
+                        kernel: 3,
+                        stride: 1,
+                        padding: 1,
+                    },
+                },
+                in_dim: dims[1],
+                out_dim: dims[0],
+            };
+            let m = LoraModule::new(
+                shape,
+                3,
+                3.0,
+                0.25,
+                &mut StdRng::seed_from_u64(5),
+                &Device::Cpu,
+            )
+            .unwrap();
+            for (i, (_, v)) in m.params.iter().enumerate() {
+                v.set(&randn(v.dims(), 10 + i as u64)).unwrap();
+            }
+            m.set_extra_dropout(ExtraDropout {
+                rank: 0.5,
+                module: 0.3,
+            })
+            .unwrap();
+            m.set_training(true);
+            let w = randn(&dims, 1);
+            let x = match dims.len() {
+                2 => randn(&[3, 5, 12], 3),
+                _ => randn(&[3, 6, 5, 4], 3),
+            };
+            let base = BaseWeight::plain(&w);
+            for step in 0..6 {
+                m.begin_step(step);
+                let frozen = match dims.len() {
+                    2 => FrozenBase::Linear {
+                        w: base.clone(),
+                        b: None,
+                    },
+                    _ => FrozenBase::Conv {
+                        w: base.clone(),
+                        b: None,
+                        padding: 1,
+                        stride: 1,
+                    },
+                };
+                let one = m.forward_frozen(&x, frozen, None).unwrap().unwrap();
+                m.begin_step(step);
+                let plain = match dims.len() {
+                    2 => x.broadcast_matmul(&w.t().unwrap()).unwrap(),
+                    _ => x.conv2d(&w, 1, 1, 1, 1).unwrap(),
+                };
+                let composed = (plain + m.delta_on(&x, &base).unwrap()).unwrap();
+                let e = crate::nn::test_util::max_abs(&one, &composed);
+                assert!(e < 1e-4, "{dims:?} step {step}: differs by {e}");
+            }
+        }
+    }
+
     #[test]
     fn dropout_scales_kept_elements_by_inverse_keep_probability() {
         let m = module(0.25);
         m.set_training(true);
         let h = Tensor::ones((64, 64), DType::F32, &Device::Cpu).unwrap();
         let v = m
-            .dropout(&h)
+            .dropout(&h, 1)
             .unwrap()
             .flatten_all()
             .unwrap()
@@ -631,7 +916,7 @@ mod tests {
         let m = module(0.5);
         let h = Tensor::ones((8, 8), DType::F32, &Device::Cpu).unwrap();
         let v = m
-            .dropout(&h)
+            .dropout(&h, 1)
             .unwrap()
             .flatten_all()
             .unwrap()

@@ -66,6 +66,11 @@ pub struct AdapterFile {
     /// Frobenius norm exceeds this is scaled back to it.
     #[serde(default)]
     pub scale_weight_norms: Option<f64>,
+    /// kohya's `network_args` `rank_dropout` and `module_dropout` (LoRA/LoCon).
+    #[serde(default)]
+    pub rank_dropout: Option<f64>,
+    #[serde(default)]
+    pub module_dropout: Option<f64>,
 }
 
 /// The saved adapter file's dtype.
@@ -104,6 +109,9 @@ pub struct AdapterPlan {
     pub loraplus: LoraPlus,
     /// kohya's max-norm regularization's cap (`crate::adapter::max_norm`).
     pub scale_weight_norms: Option<f64>,
+    /// kohya's `rank_dropout` and `module_dropout` (0: off; `crate::adapter::lora::ExtraDropout`).
+    pub rank_dropout: f64,
+    pub module_dropout: f64,
 }
 
 /// kohya's LoRA+ ratios as resolved: each group's is its own key, else `loraplus_lr_ratio`.
@@ -285,6 +293,19 @@ pub fn resolve_adapter(
             )),
             v => v,
         };
+    let extra = |key: &str, v: Option<f64>| match v.unwrap_or(0.0) {
+        p if !(0.0..1.0).contains(&p) => Err(invalid(key, format!("must be in [0, 1) (got {p})"))),
+        p if p > 0.0 && !low_rank => Err(invalid(
+            key,
+            format!(
+                "is {p}, but kohya's rank and module dropout are LoRA/LoCon's (`networks.lora`); \
+                 use \"mode\": \"lora\" or \"locon\", or remove it"
+            ),
+        )),
+        p => Ok(p),
+    };
+    let rank_dropout = extra("rank_dropout", a.rank_dropout)?;
+    let module_dropout = extra("module_dropout", a.module_dropout)?;
     Ok(AdapterPlan {
         rank: r,
         alpha,
@@ -302,6 +323,8 @@ pub fn resolve_adapter(
         dim_from_weights,
         loraplus,
         scale_weight_norms,
+        rank_dropout,
+        module_dropout,
     })
 }
 

@@ -110,6 +110,15 @@ pub fn attach_with(
             (modules, a)
         }
     };
+    let extra = crate::adapter::lora::ExtraDropout {
+        rank: a.rank_dropout,
+        module: a.module_dropout,
+    };
+    if extra != Default::default() {
+        for m in &modules {
+            m.set_extra_dropout(extra)?;
+        }
+    }
     let family = sd.family();
     let names = modules
         .iter()
@@ -380,6 +389,15 @@ fn network_args(mode: AdapterMode, a: &AdapterPlan) -> (&'static str, Vec<(Strin
     }
     if a.dropout > 0.0 {
         args.push(("dropout".to_string(), f(a.dropout)));
+    }
+    // kohya's own `network_args` strings.
+    for (key, p) in [
+        ("rank_dropout", a.rank_dropout),
+        ("module_dropout", a.module_dropout),
+    ] {
+        if p > 0.0 {
+            args.push((key.to_string(), f(p)));
+        }
     }
     // LoRA+ as kohya's network_args would hold it: one ratio, or each group's.
     match (a.loraplus.unet, a.loraplus.text_encoder) {

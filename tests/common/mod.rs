@@ -217,6 +217,8 @@ pub fn lycoris_plan(
         training_comment: None,
         dim_from_weights: false,
         loraplus: Default::default(),
+        rank_dropout: 0.0,
+        module_dropout: 0.0,
         scale_weight_norms: None,
     }
 }
