@@ -25,23 +25,30 @@ const TOP_TAGS: usize = 12;
 /// Whether the safetensors file at `path` holds adapter tensors (kohya's `lora_*`, LyCORIS's
 /// `lycoris_*`, or diffusers'/PEFT's `.lora_A`/`.lora_B`/`.lora.down`), by its header only.
 pub fn is_adapter_file(path: &Path) -> bool {
-    let Ok(file) = std::fs::File::open(path) else {
-        return false;
-    };
+    header_tensors(path).is_some_and(|tensors| {
+        tensors.keys().any(|k| {
+            k.starts_with("lora_")
+                || k.starts_with("lycoris_")
+                || k.contains(".lora_")
+                || k.contains(".lora.")
+        })
+    })
+}
+
+/// The tensors a safetensors file's header lists (name → shape), or `None` when `path` is not
+/// one. Only the header is read.
+fn header_tensors(path: &Path) -> Option<HashMap<String, Vec<usize>>> {
+    let file = std::fs::File::open(path).ok()?;
     // SAFETY: mapped read-only and dropped before returning; only the header pages are touched
     // (a multi-GB checkpoint is not read).
-    let Ok(map) = (unsafe { memmap2::Mmap::map(&file) }) else {
-        return false;
-    };
-    let Ok((_, meta)) = SafeTensors::read_metadata(&map) else {
-        return false;
-    };
-    meta.tensors().keys().any(|k| {
-        k.starts_with("lora_")
-            || k.starts_with("lycoris_")
-            || k.contains(".lora_")
-            || k.contains(".lora.")
-    })
+    let map = unsafe { memmap2::Mmap::map(&file) }.ok()?;
+    let (_, meta) = SafeTensors::read_metadata(&map).ok()?;
+    Some(
+        meta.tensors()
+            .into_iter()
+            .map(|(k, t)| (k, t.shape.clone()))
+            .collect(),
+    )
 }
 
 /// One part of the model (UNet, a text encoder) and its modules.
@@ -329,21 +336,13 @@ impl fmt::Display for AdapterReport {
 /// ([`crate::adapter::embedding_file`]'s layouts), by its header only: `emb_params`,
 /// `clip_l`/`clip_g`, or one tensor of rank 1 or 2 (diffusers' `learned_embeds`).
 pub fn is_embedding_file(path: &Path) -> bool {
-    let Ok(file) = std::fs::File::open(path) else {
+    let Some(tensors) = header_tensors(path) else {
         return false;
     };
-    // SAFETY: as in `is_adapter_file`.
-    let Ok(map) = (unsafe { memmap2::Mmap::map(&file) }) else {
-        return false;
-    };
-    let Ok((_, meta)) = SafeTensors::read_metadata(&map) else {
-        return false;
-    };
-    let tensors = meta.tensors();
     let known = ["emb_params", "clip_l", "clip_g"];
     match tensors.len() {
         0 => false,
-        1 => tensors.values().all(|t| matches!(t.shape.len(), 1 | 2)),
+        1 => tensors.values().all(|shape| matches!(shape.len(), 1 | 2)),
         _ => tensors.keys().all(|k| known.contains(&k.as_str())),
     }
 }

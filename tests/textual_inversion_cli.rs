@@ -87,6 +87,12 @@ fn start_of(fixture: &str, data: &Path, embedding: Option<serde_json::Value>) ->
     run_file(fixture, data, extra)
 }
 
+/// Runs `cfg` in `dir`; the run folder.
+fn run_in(dir: &Path, cfg: &Path) -> PathBuf {
+    run_ok(dir, cfg, &[]);
+    run_folder(dir)
+}
+
 fn run_ok(dir: &Path, cfg: &Path, extra: &[&str]) -> String {
     let mut args = vec!["--config", cfg.to_str().unwrap(), "--cpu"];
     args.extend_from_slice(extra);
@@ -164,8 +170,7 @@ fn a_resumed_run_ends_with_the_same_vectors() {
         &data,
         serde_json::json!({"save_every_n_steps": 2}),
     );
-    run_ok(dir.path(), &cfg, &[]);
-    let run = run_folder(dir.path());
+    let run = run_in(dir.path(), &cfg);
     let file = run.join("sdtrain.safetensors");
     let (whole, _) = read_file(&file);
     let losses = step_losses(&run);
@@ -185,29 +190,18 @@ fn a_resumed_run_ends_with_the_same_vectors() {
 fn sdxl_saves_both_vector_sets_and_checkpointing_changes_nothing() {
     let plain = tempfile::tempdir().unwrap();
     let data = captioned_data(plain.path());
-    let cfg = ti_config(
-        plain.path(),
-        "tiny-sdxl",
-        &data,
-        serde_json::json!({"max_steps": 2}),
-    );
-    run_ok(plain.path(), &cfg, &[]);
-    let (a, _) = read_file(&run_folder(plain.path()).join("sdtrain.safetensors"));
+    let a = run_file("tiny-sdxl", &data, serde_json::json!({"max_steps": 2}));
     let mut keys: Vec<&String> = a.keys().collect();
     keys.sort();
     assert_eq!(keys, ["clip_g", "clip_l"]);
     assert_eq!(a["clip_l"].1, [3, 32]);
     assert_eq!(a["clip_g"].1, [3, 32]);
 
-    let ck = tempfile::tempdir().unwrap();
-    let cfg = ti_config(
-        ck.path(),
+    let b = run_file(
         "tiny-sdxl",
         &data,
         serde_json::json!({"max_steps": 2, "gradient_checkpointing": true}),
     );
-    run_ok(ck.path(), &cfg, &[]);
-    let (b, _) = read_file(&run_folder(ck.path()).join("sdtrain.safetensors"));
     for k in ["clip_l", "clip_g"] {
         let worst = a[k]
             .0

@@ -452,16 +452,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("learned_embeds.safetensors");
         let one = Tensor::new(&[1f32, 2., 3., 4.], &Device::Cpu).unwrap();
-        let write = |p: &Path, keys: &[&str]| {
-            let views: Vec<(String, F32View)> = keys
-                .iter()
-                .map(|k| (k.to_string(), st_view(&one)))
-                .collect();
-            let bytes =
-                safetensors::tensor::serialize(views.iter().map(|(k, v)| (k.as_str(), v)), None)
-                    .unwrap();
-            std::fs::write(p, bytes).unwrap();
-        };
+        let write = |p: &Path, keys: &[&str]| write_keys(p, keys, &one);
         write(&p, &["<cat-toy>"]);
         let f = load_embedding(&p, &Device::Cpu).unwrap();
         assert_eq!(f.key_token.as_deref(), Some("<cat-toy>"));
@@ -486,14 +477,7 @@ mod tests {
         let one = Tensor::new(&[[1f32, 2.], [3., 4.]], &Device::Cpu).unwrap();
         let write = |name: &str, keys: &[&str]| {
             let p = dir.path().join(name);
-            let views: Vec<(String, F32View)> = keys
-                .iter()
-                .map(|k| (k.to_string(), st_view(&one)))
-                .collect();
-            let bytes =
-                safetensors::tensor::serialize(views.iter().map(|(k, v)| (k.as_str(), v)), None)
-                    .unwrap();
-            std::fs::write(&p, bytes).unwrap();
+            write_keys(&p, keys, &one);
             p
         };
         let p = write(
@@ -529,6 +513,16 @@ mod tests {
         let p = write("out.safetensors", &["emp_params", "emp_params_out"]);
         let err = load_embedding(&p, &Device::Cpu).unwrap_err().to_string();
         assert!(err.contains("output embeddings"), "{err}");
+    }
+
+    /// A safetensors file at `p` holding `t` under each of `keys`.
+    fn write_keys(p: &Path, keys: &[&str], t: &Tensor) {
+        let views: Vec<(String, F32View)> =
+            keys.iter().map(|k| (k.to_string(), st_view(t))).collect();
+        let bytes =
+            safetensors::tensor::serialize(views.iter().map(|(k, v)| (k.as_str(), v)), None)
+                .unwrap();
+        std::fs::write(p, bytes).unwrap();
     }
 
     struct F32View(Vec<u8>, Vec<usize>);

@@ -694,7 +694,8 @@ mod tests {
     use super::*;
     use rand::SeedableRng;
 
-    fn module(dropout: f64) -> LoraModule {
+    /// A LoRA of `rank` (alpha = rank) on a 4×4 linear.
+    fn linear_module(rank: usize, dropout: f64, seed: u64) -> LoraModule {
         let shape = LoraShape {
             module_path: "t.to_q".into(),
             component: AdapterComponent::Unet,
@@ -702,22 +703,18 @@ mod tests {
             in_dim: 4,
             out_dim: 4,
         };
-        let mut rng = StdRng::seed_from_u64(1);
-        LoraModule::new(shape, 2, 2.0, dropout, &mut rng, &Device::Cpu).unwrap()
+        let mut rng = StdRng::seed_from_u64(seed);
+        LoraModule::new(shape, rank, rank as f64, dropout, &mut rng, &Device::Cpu).unwrap()
+    }
+
+    fn module(dropout: f64) -> LoraModule {
+        linear_module(2, dropout, 1)
     }
 
     /// A rank-4 LoRA on a 4×4 linear whose `down` and `up` are the identity (scale 1): its
     /// update is `x` times the dropout mask, which the tests read back.
     fn identity_module(extra: ExtraDropout) -> LoraModule {
-        let shape = LoraShape {
-            module_path: "t.to_q".into(),
-            component: AdapterComponent::Unet,
-            kind: LoraKind::Linear,
-            in_dim: 4,
-            out_dim: 4,
-        };
-        let mut rng = StdRng::seed_from_u64(3);
-        let m = LoraModule::new(shape, 4, 4.0, 0.0, &mut rng, &Device::Cpu).unwrap();
+        let m = linear_module(4, 0.0, 3);
         let eye = Tensor::eye(4, DType::F32, &Device::Cpu).unwrap();
         for (_, v) in &m.params {
             v.set(&eye).unwrap();
@@ -725,6 +722,16 @@ mod tests {
         m.set_extra_dropout(extra).unwrap();
         m.set_training(true);
         m
+    }
+
+    /// The module's update for `x`, flattened.
+    fn delta_values(m: &LoraModule, x: &Tensor) -> Vec<f32> {
+        m.delta(x)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap()
     }
 
     /// kohya's rank dropout: each sample's rank channel is zeroed or scaled by `1/(1−p)`, the
@@ -756,13 +763,7 @@ mod tests {
         let share = zeros as f64 / total as f64;
         assert!((share - 0.5).abs() < 0.1, "dropped share {share}");
         m.set_training(false);
-        let y = m
-            .delta(&x)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1::<f32>()
-            .unwrap();
+        let y = delta_values(&m, &x);
         assert!(y.iter().all(|&v| v == 1.0));
     }
 
@@ -778,13 +779,7 @@ mod tests {
         let mut dropped = 0;
         for step in 0..200 {
             m.begin_step(step);
-            let y = m
-                .delta(&x)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1::<f32>()
-                .unwrap();
+            let y = delta_values(&m, &x);
             let zero = y.iter().all(|&v| v == 0.0);
             assert!(zero || y.iter().all(|&v| v == 1.0));
             dropped += usize::from(zero);
@@ -794,13 +789,7 @@ mod tests {
             "{dropped} of 200 forwards dropped"
         );
         m.set_training(false);
-        let y = m
-            .delta(&x)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1::<f32>()
-            .unwrap();
+        let y = delta_values(&m, &x);
         assert!(y.iter().all(|&v| v == 1.0));
         assert!(
             m.set_extra_dropout(ExtraDropout::default()).is_err(),
