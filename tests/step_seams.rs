@@ -150,6 +150,7 @@ fn settings<'a>(m: &'a Model, ck: Option<&'a Checkpointing>) -> StepSettings<'a>
         caption_chunks: 1,
         caption_templates: &[],
         kohya_captions: None,
+        clock: Default::default(),
         train_text_encoder: m.train_te,
         compute_dtype: DType::F32,
         checkpointing: ck,
@@ -608,15 +609,17 @@ fn tag_dropout_and_prior_weights_reach_the_prepared_batch() {
     assert_ne!(whole.captions, batch.captions, "some tags survive at 0.5");
 }
 
-/// kohya's `keep_tokens_separator`, `secondary_separator` and `enable_wildcard` in a prepared
-/// batch, against kohya's own `process_caption` (tests/fixtures/kohya_caption_reference.py) on
-/// captions whose result draws nothing at random; then, shuffled, the middle part alone moves
+/// kohya's `keep_tokens_separator`, `secondary_separator`, `enable_wildcard`,
+/// `caption_dropout_every_n_epochs` and token warmup in a prepared batch, against kohya's own
+/// `process_caption` (tests/fixtures/kohya_caption_reference.py) on captions whose result draws
+/// nothing at random; then, shuffled, the middle part alone moves
 /// and a batch prepared in halves draws what the whole batch draws. Catches a separator left in,
 /// the suffix or fixed part dropped or shuffled, and the secondary separator replaced before
 /// the shuffle (its tags would come apart) or not at all.
 #[test]
 fn kohya_caption_keys_match_kohyas_process_caption() {
-    use sdtrain::data::kohya_caption::KohyaCaptions;
+    use sdtrain::data::kohya_caption::{KohyaCaptions, TokenWarmup};
+    use sdtrain::train::step::CaptionClock;
     let reference = common::reference_json("reference/kohya_captions.json");
     let m = model("tiny-sd15", TrainMode::Lora, 0.0);
     let mut data = data();
@@ -629,16 +632,28 @@ fn kohya_caption_keys_match_kohyas_process_caption() {
     let seeds = step_seeds(3, 5, 4);
     for case in reference["cases"].as_array().unwrap() {
         let text = |k: &str| case[k].as_str().map(str::to_string);
+        let int = |k: &str, default: u64| case[k].as_u64().unwrap_or(default) as usize;
         let keys = KohyaCaptions {
             keep_tokens_separator: text("keep_tokens_separator"),
             secondary_separator: text("secondary_separator"),
             wildcard: case["wildcard"].as_bool().unwrap_or(false),
+            dropout_every_n_epochs: int("every_n_epochs", 0),
+            token_warmup: case["token_warmup_step"].as_f64().map(|steps| TokenWarmup {
+                min: int("token_warmup_min", 1),
+                steps,
+            }),
         };
         let s = StepSettings {
             cond_dropout: 0.0,
             keep_tags: 0,
             tag_dropout: case["tag_dropout"].as_f64().unwrap_or(0.0),
             kohya_captions: Some(&keys),
+            // kohya's epochs count from 1.
+            clock: CaptionClock {
+                epoch: Some(int("epoch", 1) - 1),
+                step: int("step", 0),
+                total_steps: int("max_train_steps", 100),
+            },
             ..settings(&m, None)
         };
         let caption = text("caption").unwrap();
@@ -651,7 +666,7 @@ fn kohya_caption_keys_match_kohyas_process_caption() {
     let keys = KohyaCaptions {
         keep_tokens_separator: Some("|||".into()),
         secondary_separator: Some(";;;".into()),
-        wildcard: false,
+        ..Default::default()
     };
     let s = StepSettings {
         cond_dropout: 0.0,

@@ -116,6 +116,8 @@ pub enum TextCacheOff {
     TagDropout,
     /// `enable_wildcard` picks a caption line and choices every step.
     Wildcard,
+    /// `token_warmup_step` grows the captions step by step.
+    TokenWarmup,
 }
 
 impl TextCacheDecision {
@@ -156,6 +158,7 @@ impl fmt::Display for TextCacheOff {
             TextCacheOff::ShuffleTags => "shuffle_tags changes captions every step",
             TextCacheOff::TagDropout => "caption_tag_dropout_rate changes captions every step",
             TextCacheOff::Wildcard => "enable_wildcard changes captions every step",
+            TextCacheOff::TokenWarmup => "token_warmup_step changes captions step by step",
         })
     }
 }
@@ -216,6 +219,9 @@ pub(super) fn resolve_data(
             TextCacheDecision::On if kohya_captions.wildcard => {
                 TextCacheDecision::Off(TextCacheOff::Wildcard)
             }
+            TextCacheDecision::On if kohya_captions.token_warmup.is_some() => {
+                TextCacheDecision::Off(TextCacheOff::TokenWarmup)
+            }
             d => d,
         },
         kohya_captions,
@@ -269,10 +275,38 @@ fn resolve_kohya_captions(
             "is the same as keep_tokens_separator; they mark different things".into(),
         ));
     }
+    let every = ctx.at_least(
+        "caption_dropout_every_n_epochs",
+        file.caption_dropout_every_n_epochs,
+        0,
+        0,
+    )? as usize;
+    let warmup = match file.token_warmup_step {
+        None => None,
+        Some(s) if !(s.is_finite() && s >= 0.0) => {
+            return Err(ctx.invalid(
+                "token_warmup_step",
+                format!("must be 0 or more steps, or below 1 a fraction of the run (got {s})"),
+            ))
+        }
+        Some(0.0) => None,
+        Some(steps) => Some(crate::data::kohya_caption::TokenWarmup {
+            min: ctx.at_least("token_warmup_min", file.token_warmup_min, 1, 0)? as usize,
+            steps,
+        }),
+    };
+    if warmup.is_none() && file.token_warmup_min.is_some() {
+        return Err(ctx.invalid(
+            "token_warmup_min",
+            "has no effect without token_warmup_step".into(),
+        ));
+    }
     Ok(crate::data::kohya_caption::KohyaCaptions {
         keep_tokens_separator: keep,
         secondary_separator: secondary,
         wildcard: file.enable_wildcard.unwrap_or(false),
+        dropout_every_n_epochs: every,
+        token_warmup: warmup,
     })
 }
 

@@ -776,7 +776,29 @@ mod tests {
             p.data.text_cache,
             crate::config::TextCacheDecision::Off(crate::config::TextCacheOff::Wildcard)
         );
+        let p = fx
+            .plan(
+                json!({"mode": "lora", "adapter": {"train_text_encoder": false},
+                       "token_warmup_step": 0.25, "caption_dropout_every_n_epochs": 3}),
+                &[],
+            )
+            .unwrap();
+        assert_eq!(
+            p.data.text_cache,
+            crate::config::TextCacheDecision::Off(crate::config::TextCacheOff::TokenWarmup)
+        );
+        let k = &p.data.kohya_captions;
+        assert_eq!(
+            (k.dropout_every_n_epochs, k.token_warmup.map(|w| w.min)),
+            (3, Some(1))
+        );
         for (extra, key) in [
+            (json!({"token_warmup_min": 2}), "token_warmup_min"),
+            (json!({"token_warmup_step": -1.0}), "token_warmup_step"),
+            (
+                json!({"caption_dropout_every_n_epochs": -1}),
+                "caption_dropout_every_n_epochs",
+            ),
             (
                 json!({"keep_tokens_separator": ""}),
                 "keep_tokens_separator",

@@ -168,6 +168,13 @@ pub struct TrainFile {
     pub secondary_separator: Option<String>,
     #[serde(default)]
     pub enable_wildcard: Option<bool>,
+    /// kohya's `caption_dropout_every_n_epochs`, `token_warmup_min` and `token_warmup_step`.
+    #[serde(default)]
+    pub caption_dropout_every_n_epochs: Option<i64>,
+    #[serde(default)]
+    pub token_warmup_min: Option<i64>,
+    #[serde(default)]
+    pub token_warmup_step: Option<f64>,
     #[serde(default)]
     pub num_class_images: Option<i64>,
     #[serde(default)]

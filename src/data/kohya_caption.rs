@@ -12,6 +12,12 @@
 //!    separator stays in a caption that is neither shuffled nor tag-dropped.
 //! 3. `secondary_separator`: replaced by `,` at the very end, so tags it joins move and drop
 //!    together (`a;;;b` becomes `a,b`, kohya's `caption_separator`).
+//!
+//! Two keys depend on where the run is: `caption_dropout_every_n_epochs` drops every caption in
+//! epochs `n`, `2n`, … (kohya counts epochs from 1), and `token_warmup_min`/`token_warmup_step`
+//! train only the first `min` tags after the kept ones at first, one more every
+//! `step/(tags − min)` steps until step `token_warmup_step` (a fraction of the run below 1); while
+//! it is set, captions are split and rejoined as in step 2 even after the warmup.
 
 use rand::Rng;
 use serde::Serialize;
@@ -26,12 +32,54 @@ pub struct KohyaCaptions {
     pub secondary_separator: Option<String>,
     /// `enable_wildcard`.
     pub wildcard: bool,
+    /// `caption_dropout_every_n_epochs` (0: off).
+    pub dropout_every_n_epochs: usize,
+    /// `token_warmup_min` and `token_warmup_step`, when the step is above 0.
+    pub token_warmup: Option<TokenWarmup>,
+}
+
+/// kohya's token warmup.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct TokenWarmup {
+    pub min: usize,
+    /// Steps, or below 1 a fraction of the run's steps.
+    pub steps: f64,
 }
 
 impl KohyaCaptions {
     /// Whether a key is set.
     pub fn any(&self) -> bool {
-        self.keep_tokens_separator.is_some() || self.secondary_separator.is_some() || self.wildcard
+        self.keep_tokens_separator.is_some()
+            || self.secondary_separator.is_some()
+            || self.wildcard
+            || self.dropout_every_n_epochs > 0
+            || self.token_warmup.is_some()
+    }
+
+    /// Whether every caption of epoch `epoch` (from 0) is dropped.
+    pub fn drops_epoch(&self, epoch: usize) -> bool {
+        self.dropout_every_n_epochs > 0 && (epoch + 1).is_multiple_of(self.dropout_every_n_epochs)
+    }
+}
+
+impl TokenWarmup {
+    /// How many of `flex` tags train at step `step` (from 0) of a run of `total` steps, or `None`
+    /// once the warmup is over (kohya: `floor(step · (tags − min) / warmup) + min`, taken as
+    /// Python slices it).
+    pub fn tags_at(&self, flex: usize, step: usize, total: usize) -> Option<usize> {
+        let warmup = match self.steps < 1.0 {
+            true => (self.steps * total as f64).floor() as usize,
+            false => self.steps as usize,
+        };
+        if warmup == 0 || step >= warmup {
+            return None;
+        }
+        let share = (flex as f64 - self.min as f64) / warmup as f64;
+        let n = (step as f64 * share).floor() as i64 + self.min as i64;
+        Some(match n {
+            n if n >= 0 => (n as usize).min(flex),
+            n => (flex as i64 + n).max(0) as usize,
+        })
     }
 }
 
@@ -148,5 +196,27 @@ mod tests {
         assert!(split_kept("a, b", "|||").is_none());
         assert_eq!(replace_secondary("a;;;b, c", Some(";;;")), "a,b, c");
         assert_eq!(replace_secondary("a;;;b", None), "a;;;b");
+    }
+
+    #[test]
+    fn token_warmup_grows_the_tags_and_epochs_drop_by_kohyas_count() {
+        let w = TokenWarmup {
+            min: 1,
+            steps: 10.0,
+        };
+        let at: Vec<Option<usize>> = (0..12).map(|s| w.tags_at(5, s, 100)).collect();
+        assert_eq!(at[0], Some(1));
+        assert_eq!(at[3], Some(2)); // floor(3·4/10) + 1
+        assert_eq!(at[9], Some(4));
+        assert_eq!((at[10], at[11]), (None, None));
+        let frac = TokenWarmup { min: 2, steps: 0.5 };
+        assert_eq!(frac.tags_at(6, 0, 20), Some(2));
+        assert_eq!(frac.tags_at(6, 10, 20), None, "half of 20 steps");
+        let k = KohyaCaptions {
+            dropout_every_n_epochs: 3,
+            ..Default::default()
+        };
+        let dropped: Vec<usize> = (0..9).filter(|&e| k.drops_epoch(e)).collect();
+        assert_eq!(dropped, [2, 5, 8], "kohya's epochs 3, 6, 9");
     }
 }

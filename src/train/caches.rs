@@ -72,8 +72,11 @@ fn text_encoder_cache(
         captions.extend(v.items().map(|i| i.caption.as_str()));
     }
     let items = &feed.dataset.items;
-    if plan.data.cond_dropout > 0.0 || items.iter().any(|i| i.options.cond_dropout > Some(0.0)) {
-        // What cond_dropout replaces a caption with.
+    let dropped = plan.data.cond_dropout > 0.0
+        || plan.data.kohya_captions.dropout_every_n_epochs > 0
+        || items.iter().any(|i| i.options.cond_dropout > Some(0.0));
+    if dropped {
+        // What cond_dropout (and caption_dropout_every_n_epochs) replaces a caption with.
         captions.push("");
     }
     let batch = plan.batch_size.max(1);

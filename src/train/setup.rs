@@ -531,7 +531,8 @@ fn prepare_captions(items: &mut [ImageMeta], data: &DataPlan) {
         data.caption_suffix.as_deref(),
     );
     let k = &data.kohya_captions;
-    let per_step = data.shuffle_tags || data.tag_dropout > 0.0 || k.wildcard;
+    let per_step =
+        data.shuffle_tags || data.tag_dropout > 0.0 || k.wildcard || k.token_warmup.is_some();
     let secondary = k.secondary_separator.as_deref().filter(|_| !per_step);
     for item in items {
         item.add_affixes(prefix, suffix);

@@ -34,6 +34,28 @@ use crate::nn::Checkpointing;
 use crate::train::latent_cache::CachedLatent;
 use crate::train::text_cache::TextCache;
 
+/// The run's position as the step's captions see it. The default is outside training
+/// (validation, tests): no epoch drops its captions and the token warmup is over.
+#[derive(Debug, Clone, Copy)]
+pub struct CaptionClock {
+    /// The epoch, from 0; `None` outside training.
+    pub epoch: Option<usize>,
+    /// Optimizer steps done before this one.
+    pub step: usize,
+    /// The run's steps.
+    pub total_steps: usize,
+}
+
+impl Default for CaptionClock {
+    fn default() -> Self {
+        Self {
+            epoch: None,
+            step: usize::MAX,
+            total_steps: usize::MAX,
+        }
+    }
+}
+
 /// What the step needs besides the model and the batch.
 pub struct StepSettings<'a> {
     pub objective: &'a Objective,
@@ -55,6 +77,9 @@ pub struct StepSettings<'a> {
     /// step (`None` when captions do not change from step to step: the setup applied what they
     /// change once).
     pub kohya_captions: Option<&'a crate::data::kohya_caption::KohyaCaptions>,
+    /// Where the run is, for kohya's caption keys that depend on it
+    /// (`caption_dropout_every_n_epochs`, the token warmup).
+    pub clock: CaptionClock,
     /// Whether any text-encoder parameter trains (otherwise the conditioning is detached).
     pub train_text_encoder: bool,
     /// The dtype the models compute in (the UNet input's dtype).

@@ -27,24 +27,56 @@ pub(super) fn step_caption<R: Rng>(
     let dropout = own.cond_dropout.unwrap_or(settings.cond_dropout);
     let caption = augment::cond_dropout(caption, dropout, rng);
     let kohya = settings.kohya_captions;
+    // kohya's `caption_dropout_every_n_epochs`, after the dropout's draw.
+    let epoch_drops = settings
+        .clock
+        .epoch
+        .is_some_and(|e| kohya.is_some_and(|k| k.drops_epoch(e)));
+    let caption = if epoch_drops { "" } else { caption };
     let caption = match kohya.filter(|k| k.wildcard) {
         Some(_) => expand_wildcards(caption, &mut StdRng::seed_from_u64(rng.random::<u64>())),
         None => caption.to_string(),
     };
     let shuffle = settings.shuffle_tags || own.shuffle_tags;
+    let warmup = kohya.and_then(|k| k.token_warmup);
+    // How many middle tags the token warmup lets through at this step.
+    let clock = settings.clock;
+    let warm = |flex: usize| warmup.and_then(|w| w.tags_at(flex, clock.step, clock.total_steps));
     let kept = kohya
         .and_then(|k| k.keep_tokens_separator.as_deref())
-        .filter(|_| shuffle || settings.tag_dropout > 0.0)
+        .filter(|_| shuffle || settings.tag_dropout > 0.0 || warmup.is_some())
         .and_then(|separator| split_kept(&caption, separator));
     let out = match kept {
-        Some((fixed, flex, suffix)) => {
+        Some((fixed, mut flex, suffix)) => {
+            if let Some(n) = warm(flex.len()) {
+                flex.truncate(n);
+            }
             let flex = shuffled_and_dropped(flex, shuffle, settings.tag_dropout, rng);
             let all: Vec<String> = fixed.into_iter().chain(flex).chain(suffix).collect();
             all.join(", ")
         }
-        None => shuffled_then_dropped(&caption, own, shuffle, settings, rng),
+        None => {
+            let caption = match warmup.filter(|_| !caption.is_empty()) {
+                Some(_) => warmed_up(&caption, settings.keep_tags, &warm),
+                None => caption,
+            };
+            shuffled_then_dropped(&caption, own, shuffle, settings, rng)
+        }
     };
     replace_secondary(&out, kohya.and_then(|k| k.secondary_separator.as_deref()))
+}
+
+/// kohya's token warmup on a caption without the keep separator: its pieces trimmed, the first
+/// `1 + keep` fixed (kohya's `keep_tokens`; sdtrain's `keep_tags` counts after the main prompt),
+/// the rest cut to what `warm` lets through, rejoined with `", "` as kohya rejoins them.
+fn warmed_up(caption: &str, keep: usize, warm: &dyn Fn(usize) -> Option<usize>) -> String {
+    let pieces: Vec<&str> = caption.trim().split(',').map(str::trim).collect();
+    let fixed = pieces.len().min(keep.saturating_add(1));
+    let (fixed, mut flex) = (pieces[..fixed].to_vec(), pieces[fixed..].to_vec());
+    if let Some(n) = warm(flex.len()) {
+        flex.truncate(n);
+    }
+    fixed.into_iter().chain(flex).collect::<Vec<_>>().join(", ")
 }
 
 /// kohya's middle part: shuffled (a [`PyRandom`] seeded by one draw, as every shuffle here), then

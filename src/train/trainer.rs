@@ -87,6 +87,7 @@ impl Model {
                 .as_ref()
                 .map_or(&[][..], |e| e.templates.as_slice()),
             kohya_captions: data.kohya_captions.any().then_some(&data.kohya_captions),
+            clock: Default::default(),
             train_text_encoder: te_trains,
             compute_dtype: self.amp.compute_dtype(),
             checkpointing: self.checkpointing.as_ref(),
@@ -410,9 +411,14 @@ impl Session<'_> {
         if let Some(a) = &self.model.adapters {
             a.begin_step(out.steps);
         }
-        let settings = self
+        let mut settings = self
             .model
             .step_settings(self.plan, self.opt.text_encoder_trains());
+        settings.clock = super::step::CaptionClock {
+            epoch: Some(self.pos.epoch),
+            step: out.steps,
+            total_steps: self.opt.total_steps,
+        };
         let (clip, device) = (self.plan.clip_grad_norm, &self.opts.device);
         let result = self
             .opt

@@ -276,6 +276,8 @@ impl Validation {
             cond_dropout: 0.0,
             shuffle_tags: false,
             tag_dropout: 0.0,
+            // Outside training: no epoch drops its captions, and the token warmup is over.
+            clock: Default::default(),
             train_text_encoder: false,
             // Every validation sample keeps its mask.
             unmasked_probability: settings.unmasked_probability.map(|_| 0.0),
