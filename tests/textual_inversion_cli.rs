@@ -68,6 +68,15 @@ fn read_file(path: &Path) -> (Tensors, HashMap<String, String>) {
     (tensors, header.metadata().clone().unwrap_or_default())
 }
 
+/// A folder with [`captioned_data`] and a tiny-sd15 config of `extra` over [`ti_config`]: the
+/// folder and the config.
+fn sd15_config(extra: serde_json::Value) -> (tempfile::TempDir, PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let data = captioned_data(dir.path());
+    let cfg = ti_config(dir.path(), "tiny-sd15", &data, extra);
+    (dir, cfg)
+}
+
 /// A run of `fixture` on `data` with `extra` over [`ti_config`], in a folder of its own; the
 /// saved file's tensors.
 fn run_file(fixture: &str, data: &Path, extra: serde_json::Value) -> Tensors {
@@ -162,14 +171,7 @@ fn an_sd15_run_trains_the_vectors_and_saves_kohyas_file() {
 /// vectors and their optimizer state.
 #[test]
 fn a_resumed_run_ends_with_the_same_vectors() {
-    let dir = tempfile::tempdir().unwrap();
-    let data = captioned_data(dir.path());
-    let cfg = ti_config(
-        dir.path(),
-        "tiny-sd15",
-        &data,
-        serde_json::json!({"save_every_n_steps": 2}),
-    );
+    let (dir, cfg) = sd15_config(serde_json::json!({"save_every_n_steps": 2}));
     let run = run_in(dir.path(), &cfg);
     let file = run.join("sdtrain.safetensors");
     let (whole, _) = read_file(&file);
@@ -284,14 +286,7 @@ fn config_errors_name_the_key() {
 /// A token the vocabulary already has would never reach the new vectors: refused, naming it.
 #[test]
 fn a_token_already_in_the_vocabulary_is_refused() {
-    let dir = tempfile::tempdir().unwrap();
-    let data = captioned_data(dir.path());
-    let cfg = ti_config(
-        dir.path(),
-        "tiny-sd15",
-        &data,
-        serde_json::json!({"embedding": {"token_string": "dog"}}),
-    );
+    let (dir, cfg) = sd15_config(serde_json::json!({"embedding": {"token_string": "dog"}}));
     let out = sdtrain(&["--config", cfg.to_str().unwrap(), "--cpu"], dir.path());
     let log = text(&out);
     assert!(!out.status.success(), "{log}");
@@ -320,12 +315,7 @@ fn draw(dir: &Path, out: &str, prompt: &str, extra: &[&str]) -> (String, image::
 /// `TOKEN=FILE`. Catches an embedding that does not reach the prompt's encoding.
 #[test]
 fn sampling_with_an_embedding_of_a_words_vector_draws_what_the_word_draws() {
-    let dir = tempfile::tempdir().unwrap();
-    let data = captioned_data(dir.path());
-    let cfg = ti_config(
-        dir.path(),
-        "tiny-sd15",
-        &data,
+    let (dir, cfg) = sd15_config(
         serde_json::json!({"max_steps": 1, "lr": 1e-30, "embedding": {
             "token_string": "mytok", "init_word": "dog"}}),
     );
