@@ -32,6 +32,7 @@ fn every_schedule_matches_diffusers_update_by_update() {
             warmup_steps: c["warmup"].as_u64().unwrap() as usize,
             decay_steps: c["total"].as_u64().unwrap() as usize,
             num_cycles: c["num_cycles"].as_u64().unwrap() as u32,
+            power: c["power"].as_f64().unwrap_or(1.0),
         };
         let base = c["base_lr"].as_f64().unwrap();
         for (step, want) in c["lrs"].as_array().unwrap().iter().enumerate() {
@@ -46,5 +47,5 @@ fn every_schedule_matches_diffusers_update_by_update() {
             );
         }
     }
-    assert!(cases.len() >= 12);
+    assert!(cases.len() >= 14);
 }

@@ -70,6 +70,9 @@ pub struct GroupFile {
     /// `cosine_with_restarts`' cycles (kohya's `lr_scheduler_num_cycles`; default 1).
     #[serde(default)]
     pub lr_scheduler_num_cycles: Option<i64>,
+    /// polynomial's power (kohya's `lr_scheduler_power`, diffusers' `power`; default 1).
+    #[serde(default)]
+    pub lr_scheduler_power: Option<f64>,
     /// Checked to have two entries during resolution, with a better message than serde's.
     #[serde(default)]
     pub betas: Option<Vec<f64>>,

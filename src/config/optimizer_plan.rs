@@ -279,15 +279,18 @@ pub struct ScheduleSpec {
     pub decay_steps: StepCount,
     /// `cosine_with_restarts`' cycles (1 for the other kinds).
     pub num_cycles: u32,
+    /// polynomial's power (1 for the other kinds).
+    pub power: f64,
 }
 
 /// A schedule with every length a number.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct ResolvedSchedule {
     pub kind: ScheduleKind,
     pub warmup_steps: u64,
     pub decay_steps: u64,
     pub num_cycles: u32,
+    pub power: f64,
 }
 
 impl ScheduleSpec {
@@ -319,6 +322,7 @@ impl ScheduleSpec {
             warmup_steps,
             decay_steps,
             num_cycles: self.num_cycles,
+            power: self.power,
         }
     }
 }
@@ -356,6 +360,9 @@ impl fmt::Display for ParamGroupPlan {
         )?;
         if self.schedule.kind == ScheduleKind::CosineWithRestarts {
             write!(f, ", {} cycles", self.schedule.num_cycles)?;
+        }
+        if self.schedule.kind == ScheduleKind::Polynomial {
+            write!(f, ", power {}", self.schedule.power)?;
         }
         Ok(())
     }
@@ -429,6 +436,7 @@ struct CheckedGroup {
     warmup: Option<StepCount>,
     decay: Option<StepCount>,
     num_cycles: Option<u32>,
+    power: Option<f64>,
     betas: Option<(f64, f64, Option<f64>)>,
     epsilon: Option<f64>,
     weight_decay: Option<f64>,
@@ -548,8 +556,23 @@ fn merge(
             warmup_steps: own.warmup.or(parent.warmup).unwrap_or(StepCount::Auto),
             decay_steps: own.decay.or(parent.decay).unwrap_or(StepCount::Auto),
             num_cycles: own.num_cycles.or(parent.num_cycles).unwrap_or(1),
+            power: own
+                .power
+                .or(parent.power)
+                .unwrap_or(crate::optim::LrSchedule::POLYNOMIAL_POWER),
         },
     };
+    if own.power.is_some() && plan.schedule.kind != ScheduleKind::Polynomial {
+        return Err(invalid(
+            file,
+            &format!("{section}.lr_scheduler_power"),
+            &format!(
+                "is the power of \"polynomial\", but this section's lr_scheduler is \"{}\"; \
+                 remove it or set lr_scheduler",
+                plan.schedule.kind.name()
+            ),
+        ));
+    }
     if own.num_cycles.is_some() && plan.schedule.kind != ScheduleKind::CosineWithRestarts {
         return Err(invalid(
             file,
@@ -679,6 +702,16 @@ fn check_group(g: &GroupFile, section: &str, file: &Path) -> Result<CheckedGroup
                 ))
             }
             n => n.map(|n| n as u32),
+        },
+        power: match g.lr_scheduler_power {
+            Some(p) if !(p.is_finite() && p > 0.0) => {
+                return Err(invalid(
+                    file,
+                    &field("lr_scheduler_power"),
+                    &format!("must be a number greater than 0 (got {p})"),
+                ))
+            }
+            p => p,
         },
         betas: g
             .betas
@@ -1146,6 +1179,39 @@ mod tests {
         );
     }
 
+    /// kohya's `lr_scheduler_power`: read for polynomial, inherited by the text encoder, and
+    /// refused where it would do nothing or is not a positive number.
+    #[test]
+    fn polynomial_takes_its_power() {
+        let p = plan(
+            json!({"base": {"lr_scheduler": "polynomial", "lr_scheduler_power": 2.0}}),
+            None,
+        )
+        .unwrap();
+        assert_eq!(
+            (p.unet.schedule.power, p.text_encoder.schedule.power),
+            (2.0, 2.0)
+        );
+        assert!(p.unet.to_string().ends_with(", power 2"), "{}", p.unet);
+        assert_eq!(p.unet.schedule.resolve(100).power, 2.0);
+        for (base, says) in [
+            (
+                json!({"lr_scheduler": "cosine", "lr_scheduler_power": 2.0}),
+                "polynomial",
+            ),
+            (
+                json!({"lr_scheduler": "polynomial", "lr_scheduler_power": 0.0}),
+                "greater than 0",
+            ),
+        ] {
+            let msg = plan(json!({"base": base}), None).unwrap_err().to_string();
+            assert!(
+                msg.contains("lr_scheduler_power") && msg.contains(says),
+                "{msg}"
+            );
+        }
+    }
+
     /// kohya's `lr_scheduler_num_cycles`: read for cosine_with_restarts, inherited by the text
     /// encoder, and refused where it would do nothing.
     #[test]
@@ -1197,6 +1263,7 @@ mod tests {
             warmup_steps: warmup,
             decay_steps: decay,
             num_cycles: 1,
+            power: 1.0,
         };
         let r = spec(ScheduleKind::Cosine, StepCount::Auto, StepCount::Auto).resolve(1000);
         assert_eq!((r.warmup_steps, r.decay_steps), (30, 1500));

@@ -119,10 +119,12 @@ pub enum ScheduleError {
     NoCycles(u32),
     #[error("lr_scheduler polynomial decays to {lr_end:e}, so lr ({lr:e}) must be greater")]
     PolynomialLrTooSmall { lr: f64, lr_end: f64 },
+    #[error("lr_scheduler_power {0} must be a number greater than 0")]
+    BadPower(f64),
 }
 
 /// A learning-rate schedule. See the module docs for the formulas.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct LrSchedule {
     pub kind: ScheduleKind,
     /// Steps of linear warmup from 0 to the base lr.
@@ -133,6 +135,14 @@ pub struct LrSchedule {
     /// cosine_with_restarts' cycles (diffusers' `num_cycles`, kohya's
     /// `lr_scheduler_num_cycles`; default 1); unused by the other kinds.
     pub num_cycles: u32,
+    /// polynomial's power (diffusers' `power`, kohya's `lr_scheduler_power`; default 1, a
+    /// linear decay to `POLYNOMIAL_LR_END`); unused by the other kinds.
+    #[serde(default = "default_power")]
+    pub power: f64,
+}
+
+fn default_power() -> f64 {
+    LrSchedule::POLYNOMIAL_POWER
 }
 
 impl LrSchedule {
@@ -155,6 +165,9 @@ impl LrSchedule {
         }
         if self.kind == ScheduleKind::CosineWithRestarts && self.num_cycles == 0 {
             return Err(ScheduleError::NoCycles(self.num_cycles));
+        }
+        if !(self.power.is_finite() && self.power > 0.0) {
+            return Err(ScheduleError::BadPower(self.power));
         }
         if self.kind == ScheduleKind::Polynomial && base_lr <= Self::POLYNOMIAL_LR_END {
             return Err(ScheduleError::PolynomialLrTooSmall {
@@ -199,8 +212,7 @@ impl LrSchedule {
                     return base_lr * (lr_end / base_lr);
                 }
                 let pct_remaining = 1.0 - (s - w) as f64 / (d - w) as f64;
-                let decay =
-                    (base_lr - lr_end) * pct_remaining.powf(Self::POLYNOMIAL_POWER) + lr_end;
+                let decay = (base_lr - lr_end) * pct_remaining.powf(self.power) + lr_end;
                 base_lr * (decay / base_lr)
             }
             ScheduleKind::CosineWithRestarts => {
@@ -226,6 +238,7 @@ mod tests {
             warmup_steps,
             decay_steps,
             num_cycles: 1,
+            power: LrSchedule::POLYNOMIAL_POWER,
         }
     }
 

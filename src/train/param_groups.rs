@@ -247,6 +247,7 @@ fn lr_schedule(spec: &ScheduleSpec, total_steps: u64) -> LrSchedule {
         warmup_steps: resolved.warmup_steps as usize,
         decay_steps: resolved.decay_steps as usize,
         num_cycles: resolved.num_cycles,
+        power: resolved.power,
     }
 }
 
@@ -427,6 +428,7 @@ mod lr_scale_tests {
                 warmup_steps: StepCount::Auto,
                 decay_steps: StepCount::Auto,
                 num_cycles: 1,
+                power: 1.0,
             },
             adafactor: Default::default(),
             estimator: Default::default(),
