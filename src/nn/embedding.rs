@@ -65,28 +65,43 @@ impl Embedding {
     /// `ids` of any shape (u32 or i64) → `[..ids, dim]`, in the table's dtype, or the added rows'
     /// when the embedding has them.
     pub fn forward(&self, ids: &Tensor) -> Result<Tensor> {
+        self.forward_known(ids, None)
+    }
+
+    /// [`Embedding::forward`] given the ids already read to the host (`host`, flattened), so
+    /// that ids on a device are not read back again to find the added ones.
+    pub fn forward_known(&self, ids: &Tensor, host: Option<&[i64]>) -> Result<Tensor> {
         let mut dims = ids.dims().to_vec();
         let flat = ids.flatten_all()?;
         dims.push(self.dim());
         let out = match &self.added {
             None => self.weight.index_select(&flat, 0)?,
-            Some(added) => self.lookup_with_added(&flat, added)?,
+            Some(added) => {
+                let read;
+                let host = match host {
+                    Some(h) if h.len() == flat.elem_count() => h,
+                    _ => {
+                        read = flat.to_dtype(DType::I64)?.to_vec1::<i64>()?;
+                        &read
+                    }
+                };
+                self.lookup_with_added(host, added)?
+            }
         };
         out.reshape(dims)
     }
 
     /// Each id from the table or the added rows: both looked up (an id of the other kind reads
     /// row 0) and blended by a 0/1 mask, so only the added rows' own ids send them a gradient.
-    fn lookup_with_added(&self, flat: &Tensor, added: &Tensor) -> Result<Tensor> {
+    fn lookup_with_added(&self, host: &[i64], added: &Tensor) -> Result<Tensor> {
         let base = self.base_vocab() as i64;
-        let host = flat.to_dtype(DType::I64)?.to_vec1::<i64>()?;
         let n = host.len();
         let (mut from_table, mut from_added, mut mask) = (
             Vec::with_capacity(n),
             Vec::with_capacity(n),
             Vec::with_capacity(n),
         );
-        for &id in &host {
+        for &id in host {
             let is_added = id >= base;
             from_table.push(if is_added { 0 } else { id as u32 });
             from_added.push(if is_added { (id - base) as u32 } else { 0 });

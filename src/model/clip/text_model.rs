@@ -317,9 +317,15 @@ impl ClipTextModel {
         let device = self.token_embedding.weight.device();
         let ids = &ids.to_device(device)?;
         let positions = Tensor::arange(0u32, len as u32, device)?;
+        // The host ids again, for textual inversion's rows: no second device read.
+        let flat_host: Option<Vec<i64>> = self
+            .token_embedding
+            .added
+            .as_ref()
+            .map(|_| host.iter().flatten().copied().collect());
         let tok = self
             .token_embedding
-            .forward(ids)?
+            .forward_known(ids, flat_host.as_deref())?
             .to_dtype(self.compute_dtype)?;
         let pos = self
             .position_embedding
