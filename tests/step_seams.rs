@@ -704,3 +704,81 @@ fn kohya_caption_keys_match_kohyas_process_caption() {
         whole.captions
     );
 }
+
+/// A dataset config's subset captions as kohya's `process_caption` makes them with the subset's
+/// own settings (tests/fixtures/kohya_dataset_config_reference.py): `keep_tokens` counting the
+/// first piece and 0 keeping none, the subset's `caption_separator` (empty pieces kept, as
+/// kohya keeps them), its prefix and suffix, and train.json's caption keys not applied. Catches
+/// `keep_tokens` read as sdtrain's `keep_tags` (one more kept), the split on `,` whatever the
+/// separator, the secondary separator replaced by `,`, and the step's settings used instead of
+/// the subset's.
+#[test]
+fn dataset_config_subsets_caption_as_kohya() {
+    use sdtrain::data::caption::with_affixes;
+    use sdtrain::data::kohya_caption::{KohyaCaptions, SubsetCaptions, TokenWarmup};
+    use sdtrain::data::ItemOptions;
+    use sdtrain::train::step::CaptionClock;
+    let reference = common::reference_json("reference/kohya_dataset_config.json");
+    let m = model("tiny-sd15", TrainMode::Lora, 0.0);
+    let mut data = data();
+    let seeds = step_seeds(3, 5, 4);
+    // train.json's own keys, which a subset's image must not see.
+    let step_keys = KohyaCaptions {
+        secondary_separator: Some("b".into()),
+        ..Default::default()
+    };
+    for case in reference["captions"].as_array().unwrap() {
+        let text = |k: &str| case[k].as_str().map(str::to_string);
+        let int = |k: &str, default: u64| case[k].as_u64().unwrap_or(default) as usize;
+        let rules = SubsetCaptions {
+            shuffle: case["shuffle"].as_bool().unwrap_or(false),
+            keep_tokens: int("keep_tokens", 0),
+            separator: text("caption_separator").unwrap_or(",".into()),
+            tag_dropout: case["tag_dropout"].as_f64().unwrap_or(0.0),
+            keys: KohyaCaptions {
+                keep_tokens_separator: text("keep_tokens_separator"),
+                secondary_separator: text("secondary_separator"),
+                token_warmup: case["token_warmup_step"].as_f64().map(|steps| TokenWarmup {
+                    min: int("token_warmup_min", 1),
+                    steps,
+                }),
+                ..Default::default()
+            },
+        };
+        let s = StepSettings {
+            cond_dropout: 0.0,
+            shuffle_tags: true,
+            keep_tags: 3,
+            tag_dropout: 0.0,
+            kohya_captions: Some(&step_keys),
+            clock: CaptionClock {
+                epoch: Some(0),
+                step: int("step", 0),
+                total_steps: 100,
+            },
+            ..settings(&m, None)
+        };
+        let SampleData::Pixels(image) = &mut data[0] else {
+            unreachable!("the demo images are decoded")
+        };
+        // As a subset's scan writes it: the prefix and suffix on at load.
+        let raw = text("caption").unwrap();
+        image.caption = with_affixes(
+            &raw,
+            text("caption_prefix").as_deref(),
+            text("caption_suffix").as_deref(),
+        );
+        image.options = std::sync::Arc::new(ItemOptions {
+            cond_dropout: Some(0.0),
+            subset_captions: Some(std::sync::Arc::new(rules)),
+            ..ItemOptions::default()
+        });
+        let images = [&data[0]];
+        let batch = prepare_batch(&m.sd, &images, &s, &mut sample_rngs(&seeds[..1])).unwrap();
+        assert_eq!(
+            batch.captions[0],
+            text("expected").unwrap(),
+            "{raw:?} {case}"
+        );
+    }
+}

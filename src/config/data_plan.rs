@@ -3,15 +3,17 @@
 //! text-encoder cache as decided ([`TextCacheDecision`]), once, here.
 
 use std::fmt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use serde::Serialize;
 
 use super::ctx::Ctx;
+use super::dataset_config::DatasetConfigPlan;
 use super::error::ConfigError;
 use super::regularization_plan::{resolve_layout, resolve_regularization, RegularizationPlan};
 use super::train_file::TrainFile;
 use super::validation_plan::{resolve_validation, ValidationPlan};
+use crate::data::kohya_layout::DEFAULT_CAPTION_EXTENSION;
 use crate::data::rated::RatedSchedule;
 use crate::data::DataLayout;
 
@@ -33,6 +35,9 @@ pub struct DataPlan {
     pub layout: DataLayout,
     /// Regularization images trained beside `data_root`'s.
     pub regularization: Option<RegularizationPlan>,
+    /// kohya's dataset config, which names the images instead of `data_root` (then the config
+    /// file's folder) and `reg_data_root`.
+    pub dataset_config: Option<DatasetConfigPlan>,
     /// Square training size in pixels, a multiple of 64 in [64, 4096]; `None` uses the model's
     /// native resolution.
     pub resolution: Option<usize>,
@@ -81,6 +86,17 @@ pub struct BucketPlan {
     pub aspects: Option<Vec<(usize, usize)>>,
     /// `max_aspect_ratio`.
     pub max_ratio: Option<f64>,
+    /// kohya's `min_bucket_reso`, `max_bucket_reso` and `bucket_reso_steps`: the sizes generated
+    /// as kohya's `make_bucket_resolutions` does.
+    pub kohya: Option<KohyaBucketRange>,
+}
+
+/// kohya's bucket keys, each side a multiple of `steps`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct KohyaBucketRange {
+    pub min: usize,
+    pub max: usize,
+    pub steps: usize,
 }
 
 /// Where cached latents live.
@@ -169,10 +185,23 @@ pub(super) fn resolve_data(
     file: &TrainFile,
     ctx: &Ctx<'_>,
     text_encoder_trains: bool,
+    dataset_config: Option<DatasetConfigPlan>,
 ) -> Result<DataPlan, ConfigError> {
-    let data_root = resolve_data_root(file, ctx)?;
-    let layout = resolve_layout(file, ctx)?;
-    let regularization = resolve_regularization(file, ctx, &data_root, &layout)?;
+    let (data_root, layout, regularization) = match &dataset_config {
+        Some(config) => (
+            config_folders(file, ctx, config)?,
+            DataLayout::Kohya {
+                caption_extension: DEFAULT_CAPTION_EXTENSION.to_string(),
+            },
+            None,
+        ),
+        None => {
+            let data_root = resolve_data_root(file, ctx)?;
+            let layout = resolve_layout(file, ctx)?;
+            let regularization = resolve_regularization(file, ctx, &data_root, &layout)?;
+            (data_root, layout, regularization)
+        }
+    };
     let resolution = match file.resolution {
         None => None,
         Some(r) if (64..=4096).contains(&r) && r % 64 == 0 => Some(r.unsigned_abs() as usize),
@@ -222,8 +251,15 @@ pub(super) fn resolve_data(
             TextCacheDecision::On if kohya_captions.token_warmup.is_some() => {
                 TextCacheDecision::Off(TextCacheOff::TokenWarmup)
             }
+            TextCacheDecision::On => {
+                match dataset_config.as_ref().and_then(|c| c.per_step_captions()) {
+                    Some(why) => TextCacheDecision::Off(why),
+                    None => TextCacheDecision::On,
+                }
+            }
             d => d,
         },
+        dataset_config,
         kohya_captions,
         caption_chunks: match file.max_token_length {
             None | Some(75) => 1,
@@ -339,6 +375,39 @@ fn resolve_rated(file: &TrainFile, ctx: &Ctx<'_>) -> Result<Option<RatedSchedule
     }))
 }
 
+/// With a dataset config: its folder stands for `data_root` (in messages and the run's
+/// metadata). Drawing class images needs `reg_data_root`, which the config replaces, and
+/// `rated_dataset` does not combine with its regularization subsets.
+fn config_folders(
+    file: &TrainFile,
+    ctx: &Ctx<'_>,
+    config: &DatasetConfigPlan,
+) -> Result<PathBuf, ConfigError> {
+    for (key, set) in [
+        ("class_prompt", file.class_prompt.is_some()),
+        ("num_class_images", file.num_class_images.is_some()),
+    ] {
+        if set {
+            return Err(ctx.invalid(
+                key,
+                "draws class images into reg_data_root, which a dataset_config replaces; draw                  them beforehand and add their folder as an `is_reg = true` subset"
+                    .into(),
+            ));
+        }
+    }
+    if file.rated_dataset == Some(true) && config.subsets.iter().any(|s| s.is_reg) {
+        return Err(ctx.invalid(
+            "rated_dataset",
+            "does not combine with the dataset config's `is_reg` subsets: the regularization set              is sized once to the training set (as kohya sizes it), which rated_dataset shrinks              epoch by epoch"
+                .into(),
+        ));
+    }
+    Ok(config
+        .file
+        .parent()
+        .map_or_else(|| config.file.clone(), Path::to_path_buf))
+}
+
 /// `data_root`: required, and an existing folder.
 fn resolve_data_root(file: &TrainFile, ctx: &Ctx<'_>) -> Result<PathBuf, ConfigError> {
     let Some(raw) = file.data_root.as_deref() else {
@@ -421,7 +490,22 @@ fn resolve_buckets(file: &TrainFile, ctx: &Ctx<'_>) -> Result<Option<BucketPlan>
                 .collect::<Result<Vec<_>, _>>()?,
         ),
     };
+    let kohya = resolve_kohya_buckets(file, ctx)?;
+    if let (Some(_), Some(_)) = (&kohya, &aspects) {
+        return Err(ctx.invalid(
+            "aspects",
+            "lists the bucket sizes, so min_bucket_reso, max_bucket_reso and bucket_reso_steps              (which generate them) would have no effect; keep one or the other"
+                .into(),
+        ));
+    }
     if file.enable_bucket == Some(false) {
+        if kohya.is_some() {
+            return Err(ctx.invalid(
+                "enable_bucket",
+                "is false, so min_bucket_reso, max_bucket_reso and bucket_reso_steps would have                  no effect; remove them or turn buckets on"
+                    .into(),
+            ));
+        }
         if aspects.is_some() || max_ratio.is_some() {
             return Err(ctx.invalid(
                 "enable_bucket",
@@ -432,7 +516,55 @@ fn resolve_buckets(file: &TrainFile, ctx: &Ctx<'_>) -> Result<Option<BucketPlan>
         }
         return Ok(None);
     }
-    Ok(Some(BucketPlan { aspects, max_ratio }))
+    Ok(Some(BucketPlan {
+        aspects,
+        max_ratio,
+        kohya,
+    }))
+}
+
+/// kohya's bucket keys, when any is set (kohya's defaults for the others: 256, 1024, 64), each
+/// rounded to `bucket_reso_steps` as kohya's `adjust_min_max_bucket_reso_by_steps` does (the
+/// shortest side down, the longest up). `bucket_no_upscale` is refused.
+fn resolve_kohya_buckets(
+    file: &TrainFile,
+    ctx: &Ctx<'_>,
+) -> Result<Option<KohyaBucketRange>, ConfigError> {
+    if file.bucket_no_upscale == Some(true) {
+        return Err(ctx.invalid(
+            "bucket_no_upscale",
+            "is not supported: sdtrain trains every image at one of the run's bucket sizes              (small images are scaled up); set it to false"
+                .into(),
+        ));
+    }
+    let (min, max, steps) = (
+        file.min_bucket_reso,
+        file.max_bucket_reso,
+        file.bucket_reso_steps,
+    );
+    if min.is_none() && max.is_none() && steps.is_none() {
+        return Ok(None);
+    }
+    let steps = ctx.at_least("bucket_reso_steps", steps, 64, 8)? as usize;
+    if !steps.is_multiple_of(ASPECT_MULTIPLE as usize) {
+        return Err(ctx.invalid(
+            "bucket_reso_steps",
+            format!("must be a multiple of {ASPECT_MULTIPLE} (got {steps})"),
+        ));
+    }
+    let min = ctx.at_least("min_bucket_reso", min, 256, 1)? as usize;
+    let max = ctx.at_least("max_bucket_reso", max, 1024, 1)? as usize;
+    let min = min - min % steps;
+    let max = max.div_ceil(steps) * steps;
+    if min == 0 || min > max || max > 8192 {
+        return Err(ctx.invalid(
+            "min_bucket_reso",
+            format!(
+                "and max_bucket_reso must give 0 < shortest ≤ longest ≤ 8192 once rounded to                  bucket_reso_steps {steps} (got {min} and {max})"
+            ),
+        ));
+    }
+    Ok(Some(KohyaBucketRange { min, max, steps }))
 }
 
 /// Entry `i` of `aspects`: `[width, height]`, each side 8 to 8192 pixels and a multiple of

@@ -24,6 +24,8 @@ pub enum ConfigError {
         line: usize,
         column: usize,
     },
+    #[error("{} is not valid TOML: {message}", file.display())]
+    TomlSyntax { file: PathBuf, message: String },
     #[error("{}: the top level must be a JSON object, found {found}", file.display())]
     NotAnObject { file: PathBuf, found: String },
     #[error(
@@ -194,6 +196,7 @@ impl ConfigError {
         match self {
             ConfigError::Read { source, .. } => source.kind() == std::io::ErrorKind::NotFound,
             ConfigError::Syntax { .. }
+            | ConfigError::TomlSyntax { .. }
             | ConfigError::Encoding { .. }
             | ConfigError::NotAnObject { .. }
             | ConfigError::UnknownKey { .. }

@@ -8,6 +8,8 @@
 mod adapter_file;
 mod ctx;
 mod data_plan;
+mod dataset_config;
+mod dataset_config_schema;
 pub mod devices_plan;
 mod ema_plan;
 mod embedding_plan;
@@ -35,8 +37,10 @@ mod validation_plan;
 
 pub use adapter_file::{AdapterFile, AdapterPlan, LoraPlus, SaveDtype};
 pub use data_plan::{
-    BucketPlan, CacheLatents, DataPlan, TextCacheDecision, TextCacheOff, DEFAULT_CROP_JITTER,
+    BucketPlan, CacheLatents, DataPlan, KohyaBucketRange, TextCacheDecision, TextCacheOff,
+    DEFAULT_CROP_JITTER,
 };
+pub use dataset_config::DatasetConfigPlan;
 pub use ema_plan::{EmaDecay, EmaDevice, EmaPlan, DEFAULT_EMA_UPDATE_INTERVAL};
 pub use embedding_plan::{CaptionTemplate, EmbeddingPlan};
 pub use error::{ConfigError, UnsupportedKey};

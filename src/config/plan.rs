@@ -200,8 +200,9 @@ impl TrainPlan {
         overrides: &[String],
         set_args: &std::collections::HashMap<String, String>,
     ) -> Result<TrainPlan, ConfigError> {
-        let file = TrainFile::from_object(obj, train_path, set_args)?;
+        let mut file = TrainFile::from_object(obj, train_path, set_args)?;
         let ctx = Ctx::new(train_path);
+        let dataset_config = super::dataset_config::apply_dataset_config(&mut file, &ctx)?;
         let (max_epochs, max_steps) = resolve_stop(&file, &ctx)?;
         let train_lr = ctx.opt_positive("lr", file.lr, "greater than 0")?;
         let (optimizer, text_encoder_freeze) = resolve_optimizer(&file, &ctx, train_lr)?;
@@ -271,7 +272,7 @@ impl TrainPlan {
             )?,
             log_step: ctx.at_least("log_step", file.log_step, DEFAULT_LOG_STEP, 1)?,
             tensorboard: resolve_log_with(&file, &ctx)?,
-            data: resolve_data(&file, &ctx, text_encoder_trains)?,
+            data: resolve_data(&file, &ctx, text_encoder_trains, dataset_config)?,
             objective: resolve_objective(&file, &ctx)?,
             train_text_encoder,
             train_unet,

@@ -16,9 +16,12 @@ impl fmt::Display for TrainPlan {
         row(f, "model", &self.model)?;
         row(f, "mode", &self.mode_text())?;
         let d = &self.data;
-        match &d.layout {
-            crate::data::DataLayout::Everydream => row(f, "data_root", &d.data_root.display())?,
-            crate::data::DataLayout::Kohya { caption_extension } => row(
+        match (&d.dataset_config, &d.layout) {
+            (Some(config), _) => fmt_dataset_config(f, config)?,
+            (None, crate::data::DataLayout::Everydream) => {
+                row(f, "data_root", &d.data_root.display())?
+            }
+            (None, crate::data::DataLayout::Kohya { caption_extension }) => row(
                 f,
                 "data_root",
                 &format!(
@@ -54,14 +57,17 @@ impl fmt::Display for TrainPlan {
             .map_or("model's native".to_string(), |r| format!("{r} px"));
         row(f, "resolution", &resolution)?;
         row(f, "aspect buckets", &self.buckets_text())?;
-        row(
-            f,
-            "augmentation",
-            &format!(
+        let augmentation = match d.dataset_config {
+            Some(_) => format!(
+                "each subset's flips and captions (above), crop_jitter {}",
+                d.crop_jitter
+            ),
+            None => format!(
                 "flip_p {}, cond_dropout {}, shuffle_tags {}, crop_jitter {}",
                 d.flip_p, d.cond_dropout, d.shuffle_tags, d.crop_jitter
             ),
-        )?;
+        };
+        row(f, "augmentation", &augmentation)?;
         if d.caption_chunks > 1 {
             let tokens = 75 * d.caption_chunks;
             row(
@@ -168,9 +174,13 @@ impl TrainPlan {
         let Some(b) = &d.buckets else {
             return "off: centre-cropped squares".to_string();
         };
-        let sizes = match &b.aspects {
-            Some(a) => format!("{} sizes from aspects", a.len()),
-            None => match d.resolution {
+        let sizes = match (&b.aspects, b.kohya) {
+            (Some(a), _) => format!("{} sizes from aspects", a.len()),
+            (None, Some(k)) => format!(
+                "kohya's, sides {} to {} in steps of {}",
+                k.min, k.max, k.steps
+            ),
+            (None, None) => match d.resolution {
                 Some(r) if !crate::data::bucket::has_ed2_table(r) => {
                     format!("generated for {r} px (kohya's rule; EveryDream2 has no table)")
                 }
@@ -458,4 +468,67 @@ impl super::ObjectivePlan {
         parts.push(format!("train_sampler {:?}", self.train_sampler).to_lowercase());
         parts.join(", ")
     }
+}
+
+/// The dataset config's rows: the file, then one per subset with its images and settings.
+fn fmt_dataset_config(
+    f: &mut fmt::Formatter<'_>,
+    config: &super::DatasetConfigPlan,
+) -> fmt::Result {
+    use crate::data::kohya_subsets::SubsetSource;
+    row(
+        f,
+        "dataset_config",
+        &format!(
+            "{} (kohya's; {} subset{})",
+            config.file.display(),
+            config.subsets.len(),
+            if config.subsets.len() == 1 { "" } else { "s" }
+        ),
+    )?;
+    for s in &config.subsets {
+        let source = match &s.source {
+            SubsetSource::DreamBooth {
+                image_dir,
+                class_tokens,
+                caption_extension,
+            } => format!(
+                "{} (captions in {caption_extension}{})",
+                image_dir.display(),
+                class_tokens
+                    .as_deref()
+                    .map(|t| format!(", else \"{t}\""))
+                    .unwrap_or_default()
+            ),
+            SubsetSource::FineTuning { metadata_file, .. } => {
+                format!("{} (metadata)", metadata_file.display())
+            }
+        };
+        let c = &s.captions;
+        let mut notes = vec![format!("×{}", s.num_repeats)];
+        if s.is_reg {
+            notes.push(format!(
+                "regularization, loss × {}",
+                config.prior_loss_weight
+            ));
+        }
+        if c.shuffle {
+            notes.push(format!("shuffled after {} kept", c.keep_tokens));
+        }
+        if s.flip_p > 0.0 {
+            notes.push(format!("flip_p {}", s.flip_p));
+        }
+        if s.caption_dropout > 0.0 {
+            notes.push(format!("caption dropout {}", s.caption_dropout));
+        }
+        if c.tag_dropout > 0.0 {
+            notes.push(format!("tag dropout {}", c.tag_dropout));
+        }
+        row(
+            f,
+            "  subset",
+            &format!("{}: {source}: {}", s.name, notes.join(", ")),
+        )?;
+    }
+    Ok(())
 }

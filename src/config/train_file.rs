@@ -99,6 +99,20 @@ pub struct TrainFile {
     /// Leave out buckets wider or taller than this ratio (e.g. 2 keeps 2:1 … 1:2).
     #[serde(default)]
     pub max_aspect_ratio: Option<f64>,
+    /// kohya's bucket generation: the shortest and longest side, and the step between sizes.
+    #[serde(default)]
+    pub min_bucket_reso: Option<i64>,
+    #[serde(default)]
+    pub max_bucket_reso: Option<i64>,
+    #[serde(default)]
+    pub bucket_reso_steps: Option<i64>,
+    /// kohya's per-image buckets without upscaling (refused: sdtrain's buckets are fixed sizes).
+    #[serde(default)]
+    pub bucket_no_upscale: Option<bool>,
+    /// kohya's dataset config (`--dataset_config`): a TOML of datasets and subsets that names the
+    /// images instead of `data_root` (`crate::config::dataset_config`).
+    #[serde(default)]
+    pub dataset_config: Option<String>,
     /// Encode each image (and its flip) with the VAE once, before training.
     #[serde(default)]
     pub cache_latents: Option<bool>,

@@ -246,6 +246,28 @@ pub fn has_ed2_table(resolution: usize) -> bool {
 /// The ratio limit of generated buckets when none is set: ED2's tables reach about 4:1.
 pub const DEFAULT_MAX_RATIO: f64 = 4.0;
 
+/// kohya's `make_bucket_resolutions` (`library/model_util.py`) for `min_bucket_reso`,
+/// `max_bucket_reso` and `bucket_reso_steps`: the square of side `⌊resolution / steps⌋·steps`,
+/// and for each width `w` from `min` to `max` in `steps`, the height
+/// `min(max, ⌊resolution² / w / steps⌋·steps)` when it is at least `min`, with its transpose;
+/// sorted by `(width, height)`, without repeats.
+pub fn kohya_buckets(resolution: usize, min: usize, max: usize, steps: usize) -> Vec<Bucket> {
+    let area = resolution * resolution;
+    let mut sizes = std::collections::BTreeSet::new();
+    let side = (area as f64).sqrt() as usize / steps * steps;
+    sizes.insert((side, side));
+    let mut width = min;
+    while width <= max && steps > 0 {
+        let height = max.min(area / width / steps * steps);
+        if height >= min {
+            sizes.insert((width, height));
+            sizes.insert((height, width));
+        }
+        width += steps;
+    }
+    sizes.into_iter().map(|(w, h)| Bucket::new(w, h)).collect()
+}
+
 /// The buckets for `resolution` on a model whose sides must be multiples of `step`: ED2's table
 /// when it has one (and `step` divides 64), else generated (see the module header). Buckets wider
 /// or taller than `max_ratio`:1 are left out; the square always stays. In ED2's order: the square,

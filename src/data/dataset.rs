@@ -210,7 +210,9 @@ pub fn load_dataset(
     )
 }
 
-fn load_records(
+/// Reads the headers of `records` (images of several folders, such as a dataset config's
+/// subsets), skipping (and reporting) files that fail; errors name `key` and `root`.
+pub fn load_records(
     records: &[ImageRecord],
     show_progress: bool,
     key: &'static str,

@@ -38,6 +38,33 @@ pub struct KohyaCaptions {
     pub token_warmup: Option<TokenWarmup>,
 }
 
+/// The caption settings of one subset of a kohya dataset config (`[[datasets.subsets]]`,
+/// `crate::data::kohya_subsets`), which its images train with instead of train.json's:
+/// kohya's `process_caption` as it is. Unlike train.json's `keep_tags` (which counts after the
+/// main prompt, always kept), `keep_tokens` counts from the first piece, so 0 shuffles every
+/// piece; pieces are split on `separator` (kohya's `caption_separator`).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct SubsetCaptions {
+    /// `shuffle_caption`.
+    pub shuffle: bool,
+    pub keep_tokens: usize,
+    /// `caption_separator` (kohya's default `,`).
+    pub separator: String,
+    /// `caption_tag_dropout_rate`.
+    pub tag_dropout: f64,
+    pub keys: KohyaCaptions,
+}
+
+impl SubsetCaptions {
+    /// Whether a caption can change from step to step (so the text cache cannot hold it).
+    pub fn per_step(&self) -> bool {
+        self.shuffle
+            || self.tag_dropout > 0.0
+            || self.keys.wildcard
+            || self.keys.token_warmup.is_some()
+    }
+}
+
 /// kohya's token warmup.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct TokenWarmup {
@@ -134,8 +161,20 @@ pub fn split_kept(
     caption: &str,
     separator: &str,
 ) -> Option<(Vec<String>, Vec<String>, Vec<String>)> {
+    split_kept_on(caption, separator, CAPTION_SEPARATOR)
+}
+
+/// [`split_kept`] with the tags split on `caption_separator` (a dataset config subset's).
+pub fn split_kept_on(
+    caption: &str,
+    separator: &str,
+    caption_separator: &str,
+) -> Option<(Vec<String>, Vec<String>, Vec<String>)> {
+    if separator.is_empty() {
+        return None;
+    }
     let tags = |s: &str| -> Vec<String> {
-        s.split(CAPTION_SEPARATOR)
+        s.split(caption_separator)
             .map(str::trim)
             .filter(|t| !t.is_empty())
             .map(str::to_string)
@@ -151,8 +190,14 @@ pub fn split_kept(
 
 /// Step 3.
 pub fn replace_secondary(caption: &str, separator: Option<&str>) -> String {
-    match separator {
-        Some(s) => caption.replace(s, CAPTION_SEPARATOR),
+    replace_secondary_with(caption, separator, CAPTION_SEPARATOR)
+}
+
+/// Step 3 for a dataset config subset: the secondary separator becomes its
+/// `caption_separator`.
+pub fn replace_secondary_with(caption: &str, separator: Option<&str>, with: &str) -> String {
+    match separator.filter(|s| !s.is_empty()) {
+        Some(s) => caption.replace(s, with),
         None => caption.to_string(),
     }
 }

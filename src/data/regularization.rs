@@ -73,6 +73,17 @@ pub fn add_regularization(
     prior_loss_weight: f64,
 ) -> RegularizationSummary {
     let train_samples: f64 = train.items.iter().map(|i| i.multiplier).sum();
+    add_regularization_against(train, reg, prior_loss_weight, train_samples)
+}
+
+/// [`add_regularization`] balanced against `train_samples` (a dataset config's dataset: its own
+/// training samples, not all of `train`'s).
+pub fn add_regularization_against(
+    train: &mut LoadedDataset,
+    reg: LoadedDataset,
+    prior_loss_weight: f64,
+    train_samples: f64,
+) -> RegularizationSummary {
     let own: Vec<f64> = reg.items.iter().map(|i| i.multiplier).collect();
     let repeats = balance(&own, train_samples);
     let images = reg.items.len();

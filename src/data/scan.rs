@@ -312,6 +312,7 @@ fn resolve_item(image: &Path, mut cfg: ImageConfig) -> Result<(String, ItemOptio
             .max_caption_length
             .unwrap_or(image_config::DEFAULT_MAX_CAPTION_LENGTH),
         prior_loss_weight: None,
+        subset_captions: None,
     };
     Ok((caption, options))
 }

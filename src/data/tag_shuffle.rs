@@ -19,6 +19,9 @@
 //! SHUFFLING_TAGS.md describe it. EveryDream2's code computes `min(keep_tags, 0)`, which is 0 for
 //! every positive N, so there `keep_tags` never keeps anything.
 
+use std::sync::Arc;
+
+use super::kohya_caption::SubsetCaptions;
 use super::py_random::PyRandom;
 
 /// What one image brings besides its pixels: its caption's parts and its own settings, from its
@@ -41,6 +44,9 @@ pub struct ItemOptions {
     /// `Some(w)` for a regularization image (`reg_data_root`): its loss is weighed by `w`
     /// (kohya's `prior_loss_weight`, [`super::regularization`]).
     pub prior_loss_weight: Option<f64>,
+    /// The caption settings of the kohya dataset-config subset the image comes from, which
+    /// replace train.json's caption keys for it (`crate::data::kohya_subsets`).
+    pub subset_captions: Option<Arc<SubsetCaptions>>,
 }
 
 impl Default for ItemOptions {
@@ -55,6 +61,7 @@ impl Default for ItemOptions {
             tag_weights: None,
             max_caption_length: super::image_config::DEFAULT_MAX_CAPTION_LENGTH,
             prior_loss_weight: None,
+            subset_captions: None,
         }
     }
 }

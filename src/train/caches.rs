@@ -74,7 +74,11 @@ fn text_encoder_cache(
     let items = &feed.dataset.items;
     let dropped = plan.data.cond_dropout > 0.0
         || plan.data.kohya_captions.dropout_every_n_epochs > 0
-        || items.iter().any(|i| i.options.cond_dropout > Some(0.0));
+        || items.iter().any(|i| {
+            let epochs = i.options.subset_captions.as_ref();
+            i.options.cond_dropout > Some(0.0)
+                || epochs.is_some_and(|c| c.keys.dropout_every_n_epochs > 0)
+        });
     if dropped {
         // What cond_dropout (and caption_dropout_every_n_epochs) replaces a caption with.
         captions.push("");

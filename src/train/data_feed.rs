@@ -14,7 +14,7 @@ use anyhow::bail;
 
 use super::latent_cache::LatentStore;
 use super::step::{step_seeds, SampleData};
-use crate::config::{BucketPlan, DataPlan};
+use crate::config::{BucketPlan, DataPlan, KohyaBucketRange};
 use crate::data::epoch_plan::{bucket_counts, epoch_batches_rated, BucketCount};
 use crate::data::mask::MaskSource;
 use crate::data::prefetch::{DecodeSettings, Prefetcher, SampleJob};
@@ -50,7 +50,10 @@ pub fn bucket_list(
             }
             out
         }
-        None => aspect_buckets(resolution, step, plan.max_ratio),
+        None => match plan.kohya {
+            Some(range) => kohya_bucket_list(range, resolution, step)?,
+            None => aspect_buckets(resolution, step, plan.max_ratio),
+        },
     };
     if let Some(r) = plan.max_ratio {
         buckets.retain(|b| b.ratio() <= r + 1e-9);
@@ -59,6 +62,29 @@ pub fn bucket_list(
         }
     }
     Ok(buckets)
+}
+
+/// kohya's generated sizes ([`crate::data::bucket::kohya_buckets`]), after kohya's check that
+/// the resolution lies within the range, each a size the model takes.
+fn kohya_bucket_list(
+    range: KohyaBucketRange,
+    resolution: usize,
+    step: usize,
+) -> anyhow::Result<Vec<Bucket>> {
+    let KohyaBucketRange { min, max, steps } = range;
+    if resolution < min || resolution > max {
+        bail!(
+            "min_bucket_reso {min} and max_bucket_reso {max} must hold the resolution              {resolution} (kohya's rule)"
+        );
+    }
+    if steps % step != 0 {
+        bail!(
+            "bucket_reso_steps {steps} does not fit this model: its sides must be multiples of              {step}"
+        );
+    }
+    Ok(crate::data::bucket::kohya_buckets(
+        resolution, min, max, steps,
+    ))
 }
 
 /// Each item's bucket: the nearest by aspect.
@@ -397,11 +423,13 @@ mod tests {
         let ed2 = BucketPlan {
             aspects: None,
             max_ratio: None,
+            kohya: None,
         };
         assert_eq!(bucket_list(Some(&ed2), 512, 64).unwrap().len(), 11);
         let given = BucketPlan {
             aspects: Some(vec![(64, 64), (128, 32)]),
             max_ratio: Some(2.0),
+            kohya: None,
         };
         assert_eq!(
             bucket_list(Some(&given), 64, 8).unwrap(),
@@ -410,6 +438,7 @@ mod tests {
         let misaligned = BucketPlan {
             aspects: Some(vec![(60, 64)]),
             max_ratio: None,
+            kohya: None,
         };
         let err = bucket_list(Some(&misaligned), 64, 8)
             .unwrap_err()

@@ -322,6 +322,8 @@ fn dataset(f: &RunFacts<'_>, m: &mut BTreeMap<String, String>) {
     put("ss_dataset_dirs", dataset_dirs(&dirs).dumps());
     let reg_dirs = match (f.regularization, &d.regularization) {
         (Some(summary), Some(plan)) => folders(&summary.own, &plan.data_root),
+        // A dataset config's `is_reg` subsets.
+        (Some(summary), None) => folders(&summary.own, &d.data_root),
         _ => Vec::new(),
     };
     put("ss_reg_dataset_dirs", dataset_dirs(&reg_dirs).dumps());

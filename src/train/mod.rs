@@ -6,6 +6,7 @@ mod cache_share;
 mod caches;
 pub mod checkpoint_choice;
 mod class_images;
+mod config_subsets;
 pub mod data_feed;
 pub mod data_parallel;
 #[cfg(test)]

@@ -469,8 +469,18 @@ fn load_data(
     show_progress: bool,
 ) -> anyhow::Result<(DataFeed, Option<Validation>)> {
     let data = &plan.data;
-    let source = data_source("data_root", &data.data_root, data);
-    let mut dataset = load_source(&source, show_progress)?;
+    let (mut dataset, config_reg) = match &data.dataset_config {
+        Some(config) => {
+            let mut images =
+                super::config_subsets::load_subsets(config, data.max_image_pixels, show_progress)?;
+            let reg = images.take_regularization();
+            (images.train, Some((reg, config.prior_loss_weight)))
+        }
+        None => {
+            let source = data_source("data_root", &data.data_root, data);
+            (load_source(&source, show_progress)?, None)
+        }
+    };
     let align = model.sd.vae_scale << model.sd.unet.config.num_downsamples();
     let bucket_list = data_feed::bucket_list(data.buckets.as_ref(), model.resolution, align)?;
     let mut validation = hold_out_validation(plan, &mut dataset, data_seed, &bucket_list)?;
@@ -485,9 +495,17 @@ fn load_data(
             data.data_root.display(),
         );
     }
-    let regularization = match &data.regularization {
-        Some(reg) => Some(load_regularization(reg, data, &mut dataset, show_progress)?),
-        None => None,
+    let regularization = match (&data.regularization, config_reg) {
+        (Some(reg), _) => Some(load_regularization(reg, data, &mut dataset, show_progress)?),
+        (None, Some((sets, weight))) => {
+            let summary =
+                super::config_subsets::add_config_regularization(&mut dataset, sets, weight);
+            if let Some(s) = &summary {
+                crate::console::say(format_args!("{}", s.describe(weight)));
+            }
+            summary
+        }
+        (None, None) => None,
     };
     let buckets = data_feed::assign(&dataset.items, &bucket_list);
     let masks = plan.objective.loss.mask.map(|m| m.source);
@@ -535,6 +553,17 @@ fn prepare_captions(items: &mut [ImageMeta], data: &DataPlan) {
         data.shuffle_tags || data.tag_dropout > 0.0 || k.wildcard || k.token_warmup.is_some();
     let secondary = k.secondary_separator.as_deref().filter(|_| !per_step);
     for item in items {
+        // A dataset config's subset: its own affixes are on already.
+        if let Some(rules) = item.options.subset_captions.clone() {
+            if !rules.per_step() {
+                item.caption = crate::data::kohya_caption::replace_secondary_with(
+                    &item.caption,
+                    rules.keys.secondary_separator.as_deref(),
+                    &rules.separator,
+                );
+            }
+            continue;
+        }
         item.add_affixes(prefix, suffix);
         if secondary.is_some() {
             item.caption = crate::data::kohya_caption::replace_secondary(&item.caption, secondary);

@@ -10,9 +10,12 @@
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-use super::step::StepSettings;
+use super::step::{CaptionClock, StepSettings};
 use crate::data::augment;
-use crate::data::kohya_caption::{expand_wildcards, replace_secondary, split_kept};
+use crate::data::kohya_caption::{
+    expand_wildcards, replace_secondary, replace_secondary_with, split_kept, split_kept_on,
+    SubsetCaptions,
+};
 use crate::data::py_random::PyRandom;
 use crate::data::tag_shuffle::{drop_tags, shuffled_caption, shuffled_tags};
 use crate::data::ItemOptions;
@@ -26,6 +29,9 @@ pub(super) fn step_caption<R: Rng>(
 ) -> String {
     let dropout = own.cond_dropout.unwrap_or(settings.cond_dropout);
     let caption = augment::cond_dropout(caption, dropout, rng);
+    if let Some(rules) = own.subset_captions.as_deref() {
+        return subset_caption(caption, rules, settings.clock, rng);
+    }
     let kohya = settings.kohya_captions;
     // kohya's `caption_dropout_every_n_epochs`, after the dropout's draw.
     let epoch_drops = settings
@@ -64,6 +70,51 @@ pub(super) fn step_caption<R: Rng>(
         }
     };
     replace_secondary(&out, kohya.and_then(|k| k.secondary_separator.as_deref()))
+}
+
+/// A dataset-config subset's caption after the dropout draw: kohya's `process_caption` with the
+/// subset's own settings (`keep_tokens` counting from the first piece, pieces split on its
+/// `caption_separator` and kept even when empty, as kohya keeps them), drawing as
+/// [`step_caption`] does.
+fn subset_caption<R: Rng>(
+    caption: &str,
+    rules: &SubsetCaptions,
+    clock: CaptionClock,
+    rng: &mut R,
+) -> String {
+    let keys = &rules.keys;
+    let epoch_drops = clock.epoch.is_some_and(|e| keys.drops_epoch(e));
+    let caption = if epoch_drops { "" } else { caption };
+    let caption = match keys.wildcard {
+        true => expand_wildcards(caption, &mut StdRng::seed_from_u64(rng.random::<u64>())),
+        false => caption.to_string(),
+    };
+    let warmup = keys.token_warmup;
+    let sep = rules.separator.as_str();
+    let out = if rules.shuffle || rules.tag_dropout > 0.0 || warmup.is_some() {
+        let kept = keys
+            .keep_tokens_separator
+            .as_deref()
+            .and_then(|s| split_kept_on(&caption, s, sep));
+        let (fixed, mut flex, suffix) = kept.unwrap_or_else(|| {
+            let pieces: Vec<String> = caption
+                .trim()
+                .split(sep)
+                .map(|t| t.trim().to_string())
+                .collect();
+            let keep = rules.keep_tokens.min(pieces.len());
+            (pieces[..keep].to_vec(), pieces[keep..].to_vec(), Vec::new())
+        });
+        if let Some(n) = warmup.and_then(|w| w.tags_at(flex.len(), clock.step, clock.total_steps)) {
+            flex.truncate(n);
+        }
+        let flex = shuffled_and_dropped(flex, rules.shuffle, rules.tag_dropout, rng);
+        let all: Vec<String> = fixed.into_iter().chain(flex).chain(suffix).collect();
+        all.join(", ")
+    } else {
+        caption
+    };
+    replace_secondary_with(&out, keys.secondary_separator.as_deref(), sep)
 }
 
 /// kohya's token warmup on a caption without the keep separator: its pieces trimmed, the first

@@ -1,0 +1,777 @@
+//! `dataset_config`: kohya's dataset config (`--dataset_config`, a TOML file of `[general]`,
+//! `[[datasets]]` and `[[datasets.subsets]]`), resolved as kohya's `BlueprintGenerator` does:
+//! each setting of a subset is its own, else its dataset's, else `[general]`'s, else train.json's
+//! (where kohya reads its command line), else kohya's default. Its shape:
+//! [`super::dataset_config_schema`]; its images: `crate::data::kohya_subsets`.
+//!
+//! - Subset settings (repeats, captions, flips, regularization) are per subset: each image trains
+//!   with its own subset's.
+//! - Dataset settings (`resolution`, `batch_size`, `enable_bucket`, `min_bucket_reso`,
+//!   `max_bucket_reso`, `bucket_reso_steps`, `validation_split`) take the place of train.json's.
+//!   sdtrain trains one resolution, batch size and bucket set per run, so datasets that set
+//!   different values are refused, saying which; kohya keeps such datasets apart.
+//! - As in kohya, train.json's `data_root` and `reg_data_root` are not read beside a dataset
+//!   config (a warning says so); `is_reg` subsets are the regularization images, balanced within
+//!   their dataset and weighed by train.json's `prior_loss_weight`.
+//! - What sdtrain cannot do is refused with the reason: `color_aug`, `random_crop`,
+//!   `face_crop_aug_range`, `bucket_no_upscale`, a `network_multiplier` other than 1 and ControlNet
+//!   subsets. `cache_info` (a loading cache) changes nothing; `custom_attributes`,
+//!   `resize_interpolation` and `validation_seed` are not used, with a warning.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use serde::Serialize;
+
+use super::ctx::Ctx;
+use super::dataset_config_schema::{check, Chain, TomlCtx};
+use super::error::ConfigError;
+use super::train_file::TrainFile;
+use crate::data::kohya_caption::{KohyaCaptions, SubsetCaptions, TokenWarmup, CAPTION_SEPARATOR};
+use crate::data::kohya_layout::DEFAULT_CAPTION_EXTENSION;
+use crate::data::kohya_subsets::{KohyaSubset, SubsetSource};
+
+/// kohya's `flip_aug`: half the samples flipped.
+const FLIP_AUG_P: f64 = 0.5;
+
+/// The dataset config as resolved.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct DatasetConfigPlan {
+    /// Absolute path of the TOML file.
+    pub file: PathBuf,
+    /// Its subsets in file order, without those kohya skips (`num_repeats` below 1).
+    pub subsets: Vec<KohyaSubset>,
+    /// The `is_reg` subsets' loss weight (train.json's `prior_loss_weight`, kohya's).
+    pub prior_loss_weight: f64,
+}
+
+impl DatasetConfigPlan {
+    /// Whether some subset's captions change from step to step (the text cache cannot hold
+    /// them), and which of its settings does it.
+    pub fn per_step_captions(&self) -> Option<super::data_plan::TextCacheOff> {
+        use super::data_plan::TextCacheOff;
+        self.subsets.iter().find_map(|s| {
+            let c = &s.captions;
+            match () {
+                _ if c.shuffle => Some(TextCacheOff::ShuffleTags),
+                _ if c.tag_dropout > 0.0 => Some(TextCacheOff::TagDropout),
+                _ if c.keys.wildcard => Some(TextCacheOff::Wildcard),
+                _ if c.keys.token_warmup.is_some() => Some(TextCacheOff::TokenWarmup),
+                _ => None,
+            }
+        })
+    }
+}
+
+/// Reads train.json's `dataset_config`, when set, and writes the dataset settings it gives into
+/// `file` (over train.json's own), as kohya's config overrides its command line.
+pub(super) fn apply_dataset_config(
+    file: &mut TrainFile,
+    ctx: &Ctx<'_>,
+) -> Result<Option<DatasetConfigPlan>, ConfigError> {
+    let Some(raw) = file.dataset_config.clone() else {
+        return Ok(None);
+    };
+    let path = ctx.input_path("dataset_config", &raw)?;
+    if !path.is_file() {
+        return Err(ctx.invalid(
+            "dataset_config",
+            format!(
+                "{} is not a file (kohya's dataset config, a .toml)",
+                path.display()
+            ),
+        ));
+    }
+    let text = crate::text_file::read_unicode(&path).map_err(|e| match e {
+        crate::text_file::TextFileError::Io { path, source } => {
+            ConfigError::Read { file: path, source }
+        }
+        crate::text_file::TextFileError::Encoding { path, reason } => {
+            ConfigError::Encoding { file: path, reason }
+        }
+    })?;
+    let cx = TomlCtx { file: &path };
+    let checked = check(&text, &cx)?;
+    let base = path.parent().unwrap_or(Path::new("")).to_path_buf();
+    let mut ignored = BTreeSet::new();
+    let mut run: Option<(RunKeys, String)> = None;
+    let mut subsets = Vec::new();
+    let mut alpha: Option<(bool, String)> = None;
+    for (i, (dataset, tables)) in checked.datasets.iter().enumerate() {
+        let at = format!("datasets[{i}]");
+        let chain = Chain {
+            levels: vec![(dataset, at.clone()), (&checked.general, "general".into())],
+        };
+        let keys = run_keys(&chain, &cx, &mut ignored)?;
+        match &run {
+            None => run = Some((keys, at.clone())),
+            Some((first, first_at)) => same_run_keys(first, first_at, &keys, &at, &cx)?,
+        }
+        check_kind_mix(tables, &at, &cx)?;
+        for (j, table) in tables.iter().enumerate() {
+            let name = format!("{at}.subsets[{j}]");
+            let chain = Chain {
+                levels: vec![
+                    (table, name.clone()),
+                    (dataset, at.clone()),
+                    (&checked.general, "general".into()),
+                ],
+            };
+            let mask = table.get("alpha_mask").and_then(|v| v.as_bool());
+            let mask = mask.unwrap_or(file.alpha_mask.unwrap_or(false));
+            match &alpha {
+                Some((first, first_at)) if *first != mask => {
+                    return Err(cx.invalid(
+                        &format!("{name}.alpha_mask"),
+                        format!(
+                            "is {mask} but {first_at}'s is {first}: sdtrain takes loss masks \
+                             for the whole run, so every subset must agree"
+                        ),
+                    ))
+                }
+                Some(_) => {}
+                None => alpha = Some((mask, name.clone())),
+            }
+            let sub = SubsetInput {
+                chain: &chain,
+                file,
+                cx: &cx,
+                base: &base,
+                name,
+                dataset: i,
+            };
+            if let Some(s) = resolve_subset(&sub, &mut ignored)? {
+                subsets.push(s);
+            }
+        }
+    }
+    if !subsets.iter().any(|s| !s.is_reg) {
+        return Err(cx.invalid(
+            "datasets",
+            "has no training subset: every subset is `is_reg` or has `num_repeats` below 1".into(),
+        ));
+    }
+    if let Some((keys, _)) = run {
+        keys.write_into(file);
+    }
+    if alpha.is_some_and(|(a, _)| a) {
+        file.alpha_mask = Some(true);
+    }
+    warn_ignored(&path, file, &ignored);
+    let prior_loss_weight = file
+        .prior_loss_weight
+        .unwrap_or(super::regularization_plan::DEFAULT_PRIOR_LOSS_WEIGHT);
+    if !(prior_loss_weight.is_finite() && prior_loss_weight >= 0.0) {
+        return Err(ctx.invalid(
+            "prior_loss_weight",
+            format!("must be a finite number ≥ 0 (got {prior_loss_weight})"),
+        ));
+    }
+    Ok(Some(DatasetConfigPlan {
+        file: path,
+        subsets,
+        prior_loss_weight,
+    }))
+}
+
+/// One warning for the keys that are read but change nothing here, and train.json's folders
+/// that the config replaces.
+fn warn_ignored(path: &Path, file: &TrainFile, ignored: &BTreeSet<String>) {
+    let replaced: Vec<&str> = [
+        ("data_root", file.data_root.is_some()),
+        ("reg_data_root", file.reg_data_root.is_some()),
+        ("data_layout", file.data_layout.is_some()),
+    ]
+    .iter()
+    .filter(|(_, set)| *set)
+    .map(|(k, _)| *k)
+    .collect();
+    if !replaced.is_empty() {
+        crate::console::say(format_args!(
+            "note: train.json's {} not read: the dataset config {} names the images (as kohya \
+             ignores train_data_dir and reg_data_dir beside --dataset_config)",
+            replaced.join(", "),
+            path.display()
+        ));
+    }
+    if !ignored.is_empty() {
+        let list: Vec<&str> = ignored.iter().map(String::as_str).collect();
+        crate::console::say(format_args!(
+            "warning: dataset config {}: not used by sdtrain: {} (custom_attributes serve other \
+             models; images are resized with sdtrain's own filter; the validation split is \
+             drawn from the run's seed)",
+            path.display(),
+            list.join(", ")
+        ));
+    }
+}
+
+/// What a dataset sets for the run, each with the field that set it.
+#[derive(Debug, Default)]
+struct RunKeys {
+    values: Vec<(&'static str, RunValue, String)>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+enum RunValue {
+    Int(i64),
+    Bool(bool),
+    Number(f64),
+}
+
+impl std::fmt::Display for RunValue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RunValue::Int(v) => write!(f, "{v}"),
+            RunValue::Bool(v) => write!(f, "{v}"),
+            RunValue::Number(v) => write!(f, "{v}"),
+        }
+    }
+}
+
+impl RunKeys {
+    fn get(&self, key: &str) -> Option<(&RunValue, &str)> {
+        self.values
+            .iter()
+            .find(|(k, ..)| *k == key)
+            .map(|(_, v, at)| (v, at.as_str()))
+    }
+
+    fn write_into(&self, file: &mut TrainFile) {
+        for (key, value, _) in &self.values {
+            match (*key, value) {
+                ("resolution", RunValue::Int(v)) => file.resolution = Some(*v),
+                ("batch_size", RunValue::Int(v)) => file.batch_size = Some(*v),
+                ("enable_bucket", RunValue::Bool(v)) => file.enable_bucket = Some(*v),
+                ("min_bucket_reso", RunValue::Int(v)) => file.min_bucket_reso = Some(*v),
+                ("max_bucket_reso", RunValue::Int(v)) => file.max_bucket_reso = Some(*v),
+                ("bucket_reso_steps", RunValue::Int(v)) => file.bucket_reso_steps = Some(*v),
+                ("validation_split", RunValue::Number(v)) => file.validation_split = Some(*v),
+                _ => {}
+            }
+        }
+    }
+}
+
+/// The run keys `[[datasets]]` entry (with `[general]` under it) sets, checked.
+fn run_keys(
+    chain: &Chain<'_>,
+    cx: &TomlCtx<'_>,
+    ignored: &mut BTreeSet<String>,
+) -> Result<RunKeys, ConfigError> {
+    let mut keys = RunKeys::default();
+    if let Some((v, at)) = chain.get("resolution") {
+        let side = match (v.as_integer(), v.as_array()) {
+            (Some(r), _) => r,
+            (None, Some(pair)) => {
+                let (w, h) = (pair[0].as_integer(), pair[1].as_integer());
+                match (w, h) {
+                    (Some(w), Some(h)) if w == h => w,
+                    _ => {
+                        return Err(cx.invalid(
+                            &at,
+                            format!(
+                                "is {}: sdtrain's buckets hold about resolution² pixels, so \
+                                 give a square size (one number, such as 512)",
+                                super::dataset_config_schema::shown(v)
+                            ),
+                        ))
+                    }
+                }
+            }
+            _ => unreachable!("checked by the schema"),
+        };
+        if !((64..=4096).contains(&side) && side % 64 == 0) {
+            return Err(cx.invalid(
+                &at,
+                format!("must be a multiple of 64 between 64 and 4096 (got {side})"),
+            ));
+        }
+        keys.values.push(("resolution", RunValue::Int(side), at));
+    }
+    for key in [
+        "batch_size",
+        "min_bucket_reso",
+        "max_bucket_reso",
+        "bucket_reso_steps",
+    ] {
+        if let Some((v, at)) = chain.int(key) {
+            if v < 1 {
+                return Err(cx.invalid(&at, format!("must be at least 1 (got {v})")));
+            }
+            keys.values.push((key, RunValue::Int(v), at));
+        }
+    }
+    if let Some((v, at)) = chain.bool("enable_bucket") {
+        keys.values.push(("enable_bucket", RunValue::Bool(v), at));
+    }
+    if let Some((v, at)) = chain.number("validation_split") {
+        if !(0.0..1.0).contains(&v) {
+            return Err(cx.invalid(&at, format!("must be at least 0 and below 1 (got {v})")));
+        }
+        if v > 0.0 {
+            keys.values
+                .push(("validation_split", RunValue::Number(v), at));
+        }
+    }
+    if let Some((true, at)) = chain.bool("bucket_no_upscale") {
+        return Err(cx.invalid(
+            &at,
+            "is not supported: sdtrain trains every image at one of the run's bucket sizes \
+             (small images are scaled up); set it to false"
+                .into(),
+        ));
+    }
+    if let Some((m, at)) = chain.number("network_multiplier") {
+        if m != 1.0 {
+            return Err(cx.invalid(
+                &at,
+                format!(
+                    "is {m}: sdtrain trains every dataset at the adapter's full strength; a \
+                     multiplier other than 1 is not supported"
+                ),
+            ));
+        }
+    }
+    if let Some((_, at)) = chain.get("validation_seed") {
+        ignored.insert(at);
+    }
+    Ok(keys)
+}
+
+/// Datasets must agree on the run keys.
+fn same_run_keys(
+    first: &RunKeys,
+    first_at: &str,
+    keys: &RunKeys,
+    at: &str,
+    cx: &TomlCtx<'_>,
+) -> Result<(), ConfigError> {
+    let names = first.values.iter().chain(&keys.values).map(|(k, ..)| *k);
+    for key in names {
+        let (a, b) = (first.get(key), keys.get(key));
+        if a.map(|x| x.0) != b.map(|x| x.0) {
+            let show =
+                |v: Option<(&RunValue, &str)>| v.map_or("not set".into(), |v| v.0.to_string());
+            return Err(cx.invalid(
+                &b.map_or(format!("{at}.{key}"), |v| v.1.to_string()),
+                format!(
+                    "is {} but {first_at}'s is {}: sdtrain trains one resolution, batch size \
+                     and bucket set per run, so every dataset must agree (train them as separate \
+                     runs, or make them equal)",
+                    show(b),
+                    show(a)
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// kohya does not mix DreamBooth and fine-tuning subsets in one dataset.
+fn check_kind_mix(tables: &[toml::Table], at: &str, cx: &TomlCtx<'_>) -> Result<(), ConfigError> {
+    let ft = tables
+        .iter()
+        .filter(|t| t.contains_key("metadata_file"))
+        .count();
+    if ft > 0 && ft < tables.len() {
+        return Err(cx.invalid(
+            &format!("{at}.subsets"),
+            "mixes DreamBooth subsets (image_dir) with fine-tuning ones (metadata_file); kohya \
+             keeps them in separate datasets, so split them into two `[[datasets]]`"
+                .into(),
+        ));
+    }
+    Ok(())
+}
+
+/// What one subset is resolved from.
+struct SubsetInput<'a> {
+    chain: &'a Chain<'a>,
+    file: &'a TrainFile,
+    cx: &'a TomlCtx<'a>,
+    /// The TOML's folder: relative paths are looked up there first.
+    base: &'a Path,
+    name: String,
+    dataset: usize,
+}
+
+impl SubsetInput<'_> {
+    /// A path the config gives: beside the TOML when it exists there, else as written (from the
+    /// working directory, kohya's rule), absolute.
+    fn path(&self, raw: &str) -> PathBuf {
+        let raw = Path::new(raw);
+        let beside = self.base.join(raw);
+        let found = match raw.is_absolute() || !beside.exists() {
+            true => raw.to_path_buf(),
+            false => beside,
+        };
+        std::path::absolute(&found).unwrap_or(found)
+    }
+
+    fn fraction(&self, key: &str, fallback: Option<f64>) -> Result<f64, ConfigError> {
+        match self.chain.number(key) {
+            Some((v, at)) if !(0.0..=1.0).contains(&v) => Err(self
+                .cx
+                .invalid(&at, format!("must be between 0 and 1 (got {v})"))),
+            Some((v, _)) => Ok(v),
+            None => Ok(fallback.unwrap_or(0.0)),
+        }
+    }
+
+    fn count(&self, key: &str, fallback: Option<i64>, default: i64) -> Result<usize, ConfigError> {
+        match self.chain.int(key) {
+            Some((v, at)) if v < 0 => {
+                Err(self.cx.invalid(&at, format!("must be 0 or more (got {v})")))
+            }
+            Some((v, _)) => Ok(v as usize),
+            None => Ok(fallback.unwrap_or(default).max(0) as usize),
+        }
+    }
+}
+
+/// One subset, or `None` for one kohya skips (`num_repeats` below 1, with a warning).
+fn resolve_subset(
+    s: &SubsetInput<'_>,
+    ignored: &mut BTreeSet<String>,
+) -> Result<Option<KohyaSubset>, ConfigError> {
+    refuse_unsupported(s)?;
+    for key in ["custom_attributes", "resize_interpolation"] {
+        if let Some((_, at)) = s.chain.get(key) {
+            ignored.insert(at);
+        }
+    }
+    let repeats = s.chain.int("num_repeats").map_or(1, |(v, _)| v);
+    if repeats < 1 {
+        crate::console::say(format_args!(
+            "warning: dataset config {}: {} has num_repeats {repeats}, not used (as kohya)",
+            s.cx.file.display(),
+            s.name
+        ));
+        return Ok(None);
+    }
+    let source = subset_source(s)?;
+    let is_reg = s.chain.levels[0].0.get("is_reg").and_then(|v| v.as_bool()) == Some(true);
+    if is_reg && matches!(source, SubsetSource::FineTuning { .. }) {
+        return Err(s.cx.invalid(
+            &format!("{}.is_reg", s.name),
+            "applies to DreamBooth subsets (image_dir); a fine-tuning subset (metadata_file) \
+             holds no regularization images in kohya"
+                .into(),
+        ));
+    }
+    let f = s.file;
+    let flip_p = match s.chain.bool("flip_aug") {
+        Some((on, _)) => {
+            if on {
+                FLIP_AUG_P
+            } else {
+                0.0
+            }
+        }
+        None => s.file.flip_p.unwrap_or(0.0),
+    };
+    let text = |key: &str, fallback: &Option<String>| {
+        s.chain
+            .text(key)
+            .map(|(t, _)| t.to_string())
+            .or_else(|| fallback.clone())
+            .filter(|t| !t.is_empty())
+    };
+    Ok(Some(KohyaSubset {
+        name: s.name.clone(),
+        dataset: s.dataset,
+        source,
+        num_repeats: repeats as u64,
+        is_reg,
+        flip_p,
+        caption_dropout: s.fraction("caption_dropout_rate", f.cond_dropout)?,
+        caption_prefix: text("caption_prefix", &f.caption_prefix),
+        caption_suffix: text("caption_suffix", &f.caption_suffix),
+        captions: Arc::new(subset_captions(s)?),
+    }))
+}
+
+/// What sdtrain cannot train, refused with the reason.
+fn refuse_unsupported(s: &SubsetInput<'_>) -> Result<(), ConfigError> {
+    let refuse = |at: String, why: &str| Err(s.cx.invalid(&at, why.to_string()));
+    if let Some((true, at)) = s.chain.bool("color_aug") {
+        return refuse(
+            at,
+            "is not supported: sdtrain has no colour augmentation (kohya's random hue shift, \
+             which also rules out its latent cache); set it to false",
+        );
+    }
+    if let Some((true, at)) = s.chain.bool("random_crop") {
+        return refuse(
+            at,
+            "is not supported as kohya's random crop; sdtrain's is EveryDream2's `crop_jitter` \
+             in train.json. Set it to false",
+        );
+    }
+    if let Some((_, at)) = s.chain.get("face_crop_aug_range") {
+        return refuse(
+            at,
+            "is not supported: sdtrain does not crop around faces; remove it",
+        );
+    }
+    if let Some((_, at)) = s.chain.get("conditioning_data_dir") {
+        return refuse(
+            at,
+            "makes this a ControlNet subset, and sdtrain does not train ControlNet",
+        );
+    }
+    Ok(())
+}
+
+/// The subset's images: `image_dir` (DreamBooth) or `metadata_file` (fine-tuning).
+fn subset_source(s: &SubsetInput<'_>) -> Result<SubsetSource, ConfigError> {
+    let own = s.chain.levels[0].0;
+    let own_text = |key: &str| own.get(key).and_then(|v| v.as_str());
+    let field = |key: &str| format!("{}.{key}", s.name);
+    let image_dir = match own_text("image_dir") {
+        Some(raw) => {
+            let dir = s.path(raw);
+            if !dir.is_dir() {
+                let problem = if dir.exists() {
+                    "is not a folder"
+                } else {
+                    "does not exist"
+                };
+                return Err(s
+                    .cx
+                    .invalid(&field("image_dir"), format!("{} {problem}", dir.display())));
+            }
+            Some(dir)
+        }
+        None => None,
+    };
+    if let Some(raw) = own_text("metadata_file") {
+        for key in ["class_tokens", "caption_extension"] {
+            if let Some((_, at)) = s.chain.levels[..2]
+                .iter()
+                .find_map(|(t, at)| t.get(key).map(|v| (v, format!("{at}.{key}"))))
+            {
+                return Err(s.cx.invalid(
+                    &at,
+                    "applies to DreamBooth subsets (image_dir); a fine-tuning subset's captions \
+                     come from its metadata_file"
+                        .into(),
+                ));
+            }
+        }
+        let metadata_file = s.path(raw);
+        if !metadata_file.is_file() {
+            return Err(s.cx.invalid(
+                &field("metadata_file"),
+                format!(
+                    "{} is not a file (kohya's metadata .json or .jsonl)",
+                    metadata_file.display()
+                ),
+            ));
+        }
+        return Ok(SubsetSource::FineTuning {
+            metadata_file,
+            image_dir,
+        });
+    }
+    let Some(image_dir) = image_dir else {
+        return Err(s.cx.invalid(
+            &field("image_dir"),
+            "is missing: a subset names its folder of images (or a metadata_file)".into(),
+        ));
+    };
+    let ext = match s.chain.text("caption_extension") {
+        Some((e, at)) => extension(e, &at, s.cx)?,
+        None => match s.file.caption_extension.as_deref() {
+            Some(e) => extension(e, "caption_extension", s.cx)?,
+            None => DEFAULT_CAPTION_EXTENSION.to_string(),
+        },
+    };
+    Ok(SubsetSource::DreamBooth {
+        image_dir,
+        class_tokens: s.chain.text("class_tokens").map(|(t, _)| t.to_string()),
+        caption_extension: ext,
+    })
+}
+
+/// A caption extension with its leading dot (kohya adds none; ".txt" and "txt" both mean the
+/// `.txt` file here).
+fn extension(raw: &str, at: &str, cx: &TomlCtx<'_>) -> Result<String, ConfigError> {
+    let e = raw.trim();
+    let bare = e.strip_prefix('.').unwrap_or(e);
+    if bare.is_empty() || bare.contains(['/', '\\', '\0']) {
+        return Err(cx.invalid(
+            at,
+            format!("must be a file extension such as \".txt\" or \".caption\" (got \"{raw}\")"),
+        ));
+    }
+    Ok(format!(".{bare}"))
+}
+
+/// The subset's caption settings.
+fn subset_captions(s: &SubsetInput<'_>) -> Result<SubsetCaptions, ConfigError> {
+    let f = s.file;
+    let separator = match s.chain.text("caption_separator") {
+        Some(("", at)) => return Err(s.cx.invalid(&at, "must not be empty".into())),
+        Some((sep, _)) => sep.to_string(),
+        None => CAPTION_SEPARATOR.to_string(),
+    };
+    let marker = |key: &str, fallback: &Option<String>| -> Result<Option<String>, ConfigError> {
+        let (value, at) = match s.chain.text(key) {
+            Some((v, at)) => (Some(v.to_string()), at),
+            None => (fallback.clone(), key.to_string()),
+        };
+        match value.filter(|v| !v.is_empty()) {
+            Some(v) if v == separator => Err(s.cx.invalid(
+                &at,
+                format!("is the caption separator {v:?}; it must be a marker of its own"),
+            )),
+            v => Ok(v),
+        }
+    };
+    let keep_sep = marker("keep_tokens_separator", &f.keep_tokens_separator)?;
+    let secondary = marker("secondary_separator", &f.secondary_separator)?;
+    if keep_sep.is_some() && keep_sep == secondary {
+        return Err(s.cx.invalid(
+            &format!("{}.secondary_separator", s.name),
+            "is the same as keep_tokens_separator; they mark different things".into(),
+        ));
+    }
+    let warmup_step = match s.chain.number("token_warmup_step") {
+        Some((v, at)) if !(v.is_finite() && v >= 0.0) => {
+            return Err(s.cx.invalid(
+                &at,
+                format!("must be 0 or more steps, or below 1 a fraction of the run (got {v})"),
+            ))
+        }
+        Some((v, _)) => v,
+        None => f.token_warmup_step.unwrap_or(0.0),
+    };
+    let token_warmup = (warmup_step > 0.0)
+        .then(|| -> Result<TokenWarmup, ConfigError> {
+            Ok(TokenWarmup {
+                min: s.count("token_warmup_min", f.token_warmup_min, 1)?,
+                steps: warmup_step,
+            })
+        })
+        .transpose()?;
+    Ok(SubsetCaptions {
+        shuffle: s
+            .chain
+            .bool("shuffle_caption")
+            .map_or(f.shuffle_tags.unwrap_or(false), |(v, _)| v),
+        // train.json's `keep_tags` counts after the main prompt, kohya's `keep_tokens` from it.
+        keep_tokens: s.count("keep_tokens", f.keep_tags.map(|k| k + 1), 0)?,
+        separator,
+        tag_dropout: s.fraction("caption_tag_dropout_rate", f.caption_tag_dropout_rate)?,
+        keys: KohyaCaptions {
+            keep_tokens_separator: keep_sep,
+            secondary_separator: secondary,
+            wildcard: s
+                .chain
+                .bool("enable_wildcard")
+                .map_or(f.enable_wildcard.unwrap_or(false), |(v, _)| v),
+            dropout_every_n_epochs: s.count(
+                "caption_dropout_every_n_epochs",
+                f.caption_dropout_every_n_epochs,
+                0,
+            )?,
+            token_warmup,
+        },
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn apply(toml: &str, file: &mut TrainFile) -> Result<DatasetConfigPlan, ConfigError> {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join("a")).unwrap();
+        std::fs::write(dir.path().join("d.toml"), toml).unwrap();
+        file.dataset_config = Some("d.toml".into());
+        let train = dir.path().join("train.json");
+        let plan = apply_dataset_config(file, &Ctx::new(&train))?;
+        Ok(plan.unwrap())
+    }
+
+    /// kohya's fallbacks: the subset, its dataset, `[general]`, then train.json (where kohya
+    /// reads its command line), then kohya's default; dataset keys replace train.json's. Catches
+    /// a level skipped or read in the wrong order, train.json's `keep_tags` taken as kohya's
+    /// `keep_tokens` (one fewer kept), EveryDream2's `cond_dropout` default (0.04) where kohya's
+    /// is 0, and the config's resolution or batch size lost.
+    #[test]
+    fn settings_fall_back_as_kohyas_and_dataset_keys_replace_train_json() {
+        let toml = "[general]\nkeep_tokens = 2\nresolution = 768\n\
+                    [[datasets]]\nbatch_size = 3\ncaption_dropout_rate = 0.2\n\
+                    [[datasets.subsets]]\nimage_dir = 'a'\n\
+                    [[datasets.subsets]]\nimage_dir = 'a'\nshuffle_caption = false\nflip_aug = false\nkeep_tokens = 0\n";
+        let mut file = TrainFile {
+            shuffle_tags: Some(true),
+            keep_tags: Some(4),
+            flip_p: Some(0.3),
+            resolution: Some(512),
+            ..TrainFile::default()
+        };
+        let plan = apply(toml, &mut file).unwrap();
+        let (a, b) = (&plan.subsets[0], &plan.subsets[1]);
+        assert_eq!((a.captions.shuffle, a.captions.keep_tokens), (true, 2));
+        assert_eq!((b.captions.shuffle, b.captions.keep_tokens), (false, 0));
+        assert_eq!((a.flip_p, b.flip_p), (0.3, 0.0));
+        assert_eq!((a.caption_dropout, b.caption_dropout), (0.2, 0.2));
+        assert_eq!((file.resolution, file.batch_size), (Some(768), Some(3)));
+
+        let mut bare = TrainFile {
+            keep_tags: Some(1),
+            ..TrainFile::default()
+        };
+        let plan = apply(
+            "[[datasets]]\n[[datasets.subsets]]\nimage_dir = 'a'\n",
+            &mut bare,
+        )
+        .unwrap();
+        let s = &plan.subsets[0];
+        assert_eq!(
+            s.captions.keep_tokens, 2,
+            "keep_tags 1 keeps the main prompt and one tag"
+        );
+        assert_eq!((s.caption_dropout, s.flip_p, s.num_repeats), (0.0, 0.0, 1));
+        assert!(!s.captions.shuffle);
+        assert_eq!(plan.prior_loss_weight, 1.0);
+    }
+
+    #[test]
+    fn a_subset_with_no_repeats_is_left_out_and_unsupported_keys_are_refused() {
+        let toml = "[[datasets]]\n[[datasets.subsets]]\nimage_dir = 'a'\n\
+                    [[datasets.subsets]]\nimage_dir = 'a'\nnum_repeats = 0\n";
+        let plan = apply(toml, &mut TrainFile::default()).unwrap();
+        assert_eq!(plan.subsets.len(), 1);
+        for (key, value) in [
+            ("random_crop", "true"),
+            ("face_crop_aug_range", "[2.0, 4.0]"),
+            ("conditioning_data_dir", "'a'"),
+            ("bucket_no_upscale", "true"),
+            ("network_multiplier", "0.5"),
+        ] {
+            let at = if key == "bucket_no_upscale" || key == "network_multiplier" {
+                "[[datasets]]\n"
+            } else {
+                ""
+            };
+            let toml = match at {
+                "" => format!(
+                    "[[datasets]]\n[[datasets.subsets]]\nimage_dir = 'a'\n{key} = {value}\n"
+                ),
+                _ => format!(
+                    "[[datasets]]\n{key} = {value}\n[[datasets.subsets]]\nimage_dir = 'a'\n"
+                ),
+            };
+            let err = apply(&toml, &mut TrainFile::default())
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(key) && err.contains("d.toml"), "{err}");
+        }
+    }
+}

@@ -1,0 +1,254 @@
+//! kohya's dataset config (`dataset_config`, kohya's `--dataset_config` TOML) from the CLI: a
+//! LoRA run on two datasets (a DreamBooth one with a regularization subset, a fine-tuning one
+//! read from kohya's metadata JSON), each subset with its own repeats and captions, and the
+//! mistakes a user makes in the file, each refused naming its place in it. The per-step caption
+//! rules are checked against kohya's `process_caption` in tests/step_seams.rs, the bucket sizes
+//! against kohya's `make_bucket_resolutions` in tests/kohya_dataset_config_parity.rs.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::cli::{demo_data, run_folder, sdtrain, step_losses, text, write_config};
+
+/// `imgs/subject` (one image with a `.txt` caption, one without), `imgs/reg` (three images, no
+/// captions), `imgs/ft` (one image) with `meta.json` beside the TOML.
+fn images(dir: &Path) {
+    let copy = |name: &str, to: &str| {
+        let to = dir.join(to);
+        std::fs::create_dir_all(&to).unwrap();
+        std::fs::copy(
+            demo_data().join(format!("{name}.png")),
+            to.join(format!("{name}.png")),
+        )
+        .unwrap();
+    };
+    copy("red_circle", "imgs/subject");
+    std::fs::write(dir.join("imgs/subject/red_circle.txt"), "ted man, smiling").unwrap();
+    copy("blue_square", "imgs/subject");
+    for name in ["green_square", "black_triangle", "blue_stripes"] {
+        copy(name, "imgs/reg");
+    }
+    copy("green_square", "imgs/ft");
+    std::fs::write(
+        dir.join("meta.json"),
+        r#"{"green_square.png": {"caption": "a green square", "tags": "green, square"}}"#,
+    )
+    .unwrap();
+}
+
+const CONFIG: &str = r#"
+[general]
+caption_extension = ".txt"
+resolution = 64
+batch_size = 1
+enable_bucket = false
+
+[[datasets]]
+  [[datasets.subsets]]
+  image_dir = "imgs/subject"
+  class_tokens = "ted man"
+  num_repeats = 2
+  caption_prefix = "photo of"
+
+  [[datasets.subsets]]
+  image_dir = "imgs/reg"
+  class_tokens = "man"
+  is_reg = true
+
+[[datasets]]
+  [[datasets.subsets]]
+  metadata_file = "meta.json"
+  image_dir = "imgs/ft"
+"#;
+
+/// Writes `toml` and a LoRA train.json naming it (and a `data_root` the config replaces).
+fn config(dir: &Path, toml: &str, extra: serde_json::Value) -> PathBuf {
+    std::fs::write(dir.join("dataset.toml"), toml).unwrap();
+    let mut keys = serde_json::json!({
+        "mode": "lora",
+        "dataset_config": "dataset.toml",
+        "resolution": 512,
+        "batch_size": 4,
+    });
+    if let (Some(k), Some(e)) = (keys.as_object_mut(), extra.as_object()) {
+        k.extend(e.clone());
+    }
+    write_config(dir, "tiny-sd15", &demo_data(), keys)
+}
+
+/// An epoch is the subject's 2 images × 2 repeats, the regularization images balanced to those
+/// 4 samples (kohya: 3 images × 1, then one more repeat for the first), and the fine-tuning
+/// image: 9 steps at batch 1, 4 of them regularization samples, which log a zero loss at
+/// `prior_loss_weight: 0`. The config's resolution and batch size replace train.json's. Catches
+/// a subset's repeats ignored, regularization balanced against both datasets (it would take 5),
+/// captions from the wrong file or without the subset's prefix, and the metadata's tags lost.
+#[test]
+fn a_dataset_config_trains_each_subset_with_its_own_settings() {
+    let tmp = tempfile::tempdir().unwrap();
+    images(tmp.path());
+    let extra = serde_json::json!({
+        "max_steps": null,
+        "max_epochs": 1,
+        "prior_loss_weight": 0.0,
+    });
+    let cfg = config(tmp.path(), CONFIG, extra);
+    let out = sdtrain(&["--config", cfg.to_str().unwrap(), "--cpu"], tmp.path());
+    let log = text(&out);
+    assert!(out.status.success(), "{log}");
+    assert!(log.contains("train.json's data_root not read"), "{log}");
+    assert!(
+        log.contains("datasets[0].subsets[0]: 2 images × 2 repeats"),
+        "{log}"
+    );
+    assert!(log.contains("9 samples/epoch"), "{log}");
+    let run = run_folder(tmp.path());
+    let losses = step_losses(&run);
+    assert_eq!(losses.len(), 9, "{losses:?}");
+    assert_eq!(
+        losses.iter().filter(|&&l| l == 0.0).count(),
+        4,
+        "{losses:?}"
+    );
+
+    let plan: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(run.join("plan.json")).unwrap()).unwrap();
+    assert_eq!(plan["batch_size"], 1);
+    assert_eq!(plan["data"]["resolution"], 64);
+
+    let bytes = std::fs::read(run.join("sdtrain.safetensors")).unwrap();
+    let (_, header) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+    let meta = header.metadata().clone().unwrap();
+    let tags: serde_json::Value = serde_json::from_str(&meta["ss_tag_frequency"]).unwrap();
+    assert_eq!(
+        tags["imgs/subject"],
+        serde_json::json!({"photo of ted man": 2, "smiling": 1})
+    );
+    assert_eq!(
+        tags["imgs/ft"],
+        serde_json::json!({"a green square": 1, "green": 1, "square": 1})
+    );
+    assert_eq!(tags["imgs/reg"], serde_json::json!({"man": 3}));
+}
+
+/// `--dry-run` lists the subsets; each mistake is refused before anything loads (exit 2),
+/// naming the file and the key's place in it.
+#[test]
+fn dataset_config_mistakes_name_their_place() {
+    let tmp = tempfile::tempdir().unwrap();
+    images(tmp.path());
+    let dry = |toml: &str| {
+        let cfg = config(tmp.path(), toml, serde_json::json!({}));
+        sdtrain(
+            &["--config", cfg.to_str().unwrap(), "--cpu", "--dry-run"],
+            tmp.path(),
+        )
+    };
+    let out = dry(CONFIG);
+    let log = text(&out);
+    assert!(out.status.success(), "{log}");
+    assert!(
+        log.contains("dataset_config") && log.contains("3 subsets"),
+        "{log}"
+    );
+    assert!(
+        log.contains("datasets[0].subsets[1]") && log.contains("regularization, loss × 1"),
+        "{log}"
+    );
+
+    let subset = "[[datasets]]\n[[datasets.subsets]]\nimage_dir = \"imgs/subject\"\n";
+    let cases = [
+        (
+            format!("{subset}num_repeat = 2\n"),
+            "datasets[0].subsets[0].num_repeat",
+            "num_repeats",
+        ),
+        (
+            format!("{subset}color_aug = true\n"),
+            "datasets[0].subsets[0].color_aug",
+            "colour augmentation",
+        ),
+        (
+            format!("{subset}keep_tokens = 1.5\n"),
+            "datasets[0].subsets[0].keep_tokens",
+            "whole number",
+        ),
+        (
+            format!("[general]\nbatch_size = 0\n{subset}"),
+            "general.batch_size",
+            "at least 1",
+        ),
+        (
+            format!("{subset}resolution = 512\n"),
+            "datasets[0].subsets[0].resolution",
+            "dataset key",
+        ),
+        (
+            format!("{subset}[[datasets]]\nresolution = 128\n[[datasets.subsets]]\nimage_dir = \"imgs/reg\"\n"),
+            "datasets[1].resolution",
+            "every dataset must agree",
+        ),
+        (
+            "[[datasets]]\n[[datasets.subsets]]\nimage_dir = \"nowhere\"\n".to_string(),
+            "datasets[0].subsets[0].image_dir",
+            "does not exist",
+        ),
+        (
+            format!("{subset}is_reg = true\n"),
+            "datasets",
+            "no training subset",
+        ),
+        (
+            format!("{subset}[[datasets.subsets]]\nmetadata_file = \"meta.json\"\n"),
+            "datasets[0].subsets",
+            "mixes DreamBooth subsets",
+        ),
+        ("[[datasets]\n".to_string(), "dataset.toml", "not valid TOML"),
+    ];
+    for (toml, place, why) in cases {
+        let out = dry(&toml);
+        let log = text(&out);
+        assert_eq!(out.status.code(), Some(2), "{toml}\n{log}");
+        assert!(log.contains(place) && log.contains(why), "{toml}\n{log}");
+        assert!(log.contains("dataset.toml"), "{log}");
+    }
+}
+
+/// With the text encoders frozen, the captions are encoded once: a subset whose captions are
+/// dropped every epoch (`caption_dropout_every_n_epochs = 1`) needs the empty caption in the
+/// cache, and one with a shuffle turns the cache off. Catches the empty caption left out (the
+/// step would find no encoding) and a per-step subset cached.
+#[test]
+fn the_text_cache_follows_the_subsets() {
+    let tmp = tempfile::tempdir().unwrap();
+    images(tmp.path());
+    let subset = "[general]\nresolution = 64\nbatch_size = 1\ncaption_extension = \".txt\"\n\
+                  [[datasets]]\n[[datasets.subsets]]\nimage_dir = \"imgs/subject\"\n\
+                  class_tokens = \"ted man\"\n";
+    let extra = serde_json::json!({"disable_textenc_training": true});
+    let cfg = config(
+        tmp.path(),
+        &format!("{subset}caption_dropout_every_n_epochs = 1\n"),
+        extra.clone(),
+    );
+    let out = sdtrain(&["--config", cfg.to_str().unwrap(), "--cpu"], tmp.path());
+    let log = text(&out);
+    assert!(out.status.success(), "{log}");
+    assert!(
+        log.contains("text-encoder cache: 3 captions encoded"),
+        "{log}"
+    );
+
+    let cfg = config(
+        tmp.path(),
+        &format!("{subset}shuffle_caption = true\n"),
+        extra,
+    );
+    let out = sdtrain(
+        &["--config", cfg.to_str().unwrap(), "--cpu", "--dry-run"],
+        tmp.path(),
+    );
+    let log = text(&out);
+    assert!(out.status.success(), "{log}");
+    assert!(log.contains("text cache     off: shuffle_tags"), "{log}");
+}
