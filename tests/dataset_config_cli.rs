@@ -119,16 +119,65 @@ fn a_dataset_config_trains_each_subset_with_its_own_settings() {
     let bytes = std::fs::read(run.join("sdtrain.safetensors")).unwrap();
     let (_, header) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
     let meta = header.metadata().clone().unwrap();
-    let tags: serde_json::Value = serde_json::from_str(&meta["ss_tag_frequency"]).unwrap();
+    // kohya's dataset-config branch: subsets named by their folder (or metadata file), the
+    // regularization subsets' captions counted too, and no single-dataset keys.
+    let json = |k: &str| -> serde_json::Value { serde_json::from_str(&meta[k]).unwrap() };
+    let tags = json("ss_tag_frequency");
     assert_eq!(
-        tags["imgs/subject"],
+        tags["subject"],
         serde_json::json!({"photo of ted man": 2, "smiling": 1})
     );
     assert_eq!(
-        tags["imgs/ft"],
+        tags["meta.json"],
         serde_json::json!({"a green square": 1, "green": 1, "square": 1})
     );
-    assert_eq!(tags["imgs/reg"], serde_json::json!({"man": 3}));
+    assert_eq!(tags["reg"], serde_json::json!({"man": 3}));
+    assert_eq!(
+        json("ss_dataset_dirs"),
+        serde_json::json!({
+            "subject": {"n_repeats": 2, "img_count": 2},
+            "meta.json": {"n_repeats": 1, "img_count": 1},
+        })
+    );
+    assert!(!meta.contains_key("ss_batch_size_per_device"));
+    assert!(!meta.contains_key("ss_reg_dataset_dirs"));
+    let datasets = json("ss_datasets");
+    let (d0, d1) = (&datasets[0], &datasets[1]);
+    assert_eq!(datasets.as_array().unwrap().len(), 2);
+    assert_eq!(
+        (
+            &d0["is_dreambooth"],
+            &d0["num_train_images"],
+            &d0["num_reg_images"]
+        ),
+        (
+            &serde_json::json!(true),
+            &serde_json::json!(4),
+            &serde_json::json!(3)
+        )
+    );
+    assert_eq!(d0["resolution"], serde_json::json!([64, 64]));
+    let s0 = &d0["subsets"][0];
+    assert_eq!(
+        (
+            &s0["img_count"],
+            &s0["num_repeats"],
+            &s0["image_dir"],
+            &s0["class_tokens"]
+        ),
+        (
+            &serde_json::json!(2),
+            &serde_json::json!(2),
+            &serde_json::json!("subject"),
+            &serde_json::json!("ted man")
+        )
+    );
+    assert_eq!(s0["caption_prefix"], "photo of");
+    assert_eq!(d0["subsets"][1]["is_reg"], true);
+    assert_eq!(d0["subsets"][1]["img_count"], 3);
+    assert_eq!(d1["is_dreambooth"], false);
+    assert_eq!(d1["subsets"][0]["metadata_file"], "meta.json");
+    assert_eq!(d1["num_train_images"], 1);
 }
 
 /// `--dry-run` lists the subsets; each mistake is refused before anything loads (exit 2),

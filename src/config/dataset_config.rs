@@ -141,7 +141,8 @@ pub(super) fn apply_dataset_config(
                 name,
                 dataset: i,
             };
-            if let Some(s) = resolve_subset(&sub, &mut ignored)? {
+            if let Some(mut s) = resolve_subset(&sub, &mut ignored)? {
+                s.index = subsets.len();
                 subsets.push(s);
             }
         }
@@ -481,6 +482,7 @@ fn resolve_subset(
     };
     Ok(Some(KohyaSubset {
         name: s.name.clone(),
+        index: 0,
         dataset: s.dataset,
         source,
         num_repeats: repeats as u64,

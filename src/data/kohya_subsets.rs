@@ -55,6 +55,8 @@ pub enum SubsetSource {
 pub struct KohyaSubset {
     /// Where it is in the config: `datasets[i].subsets[j]`, for messages.
     pub name: String,
+    /// Its place in the plan's list of subsets (which its images carry).
+    pub index: usize,
     /// Its `[[datasets]]` entry (regularization images balance within their dataset).
     pub dataset: usize,
     pub source: SubsetSource,
@@ -90,6 +92,7 @@ impl KohyaSubset {
             flip_p: Some(self.flip_p),
             cond_dropout: Some(self.caption_dropout),
             subset_captions: Some(self.captions.clone()),
+            subset: Some(self.index),
             ..ItemOptions::default()
         })
     }

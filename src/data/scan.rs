@@ -313,6 +313,7 @@ fn resolve_item(image: &Path, mut cfg: ImageConfig) -> Result<(String, ItemOptio
             .unwrap_or(image_config::DEFAULT_MAX_CAPTION_LENGTH),
         prior_loss_weight: None,
         subset_captions: None,
+        subset: None,
     };
     Ok((caption, options))
 }

@@ -47,6 +47,8 @@ pub struct ItemOptions {
     /// The caption settings of the kohya dataset-config subset the image comes from, which
     /// replace train.json's caption keys for it (`crate::data::kohya_subsets`).
     pub subset_captions: Option<Arc<SubsetCaptions>>,
+    /// That subset's place in the config's list (`crate::config::DatasetConfigPlan::subsets`).
+    pub subset: Option<usize>,
 }
 
 impl Default for ItemOptions {
@@ -62,6 +64,7 @@ impl Default for ItemOptions {
             max_caption_length: super::image_config::DEFAULT_MAX_CAPTION_LENGTH,
             prior_loss_weight: None,
             subset_captions: None,
+            subset: None,
         }
     }
 }

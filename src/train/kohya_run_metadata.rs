@@ -14,8 +14,8 @@
 //! Left out, each with its reason ([`OMITTED`]): sd-scripts' own commit, its `lowram`
 //! switch, the separate-VAE keys, the validation settings and resize filter kohya names its own
 //! way, `random_crop` and `bucket_no_upscale` (EveryDream2's crop jitter and undersized-image
-//! rule are other rules), and `ss_datasets` (kohya writes it instead of the single-dataset
-//! keys, for a `dataset_config`).
+//! rule are other rules), and `ss_datasets`, which kohya writes instead of the single-dataset
+//! keys for a `dataset_config`, as sdtrain does then ([`super::kohya_datasets_metadata`]).
 //!
 //! `adapter.no_metadata` (kohya's `--no_metadata`) keeps only what loaders need.
 
@@ -295,6 +295,10 @@ fn huber_kind(k: HuberScheduleKind) -> &'static str {
 fn dataset(f: &RunFacts<'_>, m: &mut BTreeMap<String, String>) {
     let p = f.plan;
     let d = &p.data;
+    if let Some(config) = &d.dataset_config {
+        super::kohya_datasets_metadata::write(f, config, m);
+        return;
+    }
     let mut put = |k: &str, v: String| {
         m.insert(k.to_string(), v);
     };
@@ -404,7 +408,7 @@ fn dataset_dirs(dirs: &[(String, Vec<&ImageMeta>)]) -> PyValue {
 
 /// kohya's `set_tag_frequency`: per folder, each caption split at commas, each tag trimmed and
 /// lower-cased, counted; empty tags are skipped.
-pub fn tag_frequency(captions: &[(String, Vec<&str>)]) -> PyValue {
+pub(super) fn tag_frequency(captions: &[(String, Vec<&str>)]) -> PyValue {
     let mut out: Vec<(String, PyValue)> = Vec::new();
     for (dir, caps) in captions {
         let mut counts: Vec<(String, i64)> = Vec::new();
@@ -429,7 +433,7 @@ pub fn tag_frequency(captions: &[(String, Vec<&str>)]) -> PyValue {
 /// `ss_bucket_info`: each bucket in use, `{"resolution": [w, h], "count": n}` (counted with
 /// repeats, as kohya counts), by index, and the mean aspect-ratio error of the images against
 /// their buckets (`bucket w/h − image w/h`, absolute).
-fn bucket_info(items: &[ImageMeta], buckets: &[Bucket]) -> PyValue {
+pub(super) fn bucket_info(items: &[ImageMeta], buckets: &[Bucket]) -> PyValue {
     let mut counts: BTreeMap<(usize, usize), f64> = BTreeMap::new();
     let mut error = 0.0;
     for (item, b) in items.iter().zip(buckets) {

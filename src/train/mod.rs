@@ -19,6 +19,7 @@ mod fused_step;
 #[cfg(test)]
 mod fused_tests;
 pub mod interrupt;
+mod kohya_datasets_metadata;
 pub mod kohya_run_metadata;
 pub mod latent_cache;
 mod latent_exchange;
