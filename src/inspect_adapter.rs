@@ -332,10 +332,15 @@ impl fmt::Display for AdapterReport {
     }
 }
 
-/// Whether the safetensors file at `path` is a textual-inversion embedding
-/// ([`crate::adapter::embedding_file`]'s layouts), by its header only: `emb_params`,
-/// `clip_l`/`clip_g`, or one tensor of rank 1 or 2 (diffusers' `learned_embeds`).
+/// Whether the file at `path` is a textual-inversion embedding
+/// ([`crate::adapter::embedding_file`]'s layouts): for safetensors by its header only
+/// (`emb_params`, `clip_l`/`clip_g`, or one tensor of rank 1 or 2, diffusers' `learned_embeds`);
+/// a PyTorch file (A1111's `.pt`, diffusers' `.bin`) when it loads as one.
 pub fn is_embedding_file(path: &Path) -> bool {
+    use crate::adapter::embedding_file::{is_torch_file, load_embedding};
+    if is_torch_file(path) {
+        return load_embedding(path, &Device::Cpu).is_ok();
+    }
     let Some(tensors) = header_tensors(path) else {
         return false;
     };
@@ -364,7 +369,18 @@ pub struct EmbeddingReport {
 pub fn inspect_embedding(
     path: &Path,
 ) -> Result<EmbeddingReport, crate::adapter::embedding_file::EmbeddingFileError> {
-    let file = crate::adapter::embedding_file::load_embedding(path, &Device::Cpu)?;
+    use crate::adapter::embedding_file::{load_embedding, torch_tensors};
+    let file = load_embedding(path, &Device::Cpu)?;
+    if let Some(tensors) = torch_tensors(path) {
+        return Ok(EmbeddingReport {
+            path: path.to_path_buf(),
+            bytes: std::fs::metadata(path).map_or(0, |m| m.len()),
+            tensors,
+            token: file.default_token(),
+            vectors: file.vectors_per_token(),
+            metadata: HashMap::new(),
+        });
+    }
     let bytes = std::fs::read(path).map_err(|source| KohyaError::Read {
         path: path.to_path_buf(),
         source,

@@ -423,3 +423,75 @@ fn a_lora_with_an_embedding_bundles_it_and_sample_uses_it() {
     let (cont, _) = read_file(&run_folder(again.path()).join("sdtrain.safetensors"));
     assert_eq!(cont[key].0, moved[key].0);
 }
+
+/// Embeddings in PyTorch's format (tests/fixtures/make_torch_embeddings.py): A1111's `.pt`
+/// (`string_to_param`, the token its file name) and diffusers' `learned_embeds.bin` (one tensor
+/// named for its token), each holding "dog"'s row, draw what "dog" draws; `inspect` describes
+/// them; the layouts sdtrain does not read (the original repository's ParameterDict, torch's
+/// legacy format) are refused, naming the file. Catches the A1111 dict not looked into, the
+/// diffusers key not taken as the token, and the vectors read in the wrong dtype or shape.
+#[test]
+fn torch_pickled_embeddings_load_as_a1111_and_diffusers_do() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = |name: &str| {
+        common::fixture("torch-embeddings")
+            .join(name)
+            .display()
+            .to_string()
+    };
+    let (_, dog) = draw(dir.path(), "dog.png", "a photo of dog", &[]);
+    let (log, a1111) = draw(
+        dir.path(),
+        "a1111.png",
+        "a photo of dogtok",
+        &["--embedding", &file("dogtok.pt")],
+    );
+    assert!(log.contains("`dogtok` stands for 1 vector(s)"), "{log}");
+    assert_eq!(a1111, dog);
+    let (log, diffusers) = draw(
+        dir.path(),
+        "diffusers.png",
+        "a photo of <dog-tok>",
+        &["--embedding", &file("learned_embeds.bin")],
+    );
+    assert!(log.contains("`<dog-tok>` stands for 1 vector(s)"), "{log}");
+    assert_eq!(diffusers, dog);
+
+    let o = sdtrain(&["inspect", "--model", &file("dogtok.pt")], dir.path());
+    let log = text(&o);
+    assert!(o.status.success(), "{log}");
+    assert!(
+        log.contains("string_to_param.* [1, 32] F32") && log.contains("dogtok (1 vector(s))"),
+        "{log}"
+    );
+
+    let model = common::fixture("tiny-sd15").display().to_string();
+    for (name, why) in [
+        ("parameter_dict.pt", "ParameterDict"),
+        ("legacy.pt", "legacy (pre-1.6) format"),
+    ] {
+        let path = file(name);
+        let o = sdtrain(
+            &[
+                "sample",
+                "--model",
+                &model,
+                "--prompt",
+                "x",
+                "--steps",
+                "1",
+                "--width",
+                "32",
+                "--height",
+                "32",
+                "--cpu",
+                "--embedding",
+                &path,
+            ],
+            dir.path(),
+        );
+        let log = text(&o);
+        assert!(!o.status.success(), "{log}");
+        assert!(log.contains(&path) && log.contains(why), "{log}");
+    }
+}

@@ -1,4 +1,4 @@
-//! Textual-inversion embedding files (safetensors), in the layouts A1111, ComfyUI, kohya
+//! Textual-inversion embedding files, in the layouts A1111, ComfyUI, kohya
 //! sd-scripts and diffusers write and load:
 //! - SD1/SD2: `emb_params` `[n, dim]` (kohya's `train_textual_inversion.py`, A1111's safetensors
 //!   embeddings), or A1111's `string_to_param.*` key;
@@ -12,6 +12,9 @@
 //!
 //! A file holds SDXL vectors exactly when it has `clip_g`: a `clip_l` alone is one text encoder's
 //! (OneTrainer's SD1 bundles are named so).
+//!
+//! - in PyTorch's format (a `torch.save` zip): A1111's `.pt` embeddings (`string_to_param`, the
+//!   vectors under `*`) and diffusers' `learned_embeds.bin` (one tensor named for its token).
 //!
 //! Vectors are read as f32; a 1-D tensor is one vector. Any other layout is an error that names
 //! the file and its keys.
@@ -50,6 +53,12 @@ pub enum EmbeddingFileError {
     },
     #[error("{}: {message}", path.display())]
     Model { path: PathBuf, message: String },
+    #[error("{}: cannot read it as a PyTorch (pickle) file", path.display())]
+    Torch {
+        path: PathBuf,
+        #[source]
+        source: candle_core::Error,
+    },
 }
 
 /// The vectors a file holds.
@@ -80,25 +89,86 @@ pub struct EmbeddingFile {
 /// A1111's Lora extension also reads `bundle_emb.<placeholder>.string_to_param.*`).
 pub const BUNDLE_EMB: &str = "bundle_emb.";
 
+/// The most values a tensor of a PyTorch embedding file may hold (75 vectors of SDXL's 1280 is
+/// 96,000; a million leaves room and bounds what a file's pickle can make sdtrain allocate).
+const MAX_TORCH_ELEMENTS: usize = 1_000_000;
+
 /// OneTrainer's standalone SD1/SD2 key (`StableDiffusionEmbeddingSaver`).
 const EMP_PARAMS: &str = "emp_params";
 
-/// A safetensors file's tensors, read on demand.
+/// Where a file's tensors come from.
+enum Source<'a> {
+    Safetensors(SafeTensors<'a>),
+    /// A PyTorch pickle (A1111's `.pt`, diffusers' `.bin`), the dict of tensors it holds.
+    Torch(candle_core::pickle::PthTensors),
+}
+
+/// A file's tensors, read on demand.
 struct Reader<'a> {
     path: &'a Path,
-    st: SafeTensors<'a>,
+    source: Source<'a>,
     device: &'a Device,
 }
 
 impl Reader<'_> {
+    /// The tensor names, sorted.
+    fn names(&self) -> Vec<String> {
+        let mut names: Vec<String> = match &self.source {
+            Source::Safetensors(st) => st.names().into_iter().map(str::to_string).collect(),
+            Source::Torch(pth) => pth.tensor_infos().keys().cloned().collect(),
+        };
+        names.sort();
+        names
+    }
+
+    /// The tensor at `key` as stored, as f32 on the device.
+    fn raw(&self, key: &str) -> Result<Tensor, EmbeddingFileError> {
+        let path = self.path;
+        match &self.source {
+            Source::Safetensors(st) => {
+                let view = st.tensor(key).map_err(|source| KohyaError::Format {
+                    path: path.to_path_buf(),
+                    source: External(source),
+                })?;
+                Ok(decode(path, key, &view, self.device)?)
+            }
+            Source::Torch(pth) => {
+                let torch = |source| EmbeddingFileError::Torch {
+                    path: path.to_path_buf(),
+                    source,
+                };
+                // The shape comes from the pickle: a hostile one must not size an allocation.
+                let dims = pth
+                    .tensor_infos()
+                    .get(key)
+                    .map(|t| t.layout.dims().to_vec());
+                if let Some(dims) =
+                    dims.filter(|d| d.iter().product::<usize>() > MAX_TORCH_ELEMENTS)
+                {
+                    return Err(EmbeddingFileError::Shape {
+                        path: path.to_path_buf(),
+                        key: key.to_string(),
+                        shape: dims,
+                    });
+                }
+                let t = pth
+                    .get(key)
+                    .map_err(torch)?
+                    .ok_or_else(|| EmbeddingFileError::Layout {
+                        path: path.to_path_buf(),
+                        keys: format!("`{key}` could not be read"),
+                    })?;
+                t.to_dtype(DType::F32)
+                    .and_then(|t| t.to_device(self.device))
+                    .map_err(torch)
+            }
+        }
+    }
+
     /// The tensor at `key` as `[vectors, width]` f32.
     fn read(&self, key: &str) -> Result<Tensor, EmbeddingFileError> {
         let path = self.path;
-        let view = self.st.tensor(key).map_err(|source| KohyaError::Format {
-            path: path.to_path_buf(),
-            source: External(source),
-        })?;
-        let t = decode(path, key, &view, self.device)?;
+        let t = self.raw(key)?;
         match *t.dims() {
             [_] => Ok(t.unsqueeze(0).map_err(|source| KohyaError::Tensor {
                 name: key.to_string(),
@@ -179,13 +249,15 @@ fn bundled_key(key: &str) -> Option<(&str, &str)> {
 /// file that bundles exactly one.
 pub fn load_embedding(path: &Path, device: &Device) -> Result<EmbeddingFile, EmbeddingFileError> {
     let bytes = read_bytes(path)?;
+    if let Some(kind) = torch_kind(&bytes) {
+        return load_torch(path, kind, device);
+    }
     let reader = reader(path, &bytes, device)?;
     let header_token = SafeTensors::read_metadata(&bytes)
         .ok()
         .and_then(|(_, h)| h.metadata().as_ref()?.get("token_string").cloned())
         .filter(|t| !t.trim().is_empty());
-    let mut names: Vec<String> = reader.st.names().into_iter().map(str::to_string).collect();
-    names.sort();
+    let names = reader.names();
     if names.iter().any(|n| bundled_key(n).is_some()) {
         let mut bundled = bundles(&reader, &names)?;
         if bundled.len() != 1 {
@@ -219,9 +291,124 @@ pub fn load_bundled(
 ) -> Result<Vec<EmbeddingFile>, EmbeddingFileError> {
     let bytes = read_bytes(path)?;
     let reader = reader(path, &bytes, device)?;
-    let mut names: Vec<String> = reader.st.names().into_iter().map(str::to_string).collect();
-    names.sort();
-    bundles(&reader, &names)
+    bundles(&reader, &reader.names())
+}
+
+/// PyTorch's two file formats.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum TorchKind {
+    /// A zip archive (torch ≥ 1.6).
+    Zip,
+    /// A bare pickle (torch's legacy format).
+    Legacy,
+}
+
+/// Whether `bytes` are a PyTorch file, from its first bytes (a safetensors file starts with its
+/// header's length, whose high bytes are 0).
+fn torch_kind(bytes: &[u8]) -> Option<TorchKind> {
+    match bytes {
+        [b'P', b'K', 3, 4, ..] => Some(TorchKind::Zip),
+        [0x80, 2..=5, ..] => Some(TorchKind::Legacy),
+        _ => None,
+    }
+}
+
+/// Whether the file at `path` is in PyTorch's format (by its first bytes).
+pub fn is_torch_file(path: &Path) -> bool {
+    use std::io::Read;
+    let mut head = [0u8; 4];
+    std::fs::File::open(path)
+        .and_then(|mut f| f.read_exact(&mut head))
+        .is_ok_and(|()| torch_kind(&head).is_some())
+}
+
+/// The tensors of a PyTorch embedding file as `(name, shape, dtype)`, A1111's named
+/// `string_to_param.<name>`; `None` for a file that is not one.
+pub fn torch_tensors(path: &Path) -> Option<Vec<(String, Vec<usize>, String)>> {
+    use candle_core::pickle::PthTensors;
+    let list = |pth: &PthTensors, prefix: &str| -> Vec<(String, Vec<usize>, String)> {
+        let mut out: Vec<_> = pth
+            .tensor_infos()
+            .values()
+            .map(|t| {
+                let dims = t.layout.dims().to_vec();
+                (
+                    format!("{prefix}{}", t.name),
+                    dims,
+                    format!("{:?}", t.dtype),
+                )
+            })
+            .collect();
+        out.sort();
+        out
+    };
+    let top = PthTensors::new(path, None).ok()?;
+    if !top.tensor_infos().is_empty() {
+        return Some(list(&top, ""));
+    }
+    let a1111 = PthTensors::new(path, Some("string_to_param")).ok()?;
+    Some(list(&a1111, "string_to_param.")).filter(|l| !l.is_empty())
+}
+
+/// An embedding in PyTorch's format: A1111's `.pt` (the vectors in `string_to_param`, under
+/// `*`) or diffusers' `learned_embeds.bin` (one tensor named for its token). Read with candle's
+/// pickle reader, which builds tensors and plain containers only (no code in the file runs).
+fn load_torch(
+    path: &Path,
+    kind: TorchKind,
+    device: &Device,
+) -> Result<EmbeddingFile, EmbeddingFileError> {
+    let refuse = |message: &str| EmbeddingFileError::Model {
+        path: path.to_path_buf(),
+        message: message.to_string(),
+    };
+    if kind == TorchKind::Legacy {
+        return Err(refuse(
+            "is a PyTorch file in torch's legacy (pre-1.6) format, which sdtrain does not read; \
+             save it again with a newer torch (`torch.save(torch.load(f), f)`) or convert it to \
+             safetensors",
+        ));
+    }
+    let torch = |source| EmbeddingFileError::Torch {
+        path: path.to_path_buf(),
+        source,
+    };
+    use candle_core::pickle::PthTensors;
+    let top = PthTensors::new(path, None).map_err(torch)?;
+    let pth =
+        match top.tensor_infos().is_empty() {
+            false => top,
+            // A1111's: no tensor at the top, its vectors in `string_to_param`.
+            true => match PthTensors::new(path, Some("string_to_param")) {
+                Ok(p) if !p.tensor_infos().is_empty() => p,
+                Ok(_) => return Err(refuse(
+                    "its `string_to_param` is not a dict of tensors (a torch ParameterDict, as \
+                     the original textual-inversion code saved it, is not read); load it in A1111 \
+                     and save it again, or convert it to safetensors",
+                )),
+                Err(_) => {
+                    return Err(EmbeddingFileError::Layout {
+                        path: path.to_path_buf(),
+                        keys: "none: the PyTorch file holds no tensors at its top level or in \
+                           `string_to_param`"
+                            .into(),
+                    })
+                }
+            },
+        };
+    let reader = Reader {
+        path,
+        source: Source::Torch(pth),
+        device,
+    };
+    let keys: Vec<(String, String)> = reader.names().into_iter().map(|n| (n.clone(), n)).collect();
+    let (vectors, key_token) = reader.vectors(&keys)?;
+    Ok(EmbeddingFile {
+        path: path.to_path_buf(),
+        vectors,
+        key_token,
+        header_token: None,
+    })
 }
 
 fn bundles(
@@ -268,7 +455,11 @@ fn reader<'a>(
         path: path.to_path_buf(),
         source: External(source),
     })?;
-    Ok(Reader { path, st, device })
+    Ok(Reader {
+        path,
+        source: Source::Safetensors(st),
+        device,
+    })
 }
 
 /// The keys of `vectors` (one set per text encoder) bundled under `token` in a LoRA file, as
