@@ -131,6 +131,7 @@ fn a_lora_file_carries_kohyas_training_metadata() {
         ("ss_min_snr_gamma", "5.0"),
         ("ss_caption_dropout_rate", "0.1"),
         ("ss_flip_aug", "False"),
+        ("ss_keep_tokens", "0"),
         ("ss_gradient_accumulation_steps", "2"),
         ("ss_total_batch_size", "2"),
         ("ss_network_dropout", "0.1"),
@@ -211,4 +212,16 @@ fn no_metadata_keeps_only_what_loaders_need_and_a_single_file_is_hashed() {
     assert_eq!(meta["ss_sd_model_name"], "tiny-sd15.safetensors");
     assert_eq!(meta["ss_new_sd_model_hash"], hex);
     assert_eq!(meta["ss_sd_model_hash"].len(), 8);
+}
+
+/// kohya's `keep_tokens` counts the caption's first piece, which sdtrain's `keep_tags` (the tags
+/// after it) keeps whenever the tags are shuffled: `keep_tags` 1 is kohya's `keep_tokens` 2.
+/// Catches sdtrain's count written as kohya's.
+#[test]
+fn keep_tags_are_written_as_kohyas_keep_tokens() {
+    let tmp = tempfile::tempdir().unwrap();
+    let extra = serde_json::json!({"mode": "lora", "shuffle_tags": true, "keep_tags": 1});
+    let (meta, _) = train(tmp.path(), "tiny-sd15", extra);
+    assert_eq!(meta["ss_shuffle_caption"], "True");
+    assert_eq!(meta["ss_keep_tokens"], "2");
 }

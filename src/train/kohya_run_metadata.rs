@@ -310,7 +310,12 @@ fn dataset(f: &RunFacts<'_>, m: &mut BTreeMap<String, String>) {
     put("ss_color_aug", "False".into());
     put("ss_flip_aug", py_bool(d.flip_p > 0.0));
     put("ss_shuffle_caption", py_bool(d.shuffle_tags));
-    put("ss_keep_tokens", d.keep_tags.to_string());
+    // kohya's `keep_tokens` counts the first piece, which sdtrain's `keep_tags` keeps anyway
+    // whenever captions are shuffled, tag-dropped or warmed up.
+    let reordered =
+        d.shuffle_tags || d.tag_dropout > 0.0 || d.kohya_captions.token_warmup.is_some();
+    let keep_tokens = d.keep_tags + usize::from(reordered);
+    put("ss_keep_tokens", keep_tokens.to_string());
     put("ss_enable_bucket", py_bool(d.buckets.is_some()));
     let sides = f.buckets.iter().flat_map(|b| [b.width, b.height]);
     put(
