@@ -301,3 +301,36 @@ fn the_text_cache_follows_the_subsets() {
     assert!(out.status.success(), "{log}");
     assert!(log.contains("text cache     off: shuffle_tags"), "{log}");
 }
+
+/// kohya's `bucket_no_upscale` from a dataset config: an 80×48 image under the resolution's
+/// area trains at its own size, the 64×64 ones at theirs. Catches the flag dropped (the 80×48
+/// image would go to a generated bucket) and a small image scaled up.
+#[test]
+fn bucket_no_upscale_gives_each_image_its_own_bucket() {
+    let tmp = tempfile::tempdir().unwrap();
+    images(tmp.path());
+    image::RgbImage::from_pixel(80, 48, image::Rgb([200, 40, 40]))
+        .save(tmp.path().join("imgs/subject/wide.png"))
+        .unwrap();
+    let toml = "[general]\nresolution = 64\nbatch_size = 1\nenable_bucket = true\n\
+                bucket_no_upscale = true\nbucket_reso_steps = 8\nmin_bucket_reso = 32\n\
+                max_bucket_reso = 128\n\
+                [[datasets]]\n[[datasets.subsets]]\nimage_dir = \"imgs/subject\"\n";
+    let cfg = config(tmp.path(), toml, serde_json::json!({}));
+    let out = sdtrain(&["--config", cfg.to_str().unwrap(), "--cpu"], tmp.path());
+    let log = text(&out);
+    assert!(out.status.success(), "{log}");
+    assert!(
+        log.contains("80x48 ×1") && log.contains("64x64 ×2"),
+        "{log}"
+    );
+    let out = sdtrain(
+        &["--config", cfg.to_str().unwrap(), "--cpu", "--dry-run"],
+        tmp.path(),
+    );
+    let log = text(&out);
+    assert!(
+        log.contains("never scaled up (kohya's bucket_no_upscale)"),
+        "{log}"
+    );
+}

@@ -32,3 +32,26 @@ fn kohya_bucket_sizes_match_make_bucket_resolutions() {
         assert_eq!(got, want, "{case}");
     }
 }
+
+/// `bucket_no_upscale`: each image's own bucket as kohya's `BucketManager.select_bucket` picks
+/// it. Catches an image under the area scaled up, the larger one's side rounded the wrong way
+/// (kohya keeps the rounding whose aspect ratio is closer), and sides not cut to the step.
+#[test]
+fn no_upscale_buckets_match_select_bucket() {
+    let reference = common::reference_json("reference/kohya_dataset_config.json");
+    for case in reference["no_upscale"].as_array().unwrap() {
+        let n = |k: &str| case[k].as_u64().unwrap() as usize;
+        let b = sdtrain::data::bucket::kohya_no_upscale_bucket(
+            n("width"),
+            n("height"),
+            n("resolution"),
+            n("steps"),
+        );
+        let want = &case["expected"];
+        assert_eq!(
+            [b.width as u64, b.height as u64],
+            [want[0].as_u64().unwrap(), want[1].as_u64().unwrap()],
+            "{case}"
+        );
+    }
+}

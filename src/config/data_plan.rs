@@ -97,6 +97,9 @@ pub struct KohyaBucketRange {
     pub min: usize,
     pub max: usize,
     pub steps: usize,
+    /// `bucket_no_upscale`: each image gets its own bucket, never larger than itself
+    /// (`crate::data::bucket::kohya_no_upscale_bucket`).
+    pub no_upscale: bool,
 }
 
 /// Where cached latents live.
@@ -390,7 +393,8 @@ fn config_folders(
         if set {
             return Err(ctx.invalid(
                 key,
-                "draws class images into reg_data_root, which a dataset_config replaces; draw                  them beforehand and add their folder as an `is_reg = true` subset"
+                "draws class images into reg_data_root, which a dataset_config replaces; draw \
+                 them beforehand and add their folder as an `is_reg = true` subset"
                     .into(),
             ));
         }
@@ -398,7 +402,9 @@ fn config_folders(
     if file.rated_dataset == Some(true) && config.subsets.iter().any(|s| s.is_reg) {
         return Err(ctx.invalid(
             "rated_dataset",
-            "does not combine with the dataset config's `is_reg` subsets: the regularization set              is sized once to the training set (as kohya sizes it), which rated_dataset shrinks              epoch by epoch"
+            "does not combine with the dataset config's `is_reg` subsets: the regularization \
+             set is sized once to the training set (as kohya sizes it), which rated_dataset \
+             shrinks epoch by epoch"
                 .into(),
         ));
     }
@@ -494,7 +500,8 @@ fn resolve_buckets(file: &TrainFile, ctx: &Ctx<'_>) -> Result<Option<BucketPlan>
     if let (Some(_), Some(_)) = (&kohya, &aspects) {
         return Err(ctx.invalid(
             "aspects",
-            "lists the bucket sizes, so min_bucket_reso, max_bucket_reso and bucket_reso_steps              (which generate them) would have no effect; keep one or the other"
+            "lists the bucket sizes, so min_bucket_reso, max_bucket_reso and bucket_reso_steps \
+             (which generate them) would have no effect; keep one or the other"
                 .into(),
         ));
     }
@@ -502,7 +509,8 @@ fn resolve_buckets(file: &TrainFile, ctx: &Ctx<'_>) -> Result<Option<BucketPlan>
         if kohya.is_some() {
             return Err(ctx.invalid(
                 "enable_bucket",
-                "is false, so min_bucket_reso, max_bucket_reso and bucket_reso_steps would have                  no effect; remove them or turn buckets on"
+                "is false, so min_bucket_reso, max_bucket_reso, bucket_reso_steps and \
+                 bucket_no_upscale would have no effect; remove them or turn buckets on"
                     .into(),
             ));
         }
@@ -525,24 +533,18 @@ fn resolve_buckets(file: &TrainFile, ctx: &Ctx<'_>) -> Result<Option<BucketPlan>
 
 /// kohya's bucket keys, when any is set (kohya's defaults for the others: 256, 1024, 64), each
 /// rounded to `bucket_reso_steps` as kohya's `adjust_min_max_bucket_reso_by_steps` does (the
-/// shortest side down, the longest up). `bucket_no_upscale` is refused.
+/// shortest side down, the longest up), and `bucket_no_upscale`.
 fn resolve_kohya_buckets(
     file: &TrainFile,
     ctx: &Ctx<'_>,
 ) -> Result<Option<KohyaBucketRange>, ConfigError> {
-    if file.bucket_no_upscale == Some(true) {
-        return Err(ctx.invalid(
-            "bucket_no_upscale",
-            "is not supported: sdtrain trains every image at one of the run's bucket sizes              (small images are scaled up); set it to false"
-                .into(),
-        ));
-    }
+    let no_upscale = file.bucket_no_upscale == Some(true);
     let (min, max, steps) = (
         file.min_bucket_reso,
         file.max_bucket_reso,
         file.bucket_reso_steps,
     );
-    if min.is_none() && max.is_none() && steps.is_none() {
+    if min.is_none() && max.is_none() && steps.is_none() && !no_upscale {
         return Ok(None);
     }
     let steps = ctx.at_least("bucket_reso_steps", steps, 64, 8)? as usize;
@@ -560,11 +562,17 @@ fn resolve_kohya_buckets(
         return Err(ctx.invalid(
             "min_bucket_reso",
             format!(
-                "and max_bucket_reso must give 0 < shortest ≤ longest ≤ 8192 once rounded to                  bucket_reso_steps {steps} (got {min} and {max})"
+                "and max_bucket_reso must give 0 < shortest ≤ longest ≤ 8192 once rounded to \
+                 bucket_reso_steps {steps} (got {min} and {max})"
             ),
         ));
     }
-    Ok(Some(KohyaBucketRange { min, max, steps }))
+    Ok(Some(KohyaBucketRange {
+        min,
+        max,
+        steps,
+        no_upscale,
+    }))
 }
 
 /// Entry `i` of `aspects`: `[width, height]`, each side 8 to 8192 pixels and a multiple of

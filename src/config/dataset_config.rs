@@ -7,16 +7,17 @@
 //! - Subset settings (repeats, captions, flips, regularization) are per subset: each image trains
 //!   with its own subset's.
 //! - Dataset settings (`resolution`, `batch_size`, `enable_bucket`, `min_bucket_reso`,
-//!   `max_bucket_reso`, `bucket_reso_steps`, `validation_split`) take the place of train.json's.
+//!   `max_bucket_reso`, `bucket_reso_steps`, `bucket_no_upscale`, `validation_split`) take the
+//!   place of train.json's.
 //!   sdtrain trains one resolution, batch size and bucket set per run, so datasets that set
 //!   different values are refused, saying which; kohya keeps such datasets apart.
 //! - As in kohya, train.json's `data_root` and `reg_data_root` are not read beside a dataset
 //!   config (a warning says so); `is_reg` subsets are the regularization images, balanced within
 //!   their dataset and weighed by train.json's `prior_loss_weight`.
 //! - What sdtrain cannot do is refused with the reason: `color_aug`, `random_crop`,
-//!   `face_crop_aug_range`, `bucket_no_upscale`, a `network_multiplier` other than 1 and ControlNet
-//!   subsets. `cache_info` (a loading cache) changes nothing; `custom_attributes`,
-//!   `resize_interpolation` and `validation_seed` are not used, with a warning.
+//!   `face_crop_aug_range`, a `network_multiplier` other than 1 and ControlNet subsets.
+//!   `cache_info` (a loading cache) changes nothing; `custom_attributes`, `resize_interpolation`
+//!   and `validation_seed` are not used, with a warning.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -248,6 +249,7 @@ impl RunKeys {
                 ("min_bucket_reso", RunValue::Int(v)) => file.min_bucket_reso = Some(*v),
                 ("max_bucket_reso", RunValue::Int(v)) => file.max_bucket_reso = Some(*v),
                 ("bucket_reso_steps", RunValue::Int(v)) => file.bucket_reso_steps = Some(*v),
+                ("bucket_no_upscale", RunValue::Bool(v)) => file.bucket_no_upscale = Some(*v),
                 ("validation_split", RunValue::Number(v)) => file.validation_split = Some(*v),
                 _ => {}
             }
@@ -263,25 +265,20 @@ fn run_keys(
 ) -> Result<RunKeys, ConfigError> {
     let mut keys = RunKeys::default();
     if let Some((v, at)) = chain.get("resolution") {
-        let side = match (v.as_integer(), v.as_array()) {
-            (Some(r), _) => r,
-            (None, Some(pair)) => {
-                let (w, h) = (pair[0].as_integer(), pair[1].as_integer());
-                match (w, h) {
-                    (Some(w), Some(h)) if w == h => w,
-                    _ => {
-                        return Err(cx.invalid(
-                            &at,
-                            format!(
-                                "is {}: sdtrain's buckets hold about resolution² pixels, so \
-                                 give a square size (one number, such as 512)",
-                                super::dataset_config_schema::shown(v)
-                            ),
-                        ))
-                    }
-                }
-            }
-            _ => unreachable!("checked by the schema"),
+        let square = match (v.as_integer(), v.as_array().map(Vec::as_slice)) {
+            (Some(r), _) => Some(r),
+            (None, Some([w, h])) => w.as_integer().filter(|&w| h.as_integer() == Some(w)),
+            _ => None,
+        };
+        let Some(side) = square else {
+            return Err(cx.invalid(
+                &at,
+                format!(
+                    "is {}: sdtrain's buckets hold about resolution² pixels, so give a square \
+                     size (one number, such as 512)",
+                    super::dataset_config_schema::shown(v)
+                ),
+            ));
         };
         if !((64..=4096).contains(&side) && side % 64 == 0) {
             return Err(cx.invalid(
@@ -316,13 +313,9 @@ fn run_keys(
                 .push(("validation_split", RunValue::Number(v), at));
         }
     }
-    if let Some((true, at)) = chain.bool("bucket_no_upscale") {
-        return Err(cx.invalid(
-            &at,
-            "is not supported: sdtrain trains every image at one of the run's bucket sizes \
-             (small images are scaled up); set it to false"
-                .into(),
-        ));
+    if let Some((v, at)) = chain.bool("bucket_no_upscale") {
+        keys.values
+            .push(("bucket_no_upscale", RunValue::Bool(v), at));
     }
     if let Some((m, at)) = chain.number("network_multiplier") {
         if m != 1.0 {
@@ -754,10 +747,10 @@ mod tests {
             ("random_crop", "true"),
             ("face_crop_aug_range", "[2.0, 4.0]"),
             ("conditioning_data_dir", "'a'"),
-            ("bucket_no_upscale", "true"),
             ("network_multiplier", "0.5"),
+            ("resolution", "[512, 768]"),
         ] {
-            let at = if key == "bucket_no_upscale" || key == "network_multiplier" {
+            let at = if key == "network_multiplier" || key == "resolution" {
                 "[[datasets]]\n"
             } else {
                 ""

@@ -176,6 +176,11 @@ impl TrainPlan {
         };
         let sizes = match (&b.aspects, b.kohya) {
             (Some(a), _) => format!("{} sizes from aspects", a.len()),
+            (None, Some(k)) if k.no_upscale => format!(
+                "each image its own, never scaled up (kohya's bucket_no_upscale), sides in steps \
+                 of {}",
+                k.steps
+            ),
             (None, Some(k)) => format!(
                 "kohya's, sides {} to {} in steps of {}",
                 k.min, k.max, k.steps

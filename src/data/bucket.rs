@@ -246,6 +246,44 @@ pub fn has_ed2_table(resolution: usize) -> bool {
 /// The ratio limit of generated buckets when none is set: ED2's tables reach about 4:1.
 pub const DEFAULT_MAX_RATIO: f64 = 4.0;
 
+/// kohya's `bucket_no_upscale` (`BucketManager.select_bucket`): an image's own bucket, never
+/// larger than the image. An image of more than `resolution²` pixels is first scaled to that
+/// area, its width or height rounded to `steps` (whichever keeps the aspect ratio closer) and the
+/// other side following the ratio; then both sides are rounded down to `steps`. A side shorter
+/// than `steps` gets `steps` (kohya would make a bucket of side 0).
+pub fn kohya_no_upscale_bucket(
+    width: usize,
+    height: usize,
+    resolution: usize,
+    steps: usize,
+) -> Bucket {
+    let steps = steps.max(1);
+    let (w, h) = (width.max(1) as f64, height.max(1) as f64);
+    let aspect = w / h;
+    let area = (resolution * resolution) as f64;
+    // kohya's `round_to_steps`: `int(x + 0.5)` less its remainder.
+    let round = |x: f64| {
+        let x = (x + 0.5) as usize;
+        x - x % steps
+    };
+    let (rw, rh) = if w * h > area {
+        let resized_w = (area * aspect).sqrt();
+        let resized_h = area / resized_w;
+        let by_w = round(resized_w);
+        let ar_by_w = by_w as f64 / round(by_w as f64 / aspect) as f64;
+        let by_h = round(resized_h);
+        let ar_by_h = round(by_h as f64 * aspect) as f64 / by_h as f64;
+        if (ar_by_w - aspect).abs() < (ar_by_h - aspect).abs() {
+            (by_w, (by_w as f64 / aspect + 0.5) as usize)
+        } else {
+            ((by_h as f64 * aspect + 0.5) as usize, by_h)
+        }
+    } else {
+        (width, height)
+    };
+    Bucket::new((rw - rw % steps).max(steps), (rh - rh % steps).max(steps))
+}
+
 /// kohya's `make_bucket_resolutions` (`library/model_util.py`) for `min_bucket_reso`,
 /// `max_bucket_reso` and `bucket_reso_steps`: the square of side `⌊resolution / steps⌋·steps`,
 /// and for each width `w` from `min` to `max` in `steps`, the height

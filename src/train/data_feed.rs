@@ -71,15 +71,19 @@ fn kohya_bucket_list(
     resolution: usize,
     step: usize,
 ) -> anyhow::Result<Vec<Bucket>> {
-    let KohyaBucketRange { min, max, steps } = range;
+    let KohyaBucketRange {
+        min, max, steps, ..
+    } = range;
     if resolution < min || resolution > max {
         bail!(
-            "min_bucket_reso {min} and max_bucket_reso {max} must hold the resolution              {resolution} (kohya's rule)"
+            "min_bucket_reso {min} and max_bucket_reso {max} must hold the resolution \
+             {resolution} (kohya's rule)"
         );
     }
     if steps % step != 0 {
         bail!(
-            "bucket_reso_steps {steps} does not fit this model: its sides must be multiples of              {step}"
+            "bucket_reso_steps {steps} does not fit this model: its sides must be multiples of \
+             {step}"
         );
     }
     Ok(crate::data::bucket::kohya_buckets(
@@ -87,13 +91,41 @@ fn kohya_bucket_list(
     ))
 }
 
-/// Each item's bucket: the nearest by aspect.
-pub fn assign(items: &[ImageMeta], buckets: &[Bucket]) -> Vec<Bucket> {
+/// How an image finds its bucket: the nearest of the run's sizes by aspect, or with kohya's
+/// `bucket_no_upscale` a bucket of its own.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BucketRule {
+    /// The run's sizes ([`bucket_list`]).
+    pub list: Vec<Bucket>,
+    /// `bucket_no_upscale`: the resolution and kohya's `bucket_reso_steps`
+    /// ([`crate::data::bucket::kohya_no_upscale_bucket`]).
+    pub no_upscale: Option<(usize, usize)>,
+}
+
+impl BucketRule {
+    /// The rule of `plan` for `resolution`, on a model whose sides are multiples of `step`.
+    pub fn of(plan: Option<&BucketPlan>, resolution: usize, step: usize) -> anyhow::Result<Self> {
+        let list = bucket_list(plan, resolution, step)?;
+        let no_upscale = plan
+            .and_then(|p| p.kohya)
+            .filter(|k| k.no_upscale)
+            .map(|k| (resolution, k.steps));
+        Ok(Self { list, no_upscale })
+    }
+}
+
+/// Each item's bucket ([`BucketRule`]).
+pub fn assign(items: &[ImageMeta], rule: &BucketRule) -> Vec<Bucket> {
     items
         .iter()
         .map(|item| {
             let (w, h) = item.size;
-            nearest_bucket(buckets, w, h).unwrap_or(buckets[0])
+            match rule.no_upscale {
+                Some((resolution, steps)) => {
+                    crate::data::bucket::kohya_no_upscale_bucket(w, h, resolution, steps)
+                }
+                None => nearest_bucket(&rule.list, w, h).unwrap_or(rule.list[0]),
+            }
         })
         .collect()
 }
@@ -586,18 +618,23 @@ mod tests {
 
     #[test]
     fn items_go_to_the_nearest_bucket() {
-        let buckets = aspect_buckets(512, 64, None);
-        let got = assign(
-            &[meta(4000, 3000), meta(1080, 1920), meta(10, 10)],
-            &buckets,
-        );
+        let mut rule = BucketRule {
+            list: aspect_buckets(512, 64, None),
+            no_upscale: None,
+        };
+        let items = [meta(4000, 3000), meta(1080, 1920), meta(10, 10)];
         assert_eq!(
-            got,
+            assign(&items, &rule),
             [
                 Bucket::new(576, 448),
                 Bucket::new(384, 640),
                 Bucket::new(512, 512)
             ]
         );
+        // kohya's bucket_no_upscale: each image its own bucket, the small one not scaled up.
+        rule.no_upscale = Some((512, 64));
+        let own = assign(&items, &rule);
+        assert_eq!(own[2], Bucket::new(64, 64));
+        assert!(own[..2].iter().all(|b| b.width * b.height <= 512 * 512));
     }
 }

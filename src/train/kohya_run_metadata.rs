@@ -13,9 +13,9 @@
 //!
 //! Left out, each with its reason ([`OMITTED`]): sd-scripts' own commit, its `lowram`
 //! switch, the separate-VAE keys, the validation settings and resize filter kohya names its own
-//! way, `random_crop` and `bucket_no_upscale` (EveryDream2's crop jitter and undersized-image
-//! rule are other rules), and `ss_datasets`, which kohya writes instead of the single-dataset
-//! keys for a `dataset_config`, as sdtrain does then ([`super::kohya_datasets_metadata`]).
+//! way, `random_crop` (EveryDream2's crop jitter is another rule), and `ss_datasets`, which
+//! kohya writes instead of the single-dataset keys for a `dataset_config`, as sdtrain does then
+//! ([`super::kohya_datasets_metadata`]).
 //!
 //! `adapter.no_metadata` (kohya's `--no_metadata`) keeps only what loaders need.
 
@@ -56,10 +56,6 @@ pub const OMITTED: &[(&str, &str)] = &[
     (
         "ss_random_crop",
         "EveryDream2's crop jitter is another rule",
-    ),
-    (
-        "ss_bucket_no_upscale",
-        "EveryDream2's undersized-image rule is another rule",
     ),
 ];
 
@@ -317,6 +313,12 @@ fn dataset(f: &RunFacts<'_>, m: &mut BTreeMap<String, String>) {
     let keep_tokens = d.keep_tags + usize::from(reordered);
     put("ss_keep_tokens", keep_tokens.to_string());
     put("ss_enable_bucket", py_bool(d.buckets.is_some()));
+    let no_upscale = d
+        .buckets
+        .as_ref()
+        .and_then(|b| b.kohya)
+        .is_some_and(|k| k.no_upscale);
+    put("ss_bucket_no_upscale", py_bool(no_upscale));
     let sides = f.buckets.iter().flat_map(|b| [b.width, b.height]);
     put(
         "ss_min_bucket_reso",

@@ -31,7 +31,7 @@ use crate::config::{
     BaseWeightDtype, CheckpointChoice, DataPlan, RegularizationPlan, RunShape, TrainMode, TrainPlan,
 };
 use crate::data::regularization::{add_regularization, RegularizationSummary};
-use crate::data::{load_source, undersized, Bucket, DataSource, ImageMeta, LoadedDataset};
+use crate::data::{load_source, undersized, DataSource, ImageMeta, LoadedDataset};
 use crate::diffusion::loss::LossConfig;
 use crate::diffusion::{Objective, ObjectiveConfig};
 use crate::memory::{prepare_device, DeviceSettings};
@@ -482,8 +482,8 @@ fn load_data(
         }
     };
     let align = model.sd.vae_scale << model.sd.unet.config.num_downsamples();
-    let bucket_list = data_feed::bucket_list(data.buckets.as_ref(), model.resolution, align)?;
-    let mut validation = hold_out_validation(plan, &mut dataset, data_seed, &bucket_list)?;
+    let bucket_rule = data_feed::BucketRule::of(data.buckets.as_ref(), model.resolution, align)?;
+    let mut validation = hold_out_validation(plan, &mut dataset, data_seed, &bucket_rule)?;
     prepare_captions(&mut dataset.items, data);
     for set in validation.iter_mut().flat_map(|v| v.sets.iter_mut()) {
         prepare_captions(&mut set.items, data);
@@ -507,7 +507,7 @@ fn load_data(
         }
         (None, None) => None,
     };
-    let buckets = data_feed::assign(&dataset.items, &bucket_list);
+    let buckets = data_feed::assign(&dataset.items, &bucket_rule);
     let masks = plan.objective.loss.mask.map(|m| m.source);
     let mut feed = DataFeed::new(
         dataset,
@@ -817,7 +817,7 @@ fn hold_out_validation(
     plan: &TrainPlan,
     dataset: &mut LoadedDataset,
     data_seed: u64,
-    buckets: &[Bucket],
+    buckets: &data_feed::BucketRule,
 ) -> anyhow::Result<Option<Validation>> {
     let Some(v) = &plan.data.validation else {
         return Ok(None);

@@ -183,7 +183,7 @@ impl Validation {
         plan: &ValidationPlan,
         dataset: &mut LoadedDataset,
         seed: u64,
-        buckets: &[Bucket],
+        buckets: &data_feed::BucketRule,
         max_pixels: u64,
     ) -> anyhow::Result<Self> {
         let seed = plan.seed.unwrap_or(seed);
