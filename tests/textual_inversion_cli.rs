@@ -309,6 +309,33 @@ fn draw(dir: &Path, out: &str, prompt: &str, extra: &[&str]) -> (String, image::
     (text(&o), image::open(dir.join(out)).unwrap().to_rgb8())
 }
 
+/// One step of `sample` on the fixture `model` with the embedding file `embedding`.
+fn sample_with_embedding(
+    dir: &Path,
+    model: &str,
+    prompt: &str,
+    embedding: &str,
+) -> std::process::Output {
+    let model = common::fixture(model).display().to_string();
+    let args = [
+        "sample",
+        "--model",
+        &model,
+        "--prompt",
+        prompt,
+        "--steps",
+        "1",
+        "--width",
+        "32",
+        "--height",
+        "32",
+        "--cpu",
+        "--embedding",
+        embedding,
+    ];
+    sdtrain(&args, dir)
+}
+
 /// An embedding whose one vector is the word "dog"'s row (a run at a learning rate too small to
 /// move it) draws, under its token, exactly what "dog" draws; the same prompt without the
 /// embedding draws something else. The token is the one the file records, or the one given as
@@ -342,26 +369,7 @@ fn sampling_with_an_embedding_of_a_words_vector_draws_what_the_word_draws() {
     let (_, plain) = draw(dir.path(), "plain.png", "a photo of mytok", &[]);
     assert_ne!(plain, dog);
     // An SD1.5 embedding for SDXL is refused, naming the file.
-    let model = common::fixture("tiny-sdxl").display().to_string();
-    let o = sdtrain(
-        &[
-            "sample",
-            "--model",
-            &model,
-            "--prompt",
-            "mytok",
-            "--steps",
-            "1",
-            "--width",
-            "32",
-            "--height",
-            "32",
-            "--cpu",
-            "--embedding",
-            file,
-        ],
-        dir.path(),
-    );
+    let o = sample_with_embedding(dir.path(), "tiny-sdxl", "mytok", file);
     let log = text(&o);
     assert!(!o.status.success(), "{log}");
     assert!(
@@ -440,22 +448,19 @@ fn torch_pickled_embeddings_load_as_a1111_and_diffusers_do() {
             .to_string()
     };
     let (_, dog) = draw(dir.path(), "dog.png", "a photo of dog", &[]);
-    let (log, a1111) = draw(
-        dir.path(),
-        "a1111.png",
-        "a photo of dogtok",
-        &["--embedding", &file("dogtok.pt")],
-    );
-    assert!(log.contains("`dogtok` stands for 1 vector(s)"), "{log}");
-    assert_eq!(a1111, dog);
-    let (log, diffusers) = draw(
-        dir.path(),
-        "diffusers.png",
-        "a photo of <dog-tok>",
-        &["--embedding", &file("learned_embeds.bin")],
-    );
-    assert!(log.contains("`<dog-tok>` stands for 1 vector(s)"), "{log}");
-    assert_eq!(diffusers, dog);
+    for (name, token) in [("dogtok.pt", "dogtok"), ("learned_embeds.bin", "<dog-tok>")] {
+        let (log, image) = draw(
+            dir.path(),
+            &format!("{name}.png"),
+            &format!("a photo of {token}"),
+            &["--embedding", &file(name)],
+        );
+        assert!(
+            log.contains(&format!("`{token}` stands for 1 vector(s)")),
+            "{log}"
+        );
+        assert_eq!(image, dog, "{name}");
+    }
 
     let o = sdtrain(&["inspect", "--model", &file("dogtok.pt")], dir.path());
     let log = text(&o);
@@ -465,31 +470,12 @@ fn torch_pickled_embeddings_load_as_a1111_and_diffusers_do() {
         "{log}"
     );
 
-    let model = common::fixture("tiny-sd15").display().to_string();
     for (name, why) in [
         ("parameter_dict.pt", "ParameterDict"),
         ("legacy.pt", "legacy (pre-1.6) format"),
     ] {
         let path = file(name);
-        let o = sdtrain(
-            &[
-                "sample",
-                "--model",
-                &model,
-                "--prompt",
-                "x",
-                "--steps",
-                "1",
-                "--width",
-                "32",
-                "--height",
-                "32",
-                "--cpu",
-                "--embedding",
-                &path,
-            ],
-            dir.path(),
-        );
+        let o = sample_with_embedding(dir.path(), "tiny-sd15", "x", &path);
         let log = text(&o);
         assert!(!o.status.success(), "{log}");
         assert!(log.contains(&path) && log.contains(why), "{log}");

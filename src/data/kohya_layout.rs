@@ -160,8 +160,8 @@ pub fn subset_name(name: &str) -> Option<(u64, &str)> {
     Some((count.parse().ok().filter(|_| is_count)?, tokens))
 }
 
-/// The image files directly in `dir`, sorted.
-fn subset_images(dir: &Path) -> Result<Vec<PathBuf>, DataError> {
+/// The image files directly in `dir` (not hidden, not loss masks), sorted.
+pub(super) fn subset_images(dir: &Path) -> Result<Vec<PathBuf>, DataError> {
     Ok(sorted_entries(dir)?
         .into_iter()
         .filter(|p| p.is_file() && is_image(p) && !super::mask::is_mask_file(p))

@@ -26,7 +26,7 @@ use serde_json::Value;
 
 use super::caption::{read_caption_file, with_affixes};
 use super::kohya_caption::SubsetCaptions;
-use super::kohya_layout::read_caption_lines;
+use super::kohya_layout::{read_caption_lines, subset_images};
 use super::scan::{is_image, ImageRecord};
 use super::tag_shuffle::ItemOptions;
 use super::DataError;
@@ -150,7 +150,7 @@ fn dreambooth(
     let wildcard = subset.captions.keys.wildcard;
     let mut uncaptioned = Vec::new();
     let mut records = Vec::new();
-    for image in images_in(image_dir)? {
+    for image in subset_images(image_dir)? {
         let caption = match read_caption_lines(&image, ext, wildcard)? {
             Some(caption) => caption,
             None => {
@@ -174,26 +174,6 @@ fn dreambooth(
         ));
     }
     Ok(records)
-}
-
-/// The image files directly in `dir` (not hidden, not loss masks), sorted.
-fn images_in(dir: &Path) -> Result<Vec<PathBuf>, DataError> {
-    let read_err = |source| DataError::ReadDir {
-        path: dir.to_path_buf(),
-        source,
-    };
-    let mut out = Vec::new();
-    for entry in std::fs::read_dir(dir).map_err(read_err)? {
-        let path = entry.map_err(read_err)?.path();
-        let hidden = path
-            .file_name()
-            .is_some_and(|n| n.to_string_lossy().starts_with('.'));
-        if !hidden && path.is_file() && is_image(&path) && !super::mask::is_mask_file(&path) {
-            out.push(path);
-        }
-    }
-    out.sort();
-    Ok(out)
 }
 
 /// One image's entry in a metadata file.
