@@ -334,3 +334,29 @@ fn bucket_no_upscale_gives_each_image_its_own_bucket() {
         "{log}"
     );
 }
+
+/// A validation image split out of a subset keeps the caption its subset gave it: train.json's
+/// `caption_prefix` (the subset's fallback) is on it once. With every image captioned "ted man"
+/// the text cache then holds one caption; a prefix added again to the held-out image would make
+/// it two.
+#[test]
+fn a_validation_image_keeps_its_subsets_caption() {
+    let tmp = tempfile::tempdir().unwrap();
+    images(tmp.path());
+    let toml = "[general]\nresolution = 64\nbatch_size = 1\nvalidation_split = 0.34\n\
+                [[datasets]]\n[[datasets.subsets]]\nimage_dir = \"imgs/reg\"\n\
+                class_tokens = \"ted man\"\n";
+    let extra = serde_json::json!({
+        "disable_textenc_training": true,
+        "caption_prefix": "photo of",
+    });
+    let cfg = config(tmp.path(), toml, extra);
+    let out = sdtrain(&["--config", cfg.to_str().unwrap(), "--cpu"], tmp.path());
+    let log = text(&out);
+    assert!(out.status.success(), "{log}");
+    assert!(log.contains("validation: 1 images"), "{log}");
+    assert!(
+        log.contains("text-encoder cache: 1 captions encoded"),
+        "{log}"
+    );
+}

@@ -72,8 +72,10 @@ fn text_encoder_cache(
         captions.extend(v.items().map(|i| i.caption.as_str()));
     }
     let items = &feed.dataset.items;
-    let dropped = plan.data.cond_dropout > 0.0
-        || plan.data.kohya_captions.dropout_every_n_epochs > 0
+    // A dataset config's images carry their subsets' dropout instead of train.json's.
+    let global = plan.data.dataset_config.is_none()
+        && (plan.data.cond_dropout > 0.0 || plan.data.kohya_captions.dropout_every_n_epochs > 0);
+    let dropped = global
         || items.iter().any(|i| {
             let epochs = i.options.subset_captions.as_ref();
             i.options.cond_dropout > Some(0.0)

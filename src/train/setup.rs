@@ -553,14 +553,22 @@ fn prepare_captions(items: &mut [ImageMeta], data: &DataPlan) {
         data.shuffle_tags || data.tag_dropout > 0.0 || k.wildcard || k.token_warmup.is_some();
     let secondary = k.secondary_separator.as_deref().filter(|_| !per_step);
     for item in items {
-        // A dataset config's subset: its own affixes are on already.
-        if let Some(rules) = item.options.subset_captions.clone() {
-            if !rules.per_step() {
-                item.caption = crate::data::kohya_caption::replace_secondary_with(
-                    &item.caption,
-                    rules.keys.secondary_separator.as_deref(),
-                    &rules.separator,
-                );
+        // A dataset config's subset (a validation image split out of one too): its own affixes
+        // are on already; its secondary separator is replaced once unless its captions change
+        // per step (validation images train with no per-step change).
+        if let Some(index) = item.options.subset {
+            let subset = data
+                .dataset_config
+                .as_ref()
+                .and_then(|c| c.subsets.get(index));
+            if let Some(rules) = subset.map(|s| &s.captions) {
+                if item.options.subset_captions.is_none() || !rules.per_step() {
+                    item.caption = crate::data::kohya_caption::replace_secondary_with(
+                        &item.caption,
+                        rules.keys.secondary_separator.as_deref(),
+                        &rules.separator,
+                    );
+                }
             }
             continue;
         }

@@ -194,8 +194,13 @@ impl Validation {
             .map(|(k, (name, mut items))| {
                 // Validation images train with nothing of their own: no flip, no dropout, no
                 // shuffle (EveryDream2's `disable_multiplier_and_flip`).
+                // A dataset config's image keeps which subset it is from (its caption has the
+                // subset's affixes on already).
                 for item in &mut items {
-                    item.options = Default::default();
+                    item.options = std::sync::Arc::new(crate::data::ItemOptions {
+                        subset: item.options.subset,
+                        ..Default::default()
+                    });
                 }
                 ValSet {
                     name,
