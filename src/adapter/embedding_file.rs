@@ -303,12 +303,14 @@ enum TorchKind {
     Legacy,
 }
 
-/// Whether `bytes` are a PyTorch file, from its first bytes (a safetensors file starts with its
-/// header's length, whose high bytes are 0).
+/// Whether `bytes` are a PyTorch file, from its first bytes: a zip archive, or torch's legacy
+/// pickle, which opens with protocol 2 and torch's magic number as a 10-byte long. A safetensors
+/// file opens with its header's length, which neither matches (as lengths they would be 67 MB
+/// and 168 MB headers).
 fn torch_kind(bytes: &[u8]) -> Option<TorchKind> {
     match bytes {
         [b'P', b'K', 3, 4, ..] => Some(TorchKind::Zip),
-        [0x80, 2..=5, ..] => Some(TorchKind::Legacy),
+        [0x80, 0x02, 0x8a, 0x0a, ..] => Some(TorchKind::Legacy),
         _ => None,
     }
 }
@@ -636,6 +638,18 @@ mod tests {
         assert_eq!(values(&got[1]), values(&g));
         let err = f.for_encoders(&[8]).unwrap_err().to_string();
         assert!(err.contains("SDXL embedding"), "{err}");
+    }
+
+    /// Catches a safetensors file whose header length starts like a pickle (640 bytes is
+    /// `80 02 00 …`) taken for a PyTorch file.
+    #[test]
+    fn torch_files_are_told_from_safetensors_by_their_first_bytes() {
+        assert_eq!(torch_kind(b"PK\x03\x04rest"), Some(TorchKind::Zip));
+        let legacy = [0x80, 0x02, 0x8a, 0x0a, 0x6c, 0xfc, 0x9c, 0x46];
+        assert_eq!(torch_kind(&legacy), Some(TorchKind::Legacy));
+        let header_640 = 640u64.to_le_bytes();
+        assert_eq!(torch_kind(&header_640), None);
+        assert_eq!(torch_kind(b"{"), None);
     }
 
     #[test]
