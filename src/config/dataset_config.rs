@@ -28,6 +28,7 @@ use serde::Serialize;
 use super::ctx::Ctx;
 use super::dataset_config_schema::{check, Chain, TomlCtx};
 use super::error::ConfigError;
+use super::regularization_plan::caption_extension;
 use super::train_file::TrainFile;
 use crate::data::kohya_caption::{KohyaCaptions, SubsetCaptions, TokenWarmup, CAPTION_SEPARATOR};
 use crate::data::kohya_layout::DEFAULT_CAPTION_EXTENSION;
@@ -94,7 +95,7 @@ pub(super) fn apply_dataset_config(
     })?;
     let cx = TomlCtx { file: &path };
     let checked = check(&text, &cx)?;
-    let base = path.parent().unwrap_or(Path::new("")).to_path_buf();
+    let toml_ctx = Ctx::new(&path);
     let mut ignored = BTreeSet::new();
     let mut run: Option<(RunKeys, String)> = None;
     let mut subsets = Vec::new();
@@ -138,7 +139,8 @@ pub(super) fn apply_dataset_config(
                 chain: &chain,
                 file,
                 cx: &cx,
-                base: &base,
+                toml: &toml_ctx,
+                train: ctx,
                 name,
                 dataset: i,
             };
@@ -385,23 +387,19 @@ struct SubsetInput<'a> {
     chain: &'a Chain<'a>,
     file: &'a TrainFile,
     cx: &'a TomlCtx<'a>,
-    /// The TOML's folder: relative paths are looked up there first.
-    base: &'a Path,
+    /// The TOML file, whose folder relative paths are looked up in first.
+    toml: &'a Ctx<'a>,
+    /// train.json, for its fallbacks' errors.
+    train: &'a Ctx<'a>,
     name: String,
     dataset: usize,
 }
 
 impl SubsetInput<'_> {
-    /// A path the config gives: beside the TOML when it exists there, else as written (from the
-    /// working directory, kohya's rule), absolute.
-    fn path(&self, raw: &str) -> PathBuf {
-        let raw = Path::new(raw);
-        let beside = self.base.join(raw);
-        let found = match raw.is_absolute() || !beside.exists() {
-            true => raw.to_path_buf(),
-            false => beside,
-        };
-        std::path::absolute(&found).unwrap_or(found)
+    /// A path the config gives at `key`: beside the TOML when it exists there, else as written
+    /// (from the working directory, kohya's rule), absolute.
+    fn path(&self, key: &str, raw: &str) -> Result<PathBuf, ConfigError> {
+        self.toml.input_path(&format!("{}.{key}", self.name), raw)
     }
 
     fn fraction(&self, key: &str, fallback: Option<f64>) -> Result<f64, ConfigError> {
@@ -527,7 +525,7 @@ fn subset_source(s: &SubsetInput<'_>) -> Result<SubsetSource, ConfigError> {
     let field = |key: &str| format!("{}.{key}", s.name);
     let image_dir = match own_text("image_dir") {
         Some(raw) => {
-            let dir = s.path(raw);
+            let dir = s.path("image_dir", raw)?;
             if !dir.is_dir() {
                 let problem = if dir.exists() {
                     "is not a folder"
@@ -556,7 +554,7 @@ fn subset_source(s: &SubsetInput<'_>) -> Result<SubsetSource, ConfigError> {
                 ));
             }
         }
-        let metadata_file = s.path(raw);
+        let metadata_file = s.path("metadata_file", raw)?;
         if !metadata_file.is_file() {
             return Err(s.cx.invalid(
                 &field("metadata_file"),
@@ -578,9 +576,11 @@ fn subset_source(s: &SubsetInput<'_>) -> Result<SubsetSource, ConfigError> {
         ));
     };
     let ext = match s.chain.text("caption_extension") {
-        Some((e, at)) => extension(e, &at, s.cx)?,
+        Some((e, at)) => caption_extension(e).map_err(|why| s.cx.invalid(&at, why))?,
         None => match s.file.caption_extension.as_deref() {
-            Some(e) => extension(e, "caption_extension", s.cx)?,
+            Some(e) => {
+                caption_extension(e).map_err(|why| s.train.invalid("caption_extension", why))?
+            }
             None => DEFAULT_CAPTION_EXTENSION.to_string(),
         },
     };
@@ -589,20 +589,6 @@ fn subset_source(s: &SubsetInput<'_>) -> Result<SubsetSource, ConfigError> {
         class_tokens: s.chain.text("class_tokens").map(|(t, _)| t.to_string()),
         caption_extension: ext,
     })
-}
-
-/// A caption extension with its leading dot (kohya adds none; ".txt" and "txt" both mean the
-/// `.txt` file here).
-fn extension(raw: &str, at: &str, cx: &TomlCtx<'_>) -> Result<String, ConfigError> {
-    let e = raw.trim();
-    let bare = e.strip_prefix('.').unwrap_or(e);
-    if bare.is_empty() || bare.contains(['/', '\\', '\0']) {
-        return Err(cx.invalid(
-            at,
-            format!("must be a file extension such as \".txt\" or \".caption\" (got \"{raw}\")"),
-        ));
-    }
-    Ok(format!(".{bare}"))
 }
 
 /// The subset's caption settings.

@@ -72,17 +72,24 @@ pub(super) fn resolve_layout(file: &TrainFile, ctx: &Ctx<'_>) -> Result<DataLayo
         }
         return Ok(DataLayout::Everydream);
     }
-    let ext = ext.unwrap_or(DEFAULT_CAPTION_EXTENSION).trim();
+    let ext = ext.unwrap_or(DEFAULT_CAPTION_EXTENSION);
+    Ok(DataLayout::Kohya {
+        caption_extension: caption_extension(ext)
+            .map_err(|why| ctx.invalid("caption_extension", why))?,
+    })
+}
+
+/// A caption extension with its leading dot (kohya adds none; ".txt" and "txt" both mean the
+/// `.txt` file here), or why it is not one.
+pub(super) fn caption_extension(raw: &str) -> Result<String, String> {
+    let ext = raw.trim();
     let bare = ext.strip_prefix('.').unwrap_or(ext);
     if bare.is_empty() || bare.contains(['/', '\\', '\0']) {
-        return Err(ctx.invalid(
-            "caption_extension",
-            format!("must be a file extension such as \".txt\" or \".caption\" (got \"{ext}\")"),
+        return Err(format!(
+            "must be a file extension such as \".txt\" or \".caption\" (got \"{ext}\")"
         ));
     }
-    Ok(DataLayout::Kohya {
-        caption_extension: format!(".{bare}"),
-    })
+    Ok(format!(".{bare}"))
 }
 
 /// `reg_data_root` and `prior_loss_weight`, given the resolved `data_root` and layout.
