@@ -102,6 +102,7 @@ fn main() -> anyhow::Result<()> {
         loraplus: Default::default(),
         rank_dropout: 0.0,
         module_dropout: 0.0,
+        blocks: None,
         scale_weight_norms: None,
     };
     let adapters = attach_with(&mut sd, mode, plan, 0)?;

@@ -36,6 +36,7 @@ fn plan(init_from: Option<PathBuf>, save_dtype: SaveDtype) -> AdapterPlan {
         loraplus: Default::default(),
         rank_dropout: 0.0,
         module_dropout: 0.0,
+        blocks: None,
         scale_weight_norms: None,
     }
 }

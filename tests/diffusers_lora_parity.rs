@@ -118,6 +118,7 @@ fn plan(init_from: PathBuf) -> AdapterPlan {
         loraplus: Default::default(),
         rank_dropout: 0.0,
         module_dropout: 0.0,
+        blocks: None,
         scale_weight_norms: None,
     }
 }

@@ -50,6 +50,7 @@ fn adapter_plan(dropout: f64) -> AdapterPlan {
         loraplus: Default::default(),
         rank_dropout: 0.0,
         module_dropout: 0.0,
+        blocks: None,
         scale_weight_norms: None,
     }
 }

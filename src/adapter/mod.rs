@@ -11,6 +11,7 @@
 
 pub mod addnet_hash;
 pub mod attach;
+pub mod block_weights;
 pub mod diffusers_keys;
 pub mod embedding_file;
 pub mod extract;

@@ -12,6 +12,7 @@ use serde_json::Value;
 use super::error::ConfigError;
 use super::plan::TrainMode;
 use super::strict::{known_keys, Section};
+use crate::adapter::block_weights::BlockSettings;
 
 /// `adapter: {…}` as written.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -71,6 +72,28 @@ pub struct AdapterFile {
     pub rank_dropout: Option<f64>,
     #[serde(default)]
     pub module_dropout: Option<f64>,
+    /// kohya's block-wise LoRA (`network_args`; [`crate::adapter::block_weights`]): a rank and
+    /// alpha per UNet block (25 for SD1/SD2, 23 for SDXL), for its Linear/1×1 layers and its
+    /// 3×3 convs, each a JSON array or kohya's comma-separated string.
+    #[serde(default)]
+    pub block_dims: Option<Value>,
+    #[serde(default)]
+    pub block_alphas: Option<Value>,
+    #[serde(default)]
+    pub conv_block_dims: Option<Value>,
+    #[serde(default)]
+    pub conv_block_alphas: Option<Value>,
+    /// kohya's per-block learning-rate weights: the down and up blocks' as a list or a curve
+    /// (`"sine+0.5"`), the mid block's (3 for SDXL) as a list.
+    #[serde(default)]
+    pub down_lr_weight: Option<Value>,
+    #[serde(default)]
+    pub mid_lr_weight: Option<Value>,
+    #[serde(default)]
+    pub up_lr_weight: Option<Value>,
+    /// Weights at or below it are 0, and their blocks get no adapters.
+    #[serde(default)]
+    pub block_lr_zero_threshold: Option<f64>,
 }
 
 /// The saved adapter file's dtype.
@@ -112,6 +135,8 @@ pub struct AdapterPlan {
     /// kohya's `rank_dropout` and `module_dropout` (0: off; `crate::adapter::lora::ExtraDropout`).
     pub rank_dropout: f64,
     pub module_dropout: f64,
+    /// kohya's block-wise ranks and learning-rate weights (`None`: every block alike).
+    pub blocks: Option<BlockSettings>,
 }
 
 /// kohya's LoRA+ ratios as resolved: each group's is its own key, else `loraplus_lr_ratio`.
@@ -304,6 +329,9 @@ pub fn resolve_adapter(
         )),
         p => Ok(p),
     };
+    let locon = mode == TrainMode::Locon;
+    let blocks = super::adapter_blocks::block_settings(a, low_rank, locon, dim_from_weights)
+        .map_err(|(k, m)| invalid(k, m))?;
     let rank_dropout = extra("rank_dropout", a.rank_dropout)?;
     let module_dropout = extra("module_dropout", a.module_dropout)?;
     Ok(AdapterPlan {
@@ -325,6 +353,7 @@ pub fn resolve_adapter(
         scale_weight_norms,
         rank_dropout,
         module_dropout,
+        blocks,
     })
 }
 

@@ -5,6 +5,7 @@
 //! decides every default and checks every range. The key names and their meanings follow
 //! EveryDream2 (train.py, optimizer/optimizers.py); docs/config.md lists every key.
 
+mod adapter_blocks;
 mod adapter_file;
 mod ctx;
 mod data_plan;

@@ -232,6 +232,7 @@ impl TrainPlan {
         let precision = super::precision_plan::resolve_precision(&file, mode, train_path)?;
         check_fused_optimizers(&optimizer, precision.fused_backward_pass, train_path)?;
         check_loraplus(adapter.as_ref(), &optimizer, train_path)?;
+        check_block_weights(adapter.as_ref(), &optimizer, train_unet, train_path)?;
         Ok(TrainPlan {
             train_config: train_path.to_path_buf(),
             overrides: overrides.to_vec(),
@@ -359,6 +360,54 @@ fn check_loraplus(
                 ),
             });
         }
+    }
+    Ok(())
+}
+
+/// Block-wise settings need a trained UNet, and learning-rate weights that scale (other than 0
+/// or 1) need an optimizer with a rate per parameter; refused otherwise, naming the key.
+fn check_block_weights(
+    adapter: Option<&AdapterPlan>,
+    optimizer: &OptimizerPlan,
+    train_unet: bool,
+    train_path: &Path,
+) -> Result<(), ConfigError> {
+    let Some(b) = adapter.and_then(|a| a.blocks.as_ref()) else {
+        return Ok(());
+    };
+    let invalid = |field: &str, message: String| ConfigError::Invalid {
+        file: train_path.to_path_buf(),
+        field: format!("adapter.{field}"),
+        message,
+    };
+    let key = if b.dims.is_some() {
+        "block_dims"
+    } else if b.down_lr_weight.is_some() {
+        "down_lr_weight"
+    } else if b.mid_lr_weight.is_some() {
+        "mid_lr_weight"
+    } else {
+        "up_lr_weight"
+    };
+    if !train_unet {
+        return Err(invalid(
+            key,
+            "shapes the UNet's adapters, but the UNet is not trained (disable_unet_training);              remove one of the two"
+                .into(),
+        ));
+    }
+    let kind = optimizer.unet.optimizer;
+    if b.has_lr_weights() && !b.lr_weights_only_switch() && !kind.scales_per_parameter() {
+        return Err(invalid(
+            key,
+            format!(
+                "scales each block's learning rate, but optimizer \"{}\" (base in the optimizer \
+                 config) computes its step size for the whole group; use adamw, adamw8bit, lion, \
+                 lion8bit, adafactor or came, or weights of 0 and 1 only (which switch blocks \
+                 off)",
+                kind.name()
+            ),
+        ));
     }
     Ok(())
 }

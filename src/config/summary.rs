@@ -160,6 +160,17 @@ impl TrainPlan {
             ),
             None => kind.to_string(),
         };
+        let base = match self.adapter.as_ref().and_then(|a| a.blocks.as_ref()) {
+            Some(b) => {
+                let args: Vec<String> = b
+                    .network_args()
+                    .into_iter()
+                    .map(|(k, v)| format!("{k}={v}"))
+                    .collect();
+                format!("{base}; block-wise (kohya): {}", args.join(" "))
+            }
+            None => base,
+        };
         match &self.embedding {
             Some(e) => format!(
                 "{base}; with the token `{}` as {} vector(s) (pivotal tuning, bundled in the file)",

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use anyhow::Context;
 use candle_core::{DType, Var};
 
+use crate::adapter::block_weights::BlockTable;
 use crate::adapter::factors;
 use crate::adapter::kohya_file::{
     load_kohya, match_to_model, save_kohya_with, ExpectedModule, KohyaBase, KohyaMetadata,
@@ -30,6 +31,8 @@ pub struct TrainedAdapters {
     names: Vec<String>,
     base: KohyaBase,
     mode: AdapterMode,
+    /// kohya's block-wise ranks and learning-rate weights, resolved for the model.
+    blocks: Option<BlockTable>,
 }
 
 fn kohya_component(c: AdapterComponent) -> KohyaComponent {
@@ -88,6 +91,8 @@ pub fn attach_with(
         anyhow::bail!("full fine-tuning has no adapters");
     };
     let naming = kohya_naming(sd);
+    let sdxl = sd.family() == ModelFamily::Sdxl;
+    let blocks = super::adapter_blocks::resolve_table(&a, spec.mode, sdxl)?;
     let (modules, a) = match (&a.init_from, a.dim_from_weights) {
         (Some(path), true) => {
             let ranks = file_ranks(path, &candle_core::Device::Cpu)
@@ -97,7 +102,12 @@ pub fn attach_with(
             (modules, a)
         }
         _ => {
-            let mut modules = attach_unet(&mut sd.unet, &spec)?;
+            let mut modules = match &blocks {
+                Some(table) => {
+                    super::adapter_blocks::attach_unet_blocks(&mut sd.unet, &spec, &naming, table)?
+                }
+                None => attach_unet(&mut sd.unet, &spec)?,
+            };
             if a.train_text_encoder {
                 let comps = [
                     AdapterComponent::TextEncoder,
@@ -137,6 +147,7 @@ pub fn attach_with(
         names,
         base,
         mode: spec.mode,
+        blocks,
     };
     if let Some(path) = &adapters.plan.init_from {
         adapters
@@ -283,8 +294,6 @@ impl TrainedAdapters {
         Ok(())
     }
 
-    /// Optimizer parameters of the UNet (`text_encoder == false`) or text-encoder modules, named
-    /// by kohya key.
     /// Restarts every module's dropout stream for optimizer step `step` (see
     /// [`LoraModule::begin_step`]).
     pub fn begin_step(&self, step: usize) {
@@ -293,17 +302,41 @@ impl TrainedAdapters {
         }
     }
 
+    /// Optimizer parameters of the UNet (`text_encoder == false`) or text-encoder modules, named
+    /// by kohya key. A UNet module in a block of learning-rate weight 0 (kept by
+    /// `dim_from_weights`, which takes every module of its file) is left out and so not trained,
+    /// as kohya's `assemble_params` leaves out a group of rate 0.
     pub fn params(&self, text_encoder: bool) -> Vec<(String, Var)> {
+        let frozen = |name: &str| {
+            !text_encoder
+                && self
+                    .blocks
+                    .as_ref()
+                    .is_some_and(|t| t.lr_weight(name) == 0.0)
+        };
         self.modules
             .iter()
             .zip(&self.names)
             .filter(|(m, _)| (m.component != AdapterComponent::Unet) == text_encoder)
+            .filter(|(_, name)| !frozen(name))
             .flat_map(|(m, name)| {
                 m.params
                     .iter()
                     .map(move |(suffix, v)| (format!("{name}.{suffix}"), v.clone()))
             })
             .collect()
+    }
+
+    /// Each parameter's learning-rate multiple in the UNet's or the text encoders' group
+    /// (block weight × LoRA+ ratio), or `None` when all are 1.
+    pub(super) fn lr_scale(
+        &self,
+        text_encoder: bool,
+    ) -> Option<super::adapter_blocks::LrScale<'_>> {
+        match text_encoder {
+            false => super::adapter_blocks::lr_scale(self.blocks.as_ref(), self.plan.loraplus.unet),
+            true => super::adapter_blocks::lr_scale(None, self.plan.loraplus.text_encoder),
+        }
     }
 
     /// Writes the kohya file atomically.
@@ -399,6 +432,8 @@ fn network_args(mode: AdapterMode, a: &AdapterPlan) -> (&'static str, Vec<(Strin
             args.push((key.to_string(), f(p)));
         }
     }
+    // Block-wise ranks and weights as kohya's strings.
+    args.extend(a.blocks.iter().flat_map(|b| b.network_args()));
     // LoRA+ as kohya's network_args would hold it: one ratio, or each group's.
     match (a.loraplus.unet, a.loraplus.text_encoder) {
         (Some(u), Some(t)) if u == t => args.push(("loraplus_lr_ratio".to_string(), f(u))),

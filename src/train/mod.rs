@@ -1,6 +1,7 @@
 //! The training loop, checkpoints and outputs.
 
 pub mod accumulate;
+mod adapter_blocks;
 pub mod adapters;
 mod cache_share;
 mod caches;

@@ -193,13 +193,14 @@ pub(super) struct GroupShape {
 }
 
 impl Group {
-    /// `up_ratio`: LoRA+'s multiple of the rate for the group's `lora_up` weights.
+    /// `lr_scale`: each parameter's multiple of the group's rate, by name (LoRA+'s ratio for
+    /// `lora_up` weights, kohya's block weights).
     fn new(
         name: &'static str,
         params: Vec<(String, Var)>,
         plan: &ParamGroupPlan,
         shape: GroupShape,
-        up_ratio: Option<f64>,
+        lr_scale: Option<super::adapter_blocks::LrScale<'_>>,
     ) -> anyhow::Result<Self> {
         let schedule = lr_schedule(&plan.schedule, shape.total_steps);
         schedule
@@ -213,11 +214,10 @@ impl Group {
             .with_context(|| format!("{name} optimizer"))?
             .with_stochastic_rounding(shape.rounding_seed)
             .with_context(|| format!("{name} optimizer"))?;
-        let optimizer = match up_ratio {
-            // kohya's LoRA+ test: the parameter's name holds `lora_up`.
-            Some(r) => optimizer
-                .scale_lr(|n| if n.contains("lora_up") { r } else { 1.0 })
-                .with_context(|| format!("{name} optimizer (LoRA+)"))?,
+        let optimizer = match lr_scale {
+            Some(scale) => optimizer
+                .scale_lr(scale)
+                .with_context(|| format!("{name} optimizer (per-parameter learning rates)"))?,
             None => optimizer,
         };
         Ok(Self {
@@ -331,7 +331,6 @@ pub(super) fn param_groups(
         }
     }
     let adapters = trained.adapters;
-    let loraplus = adapters.map(|a| a.plan.loraplus).unwrap_or_default();
     let (unet_params, te_params, unet_plan, te_plan) = match adapters {
         None => (
             sd.unet_weights.params(),
@@ -354,12 +353,18 @@ pub(super) fn param_groups(
     let mut groups = Vec::new();
     // `disable_unet_training`: the UNet is frozen and has no group.
     if plan.train_unet {
+        if unet_params.is_empty() {
+            anyhow::bail!(
+                "every UNet adapter is in a block of learning-rate weight 0, so the UNet has \
+                 nothing to train (adapter.down_lr_weight, mid_lr_weight, up_lr_weight)"
+            );
+        }
         groups.push(Group::new(
             "unet",
             unet_params,
             &unet_plan,
             shape,
-            loraplus.unet,
+            adapters.and_then(|a| a.lr_scale(false)),
         )?);
     }
     if !te_params.is_empty() {
@@ -368,7 +373,7 @@ pub(super) fn param_groups(
             te_params,
             &te_plan,
             shape,
-            loraplus.text_encoder,
+            adapters.and_then(|a| a.lr_scale(true)),
         )?);
     }
     groups.extend(embedding);

@@ -6,12 +6,18 @@ use std::collections::BTreeMap;
 use std::fmt;
 
 use crate::adapter::attach::{text_encoder_target, unet_target, AdapterSpec, LayerGeometry};
+use crate::adapter::block_weights::BlockTable;
 use crate::adapter::factors;
+use crate::adapter::kohya_names::{KohyaComponent, KohyaNaming};
+use crate::adapter::kohya_naming_for;
 use crate::adapter::lora::LoraKind;
+use crate::config::TrainMode;
 use crate::config::{ParamGroupPlan, TrainPlan};
+use crate::model::family::ModelFamily;
 use crate::model::files::{Component, ComponentFiles};
 use crate::model::layout::ModelLayout;
 use crate::model::source::ModelSource;
+use crate::model::unet::UnetConfig;
 
 use super::memory_plan::Census;
 use super::param_groups::update_rule;
@@ -104,7 +110,8 @@ pub fn estimate(plan: &TrainPlan) -> anyhow::Result<ModelEstimate> {
         let trained = if is_te {
             text_encoder_shapes(&tensors, plan)
         } else {
-            unet_shapes(&tensors, plan)
+            let blocks = unet_blocks(files, &layout, plan)?;
+            unet_shapes(&tensors, plan, blocks.as_ref())
         };
         if is_te {
             text.extend(trained);
@@ -229,7 +236,32 @@ fn geometry(w: &[usize]) -> Option<LayerGeometry> {
     }
 }
 
-fn unet_shapes(tensors: &BTreeMap<String, Vec<usize>>, plan: &TrainPlan) -> Vec<Vec<usize>> {
+/// kohya's block table for the UNet and the names it is read by, when the adapter has
+/// block-wise ranks (not with `dim_from_weights`, whose ranks are the file's).
+fn unet_blocks(
+    files: &ComponentFiles,
+    layout: &ModelLayout,
+    plan: &TrainPlan,
+) -> anyhow::Result<Option<(KohyaNaming, BlockTable)>> {
+    let Some(a) = plan.adapter.as_ref().filter(|a| !a.dim_from_weights) else {
+        return Ok(None);
+    };
+    let Some(settings) = &a.blocks else {
+        return Ok(None);
+    };
+    let (text, origin) = files.config_text()?;
+    let cfg = UnetConfig::from_json(&text, &origin.display().to_string())?;
+    let sdxl = layout.family == ModelFamily::Sdxl;
+    let conv = (plan.mode == TrainMode::Locon).then_some((a.conv_rank, a.conv_alpha));
+    let (table, _) = settings.resolve(sdxl, (a.rank, a.alpha), conv)?;
+    Ok(Some((kohya_naming_for(layout.family, &cfg), table)))
+}
+
+fn unet_shapes(
+    tensors: &BTreeMap<String, Vec<usize>>,
+    plan: &TrainPlan,
+    blocks: Option<&(KohyaNaming, BlockTable)>,
+) -> Vec<Vec<usize>> {
     let Some(spec) = spec(plan) else {
         if !plan.train_unet {
             return Vec::new();
@@ -240,7 +272,13 @@ fn unet_shapes(tensors: &BTreeMap<String, Vec<usize>>, plan: &TrainPlan) -> Vec<
         .iter()
         .filter_map(|(name, w)| {
             let path = name.strip_suffix(".weight")?;
-            let (rank, _) = unet_target(path, &geometry(w)?, &spec)?;
+            let g = geometry(w)?;
+            let (mut rank, _) = unet_target(path, &g, &spec)?;
+            if let Some((naming, table)) = blocks {
+                let name = naming.module_name(KohyaComponent::Unet, path).ok()?;
+                let conv3x3 = w.len() == 4 && w[2] > 1;
+                rank = table.target(&name, conv3x3).ok()??.0;
+            }
             Some(adapter_shapes(w, rank, &spec))
         })
         .flatten()

@@ -219,6 +219,7 @@ pub fn lycoris_plan(
         loraplus: Default::default(),
         rank_dropout: 0.0,
         module_dropout: 0.0,
+        blocks: None,
         scale_weight_norms: None,
     }
 }
