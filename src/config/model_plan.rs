@@ -43,6 +43,9 @@ pub struct ModelFilePlan {
     /// diffusers' weight variant of a pipeline folder (`fp16`, `bf16`, `non_ema`, …).
     pub variant: Option<String>,
     pub save_ckpt_format: SaveFormat,
+    /// A VAE in place of the model's (`crate::model::vae_source`): an absolute local path, or a
+    /// hub repo id as given.
+    pub vae: Option<String>,
 }
 
 fn prediction_name<S: serde::Serializer>(
@@ -102,12 +105,42 @@ pub fn resolve_model_file(
     let variant = file.variant.clone();
     crate::model::files::check_variant(variant.as_deref())
         .map_err(|e| invalid(train_path, "variant", e.to_string()))?;
+    let vae = file
+        .vae
+        .as_deref()
+        .map(|v| resolve_vae(v, train_path, &input_path))
+        .transpose()?;
     Ok(ModelFilePlan {
         model_config,
         prediction_type,
         variant,
         save_ckpt_format: resolve_save_format(file, train_path, mode)?,
+        vae,
     })
+}
+
+/// `vae`: an existing file or folder (beside train.json first), else a hub repo id.
+fn resolve_vae(
+    raw: &str,
+    train_path: &Path,
+    input_path: impl Fn(&str, &str) -> Result<PathBuf, ConfigError>,
+) -> Result<String, ConfigError> {
+    let local = input_path("vae", raw)?;
+    if local.exists() {
+        return Ok(local.display().to_string());
+    }
+    match crate::model::source::ModelSource::parse(raw) {
+        Ok(crate::model::source::ModelSource::Hub { .. }) => Ok(raw.to_string()),
+        _ => Err(invalid(
+            train_path,
+            "vae",
+            format!(
+                "is \"{raw}\": neither an existing file or folder ({} not found) nor a hub repo \
+                 id (`org/name`, such as \"madebyollin/sdxl-vae-fp16-fix\")",
+                local.display()
+            ),
+        )),
+    }
 }
 
 /// `save_ckpt_format` and `no_save_ckpt`, which apply to full fine-tunes and must agree.

@@ -14,6 +14,9 @@ impl fmt::Display for TrainPlan {
             row(f, "  --set", o)?;
         }
         row(f, "model", &self.model)?;
+        if let Some(vae) = &self.model_file.vae {
+            row(f, "vae", &format!("{vae} (in place of the model's)"))?;
+        }
         row(f, "mode", &self.mode_text())?;
         let d = &self.data;
         match (&d.dataset_config, &d.layout) {

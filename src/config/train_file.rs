@@ -126,6 +126,10 @@ pub struct TrainFile {
     /// A diffusers folder whose configs and tokenizers describe a single-file `model`.
     #[serde(default)]
     pub model_config: Option<String>,
+    /// A VAE in place of the model's (kohya's `--vae`): a VAE folder, a pipeline folder, a
+    /// `.safetensors` file, or a hub repo id.
+    #[serde(default)]
+    pub vae: Option<String>,
     /// diffusers' `variant`: read a pipeline's `<base>.<variant>.safetensors` weights (`fp16`,
     /// `bf16`, `non_ema`, …).
     #[serde(default)]

@@ -512,11 +512,21 @@ pub fn component_files(
     if !folder.is_dir() {
         return Err(FilesError::MissingFolder { dir: folder });
     }
+    folder_files(&folder, component, variant)
+}
+
+/// The files of `component` in `folder` itself (a component folder, or a repo holding one
+/// component at its root, as VAE repos do): its config and chosen weights, every shard checked.
+pub fn folder_files(
+    folder: &Path,
+    component: Component,
+    variant: Option<&str>,
+) -> Result<ComponentFiles, FilesError> {
     let config = folder.join("config.json");
     if !config.is_file() {
         return Err(FilesError::MissingFile { path: config });
     }
-    let names = list_files(&folder)?;
+    let names = list_files(folder)?;
     match choose_weights(&folder.display().to_string(), &names, variant)? {
         WeightChoice::Single(file) => Ok(ComponentFiles {
             component,

@@ -222,6 +222,16 @@ impl ModelLayout {
         Ok(index)
     }
 
+    /// This layout with `vae` in place of the model's VAE ([`super::vae_source`]).
+    pub fn with_vae(mut self, vae: ComponentFiles) -> Self {
+        for c in &mut self.components {
+            if c.component == Component::Vae {
+                *c = vae.clone();
+            }
+        }
+        self
+    }
+
     pub fn component(&self, component: Component) -> Option<&ComponentFiles> {
         self.components.iter().find(|c| c.component == component)
     }

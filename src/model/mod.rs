@@ -19,6 +19,7 @@ pub mod source;
 pub mod textual_inversion;
 pub mod unet;
 pub mod vae;
+pub mod vae_source;
 pub mod zero_snr;
 // Weight loading lives at the crate root so `nn` does not depend on `model`; re-exported here
 // for the model-facing path `model::weights`.

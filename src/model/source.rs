@@ -384,19 +384,84 @@ fn resolve_hub(
             cache_dir: env.cache_dir.clone(),
         });
     }
-    let commit = download(repo_id, revision, env, variant)?;
+    let pipeline = |fetch: &Fetch<'_>, repo_files: &[String]| -> Result<_, SourceError> {
+        let model_index = files::read_json(&fetch(MODEL_INDEX)?)?;
+        Ok(files::hub_plan(repo_id, &model_index, repo_files, variant)?)
+    };
+    let commit = download(repo_id, revision, env, &pipeline)?;
     let dir = hub_dir(commit);
     ModelLayout::read(&dir.path, variant)?;
     Ok(dir)
 }
 
-/// Fetches the repo's file list and downloads the files the selection rules pick into the cache,
-/// returning the commit they belong to.
+/// A hub repo that holds one model component (a VAE: `madebyollin/sdxl-vae-fp16-fix`), not a
+/// pipeline: its cached snapshot when `ready` accepts it, else (unless offline) the files `plan`
+/// picks from the repo's file list, downloaded into the cache. `revision`: `main` when `None`.
+pub fn resolve_component_repo(
+    repo_id: &str,
+    revision: Option<&str>,
+    env: &HubEnv,
+    ready: &dyn Fn(&Path) -> Result<(), FilesError>,
+    plan: &dyn Fn(&[String]) -> Result<files::HubPlan, FilesError>,
+) -> Result<ModelDir, SourceError> {
+    let revision = revision.unwrap_or(DEFAULT_REVISION);
+    let hub_dir = |commit: String| ModelDir {
+        path: repo_cache_dir(&env.cache_dir, repo_id)
+            .join("snapshots")
+            .join(&commit),
+        origin: Origin::Hub {
+            repo_id: repo_id.to_string(),
+            revision: revision.to_string(),
+            commit,
+        },
+    };
+    match cached_commit(&env.cache_dir, repo_id, revision) {
+        Some(commit) => {
+            let dir = hub_dir(commit);
+            match ready(&dir.path) {
+                Ok(()) => return Ok(dir),
+                Err(e) if !e.is_incomplete() => return Err(e.into()),
+                Err(e) if env.offline => {
+                    return Err(SourceError::IncompleteOffline {
+                        repo: repo_id.to_string(),
+                        revision: revision.to_string(),
+                        snapshot: dir.path,
+                        source: Box::new(FamilyError::from(e)),
+                    })
+                }
+                Err(_) => {}
+            }
+        }
+        None if env.offline => {
+            return Err(SourceError::NotCached {
+                repo: repo_id.to_string(),
+                revision: revision.to_string(),
+                cache_dir: env.cache_dir.clone(),
+            })
+        }
+        None => {}
+    }
+    let pick =
+        |_: &Fetch<'_>, repo_files: &[String]| -> Result<_, SourceError> { Ok(plan(repo_files)?) };
+    let dir = hub_dir(download(repo_id, revision, env, &pick)?);
+    ready(&dir.path)?;
+    Ok(dir)
+}
+
+/// Downloads one repo file into the snapshot (or finds it there): its local path.
+type Fetch<'a> = dyn Fn(&str) -> Result<PathBuf, SourceError> + 'a;
+
+/// What to download: from the repo's file list, and files fetched on the way (a pipeline's
+/// `model_index.json`).
+type Planner<'a> = dyn Fn(&Fetch<'_>, &[String]) -> Result<files::HubPlan, SourceError> + 'a;
+
+/// Fetches the repo's file list and downloads the files `plan` picks into the cache, returning
+/// the commit they belong to.
 fn download(
     repo_id: &str,
     revision: &str,
     env: &HubEnv,
-    variant: Option<&str>,
+    plan: &Planner<'_>,
 ) -> Result<String, SourceError> {
     let hub_err = |source| SourceError::Hub {
         repo: repo_id.to_string(),
@@ -447,9 +512,8 @@ fn download(
             })
     };
 
-    let model_index = files::read_json(&fetch(MODEL_INDEX)?)?;
     let repo_files: Vec<String> = info.siblings.into_iter().map(|s| s.rfilename).collect();
-    let plan = files::hub_plan(repo_id, &model_index, &repo_files, variant)?;
+    let plan = plan(&fetch, &repo_files)?;
     for file in &plan.files {
         fetch(file)?;
     }

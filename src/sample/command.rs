@@ -34,6 +34,10 @@ pub struct SampleArgs {
     /// For a single-file `--model`: a diffusers folder whose configs and tokenizers describe it.
     #[arg(long, value_name = "FOLDER")]
     pub model_config: Option<PathBuf>,
+    /// A VAE in place of the model's: a VAE or pipeline folder, a `.safetensors` VAE file
+    /// (A1111's or diffusers' names), or a hub repo id.
+    #[arg(long, value_name = "VAE")]
+    pub vae: Option<String>,
     /// For a single-file `--model`: `epsilon` or `v_prediction`, overriding what is detected.
     #[arg(long, value_parser = parse_prediction)]
     pub prediction_type: Option<PredictionType>,
@@ -380,7 +384,18 @@ fn load_model(args: &SampleArgs, device: &Device, dtype: DType) -> anyhow::Resul
         model_config: args.model_config.clone(),
         prediction_type: args.prediction_type,
     };
-    let layout = ModelLayout::read_with(&dir.path, args.variant.as_deref(), &single)?;
+    let mut layout = ModelLayout::read_with(&dir.path, args.variant.as_deref(), &single)?;
+    if let Some(spec) = &args.vae {
+        let base = layout
+            .component(crate::model::files::Component::Vae)
+            .context("the model has no VAE to replace")?;
+        let vae = crate::model::vae_source::open_vae(spec, base, args.variant.as_deref())?;
+        crate::console::say(format_args!(
+            "vae: {}, in place of the model's",
+            vae.described
+        ));
+        layout = layout.with_vae(vae.files);
+    }
     let opts = LoadOptions {
         dtype,
         // SD's VAE overflows in f16 (diffusers' `force_upcast`).

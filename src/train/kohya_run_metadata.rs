@@ -11,8 +11,11 @@
 //! (EveryDream2's `zero_frequency_noise_ratio` is kohya's `noise_offset`; `cond_dropout`
 //! is `caption_dropout_rate`; `clip_skip` means what kohya's does, `None` when 0).
 //!
+//! The separate VAE's keys (`ss_vae_name`, and for a file its hashes) are written when `vae`
+//! replaces the model's, as kohya writes them for `--vae`.
+//!
 //! Left out, each with its reason ([`OMITTED`]): sd-scripts' own commit, its `lowram`
-//! switch, the separate-VAE keys, the validation settings and resize filter kohya names its own
+//! switch, the validation settings and resize filter kohya names its own
 //! way, `random_crop` (EveryDream2's crop jitter is another rule), and `ss_datasets`, which
 //! kohya writes instead of the single-dataset keys for a `dataset_config`, as sdtrain does then
 //! ([`super::kohya_datasets_metadata`]).
@@ -38,12 +41,6 @@ pub const OMITTED: &[(&str, &str)] = &[
         "ss_datasets",
         "written instead of the single-dataset keys, for a dataset_config",
     ),
-    (
-        "ss_vae_name",
-        "a VAE apart from the model's (sdtrain trains with the model's)",
-    ),
-    ("ss_vae_hash", "the same"),
-    ("ss_new_vae_hash", "the same"),
     (
         "ss_validation_seed",
         "kohya's validation settings, not EveryDream2's",
@@ -97,7 +94,10 @@ impl KohyaRunMetadata {
         if metadata {
             settings(f, &mut keys);
             dataset(f, &mut keys);
-            model(&f.plan.model, &mut keys)?;
+            named_file(&f.plan.model, MODEL_KEYS, &mut keys)?;
+            if let Some(vae) = &f.plan.model_file.vae {
+                named_file(vae, VAE_KEYS, &mut keys)?;
+            }
         }
         Ok(Self { optimizer, keys })
     }
@@ -473,22 +473,34 @@ pub(super) fn bucket_info(items: &[ImageMeta], buckets: &[Bucket]) -> PyValue {
     ])
 }
 
-/// `ss_sd_model_name` (a file's or folder's name, or the hub id) and, for a single file, its
-/// hashes as A1111 computes them: `ss_sd_model_hash` (the old 8-digit one, of 64 KiB at 1 MiB)
-/// and `ss_new_sd_model_hash` (the SHA-256 of the file).
-fn model(model: &str, m: &mut BTreeMap<String, String>) -> std::io::Result<()> {
-    let path = Path::new(model);
+/// The name, old hash and new hash keys of the base model, and of the `vae` in its place.
+const MODEL_KEYS: [&str; 3] = [
+    "ss_sd_model_name",
+    "ss_sd_model_hash",
+    "ss_new_sd_model_hash",
+];
+pub const VAE_KEYS: [&str; 3] = ["ss_vae_name", "ss_vae_hash", "ss_new_vae_hash"];
+
+/// kohya's name key (a file's or folder's name, or the hub id) and, for a single file, its
+/// hashes as A1111 computes them: the old 8-digit one (of 64 KiB at 1 MiB) and the SHA-256 of
+/// the file.
+fn named_file(
+    spec: &str,
+    [name_key, hash_key, new_hash_key]: [&str; 3],
+    m: &mut BTreeMap<String, String>,
+) -> std::io::Result<()> {
+    let path = Path::new(spec);
     let name = match path.exists() {
         true => path
             .file_name()
-            .map_or_else(|| model.to_string(), |n| n.to_string_lossy().into()),
-        false => model.to_string(),
+            .map_or_else(|| spec.to_string(), |n| n.to_string_lossy().into()),
+        false => spec.to_string(),
     };
-    m.insert("ss_sd_model_name".into(), name);
+    m.insert(name_key.into(), name);
     if path.is_file() {
         let (legacy, full) = crate::adapter::addnet_hash::file_hashes(path)?;
-        m.insert("ss_sd_model_hash".into(), legacy);
-        m.insert("ss_new_sd_model_hash".into(), full);
+        m.insert(hash_key.into(), legacy);
+        m.insert(new_hash_key.into(), full);
     }
     Ok(())
 }

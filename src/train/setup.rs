@@ -409,7 +409,7 @@ fn load(
     seed: u64,
     (world, interrupt): (usize, &Interrupt),
 ) -> anyhow::Result<Model> {
-    let layout = open_model(plan)?;
+    let layout = open_model(plan, true)?;
     let RunShape { resolution, amp } =
         plan.run_shape(layout.native_resolution, Amp::default_for(&opts.device));
     describe_model(plan, &layout, amp);
@@ -673,19 +673,39 @@ fn vram_limit(
     Ok(cap)
 }
 
-/// The plan's model, resolved (hub cache, folder or single file).
-fn open_model(plan: &TrainPlan) -> anyhow::Result<ModelLayout> {
+/// The plan's model, resolved (hub cache, folder or single file), with the plan's `vae` in
+/// place of its own. `say`: tell the console which VAE is used.
+pub(super) fn open_model(plan: &TrainPlan, say: bool) -> anyhow::Result<ModelLayout> {
     let source =
         ModelSource::parse(&plan.model).with_context(|| format!("model `{}`", plan.model))?;
     let variant = plan.model_file.variant.as_deref();
     let dir = source
         .resolve_for(variant)
         .with_context(|| format!("model `{}`", plan.model))?;
-    Ok(ModelLayout::read_with(
-        &dir.path,
-        variant,
-        &plan.single_file_options(),
-    )?)
+    let layout = ModelLayout::read_with(&dir.path, variant, &plan.single_file_options())?;
+    let Some(spec) = &plan.model_file.vae else {
+        return Ok(layout);
+    };
+    let vae = vae_override(&layout, spec, variant)?;
+    if say {
+        crate::console::say(format_args!(
+            "vae: {}, in place of the model's",
+            vae.described
+        ));
+    }
+    Ok(layout.with_vae(vae.files))
+}
+
+/// The plan's `vae` read against `layout`'s own VAE.
+pub(super) fn vae_override(
+    layout: &ModelLayout,
+    spec: &str,
+    variant: Option<&str>,
+) -> anyhow::Result<crate::model::vae_source::VaeOverride> {
+    let base = layout
+        .component(crate::model::files::Component::Vae)
+        .context("the model has no VAE to replace")?;
+    Ok(crate::model::vae_source::open_vae(spec, base, variant)?)
 }
 
 /// The model and the run's precision, on stderr.

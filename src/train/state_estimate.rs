@@ -16,7 +16,6 @@ use crate::config::{ParamGroupPlan, TrainPlan};
 use crate::model::family::ModelFamily;
 use crate::model::files::{Component, ComponentFiles};
 use crate::model::layout::ModelLayout;
-use crate::model::source::ModelSource;
 use crate::model::unet::UnetConfig;
 
 use super::memory_plan::Census;
@@ -78,10 +77,7 @@ pub struct ModelEstimate {
 /// Resolves the plan's model (offline from a local folder or the hub cache) and prices each
 /// group's trained tensors.
 pub fn estimate(plan: &TrainPlan) -> anyhow::Result<ModelEstimate> {
-    let source = ModelSource::parse(&plan.model)?;
-    let variant = plan.model_file.variant.as_deref();
-    let dir = source.resolve_for(variant)?;
-    let layout = ModelLayout::read_with(&dir.path, variant, &plan.single_file_options())?;
+    let layout = super::setup::open_model(plan, false)?;
     let mut unet = Vec::new();
     let mut text = Vec::new();
     let mut vectors = Vec::new();

@@ -11,6 +11,8 @@
 //!   `text_model.`, and loads wherever the base did. Float tensors are written in the requested
 //!   dtype; integer tensors keep theirs. The base's shards, shard index or `.fp16` variant names
 //!   are not carried over for that component;
+//! - a component read from elsewhere than the base folder (a `vae` in place of the model's)
+//!   gets its own config and weights;
 //! - every other component's weights are copied byte for byte, under the plain names diffusers
 //!   loads without a `variant` argument (`<base>.fp16.safetensors` → `<base>.safetensors`, a
 //!   variant shard index → `<base>.safetensors.index.json`, shards under their own names);
@@ -107,8 +109,24 @@ fn save_from_folder<T: ExportTensor>(
     for c in &base.components {
         let folder = c.component.folder();
         folders.insert(folder.to_string());
-        copy_folder_files(base, root, folder, &[c.config_path().to_path_buf()])?;
         let dst = root.join(folder);
+        let own = match &c.source {
+            ComponentSource::Folder { config, .. } => {
+                config.parent() == Some(&base.root.join(folder))
+            }
+            ComponentSource::Packed { .. } => false,
+        };
+        if own {
+            copy_folder_files(base, root, folder, &[c.config_path().to_path_buf()])?;
+        } else {
+            // A component from elsewhere (a `vae` in place of the model's): its own config.
+            fs::create_dir_all(&dst).map_err(|source| ExportError::Write {
+                path: dst.clone(),
+                source,
+            })?;
+            let text = serde_json::to_string_pretty(&c.config_json()?).unwrap_or_default() + "\n";
+            fsutil::write_atomic(&dst.join("config.json"), text)?;
+        }
         match updates.get(&c.component) {
             Some(tensors) => write_component(c, tensors, Some(dtype), &dst)?,
             None => copy_weights(c, &dst)?,

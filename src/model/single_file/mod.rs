@@ -285,7 +285,7 @@ pub fn skip_reason(name: &str) -> Option<&'static str> {
 }
 
 /// The header of a safetensors file: shapes and `__metadata__`.
-fn read_header(path: &Path) -> Result<(Shapes, BTreeMap<String, String>), SingleFileError> {
+pub fn read_header(path: &Path) -> Result<(Shapes, BTreeMap<String, String>), SingleFileError> {
     let read = |message: String| SingleFileError::Read {
         path: path.to_path_buf(),
         message,
@@ -730,23 +730,7 @@ impl NameRules {
                 .map_or(Mapped::Unknown, |d| Mapped::To(vec![(d, ViewOp::Same)]));
             (Some(Component::Unet), m)
         } else if let Some(rest) = name.strip_prefix(VAE) {
-            let m = match names::vae_to_diffusers(rest, self.vae) {
-                Some((d, true)) if shape.len() == 4 => {
-                    Mapped::To(vec![(d, ViewOp::Reshape(shape[..2].to_vec()))])
-                }
-                // diffusers' conversion script of early 2024 (fixed by its #6933) wrote the
-                // mid-block attention's biases with the 1×1 conv's unit dims, `[c, 1, 1]`.
-                Some((d, false))
-                    if d.contains(".attentions.")
-                        && shape.len() > 1
-                        && shape[1..].iter().all(|&n| n == 1) =>
-                {
-                    Mapped::To(vec![(d, ViewOp::Reshape(vec![shape[0]]))])
-                }
-                Some((d, _)) => Mapped::To(vec![(d, ViewOp::Same)]),
-                None => Mapped::Unknown,
-            };
-            (Some(Component::Vae), m)
+            (Some(Component::Vae), vae_tensor(rest, shape, self.vae))
         } else if let Some((c, rest, kind, layers)) = self
             .text
             .iter()
@@ -765,6 +749,27 @@ impl NameRules {
                 None => (None, Mapped::Unknown),
             }
         }
+    }
+}
+
+/// What a VAE tensor of LDM name `rest` (without `first_stage_model.`) and stored `shape`
+/// becomes under diffusers' names: the mid-block attention's 1×1 convs as linear weights.
+pub fn vae_tensor(rest: &str, shape: &[usize], blocks: VaeBlocks) -> Mapped {
+    match names::vae_to_diffusers(rest, blocks) {
+        Some((d, true)) if shape.len() == 4 => {
+            Mapped::To(vec![(d, ViewOp::Reshape(shape[..2].to_vec()))])
+        }
+        // diffusers' conversion script of early 2024 (fixed by its #6933) wrote the
+        // mid-block attention's biases with the 1×1 conv's unit dims, `[c, 1, 1]`.
+        Some((d, false))
+            if d.contains(".attentions.")
+                && shape.len() > 1
+                && shape[1..].iter().all(|&n| n == 1) =>
+        {
+            Mapped::To(vec![(d, ViewOp::Reshape(vec![shape[0]]))])
+        }
+        Some((d, _)) => Mapped::To(vec![(d, ViewOp::Same)]),
+        None => Mapped::Unknown,
     }
 }
 
