@@ -11,7 +11,7 @@ use super::ctx::Ctx;
 use super::error::ConfigError;
 use super::mask_plan::{resolve_mask, MaskPlan};
 use super::train_file::TrainFile;
-use crate::diffusion::loss::{HuberSchedule, HuberScheduleKind, LossType};
+use crate::diffusion::loss::{HuberSchedule, HuberScheduleKind, LossType, VPredScaling};
 
 /// kohya's defaults: `--huber_schedule snr`, `--huber_c 0.1`, `--huber_scale 1.0`.
 pub const KOHYA_HUBER_C: f64 = 0.1;
@@ -25,6 +25,9 @@ pub struct LossPlan {
     pub loss_type: LossType,
     /// kohya's `debiased_estimation_loss`.
     pub debiased_estimation: bool,
+    /// kohya's `scale_v_pred_loss_like_noise_pred` and `v_pred_like_loss` (checked against the
+    /// model's prediction type when it is loaded).
+    pub v_pred: VPredScaling,
     /// Masked loss, when on.
     pub mask: Option<MaskPlan>,
 }
@@ -72,9 +75,22 @@ pub(super) fn resolve_loss(file: &TrainFile, ctx: &Ctx<'_>) -> Result<LossPlan, 
                 .to_string(),
         ));
     }
+    let like_v = match file.v_pred_like_loss {
+        Some(v) if !(v.is_finite() && v >= 0.0) => {
+            return Err(ctx.invalid(
+                "v_pred_like_loss",
+                format!("must be 0 or more, 0 is off (got {v}); kohya suggests 0.1"),
+            ))
+        }
+        v => v.unwrap_or(0.0),
+    };
     Ok(LossPlan {
         loss_type,
         debiased_estimation: file.debiased_estimation_loss.unwrap_or(false),
+        v_pred: VPredScaling {
+            like_noise: file.scale_v_pred_loss_like_noise_pred.unwrap_or(false),
+            like_v,
+        },
         mask: resolve_mask(file, ctx)?,
     })
 }

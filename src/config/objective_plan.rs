@@ -9,6 +9,7 @@ use super::ctx::Ctx;
 use super::error::ConfigError;
 use super::loss_plan::{resolve_loss, LossPlan};
 use super::train_file::TrainFile;
+use crate::diffusion::objective::OffsetVariant;
 use crate::diffusion::perturbation::InputPerturbation;
 use crate::diffusion::pyramid_noise::{PyramidNoise, PyramidStyle, EVERYDREAM2_LEVELS};
 use crate::diffusion::timesteps::TimestepDistribution;
@@ -35,8 +36,11 @@ pub struct ObjectivePlan {
     pub timestep_end: usize,
     /// How timesteps are drawn from the range (uniform, or OneTrainer's logit-normal).
     pub timestep_distribution: TimestepDistribution,
-    /// Noise offset: this fraction of a per-channel constant is added to the noise, in [0, 1].
+    /// Noise offset: this fraction of a per-channel constant is added to the noise, in [0, 1]
+    /// (`zero_frequency_noise_ratio`, or kohya's `noise_offset`).
     pub zero_frequency_noise_ratio: f64,
+    /// kohya's `noise_offset_random_strength` and `adaptive_noise_scale`.
+    pub offset_variant: OffsetVariant,
     /// Pyramid noise: EveryDream2's `pyramid_noise_discount` or kohya's
     /// `multires_noise_iterations`/`multires_noise_discount`; `None` is off.
     pub pyramid_noise: Option<PyramidNoise>,
@@ -104,6 +108,7 @@ pub(super) fn resolve_objective(
         }
         g => g,
     };
+    let zero_frequency_noise_ratio = noise_offset(file, ctx)?;
     Ok(ObjectivePlan {
         timestep_start: start as usize,
         timestep_end: end as usize,
@@ -125,11 +130,8 @@ pub(super) fn resolve_objective(
                 )
             })?,
         },
-        zero_frequency_noise_ratio: ctx.fraction(
-            "zero_frequency_noise_ratio",
-            file.zero_frequency_noise_ratio,
-            DEFAULT_ZERO_FREQUENCY_NOISE_RATIO,
-        )?,
+        zero_frequency_noise_ratio,
+        offset_variant: offset_variant(file, ctx, zero_frequency_noise_ratio)?,
         min_snr_gamma,
         pyramid_noise: resolve_pyramid(file, ctx)?,
         zero_terminal_snr: match (file.zero_terminal_snr, file.enable_zero_terminal_snr) {
@@ -143,6 +145,59 @@ pub(super) fn resolve_objective(
         },
         clip_skip: clip_skip as usize,
         clip_skip_layers: clip_skip.max(1) as usize - 1,
+    })
+}
+
+/// The noise offset: EveryDream2's `zero_frequency_noise_ratio` (default 0.02) or kohya's
+/// `noise_offset`, the same offset; both at different values is refused.
+fn noise_offset(file: &TrainFile, ctx: &Ctx<'_>) -> Result<f64, ConfigError> {
+    let ed2 = "zero_frequency_noise_ratio";
+    match (file.zero_frequency_noise_ratio, file.noise_offset) {
+        (Some(a), Some(b)) if a != b => Err(ctx.invalid(
+            "noise_offset",
+            format!(
+                "is {b} but {ed2} is {a}: kohya's noise_offset is EveryDream2's {ed2}; give one"
+            ),
+        )),
+        (None, Some(b)) => {
+            ctx.fraction("noise_offset", Some(b), DEFAULT_ZERO_FREQUENCY_NOISE_RATIO)
+        }
+        (a, _) => ctx.fraction(ed2, a, DEFAULT_ZERO_FREQUENCY_NOISE_RATIO),
+    }
+}
+
+/// kohya's `noise_offset_random_strength` and `adaptive_noise_scale`, which vary a noise offset
+/// and so need one (kohya refuses the adaptive scale without `noise_offset`).
+fn offset_variant(
+    file: &TrainFile,
+    ctx: &Ctx<'_>,
+    offset: f64,
+) -> Result<OffsetVariant, ConfigError> {
+    let random_strength = file.noise_offset_random_strength.unwrap_or(false);
+    let adaptive_scale = match file.adaptive_noise_scale {
+        Some(a) if !a.is_finite() => {
+            return Err(ctx.invalid(
+                "adaptive_noise_scale",
+                format!("must be a number (got {a})"),
+            ))
+        }
+        a => a,
+    };
+    let needs = [
+        ("noise_offset_random_strength", random_strength),
+        ("adaptive_noise_scale", adaptive_scale.is_some()),
+    ];
+    if let Some((key, _)) = needs.iter().find(|(_, on)| *on).filter(|_| offset == 0.0) {
+        return Err(ctx.invalid(
+            key,
+            "varies the noise offset, which is 0; set noise_offset (or \
+             zero_frequency_noise_ratio), kohya suggests 0.05–0.1"
+                .to_string(),
+        ));
+    }
+    Ok(OffsetVariant {
+        random_strength,
+        adaptive_scale,
     })
 }
 

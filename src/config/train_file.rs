@@ -240,6 +240,21 @@ pub struct TrainFile {
     pub min_snr_gamma: Option<f64>,
     #[serde(default)]
     pub zero_frequency_noise_ratio: Option<f64>,
+    /// kohya's name for `zero_frequency_noise_ratio` (the same offset noise).
+    #[serde(default)]
+    pub noise_offset: Option<f64>,
+    /// kohya's `noise_offset_random_strength`: the offset's strength is drawn in [0, offset).
+    #[serde(default)]
+    pub noise_offset_random_strength: Option<bool>,
+    /// kohya's `adaptive_noise_scale`: the offset grows with each channel's |mean latent|.
+    #[serde(default)]
+    pub adaptive_noise_scale: Option<f64>,
+    /// kohya's `scale_v_pred_loss_like_noise_pred` (v-prediction models).
+    #[serde(default)]
+    pub scale_v_pred_loss_like_noise_pred: Option<bool>,
+    /// kohya's `v_pred_like_loss` (ε-prediction models).
+    #[serde(default)]
+    pub v_pred_like_loss: Option<f64>,
     /// EveryDream2's pyramid noise: its discount per level (0 or null is off).
     #[serde(default)]
     pub pyramid_noise_discount: Option<f64>,

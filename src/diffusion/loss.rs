@@ -24,6 +24,9 @@
 //! `1/√SNR'` for an ε target and `1/(SNR' + 1)` for a v target, with `SNR' = min(SNR, 1000)`,
 //! and each sample's own weight (`prior_loss_weight` for a regularization image, 1 for the
 //! others: kohya's `loss_weights`, applied before its SNR weights, which is the same product).
+//! kohya's two v-prediction scalings, with `s = SNR'/(SNR' + 1)` (`get_snr_scale`):
+//! `scale_v_pred_loss_like_noise_pred` multiplies a v-prediction loss by `s`, and
+//! `v_pred_like_loss` `v` adds `v·loss/s` to an ε-prediction loss (a weight `1 + v/s`).
 //!
 //! The mask `m` `[B, 1, h, w]` (latent size) is clamped to `[unmasked_weight, 1]`, and with
 //! `normalize` each sample's loss is divided by its clamped mask's mean (OneTrainer
@@ -116,6 +119,15 @@ pub struct MaskWeighting {
     pub normalize: bool,
 }
 
+/// kohya's loss scalings between ε and v prediction (module header).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct VPredScaling {
+    /// `scale_v_pred_loss_like_noise_pred` (v-prediction models).
+    pub like_noise: bool,
+    /// `v_pred_like_loss` (ε-prediction models; 0 is off).
+    pub like_v: f64,
+}
+
 /// Everything that decides the loss of a prediction.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct LossConfig {
@@ -123,6 +135,8 @@ pub struct LossConfig {
     pub min_snr_gamma: Option<f64>,
     /// kohya's `debiased_estimation_loss`.
     pub debiased_estimation: bool,
+    /// kohya's v-prediction scalings.
+    pub v_pred: VPredScaling,
     /// How a sample's loss mask weighs it, when the batch carries masks.
     pub mask: MaskWeighting,
 }
@@ -134,6 +148,7 @@ impl LossConfig {
             loss_type: LossType::Mse,
             min_snr_gamma: None,
             debiased_estimation: false,
+            v_pred: VPredScaling::default(),
             mask: MaskWeighting {
                 unmasked_weight: 0.0,
                 normalize: false,
@@ -200,6 +215,39 @@ pub fn debiased_weights(
             })
         })
         .collect()
+}
+
+/// kohya's `get_snr_scale`: `SNR'/(SNR' + 1)` with `SNR' = min(SNR, 1000)`.
+fn snr_scale(schedule: &NoiseSchedule, t: u32) -> Result<f64, ScheduleError> {
+    let snr = schedule.snr(t)?.min(DEBIASED_SNR_CAP);
+    Ok(snr / (snr + 1.0))
+}
+
+/// Per-sample weights of kohya's v-prediction scalings (module header), `None` when both are
+/// off.
+pub fn v_pred_weights(
+    schedule: &NoiseSchedule,
+    timesteps: &[u32],
+    v: VPredScaling,
+) -> Result<Option<Vec<f64>>, ScheduleError> {
+    if !v.like_noise && v.like_v == 0.0 {
+        return Ok(None);
+    }
+    let weights = timesteps
+        .iter()
+        .map(|&t| {
+            let s = snr_scale(schedule, t)?;
+            let mut w = 1.0;
+            if v.like_noise {
+                w *= s;
+            }
+            if v.like_v != 0.0 {
+                w *= 1.0 + v.like_v / s;
+            }
+            Ok(w)
+        })
+        .collect::<Result<Vec<f64>, ScheduleError>>()?;
+    Ok(Some(weights))
 }
 
 /// A `[B, 1, …, 1]` f32 column of per-sample values, to broadcast over `[B, …]`.
@@ -273,7 +321,8 @@ pub struct LossInputs<'a> {
 }
 
 impl LossConfig {
-    /// The per-sample weights `w_i` (min-SNR and debiased estimation), `None` when both are off.
+    /// The per-sample weights `w_i` (min-SNR, kohya's v-prediction scalings and debiased
+    /// estimation), `None` when all are off.
     pub fn sample_weights(
         &self,
         schedule: &NoiseSchedule,
@@ -292,6 +341,9 @@ impl LossConfig {
                 prediction_type,
                 gamma,
             )?);
+        }
+        if let Some(ws) = v_pred_weights(schedule, timesteps, self.v_pred)? {
+            fold(ws);
         }
         if self.debiased_estimation {
             fold(debiased_weights(schedule, timesteps, prediction_type)?);

@@ -27,6 +27,7 @@
 use candle_core::{DType, Device, Tensor};
 use rand::Rng;
 use rand_distr::StandardNormal;
+use serde::Serialize;
 
 use super::loss::{LossConfig, LossError, LossInputs};
 use super::noise_schedule::{NoiseSchedule, ScheduleError};
@@ -62,12 +63,46 @@ pub enum ObjectiveError {
     DebiasedAtZeroSnr { t: u32 },
     #[error("{what} is {value}; it must be a finite number ≥ 0")]
     Negative { what: &'static str, value: f64 },
+    #[error(
+        "{key} is for {wants} models (kohya refuses it otherwise); this model predicts {model}"
+    )]
+    PredictionType {
+        key: &'static str,
+        wants: &'static str,
+        model: &'static str,
+    },
+    #[error(
+        "v_pred_like_loss on a schedule with zero terminal SNR: its weight 1 + v·(SNR+1)/SNR is \
+         infinite at timestep {t}; lower timestep_end to {t} or drop one of them"
+    )]
+    VPredLikeAtZeroSnr { t: u32 },
     #[error(transparent)]
     Loss(#[from] LossError),
     #[error(transparent)]
     Schedule(#[from] ScheduleError),
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
+}
+
+impl ObjectiveError {
+    /// True when the settings are at fault (exit code 2), not the computation.
+    pub fn is_usage(&self) -> bool {
+        match self {
+            ObjectiveError::TimestepRange { .. }
+            | ObjectiveError::NoiseRatio(_)
+            | ObjectiveError::SnrGamma(_)
+            | ObjectiveError::DebiasedAtZeroSnr { .. }
+            | ObjectiveError::Negative { .. }
+            | ObjectiveError::PredictionType { .. }
+            | ObjectiveError::VPredLikeAtZeroSnr { .. } => true,
+            ObjectiveError::Shape { .. }
+            | ObjectiveError::Weights { .. }
+            | ObjectiveError::Generators { .. }
+            | ObjectiveError::Loss(_)
+            | ObjectiveError::Schedule(_)
+            | ObjectiveError::Candle(_) => false,
+        }
+    }
 }
 
 /// Draws `batch` timesteps uniformly from `start..end` (`end ≤ num_train_timesteps`).
@@ -102,6 +137,31 @@ pub fn sample_noise<R: Rng + ?Sized>(
     sample_noise_with(rng, dims, zero_frequency_noise_ratio, None, dtype, device)
 }
 
+/// kohya's variations of the noise offset `r` (`library/custom_train_functions.py`
+/// `apply_noise_offset`, `train_util.get_noise_noisy_latents_and_timesteps`):
+/// - `noise_offset_random_strength`: the offset is `u·r`, `u ~ U[0, 1)`; kohya draws `u` once per
+///   batch, sdtrain once per sample (after its noise, from its own generator), so that a batch
+///   split by the OOM retry draws the same;
+/// - `adaptive_noise_scale` `a`: each channel's offset scale is `max(r' + a·|mean(x₀_c)|, 0)`, the
+///   mean over the sample's latent plane.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct OffsetVariant {
+    pub random_strength: bool,
+    pub adaptive_scale: Option<f64>,
+}
+
+/// The offset scale of each channel of one sample: `strength` (the offset after its random
+/// strength), plus `a·|mean|` for kohya's adaptive noise scale, at least 0.
+pub fn offset_scales(strength: f32, adaptive: Option<f64>, channel_means: &[f32]) -> Vec<f32> {
+    channel_means
+        .iter()
+        .map(|m| match adaptive {
+            Some(a) => (strength + a as f32 * m.abs()).max(0.0),
+            None => strength,
+        })
+        .collect()
+}
+
 /// [`sample_noise`] with pyramid noise: EveryDream2's is added before the offset, kohya's after
 /// it (each trainer's order), each sample's pyramid drawn after its offset.
 pub fn sample_noise_with<R: Rng + ?Sized>(
@@ -112,15 +172,53 @@ pub fn sample_noise_with<R: Rng + ?Sized>(
     dtype: DType,
     device: &Device,
 ) -> Result<Tensor, ObjectiveError> {
-    check_noise_ratio(zero_frequency_noise_ratio)?;
+    let offset = NoiseOffset {
+        ratio: zero_frequency_noise_ratio,
+        variant: OffsetVariant::default(),
+        channel_means: &[],
+    };
+    sample_noise_offset(rng, dims, &offset, pyramid, dtype, device)
+}
+
+/// The noise offset of one draw: its ratio, kohya's variations, and (for the adaptive scale) the
+/// latents' channel means, `[B·C]`.
+pub struct NoiseOffset<'a> {
+    pub ratio: f64,
+    pub variant: OffsetVariant,
+    pub channel_means: &'a [f32],
+}
+
+/// [`sample_noise_with`] with kohya's offset variations: the random strength is drawn after the
+/// main noise, before the offsets.
+pub fn sample_noise_offset<R: Rng + ?Sized>(
+    rng: &mut R,
+    dims: (usize, usize, usize, usize),
+    offset: &NoiseOffset<'_>,
+    pyramid: Option<&PyramidNoise>,
+    dtype: DType,
+    device: &Device,
+) -> Result<Tensor, ObjectiveError> {
+    check_noise_ratio(offset.ratio)?;
     let (b, c, h, w) = dims;
     let mut data: Vec<f32> = (0..b * c * h * w)
         .map(|_| rng.sample::<f32, _>(StandardNormal))
         .collect();
-    let offsets: Vec<f32> = if zero_frequency_noise_ratio > 0.0 && h * w > 0 {
-        let ratio = zero_frequency_noise_ratio as f32;
-        (0..b * c)
-            .map(|_| ratio * rng.sample::<f32, _>(StandardNormal))
+    let offsets: Vec<f32> = if offset.ratio > 0.0 && h * w > 0 {
+        let mut strength = offset.ratio as f32;
+        if offset.variant.random_strength {
+            strength *= rng.random::<f32>();
+        }
+        let scales = match offset.variant.adaptive_scale {
+            Some(_) if offset.channel_means.len() == b * c => offset_scales(
+                strength,
+                offset.variant.adaptive_scale,
+                offset.channel_means,
+            ),
+            _ => vec![strength; b * c],
+        };
+        scales
+            .iter()
+            .map(|s| s * rng.sample::<f32, _>(StandardNormal))
             .collect()
     } else {
         Vec::new()
@@ -212,6 +310,8 @@ pub struct ObjectiveConfig {
     pub timestep_end: u32,
     pub timestep_distribution: TimestepDistribution,
     pub zero_frequency_noise_ratio: f64,
+    /// kohya's variations of the noise offset's strength.
+    pub offset_variant: OffsetVariant,
     /// Pyramid (multi-resolution) noise added to each sample's noise.
     pub pyramid: Option<PyramidNoise>,
     /// The loss, min-SNR-γ and debiased weighting, and how a loss mask weighs.
@@ -230,6 +330,7 @@ impl ObjectiveConfig {
             timestep_end: num_train_timesteps as u32,
             timestep_distribution: TimestepDistribution::Uniform,
             zero_frequency_noise_ratio: 0.0,
+            offset_variant: OffsetVariant::default(),
             pyramid: None,
             loss: LossConfig::mse(),
             input_perturbation: None,
@@ -301,6 +402,37 @@ fn check_non_negative(what: &'static str, value: f64) -> Result<(), ObjectiveErr
     Ok(())
 }
 
+/// kohya's v-prediction scalings fit one prediction type each (kohya's `verify_training_args`),
+/// and `v_pred_like_loss`'s weight is infinite where the SNR is 0.
+fn check_v_pred_scaling(
+    schedule: &NoiseSchedule,
+    loss: &LossConfig,
+    last: u32,
+) -> Result<(), ObjectiveError> {
+    let model = schedule.prediction_type();
+    let v = loss.v_pred;
+    if v.like_noise && model != PredictionType::VPrediction {
+        return Err(ObjectiveError::PredictionType {
+            key: "scale_v_pred_loss_like_noise_pred",
+            wants: "v-prediction",
+            model: model.name(),
+        });
+    }
+    if v.like_v != 0.0 {
+        if model != PredictionType::Epsilon {
+            return Err(ObjectiveError::PredictionType {
+                key: "v_pred_like_loss",
+                wants: "epsilon-prediction",
+                model: model.name(),
+            });
+        }
+        if schedule.snr(last)? == 0.0 {
+            return Err(ObjectiveError::VPredLikeAtZeroSnr { t: last });
+        }
+    }
+    Ok(())
+}
+
 impl Objective {
     /// Validates `config` against the schedule. The prediction type is the schedule's.
     pub fn new(schedule: NoiseSchedule, config: ObjectiveConfig) -> Result<Self, ObjectiveError> {
@@ -320,6 +452,7 @@ impl Objective {
             check_non_negative("ip_noise_gamma", ip.gamma)?;
         }
         let last = config.timestep_end - 1;
+        check_v_pred_scaling(&schedule, &config.loss, last)?;
         if config.loss.debiased_estimation
             && schedule.prediction_type() == PredictionType::Epsilon
             && schedule.snr(last)? == 0.0
@@ -378,11 +511,25 @@ impl Objective {
         let mut input_noise = Vec::with_capacity(b);
         let mut timesteps = Vec::with_capacity(b);
         let mut embedding_seeds = Vec::new();
-        for rng in rngs.iter_mut() {
-            let n = sample_noise_with(
+        // The adaptive noise scale reads each sample's channel means.
+        let means: Vec<f32> = match self.config.offset_variant.adaptive_scale {
+            Some(_) => x0
+                .to_dtype(DType::F32)?
+                .mean((2, 3))?
+                .flatten_all()?
+                .to_vec1()?,
+            None => Vec::new(),
+        };
+        for (i, rng) in rngs.iter_mut().enumerate() {
+            let offset = NoiseOffset {
+                ratio: self.config.zero_frequency_noise_ratio,
+                variant: self.config.offset_variant,
+                channel_means: means.get(i * c..(i + 1) * c).unwrap_or(&[]),
+            };
+            let n = sample_noise_offset(
                 rng,
                 (1, c, h, w),
-                self.config.zero_frequency_noise_ratio,
+                &offset,
                 self.config.pyramid.as_ref(),
                 DType::F32,
                 x0.device(),

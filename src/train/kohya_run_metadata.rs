@@ -202,7 +202,10 @@ fn settings(f: &RunFacts<'_>, m: &mut BTreeMap<String, String>) {
     );
     let offset = o.zero_frequency_noise_ratio;
     put("ss_noise_offset", none_if(offset == 0.0, py_float(offset)));
-    put("ss_noise_offset_random_strength", "False".into());
+    put(
+        "ss_noise_offset_random_strength",
+        py_bool(o.offset_variant.random_strength),
+    );
     let pyramid = o.pyramid_noise.as_ref();
     put(
         "ss_multires_noise_iterations",
@@ -212,7 +215,12 @@ fn settings(f: &RunFacts<'_>, m: &mut BTreeMap<String, String>) {
         "ss_multires_noise_discount",
         pyramid.map_or("0.3".into(), |n| py_float(n.discount)),
     );
-    put("ss_adaptive_noise_scale", "None".into());
+    put(
+        "ss_adaptive_noise_scale",
+        o.offset_variant
+            .adaptive_scale
+            .map_or("None".into(), py_float),
+    );
     put("ss_zero_terminal_snr", py_bool(o.zero_terminal_snr));
     put(
         "ss_training_comment",

@@ -820,6 +820,7 @@ pub(super) fn build_objective(plan: &TrainPlan, layout: &ModelLayout) -> anyhow:
         loss_type: o.loss.loss_type,
         min_snr_gamma: o.min_snr_gamma,
         debiased_estimation: o.loss.debiased_estimation,
+        v_pred: o.loss.v_pred,
         mask: match o.loss.mask {
             Some(m) => m.weighting,
             None => LossConfig::mse().mask,
@@ -832,6 +833,7 @@ pub(super) fn build_objective(plan: &TrainPlan, layout: &ModelLayout) -> anyhow:
             timestep_end: o.timestep_end as u32,
             timestep_distribution: o.timestep_distribution,
             zero_frequency_noise_ratio: o.zero_frequency_noise_ratio,
+            offset_variant: o.offset_variant,
             pyramid: o.pyramid_noise,
             loss,
             input_perturbation: o.input_perturbation,
