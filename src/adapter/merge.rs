@@ -8,7 +8,8 @@
 //! the magnitude ratio instead, `W' = (W + ΔW)·(m·(‖·‖ratio − 1) + 1)`, which at `m = 0` leaves
 //! `W + ΔW`, not `W`; the two agree at `m = 1`.
 //!
-//! The sum is done in f32 and rounded once to the weight's dtype. A module the model does not
+//! The sum is done in f32 and rounded once to the weight's dtype (an fp8 base's weight is
+//! dequantised, summed and quantised again, its row scales made anew). A module the model does not
 //! have, or a shape that does not fit, is an error naming the file and the module; nothing is
 //! changed then.
 
@@ -43,12 +44,62 @@ pub enum MergeError {
     Candle(#[from] candle_core::Error),
 }
 
+/// A layer's weight as stored: itself, or an fp8 base's e4m3 codes and row scales.
+struct Stored<'a> {
+    weight: &'a mut Tensor,
+    scale: &'a mut Option<Tensor>,
+}
+
+impl Stored<'_> {
+    /// The stored tensors (cheap handles), to read in f32 later with [`weight_f32`].
+    fn handles(&self) -> (Tensor, Option<Tensor>) {
+        (self.weight.clone(), self.scale.clone())
+    }
+}
+
+/// `merged` (f32) stored as `like` is: in its dtype, or requantised to fp8 when it has a scale.
+fn stored_as(
+    merged: &Tensor,
+    like: &(Tensor, Option<Tensor>),
+    name: &str,
+) -> candle_core::Result<(Tensor, Option<Tensor>)> {
+    match like.1 {
+        Some(_) => {
+            let (codes, scale) = crate::nn::fp8::quantize(merged, name)?;
+            Ok((codes, Some(scale)))
+        }
+        None => Ok((merged.to_dtype(like.0.dtype())?, None)),
+    }
+}
+
+/// A stored weight in f32 (dequantised from fp8).
+fn weight_f32(weight: &Tensor, scale: Option<&Tensor>) -> candle_core::Result<Tensor> {
+    match scale {
+        Some(s) => crate::nn::fp8::dequantize(weight, s, DType::F32),
+        None => weight.to_dtype(DType::F32),
+    }
+}
+
 /// Visits every Linear and Conv2d of the UNet and the text encoders with its component, path
-/// and weight.
-fn visit_weights(sd: &mut StableDiffusion, f: &mut dyn FnMut(KohyaComponent, &str, &mut Tensor)) {
+/// and stored weight.
+fn visit_weights(sd: &mut StableDiffusion, f: &mut dyn FnMut(KohyaComponent, &str, Stored<'_>)) {
     let mut each = |c: KohyaComponent, l: LayerMut<'_>| match l {
-        LayerMut::Linear(m) => f(c, &m.path, &mut m.weight),
-        LayerMut::Conv2d(m) => f(c, &m.path, &mut m.weight),
+        LayerMut::Linear(m) => f(
+            c,
+            &m.path,
+            Stored {
+                weight: &mut m.weight,
+                scale: &mut m.weight_scale,
+            },
+        ),
+        LayerMut::Conv2d(m) => f(
+            c,
+            &m.path,
+            Stored {
+                weight: &mut m.weight,
+                scale: &mut m.weight_scale,
+            },
+        ),
     };
     sd.unet.visit_layers(&mut |l| each(KohyaComponent::Unet, l));
     let comps = [KohyaComponent::TextEncoder, KohyaComponent::TextEncoder2];
@@ -67,10 +118,10 @@ pub fn merge_kohya(
 ) -> Result<usize, MergeError> {
     let file_name = file.path.display().to_string();
     // Only the layers kohya can name; others (e.g. SDXL's added embedding) take no adapter.
-    let mut slots: Vec<(KohyaComponent, String, Tensor)> = Vec::new();
+    let mut slots: Vec<(KohyaComponent, String, (Tensor, Option<Tensor>))> = Vec::new();
     visit_weights(sd, &mut |c, path, w| {
         if naming.module_name(c, path).is_ok() {
-            slots.push((c, path.to_string(), w.clone()));
+            slots.push((c, path.to_string(), w.handles()));
         }
     });
     let resolver =
@@ -82,7 +133,7 @@ pub fn merge_kohya(
             }
         })?;
     let mut unknown = Vec::new();
-    let mut updates: HashMap<(KohyaComponent, String), Tensor> = HashMap::new();
+    let mut updates: HashMap<(KohyaComponent, String), (Tensor, Option<Tensor>)> = HashMap::new();
     for m in &file.modules {
         let Some(k) = resolver.resolve(&m.name) else {
             unknown.push(m.name.clone());
@@ -94,12 +145,13 @@ pub fn merge_kohya(
             name: m.name.clone(),
             problem,
         };
-        let w32 = weight.to_dtype(DType::F32)?;
+        let w32 = weight_f32(&weight.0, weight.1.as_ref())?;
         let update = m
-            .weight_update(weight.dims(), Some(&w32))
+            .weight_update(w32.dims(), Some(&w32))
             .map_err(|e| bad(e.to_string()))?;
-        let merged = (&w32 + (update * multiplier)?)?.to_dtype(weight.dtype())?;
-        updates.insert((*component, path.clone()), merged);
+        let merged = (&w32 + (update * multiplier)?)?;
+        let stored = stored_as(&merged, weight, path).map_err(|e| bad(e.to_string()))?;
+        updates.insert((*component, path.clone()), stored);
     }
     if !unknown.is_empty() {
         return Err(MergeError::Unknown {
@@ -110,8 +162,9 @@ pub fn merge_kohya(
     }
     let n = updates.len();
     visit_weights(sd, &mut |c, path, w| {
-        if let Some(new) = updates.remove(&(c, path.to_string())) {
-            *w = new;
+        if let Some((weight, scale)) = updates.remove(&(c, path.to_string())) {
+            *w.weight = weight;
+            *w.scale = scale;
         }
     });
     Ok(n)

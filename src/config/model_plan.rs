@@ -46,6 +46,9 @@ pub struct ModelFilePlan {
     /// A VAE in place of the model's (`crate::model::vae_source`): an absolute local path, or a
     /// hub repo id as given.
     pub vae: Option<String>,
+    /// kohya's `base_weights`: adapter files merged into the frozen model before training, each
+    /// with its multiplier.
+    pub base_weights: Vec<(PathBuf, f64)>,
 }
 
 fn prediction_name<S: serde::Serializer>(
@@ -116,7 +119,62 @@ pub fn resolve_model_file(
         variant,
         save_ckpt_format: resolve_save_format(file, train_path, mode)?,
         vae,
+        base_weights: resolve_base_weights(file, train_path, mode, &input_path)?,
     })
+}
+
+/// `base_weights` with `base_weights_multiplier` (kohya's: a file without a multiplier merges
+/// at 1). Each file must exist; the run must keep the base frozen (an adapter or an embedding).
+fn resolve_base_weights(
+    file: &TrainFile,
+    train_path: &Path,
+    mode: TrainMode,
+    input_path: impl Fn(&str, &str) -> Result<PathBuf, ConfigError>,
+) -> Result<Vec<(PathBuf, f64)>, ConfigError> {
+    let files = file.base_weights.clone().unwrap_or_default();
+    let multipliers = file.base_weights_multiplier.clone().unwrap_or_default();
+    if multipliers.len() > files.len() {
+        return Err(invalid(
+            train_path,
+            "base_weights_multiplier",
+            format!(
+                "has {} entries for {} base_weights file(s); give one per file",
+                multipliers.len(),
+                files.len()
+            ),
+        ));
+    }
+    if let Some(m) = multipliers.iter().find(|m| !m.is_finite()) {
+        return Err(invalid(
+            train_path,
+            "base_weights_multiplier",
+            format!("holds {m}; each must be a number"),
+        ));
+    }
+    if !files.is_empty() && mode == TrainMode::Full {
+        return Err(invalid(
+            train_path,
+            "base_weights",
+            "merges adapter files into the frozen model that an adapter or an embedding trains \
+             on (kohya's train_network); a full fine-tune trains the model's own weights"
+                .into(),
+        ));
+    }
+    files
+        .iter()
+        .enumerate()
+        .map(|(i, raw)| {
+            let path = input_path("base_weights", raw)?;
+            if !path.is_file() {
+                return Err(invalid(
+                    train_path,
+                    "base_weights",
+                    format!("entry {i} is {}, which is not a file", path.display()),
+                ));
+            }
+            Ok((path, multipliers.get(i).copied().unwrap_or(1.0)))
+        })
+        .collect()
 }
 
 /// `vae`: an existing file or folder (beside train.json first), else a hub repo id.

@@ -17,6 +17,13 @@ impl fmt::Display for TrainPlan {
         if let Some(vae) = &self.model_file.vae {
             row(f, "vae", &format!("{vae} (in place of the model's)"))?;
         }
+        for (path, m) in &self.model_file.base_weights {
+            row(
+                f,
+                "base_weights",
+                &format!("{} ×{m}, merged into the model", path.display()),
+            )?;
+        }
         row(f, "mode", &self.mode_text())?;
         let d = &self.data;
         match (&d.dataset_config, &d.layout) {

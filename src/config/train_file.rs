@@ -126,6 +126,12 @@ pub struct TrainFile {
     /// A diffusers folder whose configs and tokenizers describe a single-file `model`.
     #[serde(default)]
     pub model_config: Option<String>,
+    /// kohya's `--base_weights`: adapter files merged into the frozen model before training.
+    #[serde(default)]
+    pub base_weights: Option<Vec<String>>,
+    /// kohya's `--base_weights_multiplier`: each file's multiplier (1 when not given).
+    #[serde(default)]
+    pub base_weights_multiplier: Option<Vec<f64>>,
     /// A VAE in place of the model's (kohya's `--vae`): a VAE folder, a pipeline folder, a
     /// `.safetensors` file, or a hub repo id.
     #[serde(default)]

@@ -756,7 +756,32 @@ fn load_model(
     if load.fp8_base {
         describe_fp8_base(&mut sd, amp);
     }
+    merge_base_weights(&mut sd, plan, &opts.device)?;
     Ok(sd)
+}
+
+/// kohya's `base_weights`: each file merged into the frozen model, at its multiplier, before
+/// anything trains or is cached.
+fn merge_base_weights(
+    sd: &mut StableDiffusion,
+    plan: &TrainPlan,
+    device: &Device,
+) -> anyhow::Result<()> {
+    if plan.model_file.base_weights.is_empty() {
+        return Ok(());
+    }
+    let naming = crate::adapter::kohya_naming(sd);
+    for (path, multiplier) in &plan.model_file.base_weights {
+        let label = || format!("base_weights {}", path.display());
+        let file = crate::adapter::kohya_file::load_kohya(path, device).with_context(label)?;
+        let n = crate::adapter::merge::merge_kohya(sd, &naming, &file, *multiplier)
+            .with_context(label)?;
+        crate::console::say(format_args!(
+            "base_weights: merged {n} modules of {} (×{multiplier}) into the model",
+            path.display()
+        ));
+    }
+    Ok(())
 }
 
 /// The fp8 base's layers and bytes, on stderr.
