@@ -560,3 +560,53 @@ fn sample_command_draws_a_prompts_file() {
         text(&out)
     );
 }
+
+/// kohya's sample keys: `sample_at_first` draws before the first step, `sample_every_n_epochs`
+/// at the end of each epoch and never by steps, `sample_sampler` (kohya's name) is the
+/// default sampler. Two epochs: three rounds, the last at the final step.
+#[test]
+fn kohyas_sample_keys_draw_by_epochs() {
+    let tmp = tempfile::tempdir().unwrap();
+    let extra = serde_json::json!({"max_steps": 100, "max_epochs": 2, "batch_size": 4,
+                                   "sample_every_n_epochs": 1, "sample_at_first": true,
+                                   "sample_sampler": "k_euler_a"});
+    let run = train(
+        tmp.path(),
+        "tiny-sd15",
+        ("prompts.txt", "a red cat --w 32 --h 32 --s 2\n"),
+        extra.clone(),
+    );
+    let rounds: Vec<String> = names(&run.join("samples"))
+        .into_iter()
+        .filter(|n| n.ends_with("-000-a_red_cat.png"))
+        .collect();
+    assert_eq!(rounds.len(), 3, "{rounds:?}");
+    assert_eq!(rounds[0], "gs00000-000-a_red_cat.png");
+    let steps = std::fs::read_to_string(run.join("plan.json")).unwrap();
+    assert!(steps.contains("\"every_n_epochs\": 1"), "{steps}");
+    // The sampler by default, as the dry run says.
+    let cfg = tmp.path().join("train.json");
+    let out = sdtrain(
+        &["--config", cfg.to_str().unwrap(), "--cpu", "--dry-run"],
+        tmp.path(),
+    );
+    let log = text(&out);
+    assert!(
+        log.contains("at the end of every 1 epoch(s) and before training")
+            && log.contains("euler_a by default"),
+        "{log}"
+    );
+    // Epochs and a step count together are refused, as kohya would ignore the steps.
+    let mut both = extra;
+    both["sample_steps"] = 5.into();
+    let file = tmp.path().join("prompts.txt");
+    both["sample_prompts"] = serde_json::json!(file);
+    let cfg = write_config(tmp.path(), "tiny-sd15", &demo_data(), both);
+    let out = sdtrain(&["--config", cfg.to_str().unwrap(), "--cpu"], tmp.path());
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(
+        text(&out).contains("sample_every_n_epochs"),
+        "{}",
+        text(&out)
+    );
+}

@@ -6,8 +6,11 @@
 //!   refused: EveryDream2 would sample four random training captions instead, none of them from
 //!   the file. A `.json` of settings alone keeps them (EveryDream2's way to ask for them), and the
 //!   summary says where they come from.
-//! - Every `sample_steps` steps (EveryDream2's default 250); the file's
-//!   `generate_samples_every_n_steps` wins, as in EveryDream2.
+//! - Every `sample_steps` steps (EveryDream2's default 250; kohya's `sample_every_n_steps`); the
+//!   file's `generate_samples_every_n_steps` wins, as in EveryDream2. kohya's
+//!   `sample_every_n_epochs` samples at the end of every N-th epoch instead, `sample_at_first`
+//!   before the first step too (the file's `generate_pretrain_samples`), and `sample_sampler`
+//!   sets the sampler of the prompts that name none (kohya's names, `k_euler_a`, …).
 //! - With EMA on, `ema_sample_ema_model` samples the EMA weights too (files marked `ema`) and
 //!   `ema_sample_nonema_model` the trained ones. When neither is set the trained weights are
 //!   sampled (EveryDream2 samples nothing then).
@@ -28,6 +31,9 @@ pub const DEFAULT_SAMPLE_STEPS: usize = 250;
 pub struct SamplePlan {
     pub prompts_file: PathBuf,
     pub every_n_steps: usize,
+    /// kohya's `sample_every_n_epochs`: samples at the end of every N-th epoch, and none by
+    /// steps (as kohya ignores its step count then).
+    pub every_n_epochs: Option<usize>,
     /// Sample the trained weights.
     pub trained_model: bool,
     /// Sample the EMA weights.
@@ -57,6 +63,10 @@ pub fn resolve_samples(
     let Some(raw) = f.sample_prompts.as_deref() else {
         for (field, set) in [
             ("sample_steps", f.sample_steps.is_some()),
+            ("sample_every_n_steps", f.sample_every_n_steps.is_some()),
+            ("sample_every_n_epochs", f.sample_every_n_epochs.is_some()),
+            ("sample_at_first", f.sample_at_first == Some(true)),
+            ("sample_sampler", f.sample_sampler.is_some()),
             ("ema_sample_ema_model", ema),
             ("ema_sample_nonema_model", nonema),
         ] {
@@ -77,20 +87,62 @@ pub fn resolve_samples(
             "needs EMA on (set ema_decay_rate or ema_strength_target)".into(),
         ));
     }
-    let every = match f.sample_steps {
+    let (steps_key, steps) = match (f.sample_steps, f.sample_every_n_steps) {
+        (Some(a), Some(b)) if a != b => {
+            return Err(invalid(
+                file,
+                "sample_every_n_steps",
+                format!(
+                    "is {b} but sample_steps is {a}: kohya's sample_every_n_steps is \
+                     EveryDream2's sample_steps; give one"
+                ),
+            ))
+        }
+        (Some(a), _) => ("sample_steps", Some(a)),
+        (None, b) => ("sample_every_n_steps", b),
+    };
+    let every = match steps {
         Some(n) if n < 1 => {
             return Err(invalid(
                 file,
-                "sample_steps",
+                steps_key,
                 format!("must be at least 1 (got {n})"),
             ))
         }
         Some(n) => n.unsigned_abs() as usize,
         None => DEFAULT_SAMPLE_STEPS,
     };
+    let every_n_epochs = match f.sample_every_n_epochs {
+        Some(n) if n < 1 => {
+            return Err(invalid(
+                file,
+                "sample_every_n_epochs",
+                format!("must be at least 1 (got {n})"),
+            ))
+        }
+        Some(_) if steps.is_some() => {
+            return Err(invalid(
+                file,
+                "sample_every_n_epochs",
+                format!(
+                    "is set beside {steps_key}: kohya samples by epochs then and ignores the \
+                     step count; give one"
+                ),
+            ))
+        }
+        n => n.map(|n| n.unsigned_abs() as usize),
+    };
     let path = input("sample_prompts", raw)?;
-    let set =
+    let mut set =
         SampleSet::read(&path).map_err(|e| invalid(file, "sample_prompts", chain_text(&e)))?;
+    if f.sample_at_first == Some(true) {
+        set.at_start = true;
+    }
+    if let Some(name) = &f.sample_sampler {
+        // The default of the prompts that name no sampler (kohya's `--ss` wins, as in kohya).
+        set.sampler = crate::sample::kohya_prompts::sampler(name)
+            .map_err(|m| invalid(file, "sample_sampler", m))?;
+    }
     // A .txt is nothing but its prompts, so one without any is a mistake; a .json of settings
     // alone asks for EveryDream2's random captions, and the summary says so.
     let txt = path
@@ -111,6 +163,7 @@ pub fn resolve_samples(
     Ok(Some(SamplePlan {
         prompts_file: path,
         every_n_steps: set.every_n_steps.unwrap_or(every),
+        every_n_epochs,
         trained_model: !ema || nonema,
         ema_model: ema,
         set,

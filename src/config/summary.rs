@@ -394,9 +394,12 @@ impl TrainPlan {
         } else {
             format!("{count} prompts from {file}")
         };
+        let every = match sp.every_n_epochs {
+            Some(e) => format!("at the end of every {e} epoch(s)"),
+            None => format!("every {} steps", sp.every_n_steps),
+        };
         Some(format!(
-            "{prompts} every {} steps{}{models}; {} by default",
-            sp.every_n_steps,
+            "{prompts} {every}{}{models}; {} by default",
             if sp.set.at_start {
                 " and before training"
             } else {

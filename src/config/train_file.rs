@@ -391,6 +391,18 @@ pub struct TrainFile {
     /// Sample every N steps (EveryDream2's default 250).
     #[serde(default)]
     pub sample_steps: Option<i64>,
+    /// kohya's name for `sample_steps`.
+    #[serde(default)]
+    pub sample_every_n_steps: Option<i64>,
+    /// kohya's `sample_every_n_epochs`: sample at the end of every N-th epoch instead.
+    #[serde(default)]
+    pub sample_every_n_epochs: Option<i64>,
+    /// kohya's `sample_at_first`: also sample before the first step.
+    #[serde(default)]
+    pub sample_at_first: Option<bool>,
+    /// kohya's `sample_sampler`: the sampler of prompts that name none.
+    #[serde(default)]
+    pub sample_sampler: Option<String>,
     /// With EMA on, also sample the trained (non-EMA) weights.
     #[serde(default)]
     pub ema_sample_nonema_model: Option<bool>,

@@ -232,7 +232,7 @@ fn scale(key: &str, value: &str) -> Result<f64, String> {
 }
 
 /// kohya's sampler names (`get_my_scheduler`), then sdtrain's own.
-fn sampler(name: &str) -> Result<SamplerKind, String> {
+pub fn sampler(name: &str) -> Result<SamplerKind, String> {
     let kind = match name.to_ascii_lowercase().as_str() {
         "k_lms" => SamplerKind::parse("lms"),
         "k_euler" => SamplerKind::parse("euler"),

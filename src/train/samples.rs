@@ -140,9 +140,20 @@ impl TrainingSamples {
         Ok(())
     }
 
-    /// Whether optimizer step `step` (1-based) ends with samples.
+    /// Whether optimizer step `step` (1-based) ends with samples (never when they are drawn by
+    /// epochs).
     pub fn due(&self, step: usize) -> bool {
-        step > 0 && step.is_multiple_of(self.plan.every_n_steps)
+        self.plan.every_n_epochs.is_none()
+            && step > 0
+            && step.is_multiple_of(self.plan.every_n_steps)
+    }
+
+    /// Whether the end of epoch `epochs_done` (1-based) is drawn (kohya's
+    /// `sample_every_n_epochs`).
+    pub fn due_at_epoch_end(&self, epochs_done: usize) -> bool {
+        self.plan
+            .every_n_epochs
+            .is_some_and(|n| epochs_done.is_multiple_of(n))
     }
 
     /// Draws every prompt at each of its guidance scales and writes the round's files, marked
@@ -220,10 +231,14 @@ pub(super) fn start(
     )
     .context("sample_prompts")?;
     let n = samples.set.prompts.len();
+    let every = match samples.every_n_epochs {
+        Some(1) => "at the end of every epoch".to_string(),
+        Some(e) => format!("at the end of every {e} epochs"),
+        None => format!("every {} steps", samples.every_n_steps),
+    };
     eprintln!(
-        "samples: {n} prompt{} every {} steps into {}",
+        "samples: {n} prompt{} {every} into {}",
         if n == 1 { "" } else { "s" },
-        samples.every_n_steps,
         samples_dir(run_dir).display()
     );
     Ok(Some(started))

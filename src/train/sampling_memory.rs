@@ -158,6 +158,7 @@ mod tests {
         SamplePlan {
             prompts_file: path.to_path_buf(),
             every_n_steps: 1,
+            every_n_epochs: None,
             trained_model: true,
             ema_model,
             set: SampleSet::from_json(path, json).unwrap(),

@@ -273,6 +273,10 @@ impl Session<'_> {
             }
             out.epochs_completed = epoch + 1;
             (self.pos.epoch, self.pos.steps_in_epoch) = (epoch + 1, 0);
+            let by_epoch = self.extras.samples.as_ref();
+            if by_epoch.is_some_and(|s| s.due_at_epoch_end(epoch + 1)) {
+                self.sample_if_due(out.steps, true, &progress)?;
+            }
             let last = out.steps >= self.opt.total_steps || epoch + 1 == max_epochs;
             if super::save_schedule::epoch_save_due(&self.extras.live.saving, epoch + 1, last) {
                 let point = SavePoint::Epoch(epoch + 1);
