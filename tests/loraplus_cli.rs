@@ -13,6 +13,15 @@ use common::cli::{demo_data, run_folder, sdtrain, text, write_config};
 /// One step of a LoRA on the tiny SD1.5 fixture (UNet and text encoder), saved in fp32; the
 /// file's tensors and its metadata.
 fn one_step(dir: &Path, adapter_extra: serde_json::Value) -> (HashMap<String, Vec<f32>>, String) {
+    one_step_in(dir, "lora", adapter_extra)
+}
+
+/// [`one_step`] in another adapter mode.
+fn one_step_in(
+    dir: &Path,
+    mode: &str,
+    adapter_extra: serde_json::Value,
+) -> (HashMap<String, Vec<f32>>, String) {
     let mut adapter = serde_json::json!({"rank": 4, "alpha": 4, "train_text_encoder": true,
                                          "save_dtype": "fp32"});
     for (k, v) in adapter_extra.as_object().unwrap() {
@@ -26,7 +35,7 @@ fn one_step(dir: &Path, adapter_extra: serde_json::Value) -> (HashMap<String, Ve
         r#"{"base": {"optimizer": "adamw8bit", "weight_decay": 0.0}}"#,
     )
     .unwrap();
-    let extra = serde_json::json!({"mode": "lora", "max_steps": 1, "adapter": adapter,
+    let extra = serde_json::json!({"mode": mode, "max_steps": 1, "adapter": adapter,
                                    "optimizer_config": opt});
     let cfg = write_config(dir, "tiny-sd15", &demo_data(), extra);
     let out = sdtrain(&["--config", cfg.to_str().unwrap(), "--cpu"], dir);
@@ -89,6 +98,31 @@ fn loraplus_scales_only_the_up_weights_by_each_groups_ratio() {
         ups > 0 && moved * 2 > ups,
         "{moved} of {ups} up weights moved"
     );
+}
+
+/// DoRA's `lora_up` weights take LoRA+'s ratio as LyCORIS's kohya network gives it (its
+/// `prepare_optimizer_params` tests the name for `lora_up`, as kohya's does); the magnitude
+/// (`dora_scale`) and `lora_down` keep the group's rate. Catches the ratio on the magnitude, or
+/// DoRA left out.
+#[test]
+fn loraplus_scales_doras_up_weights_as_lycoris_does() {
+    let plain_dir = tempfile::tempdir().unwrap();
+    let (plain, _) = one_step_in(plain_dir.path(), "dora", serde_json::json!({}));
+    let plus_dir = tempfile::tempdir().unwrap();
+    let (plus, args) = one_step_in(
+        plus_dir.path(),
+        "dora",
+        serde_json::json!({"loraplus_lr_ratio": 4.0}),
+    );
+    assert!(args.contains(r#""loraplus_lr_ratio": "4.0""#), "{args}");
+    let mut scales = 0;
+    for (name, want) in &plain {
+        let ratio = if name.contains("lora_up") { 4.0 } else { 1.0 };
+        let scaled: Vec<f32> = want.iter().map(|v| v * ratio).collect();
+        assert_eq!(&plus[name], &scaled, "{name} (ratio {ratio})");
+        scales += usize::from(name.contains("dora_scale"));
+    }
+    assert!(scales > 0, "the file holds DoRA magnitudes");
 }
 
 /// An optimizer with no per-parameter rate is refused before anything loads, naming the key.

@@ -301,7 +301,9 @@ pub fn resolve_adapter(
             ));
         }
     }
-    let loraplus = resolve_loraplus(a, low_rank).map_err(|(k, m)| invalid(k, m))?;
+    // LyCORIS's kohya network scales the `lora_up` weights as kohya's does: DoRA has them.
+    let has_lora_up = low_rank || mode == TrainMode::Dora;
+    let loraplus = resolve_loraplus(a, has_lora_up).map_err(|(k, m)| invalid(k, m))?;
     let scale_weight_norms =
         match a.scale_weight_norms {
             Some(x) if !(x.is_finite() && x > 0.0) => {
@@ -357,10 +359,14 @@ pub fn resolve_adapter(
     })
 }
 
-/// The LoRA+ keys (kohya's `networks/lora.py`: `loraplus_unet_lr_ratio or loraplus_lr_ratio`,
-/// likewise for the text encoder); `low_rank`: the mode is `lora` or `locon`, whose `lora_up`
-/// weights they scale. An error names the key.
-fn resolve_loraplus(a: &AdapterFile, low_rank: bool) -> Result<LoraPlus, (&'static str, String)> {
+/// The LoRA+ keys (kohya's `networks/lora.py`, and LyCORIS's kohya network alike:
+/// `loraplus_unet_lr_ratio or loraplus_lr_ratio`, likewise for the text encoder); `has_lora_up`:
+/// the mode is `lora`, `locon` or `dora`, whose `lora_up` weights they scale. An error names the
+/// key.
+fn resolve_loraplus(
+    a: &AdapterFile,
+    has_lora_up: bool,
+) -> Result<LoraPlus, (&'static str, String)> {
     let keys = [
         ("loraplus_lr_ratio", a.loraplus_lr_ratio),
         ("loraplus_unet_lr_ratio", a.loraplus_unet_lr_ratio),
@@ -374,11 +380,12 @@ fn resolve_loraplus(a: &AdapterFile, low_rank: bool) -> Result<LoraPlus, (&'stat
             Some(x) if !(x.is_finite() && x > 0.0) => {
                 return Err((key, format!("must be greater than 0 (got {x})")))
             }
-            Some(_) if !low_rank => {
+            Some(_) if !has_lora_up => {
                 return Err((
                     key,
-                    "scales the learning rate of kohya's `lora_up` weights; use \"mode\": \
-                     \"lora\" or \"locon\""
+                    "scales the learning rate of the `lora_up` weights, which LoHa and LoKr do \
+                     not have (LyCORIS's kohya network would leave every rate as it is); use \
+                     \"mode\": \"lora\", \"locon\" or \"dora\""
                         .into(),
                 ))
             }
