@@ -315,3 +315,29 @@ fn sdxl_blocks_follow_kohyas_sdxl_names() {
     }
     assert!(dropped > 0 && blocks.modules.len() + dropped == plain.modules.len());
 }
+
+/// With `dim_from_weights` the file's modules are kept whatever their block (kohya builds them
+/// from the file), and a block of weight 0 leaves its modules untrained. The fixture's UNet
+/// modules all sit in IN01: weight 0 there leaves the UNet nothing to train, which is refused;
+/// weight 0.5 trains them.
+#[test]
+fn dim_from_weights_keeps_the_files_modules_and_freezes_weight_0() {
+    let tmp = tempfile::tempdir().unwrap();
+    let file = common::fixture("kohya_tiny_sd15.safetensors");
+    let run = |down: &str| {
+        let adapter = serde_json::json!({"init_from": file, "dim_from_weights": true,
+                                         "down_lr_weight": down});
+        let extra = serde_json::json!({"mode": "locon", "max_steps": 1, "adapter": adapter});
+        let cfg = write_config(tmp.path(), "tiny-sd15", &demo_data(), extra);
+        sdtrain(&["--config", cfg.to_str().unwrap(), "--cpu"], tmp.path())
+    };
+    let out = run("1,0");
+    assert!(!out.status.success(), "{}", text(&out));
+    assert!(
+        text(&out).contains("learning-rate weight 0"),
+        "{}",
+        text(&out)
+    );
+    let out = run("1,0.5");
+    assert!(out.status.success(), "{}", text(&out));
+}

@@ -424,11 +424,15 @@ impl BlockTable {
         }
     }
 
-    /// One line per setting for the console: ranks, 3×3 ranks and weights by block.
-    pub fn describe(&self) -> String {
-        let mut lines = vec![format!("ranks {}", join_ints(&self.dims))];
-        if let Some((d, _)) = &self.conv {
-            lines.push(format!("3x3 ranks {}", join_ints(d)));
+    /// The settings by block for the console: ranks and 3×3 ranks (unless `ranks` is false:
+    /// `dim_from_weights` takes them from its file), and weights.
+    pub fn describe(&self, ranks: bool) -> String {
+        let mut lines = Vec::new();
+        if ranks {
+            lines.push(format!("ranks {}", join_ints(&self.dims)));
+            if let Some((d, _)) = &self.conv {
+                lines.push(format!("3x3 ranks {}", join_ints(d)));
+            }
         }
         if let Some(w) = &self.lr_weight {
             let items: Vec<String> = w.iter().map(|x| format!("{x:.3}")).collect();

@@ -29,7 +29,7 @@ pub(super) fn resolve_table(
     }
     crate::console::say(format_args!(
         "adapter: block-wise (kohya's blocks, IN00 first): {}",
-        table.describe()
+        table.describe(!a.dim_from_weights)
     ));
     Ok(Some(table))
 }
