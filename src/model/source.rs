@@ -344,13 +344,9 @@ pub fn cached_commit(cache_dir: &Path, repo_id: &str, revision: &str) -> Option<
     None
 }
 
-fn resolve_hub(
-    repo_id: &str,
-    revision: &str,
-    env: &HubEnv,
-    variant: Option<&str>,
-) -> Result<ModelDir, SourceError> {
-    let hub_dir = |commit: String| ModelDir {
+/// The cache's snapshot folder of `repo_id` at `commit`, reached by `revision`.
+fn snapshot_dir(env: &HubEnv, repo_id: &str, revision: &str, commit: String) -> ModelDir {
+    ModelDir {
         path: repo_cache_dir(&env.cache_dir, repo_id)
             .join("snapshots")
             .join(&commit),
@@ -359,7 +355,16 @@ fn resolve_hub(
             revision: revision.to_string(),
             commit,
         },
-    };
+    }
+}
+
+fn resolve_hub(
+    repo_id: &str,
+    revision: &str,
+    env: &HubEnv,
+    variant: Option<&str>,
+) -> Result<ModelDir, SourceError> {
+    let hub_dir = |commit: String| snapshot_dir(env, repo_id, revision, commit);
     if let Some(commit) = cached_commit(&env.cache_dir, repo_id, revision) {
         let dir = hub_dir(commit);
         match ModelLayout::read(&dir.path, variant) {
@@ -405,16 +410,7 @@ pub fn resolve_component_repo(
     plan: &dyn Fn(&[String]) -> Result<files::HubPlan, FilesError>,
 ) -> Result<ModelDir, SourceError> {
     let revision = revision.unwrap_or(DEFAULT_REVISION);
-    let hub_dir = |commit: String| ModelDir {
-        path: repo_cache_dir(&env.cache_dir, repo_id)
-            .join("snapshots")
-            .join(&commit),
-        origin: Origin::Hub {
-            repo_id: repo_id.to_string(),
-            revision: revision.to_string(),
-            commit,
-        },
-    };
+    let hub_dir = |commit: String| snapshot_dir(env, repo_id, revision, commit);
     match cached_commit(&env.cache_dir, repo_id, revision) {
         Some(commit) => {
             let dir = hub_dir(commit);
