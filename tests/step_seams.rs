@@ -149,6 +149,7 @@ fn settings<'a>(m: &'a Model, ck: Option<&'a Checkpointing>) -> StepSettings<'a>
         tag_dropout: 0.0,
         clip_skip_layers: 0,
         caption_chunks: 1,
+        weighted_captions: false,
         caption_templates: &[],
         kohya_captions: None,
         clock: Default::default(),

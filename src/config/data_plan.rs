@@ -61,6 +61,8 @@ pub struct DataPlan {
     /// The 75-token chunks a caption is encoded in (kohya's `max_token_length` / 75: 1, 2 or
     /// 3); see `crate::model::long_prompt`.
     pub caption_chunks: usize,
+    /// kohya's `weighted_captions`: A1111's emphasis in captions weighs their tokens.
+    pub weighted_captions: bool,
     /// EveryDream2's rated dataset: later epochs train on fewer images, picked by rating.
     pub rated: Option<RatedSchedule>,
     /// Write each epoch's batches to `ep{N}_batch_schedule.txt` in the run folder.
@@ -275,6 +277,7 @@ pub(super) fn resolve_data(
                 ))
             }
         },
+        weighted_captions: file.weighted_captions.unwrap_or(false),
         rated: resolve_rated(file, ctx)?,
         write_schedule: file.write_schedule.unwrap_or(false),
         max_image_pixels: ctx.at_least(

@@ -78,6 +78,13 @@ impl fmt::Display for TrainPlan {
             ),
         };
         row(f, "augmentation", &augmentation)?;
+        if d.weighted_captions {
+            row(
+                f,
+                "captions",
+                &"weighted by their A1111 emphasis (kohya's weighted_captions)",
+            )?;
+        }
         if d.caption_chunks > 1 {
             let tokens = 75 * d.caption_chunks;
             row(

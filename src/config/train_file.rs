@@ -246,6 +246,9 @@ pub struct TrainFile {
     pub min_snr_gamma: Option<f64>,
     #[serde(default)]
     pub zero_frequency_noise_ratio: Option<f64>,
+    /// kohya's `weighted_captions`: A1111's emphasis in captions weighs their tokens.
+    #[serde(default)]
+    pub weighted_captions: Option<bool>,
     /// kohya's name for `zero_frequency_noise_ratio` (the same offset noise).
     #[serde(default)]
     pub noise_offset: Option<f64>,

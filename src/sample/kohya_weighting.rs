@@ -63,8 +63,9 @@ fn msg(e: impl std::fmt::Display) -> candle_core::Error {
     candle_core::Error::Msg(e.to_string())
 }
 
-/// The text's tokens and their weights, without BOS/EOS, cut at `room` tokens.
-fn weighted_tokens(
+/// The text's tokens and their weights, without BOS/EOS, cut at `room` tokens (kohya's
+/// `get_prompts_with_weights`: each piece tokenized on its own).
+pub fn weighted_tokens(
     tok: &ClipTokenizer,
     text: &str,
     room: usize,

@@ -86,7 +86,11 @@ fn text_encoder_cache(
         captions.push("");
     }
     let batch = plan.batch_size.max(1);
-    let text = (plan.objective.clip_skip_layers, plan.data.caption_chunks);
+    let text = (
+        plan.objective.clip_skip_layers,
+        plan.data.caption_chunks,
+        plan.data.weighted_captions,
+    );
     let cache = TextCache::build(sd, captions, text, batch)
         .context("caching the text encoders' outputs")?;
     sd.release_text_encoders();

@@ -59,6 +59,7 @@ pub mod trainer;
 pub mod validation;
 #[cfg(test)]
 mod watch_tests;
+pub mod weighted_captions;
 
 pub use outcome::TrainOutcome;
 pub use trainer::{train, RunOptions};

@@ -507,6 +507,13 @@ fn load_data(
         }
         (None, None) => None,
     };
+    if data.weighted_captions {
+        let val = validation.iter().flat_map(|v| v.sets.iter());
+        let items = dataset.items.iter().chain(val.flat_map(|s| s.items.iter()));
+        super::weighted_captions::check_captions(
+            items.map(|i| (i.path.as_path(), i.caption.as_str())),
+        )?;
+    }
     let buckets = data_feed::assign(&dataset.items, &bucket_rule);
     let masks = plan.objective.loss.mask.map(|m| m.source);
     let mut feed = DataFeed::new(

@@ -70,6 +70,8 @@ pub struct StepSettings<'a> {
     pub clip_skip_layers: usize,
     /// The 75-token chunks a caption is encoded in (`max_token_length`).
     pub caption_chunks: usize,
+    /// kohya's `weighted_captions` ([`super::weighted_captions`]).
+    pub weighted_captions: bool,
     /// Textual inversion's caption templates (`embedding.template`): when not empty, each
     /// sample's caption is one of them, drawn from its generator first. Empty: the captions.
     pub caption_templates: &'a [String],
@@ -352,9 +354,13 @@ pub fn forward_loss(
     let prompts: Vec<&str> = batch.captions.iter().map(String::as_str).collect();
     let cond = match settings.text_cache {
         Some(cache) => cache.lookup(&prompts, &device)?,
-        None => {
-            sd.encode_prompts_long(&prompts, settings.clip_skip_layers, settings.caption_chunks)?
-        }
+        None => super::weighted_captions::encode(
+            sd,
+            &prompts,
+            settings.clip_skip_layers,
+            settings.caption_chunks,
+            settings.weighted_captions,
+        )?,
     };
     let (context, pooled) = if settings.train_text_encoder {
         (cond.context, cond.pooled)

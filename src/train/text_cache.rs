@@ -21,11 +21,12 @@ pub struct TextCache {
 
 impl TextCache {
     /// Encodes every distinct caption of `captions`, `batch` at a time, in `chunks` 75-token
-    /// chunks ([`StableDiffusion::encode_prompts_long`]).
+    /// chunks ([`StableDiffusion::encode_prompts_long`]), weighted by their emphasis when
+    /// `weighted` (kohya's `weighted_captions`).
     pub fn build<'a>(
         sd: &StableDiffusion,
         captions: impl IntoIterator<Item = &'a str>,
-        (clip_skip, chunks): (usize, usize),
+        (clip_skip, chunks, weighted): (usize, usize, bool),
         batch: usize,
     ) -> candle_core::Result<Self> {
         let mut distinct: Vec<&str> = captions.into_iter().collect();
@@ -33,7 +34,7 @@ impl TextCache {
         distinct.dedup();
         let mut entries = HashMap::with_capacity(distinct.len());
         for chunk in distinct.chunks(batch.max(1)) {
-            let cond = sd.encode_prompts_long(chunk, clip_skip, chunks)?;
+            let cond = super::weighted_captions::encode(sd, chunk, clip_skip, chunks, weighted)?;
             let context = cond.context.detach().to_device(&Device::Cpu)?;
             let pooled = match cond.pooled {
                 Some(p) => Some(p.detach().to_device(&Device::Cpu)?),

@@ -82,6 +82,7 @@ impl Model {
             tag_dropout: data.tag_dropout,
             clip_skip_layers: plan.objective.clip_skip_layers,
             caption_chunks: data.caption_chunks,
+            weighted_captions: data.weighted_captions,
             caption_templates: self
                 .embedding
                 .as_ref()
