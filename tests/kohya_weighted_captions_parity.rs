@@ -86,3 +86,44 @@ fn a_caption_without_emphasis_is_unchanged() {
         );
     }
 }
+
+/// SDXL (kohya's `strategy_sdxl.encode_tokens_with_weights`): both encoders' places of a
+/// weighted token scale by its weight, every other place and the pooled embedding stay as
+/// without emphasis. Catches the second encoder left unweighted, the pooled embedding
+/// weighted, or a place off by one.
+#[test]
+fn sdxl_weights_both_encoders_and_not_the_pooled_embedding() {
+    let layout = ModelLayout::read(&common::fixture("tiny-sdxl"), None).unwrap();
+    let opts = LoadOptions {
+        dtype: DType::F32,
+        trained_dtype: DType::F32,
+        vae_dtype: None,
+        device: Device::Cpu,
+        train_unet: false,
+        train_text_encoders: false,
+        fp8_base: false,
+    };
+    let sd = StableDiffusion::load(layout, &opts).unwrap();
+    for chunks in [1, 2] {
+        let plain = encode(&sd, &["a red cat"], 0, chunks, false).unwrap();
+        let weighted = encode(&sd, &["a (red:1.5) cat"], 0, chunks, true).unwrap();
+        assert_eq!(
+            values(plain.pooled.as_ref().unwrap()),
+            values(weighted.pooled.as_ref().unwrap())
+        );
+        let (_, places, width) = plain.context.dims3().unwrap();
+        let (p, w) = (values(&plain.context), values(&weighted.context));
+        for place in 0..places {
+            for d in 0..width {
+                let i = place * width + d;
+                // "a" is place 1, "red" place 2 (after BOS).
+                let want = if place == 2 { p[i] * 1.5 } else { p[i] };
+                assert!(
+                    (w[i] - want).abs() <= 1e-6 * want.abs().max(1.0),
+                    "{chunks} chunks, place {place}, dim {d}: {} vs {want}",
+                    w[i]
+                );
+            }
+        }
+    }
+}
