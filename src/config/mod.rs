@@ -15,6 +15,7 @@ pub mod devices_plan;
 mod ema_plan;
 mod embedding_plan;
 mod error;
+mod kohya_aliases;
 mod loss_plan;
 mod mask_plan;
 mod model_plan;

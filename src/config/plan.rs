@@ -203,6 +203,7 @@ impl TrainPlan {
         let mut file = TrainFile::from_object(obj, train_path, set_args)?;
         let ctx = Ctx::new(train_path);
         let dataset_config = super::dataset_config::apply_dataset_config(&mut file, &ctx)?;
+        super::kohya_aliases::apply_kohya_names(&mut file, &ctx)?;
         let (max_epochs, max_steps) = resolve_stop(&file, &ctx)?;
         let train_lr = ctx.opt_positive("lr", file.lr, "greater than 0")?;
         let (optimizer, text_encoder_freeze) = resolve_optimizer(&file, &ctx, train_lr)?;
@@ -219,6 +220,14 @@ impl TrainPlan {
             || adapter
                 .as_ref()
                 .map_or(train_text_encoder, |a| a.train_text_encoder);
+        // The optimizer groups: the UNet's, the text encoders' (their weights or adapters), a
+        // token's vectors (param_groups).
+        let te_group = mode != TrainMode::TextualInversion
+            && adapter
+                .as_ref()
+                .map_or(train_text_encoder, |a| a.train_text_encoder);
+        let groups =
+            usize::from(train_unet) + usize::from(te_group) + usize::from(embedding.is_some());
         let resume = resolve_resume(&file, &ctx)?;
         let ema_resume_model = resolve_ema_resume(
             &file,
@@ -279,11 +288,7 @@ impl TrainPlan {
             train_unet,
             text_encoder_freeze,
             optimizer,
-            clip_grad_norm: ctx.opt_positive(
-                "clip_grad_norm",
-                file.clip_grad_norm,
-                "greater than 0, or null for no clipping",
-            )?,
+            clip_grad_norm: super::kohya_aliases::max_grad_norm(&file, &ctx, groups)?,
             precision,
             ema,
             ema_resume_model,
@@ -392,7 +397,8 @@ fn check_block_weights(
     if !train_unet {
         return Err(invalid(
             key,
-            "shapes the UNet's adapters, but the UNet is not trained (disable_unet_training);              remove one of the two"
+            "shapes the UNet's adapters, but the UNet is not trained (disable_unet_training); \
+             remove one of the two"
                 .into(),
         ));
     }

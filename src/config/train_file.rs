@@ -212,6 +212,14 @@ pub struct TrainFile {
     /// EveryDream2's `clip_grad_norm`: clip each group's gradient norm to this; null is off.
     #[serde(default)]
     pub clip_grad_norm: Option<f64>,
+    /// kohya's names for EveryDream2's keys ([`super::kohya_aliases`]): `clip_grad_norm`,
+    /// `disable_textenc_training`, and one refused.
+    #[serde(default)]
+    pub max_grad_norm: Option<f64>,
+    #[serde(default)]
+    pub network_train_unet_only: Option<bool>,
+    #[serde(default)]
+    pub network_train_text_encoder_only: Option<bool>,
     #[serde(default)]
     pub resolution: Option<i64>,
     #[serde(default)]

@@ -365,7 +365,8 @@ fn explain_nonfinite(e: anyhow::Error, sd: &StableDiffusion, args: &SampleArgs) 
             bad.value
         ),
         None if !args.loras.is_empty() => format!(
-            "the model's files are finite; the merged --lora files (at --lora-scale {}) are the              likely cause: a weight or `alpha` too large for the dtype",
+            "the model's files are finite; the merged --lora files (at --lora-scale {}) are the \
+             likely cause: a weight or `alpha` too large for the dtype",
             args.lora_scale
         ),
         None => "the model's files are finite; try --precision fp32 or another --sampler".into(),

@@ -1,0 +1,129 @@
+//! kohya sd-scripts' names for keys train.json already has under EveryDream2's, read into them
+//! before anything is resolved, so a setting copied from a kohya config means what it meant
+//! there:
+//! - `max_grad_norm` ([`max_grad_norm`]) clips the global norm of every trained parameter;
+//!   EveryDream2's `clip_grad_norm` clips each group's. The two agree when one group trains (a
+//!   UNet-only adapter, textual inversion), where it is taken; with more groups it is refused
+//!   with the difference. kohya clips at 1 when the key is absent; sdtrain keeps EveryDream2's
+//!   default (no clipping);
+//! - `network_train_unet_only` is `disable_textenc_training` (the adapters stay on the UNet);
+//! - `network_train_text_encoder_only` is refused: sdtrain's adapter runs always train the UNet's
+//!   adapters.
+//!
+//! Both names at different values are refused, naming the kohya key.
+
+use super::ctx::Ctx;
+use super::error::ConfigError;
+use super::train_file::TrainFile;
+
+pub(super) fn apply_kohya_names(file: &mut TrainFile, ctx: &Ctx<'_>) -> Result<(), ConfigError> {
+    if file.network_train_unet_only == Some(true) {
+        if file.disable_textenc_training == Some(false) {
+            return Err(ctx.invalid(
+                "network_train_unet_only",
+                "is true but disable_textenc_training is false: kohya's network_train_unet_only \
+                 is EveryDream2's disable_textenc_training; give one"
+                    .to_string(),
+            ));
+        }
+        file.disable_textenc_training = Some(true);
+    }
+    if file.network_train_text_encoder_only == Some(true) {
+        return Err(ctx.invalid(
+            "network_train_text_encoder_only",
+            "is true, but sdtrain's adapter runs always train adapters on the UNet; to train \
+             the text encoder alone, use `mode: \"full\"` with `disable_unet_training`"
+                .to_string(),
+        ));
+    }
+    Ok(())
+}
+
+/// `clip_grad_norm`, or kohya's `max_grad_norm` (0: no clipping) when `groups` is 1 and
+/// `clip_grad_norm` is not set to another value.
+pub(super) fn max_grad_norm(
+    file: &TrainFile,
+    ctx: &Ctx<'_>,
+    groups: usize,
+) -> Result<Option<f64>, ConfigError> {
+    let clip = ctx.opt_positive(
+        "clip_grad_norm",
+        file.clip_grad_norm,
+        "greater than 0, or null for no clipping",
+    )?;
+    let Some(norm) = file.max_grad_norm else {
+        return Ok(clip);
+    };
+    if !(norm.is_finite() && norm >= 0.0) {
+        return Err(ctx.invalid(
+            "max_grad_norm",
+            format!("must be 0 (no clipping) or more (got {norm})"),
+        ));
+    }
+    let kohya = (norm > 0.0).then_some(norm);
+    if let Some(c) = clip.filter(|c| Some(*c) != kohya) {
+        return Err(ctx.invalid(
+            "max_grad_norm",
+            format!(
+                "is {norm} but clip_grad_norm is {c}: kohya's max_grad_norm is EveryDream2's \
+                 clip_grad_norm where one group trains; give one"
+            ),
+        ));
+    }
+    if groups > 1 && kohya.is_some() {
+        return Err(ctx.invalid(
+            "max_grad_norm",
+            format!(
+                "clips the global norm of all trained parameters (kohya's); this run trains \
+                 {groups} groups (the UNet's, the text encoders' or a token's), and sdtrain clips \
+                 each group on its own (EveryDream2's clip_grad_norm): set clip_grad_norm"
+            ),
+        ));
+    }
+    Ok(kohya)
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use crate::config::TrainPlan;
+
+    fn plan(extra: serde_json::Value) -> Result<TrainPlan, String> {
+        let root = env!("CARGO_MANIFEST_DIR");
+        let mut v = json!({
+            "model": format!("{root}/tests/fixtures/tiny-sd15"),
+            "data_root": format!("{root}/data/demo"),
+            "mode": "lora",
+        });
+        for (k, x) in extra.as_object().unwrap() {
+            v[k] = x.clone();
+        }
+        TrainPlan::from_value(v, std::path::Path::new("train.json"), &[]).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn kohyas_names_mean_what_they_meant_there() {
+        let unet_only = json!({"max_grad_norm": 1.0, "adapter": {"train_text_encoder": false}});
+        assert_eq!(plan(unet_only).unwrap().clip_grad_norm, Some(1.0));
+        let unet_only = json!({"max_grad_norm": 1.0, "network_train_unet_only": true});
+        assert_eq!(plan(unet_only).unwrap().clip_grad_norm, Some(1.0));
+        assert_eq!(
+            plan(json!({"max_grad_norm": 0.0})).unwrap().clip_grad_norm,
+            None
+        );
+        let p = plan(json!({"network_train_unet_only": true})).unwrap();
+        assert!(!p.adapter.unwrap().train_text_encoder);
+        let p = plan(json!({"network_train_unet_only": false})).unwrap();
+        assert!(p.adapter.unwrap().train_text_encoder);
+        let e = plan(json!({"max_grad_norm": 1.0, "clip_grad_norm": 2.0})).unwrap_err();
+        assert!(e.contains("max_grad_norm") && e.contains("give one"), "{e}");
+        let e = plan(json!({"max_grad_norm": 1.0, "adapter": {"train_text_encoder": true}}))
+            .unwrap_err();
+        assert!(e.contains("global norm") && e.contains("2 groups"), "{e}");
+        let e = plan(json!({"network_train_text_encoder_only": true})).unwrap_err();
+        assert!(e.contains("network_train_text_encoder_only"), "{e}");
+        let e = plan(json!({"max_grad_norm": -1.0})).unwrap_err();
+        assert!(e.contains("max_grad_norm"), "{e}");
+    }
+}
