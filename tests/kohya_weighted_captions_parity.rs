@@ -5,23 +5,13 @@
 
 mod common;
 
-use candle_core::{DType, Device};
+use candle_core::DType;
 use sdtrain::model::layout::ModelLayout;
-use sdtrain::model::pipeline::{LoadOptions, StableDiffusion};
+use sdtrain::model::pipeline::StableDiffusion;
 use sdtrain::train::weighted_captions::encode;
 
-fn tiny_sd15() -> StableDiffusion {
-    let layout = ModelLayout::read(&common::fixture("tiny-sd15"), None).unwrap();
-    let opts = LoadOptions {
-        dtype: DType::F32,
-        trained_dtype: DType::F32,
-        vae_dtype: None,
-        device: Device::Cpu,
-        train_unet: false,
-        train_text_encoders: false,
-        fp8_base: false,
-    };
-    StableDiffusion::load(layout, &opts).unwrap()
+fn tiny(name: &str) -> StableDiffusion {
+    common::load_f32(ModelLayout::read(&common::fixture(name), None).unwrap())
 }
 
 fn values(t: &candle_core::Tensor) -> Vec<f32> {
@@ -39,7 +29,7 @@ fn values(t: &candle_core::Tensor) -> Vec<f32> {
 #[test]
 fn weighted_captions_encode_as_kohya_trains() {
     let r = common::reference_json("reference/kohya_weighted_captions.json");
-    let sd = tiny_sd15();
+    let sd = tiny("tiny-sd15");
     let cases = r["cases"].as_array().unwrap();
     assert_eq!(cases.len(), 7);
     for case in cases {
@@ -74,7 +64,7 @@ fn weighted_captions_encode_as_kohya_trains() {
 /// chunks: the token rows are the unweighted path's.
 #[test]
 fn a_caption_without_emphasis_is_unchanged() {
-    let sd = tiny_sd15();
+    let sd = tiny("tiny-sd15");
     for chunks in [1, 2] {
         let captions = ["plain words only", "a cat, on a mat"];
         let plain = encode(&sd, &captions, 0, chunks, false).unwrap();
@@ -93,17 +83,7 @@ fn a_caption_without_emphasis_is_unchanged() {
 /// weighted, or a place off by one.
 #[test]
 fn sdxl_weights_both_encoders_and_not_the_pooled_embedding() {
-    let layout = ModelLayout::read(&common::fixture("tiny-sdxl"), None).unwrap();
-    let opts = LoadOptions {
-        dtype: DType::F32,
-        trained_dtype: DType::F32,
-        vae_dtype: None,
-        device: Device::Cpu,
-        train_unet: false,
-        train_text_encoders: false,
-        fp8_base: false,
-    };
-    let sd = StableDiffusion::load(layout, &opts).unwrap();
+    let sd = tiny("tiny-sdxl");
     for chunks in [1, 2] {
         let plain = encode(&sd, &["a red cat"], 0, chunks, false).unwrap();
         let weighted = encode(&sd, &["a (red:1.5) cat"], 0, chunks, true).unwrap();

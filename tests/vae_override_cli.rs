@@ -13,7 +13,6 @@ use common::cli::{demo_data, run_folder, sdtrain, text, write_config};
 use common::fixture;
 use sdtrain::model::files::Component;
 use sdtrain::model::layout::ModelLayout;
-use sdtrain::model::pipeline::{LoadOptions, StableDiffusion};
 use sdtrain::model::vae_source::open_vae;
 
 /// The moments tiny-sd15's pipeline encodes a fixed image to, with `vae` in place of its own.
@@ -24,16 +23,7 @@ fn moments(vae: Option<&str>) -> Vec<f32> {
         let over = open_vae(spec, base, None).unwrap_or_else(|e| panic!("{spec}: {e:#}"));
         layout = layout.with_vae(over.files);
     }
-    let opts = LoadOptions {
-        dtype: DType::F32,
-        trained_dtype: DType::F32,
-        vae_dtype: None,
-        device: Device::Cpu,
-        train_unet: false,
-        train_text_encoders: false,
-        fp8_base: false,
-    };
-    let sd = StableDiffusion::load(layout, &opts).unwrap();
+    let sd = common::load_f32(layout);
     let values: Vec<f32> = (0..3 * 32 * 32)
         .map(|i| ((i * 37 % 101) as f32 / 50.0) - 1.0)
         .collect();

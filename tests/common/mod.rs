@@ -271,3 +271,20 @@ pub fn with_text_ln_bias(name: &str, dir: &Path) -> PathBuf {
     }
     root
 }
+
+/// The frozen model at `layout` on the CPU in f32 (nothing trains, the VAE and text encoders
+/// kept), for tests that encode or decode with it.
+pub fn load_f32(
+    layout: sdtrain::model::layout::ModelLayout,
+) -> sdtrain::model::pipeline::StableDiffusion {
+    let opts = sdtrain::model::pipeline::LoadOptions {
+        dtype: DType::F32,
+        trained_dtype: DType::F32,
+        vae_dtype: None,
+        device: Device::Cpu,
+        train_unet: false,
+        train_text_encoders: false,
+        fp8_base: false,
+    };
+    sdtrain::model::pipeline::StableDiffusion::load(layout, &opts).unwrap()
+}
