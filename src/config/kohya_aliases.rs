@@ -8,7 +8,9 @@
 //!   default (no clipping);
 //! - `network_train_unet_only` is `disable_textenc_training` (the adapters stay on the UNet);
 //! - `network_train_text_encoder_only` is refused: sdtrain's adapter runs always train the UNet's
-//!   adapters.
+//!   adapters;
+//! - `output_name` is `project_name` (the saved files' and the run folder's name);
+//! - `save_model_as` is `save_ckpt_format` for a full fine-tune ([`save_model_as`]).
 //!
 //! Both names at different values are refused, naming the kohya key.
 
@@ -28,6 +30,24 @@ pub(super) fn apply_kohya_names(file: &mut TrainFile, ctx: &Ctx<'_>) -> Result<(
         }
         file.disable_textenc_training = Some(true);
     }
+    if let Some(name) = file.output_name.clone() {
+        match &file.project_name {
+            Some(p) if *p != name => {
+                return Err(ctx.invalid(
+                    "output_name",
+                    format!(
+                        "is \"{name}\" but project_name is \"{p}\": kohya's output_name is \
+                         EveryDream2's project_name (the saved files' and run folder's name); \
+                         give one"
+                    ),
+                ))
+            }
+            _ => file.project_name = Some(name),
+        }
+    }
+    if let Some(format) = file.save_model_as.clone() {
+        save_model_as(file, ctx, &format)?;
+    }
     if file.network_train_text_encoder_only == Some(true) {
         return Err(ctx.invalid(
             "network_train_text_encoder_only",
@@ -37,6 +57,50 @@ pub(super) fn apply_kohya_names(file: &mut TrainFile, ctx: &Ctx<'_>) -> Result<(
         ));
     }
     Ok(())
+}
+
+/// kohya's `save_model_as`: `safetensors` (an adapter's file; a full fine-tune's single file),
+/// `diffusers` or `diffusers_safetensors` (a full fine-tune's folder) as `save_ckpt_format`;
+/// `ckpt` and `pt` (pickles) are refused. An adapter run's `safetensors` is what it saves
+/// anyway.
+fn save_model_as(file: &mut TrainFile, ctx: &Ctx<'_>, format: &str) -> Result<(), ConfigError> {
+    let full = file.mode.as_deref().is_none_or(|m| m == "full");
+    let ours = match (format, full) {
+        ("safetensors", false) => return Ok(()),
+        ("safetensors", true) => "safetensors",
+        ("diffusers" | "diffusers_safetensors", true) => "diffusers",
+        ("ckpt" | "pt", _) => {
+            return Err(ctx.invalid(
+                "save_model_as",
+                format!(
+                    "is \"{format}\", a pickle format, which sdtrain never writes; use \
+                     \"safetensors\""
+                ),
+            ))
+        }
+        (other, _) => {
+            return Err(ctx.invalid(
+                "save_model_as",
+                format!(
+                    "is \"{other}\"; kohya's choices are \"safetensors\" and, for a full \
+                     fine-tune, \"diffusers\" or \"diffusers_safetensors\""
+                ),
+            ))
+        }
+    };
+    match file.save_ckpt_format.as_deref() {
+        Some(f) if f != ours => Err(ctx.invalid(
+            "save_model_as",
+            format!(
+                "is \"{format}\" but save_ckpt_format is \"{f}\": kohya's save_model_as \
+                 \"{format}\" is save_ckpt_format \"{ours}\"; give one"
+            ),
+        )),
+        _ => {
+            file.save_ckpt_format = Some(ours.to_string());
+            Ok(())
+        }
+    }
 }
 
 /// `clip_grad_norm`, or kohya's `max_grad_norm` (0: no clipping) when `groups` is 1 and
@@ -121,6 +185,28 @@ mod tests {
         let e = plan(json!({"max_grad_norm": 1.0, "adapter": {"train_text_encoder": true}}))
             .unwrap_err();
         assert!(e.contains("global norm") && e.contains("2 groups"), "{e}");
+        assert_eq!(
+            plan(json!({"output_name": "cat"})).unwrap().project_name,
+            "cat"
+        );
+        let e = plan(json!({"output_name": "cat", "project_name": "dog"})).unwrap_err();
+        assert!(e.contains("output_name"), "{e}");
+        assert!(plan(json!({"save_model_as": "safetensors"})).is_ok());
+        let full = |f: &str| json!({"mode": "full", "save_model_as": f});
+        let p = plan(full("diffusers_safetensors")).unwrap();
+        assert_eq!(
+            p.model_file.save_ckpt_format,
+            crate::config::SaveFormat::Diffusers
+        );
+        let p = plan(full("safetensors")).unwrap();
+        assert_eq!(
+            p.model_file.save_ckpt_format,
+            crate::config::SaveFormat::Safetensors
+        );
+        let e = plan(json!({"save_model_as": "ckpt"})).unwrap_err();
+        assert!(e.contains("pickle"), "{e}");
+        let e = plan(full("diffusers_fp16")).unwrap_err();
+        assert!(e.contains("kohya's choices"), "{e}");
         let e = plan(json!({"network_train_text_encoder_only": true})).unwrap_err();
         assert!(e.contains("network_train_text_encoder_only"), "{e}");
         let e = plan(json!({"max_grad_norm": -1.0})).unwrap_err();

@@ -220,6 +220,11 @@ pub struct TrainFile {
     pub network_train_unet_only: Option<bool>,
     #[serde(default)]
     pub network_train_text_encoder_only: Option<bool>,
+    /// kohya's `output_name` (`project_name`) and `save_model_as` (`save_ckpt_format`).
+    #[serde(default)]
+    pub output_name: Option<String>,
+    #[serde(default)]
+    pub save_model_as: Option<String>,
     #[serde(default)]
     pub resolution: Option<i64>,
     #[serde(default)]
