@@ -22,20 +22,7 @@ fn one_step(dir: &Path, extra: serde_json::Value) -> (HashMap<String, Vec<f32>>,
     let out = sdtrain(&["--config", path.to_str().unwrap(), "--cpu"], dir);
     let log = text(&out);
     assert!(out.status.success(), "{log}");
-    let bytes = std::fs::read(run_folder(dir).join("sdtrain.safetensors")).unwrap();
-    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let tensors = st
-        .tensors()
-        .into_iter()
-        .map(|(name, view)| {
-            let v = view
-                .data()
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect();
-            (name, v)
-        })
-        .collect();
+    let tensors = common::f32_tensors(&run_folder(dir).join("sdtrain.safetensors"));
     (tensors, log)
 }
 

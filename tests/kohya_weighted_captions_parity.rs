@@ -6,12 +6,11 @@
 mod common;
 
 use candle_core::DType;
-use sdtrain::model::layout::ModelLayout;
 use sdtrain::model::pipeline::StableDiffusion;
 use sdtrain::train::weighted_captions::encode;
 
 fn tiny(name: &str) -> StableDiffusion {
-    common::load_f32(ModelLayout::read(&common::fixture(name), None).unwrap())
+    common::load_frozen_f32(name)
 }
 
 fn values(t: &candle_core::Tensor) -> Vec<f32> {

@@ -40,20 +40,9 @@ fn one_step_in(
     let cfg = write_config(dir, "tiny-sd15", &demo_data(), extra);
     let out = sdtrain(&["--config", cfg.to_str().unwrap(), "--cpu"], dir);
     assert!(out.status.success(), "{}", text(&out));
-    let bytes = std::fs::read(run_folder(dir).join("sdtrain.safetensors")).unwrap();
-    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let tensors = st
-        .tensors()
-        .into_iter()
-        .map(|(name, view)| {
-            let v: Vec<f32> = view
-                .data()
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect();
-            (name, v)
-        })
-        .collect();
+    let path = run_folder(dir).join("sdtrain.safetensors");
+    let tensors = common::f32_tensors(&path);
+    let bytes = std::fs::read(&path).unwrap();
     let (_, header) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
     let args = header.metadata().as_ref().unwrap()["ss_network_args"].clone();
     (tensors, args)

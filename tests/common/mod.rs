@@ -181,18 +181,7 @@ pub fn load_frozen_f32(name: &str) -> sdtrain::model::pipeline::StableDiffusion 
 
 /// [`load_frozen_f32`] of the model folder `root`.
 pub fn load_frozen_f32_at(root: &Path) -> sdtrain::model::pipeline::StableDiffusion {
-    use sdtrain::model::pipeline::{LoadOptions, StableDiffusion};
-    let layout = sdtrain::model::layout::ModelLayout::read(root, None).unwrap();
-    let opts = LoadOptions {
-        dtype: DType::F32,
-        vae_dtype: None,
-        device: Device::Cpu,
-        train_unet: false,
-        train_text_encoders: false,
-        fp8_base: false,
-        trained_dtype: DType::F32,
-    };
-    StableDiffusion::load(layout, &opts).unwrap()
+    load_f32(sdtrain::model::layout::ModelLayout::read(root, None).unwrap())
 }
 
 /// The adapter settings the LyCORIS reference scripts use (tests/fixtures/lycoris*_reference.py):
@@ -272,8 +261,8 @@ pub fn with_text_ln_bias(name: &str, dir: &Path) -> PathBuf {
     root
 }
 
-/// The frozen model at `layout` on the CPU in f32 (nothing trains, the VAE and text encoders
-/// kept), for tests that encode or decode with it.
+/// The model at `layout` on the CPU in f32, everything frozen (a layout with a `vae` in place of
+/// its own, for one).
 pub fn load_f32(
     layout: sdtrain::model::layout::ModelLayout,
 ) -> sdtrain::model::pipeline::StableDiffusion {
@@ -287,4 +276,21 @@ pub fn load_f32(
         fp8_base: false,
     };
     sdtrain::model::pipeline::StableDiffusion::load(layout, &opts).unwrap()
+}
+
+/// A safetensors file's f32 tensors by name (an adapter file saved with `save_dtype: "fp32"`).
+pub fn f32_tensors(path: &Path) -> HashMap<String, Vec<f32>> {
+    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    st.tensors()
+        .into_iter()
+        .map(|(name, view)| {
+            let v = view
+                .data()
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect();
+            (name, v)
+        })
+        .collect()
 }
