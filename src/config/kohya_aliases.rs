@@ -1,11 +1,10 @@
 //! kohya sd-scripts' names for keys train.json already has under EveryDream2's, read into them
 //! before anything is resolved, so a setting copied from a kohya config means what it meant
 //! there:
-//! - `max_grad_norm` ([`max_grad_norm`]) clips the global norm of every trained parameter;
-//!   EveryDream2's `clip_grad_norm` clips each group's. The two agree when one group trains (a
-//!   UNet-only adapter, textual inversion), where it is taken; with more groups it is refused
-//!   with the difference. kohya clips at 1 when the key is absent; sdtrain keeps EveryDream2's
-//!   default (no clipping);
+//! - `max_grad_norm` ([`max_grad_norm`]) clips the global norm of every trained parameter, as
+//!   kohya does; EveryDream2's `clip_grad_norm` clips each group's. kohya clips at 1 when the
+//!   key is absent; a train.json keeps EveryDream2's default (no clipping), a kohya config
+//!   (`super::kohya_config`) kohya's;
 //! - `network_train_unet_only` is `disable_textenc_training` (the adapters stay on the UNet);
 //! - `network_train_text_encoder_only` is refused: sdtrain's adapter runs always train the UNet's
 //!   adapters;
@@ -17,6 +16,7 @@
 use super::ctx::Ctx;
 use super::error::ConfigError;
 use super::train_file::TrainFile;
+use crate::optim::{ClipScope, GradClip};
 
 pub(super) fn apply_kohya_names(file: &mut TrainFile, ctx: &Ctx<'_>) -> Result<(), ConfigError> {
     if file.network_train_unet_only == Some(true) {
@@ -103,20 +103,25 @@ fn save_model_as(file: &mut TrainFile, ctx: &Ctx<'_>, format: &str) -> Result<()
     }
 }
 
-/// `clip_grad_norm`, or kohya's `max_grad_norm` (0: no clipping) when `groups` is 1 and
-/// `clip_grad_norm` is not set to another value.
+/// `clip_grad_norm` (each group's norm), or kohya's `max_grad_norm` (0: no clipping), which
+/// clips the global norm of every trained parameter. Both at once are refused unless they
+/// agree: the same value where one group trains.
 pub(super) fn max_grad_norm(
     file: &TrainFile,
     ctx: &Ctx<'_>,
     groups: usize,
-) -> Result<Option<f64>, ConfigError> {
+) -> Result<Option<GradClip>, ConfigError> {
     let clip = ctx.opt_positive(
         "clip_grad_norm",
         file.clip_grad_norm,
         "greater than 0, or null for no clipping",
     )?;
+    let per_group = clip.map(|max| GradClip {
+        max,
+        scope: ClipScope::PerGroup,
+    });
     let Some(norm) = file.max_grad_norm else {
-        return Ok(clip);
+        return Ok(per_group);
     };
     if !(norm.is_finite() && norm >= 0.0) {
         return Err(ctx.invalid(
@@ -125,26 +130,20 @@ pub(super) fn max_grad_norm(
         ));
     }
     let kohya = (norm > 0.0).then_some(norm);
-    if let Some(c) = clip.filter(|c| Some(*c) != kohya) {
-        return Err(ctx.invalid(
+    match clip {
+        Some(c) if Some(c) != kohya || groups > 1 => Err(ctx.invalid(
             "max_grad_norm",
             format!(
-                "is {norm} but clip_grad_norm is {c}: kohya's max_grad_norm is EveryDream2's \
-                 clip_grad_norm where one group trains; give one"
+                "is {norm} but clip_grad_norm is {c}: kohya's max_grad_norm clips the global \
+                 norm of every trained parameter, EveryDream2's clip_grad_norm each group's \
+                 ({groups} here); give one"
             ),
-        ));
+        )),
+        _ => Ok(kohya.map(|max| GradClip {
+            max,
+            scope: ClipScope::Global,
+        })),
     }
-    if groups > 1 && kohya.is_some() {
-        return Err(ctx.invalid(
-            "max_grad_norm",
-            format!(
-                "clips the global norm of all trained parameters (kohya's); this run trains \
-                 {groups} groups (the UNet's, the text encoders' or a token's), and sdtrain clips \
-                 each group on its own (EveryDream2's clip_grad_norm): set clip_grad_norm"
-            ),
-        ));
-    }
-    Ok(kohya)
 }
 
 #[cfg(test)]
@@ -182,9 +181,14 @@ mod tests {
         assert!(p.adapter.unwrap().train_text_encoder);
         let e = plan(json!({"max_grad_norm": 1.0, "clip_grad_norm": 2.0})).unwrap_err();
         assert!(e.contains("max_grad_norm") && e.contains("give one"), "{e}");
-        let e = plan(json!({"max_grad_norm": 1.0, "adapter": {"train_text_encoder": true}}))
-            .unwrap_err();
-        assert!(e.contains("global norm") && e.contains("2 groups"), "{e}");
+        let both =
+            plan(json!({"max_grad_norm": 1.0, "adapter": {"train_text_encoder": true}})).unwrap();
+        assert_eq!(both.clip_grad_norm, Some(1.0));
+        assert_eq!(both.clip_scope, crate::optim::ClipScope::Global);
+        let e = plan(json!({"max_grad_norm": 1.0, "clip_grad_norm": 1.0})).unwrap_err();
+        assert!(e.contains("global") && e.contains("(2 here)"), "{e}");
+        let p = plan(json!({"clip_grad_norm": 1.0})).unwrap();
+        assert_eq!(p.clip_scope, crate::optim::ClipScope::PerGroup);
         assert_eq!(
             plan(json!({"output_name": "cat"})).unwrap().project_name,
             "cat"

@@ -147,9 +147,12 @@ pub struct TrainPlan {
     /// embeddings and the final layer norm, train (EveryDream2 `_apply_text_encoder_freeze`).
     pub text_encoder_freeze: super::TextEncoderFreeze,
     pub optimizer: OptimizerPlan,
-    /// EveryDream2's `clip_grad_norm`: the UNet's and the text encoder's gradients are each
-    /// clipped to this L2 norm before the step; `None` does not clip.
+    /// EveryDream2's `clip_grad_norm` (or kohya's `max_grad_norm`): the gradients are clipped
+    /// to this L2 norm before the step; `None` does not clip.
     pub clip_grad_norm: Option<f64>,
+    /// Over which parameters `clip_grad_norm` is measured: each group's (EveryDream2's
+    /// `clip_grad_norm`) or all of them (kohya's `max_grad_norm`).
+    pub clip_scope: crate::optim::ClipScope,
     /// `amp`, the fp16 loss scaler and `gradient_checkpointing`.
     pub precision: PrecisionPlan,
     /// The EMA copy of the trained weights; `None` is off.
@@ -228,6 +231,7 @@ impl TrainPlan {
                 .map_or(train_text_encoder, |a| a.train_text_encoder);
         let groups =
             usize::from(train_unet) + usize::from(te_group) + usize::from(embedding.is_some());
+        let clip = super::kohya_aliases::max_grad_norm(&file, &ctx, groups)?;
         let resume = resolve_resume(&file, &ctx)?;
         let ema_resume_model = resolve_ema_resume(
             &file,
@@ -288,7 +292,8 @@ impl TrainPlan {
             train_unet,
             text_encoder_freeze,
             optimizer,
-            clip_grad_norm: super::kohya_aliases::max_grad_norm(&file, &ctx, groups)?,
+            clip_grad_norm: clip.map(|c| c.max),
+            clip_scope: clip.map_or(crate::optim::ClipScope::PerGroup, |c| c.scope),
             precision,
             ema,
             ema_resume_model,

@@ -293,6 +293,16 @@ impl TrainPlan {
             .as_ref()
             .map_or("built-in default".to_string(), |p| p.display().to_string());
         row(f, "optimizer", &source)?;
+        let clip = match (self.clip_grad_norm, self.clip_scope) {
+            (None, _) => "off".to_string(),
+            (Some(m), crate::optim::ClipScope::PerGroup) => {
+                format!("each group's gradient L2 norm to {m} (clip_grad_norm)")
+            }
+            (Some(m), crate::optim::ClipScope::Global) => {
+                format!("the gradients' global L2 norm to {m} (max_grad_norm)")
+            }
+        };
+        row(f, "  clipping", &clip)?;
         if self.embedding.is_some() && self.adapter.is_none() {
             // One group, at the base settings (train.json's `lr`).
             return row(f, "  embedding", &self.optimizer.unet);

@@ -177,6 +177,25 @@ pub fn grad_norm<'a>(vars: impl IntoIterator<Item = &'a Var>, grads: &GradStore)
     Ok(summarize(&present)?.norm)
 }
 
+/// Which parameters share one gradient norm when clipping.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ClipScope {
+    /// Each optimizer group (the UNet's, the text encoders', a token's) on its own: EveryDream2's
+    /// `clip_grad_norm`.
+    PerGroup,
+    /// One norm over every trained parameter: kohya's `max_grad_norm` (accelerate's
+    /// `clip_grad_norm_` over the network's parameters), diffusers' scripts.
+    Global,
+}
+
+/// Gradient clipping: the largest L2 norm, and over which parameters it is measured.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GradClip {
+    pub max: f64,
+    pub scope: ClipScope,
+}
+
 /// Scales the gradients of `vars` in place so their global norm is at most `max_norm`, as torch's
 /// `clip_grad_norm_`, and returns the norm before clipping. A non-finite norm leaves the
 /// gradients unchanged (torch would turn them all into NaN); the optimizer step then skips.

@@ -86,7 +86,7 @@ pub use dadapt_adan::{DAdaptAdan, DAdaptAdanParams};
 pub use dadapt_lion::{DAdaptLion, DAdaptLionParams};
 pub use dadapt_sgd::{DAdaptSgd, DAdaptSgdParams};
 pub use dowg::{CoordinateDowg, DowgParams, ScalarDowg};
-pub use grad::{clip_grad_norm, grad_norm, Finite, StepCheck};
+pub use grad::{clip_grad_norm, grad_norm, ClipScope, Finite, GradClip, StepCheck};
 pub use group::{GroupOptimizer, Pass, StateView};
 pub use lion::{Lion, LionParams};
 pub use prodigy::{Prodigy, ProdigyParams};

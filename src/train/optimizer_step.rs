@@ -3,7 +3,8 @@
 //!    ([`SampleCursor`]), each chunk's loss weighted by its share of the effective batch, and the
 //!    gradients summed ([`GradAccumulator`]); an out-of-memory error halves the micro-batch and
 //!    retries the same samples ([`halve_after_oom`]);
-//! 2. clipping, per group, as EveryDream2's `clip_grad_norm` does;
+//! 2. clipping, per group, as EveryDream2's `clip_grad_norm` does, or over every trained
+//!    parameter at once, as kohya's `max_grad_norm` does;
 //! 3. the step's one device→host sync: the loss and every gradient's sum of squares;
 //! 4. the loss scaler's update and, when everything is finite, each group's update, one
 //!    parameter at a time so an out-of-memory error retries that parameter alone.
@@ -26,7 +27,7 @@ use super::param_groups::Group;
 use super::sample_cursor::{Chunk, SampleCursor};
 use super::step::{forward_backward, prepare_batch, sample_rngs, StepSettings};
 use crate::model::pipeline::StableDiffusion;
-use crate::optim::{clip_grad_norm, Finite, StepCheck};
+use crate::optim::{clip_grad_norm, ClipScope, Finite, GradClip, StepCheck};
 use crate::precision::{LossScaler, ScaleChange};
 
 /// The optimizer groups and the state one update needs.
@@ -116,14 +117,17 @@ impl Optimization {
         settings: &StepSettings<'_>,
         data: &StepData,
         step: usize,
-        clip: Option<f64>,
+        clip: Option<GradClip>,
         device: &Device,
     ) -> anyhow::Result<StepReport> {
         if self.fused {
             if self.dist.is_some() {
                 anyhow::bail!("fused_backward_pass does not run data-parallel");
             }
-            return self.step_fused(sd, settings, data, step, clip, device);
+            // Per tensor whatever the scope: no norm over many tensors is known until the
+            // backward pass ends (kohya's fused pass clips each tensor too).
+            let max = clip.map(|c| c.max);
+            return self.step_fused(sd, settings, data, step, max, device);
         }
         let started = Instant::now();
         self.scaler.begin_step(step);
@@ -147,7 +151,7 @@ impl Optimization {
             .combine(done, device)?
             .ok_or_else(|| anyhow!("optimizer step {} had no micro-batches", step + 1))?;
         let pre_clip = match clip {
-            Some(max) => Some(self.clip(&mut done.grads, max)?),
+            Some(c) => Some(self.clip(&mut done.grads, c)?),
             None => None,
         };
         // The step's one device→host sync: the loss and every gradient's sum of squares.
@@ -212,12 +216,30 @@ impl Optimization {
         Ok((done.micro_batches > 0).then_some(done))
     }
 
-    fn clip(&self, grads: &mut GradStore, max: f64) -> anyhow::Result<f64> {
-        clip_each_group(
+    fn clip(&self, grads: &mut GradStore, clip: GradClip) -> anyhow::Result<f64> {
+        clip_groups(
             self.groups.iter().map(|g| (g.name, g.vars.as_slice())),
             grads,
-            max,
+            clip,
         )
+    }
+}
+
+/// Clips the gradients to `clip.max`: each group's norm on its own (EveryDream2's
+/// clip_grad_norm), or one norm over every group (kohya's max_grad_norm). Returns the global
+/// norm before clipping, which is what the log shows.
+fn clip_groups<'a>(
+    groups: impl IntoIterator<Item = (&'a str, &'a [Var])>,
+    grads: &mut GradStore,
+    clip: GradClip,
+) -> anyhow::Result<f64> {
+    match clip.scope {
+        ClipScope::PerGroup => clip_each_group(groups, grads, clip.max),
+        ClipScope::Global => {
+            let vars = groups.into_iter().flat_map(|(_, vars)| vars.iter());
+            let norm = clip_grad_norm(vars, grads, clip.max).context("gradient clipping")?;
+            Ok(f64::from(norm))
+        }
     }
 }
 
@@ -338,24 +360,60 @@ pub(super) fn skipped_message(step: usize, scale: ScaleChange) -> String {
 mod tests {
     use super::*;
 
+    /// Gradients of norms 3 (the UNet's) and 4 (the text encoder's).
+    fn two_groups(dev: &candle_core::Device) -> anyhow::Result<([Var; 1], [Var; 1], GradStore)> {
+        let unet = [Var::zeros(2, candle_core::DType::F32, dev)?];
+        let te = [Var::zeros(1, candle_core::DType::F32, dev)?];
+        let mut grads = GradStore::default();
+        grads.insert(unet[0].as_tensor(), Tensor::new(&[0.0f32, 3.0], dev)?);
+        grads.insert(te[0].as_tensor(), Tensor::new(&[4.0f32], dev)?);
+        Ok((unet, te, grads))
+    }
+
     /// Each group is clipped to `max` on its own, and the norm returned (the log's) is the
     /// global one before clipping: √(3² + 4²) = 5 for groups of norms 3 and 4 (an overwrite
     /// instead of a sum returns 4; one norm over both groups would clip them alike).
     #[test]
     fn each_group_is_clipped_alone_and_the_global_norm_is_logged() -> anyhow::Result<()> {
         let dev = candle_core::Device::Cpu;
-        let unet = [Var::zeros(2, candle_core::DType::F32, &dev)?];
-        let te = [Var::zeros(1, candle_core::DType::F32, &dev)?];
-        let mut grads = GradStore::default();
-        grads.insert(unet[0].as_tensor(), Tensor::new(&[0.0f32, 3.0], &dev)?);
-        grads.insert(te[0].as_tensor(), Tensor::new(&[4.0f32], &dev)?);
+        let (unet, te, mut grads) = two_groups(&dev)?;
         let groups = [("unet", &unet[..]), ("text_encoder", &te[..])];
-        let norm = clip_each_group(groups, &mut grads, 3.5)?;
+        let clip = GradClip {
+            max: 3.5,
+            scope: ClipScope::PerGroup,
+        };
+        let norm = clip_groups(groups, &mut grads, clip)?;
         assert!((norm - 5.0).abs() < 1e-6, "{norm}");
         let get = |v: &Var| grads.get(v).map(|g| g.to_vec1::<f32>());
         assert_eq!(get(&unet[0]).transpose()?, Some(vec![0.0, 3.0]));
         let t = get(&te[0]).transpose()?.unwrap_or_default();
         assert!((t[0] - 3.5).abs() < 1e-5, "{t:?}");
+        Ok(())
+    }
+
+    /// kohya's global norm: both groups scale by the one coefficient 2.5 / (5 + 1e-6), torch's
+    /// `clip_grad_norm_` over all of them. Per-group clipping would leave the UNet's (norm 3)
+    /// alone at 3.5; clipping only one group would leave the other unscaled.
+    #[test]
+    fn the_global_scope_clips_every_group_by_one_norm() -> anyhow::Result<()> {
+        let dev = candle_core::Device::Cpu;
+        let (unet, te, mut grads) = two_groups(&dev)?;
+        let groups = [("unet", &unet[..]), ("text_encoder", &te[..])];
+        let clip = GradClip {
+            max: 2.5,
+            scope: ClipScope::Global,
+        };
+        let norm = clip_groups(groups, &mut grads, clip)?;
+        assert!((norm - 5.0).abs() < 1e-6, "{norm}");
+        let coef = 2.5 / (5.0 + 1e-6);
+        let u = grads
+            .get(&unet[0])
+            .map(|g| g.to_vec1::<f32>())
+            .transpose()?;
+        let t = grads.get(&te[0]).map(|g| g.to_vec1::<f32>()).transpose()?;
+        let (u, t) = (u.unwrap_or_default(), t.unwrap_or_default());
+        assert!((f64::from(u[1]) - 3.0 * coef).abs() < 1e-6, "{u:?}");
+        assert!((f64::from(t[0]) - 4.0 * coef).abs() < 1e-6, "{t:?}");
         Ok(())
     }
 }

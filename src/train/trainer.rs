@@ -424,7 +424,11 @@ impl Session<'_> {
             step: out.steps,
             total_steps: self.opt.total_steps,
         };
-        let (clip, device) = (self.plan.clip_grad_norm, &self.opts.device);
+        let clip = self.plan.clip_grad_norm.map(|max| crate::optim::GradClip {
+            max,
+            scope: self.plan.clip_scope,
+        });
+        let device = &self.opts.device;
         let result = self
             .opt
             .step(&self.model.sd, &settings, &data, out.steps, clip, device);
