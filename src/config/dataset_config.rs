@@ -26,7 +26,7 @@ use std::sync::Arc;
 use serde::Serialize;
 
 use super::ctx::Ctx;
-use super::dataset_config_schema::{check, Chain, TomlCtx};
+use super::dataset_config_schema::{check, Chain, Checked, TomlCtx};
 use super::error::ConfigError;
 use super::regularization_plan::caption_extension;
 use super::train_file::TrainFile;
@@ -72,29 +72,29 @@ pub(super) fn apply_dataset_config(
     file: &mut TrainFile,
     ctx: &Ctx<'_>,
 ) -> Result<Option<DatasetConfigPlan>, ConfigError> {
-    let Some(raw) = file.dataset_config.clone() else {
-        return Ok(None);
+    let kohya = file.kohya_data.clone();
+    let (path, checked, names) = match (file.dataset_config.clone(), &kohya) {
+        (Some(raw), _) => {
+            let (path, checked) = read_config(&raw, ctx)?;
+            (path, checked, None)
+        }
+        (None, Some(k)) if !k.subsets.is_empty() => {
+            let checked = Checked {
+                general: toml::Table::new(),
+                datasets: vec![(
+                    toml::Table::new(),
+                    k.subsets.iter().map(|(_, t)| t.clone()).collect(),
+                )],
+            };
+            let names: Vec<String> = k.subsets.iter().map(|(n, _)| n.clone()).collect();
+            (k.file.clone(), checked, Some(names))
+        }
+        (None, _) => return Ok(None),
     };
-    let path = ctx.input_path("dataset_config", &raw)?;
-    if !path.is_file() {
-        return Err(ctx.invalid(
-            "dataset_config",
-            format!(
-                "{} is not a file (kohya's dataset config, a .toml)",
-                path.display()
-            ),
-        ));
-    }
-    let text = crate::text_file::read_unicode(&path).map_err(|e| match e {
-        crate::text_file::TextFileError::Io { path, source } => {
-            ConfigError::Read { file: path, source }
-        }
-        crate::text_file::TextFileError::Encoding { path, reason } => {
-            ConfigError::Encoding { file: path, reason }
-        }
-    })?;
     let cx = TomlCtx { file: &path };
-    let checked = check(&text, &cx)?;
+    // A kohya config's own dataset options: the level under `[general]`, named bare.
+    let empty = toml::Table::new();
+    let command_line = kohya.as_ref().map_or(&empty, |k| &k.command_line);
     let toml_ctx = Ctx::new(&path);
     let mut ignored = BTreeSet::new();
     let mut run: Option<(RunKeys, String)> = None;
@@ -103,7 +103,11 @@ pub(super) fn apply_dataset_config(
     for (i, (dataset, tables)) in checked.datasets.iter().enumerate() {
         let at = format!("datasets[{i}]");
         let chain = Chain {
-            levels: vec![(dataset, at.clone()), (&checked.general, "general".into())],
+            levels: vec![
+                (dataset, at.clone()),
+                (&checked.general, "general".into()),
+                (command_line, String::new()),
+            ],
         };
         let keys = run_keys(&chain, &cx, &mut ignored)?;
         match &run {
@@ -112,12 +116,16 @@ pub(super) fn apply_dataset_config(
         }
         check_kind_mix(tables, &at, &cx)?;
         for (j, table) in tables.iter().enumerate() {
-            let name = format!("{at}.subsets[{j}]");
+            let name = match &names {
+                Some(n) => n[j].clone(),
+                None => format!("{at}.subsets[{j}]"),
+            };
             let chain = Chain {
                 levels: vec![
                     (table, name.clone()),
                     (dataset, at.clone()),
                     (&checked.general, "general".into()),
+                    (command_line, String::new()),
                 ],
             };
             let mask = table.get("alpha_mask").and_then(|v| v.as_bool());
@@ -177,6 +185,30 @@ pub(super) fn apply_dataset_config(
         subsets,
         prior_loss_weight,
     }))
+}
+
+/// Reads and checks the dataset config train.json names.
+fn read_config(raw: &str, ctx: &Ctx<'_>) -> Result<(PathBuf, Checked), ConfigError> {
+    let path = ctx.input_path("dataset_config", raw)?;
+    if !path.is_file() {
+        return Err(ctx.invalid(
+            "dataset_config",
+            format!(
+                "{} is not a file (kohya's dataset config, a .toml)",
+                path.display()
+            ),
+        ));
+    }
+    let text = crate::text_file::read_unicode(&path).map_err(|e| match e {
+        crate::text_file::TextFileError::Io { path, source } => {
+            ConfigError::Read { file: path, source }
+        }
+        crate::text_file::TextFileError::Encoding { path, reason } => {
+            ConfigError::Encoding { file: path, reason }
+        }
+    })?;
+    let checked = check(&text, &TomlCtx { file: &path })?;
+    Ok((path, checked))
 }
 
 /// One warning for the keys that are read but change nothing here, and train.json's folders

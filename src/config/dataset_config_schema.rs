@@ -220,9 +220,17 @@ fn allowed(level: Level) -> impl Iterator<Item = &'static (&'static str, Kind)> 
     SUBSET_KEYS.iter().chain(dataset).chain(own)
 }
 
+/// Checks a kohya config's dataset options, the level under `[general]` (named bare).
+pub(super) fn check_command_line(table: &Table, cx: &TomlCtx<'_>) -> Result<(), ConfigError> {
+    check_table(table, Level::General, "", cx)
+}
+
 fn check_table(table: &Table, level: Level, at: &str, cx: &TomlCtx<'_>) -> Result<(), ConfigError> {
     for (key, value) in table {
-        let field = format!("{at}.{key}");
+        let field = match at {
+            "" => key.clone(),
+            at => format!("{at}.{key}"),
+        };
         let Some(&(_, kind)) = allowed(level).find(|(k, _)| k == key) else {
             return Err(cx.unknown(field, misplaced(key, level)));
         };
@@ -303,9 +311,13 @@ pub(super) struct Chain<'a> {
 impl<'a> Chain<'a> {
     /// The value of `key` where it is first set, and its field path.
     pub fn get(&self, key: &str) -> Option<(&'a Value, String)> {
-        self.levels
-            .iter()
-            .find_map(|(t, at)| t.get(key).map(|v| (v, format!("{at}.{key}"))))
+        self.levels.iter().find_map(|(t, at)| {
+            let field = match at.as_str() {
+                "" => key.to_string(),
+                at => format!("{at}.{key}"),
+            };
+            t.get(key).map(|v| (v, field))
+        })
     }
 
     pub fn bool(&self, key: &str) -> Option<(bool, String)> {

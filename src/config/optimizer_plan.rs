@@ -247,10 +247,15 @@ pub use crate::optim::ScheduleKind;
 const SCHEDULE_NAMES: &str = "constant, linear, cosine, polynomial, cosine_with_restarts";
 
 /// A warmup or decay length: a number of steps, or automatic (decided by the training length).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub enum StepCount {
     Auto,
     Steps(u64),
+    /// The run's length (kohya's and diffusers' `num_training_steps`).
+    Run,
+    /// This fraction of the run's length, rounded down (kohya's float `lr_warmup_steps`:
+    /// `int(ratio · num_training_steps)`).
+    RunFraction(f64),
 }
 
 impl Serialize for StepCount {
@@ -258,6 +263,8 @@ impl Serialize for StepCount {
         match self {
             StepCount::Auto => s.serialize_str("auto"),
             StepCount::Steps(n) => s.serialize_u64(*n),
+            StepCount::Run => s.serialize_str("run"),
+            StepCount::RunFraction(f) => s.serialize_str(&format!("{f} of the run")),
         }
     }
 }
@@ -267,6 +274,8 @@ impl fmt::Display for StepCount {
         match self {
             StepCount::Auto => f.write_str("auto"),
             StepCount::Steps(n) => write!(f, "{n}"),
+            StepCount::Run => f.write_str("the run's steps"),
+            StepCount::RunFraction(x) => write!(f, "{x} of the run's steps"),
         }
     }
 }
@@ -302,12 +311,17 @@ impl ScheduleSpec {
     ///   `constant` (diffusers) has no warmup. An explicit warmup applies to every kind.
     pub fn resolve(&self, total_steps: u64) -> ResolvedSchedule {
         let auto_decay = ((total_steps as f64) * AUTO_DECAY_FACTOR).floor() as u64;
+        let of_run = |f: f64| ((total_steps as f64) * f).floor() as u64;
         let decay_steps = match self.decay_steps {
             StepCount::Steps(n) => n,
             StepCount::Auto => auto_decay,
+            StepCount::Run => total_steps,
+            StepCount::RunFraction(f) => of_run(f),
         };
         let warmup_steps = match (self.warmup_steps, self.kind) {
             (StepCount::Steps(n), _) => n,
+            (StepCount::Run, _) => total_steps,
+            (StepCount::RunFraction(f), _) => of_run(f),
             (StepCount::Auto, ScheduleKind::Constant) => 0,
             (
                 StepCount::Auto,
@@ -380,6 +394,20 @@ pub struct OptimizerPlan {
     pub grad_scaler_step_tweaks: bool,
     /// Log the gradient norm of each step (EveryDream2's `log_grad_norm`, default true).
     pub log_grad_norm: bool,
+}
+
+impl OptimizerPlan {
+    /// kohya's schedule lengths: every group decays over the run, and warms up for
+    /// `warmup_fraction` of the run when given, instead of its written steps.
+    pub fn with_run_lengths(mut self, warmup_fraction: Option<f64>) -> Self {
+        for g in [&mut self.unet, &mut self.text_encoder] {
+            g.schedule.decay_steps = StepCount::Run;
+            if let Some(f) = warmup_fraction {
+                g.schedule.warmup_steps = StepCount::RunFraction(f);
+            }
+        }
+        self
+    }
 }
 
 /// train.json's `lr_scheduler`, `lr_warmup_steps` and `lr_decay_steps`: the values the

@@ -177,8 +177,32 @@ impl TrainPlan {
 
     /// Reads train.json (and the optimizer config it names), applies the `--set` overrides, and
     /// resolves and validates everything.
+    /// A `.toml` is a kohya sd-scripts config file (`super::kohya_config`).
     pub fn resolve(train_path: &Path, overrides: &[String]) -> Result<TrainPlan, ConfigError> {
+        let toml = train_path
+            .extension()
+            .is_some_and(|e| e.eq_ignore_ascii_case("toml"));
+        if toml {
+            return TrainPlan::from_kohya(train_path, overrides);
+        }
         TrainPlan::from_value(read_json(train_path)?, train_path, overrides)
+    }
+
+    /// A kohya config, translated into train.json's keys, an optimizer.json and kohya's
+    /// dataset options, then resolved as train.json is.
+    fn from_kohya(path: &Path, overrides: &[String]) -> Result<TrainPlan, ConfigError> {
+        let imp = super::kohya_config::import(path, overrides)?;
+        let set_args = imp.set_args.clone();
+        let inline = InlineOptimizer {
+            object: imp.optimizer,
+            warmup_fraction: imp.lengths.warmup_fraction,
+        };
+        TrainFile::from_object(imp.train, path, &set_args)
+            .and_then(|mut file| {
+                file.kohya_data = Some(imp.data);
+                Self::from_file(file, path, overrides, Some(&inline))
+            })
+            .map_err(|e| e.blame_set(path, &set_args))
     }
 
     /// As [`TrainPlan::resolve`], with train.json already parsed. `train_path` names the file in
@@ -203,13 +227,24 @@ impl TrainPlan {
         overrides: &[String],
         set_args: &std::collections::HashMap<String, String>,
     ) -> Result<TrainPlan, ConfigError> {
-        let mut file = TrainFile::from_object(obj, train_path, set_args)?;
+        let file = TrainFile::from_object(obj, train_path, set_args)?;
+        Self::from_file(file, train_path, overrides, None)
+    }
+
+    /// The resolution of a parsed train.json (`inline`: the optimizer a kohya config gives,
+    /// in place of optimizer.json).
+    fn from_file(
+        mut file: TrainFile,
+        train_path: &Path,
+        overrides: &[String],
+        inline: Option<&InlineOptimizer>,
+    ) -> Result<TrainPlan, ConfigError> {
         let ctx = Ctx::new(train_path);
         let dataset_config = super::dataset_config::apply_dataset_config(&mut file, &ctx)?;
         super::kohya_aliases::apply_kohya_names(&mut file, &ctx)?;
         let (max_epochs, max_steps) = resolve_stop(&file, &ctx)?;
         let train_lr = ctx.opt_positive("lr", file.lr, "greater than 0")?;
-        let (optimizer, text_encoder_freeze) = resolve_optimizer(&file, &ctx, train_lr)?;
+        let (optimizer, text_encoder_freeze) = resolve_optimizer(&file, &ctx, train_lr, inline)?;
         let (seed, random_seed) = resolve_seed(file.seed, &ctx)?;
         let mode = resolve_mode(file.mode.as_deref(), &ctx)?;
         let train_text_encoder = !file.disable_textenc_training.unwrap_or(false);
@@ -616,11 +651,42 @@ fn resolve_embedding(
 /// Finds, reads and resolves the optimizer config. `optimizer_config` absent or null means
 /// `optimizer.json`, and when none is found the built-in default is used (EveryDream2 also falls
 /// back to defaults); a name given explicitly must exist.
+/// A kohya config's optimizer: optimizer.json's object, and kohya's warmup as a fraction of
+/// the run.
+struct InlineOptimizer {
+    object: serde_json::Map<String, Value>,
+    warmup_fraction: Option<f64>,
+}
+
 fn resolve_optimizer(
     file: &TrainFile,
     ctx: &Ctx<'_>,
     train_lr: Option<f64>,
+    inline: Option<&InlineOptimizer>,
 ) -> Result<(OptimizerPlan, super::TextEncoderFreeze), ConfigError> {
+    if let Some(inline) = inline {
+        if let Some(w) = &file.optimizer_config {
+            return Err(ctx.invalid(
+                "optimizer_config",
+                format!(
+                    "is \"{w}\": a kohya config gives its optimizer with optimizer_type and \
+                     optimizer_args"
+                ),
+            ));
+        }
+        let label = ctx.file.to_path_buf();
+        let config = OptimizerFile::from_object(inline.object.clone(), &label)?;
+        let schedule = super::optimizer_plan::TrainScheduleKeys::check(
+            file.lr_scheduler.as_deref(),
+            file.lr_warmup_steps,
+            file.lr_decay_steps,
+            ctx.file,
+        )?;
+        let plan =
+            OptimizerPlan::resolve(&config, &label, Some(label.clone()), train_lr, schedule)?;
+        let freeze = super::TextEncoderFreeze::resolve(None, &label)?;
+        return Ok((plan.with_run_lengths(inline.warmup_fraction), freeze));
+    }
     let written = file.optimizer_config.as_deref();
     let candidates = ctx.input_candidates(written.unwrap_or("optimizer.json"));
     let found = candidates.iter().find(|p| p.is_file());

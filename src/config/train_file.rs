@@ -24,6 +24,9 @@ use super::strict::{known_keys, Accepts, Section, Unsupported};
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TrainFile {
+    /// A kohya config's dataset options (`super::kohya_config`); never in train.json.
+    #[serde(skip)]
+    pub kohya_data: Option<super::kohya_config::KohyaData>,
     // sdtrain's own keys.
     /// Hub id `org/name[@revision]`, a diffusers folder, or a single .safetensors file.
     #[serde(default)]
