@@ -114,3 +114,105 @@ fn a_silent_file_takes_kohyas_defaults() {
     assert_eq!(k.max as u64, d["max_bucket_reso"].as_u64().unwrap());
     assert_eq!(k.steps as u64, d["bucket_reso_steps"].as_u64().unwrap());
 }
+
+/// Each `optimizer_type` with its `optimizer_args` is built with the settings kohya's
+/// `get_optimizer` gives it (the package's defaults, then the arguments). Catches a default
+/// taken from optimizer.json instead (weight decay 0.01 for Lion or Prodigy, Prodigy's
+/// `safeguard_warmup` true, Adafactor's `scale_parameter` false), and an argument name mapped
+/// to the wrong setting.
+#[test]
+fn each_optimizer_is_built_as_kohyas_get_optimizer_builds_it() {
+    let reference = common::reference_json("reference/kohya_config.json");
+    for case in reference["optimizers"].as_array().unwrap() {
+        let name = case["optimizer_type"].as_str().unwrap();
+        let args: Vec<String> = case["optimizer_args"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|a| format!("{:?}", a.as_str().unwrap()))
+            .collect();
+        let body = format!(
+            "learning_rate = 1e-3\noptimizer_type = {name:?}\noptimizer_args = [{}]\n",
+            args.join(", ")
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let g = plan(dir.path(), &body).optimizer.unet;
+        let want = &case["group"];
+        let at = format!("{name} {:?}", case["optimizer_args"]);
+        let num = |k: &str| want[k].as_f64();
+        assert_eq!(Some(g.lr), num("lr"), "{at}: lr");
+        assert_eq!(
+            Some(g.weight_decay),
+            num("weight_decay"),
+            "{at}: weight_decay"
+        );
+        if let Some(b) = want["betas"].as_array() {
+            assert_eq!(Some(g.betas.0), b[0].as_f64(), "{at}: beta1");
+            assert_eq!(Some(g.betas.1), b[1].as_f64(), "{at}: beta2");
+        }
+        match case["class"].as_str().unwrap() {
+            "Adafactor" => {
+                let a = g.adafactor;
+                assert_eq!(Some(a.clip_threshold), num("clip_threshold"), "{at}");
+                assert_eq!(Some(a.decay_rate), num("decay_rate"), "{at}");
+                assert_eq!(a.beta1, num("beta1"), "{at}");
+                assert_eq!(
+                    Some(a.scale_parameter),
+                    want["scale_parameter"].as_bool(),
+                    "{at}"
+                );
+                let eps = want["eps"].as_array().unwrap();
+                // serde_json reads 1e-30 one ulp off (no float_roundtrip): compare relatively.
+                let close = |a: f64, b: &serde_json::Value| {
+                    (a - b.as_f64().unwrap()).abs() <= 1e-12 * a.abs()
+                };
+                assert!(
+                    close(a.eps.0, &eps[0]) && close(a.eps.1, &eps[1]),
+                    "{at}: eps"
+                );
+            }
+            "AdamWScheduleFree" => {
+                let s = g.schedulefree;
+                assert_eq!(Some(s.warmup_steps), want["warmup_steps"].as_u64(), "{at}");
+                assert_eq!(Some(s.r), num("r"), "{at}");
+                assert_eq!(Some(s.weight_lr_power), num("weight_lr_power"), "{at}");
+                assert_eq!(Some(g.epsilon), num("eps"), "{at}: eps");
+            }
+            class @ ("Prodigy" | "DAdaptAdam" | "DAdaptLion" | "DAdaptSGD" | "DAdaptAdan") => {
+                let e = g.estimator;
+                assert_eq!(Some(e.d0), num("d"), "{at}: d0");
+                let inf = |v: &serde_json::Value| v.as_f64().unwrap_or(f64::INFINITY);
+                if want.get("growth_rate").is_some() {
+                    assert_eq!(e.growth_rate, inf(&want["growth_rate"]), "{at}");
+                }
+                if let Some(d) = want["decouple"].as_bool() {
+                    assert_eq!(e.decouple, d, "{at}: decouple");
+                }
+                if let Some(s) = want["safeguard_warmup"].as_bool() {
+                    assert_eq!(e.safeguard_warmup, s, "{at}: safeguard_warmup");
+                }
+                if let Some(b) = want["use_bias_correction"].as_bool() {
+                    assert_eq!(e.use_bias_correction, Some(b), "{at}: use_bias_correction");
+                }
+                if let Some(m) = num("momentum") {
+                    assert_eq!(e.momentum, m, "{at}: momentum");
+                }
+                if let Some(n) = want["no_prox"].as_bool() {
+                    assert_eq!(e.no_prox, n, "{at}: no_prox");
+                }
+                if class == "DAdaptAdan" {
+                    let b = want["betas"].as_array().unwrap();
+                    assert_eq!(e.beta3, b[2].as_f64(), "{at}: beta3");
+                }
+                if let Some(eps) = num("eps") {
+                    assert_eq!(g.epsilon, eps, "{at}: eps");
+                }
+            }
+            _ => {
+                if let Some(eps) = num("eps").filter(|e| *e > 0.0) {
+                    assert_eq!(g.epsilon, eps, "{at}: eps");
+                }
+            }
+        }
+    }
+}

@@ -18,6 +18,7 @@ mod error;
 mod kohya_aliases;
 mod kohya_config;
 mod kohya_config_keys;
+mod kohya_datasets;
 mod kohya_network;
 mod kohya_optimizer;
 mod loss_plan;
