@@ -532,6 +532,8 @@ impl<'a> Translation<'a> {
     /// `v_parameterization` names a single file's prediction type; a diffusers folder's
     /// scheduler config says it (and a single file's, when the flag is off, is detected).
     fn prediction(&mut self) -> Result<(), ConfigError> {
+        // SD2's architecture is read from the model's files.
+        self.take_bool("v2")?;
         if !self.take_bool("v_parameterization")? {
             return Ok(());
         }
@@ -547,12 +549,17 @@ impl<'a> Translation<'a> {
                 )
             });
         if single {
-            self.set(
+            return self.set(
                 "prediction_type",
                 json!("v_prediction"),
                 "v_parameterization",
-            )?;
+            );
         }
+        crate::console::say(format_args!(
+            "note: {}: v_parameterization: a diffusers model's scheduler config says what it \
+             predicts, and sdtrain follows it (the run's `model:` line shows it)",
+            self.path.display()
+        ));
         Ok(())
     }
 }

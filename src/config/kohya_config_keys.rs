@@ -212,7 +212,7 @@ pub(super) const KEYS: &[(&str, Rule)] = &[
     ("use_8bit_adam", Code),
     ("use_lion_optimizer", Code),
     ("use_safetensors", NoEffect),
-    ("v2", NoEffect),
+    ("v2", Code),
     ("v_parameterization", Code),
     ("v_pred_like_loss", Same),
     ("vae", Same),
