@@ -192,3 +192,72 @@ fn what_sdtrain_cannot_honour_is_refused_by_name() {
         assert!(log.contains(needle), "{body}: {needle} missing from {log}");
     }
 }
+
+/// What kohya_ss's GUI writes (its `config_lora-*.toml`, keys sorted, unset ones dropped): its
+/// own `epoch` and `noise_offset_type`, which sd-scripts does not read, LyCORIS's switches
+/// written off, empty scheduler arguments, worker counts. It runs, with one note for each kind.
+#[test]
+fn a_kohya_ss_gui_config_runs() {
+    let d = tempfile::tempdir().unwrap();
+    let toml = kohya_toml(
+        d.path(),
+        r#"bucket_no_upscale = true
+bucket_reso_steps = 64
+cache_latents = true
+caption_dropout_every_n_epochs = 0
+caption_dropout_rate = 0.05
+caption_extension = ".txt"
+clip_skip = 1
+dynamo_backend = "no"
+enable_bucket = true
+epoch = 1
+gradient_accumulation_steps = 1
+huber_c = 0.1
+huber_schedule = "snr"
+keep_tokens = 0
+learning_rate = 0.0001
+loss_type = "l2"
+lr_scheduler = "cosine_with_restarts"
+lr_scheduler_args = []
+lr_scheduler_num_cycles = 1
+lr_scheduler_power = 1
+lr_warmup_steps = 0
+max_bucket_reso = 2048
+max_data_loader_n_workers = 0
+max_grad_norm = 1
+max_timestep = 1000
+max_token_length = 75
+max_train_steps = 2
+min_bucket_reso = 64
+mixed_precision = "no"
+network_alpha = 1
+network_args = [ "preset=full", "conv_dim=2", "conv_alpha=1", "use_tucker=False", "rank_dropout=0", "bypass_mode=False", "dora_wd=False", "module_dropout=0", "use_scalar=False", "rank_dropout_scale=False", "algo=locon", "train_norm=False",]
+network_dim = 4
+network_module = "lycoris.kohya"
+noise_offset_type = "Original"
+optimizer_args = [ "weight_decay=0.01", "betas=0.9,0.999",]
+optimizer_type = "AdamW8bit"
+output_name = "gui"
+persistent_data_loader_workers = 1
+prior_loss_weight = 1
+resolution = "64,64"
+save_every_n_epochs = 1
+save_model_as = "safetensors"
+save_precision = "fp16"
+text_encoder_lr = [ 5e-5,]
+train_batch_size = 1
+unet_lr = 0.0001
+wandb_run_name = "gui"
+xformers = true
+"#,
+    );
+    let out = sdtrain(&["--config", toml.to_str().unwrap(), "--cpu"], d.path());
+    let log = text(&out);
+    assert!(out.status.success(), "{log}");
+    assert!(
+        log.contains("epoch, noise_offset_type are kohya_ss's own"),
+        "{log}"
+    );
+    assert!(log.contains("persistent_data_loader_workers"), "{log}");
+    assert!(run_folder(d.path()).join("gui.safetensors").is_file());
+}

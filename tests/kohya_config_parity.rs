@@ -37,6 +37,17 @@ fn every_option_of_kohyas_parsers_has_a_rule() {
         .filter(|k| !sdtrain::config::is_kohya_option(k))
         .collect();
     assert!(missing.is_empty(), "no rule for {missing:?}");
+    let other: Vec<&str> = reference["other_options"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|v| v.as_str())
+        .filter(|k| !sdtrain::config::is_kohya_option(k))
+        .collect();
+    assert!(
+        other.is_empty(),
+        "the other models' {other:?} would read as typos"
+    );
 }
 
 /// Catches the decay not over the run (sdtrain's automatic 1.5×), a float warmup not taken as

@@ -193,6 +193,8 @@ pub(super) struct Translation<'a> {
     origin: HashMap<String, String>,
     /// The options that change nothing here, for the note.
     no_effect: BTreeSet<String>,
+    /// kohya_ss's own settings, which sd-scripts does not read either.
+    gui_only: BTreeSet<String>,
     /// Options read by code, with their values.
     pub code: Map<String, Value>,
 }
@@ -206,6 +208,7 @@ impl<'a> Translation<'a> {
             data: toml::Table::new(),
             origin: HashMap::new(),
             no_effect: BTreeSet::new(),
+            gui_only: BTreeSet::new(),
             code: Map::new(),
         }
     }
@@ -299,7 +302,17 @@ impl<'a> Translation<'a> {
                 Ok(())
             }
             Rule::Refused(why) if !is_off(value) => Err(self.invalid(key, why.to_string())),
-            Rule::Refused(_) => Ok(()),
+            Rule::OtherModel if !is_off(value) => Err(self.invalid(
+                key,
+                "is an option of kohya's scripts for SD3, FLUX.1 or Lumina; sdtrain trains \
+                 SD1.x, SD2.x and SDXL"
+                    .into(),
+            )),
+            Rule::Refused(_) | Rule::OtherModel => Ok(()),
+            Rule::GuiOnly => {
+                self.gui_only.insert(key.to_string());
+                Ok(())
+            }
         }
     }
 
@@ -378,6 +391,15 @@ impl<'a> Translation<'a> {
                 "note: {}: {} change only speed, memory layout, logging or uploads in kohya's \
                  scripts; sdtrain decides those its own way and leaves them alone (`--dry-run` \
                  prints the memory plan)",
+                self.path.display(),
+                list.join(", ")
+            ));
+        }
+        if !self.gui_only.is_empty() {
+            let list: Vec<&str> = self.gui_only.iter().map(String::as_str).collect();
+            crate::console::say(format_args!(
+                "note: {}: {} are kohya_ss's own settings, which sd-scripts does not read \
+                 either; left alone",
                 self.path.display(),
                 list.join(", ")
             ));
@@ -491,7 +513,15 @@ impl<'a> Translation<'a> {
                 ))
             }
         };
-        self.set("loss_type", json!(ours), "loss_type")
+        self.set("loss_type", json!(ours), "loss_type")?;
+        // kohya's parser always has the Huber settings; only its Huber losses read them.
+        for key in ["huber_c", "huber_scale", "huber_schedule"] {
+            match self.take(key) {
+                Some(v) if matches!(ours, "pseudo_huber" | "smooth_l1") => self.set(key, v, key)?,
+                _ => {}
+            }
+        }
+        Ok(())
     }
 
     /// `save_precision`: an adapter file's dtype (kohya saves f32 without it); a full

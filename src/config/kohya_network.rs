@@ -56,6 +56,14 @@ const OFF_ARGS: &[(&str, &str)] = &[
     ),
     ("decompose_both", "LoKr's decomposition of both halves"),
     ("full_matrix", "LoKr's full matrices"),
+    ("rank_dropout_scale", "LyCORIS's rank dropout rescaling"),
+    ("rescaled", "LyCORIS's rescaled OFT"),
+    ("constrain", "LyCORIS's OFT constraint"),
+    ("train_on_input", "LyCORIS's IA3 on inputs"),
+    (
+        "wd_on_output",
+        "LyCORIS's DoRA on the output axis (sdtrain's DoRA is the input axis)",
+    ),
 ];
 
 /// The run's mode (`None`: a full fine-tune), with the adapter keys written into `t.adapter`.
@@ -192,8 +200,9 @@ fn lycoris_mode(
     Ok(mode.to_string())
 }
 
+/// A `network_args` switch as the network code reads it: `True`, or a number other than 0.
 fn truthy(v: &str) -> bool {
-    matches!(v.to_ascii_lowercase().as_str(), "true" | "1")
+    v.eq_ignore_ascii_case("true") || v.parse::<f64>().is_ok_and(|x| x != 0.0)
 }
 
 /// One `network_args` entry into the adapter section.

@@ -364,11 +364,15 @@ fn schedule(
         ));
     }
     base.insert("lr_warmup_steps".into(), json!(steps));
-    if let Some(c) = cycles {
-        base.insert("lr_scheduler_num_cycles".into(), json!(c));
-    }
-    if let Some(p) = power {
-        base.insert("lr_scheduler_power".into(), json!(p));
+    // kohya passes each only to the schedule that takes it (and always has both, at 1).
+    match (ours, cycles, power) {
+        ("cosine_with_restarts", Some(c), _) => {
+            base.insert("lr_scheduler_num_cycles".into(), json!(c));
+        }
+        ("polynomial", _, Some(p)) => {
+            base.insert("lr_scheduler_power".into(), json!(p));
+        }
+        _ => {}
     }
     Ok(lengths)
 }
