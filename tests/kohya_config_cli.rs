@@ -261,3 +261,52 @@ xformers = true
     assert!(log.contains("persistent_data_loader_workers"), "{log}");
     assert!(run_folder(d.path()).join("gui.safetensors").is_file());
 }
+
+/// A LoRA file's ModelSpec keys equal what kohya's `get_sai_model_spec` writes for the same
+/// options (tests/fixtures/kohya_config_reference.py), but for the date and the implementation
+/// version, which name the run and the trainer. Catches a `metadata_*` option dropped, the
+/// title not taken from `metadata_title`, the thumbnail not embedded as a data URL, and
+/// `clip_skip` or the timestep range left out or written in another form.
+#[test]
+fn modelspec_metadata_is_kohyas() {
+    let reference = common::reference_json("reference/kohya_config.json");
+    for case in reference["modelspec"].as_array().unwrap() {
+        let d = tempfile::tempdir().unwrap();
+        let mut body = String::from(
+            "network_module = \"networks.lora\"\nmax_train_steps = 1\nlearning_rate = 1e-4\n\
+             caption_extension = \".txt\"\n",
+        );
+        for (k, v) in case["case"].as_object().unwrap() {
+            let v = match k.as_str() {
+                "metadata_thumbnail" => serde_json::json!(fixture(v.as_str().unwrap())),
+                _ => v.clone(),
+            };
+            body.push_str(&format!("{k} = {v}\n"));
+        }
+        let toml = kohya_toml(d.path(), &body);
+        let out = sdtrain(&["--config", toml.to_str().unwrap(), "--cpu"], d.path());
+        assert!(out.status.success(), "{}", text(&out));
+        let file = run_folder(d.path()).join("kt.safetensors");
+        let bytes = std::fs::read(&file).unwrap();
+        let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+        let meta = meta.metadata().clone().unwrap_or_default();
+        let ours: std::collections::BTreeMap<&String, &String> = meta
+            .iter()
+            .filter(|(k, _)| k.starts_with("modelspec."))
+            .collect();
+        let want = case["modelspec"].as_object().unwrap();
+        for (k, v) in want {
+            if k == "modelspec.date" || k == "modelspec.implementation_version" {
+                assert!(ours.contains_key(k), "{k} missing");
+                continue;
+            }
+            assert_eq!(
+                ours.get(k).map(|s| s.as_str()),
+                v.as_str(),
+                "{k} in {:?}",
+                case["case"]
+            );
+        }
+        assert_eq!(ours.len(), want.len(), "{ours:?}");
+    }
+}

@@ -108,7 +108,7 @@ fn save_load_round_trip_f16_default() {
     assert_eq!(meta["ss_resolution"], "(512, 512)");
     assert_eq!(meta["ss_text_encoder_lr"], "5e-05");
     assert_eq!(meta["modelspec.architecture"], "stable-diffusion-v1/lora");
-    assert_eq!(meta["modelspec.sai_model_spec"], "1.0.0");
+    assert_eq!(meta["modelspec.sai_model_spec"], "1.0.1");
     let args: serde_json::Value = serde_json::from_str(&meta["ss_network_args"]).unwrap();
     assert_eq!(args["conv_dim"], "2");
     // kohya's precalculated A1111 hash: the SHA-256 of the tensors' bytes, after the header.

@@ -149,7 +149,7 @@ impl KohyaMetadata {
             ("ss_optimizer", self.optimizer.clone()),
             ("ss_output_name", self.output_name.clone()),
             ("ss_training_started_at", py_float(started)),
-            ("modelspec.sai_model_spec", "1.0.0".to_string()),
+            ("modelspec.sai_model_spec", "1.0.1".to_string()),
             (
                 "modelspec.architecture",
                 self.base.modelspec_architecture().to_string(),

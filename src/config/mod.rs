@@ -24,6 +24,7 @@ mod kohya_optimizer;
 mod loss_plan;
 mod mask_plan;
 mod model_plan;
+mod modelspec_plan;
 mod objective_plan;
 mod optimizer_file;
 mod optimizer_plan;
@@ -56,6 +57,7 @@ pub use kohya_config_keys::is_kohya_option;
 pub use loss_plan::LossPlan;
 pub use mask_plan::MaskPlan;
 pub use model_plan::{ModelFilePlan, SaveFormat};
+pub use modelspec_plan::ModelSpecPlan;
 pub use objective_plan::ObjectivePlan;
 pub use optimizer_file::{FreezingFile, GroupFile, OptimizerFile, DEFAULT_OPTIMIZER_JSON};
 pub use optimizer_plan::{

@@ -164,6 +164,8 @@ pub struct TrainPlan {
     pub samples: Option<SamplePlan>,
     /// How a single-file model is read, and the formats a full fine-tune is saved in.
     pub model_file: super::ModelFilePlan,
+    /// kohya's `metadata_*` and the ModelSpec fields its settings give the saved files.
+    pub modelspec: super::ModelSpecPlan,
 }
 
 impl TrainPlan {
@@ -334,6 +336,7 @@ impl TrainPlan {
             ema_resume_model,
             samples: super::sample_plan::resolve_samples(&file, train_path, ema.is_some(), input)?,
             model_file: super::model_plan::resolve_model_file(&file, train_path, mode, input)?,
+            modelspec: super::modelspec_plan::resolve_modelspec(&file, &ctx)?,
         })
     }
 

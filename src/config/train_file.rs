@@ -24,6 +24,29 @@ use super::strict::{known_keys, Accepts, Section, Unsupported};
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TrainFile {
+    // kohya's ModelSpec metadata of the saved files (`super::modelspec_plan`).
+    #[serde(default)]
+    pub metadata_title: Option<String>,
+    #[serde(default)]
+    pub metadata_author: Option<String>,
+    #[serde(default)]
+    pub metadata_description: Option<String>,
+    #[serde(default)]
+    pub metadata_license: Option<String>,
+    #[serde(default)]
+    pub metadata_tags: Option<String>,
+    #[serde(default)]
+    pub metadata_usage_hint: Option<String>,
+    #[serde(default)]
+    pub metadata_thumbnail: Option<String>,
+    #[serde(default)]
+    pub metadata_merged_from: Option<String>,
+    #[serde(default)]
+    pub metadata_trigger_phrase: Option<String>,
+    #[serde(default)]
+    pub metadata_preprocessor: Option<String>,
+    #[serde(default)]
+    pub metadata_is_negative_embedding: Option<String>,
     /// A kohya config's dataset options (`super::kohya_config`); never in train.json.
     #[serde(skip)]
     pub kohya_data: Option<super::kohya_config::KohyaData>,

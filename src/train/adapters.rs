@@ -377,6 +377,9 @@ impl TrainedAdapters {
             minimal: !a.training_metadata,
             extra: meta.run.map(|r| r.keys.clone()).unwrap_or_default(),
         };
+        if let Some(run) = meta.run {
+            metadata.extra.extend(run.modelspec.clone());
+        }
         if !metadata.minimal {
             metadata.extra.insert(
                 "ss_training_finished_at".to_string(),

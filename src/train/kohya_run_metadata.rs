@@ -62,6 +62,10 @@ pub const OMITTED: &[(&str, &str)] = &[
 pub struct KohyaRunMetadata {
     pub optimizer: String,
     pub keys: BTreeMap<String, String>,
+    /// ModelSpec's keys beyond the model's own, written even under `no_metadata` (as kohya
+    /// adds `get_sai_model_spec` to its minimum keys): the `metadata_*` fields,
+    /// `encoder_layer`, `timestep_range`, and this build as `implementation_version`.
+    pub modelspec: BTreeMap<String, String>,
 }
 
 /// The run's facts beyond the plan.
@@ -99,7 +103,16 @@ impl KohyaRunMetadata {
                 named_file(vae, VAE_KEYS, &mut keys)?;
             }
         }
-        Ok(Self { optimizer, keys })
+        let mut modelspec = f.plan.modelspec.fields.clone();
+        modelspec.insert(
+            "modelspec.implementation_version".into(),
+            format!("sdtrain/{}", env!("CARGO_PKG_VERSION")),
+        );
+        Ok(Self {
+            optimizer,
+            keys,
+            modelspec,
+        })
     }
 }
 
