@@ -178,6 +178,11 @@ fn what_sdtrain_cannot_honour_is_refused_by_name() {
         ("learning_rte = 1e-4", "learning_rate"),
         ("[a]\nseed = 1\n[b]\nseed = 2", "seed"),
         ("unet_lr = 1e-4", "unet_lr"),
+        (
+            "[[datasets]]\n[[datasets.subsets]]\nimage_dir = 'a'",
+            "dataset_config",
+        ),
+        ("t5xxl = \"t5.safetensors\"", "FLUX.1"),
     ] {
         let d = tempfile::tempdir().unwrap();
         let body = if body.contains("optimizer_type = \"AdaFactor\"") {

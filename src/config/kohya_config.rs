@@ -70,6 +70,15 @@ pub(super) fn import(path: &Path, overrides: &[String]) -> Result<KohyaImport, C
             message: e.to_string(),
         }
     })?;
+    if top.contains_key("datasets") {
+        return Err(invalid(
+            path,
+            "datasets",
+            "makes this a kohya dataset config, not a training config: name it from one with \
+             dataset_config = \"<this file>\" (or from train.json's dataset_config)"
+                .into(),
+        ));
+    }
     let mut flat = flatten(top, path)?;
     let set_args = super::overrides::apply_all(&mut flat, overrides)?;
     let mut t = Translation::new(path);
