@@ -90,6 +90,7 @@ fn main() -> anyhow::Result<()> {
         conv_rank,
         conv_alpha,
         train_text_encoder: te,
+        train_unet: true,
         unet_lr: None,
         text_encoder_lr: None,
         dropout: 0.0,

@@ -24,6 +24,7 @@ fn plan(init_from: Option<PathBuf>, save_dtype: SaveDtype) -> AdapterPlan {
         conv_rank: 2,
         conv_alpha: 1.0,
         train_text_encoder: true,
+        train_unet: true,
         unet_lr: None,
         text_encoder_lr: None,
         dropout: 0.0,

@@ -106,6 +106,7 @@ fn plan(init_from: PathBuf) -> AdapterPlan {
         conv_rank: 4,
         conv_alpha: 4.0,
         train_text_encoder: true,
+        train_unet: true,
         unet_lr: None,
         text_encoder_lr: None,
         dropout: 0.0,

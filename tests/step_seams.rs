@@ -38,6 +38,7 @@ fn adapter_plan(dropout: f64) -> AdapterPlan {
         conv_rank: 2,
         conv_alpha: 1.0,
         train_text_encoder: true,
+        train_unet: true,
         unet_lr: None,
         text_encoder_lr: None,
         dropout,

@@ -114,6 +114,9 @@ pub struct AdapterPlan {
     pub conv_rank: usize,
     pub conv_alpha: f64,
     pub train_text_encoder: bool,
+    /// The UNet's adapters train (kohya's `network_train_text_encoder_only` and
+    /// `disable_unet_training` turn them off: the run trains the text encoders' alone).
+    pub train_unet: bool,
     /// Overrides of the optimizer groups' lr; `None` keeps optimizer.json's (and train.json's `lr`).
     pub unet_lr: Option<f64>,
     pub text_encoder_lr: Option<f64>,
@@ -342,6 +345,7 @@ pub fn resolve_adapter(
         conv_rank: rank("conv_rank", a.conv_rank, r as i64)?,
         conv_alpha: positive("conv_alpha", a.conv_alpha, alpha)?,
         train_text_encoder: a.train_text_encoder.unwrap_or(default_train_te),
+        train_unet: true,
         unet_lr: lr("unet_lr", a.unet_lr)?,
         text_encoder_lr: lr("text_encoder_lr", a.text_encoder_lr)?,
         dropout,

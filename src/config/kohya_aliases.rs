@@ -6,8 +6,8 @@
 //!   key is absent; a train.json keeps EveryDream2's default (no clipping), a kohya config
 //!   (`super::kohya_config`) kohya's;
 //! - `network_train_unet_only` is `disable_textenc_training` (the adapters stay on the UNet);
-//! - `network_train_text_encoder_only` is refused: sdtrain's adapter runs always train the UNet's
-//!   adapters;
+//! - `network_train_text_encoder_only` is `disable_unet_training` (only the text encoders'
+//!   adapters are attached and trained);
 //! - `output_name` is `project_name` (the saved files' and the run folder's name);
 //! - `save_model_as` is `save_ckpt_format` for a full fine-tune ([`save_model_as`]).
 //!
@@ -49,12 +49,15 @@ pub(super) fn apply_kohya_names(file: &mut TrainFile, ctx: &Ctx<'_>) -> Result<(
         save_model_as(file, ctx, &format)?;
     }
     if file.network_train_text_encoder_only == Some(true) {
-        return Err(ctx.invalid(
-            "network_train_text_encoder_only",
-            "is true, but sdtrain's adapter runs always train adapters on the UNet; to train \
-             the text encoder alone, use `mode: \"full\"` with `disable_unet_training`"
-                .to_string(),
-        ));
+        if file.disable_unet_training == Some(false) {
+            return Err(ctx.invalid(
+                "network_train_text_encoder_only",
+                "is true but disable_unet_training is false: kohya's \
+                 network_train_text_encoder_only is disable_unet_training; give one"
+                    .to_string(),
+            ));
+        }
+        file.disable_unet_training = Some(true);
     }
     Ok(())
 }
@@ -211,8 +214,12 @@ mod tests {
         assert!(e.contains("pickle"), "{e}");
         let e = plan(full("diffusers_fp16")).unwrap_err();
         assert!(e.contains("kohya's choices"), "{e}");
-        let e = plan(json!({"network_train_text_encoder_only": true})).unwrap_err();
-        assert!(e.contains("network_train_text_encoder_only"), "{e}");
+        let p = plan(json!({"network_train_text_encoder_only": true})).unwrap();
+        assert!(!p.train_unet && !p.adapter.as_ref().unwrap().train_unet);
+        let e = plan(json!({"network_train_text_encoder_only": true,
+                            "network_train_unet_only": true}))
+        .unwrap_err();
+        assert!(e.contains("nothing would train"), "{e}");
         let e = plan(json!({"max_grad_norm": -1.0})).unwrap_err();
         assert!(e.contains("max_grad_norm"), "{e}");
     }

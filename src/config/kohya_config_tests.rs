@@ -68,6 +68,8 @@ fn text_encoder_learning_rates() {
     assert!(e.contains("one rate"), "{e}");
     let p = resolve(&format!("{lora}text_encoder_lr = 0.0")).unwrap();
     assert!(!p.adapter.unwrap().train_text_encoder);
+    let p = resolve(&format!("{lora}unet_lr = 0.0")).unwrap();
+    assert!(!p.train_unet && !p.adapter.unwrap().train_unet);
     // A full fine-tune: the text encoder trains only with train_text_encoder.
     assert!(!resolve("").unwrap().train_text_encoder);
     let p = resolve("train_text_encoder = true\nlearning_rate_te = 3e-6").unwrap();

@@ -113,8 +113,13 @@ pub(super) fn network(t: &mut Translation<'_>) -> Result<Option<String>, ConfigE
     for (key, raw) in args {
         network_arg(t, &key, &raw)?;
     }
-    if let Some(lr) = t.take_f64("unet_lr")? {
-        t.adapter.insert("unet_lr".into(), json!(lr));
+    match t.take_f64("unet_lr")? {
+        // kohya leaves a group of lr 0 out of the optimizer: a text-encoder-only run.
+        Some(0.0) => t.set("disable_unet_training", json!(true), "unet_lr")?,
+        Some(lr) => {
+            t.adapter.insert("unet_lr".into(), json!(lr));
+        }
+        None => {}
     }
     text_encoder_lr(t)?;
     Ok(Some(mode))

@@ -251,7 +251,21 @@ impl TrainPlan {
         let mode = resolve_mode(file.mode.as_deref(), &ctx)?;
         let train_text_encoder = !file.disable_textenc_training.unwrap_or(false);
         let train_unet = resolve_train_unet(&file, &ctx, mode, train_text_encoder)?;
-        let adapter = resolve_adapter(&file, &ctx, mode, train_text_encoder)?;
+        let adapter = resolve_adapter(&file, &ctx, mode, train_text_encoder)?.map(|mut a| {
+            a.train_unet = train_unet;
+            a
+        });
+        if adapter
+            .as_ref()
+            .is_some_and(|a| !a.train_unet && !a.train_text_encoder)
+        {
+            return Err(ctx.invalid(
+                "disable_unet_training",
+                "is true and the adapter section's train_text_encoder is false: nothing would \
+                 train"
+                    .into(),
+            ));
+        }
         let embedding = resolve_embedding(&file, &ctx, mode, train_text_encoder)?;
         // Whether any text-encoder parameter trains: the trainer's text-encoder group is
         // formed exactly when this holds (the encoders' own weights for a full fine-tune, their
@@ -741,14 +755,6 @@ fn resolve_train_unet(
     }
     if !file.disable_unet_training.unwrap_or(false) {
         return Ok(true);
-    }
-    if mode != TrainMode::Full {
-        return Err(ctx.invalid(
-            "disable_unet_training",
-            "is true in an adapter mode: LoRA/LoCon runs always train UNet adapters; train the \
-             text encoder alone with `mode: \"full\"`"
-                .to_string(),
-        ));
     }
     if !train_text_encoder {
         return Err(ctx.invalid(

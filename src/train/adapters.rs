@@ -97,16 +97,19 @@ pub fn attach_with(
         (Some(path), true) => {
             let ranks = file_ranks(path, &candle_core::Device::Cpu)
                 .with_context(|| format!("adapter.init_from {}", path.display()))?;
-            let modules = attach_file_ranks(sd, &spec, &naming, &ranks, a.train_text_encoder)?;
+            let parts = (a.train_unet, a.train_text_encoder);
+            let modules = attach_file_ranks(sd, &spec, &naming, &ranks, parts)?;
             let a = plan_of_file(a, &ranks);
             (modules, a)
         }
         _ => {
-            let mut modules = match &blocks {
-                Some(table) => {
+            // kohya's network_train_text_encoder_only: no UNet adapters at all.
+            let mut modules = match (&blocks, a.train_unet) {
+                (_, false) => Vec::new(),
+                (Some(table), true) => {
                     super::adapter_blocks::attach_unet_blocks(&mut sd.unet, &spec, &naming, table)?
                 }
-                None => attach_unet(&mut sd.unet, &spec)?,
+                (None, true) => attach_unet(&mut sd.unet, &spec)?,
             };
             if a.train_text_encoder {
                 let comps = [
@@ -180,7 +183,7 @@ fn attach_file_ranks(
     spec: &crate::adapter::attach::AdapterSpec,
     naming: &KohyaNaming,
     ranks: &FileRanks,
-    text_encoders: bool,
+    (unet, text_encoders): (bool, bool),
 ) -> anyhow::Result<Vec<std::sync::Arc<crate::adapter::lora::LoraModule>>> {
     use crate::adapter::attach::{attach_selected, text_encoder_target, unet_target};
     let of = |component: AdapterComponent, path: &str| {
@@ -201,7 +204,7 @@ fn attach_file_ranks(
         held
     };
     let mut modules = Vec::new();
-    if holds(AdapterComponent::Unet) {
+    if unet && holds(AdapterComponent::Unet) {
         modules = attach_selected(&mut sd.unet, AdapterComponent::Unet, spec, &unet_select)?;
     }
     if text_encoders {

@@ -258,10 +258,10 @@ fn unet_shapes(
     plan: &TrainPlan,
     blocks: Option<&(KohyaNaming, BlockTable)>,
 ) -> Vec<Vec<usize>> {
+    if !plan.train_unet {
+        return Vec::new();
+    }
     let Some(spec) = spec(plan) else {
-        if !plan.train_unet {
-            return Vec::new();
-        }
         return tensors.values().cloned().collect();
     };
     tensors

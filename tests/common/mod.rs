@@ -196,6 +196,7 @@ pub fn lycoris_plan(
         conv_rank: 2,
         conv_alpha: 1.5,
         train_text_encoder: true,
+        train_unet: true,
         unet_lr: None,
         text_encoder_lr: None,
         dropout: 0.0,
