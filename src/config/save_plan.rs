@@ -36,6 +36,12 @@ pub struct SavePlan {
     /// EveryDream2's `no_prepend_last`: the end-of-run weights take a step save's name
     /// (`step-NNNNNN`) instead of `final`.
     pub final_as_step: bool,
+    /// kohya's `save_last_n_epochs`: each epoch save removes the weights saved
+    /// `every_n_epochs · N` epochs before it, so the newest N epoch saves remain.
+    pub last_n_epochs: Option<u64>,
+    /// kohya's `save_last_n_steps`: each step save removes the newest step save at least N + 1
+    /// steps before it (kohya's `get_remove_step_no`), so the saves of the last N steps remain.
+    pub last_n_steps: Option<u64>,
 }
 
 impl SavePlan {
@@ -61,12 +67,36 @@ pub(super) fn resolve_saves(file: &TrainFile, ctx: &Ctx<'_>) -> Result<SavePlan,
         Some(m) if m < 1.0 => None,
         m => m,
     };
+    let every_n_epochs = ctx
+        .opt_at_least("save_every_n_epochs", file.save_every_n_epochs, 0)?
+        .filter(|n| *n > 0);
+    let every_n_steps = ctx.opt_at_least("save_every_n_steps", file.save_every_n_steps, 1)?;
+    let last_n = |key: &str, v: Option<i64>, every: Option<u64>, by: &str| {
+        let n = ctx.opt_at_least(key, v, 1)?;
+        if n.is_some() && every.is_none() {
+            return Err(ctx.invalid(
+                key,
+                format!("keeps the last of the saves {by} makes, and {by} is not set"),
+            ));
+        }
+        Ok(n)
+    };
+    let last_n_epochs = last_n(
+        "save_last_n_epochs",
+        file.save_last_n_epochs,
+        every_n_epochs,
+        "save_every_n_epochs",
+    )?;
+    let last_n_steps = last_n(
+        "save_last_n_steps",
+        file.save_last_n_steps,
+        every_n_steps,
+        "save_every_n_steps",
+    )?;
     Ok(SavePlan {
         // 0 disables periodic saving, as EveryDream2's `save_every_n_epochs < 1`.
-        every_n_epochs: ctx
-            .opt_at_least("save_every_n_epochs", file.save_every_n_epochs, 0)?
-            .filter(|n| *n > 0),
-        every_n_steps: ctx.opt_at_least("save_every_n_steps", file.save_every_n_steps, 1)?,
+        every_n_epochs,
+        every_n_steps,
         every_n_minutes,
         from_n_epochs: ctx.at_least(
             "save_ckpts_from_n_epochs",
@@ -84,5 +114,7 @@ pub(super) fn resolve_saves(file: &TrainFile, ctx: &Ctx<'_>) -> Result<SavePlan,
             .transpose()?,
         full_precision: file.save_full_precision.unwrap_or(false),
         final_as_step: file.no_prepend_last.unwrap_or(false),
+        last_n_epochs,
+        last_n_steps,
     })
 }

@@ -70,6 +70,12 @@ pub struct TrainFile {
     /// Save the weights and a resume state every N optimizer steps.
     #[serde(default)]
     pub save_every_n_steps: Option<i64>,
+    /// kohya's: keep the newest N epoch saves' weights.
+    #[serde(default)]
+    pub save_last_n_epochs: Option<i64>,
+    /// kohya's: keep the step saves' weights of the last N steps.
+    #[serde(default)]
+    pub save_last_n_steps: Option<i64>,
     /// Keep only the newest N resume states (diffusers' name); older step saves are deleted.
     #[serde(default)]
     pub checkpoints_total_limit: Option<i64>,

@@ -73,6 +73,8 @@ mod tests {
             ckpt_dir: None,
             full_precision: false,
             final_as_step: false,
+            last_n_epochs: None,
+            last_n_steps: None,
         }
     }
 

@@ -77,6 +77,12 @@ impl Saver<'_> {
         let steps = state.steps;
         let mut paths =
             opt.with_eval_weights(|opt| self.save(&opt.groups, point, steps, epoch, progress, ""))?;
+        if let Some((old, key, n)) = retired(&self.plan.saving, point, steps) {
+            for p in self.outputs(old).into_iter().filter(|p| p.exists()) {
+                remove(&p)?;
+                progress.println(format!("removed {} ({key} {n})", p.display()));
+            }
+        }
         if let Some(ema) = self.ema {
             paths.extend(ema.with_weights(&opt.params, || {
                 self.save(&opt.groups, point, steps, epoch, progress, EMA_SUFFIX)
@@ -117,18 +123,28 @@ impl Saver<'_> {
     /// The weights a step save of `step` wrote (removed with its save point by
     /// `checkpoints_total_limit`).
     fn step_outputs(&self, step: usize) -> Vec<PathBuf> {
+        self.outputs(SavePoint::Step(step))
+    }
+
+    /// The weights an epoch or step save wrote: its folder and single file (a full
+    /// fine-tune) or its file, and the EMA's.
+    fn outputs(&self, point: SavePoint) -> Vec<PathBuf> {
         let suffixes: &[&str] = match self.ema {
             Some(_) => &["", EMA_SUFFIX],
             None => &[""],
         };
         suffixes
             .iter()
-            .flat_map(|sfx| match (self.adapters, self.embedding) {
-                (None, None) => {
-                    let dir = with_suffix(&self.run.step_dir(step), sfx);
+            .flat_map(|sfx| match (self.adapters, self.embedding, point) {
+                (None, None, SavePoint::Epoch(e)) => {
+                    let dir = with_suffix(&self.run.epoch_dir(e), sfx);
                     vec![self.single_file_path(&dir), dir]
                 }
-                _ => vec![self.adapter_path(SavePoint::Step(step), sfx)],
+                (None, None, _) => {
+                    let dir = with_suffix(&self.run.step_dir(point_step(point)), sfx);
+                    vec![self.single_file_path(&dir), dir]
+                }
+                _ => vec![self.adapter_path(point, sfx)],
             })
             .collect()
     }
@@ -244,8 +260,10 @@ impl Saver<'_> {
             num_train_images: self.images,
             resolution: self.resolution,
             seed: self.seed,
-            unet_lr: groups[0].base_lr,
-            text_encoder_lr: groups.get(1).map(|g| g.base_lr),
+            // By name: a text-encoder-only run has no UNet group (its file records the base
+            // lr there, as kohya's `ss_learning_rate`).
+            unet_lr: group_lr(groups, "unet").unwrap_or(self.plan.optimizer.unet.lr),
+            text_encoder_lr: group_lr(groups, "text_encoder"),
             output_name: &name,
             started_at: self.started_unix,
             run: self.kohya,
@@ -314,4 +332,112 @@ fn with_suffix(path: &Path, suffix: &str) -> PathBuf {
     let mut name = path.file_name().unwrap_or_default().to_os_string();
     name.push(suffix);
     path.with_file_name(name)
+}
+
+/// The base learning rate of the group named `name`, if the run has one.
+fn group_lr(groups: &[Group], name: &str) -> Option<f64> {
+    groups.iter().find(|g| g.name == name).map(|g| g.base_lr)
+}
+
+fn point_step(point: SavePoint) -> usize {
+    match point {
+        SavePoint::Step(s) | SavePoint::Interrupted(s) | SavePoint::Errored(s) => s,
+        SavePoint::Epoch(_) | SavePoint::Final => 0,
+    }
+}
+
+/// The older save a new one at `point` (after `steps` steps) retires under kohya's
+/// `save_last_n_epochs` or `save_last_n_steps` (`get_remove_epoch_no`, `get_remove_step_no`),
+/// with the key and its value for the message. The final save at a step kohya would also save
+/// by steps retires as that step save would.
+fn retired(
+    saving: &crate::config::SavePlan,
+    point: SavePoint,
+    steps: usize,
+) -> Option<(SavePoint, &'static str, u64)> {
+    let point = match (point, saving.every_n_steps) {
+        (SavePoint::Final, Some(every)) if steps > 0 && (steps as u64).is_multiple_of(every) => {
+            SavePoint::Step(steps)
+        }
+        (p, _) => p,
+    };
+    match point {
+        SavePoint::Epoch(e) => {
+            let (every, n) = (saving.every_n_epochs?, saving.last_n_epochs?);
+            let old = (e as u64).checked_sub(every * n)?;
+            (old > 0).then_some((SavePoint::Epoch(old as usize), "save_last_n_epochs", n))
+        }
+        SavePoint::Step(s) => {
+            let (every, n) = (saving.every_n_steps?, saving.last_n_steps?);
+            let old = (s as u64).checked_sub(n + 1)?;
+            let old = old - old % every;
+            (old > 0).then_some((SavePoint::Step(old as usize), "save_last_n_steps", n))
+        }
+        _ => None,
+    }
+}
+
+/// Removes a saved file or folder.
+fn remove(path: &Path) -> anyhow::Result<()> {
+    let done = match path.is_dir() {
+        true => std::fs::remove_dir_all(path),
+        false => std::fs::remove_file(path),
+    };
+    done.with_context(|| format!("removing {}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn saving(
+        every_e: Option<u64>,
+        last_e: Option<u64>,
+        every_s: Option<u64>,
+        last_s: Option<u64>,
+    ) -> crate::config::SavePlan {
+        crate::config::SavePlan {
+            every_n_epochs: every_e,
+            every_n_steps: every_s,
+            every_n_minutes: None,
+            from_n_epochs: 0,
+            total_limit: None,
+            ckpt_dir: None,
+            full_precision: false,
+            final_as_step: false,
+            last_n_epochs: last_e,
+            last_n_steps: last_s,
+        }
+    }
+
+    /// kohya's `get_remove_epoch_no` and `get_remove_step_no`, by their own examples: saving
+    /// every 2 epochs and keeping 3, the save of epoch 8 retires epoch 2's; saving every 10
+    /// steps and keeping 30 steps, step 50's retires step 10's (kohya's comment), and so would
+    /// step 45's. Catches the product left out, the `+ 1` or the rounding down to a save step.
+    #[test]
+    fn the_retired_save_is_kohyas() {
+        let s = saving(Some(2), Some(3), Some(10), Some(30));
+        let epoch = |e| retired(&s, SavePoint::Epoch(e), 0).map(|(p, ..)| point_label(p));
+        assert_eq!(epoch(8), Some("epoch 2".into()));
+        assert_eq!(epoch(6), None, "epoch 0 was never saved");
+        let step = |st| retired(&s, SavePoint::Step(st), st).map(|(p, ..)| point_label(p));
+        assert_eq!(step(50), Some("step 10".into()));
+        assert_eq!(step(45), Some("step 10".into()));
+        assert_eq!(step(40), None);
+        // The final save at step 50 retires as step 50's save would; at step 45 it is no step
+        // save.
+        let last = |st| retired(&s, SavePoint::Final, st).map(|(p, ..)| point_label(p));
+        assert_eq!(last(50), Some("step 10".into()));
+        assert_eq!(last(45), None);
+        let off = saving(Some(2), None, Some(10), None);
+        assert!(retired(&off, SavePoint::Epoch(8), 0).is_none());
+    }
+
+    fn point_label(p: SavePoint) -> String {
+        match p {
+            SavePoint::Epoch(e) => format!("epoch {e}"),
+            SavePoint::Step(s) => format!("step {s}"),
+            other => format!("{other:?}"),
+        }
+    }
 }
