@@ -483,9 +483,9 @@ impl<'a> Translation<'a> {
         Ok(())
     }
 
-    /// kohya's defaults where train.json's (EveryDream2's) differ and the file is silent: no
-    /// noise offset (EveryDream2: 0.02), no caption dropout (0.04), a random seed (555), no
-    /// checkpointing.
+    /// kohya's defaults where train.json's (EveryDream2's) differ and the file is silent: the
+    /// name `last`, no noise offset (EveryDream2: 0.02), no caption dropout (0.04), a random
+    /// seed (555), no checkpointing.
     fn kohya_defaults(&mut self) -> Result<(), ConfigError> {
         let dropout = self
             .data
@@ -493,12 +493,15 @@ impl<'a> Translation<'a> {
             .and_then(|v| v.as_float().or(v.as_integer().map(|i| i as f64)))
             .unwrap_or(0.0);
         for (key, value) in [
+            // kohya names an unnamed run's final file `last.safetensors`.
+            ("output_name", json!("last")),
             ("noise_offset", json!(0.0)),
             ("cond_dropout", json!(dropout)),
             ("seed", json!(-1)),
             ("gradient_checkpointing", json!(false)),
         ] {
-            if !self.train.contains_key(key) {
+            let named = key == "output_name" && self.train.contains_key("project_name");
+            if !self.train.contains_key(key) && !named {
                 self.set(key, value, key)?;
             }
         }

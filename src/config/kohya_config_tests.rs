@@ -176,3 +176,14 @@ fn python_literals() {
         "Python's booleans are capitalised"
     );
 }
+
+/// An unnamed run's files are kohya's `last`; sdtrain's `project_name` names them instead.
+#[test]
+fn an_unnamed_run_is_last() {
+    assert_eq!(resolve("").unwrap().project_name, "last");
+    assert_eq!(
+        resolve("project_name = 'mine'").unwrap().project_name,
+        "mine"
+    );
+    assert_eq!(resolve("output_name = 'kt'").unwrap().project_name, "kt");
+}
