@@ -373,6 +373,10 @@ impl<'a> Translation<'a> {
         let cx = super::dataset_config_schema::TomlCtx { file: self.path };
         super::dataset_config_schema::check_command_line(&self.data, &cx)?;
         let (optimizer, lengths) = super::kohya_optimizer::optimizer(&mut self, mode.as_deref())?;
+        if mode.is_some() && self.take("stop_text_encoder_training").is_some() {
+            // kohya_ss writes it for LoRA too; only train_db.py reads it.
+            self.gui_only.insert("stop_text_encoder_training".into());
+        }
         if let Some(mode) = mode {
             self.set("mode", Value::String(mode), "network_module")?;
             let adapter = std::mem::take(&mut self.adapter);

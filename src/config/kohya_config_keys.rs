@@ -250,7 +250,7 @@ pub(super) const KEYS: &[(&str, Rule)] = &[
     ("skip_until_initial_step", Refused("skipping steps is not supported; resume a run folder instead")),
     ("split_attn", OtherModel),
     ("split_mode", OtherModel),
-    ("stop_text_encoder_training", Refused("stopping the text encoder's training part-way is not supported")),
+    ("stop_text_encoder_training", Code),
     ("system_prompt", OtherModel),
     ("t5_dropout_rate", OtherModel),
     ("t5_max_token_length", OtherModel),

@@ -378,13 +378,23 @@ fn schedule(
 }
 
 /// A full fine-tune's text encoder: trained only with `train_text_encoder` (fine_tune.py,
-/// sdxl_train.py), at `learning_rate_te` (or sdxl_train.py's `learning_rate_te1`/`te2`, which
+/// sdxl_train.py) or `stop_text_encoder_training` (which only train_db.py has, and train_db.py
+/// trains the text encoder), at `learning_rate_te` (or sdxl_train.py's `learning_rate_te1`/`te2`, which
 /// sdtrain needs equal) when given.
 fn full_text_encoder(
     t: &mut Translation<'_>,
     optimizer: &mut Map<String, Value>,
 ) -> Result<(), ConfigError> {
-    let train = t.take_bool("train_text_encoder")?;
+    let mut train = t.take_bool("train_text_encoder")?;
+    if let Some(n) = t.take_i64("stop_text_encoder_training")? {
+        // Only train_db.py has it, and train_db.py always trains the text encoder.
+        train = true;
+        t.set(
+            "stop_text_encoder_training",
+            json!(n),
+            "stop_text_encoder_training",
+        )?;
+    }
     let te = t.take_f64("learning_rate_te")?;
     let te1 = t.take_f64("learning_rate_te1")?;
     let te2 = t.take_f64("learning_rate_te2")?;

@@ -166,6 +166,9 @@ pub struct TrainPlan {
     pub model_file: super::ModelFilePlan,
     /// kohya's `metadata_*` and the ModelSpec fields its settings give the saved files.
     pub modelspec: super::ModelSpecPlan,
+    /// kohya's `stop_text_encoder_training`: from this (0-based) step on, the text encoders'
+    /// group takes no gradients and no updates.
+    pub stop_text_encoder_training: Option<usize>,
 }
 
 impl TrainPlan {
@@ -351,6 +354,7 @@ impl TrainPlan {
             samples: super::sample_plan::resolve_samples(&file, train_path, ema.is_some(), input)?,
             model_file: super::model_plan::resolve_model_file(&file, train_path, mode, input)?,
             modelspec: super::modelspec_plan::resolve_modelspec(&file, &ctx)?,
+            stop_text_encoder_training: resolve_te_stop(&file, &ctx, te_group, &precision)?,
         })
     }
 
@@ -473,6 +477,29 @@ fn check_block_weights(
         ));
     }
     Ok(())
+}
+
+/// kohya's `stop_text_encoder_training`: at least 1, with a text encoder group to stop, and not
+/// inside a fused backward pass (which updates each parameter as its gradient completes).
+fn resolve_te_stop(
+    file: &TrainFile,
+    ctx: &Ctx<'_>,
+    te_group: bool,
+    precision: &super::PrecisionPlan,
+) -> Result<Option<usize>, ConfigError> {
+    let key = "stop_text_encoder_training";
+    let Some(n) = ctx.opt_at_least(key, file.stop_text_encoder_training, 1)? else {
+        return Ok(None);
+    };
+    let why = match () {
+        _ if !te_group => "no text encoder trains in this run",
+        _ if precision.fused_backward_pass => {
+            "a fused backward pass updates each parameter inside the backward; turn \
+             fused_backward_pass off"
+        }
+        _ => return Ok(Some(n as usize)),
+    };
+    Err(ctx.invalid(key, format!("is {n}, but {why}")))
 }
 
 /// `fused_backward_pass` with an optimizer that must see every gradient of the step before it

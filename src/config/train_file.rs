@@ -70,6 +70,9 @@ pub struct TrainFile {
     /// Save the weights and a resume state every N optimizer steps.
     #[serde(default)]
     pub save_every_n_steps: Option<i64>,
+    /// kohya's (train_db.py): the text encoders stop training after this many steps.
+    #[serde(default)]
+    pub stop_text_encoder_training: Option<i64>,
     /// kohya's: keep the newest N epoch saves' weights.
     #[serde(default)]
     pub save_last_n_epochs: Option<i64>,

@@ -45,7 +45,14 @@ pub(super) struct Optimization {
     pub fused: bool,
     /// Data parallel: this rank's link to the others ([`super::data_parallel`]).
     pub dist: Option<RankLink>,
+    /// kohya's `stop_text_encoder_training`: from this step on the text encoders' group is left
+    /// out (its gradients dropped before clipping, no update), as kohya's
+    /// `text_encoder.requires_grad_(False)` leaves them without gradients.
+    pub te_stop: Option<usize>,
 }
+
+/// The text encoders' group's name (`param_groups`).
+const TEXT_ENCODER_GROUP: &str = "text_encoder";
 
 /// What one optimizer step did.
 pub(super) struct StepReport {
@@ -150,6 +157,14 @@ impl Optimization {
         let mut done = self
             .combine(done, device)?
             .ok_or_else(|| anyhow!("optimizer step {} had no micro-batches", step + 1))?;
+        let te_stopped = self.te_stop.is_some_and(|n| step >= n);
+        if te_stopped {
+            for g in self.groups.iter().filter(|g| g.name == TEXT_ENCODER_GROUP) {
+                for v in &g.vars {
+                    done.grads.remove(v.as_tensor());
+                }
+            }
+        }
         let pre_clip = match clip {
             Some(c) => Some(self.clip(&mut done.grads, c)?),
             None => None,
@@ -170,6 +185,9 @@ impl Optimization {
         let scale = self.scaler.update(finite.is_some());
         if let Some(finite) = finite {
             for g in self.groups.iter_mut() {
+                if te_stopped && g.name == TEXT_ENCODER_GROUP {
+                    continue;
+                }
                 update_group(g, &done.grads, finite, device, step)?;
             }
         }

@@ -358,6 +358,7 @@ fn optimization(
         total_steps,
         fused,
         dist: None,
+        te_stop: plan.stop_text_encoder_training,
     })
 }
 
