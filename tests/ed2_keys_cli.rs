@@ -214,12 +214,14 @@ fn disable_unet_training_trains_the_text_encoder_alone() {
         assert!(log.lines().all(|l| !l.contains("lr_unet")), "{log}");
         assert!(log.contains("lr_text_encoder"), "{log}");
     }
-    // Both parts disabled, or an adapter mode, are refused.
+    // Both parts disabled are refused (in an adapter mode, disable_unet_training trains the
+    // text encoders' adapters alone: tests/text_encoder_only_cli.rs).
     let tmp = tempfile::tempdir().unwrap();
     for extra in [
         serde_json::json!({"mode": "full", "disable_unet_training": true,
                            "disable_textenc_training": true}),
-        serde_json::json!({"mode": "lora", "disable_unet_training": true}),
+        serde_json::json!({"mode": "lora", "disable_unet_training": true,
+                           "disable_textenc_training": true}),
     ] {
         let cfg = write_config(tmp.path(), "tiny-sd15", &demo_data(), extra);
         let out = sdtrain(&["--config", cfg.to_str().unwrap(), "--cpu"], tmp.path());

@@ -708,6 +708,12 @@ fn resolve_optimizer(
     train_lr: Option<f64>,
     inline: Option<&InlineOptimizer>,
 ) -> Result<(OptimizerPlan, super::TextEncoderFreeze), ConfigError> {
+    let schedule = super::optimizer_plan::TrainScheduleKeys::check(
+        file.lr_scheduler.as_deref(),
+        file.lr_warmup_steps,
+        file.lr_decay_steps,
+        ctx.file,
+    )?;
     if let Some(inline) = inline {
         if let Some(w) = &file.optimizer_config {
             return Err(ctx.invalid(
@@ -720,12 +726,6 @@ fn resolve_optimizer(
         }
         let label = ctx.file.to_path_buf();
         let config = OptimizerFile::from_object(inline.object.clone(), &label)?;
-        let schedule = super::optimizer_plan::TrainScheduleKeys::check(
-            file.lr_scheduler.as_deref(),
-            file.lr_warmup_steps,
-            file.lr_decay_steps,
-            ctx.file,
-        )?;
         let plan =
             OptimizerPlan::resolve(&config, &label, Some(label.clone()), train_lr, schedule)?;
         let freeze = super::TextEncoderFreeze::resolve(None, &label)?;
@@ -757,12 +757,6 @@ fn resolve_optimizer(
             })
         }
     };
-    let schedule = super::optimizer_plan::TrainScheduleKeys::check(
-        file.lr_scheduler.as_deref(),
-        file.lr_warmup_steps,
-        file.lr_decay_steps,
-        ctx.file,
-    )?;
     let plan = OptimizerPlan::resolve(&config, &label, source, train_lr, schedule)?;
     let freeze = super::TextEncoderFreeze::resolve(config.text_encoder_freezing.as_ref(), &label)?;
     Ok((plan, freeze))

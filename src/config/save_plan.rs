@@ -45,6 +45,23 @@ pub struct SavePlan {
 }
 
 impl SavePlan {
+    /// Saves only at the end (train.json's defaults), for tests to build on.
+    #[cfg(test)]
+    pub(crate) fn at_end() -> SavePlan {
+        SavePlan {
+            every_n_epochs: None,
+            every_n_steps: None,
+            every_n_minutes: None,
+            from_n_epochs: 0,
+            total_limit: None,
+            ckpt_dir: None,
+            full_precision: false,
+            final_as_step: false,
+            last_n_epochs: None,
+            last_n_steps: None,
+        }
+    }
+
     /// The dtype of a full fine-tune's single-file checkpoint.
     pub fn single_file_dtype(&self) -> DType {
         if self.full_precision {

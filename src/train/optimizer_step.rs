@@ -378,14 +378,20 @@ pub(super) fn skipped_message(step: usize, scale: ScaleChange) -> String {
 mod tests {
     use super::*;
 
-    /// Gradients of norms 3 (the UNet's) and 4 (the text encoder's).
-    fn two_groups(dev: &candle_core::Device) -> anyhow::Result<([Var; 1], [Var; 1], GradStore)> {
-        let unet = [Var::zeros(2, candle_core::DType::F32, dev)?];
-        let te = [Var::zeros(1, candle_core::DType::F32, dev)?];
+    /// Gradients of norms 3 (the UNet's, `[0, 3]`) and 4 (the text encoder's, `[4]`) clipped
+    /// to `max` in `scope`: the norm returned, and the two gradients after.
+    fn clipped(scope: ClipScope, max: f64) -> anyhow::Result<(f64, Vec<f32>, Vec<f32>)> {
+        let dev = candle_core::Device::Cpu;
+        let unet = [Var::zeros(2, candle_core::DType::F32, &dev)?];
+        let te = [Var::zeros(1, candle_core::DType::F32, &dev)?];
         let mut grads = GradStore::default();
-        grads.insert(unet[0].as_tensor(), Tensor::new(&[0.0f32, 3.0], dev)?);
-        grads.insert(te[0].as_tensor(), Tensor::new(&[4.0f32], dev)?);
-        Ok((unet, te, grads))
+        grads.insert(unet[0].as_tensor(), Tensor::new(&[0.0f32, 3.0], &dev)?);
+        grads.insert(te[0].as_tensor(), Tensor::new(&[4.0f32], &dev)?);
+        let groups = [("unet", &unet[..]), ("text_encoder", &te[..])];
+        let norm = clip_groups(groups, &mut grads, GradClip { max, scope })?;
+        let get = |v: &Var| grads.get(v).map(|g| g.to_vec1::<f32>()).transpose();
+        let (u, t) = (get(&unet[0])?, get(&te[0])?);
+        Ok((norm, u.unwrap_or_default(), t.unwrap_or_default()))
     }
 
     /// Each group is clipped to `max` on its own, and the norm returned (the log's) is the
@@ -393,18 +399,9 @@ mod tests {
     /// instead of a sum returns 4; one norm over both groups would clip them alike).
     #[test]
     fn each_group_is_clipped_alone_and_the_global_norm_is_logged() -> anyhow::Result<()> {
-        let dev = candle_core::Device::Cpu;
-        let (unet, te, mut grads) = two_groups(&dev)?;
-        let groups = [("unet", &unet[..]), ("text_encoder", &te[..])];
-        let clip = GradClip {
-            max: 3.5,
-            scope: ClipScope::PerGroup,
-        };
-        let norm = clip_groups(groups, &mut grads, clip)?;
+        let (norm, u, t) = clipped(ClipScope::PerGroup, 3.5)?;
         assert!((norm - 5.0).abs() < 1e-6, "{norm}");
-        let get = |v: &Var| grads.get(v).map(|g| g.to_vec1::<f32>());
-        assert_eq!(get(&unet[0]).transpose()?, Some(vec![0.0, 3.0]));
-        let t = get(&te[0]).transpose()?.unwrap_or_default();
+        assert_eq!(u, vec![0.0, 3.0]);
         assert!((t[0] - 3.5).abs() < 1e-5, "{t:?}");
         Ok(())
     }
@@ -414,22 +411,9 @@ mod tests {
     /// alone at 3.5; clipping only one group would leave the other unscaled.
     #[test]
     fn the_global_scope_clips_every_group_by_one_norm() -> anyhow::Result<()> {
-        let dev = candle_core::Device::Cpu;
-        let (unet, te, mut grads) = two_groups(&dev)?;
-        let groups = [("unet", &unet[..]), ("text_encoder", &te[..])];
-        let clip = GradClip {
-            max: 2.5,
-            scope: ClipScope::Global,
-        };
-        let norm = clip_groups(groups, &mut grads, clip)?;
+        let (norm, u, t) = clipped(ClipScope::Global, 2.5)?;
         assert!((norm - 5.0).abs() < 1e-6, "{norm}");
         let coef = 2.5 / (5.0 + 1e-6);
-        let u = grads
-            .get(&unet[0])
-            .map(|g| g.to_vec1::<f32>())
-            .transpose()?;
-        let t = grads.get(&te[0]).map(|g| g.to_vec1::<f32>()).transpose()?;
-        let (u, t) = (u.unwrap_or_default(), t.unwrap_or_default());
         assert!((f64::from(u[1]) - 3.0 * coef).abs() < 1e-6, "{u:?}");
         assert!((f64::from(t[0]) - 4.0 * coef).abs() < 1e-6, "{t:?}");
         Ok(())

@@ -64,18 +64,7 @@ mod tests {
     use super::*;
 
     fn plan() -> SavePlan {
-        SavePlan {
-            every_n_epochs: None,
-            every_n_steps: None,
-            every_n_minutes: None,
-            from_n_epochs: 0,
-            total_limit: None,
-            ckpt_dir: None,
-            full_precision: false,
-            final_as_step: false,
-            last_n_epochs: None,
-            last_n_steps: None,
-        }
+        SavePlan::at_end()
     }
 
     #[test]

@@ -399,14 +399,9 @@ mod tests {
         crate::config::SavePlan {
             every_n_epochs: every_e,
             every_n_steps: every_s,
-            every_n_minutes: None,
-            from_n_epochs: 0,
-            total_limit: None,
-            ckpt_dir: None,
-            full_precision: false,
-            final_as_step: false,
             last_n_epochs: last_e,
             last_n_steps: last_s,
+            ..crate::config::SavePlan::at_end()
         }
     }
 
