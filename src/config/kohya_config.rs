@@ -366,6 +366,41 @@ impl<'a> Translation<'a> {
         }
     }
 
+    /// kohya's `network_args`/`optimizer_args`: a list of `key=value` texts (or one text of
+    /// them split at spaces, kohya_ss's field), each split at its first `=` as kohya splits it.
+    pub fn take_key_values(&mut self, key: &str) -> Result<Vec<(String, String)>, ConfigError> {
+        let items: Vec<String> = match self.take(key) {
+            None => return Ok(Vec::new()),
+            Some(Value::String(s)) => s.split_whitespace().map(str::to_string).collect(),
+            Some(Value::Array(a)) => a
+                .iter()
+                .map(|v| match v {
+                    Value::String(s) => Ok(s.clone()),
+                    other => Err(self.invalid(
+                        key,
+                        format!("holds {other}; each entry is a `key=value` text"),
+                    )),
+                })
+                .collect::<Result<_, _>>()?,
+            Some(v) => {
+                return Err(self.invalid(
+                    key,
+                    format!("must be a list of `key=value` texts (got {v})"),
+                ))
+            }
+        };
+        items
+            .iter()
+            .map(|item| match item.split_once('=') {
+                Some((k, v)) => Ok((k.trim().to_string(), v.trim().to_string())),
+                None => Err(self.invalid(
+                    key,
+                    format!("holds \"{item}\"; each entry is `key=value`, as kohya splits it"),
+                )),
+            })
+            .collect()
+    }
+
     fn finish(mut self, set_args: HashMap<String, String>) -> Result<KohyaImport, ConfigError> {
         let mode = super::kohya_network::network(&mut self)?;
         self.stop_and_precision(mode.as_deref())?;

@@ -81,7 +81,7 @@ pub(super) fn network(t: &mut Translation<'_>) -> Result<Option<String>, ConfigE
         }
         return Ok(None);
     };
-    let mut args = network_args(t)?;
+    let mut args = t.take_key_values("network_args")?;
     let conv = args.iter().any(|(k, _)| k == "conv_dim");
     let mode = match module.as_str() {
         "networks.lora" => {
@@ -123,41 +123,6 @@ pub(super) fn network(t: &mut Translation<'_>) -> Result<Option<String>, ConfigE
     }
     text_encoder_lr(t)?;
     Ok(Some(mode))
-}
-
-/// `network_args` as `(key, value)` texts: a list of `key=value`, or one text of them split at
-/// spaces (kohya_ss's field).
-fn network_args(t: &mut Translation<'_>) -> Result<Vec<(String, String)>, ConfigError> {
-    let items: Vec<String> = match t.take("network_args") {
-        None => return Ok(Vec::new()),
-        Some(Value::String(s)) => s.split_whitespace().map(str::to_string).collect(),
-        Some(Value::Array(a)) => a
-            .iter()
-            .map(|v| match v {
-                Value::String(s) => Ok(s.clone()),
-                other => Err(t.invalid(
-                    "network_args",
-                    format!("holds {other}; each entry is a `key=value` text"),
-                )),
-            })
-            .collect::<Result<_, _>>()?,
-        Some(v) => {
-            return Err(t.invalid(
-                "network_args",
-                format!("must be a list of `key=value` texts (got {v})"),
-            ))
-        }
-    };
-    items
-        .iter()
-        .map(|item| match item.split_once('=') {
-            Some((k, v)) => Ok((k.trim().to_string(), v.trim().to_string())),
-            None => Err(t.invalid(
-                "network_args",
-                format!("holds \"{item}\"; each entry is `key=value`, as kohya splits it"),
-            )),
-        })
-        .collect()
 }
 
 /// LyCORIS's `algo` (default `lora`) and `dora_wd`.

@@ -125,46 +125,21 @@ fn optimizer_kind(t: &mut Translation<'_>) -> Result<&'static str, ConfigError> 
     }
 }
 
-/// `optimizer_args`: `key=value` texts (a list, or one text split at spaces).
+/// `optimizer_args`, each value a Python literal as kohya's `ast.literal_eval` reads it.
 fn optimizer_args(t: &mut Translation<'_>) -> Result<Vec<(String, Value)>, ConfigError> {
-    let items: Vec<String> = match t.take("optimizer_args") {
-        None => return Ok(Vec::new()),
-        Some(Value::String(s)) => s.split_whitespace().map(str::to_string).collect(),
-        Some(Value::Array(a)) => a
-            .iter()
-            .map(|v| v.as_str().map(str::to_string))
-            .collect::<Option<_>>()
-            .ok_or_else(|| {
-                t.invalid(
-                    "optimizer_args",
-                    "must be a list of `key=value` texts".into(),
-                )
-            })?,
-        Some(v) => {
-            return Err(t.invalid(
-                "optimizer_args",
-                format!("must be a list of `key=value` texts (got {v})"),
-            ))
-        }
-    };
-    items
-        .iter()
-        .map(|item| {
-            let (k, v) = item.split_once('=').ok_or_else(|| {
-                t.invalid(
-                    "optimizer_args",
-                    format!("holds \"{item}\"; each entry is `key=value`"),
-                )
-            })?;
-            let value = py_literal(v.trim()).ok_or_else(|| {
+    let pairs = t.take_key_values("optimizer_args")?;
+    pairs
+        .into_iter()
+        .map(|(k, v)| {
+            let value = py_literal(&v).ok_or_else(|| {
                 t.invalid(
                     "optimizer_args",
                     format!(
-                        "`{item}`: the value is not a Python literal (a number, True, a tuple)"
+                        "`{k}={v}`: the value is not a Python literal (a number, True, a tuple)"
                     ),
                 )
             })?;
-            Ok((k.trim().to_string(), value))
+            Ok((k, value))
         })
         .collect()
 }
