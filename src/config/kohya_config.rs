@@ -503,6 +503,7 @@ impl<'a> Translation<'a> {
         if self.take_bool("fp8_base")? {
             self.set("base_weight_dtype", json!("fp8"), "fp8_base")?;
         }
+        self.resume()?;
         self.kohya_defaults()?;
         self.loss_type()?;
         self.save_precision(mode)?;
@@ -545,6 +546,29 @@ impl<'a> Translation<'a> {
             }
         }
         Ok(())
+    }
+
+    /// `resume`: sdtrain's `resume_ckpt` (a run folder or save point). A state folder that
+    /// kohya's accelerate wrote is refused by name: its pickled states are not read.
+    fn resume(&mut self) -> Result<(), ConfigError> {
+        let Some(raw) = self.take_str("resume")? else {
+            return Ok(());
+        };
+        let dir = Path::new(&raw);
+        let accelerate = ["optimizer.bin", "random_states_0.pkl", "scheduler.bin"]
+            .iter()
+            .any(|f| dir.join(f).is_file());
+        if accelerate {
+            return Err(self.invalid(
+                "resume",
+                format!(
+                    "{raw} is a training state that kohya's scripts saved (accelerate's pickles), \
+                     which sdtrain cannot read; start from its weights with network_weights (an \
+                     adapter) or pretrained_model_name_or_path, or resume an sdtrain run folder"
+                ),
+            ));
+        }
+        self.set("resume_ckpt", json!(raw), "resume")
     }
 
     /// kohya's `loss_type` names: `l2` is sdtrain's `mse`, `huber` its `pseudo_huber`.

@@ -215,7 +215,7 @@ pub(super) const KEYS: &[(&str, Rule)] = &[
     ("reg_data_dir", Code),
     ("resize_interpolation", Data),
     ("resolution", Code),
-    ("resume", To("resume_ckpt")),
+    ("resume", Code),
     ("resume_from_huggingface", Refused("downloads of a state from the Hub are not supported")),
     ("sample_at_first", Same),
     ("sample_batch_size", OtherModel),

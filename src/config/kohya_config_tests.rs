@@ -187,3 +187,16 @@ fn an_unnamed_run_is_last() {
     );
     assert_eq!(resolve("output_name = 'kt'").unwrap().project_name, "kt");
 }
+
+/// A state folder kohya's accelerate saved is named as such, not taken for a model.
+#[test]
+fn a_kohya_state_folder_is_refused_by_name() {
+    let state = tempfile::tempdir().unwrap();
+    std::fs::write(state.path().join("optimizer.bin"), b"x").unwrap();
+    let e = resolve(&format!(
+        "network_module = 'networks.lora'\nresume = '{}'",
+        state.path().display()
+    ))
+    .unwrap_err();
+    assert!(e.contains("resume") && e.contains("accelerate"), "{e}");
+}
