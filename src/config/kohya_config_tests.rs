@@ -200,3 +200,17 @@ fn a_kohya_state_folder_is_refused_by_name() {
     .unwrap_err();
     assert!(e.contains("resume") && e.contains("accelerate"), "{e}");
 }
+
+/// kohya's old spelling `caption_extention` wins over `caption_extension`, as its
+/// `prepare_dataset_args` copies it over.
+#[test]
+fn the_old_caption_extension_spelling_wins() {
+    let p = resolve("caption_extention = '.txt'\ncaption_extension = '.caption'").unwrap();
+    let s = &p.data.dataset_config.as_ref().unwrap().subsets[0];
+    match &s.source {
+        crate::data::kohya_subsets::SubsetSource::DreamBooth {
+            caption_extension, ..
+        } => assert_eq!(caption_extension, ".txt"),
+        other => panic!("{other:?}"),
+    }
+}

@@ -19,12 +19,9 @@ pub(super) fn datasets(t: &mut Translation<'_>) -> Result<Vec<(String, toml::Tab
     let train_dir = t.take_str("train_data_dir")?;
     let reg_dir = t.take_str("reg_data_dir")?;
     let in_json = t.take_str("in_json")?;
-    if let Some(ext) = t.take("caption_extention") {
-        if !t.data.contains_key("caption_extension") {
-            if let Some(v) = toml_of(&ext) {
-                t.data.insert("caption_extension".into(), v);
-            }
-        }
+    // kohya's old spelling wins over the new one (`prepare_dataset_args`).
+    if let Some(v) = t.take("caption_extention").as_ref().and_then(toml_of) {
+        t.data.insert("caption_extension".into(), v);
     }
     if let Some(n) = t.take("dataset_repeats") {
         if let Some(v) = toml_of(&n) {

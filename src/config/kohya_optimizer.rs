@@ -249,9 +249,13 @@ fn optimizer_arg(
             base.insert(key.to_string(), value);
             Ok(())
         }
-        ("prodigy" | "dadapt_adam" | "dadapt_adan", "d_coef") if value.as_f64() == Some(1.0) => {
-            Ok(())
-        }
+        ("prodigy" | "dadapt_adam" | "dadapt_adan", "d_coef") => match value.as_f64() {
+            Some(1.0) => Ok(()),
+            _ => Err(refuse(
+                "sdtrain's estimators have no d_coef (the learning rate multiplies d); only 1 \
+                 is taken",
+            )),
+        },
         ("prodigy", "beta3") => {
             if let Some(Value::Array(b)) = base.get_mut("betas") {
                 b.truncate(2);
