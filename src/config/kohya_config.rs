@@ -504,6 +504,7 @@ impl<'a> Translation<'a> {
             self.set("base_weight_dtype", json!("fp8"), "fp8_base")?;
         }
         self.resume()?;
+        self.states_kept()?;
         self.kohya_defaults()?;
         self.loss_type()?;
         self.save_precision(mode)?;
@@ -569,6 +570,49 @@ impl<'a> Translation<'a> {
             ));
         }
         self.set("resume_ckpt", json!(raw), "resume")
+    }
+
+    /// `save_last_n_epochs_state` / `save_last_n_steps_state`: kohya keeps the states of the
+    /// newest N epoch saves, or of the step saves in the last N steps. Where the run saves by
+    /// one of the two alone, that is a count of save points, `checkpoints_total_limit`: N, or
+    /// `N / save_every_n_steps + 1` (kohya's `get_remove_step_no` keeps the save N steps back
+    /// too). Beside saves of the other kind the count differs, and it is refused.
+    fn states_kept(&mut self) -> Result<(), ConfigError> {
+        let every = |t: &Self, k: &str| t.train.get(k).and_then(Value::as_i64).filter(|n| *n > 0);
+        let (by_epochs, by_steps) = (
+            every(self, "save_every_n_epochs"),
+            every(self, "save_every_n_steps"),
+        );
+        for (key, mine, other) in [
+            ("save_last_n_epochs_state", by_epochs, by_steps),
+            ("save_last_n_steps_state", by_steps, by_epochs),
+        ] {
+            let Some(n) = self.take_i64(key)? else {
+                continue;
+            };
+            let (Some(every), None, true) = (mine, other, n >= 1) else {
+                return Err(self.invalid(
+                    key,
+                    format!(
+                        "is {n}: sdtrain keeps the newest save points by count \
+                         (checkpoints_total_limit), which matches kohya's rule only when the \
+                         run saves by {} alone (save_every_n_epochs or save_every_n_steps)",
+                        if key.contains("epochs") {
+                            "epochs"
+                        } else {
+                            "steps"
+                        }
+                    ),
+                ));
+            };
+            let limit = if key.contains("epochs") {
+                n
+            } else {
+                n / every + 1
+            };
+            self.set("checkpoints_total_limit", json!(limit), key)?;
+        }
+        Ok(())
     }
 
     /// kohya's `loss_type` names: `l2` is sdtrain's `mse`, `huber` its `pseudo_huber`.

@@ -214,3 +214,18 @@ fn the_old_caption_extension_spelling_wins() {
         other => panic!("{other:?}"),
     }
 }
+
+/// kohya's `save_last_n_*_state` as a count of save points, where one kind of save makes them.
+#[test]
+fn states_kept_become_a_count_of_save_points() {
+    let p = resolve("save_every_n_epochs = 1\nsave_last_n_epochs_state = 3").unwrap();
+    assert_eq!(p.saving.total_limit, Some(3));
+    // Every 10 steps, the last 30 steps: kohya keeps 20, 30, 40 and 50 at step 50.
+    let p = resolve("save_every_n_steps = 10\nsave_last_n_steps_state = 30").unwrap();
+    assert_eq!(p.saving.total_limit, Some(4));
+    let e =
+        resolve("save_every_n_epochs = 1\nsave_every_n_steps = 10\nsave_last_n_epochs_state = 3")
+            .unwrap_err();
+    assert!(e.contains("save_last_n_epochs_state"), "{e}");
+    assert!(resolve("save_last_n_steps_state = 30").is_err());
+}
