@@ -762,8 +762,8 @@ fn resolve_optimizer(
     Ok((plan, freeze))
 }
 
-/// `!disable_unet_training`. EveryDream2 refuses both parts disabled; adapter modes always train
-/// UNet adapters.
+/// `!disable_unet_training`. EveryDream2 refuses both parts disabled; in an adapter mode it
+/// leaves the UNet without adapters (kohya's `network_train_text_encoder_only`).
 fn resolve_train_unet(
     file: &TrainFile,
     ctx: &Ctx<'_>,
