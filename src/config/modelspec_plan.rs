@@ -1,5 +1,5 @@
 //! kohya's `metadata_*` keys (`library/sai_model_spec.py`'s `add_model_spec_arguments`): what
-//! an adapter file's ModelSpec metadata says beyond what the run decides, and the ModelSpec
+//! the saved files' ModelSpec metadata says beyond what the run decides, and the ModelSpec
 //! fields kohya derives from its settings (`get_sai_model_spec`):
 //! - `metadata_title` (else the file's output name), `metadata_author`, `metadata_description`,
 //!   `metadata_license`, `metadata_tags`, `metadata_usage_hint`, `metadata_merged_from`,

@@ -28,6 +28,7 @@ pub mod log;
 pub mod loss_stats;
 pub mod memory_plan;
 pub mod micro_batch;
+mod modelspec;
 pub mod oom;
 mod oom_policy;
 mod optimizer_step;

@@ -199,7 +199,14 @@ impl Saver<'_> {
         let file = self.single_file_path(&dir);
         if format.single_file() {
             let dtype = self.plan.saving.single_file_dtype();
-            crate::model::export::save_single_file(self.layout, &file, &updated, dtype)
+            let spec = super::modelspec::modelspec(
+                super::modelspec::Saved::Checkpoint,
+                (self.sd.family(), self.sd.layout.prediction_type),
+                self.plan,
+                &self.plan.project_name,
+                self.resolution,
+            );
+            crate::model::export::save_single_file_with(self.layout, &file, &updated, dtype, &spec)
                 .with_context(|| format!("saving {}", file.display()))?;
         }
         let mut written = Vec::new();
@@ -226,6 +233,13 @@ impl Saver<'_> {
     ) -> anyhow::Result<PathBuf> {
         let path = self.adapter_path(point, suffix);
         let e = &embedding.plan;
+        let spec = super::modelspec::modelspec(
+            super::modelspec::Saved::TextualInversion,
+            (self.sd.family(), self.sd.layout.prediction_type),
+            self.plan,
+            &self.plan.project_name,
+            self.resolution,
+        );
         let metadata = [
             ("token_string", e.token_string.clone()),
             ("num_vectors_per_token", e.num_vectors.to_string()),
@@ -235,6 +249,7 @@ impl Saver<'_> {
         ]
         .into_iter()
         .map(|(k, v)| (k.to_string(), v))
+        .chain(spec)
         .collect();
         embedding
             .save(&path, &metadata)

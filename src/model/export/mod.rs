@@ -23,7 +23,7 @@ use crate::error_chain::External;
 use crate::fsutil::FsError;
 
 pub use folder::{save_diffusers_folder, weights_file_name};
-pub use single_file::save_single_file;
+pub use single_file::{save_single_file, save_single_file_with};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ExportError {

@@ -97,7 +97,22 @@ pub fn save_single_file<T: ExportTensor>(
     updated: &[(Component, Vec<(String, T)>)],
     dtype: DType,
 ) -> Result<(), ExportError> {
+    save_single_file_with(base, path, updated, dtype, &[])
+}
+
+/// [`save_single_file`] with further header entries (a run's ModelSpec keys); the prediction
+/// type's keys are the model's own whatever `extra` says.
+pub fn save_single_file_with<T: ExportTensor>(
+    base: &ModelLayout,
+    path: &Path,
+    updated: &[(Component, Vec<(String, T)>)],
+    dtype: DType,
+    extra: &[(String, String)],
+) -> Result<(), ExportError> {
     let mut metadata = serde_json::Map::new();
+    for (k, v) in extra {
+        metadata.insert(k.clone(), json!(v));
+    }
     metadata.insert(meta_key("format_version"), json!("1"));
     metadata.insert(
         meta_key("model_index"),
