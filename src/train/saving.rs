@@ -199,13 +199,7 @@ impl Saver<'_> {
         let file = self.single_file_path(&dir);
         if format.single_file() {
             let dtype = self.plan.saving.single_file_dtype();
-            let spec = super::modelspec::modelspec(
-                super::modelspec::Saved::Checkpoint,
-                (self.sd.family(), self.sd.layout.prediction_type),
-                self.plan,
-                &self.plan.project_name,
-                self.resolution,
-            );
+            let spec = self.modelspec(super::modelspec::Saved::Checkpoint);
             crate::model::export::save_single_file_with(self.layout, &file, &updated, dtype, &spec)
                 .with_context(|| format!("saving {}", file.display()))?;
         }
@@ -221,6 +215,19 @@ impl Saver<'_> {
         Ok(written)
     }
 
+    /// The ModelSpec keys of an embedding or a single-file checkpoint of this run, titled by
+    /// the run's name.
+    fn modelspec(&self, saved: super::modelspec::Saved) -> Vec<(String, String)> {
+        let model = (self.sd.family(), self.sd.layout.prediction_type);
+        super::modelspec::modelspec(
+            saved,
+            model,
+            self.plan,
+            &self.plan.project_name,
+            self.resolution,
+        )
+    }
+
     /// Textual inversion's embedding file, named as an adapter file is, with the token and the
     /// run's position in its header.
     fn save_embedding(
@@ -233,13 +240,7 @@ impl Saver<'_> {
     ) -> anyhow::Result<PathBuf> {
         let path = self.adapter_path(point, suffix);
         let e = &embedding.plan;
-        let spec = super::modelspec::modelspec(
-            super::modelspec::Saved::TextualInversion,
-            (self.sd.family(), self.sd.layout.prediction_type),
-            self.plan,
-            &self.plan.project_name,
-            self.resolution,
-        );
+        let spec = self.modelspec(super::modelspec::Saved::TextualInversion);
         let metadata = [
             ("token_string", e.token_string.clone()),
             ("num_vectors_per_token", e.num_vectors.to_string()),
