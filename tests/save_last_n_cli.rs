@@ -40,6 +40,13 @@ fn the_newest_saves_remain() {
         ],
         "{log}"
     );
+    // Every epoch's file is named in its header by the run's name alone, as kohya's
+    // `ss_output_name` and ModelSpec title are its `output_name`.
+    let bytes = std::fs::read(run_folder(d.path()).join(&names[0])).unwrap();
+    let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+    let meta = meta.metadata().clone().unwrap_or_default();
+    assert_eq!(meta["ss_output_name"], "sdtrain");
+    assert_eq!(meta["modelspec.title"], "sdtrain");
 
     let d = tempfile::tempdir().unwrap();
     let cfg = serde_json::json!({"mode": "lora", "max_steps": 8,

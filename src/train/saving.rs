@@ -268,7 +268,6 @@ impl Saver<'_> {
         bundle: &[(String, candle_core::Tensor)],
         suffix: &str,
     ) -> anyhow::Result<PathBuf> {
-        let name = self.adapter_name(point, suffix);
         let path = self.adapter_path(point, suffix);
         let info = SaveInfo {
             steps,
@@ -280,7 +279,9 @@ impl Saver<'_> {
             // lr there, as kohya's `ss_learning_rate`).
             unet_lr: group_lr(groups, "unet").unwrap_or(self.plan.optimizer.unet.lr),
             text_encoder_lr: group_lr(groups, "text_encoder"),
-            output_name: &name,
+            // kohya's `ss_output_name` and ModelSpec title: `output_name` alone, the same in
+            // every epoch's and step's file.
+            output_name: &self.plan.project_name,
             started_at: self.started_unix,
             run: self.kohya,
             bundle,
