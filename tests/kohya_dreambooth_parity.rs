@@ -95,12 +95,7 @@ fn regularization_sets_are_sized_as_sd_scripts_sizes_them() {
 fn sample_weights_weigh_the_loss_as_sd_scripts_does() {
     let r = reference();
     let l = &r["loss"];
-    let shape: Vec<usize> = l["shape"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as usize)
-        .collect();
+    let shape: Vec<usize> = common::dims(&l["shape"]);
     let tensor = |k: &str| {
         let v: Vec<f32> = l[k]
             .as_array()

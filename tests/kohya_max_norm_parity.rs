@@ -24,11 +24,7 @@ fn floats(v: &Value) -> Vec<f32> {
 }
 
 fn shape(v: &Value) -> Vec<usize> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as usize)
-        .collect()
+    common::dims(v)
 }
 
 /// Catches a wrong scale (alpha/rank left out or inverted), the square root of the ratio left

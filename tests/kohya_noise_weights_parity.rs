@@ -78,12 +78,7 @@ fn v_prediction_scalings_are_kohyas() {
 #[test]
 fn the_adaptive_noise_offset_is_kohyas() {
     let r = common::reference_json("reference/kohya_noise_weights.json");
-    let shape: Vec<usize> = r["latent_shape"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as usize)
-        .collect();
+    let shape: Vec<usize> = common::dims(&r["latent_shape"]);
     let latents: Vec<f32> = floats(&r["latents"]).iter().map(|&x| x as f32).collect();
     let x0 = Tensor::from_vec(latents, shape.as_slice(), &Device::Cpu).unwrap();
     let means: Vec<f32> = x0

@@ -37,12 +37,7 @@ fn weighted_captions_encode_as_kohya_trains() {
             .as_u64()
             .map_or(1, |n| n as usize / 75);
         let got = encode(&sd, &[caption], 0, chunks, true).unwrap();
-        let shape: Vec<usize> = case["shape"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_u64().unwrap() as usize)
-            .collect();
+        let shape: Vec<usize> = common::dims(&case["shape"]);
         assert_eq!(got.context.dims(), shape.as_slice(), "{caption:?}");
         let want: Vec<f64> = case["context"]
             .as_array()

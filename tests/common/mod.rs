@@ -39,6 +39,11 @@ pub fn floats(v: &serde_json::Value) -> Vec<f64> {
         .collect()
 }
 
+/// A JSON array of sizes (a tensor's shape).
+pub fn dims(v: &serde_json::Value) -> Vec<usize> {
+    floats(v).into_iter().map(|x| x as usize).collect()
+}
+
 /// The reference tensors written by `tests/fixtures/make_fixtures.py` for one fixture.
 pub fn reference(name: &str) -> HashMap<String, Tensor> {
     let path = fixture("reference").join(format!("{name}.safetensors"));
