@@ -311,8 +311,8 @@ fn memory_plan(
     let card_amp = device.as_ref().map_or(crate::precision::Amp::Bf16, |d| {
         crate::precision::Amp::default_for(d)
     });
-    let crate::config::RunShape { resolution, amp } =
-        plan.run_shape(estimate.layout.native_resolution, card_amp);
+    let native = estimate.layout.native_resolution;
+    let amp = plan.run_shape(native, card_amp).amp;
     let card = match plan.vram_limit_gb {
         Some(gb) => (gb * GIB, "vram_limit_gb".to_string()),
         None => device.as_ref().and_then(detected_card).unwrap_or((
@@ -324,7 +324,7 @@ fn memory_plan(
         plan,
         amp,
         &cfg,
-        resolution,
+        native,
         &estimate.census,
         Some(card),
     ))

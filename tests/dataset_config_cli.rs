@@ -9,7 +9,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::cli::{demo_data, run_folder, sdtrain, step_losses, text, write_config};
+use common::cli::{demo_data, file_metadata, run_folder, sdtrain, step_losses, text, write_config};
 
 /// `imgs/subject` (one image with a `.txt` caption, one without), `imgs/reg` (three images, no
 /// captions), `imgs/ft` (one image) with `meta.json` beside the TOML.
@@ -116,9 +116,7 @@ fn a_dataset_config_trains_each_subset_with_its_own_settings() {
     assert_eq!(plan["batch_size"], 1);
     assert_eq!(plan["data"]["resolution"], 64);
 
-    let bytes = std::fs::read(run.join("sdtrain.safetensors")).unwrap();
-    let (_, header) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
-    let meta = header.metadata().clone().unwrap();
+    let meta = file_metadata(&run.join("sdtrain.safetensors"));
     // kohya's dataset-config branch: subsets named by their folder (or metadata file), the
     // regularization subsets' captions counted too, and no single-dataset keys.
     let json = |k: &str| -> serde_json::Value { serde_json::from_str(&meta[k]).unwrap() };
@@ -180,6 +178,67 @@ fn a_dataset_config_trains_each_subset_with_its_own_settings() {
     assert_eq!(d1["num_train_images"], 1);
 }
 
+/// Two datasets at their own resolution and batch size train in one run, as kohya's
+/// `DatasetGroup` trains them: the subject's 2 images × 2 repeats at 64 px in batches of 2, and
+/// three images at 128 px one at a time, make 2 + 3 = 5 steps an epoch (kohya's
+/// `len(train_dataset_group)`), each micro-batch of one dataset. Catches a dataset trained at the
+/// first one's size or batch (4 or 7 steps; its buckets would read 64x64), and the files' per-dataset
+/// `ss_datasets` entries taking the run's.
+#[test]
+fn datasets_at_their_own_resolution_and_batch_size_train_in_one_run() {
+    let tmp = tempfile::tempdir().unwrap();
+    images(tmp.path());
+    let toml = "[general]\ncaption_extension = \".txt\"\nenable_bucket = false\n\
+                [[datasets]]\nresolution = 64\nbatch_size = 2\n\
+                [[datasets.subsets]]\nimage_dir = \"imgs/subject\"\nclass_tokens = \"ted man\"\n\
+                num_repeats = 2\n\
+                [[datasets]]\nresolution = 128\nbatch_size = 1\n\
+                [[datasets.subsets]]\nimage_dir = \"imgs/reg\"\nclass_tokens = \"man\"\n";
+    let extra = serde_json::json!({"max_steps": null, "max_epochs": 1});
+    let cfg = config(tmp.path(), toml, extra);
+    let out = sdtrain(
+        &["--config", cfg.to_str().unwrap(), "--cpu", "--dry-run"],
+        tmp.path(),
+    );
+    let log = text(&out);
+    assert!(out.status.success(), "{log}");
+    assert!(
+        log.contains("datasets[0]: 64 px, batch 2, buckets off")
+            && log.contains("datasets[1]: 128 px, batch 1, buckets off"),
+        "{log}"
+    );
+    assert!(log.contains("datasets[0]'s; each dataset's above"), "{log}");
+    // The memory plan prices the micro-batch of the most pixels: 1 × 128² over 2 × 64².
+    assert!(log.contains("batch 1 at 128 px (datasets[1])"), "{log}");
+
+    let out = sdtrain(&["--config", cfg.to_str().unwrap(), "--cpu"], tmp.path());
+    let log = text(&out);
+    assert!(out.status.success(), "{log}");
+    assert!(
+        log.contains("datasets[0]: 64 px, batch 2, buckets: 64x64 ×2")
+            && log.contains("datasets[1]: 128 px, batch 1, buckets: 128x128 ×3"),
+        "{log}"
+    );
+    assert!(
+        log.contains("7 samples/epoch, 5 steps/epoch of 2/1×1"),
+        "{log}"
+    );
+    let run = run_folder(tmp.path());
+    assert_eq!(step_losses(&run).len(), 5);
+
+    let meta = file_metadata(&run.join("sdtrain.safetensors"));
+    let datasets: serde_json::Value = serde_json::from_str(&meta["ss_datasets"]).unwrap();
+    let shape =
+        |d: &serde_json::Value| (d["resolution"].clone(), d["batch_size_per_device"].clone());
+    assert_eq!(
+        (shape(&datasets[0]), shape(&datasets[1])),
+        (
+            (serde_json::json!([64, 64]), serde_json::json!(2)),
+            (serde_json::json!([128, 128]), serde_json::json!(1))
+        )
+    );
+}
+
 /// `--dry-run` lists the subsets; each mistake is refused before anything loads (exit 2),
 /// naming the file and the key's place in it.
 #[test]
@@ -233,9 +292,14 @@ fn dataset_config_mistakes_name_their_place() {
             "dataset key",
         ),
         (
-            format!("{subset}[[datasets]]\nresolution = 128\n[[datasets.subsets]]\nimage_dir = \"imgs/reg\"\n"),
-            "datasets[1].resolution",
+            "[[datasets]]\nvalidation_split = 0.5\n[[datasets.subsets]]\nimage_dir = \"imgs/subject\"\n[[datasets]]\n[[datasets.subsets]]\nimage_dir = \"imgs/reg\"\n".to_string(),
+            "datasets[1].validation_split",
             "every dataset must agree",
+        ),
+        (
+            format!("{subset}[[datasets]]\nenable_bucket = true\nmin_bucket_reso = 2048\nmax_bucket_reso = 1024\n[[datasets.subsets]]\nimage_dir = \"imgs/reg\"\n"),
+            "datasets[1].min_bucket_reso",
+            "shortest ≤ longest",
         ),
         (
             "[[datasets]]\n[[datasets.subsets]]\nimage_dir = \"nowhere\"\n".to_string(),

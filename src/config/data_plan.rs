@@ -93,6 +93,29 @@ pub struct BucketPlan {
     pub kohya: Option<KohyaBucketRange>,
 }
 
+/// What one dataset trains at: its resolution, micro-batch and buckets. A run without a dataset
+/// config has one, from train.json; kohya's dataset config has one per `[[datasets]]`, each
+/// from its own keys over `[general]` and train.json's, as kohya's `BlueprintGenerator` resolves
+/// them. Each micro-batch holds images of one dataset and one bucket, as in kohya's
+/// `DatasetGroup`, whose datasets make their batches apart.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct DatasetShape {
+    /// `datasets[i]`, or `train.json`.
+    pub name: String,
+    /// As [`DataPlan::resolution`]: `None` is the model's native resolution.
+    pub resolution: Option<usize>,
+    pub batch_size: usize,
+    /// As [`DataPlan::buckets`].
+    pub buckets: Option<BucketPlan>,
+}
+
+impl DatasetShape {
+    /// The resolution on a model whose native one is `native`.
+    pub fn resolution_or(&self, native: usize) -> usize {
+        self.resolution.unwrap_or(native)
+    }
+}
+
 /// kohya's bucket keys, each side a multiple of `steps`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct KohyaBucketRange {
@@ -207,16 +230,7 @@ pub(super) fn resolve_data(
             (data_root, layout, regularization)
         }
     };
-    let resolution = match file.resolution {
-        None => None,
-        Some(r) if (64..=4096).contains(&r) && r % 64 == 0 => Some(r.unsigned_abs() as usize),
-        Some(r) => {
-            return Err(ctx.invalid(
-                "resolution",
-                format!("must be a multiple of 64 between 64 and 4096 (got {r})"),
-            ))
-        }
-    };
+    let resolution = resolve_resolution(file, ctx)?;
     let cache_latents = match (file.cache_latents, file.cache_latents_to_disk) {
         (_, Some(true)) => CacheLatents::Disk,
         (Some(true), _) => CacheLatents::Memory,
@@ -291,6 +305,21 @@ pub(super) fn resolve_data(
         crop_jitter,
         cache_latents,
     })
+}
+
+/// `resolution`: a multiple of 64 in [64, 4096], or `None` for the model's native one.
+pub(super) fn resolve_resolution(
+    file: &TrainFile,
+    ctx: &Ctx<'_>,
+) -> Result<Option<usize>, ConfigError> {
+    match file.resolution {
+        None => Ok(None),
+        Some(r) if (64..=4096).contains(&r) && r % 64 == 0 => Ok(Some(r.unsigned_abs() as usize)),
+        Some(r) => Err(ctx.invalid(
+            "resolution",
+            format!("must be a multiple of 64 between 64 and 4096 (got {r})"),
+        )),
+    }
 }
 
 /// kohya's `keep_tokens_separator` and `secondary_separator` (not empty, not the tag separator
@@ -477,7 +506,10 @@ fn resolve_crop_jitter(
     })
 }
 
-fn resolve_buckets(file: &TrainFile, ctx: &Ctx<'_>) -> Result<Option<BucketPlan>, ConfigError> {
+pub(super) fn resolve_buckets(
+    file: &TrainFile,
+    ctx: &Ctx<'_>,
+) -> Result<Option<BucketPlan>, ConfigError> {
     let max_ratio = match file.max_aspect_ratio {
         Some(r) if !(r >= 1.0 && r.is_finite()) => {
             return Err(ctx.invalid(

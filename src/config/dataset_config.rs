@@ -7,10 +7,11 @@
 //! - Subset settings (repeats, captions, flips, regularization) are per subset: each image trains
 //!   with its own subset's.
 //! - Dataset settings (`resolution`, `batch_size`, `enable_bucket`, `min_bucket_reso`,
-//!   `max_bucket_reso`, `bucket_reso_steps`, `bucket_no_upscale`, `validation_split`) take the
-//!   place of train.json's.
-//!   sdtrain trains one resolution, batch size and bucket set per run, so datasets that set
-//!   different values are refused, saying which; kohya keeps such datasets apart.
+//!   `max_bucket_reso`, `bucket_reso_steps`, `bucket_no_upscale`) take the place of train.json's
+//!   for that dataset's images ([`DatasetShape`]): datasets at different resolutions and batch
+//!   sizes train in one run, each micro-batch of one dataset and one bucket, as kohya's
+//!   `DatasetGroup` makes them. The first dataset's are the run's (its resolution is the one the
+//!   samples default to). `validation_split` must agree across datasets.
 //! - As in kohya, train.json's `data_root` and `reg_data_root` are not read beside a dataset
 //!   config (a warning says so); `is_reg` subsets are the regularization images, balanced within
 //!   their dataset and weighed by train.json's `prior_loss_weight`.
@@ -26,6 +27,7 @@ use std::sync::Arc;
 use serde::Serialize;
 
 use super::ctx::Ctx;
+use super::data_plan::DatasetShape;
 use super::dataset_config_schema::{check, Chain, Checked, TomlCtx};
 use super::error::ConfigError;
 use super::regularization_plan::caption_extension;
@@ -46,9 +48,18 @@ pub struct DatasetConfigPlan {
     pub subsets: Vec<KohyaSubset>,
     /// The `is_reg` subsets' loss weight (train.json's `prior_loss_weight`, kohya's).
     pub prior_loss_weight: f64,
+    /// Each `[[datasets]]` entry's resolution, batch size and buckets, by its index
+    /// ([`KohyaSubset::dataset`]).
+    pub shapes: Vec<DatasetShape>,
 }
 
 impl DatasetConfigPlan {
+    /// Whether the datasets differ in resolution, batch size or buckets.
+    pub fn mixed_shapes(&self) -> bool {
+        let key = |s: &DatasetShape| (s.resolution, s.batch_size, s.buckets.clone());
+        self.shapes.windows(2).any(|w| key(&w[0]) != key(&w[1]))
+    }
+
     /// Whether some subset's captions change from step to step (the text cache cannot hold
     /// them), and which of its settings does it.
     pub fn per_step_captions(&self) -> Option<super::data_plan::TextCacheOff> {
@@ -97,7 +108,7 @@ pub(super) fn apply_dataset_config(
     let command_line = kohya.as_ref().map_or(&empty, |k| &k.command_line);
     let toml_ctx = Ctx::new(&path);
     let mut ignored = BTreeSet::new();
-    let mut run: Option<(RunKeys, String)> = None;
+    let mut run: Vec<(RunKeys, String)> = Vec::new();
     let mut subsets = Vec::new();
     let mut alpha: Option<(bool, String)> = None;
     for (i, (dataset, tables)) in checked.datasets.iter().enumerate() {
@@ -110,10 +121,10 @@ pub(super) fn apply_dataset_config(
             ],
         };
         let keys = run_keys(&chain, &cx, &mut ignored)?;
-        match &run {
-            None => run = Some((keys, at.clone())),
-            Some((first, first_at)) => same_run_keys(first, first_at, &keys, &at, &cx)?,
+        if let Some((first, first_at)) = run.first() {
+            same_validation_split(first, first_at, &keys, &at, &cx)?;
         }
+        run.push((keys, at.clone()));
         check_kind_mix(tables, &at, &cx)?;
         for (j, table) in tables.iter().enumerate() {
             let name = match &names {
@@ -164,7 +175,8 @@ pub(super) fn apply_dataset_config(
             "has no training subset: every subset is `is_reg` or has `num_repeats` below 1".into(),
         ));
     }
-    if let Some((keys, _)) = run {
+    let shapes = dataset_shapes(file, &run, &path, ctx)?;
+    if let Some((keys, _)) = run.first() {
         keys.write_into(file);
     }
     if alpha.is_some_and(|(a, _)| a) {
@@ -184,6 +196,7 @@ pub(super) fn apply_dataset_config(
         file: path,
         subsets,
         prior_loss_weight,
+        shapes,
     }))
 }
 
@@ -275,6 +288,23 @@ impl RunKeys {
     }
 
     fn write_into(&self, file: &mut TrainFile) {
+        // A dataset without buckets does not read the bucket keys it inherits from train.json
+        // (kohya's command line always has them); those it sets itself are refused beside it.
+        if let Some((RunValue::Bool(false), _)) = self.get("enable_bucket") {
+            let own = |k: &str| self.get(k).is_some();
+            if !own("min_bucket_reso") {
+                file.min_bucket_reso = None;
+            }
+            if !own("max_bucket_reso") {
+                file.max_bucket_reso = None;
+            }
+            if !own("bucket_reso_steps") {
+                file.bucket_reso_steps = None;
+            }
+            if !own("bucket_no_upscale") {
+                file.bucket_no_upscale = None;
+            }
+        }
         for (key, value, _) in &self.values {
             match (*key, value) {
                 ("resolution", RunValue::Int(v)) => file.resolution = Some(*v),
@@ -368,33 +398,71 @@ fn run_keys(
     Ok(keys)
 }
 
-/// Datasets must agree on the run keys.
-fn same_run_keys(
+/// Datasets must agree on `validation_split`: the validation set is held out of the whole run.
+fn same_validation_split(
     first: &RunKeys,
     first_at: &str,
     keys: &RunKeys,
     at: &str,
     cx: &TomlCtx<'_>,
 ) -> Result<(), ConfigError> {
-    let names = first.values.iter().chain(&keys.values).map(|(k, ..)| *k);
-    for key in names {
-        let (a, b) = (first.get(key), keys.get(key));
-        if a.map(|x| x.0) != b.map(|x| x.0) {
-            let show =
-                |v: Option<(&RunValue, &str)>| v.map_or("not set".into(), |v| v.0.to_string());
-            return Err(cx.invalid(
-                &b.map_or(format!("{at}.{key}"), |v| v.1.to_string()),
-                format!(
-                    "is {} but {first_at}'s is {}: sdtrain trains one resolution, batch size \
-                     and bucket set per run, so every dataset must agree (train them as separate \
-                     runs, or make them equal)",
-                    show(b),
-                    show(a)
-                ),
-            ));
-        }
+    let key = "validation_split";
+    let (a, b) = (first.get(key), keys.get(key));
+    if a.map(|x| x.0) == b.map(|x| x.0) {
+        return Ok(());
     }
-    Ok(())
+    let show = |v: Option<(&RunValue, &str)>| v.map_or("not set".into(), |v| v.0.to_string());
+    Err(cx.invalid(
+        &b.map_or(format!("{at}.{key}"), |v| v.1.to_string()),
+        format!(
+            "is {} but {first_at}'s is {}: sdtrain holds one validation split out of the whole \
+             run, so every dataset must agree (make them equal)",
+            show(b),
+            show(a)
+        ),
+    ))
+}
+
+/// Each dataset's resolution, batch size and buckets: train.json's (`base`, which kohya's
+/// command line is) under the dataset's own keys, resolved as train.json's are. An error about a
+/// key the dataset config gives names that file and the key's place in it.
+fn dataset_shapes(
+    base: &TrainFile,
+    run: &[(RunKeys, String)],
+    path: &Path,
+    ctx: &Ctx<'_>,
+) -> Result<Vec<DatasetShape>, ConfigError> {
+    run.iter()
+        .map(|(keys, at)| {
+            let mut file = base.clone();
+            keys.write_into(&mut file);
+            let named = |e: ConfigError| match e {
+                ConfigError::Invalid {
+                    field,
+                    message,
+                    file,
+                } => match keys.get(&field) {
+                    Some((_, place)) => ConfigError::Invalid {
+                        file: path.to_path_buf(),
+                        field: place.to_string(),
+                        message,
+                    },
+                    None => ConfigError::Invalid {
+                        file,
+                        field,
+                        message,
+                    },
+                },
+                other => other,
+            };
+            Ok(DatasetShape {
+                name: at.clone(),
+                resolution: super::data_plan::resolve_resolution(&file, ctx).map_err(named)?,
+                batch_size: super::plan::batch_size(ctx, file.batch_size).map_err(named)?,
+                buckets: super::data_plan::resolve_buckets(&file, ctx).map_err(named)?,
+            })
+        })
+        .collect()
 }
 
 /// kohya does not mix DreamBooth and fine-tuning subsets in one dataset.
@@ -753,6 +821,62 @@ mod tests {
         assert_eq!((s.caption_dropout, s.flip_p, s.num_repeats), (0.0, 0.0, 1));
         assert!(!s.captions.shuffle);
         assert_eq!(plan.prior_loss_weight, 1.0);
+    }
+
+    /// Each dataset's shape falls back as its subsets' settings do: its own key, `[general]`'s,
+    /// then train.json's (kohya's command line). The run's own keys are the first dataset's.
+    /// Catches a later dataset given the first one's keys, `[general]` skipped, train.json's
+    /// bucket keys lost for a dataset that leaves them out, and a dataset without buckets refused
+    /// for the bucket keys it inherits.
+    #[test]
+    fn each_dataset_has_its_own_resolution_batch_and_buckets() {
+        let toml = "[general]
+batch_size = 2
+                    [[datasets]]
+resolution = 768
+[[datasets.subsets]]
+image_dir = 'a'
+                    [[datasets]]
+batch_size = 5
+enable_bucket = false
+                    [[datasets.subsets]]
+image_dir = 'a'
+                    [[datasets]]
+min_bucket_reso = 320
+[[datasets.subsets]]
+image_dir = 'a'
+";
+        let mut file = TrainFile {
+            resolution: Some(512),
+            bucket_reso_steps: Some(32),
+            ..TrainFile::default()
+        };
+        let plan = apply(toml, &mut file).unwrap();
+        let shape = |i: usize| {
+            let s = &plan.shapes[i];
+            let kohya = s.buckets.as_ref().and_then(|b| b.kohya);
+            (
+                s.name.as_str(),
+                s.resolution,
+                s.batch_size,
+                s.buckets.is_some(),
+                kohya.map(|k| (k.min, k.steps)),
+            )
+        };
+        assert_eq!(
+            shape(0),
+            ("datasets[0]", Some(768), 2, true, Some((256, 32)))
+        );
+        assert_eq!(shape(1), ("datasets[1]", Some(512), 5, false, None));
+        assert_eq!(
+            shape(2),
+            ("datasets[2]", Some(512), 2, true, Some((320, 32)))
+        );
+        assert!(plan.mixed_shapes());
+        assert_eq!((file.resolution, file.batch_size), (Some(768), Some(2)));
+        // The subsets know their datasets.
+        let datasets: Vec<usize> = plan.subsets.iter().map(|s| s.dataset).collect();
+        assert_eq!(datasets, [0, 1, 2]);
     }
 
     #[test]

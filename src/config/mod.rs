@@ -45,8 +45,8 @@ mod validation_plan;
 
 pub use adapter_file::{AdapterFile, AdapterPlan, LoraPlus, SaveDtype};
 pub use data_plan::{
-    BucketPlan, CacheLatents, DataPlan, KohyaBucketRange, TextCacheDecision, TextCacheOff,
-    DEFAULT_CROP_JITTER,
+    BucketPlan, CacheLatents, DataPlan, DatasetShape, KohyaBucketRange, TextCacheDecision,
+    TextCacheOff, DEFAULT_CROP_JITTER,
 };
 pub use dataset_config::DatasetConfigPlan;
 pub use ema_plan::{EmaDecay, EmaDevice, EmaPlan, DEFAULT_EMA_UPDATE_INTERVAL};

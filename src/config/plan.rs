@@ -848,7 +848,7 @@ fn resolve_skip_limit(file: &TrainFile, ctx: &Ctx) -> Result<Option<usize>, Conf
 }
 
 /// `batch_size`: 1 to [`MAX_BATCH_SIZE`].
-fn batch_size(ctx: &Ctx<'_>, v: Option<i64>) -> Result<usize, ConfigError> {
+pub(super) fn batch_size(ctx: &Ctx<'_>, v: Option<i64>) -> Result<usize, ConfigError> {
     let n = ctx.at_least("batch_size", v, DEFAULT_BATCH_SIZE, 1)?;
     if n > MAX_BATCH_SIZE {
         return Err(ctx.invalid(

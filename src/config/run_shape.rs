@@ -7,7 +7,7 @@
 
 use serde::Serialize;
 
-use super::TrainPlan;
+use super::{DatasetShape, TrainPlan};
 use crate::precision::Amp;
 
 /// The resolution and precision a run computes at.
@@ -28,6 +28,29 @@ impl TrainPlan {
                 super::AmpChoice::Set(amp) => amp,
             },
         }
+    }
+
+    /// What each dataset trains at: a dataset config's `[[datasets]]` entries, else one shape
+    /// from train.json. The first is the run's own (`resolution`, `batch_size`, `buckets`).
+    pub fn dataset_shapes(&self) -> Vec<DatasetShape> {
+        match &self.data.dataset_config {
+            Some(c) if !c.shapes.is_empty() => c.shapes.clone(),
+            _ => vec![DatasetShape {
+                name: "train.json".into(),
+                resolution: self.data.resolution,
+                batch_size: self.batch_size,
+                buckets: self.data.buckets.clone(),
+            }],
+        }
+    }
+
+    /// The largest micro-batch of any dataset: what a forward pass takes at most.
+    pub fn largest_batch(&self) -> usize {
+        self.dataset_shapes()
+            .iter()
+            .map(|s| s.batch_size)
+            .max()
+            .unwrap_or(self.batch_size)
     }
 
     /// The run's length in optimizer steps: `max_steps`, or the steps of `max_epochs` epochs,

@@ -65,8 +65,18 @@ impl fmt::Display for TrainPlan {
         let resolution = d
             .resolution
             .map_or("model's native".to_string(), |r| format!("{r} px"));
-        row(f, "resolution", &resolution)?;
-        row(f, "aspect buckets", &self.buckets_text())?;
+        let mixed = d.dataset_config.as_ref().is_some_and(|c| c.mixed_shapes());
+        let first = if mixed {
+            " (datasets[0]'s; each dataset's above)"
+        } else {
+            ""
+        };
+        row(f, "resolution", &format!("{resolution}{first}"))?;
+        let buckets = match mixed {
+            true => "each dataset's (above)".to_string(),
+            false => self.buckets_text(),
+        };
+        row(f, "aspect buckets", &buckets)?;
         let augmentation = match d.dataset_config {
             Some(_) => format!(
                 "each subset's flips and captions (above), crop_jitter {}",
@@ -112,12 +122,21 @@ impl fmt::Display for TrainPlan {
         row(
             f,
             "batch",
-            &format!(
-                "batch_size {} x grad_accum {} = {} images per step",
-                self.batch_size,
-                self.grad_accum,
-                self.batch_size * self.grad_accum
-            ),
+            &match mixed {
+                false => format!(
+                    "batch_size {} x grad_accum {} = {} images per step",
+                    self.batch_size,
+                    self.grad_accum,
+                    self.batch_size * self.grad_accum
+                ),
+                true => format!(
+                    "each dataset's batch_size (above) x grad_accum {}: a step is {} \
+                     micro-batch{}, each of one dataset",
+                    self.grad_accum,
+                    self.grad_accum,
+                    if self.grad_accum == 1 { "" } else { "es" }
+                ),
+            },
         )?;
         row(f, "stop after", &self.stop_text())?;
         let seed = if self.random_seed {
@@ -198,34 +217,40 @@ impl TrainPlan {
     }
 
     fn buckets_text(&self) -> String {
-        let d = &self.data;
-        let Some(b) = &d.buckets else {
-            return "off: centre-cropped squares".to_string();
-        };
-        let sizes = match (&b.aspects, b.kohya) {
-            (Some(a), _) => format!("{} sizes from aspects", a.len()),
-            (None, Some(k)) if k.no_upscale => format!(
-                "each image its own, never scaled up (kohya's bucket_no_upscale), sides in steps \
-                 of {}",
-                k.steps
-            ),
-            (None, Some(k)) => format!(
-                "kohya's, sides {} to {} in steps of {}",
-                k.min, k.max, k.steps
-            ),
-            (None, None) => match d.resolution {
-                Some(r) if !crate::data::bucket::has_ed2_table(r) => {
-                    format!("generated for {r} px (kohya's rule; EveryDream2 has no table)")
-                }
-                _ => "EveryDream2's table for the resolution".to_string(),
-            },
-        };
-        match b.max_ratio {
-            Some(r) => format!("{sizes}, up to {r}:1"),
-            None => sizes,
-        }
+        buckets_text(self.data.buckets.as_ref(), self.data.resolution)
     }
+}
 
+/// How the buckets `b` at `resolution` (`None`: the model's) are made.
+fn buckets_text(b: Option<&super::BucketPlan>, resolution: Option<usize>) -> String {
+    let Some(b) = b else {
+        return "off: centre-cropped squares".to_string();
+    };
+    let sizes = match (&b.aspects, b.kohya) {
+        (Some(a), _) => format!("{} sizes from aspects", a.len()),
+        (None, Some(k)) if k.no_upscale => format!(
+            "each image its own, never scaled up (kohya's bucket_no_upscale), sides in steps \
+                 of {}",
+            k.steps
+        ),
+        (None, Some(k)) => format!(
+            "kohya's, sides {} to {} in steps of {}",
+            k.min, k.max, k.steps
+        ),
+        (None, None) => match resolution {
+            Some(r) if !crate::data::bucket::has_ed2_table(r) => {
+                format!("generated for {r} px (kohya's rule; EveryDream2 has no table)")
+            }
+            _ => "EveryDream2's table for the resolution".to_string(),
+        },
+    };
+    match b.max_ratio {
+        Some(r) => format!("{sizes}, up to {r}:1"),
+        None => sizes,
+    }
+}
+
+impl super::TrainPlan {
     fn stop_text(&self) -> String {
         match (self.max_epochs, self.max_steps) {
             (Some(e), Some(s)) => format!("{e} epochs or {s} steps, whichever comes first"),
@@ -532,6 +557,23 @@ fn fmt_dataset_config(
             if config.subsets.len() == 1 { "" } else { "s" }
         ),
     )?;
+    for shape in config.shapes.iter().filter(|_| config.mixed_shapes()) {
+        row(
+            f,
+            "  dataset",
+            &format!(
+                "{}: {}, batch {}, buckets {}",
+                shape.name,
+                shape
+                    .resolution
+                    .map_or("model's native resolution".to_string(), |r| format!(
+                        "{r} px"
+                    )),
+                shape.batch_size,
+                buckets_text(shape.buckets.as_ref(), shape.resolution)
+            ),
+        )?;
+    }
     for s in &config.subsets {
         let source = match &s.source {
             SubsetSource::DreamBooth {

@@ -68,21 +68,59 @@ pub fn epoch_batches_rated(
     epoch: usize,
     rated: Option<&RatedSchedule>,
 ) -> EpochBatches {
-    let batch_size = batch_size.max(1);
+    let sizes = Batching {
+        group_of: &[],
+        batch_sizes: &[batch_size],
+    };
+    epoch_batches_grouped(dataset, buckets, &sizes, seed, epoch, rated)
+}
+
+/// Which group (a kohya dataset) each item belongs to, and each group's micro-batch size.
+#[derive(Debug, Clone, Copy)]
+pub struct Batching<'a> {
+    /// Each item's group; empty: every item is in group 0.
+    pub group_of: &'a [usize],
+    /// Each group's batch size.
+    pub batch_sizes: &'a [usize],
+}
+
+impl Batching<'_> {
+    fn group(&self, item: usize) -> usize {
+        self.group_of.get(item).copied().unwrap_or(0)
+    }
+
+    fn size(&self, group: usize) -> usize {
+        self.batch_sizes.get(group).copied().unwrap_or(1).max(1)
+    }
+}
+
+/// [`epoch_batches_rated`] where items fall into groups with micro-batches of their own size:
+/// each micro-batch holds one group's images of one bucket (kohya's `DatasetGroup`, whose
+/// datasets batch apart), and all micro-batches are shuffled together. With one group this is
+/// [`epoch_batches_rated`] exactly.
+pub fn epoch_batches_grouped(
+    dataset: &LoadedDataset,
+    buckets: &[Bucket],
+    batching: &Batching<'_>,
+    seed: u64,
+    epoch: usize,
+    rated: Option<&RatedSchedule>,
+) -> EpochBatches {
     let order = dataset.epoch_indices_rated(seed, epoch, rated);
-    // Buckets in order of first appearance (ED2's dict insertion order).
-    let mut grouped: Vec<(Bucket, Vec<usize>)> = Vec::new();
+    // (group, bucket) in order of first appearance (ED2's dict insertion order).
+    let mut grouped: Vec<((usize, Bucket), Vec<usize>)> = Vec::new();
     for i in order {
-        let b = buckets[i];
-        match grouped.iter_mut().find(|(k, _)| *k == b) {
+        let key = (batching.group(i), buckets[i]);
+        match grouped.iter_mut().find(|(k, _)| *k == key) {
             Some((_, ids)) => ids.push(i),
-            None => grouped.push((b, vec![i])),
+            None => grouped.push((key, vec![i])),
         }
     }
     let mut rng = StdRng::seed_from_u64(mix_seed(seed, epoch, RUNT_STREAM));
     let mut batches = Vec::new();
     let mut repeated = 0;
-    for (bucket, ids) in grouped {
+    for ((group, bucket), ids) in grouped {
+        let batch_size = batching.size(group);
         let full = ids.len() / batch_size * batch_size;
         for chunk in ids[..full].chunks(batch_size) {
             batches.push(MicroBatch {
@@ -176,6 +214,43 @@ mod tests {
             }
         }
         assert!(seen.iter().all(|&s| s == 1), "every image once: {seen:?}");
+    }
+
+    /// kohya's `DatasetGroup`: each micro-batch holds one dataset's images of one bucket at that
+    /// dataset's batch size, its runt weighted against that size. Catches the two datasets
+    /// batched together (a shared bucket would mix them), the first dataset's size used for
+    /// both, and a runt weighed against the wrong size.
+    #[test]
+    fn groups_batch_apart_at_their_own_sizes() {
+        let data = dataset(9, 1.0);
+        let a = Bucket::new(64, 64);
+        // items 0..5 in group 0 (batch 2: 2 batches + a runt of 1), 5..9 in group 1 (batch 3:
+        // 1 batch + a runt of 1), all in one bucket.
+        let buckets = vec![a; 9];
+        let group_of: Vec<usize> = (0..9).map(|i| usize::from(i >= 5)).collect();
+        let batching = Batching {
+            group_of: &group_of,
+            batch_sizes: &[2, 3],
+        };
+        let e = epoch_batches_grouped(&data, &buckets, &batching, 4, 0, None);
+        assert_eq!(e.batches.len(), 5);
+        assert_eq!(e.repeated, 1 + 2);
+        let mut seen = [0usize; 9];
+        for batch in &e.batches {
+            let g = group_of[batch.ids[0]];
+            assert!(batch.ids.iter().all(|&i| group_of[i] == g), "{batch:?}");
+            let size = [2, 3][g];
+            assert_eq!(batch.ids.len(), size);
+            let distinct: std::collections::BTreeSet<_> = batch.ids.iter().collect();
+            if batch.weight < 1.0 {
+                assert_eq!(distinct.len(), 1);
+                assert!((batch.weight - (1.0 / size as f64).powf(1.5)).abs() < 1e-12);
+            }
+            for &i in distinct {
+                seen[i] += 1;
+            }
+        }
+        assert!(seen.iter().all(|&s| s == 1), "{seen:?}");
     }
 
     #[test]

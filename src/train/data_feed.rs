@@ -14,8 +14,8 @@ use anyhow::bail;
 
 use super::latent_cache::LatentStore;
 use super::step::{step_seeds, SampleData};
-use crate::config::{BucketPlan, DataPlan, KohyaBucketRange};
-use crate::data::epoch_plan::{bucket_counts, epoch_batches_rated, BucketCount};
+use crate::config::{BucketPlan, DataPlan, KohyaBucketRange, TrainPlan};
+use crate::data::epoch_plan::{bucket_counts, epoch_batches_grouped, Batching, BucketCount};
 use crate::data::mask::MaskSource;
 use crate::data::prefetch::{DecodeSettings, Prefetcher, SampleJob};
 use crate::data::rated::RatedSchedule;
@@ -114,20 +114,102 @@ impl BucketRule {
     }
 }
 
+impl BucketRule {
+    /// The bucket of an image of `size`.
+    pub fn bucket_of(&self, (w, h): (usize, usize)) -> Bucket {
+        match self.no_upscale {
+            Some((resolution, steps)) => {
+                crate::data::bucket::kohya_no_upscale_bucket(w, h, resolution, steps)
+            }
+            None => nearest_bucket(&self.list, w, h).unwrap_or(self.list[0]),
+        }
+    }
+}
+
 /// Each item's bucket ([`BucketRule`]).
 pub fn assign(items: &[ImageMeta], rule: &BucketRule) -> Vec<Bucket> {
-    items
-        .iter()
-        .map(|item| {
-            let (w, h) = item.size;
-            match rule.no_upscale {
-                Some((resolution, steps)) => {
-                    crate::data::bucket::kohya_no_upscale_bucket(w, h, resolution, steps)
-                }
-                None => nearest_bucket(&rule.list, w, h).unwrap_or(rule.list[0]),
-            }
+    items.iter().map(|item| rule.bucket_of(item.size)).collect()
+}
+
+/// The run's datasets ([`TrainPlan::dataset_shapes`]): each one's bucket rule and batch size,
+/// and which dataset an image belongs to (its kohya subset's; every image of a run without a
+/// dataset config is in the one dataset).
+#[derive(Debug, Clone, PartialEq)]
+pub struct DatasetRules {
+    /// One per dataset.
+    pub rules: Vec<BucketRule>,
+    pub batch_sizes: Vec<usize>,
+    /// Each resolution, for messages.
+    pub resolutions: Vec<usize>,
+    /// Each kohya subset's dataset.
+    subset_dataset: Vec<usize>,
+}
+
+impl DatasetRules {
+    /// The rules of `plan` on a model of `native` resolution whose sides are multiples of
+    /// `step`.
+    pub fn of(plan: &TrainPlan, native: usize, step: usize) -> anyhow::Result<Self> {
+        let shapes = plan.dataset_shapes();
+        let mut rules = Vec::with_capacity(shapes.len());
+        for shape in &shapes {
+            let resolution = shape.resolution_or(native);
+            let rule = BucketRule::of(shape.buckets.as_ref(), resolution, step);
+            rules.push(rule.map_err(|e| match shapes.len() {
+                1 => e,
+                _ => e.context(format!("dataset config {}", shape.name)),
+            })?);
+        }
+        Ok(Self {
+            rules,
+            batch_sizes: shapes.iter().map(|s| s.batch_size).collect(),
+            resolutions: shapes.iter().map(|s| s.resolution_or(native)).collect(),
+            subset_dataset: plan
+                .data
+                .dataset_config
+                .as_ref()
+                .map_or_else(Vec::new, |c| c.subsets.iter().map(|s| s.dataset).collect()),
         })
-        .collect()
+    }
+
+    /// One dataset under `rule`, batched by `batch_size`.
+    pub fn single(rule: BucketRule, batch_size: usize, resolution: usize) -> Self {
+        Self {
+            rules: vec![rule],
+            batch_sizes: vec![batch_size],
+            resolutions: vec![resolution],
+            subset_dataset: Vec::new(),
+        }
+    }
+
+    /// The dataset `item` belongs to.
+    pub fn dataset_of(&self, item: &ImageMeta) -> usize {
+        let d = item.options.subset.and_then(|s| self.subset_dataset.get(s));
+        d.copied()
+            .unwrap_or(0)
+            .min(self.rules.len().saturating_sub(1))
+    }
+
+    /// Each item's dataset.
+    pub fn datasets(&self, items: &[ImageMeta]) -> Vec<usize> {
+        items.iter().map(|i| self.dataset_of(i)).collect()
+    }
+
+    /// Each item's bucket, by its dataset's rule.
+    pub fn assign(&self, items: &[ImageMeta]) -> Vec<Bucket> {
+        items
+            .iter()
+            .map(|i| self.rules[self.dataset_of(i)].bucket_of(i.size))
+            .collect()
+    }
+
+    /// Whether the datasets differ in buckets, resolution or batch size.
+    pub fn is_mixed(&self) -> bool {
+        (1..self.rules.len()).any(|d| {
+            self.rules[d] != self.rules[0]
+                || self.batch_sizes[d] != self.batch_sizes[0]
+                || self.resolutions[d] != self.resolutions[0]
+        })
+    }
 }
 
 /// A data-parallel rank's part of every step: the micro-batches whose index in the step is
@@ -285,7 +367,9 @@ pub struct DataFeed {
     items: Arc<[ImageMeta]>,
     /// Each item's bucket.
     pub buckets: Vec<Bucket>,
-    batch_size: usize,
+    /// Each item's dataset ([`DatasetRules`]), and each dataset's batch size.
+    datasets: Vec<usize>,
+    batch_sizes: Vec<usize>,
     grad_accum: usize,
     decode: DecodeSettings,
     latents: Option<LatentStore>,
@@ -301,18 +385,18 @@ pub struct DataFeed {
 impl DataFeed {
     pub fn new(
         dataset: LoadedDataset,
-        buckets: Vec<Bucket>,
+        rules: &DatasetRules,
         data: &DataPlan,
-        batch_size: usize,
         grad_accum: usize,
         masks: Option<MaskSource>,
     ) -> Self {
         let items: Arc<[ImageMeta]> = dataset.items.clone().into();
         Self {
+            buckets: rules.assign(&dataset.items),
+            datasets: rules.datasets(&dataset.items),
+            batch_sizes: rules.batch_sizes.clone(),
             dataset,
             items,
-            buckets,
-            batch_size,
             grad_accum,
             decode: DecodeSettings {
                 crop_jitter: data.crop_jitter,
@@ -351,14 +435,11 @@ impl DataFeed {
     /// The micro-batches of `epoch`.
     pub fn epoch(&self, seed: u64, epoch: usize) -> EpochBatches {
         let rated = self.rated.as_ref();
-        epoch_batches_rated(
-            &self.dataset,
-            &self.buckets,
-            self.batch_size,
-            seed,
-            epoch,
-            rated,
-        )
+        let batching = Batching {
+            group_of: &self.datasets,
+            batch_sizes: &self.batch_sizes,
+        };
+        epoch_batches_grouped(&self.dataset, &self.buckets, &batching, seed, epoch, rated)
     }
 
     pub fn steps_in(&self, batches: &EpochBatches) -> usize {

@@ -145,7 +145,12 @@ impl<'a> DatasetImages<'a> {
 
     /// The dataset's entry of `ss_datasets`.
     fn metadata(&self, f: &RunFacts<'_>, subsets: &[&KohyaSubset], tags: PyValue) -> PyValue {
-        let d = &f.plan.data;
+        // This dataset's resolution, batch size and buckets.
+        let shapes = f.plan.dataset_shapes();
+        let dataset = subsets.first().map_or(0, |s| s.dataset);
+        let Some(d) = shapes.get(dataset).or(shapes.first()) else {
+            return PyValue::None;
+        };
         let repeats = |items: &mut dyn Iterator<Item = &ImageMeta>| -> i64 {
             items.map(|i| i.multiplier).sum::<f64>().round() as i64
         };
@@ -174,7 +179,7 @@ impl<'a> DatasetImages<'a> {
             ("is_dreambooth".into(), PyValue::Bool(dreambooth)),
             (
                 "batch_size_per_device".into(),
-                PyValue::Int(f.plan.batch_size as i64),
+                PyValue::Int(d.batch_size as i64),
             ),
             (
                 "num_train_images".into(),

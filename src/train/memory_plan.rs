@@ -132,12 +132,14 @@ pub fn plan_memory(
     plan: &TrainPlan,
     amp: Amp,
     cfg: &UnetConfig,
-    resolution: usize,
+    native: usize,
     census: &Census,
     card: Option<(f64, String)>,
 ) -> MemoryPlan {
     let d = &plan.data;
     let widths = block_widths(cfg);
+    let resolution = plan.data.resolution.unwrap_or(native);
+    let largest = largest_dataset(plan, native);
     let ema_on_device =
         matches!(plan.ema, Some(e) if e.device == crate::config::EmaDevice::Training);
     let base = RunTerms {
@@ -149,8 +151,8 @@ pub fn plan_memory(
         fused: plan.precision.fused_backward_pass,
         fp8_base: plan.mode != TrainMode::Full
             && plan.precision.base_weight_dtype == crate::config::BaseWeightDtype::Fp8,
-        batch: plan.batch_size,
-        latent_px: largest_bucket_pixels(plan, resolution) as f64 / 64.0,
+        batch: largest.batch,
+        latent_px: largest.pixels as f64 / 64.0,
         accumulating: plan.grad_accum > 1,
         trained_te: plan.mode == TrainMode::Full && plan.train_text_encoder,
         te_cached: d.text_cache.is_on(),
@@ -183,8 +185,10 @@ pub fn plan_memory(
     let shape = with(decision.blocks.as_ref());
     let mut out = shape.plan(census);
     out.assumptions = format!(
-        "batch {} at {resolution} px, {}, checkpointing {}{}",
-        plan.batch_size,
+        "batch {} at {} px{}, {}, checkpointing {}{}",
+        largest.batch,
+        largest.resolution,
+        largest.name,
         if amp == Amp::Off { "f32" } else { amp.name() },
         decision.summary(),
         match plan.precision.weight_dtype {
@@ -403,14 +407,53 @@ const FUSED_LIVE_TENSORS: f64 = 4.0;
 
 /// The pixels of the largest bucket the plan can produce at `resolution` (SD/SDXL take
 /// multiples of 64); `resolution²` without buckets.
-fn largest_bucket_pixels(plan: &TrainPlan, resolution: usize) -> usize {
-    let buckets = super::data_feed::bucket_list(plan.data.buckets.as_ref(), resolution, 64)
+fn largest_bucket_pixels(buckets: Option<&crate::config::BucketPlan>, resolution: usize) -> usize {
+    let buckets = super::data_feed::bucket_list(buckets, resolution, 64)
         .unwrap_or_else(|_| vec![crate::data::Bucket::new(resolution, resolution)]);
     buckets
         .iter()
         .map(|b| b.width * b.height)
         .max()
         .unwrap_or(resolution * resolution)
+}
+
+/// The dataset whose micro-batch holds the most pixels (batch × its largest bucket), which sets
+/// the activations' peak; `name` is `""` for a run of one dataset shape, else `(datasets[i])`.
+struct LargestDataset {
+    batch: usize,
+    pixels: usize,
+    resolution: usize,
+    name: String,
+}
+
+fn largest_dataset(plan: &TrainPlan, native: usize) -> LargestDataset {
+    let shapes = plan.dataset_shapes();
+    let mut best: Option<LargestDataset> = None;
+    for shape in &shapes {
+        let resolution = shape.resolution_or(native);
+        let pixels = largest_bucket_pixels(shape.buckets.as_ref(), resolution);
+        let load = shape.batch_size * pixels;
+        if best.as_ref().is_none_or(|b| load > b.batch * b.pixels) {
+            best = Some(LargestDataset {
+                batch: shape.batch_size,
+                pixels,
+                resolution,
+                name: match shapes.len() {
+                    1 => String::new(),
+                    _ => format!(" ({})", shape.name),
+                },
+            });
+        }
+    }
+    best.unwrap_or_else(|| {
+        let resolution = plan.data.resolution.unwrap_or(native);
+        LargestDataset {
+            batch: plan.batch_size,
+            pixels: resolution * resolution,
+            resolution,
+            name: String::new(),
+        }
+    })
 }
 
 impl fmt::Display for MemoryPlan {

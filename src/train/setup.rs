@@ -147,7 +147,7 @@ impl<'a> Session<'a> {
                 outputs.run.path.display(),
                 feed.dataset.epoch_len(),
                 steps_per_epoch,
-                plan.batch_size,
+                batch_sizes(plan),
                 plan.grad_accum,
                 total_steps
             ));
@@ -354,7 +354,7 @@ fn optimization(
         groups,
         params,
         scaler,
-        micro: MicroBatching::new(plan.batch_size),
+        micro: MicroBatching::new(plan.largest_batch()),
         total_steps,
         fused,
         dist: None,
@@ -385,8 +385,8 @@ fn checkpointed_blocks(
     let census = super::state_estimate::estimate(plan)
         .context("gradient_checkpointing \"auto\": pricing the model")?
         .census;
-    let memory =
-        super::memory_plan::plan_memory(plan, model.amp, cfg, model.resolution, &census, card);
+    let native = model.layout.native_resolution;
+    let memory = super::memory_plan::plan_memory(plan, model.amp, cfg, native, &census, card);
     let decision = memory.checkpointing;
     if let Some(note) = &decision.note {
         crate::console::say(format_args!("gradient checkpointing {note}"));
@@ -447,6 +447,9 @@ fn load(
         None => None,
     };
     check_resolution(&sd, resolution)?;
+    for shape in plan.dataset_shapes() {
+        check_resolution(&sd, shape.resolution_or(layout.native_resolution))?;
+    }
     let objective = build_objective(plan, &layout)?;
     Ok(Model {
         layout,
@@ -483,8 +486,9 @@ fn load_data(
         }
     };
     let align = model.sd.vae_scale << model.sd.unet.config.num_downsamples();
-    let bucket_rule = data_feed::BucketRule::of(data.buckets.as_ref(), model.resolution, align)?;
-    let mut validation = hold_out_validation(plan, &mut dataset, data_seed, &bucket_rule)?;
+    let native = model.layout.native_resolution;
+    let rules = data_feed::DatasetRules::of(plan, native, align)?;
+    let mut validation = hold_out_validation(plan, &mut dataset, data_seed, &rules)?;
     prepare_captions(&mut dataset.items, data);
     for set in validation.iter_mut().flat_map(|v| v.sets.iter_mut()) {
         prepare_captions(&mut set.items, data);
@@ -515,18 +519,12 @@ fn load_data(
             items.map(|i| (i.path.as_path(), i.caption.as_str())),
         )?;
     }
-    let buckets = data_feed::assign(&dataset.items, &bucket_rule);
     let masks = plan.objective.loss.mask.map(|m| m.source);
-    let mut feed = DataFeed::new(
-        dataset,
-        buckets,
-        data,
-        plan.batch_size,
-        plan.grad_accum,
-        masks,
-    );
+    let mut feed = DataFeed::new(dataset, &rules, data, plan.grad_accum, masks);
     feed.regularization = regularization;
-    if data.buckets.is_some() {
+    if rules.is_mixed() {
+        report_datasets(plan, &rules, &feed);
+    } else if data.buckets.is_some() {
         let list: Vec<String> = feed
             .bucket_counts()
             .iter()
@@ -880,7 +878,7 @@ fn hold_out_validation(
     plan: &TrainPlan,
     dataset: &mut LoadedDataset,
     data_seed: u64,
-    buckets: &data_feed::BucketRule,
+    buckets: &data_feed::DatasetRules,
 ) -> anyhow::Result<Option<Validation>> {
     let Some(v) = &plan.data.validation else {
         return Ok(None);
@@ -912,6 +910,36 @@ fn report_undersized(feed: &DataFeed, run_dir: &Path, data_root: &Path) -> anyho
         ));
     }
     Ok(())
+}
+
+/// One line per dataset of a dataset config whose datasets train at different resolutions,
+/// batch sizes or buckets: its shape and its images per bucket.
+fn report_datasets(plan: &TrainPlan, rules: &data_feed::DatasetRules, feed: &DataFeed) {
+    for (d, shape) in plan.dataset_shapes().iter().enumerate() {
+        let mut counts: Vec<(crate::data::Bucket, usize)> = Vec::new();
+        for (item, bucket) in feed.dataset.items.iter().zip(&feed.buckets) {
+            if rules.dataset_of(item) != d {
+                continue;
+            }
+            match counts.iter_mut().find(|(b, _)| b == bucket) {
+                Some((_, n)) => *n += 1,
+                None => counts.push((*bucket, 1)),
+            }
+        }
+        counts.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+        let list: Vec<String> = counts.iter().map(|(b, n)| format!("{b} ×{n}")).collect();
+        crate::console::say(format_args!(
+            "{}: {} px, batch {}, buckets: {}",
+            shape.name,
+            rules.resolutions[d],
+            rules.batch_sizes[d],
+            if list.is_empty() {
+                "no images".to_string()
+            } else {
+                list.join(", ")
+            }
+        ));
+    }
 }
 
 fn report_dataset(dataset: &LoadedDataset) {
@@ -950,16 +978,34 @@ fn run_key(plan: &TrainPlan, resolution: usize) -> RunKey {
         mode: format!("{:?}", plan.mode).to_lowercase(),
         data_root: plan.data.data_root.clone(),
         resolution,
-        batch_size: plan.batch_size,
+        batch_size: plan.largest_batch(),
         grad_accum: plan.grad_accum,
         data_shape: format!(
-            "buckets {}, crop_jitter {}",
+            "buckets {}, crop_jitter {}{}",
             match &plan.data.buckets {
                 None => "off".to_string(),
                 Some(b) => format!("{:?} up to {:?}", b.aspects, b.max_ratio),
             },
-            plan.data.crop_jitter
+            plan.data.crop_jitter,
+            // Only where the datasets differ, so older save points keep their key.
+            match &plan.data.dataset_config {
+                Some(c) if c.mixed_shapes() => format!(", datasets {:?}", c.shapes),
+                _ => String::new(),
+            }
         ),
+    }
+}
+
+/// The run's micro-batch size, or each dataset's (`2/1`) when they differ.
+fn batch_sizes(plan: &TrainPlan) -> String {
+    let sizes: Vec<String> = plan
+        .dataset_shapes()
+        .iter()
+        .map(|s| s.batch_size.to_string())
+        .collect();
+    match sizes.iter().all(|s| *s == sizes[0]) {
+        true => plan.batch_size.to_string(),
+        false => sizes.join("/"),
     }
 }
 

@@ -183,7 +183,7 @@ impl Validation {
         plan: &ValidationPlan,
         dataset: &mut LoadedDataset,
         seed: u64,
-        buckets: &data_feed::BucketRule,
+        buckets: &data_feed::DatasetRules,
         max_pixels: u64,
     ) -> anyhow::Result<Self> {
         let seed = plan.seed.unwrap_or(seed);
@@ -204,7 +204,7 @@ impl Validation {
                 }
                 ValSet {
                     name,
-                    buckets: data_feed::assign(&items, buckets),
+                    buckets: buckets.assign(&items),
                     seeds: step_seeds(seed ^ STREAM, k, items.len()),
                     items,
                     latents: None,

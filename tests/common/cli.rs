@@ -79,6 +79,13 @@ pub fn step_losses(run: &Path) -> Vec<f64> {
         .collect()
 }
 
+/// The `__metadata__` of the safetensors file at `path` (an adapter file's kohya keys).
+pub fn file_metadata(path: &Path) -> std::collections::HashMap<String, String> {
+    let bytes = std::fs::read(path).unwrap();
+    let (_, header) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+    header.metadata().clone().unwrap_or_default()
+}
+
 /// `sdtrain sample` on the tiny fixture `fixture` (2 steps, 32×32, "a red cat", on the CPU) with
 /// `extra` arguments, writing `out` under `dir`: the log and the image. Fails the test when the
 /// command fails.
