@@ -160,9 +160,19 @@ pub fn subset_name(name: &str) -> Option<(u64, &str)> {
     Some((count.parse().ok().filter(|_| is_count)?, tokens))
 }
 
-/// The image files directly in `dir` (not hidden, not loss masks), sorted.
+/// The image files directly in `dir` (not hidden, not loss masks), sorted. Files in formats
+/// sdtrain does not read are left out with a warning.
 pub(super) fn subset_images(dir: &Path) -> Result<Vec<PathBuf>, DataError> {
-    Ok(sorted_entries(dir)?
+    let entries = sorted_entries(dir)?;
+    let unread: Vec<PathBuf> = entries
+        .iter()
+        .filter(|p| p.is_file() && super::scan::is_unread_image(p))
+        .cloned()
+        .collect();
+    if let Some(line) = super::scan::unread_warning(&dir.display().to_string(), &unread) {
+        crate::console::say(format_args!("{line}"));
+    }
+    Ok(entries
         .into_iter()
         .filter(|p| p.is_file() && is_image(p) && !super::mask::is_mask_file(p))
         .collect())

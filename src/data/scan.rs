@@ -32,8 +32,50 @@ use super::image_config::{self, ImageConfig, YAML_EXTENSIONS};
 use super::tag_shuffle::ItemOptions;
 use super::DataError;
 
-/// Image extensions the scanner picks up, compared case-insensitively.
-pub const IMAGE_EXTENSIONS: [&str; 6] = ["jpg", "jpeg", "png", "webp", "bmp", "jfif"];
+/// Image extensions the scanner picks up, compared case-insensitively: EveryDream2's, kohya's
+/// (without its optional Pillow plugins) and OneTrainer's `.tif`/`.tiff`.
+pub const IMAGE_EXTENSIONS: [&str; 8] =
+    ["jpg", "jpeg", "png", "webp", "bmp", "jfif", "tif", "tiff"];
+
+/// Image formats other trainers may read (OneTrainer's AVIF, kohya's AVIF and JPEG XL through
+/// Pillow plugins) or a dataset may hold, which sdtrain does not decode. Such files are left out
+/// with one warning naming them, rather than silently.
+pub const UNREAD_IMAGE_EXTENSIONS: [&str; 7] = ["avif", "jxl", "heic", "heif", "gif", "tga", "psd"];
+
+/// True when `path` has one of [`UNREAD_IMAGE_EXTENSIONS`], in any case.
+pub fn is_unread_image(path: &Path) -> bool {
+    path.extension().and_then(OsStr::to_str).is_some_and(|ext| {
+        UNREAD_IMAGE_EXTENSIONS
+            .iter()
+            .any(|known| known.eq_ignore_ascii_case(ext))
+    })
+}
+
+/// The one warning for the `files` of formats sdtrain does not read, found under `place`
+/// (`data_root`, a subset's folder): how many of each extension, and the first file.
+pub fn unread_warning(place: &str, files: &[PathBuf]) -> Option<String> {
+    let first = files.first()?;
+    let mut counts: Vec<(String, usize)> = Vec::new();
+    for f in files {
+        let ext = f
+            .extension()
+            .map(|e| e.to_string_lossy().to_ascii_lowercase())
+            .unwrap_or_default();
+        match counts.iter_mut().find(|(e, _)| *e == ext) {
+            Some((_, n)) => *n += 1,
+            None => counts.push((ext, 1)),
+        }
+    }
+    let list: Vec<String> = counts.iter().map(|(e, n)| format!(".{e} ×{n}")).collect();
+    Some(format!(
+        "warning: {place}: {} image{} in a format sdtrain cannot read left out ({}; the first: \
+         {}); convert them to PNG, JPEG, WebP, BMP or TIFF to train on them",
+        files.len(),
+        if files.len() == 1 { "" } else { "s" },
+        list.join(", "),
+        first.display()
+    ))
+}
 
 /// The per-folder repeat file.
 pub const MULTIPLY_FILE: &str = "multiply.txt";
@@ -59,6 +101,9 @@ pub fn scan(data_root: &Path) -> Result<Vec<ImageRecord>, DataError> {
 pub fn scan_as(key: &'static str, root: &Path) -> Result<Vec<ImageRecord>, DataError> {
     check_root(key, root)?;
     let walk = walk(key, root)?;
+    if let Some(line) = unread_warning(key, &walk.unread) {
+        crate::console::say(format_args!("{line}"));
+    }
     if let Some(first) = walk.kohya.first() {
         crate::console::say(format_args!("{}", kohya_warning(first, walk.kohya.len())));
     }
@@ -180,6 +225,8 @@ struct Walk {
     kohya: Vec<KohyaFolder>,
     /// Images dropped because their folder's multiplier is 0.
     excluded: usize,
+    /// Files in image formats sdtrain does not read ([`UNREAD_IMAGE_EXTENSIONS`]).
+    unread: Vec<PathBuf>,
     /// Canonical folders already walked, so a symbolic-link loop ends.
     seen: HashSet<PathBuf>,
 }
@@ -214,6 +261,8 @@ impl Walk {
         let global = image_config::folder_global(dir, &file_names, parent_global)?;
         let local = image_config::folder_local(dir, &file_names)?;
         let folder = global.merge(&local);
+        self.unread
+            .extend(files.iter().filter(|p| is_unread_image(p)).cloned());
         // A `-masklabel.png` is the loss mask of the image beside it, never a training image.
         let images = files
             .iter()
@@ -343,13 +392,44 @@ mod tests {
     #[test]
     fn extensions_match_case_insensitively() {
         for name in [
-            "a.jpg", "a.JPG", "a.Jpeg", "a.png", "a.WEBP", "a.bmp", "a.jfif",
+            "a.jpg", "a.JPG", "a.Jpeg", "a.png", "a.WEBP", "a.bmp", "a.jfif", "a.tif", "a.TIFF",
         ] {
             assert!(is_image(Path::new(name)), "{name}");
         }
-        for name in ["a.txt", "a.gif", "a", "a.png.txt", "a.caption"] {
+        for name in ["a.txt", "a.gif", "a", "a.png.txt", "a.caption", "a.avif"] {
             assert!(!is_image(Path::new(name)), "{name}");
         }
+    }
+
+    /// A TIFF trains as OneTrainer reads it; an AVIF or JPEG XL file, which sdtrain cannot
+    /// decode, is left out and counted rather than dropped silently. Catches `.tif` missing from
+    /// the scan (or the decoder), and an unreadable file listed as an image (the run would fail
+    /// on it) or not reported.
+    #[test]
+    fn tiffs_are_read_and_unreadable_formats_are_reported() {
+        let dir = tempfile::tempdir().unwrap();
+        let tif = dir.path().join("cat.tif");
+        image::RgbImage::from_pixel(6, 4, image::Rgb([10, 200, 30]))
+            .save(&tif)
+            .unwrap();
+        for name in ["dog.avif", "sub/eel.AVIF", "fox.jxl"] {
+            let path = dir.path().join(name);
+            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+            std::fs::write(path, b"not decoded").unwrap();
+        }
+        let walk = walk("data_root", dir.path()).unwrap();
+        let paths: Vec<&Path> = walk.records.iter().map(|r| r.path.as_path()).collect();
+        assert_eq!(paths, [tif.as_path()]);
+        assert_eq!(walk.unread.len(), 3);
+        let line = unread_warning("data_root", &walk.unread).unwrap();
+        assert!(
+            line.contains("3 images") && line.contains(".avif ×2") && line.contains(".jxl ×1"),
+            "{line}"
+        );
+        let image = super::super::image_load::decode_rgb(&tif).unwrap();
+        assert_eq!((image.width(), image.height()), (6, 4));
+        assert_eq!(image.get_pixel(5, 3).0, [10, 200, 30]);
+        assert_eq!(unread_warning("data_root", &[]), None);
     }
 
     #[test]
