@@ -239,6 +239,40 @@ fn datasets_at_their_own_resolution_and_batch_size_train_in_one_run() {
     );
 }
 
+/// Each dataset's own `validation_split` and `validation_seed`, drawn per subset as kohya's
+/// `split_train_val`: the subject's dataset holds nothing out, and the other's three images at
+/// 0.5 train on ceil(1.5) = 2 and validate round(1.5) = 2, one image in both, as in kohya. So an
+/// epoch is 2 × 2 + 2 = 6 samples and validation 2 images. Catches the split taken from the whole
+/// run (it would hold out subject images), kohya's overlap lost (5 samples), and the second
+/// dataset's split refused or ignored.
+#[test]
+fn each_dataset_holds_out_its_own_validation_split_as_kohya() {
+    let tmp = tempfile::tempdir().unwrap();
+    images(tmp.path());
+    let toml = "[general]\nresolution = 64\nbatch_size = 1\ncaption_extension = \".txt\"\n\
+                [[datasets]]\n[[datasets.subsets]]\nimage_dir = \"imgs/subject\"\n\
+                class_tokens = \"ted man\"\nnum_repeats = 2\n\
+                [[datasets]]\nvalidation_split = 0.5\nvalidation_seed = 11\n\
+                [[datasets.subsets]]\nimage_dir = \"imgs/reg\"\nclass_tokens = \"man\"\n";
+    let extra = serde_json::json!({"max_steps": null, "max_epochs": 1});
+    let cfg = config(tmp.path(), toml, extra);
+    let out = sdtrain(
+        &["--config", cfg.to_str().unwrap(), "--cpu", "--dry-run"],
+        tmp.path(),
+    );
+    let log = text(&out);
+    assert!(out.status.success(), "{log}");
+    assert!(
+        log.contains("each dataset's validation_split of its subsets (kohya's split_train_val)"),
+        "{log}"
+    );
+    let out = sdtrain(&["--config", cfg.to_str().unwrap(), "--cpu"], tmp.path());
+    let log = text(&out);
+    assert!(out.status.success(), "{log}");
+    assert!(log.contains("validation: 2 images"), "{log}");
+    assert!(log.contains("6 samples/epoch"), "{log}");
+}
+
 /// `--dry-run` lists the subsets; each mistake is refused before anything loads (exit 2),
 /// naming the file and the key's place in it.
 #[test]
@@ -292,9 +326,9 @@ fn dataset_config_mistakes_name_their_place() {
             "dataset key",
         ),
         (
-            "[[datasets]]\nvalidation_split = 0.5\n[[datasets.subsets]]\nimage_dir = \"imgs/subject\"\n[[datasets]]\n[[datasets.subsets]]\nimage_dir = \"imgs/reg\"\n".to_string(),
-            "datasets[1].validation_split",
-            "every dataset must agree",
+            "[[datasets]]\nvalidation_split = 1.5\n[[datasets.subsets]]\nimage_dir = \"imgs/subject\"\n".to_string(),
+            "datasets[0].validation_split",
+            "below 1",
         ),
         (
             format!("{subset}[[datasets]]\nenable_bucket = true\nmin_bucket_reso = 2048\nmax_bucket_reso = 1024\n[[datasets.subsets]]\nimage_dir = \"imgs/reg\"\n"),

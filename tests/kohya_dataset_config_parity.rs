@@ -1,6 +1,7 @@
 //! kohya's bucket keys (`min_bucket_reso`, `max_bucket_reso`, `bucket_reso_steps`, in train.json
-//! or a dataset config) against kohya's `make_bucket_resolutions`
-//! (tests/fixtures/kohya_dataset_config_reference.py, run on kohya's own function).
+//! or a dataset config) against kohya's `make_bucket_resolutions`, and a dataset's validation
+//! split against its `split_train_val` (tests/fixtures/kohya_dataset_config_reference.py, run on
+//! kohya's own functions).
 
 mod common;
 
@@ -53,5 +54,32 @@ fn no_upscale_buckets_match_select_bucket() {
             [want[0].as_u64().unwrap(), want[1].as_u64().unwrap()],
             "{case}"
         );
+    }
+}
+
+/// A dataset's `validation_split` and `validation_seed`: the images each of kohya's two
+/// `split_train_val` calls keeps, by index into the subset's sorted list, in kohya's order.
+/// Catches Rust's half-away-from-zero `round` (10 × 0.25 would hold out 3), a floor for the
+/// training count's ceiling, the image both halves share dropped from one, and Python's seeding
+/// of integers past 32 bits.
+#[test]
+fn validation_splits_match_split_train_val() {
+    let reference = common::reference_json("reference/kohya_dataset_config.json");
+    for case in reference["splits"].as_array().unwrap() {
+        let got = sdtrain::data::kohya_split::split_train_val(
+            case["images"].as_u64().unwrap() as usize,
+            case["split"].as_f64().unwrap(),
+            case["seed"].as_u64().unwrap(),
+        );
+        let list = |k: &str| -> Vec<usize> {
+            case[k]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_u64().unwrap() as usize)
+                .collect()
+        };
+        assert_eq!(got.train, list("train"), "{case}");
+        assert_eq!(got.validation, list("validation"), "{case}");
     }
 }

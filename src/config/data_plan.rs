@@ -12,7 +12,7 @@ use super::dataset_config::DatasetConfigPlan;
 use super::error::ConfigError;
 use super::regularization_plan::{resolve_layout, resolve_regularization, RegularizationPlan};
 use super::train_file::TrainFile;
-use super::validation_plan::{resolve_validation, ValidationPlan};
+use super::validation_plan::{resolve_validation, SplitRule, ValidationPlan};
 use crate::data::kohya_layout::DEFAULT_CAPTION_EXTENSION;
 use crate::data::rated::RatedSchedule;
 use crate::data::DataLayout;
@@ -246,6 +246,13 @@ pub(super) fn resolve_data(
         0.0,
     )?;
     let kohya_captions = resolve_kohya_captions(file, ctx)?;
+    let validation = resolve_validation(file, ctx)?.map(|mut v| {
+        // A dataset config's split is its subsets' own, as kohya draws it.
+        if dataset_config.is_some() && v.split_rule == SplitRule::Sdtrain {
+            v.split_rule = SplitRule::Kohya;
+        }
+        v
+    });
     Ok(DataPlan {
         data_root,
         layout,
@@ -300,7 +307,7 @@ pub(super) fn resolve_data(
             crate::data::DEFAULT_MAX_PIXELS,
             1,
         )?,
-        validation: resolve_validation(file, ctx)?,
+        validation,
         buckets: resolve_buckets(file, ctx)?,
         crop_jitter,
         cache_latents,

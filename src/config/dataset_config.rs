@@ -11,14 +11,17 @@
 //!   for that dataset's images ([`DatasetShape`]): datasets at different resolutions and batch
 //!   sizes train in one run, each micro-batch of one dataset and one bucket, as kohya's
 //!   `DatasetGroup` makes them. The first dataset's are the run's (its resolution is the one the
-//!   samples default to). `validation_split` must agree across datasets.
+//!   samples default to).
+//! - `validation_split` and `validation_seed` are each dataset's: its subsets are split as
+//!   kohya's `split_train_val` splits them (`crate::data::kohya_split`), regularization subsets
+//!   never.
 //! - As in kohya, train.json's `data_root` and `reg_data_root` are not read beside a dataset
 //!   config (a warning says so); `is_reg` subsets are the regularization images, balanced within
 //!   their dataset and weighed by train.json's `prior_loss_weight`.
 //! - What sdtrain cannot do is refused with the reason: `color_aug`, `random_crop`,
 //!   `face_crop_aug_range`, a `network_multiplier` other than 1 and ControlNet subsets.
-//!   `cache_info` (a loading cache) changes nothing; `custom_attributes`, `resize_interpolation`
-//!   and `validation_seed` are not used, with a warning.
+//!   `cache_info` (a loading cache) changes nothing; `custom_attributes` and
+//!   `resize_interpolation` are not used, with a warning.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -34,6 +37,7 @@ use super::regularization_plan::caption_extension;
 use super::train_file::TrainFile;
 use crate::data::kohya_caption::{KohyaCaptions, SubsetCaptions, TokenWarmup, CAPTION_SEPARATOR};
 use crate::data::kohya_layout::DEFAULT_CAPTION_EXTENSION;
+use crate::data::kohya_split::SubsetSplit;
 use crate::data::kohya_subsets::{KohyaSubset, SubsetSource};
 
 /// kohya's `flip_aug`: half the samples flipped.
@@ -120,10 +124,7 @@ pub(super) fn apply_dataset_config(
                 (command_line, String::new()),
             ],
         };
-        let keys = run_keys(&chain, &cx, &mut ignored)?;
-        if let Some((first, first_at)) = run.first() {
-            same_validation_split(first, first_at, &keys, &at, &cx)?;
-        }
+        let keys = run_keys(&chain, &cx)?;
         run.push((keys, at.clone()));
         check_kind_mix(tables, &at, &cx)?;
         for (j, table) in tables.iter().enumerate() {
@@ -175,6 +176,10 @@ pub(super) fn apply_dataset_config(
             "has no training subset: every subset is `is_reg` or has `num_repeats` below 1".into(),
         ));
     }
+    // The held-out images are each subset's (kohya's split, `crate::data::kohya_split`); the
+    // largest split stands for them in train.json's key, which turns the validation loss on.
+    let held = subsets.iter().filter_map(|s| s.validation.map(|v| v.split));
+    file.validation_split = held.reduce(f64::max);
     let shapes = dataset_shapes(file, &run, &path, ctx)?;
     if let Some((keys, _)) = run.first() {
         keys.write_into(file);
@@ -248,8 +253,7 @@ fn warn_ignored(path: &Path, file: &TrainFile, ignored: &BTreeSet<String>) {
         let list: Vec<&str> = ignored.iter().map(String::as_str).collect();
         crate::console::say(format_args!(
             "warning: dataset config {}: not used by sdtrain: {} (custom_attributes serve other \
-             models; images are resized with sdtrain's own filter; the validation split is \
-             drawn from the run's seed)",
+             models; images are resized with sdtrain's own filter)",
             path.display(),
             list.join(", ")
         ));
@@ -266,7 +270,6 @@ struct RunKeys {
 enum RunValue {
     Int(i64),
     Bool(bool),
-    Number(f64),
 }
 
 impl std::fmt::Display for RunValue {
@@ -274,7 +277,6 @@ impl std::fmt::Display for RunValue {
         match self {
             RunValue::Int(v) => write!(f, "{v}"),
             RunValue::Bool(v) => write!(f, "{v}"),
-            RunValue::Number(v) => write!(f, "{v}"),
         }
     }
 }
@@ -314,7 +316,6 @@ impl RunKeys {
                 ("max_bucket_reso", RunValue::Int(v)) => file.max_bucket_reso = Some(*v),
                 ("bucket_reso_steps", RunValue::Int(v)) => file.bucket_reso_steps = Some(*v),
                 ("bucket_no_upscale", RunValue::Bool(v)) => file.bucket_no_upscale = Some(*v),
-                ("validation_split", RunValue::Number(v)) => file.validation_split = Some(*v),
                 _ => {}
             }
         }
@@ -322,11 +323,7 @@ impl RunKeys {
 }
 
 /// The run keys `[[datasets]]` entry (with `[general]` under it) sets, checked.
-fn run_keys(
-    chain: &Chain<'_>,
-    cx: &TomlCtx<'_>,
-    ignored: &mut BTreeSet<String>,
-) -> Result<RunKeys, ConfigError> {
+fn run_keys(chain: &Chain<'_>, cx: &TomlCtx<'_>) -> Result<RunKeys, ConfigError> {
     let mut keys = RunKeys::default();
     if let Some((v, at)) = chain.get("resolution") {
         let square = match (v.as_integer(), v.as_array().map(Vec::as_slice)) {
@@ -368,15 +365,6 @@ fn run_keys(
     if let Some((v, at)) = chain.bool("enable_bucket") {
         keys.values.push(("enable_bucket", RunValue::Bool(v), at));
     }
-    if let Some((v, at)) = chain.number("validation_split") {
-        if !(0.0..1.0).contains(&v) {
-            return Err(cx.invalid(&at, format!("must be at least 0 and below 1 (got {v})")));
-        }
-        if v > 0.0 {
-            keys.values
-                .push(("validation_split", RunValue::Number(v), at));
-        }
-    }
     if let Some((v, at)) = chain.bool("bucket_no_upscale") {
         keys.values
             .push(("bucket_no_upscale", RunValue::Bool(v), at));
@@ -392,35 +380,7 @@ fn run_keys(
             ));
         }
     }
-    if let Some((_, at)) = chain.get("validation_seed") {
-        ignored.insert(at);
-    }
     Ok(keys)
-}
-
-/// Datasets must agree on `validation_split`: the validation set is held out of the whole run.
-fn same_validation_split(
-    first: &RunKeys,
-    first_at: &str,
-    keys: &RunKeys,
-    at: &str,
-    cx: &TomlCtx<'_>,
-) -> Result<(), ConfigError> {
-    let key = "validation_split";
-    let (a, b) = (first.get(key), keys.get(key));
-    if a.map(|x| x.0) == b.map(|x| x.0) {
-        return Ok(());
-    }
-    let show = |v: Option<(&RunValue, &str)>| v.map_or("not set".into(), |v| v.0.to_string());
-    Err(cx.invalid(
-        &b.map_or(format!("{at}.{key}"), |v| v.1.to_string()),
-        format!(
-            "is {} but {first_at}'s is {}: sdtrain holds one validation split out of the whole \
-             run, so every dataset must agree (make them equal)",
-            show(b),
-            show(a)
-        ),
-    ))
 }
 
 /// Each dataset's resolution, batch size and buckets: train.json's (`base`, which kohya's
@@ -583,6 +543,36 @@ fn resolve_subset(
         caption_prefix: text("caption_prefix", &f.caption_prefix),
         caption_suffix: text("caption_suffix", &f.caption_suffix),
         captions: Arc::new(subset_captions(s)?),
+        validation: match is_reg {
+            // kohya never splits regularization images.
+            true => None,
+            false => subset_split(s)?,
+        },
+    }))
+}
+
+/// The subset's dataset's `validation_split` and `validation_seed` (each its dataset's, else
+/// `[general]`'s, else train.json's or the kohya config's), when the split is above 0.
+fn subset_split(s: &SubsetInput<'_>) -> Result<Option<SubsetSplit>, ConfigError> {
+    let split = match s.chain.number("validation_split") {
+        Some((v, at)) if !(0.0..1.0).contains(&v) => {
+            return Err(s
+                .cx
+                .invalid(&at, format!("must be at least 0 and below 1 (got {v})")))
+        }
+        Some((v, _)) => v,
+        None => s.file.validation_split.unwrap_or(0.0),
+    };
+    if split <= 0.0 {
+        return Ok(None);
+    }
+    Ok(Some(SubsetSplit {
+        split,
+        // Python's `random.seed` takes an integer's absolute value.
+        seed: s
+            .chain
+            .int("validation_seed")
+            .map(|(v, _)| v.unsigned_abs()),
     }))
 }
 

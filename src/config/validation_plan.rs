@@ -50,6 +50,9 @@ pub enum SplitRule {
     /// EveryDream2's `get_random_split`: sorted by path, shuffled by Python's generator seeded
     /// with the validation seed, the first `ceil(p·n)` (at least one).
     EveryDream2,
+    /// kohya's `split_train_val` of each dataset-config subset, at its dataset's split and seed
+    /// (`crate::data::kohya_split`); `split` is then the largest of them.
+    Kohya,
 }
 
 /// When the validation loss is computed.
@@ -102,6 +105,9 @@ impl ValidationPlan {
         let mut parts = Vec::new();
         match (&self.data_root, self.split) {
             (Some(root), _) => parts.push(root.display().to_string()),
+            (None, Some(_)) if self.split_rule == SplitRule::Kohya => parts.push(
+                "each dataset's validation_split of its subsets (kohya's split_train_val)".into(),
+            ),
             (None, Some(s)) => parts.push(format!("{:.0}% of data_root", s * 100.0)),
             (None, None) => {}
         }

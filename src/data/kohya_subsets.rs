@@ -71,6 +71,9 @@ pub struct KohyaSubset {
     pub caption_suffix: Option<String>,
     #[serde(serialize_with = "inner")]
     pub captions: Arc<SubsetCaptions>,
+    /// kohya's validation split of this subset's images (its dataset's `validation_split` and
+    /// `validation_seed`); `None` for a regularization subset or a split of 0.
+    pub validation: Option<super::kohya_split::SubsetSplit>,
 }
 
 fn inner<S: serde::Serializer>(c: &Arc<SubsetCaptions>, s: S) -> Result<S::Ok, S::Error> {

@@ -19,6 +19,7 @@ pub mod image_config;
 pub mod image_load;
 pub mod kohya_caption;
 pub mod kohya_layout;
+pub mod kohya_split;
 pub mod kohya_subsets;
 pub mod mask;
 pub mod prefetch;

@@ -883,7 +883,18 @@ fn hold_out_validation(
     let Some(v) = &plan.data.validation else {
         return Ok(None);
     };
-    let mut val = Validation::setup(v, dataset, data_seed, buckets, plan.data.max_image_pixels)?;
+    let subsets = plan
+        .data
+        .dataset_config
+        .as_ref()
+        .map_or(&[][..], |c| c.subsets.as_slice());
+    let mut val = Validation::setup(
+        v,
+        dataset,
+        (data_seed, subsets),
+        buckets,
+        plan.data.max_image_pixels,
+    )?;
     val.masks = plan.objective.loss.mask.map(|m| m.source);
     let sets: Vec<String> = val
         .sets

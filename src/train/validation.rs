@@ -26,6 +26,7 @@ use super::data_feed;
 use super::latent_cache::{self, CacheSpec, LatentStore};
 use super::step::{forward_loss, prepare_batch, sample_rngs, step_seeds, SampleData, StepSettings};
 use crate::config::{SplitRule, ValidationPlan, ValidationWhen};
+use crate::data::kohya_subsets::KohyaSubset;
 use crate::data::mask::MaskSource;
 use crate::data::py_random::PyRandom;
 use crate::data::{load_data_root_limited, load_with_mask, Bucket, ImageMeta, LoadedDataset};
@@ -92,6 +93,50 @@ pub fn split_off(
     Ok(take_out(dataset, &order[..k]))
 }
 
+/// kohya's split of a dataset config's subsets ([`crate::data::kohya_split`]): each subset's
+/// images, sorted by path, split at its dataset's `validation_split`, shuffled by its
+/// `validation_seed` (else `seed`). The images training does not keep leave `dataset`; the
+/// validation images are returned (one may also stay in training, as in kohya).
+pub fn kohya_split(
+    dataset: &mut LoadedDataset,
+    subsets: &[KohyaSubset],
+    seed: u64,
+) -> anyhow::Result<Vec<ImageMeta>> {
+    let mut out = Vec::new();
+    let mut dropped = Vec::new();
+    for s in subsets {
+        let Some(split) = s.validation else {
+            continue;
+        };
+        let mut own: Vec<usize> = (0..dataset.items.len())
+            .filter(|&i| dataset.items[i].options.subset == Some(s.index))
+            .collect();
+        own.sort_by(|&a, &b| dataset.items[a].path.cmp(&dataset.items[b].path));
+        let picked = crate::data::kohya_split::split_train_val(
+            own.len(),
+            split.split,
+            split.seed.unwrap_or(seed),
+        );
+        out.extend(
+            picked
+                .validation
+                .iter()
+                .map(|&k| dataset.items[own[k]].clone()),
+        );
+        let kept: std::collections::HashSet<usize> = picked.train.iter().copied().collect();
+        dropped.extend((0..own.len()).filter(|k| !kept.contains(k)).map(|k| own[k]));
+    }
+    if out.is_empty() {
+        bail!(
+            "validation_split holds out no image: each subset keeps ceil(n·(1 − split)) images \
+             and validates round(n·split), which is 0 here (kohya's split_train_val); raise the \
+             split or add images"
+        );
+    }
+    take_out(dataset, &dropped);
+    Ok(out)
+}
+
 /// EveryDream2's `get_random_split`: the items sorted by path, shuffled by `rng` (Python's
 /// generator, continuing from one split to the next as EveryDream2's global `random` does), the
 /// first `max(1, ceil(p·n))`. Returns the positions in `items`, and the rest in shuffled order.
@@ -132,7 +177,7 @@ fn take_out(dataset: &mut LoadedDataset, positions: &[usize]) -> Vec<ImageMeta> 
 fn build_sets(
     plan: &ValidationPlan,
     dataset: &mut LoadedDataset,
-    seed: u64,
+    (seed, subsets): (u64, &[KohyaSubset]),
     max_pixels: u64,
 ) -> anyhow::Result<Vec<(String, Vec<ImageMeta>)>> {
     let read = |root: &std::path::Path, what: &str| -> anyhow::Result<Vec<ImageMeta>> {
@@ -146,6 +191,9 @@ fn build_sets(
         (Some(root), _, _) => sets.push((VAL.to_string(), read(root, "validation folder")?)),
         (None, Some(split), SplitRule::Sdtrain) => {
             sets.push((VAL.to_string(), split_off(dataset, split, seed)?))
+        }
+        (None, Some(_), SplitRule::Kohya) => {
+            sets.push((VAL.to_string(), kohya_split(dataset, subsets, seed)?))
         }
         (None, Some(split), SplitRule::EveryDream2) => {
             let (held, _) = ed2_random_split(&dataset.items, split, &mut rng);
@@ -179,15 +227,16 @@ fn build_sets(
 impl Validation {
     /// The validation sets `plan` names; a split is taken out of `dataset`. Draws use the plan's
     /// seed, else the run's `seed`.
+    /// `subsets`: a dataset config's, whose own splits [`SplitRule::Kohya`] draws.
     pub fn setup(
         plan: &ValidationPlan,
         dataset: &mut LoadedDataset,
-        seed: u64,
+        (seed, subsets): (u64, &[KohyaSubset]),
         buckets: &data_feed::DatasetRules,
         max_pixels: u64,
     ) -> anyhow::Result<Self> {
         let seed = plan.seed.unwrap_or(seed);
-        let sets = build_sets(plan, dataset, seed, max_pixels)?;
+        let sets = build_sets(plan, dataset, (seed, subsets), max_pixels)?;
         let sets: Vec<ValSet> = sets
             .into_iter()
             .enumerate()
