@@ -307,6 +307,34 @@ impl RunKeys {
                 file.bucket_no_upscale = None;
             }
         }
+        // kohya's `enable_bucket = true` generates kohya's sizes (`make_bucket_resolutions`),
+        // from kohya's command-line defaults where neither the config nor train.json gives the
+        // range; EveryDream2's table is train.json's own default, not kohya's.
+        if let Some((RunValue::Bool(true), _)) = self.get("enable_bucket") {
+            let given = [
+                "min_bucket_reso",
+                "max_bucket_reso",
+                "bucket_reso_steps",
+                "bucket_no_upscale",
+            ]
+            .iter()
+            .any(|k| self.get(k).is_some());
+            let in_file = file.min_bucket_reso.is_some()
+                || file.max_bucket_reso.is_some()
+                || file.bucket_reso_steps.is_some()
+                || file.bucket_no_upscale.is_some();
+            if !given && !in_file && file.aspects.is_none() {
+                use super::kohya_config_keys::defaults::BUCKETS;
+                for (key, v) in BUCKETS {
+                    match key {
+                        "min_bucket_reso" => file.min_bucket_reso = Some(v),
+                        "max_bucket_reso" => file.max_bucket_reso = Some(v),
+                        "bucket_reso_steps" => file.bucket_reso_steps = Some(v),
+                        _ => {}
+                    }
+                }
+            }
+        }
         for (key, value, _) in &self.values {
             match (*key, value) {
                 ("resolution", RunValue::Int(v)) => file.resolution = Some(*v),
@@ -867,6 +895,30 @@ image_dir = 'a'
         // The subsets know their datasets.
         let datasets: Vec<usize> = plan.subsets.iter().map(|s| s.dataset).collect();
         assert_eq!(datasets, [0, 1, 2]);
+    }
+
+    /// `enable_bucket = true` in a dataset config generates kohya's sizes, with kohya's
+    /// command-line range (256 to 1024 in steps of 64) where neither the config nor train.json
+    /// gives one; a dataset that leaves buckets to train.json keeps train.json's (EveryDream2's
+    /// table). Catches EveryDream2's table given to kohya's switch, and kohya's range forced over
+    /// train.json's own.
+    #[test]
+    fn kohyas_enable_bucket_makes_kohyas_sizes() {
+        let toml = "[[datasets]]\nenable_bucket = true\n[[datasets.subsets]]\nimage_dir = 'a'\n\
+                    [[datasets]]\n[[datasets.subsets]]\nimage_dir = 'a'\n";
+        let plan = apply(toml, &mut TrainFile::default()).unwrap();
+        let kohya = |i: usize| {
+            let b = plan.shapes[i].buckets.as_ref().unwrap();
+            b.kohya.map(|k| (k.min, k.max, k.steps))
+        };
+        assert_eq!((kohya(0), kohya(1)), (Some((256, 1024, 64)), None));
+        let mut file = TrainFile {
+            max_bucket_reso: Some(2048),
+            ..TrainFile::default()
+        };
+        let plan = apply(toml, &mut file).unwrap();
+        let b = plan.shapes[0].buckets.as_ref().unwrap().kohya.unwrap();
+        assert_eq!((b.min, b.max, b.steps), (256, 2048, 64));
     }
 
     #[test]
