@@ -132,6 +132,47 @@ fn threads_and_processes_train_what_one_process_does() {
     assert_close("two processes", &step_losses(&run_folder(&procs)), &want);
 }
 
+/// A kohya dataset config of two datasets at their own resolution and batch size: a step's two
+/// micro-batches can hold 2 images at 64 px and 1 at 128 px, one on each rank. Two thread ranks
+/// train what one process does. Catches a rank's micro-batch weighed by its count of
+/// micro-batches instead of its images, and a rank that buckets by the first dataset's size.
+#[test]
+fn ranks_train_datasets_of_two_resolutions_as_one_process_does() {
+    let tmp = tempfile::tempdir().unwrap();
+    let toml = tmp.path().join("datasets.toml");
+    let data = demo_data();
+    std::fs::write(
+        &toml,
+        format!(
+            "[general]\ncaption_extension = \".txt\"\nenable_bucket = false\n\
+             [[datasets]]\nresolution = 64\nbatch_size = 2\n\
+             [[datasets.subsets]]\nimage_dir = {data:?}\n\
+             [[datasets]]\nresolution = 128\nbatch_size = 1\n\
+             [[datasets.subsets]]\nimage_dir = {data:?}\n"
+        ),
+    )
+    .unwrap();
+    let extra = serde_json::json!({"dataset_config": toml});
+    let one = tmp.path().join("one");
+    let cfg = config_with(&one, 3, extra.clone());
+    let out = sdtrain(&["--config", cfg.to_str().unwrap(), "--cpu"], tmp.path());
+    assert!(out.status.success(), "{}", text(&out));
+    let want = step_losses(&run_folder(&one));
+    assert_eq!(want.len(), 3);
+    let threads = tmp.path().join("threads");
+    let cfg = config_with(&threads, 3, extra);
+    let out = sdtrain(
+        &["--config", cfg.to_str().unwrap(), "--devices", "cpu,cpu"],
+        tmp.path(),
+    );
+    assert!(out.status.success(), "{}", text(&out));
+    assert_close(
+        "--devices cpu,cpu",
+        &step_losses(&run_folder(&threads)),
+        &want,
+    );
+}
+
 /// Both ranks of a two-process run, each with its own config: their outputs, rank order.
 fn two_processes(cfgs: [&Path; 2], cwd: &Path) -> Vec<std::process::Output> {
     let port = free_port();

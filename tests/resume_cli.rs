@@ -164,6 +164,31 @@ fn a_killed_lora_run_resumes_exactly() {
     );
 }
 
+/// kohya's dataset config with two datasets at their own resolution and batch size (64 px in
+/// twos, 128 px one at a time): the resumed run draws the same mixed micro-batches, and a step's
+/// effective batch (1 or 2 images) is restored with it. Catches a resume that rebuilds the epoch
+/// with one batch size, or the retry's micro-batch from the first dataset's.
+#[test]
+fn a_killed_run_on_datasets_of_two_resolutions_resumes_exactly() {
+    let toml = tempfile::tempdir().unwrap();
+    let path = toml.path().join("datasets.toml");
+    let data = demo_data();
+    let text = format!(
+        "[general]\ncaption_extension = \".txt\"\nenable_bucket = false\n\
+         [[datasets]]\nresolution = 64\nbatch_size = 2\n\
+         [[datasets.subsets]]\nimage_dir = {data:?}\n\
+         [[datasets]]\nresolution = 128\nbatch_size = 1\n\
+         [[datasets.subsets]]\nimage_dir = {data:?}\n"
+    );
+    std::fs::write(&path, text).unwrap();
+    check_resume(
+        "lora",
+        "-KILL",
+        serde_json::json!({"dataset_config": path}),
+        &["sdtrain.safetensors"],
+    );
+}
+
 /// A step-size estimator's group scalars (Prodigy's `d`, its maximum, numerator and step count)
 /// are saved with the optimizer state and restored: catches an estimate restarted at `d0`.
 #[test]
