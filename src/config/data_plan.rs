@@ -10,7 +10,8 @@ use serde::Serialize;
 use super::ctx::Ctx;
 use super::dataset_config::DatasetConfigPlan;
 use super::error::ConfigError;
-use super::regularization_plan::{resolve_layout, resolve_regularization, RegularizationPlan};
+use super::layout_plan::resolve_layout;
+use super::regularization_plan::{resolve_regularization, RegularizationPlan};
 use super::train_file::TrainFile;
 use super::validation_plan::{resolve_validation, SplitRule, ValidationPlan};
 use crate::data::kohya_layout::DEFAULT_CAPTION_EXTENSION;
@@ -225,7 +226,7 @@ pub(super) fn resolve_data(
         ),
         None => {
             let data_root = resolve_data_root(file, ctx)?;
-            let layout = resolve_layout(file, ctx)?;
+            let layout = resolve_layout(file, ctx, Some(&data_root))?;
             let regularization = resolve_regularization(file, ctx, &data_root, &layout)?;
             (data_root, layout, regularization)
         }

@@ -1,10 +1,11 @@
 //! [`RegularizationPlan`]: `reg_data_root` and `prior_loss_weight` (kohya's `reg_data_dir` and
-//! `prior_loss_weight`; diffusers' DreamBooth `class_data_dir` with prior preservation), and
-//! `data_layout`/`caption_extension`, how both image folders are read. What the regularization
-//! set does in training: `crate::data::regularization`; the layouts: `crate::data::kohya_layout`.
+//! `prior_loss_weight`; diffusers' DreamBooth `class_data_dir` with prior preservation), read in
+//! the run's `data_layout` (`super::layout_plan`). What the regularization set does in training:
+//! `crate::data::regularization`; the layouts: `crate::data::kohya_layout`.
 //!
 //! `prior_loss_weight` is refused without `reg_data_root` (it would do nothing), and
-//! `caption_extension` without kohya's layout (EveryDream2's reads `.txt` and `.caption`).
+//! `reg_data_root` beside Hugging Face's imagefolder layout (diffusers' text-to-image scripts read
+//! none).
 //! `reg_data_root` may not hold `data_root` or lie inside it, where the same images would train
 //! as both; it does not combine with `rated_dataset`, whose shrinking epochs kohya's one-time
 //! balance cannot follow.
@@ -16,7 +17,6 @@ use serde::Serialize;
 use super::ctx::Ctx;
 use super::error::ConfigError;
 use super::train_file::TrainFile;
-use crate::data::kohya_layout::DEFAULT_CAPTION_EXTENSION;
 use crate::data::DataLayout;
 
 /// kohya's and diffusers' `prior_loss_weight` default.
@@ -45,40 +45,6 @@ pub struct ClassImagesPlan {
     pub count: usize,
 }
 
-/// `data_layout` (`"everydream"`, the default, or `"kohya"`) and its `caption_extension`.
-pub(super) fn resolve_layout(file: &TrainFile, ctx: &Ctx<'_>) -> Result<DataLayout, ConfigError> {
-    let kohya = match file.data_layout.as_deref() {
-        None | Some("everydream") => false,
-        Some("kohya") => true,
-        Some(other) => {
-            return Err(ctx.invalid(
-                "data_layout",
-                format!(
-                    "must be \"everydream\" (EveryDream2's folders, the default) or \"kohya\" \
-                     (kohya's `<repeats>_<class tokens>` folders); got \"{other}\""
-                ),
-            ))
-        }
-    };
-    let ext = file.caption_extension.as_deref();
-    if !kohya {
-        if ext.is_some() {
-            return Err(ctx.invalid(
-                "caption_extension",
-                "applies to `\"data_layout\": \"kohya\"`; EveryDream2's layout reads the .txt \
-                 or .caption file beside each image"
-                    .into(),
-            ));
-        }
-        return Ok(DataLayout::Everydream);
-    }
-    let ext = ext.unwrap_or(DEFAULT_CAPTION_EXTENSION);
-    Ok(DataLayout::Kohya {
-        caption_extension: caption_extension(ext)
-            .map_err(|why| ctx.invalid("caption_extension", why))?,
-    })
-}
-
 /// A caption extension with its leading dot (kohya adds none; ".txt" and "txt" both mean the
 /// `.txt` file here), or why it is not one.
 pub(super) fn caption_extension(raw: &str) -> Result<String, String> {
@@ -99,6 +65,15 @@ pub(super) fn resolve_regularization(
     data_root: &Path,
     layout: &DataLayout,
 ) -> Result<Option<RegularizationPlan>, ConfigError> {
+    if let (Some(_), DataLayout::ImageFolder { .. }) = (&file.reg_data_root, layout) {
+        return Err(ctx.invalid(
+            "reg_data_root",
+            "is not read beside Hugging Face's imagefolder layout (data_layout \"imagefolder\"), \
+             which diffusers' text-to-image scripts train without class images; use EveryDream2's \
+             or kohya's layout for a run with regularization images"
+                .into(),
+        ));
+    }
     let Some(raw) = file.reg_data_root.as_deref() else {
         let orphan = [
             ("prior_loss_weight", file.prior_loss_weight.is_some()),
@@ -219,6 +194,7 @@ fn check_folder_name(ctx: &Ctx<'_>, prompt: &str) -> Result<(), ConfigError> {
 
 #[cfg(test)]
 mod tests {
+    use super::super::layout_plan::resolve_layout;
     use super::*;
     use serde_json::json;
 
@@ -229,7 +205,7 @@ mod tests {
     #[test]
     fn layouts_and_caption_extensions() {
         let ctx = Ctx::new(Path::new("train.json"));
-        let layout = |v| resolve_layout(&file(v), &ctx);
+        let layout = |v| resolve_layout(&file(v), &ctx, None);
         assert_eq!(layout(json!({})).unwrap(), DataLayout::Everydream);
         let kohya = |ext: &str| DataLayout::Kohya {
             caption_extension: ext.into(),
@@ -268,7 +244,7 @@ mod tests {
         let ctx = Ctx::new(Path::new("train.json"));
         let resolve = |v: serde_json::Value| {
             let f = file(v);
-            let layout = resolve_layout(&f, &ctx)?;
+            let layout = resolve_layout(&f, &ctx, None)?;
             resolve_regularization(&f, &ctx, &data, &layout)
         };
         let s = |p: &Path| p.display().to_string();

@@ -31,6 +31,14 @@ impl fmt::Display for TrainPlan {
             (None, crate::data::DataLayout::Everydream) => {
                 row(f, "data_root", &d.data_root.display())?
             }
+            (None, crate::data::DataLayout::ImageFolder { caption_column }) => row(
+                f,
+                "data_root",
+                &format!(
+                    "{} (Hugging Face's imagefolder: its metadata rows, captions in `{caption_column}`)",
+                    d.data_root.display()
+                ),
+            )?,
             (None, crate::data::DataLayout::Kohya { caption_extension }) => row(
                 f,
                 "data_root",

@@ -195,12 +195,17 @@ pub struct TrainFile {
     pub resume_ckpt: Option<String>,
     #[serde(default)]
     pub data_root: Option<String>,
-    /// How `data_root` and `reg_data_root` are laid out: `"everydream"` or `"kohya"`.
+    /// How `data_root` and `reg_data_root` are laid out: `"everydream"`, `"kohya"` or
+    /// `"imagefolder"`.
     #[serde(default)]
     pub data_layout: Option<String>,
     /// kohya's layout: the caption files' extension (kohya's `caption_extension`).
     #[serde(default)]
     pub caption_extension: Option<String>,
+    /// The imagefolder layout: the metadata column holding captions (diffusers'
+    /// `--caption_column`).
+    #[serde(default)]
+    pub caption_column: Option<String>,
     /// A folder of regularization (class) images (kohya's `reg_data_dir`).
     #[serde(default)]
     pub reg_data_root: Option<String>,

@@ -184,6 +184,9 @@ pub fn load_source(
             caption_extension,
             source.all_caption_lines,
         )?,
+        DataLayout::ImageFolder { caption_column } => {
+            super::imagefolder::scan_imagefolder(source.key, source.root, caption_column)?
+        }
     };
     load_records(
         &records,

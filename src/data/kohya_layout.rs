@@ -46,6 +46,9 @@ pub enum DataLayout {
     /// kohya's DreamBooth folders (this module), caption files ending in `caption_extension`
     /// (with its leading dot).
     Kohya { caption_extension: String },
+    /// Hugging Face's imagefolder ([`super::imagefolder`]): metadata rows naming the images,
+    /// captions in `caption_column`.
+    ImageFolder { caption_column: String },
 }
 
 /// A kohya subset: one `<repeats>_<class tokens>` folder.

@@ -17,6 +17,7 @@ pub mod dataset;
 pub mod epoch_plan;
 pub mod image_config;
 pub mod image_load;
+pub mod imagefolder;
 pub mod kohya_caption;
 pub mod kohya_layout;
 pub mod kohya_split;

@@ -181,7 +181,8 @@ pub fn class_seed(seed: u64, number: usize) -> u64 {
 /// The folder class images are drawn into.
 pub fn class_folder(root: &Path, layout: &DataLayout, prompt: &str) -> PathBuf {
     match layout {
-        DataLayout::Everydream => root.to_path_buf(),
+        // The imagefolder layout has no class images (its reg_data_root is refused).
+        DataLayout::Everydream | DataLayout::ImageFolder { .. } => root.to_path_buf(),
         DataLayout::Kohya { .. } => root.join(format!("1_{prompt}")),
     }
 }
@@ -198,6 +199,9 @@ fn present(root: &Path, layout: &DataLayout) -> anyhow::Result<usize> {
         DataLayout::Everydream => scan_as("reg_data_root", root),
         DataLayout::Kohya { caption_extension } => {
             scan_kohya("reg_data_root", root, caption_extension)
+        }
+        DataLayout::ImageFolder { caption_column } => {
+            crate::data::imagefolder::scan_imagefolder("reg_data_root", root, caption_column)
         }
     };
     crate::console::set_quiet(was_quiet);
