@@ -293,3 +293,77 @@ fn caption_affixes_reach_both_folders() {
     assert_eq!(tags["1_ted man"]["8k"], 2, "{tags}");
     assert_eq!(tags["3_man"]["photo"], 3, "{tags}");
 }
+
+/// diffusers' DreamBooth folders: instance images without caption files train with
+/// `instance_prompt` (an image with its own `.txt` keeps it), and a `class_data_dir` of images
+/// named by a hash trains with `class_prompt`, as diffusers captions them. With the text encoders
+/// frozen the distinct captions are encoded once: the two prompts, the one caption file and the
+/// empty caption of `cond_dropout`, 4 in all. Catches captions from the file names (3 more), and
+/// a prompt put over an image's own caption file (3). `instance_prompt` beside kohya's folders
+/// (which name their captions) is refused.
+#[test]
+fn dreambooth_prompts_caption_the_images_without_captions() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (train, reg) = (tmp.path().join("instance"), tmp.path().join("class"));
+    std::fs::create_dir_all(&train).unwrap();
+    std::fs::create_dir_all(&reg).unwrap();
+    for (name, to, as_name) in [
+        ("red_circle", &train, "red_circle"),
+        ("blue_square", &train, "blue_square"),
+        ("green_square", &train, "green_square"),
+        ("black_triangle", &reg, "0-5f3a9c"),
+        ("blue_stripes", &reg, "1-77e0b2"),
+    ] {
+        std::fs::copy(
+            demo_data().join(format!("{name}.png")),
+            to.join(format!("{as_name}.png")),
+        )
+        .unwrap();
+    }
+    std::fs::write(train.join("red_circle.txt"), "a red circle").unwrap();
+    let keys = serde_json::json!({
+        "mode": "lora",
+        "instance_prompt": "a photo of sks shape",
+        "reg_data_root": reg,
+        "class_prompt": "a photo of a shape",
+        "num_class_images": 2,
+        "disable_textenc_training": true,
+    });
+    let cfg = write_config(tmp.path(), "tiny-sd15", &train, keys);
+    let out = sdtrain(
+        &["--config", cfg.to_str().unwrap(), "--cpu", "--dry-run"],
+        tmp.path(),
+    );
+    let log = text(&out);
+    assert!(out.status.success(), "{log}");
+    assert!(
+        log.contains("\"a photo of sks shape\" for every image without"),
+        "{log}"
+    );
+    let out = sdtrain(&["--config", cfg.to_str().unwrap(), "--cpu"], tmp.path());
+    let log = text(&out);
+    assert!(out.status.success(), "{log}");
+    assert!(
+        log.contains("text-encoder cache: 4 captions encoded"),
+        "{log}"
+    );
+
+    let set = "data_layout=kohya";
+    let out = sdtrain(
+        &[
+            "--config",
+            cfg.to_str().unwrap(),
+            "--cpu",
+            "--dry-run",
+            "--set",
+            set,
+        ],
+        tmp.path(),
+    );
+    let log = text(&out);
+    assert_eq!(out.status.code(), Some(2), "{log}");
+    assert!(
+        log.contains("instance_prompt") && log.contains("kohya's layout"),
+        "{log}"
+    );
+}

@@ -36,6 +36,9 @@ pub struct DataPlan {
     pub layout: DataLayout,
     /// Regularization images trained beside `data_root`'s.
     pub regularization: Option<RegularizationPlan>,
+    /// diffusers' DreamBooth `instance_prompt`: the caption of every `data_root` image without
+    /// one of its own (EveryDream2's layout), instead of its file name's.
+    pub instance_prompt: Option<String>,
     /// kohya's dataset config, which names the images instead of `data_root` (then the config
     /// file's folder) and `reg_data_root`.
     pub dataset_config: Option<DatasetConfigPlan>,
@@ -231,6 +234,7 @@ pub(super) fn resolve_data(
             (data_root, layout, regularization)
         }
     };
+    let instance_prompt = resolve_instance_prompt(file, ctx, &layout, dataset_config.is_some())?;
     let resolution = resolve_resolution(file, ctx)?;
     let cache_latents = match (file.cache_latents, file.cache_latents_to_disk) {
         (_, Some(true)) => CacheLatents::Disk,
@@ -258,6 +262,7 @@ pub(super) fn resolve_data(
         data_root,
         layout,
         regularization,
+        instance_prompt,
         resolution,
         flip_p,
         cond_dropout,
@@ -313,6 +318,40 @@ pub(super) fn resolve_data(
         crop_jitter,
         cache_latents,
     })
+}
+
+/// diffusers' `instance_prompt`: a non-empty prompt, read by EveryDream2's layout alone (kohya's
+/// folders name their class tokens, an imagefolder's rows their captions, a dataset config its
+/// subsets' `class_tokens`).
+fn resolve_instance_prompt(
+    file: &TrainFile,
+    ctx: &Ctx<'_>,
+    layout: &DataLayout,
+    dataset_config: bool,
+) -> Result<Option<String>, ConfigError> {
+    let Some(prompt) = file.instance_prompt.as_deref() else {
+        return Ok(None);
+    };
+    if prompt.trim().is_empty() {
+        return Err(ctx.invalid("instance_prompt", "must not be empty".into()));
+    }
+    let other = match (dataset_config, layout) {
+        (true, _) => Some("a dataset_config, whose subsets give `class_tokens`"),
+        (false, DataLayout::Everydream) => None,
+        (false, DataLayout::Kohya { .. }) => {
+            Some("kohya's layout, whose folder names give the class tokens")
+        }
+        (false, DataLayout::ImageFolder { .. }) => {
+            Some("the imagefolder layout, whose metadata rows give the captions")
+        }
+    };
+    match other {
+        Some(why) => Err(ctx.invalid(
+            "instance_prompt",
+            format!("captions EveryDream2's folders; it is not read with {why}"),
+        )),
+        None => Ok(Some(prompt.to_string())),
+    }
 }
 
 /// `resolution`: a multiple of 64 in [64, 4096], or `None` for the model's native one.

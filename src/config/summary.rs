@@ -48,6 +48,15 @@ impl fmt::Display for TrainPlan {
                 ),
             )?,
         }
+        if let Some(prompt) = &d.instance_prompt {
+            row(
+                f,
+                "captions",
+                &format!(
+                    "\"{prompt}\" for every image without a caption file (diffusers' instance_prompt)"
+                ),
+            )?;
+        }
         if let Some(reg) = &d.regularization {
             row(
                 f,

@@ -202,6 +202,10 @@ pub struct TrainFile {
     /// kohya's layout: the caption files' extension (kohya's `caption_extension`).
     #[serde(default)]
     pub caption_extension: Option<String>,
+    /// diffusers' DreamBooth `instance_prompt`: the caption of every `data_root` image without
+    /// one of its own.
+    #[serde(default)]
+    pub instance_prompt: Option<String>,
     /// The imagefolder layout: the metadata column holding captions (diffusers'
     /// `--caption_column`).
     #[serde(default)]

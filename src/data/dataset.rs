@@ -26,7 +26,7 @@ use super::image_load::{probe_image, DEFAULT_MAX_PIXELS};
 use super::kohya_layout::{scan_kohya_with, DataLayout};
 use super::py_random::PyRandom;
 use super::rated::{pick_rated, RatedSchedule};
-use super::scan::{scan_as, ImageRecord};
+use super::scan::ImageRecord;
 use super::tag_shuffle::ItemOptions;
 use super::DataError;
 
@@ -153,6 +153,7 @@ pub fn load_data_root_limited(
         layout: &DataLayout::Everydream,
         max_pixels,
         all_caption_lines: false,
+        default_caption: None,
     };
     load_source(&source, show_progress)
 }
@@ -168,6 +169,9 @@ pub struct DataSource<'a> {
     pub max_pixels: u64,
     /// kohya's layout: read every line of a caption file (`enable_wildcard`), not the first.
     pub all_caption_lines: bool,
+    /// EveryDream2's layout: the caption of an image without its own, instead of its file
+    /// name's (diffusers' `instance_prompt` or `class_prompt`; [`super::scan::scan_captioned`]).
+    pub default_caption: Option<&'a str>,
 }
 
 /// The folder's images, scanned by its layout, then [`load_dataset`]'s header read; errors name
@@ -177,7 +181,9 @@ pub fn load_source(
     show_progress: bool,
 ) -> Result<LoadedDataset, DataError> {
     let records = match source.layout {
-        DataLayout::Everydream => scan_as(source.key, source.root)?,
+        DataLayout::Everydream => {
+            super::scan::scan_captioned(source.key, source.root, source.default_caption)?
+        }
         DataLayout::Kohya { caption_extension } => scan_kohya_with(
             source.key,
             source.root,

@@ -99,8 +99,19 @@ pub fn scan(data_root: &Path) -> Result<Vec<ImageRecord>, DataError> {
 
 /// [`scan`] of the folder train.json's `key` names (errors name the key).
 pub fn scan_as(key: &'static str, root: &Path) -> Result<Vec<ImageRecord>, DataError> {
+    scan_captioned(key, root, None)
+}
+
+/// [`scan_as`] where an image with no caption of its own (no caption file, no YAML main prompt)
+/// takes `default_caption` instead of its file name's: diffusers' DreamBooth `instance_prompt`
+/// and `class_prompt`, the one prompt its script trains every image of the folder with.
+pub fn scan_captioned(
+    key: &'static str,
+    root: &Path,
+    default_caption: Option<&str>,
+) -> Result<Vec<ImageRecord>, DataError> {
     check_root(key, root)?;
-    let walk = walk(key, root)?;
+    let walk = walk(key, root, default_caption)?;
     if let Some(line) = unread_warning(key, &walk.unread) {
         crate::console::say(format_args!("{line}"));
     }
@@ -131,9 +142,10 @@ pub fn check_root(key: &'static str, root: &Path) -> Result<(), DataError> {
 }
 
 /// Walks `root` (known to be a folder): its images sorted by path, and what else was seen.
-fn walk(key: &'static str, root: &Path) -> Result<Walk, DataError> {
+fn walk(key: &'static str, root: &Path, default_caption: Option<&str>) -> Result<Walk, DataError> {
     let mut walk = Walk {
         root: root.to_path_buf(),
+        default_caption: default_caption.map(str::to_string),
         ..Walk::default()
     };
     walk.visit(root, &ImageConfig::default())?;
@@ -227,6 +239,8 @@ struct Walk {
     excluded: usize,
     /// Files in image formats sdtrain does not read ([`UNREAD_IMAGE_EXTENSIONS`]).
     unread: Vec<PathBuf>,
+    /// The caption of an image without one of its own, instead of its file name's.
+    default_caption: Option<String>,
     /// Canonical folders already walked, so a symbolic-link loop ends.
     seen: HashSet<PathBuf>,
 }
@@ -281,7 +295,11 @@ impl Walk {
                 self.excluded += 1;
                 continue;
             }
-            let named_by_file = cfg.main_prompts.is_empty();
+            let named_by_file = cfg.main_prompts.is_empty() && self.default_caption.is_none();
+            let cfg = match (&self.default_caption, cfg.main_prompts.is_empty()) {
+                (Some(prompt), true) => cfg.merge(&ImageConfig::from_caption(prompt)),
+                _ => cfg,
+            };
             let (caption, options) = resolve_item(image, cfg)?;
             if kohya_named && named_by_file && kohya_example.is_none() {
                 kohya_example = Some(caption.clone());
@@ -401,6 +419,23 @@ mod tests {
         }
     }
 
+    /// diffusers' DreamBooth prompt captions the images without a caption of their own; an
+    /// image with a caption file keeps it. Catches the prompt put over a caption file, and the
+    /// file name's caption kept.
+    #[test]
+    fn a_default_caption_replaces_the_file_names_only() {
+        let dir = tempfile::tempdir().unwrap();
+        for name in ["a_b.png", "c.png"] {
+            std::fs::write(dir.path().join(name), b"").unwrap();
+        }
+        std::fs::write(dir.path().join("c.txt"), "own caption").unwrap();
+        let records = scan_captioned("data_root", dir.path(), Some("sks dog, smiling")).unwrap();
+        let captions: Vec<&str> = records.iter().map(|r| r.caption.as_str()).collect();
+        assert_eq!(captions, ["sks dog, smiling", "own caption"]);
+        let records = scan_captioned("data_root", dir.path(), None).unwrap();
+        assert_eq!(records[0].caption, "a");
+    }
+
     /// A TIFF trains as OneTrainer reads it; an AVIF or JPEG XL file, which sdtrain cannot
     /// decode, is left out and counted rather than dropped silently. Catches `.tif` missing from
     /// the scan (or the decoder), and an unreadable file listed as an image (the run would fail
@@ -417,7 +452,7 @@ mod tests {
             std::fs::create_dir_all(path.parent().unwrap()).unwrap();
             std::fs::write(path, b"not decoded").unwrap();
         }
-        let walk = walk("data_root", dir.path()).unwrap();
+        let walk = walk("data_root", dir.path(), None).unwrap();
         let paths: Vec<&Path> = walk.records.iter().map(|r| r.path.as_path()).collect();
         assert_eq!(paths, [tif.as_path()]);
         assert_eq!(walk.unread.len(), 3);
@@ -513,7 +548,7 @@ mod tests {
         std::fs::write(root.join("plain/e.png"), b"").unwrap();
         // The data_root's own name is not a kohya subset folder.
         std::fs::write(root.join("f.png"), b"").unwrap();
-        let walk = walk("data_root", &root).unwrap();
+        let walk = walk("data_root", &root, None).unwrap();
         let folders: Vec<&Path> = walk.kohya.iter().map(|k| k.folder.as_path()).collect();
         assert_eq!(folders, [root.join("10_sks dog"), root.join("3_cat")]);
         let line = kohya_warning(&walk.kohya[0], walk.kohya.len());

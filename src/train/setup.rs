@@ -537,12 +537,22 @@ fn load_data(
 
 /// The image folder train.json's `key` names, read in the run's layout and pixel limit.
 fn data_source<'a>(key: &'static str, root: &'a Path, data: &'a DataPlan) -> DataSource<'a> {
+    // diffusers' DreamBooth prompts caption the images that have no caption of their own.
+    let default_caption = match key {
+        "reg_data_root" => data
+            .regularization
+            .as_ref()
+            .and_then(|r| r.class_images.as_ref())
+            .map(|c| c.prompt.as_str()),
+        _ => data.instance_prompt.as_deref(),
+    };
     DataSource {
         key,
         root,
         layout: &data.layout,
         max_pixels: data.max_image_pixels,
         all_caption_lines: data.kohya_captions.wildcard,
+        default_caption,
     }
 }
 
