@@ -9,7 +9,9 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::cli::{demo_data, file_metadata, run_folder, sdtrain, step_losses, text, write_config};
+use common::cli::{
+    demo_data, file_metadata, run_folder, sdtrain, sdtrain_ok, step_losses, text, write_config,
+};
 
 /// `imgs/subject` (one image with a `.txt` caption, one without), `imgs/reg` (three images, no
 /// captions), `imgs/ft` (one image) with `meta.json` beside the TOML.
@@ -196,12 +198,7 @@ fn datasets_at_their_own_resolution_and_batch_size_train_in_one_run() {
                 [[datasets.subsets]]\nimage_dir = \"imgs/reg\"\nclass_tokens = \"man\"\n";
     let extra = serde_json::json!({"max_steps": null, "max_epochs": 1});
     let cfg = config(tmp.path(), toml, extra);
-    let out = sdtrain(
-        &["--config", cfg.to_str().unwrap(), "--cpu", "--dry-run"],
-        tmp.path(),
-    );
-    let log = text(&out);
-    assert!(out.status.success(), "{log}");
+    let log = sdtrain_ok(&cfg, tmp.path(), &["--dry-run"]);
     assert!(
         log.contains("datasets[0]: 64 px, batch 2, buckets off")
             && log.contains("datasets[1]: 128 px, batch 1, buckets off"),
@@ -211,9 +208,7 @@ fn datasets_at_their_own_resolution_and_batch_size_train_in_one_run() {
     // The memory plan prices the micro-batch of the most pixels: 1 × 128² over 2 × 64².
     assert!(log.contains("batch 1 at 128 px (datasets[1])"), "{log}");
 
-    let out = sdtrain(&["--config", cfg.to_str().unwrap(), "--cpu"], tmp.path());
-    let log = text(&out);
-    assert!(out.status.success(), "{log}");
+    let log = sdtrain_ok(&cfg, tmp.path(), &[]);
     assert!(
         log.contains("datasets[0]: 64 px, batch 2, buckets: 64x64 ×2")
             && log.contains("datasets[1]: 128 px, batch 1, buckets: 128x128 ×3"),
@@ -256,19 +251,12 @@ fn each_dataset_holds_out_its_own_validation_split_as_kohya() {
                 [[datasets.subsets]]\nimage_dir = \"imgs/reg\"\nclass_tokens = \"man\"\n";
     let extra = serde_json::json!({"max_steps": null, "max_epochs": 1});
     let cfg = config(tmp.path(), toml, extra);
-    let out = sdtrain(
-        &["--config", cfg.to_str().unwrap(), "--cpu", "--dry-run"],
-        tmp.path(),
-    );
-    let log = text(&out);
-    assert!(out.status.success(), "{log}");
+    let log = sdtrain_ok(&cfg, tmp.path(), &["--dry-run"]);
     assert!(
         log.contains("each dataset's validation_split of its subsets (kohya's split_train_val)"),
         "{log}"
     );
-    let out = sdtrain(&["--config", cfg.to_str().unwrap(), "--cpu"], tmp.path());
-    let log = text(&out);
-    assert!(out.status.success(), "{log}");
+    let log = sdtrain_ok(&cfg, tmp.path(), &[]);
     assert!(log.contains("validation: 2 images"), "{log}");
     assert!(log.contains("6 samples/epoch"), "{log}");
 }

@@ -8,7 +8,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::cli::{demo_data, run_folder, sdtrain, step_losses, text, write_config};
+use common::cli::{demo_data, run_folder, sdtrain, sdtrain_ok, step_losses, text, write_config};
 
 /// `train/1_ted man/` (one image with a caption file, one without) and `reg/3_man/` (three
 /// images, no caption files).
@@ -330,19 +330,12 @@ fn dreambooth_prompts_caption_the_images_without_captions() {
         "disable_textenc_training": true,
     });
     let cfg = write_config(tmp.path(), "tiny-sd15", &train, keys);
-    let out = sdtrain(
-        &["--config", cfg.to_str().unwrap(), "--cpu", "--dry-run"],
-        tmp.path(),
-    );
-    let log = text(&out);
-    assert!(out.status.success(), "{log}");
+    let log = sdtrain_ok(&cfg, tmp.path(), &["--dry-run"]);
     assert!(
         log.contains("\"a photo of sks shape\" for every image without"),
         "{log}"
     );
-    let out = sdtrain(&["--config", cfg.to_str().unwrap(), "--cpu"], tmp.path());
-    let log = text(&out);
-    assert!(out.status.success(), "{log}");
+    let log = sdtrain_ok(&cfg, tmp.path(), &[]);
     assert!(
         log.contains("text-encoder cache: 4 captions encoded"),
         "{log}"

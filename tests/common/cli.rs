@@ -79,6 +79,17 @@ pub fn step_losses(run: &Path) -> Vec<f64> {
         .collect()
 }
 
+/// `sdtrain --config cfg --cpu` with `more` arguments, run in `cwd`, which must succeed: its
+/// output (stdout and stderr).
+pub fn sdtrain_ok(cfg: &Path, cwd: &Path, more: &[&str]) -> String {
+    let mut args = vec!["--config", cfg.to_str().unwrap(), "--cpu"];
+    args.extend_from_slice(more);
+    let out = sdtrain(&args, cwd);
+    let log = text(&out);
+    assert!(out.status.success(), "sdtrain {args:?}:\n{log}");
+    log
+}
+
 /// The `__metadata__` of the safetensors file at `path` (an adapter file's kohya keys).
 pub fn file_metadata(path: &Path) -> std::collections::HashMap<String, String> {
     let bytes = std::fs::read(path).unwrap();
