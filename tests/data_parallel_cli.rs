@@ -140,18 +140,7 @@ fn threads_and_processes_train_what_one_process_does() {
 fn ranks_train_datasets_of_two_resolutions_as_one_process_does() {
     let tmp = tempfile::tempdir().unwrap();
     let toml = tmp.path().join("datasets.toml");
-    let data = demo_data();
-    std::fs::write(
-        &toml,
-        format!(
-            "[general]\ncaption_extension = \".txt\"\nenable_bucket = false\n\
-             [[datasets]]\nresolution = 64\nbatch_size = 2\n\
-             [[datasets.subsets]]\nimage_dir = {data:?}\n\
-             [[datasets]]\nresolution = 128\nbatch_size = 1\n\
-             [[datasets.subsets]]\nimage_dir = {data:?}\n"
-        ),
-    )
-    .unwrap();
+    common::cli::two_resolution_datasets(&toml, &demo_data());
     let extra = serde_json::json!({"dataset_config": toml});
     let one = tmp.path().join("one");
     let cfg = config_with(&one, 3, extra.clone());

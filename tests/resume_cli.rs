@@ -172,15 +172,7 @@ fn a_killed_lora_run_resumes_exactly() {
 fn a_killed_run_on_datasets_of_two_resolutions_resumes_exactly() {
     let toml = tempfile::tempdir().unwrap();
     let path = toml.path().join("datasets.toml");
-    let data = demo_data();
-    let text = format!(
-        "[general]\ncaption_extension = \".txt\"\nenable_bucket = false\n\
-         [[datasets]]\nresolution = 64\nbatch_size = 2\n\
-         [[datasets.subsets]]\nimage_dir = {data:?}\n\
-         [[datasets]]\nresolution = 128\nbatch_size = 1\n\
-         [[datasets.subsets]]\nimage_dir = {data:?}\n"
-    );
-    std::fs::write(&path, text).unwrap();
+    common::cli::two_resolution_datasets(&path, &demo_data());
     check_resume(
         "lora",
         "-KILL",

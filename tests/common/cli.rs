@@ -90,6 +90,19 @@ pub fn sdtrain_ok(cfg: &Path, cwd: &Path, more: &[&str]) -> String {
     log
 }
 
+/// Writes a kohya dataset config to `path` with two datasets of `image_dir`'s images: 64 px in
+/// micro-batches of 2, and 128 px one at a time (`.txt` captions, no buckets).
+pub fn two_resolution_datasets(path: &Path, image_dir: &Path) {
+    let text = format!(
+        "[general]\ncaption_extension = \".txt\"\nenable_bucket = false\n\
+         [[datasets]]\nresolution = 64\nbatch_size = 2\n\
+         [[datasets.subsets]]\nimage_dir = {image_dir:?}\n\
+         [[datasets]]\nresolution = 128\nbatch_size = 1\n\
+         [[datasets.subsets]]\nimage_dir = {image_dir:?}\n"
+    );
+    std::fs::write(path, text).unwrap();
+}
+
 /// The `__metadata__` of the safetensors file at `path` (an adapter file's kohya keys).
 pub fn file_metadata(path: &Path) -> std::collections::HashMap<String, String> {
     let bytes = std::fs::read(path).unwrap();
