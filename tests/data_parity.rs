@@ -222,3 +222,42 @@ fn folder_settings_match_ed2_dataset() {
         assert_eq!(r.options.max_caption_length, max_len, "{rel}");
     }
 }
+
+/// EveryDream2's JSON dataset (`data_root` naming a `.json` list, `Dataset.from_json`): each
+/// entry's caption (its `main_prompt` and weighted `tags`, its `caption`, else its file name's),
+/// rating, multiply, flip_p, cond_dropout, shuffle_tags and max_caption_length, in list order.
+/// (EveryDream2 loses the path of an entry captioned by `caption` or its file name, its merge
+/// dropping `image_path`; sdtrain keeps the entry's `image`.) Catches the JSON entries read
+/// without the YAML files' keys, tags not ordered by weight, and the file-name caption skipped.
+#[test]
+fn json_dataset_matches_ed2_from_json() {
+    let reference = reference();
+    let case = &reference["json"];
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("dataset.json");
+    std::fs::write(&path, case["entries"].to_string()).unwrap();
+    let records = scan(&path).unwrap();
+    let entries = case["entries"].as_array().unwrap();
+    let want = case["images"].as_array().unwrap();
+    assert_eq!(records.len(), want.len());
+    for ((r, w), e) in records.iter().zip(want).zip(entries) {
+        let image = e["image"].as_str().unwrap();
+        assert_eq!(r.path, std::path::Path::new(image));
+        assert_eq!(r.caption, w["caption"].as_str().unwrap(), "{image}");
+        assert_eq!(r.options.rating, w["rating"].as_f64().unwrap(), "{image}");
+        assert_eq!(r.multiplier, w["multiply"].as_f64().unwrap(), "{image}");
+        assert_eq!(r.options.flip_p, w["flip_p"].as_f64(), "{image}");
+        assert_eq!(
+            r.options.cond_dropout,
+            w["cond_dropout"].as_f64(),
+            "{image}"
+        );
+        assert_eq!(
+            r.options.shuffle_tags,
+            w["shuffle_tags"].as_bool().unwrap(),
+            "{image}"
+        );
+        let max_len = w["max_caption_length"].as_u64().unwrap() as usize;
+        assert_eq!(r.options.max_caption_length, max_len, "{image}");
+    }
+}

@@ -8,7 +8,7 @@ mod common;
 use std::collections::BTreeSet;
 use std::path::Path;
 
-use common::cli::{demo_data, run_folder, sdtrain, text, write_config};
+use common::cli::{demo_data, run_folder, sdtrain, sdtrain_ok, text, write_config};
 
 /// The demo images in `dir/data`, with a rating file for two of them.
 fn rated_data(dir: &Path) -> std::path::PathBuf {
@@ -188,4 +188,52 @@ fn undersized_images_and_kohya_folders_are_warned_about() {
         kohya_lines[0].contains("10_sks dog") && kohya_lines[0].contains("\"IMG\""),
         "{msg}"
     );
+}
+
+/// EveryDream2's JSON dataset from the CLI: `data_root` names a `.json` list whose entries give
+/// each image (relative to the JSON file) and its caption and settings; the run trains them
+/// (three distinct captions and the empty one of `cond_dropout` encoded once). The list and
+/// `resolver` forms of `data_root` are refused, naming them.
+#[test]
+fn a_json_dataset_trains_its_entries() {
+    let tmp = tempfile::tempdir().unwrap();
+    let imgs = tmp.path().join("imgs");
+    std::fs::create_dir_all(&imgs).unwrap();
+    for name in ["red_circle", "blue_square", "green_square"] {
+        std::fs::copy(
+            demo_data().join(format!("{name}.png")),
+            imgs.join(format!("{name}.png")),
+        )
+        .unwrap();
+    }
+    let entries = serde_json::json!([
+        {"image": "imgs/red_circle.png", "main_prompt": "a red circle", "multiply": 2},
+        {"image": "imgs/blue_square.png", "main_prompt": "a blue square", "tags": ["flat"]},
+        {"image": "imgs/green_square.png", "main_prompt": "a green square"},
+    ]);
+    std::fs::write(tmp.path().join("set.json"), entries.to_string()).unwrap();
+    let keys = serde_json::json!({"mode": "lora", "disable_textenc_training": true});
+    let cfg = write_config(tmp.path(), "tiny-sd15", Path::new("set.json"), keys);
+    let log = sdtrain_ok(&cfg, tmp.path(), &[]);
+    assert!(log.contains("data: 3 images loaded"), "{log}");
+    assert!(log.contains("4 samples/epoch"), "{log}");
+    assert!(
+        log.contains("text-encoder cache: 4 captions encoded"),
+        "{log}"
+    );
+    let set = r#"data_root=[{"resolver": "json", "path": "set.json"}]"#;
+    let out = sdtrain(
+        &[
+            "--config",
+            cfg.to_str().unwrap(),
+            "--cpu",
+            "--dry-run",
+            "--set",
+            set,
+        ],
+        tmp.path(),
+    );
+    let log = text(&out);
+    assert_eq!(out.status.code(), Some(2), "{log}");
+    assert!(log.contains("`resolver` forms of data_root"), "{log}");
 }

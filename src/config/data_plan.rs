@@ -230,6 +230,14 @@ pub(super) fn resolve_data(
         None => {
             let data_root = resolve_data_root(file, ctx)?;
             let layout = resolve_layout(file, ctx, Some(&data_root))?;
+            if data_root.is_file() && layout != DataLayout::Everydream {
+                return Err(ctx.invalid(
+                    "data_root",
+                    "names a JSON dataset, which is EveryDream2's (data_layout \"everydream\"); \
+                     the other layouts read folders"
+                        .into(),
+                ));
+            }
             let regularization = resolve_regularization(file, ctx, &data_root, &layout)?;
             (data_root, layout, regularization)
         }
@@ -505,8 +513,8 @@ fn resolve_data_root(file: &TrainFile, ctx: &Ctx<'_>) -> Result<PathBuf, ConfigE
     let data_root = ctx.input_path("data_root", raw)?;
     let problem = if !data_root.exists() {
         Some("does not exist")
-    } else if !data_root.is_dir() {
-        Some("is not a folder")
+    } else if !data_root.is_dir() && !crate::data::scan::is_json_dataset(&data_root) {
+        Some("is not a folder (nor EveryDream2's JSON dataset, a .json file)")
     } else {
         None
     };

@@ -176,10 +176,18 @@ impl Section<'_> {
     }
 
     pub fn wrong_type(&self, key: &str, value: &Value, err: &serde_json::Error) -> ConfigError {
+        let mut message = wrong_type_message(&err.to_string(), value);
+        if key == "data_root" && (value.is_array() || value.is_object()) {
+            // EveryDream2's resolver forms (`data/resolver.py`).
+            message.push_str(
+                ": EveryDream2's list and `resolver` forms of data_root are not read; give one \
+                 folder or one JSON dataset file (for several folders, kohya's dataset_config)",
+            );
+        }
         ConfigError::WrongType {
             file: self.file.to_path_buf(),
             field: self.path_of(key),
-            message: wrong_type_message(&err.to_string(), value),
+            message,
         }
     }
 }

@@ -356,10 +356,46 @@ pub fn read_yaml(path: &Path) -> Result<ImageConfig, DataError> {
         return Ok(ImageConfig::default());
     }
     let file: YamlFile = serde_norway::from_str(&text).map_err(|e| bad(path, e.to_string()))?;
+    if file.image.is_some() {
+        return Err(bad(path, refused_reason("image")));
+    }
+    config_of(path, file)
+}
+
+/// EveryDream2's JSON dataset (`Dataset.from_json`, a `data_root` naming a `.json` file): a list
+/// of objects, each an image's settings in the YAML files' keys with its path in `image`. Returns
+/// each entry's `image` as written and its settings; an entry without `image` is an error naming
+/// it (EveryDream2 skips it with a warning).
+pub fn read_json_dataset(path: &Path) -> Result<Vec<(String, ImageConfig)>, DataError> {
+    let text = read_caption_file(path)?;
+    let entries: Vec<serde_json::Value> = serde_json::from_str(crate::py_json::without_bom(&text))
+        .map_err(|e| {
+            bad(
+                path,
+                format!("is not a JSON list of image entries (EveryDream2's JSON dataset): {e}"),
+            )
+        })?;
+    entries
+        .into_iter()
+        .enumerate()
+        .map(|(i, entry)| {
+            let at = |why: String| bad(path, format!("entry {}: {why}", i + 1));
+            let value = serde_norway::to_value(&entry).map_err(|e| at(e.to_string()))?;
+            let file: YamlFile = serde_norway::from_value(value).map_err(|e| at(e.to_string()))?;
+            let image = match &file.image {
+                Some(Value::String(s)) if !s.is_empty() => s.clone(),
+                _ => return Err(at("has no `image` path".into())),
+            };
+            Ok((image, config_of(path, file)?))
+        })
+        .collect()
+}
+
+/// The settings a YAML file (or a JSON dataset entry) gives.
+fn config_of(path: &Path, file: YamlFile) -> Result<ImageConfig, DataError> {
     for (key, set) in [
         ("batch_id", file.batch_id.is_some()),
         ("loss_scale", file.loss_scale.is_some()),
-        ("image", file.image.is_some()),
     ] {
         if set {
             return Err(bad(path, refused_reason(key)));
@@ -402,8 +438,8 @@ pub fn refused_reason(key: &str) -> String {
         "batch_id" => "batch_id (EveryDream2's named batches) is not implemented".into(),
         "loss_scale" => "loss_scale (a per-image loss weight) is not implemented".into(),
         _ => format!(
-            "{key} is only meaningful in EveryDream2's JSON dataset lists, which sdtrain does \
-             not read"
+            "{key} is only meaningful in EveryDream2's JSON dataset list (a data_root naming a \
+             .json file), not in a YAML file beside an image"
         ),
     }
 }

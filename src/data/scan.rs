@@ -110,6 +110,9 @@ pub fn scan_captioned(
     root: &Path,
     default_caption: Option<&str>,
 ) -> Result<Vec<ImageRecord>, DataError> {
+    if is_json_dataset(root) {
+        return scan_json(root, default_caption);
+    }
     check_root(key, root)?;
     let walk = walk(key, root, default_caption)?;
     if let Some(line) = unread_warning(key, &walk.unread) {
@@ -119,6 +122,51 @@ pub fn scan_captioned(
         crate::console::say(format_args!("{}", kohya_warning(first, walk.kohya.len())));
     }
     Ok(walk.records)
+}
+
+/// Whether `path` is EveryDream2's JSON dataset: an existing file ending in `.json`
+/// (`data/resolver.py`'s rule).
+pub fn is_json_dataset(path: &Path) -> bool {
+    path.is_file() && path.extension().is_some_and(|e| e == "json")
+}
+
+/// EveryDream2's JSON dataset at `path` (`JSONResolver`, `Dataset.from_json`): one image per
+/// entry, in list order, with the entry's settings and its caption as EveryDream2 makes it (the
+/// file name's when it gives none, or `default_caption`). A relative `image` is looked up beside
+/// the JSON file, then in the working directory (EveryDream2 opens it from the working
+/// directory); an image that is not there is reported with the other unreadable files.
+fn scan_json(path: &Path, default_caption: Option<&str>) -> Result<Vec<ImageRecord>, DataError> {
+    let dir = path.parent().unwrap_or(Path::new(""));
+    let mut records = Vec::new();
+    for (raw, cfg) in image_config::read_json_dataset(path)? {
+        let given = Path::new(&raw);
+        let image = match (given.is_absolute(), dir.join(given)) {
+            (false, beside) if beside.exists() => beside,
+            _ => given.to_path_buf(),
+        };
+        let cfg = match (default_caption, cfg.main_prompts.is_empty()) {
+            (Some(prompt), true) => cfg.merge(&ImageConfig::from_caption(prompt)),
+            _ => cfg,
+        };
+        let multiplier = cfg.multiply.unwrap_or(1.0);
+        if multiplier == 0.0 {
+            continue;
+        }
+        let (caption, options) = resolve_item(&image, cfg)?;
+        records.push(ImageRecord {
+            path: image,
+            caption,
+            multiplier,
+            options: Arc::new(options),
+        });
+    }
+    if records.is_empty() {
+        return Err(DataError::Text {
+            path: path.to_path_buf(),
+            reason: "lists no image to train (EveryDream2's JSON dataset)".into(),
+        });
+    }
+    Ok(records)
 }
 
 /// That `root` (train.json's `key`) is an existing folder.
@@ -416,6 +464,31 @@ mod tests {
         }
         for name in ["a.txt", "a.gif", "a", "a.png.txt", "a.caption", "a.avif"] {
             assert!(!is_image(Path::new(name)), "{name}");
+        }
+    }
+
+    /// EveryDream2's JSON dataset: an entry without `image`, or one with a key only folders
+    /// take, is refused naming the file and the entry. (Its captions and settings are checked
+    /// against EveryDream2's `from_json` in tests/data_parity.rs.)
+    #[test]
+    fn json_dataset_entries_are_checked() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("set.json");
+        for (text, why) in [
+            (
+                r#"[{"image": "a.png"}, {"main_prompt": "x"}]"#,
+                "entry 2: has no `image`",
+            ),
+            (r#"[{"image": "a.png", "batch_id": "b"}]"#, "batch_id"),
+            (r#"{"image": "a.png"}"#, "not a JSON list"),
+            ("[]", "lists no image"),
+        ] {
+            std::fs::write(&path, text).unwrap();
+            let err = scan(&path).unwrap_err().to_string();
+            assert!(
+                err.contains("set.json") && err.contains(why),
+                "{text}: {err}"
+            );
         }
     }
 
