@@ -207,20 +207,24 @@ fn folder_settings_match_ed2_dataset() {
             .unwrap()
             .display()
             .to_string();
-        let w = &want[&rel];
-        assert_eq!(r.caption, w["caption"].as_str().unwrap(), "{rel}");
-        assert_eq!(r.options.rating, w["rating"].as_f64().unwrap(), "{rel}");
-        assert_eq!(r.multiplier, w["multiply"].as_f64().unwrap(), "{rel}");
-        assert_eq!(r.options.flip_p, w["flip_p"].as_f64(), "{rel}");
-        assert_eq!(r.options.cond_dropout, w["cond_dropout"].as_f64(), "{rel}");
-        assert_eq!(
-            r.options.shuffle_tags,
-            w["shuffle_tags"].as_bool().unwrap(),
-            "{rel}"
-        );
-        let max_len = w["max_caption_length"].as_u64().unwrap() as usize;
-        assert_eq!(r.options.max_caption_length, max_len, "{rel}");
+        assert_record_matches(r, &want[&rel], &rel);
     }
+}
+
+/// `r`'s caption and settings equal EveryDream2's `w` for the image named `name`.
+fn assert_record_matches(r: &sdtrain::data::ImageRecord, w: &Value, name: &str) {
+    assert_eq!(r.caption, w["caption"].as_str().unwrap(), "{name}");
+    assert_eq!(r.options.rating, w["rating"].as_f64().unwrap(), "{name}");
+    assert_eq!(r.multiplier, w["multiply"].as_f64().unwrap(), "{name}");
+    assert_eq!(r.options.flip_p, w["flip_p"].as_f64(), "{name}");
+    assert_eq!(r.options.cond_dropout, w["cond_dropout"].as_f64(), "{name}");
+    assert_eq!(
+        r.options.shuffle_tags,
+        w["shuffle_tags"].as_bool().unwrap(),
+        "{name}"
+    );
+    let max_len = w["max_caption_length"].as_u64().unwrap() as usize;
+    assert_eq!(r.options.max_caption_length, max_len, "{name}");
 }
 
 /// EveryDream2's JSON dataset (`data_root` naming a `.json` list, `Dataset.from_json`): each
@@ -243,21 +247,6 @@ fn json_dataset_matches_ed2_from_json() {
     for ((r, w), e) in records.iter().zip(want).zip(entries) {
         let image = e["image"].as_str().unwrap();
         assert_eq!(r.path, std::path::Path::new(image));
-        assert_eq!(r.caption, w["caption"].as_str().unwrap(), "{image}");
-        assert_eq!(r.options.rating, w["rating"].as_f64().unwrap(), "{image}");
-        assert_eq!(r.multiplier, w["multiply"].as_f64().unwrap(), "{image}");
-        assert_eq!(r.options.flip_p, w["flip_p"].as_f64(), "{image}");
-        assert_eq!(
-            r.options.cond_dropout,
-            w["cond_dropout"].as_f64(),
-            "{image}"
-        );
-        assert_eq!(
-            r.options.shuffle_tags,
-            w["shuffle_tags"].as_bool().unwrap(),
-            "{image}"
-        );
-        let max_len = w["max_caption_length"].as_u64().unwrap() as usize;
-        assert_eq!(r.options.max_caption_length, max_len, "{image}");
+        assert_record_matches(r, w, image);
     }
 }

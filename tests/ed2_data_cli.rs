@@ -8,7 +8,9 @@ mod common;
 use std::collections::BTreeSet;
 use std::path::Path;
 
-use common::cli::{demo_data, run_folder, sdtrain, sdtrain_ok, text, write_config};
+use common::cli::{
+    demo_data, run_folder, sdtrain, sdtrain_ok, sdtrain_refused, text, write_config,
+};
 
 /// The demo images in `dir/data`, with a rating file for two of them.
 fn rated_data(dir: &Path) -> std::path::PathBuf {
@@ -222,18 +224,6 @@ fn a_json_dataset_trains_its_entries() {
         "{log}"
     );
     let set = r#"data_root=[{"resolver": "json", "path": "set.json"}]"#;
-    let out = sdtrain(
-        &[
-            "--config",
-            cfg.to_str().unwrap(),
-            "--cpu",
-            "--dry-run",
-            "--set",
-            set,
-        ],
-        tmp.path(),
-    );
-    let log = text(&out);
-    assert_eq!(out.status.code(), Some(2), "{log}");
+    let log = sdtrain_refused(&cfg, tmp.path(), &["--set", set]);
     assert!(log.contains("`resolver` forms of data_root"), "{log}");
 }

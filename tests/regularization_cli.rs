@@ -8,7 +8,9 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::cli::{demo_data, run_folder, sdtrain, sdtrain_ok, step_losses, text, write_config};
+use common::cli::{
+    demo_data, run_folder, sdtrain, sdtrain_ok, sdtrain_refused, step_losses, text, write_config,
+};
 
 /// `train/1_ted man/` (one image with a caption file, one without) and `reg/3_man/` (three
 /// images, no caption files).
@@ -342,19 +344,7 @@ fn dreambooth_prompts_caption_the_images_without_captions() {
     );
 
     let set = "data_layout=kohya";
-    let out = sdtrain(
-        &[
-            "--config",
-            cfg.to_str().unwrap(),
-            "--cpu",
-            "--dry-run",
-            "--set",
-            set,
-        ],
-        tmp.path(),
-    );
-    let log = text(&out);
-    assert_eq!(out.status.code(), Some(2), "{log}");
+    let log = sdtrain_refused(&cfg, tmp.path(), &["--set", set]);
     assert!(
         log.contains("instance_prompt") && log.contains("kohya's layout"),
         "{log}"

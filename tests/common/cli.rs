@@ -90,6 +90,17 @@ pub fn sdtrain_ok(cfg: &Path, cwd: &Path, more: &[&str]) -> String {
     log
 }
 
+/// `sdtrain --config cfg --cpu --dry-run` with `more` arguments, run in `cwd`, which must be
+/// refused as a usage error (exit 2): its output.
+pub fn sdtrain_refused(cfg: &Path, cwd: &Path, more: &[&str]) -> String {
+    let mut args = vec!["--config", cfg.to_str().unwrap(), "--cpu", "--dry-run"];
+    args.extend_from_slice(more);
+    let out = sdtrain(&args, cwd);
+    let log = text(&out);
+    assert_eq!(out.status.code(), Some(2), "sdtrain {args:?}:\n{log}");
+    log
+}
+
 /// Writes a kohya dataset config to `path` with two datasets of `image_dir`'s images: 64 px in
 /// micro-batches of 2, and 128 px one at a time (`.txt` captions, no buckets).
 pub fn two_resolution_datasets(path: &Path, image_dir: &Path) {
