@@ -171,16 +171,6 @@ impl DatasetRules {
         })
     }
 
-    /// One dataset under `rule`, batched by `batch_size`.
-    pub fn single(rule: BucketRule, batch_size: usize, resolution: usize) -> Self {
-        Self {
-            rules: vec![rule],
-            batch_sizes: vec![batch_size],
-            resolutions: vec![resolution],
-            subset_dataset: Vec::new(),
-        }
-    }
-
     /// The dataset `item` belongs to.
     pub fn dataset_of(&self, item: &ImageMeta) -> usize {
         let d = item.options.subset.and_then(|s| self.subset_dataset.get(s));
