@@ -300,7 +300,7 @@ fn caption_affixes_reach_both_folders() {
 /// `instance_prompt` (an image with its own `.txt` keeps it), and a `class_data_dir` of images
 /// named by a hash trains with `class_prompt`, as diffusers captions them. With the text encoders
 /// frozen the distinct captions are encoded once: the two prompts, the one caption file and the
-/// empty caption of `cond_dropout`, 4 in all. Catches captions from the file names (3 more), and
+/// empty caption of `cond_dropout`, 4 in all. Catches captions from the file names (6), and
 /// a prompt put over an image's own caption file (3). `instance_prompt` beside kohya's folders
 /// (which name their captions) is refused.
 #[test]
