@@ -160,14 +160,19 @@ pub fn scan_imagefolder(
     Ok(records)
 }
 
-/// Whether metadata file `f` lies under a folder named for a split other than train.
+/// Whether metadata file `f` lies under a folder named for a split other than train: a folder
+/// name holding the split's keyword between `datasets`' separators (`-`, `.`, `_`, a space or a
+/// digit, or the name's ends), as its default split patterns (`**/*[-._ 0-9]val[-._ 0-9]*/**`)
+/// match it: `val`, `val2017`, `test-images`, not `interval`.
 fn in_other_split(root: &Path, f: &Path) -> bool {
     let rel = f.strip_prefix(root).unwrap_or(f);
+    let named = |name: &str| {
+        name.split(|c: char| "-._ ".contains(c) || c.is_ascii_digit())
+            .any(|word| OTHER_SPLITS.contains(&word))
+    };
     rel.parent().is_some_and(|dir| {
         dir.components().any(|c| match c {
-            Component::Normal(n) => OTHER_SPLITS
-                .iter()
-                .any(|s| n.to_string_lossy().eq_ignore_ascii_case(s)),
+            Component::Normal(n) => named(&n.to_string_lossy()),
             _ => false,
         })
     })
@@ -402,6 +407,21 @@ mod tests {
         assert_eq!(records[0].caption, "red, round");
         let err = scan_imagefolder("data_root", csv.path(), "text").unwrap_err();
         assert!(err.to_string().contains("caption, file_name"), "{err}");
+    }
+
+    /// Folder names `datasets` takes for another split: the keyword between separators or
+    /// digits, case as written. Catches COCO's `val2017` read as training data and `interval`
+    /// (no separator) taken for a split.
+    #[test]
+    fn other_splits_are_named_as_datasets_names_them() {
+        let root = Path::new("/d");
+        let other = |rel: &str| in_other_split(root, &root.join(rel).join("metadata.jsonl"));
+        for rel in ["test", "val2017", "test-images", "a/eval_set", "x/2val"] {
+            assert!(other(rel), "{rel}");
+        }
+        for rel in ["", "train", "train2017", "interval", "contest", "Test"] {
+            assert!(!other(rel), "{rel}");
+        }
     }
 
     /// Rows that `datasets` or diffusers refuse are refused naming the file and the row.
