@@ -203,39 +203,6 @@ mod tests {
     }
 
     #[test]
-    fn layouts_and_caption_extensions() {
-        let ctx = Ctx::new(Path::new("train.json"));
-        let layout = |v| resolve_layout(&file(v), &ctx, None);
-        assert_eq!(layout(json!({})).unwrap(), DataLayout::Everydream);
-        let kohya = |ext: &str| DataLayout::Kohya {
-            caption_extension: ext.into(),
-        };
-        assert_eq!(
-            layout(json!({"data_layout": "kohya"})).unwrap(),
-            kohya(".caption")
-        );
-        for given in ["txt", ".txt", " .txt "] {
-            let got = layout(json!({"data_layout": "kohya", "caption_extension": given}));
-            assert_eq!(got.unwrap(), kohya(".txt"), "{given}");
-        }
-        for (v, key) in [
-            (json!({"data_layout": "onetrainer"}), "data_layout"),
-            (json!({"caption_extension": ".txt"}), "caption_extension"),
-            (
-                json!({"data_layout": "kohya", "caption_extension": "."}),
-                "caption_extension",
-            ),
-            (
-                json!({"data_layout": "kohya", "caption_extension": "a/b"}),
-                "caption_extension",
-            ),
-        ] {
-            let msg = layout(v.clone()).unwrap_err().to_string();
-            assert!(msg.contains(key), "{v}: {msg}");
-        }
-    }
-
-    #[test]
     fn regularization_keys_are_checked() {
         let dir = tempfile::tempdir().unwrap();
         let (data, reg) = (dir.path().join("data"), dir.path().join("reg"));
