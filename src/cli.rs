@@ -51,6 +51,12 @@ pub enum Command {
     /// Extract a kohya LoRA (or LoCon) from the difference between a base model and a model
     /// fine-tuned from it, as kohya sd-scripts' extract_lora_from_models.py does.
     ExtractLora(Box<crate::adapter::extract_command::ExtractArgs>),
+    /// Resize a LoRA/LoCon file to a lower rank, fixed or chosen per module from its singular
+    /// values, as kohya sd-scripts' resize_lora.py does.
+    ResizeLora(Box<crate::adapter::resize_command::ResizeArgs>),
+    /// Merge LoRA/LyCORIS files into a model and save it as a single file or a diffusers
+    /// folder, as kohya sd-scripts' merge_lora.py --sd_model does.
+    MergeLora(Box<crate::adapter::merge_command::MergeArgs>),
 }
 
 #[derive(Debug, Clone, Args)]
@@ -141,6 +147,14 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Some(Command::ExtractLora(args)) => {
             crate::adapter::extract_command::run(&args)?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Some(Command::ResizeLora(args)) => {
+            crate::adapter::resize_command::run(&args)?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Some(Command::MergeLora(args)) => {
+            crate::adapter::merge_command::run(&args)?;
             Ok(ExitCode::SUCCESS)
         }
         Some(Command::Train(args)) => run_train(&args),

@@ -286,6 +286,160 @@ pub fn truncated_svd(a: &Tensor, rank: usize) -> candle_core::Result<(Tensor, Ve
     Ok((u, sigma, vt))
 }
 
+/// The singular value decomposition of a product `up · down` (`up` `m × r`, `down` `r × n`,
+/// row-major) without forming it: the thin QR of each factor (`up = Qu·Ru`, `downᵀ = Qd·Rd`,
+/// modified Gram–Schmidt, each column orthogonalised twice), then the SVD of the small
+/// `Ru·Rdᵀ = Um·Σ·Vmᵀ` (one-sided Jacobi, which keeps small singular values to the f64 rounding
+/// of the largest, where a Gram matrix's eigenvalues keep them to its square root), so that
+/// `up·down = (Qu·Um)·Σ·(Qd·Vm)ᵀ`. It costs `O((m + n)·r²)` where the product's SVD would cost
+/// `O(m·n·min(m, n))`: what resizing a LoRA needs for every module of a large model.
+///
+/// Returns all `r` triplets, singular values descending, signs as the module header says. A
+/// factor of rank below `r` (a zero column, a repeated row) gives singular values of 0, whose
+/// vectors may be zero.
+pub fn factored_svd(up: &[f64], down: &[f64], m: usize, r: usize, n: usize) -> FactoredSvd {
+    assert_eq!(up.len(), m * r, "factored_svd: up is not {m}×{r}");
+    assert_eq!(down.len(), r * n, "factored_svd: down is not {r}×{n}");
+    let up_cols: Vec<Vec<f64>> = (0..r)
+        .map(|c| (0..m).map(|i| up[i * r + c]).collect())
+        .collect();
+    let down_rows: Vec<Vec<f64>> = (0..r).map(|c| down[c * n..(c + 1) * n].to_vec()).collect();
+    let (qu, ru) = thin_qr(up_cols);
+    let (qd, rd) = thin_qr(down_rows);
+    // M = Ru·Rdᵀ, r × r.
+    let mut small = vec![0.0; r * r];
+    for i in 0..r {
+        for j in 0..r {
+            small[i * r + j] = (0..r).map(|k| ru[i * r + k] * rd[j * r + k]).sum();
+        }
+    }
+    let (um, s, vm) = jacobi_svd(small, r);
+    let mut u = vec![0.0; m * r];
+    let mut vt = vec![0.0; r * n];
+    for k in 0..r {
+        for (j, q) in qu.iter().enumerate() {
+            axpy_strided(um[k][j], q, &mut u[k..], r);
+        }
+        for (j, q) in qd.iter().enumerate() {
+            axpy(vm[k][j], q, &mut vt[k * n..(k + 1) * n]);
+        }
+        // The sign: the column's largest-magnitude entry of u positive.
+        let mut best = 0;
+        for i in 0..m {
+            if u[i * r + k].abs() > u[best * r + k].abs() {
+                best = i;
+            }
+        }
+        if m > 0 && u[best * r + k] < 0.0 {
+            (0..m).for_each(|i| u[i * r + k] = -u[i * r + k]);
+            vt[k * n..(k + 1) * n].iter_mut().for_each(|x| *x = -*x);
+        }
+    }
+    FactoredSvd { u, s, vt }
+}
+
+/// [`factored_svd`]'s result: `u` (`m × r`), the singular values (descending) and `vt`
+/// (`r × n`), row-major.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FactoredSvd {
+    pub u: Vec<f64>,
+    pub s: Vec<f64>,
+    pub vt: Vec<f64>,
+}
+
+/// The SVD of the square `a` (`n × n`, row-major) by one-sided Jacobi rotations (Hestenes):
+/// columns are rotated pairwise until orthogonal; their norms are the singular values, the
+/// normalised columns `u`, the accumulated rotations `v`. Returns `u` and `v` as lists of
+/// vectors (`u[k]` belongs to `s[k]`), singular values descending; a zero singular value has a
+/// zero `u`.
+fn jacobi_svd(a: Vec<f64>, n: usize) -> (Vec<Vec<f64>>, Vec<f64>, Vec<Vec<f64>>) {
+    // Column-major: cols[j] is column j.
+    let mut cols: Vec<Vec<f64>> = (0..n)
+        .map(|j| (0..n).map(|i| a[i * n + j]).collect())
+        .collect();
+    let mut v: Vec<Vec<f64>> = (0..n)
+        .map(|j| (0..n).map(|i| f64::from(u8::from(i == j))).collect())
+        .collect();
+    for _sweep in 0..80 {
+        let mut rotated = false;
+        for p in 0..n {
+            for q in p + 1..n {
+                let alpha = dot(&cols[p], &cols[p]);
+                let beta = dot(&cols[q], &cols[q]);
+                let gamma = dot(&cols[p], &cols[q]);
+                if gamma == 0.0 || gamma.abs() <= f64::EPSILON * (alpha * beta).sqrt() {
+                    continue;
+                }
+                rotated = true;
+                let zeta = (beta - alpha) / (2.0 * gamma);
+                let t = zeta.signum() / (zeta.abs() + (1.0 + zeta * zeta).sqrt());
+                let c = 1.0 / (1.0 + t * t).sqrt();
+                let s = c * t;
+                for m in [&mut cols, &mut v] {
+                    let (lo, hi) = m.split_at_mut(q);
+                    for (x, y) in lo[p].iter_mut().zip(hi[0].iter_mut()) {
+                        let (xp, xq) = (*x, *y);
+                        *x = c * xp - s * xq;
+                        *y = s * xp + c * xq;
+                    }
+                }
+            }
+        }
+        if !rotated {
+            break;
+        }
+    }
+    let norms: Vec<f64> = cols.iter().map(|c| dot(c, c).sqrt()).collect();
+    let mut order: Vec<usize> = (0..n).collect();
+    order.sort_by(|&i, &j| norms[j].total_cmp(&norms[i]));
+    let s: Vec<f64> = order.iter().map(|&j| norms[j]).collect();
+    let u = order
+        .iter()
+        .map(|&j| match norms[j] > 0.0 {
+            true => cols[j].iter().map(|x| x / norms[j]).collect(),
+            false => vec![0.0; n],
+        })
+        .collect();
+    let v = order.iter().map(|&j| v[j].clone()).collect();
+    (u, s, v)
+}
+
+/// `y[i·stride] += alpha·x[i]`.
+fn axpy_strided(alpha: f64, x: &[f64], y: &mut [f64], stride: usize) {
+    for (i, xi) in x.iter().enumerate() {
+        y[i * stride] += alpha * xi;
+    }
+}
+
+/// The thin QR of the matrix whose columns are `cols` (modified Gram–Schmidt, twice per column):
+/// the orthonormal columns of `Q` and `R` (`r × r`, row-major, upper triangular). A column
+/// within 1e-13 of the span of those before it (relative to the largest column) gets a zero `Q`
+/// column and a zero diagonal entry.
+fn thin_qr(mut cols: Vec<Vec<f64>>) -> (Vec<Vec<f64>>, Vec<f64>) {
+    let r = cols.len();
+    let scale = cols.iter().map(|c| dot(c, c).sqrt()).fold(0.0, f64::max);
+    let mut rr = vec![0.0; r * r];
+    for j in 0..r {
+        let (done, rest) = cols.split_at_mut(j);
+        let v = &mut rest[0];
+        for _ in 0..2 {
+            for (i, q) in done.iter().enumerate() {
+                let c = dot(q, v);
+                rr[i * r + j] += c;
+                axpy(-c, q, v);
+            }
+        }
+        let norm = dot(v, v).sqrt();
+        if norm > 1e-13 * scale && norm > 0.0 {
+            rr[j * r + j] = norm;
+            v.iter_mut().for_each(|x| *x /= norm);
+        } else {
+            v.iter_mut().for_each(|x| *x = 0.0);
+        }
+    }
+    (cols, rr)
+}
+
 /// torch's `quantile(values, q)` (linear interpolation between the two nearest ranks).
 pub fn quantile(values: &[f64], q: f64) -> f64 {
     if values.is_empty() {
@@ -381,6 +535,51 @@ mod tests {
             for i in 0..n {
                 let av: f64 = (0..n).map(|j| sym[i * n + j] * v[j]).sum();
                 assert!((av - lambda * v[i]).abs() < 1e-10, "A·v ≠ λ·v");
+            }
+        }
+    }
+
+    /// The SVD of a product through its factors equals the SVD of the product formed (itself
+    /// checked against torch above), for a tall and a wide product, and one whose `up` has a
+    /// zero column and whose `down` repeats a row (rank 3 of 5). Catches `Rd` used untransposed,
+    /// a column orthogonalised against itself, the vectors left unsigned, or a deficient column
+    /// normalised into noise.
+    #[test]
+    fn factored_svd_equals_the_svd_of_the_product() {
+        let cases: [(usize, usize, usize, bool); 3] =
+            [(24, 5, 9, false), (7, 5, 30, false), (12, 5, 10, true)];
+        for (m, r, n, deficient) in cases {
+            let mut up = matrix(m, r, 0.3);
+            let mut down = matrix(r, n, 1.7);
+            if deficient {
+                (0..m).for_each(|i| up[i * r + 1] = 0.0);
+                let row: Vec<f64> = down[..n].to_vec();
+                down[2 * n..3 * n].copy_from_slice(&row);
+            }
+            let got = factored_svd(&up, &down, m, r, n);
+            let a = Tensor::from_vec(up.clone(), (m, r), &Device::Cpu).unwrap();
+            let b = Tensor::from_vec(down.clone(), (r, n), &Device::Cpu).unwrap();
+            let rank = if deficient { 3 } else { r };
+            let (u, s, vt) = truncated_svd(&a.matmul(&b).unwrap(), rank).unwrap();
+            for (k, want) in s.iter().enumerate() {
+                assert!((got.s[k] - want).abs() < 1e-9 * s[0], "{m}×{n}: σ{k}");
+            }
+            assert!(
+                got.s[rank..].iter().all(|x| *x < 1e-14 * s[0]),
+                "{:?}",
+                got.s
+            );
+            let (u, vt): (Vec<Vec<f64>>, Vec<Vec<f64>>) =
+                (u.to_vec2().unwrap(), vt.to_vec2().unwrap());
+            for k in 0..rank {
+                for (i, row) in u.iter().enumerate() {
+                    let d = (got.u[i * r + k] - row[k]).abs();
+                    assert!(d < 1e-8, "{m}×{n}: u[{i}][{k}]");
+                }
+                for (j, want) in vt[k].iter().enumerate() {
+                    let d = (got.vt[k * n + j] - want).abs();
+                    assert!(d < 1e-8, "{m}×{n}: vt[{k}][{j}]");
+                }
             }
         }
     }

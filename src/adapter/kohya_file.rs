@@ -230,6 +230,17 @@ pub(super) struct Encoded {
     bytes: Vec<u8>,
 }
 
+impl Encoded {
+    /// A tensor's bytes as they are (a dtype sdtrain does not convert).
+    pub(super) fn raw(dtype: StDtype, shape: Vec<usize>, bytes: Vec<u8>) -> Self {
+        Self {
+            dtype,
+            shape,
+            bytes,
+        }
+    }
+}
+
 impl View for &Encoded {
     fn dtype(&self) -> StDtype {
         self.dtype
@@ -245,7 +256,11 @@ impl View for &Encoded {
     }
 }
 
-fn encode_values(values: &[f32], shape: Vec<usize>, dtype: DType) -> Result<Encoded, KohyaError> {
+pub(super) fn encode_values(
+    values: &[f32],
+    shape: Vec<usize>,
+    dtype: DType,
+) -> Result<Encoded, KohyaError> {
     let (st, bytes): (StDtype, Vec<u8>) = match dtype {
         DType::F16 => (
             StDtype::F16,
@@ -392,6 +407,17 @@ pub fn save_kohya_with(
     for (key, t) in extra {
         tensors.push((key.clone(), encode_tensor(key, t, dtype)?));
     }
+    write_hashed(path, &tensors, metadata.to_header())
+}
+
+/// Writes `tensors` to `path` atomically with `header` and kohya's `sshs_model_hash` and
+/// `sshs_legacy_hash` (`save_weights`: the hashes of the file as written with its `ss_*` keys
+/// alone).
+pub(super) fn write_hashed(
+    path: &Path,
+    tensors: &[(String, Encoded)],
+    mut header: HashMap<String, String>,
+) -> Result<(), KohyaError> {
     let serialize = |header: HashMap<String, String>| {
         safetensors::tensor::serialize(tensors.iter().map(|(n, e)| (n.as_str(), e)), Some(header))
             .map_err(|source| KohyaError::Serialize {
@@ -399,8 +425,6 @@ pub fn save_kohya_with(
                 source: External(source),
             })
     };
-    // kohya's `save_weights`: the hashes of the file as written with its `ss_*` keys alone.
-    let mut header = metadata.to_header();
     let training: HashMap<String, String> = header
         .iter()
         .filter(|(k, _)| k.starts_with("ss_"))

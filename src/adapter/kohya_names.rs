@@ -50,7 +50,7 @@ use std::collections::HashMap;
 
 /// Which model a LoRA module belongs to (kept apart from the adapter's own component type so
 /// that naming depends on plain data only).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum KohyaComponent {
     Unet,
     /// `text_encoder` (CLIP ViT-L for SD1 and SDXL, OpenCLIP ViT-H for SD2).

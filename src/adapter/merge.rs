@@ -116,6 +116,16 @@ pub fn merge_kohya(
     file: &KohyaFile,
     multiplier: f64,
 ) -> Result<usize, MergeError> {
+    merge_kohya_layers(sd, naming, file, multiplier).map(|changed| changed.len())
+}
+
+/// [`merge_kohya`], returning the layers it changed (component and module path).
+pub fn merge_kohya_layers(
+    sd: &mut StableDiffusion,
+    naming: &KohyaNaming,
+    file: &KohyaFile,
+    multiplier: f64,
+) -> Result<Vec<(KohyaComponent, String)>, MergeError> {
     let file_name = file.path.display().to_string();
     // Only the layers kohya can name; others (e.g. SDXL's added embedding) take no adapter.
     let mut slots: Vec<(KohyaComponent, String, (Tensor, Option<Tensor>))> = Vec::new();
@@ -160,12 +170,33 @@ pub fn merge_kohya(
             names: unknown,
         });
     }
-    let n = updates.len();
+    let mut changed: Vec<(KohyaComponent, String)> = updates.keys().cloned().collect();
+    changed.sort();
     visit_weights(sd, &mut |c, path, w| {
         if let Some((weight, scale)) = updates.remove(&(c, path.to_string())) {
             *w.weight = weight;
             *w.scale = scale;
         }
     });
-    Ok(n)
+    Ok(changed)
+}
+
+/// The stored weights of the `wanted` Linear and Conv2d layers (component and module path), in
+/// f32 (an fp8 base dequantised).
+pub fn layer_weights(
+    sd: &mut StableDiffusion,
+    wanted: &[(KohyaComponent, String)],
+) -> Result<HashMap<(KohyaComponent, String), Tensor>, MergeError> {
+    let wanted: std::collections::HashSet<&(KohyaComponent, String)> = wanted.iter().collect();
+    let mut handles = Vec::new();
+    visit_weights(sd, &mut |c, path, w| {
+        if wanted.contains(&(c, path.to_string())) {
+            handles.push((c, path.to_string(), w.handles()))
+        }
+    });
+    let mut out = HashMap::with_capacity(handles.len());
+    for (c, path, (weight, scale)) in handles {
+        out.insert((c, path), weight_f32(&weight, scale.as_ref())?);
+    }
+    Ok(out)
 }

@@ -7,7 +7,9 @@
 //! - [`attach`]: the target rules and attaching to a UNet or CLIP text encoder;
 //! - [`kohya_names`], [`kohya_file`]: kohya's module names and file format, and
 //!   [`kohya_naming`], which names a loaded model's modules;
-//! - [`merge`]: folding a kohya file into a model's weights.
+//! - [`merge`]: folding a kohya file into a model's weights;
+//! - the commands on files: [`extract_command`] (a LoRA from two models), [`resize_command`]
+//!   (a LoRA at a lower rank, [`resize`]) and [`merge_command`] (LoRAs folded into a saved model).
 
 pub mod addnet_hash;
 pub mod attach;
@@ -23,6 +25,9 @@ pub mod kohya_names;
 pub mod lora;
 pub mod max_norm;
 pub mod merge;
+pub mod merge_command;
+pub mod resize;
+pub mod resize_command;
 
 pub use attach::{
     attach_text_encoder, attach_unet, AdapterMode, AdapterSpec, AttachError, LayerGeometry,
