@@ -201,3 +201,103 @@ fn bad_merges_are_refused_with_the_reason() {
         text(&o)
     );
 }
+
+/// Without `--model`, kohya's LoRA and a second file (rank 3, one module the first lacks, a 3×3
+/// conv) at 0.7 and −0.4 merge into kohya's `svd_merge_lora.py` result (its lines in
+/// tests/fixtures/svd_merge_lora_reference.py): every tensor to 1e-5 of its largest entry, alpha
+/// the rank, and kohya's minimum header. Catches a file's alpha or ratio dropped, the negative
+/// ratio's sign lost, the 3×3 conv given the Linear rank, or the clamp skipped.
+#[test]
+fn loras_merge_into_one_as_kohyas_svd_merge_does() {
+    let tmp = tempfile::tempdir().unwrap();
+    let first = fixture_str("kohya_tiny_sd15.safetensors");
+    let second = fixture_str("svd_merge_input.safetensors");
+    let o = sdtrain(
+        &[
+            "merge-lora",
+            "--lora",
+            &first,
+            "--ratio",
+            "0.7",
+            "--lora",
+            &second,
+            "--ratio",
+            "-0.4",
+            "--rank",
+            "3",
+            "--conv-rank",
+            "2",
+            "--out",
+            "merged.safetensors",
+        ],
+        tmp.path(),
+    );
+    assert!(o.status.success(), "{}", text(&o));
+    let path = tmp.path().join("merged.safetensors");
+    let got = candle_core::safetensors::load(&path, &candle_core::Device::Cpu).unwrap();
+    let want = common::reference("svd_merge_lora");
+    let mut keys: Vec<&String> = got.keys().collect();
+    keys.sort();
+    let mut want_keys: Vec<&String> = want.keys().collect();
+    want_keys.sort();
+    assert_eq!(keys, want_keys);
+    for (key, w) in &want {
+        let big = w.abs().unwrap().flatten_all().unwrap().max(0).unwrap();
+        let big = big.to_scalar::<f32>().unwrap();
+        let diff = common::max_abs_diff(&got[key], w);
+        assert!(diff <= 1e-5 * big, "{key}: off by {diff}");
+    }
+    let meta = common::cli::file_metadata(&path);
+    for (key, value) in [
+        ("ss_network_module", "networks.lora"),
+        ("ss_network_dim", "3"),
+        ("ss_network_alpha", "3"),
+        ("ss_network_args", "{\"conv_dim\": 2, \"conv_alpha\": 2}"),
+        ("ss_base_model_version", "sd_v1"),
+        ("modelspec.title", "merged"),
+    ] {
+        assert_eq!(meta[key], value, "{key}");
+    }
+}
+
+/// The LoRA merge refuses what it would lose or misread, naming the file and module.
+#[test]
+fn bad_lora_merges_are_refused_with_the_reason() {
+    let tmp = tempfile::tempdir().unwrap();
+    let base = fixture_str("tiny-sd15");
+    let kohya = fixture_str("kohya_tiny_sd15.safetensors");
+    let loha = fixture_str("resize_lora_input.safetensors");
+    let peft = fixture_str("diffusers_lora/sd15_peft.safetensors");
+    let cases: Vec<(Vec<&str>, &str)> =
+        vec![
+        (vec!["--lora", &kohya], "or --rank to merge them into one LoRA"),
+        (vec!["--lora", &kohya, "--model", &base, "--rank", "4"], "written without --model"),
+        (vec!["--lora", &kohya, "--rank", "0"], "must be at least 1"),
+        (
+            vec!["--lora", &kohya, "--lora", &loha, "--rank", "4"],
+            "module `lora_unet_down_blocks_0_resnets_0_time_emb_proj` is not a LoRA/LoCon module",
+        ),
+        (vec!["--lora", &peft, "--rank", "4"], "is in diffusers' layout"),
+    ];
+    for (flags, needle) in cases {
+        let mut args = vec!["merge-lora", "--out", "out.safetensors"];
+        args.extend(flags);
+        let o = sdtrain(&args, tmp.path());
+        assert!(!o.status.success(), "{args:?}");
+        assert!(text(&o).contains(needle), "{args:?}: {}", text(&o));
+        assert!(!tmp.path().join("out.safetensors").exists());
+    }
+    let o = sdtrain(
+        &[
+            "merge-lora",
+            "--lora",
+            &kohya,
+            "--rank",
+            "4",
+            "--out",
+            "out.ckpt",
+        ],
+        tmp.path(),
+    );
+    assert!(text(&o).contains("name it so"), "{}", text(&o));
+}

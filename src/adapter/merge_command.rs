@@ -2,6 +2,8 @@
 //! model of its own, as kohya sd-scripts' `networks/merge_lora.py --sd_model` (and
 //! `sdxl_merge_lora.py`) saves one: each file's modules are added, `W += ratio · ΔW`, in f32
 //! ([`super::merge`], the same fold `sdtrain sample --lora` and A1111 apply), in the order given.
+//! Without `--model`, the files are merged into one LoRA at `--rank`, as kohya's
+//! `svd_merge_lora.py` merges them ([`super::svd_merge`]).
 //!
 //! The output is a single file in the A1111/ComfyUI layout when `--out` ends in `.safetensors`,
 //! else a diffusers folder; only the layers a file changes are rewritten, the rest of the base is
@@ -27,9 +29,17 @@ use crate::model::source::ModelSource;
 #[derive(Debug, Clone, Args)]
 pub struct MergeArgs {
     /// The model to merge into: a hub id `org/name[@revision]`, a diffusers folder or a
-    /// single-file checkpoint (kohya's `--sd_model`).
+    /// single-file checkpoint (kohya's `--sd_model`). Without it, the files are merged into one
+    /// LoRA at `--rank` (kohya's `svd_merge_lora.py`).
     #[arg(long, value_name = "HUB_ID[@REV]|FOLDER|FILE")]
-    pub model: String,
+    pub model: Option<String>,
+    /// Without `--model`: the merged LoRA's rank (kohya's `--new_rank`), capped per module at
+    /// the layer's channels.
+    #[arg(long, alias = "new-rank")]
+    pub rank: Option<usize>,
+    /// Without `--model`: the rank of the 3×3 convs (kohya's `--new_conv_rank`; default `--rank`).
+    #[arg(long, alias = "new-conv-rank")]
+    pub conv_rank: Option<usize>,
     /// A kohya LoRA/LoCon/LoHa/LoKr/DoRA file, or diffusers' LoRA file, to merge; repeatable,
     /// merged in the order given (kohya's `--models`).
     #[arg(long = "lora", value_name = "FILE", required = true)]
@@ -59,11 +69,43 @@ fn parse_save_dtype(s: &str) -> Result<DType, String> {
 /// Runs the command; returns what it wrote.
 pub fn run(args: &MergeArgs) -> anyhow::Result<PathBuf> {
     let ratios = ratios(args)?;
-    let dir = ModelSource::parse(&args.model)
+    match (&args.model, args.rank) {
+        (Some(model), None) if args.conv_rank.is_none() => into_model(args, model, &ratios),
+        (Some(_), _) => bail!(
+            "--rank and --conv-rank set the rank of a merged LoRA, which is written without \
+             --model; with --model the files are folded into the model's weights"
+        ),
+        (None, Some(rank)) => {
+            let out = &args.out;
+            if out.extension().and_then(|e| e.to_str()) != Some("safetensors") {
+                bail!(
+                    "--out {}: the merged LoRA is a .safetensors file; name it so",
+                    out.display()
+                );
+            }
+            super::svd_merge_command::run(
+                &args.loras,
+                &ratios,
+                rank,
+                args.conv_rank,
+                out,
+                args.save_dtype,
+            )?;
+            Ok(out.clone())
+        }
+        (None, None) => bail!(
+            "give --model to fold the files into a model, or --rank to merge them into one LoRA"
+        ),
+    }
+}
+
+/// Folds the files into `model` and saves it (kohya's `merge_lora.py --sd_model`).
+fn into_model(args: &MergeArgs, model: &str, ratios: &[f64]) -> anyhow::Result<PathBuf> {
+    let dir = ModelSource::parse(model)
         .and_then(|s| s.resolve())
-        .with_context(|| format!("--model `{}`", args.model))?;
+        .with_context(|| format!("--model `{model}`"))?;
     let layout = ModelLayout::read_with(&dir.path, None, &SingleFileOptions::default())
-        .with_context(|| format!("--model `{}`", args.model))?;
+        .with_context(|| format!("--model `{model}`"))?;
     // Trainable components are held as Vars, which records each weight's stored name.
     let opts = LoadOptions {
         dtype: DType::F32,
@@ -75,10 +117,10 @@ pub fn run(args: &MergeArgs) -> anyhow::Result<PathBuf> {
         fp8_base: false,
     };
     let mut sd = StableDiffusion::load(layout.clone(), &opts)
-        .with_context(|| format!("--model `{}`", args.model))?;
+        .with_context(|| format!("--model `{model}`"))?;
     let naming = super::kohya_naming(&sd);
     let mut changed: Vec<(KohyaComponent, String)> = Vec::new();
-    for (path, ratio) in args.loras.iter().zip(&ratios) {
+    for (path, ratio) in args.loras.iter().zip(ratios) {
         let file = load_kohya(path, &Device::Cpu)?;
         let layers = merge_kohya_layers(&mut sd, &naming, &file, *ratio)?;
         eprintln!(

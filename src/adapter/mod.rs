@@ -9,7 +9,8 @@
 //!   [`kohya_naming`], which names a loaded model's modules;
 //! - [`merge`]: folding a kohya file into a model's weights;
 //! - the commands on files: [`extract_command`] (a LoRA from two models), [`resize_command`]
-//!   (a LoRA at a lower rank, [`resize`]) and [`merge_command`] (LoRAs folded into a saved model).
+//!   (a LoRA at a lower rank, [`resize`]) and [`merge_command`] (LoRAs folded into a saved model,
+//!   or merged into one LoRA: [`svd_merge_command`], [`svd_merge`]).
 
 pub mod addnet_hash;
 pub mod attach;
@@ -28,6 +29,8 @@ pub mod merge;
 pub mod merge_command;
 pub mod resize;
 pub mod resize_command;
+pub mod svd_merge;
+pub mod svd_merge_command;
 
 pub use attach::{
     attach_text_encoder, attach_unet, AdapterMode, AdapterSpec, AttachError, LayerGeometry,
