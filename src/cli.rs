@@ -57,6 +57,9 @@ pub enum Command {
     /// Merge LoRA/LyCORIS files into a model and save it as a single file or a diffusers
     /// folder, as kohya sd-scripts' merge_lora.py --sd_model does.
     MergeLora(Box<crate::adapter::merge_command::MergeArgs>),
+    /// Convert a model between a diffusers folder and the single file A1111 and ComfyUI load,
+    /// optionally in another dtype or with another VAE baked in.
+    Convert(Box<crate::model::convert_command::ConvertArgs>),
 }
 
 #[derive(Debug, Clone, Args)]
@@ -155,6 +158,10 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Some(Command::MergeLora(args)) => {
             crate::adapter::merge_command::run(&args)?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Some(Command::Convert(args)) => {
+            crate::model::convert_command::run(&args)?;
             Ok(ExitCode::SUCCESS)
         }
         Some(Command::Train(args)) => run_train(&args),

@@ -200,6 +200,31 @@ fn bad_merges_are_refused_with_the_reason() {
         "{}",
         text(&o)
     );
+    // A folder of other files is not replaced (a mistyped --out).
+    std::fs::create_dir(tmp.path().join("notes")).unwrap();
+    std::fs::write(tmp.path().join("notes/keep.txt"), "mine").unwrap();
+    let o = sdtrain(
+        &[
+            "merge-lora",
+            "--model",
+            &base,
+            "--lora",
+            &kohya,
+            "--out",
+            "notes",
+        ],
+        tmp.path(),
+    );
+    assert!(!o.status.success());
+    assert!(
+        text(&o).contains("is not a diffusers folder"),
+        "{}",
+        text(&o)
+    );
+    assert_eq!(
+        std::fs::read_to_string(tmp.path().join("notes/keep.txt")).unwrap(),
+        "mine"
+    );
 }
 
 /// Without `--model`, kohya's LoRA and a second file (rank 3, one module the first lacks, a 3×3

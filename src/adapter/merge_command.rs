@@ -20,6 +20,7 @@ use clap::Args;
 use super::kohya_file::load_kohya;
 use super::kohya_names::KohyaComponent;
 use super::merge::{layer_weights, merge_kohya_layers};
+use crate::model::export::Updates;
 use crate::model::files::Component;
 use crate::model::layout::ModelLayout;
 use crate::model::pipeline::{LoadOptions, StableDiffusion};
@@ -101,6 +102,9 @@ pub fn run(args: &MergeArgs) -> anyhow::Result<PathBuf> {
 
 /// Folds the files into `model` and saves it (kohya's `merge_lora.py --sd_model`).
 fn into_model(args: &MergeArgs, model: &str, ratios: &[f64]) -> anyhow::Result<PathBuf> {
+    if args.out.extension().and_then(|e| e.to_str()) != Some("safetensors") {
+        crate::model::convert_command::check_folder_out(&args.out)?;
+    }
     let dir = ModelSource::parse(model)
         .and_then(|s| s.resolve())
         .with_context(|| format!("--model `{model}`"))?;
@@ -177,15 +181,12 @@ fn ratios(args: &MergeArgs) -> anyhow::Result<Vec<f64>> {
     Ok(ratios)
 }
 
-/// Updated tensors by component, under their stored names, as the exporters take them.
-type Updates = Vec<(Component, Vec<(String, Tensor)>)>;
-
 /// The `changed` layers' merged weights under the names the base files store them, per
 /// component, as the exporters take them.
 fn stored_updates(
     sd: &mut StableDiffusion,
     changed: &[(KohyaComponent, String)],
-) -> anyhow::Result<Updates> {
+) -> anyhow::Result<Updates<Tensor>> {
     let weights = layer_weights(sd, changed)?;
     let mut stored: HashMap<(KohyaComponent, String), String> = HashMap::new();
     let mut sources = vec![(KohyaComponent::Unet, &sd.unet_weights)];
@@ -200,7 +201,7 @@ fn stored_updates(
             stored.insert((component, name), stored_name);
         }
     }
-    let mut by_component: Updates = Vec::new();
+    let mut by_component: Updates<Tensor> = Vec::new();
     for key in changed {
         let name = format!("{}.weight", key.1);
         let stored_name = stored

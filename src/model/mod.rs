@@ -3,6 +3,7 @@
 pub mod attention;
 pub mod clip;
 pub mod component_fit;
+pub mod convert_command;
 pub mod export;
 pub mod family;
 pub mod files;

@@ -23,6 +23,10 @@ use crate::error_chain::External;
 use crate::fsutil::FsError;
 
 pub use folder::{save_diffusers_folder, weights_file_name};
+
+/// The tensors an export writes in place of the base's, by component, under the names the base
+/// files store them. A component listed with no tensors is rewritten whole in the export's dtype.
+pub type Updates<T> = Vec<(Component, Vec<(String, T)>)>;
 pub use single_file::{save_single_file, save_single_file_with};
 
 #[derive(Debug, thiserror::Error)]
