@@ -780,6 +780,15 @@ fn validation_loss_is_logged_and_repeats_exactly() {
         );
         if run == 0 {
             first = vals;
+            // The adapter file records the split as kohya's `ss_validation_split`.
+            let lora = std::fs::read_dir(run_folder(tmp.path()))
+                .unwrap()
+                .map(|e| e.unwrap().path())
+                .find(|p| p.extension().is_some_and(|e| e == "safetensors"))
+                .expect("a LoRA file");
+            let meta = common::cli::file_metadata(&lora);
+            assert_eq!(meta["ss_validation_split"], "0.25");
+            assert_eq!(meta["ss_validation_seed"], "None");
         } else {
             assert_eq!(
                 vals[0].to_bits(),

@@ -14,8 +14,11 @@
 //! The separate VAE's keys (`ss_vae_name`, and for a file its hashes) are written when `vae`
 //! replaces the model's, as kohya writes them for `--vae`.
 //!
+//! The validation split is `ss_validation_split` (the held-out fraction, `0.0` without one) and
+//! `ss_validation_seed` (`None` when the run's seed draws it).
+//!
 //! Left out, each with its reason ([`OMITTED`]): sd-scripts' own commit, its `lowram`
-//! switch, the validation settings and resize filter kohya names its own
+//! switch, kohya's validation schedule and resize filter, which it names its own
 //! way, `random_crop` (EveryDream2's crop jitter is another rule), and `ss_datasets`, which
 //! kohya writes instead of the single-dataset keys for a `dataset_config`, as sdtrain does then
 //! ([`super::kohya_datasets_metadata`]).
@@ -42,11 +45,9 @@ pub const OMITTED: &[(&str, &str)] = &[
         "written instead of the single-dataset keys, for a dataset_config",
     ),
     (
-        "ss_validation_seed",
-        "kohya's validation settings, not EveryDream2's",
+        "ss_max_validation_steps",
+        "kohya's validation schedule, not EveryDream2's",
     ),
-    ("ss_validation_split", "the same"),
-    ("ss_max_validation_steps", "the same"),
     ("ss_validate_every_n_epochs", "the same"),
     ("ss_validate_every_n_steps", "the same"),
     ("ss_resize_interpolation", "kohya's resize filter choice"),
@@ -179,6 +180,14 @@ fn settings(f: &RunFacts<'_>, m: &mut BTreeMap<String, String>) {
     };
     put("ss_session_id", f.session_id.to_string());
     put("ss_num_validation_images", f.validation_images.to_string());
+    let validation = p.data.validation.as_ref();
+    let split = validation.and_then(|v| v.split).unwrap_or(0.0);
+    put("ss_validation_split", py_float(split));
+    let seed = validation.and_then(|v| v.seed);
+    put(
+        "ss_validation_seed",
+        seed.map_or("None".into(), |s| s.to_string()),
+    );
     let reg_samples = f.regularization.map_or(0.0, |r| r.samples_before);
     put("ss_num_reg_images", py_count(reg_samples));
     put("ss_num_batches_per_epoch", micro_per_epoch.to_string());
