@@ -317,8 +317,10 @@ pub fn factored_svd(up: &[f64], down: &[f64], m: usize, r: usize, n: usize) -> F
     let mut u = vec![0.0; m * r];
     let mut vt = vec![0.0; r * n];
     for k in 0..r {
-        for (j, q) in qu.iter().enumerate() {
-            axpy_strided(um[k][j], q, &mut u[k..], r);
+        if m > 0 {
+            for (j, q) in qu.iter().enumerate() {
+                axpy_strided(um[k][j], q, &mut u[k..], r);
+            }
         }
         for (j, q) in qd.iter().enumerate() {
             axpy(vm[k][j], q, &mut vt[k * n..(k + 1) * n]);
@@ -367,7 +369,7 @@ fn jacobi_svd(a: Vec<f64>, n: usize) -> (Vec<Vec<f64>>, Vec<f64>, Vec<Vec<f64>>)
                 let alpha = dot(&cols[p], &cols[p]);
                 let beta = dot(&cols[q], &cols[q]);
                 let gamma = dot(&cols[p], &cols[q]);
-                if gamma == 0.0 || gamma.abs() <= f64::EPSILON * (alpha * beta).sqrt() {
+                if gamma == 0.0 || gamma.abs() <= f64::EPSILON * alpha.sqrt() * beta.sqrt() {
                     continue;
                 }
                 rotated = true;
@@ -582,6 +584,16 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// An empty factor (a layer of no outputs or no inputs) gives zeros of the right sizes, not
+    /// a panic.
+    #[test]
+    fn factored_svd_of_an_empty_factor_is_empty() {
+        let got = factored_svd(&[], &[1.0; 8], 0, 2, 4);
+        assert_eq!((got.u.len(), got.s, got.vt.len()), (0, vec![0.0, 0.0], 8));
+        let got = factored_svd(&[1.0; 6], &[], 3, 2, 0);
+        assert_eq!((got.u.len(), got.s, got.vt.len()), (6, vec![0.0, 0.0], 0));
     }
 
     #[test]

@@ -126,7 +126,7 @@ fn bad_conversions_are_refused_with_the_reason() {
             "is not a diffusers folder",
         ),
         (
-            vec!["--model", &base, "--out", &base],
+            vec!["--model", &base, "--out", &base, "--overwrite"],
             "would replace the base model",
         ),
         (

@@ -172,7 +172,7 @@ fn bad_merges_are_refused_with_the_reason() {
             "must be a finite number",
         ),
         (vec!["--lora", &sdxl_lora], "does not fit the weight"),
-        (vec!["--lora", &missing], "missing.safetensors"),
+        (vec!["--lora", &missing], "cannot read"),
     ];
     for (flags, needle) in cases {
         let mut args = vec!["merge-lora", "--model", &base, "--out", "out.safetensors"];
@@ -191,6 +191,7 @@ fn bad_merges_are_refused_with_the_reason() {
             &kohya,
             "--out",
             &base,
+            "--overwrite",
         ],
         tmp.path(),
     );
@@ -325,4 +326,82 @@ fn bad_lora_merges_are_refused_with_the_reason() {
         tmp.path(),
     );
     assert!(text(&o).contains("name it so"), "{}", text(&o));
+}
+
+/// A file merged with itself has only its own directions: at `--rank 8` its rank-4 modules stay
+/// at most 4, with no dead row. A merge whose clamp quantile is negative (torch then sets every value
+/// to it) ends without a panic. Catches dead directions kept, or `f64::clamp` with min above max.
+#[test]
+fn repeated_and_negative_merges_stay_whole() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cpu = candle_core::Device::Cpu;
+    let kohya = fixture_str("kohya_tiny_sd15.safetensors");
+    let o = sdtrain(
+        &[
+            "merge-lora",
+            "--lora",
+            &kohya,
+            "--ratio",
+            "0.5",
+            "--lora",
+            &kohya,
+            "--ratio",
+            "0.5",
+            "--rank",
+            "8",
+            "--out",
+            "twice.safetensors",
+        ],
+        tmp.path(),
+    );
+    assert!(o.status.success(), "{}", text(&o));
+    let merged =
+        candle_core::safetensors::load(tmp.path().join("twice.safetensors"), &cpu).unwrap();
+    let original =
+        candle_core::safetensors::load(common::fixture("kohya_tiny_sd15.safetensors"), &cpu)
+            .unwrap();
+    for (key, down) in merged
+        .iter()
+        .filter(|(k, _)| k.ends_with(".lora_down.weight"))
+    {
+        // At most the file's rank (some of its modules have rank 3 at 4: a down row repeats).
+        assert!(
+            down.dim(0).unwrap() <= original[key].dim(0).unwrap(),
+            "{key}"
+        );
+        let rows = down.flatten_from(1).unwrap().sqr().unwrap().sum(1).unwrap();
+        let rows: Vec<f32> = rows.to_vec1().unwrap();
+        assert!(rows.iter().all(|r| *r > 0.05), "{key}: row norms² {rows:?}");
+    }
+
+    // up [200, 1] = [1, −0.5, …], down [1, 10] = −1: most values negative, the 0.99 quantile too.
+    let mut up = vec![-0.5f32; 200];
+    up[0] = 1.0;
+    let tensors: HashMap<String, Tensor> = [
+        (
+            "lora_unet_x.lora_up.weight",
+            Tensor::from_vec(up, (200, 1), &cpu).unwrap(),
+        ),
+        (
+            "lora_unet_x.lora_down.weight",
+            Tensor::from_vec(vec![-1.0f32; 10], (1, 10), &cpu).unwrap(),
+        ),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect();
+    candle_core::safetensors::save(&tensors, tmp.path().join("negative.safetensors")).unwrap();
+    let o = sdtrain(
+        &[
+            "merge-lora",
+            "--lora",
+            "negative.safetensors",
+            "--rank",
+            "1",
+            "--out",
+            "n.safetensors",
+        ],
+        tmp.path(),
+    );
+    assert!(o.status.success(), "{}", text(&o));
 }

@@ -193,6 +193,48 @@ fn a_peft_file_keeps_its_weight_changes() {
     }
 }
 
+/// diffusers' training-script layout (`….to_q.lora.down.weight`, `….q_proj.lora_linear_layer.
+/// down.weight`) with an alpha beside each module under the name loaders give it
+/// (`unet.….to_q.alpha`): resized to its own rank, every weight change is kept, so that alpha is
+/// found and rewritten. Catches the alpha looked up at `….to_q.lora.alpha` (the module would
+/// come out at the old alpha over the new rank).
+#[test]
+fn a_diffusers_script_file_keeps_its_alphas() {
+    let tmp = tempfile::tempdir().unwrap();
+    let scripts = common::fixture("diffusers_lora/sd15_scripts.safetensors");
+    let mut tensors = candle_core::safetensors::load(&scripts, &Device::Cpu).unwrap();
+    let modules: Vec<String> = tensors
+        .keys()
+        .filter_map(|k| {
+            k.strip_suffix(".lora.down.weight")
+                .or_else(|| k.strip_suffix(".lora_linear_layer.down.weight"))
+                .map(str::to_string)
+        })
+        .collect();
+    assert!(!modules.is_empty());
+    for m in &modules {
+        tensors.insert(
+            format!("{m}.alpha"),
+            Tensor::new(2.0f32, &Device::Cpu).unwrap(),
+        );
+    }
+    let input = tmp.path().join("scripts-alpha.safetensors");
+    candle_core::safetensors::save(&tensors, &input).unwrap();
+    let out = resize(tmp.path(), &input, &["--rank", "4"]);
+    assert!(out.status.success(), "{}", text(&out));
+    let before = changes(&load_kohya(&input, &Device::Cpu).unwrap());
+    let after = changes(&load_kohya(&tmp.path().join("out.safetensors"), &Device::Cpu).unwrap());
+    assert_eq!(before.len(), after.len());
+    for (name, b) in &before {
+        let big = b.abs().unwrap().flatten_all().unwrap().max(0).unwrap();
+        let big = big.to_scalar::<f32>().unwrap();
+        assert!(
+            common::max_abs_diff(&after[name], b) <= 1e-5 * big,
+            "{name}"
+        );
+    }
+}
+
 fn frobenius(t: &Tensor) -> f32 {
     t.sqr()
         .unwrap()
@@ -273,6 +315,21 @@ fn bad_resizes_are_refused_with_the_reason() {
             ("m.lora_up.weight", nan),
         ],
     );
+    let empty = write(
+        "empty.safetensors",
+        vec![
+            ("m.lora_down.weight", t(&[2, 4])),
+            ("m.lora_up.weight", t(&[0, 2])),
+        ],
+    );
+    let tucker = write(
+        "tucker.safetensors",
+        vec![
+            ("m.lora_down.weight", t(&[2, 4, 1, 1])),
+            ("m.lora_mid.weight", t(&[2, 2, 3, 3])),
+            ("m.lora_up.weight", t(&[4, 2, 1, 1])),
+        ],
+    );
     let text_file = tmp.path().join("notes.safetensors");
     std::fs::write(&text_file, "not a tensor file").unwrap();
     for (file, needle) in [
@@ -284,6 +341,8 @@ fn bad_resizes_are_refused_with_the_reason() {
         (&skewed, "are not a LoRA pair"),
         (&broken, "`m.lora_up.weight` holds NaN"),
         (&text_file, "is not a safetensors file"),
+        (&empty, "a LoRA pair has no empty dimension"),
+        (&tucker, "is a LyCORIS Tucker LoCon"),
         (&tmp.path().join("missing.safetensors"), "cannot read"),
     ] {
         let out = resize(tmp.path(), file, &[]);

@@ -56,6 +56,9 @@ pub struct MergeArgs {
     /// weights (kohya's `--save_precision`). A half single file is half throughout.
     #[arg(long, alias = "save-precision", default_value = "fp32", value_parser = parse_save_dtype)]
     pub save_dtype: DType,
+    /// Replace an existing diffusers folder at `--out`, whole.
+    #[arg(long)]
+    pub overwrite: bool,
 }
 
 fn parse_save_dtype(s: &str) -> Result<DType, String> {
@@ -103,7 +106,7 @@ pub fn run(args: &MergeArgs) -> anyhow::Result<PathBuf> {
 /// Folds the files into `model` and saves it (kohya's `merge_lora.py --sd_model`).
 fn into_model(args: &MergeArgs, model: &str, ratios: &[f64]) -> anyhow::Result<PathBuf> {
     if args.out.extension().and_then(|e| e.to_str()) != Some("safetensors") {
-        crate::model::convert_command::check_folder_out(&args.out)?;
+        crate::model::convert_command::check_folder_out(&args.out, args.overwrite)?;
     }
     let dir = ModelSource::parse(model)
         .and_then(|s| s.resolve())

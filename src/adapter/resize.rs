@@ -60,7 +60,7 @@ pub fn chosen_rank(s: &[f64], full: usize, rule: RankRule, max_rank: usize) -> u
         let count = fractions.iter().filter(|f| **f < target).count();
         count
             + if last < target {
-                full - fractions.len()
+                full.saturating_sub(fractions.len())
             } else {
                 0
             }

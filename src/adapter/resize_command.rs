@@ -80,6 +80,10 @@ const FORMATS: [(&str, &str); 3] = [
 struct ModuleKeys {
     /// The key without its `lora_down(.weight)` part.
     block: String,
+    /// The module as loaders name it: `block`, except in diffusers' `lora.down` and
+    /// `lora_linear_layer.down` layouts (`unet.….to_q.lora.down.weight` adapts `unet.….to_q`),
+    /// whose alpha is `<module>.alpha` ([`super::diffusers_keys::diffusers_key`]).
+    module: String,
     down: String,
     up: String,
     /// Whether it is kohya's `lora_down`/`lora_up` format.
@@ -101,9 +105,12 @@ fn module_keys(key: &str) -> Option<ModuleKeys> {
         } else {
             continue;
         };
+        let module = super::diffusers_keys::diffusers_key(key)
+            .map_or_else(|| block.clone(), |(module, _)| module);
         return Some(ModuleKeys {
             up: format!("{block}.{up}{tail}"),
             down: key.to_string(),
+            module,
             block,
             kohya: i == 0,
             rank: 0,
@@ -154,7 +161,7 @@ pub fn run(args: &ResizeArgs) -> anyhow::Result<PathBuf> {
             m.up.clone(),
             encode_values(&f.up, f.up_shape.clone(), args.save_dtype)?,
         ));
-        let alpha_key = format!("{}.alpha", m.block);
+        let alpha_key = format!("{}.alpha", m.module);
         if m.kohya || views.contains_key(&alpha_key) {
             tensors.push((
                 alpha_key.clone(),
@@ -236,10 +243,27 @@ fn find_modules(
         };
         let (d, u) = (views[key].shape(), up.shape());
         let pair = match (d, u) {
-            ([r, _], [_, r2]) => r == r2 && *r > 0,
-            ([r, _, _, _], [_, r2, 1, 1]) => r == r2 && *r > 0,
+            ([r, _], [_, r2]) => r == r2,
+            ([r, _, _, _], [_, r2, 1, 1]) => r == r2,
             _ => false,
         };
+        if d.contains(&0) || u.contains(&0) {
+            bail!(
+                "{}: `{}` {d:?} / `{}` {u:?}: a LoRA pair has no empty dimension",
+                path.display(),
+                m.down,
+                m.up
+            );
+        }
+        let mid = format!("{}.lora_mid.weight", m.block);
+        if views.contains_key(&mid) {
+            bail!(
+                "{}: module `{}` is a LyCORIS Tucker LoCon (`{mid}`), whose product is not \
+                 up·down; it is not resized",
+                path.display(),
+                m.block
+            );
+        }
         if !pair {
             bail!(
                 "{}: `{}` {d:?} and `{}` {u:?} are not a LoRA pair (want down [r, in] / up \
@@ -273,15 +297,15 @@ fn module_alphas(
 ) -> anyhow::Result<HashMap<String, (f32, f64)>> {
     let ranks: Vec<(&str, usize)> = modules
         .iter()
-        .filter(|m| !views.contains_key(&format!("{}.alpha", m.block)))
-        .map(|m| (m.block.as_str(), views[&m.down].shape()[0]))
+        .filter(|m| !views.contains_key(&format!("{}.alpha", m.module)))
+        .map(|m| (m.module.as_str(), views[&m.down].shape()[0]))
         .collect();
     let from_metadata = super::diffusers_keys::metadata_alphas(metadata, &ranks)
         .map_err(|problem| anyhow::anyhow!("{}: {problem}", path.display()))?;
     let mut out = HashMap::new();
     for m in modules {
         let rank = views[&m.down].shape()[0] as f32;
-        let key = format!("{}.alpha", m.block);
+        let key = format!("{}.alpha", m.module);
         let entry = match views.get(&key) {
             Some(view) => {
                 let t = decode(path, &key, view, &Device::Cpu)?;
@@ -294,7 +318,7 @@ fn module_alphas(
                     ),
                 }
             }
-            None => match from_metadata.get(&m.block) {
+            None => match from_metadata.get(&m.module) {
                 Some(&a) => (rank, f64::from(a) / f64::from(rank)),
                 None => (rank, 1.0),
             },
@@ -465,17 +489,24 @@ fn report(args: &ResizeArgs, modules: &[ModuleKeys], resized: &[Resized], rule: 
         .map(|r| r.fro_retained)
         .filter(|x| x.is_finite())
         .collect();
-    let mean = fro.iter().sum::<f64>() / fro.len().max(1) as f64;
+    let mean = match fro.is_empty() {
+        true => f64::NAN,
+        false => fro.iter().sum::<f64>() / fro.len() as f64,
+    };
     let std =
         (fro.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / fro.len().max(1) as f64).sqrt();
     let (old_lo, old_hi) = span(modules.iter().map(|m| m.rank));
     let (new_lo, new_hi) = span(resized.iter().map(|r| r.factors.rank()));
     eprintln!(
-        "resize: {} modules, rank {} → {}; average Frobenius norm retention {} (std {std:.3})",
+        "resize: {} modules, rank {} → {}; average Frobenius norm retention {} (std {})",
         modules.len(),
         range_text(old_lo, old_hi),
         range_text(new_lo, new_hi),
-        pct(mean)
+        pct(mean),
+        match std.is_finite() {
+            true => format!("{std:.3}"),
+            false => "-".to_string(),
+        }
     );
 }
 

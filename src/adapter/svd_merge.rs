@@ -9,9 +9,9 @@
 //! The sum is never formed: the files' factors are stacked, `[r₁·up₁ … rₙ·upₙ]·[down₁; …; downₙ]`
 //! with `rᵢ` each file's ratio times scale, and [`crate::linalg::factored_svd`] decomposes the
 //! product. Two differences from kohya's script:
-//! - `k` is also capped at the summed ranks of the files (the product has no more directions;
-//!   kohya, asked for more, adds directions of singular value 0 whose zeros and unit vectors enter
-//!   its clamp's quantile);
+//! - `k` is also capped at the summed ranks of the files and at the number of non-zero singular
+//!   values (the sum has no more directions; kohya, asked for more, adds directions of singular
+//!   value 0 whose zeros and unit vectors enter its clamp's quantile);
 //! - each singular pair's sign follows sdtrain's convention (the largest entry of `U`'s column
 //!   positive), where kohya keeps LAPACK's; `up·down` is the same either way, the clamp's quantile
 //!   is taken over the signs chosen.
@@ -28,6 +28,8 @@ pub const CLAMP_QUANTILE: f64 = 0.99;
 pub struct Part<'a> {
     pub factors: &'a Factors,
     pub scale: f64,
+    /// Where it comes from (a file's name), for messages.
+    pub source: &'a str,
 }
 
 /// The merged module: its factors (shaped as kohya stores them) and alpha (its rank).
@@ -40,14 +42,35 @@ pub struct Merged {
 /// Merges one module's `parts` at rank `max_rank` (see the module header). The parts must agree
 /// on the layer's shape: `out`, `in` and the kernel.
 pub fn svd_merge(parts: &[Part<'_>], max_rank: usize) -> Result<Merged, String> {
-    let first = parts.first().ok_or("no part to merge")?.factors;
+    let head = parts.first().ok_or("no part to merge")?;
+    let first = head.factors;
+    for p in parts {
+        let f = p.factors;
+        if f.down_shape.len() < 2 || f.up_shape.is_empty() {
+            return Err(format!(
+                "{}: down {:?} / up {:?} is no LoRA pair",
+                p.source, f.down_shape, f.up_shape
+            ));
+        }
+        if f.down_shape.contains(&0) || f.up_shape.contains(&0) {
+            return Err(format!(
+                "{}: down {:?} / up {:?} has an empty dimension",
+                p.source, f.down_shape, f.up_shape
+            ));
+        }
+    }
     let (out, in_tail) = (first.up_shape[0], first.down_shape[1..].to_vec());
     for p in parts {
         if p.factors.up_shape[0] != out || p.factors.down_shape[1..] != in_tail[..] {
             return Err(format!(
-                "the files adapt it with different shapes: down {:?} / up {:?} and down {:?} / \
-                 up {:?}",
-                first.down_shape, first.up_shape, p.factors.down_shape, p.factors.up_shape
+                "the files adapt it with different shapes: {} down {:?} / up {:?}, {} down {:?} \
+                 / up {:?}",
+                head.source,
+                first.down_shape,
+                first.up_shape,
+                p.source,
+                p.factors.down_shape,
+                p.factors.up_shape
             ));
         }
     }
@@ -68,7 +91,15 @@ pub fn svd_merge(parts: &[Part<'_>], max_rank: usize) -> Result<Merged, String> 
         col += r;
     }
     let svd = factored_svd(&up, &down, out, total, inn);
-    let k = max_rank.min(out).min(in_tail[0]).min(total).max(1);
+    // Directions of singular value 0 (files that repeat one another) carry nothing; kept, they
+    // would be dead rows of `down` and zeros in the clamp's quantile.
+    let live = svd.s.iter().filter(|&&x| x > 1e-10 * svd.s[0]).count();
+    let k = max_rank
+        .min(out)
+        .min(in_tail[0])
+        .min(total)
+        .min(live)
+        .max(1);
     let mut new_up = Vec::with_capacity(out * k);
     for i in 0..out {
         new_up.extend((0..k).map(|c| svd.u[i * total + c] * svd.s[c]));
@@ -77,8 +108,9 @@ pub fn svd_merge(parts: &[Part<'_>], max_rank: usize) -> Result<Merged, String> 
     let mut dist = new_up.clone();
     dist.extend_from_slice(&new_down);
     let hi = quantile(&dist, CLAMP_QUANTILE);
+    // torch's `clamp(-hi, hi)`: with a negative `hi` (min above max) every value becomes `hi`.
     let clamp =
-        |v: Vec<f64>| -> Vec<f32> { v.into_iter().map(|x| x.clamp(-hi, hi) as f32).collect() };
+        |v: Vec<f64>| -> Vec<f32> { v.into_iter().map(|x| x.max(-hi).min(hi) as f32).collect() };
     let mut up_shape = first.up_shape.clone();
     up_shape[1] = k;
     let mut down_shape = first.down_shape.clone();
@@ -125,10 +157,12 @@ mod tests {
             Part {
                 factors: &a,
                 scale: 6.0,
+                source: "a",
             },
             Part {
                 factors: &b,
                 scale: -2.0,
+                source: "b",
             },
         ];
         let two = svd_merge(&parts, 8).unwrap();
@@ -151,8 +185,13 @@ mod tests {
             Part {
                 factors: &c,
                 scale: 1.0,
+                source: "c.safetensors",
             },
         ];
-        assert!(svd_merge(&bad, 2).unwrap_err().contains("different shapes"));
+        let err = svd_merge(&bad, 2).unwrap_err();
+        assert!(
+            err.contains("different shapes") && err.contains("c.safetensors"),
+            "{err}"
+        );
     }
 }

@@ -13,6 +13,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
 use candle_core::{DType, Device, Tensor};
+use rayon::prelude::*;
 
 use super::factors::Algo;
 use super::kohya_file::{load_kohya, save_kohya, KohyaFile, KohyaTensorSet};
@@ -37,17 +38,30 @@ pub fn run(
         .iter()
         .map(|p| load_kohya(p, &Device::Cpu).map_err(anyhow::Error::from))
         .collect::<anyhow::Result<_>>()?;
-    // Each module's factors and scale, from every file that has it, in file order.
-    let mut modules: BTreeMap<String, Vec<(Factors, f64)>> = BTreeMap::new();
-    for (file, ratio) in files.iter().zip(ratios) {
+    // Each module's factors, scale and file index, from every file that has it, in file order.
+    let mut modules: BTreeMap<String, Vec<(Factors, f64, usize)>> = BTreeMap::new();
+    let names: Vec<String> = files.iter().map(|f| f.path.display().to_string()).collect();
+    for (index, (file, ratio)) in files.iter().zip(ratios).enumerate() {
         for m in &file.modules {
             let what =
                 |problem: &str| format!("{}: module `{}` {problem}", file.path.display(), m.name);
             if m.algo != Algo::LowRank || m.get(super::factors::DORA_SCALE).is_some() {
-                bail!("{}", what("is not a LoRA/LoCon module (LoHa, LoKr and DoRA are not merged into a LoRA; fold them into a model with --model)"));
+                bail!(
+                    "{}",
+                    what(
+                        "is not a LoRA/LoCon module (LoHa, LoKr and DoRA are not merged into a \
+                         LoRA; fold them into a model with --model)"
+                    )
+                );
             }
             if m.name.contains('.') {
-                bail!("{}", what("is in diffusers' layout; merge files with kohya's names (lora_unet_…, lora_te_…), or fold it into a model with --model"));
+                bail!(
+                    "{}",
+                    what(
+                        "is in diffusers' layout; merge files with kohya's names (lora_unet_…, \
+                         lora_te_…), or fold it into a model with --model"
+                    )
+                );
             }
             let (down, up) = (
                 m.down().context("no lora_down")?,
@@ -63,31 +77,36 @@ pub fn run(
             modules
                 .entry(m.name.clone())
                 .or_default()
-                .push((factors, scale));
+                .push((factors, scale, index));
         }
     }
     if modules.is_empty() {
         bail!("the files hold no LoRA module to merge");
     }
-    let mut sets = Vec::with_capacity(modules.len());
-    for (name, parts) in &modules {
-        let list: Vec<Part<'_>> = parts
-            .iter()
-            .map(|(f, s)| Part {
-                factors: f,
-                scale: *s,
-            })
-            .collect();
-        let max = match parts[0].0.is_spatial_conv() {
-            true => conv_rank,
-            false => rank,
-        };
-        let merged = svd_merge(&list, max).map_err(|p| anyhow::anyhow!("module `{name}`: {p}"))?;
-        let f = merged.factors;
-        let down = Tensor::from_vec(f.down, f.down_shape, &Device::Cpu)?;
-        let up = Tensor::from_vec(f.up, f.up_shape, &Device::Cpu)?;
-        sets.push(KohyaTensorSet::lora(name, down, up, merged.alpha));
-    }
+    let merged: Vec<anyhow::Result<KohyaTensorSet>> = modules
+        .par_iter()
+        .map(|(name, parts)| {
+            let list: Vec<Part<'_>> = parts
+                .iter()
+                .map(|(f, s, i)| Part {
+                    factors: f,
+                    scale: *s,
+                    source: &names[*i],
+                })
+                .collect();
+            let max = match parts[0].0.is_spatial_conv() {
+                true => conv_rank,
+                false => rank,
+            };
+            let merged =
+                svd_merge(&list, max).map_err(|p| anyhow::anyhow!("module `{name}`: {p}"))?;
+            let f = merged.factors;
+            let down = Tensor::from_vec(f.down, f.down_shape, &Device::Cpu)?;
+            let up = Tensor::from_vec(f.up, f.up_shape, &Device::Cpu)?;
+            Ok(KohyaTensorSet::lora(name, down, up, merged.alpha))
+        })
+        .collect();
+    let sets: Vec<KohyaTensorSet> = merged.into_iter().collect::<anyhow::Result<_>>()?;
     let metadata = metadata(&files, rank, conv_rank, out);
     save_kohya(out, &sets, &metadata, dtype)?;
     eprintln!(

@@ -43,6 +43,9 @@ pub struct ConvertArgs {
     /// Prefer weight files of this variant (e.g. `fp16`) where the model has them.
     #[arg(long, value_name = "NAME")]
     pub variant: Option<String>,
+    /// Replace an existing diffusers folder at `--out`, whole.
+    #[arg(long)]
+    pub overwrite: bool,
 }
 
 fn parse_save_dtype(s: &str) -> Result<DType, String> {
@@ -58,7 +61,7 @@ fn parse_save_dtype(s: &str) -> Result<DType, String> {
 pub fn run(args: &ConvertArgs) -> anyhow::Result<PathBuf> {
     let single = args.out.extension().and_then(|e| e.to_str()) == Some("safetensors");
     if !single {
-        check_folder_out(&args.out)?;
+        check_folder_out(&args.out, args.overwrite)?;
     }
     let dir = ModelSource::parse(&args.model)
         .and_then(|s| s.resolve())
@@ -112,21 +115,32 @@ pub fn run(args: &ConvertArgs) -> anyhow::Result<PathBuf> {
     Ok(args.out.clone())
 }
 
-/// A folder `--out` replaces what is there; it may only be a diffusers folder (one holding
-/// `model_index.json`), an empty folder or nothing, so that a mistyped path cannot take a folder
-/// of other files with it.
-pub fn check_folder_out(out: &Path) -> anyhow::Result<()> {
+/// A folder `--out` replaces what is there, whole (the new folder is built beside it and renamed
+/// into place). So an existing one must be empty, or a diffusers folder (one holding
+/// `model_index.json`) that `--overwrite` allows to go, files sdtrain did not write included; a
+/// mistyped path cannot take a folder of other files with it.
+pub fn check_folder_out(out: &Path, overwrite: bool) -> anyhow::Result<()> {
     let Ok(meta) = std::fs::symlink_metadata(out) else {
         return Ok(());
     };
     let empty =
         meta.is_dir() && std::fs::read_dir(out).is_ok_and(|mut entries| entries.next().is_none());
-    if meta.is_dir() && (empty || out.join("model_index.json").is_file()) {
+    if empty {
         return Ok(());
     }
-    bail!(
-        "--out {}: it exists and is not a diffusers folder, which the new model would replace; \
-         give a new folder, or a .safetensors file for a single file",
-        out.display()
-    )
+    if !(meta.is_dir() && out.join("model_index.json").is_file()) {
+        bail!(
+            "--out {}: it exists and is not a diffusers folder, which the new model would \
+             replace; give a new folder, or a .safetensors file for a single file",
+            out.display()
+        );
+    }
+    if !overwrite {
+        bail!(
+            "--out {}: a diffusers folder is there; --overwrite replaces it whole (any file in it \
+             sdtrain does not write goes too), or give a new folder",
+            out.display()
+        );
+    }
+    Ok(())
 }
