@@ -312,6 +312,17 @@ pub fn scaler_for(amp: Amp, settings: ScalerSettings, step_tweaks: bool) -> Box<
     }
 }
 
+/// A command's `--save-dtype` (and kohya's `--save_precision`): `fp32` (kohya's `float`), `fp16`
+/// or `bf16`.
+pub fn parse_save_dtype(s: &str) -> Result<DType, String> {
+    match s {
+        "fp32" | "float" | "f32" => Ok(DType::F32),
+        "fp16" | "f16" => Ok(DType::F16),
+        "bf16" => Ok(DType::BF16),
+        _ => Err("must be fp32, fp16 or bf16".into()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -7,39 +7,13 @@ mod common;
 use std::path::Path;
 
 use candle_core::DType;
-use common::cli::{sdtrain, text};
+use common::cli::{sample_bytes, sdtrain, text};
 
 fn convert(dir: &Path, model: &str, out: &str, more: &[&str]) {
     let mut args = vec!["convert", "--model", model, "--out", out];
     args.extend_from_slice(more);
     let o = sdtrain(&args, dir);
     assert!(o.status.success(), "{args:?}: {}", text(&o));
-}
-
-fn sample(dir: &Path, model: &str, out: &str, more: &[&str]) -> Vec<u8> {
-    let mut args = vec![
-        "sample",
-        "--model",
-        model,
-        "--prompt",
-        "a cat",
-        "--width",
-        "64",
-        "--height",
-        "64",
-        "--steps",
-        "4",
-        "--seed",
-        "3",
-        "--precision",
-        "fp32",
-        "--out",
-        out,
-    ];
-    args.extend_from_slice(more);
-    let o = sdtrain(&args, dir);
-    assert!(o.status.success(), "{}", text(&o));
-    std::fs::read(dir.join(out)).unwrap()
 }
 
 /// SD1.5 and SDXL folders become single files and folders again, and each draws the original's
@@ -54,13 +28,13 @@ fn a_converted_model_draws_the_same_image() {
         let folder = format!("{name}-again");
         convert(tmp.path(), &base, &file, &[]);
         convert(tmp.path(), &file, &folder, &[]);
-        let want = sample(tmp.path(), &base, "base.png", &[]);
+        let want = sample_bytes(tmp.path(), &base, "base.png", &[]);
         assert!(
-            sample(tmp.path(), &file, "file.png", &[]) == want,
+            sample_bytes(tmp.path(), &file, "file.png", &[]) == want,
             "{name}: single file"
         );
         assert!(
-            sample(tmp.path(), &folder, "folder.png", &[]) == want,
+            sample_bytes(tmp.path(), &folder, "folder.png", &[]) == want,
             "{name}: folder"
         );
     }
@@ -106,10 +80,10 @@ fn a_baked_vae_draws_as_sample_vae_does() {
     let base = common::fixture("tiny-sd15").display().to_string();
     let vae = common::fixture("tiny-sd21/vae").display().to_string();
     convert(tmp.path(), &base, "baked.safetensors", &["--vae", &vae]);
-    let want = sample(tmp.path(), &base, "vae.png", &["--vae", &vae]);
-    let plain = sample(tmp.path(), &base, "plain.png", &[]);
+    let want = sample_bytes(tmp.path(), &base, "vae.png", &["--vae", &vae]);
+    let plain = sample_bytes(tmp.path(), &base, "plain.png", &[]);
     assert!(want != plain, "the two VAEs draw the same image");
-    assert!(sample(tmp.path(), "baked.safetensors", "baked.png", &[]) == want);
+    assert!(sample_bytes(tmp.path(), "baked.safetensors", "baked.png", &[]) == want);
 }
 
 /// Bad input ends with an error naming the flag or the path; a folder of other files is kept.

@@ -15,7 +15,6 @@ use sdtrain::adapter::kohya_file::load_kohya;
 use sdtrain::adapter::merge::merge_kohya;
 use sdtrain::config::{AdapterPlan, SaveDtype, TrainMode};
 use sdtrain::model::pipeline::StableDiffusion;
-use sdtrain::nn::{LayerMut, VisitLayers};
 use sdtrain::train::adapters::attach_with;
 
 const CASES: [(&str, &str); 5] = [
@@ -38,37 +37,6 @@ fn fixture(model: &str) -> &'static str {
     }
 }
 
-/// Every Linear and Conv2d weight of the UNet and text encoders, keyed
-/// `<component>.<module path>.weight` as diffusers' state dicts name them.
-fn weights(sd: &mut StableDiffusion) -> HashMap<String, Tensor> {
-    let mut out = HashMap::new();
-    let mut put = |comp: &str, l: LayerMut<'_>| {
-        let (path, w) = match l {
-            LayerMut::Linear(m) => (m.path.clone(), m.weight.clone()),
-            LayerMut::Conv2d(m) => (m.path.clone(), m.weight.clone()),
-        };
-        out.insert(format!("{comp}.{path}.weight"), w);
-    };
-    sd.unet.visit_layers(&mut |l| put("unet", l));
-    for (te, comp) in sd
-        .text_encoders
-        .iter_mut()
-        .zip(["text_encoder", "text_encoder_2"])
-    {
-        te.model.visit_layers(&mut |l| put(comp, l));
-    }
-    out
-}
-
-/// Our weight for a reference key: transformers 5's CLIPTextModel names its layers without the
-/// `text_model.` level our paths keep.
-fn ours<'a>(all: &'a HashMap<String, Tensor>, key: &str) -> Option<&'a Tensor> {
-    all.get(key).or_else(|| {
-        let (comp, rest) = key.split_once('.')?;
-        all.get(&format!("{comp}.text_model.{rest}"))
-    })
-}
-
 /// Catches each reading of diffusers' layouts a one-line bug would break: lora_A read as up, the
 /// metadata's lora_alpha (or its alpha_pattern, or rsLoRA's √r) not applied, a scale of
 /// `alpha/r` assumed for a file without alpha, a processor key mapped to the wrong projection,
@@ -87,10 +55,11 @@ fn diffusers_lora_files_merge_as_diffusers_merges_them() {
         let naming = sdtrain::adapter::kohya_naming(&sd);
         let n = merge_kohya(&mut sd, &naming, &file, 1.0).unwrap();
         assert_eq!(n, reference.len(), "{what}: merged modules");
-        let all = weights(&mut sd);
+        let all = common::layer_weights(&mut sd);
         let mut worst = 0f32;
         for (key, want) in &reference {
-            let got = ours(&all, key).unwrap_or_else(|| panic!("{what}: no layer {key}"));
+            let got =
+                common::layer_weight(&all, key).unwrap_or_else(|| panic!("{what}: no layer {key}"));
             let err = common::rel_err(got, want);
             worst = worst.max(err);
             assert!(err <= 1e-6, "{what}: {key}: rel err {err}");

@@ -9,9 +9,7 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use candle_core::Tensor;
-use common::cli::{sdtrain, text};
-use sdtrain::model::pipeline::StableDiffusion;
-use sdtrain::nn::{LayerMut, VisitLayers};
+use common::cli::{sample_bytes, sdtrain, text};
 
 fn fixture_str(name: &str) -> String {
     common::fixture(name).display().to_string()
@@ -37,36 +35,8 @@ fn merge(dir: &Path, model: &str, loras: &[(&str, &str)], out: &str) -> std::pro
     sdtrain(&args, dir)
 }
 
-/// Every Linear and Conv2d weight, keyed `<component>.<module path>.weight`.
-fn weights(sd: &mut StableDiffusion) -> HashMap<String, Tensor> {
-    let mut out = HashMap::new();
-    let mut put = |comp: &str, l: LayerMut<'_>| {
-        let (path, w) = match l {
-            LayerMut::Linear(m) => (m.path.clone(), m.weight.clone()),
-            LayerMut::Conv2d(m) => (m.path.clone(), m.weight.clone()),
-        };
-        out.insert(format!("{comp}.{path}.weight"), w);
-    };
-    sd.unet.visit_layers(&mut |l| put("unet", l));
-    for (te, comp) in sd
-        .text_encoders
-        .iter_mut()
-        .zip(["text_encoder", "text_encoder_2"])
-    {
-        te.model.visit_layers(&mut |l| put(comp, l));
-    }
-    out
-}
-
-/// A reference key's weight: transformers 5 names CLIP's layers without the `text_model.`
-/// level sdtrain's paths keep.
-fn ours<'a>(all: &'a HashMap<String, Tensor>, key: &str) -> &'a Tensor {
-    all.get(key)
-        .or_else(|| {
-            let (comp, rest) = key.split_once('.')?;
-            all.get(&format!("{comp}.text_model.{rest}"))
-        })
-        .unwrap_or_else(|| panic!("no layer {key}"))
+fn layer<'a>(all: &'a HashMap<String, Tensor>, key: &str) -> &'a Tensor {
+    common::layer_weight(all, key).unwrap_or_else(|| panic!("no layer {key}"))
 }
 
 /// Merged into a diffusers folder, each adapted layer is the weight diffusers fuses (SD1.5 and
@@ -85,10 +55,11 @@ fn merged_models_hold_the_weights_diffusers_fuses() {
             &candle_core::Device::Cpu,
         )
         .unwrap();
-        let merged = weights(&mut common::load_frozen_f32_at(&tmp.path().join(model)));
-        let base = weights(&mut common::load_frozen_f32(fixture));
+        let merged =
+            common::layer_weights(&mut common::load_frozen_f32_at(&tmp.path().join(model)));
+        let base = common::layer_weights(&mut common::load_frozen_f32(fixture));
         for (key, want) in &reference {
-            let err = common::rel_err(ours(&merged, key), want);
+            let err = common::rel_err(layer(&merged, key), want);
             assert!(err <= 1e-6, "{model}: {key}: rel err {err}");
         }
         let changed = base
@@ -97,37 +68,6 @@ fn merged_models_hold_the_weights_diffusers_fuses() {
             .count();
         assert_eq!(changed, reference.len(), "{model}: layers changed");
     }
-}
-
-fn sample(dir: &Path, model: &str, loras: &[&str], out: &str) -> Vec<u8> {
-    let mut args = vec![
-        "sample",
-        "--model",
-        model,
-        "--prompt",
-        "a cat",
-        "--width",
-        "64",
-        "--height",
-        "64",
-        "--steps",
-        "4",
-        "--seed",
-        "3",
-        "--precision",
-        "fp32",
-        "--out",
-        out,
-    ];
-    for l in loras {
-        args.extend(["--lora", l]);
-    }
-    if !loras.is_empty() {
-        args.extend(["--lora-scale", "0.7"]);
-    }
-    let o = sdtrain(&args, dir);
-    assert!(o.status.success(), "{}", text(&o));
-    std::fs::read(dir.join(out)).unwrap()
 }
 
 /// A kohya LoRA and a diffusers one merged at 0.7 into a single file and into a folder draw the
@@ -145,10 +85,11 @@ fn a_merged_model_draws_what_the_loras_draw() {
         let o = merge(tmp.path(), &base, &files, out);
         assert!(o.status.success(), "{out}: {}", text(&o));
     }
-    let with_loras = sample(tmp.path(), &base, &[&kohya, &peft], "loras.png");
-    let single = sample(tmp.path(), "merged.safetensors", &[], "single.png");
-    let folder = sample(tmp.path(), "merged", &[], "folder.png");
-    let plain = sample(tmp.path(), &base, &[], "base.png");
+    let loras = ["--lora", &kohya, "--lora", &peft, "--lora-scale", "0.7"];
+    let with_loras = sample_bytes(tmp.path(), &base, "loras.png", &loras);
+    let single = sample_bytes(tmp.path(), "merged.safetensors", "single.png", &[]);
+    let folder = sample_bytes(tmp.path(), "merged", "folder.png", &[]);
+    let plain = sample_bytes(tmp.path(), &base, "base.png", &[]);
     assert!(single == with_loras, "the single file draws another image");
     assert!(folder == with_loras, "the folder draws another image");
     assert!(plain != with_loras);

@@ -14,6 +14,7 @@ use super::kohya_meta::{KohyaBase, KohyaMetadata};
 use crate::model::layout::ModelLayout;
 use crate::model::source::ModelSource;
 use crate::model::unet::UnetConfig;
+use crate::precision::parse_save_dtype;
 
 #[derive(Debug, Clone, Args)]
 pub struct ExtractArgs {
@@ -45,15 +46,6 @@ pub struct ExtractArgs {
     /// `fp32` (kohya's default), `fp16` or `bf16`.
     #[arg(long, default_value = "fp32", value_parser = parse_save_dtype)]
     pub save_dtype: DType,
-}
-
-fn parse_save_dtype(s: &str) -> Result<DType, String> {
-    match s {
-        "fp32" | "float" | "f32" => Ok(DType::F32),
-        "fp16" | "f16" => Ok(DType::F16),
-        "bf16" => Ok(DType::BF16),
-        _ => Err("must be fp32, fp16 or bf16".into()),
-    }
 }
 
 /// Runs the command; returns the file written.
@@ -159,24 +151,8 @@ fn metadata(args: &ExtractArgs, base: &ModelLayout) -> anyhow::Result<KohyaMetad
         .file_stem()
         .map_or_else(String::new, |s| s.to_string_lossy().into_owned());
     let side = base.native_resolution as u32;
-    Ok(KohyaMetadata {
-        base: kohya_base,
-        network_module: "networks.lora".to_string(),
-        network_dim: args.rank,
-        network_alpha: args.rank as f64,
-        network_args,
-        learning_rate: 0.0,
-        unet_lr: None,
-        text_encoder_lr: None,
-        steps: 0,
-        epoch: 0,
-        num_train_images: 0,
-        resolution: (side, side),
-        seed: 0,
-        optimizer: String::new(),
-        output_name: title,
-        training_started_at: super::kohya_meta::unix_now(),
-        minimal: true,
-        extra: Default::default(),
-    })
+    let mut meta =
+        KohyaMetadata::tool_written(kohya_base, args.rank, args.rank as f64, title, (side, side));
+    meta.network_args = network_args;
+    Ok(meta)
 }

@@ -112,6 +112,38 @@ pub const MINIMUM_KEYS: [&str; 6] = [
 ];
 
 impl KohyaMetadata {
+    /// The minimum header of a file a tool wrote rather than a run trained (kohya's
+    /// `build_minimum_network_metadata` with ModelSpec's keys, as its extract and merge scripts
+    /// write): the network's module, rank, alpha and arguments, titled `output_name`, stamped now.
+    pub fn tool_written(
+        base: KohyaBase,
+        network_dim: usize,
+        network_alpha: f64,
+        output_name: String,
+        resolution: (u32, u32),
+    ) -> Self {
+        Self {
+            base,
+            network_module: "networks.lora".to_string(),
+            network_dim,
+            network_alpha,
+            network_args: Vec::new(),
+            learning_rate: 0.0,
+            unet_lr: None,
+            text_encoder_lr: None,
+            steps: 0,
+            epoch: 0,
+            num_train_images: 0,
+            resolution,
+            seed: 0,
+            optimizer: String::new(),
+            output_name,
+            training_started_at: unix_now(),
+            minimal: true,
+            extra: Default::default(),
+        }
+    }
+
     /// The `__metadata__` map written to the file.
     pub fn to_header(&self) -> HashMap<String, String> {
         let py_opt = |v: Option<f64>| v.map_or_else(|| "None".to_string(), py_float);

@@ -26,6 +26,7 @@ use crate::model::layout::ModelLayout;
 use crate::model::pipeline::{LoadOptions, StableDiffusion};
 use crate::model::single_file::SingleFileOptions;
 use crate::model::source::ModelSource;
+use crate::precision::parse_save_dtype;
 
 #[derive(Debug, Clone, Args)]
 pub struct MergeArgs {
@@ -59,15 +60,6 @@ pub struct MergeArgs {
     /// Replace an existing diffusers folder at `--out`, whole.
     #[arg(long)]
     pub overwrite: bool,
-}
-
-fn parse_save_dtype(s: &str) -> Result<DType, String> {
-    match s {
-        "fp32" | "float" | "f32" => Ok(DType::F32),
-        "fp16" | "f16" => Ok(DType::F16),
-        "bf16" => Ok(DType::BF16),
-        _ => Err("must be fp32, fp16 or bf16".into()),
-    }
 }
 
 /// Runs the command; returns what it wrote.

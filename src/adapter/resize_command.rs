@@ -25,6 +25,7 @@ use safetensors::{Dtype as StDtype, SafeTensors};
 
 use super::kohya_file::{decode, encode_values, write_hashed, Encoded};
 use super::resize::{resize_module, Factors, RankRule, Resized};
+use crate::precision::parse_save_dtype;
 use crate::py_json::py_float;
 
 #[derive(Debug, Clone, Args)]
@@ -57,15 +58,6 @@ pub struct ResizeArgs {
     /// Print each module's new rank and how much of it is kept (kohya's `--verbose`).
     #[arg(long)]
     pub verbose: bool,
-}
-
-fn parse_save_dtype(s: &str) -> Result<DType, String> {
-    match s {
-        "fp32" | "float" | "f32" => Ok(DType::F32),
-        "fp16" | "f16" => Ok(DType::F16),
-        "bf16" => Ok(DType::BF16),
-        _ => Err("must be fp32, fp16 or bf16".into()),
-    }
 }
 
 /// The formats kohya's script knows, as (down, up) key parts.

@@ -148,29 +148,13 @@ fn metadata(files: &[KohyaFile], rank: usize, conv_rank: usize, out: &Path) -> K
         "ss_network_args".to_string(),
         format!("{{\"conv_dim\": {conv_rank}, \"conv_alpha\": {conv_rank}}}"),
     );
-    KohyaMetadata {
-        base,
-        network_module: "networks.lora".to_string(),
-        network_dim: rank,
-        network_alpha: rank as f64,
-        network_args: Vec::new(),
-        learning_rate: 0.0,
-        unet_lr: None,
-        text_encoder_lr: None,
-        steps: 0,
-        epoch: 0,
-        num_train_images: 0,
-        // ModelSpec's resolution, as kohya's `sai_model_spec` defaults it without one.
-        resolution: match base {
-            KohyaBase::SdV1 | KohyaBase::SdV2 => (512, 512),
-            KohyaBase::SdV2V => (768, 768),
-            KohyaBase::SdxlBase => (1024, 1024),
-        },
-        seed: 0,
-        optimizer: String::new(),
-        output_name: title,
-        training_started_at: super::kohya_meta::unix_now(),
-        minimal: true,
-        extra,
-    }
+    // ModelSpec's resolution, as kohya's `sai_model_spec` defaults it without one.
+    let side = match base {
+        KohyaBase::SdV1 | KohyaBase::SdV2 => 512,
+        KohyaBase::SdV2V => 768,
+        KohyaBase::SdxlBase => 1024,
+    };
+    let mut meta = KohyaMetadata::tool_written(base, rank, rank as f64, title, (side, side));
+    meta.extra = extra;
+    meta
 }

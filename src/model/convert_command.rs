@@ -17,6 +17,7 @@ use super::files::Component;
 use super::layout::ModelLayout;
 use super::single_file::SingleFileOptions;
 use super::source::ModelSource;
+use crate::precision::parse_save_dtype;
 
 #[derive(Debug, Clone, Args)]
 pub struct ConvertArgs {
@@ -46,15 +47,6 @@ pub struct ConvertArgs {
     /// Replace an existing diffusers folder at `--out`, whole.
     #[arg(long)]
     pub overwrite: bool,
-}
-
-fn parse_save_dtype(s: &str) -> Result<DType, String> {
-    match s {
-        "fp32" | "float" | "f32" => Ok(DType::F32),
-        "fp16" | "f16" => Ok(DType::F16),
-        "bf16" => Ok(DType::BF16),
-        _ => Err("must be fp32, fp16 or bf16".into()),
-    }
 }
 
 /// Runs the command; returns what it wrote.

@@ -153,6 +153,35 @@ pub fn sample_tiny(
     (text(&o), image::open(dir.join(out)).unwrap().to_rgb8())
 }
 
+/// `sdtrain sample` of `model` (4 DDIM steps at 64×64, "a cat", seed 3, fp32) with `more`
+/// arguments, writing `out` under `dir`; returns the image file's bytes, for byte-for-byte
+/// comparisons. Fails the test when the command fails.
+pub fn sample_bytes(dir: &Path, model: &str, out: &str, more: &[&str]) -> Vec<u8> {
+    let mut args = vec![
+        "sample",
+        "--model",
+        model,
+        "--prompt",
+        "a cat",
+        "--width",
+        "64",
+        "--height",
+        "64",
+        "--steps",
+        "4",
+        "--seed",
+        "3",
+        "--precision",
+        "fp32",
+        "--out",
+        out,
+    ];
+    args.extend_from_slice(more);
+    let o = sdtrain(&args, dir);
+    assert!(o.status.success(), "{more:?}: {}", text(&o));
+    std::fs::read(dir.join(out)).unwrap()
+}
+
 /// Rewrites `cfg` with `changed` as soon as the run under `dir/out` has logged its first step
 /// (for `load_settings_every_epoch`); the thread returns whether it did, within 60 s.
 pub fn rewrite_after_first_log(

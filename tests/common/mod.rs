@@ -300,3 +300,37 @@ pub fn f32_tensors(path: &Path) -> HashMap<String, Vec<f32>> {
         })
         .collect()
 }
+
+/// Every Linear and Conv2d weight of the UNet and text encoders, keyed
+/// `<component>.<module path>.weight` as diffusers' state dicts name them.
+pub fn layer_weights(
+    sd: &mut sdtrain::model::pipeline::StableDiffusion,
+) -> HashMap<String, Tensor> {
+    use sdtrain::nn::{LayerMut, VisitLayers};
+    let mut out = HashMap::new();
+    let mut put = |comp: &str, l: LayerMut<'_>| {
+        let (path, w) = match l {
+            LayerMut::Linear(m) => (m.path.clone(), m.weight.clone()),
+            LayerMut::Conv2d(m) => (m.path.clone(), m.weight.clone()),
+        };
+        out.insert(format!("{comp}.{path}.weight"), w);
+    };
+    sd.unet.visit_layers(&mut |l| put("unet", l));
+    for (te, comp) in sd
+        .text_encoders
+        .iter_mut()
+        .zip(["text_encoder", "text_encoder_2"])
+    {
+        te.model.visit_layers(&mut |l| put(comp, l));
+    }
+    out
+}
+
+/// A diffusers state-dict key's weight in [`layer_weights`]: transformers 5's CLIPTextModel names
+/// its layers without the `text_model.` level sdtrain's paths keep.
+pub fn layer_weight<'a>(all: &'a HashMap<String, Tensor>, key: &str) -> Option<&'a Tensor> {
+    all.get(key).or_else(|| {
+        let (comp, rest) = key.split_once('.')?;
+        all.get(&format!("{comp}.text_model.{rest}"))
+    })
+}
