@@ -112,7 +112,11 @@ fn check_against_torch(name: &str) {
     // Some gradients are zero in exact arithmetic (a k_proj bias under softmax, a per-channel
     // bias before a one-channel GroupNorm): torch's are rounding noise ~1e-9. Their error is
     // measured against 1e-4 of the largest reference gradient instead of their own norm.
-    let floor = 1e-4 * keys.iter().map(|k| norm(&refs[*k])).fold(0f32, f32::max);
+    let floor = 1e-4
+        * keys
+            .iter()
+            .map(|k| common::frobenius(&refs[*k]))
+            .fold(0f32, f32::max);
     let mut worst = (0f32, String::new());
     let mut compared = 0;
     for key in keys {
@@ -124,7 +128,7 @@ fn check_against_torch(name: &str) {
             .get(var.as_tensor())
             .unwrap_or_else(|| panic!("{name}: no gradient for {key}"));
         let want = &refs[key];
-        let err = norm(&(g - want).unwrap()) / norm(want).max(floor);
+        let err = common::frobenius(&(g - want).unwrap()) / common::frobenius(want).max(floor);
         if err > worst.0 {
             worst = (err, key.clone());
         }
@@ -141,16 +145,6 @@ fn check_against_torch(name: &str) {
         worst.1,
         worst.0
     );
-}
-
-fn norm(t: &Tensor) -> f32 {
-    t.sqr()
-        .unwrap()
-        .sum_all()
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap()
-        .sqrt()
 }
 
 /// Parameters the conditioning cannot reach: SDXL reads text encoder 1's penultimate layer, so its

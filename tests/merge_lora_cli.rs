@@ -95,6 +95,16 @@ fn a_merged_model_draws_what_the_loras_draw() {
     assert!(plain != with_loras);
 }
 
+/// `merge-lora --out out.safetensors` with `args` fails saying `needle`, writing nothing.
+fn refused(dir: &Path, args: &[&str], needle: &str) {
+    let mut all = vec!["merge-lora", "--out", "out.safetensors"];
+    all.extend_from_slice(args);
+    let o = sdtrain(&all, dir);
+    assert!(!o.status.success(), "{all:?}");
+    assert!(text(&o).contains(needle), "{all:?}: {}", text(&o));
+    assert!(!dir.join("out.safetensors").exists());
+}
+
 /// Bad input ends with an error that names the flag or the file; nothing is written.
 #[test]
 fn bad_merges_are_refused_with_the_reason() {
@@ -116,12 +126,9 @@ fn bad_merges_are_refused_with_the_reason() {
         (vec!["--lora", &missing], "cannot read"),
     ];
     for (flags, needle) in cases {
-        let mut args = vec!["merge-lora", "--model", &base, "--out", "out.safetensors"];
+        let mut args = vec!["--model", base.as_str()];
         args.extend(flags);
-        let o = sdtrain(&args, tmp.path());
-        assert!(!o.status.success(), "{args:?}");
-        assert!(text(&o).contains(needle), "{args:?}: {}", text(&o));
-        assert!(!tmp.path().join("out.safetensors").exists());
+        refused(tmp.path(), &args, needle);
     }
     let o = sdtrain(
         &[
@@ -247,12 +254,7 @@ fn bad_lora_merges_are_refused_with_the_reason() {
         (vec!["--lora", &peft, "--rank", "4"], "is in diffusers' layout"),
     ];
     for (flags, needle) in cases {
-        let mut args = vec!["merge-lora", "--out", "out.safetensors"];
-        args.extend(flags);
-        let o = sdtrain(&args, tmp.path());
-        assert!(!o.status.success(), "{args:?}");
-        assert!(text(&o).contains(needle), "{args:?}: {}", text(&o));
-        assert!(!tmp.path().join("out.safetensors").exists());
+        refused(tmp.path(), &flags, needle);
     }
     let o = sdtrain(
         &[

@@ -188,7 +188,7 @@ fn a_peft_file_keeps_its_weight_changes() {
     assert!(out.status.success(), "{}", text(&out));
     let after = changes(&load_kohya(&path, &Device::Cpu).unwrap());
     for (name, b) in &before {
-        let (fb, fa) = (frobenius(b), frobenius(&after[name]));
+        let (fb, fa) = (common::frobenius(b), common::frobenius(&after[name]));
         assert!(fa < fb && fa > 0.5 * fb, "{name}: ‖ΔW‖ {fb} → {fa}");
     }
 }
@@ -233,16 +233,6 @@ fn a_diffusers_script_file_keeps_its_alphas() {
             "{name}"
         );
     }
-}
-
-fn frobenius(t: &Tensor) -> f32 {
-    t.sqr()
-        .unwrap()
-        .sum_all()
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap()
-        .sqrt()
 }
 
 /// Bad flags and bad files end with an error naming the flag, the file or the tensor.

@@ -334,3 +334,14 @@ pub fn layer_weight<'a>(all: &'a HashMap<String, Tensor>, key: &str) -> Option<&
         all.get(&format!("{comp}.text_model.{rest}"))
     })
 }
+
+/// The Frobenius norm of `t` (f32).
+pub fn frobenius(t: &Tensor) -> f32 {
+    t.sqr()
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
+        .sqrt()
+}
