@@ -210,6 +210,11 @@ impl fmt::Display for InspectReport {
         }
         match &self.dir.origin {
             Origin::Local => writeln!(f, "model       {} (local folder)", self.source)?,
+            Origin::Converted { .. } => writeln!(
+                f,
+                "model       {} (torch checkpoint, read through its safetensors copy)",
+                self.source
+            )?,
             Origin::Hub { commit, .. } => writeln!(
                 f,
                 "model       {} (hub cache, commit {commit})",

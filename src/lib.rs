@@ -33,5 +33,6 @@ pub mod sample;
 pub mod tensor_view;
 pub mod tensorboard;
 pub mod text_file;
+pub mod torch_pickle;
 pub mod train;
 pub mod weights;

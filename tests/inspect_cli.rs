@@ -22,6 +22,7 @@ fn sdtrain(cwd: &Path, args: &[&str]) -> Run {
         .args(args)
         .current_dir(cwd)
         .env("HF_HUB_CACHE", cwd.join("hub"))
+        .env("SDTRAIN_CACHE", cwd.join("sdtrain-cache"))
         .env("HF_HUB_OFFLINE", "1")
         .env_remove("HF_HOME")
         .env_remove("HF_TOKEN")
@@ -204,11 +205,15 @@ fn inspect_usage_errors_exit_2() {
         "{}",
         run.stderr
     );
-    // A pickle checkpoint.
+    // A `.ckpt` that is no torch archive.
     std::fs::write(tmp.path().join("model.ckpt"), b"x").unwrap();
     let run = sdtrain(tmp.path(), &["inspect", "--model", "model.ckpt"]);
     assert_eq!(run.code, 2, "{}", run.stderr);
-    assert!(run.stderr.contains("never loads them"), "{}", run.stderr);
+    assert!(
+        run.stderr.contains("model.ckpt: not a torch checkpoint"),
+        "{}",
+        run.stderr
+    );
 }
 
 #[test]

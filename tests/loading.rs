@@ -154,7 +154,7 @@ fn hub_cache_resolves_offline_by_branch_tag_and_commit() {
                 assert_eq!(repo_id, "tiny/sd15");
                 assert_eq!(c, commit);
             }
-            Origin::Local => panic!("{spec}: resolved as a local folder"),
+            Origin::Local | Origin::Converted { .. } => panic!("{spec}: resolved as a local file"),
         }
         let layout = ModelLayout::read(&dir.path, None).unwrap();
         assert_eq!(layout.family, ModelFamily::Sd1);

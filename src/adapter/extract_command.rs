@@ -122,7 +122,7 @@ fn check(args: &ExtractArgs) -> anyhow::Result<ExtractOptions> {
 
 fn open(model: &str) -> anyhow::Result<ModelLayout> {
     let dir = ModelSource::parse(model)?.resolve()?;
-    Ok(ModelLayout::read(&dir.path, None)?)
+    dir.noting_copy(ModelLayout::read(&dir.path, None))
 }
 
 fn unet_config(layout: &ModelLayout) -> anyhow::Result<UnetConfig> {

@@ -103,7 +103,12 @@ fn into_model(args: &MergeArgs, model: &str, ratios: &[f64]) -> anyhow::Result<P
     let dir = ModelSource::parse(model)
         .and_then(|s| s.resolve())
         .with_context(|| format!("--model `{model}`"))?;
-    let layout = ModelLayout::read_with(&dir.path, None, &SingleFileOptions::default())
+    let layout = dir
+        .noting_copy(ModelLayout::read_with(
+            &dir.path,
+            None,
+            &SingleFileOptions::default(),
+        ))
         .with_context(|| format!("--model `{model}`"))?;
     // Trainable components are held as Vars, which records each weight's stored name.
     let opts = LoadOptions {

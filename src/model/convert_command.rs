@@ -4,7 +4,9 @@
 //! as a diffusers folder; optionally in another dtype (`--save-dtype`) and with another VAE baked
 //! in (`--vae`, as A1111 users bake one). The family, prediction type and configs are detected as
 //! every command detects them; the tensors stream through the exporters ([`super::export`]),
-//! never the whole model in memory.
+//! never the whole model in memory. A torch file (`.ckpt`, `.pt`) given with a `.safetensors`
+//! `--out` and nothing else to change is written as stored, every tensor of it kept (the "ckpt to
+//! safetensors" A1111 users run), read as data without running it ([`crate::torch_pickle`]).
 
 use std::path::{Path, PathBuf};
 
@@ -55,6 +57,11 @@ pub fn run(args: &ConvertArgs) -> anyhow::Result<PathBuf> {
     if !single {
         check_folder_out(&args.out, args.overwrite)?;
     }
+    let src = Path::new(&args.model);
+    let as_stored = args.vae.is_none() && args.save_dtype.is_none() && args.model_config.is_none();
+    if single && as_stored && crate::torch_pickle::has_torch_extension(src) && src.is_file() {
+        return torch_as_stored(src, &args.out);
+    }
     let dir = ModelSource::parse(&args.model)
         .and_then(|s| s.resolve())
         .with_context(|| format!("--model `{}`", args.model))?;
@@ -62,7 +69,12 @@ pub fn run(args: &ConvertArgs) -> anyhow::Result<PathBuf> {
         model_config: args.model_config.clone(),
         prediction_type: None,
     };
-    let mut layout = ModelLayout::read_with(&dir.path, args.variant.as_deref(), &options)
+    let mut layout = dir
+        .noting_copy(ModelLayout::read_with(
+            &dir.path,
+            args.variant.as_deref(),
+            &options,
+        ))
         .with_context(|| format!("--model `{}`", args.model))?;
     if let Some(spec) = &args.vae {
         let base = layout
@@ -105,6 +117,36 @@ pub fn run(args: &ConvertArgs) -> anyhow::Result<PathBuf> {
             .map_or("dtypes as stored".to_string(), |d| format!("{d:?}"))
     );
     Ok(args.out.clone())
+}
+
+/// A torch file (`.ckpt`, `.pt`, …) as one `.safetensors` file: every tensor of its state dict
+/// under its own name and dtype, bytes unchanged (EMA weights and all), as A1111's converters
+/// write it; read as data, nothing in it runs ([`crate::torch_pickle`]).
+fn torch_as_stored(src: &Path, out: &Path) -> anyhow::Result<PathBuf> {
+    let mut metadata = serde_json::Map::new();
+    if let Some(name) = src.file_name() {
+        metadata.insert(
+            "sdtrain.converted_from".into(),
+            name.to_string_lossy().into_owned().into(),
+        );
+    }
+    let done = crate::torch_pickle::convert(src, out, metadata)
+        .with_context(|| format!("--model `{}`", src.display()))?;
+    eprintln!(
+        "wrote {} ({} tensors of the torch file as stored, {:.1} MB; nothing in it ran)",
+        out.display(),
+        done.tensors,
+        done.bytes as f64 / 1e6
+    );
+    if !done.skipped.is_empty() {
+        let names: Vec<&str> = done.skipped.iter().map(|(n, _)| n.as_str()).collect();
+        eprintln!(
+            "left out {} entries that are not tensors: {}",
+            names.len(),
+            names.join(", ")
+        );
+    }
+    Ok(out.to_path_buf())
 }
 
 /// A folder `--out` replaces what is there, whole (the new folder is built beside it and renamed

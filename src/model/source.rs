@@ -28,13 +28,11 @@ pub enum SourceError {
         "`{spec}` is neither an existing folder nor a hub repo id (`org/name` or `org/name@revision`)"
     )]
     InvalidSpec { spec: String },
-    #[error(
-        "{}: pickle checkpoints (.ckpt, .pt, .pth, .bin) can run code when loaded; sdtrain never \
-         loads them. Convert it to .safetensors first, e.g. in Python: \
-         `safetensors.torch.save_file(torch.load(path, weights_only=True)[\"state_dict\"], out)`",
-        path.display()
-    )]
-    Pickle { path: PathBuf },
+    #[error("cannot convert this torch checkpoint to safetensors")]
+    Convert {
+        path: PathBuf,
+        source: Box<crate::torch_pickle::ConvertError>,
+    },
     #[error(
         "{} is a file, neither a diffusers pipeline folder nor a .safetensors checkpoint",
         path.display()
@@ -92,9 +90,11 @@ impl SourceError {
     /// when the environment is (cache, network, disk).
     pub fn is_usage(&self) -> bool {
         match self {
-            SourceError::InvalidSpec { .. }
-            | SourceError::Pickle { .. }
-            | SourceError::NotAFolder { .. } => true,
+            SourceError::InvalidSpec { .. } | SourceError::NotAFolder { .. } => true,
+            // The file is at fault when it cannot be read; the cache, when it cannot be written.
+            SourceError::Convert { source, .. } => {
+                matches!(**source, crate::torch_pickle::ConvertError::Read(_))
+            }
             SourceError::Layout(e) => e.is_usage(),
             SourceError::Files(e) => e.is_usage(),
             SourceError::NoCacheDir
@@ -112,6 +112,9 @@ impl SourceError {
 pub enum ModelSource {
     /// A diffusers pipeline folder, or a single-file `.safetensors` checkpoint, on disk.
     Local(PathBuf),
+    /// A single-file checkpoint saved by `torch.save` (`.ckpt`, `.pt`, `.pth`, `.bin`): read as
+    /// data, never run ([`crate::torch_pickle`]), through a converted `.safetensors` copy.
+    Torch(PathBuf),
     /// A hub repo; `revision` is a branch, tag or commit hash (`main` when absent).
     Hub {
         repo_id: String,
@@ -120,8 +123,8 @@ pub enum ModelSource {
 }
 
 impl ModelSource {
-    /// Parses `spec`: an existing folder or `.safetensors` file wins; otherwise it must be
-    /// `org/name[@revision]`.
+    /// Parses `spec`: an existing folder, `.safetensors` file or torch checkpoint wins;
+    /// otherwise it must be `org/name[@revision]`.
     pub fn parse(spec: &str) -> Result<Self, SourceError> {
         let path = Path::new(spec);
         if path.is_dir() {
@@ -131,18 +134,13 @@ impl ModelSource {
         if lower.ends_with(".safetensors") && path.is_file() {
             return Ok(ModelSource::Local(path.to_path_buf()));
         }
-        let pickle = [".ckpt", ".pt", ".bin", ".pth"]
-            .iter()
-            .any(|ext| lower.ends_with(ext));
-        if pickle || lower.ends_with(".safetensors") {
-            return Err(if path.exists() {
-                SourceError::Pickle {
-                    path: path.to_path_buf(),
-                }
-            } else {
-                SourceError::InvalidSpec {
-                    spec: spec.to_string(),
-                }
+        let torch = crate::torch_pickle::has_torch_extension(path);
+        if torch && path.is_file() {
+            return Ok(ModelSource::Torch(path.to_path_buf()));
+        }
+        if torch || lower.ends_with(".safetensors") {
+            return Err(SourceError::InvalidSpec {
+                spec: spec.to_string(),
             });
         }
         if path.exists() {
@@ -178,6 +176,7 @@ impl ModelSource {
                 path: path.clone(),
                 origin: Origin::Local,
             }),
+            ModelSource::Torch(path) => torch_copy(path),
             ModelSource::Hub { .. } => self.resolve_with(&HubEnv::from_env()?, variant),
         }
     }
@@ -195,6 +194,7 @@ impl ModelSource {
                 path: path.clone(),
                 origin: Origin::Local,
             }),
+            ModelSource::Torch(path) => torch_copy(path),
             ModelSource::Hub { repo_id, revision } => {
                 let revision = revision.as_deref().unwrap_or(DEFAULT_REVISION);
                 resolve_hub(repo_id, revision, env, variant)
@@ -206,7 +206,7 @@ impl ModelSource {
 impl std::fmt::Display for ModelSource {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            ModelSource::Local(p) => write!(f, "{}", p.display()),
+            ModelSource::Local(p) | ModelSource::Torch(p) => write!(f, "{}", p.display()),
             ModelSource::Hub {
                 repo_id,
                 revision: Some(r),
@@ -217,6 +217,40 @@ impl std::fmt::Display for ModelSource {
             } => f.write_str(repo_id),
         }
     }
+}
+
+/// The `.safetensors` copy of the torch checkpoint `path`, converted now unless an earlier
+/// run did (`torch_pickle::converted_copy`); says which.
+pub fn torch_copy(path: &Path) -> Result<ModelDir, SourceError> {
+    let copy = crate::torch_pickle::converted_copy(path).map_err(|e| SourceError::Convert {
+        path: path.to_path_buf(),
+        source: Box::new(e),
+    })?;
+    match &copy.fresh {
+        Some(done) => crate::console::say(format_args!(
+            "{}: a torch pickle, read as data (nothing in it runs) and converted to {} ({} \
+             tensors, {:.1} MB{}); later runs reuse the copy",
+            path.display(),
+            copy.path.display(),
+            done.tensors,
+            done.bytes as f64 / 1e6,
+            match done.skipped.len() {
+                0 => String::new(),
+                n => format!(", {n} entries that are not tensors left out"),
+            }
+        )),
+        None => crate::console::say(format_args!(
+            "{}: read through its converted copy {}",
+            path.display(),
+            copy.path.display()
+        )),
+    }
+    Ok(ModelDir {
+        path: copy.path,
+        origin: Origin::Converted {
+            from: path.to_path_buf(),
+        },
+    })
 }
 
 /// A hub repo id: `org/name`, each part of letters, digits, `-`, `_`, `.`, not starting or ending
@@ -313,9 +347,31 @@ pub struct ModelDir {
     pub origin: Origin,
 }
 
+impl ModelDir {
+    /// `result`, its error noting which torch file a converted copy is of (an error reading the
+    /// copy names the copy's path in the cache, which the user never gave).
+    pub fn noting_copy<T, E>(&self, result: Result<T, E>) -> anyhow::Result<T>
+    where
+        E: std::error::Error + Send + Sync + 'static,
+    {
+        result.map_err(|e| match &self.origin {
+            Origin::Converted { from } => anyhow::Error::new(e).context(format!(
+                "{} (read through its safetensors copy {})",
+                from.display(),
+                self.path.display()
+            )),
+            Origin::Local | Origin::Hub { .. } => anyhow::Error::new(e),
+        })
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Origin {
     Local,
+    /// A torch checkpoint, read through its converted copy (`ModelDir::path`).
+    Converted {
+        from: PathBuf,
+    },
     Hub {
         repo_id: String,
         revision: String,
@@ -575,10 +631,10 @@ mod tests {
         }
     }
 
-    /// A `.safetensors` file is a local model (opened as a single-file checkpoint); a pickle
-    /// is refused with a conversion hint; a missing file is an invalid spec.
+    /// A `.safetensors` file is a local model (opened as a single-file checkpoint), a torch
+    /// file a checkpoint to convert; a missing file is an invalid spec.
     #[test]
-    fn single_files_are_local_models_and_pickles_are_refused() {
+    fn single_files_are_local_models_and_torch_files_are_converted() {
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join("model.safetensors");
         std::fs::write(&file, b"x").unwrap();
@@ -588,9 +644,17 @@ mod tests {
         );
         let ckpt = dir.path().join("model.ckpt");
         std::fs::write(&ckpt, b"x").unwrap();
-        let err = ModelSource::parse(ckpt.to_str().unwrap()).unwrap_err();
-        assert!(matches!(err, SourceError::Pickle { .. }));
-        assert!(err.to_string().contains("never loads them"), "{err}");
+        assert_eq!(
+            ModelSource::parse(ckpt.to_str().unwrap()).unwrap(),
+            ModelSource::Torch(ckpt.clone())
+        );
+        // Not a torch archive: refused when resolved, naming the file.
+        let err = ModelSource::parse(ckpt.to_str().unwrap())
+            .unwrap()
+            .resolve()
+            .unwrap_err();
+        assert!(err.is_usage(), "{err}");
+        assert!(format!("{:#}", anyhow::Error::new(err)).contains("model.ckpt"));
         let missing = dir.path().join("absent.safetensors");
         assert!(matches!(
             ModelSource::parse(missing.to_str().unwrap()),

@@ -12,8 +12,9 @@
 //! - a hub repo id (`org/name[@revision]`) holding a VAE at its root or under `vae/`, from the
 //!   hub cache (downloaded when not cached, unless offline).
 //!
-//! Pickle files are refused, as everywhere in sdtrain. The VAE must make latents of the UNet's
-//! channel count; a VAE of another architecture is refused naming both counts.
+//! A torch file (`.pt`, `.ckpt`, A1111's VAE files) is read as data, never run, through its
+//! converted copy ([`crate::torch_pickle`]), as `--model` reads one. The VAE must make latents
+//! of the UNet's channel count; a VAE of another architecture is refused naming both counts.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -136,6 +137,23 @@ pub fn open_vae(
             files,
             name: local_name(),
             file: None,
+        }
+    } else if path.is_file() && crate::torch_pickle::has_torch_extension(path) {
+        // A1111's `.pt`/`.ckpt` VAEs: read through a converted copy, as `--model` reads them.
+        let source_err = |source| VaeSourceError::Source {
+            spec: spec.to_string(),
+            source,
+        };
+        let copy = source::torch_copy(path).map_err(source_err)?;
+        let files = vae_file(&copy.path, base)?;
+        VaeOverride {
+            described: format!(
+                "{spec} (torch file read through its copy {}, with the model's VAE config)",
+                copy.path.display()
+            ),
+            files,
+            name: local_name(),
+            file: Some(path.to_path_buf()),
         }
     } else if path.is_file() {
         let files = vae_file(path, base)?;

@@ -385,7 +385,11 @@ fn load_model(args: &SampleArgs, device: &Device, dtype: DType) -> anyhow::Resul
         model_config: args.model_config.clone(),
         prediction_type: args.prediction_type,
     };
-    let mut layout = ModelLayout::read_with(&dir.path, args.variant.as_deref(), &single)?;
+    let mut layout = dir.noting_copy(ModelLayout::read_with(
+        &dir.path,
+        args.variant.as_deref(),
+        &single,
+    ))?;
     if let Some(spec) = &args.vae {
         let base = layout
             .component(crate::model::files::Component::Vae)

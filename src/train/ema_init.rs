@@ -47,7 +47,11 @@ pub(super) fn start_ema_from(ema: &mut Ema, plan: &TrainPlan, source: &str) -> a
 /// `text_encoder/<component>.<name>`, as the optimizer groups name them.
 fn model_values(plan: &TrainPlan, source: &str) -> anyhow::Result<HashMap<String, Tensor>> {
     let dir = ModelSource::parse(source)?.resolve()?;
-    let layout = ModelLayout::read_with(&dir.path, None, &plan.single_file_options())?;
+    let layout = dir.noting_copy(ModelLayout::read_with(
+        &dir.path,
+        None,
+        &plan.single_file_options(),
+    ))?;
     let load = LoadOptions {
         dtype: DType::F32,
         trained_dtype: DType::F32,

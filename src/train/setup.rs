@@ -698,7 +698,11 @@ pub(super) fn open_model(plan: &TrainPlan, say: bool) -> anyhow::Result<ModelLay
     let dir = source
         .resolve_for(variant)
         .with_context(|| format!("model `{}`", plan.model))?;
-    let layout = ModelLayout::read_with(&dir.path, variant, &plan.single_file_options())?;
+    let layout = dir.noting_copy(ModelLayout::read_with(
+        &dir.path,
+        variant,
+        &plan.single_file_options(),
+    ))?;
     let Some(spec) = &plan.model_file.vae else {
         return Ok(layout);
     };

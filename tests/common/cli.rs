@@ -33,10 +33,13 @@ pub fn write_config(
     path
 }
 
+/// `sdtrain args` in `cwd`, with sdtrain's cache (converted torch files) under it, never the
+/// user's.
 pub fn sdtrain(args: &[&str], cwd: &Path) -> Output {
     Command::new(env!("CARGO_BIN_EXE_sdtrain"))
         .args(args)
         .current_dir(cwd)
+        .env("SDTRAIN_CACHE", cwd.join("sdtrain-cache"))
         .output()
         .unwrap()
 }

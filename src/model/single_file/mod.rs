@@ -89,9 +89,10 @@ pub fn text_encoder_kind(
 #[derive(Debug, thiserror::Error)]
 pub enum SingleFileError {
     #[error(
-        "{}: pickle checkpoints (.ckpt, .pt, .pth, .bin) can run code when loaded; sdtrain never \
-         loads them. Convert it to .safetensors first, e.g. in Python: \
-         `safetensors.torch.save_file(torch.load(path, weights_only=True)[\"state_dict\"], out)`",
+        "{}: a torch pickle, which this reader does not map; give it as `--model` (or `vae`), \
+         which reads it as data through a converted copy, or convert it once with `sdtrain \
+         convert --model {} --out <file>.safetensors`",
+        path.display(),
         path.display()
     )]
     Pickle { path: PathBuf },
@@ -276,6 +277,9 @@ pub fn skip_reason(name: &str) -> Option<&'static str> {
     }
     if name.starts_with("model_ema.") {
         return Some("the LDM trainer's EMA copy of the UNet");
+    }
+    if name.starts_with("loss.") {
+        return Some("the autoencoder trainer's loss networks (LPIPS, discriminator)");
     }
     match name {
         "v_pred" => Some("ComfyUI's v-prediction marker (read: the model predicts v)"),

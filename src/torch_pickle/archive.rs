@@ -1,0 +1,595 @@
+//! A `torch.save` file (the zip format torch has written since 1.6: `.ckpt`, `.pt`, `.pth`,
+//! diffusers' `.bin`): its state dict as tensor records, and each tensor's bytes.
+//!
+//! The archive holds `<prefix>/data.pkl` (the pickled object, read by [`super::unpickler`]),
+//! `<prefix>/data/<key>` (one raw storage per key) and `<prefix>/byteorder`. A tensor in the
+//! pickle is a call to one of torch's rebuild functions, which we interpret and never run:
+//! - `torch._utils._rebuild_tensor_v2(storage, offset, size, stride, requires_grad, hooks[, meta])`
+//!   with `storage` a persistent id `("storage", torch.<T>Storage, key, location, numel)`,
+//!   `numel` in elements (`_rebuild_tensor` is the same without the last arguments);
+//! - `torch._utils._rebuild_tensor_v3(storage, offset, size, stride, requires_grad, hooks, dtype,
+//!   meta)` with an untyped storage (`numel` in bytes) and the dtype as `torch.<dtype>` (torch
+//!   ≥ 2.1 writes this for float8 and the unsigned integers);
+//! - `torch._utils._rebuild_parameter(tensor, …)` and `torch._tensor._rebuild_from_type_v2(func,
+//!   type, args, state)`, wrappers around the above.
+//!
+//! `offset`, `size` and `stride` are in elements; a view may be any strided window of its
+//! storage, and several tensors may share one storage (tied weights). Which object is the state
+//! dict follows diffusers' `load_state_dict`: the top-level mapping, descended while it has a
+//! `state_dict` mapping (PyTorch Lightning's `.ckpt`). Nested mappings inside it are flattened
+//! with `.` (A1111 embeddings' `string_to_param.*`).
+
+use std::collections::BTreeSet;
+use std::fs::File;
+use std::io::{BufReader, Read};
+use std::path::{Path, PathBuf};
+
+use super::unpickler::{kind, unpickle, PickleError, Value, MAX_DEPTH};
+
+/// The most `data.pkl` may hold (a state dict's pickle is well under a megabyte per thousand
+/// tensors; this bounds memory on a hostile file).
+const MAX_PICKLE_BYTES: u64 = 1 << 30;
+
+/// A tensor's element type as stored, with its safetensors name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StoredDtype {
+    F64,
+    F32,
+    F16,
+    BF16,
+    F8E4M3,
+    F8E5M2,
+    I64,
+    I32,
+    I16,
+    I8,
+    U8,
+    Bool,
+}
+
+impl StoredDtype {
+    pub fn size(self) -> usize {
+        match self {
+            StoredDtype::F64 | StoredDtype::I64 => 8,
+            StoredDtype::F32 | StoredDtype::I32 => 4,
+            StoredDtype::F16 | StoredDtype::BF16 | StoredDtype::I16 => 2,
+            StoredDtype::F8E4M3
+            | StoredDtype::F8E5M2
+            | StoredDtype::I8
+            | StoredDtype::U8
+            | StoredDtype::Bool => 1,
+        }
+    }
+
+    /// The dtype's name in a safetensors header.
+    pub fn safetensors_name(self) -> &'static str {
+        match self {
+            StoredDtype::F64 => "F64",
+            StoredDtype::F32 => "F32",
+            StoredDtype::F16 => "F16",
+            StoredDtype::BF16 => "BF16",
+            StoredDtype::F8E4M3 => "F8_E4M3",
+            StoredDtype::F8E5M2 => "F8_E5M2",
+            StoredDtype::I64 => "I64",
+            StoredDtype::I32 => "I32",
+            StoredDtype::I16 => "I16",
+            StoredDtype::I8 => "I8",
+            StoredDtype::U8 => "U8",
+            StoredDtype::Bool => "BOOL",
+        }
+    }
+
+    /// From a typed storage class (`torch.FloatStorage`, …).
+    fn from_storage(name: &str) -> Option<Self> {
+        Some(match name {
+            "DoubleStorage" => StoredDtype::F64,
+            "FloatStorage" => StoredDtype::F32,
+            "HalfStorage" => StoredDtype::F16,
+            "BFloat16Storage" => StoredDtype::BF16,
+            "LongStorage" => StoredDtype::I64,
+            "IntStorage" => StoredDtype::I32,
+            "ShortStorage" => StoredDtype::I16,
+            "CharStorage" => StoredDtype::I8,
+            "ByteStorage" => StoredDtype::U8,
+            "BoolStorage" => StoredDtype::Bool,
+            _ => return None,
+        })
+    }
+
+    /// From a dtype global (`torch.float16`, …).
+    fn from_torch(name: &str) -> Option<Self> {
+        Some(match name {
+            "float64" | "double" => StoredDtype::F64,
+            "float32" | "float" => StoredDtype::F32,
+            "float16" | "half" => StoredDtype::F16,
+            "bfloat16" => StoredDtype::BF16,
+            "float8_e4m3fn" => StoredDtype::F8E4M3,
+            "float8_e5m2" => StoredDtype::F8E5M2,
+            "int64" | "long" => StoredDtype::I64,
+            "int32" | "int" => StoredDtype::I32,
+            "int16" | "short" => StoredDtype::I16,
+            "int8" => StoredDtype::I8,
+            "uint8" => StoredDtype::U8,
+            "bool" => StoredDtype::Bool,
+            _ => return None,
+        })
+    }
+}
+
+/// One tensor of the state dict: where its elements lie in which storage.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TensorRecord {
+    pub name: String,
+    pub dtype: StoredDtype,
+    pub shape: Vec<usize>,
+    /// The storage's key (`data/<key>` in the archive).
+    pub storage: String,
+    /// In elements.
+    pub offset: usize,
+    /// In elements.
+    pub stride: Vec<usize>,
+}
+
+impl TensorRecord {
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    pub fn byte_len(&self) -> usize {
+        self.numel() * self.dtype.size()
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum TorchFileError {
+    #[error("cannot read {}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error(
+        "{}: saved in torch's legacy format (torch before 1.6), which sdtrain does not read; \
+         re-save it with a newer torch (`torch.save(torch.load(path, weights_only=True), path)`)",
+        path.display()
+    )]
+    Legacy { path: PathBuf },
+    #[error("{}: not a torch checkpoint: {message}", path.display())]
+    NotTorch { path: PathBuf, message: String },
+    #[error("{}: cannot read its pickle `{entry}`: {source}", path.display())]
+    Pickle {
+        path: PathBuf,
+        entry: String,
+        source: PickleError,
+    },
+    #[error("{}: holds no state dict: {message}", path.display())]
+    NoStateDict { path: PathBuf, message: String },
+    #[error("{}: tensor `{name}`: {message}", path.display())]
+    Tensor {
+        path: PathBuf,
+        name: String,
+        message: String,
+    },
+}
+
+/// What a torch file holds: the tensors of its state dict, and the entries left out (with why).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Contents {
+    pub tensors: Vec<TensorRecord>,
+    pub skipped: Vec<(String, String)>,
+}
+
+/// An open torch zip archive.
+pub struct TorchArchive {
+    path: PathBuf,
+    zip: zip::ZipArchive<BufReader<File>>,
+    /// `<prefix>/`, ending in `/` (or empty).
+    prefix: String,
+    big_endian: bool,
+}
+
+impl std::fmt::Debug for TorchArchive {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TorchArchive")
+            .field("path", &self.path)
+            .field("prefix", &self.prefix)
+            .finish()
+    }
+}
+
+/// Whether `path` starts as a torch zip archive does (`PK\x03\x04`).
+pub fn is_zip(path: &Path) -> bool {
+    let mut magic = [0u8; 4];
+    File::open(path)
+        .and_then(|mut f| f.read_exact(&mut magic))
+        .is_ok_and(|_| &magic == b"PK\x03\x04")
+}
+
+impl TorchArchive {
+    /// Opens `path` and reads its state dict.
+    pub fn open(path: &Path) -> Result<(Self, Contents), TorchFileError> {
+        let io = |source| TorchFileError::Io {
+            path: path.to_path_buf(),
+            source,
+        };
+        let not = |message: String| TorchFileError::NotTorch {
+            path: path.to_path_buf(),
+            message,
+        };
+        let mut head = [0u8; 2];
+        let mut file = File::open(path).map_err(io)?;
+        let n = file.read(&mut head).map_err(io)?;
+        if !is_zip(path) {
+            // A legacy file starts with a pickle (PROTO 2) of torch's magic number, or is a tar.
+            return Err(if n == 2 && head[0] == 0x80 {
+                TorchFileError::Legacy {
+                    path: path.to_path_buf(),
+                }
+            } else {
+                not("it is not a zip archive (torch.save's format)".into())
+            });
+        }
+        let file = File::open(path).map_err(io)?;
+        let zip = zip::ZipArchive::new(BufReader::new(file))
+            .map_err(|e| not(format!("its zip directory is unreadable: {e}")))?;
+        let record = (0..zip.len())
+            .filter_map(|i| zip.name_for_index(i)?.ok().map(|n| n.into_owned()))
+            .filter(|n| n.ends_with("data.pkl") && n.matches('/').count() <= 1)
+            .min_by_key(String::len)
+            .ok_or_else(|| not("it has no `data.pkl` record".into()))?;
+        let prefix = record.trim_end_matches("data.pkl").to_string();
+        let mut archive = TorchArchive {
+            path: path.to_path_buf(),
+            zip,
+            prefix,
+            big_endian: false,
+        };
+        archive.big_endian = archive.read_byteorder()?;
+        let pickle = archive.read_entry(&record, MAX_PICKLE_BYTES)?;
+        let value = unpickle(&pickle).map_err(|source| TorchFileError::Pickle {
+            path: path.to_path_buf(),
+            entry: record.clone(),
+            source,
+        })?;
+        let contents = state_dict(path, &value)?;
+        Ok((archive, contents))
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    fn read_byteorder(&mut self) -> Result<bool, TorchFileError> {
+        let name = format!("{}byteorder", self.prefix);
+        if self.zip.index_for_name(&name).is_none() {
+            return Ok(false); // written since torch 1.10; before that, little-endian
+        }
+        let bytes = self.read_entry(&name, 64)?;
+        match bytes.trim_ascii() {
+            b"little" => Ok(false),
+            b"big" => Ok(true),
+            other => Err(TorchFileError::NotTorch {
+                path: self.path.clone(),
+                message: format!("unknown byte order `{}`", String::from_utf8_lossy(other)),
+            }),
+        }
+    }
+
+    /// The whole of entry `name`, refused past `limit` bytes.
+    fn read_entry(&mut self, name: &str, limit: u64) -> Result<Vec<u8>, TorchFileError> {
+        let path = self.path.clone();
+        let not = |message: String| TorchFileError::NotTorch {
+            path: path.clone(),
+            message,
+        };
+        let mut entry = self
+            .zip
+            .by_name(name)
+            .map_err(|e| not(format!("entry `{name}`: {e}")))?;
+        if entry.size() > limit {
+            return Err(not(format!(
+                "entry `{name}` is {} bytes, more than the {limit} expected",
+                entry.size()
+            )));
+        }
+        let mut out = Vec::with_capacity(entry.size() as usize);
+        entry
+            .read_to_end(&mut out)
+            .map_err(|e| not(format!("entry `{name}`: {e}")))?;
+        Ok(out)
+    }
+
+    /// The raw bytes of storage `key` (the whole storage, as stored).
+    pub fn storage(&mut self, key: &str) -> Result<Vec<u8>, TorchFileError> {
+        let name = format!("{}data/{key}", self.prefix);
+        self.read_entry(&name, u64::MAX)
+    }
+
+    /// `t`'s elements, contiguous and little-endian, cut from `storage` (its storage's bytes).
+    pub fn tensor_bytes(
+        &self,
+        t: &TensorRecord,
+        storage: &[u8],
+    ) -> Result<Vec<u8>, TorchFileError> {
+        let e = t.dtype.size();
+        let fail = |message: String| TorchFileError::Tensor {
+            path: self.path.clone(),
+            name: t.name.clone(),
+            message,
+        };
+        let n = t.numel();
+        let last = view_extent(t).ok_or_else(|| fail("its view overflows".into()))?;
+        if last.map_or(0, |l| (l + 1) * e) > storage.len() {
+            return Err(fail(format!(
+                "its view (offset {}, shape {:?}, stride {:?}) reaches past its storage `{}` of {} bytes",
+                t.offset,
+                t.shape,
+                t.stride,
+                t.storage,
+                storage.len()
+            )));
+        }
+        let mut out = Vec::with_capacity(n * e);
+        if n > 0 && is_row_major(&t.shape, &t.stride) {
+            out.extend_from_slice(&storage[t.offset * e..(t.offset + n) * e]);
+        } else if n > 0 {
+            let mut index = vec![0usize; t.shape.len()];
+            for _ in 0..n {
+                let at = t.offset
+                    + index
+                        .iter()
+                        .zip(&t.stride)
+                        .map(|(i, s)| i * s)
+                        .sum::<usize>();
+                out.extend_from_slice(&storage[at * e..(at + 1) * e]);
+                for d in (0..index.len()).rev() {
+                    index[d] += 1;
+                    if index[d] < t.shape[d] {
+                        break;
+                    }
+                    index[d] = 0;
+                }
+            }
+        }
+        if self.big_endian && e > 1 {
+            out.chunks_exact_mut(e).for_each(<[u8]>::reverse);
+        }
+        Ok(out)
+    }
+}
+
+/// The largest element index `t` reads (`None`: it reads nothing), or `None` overall on overflow.
+fn view_extent(t: &TensorRecord) -> Option<Option<usize>> {
+    if t.shape.contains(&0) {
+        return Some(None);
+    }
+    let mut last = t.offset;
+    for (&n, &s) in t.shape.iter().zip(&t.stride) {
+        last = last.checked_add((n - 1).checked_mul(s)?)?;
+    }
+    Some(Some(last))
+}
+
+/// Whether `stride` is the row-major stride of `shape` (dims of size 1 may have any stride).
+fn is_row_major(shape: &[usize], stride: &[usize]) -> bool {
+    let mut expect = 1usize;
+    for (&n, &s) in shape.iter().zip(stride).rev() {
+        if n != 1 && s != expect {
+            return false;
+        }
+        expect = expect.saturating_mul(n);
+    }
+    true
+}
+
+fn key_of(v: &Value) -> Option<&str> {
+    v.as_str()
+}
+
+/// The state dict of the unpickled `top` (see the module header).
+fn state_dict(path: &Path, top: &Value) -> Result<Contents, TorchFileError> {
+    let no = |message: String| TorchFileError::NoStateDict {
+        path: path.to_path_buf(),
+        message,
+    };
+    let mut map = top.as_mapping().ok_or_else(|| {
+        no(match top {
+            Value::Object { callable, .. } => match callable.as_global() {
+                Some((m, n)) => {
+                    format!("it holds a pickled `{m}.{n}` object, not a dict of tensors")
+                }
+                None => "it holds a pickled object, not a dict of tensors".into(),
+            },
+            other => format!("it holds a {}, not a dict of tensors", kind(other)),
+        })
+    })?;
+    while let Some(inner) = map
+        .iter()
+        .find(|(k, _)| key_of(k) == Some("state_dict"))
+        .and_then(|(_, v)| v.as_mapping())
+    {
+        map = inner;
+    }
+    let mut contents = Contents {
+        tensors: Vec::new(),
+        skipped: Vec::new(),
+    };
+    flatten(path, map, "", 0, &mut contents)?;
+    let mut seen = BTreeSet::new();
+    for t in &contents.tensors {
+        if !seen.insert(t.name.as_str()) {
+            return Err(TorchFileError::Tensor {
+                path: path.to_path_buf(),
+                name: t.name.clone(),
+                message: "the name is given twice (a nested dict's key joined with `.` equals \
+                          another key)"
+                    .into(),
+            });
+        }
+    }
+    if contents.tensors.is_empty() {
+        return Err(no("its top-level dict has no tensors".into()));
+    }
+    Ok(contents)
+}
+
+fn flatten(
+    path: &Path,
+    map: &[(Value, Value)],
+    prefix: &str,
+    depth: u32,
+    out: &mut Contents,
+) -> Result<(), TorchFileError> {
+    for (k, v) in map {
+        let name = match k {
+            Value::Str(s) => format!("{prefix}{s}"),
+            Value::Int(i) => format!("{prefix}{i}"),
+            other => {
+                out.skipped.push((
+                    format!("{prefix}<{}>", kind(other)),
+                    "a key that is not a string".into(),
+                ));
+                continue;
+            }
+        };
+        match tensor(path, &name, v)? {
+            Some(t) => out.tensors.push(t),
+            None => match v.as_mapping() {
+                Some(inner) if depth < MAX_DEPTH => {
+                    flatten(path, inner, &format!("{name}."), depth + 1, out)?
+                }
+                _ => out
+                    .skipped
+                    .push((name, format!("a {}, not a tensor", describe(v)))),
+            },
+        }
+    }
+    Ok(())
+}
+
+fn describe(v: &Value) -> String {
+    match v {
+        Value::Object { callable, .. } => match callable.as_global() {
+            Some((m, n)) => format!("`{m}.{n}` object"),
+            None => "object".into(),
+        },
+        other => kind(other).into(),
+    }
+}
+
+/// `v` as a tensor record if it is a tensor (`Ok(None)`: not a tensor).
+fn tensor(path: &Path, name: &str, v: &Value) -> Result<Option<TensorRecord>, TorchFileError> {
+    let fail = |message: String| TorchFileError::Tensor {
+        path: path.to_path_buf(),
+        name: name.to_string(),
+        message,
+    };
+    let Value::Object { callable, args, .. } = v else {
+        return Ok(None);
+    };
+    let Some((module, function)) = callable.as_global() else {
+        return Ok(None);
+    };
+    let args = args.as_seq().unwrap_or_default();
+    match (module, function) {
+        ("torch._utils", "_rebuild_parameter" | "_rebuild_parameter_with_state") => {
+            let inner = args
+                .first()
+                .ok_or_else(|| fail(format!("{function} without its tensor")))?;
+            tensor(path, name, inner)?
+                .map(Some)
+                .ok_or_else(|| fail(format!("{function} of something that is not a tensor")))
+        }
+        ("torch._tensor", "_rebuild_from_type_v2") => {
+            let (Some(func), Some(inner)) = (args.first(), args.get(2)) else {
+                return Err(fail("_rebuild_from_type_v2 with too few arguments".into()));
+            };
+            let call = Value::Object {
+                callable: Box::new(func.clone()),
+                args: Box::new(inner.clone()),
+                items: Vec::new(),
+                elements: Vec::new(),
+                state: None,
+            };
+            tensor(path, name, &call)?.map(Some).ok_or_else(|| {
+                fail("_rebuild_from_type_v2 of something that is not a tensor".into())
+            })
+        }
+        ("torch._utils", "_rebuild_tensor" | "_rebuild_tensor_v2" | "_rebuild_tensor_v3") => {
+            rebuild(name, function, args).map(Some).map_err(fail)
+        }
+        ("torch._utils", other) if other.starts_with("_rebuild_") => Err(fail(format!(
+            "stored through `torch._utils.{other}` (a quantized, sparse or device-only tensor), \
+             which sdtrain does not read"
+        ))),
+        _ => Ok(None),
+    }
+}
+
+/// A tensor from `_rebuild_tensor*`'s arguments (module header).
+fn rebuild(name: &str, function: &str, args: &[Value]) -> Result<TensorRecord, String> {
+    let [storage, offset, size, stride, ..] = args else {
+        return Err(format!(
+            "{function} with {} arguments, not at least 4",
+            args.len()
+        ));
+    };
+    let Value::PersistentId(pid) = storage else {
+        return Err(format!(
+            "its storage is a {}, not a storage reference",
+            kind(storage)
+        ));
+    };
+    let pid = pid.as_seq().unwrap_or_default();
+    let [tag, class, key, _location, _numel, ..] = pid else {
+        return Err(
+            "its storage reference is not (\"storage\", type, key, location, numel)".into(),
+        );
+    };
+    if tag.as_str() != Some("storage") {
+        return Err("its storage reference is not a `storage` record".into());
+    }
+    let key = key.as_str().ok_or("its storage key is not a string")?;
+    let (_, class) = class.as_global().ok_or("its storage type is not a name")?;
+    let dtype = if function == "_rebuild_tensor_v3" {
+        let dt = args
+            .get(6)
+            .and_then(Value::as_global)
+            .ok_or("_rebuild_tensor_v3 without a dtype")?;
+        StoredDtype::from_torch(dt.1)
+            .ok_or_else(|| format!("dtype `torch.{}` is not supported", dt.1))?
+    } else {
+        StoredDtype::from_storage(class)
+            .ok_or_else(|| format!("storage type `{class}` is not supported"))?
+    };
+    let dims = |v: &Value, what: &str| -> Result<Vec<usize>, String> {
+        v.as_seq()
+            .ok_or_else(|| format!("its {what} is not a tuple"))?
+            .iter()
+            .map(|d| d.as_int().and_then(|i| usize::try_from(i).ok()))
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| format!("its {what} holds a value that is not a size"))
+    };
+    let shape = dims(size, "size")?;
+    let stride = dims(stride, "stride")?;
+    if shape.len() != stride.len() {
+        return Err(format!(
+            "size {shape:?} and stride {stride:?} differ in rank"
+        ));
+    }
+    shape
+        .iter()
+        .try_fold(dtype.size(), |a, &d| a.checked_mul(d))
+        .ok_or_else(|| format!("shape {shape:?} overflows"))?;
+    let offset = offset
+        .as_int()
+        .and_then(|i| usize::try_from(i).ok())
+        .ok_or("its storage offset is not a size")?;
+    Ok(TensorRecord {
+        name: name.to_string(),
+        dtype,
+        shape,
+        storage: key.to_string(),
+        offset,
+        stride,
+    })
+}

@@ -1,0 +1,100 @@
+//! A torch file converted once to `.safetensors` for the loaders, which map safetensors only.
+//!
+//! The copy lives in sdtrain's cache (`SDTRAIN_CACHE`, else `$XDG_CACHE_HOME/sdtrain`, else
+//! `~/.cache/sdtrain`), under `converted/<stem>-<key>.safetensors`, where the key hashes the
+//! source's canonical path, length and modification time: an edited or replaced file is
+//! converted again, an unchanged one is reused. The copy is written atomically, so one that
+//! exists is whole. Nothing is written beside the user's file.
+
+use std::path::{Path, PathBuf};
+
+use sha2::{Digest, Sha256};
+
+use super::to_safetensors::{convert, ConvertError, Converted};
+
+/// A converted copy of a torch file.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ConvertedCopy {
+    pub path: PathBuf,
+    /// `Some` when this call converted it, `None` when an earlier copy was reused.
+    pub fresh: Option<Converted>,
+}
+
+/// sdtrain's cache folder (module header), or `None` when neither variable nor `HOME` is set.
+pub fn cache_dir() -> Option<PathBuf> {
+    let var = |k: &str| {
+        std::env::var_os(k)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    };
+    var("SDTRAIN_CACHE")
+        .or_else(|| var("XDG_CACHE_HOME").map(|d| d.join("sdtrain")))
+        .or_else(|| var("HOME").map(|h| h.join(".cache").join("sdtrain")))
+}
+
+fn io(path: &Path, source: std::io::Error) -> ConvertError {
+    ConvertError::Write {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// The converted copy of `src` in the cache, made now if there is none (module header).
+pub fn converted_copy(src: &Path) -> Result<ConvertedCopy, ConvertError> {
+    let read = |source| {
+        ConvertError::Read(super::TorchFileError::Io {
+            path: src.to_path_buf(),
+            source,
+        })
+    };
+    let canonical = src.canonicalize().map_err(read)?;
+    let meta = std::fs::metadata(&canonical).map_err(read)?;
+    let mtime = meta
+        .modified()
+        .ok()
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .map_or(0, |d| d.as_nanos());
+    let mut h = Sha256::new();
+    h.update(canonical.to_string_lossy().as_bytes());
+    h.update(meta.len().to_le_bytes());
+    h.update(mtime.to_le_bytes());
+    let key: String = h.finalize()[..8]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    let stem = src
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "model".into());
+    let dir = cache_dir()
+        .ok_or_else(|| {
+            io(
+                src,
+                std::io::Error::other(
+                    "no cache folder for the converted copy: set SDTRAIN_CACHE (or HOME)",
+                ),
+            )
+        })?
+        .join("converted");
+    let path = dir.join(format!("{stem}-{key}.safetensors"));
+    // One conversion at a time in this process (the ranks of a `--devices` run resolve the
+    // model together); the second finds the first's copy.
+    static CONVERTING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one = CONVERTING.lock().unwrap_or_else(|p| p.into_inner());
+    if path.is_file() {
+        return Ok(ConvertedCopy { path, fresh: None });
+    }
+    std::fs::create_dir_all(&dir).map_err(|e| io(&dir, e))?;
+    let mut metadata = serde_json::Map::new();
+    if let Some(name) = src.file_name() {
+        metadata.insert(
+            "sdtrain.converted_from".into(),
+            name.to_string_lossy().into_owned().into(),
+        );
+    }
+    let done = convert(src, &path, metadata)?;
+    Ok(ConvertedCopy {
+        path,
+        fresh: Some(done),
+    })
+}

@@ -1,0 +1,112 @@
+//! A torch file's state dict written as one `.safetensors` file: every tensor, under its own
+//! name, in its own dtype, bytes unchanged (the conversion A1111's and kohya's users run on a
+//! `.ckpt`). It streams: the header is built from the pickle, then each storage is read once
+//! and every tensor viewing it is cut out and written, so memory holds one storage at a time.
+//! The file is written atomically (temp, fsync, rename).
+
+use std::io::Write;
+use std::path::Path;
+
+use serde_json::{json, Value};
+
+use super::archive::{Contents, TensorRecord, TorchArchive, TorchFileError};
+use crate::fsutil::{self, FsError};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConvertError {
+    #[error(transparent)]
+    Read(#[from] TorchFileError),
+    #[error("writing {}", path.display())]
+    Write {
+        path: std::path::PathBuf,
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Fs(#[from] FsError),
+}
+
+/// What a conversion wrote.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Converted {
+    pub tensors: usize,
+    pub bytes: u64,
+    /// State-dict entries that are not tensors, with why (never written).
+    pub skipped: Vec<(String, String)>,
+}
+
+/// Writes the state dict of the torch file `src` to `dst` (module header), with `metadata`
+/// (plus `format: pt`) in the header.
+pub fn convert(
+    src: &Path,
+    dst: &Path,
+    metadata: serde_json::Map<String, Value>,
+) -> Result<Converted, ConvertError> {
+    let (mut archive, contents) = TorchArchive::open(src)?;
+    let Contents {
+        mut tensors,
+        skipped,
+    } = contents;
+    // Storage by storage, so each is read once.
+    tensors.sort_by(|a, b| (&a.storage, a.offset, &a.name).cmp(&(&b.storage, b.offset, &b.name)));
+    let header = header(metadata, &tensors);
+    let write_err = |source| ConvertError::Write {
+        path: dst.to_path_buf(),
+        source,
+    };
+    let mut bytes = 0u64;
+    fsutil::write_atomic_with(dst, |w| {
+        w.write_all(&(header.len() as u64).to_le_bytes())
+            .map_err(write_err)?;
+        w.write_all(&header).map_err(write_err)?;
+        let mut current: Option<(String, Vec<u8>)> = None;
+        for t in &tensors {
+            if current.as_ref().is_none_or(|(k, _)| *k != t.storage) {
+                drop(current.take()); // free the last storage before reading the next
+                current = Some((t.storage.clone(), archive.storage(&t.storage)?));
+            }
+            let storage = current
+                .as_ref()
+                .map(|(_, s)| s.as_slice())
+                .unwrap_or_default();
+            let data = archive.tensor_bytes(t, storage)?;
+            w.write_all(&data).map_err(write_err)?;
+            bytes += data.len() as u64;
+        }
+        Ok::<_, ConvertError>(())
+    })?;
+    Ok(Converted {
+        tensors: tensors.len(),
+        bytes,
+        skipped,
+    })
+}
+
+/// The safetensors JSON header for `tensors` in this order, padded to a multiple of 8 bytes.
+fn header(metadata: serde_json::Map<String, Value>, tensors: &[TensorRecord]) -> Vec<u8> {
+    let mut map = serde_json::Map::new();
+    let mut metadata: serde_json::Map<String, Value> = metadata
+        .into_iter()
+        .map(|(k, v)| match v {
+            Value::String(s) => (k, Value::String(s)),
+            other => (k, Value::String(other.to_string())),
+        })
+        .collect();
+    metadata.insert("format".into(), json!("pt"));
+    map.insert("__metadata__".into(), Value::Object(metadata));
+    let mut offset = 0usize;
+    for t in tensors {
+        let len = t.byte_len();
+        map.insert(
+            t.name.clone(),
+            json!({
+                "dtype": t.dtype.safetensors_name(),
+                "shape": t.shape,
+                "data_offsets": [offset, offset + len],
+            }),
+        );
+        offset += len;
+    }
+    let mut header = serde_json::to_vec(&Value::Object(map)).unwrap_or_default();
+    header.resize(header.len().next_multiple_of(8), b' ');
+    header
+}

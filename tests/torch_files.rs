@@ -1,0 +1,271 @@
+//! Reading `torch.save` files without running them (src/torch_pickle): the tensors equal what
+//! torch itself wrote out as safetensors, for every view and dtype a state dict may hold
+//! (tests/fixtures/make_torch_files.py made both), a Lightning `.ckpt` gives its `state_dict`,
+//! and a pickle that would run a command when torch loads it is read as data and runs nothing.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use sdtrain::torch_pickle::{self, TorchArchive, TorchFileError};
+
+fn torch_file(name: &str) -> std::path::PathBuf {
+    common::fixture("torch-files").join(name)
+}
+
+/// `name → (dtype, shape, bytes)` of a safetensors file.
+fn safetensors_entries(path: &Path) -> BTreeMap<String, (String, Vec<usize>, Vec<u8>)> {
+    let data = std::fs::read(path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&data).unwrap();
+    st.tensors()
+        .into_iter()
+        .map(|(name, view)| {
+            let dtype = format!("{:?}", view.dtype());
+            (name, (dtype, view.shape().to_vec(), view.data().to_vec()))
+        })
+        .collect()
+}
+
+fn converted(src: &Path, dir: &Path) -> (torch_pickle::Converted, std::path::PathBuf) {
+    let out = dir.join("out.safetensors");
+    let done = torch_pickle::convert(src, &out, Default::default()).unwrap();
+    (done, out)
+}
+
+#[test]
+fn every_view_and_dtype_reads_as_torch_wrote_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let (done, out) = converted(&torch_file("views.pt"), dir.path());
+    let got = safetensors_entries(&out);
+    let want = safetensors_entries(&torch_file("views.safetensors"));
+    assert_eq!(
+        got.keys().collect::<Vec<_>>(),
+        want.keys().collect::<Vec<_>>()
+    );
+    for (name, w) in &want {
+        assert_eq!(&got[name], w, "{name}");
+    }
+    assert_eq!(done.tensors, want.len());
+    let mut skipped: Vec<&str> = done.skipped.iter().map(|(n, _)| n.as_str()).collect();
+    skipped.sort();
+    assert_eq!(skipped, ["name", "none", "step"]);
+}
+
+#[test]
+fn tensors_load_in_memory_with_their_values() {
+    let tensors: BTreeMap<_, _> = torch_pickle::read_tensors(&torch_file("views.pt"))
+        .unwrap()
+        .into_iter()
+        .collect();
+    let v = |n: &str| {
+        tensors[n]
+            .to_dtype(candle_core::DType::F64)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f64>()
+            .unwrap()
+    };
+    assert_eq!(v("i8"), [-128.0, -1.0, 0.0, 127.0]);
+    assert_eq!(v("bool"), [1.0, 0.0, 1.0]);
+    assert_eq!(v("f8"), [0.5, -2.0, 448.0, 0.0]);
+    assert_eq!(v("nested.deeper.x"), [3.0, 3.0]);
+    assert_eq!(tensors["transposed"].dims(), [6, 4]);
+    // `transposed` is `same_a` transposed: a column-major view of the same storage.
+    let t = tensors["same_a"].t().unwrap().contiguous().unwrap();
+    let diff = (t - &tensors["transposed"]).unwrap().abs().unwrap();
+    assert_eq!(diff.max_all().unwrap().to_scalar::<f32>().unwrap(), 0.0);
+}
+
+#[test]
+fn a_lightning_checkpoint_gives_its_state_dict() {
+    let dir = tempfile::tempdir().unwrap();
+    let (done, out) = converted(&torch_file("lightning.ckpt"), dir.path());
+    assert_eq!(
+        safetensors_entries(&out),
+        safetensors_entries(&torch_file("lightning.safetensors"))
+    );
+    assert!(done.skipped.is_empty(), "{:?}", done.skipped);
+}
+
+#[test]
+fn a_pickle_that_would_run_a_command_is_read_as_data() {
+    let dir = tempfile::tempdir().unwrap();
+    let (done, out) = converted(&torch_file("evil.pt"), dir.path());
+    assert_eq!(safetensors_entries(&out).keys().collect::<Vec<_>>(), ["w"]);
+    // torch.load would have called os.system("touch pwned-by-pickle") in the working folder.
+    assert!(!Path::new("pwned-by-pickle").exists());
+    assert_eq!(done.skipped.len(), 1);
+    let (name, why) = &done.skipped[0];
+    assert_eq!(name, "evil");
+    assert!(
+        why.contains("posix.system") || why.contains("os.system"),
+        "{why}"
+    );
+}
+
+#[test]
+fn unreadable_torch_files_are_refused_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let legacy = common::fixture("torch-embeddings").join("legacy.pt");
+    let err = TorchArchive::open(&legacy).unwrap_err();
+    assert!(matches!(err, TorchFileError::Legacy { .. }), "{err}");
+    assert!(err.to_string().contains("legacy.pt"), "{err}");
+
+    // Cut anywhere, the archive is refused with its path named, never a panic.
+    let whole = std::fs::read(torch_file("views.pt")).unwrap();
+    for cut in (0..whole.len()).step_by(97).chain([whole.len() - 1]) {
+        let p = dir.path().join("cut.pt");
+        std::fs::write(&p, &whole[..cut]).unwrap();
+        let err = torch_pickle::convert(&p, &dir.path().join("o.safetensors"), Default::default())
+            .expect_err("a cut archive read");
+        assert!(format!("{err:#}").contains("cut.pt"), "{err:#}");
+    }
+    assert!(!dir.path().join("o.safetensors").exists());
+
+    let text = dir.path().join("notes.ckpt");
+    std::fs::write(&text, "not a checkpoint").unwrap();
+    let err = TorchArchive::open(&text).unwrap_err();
+    assert!(err.to_string().contains("not a zip archive"), "{err}");
+}
+
+/// `sdtrain` with sdtrain's cache in `cache`.
+fn sdtrain_cached(args: &[&str], cwd: &Path, cache: &Path) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_sdtrain"))
+        .args(args)
+        .current_dir(cwd)
+        .env("SDTRAIN_CACHE", cache)
+        .output()
+        .unwrap()
+}
+
+fn sample_args<'a>(model: &'a str, out: &'a str) -> Vec<&'a str> {
+    vec![
+        "sample",
+        "--model",
+        model,
+        "--prompt",
+        "a cat",
+        "--width",
+        "64",
+        "--height",
+        "64",
+        "--steps",
+        "4",
+        "--seed",
+        "3",
+        "--precision",
+        "fp32",
+        "--out",
+        out,
+    ]
+}
+
+#[test]
+fn a_ckpt_model_draws_what_its_safetensors_draws() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = dir.path().join("cache");
+    let ckpt = torch_file("tiny-sd15.ckpt").display().to_string();
+    let st = common::fixture("single-file/tiny-sd15.safetensors");
+    let want = common::cli::sample_bytes(dir.path(), st.to_str().unwrap(), "want.png", &[]);
+    let o = sdtrain_cached(&sample_args(&ckpt, "got.png"), dir.path(), &cache);
+    let log = common::cli::text(&o);
+    assert!(o.status.success(), "{log}");
+    assert!(
+        log.contains("read as data (nothing in it runs) and converted"),
+        "{log}"
+    );
+    assert_eq!(std::fs::read(dir.path().join("got.png")).unwrap(), want);
+    // The second run reuses the copy.
+    let o = sdtrain_cached(&sample_args(&ckpt, "again.png"), dir.path(), &cache);
+    let log = common::cli::text(&o);
+    assert!(
+        o.status.success() && log.contains("read through its converted copy"),
+        "{log}"
+    );
+    assert_eq!(std::fs::read(dir.path().join("again.png")).unwrap(), want);
+    let copies: Vec<_> = std::fs::read_dir(cache.join("converted"))
+        .unwrap()
+        .collect();
+    assert_eq!(copies.len(), 1);
+}
+
+#[test]
+fn convert_writes_a_torch_file_as_stored() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("model.safetensors");
+    let o = common::cli::sdtrain(
+        &[
+            "convert",
+            "--model",
+            torch_file("tiny-sd15.ckpt").to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ],
+        dir.path(),
+    );
+    let log = common::cli::text(&o);
+    assert!(o.status.success(), "{log}");
+    let got = safetensors_entries(&out);
+    let want = safetensors_entries(&common::fixture("single-file/tiny-sd15.safetensors"));
+    assert_eq!(got.len(), want.len());
+    for (name, w) in &want {
+        assert_eq!(&got[name], w, "{name}");
+    }
+    assert_eq!(
+        common::cli::file_metadata(&out)
+            .get("sdtrain.converted_from")
+            .map(String::as_str),
+        Some("tiny-sd15.ckpt")
+    );
+    assert!(!log.contains("left out"), "{log}");
+}
+
+#[test]
+fn a_torch_file_that_is_not_a_model_is_refused_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = dir.path().join("cache");
+    let legacy = common::fixture("torch-embeddings/legacy.pt");
+    let o = sdtrain_cached(
+        &sample_args(legacy.to_str().unwrap(), "x.png"),
+        dir.path(),
+        &cache,
+    );
+    let log = common::cli::text(&o);
+    assert_eq!(o.status.code(), Some(2), "{log}");
+    assert!(
+        log.contains("legacy.pt") && log.contains("legacy format"),
+        "{log}"
+    );
+    let lightning = torch_file("lightning.ckpt");
+    let o = sdtrain_cached(
+        &sample_args(lightning.to_str().unwrap(), "x.png"),
+        dir.path(),
+        &cache,
+    );
+    let log = common::cli::text(&o);
+    assert!(!o.status.success(), "{log}");
+    assert!(
+        log.contains("not a full Stable Diffusion checkpoint"),
+        "{log}"
+    );
+}
+
+#[test]
+fn an_a1111_vae_pt_is_read_as_its_safetensors_would_be() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = dir.path().join("cache");
+    let model = common::fixture("single-file/tiny-sd15.safetensors");
+    let model = model.to_str().unwrap();
+    let want = common::cli::sample_bytes(dir.path(), model, "want.png", &[]);
+    let vae = torch_file("tiny-sd15-vae.pt");
+    let mut args = sample_args(model, "got.png");
+    args.extend(["--vae", vae.to_str().unwrap()]);
+    let o = sdtrain_cached(&args, dir.path(), &cache);
+    let log = common::cli::text(&o);
+    assert!(o.status.success(), "{log}");
+    assert!(log.contains("torch file read through its copy"), "{log}");
+    // The file's VAE is the model's own: the same image, byte for byte.
+    assert_eq!(std::fs::read(dir.path().join("got.png")).unwrap(), want);
+}
