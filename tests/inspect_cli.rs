@@ -217,7 +217,7 @@ fn inspect_usage_errors_exit_2() {
 }
 
 #[test]
-fn inspect_pickle_only_model_exits_2() {
+fn inspect_model_with_a_broken_bin_exits_2() {
     let tmp = tempfile::tempdir().unwrap();
     let model = tmp.path().join("model");
     common::copy_dir(&common::fixture("tiny-sd15"), &model);
@@ -226,7 +226,7 @@ fn inspect_pickle_only_model_exits_2() {
     let run = sdtrain(tmp.path(), &["inspect", "--model", "model"]);
     assert_eq!(run.code, 2, "{}", run.stderr);
     assert!(
-        run.stderr.contains("never loads pickle files"),
+        run.stderr.contains("not a torch checkpoint"),
         "{}",
         run.stderr
     );

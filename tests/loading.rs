@@ -223,26 +223,47 @@ fn complete_cached_snapshot_is_used_without_the_network() {
 #[test]
 fn a_snapshot_holding_only_bin_weights_goes_to_the_hub_online() {
     let tmp = tempfile::tempdir().unwrap();
+    // The `.bin` weights' converted copies go here (no other test of this binary converts).
+    std::env::set_var("SDTRAIN_CACHE", tmp.path().join("sdtrain-cache"));
     let cache = tmp.path().join("hub");
     let repo = hub_cache(&cache);
     let unet = repo.join("snapshots").join(COMMIT_MAIN).join("unet");
     std::fs::remove_file(unet.join("diffusion_pytorch_model.safetensors")).unwrap();
-    std::fs::write(unet.join("diffusion_pytorch_model.bin"), b"pickle").unwrap();
-    let env = HubEnv {
+    let online = HubEnv {
         offline: false,
         endpoint: Some("http://127.0.0.1:9".to_string()),
         ..HubEnv::offline(cache.clone())
     };
-    let err = ModelSource::parse("tiny/sd15")
-        .unwrap()
-        .resolve_with(&env, None)
-        .unwrap_err();
+    let resolve = |env: &HubEnv| {
+        ModelSource::parse("tiny/sd15")
+            .unwrap()
+            .resolve_with(env, None)
+    };
+    // Unreadable `.bin` weights: online, the hub is asked for safetensors; offline, the error.
+    std::fs::write(unet.join("diffusion_pytorch_model.bin"), b"pickle").unwrap();
+    let err = resolve(&online).unwrap_err();
     assert!(matches!(err, SourceError::Hub { .. }), "{err}");
-    let err = ModelSource::parse("tiny/sd15")
-        .unwrap()
-        .resolve_with(&HubEnv::offline(cache), None)
-        .unwrap_err();
-    assert!(format!("{err:#}").contains("pickle"), "{err:#}");
+    let err = anyhow::Error::new(resolve(&HubEnv::offline(cache.clone())).unwrap_err());
+    assert!(
+        format!("{err:#}").contains("not a torch checkpoint"),
+        "{err:#}"
+    );
+    // Real ones: online, the hub is asked first, and the snapshot used when it cannot answer;
+    // offline, the snapshot is used.
+    std::fs::copy(
+        common::fixture("torch-files/tiny-sd15-bin/unet/diffusion_pytorch_model.bin"),
+        unet.join("diffusion_pytorch_model.bin"),
+    )
+    .unwrap();
+    for env in [online, HubEnv::offline(cache)] {
+        let dir = resolve(&env).unwrap();
+        let layout = ModelLayout::read(&dir.path, None).unwrap();
+        let unet = layout.component(Component::Unet).unwrap();
+        assert_eq!(
+            unet.torch_files(),
+            [dir.path.join("unet/diffusion_pytorch_model.bin")]
+        );
+    }
 }
 
 #[test]
@@ -411,7 +432,8 @@ fn pickle_only_component_is_refused() {
     let (_tmp, dir) = fixture_copy("tiny-sd15");
     let te = dir.join("text_encoder");
     std::fs::remove_file(te.join("model.safetensors")).unwrap();
-    std::fs::write(te.join("pytorch_model.bin"), b"not really a pickle").unwrap();
+    // A pickle under a name diffusers and transformers never save weights as.
+    std::fs::write(te.join("text_encoder.ckpt"), b"not really a pickle").unwrap();
     let err = ModelLayout::read(&dir, None).unwrap_err();
     assert!(
         matches!(err, FamilyError::Files(FilesError::PickleOnly { .. })),
@@ -419,9 +441,8 @@ fn pickle_only_component_is_refused() {
     );
     let msg = err.to_string();
     assert!(msg.contains(&te.display().to_string()), "{msg}");
+    assert!(msg.contains("text_encoder.ckpt"), "{msg}");
     assert!(msg.contains("pytorch_model.bin"), "{msg}");
-    assert!(msg.contains("never loads pickle files"), "{msg}");
-    assert!(msg.contains("safe_serialization=True"), "{msg}");
 }
 
 #[test]

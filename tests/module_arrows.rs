@@ -14,7 +14,7 @@
 //! adapter, data, diffusion
 //! model             UNet, text encoders, VAE, loading
 //! nn, optim, memory
-//! weights, tensorboard, dist                    leaves built on the leaves below
+//! weights, tensorboard, dist, torch_pickle      leaves built on the leaves below
 //! fsutil, tensor_view, kernel_emu, precision, run_layout, error_chain, console, linalg   leaves
 //! ```
 //!
@@ -36,7 +36,7 @@ const LAYERS: &[&[&str]] = &[
     &["adapter", "data", "diffusion"],
     &["model"],
     &["nn", "optim", "memory"],
-    &["weights", "tensorboard", "dist"],
+    &["weights", "tensorboard", "dist", "torch_pickle"],
     &[
         "fsutil",
         "file_sniff",

@@ -269,3 +269,38 @@ fn an_a1111_vae_pt_is_read_as_its_safetensors_would_be() {
     // The file's VAE is the model's own: the same image, byte for byte.
     assert_eq!(std::fs::read(dir.path().join("got.png")).unwrap(), want);
 }
+
+#[test]
+fn a_diffusers_folder_of_bin_weights_draws_what_its_safetensors_draw() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = dir.path().join("cache");
+    let want = common::cli::sample_bytes(
+        dir.path(),
+        common::fixture("tiny-sd15").to_str().unwrap(),
+        "want.png",
+        &[],
+    );
+    // tiny-sd15 with its UNet as one `.bin` and its text encoder as two `.bin` shards.
+    let model = dir.path().join("old-model");
+    common::copy_dir(&common::fixture("tiny-sd15"), &model);
+    std::fs::remove_file(model.join("unet/diffusion_pytorch_model.safetensors")).unwrap();
+    std::fs::remove_file(model.join("text_encoder/model.safetensors")).unwrap();
+    common::copy_dir(&torch_file("tiny-sd15-bin"), &model);
+    let o = sdtrain_cached(
+        &sample_args(model.to_str().unwrap(), "got.png"),
+        dir.path(),
+        &cache,
+    );
+    let log = common::cli::text(&o);
+    assert!(o.status.success(), "{log}");
+    assert!(
+        log.contains("unet: ") && log.contains("text_encoder: ") && log.contains("read as data"),
+        "{log}"
+    );
+    assert_eq!(std::fs::read(dir.path().join("got.png")).unwrap(), want);
+    // One copy per component, the two shards in one.
+    assert_eq!(
+        std::fs::read_dir(cache.join("converted")).unwrap().count(),
+        2
+    );
+}

@@ -57,7 +57,7 @@ pub enum EmbeddingFileError {
     Torch {
         path: PathBuf,
         #[source]
-        source: candle_core::Error,
+        source: crate::torch_pickle::TorchFileError,
     },
 }
 
@@ -99,8 +99,8 @@ const EMP_PARAMS: &str = "emp_params";
 /// Where a file's tensors come from.
 enum Source<'a> {
     Safetensors(SafeTensors<'a>),
-    /// A PyTorch pickle (A1111's `.pt`, diffusers' `.bin`), the dict of tensors it holds.
-    Torch(candle_core::pickle::PthTensors),
+    /// A PyTorch pickle (A1111's `.pt`, diffusers' `.bin`), its state dict's tensors.
+    Torch(crate::torch_pickle::TorchTensors),
 }
 
 /// A file's tensors, read on demand.
@@ -115,7 +115,7 @@ impl Reader<'_> {
     fn names(&self) -> Vec<String> {
         let mut names: Vec<String> = match &self.source {
             Source::Safetensors(st) => st.names().into_iter().map(str::to_string).collect(),
-            Source::Torch(pth) => pth.tensor_infos().keys().cloned().collect(),
+            Source::Torch(pth) => pth.records().keys().cloned().collect(),
         };
         names.sort();
         names
@@ -138,10 +138,7 @@ impl Reader<'_> {
                     source,
                 };
                 // The shape comes from the pickle: a hostile one must not size an allocation.
-                let dims = pth
-                    .tensor_infos()
-                    .get(key)
-                    .map(|t| t.layout.dims().to_vec());
+                let dims = pth.records().get(key).map(|t| t.shape.clone());
                 if let Some(dims) =
                     dims.filter(|d| d.iter().product::<usize>() > MAX_TORCH_ELEMENTS)
                 {
@@ -160,7 +157,13 @@ impl Reader<'_> {
                     })?;
                 t.to_dtype(DType::F32)
                     .and_then(|t| t.to_device(self.device))
-                    .map_err(torch)
+                    .map_err(|e| {
+                        torch(crate::torch_pickle::TorchFileError::Tensor {
+                            path: path.to_path_buf(),
+                            name: key.to_string(),
+                            message: e.to_string(),
+                        })
+                    })
             }
         }
     }
@@ -324,37 +327,21 @@ pub fn is_torch_file(path: &Path) -> bool {
         .is_ok_and(|()| torch_kind(&head).is_some())
 }
 
-/// The tensors of a PyTorch embedding file as `(name, shape, dtype)`, A1111's named
-/// `string_to_param.<name>`; `None` for a file that is not one.
+/// The tensors of a PyTorch embedding file as `(name, shape, dtype)`, nested dicts' keys joined
+/// with `.` (A1111's `string_to_param.*`); `None` for a file that is not one.
 pub fn torch_tensors(path: &Path) -> Option<Vec<(String, Vec<usize>, String)>> {
-    use candle_core::pickle::PthTensors;
-    let list = |pth: &PthTensors, prefix: &str| -> Vec<(String, Vec<usize>, String)> {
-        let mut out: Vec<_> = pth
-            .tensor_infos()
+    let file = crate::torch_pickle::TorchTensors::open(path).ok()?;
+    Some(
+        file.records()
             .values()
-            .map(|t| {
-                let dims = t.layout.dims().to_vec();
-                (
-                    format!("{prefix}{}", t.name),
-                    dims,
-                    format!("{:?}", t.dtype),
-                )
-            })
-            .collect();
-        out.sort();
-        out
-    };
-    let top = PthTensors::new(path, None).ok()?;
-    if !top.tensor_infos().is_empty() {
-        return Some(list(&top, ""));
-    }
-    let a1111 = PthTensors::new(path, Some("string_to_param")).ok()?;
-    Some(list(&a1111, "string_to_param.")).filter(|l| !l.is_empty())
+            .map(|t| (t.name.clone(), t.shape.clone(), format!("{:?}", t.dtype)))
+            .collect(),
+    )
 }
 
 /// An embedding in PyTorch's format: A1111's `.pt` (the vectors in `string_to_param`, under
-/// `*`) or diffusers' `learned_embeds.bin` (one tensor named for its token). Read with candle's
-/// pickle reader, which builds tensors and plain containers only (no code in the file runs).
+/// `*`) or diffusers' `learned_embeds.bin` (one tensor named for its token). Read by
+/// [`crate::torch_pickle`], which builds data only (no code in the file runs).
 fn load_torch(
     path: &Path,
     kind: TorchKind,
@@ -371,33 +358,21 @@ fn load_torch(
              safetensors",
         ));
     }
-    let torch = |source| EmbeddingFileError::Torch {
-        path: path.to_path_buf(),
-        source,
-    };
-    use candle_core::pickle::PthTensors;
-    let top = PthTensors::new(path, None).map_err(torch)?;
-    let pth =
-        match top.tensor_infos().is_empty() {
-            false => top,
-            // A1111's: no tensor at the top, its vectors in `string_to_param`.
-            true => match PthTensors::new(path, Some("string_to_param")) {
-                Ok(p) if !p.tensor_infos().is_empty() => p,
-                Ok(_) => return Err(refuse(
-                    "its `string_to_param` is not a dict of tensors (a torch ParameterDict, as \
-                     the original textual-inversion code saved it, is not read); load it in A1111 \
-                     and save it again, or convert it to safetensors",
-                )),
-                Err(_) => {
-                    return Err(EmbeddingFileError::Layout {
-                        path: path.to_path_buf(),
-                        keys: "none: the PyTorch file holds no tensors at its top level or in \
-                           `string_to_param`"
-                            .into(),
-                    })
-                }
-            },
-        };
+    // Every tensor of the state dict, nested dicts' keys joined with `.`: A1111's vectors are
+    // `string_to_param.*` (a plain dict, or the original code's `ParameterDict` module),
+    // diffusers' one tensor is named for its token.
+    let pth = crate::torch_pickle::TorchTensors::open(path).map_err(|source| match source {
+        crate::torch_pickle::TorchFileError::NoStateDict { .. } => EmbeddingFileError::Layout {
+            path: path.to_path_buf(),
+            keys: "none: the PyTorch file holds no tensors at its top level or in \
+                   `string_to_param`"
+                .into(),
+        },
+        source => EmbeddingFileError::Torch {
+            path: path.to_path_buf(),
+            source,
+        },
+    })?;
     let reader = Reader {
         path,
         source: Source::Torch(pth),

@@ -11,9 +11,15 @@
 //! 3. with no variant requested, the `fp16` variant names as a fallback when no plain file exists.
 //!
 //! `<base>` is `diffusion_pytorch_model` (diffusers models) or `model` (transformers models).
-//! Only safetensors is ever read: a component holding only pickle files (`.bin`, `.ckpt`, `.pt`)
-//! is an error that says how to convert it. The same rules run on a hub repo's file list
-//! ([`hub_plan`]) so a download fetches exactly what a local read would open.
+//!
+//! A component without safetensors is read from the weights diffusers and transformers saved
+//! before safetensors, by the same three rules: `<base>[.<variant>].bin`, or the sharded
+//! `<base>.bin.index[.<variant>].json`, `<base>` being `diffusion_pytorch_model` or
+//! `pytorch_model`. Those are `torch.save` files: they are read as data, never run, and converted
+//! once into one `.safetensors` copy in sdtrain's cache ([`crate::torch_pickle`]), which is what
+//! the component's `weights` then name. Other pickle files (`.ckpt`, `.pt` in a component
+//! folder) are an error. The same rules run on a hub repo's file list ([`hub_plan`]) so a
+//! download fetches exactly what a local read would open.
 //!
 //! A component of a single-file checkpoint has no files of its own: its [`ComponentSource`] is
 //! the opened file's config and tensor view ([`PackedComponent`]) instead of a folder's files.
@@ -33,7 +39,12 @@ const WEIGHT_BASES: [&str; 2] = ["diffusion_pytorch_model", "model"];
 /// The variant tried when no plain weight file exists and none was requested.
 const FALLBACK_VARIANT: &str = "fp16";
 
-/// Extensions of pickle-based checkpoints, which sdtrain refuses to load.
+/// The bases of the `.bin` weight names diffusers (`diffusion_pytorch_model`) and transformers
+/// (`pytorch_model`) wrote before safetensors.
+const TORCH_BASES: [&str; 2] = ["diffusion_pytorch_model", "pytorch_model"];
+
+/// Extensions of pickle-based checkpoints (named in the error for a component that has only
+/// pickle files the rules do not pick).
 const PICKLE_EXTENSIONS: [&str; 5] = ["bin", "ckpt", "pt", "pth", "pkl"];
 
 /// Tokenizer files copied from a pipeline when present. A CLIP tokenizer needs either
@@ -60,9 +71,9 @@ pub enum FilesError {
     #[error("{} not found", path.display())]
     MissingFile { path: PathBuf },
     #[error(
-        "{location} holds only pickle checkpoints ({}); sdtrain never loads pickle files. \
-         Convert the model to safetensors first, e.g. in Python with diffusers: \
-         `DiffusionPipeline.from_pretrained(path).save_pretrained(out, safe_serialization=True)`",
+        "{location} holds only pickle checkpoints ({}), none under the names diffusers and \
+         transformers save (`diffusion_pytorch_model.bin`, `pytorch_model.bin`, or their sharded \
+         `*.bin.index.json`)",
         found.join(", ")
     )]
     PickleOnly {
@@ -99,6 +110,11 @@ pub enum FilesError {
         path: PathBuf,
         source: std::io::Error,
     },
+    #[error("{}: cannot convert the torch weights to safetensors", path.display())]
+    Convert {
+        path: PathBuf,
+        source: Box<crate::torch_pickle::ConvertError>,
+    },
     #[error("cannot parse {}{}", path.display(), crate::file_sniff::json_note(path))]
     Json {
         path: PathBuf,
@@ -114,6 +130,9 @@ impl FilesError {
     pub fn is_usage(&self) -> bool {
         match self {
             FilesError::Io { .. } => false,
+            FilesError::Convert { source, .. } => {
+                matches!(**source, crate::torch_pickle::ConvertError::Read(_))
+            }
             FilesError::MissingFolder { .. }
             | FilesError::MissingFile { .. }
             | FilesError::PickleOnly { .. }
@@ -138,6 +157,7 @@ impl FilesError {
             | FilesError::NoTokenizer { .. }
             | FilesError::MissingShard { .. } => true,
             FilesError::PickleOnly { .. }
+            | FilesError::Convert { .. }
             | FilesError::BadIndex { .. }
             | FilesError::BadVariant(_)
             | FilesError::BadSafetensors { .. }
@@ -147,11 +167,15 @@ impl FilesError {
         }
     }
 
-    /// True when a component holds only pickle checkpoints: a hub snapshot that Python's
-    /// `huggingface_hub` filled with `.bin` files (diffusers downloads `.bin` for every component
-    /// when one lacks safetensors) may still have safetensors to download.
+    /// True when a component holds only pickle checkpoints that cannot be read (under other
+    /// names, or unreadable `.bin` weights): a hub snapshot that Python's `huggingface_hub` filled
+    /// with `.bin` files (diffusers downloads `.bin` for every component when one lacks
+    /// safetensors) may still have safetensors to download.
     pub fn is_pickle_only(&self) -> bool {
-        matches!(self, FilesError::PickleOnly { .. })
+        matches!(
+            self,
+            FilesError::PickleOnly { .. } | FilesError::Convert { .. }
+        )
     }
 }
 
@@ -213,6 +237,10 @@ pub enum WeightChoice {
     Single(String),
     /// A `*.safetensors.index*.json` whose `weight_map` names the shard files.
     Sharded { index: String },
+    /// One `torch.save` file (`diffusion_pytorch_model.bin`, `pytorch_model.bin`).
+    Torch(String),
+    /// A `*.bin.index*.json` whose `weight_map` names `.bin` shards.
+    TorchSharded { index: String },
 }
 
 /// One component of a single-file checkpoint: its diffusers config and its tensors under
@@ -234,6 +262,9 @@ pub enum ComponentSource {
         index: Option<PathBuf>,
         /// The safetensors files to pass to `Weights::from_files`, in a stable order.
         weights: Vec<PathBuf>,
+        /// The `.bin` files `weights` (one converted copy) were made from; empty when the
+        /// folder's own safetensors are read.
+        torch: Vec<PathBuf>,
     },
     /// A component of a single-file checkpoint `file`: config and tensors come from the opened
     /// file, not from files of their own.
@@ -264,6 +295,14 @@ impl ComponentFiles {
         match &self.source {
             ComponentSource::Folder { weights, .. } => weights,
             ComponentSource::Packed { file, .. } => std::slice::from_ref(file),
+        }
+    }
+
+    /// The `.bin` files the weights were converted from (empty: read as they are).
+    pub fn torch_files(&self) -> &[PathBuf] {
+        match &self.source {
+            ComponentSource::Folder { torch, .. } => torch,
+            ComponentSource::Packed { .. } => &[],
         }
     }
 
@@ -426,6 +465,28 @@ fn candidates(variant: Option<&str>) -> Vec<WeightChoice> {
     if variant.is_none() {
         out.extend(variant_names(FALLBACK_VARIANT));
     }
+    // No safetensors: the `.bin` names, by the same rules.
+    let torch_names = |v: Option<&str>| -> Vec<WeightChoice> {
+        let dot = v.map_or(String::new(), |v| format!(".{v}"));
+        TORCH_BASES
+            .iter()
+            .flat_map(|b| {
+                [
+                    WeightChoice::Torch(format!("{b}{dot}.bin")),
+                    WeightChoice::TorchSharded {
+                        index: format!("{b}.bin.index{dot}.json"),
+                    },
+                ]
+            })
+            .collect()
+    };
+    if let Some(v) = variant {
+        out.extend(torch_names(Some(v)));
+    }
+    out.extend(torch_names(None));
+    if variant.is_none() {
+        out.extend(torch_names(Some(FALLBACK_VARIANT)));
+    }
     out
 }
 
@@ -439,8 +500,10 @@ pub fn choose_weights(
     check_variant(variant)?;
     let present: BTreeSet<&str> = names.iter().map(String::as_str).collect();
     let chosen = candidates(variant).into_iter().find(|c| match c {
-        WeightChoice::Single(f) => present.contains(f.as_str()),
-        WeightChoice::Sharded { index } => present.contains(index.as_str()),
+        WeightChoice::Single(f) | WeightChoice::Torch(f) => present.contains(f.as_str()),
+        WeightChoice::Sharded { index } | WeightChoice::TorchSharded { index } => {
+            present.contains(index.as_str())
+        }
     });
     if let Some(choice) = chosen {
         return Ok(choice);
@@ -534,28 +597,82 @@ pub fn folder_files(
                 config,
                 index: None,
                 weights: vec![folder.join(file)],
+                torch: Vec::new(),
             },
         }),
+        WeightChoice::Torch(file) => torch_component(component, config, vec![folder.join(file)]),
+        WeightChoice::TorchSharded { index } => {
+            let index = folder.join(index);
+            let shards = existing_shards(folder, &index)?;
+            torch_component(component, config, shards)
+        }
         WeightChoice::Sharded { index } => {
             let index = folder.join(index);
-            let mut weights = Vec::new();
-            for shard in read_index(&index)? {
-                let shard = folder.join(shard);
-                if !shard.is_file() {
-                    return Err(FilesError::MissingShard { index, shard });
-                }
-                weights.push(shard);
-            }
+            let weights = existing_shards(folder, &index)?;
             Ok(ComponentFiles {
                 component,
                 source: ComponentSource::Folder {
                     config,
                     index: Some(index),
                     weights,
+                    torch: Vec::new(),
                 },
             })
         }
     }
+}
+
+/// The shards `index` lists, each checked to exist in `folder`.
+fn existing_shards(folder: &Path, index: &Path) -> Result<Vec<PathBuf>, FilesError> {
+    let mut shards = Vec::new();
+    for shard in read_index(index)? {
+        let shard = folder.join(shard);
+        if !shard.is_file() {
+            return Err(FilesError::MissingShard {
+                index: index.to_path_buf(),
+                shard,
+            });
+        }
+        shards.push(shard);
+    }
+    Ok(shards)
+}
+
+/// A component whose weights are `torch.save` files: read through one converted `.safetensors`
+/// copy of them all (module header), made now unless an earlier read made it.
+fn torch_component(
+    component: Component,
+    config: PathBuf,
+    torch: Vec<PathBuf>,
+) -> Result<ComponentFiles, FilesError> {
+    let first = torch.first().cloned().unwrap_or_default();
+    let copy = crate::torch_pickle::converted_copy_of(&torch).map_err(|e| FilesError::Convert {
+        path: first.clone(),
+        source: Box::new(e),
+    })?;
+    if let Some(done) = &copy.fresh {
+        crate::console::say(format_args!(
+            "{component}: {} read as data (torch files; nothing in them runs) and converted to {} \
+             ({} tensors, {:.1} MB); later runs reuse the copy",
+            torch
+                .iter()
+                .map(|p| p.display().to_string())
+                .collect::<Vec<_>>()
+                .join(", "),
+            copy.path.display(),
+            done.tensors,
+            done.bytes as f64 / 1e6
+        ));
+    }
+    Ok(ComponentFiles {
+        component,
+        source: ComponentSource::Folder {
+            config,
+            index: None,
+            weights: vec![copy.path],
+            torch,
+        },
+    })
 }
 
 /// The safetensors files to read for the component folder `component` (e.g. `"unet"`) of the
@@ -671,8 +788,10 @@ pub fn hub_plan(
         }
         plan.files.push(format!("{folder}/config.json"));
         match choose_weights(&location, names, variant)? {
-            WeightChoice::Single(f) => plan.files.push(format!("{folder}/{f}")),
-            WeightChoice::Sharded { index } => {
+            WeightChoice::Single(f) | WeightChoice::Torch(f) => {
+                plan.files.push(format!("{folder}/{f}"))
+            }
+            WeightChoice::Sharded { index } | WeightChoice::TorchSharded { index } => {
                 plan.files.push(format!("{folder}/{index}"));
                 plan.indexes.push(format!("{folder}/{index}"));
             }
@@ -820,15 +939,55 @@ mod tests {
     }
 
     #[test]
-    fn pickle_only_is_refused_with_a_conversion_hint() {
-        let n = names(&["config.json", "pytorch_model.bin"]);
+    fn bin_weights_are_read_when_there_are_no_safetensors() {
+        let n = names(&["config.json", "pytorch_model.bin", "model.ckpt"]);
+        assert_eq!(
+            choose_weights("te", &n, None).unwrap(),
+            WeightChoice::Torch("pytorch_model.bin".into())
+        );
+        // Safetensors first, whatever the variant rules pick among the `.bin` names.
+        let n = names(&[
+            "diffusion_pytorch_model.bin",
+            "diffusion_pytorch_model.fp16.safetensors",
+        ]);
+        assert_eq!(
+            choose_weights("unet", &n, None).unwrap(),
+            WeightChoice::Single("diffusion_pytorch_model.fp16.safetensors".into())
+        );
+        let n = names(&[
+            "diffusion_pytorch_model.bin",
+            "diffusion_pytorch_model.fp16.bin",
+            "diffusion_pytorch_model.bin.index.json",
+        ]);
+        assert_eq!(
+            choose_weights("unet", &n, Some("fp16")).unwrap(),
+            WeightChoice::Torch("diffusion_pytorch_model.fp16.bin".into())
+        );
+        assert_eq!(
+            choose_weights("unet", &n, None).unwrap(),
+            WeightChoice::Torch("diffusion_pytorch_model.bin".into())
+        );
+        let n = names(&[
+            "pytorch_model.bin.index.json",
+            "pytorch_model-00001-of-00002.bin",
+        ]);
+        assert_eq!(
+            choose_weights("te", &n, None).unwrap(),
+            WeightChoice::TorchSharded {
+                index: "pytorch_model.bin.index.json".into()
+            }
+        );
+    }
+
+    #[test]
+    fn pickles_under_other_names_are_refused_naming_them() {
+        let n = names(&["config.json", "model.ckpt"]);
         let err = choose_weights("/m/text_encoder", &n, None).unwrap_err();
         let msg = err.to_string();
         assert!(matches!(err, FilesError::PickleOnly { .. }));
         assert!(msg.contains("/m/text_encoder"), "{msg}");
+        assert!(msg.contains("model.ckpt"), "{msg}");
         assert!(msg.contains("pytorch_model.bin"), "{msg}");
-        assert!(msg.contains("never loads pickle"), "{msg}");
-        assert!(msg.contains("safe_serialization=True"), "{msg}");
     }
 
     #[test]
@@ -920,13 +1079,21 @@ mod tests {
     }
 
     #[test]
-    fn hub_plan_reports_pickle_only_components() {
+    fn hub_plan_downloads_bin_weights_only_without_safetensors() {
         let idx = json!({ "unet": ["diffusers", "UNet2DConditionModel"] });
-        let files = names(&[
+        let mut files = names(&[
             "model_index.json",
             "unet/config.json",
             "unet/diffusion_pytorch_model.bin",
         ]);
+        let plan = hub_plan("org/old", &idx, &files, None).unwrap();
+        assert!(plan
+            .files
+            .contains(&"unet/diffusion_pytorch_model.bin".to_string()));
+        files.push("unet/diffusion_pytorch_model.safetensors".into());
+        let plan = hub_plan("org/old", &idx, &files, None).unwrap();
+        assert!(!plan.files.iter().any(|f| f.ends_with(".bin")), "{plan:?}");
+        let files = names(&["model_index.json", "unet/config.json", "unet/unet.ckpt"]);
         let err = hub_plan("org/old", &idx, &files, None).unwrap_err();
         assert!(err.to_string().contains("org/old/unet"), "{err}");
         assert!(matches!(err, FilesError::PickleOnly { .. }));

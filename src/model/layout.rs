@@ -245,6 +245,8 @@ impl ModelLayout {
                 for c in &self.components {
                     out.push(c.config_path().to_path_buf());
                     out.extend(c.index().map(Path::to_path_buf));
+                    // `.bin` weights, then the converted copy read in their place.
+                    out.extend(c.torch_files().iter().cloned());
                     out.extend(c.weights().iter().cloned());
                 }
                 out

@@ -421,11 +421,23 @@ fn resolve_hub(
     variant: Option<&str>,
 ) -> Result<ModelDir, SourceError> {
     let hub_dir = |commit: String| snapshot_dir(env, repo_id, revision, commit);
+    // A cached snapshot that reads, but from `.bin` weights: used if the hub cannot be reached.
+    let mut readable = None;
     if let Some(commit) = cached_commit(&env.cache_dir, repo_id, revision) {
         let dir = hub_dir(commit);
         match ModelLayout::read(&dir.path, variant) {
+            // Online, a snapshot holding `.bin` weights (Python's `huggingface_hub` fetched them)
+            // may lack the safetensors the repo has: the plan below prefers those.
+            Ok(layout)
+                if !env.offline
+                    && layout
+                        .components
+                        .iter()
+                        .any(|c| !c.torch_files().is_empty()) =>
+            {
+                readable = Some(dir);
+            }
             Ok(_) => return Ok(dir),
-            // Online, a snapshot holding only `.bin` weights may lack the safetensors the repo has.
             Err(e) if e.is_pickle_only() && !env.offline => {}
             Err(e) if !e.is_incomplete() => return Err(e.into()),
             Err(source) if env.offline => {
@@ -449,7 +461,17 @@ fn resolve_hub(
         let model_index = files::read_json(&fetch(MODEL_INDEX)?)?;
         Ok(files::hub_plan(repo_id, &model_index, repo_files, variant)?)
     };
-    let commit = download(repo_id, revision, env, &pipeline)?;
+    let commit = match (download(repo_id, revision, env, &pipeline), readable) {
+        (Ok(commit), _) => commit,
+        (Err(e), Some(dir)) => {
+            crate::console::say(format_args!(
+                "{repo_id}: the hub could not be asked for safetensors weights ({e}); using the \
+                 cached snapshot's `.bin` weights"
+            ));
+            return Ok(dir);
+        }
+        (Err(e), None) => return Err(e),
+    };
     let dir = hub_dir(commit);
     ModelLayout::read(&dir.path, variant)?;
     Ok(dir)

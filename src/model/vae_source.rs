@@ -245,8 +245,10 @@ fn hub_plan(
         indexes: Vec::new(),
     };
     match files::choose_weights(&location, &names, variant)? {
-        files::WeightChoice::Single(f) => plan.files.push(format!("{folder}{f}")),
-        files::WeightChoice::Sharded { index } => {
+        files::WeightChoice::Single(f) | files::WeightChoice::Torch(f) => {
+            plan.files.push(format!("{folder}{f}"))
+        }
+        files::WeightChoice::Sharded { index } | files::WeightChoice::TorchSharded { index } => {
             plan.files.push(format!("{folder}{index}"));
             plan.indexes.push(format!("{folder}{index}"));
         }

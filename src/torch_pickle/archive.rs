@@ -451,11 +451,20 @@ fn flatten(
                 continue;
             }
         };
+        if depth >= MAX_DEPTH {
+            out.skipped.push((name, "nested too deep".into()));
+            continue;
+        }
         match tensor(path, &name, v)? {
             Some(t) => out.tensors.push(t),
-            None => match v.as_mapping() {
-                Some(inner) if depth < MAX_DEPTH => {
+            None => match (v.as_mapping(), module_state(v)) {
+                (Some(inner), _) if !inner.is_empty() => {
                     flatten(path, inner, &format!("{name}."), depth + 1, out)?
+                }
+                (_, Some(parts)) => {
+                    for part in parts {
+                        flatten(path, part, &format!("{name}."), depth + 1, out)?;
+                    }
                 }
                 _ => out
                     .skipped
@@ -464,6 +473,32 @@ fn flatten(
         }
     }
     Ok(())
+}
+
+/// A pickled `torch.nn.Module` (a `ParameterDict`, as the original textual-inversion code saved
+/// its `string_to_param`): its `_parameters`, `_buffers` and `_modules` dicts from the `BUILD`
+/// state, whose entries are what `module.state_dict()` names `<key>`.
+fn module_state(v: &Value) -> Option<Vec<&[(Value, Value)]>> {
+    let Value::Object {
+        state: Some(state), ..
+    } = v
+    else {
+        return None;
+    };
+    let state = state.as_mapping()?;
+    let part = |name: &str| {
+        state
+            .iter()
+            .find(|(k, _)| k.as_str() == Some(name))
+            .and_then(|(_, v)| v.as_mapping())
+    };
+    let params = part("_parameters")?;
+    Some(
+        [Some(params), part("_buffers"), part("_modules")]
+            .into_iter()
+            .flatten()
+            .collect(),
+    )
 }
 
 fn describe(v: &Value) -> String {

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 use sha2::{Digest, Sha256};
 
-use super::to_safetensors::{convert, ConvertError, Converted};
+use super::to_safetensors::{convert_files, ConvertError, Converted};
 
 /// A converted copy of a torch file.
 #[derive(Debug, Clone, PartialEq)]
@@ -41,35 +41,49 @@ fn io(path: &Path, source: std::io::Error) -> ConvertError {
 
 /// The converted copy of `src` in the cache, made now if there is none (module header).
 pub fn converted_copy(src: &Path) -> Result<ConvertedCopy, ConvertError> {
-    let read = |source| {
-        ConvertError::Read(super::TorchFileError::Io {
-            path: src.to_path_buf(),
-            source,
-        })
+    converted_copy_of(&[src.to_path_buf()])
+}
+
+/// As [`converted_copy`], one copy holding the tensors of all of `srcs` (a sharded model's
+/// `.bin` shards), keyed by every one of them.
+pub fn converted_copy_of(srcs: &[PathBuf]) -> Result<ConvertedCopy, ConvertError> {
+    let Some(first) = srcs.first() else {
+        return Err(io(
+            Path::new("."),
+            std::io::Error::other("no torch file to convert"),
+        ));
     };
-    let canonical = src.canonicalize().map_err(read)?;
-    let meta = std::fs::metadata(&canonical).map_err(read)?;
-    let mtime = meta
-        .modified()
-        .ok()
-        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
-        .map_or(0, |d| d.as_nanos());
     let mut h = Sha256::new();
-    h.update(canonical.to_string_lossy().as_bytes());
-    h.update(meta.len().to_le_bytes());
-    h.update(mtime.to_le_bytes());
+    for src in srcs {
+        let read = |source| {
+            ConvertError::Read(super::TorchFileError::Io {
+                path: src.to_path_buf(),
+                source,
+            })
+        };
+        let canonical = src.canonicalize().map_err(read)?;
+        let meta = std::fs::metadata(&canonical).map_err(read)?;
+        let mtime = meta
+            .modified()
+            .ok()
+            .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+            .map_or(0, |d| d.as_nanos());
+        h.update(canonical.to_string_lossy().as_bytes());
+        h.update(meta.len().to_le_bytes());
+        h.update(mtime.to_le_bytes());
+    }
     let key: String = h.finalize()[..8]
         .iter()
         .map(|b| format!("{b:02x}"))
         .collect();
-    let stem = src
+    let stem = first
         .file_stem()
         .map(|s| s.to_string_lossy().into_owned())
         .unwrap_or_else(|| "model".into());
     let dir = cache_dir()
         .ok_or_else(|| {
             io(
-                src,
+                first,
                 std::io::Error::other(
                     "no cache folder for the converted copy: set SDTRAIN_CACHE (or HOME)",
                 ),
@@ -84,15 +98,19 @@ pub fn converted_copy(src: &Path) -> Result<ConvertedCopy, ConvertError> {
     if path.is_file() {
         return Ok(ConvertedCopy { path, fresh: None });
     }
+    // Unreadable files are refused before anything is written to the cache.
+    for src in srcs {
+        super::TorchArchive::open(src)?;
+    }
     std::fs::create_dir_all(&dir).map_err(|e| io(&dir, e))?;
     let mut metadata = serde_json::Map::new();
-    if let Some(name) = src.file_name() {
-        metadata.insert(
-            "sdtrain.converted_from".into(),
-            name.to_string_lossy().into_owned().into(),
-        );
-    }
-    let done = convert(src, &path, metadata)?;
+    let names: Vec<String> = srcs
+        .iter()
+        .filter_map(|s| s.file_name())
+        .map(|n| n.to_string_lossy().into_owned())
+        .collect();
+    metadata.insert("sdtrain.converted_from".into(), names.join(", ").into());
+    let done = convert_files(srcs, &path, metadata)?;
     Ok(ConvertedCopy {
         path,
         fresh: Some(done),

@@ -21,8 +21,8 @@ use std::path::Path;
 use candle_core::{DType, Device, Tensor};
 
 pub use archive::{is_zip, Contents, StoredDtype, TensorRecord, TorchArchive, TorchFileError};
-pub use cache::{cache_dir, converted_copy, ConvertedCopy};
-pub use to_safetensors::{convert, ConvertError, Converted};
+pub use cache::{cache_dir, converted_copy, converted_copy_of, ConvertedCopy};
+pub use to_safetensors::{convert, convert_files, ConvertError, Converted};
 pub use unpickler::{unpickle, PickleError, Value};
 
 /// The extensions of the files `torch.save` writes, lower case.
@@ -35,30 +35,68 @@ pub fn has_torch_extension(path: &Path) -> bool {
         .is_some_and(|e| EXTENSIONS.contains(&e.to_ascii_lowercase().as_str()))
 }
 
-/// Every tensor of a (small) torch file in memory, on the CPU, in its stored dtype where candle
-/// has it (else: `int8` as `i16`, `bool` as `u8` 0/1, float8 as `f32`: candle's own float8
-/// conversions are not used, its CPU `F8E4M3 → F64` cast never returned in our test).
-pub fn read_tensors(path: &Path) -> Result<Vec<(String, Tensor)>, TorchFileError> {
-    let (mut archive, contents) = TorchArchive::open(path)?;
-    let mut out = Vec::with_capacity(contents.tensors.len());
-    let mut current: Option<(String, Vec<u8>)> = None;
-    let mut tensors = contents.tensors;
-    tensors.sort_by(|a, b| (&a.storage, a.offset).cmp(&(&b.storage, b.offset)));
-    for t in &tensors {
-        if current.as_ref().is_none_or(|(k, _)| *k != t.storage) {
-            current = Some((t.storage.clone(), archive.storage(&t.storage)?));
-        }
-        let storage = current
-            .as_ref()
-            .map(|(_, s)| s.as_slice())
-            .unwrap_or_default();
-        let bytes = archive.tensor_bytes(t, storage)?;
-        let tensor = to_tensor(t, &bytes).map_err(|e| TorchFileError::Tensor {
+/// A torch file's tensors, read one at a time on request.
+pub struct TorchTensors {
+    path: std::path::PathBuf,
+    archive: std::sync::Mutex<TorchArchive>,
+    records: std::collections::BTreeMap<String, TensorRecord>,
+    skipped: Vec<(String, String)>,
+}
+
+impl TorchTensors {
+    /// Opens `path` and reads its state dict's records (no tensor data yet).
+    pub fn open(path: &Path) -> Result<Self, TorchFileError> {
+        let (archive, contents) = TorchArchive::open(path)?;
+        Ok(Self {
             path: path.to_path_buf(),
-            name: t.name.clone(),
-            message: e.to_string(),
-        })?;
-        out.push((t.name.clone(), tensor));
+            archive: std::sync::Mutex::new(archive),
+            records: contents
+                .tensors
+                .into_iter()
+                .map(|t| (t.name.clone(), t))
+                .collect(),
+            skipped: contents.skipped,
+        })
+    }
+
+    /// Every tensor's record, by name.
+    pub fn records(&self) -> &std::collections::BTreeMap<String, TensorRecord> {
+        &self.records
+    }
+
+    /// The state dict's entries that are not tensors, with why.
+    pub fn skipped(&self) -> &[(String, String)] {
+        &self.skipped
+    }
+
+    /// Tensor `name` on the CPU, in its stored dtype where candle has it (else: `int8` as `i16`,
+    /// `bool` as `u8` 0/1, float8 as `f32`: candle's own float8 conversions are not used, its
+    /// CPU `F8E4M3 → F64` cast never returned in our test); `None` when there is no such tensor.
+    pub fn get(&self, name: &str) -> Result<Option<Tensor>, TorchFileError> {
+        let Some(t) = self.records.get(name) else {
+            return Ok(None);
+        };
+        let mut archive = self.archive.lock().unwrap_or_else(|p| p.into_inner());
+        let storage = archive.storage(&t.storage)?;
+        let bytes = archive.tensor_bytes(t, &storage)?;
+        to_tensor(t, &bytes)
+            .map(Some)
+            .map_err(|e| TorchFileError::Tensor {
+                path: self.path.clone(),
+                name: t.name.clone(),
+                message: e.to_string(),
+            })
+    }
+}
+
+/// Every tensor of a (small) torch file in memory, as [`TorchTensors::get`] gives each.
+pub fn read_tensors(path: &Path) -> Result<Vec<(String, Tensor)>, TorchFileError> {
+    let file = TorchTensors::open(path)?;
+    let mut out = Vec::with_capacity(file.records.len());
+    for name in file.records.keys() {
+        if let Some(t) = file.get(name)? {
+            out.push((name.clone(), t));
+        }
     }
     Ok(out)
 }

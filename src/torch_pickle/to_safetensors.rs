@@ -9,7 +9,7 @@ use std::path::Path;
 
 use serde_json::{json, Value};
 
-use super::archive::{Contents, TensorRecord, TorchArchive, TorchFileError};
+use super::archive::{TensorRecord, TorchArchive, TorchFileError};
 use crate::fsutil::{self, FsError};
 
 #[derive(Debug, thiserror::Error)]
@@ -41,14 +41,43 @@ pub fn convert(
     dst: &Path,
     metadata: serde_json::Map<String, Value>,
 ) -> Result<Converted, ConvertError> {
-    let (mut archive, contents) = TorchArchive::open(src)?;
-    let Contents {
-        mut tensors,
-        skipped,
-    } = contents;
-    // Storage by storage, so each is read once.
-    tensors.sort_by(|a, b| (&a.storage, a.offset, &a.name).cmp(&(&b.storage, b.offset, &b.name)));
-    let header = header(metadata, &tensors);
+    convert_files(&[src.to_path_buf()], dst, metadata)
+}
+
+/// As [`convert`], the state dicts of several torch files (the shards of one model, as
+/// `pytorch_model-00001-of-00002.bin` …) into one `.safetensors`; a tensor name in two of them
+/// is an error naming both.
+pub fn convert_files(
+    srcs: &[std::path::PathBuf],
+    dst: &Path,
+    metadata: serde_json::Map<String, Value>,
+) -> Result<Converted, ConvertError> {
+    let mut archives = Vec::with_capacity(srcs.len());
+    let mut tensors: Vec<(usize, TensorRecord)> = Vec::new();
+    let mut skipped = Vec::new();
+    let mut owner: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
+    for (i, src) in srcs.iter().enumerate() {
+        let (archive, contents) = TorchArchive::open(src)?;
+        for t in contents.tensors {
+            if let Some(&j) = owner.get(&t.name) {
+                return Err(ConvertError::Read(TorchFileError::Tensor {
+                    path: src.clone(),
+                    name: t.name,
+                    message: format!("also in {}", srcs[j].display()),
+                }));
+            }
+            owner.insert(t.name.clone(), i);
+            tensors.push((i, t));
+        }
+        skipped.extend(contents.skipped);
+        archives.push(archive);
+    }
+    // File by file and storage by storage, so each storage is read once.
+    tensors.sort_by(|(i, a), (j, b)| {
+        (i, &a.storage, a.offset, &a.name).cmp(&(j, &b.storage, b.offset, &b.name))
+    });
+    let records: Vec<&TensorRecord> = tensors.iter().map(|(_, t)| t).collect();
+    let header = header(metadata, &records);
     let write_err = |source| ConvertError::Write {
         path: dst.to_path_buf(),
         source,
@@ -58,15 +87,19 @@ pub fn convert(
         w.write_all(&(header.len() as u64).to_le_bytes())
             .map_err(write_err)?;
         w.write_all(&header).map_err(write_err)?;
-        let mut current: Option<(String, Vec<u8>)> = None;
-        for t in &tensors {
-            if current.as_ref().is_none_or(|(k, _)| *k != t.storage) {
+        let mut current: Option<(usize, String, Vec<u8>)> = None;
+        for (i, t) in &tensors {
+            let archive = &mut archives[*i];
+            if current
+                .as_ref()
+                .is_none_or(|(j, k, _)| j != i || *k != t.storage)
+            {
                 drop(current.take()); // free the last storage before reading the next
-                current = Some((t.storage.clone(), archive.storage(&t.storage)?));
+                current = Some((*i, t.storage.clone(), archive.storage(&t.storage)?));
             }
             let storage = current
                 .as_ref()
-                .map(|(_, s)| s.as_slice())
+                .map(|(_, _, s)| s.as_slice())
                 .unwrap_or_default();
             let data = archive.tensor_bytes(t, storage)?;
             w.write_all(&data).map_err(write_err)?;
@@ -82,7 +115,7 @@ pub fn convert(
 }
 
 /// The safetensors JSON header for `tensors` in this order, padded to a multiple of 8 bytes.
-fn header(metadata: serde_json::Map<String, Value>, tensors: &[TensorRecord]) -> Vec<u8> {
+fn header(metadata: serde_json::Map<String, Value>, tensors: &[&TensorRecord]) -> Vec<u8> {
     let mut map = serde_json::Map::new();
     let mut metadata: serde_json::Map<String, Value> = metadata
         .into_iter()
