@@ -304,3 +304,29 @@ fn a_diffusers_folder_of_bin_weights_draws_what_its_safetensors_draw() {
         2
     );
 }
+
+#[test]
+fn a_re_zipped_checkpoint_with_deflated_entries_reads_the_same() {
+    use std::io::{Read, Write};
+    let dir = tempfile::tempdir().unwrap();
+    let src = std::fs::File::open(torch_file("views.pt")).unwrap();
+    let mut zin = zip::ZipArchive::new(src).unwrap();
+    let path = dir.path().join("rezipped.pt");
+    let mut zout = zip::ZipWriter::new(std::fs::File::create(&path).unwrap());
+    let deflated = zip::write::SimpleFileOptions::default()
+        .compression_method(zip::CompressionMethod::Deflated);
+    for i in 0..zin.len() {
+        let mut entry = zin.by_index(i).unwrap();
+        let name = entry.name().unwrap().into_owned();
+        let mut data = Vec::new();
+        entry.read_to_end(&mut data).unwrap();
+        zout.start_file(name, deflated).unwrap();
+        zout.write_all(&data).unwrap();
+    }
+    zout.finish().unwrap();
+    let (_, out) = converted(&path, dir.path());
+    assert_eq!(
+        safetensors_entries(&out),
+        safetensors_entries(&torch_file("views.safetensors"))
+    );
+}

@@ -1,10 +1,11 @@
 //! A torch file converted once to `.safetensors` for the loaders, which map safetensors only.
 //!
 //! The copy lives in sdtrain's cache (`SDTRAIN_CACHE`, else `$XDG_CACHE_HOME/sdtrain`, else
-//! `~/.cache/sdtrain`), under `converted/<stem>-<key>.safetensors`, where the key hashes the
-//! source's canonical path, length and modification time: an edited or replaced file is
-//! converted again, an unchanged one is reused. The copy is written atomically, so one that
-//! exists is whole. Nothing is written beside the user's file.
+//! `~/.cache/sdtrain`), as `converted/<key>/<file name>.safetensors` (so a message naming the
+//! copy names the user's file too), where the key hashes the source's canonical path, length and
+//! modification time: an edited or replaced file is converted again, an unchanged one is
+//! reused. The copy is written atomically, so one that exists is whole. Nothing is written
+//! beside the user's file.
 
 use std::path::{Path, PathBuf};
 
@@ -76,8 +77,8 @@ pub fn converted_copy_of(srcs: &[PathBuf]) -> Result<ConvertedCopy, ConvertError
         .iter()
         .map(|b| format!("{b:02x}"))
         .collect();
-    let stem = first
-        .file_stem()
+    let name = first
+        .file_name()
         .map(|s| s.to_string_lossy().into_owned())
         .unwrap_or_else(|| "model".into());
     let dir = cache_dir()
@@ -89,8 +90,10 @@ pub fn converted_copy_of(srcs: &[PathBuf]) -> Result<ConvertedCopy, ConvertError
                 ),
             )
         })?
-        .join("converted");
-    let path = dir.join(format!("{stem}-{key}.safetensors"));
+        .join("converted")
+        .join(key);
+    // `<name>.safetensors`: every message that names the copy names the user's file too.
+    let path = dir.join(format!("{name}.safetensors"));
     // One conversion at a time in this process (the ranks of a `--devices` run resolve the
     // model together); the second finds the first's copy.
     static CONVERTING: std::sync::Mutex<()> = std::sync::Mutex::new(());
