@@ -90,15 +90,17 @@ fn not_binary(head: &[u8], len: u64) -> Option<String> {
     if head.starts_with(b"PK\x03\x04") {
         return Some(
             "; it is a zip archive: a PyTorch checkpoint (`.ckpt`, `.pt`, `.bin`) under a \
-             `.safetensors` name. sdtrain reads safetensors only: convert it (e.g. with \
-             diffusers' conversion scripts) rather than renaming it"
+             `.safetensors` name. Give it its `.ckpt`/`.pt` name back (a model, VAE or LoRA is \
+             then read as data, nothing in it run), or convert it: `sdtrain convert --model \
+             <file>.ckpt --out <file>.safetensors`"
                 .into(),
         );
     }
     if head.first() == Some(&0x80) && head.get(1).is_some_and(|p| (2..=5).contains(p)) {
         return Some(
-            "; it is a Python pickle (a PyTorch checkpoint) under a `.safetensors` name. \
-             sdtrain reads safetensors only: convert it rather than renaming it"
+            "; it is a Python pickle (a PyTorch checkpoint in torch's legacy format, before \
+             1.6) under a `.safetensors` name, which sdtrain does not read: save it again with a \
+             newer torch and convert it rather than renaming it"
                 .into(),
         );
     }

@@ -36,8 +36,17 @@ pub fn is_adapter_file(path: &Path) -> bool {
 }
 
 /// The tensors a safetensors file's header lists (name → shape), or `None` when `path` is not
-/// one. Only the header is read.
+/// one. Only the header is read; for a torch file, only its pickle.
 fn header_tensors(path: &Path) -> Option<HashMap<String, Vec<usize>>> {
+    if crate::torch_pickle::is_zip(path) {
+        let file = crate::torch_pickle::TorchTensors::open(path).ok()?;
+        return Some(
+            file.records()
+                .values()
+                .map(|t| (t.name.clone(), t.shape.clone()))
+                .collect(),
+        );
+    }
     let file = std::fs::File::open(path).ok()?;
     // SAFETY: mapped read-only and dropped before returning; only the header pages are touched
     // (a multi-GB checkpoint is not read).
@@ -82,10 +91,21 @@ pub struct AdapterReport {
 /// Reads the adapter file at `path`.
 pub fn inspect_adapter(path: &Path) -> Result<AdapterReport, KohyaError> {
     let file = load_kohya(path, &Device::Cpu)?;
-    let bytes = std::fs::read(path).map_err(|source| KohyaError::Read {
-        path: path.to_path_buf(),
-        source,
-    })?;
+    let size = std::fs::metadata(path).map_or(0, |m| m.len());
+    // A torch file (a LoRA saved as `.pt`) is described by its safetensors image.
+    let bytes = if crate::torch_pickle::is_zip(path) {
+        crate::torch_pickle::to_bytes(path, Default::default()).map_err(|source| {
+            KohyaError::Torch {
+                path: path.to_path_buf(),
+                source: Box::new(source),
+            }
+        })?
+    } else {
+        std::fs::read(path).map_err(|source| KohyaError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?
+    };
     let mut dtypes = BTreeMap::new();
     if let Ok((_, meta)) = SafeTensors::read_metadata(&bytes) {
         for info in meta.tensors().values() {
@@ -116,7 +136,7 @@ pub fn inspect_adapter(path: &Path) -> Result<AdapterReport, KohyaError> {
         .collect();
     Ok(AdapterReport {
         path: path.to_path_buf(),
-        bytes: bytes.len() as u64,
+        bytes: size,
         dtypes,
         kind: kind_of(&file.modules),
         parts,

@@ -330,3 +330,55 @@ fn a_re_zipped_checkpoint_with_deflated_entries_reads_the_same() {
         safetensors_entries(&torch_file("views.safetensors"))
     );
 }
+
+#[test]
+fn a_lora_saved_as_pt_loads_as_its_safetensors() {
+    let dir = tempfile::tempdir().unwrap();
+    let st = common::fixture("kohya_tiny_sd15.safetensors");
+    let pt = torch_file("kohya_tiny_sd15.pt");
+    let model = common::fixture("tiny-sd15");
+    let model = model.to_str().unwrap();
+    let want = common::cli::sample_bytes(
+        dir.path(),
+        model,
+        "want.png",
+        &["--lora", st.to_str().unwrap()],
+    );
+    let got = common::cli::sample_bytes(
+        dir.path(),
+        model,
+        "got.png",
+        &["--lora", pt.to_str().unwrap()],
+    );
+    assert_eq!(got, want);
+    // `inspect` reports it as the LoRA it is.
+    let o = common::cli::sdtrain(&["inspect", "--model", pt.to_str().unwrap()], dir.path());
+    let log = common::cli::text(&o);
+    assert!(o.status.success(), "{log}");
+    let o2 = common::cli::sdtrain(&["inspect", "--model", st.to_str().unwrap()], dir.path());
+    let log2 = common::cli::text(&o2);
+    let modules = |l: &str| l.lines().filter(|x| x.contains("modules")).count();
+    assert!(
+        modules(&log) > 0 && modules(&log) == modules(&log2),
+        "{log}\n---\n{log2}"
+    );
+    // `resize-lora` gives the same tensors from either.
+    let resized = |src: &Path, out: &str| {
+        let out = dir.path().join(out);
+        let o = common::cli::sdtrain(
+            &[
+                "resize-lora",
+                "--lora",
+                src.to_str().unwrap(),
+                "--rank",
+                "1",
+                "--out",
+                out.to_str().unwrap(),
+            ],
+            dir.path(),
+        );
+        assert!(o.status.success(), "{}", common::cli::text(&o));
+        safetensors_entries(&out)
+    };
+    assert_eq!(resized(&pt, "a.safetensors"), resized(&st, "b.safetensors"));
+}

@@ -292,7 +292,17 @@ pub fn load_bundled(
     path: &Path,
     device: &Device,
 ) -> Result<Vec<EmbeddingFile>, EmbeddingFileError> {
-    let bytes = read_bytes(path)?;
+    // A LoRA saved by `torch.save`: its safetensors image, as `load_kohya` reads it.
+    let bytes = if crate::torch_pickle::is_zip(path) {
+        crate::torch_pickle::to_bytes(path, Default::default()).map_err(|source| {
+            KohyaError::Torch {
+                path: path.to_path_buf(),
+                source: Box::new(source),
+            }
+        })?
+    } else {
+        read_bytes(path)?
+    };
     let reader = reader(path, &bytes, device)?;
     bundles(&reader, &reader.names())
 }

@@ -78,6 +78,11 @@ pub enum KohyaError {
         path: PathBuf,
         source: std::io::Error,
     },
+    #[error("{}: cannot read it as a torch file", path.display())]
+    Torch {
+        path: PathBuf,
+        source: Box<crate::torch_pickle::ConvertError>,
+    },
     #[error("{} is not a valid safetensors file{}", path.display(), crate::file_sniff::safetensors_note(path))]
     Format {
         path: PathBuf,
@@ -634,12 +639,23 @@ fn unsupported_hint(keys: &[String]) -> String {
     }
 }
 
-/// Reads a kohya LoRA/LoCon file. Tensors are decoded to f32 on `device`.
+/// Reads a kohya LoRA/LoCon file. Tensors are decoded to f32 on `device`. A LoRA saved by
+/// `torch.save` (kohya's `save_model_as = "pt"`/`"ckpt"`) is read as data, never run
+/// ([`crate::torch_pickle`]), through a safetensors image of it in memory.
 pub fn load_kohya(path: &Path, device: &Device) -> Result<KohyaFile, KohyaError> {
-    let bytes = std::fs::read(path).map_err(|source| KohyaError::Read {
-        path: path.to_path_buf(),
-        source,
-    })?;
+    let bytes = if crate::torch_pickle::is_zip(path) {
+        crate::torch_pickle::to_bytes(path, Default::default()).map_err(|source| {
+            KohyaError::Torch {
+                path: path.to_path_buf(),
+                source: Box::new(source),
+            }
+        })?
+    } else {
+        std::fs::read(path).map_err(|source| KohyaError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?
+    };
     let format_err = |source| KohyaError::Format {
         path: path.to_path_buf(),
         source: External(source),

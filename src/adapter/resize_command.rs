@@ -116,7 +116,13 @@ pub fn run(args: &ResizeArgs) -> anyhow::Result<PathBuf> {
     let rule = check(args)?;
     let conv_rank = args.conv_rank.unwrap_or(args.rank);
     let path = &args.lora;
-    let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+    // A LoRA saved by `torch.save` (kohya's `save_model_as = "pt"`): its safetensors image.
+    let bytes = if crate::torch_pickle::is_zip(path) {
+        crate::torch_pickle::to_bytes(path, Default::default())
+            .with_context(|| format!("cannot read {} as a torch file", path.display()))?
+    } else {
+        std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?
+    };
     let (_, header) = SafeTensors::read_metadata(&bytes)
         .map_err(|e| anyhow::anyhow!("{} is not a safetensors file: {e}", path.display()))?;
     let mut metadata = header.metadata().clone().unwrap_or_default();

@@ -22,7 +22,7 @@ use candle_core::{DType, Device, Tensor};
 
 pub use archive::{is_zip, Contents, StoredDtype, TensorRecord, TorchArchive, TorchFileError};
 pub use cache::{cache_dir, converted_copy, converted_copy_of, ConvertedCopy};
-pub use to_safetensors::{convert, convert_files, ConvertError, Converted};
+pub use to_safetensors::{convert, convert_files, to_bytes, ConvertError, Converted};
 pub use unpickler::{unpickle, PickleError, Value};
 
 /// The extensions of the files `torch.save` writes, lower case.

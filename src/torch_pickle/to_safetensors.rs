@@ -52,44 +52,87 @@ pub fn convert_files(
     dst: &Path,
     metadata: serde_json::Map<String, Value>,
 ) -> Result<Converted, ConvertError> {
-    let mut archives = Vec::with_capacity(srcs.len());
-    let mut tensors: Vec<(usize, TensorRecord)> = Vec::new();
-    let mut skipped = Vec::new();
-    let mut owner: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
-    for (i, src) in srcs.iter().enumerate() {
-        let (archive, contents) = TorchArchive::open(src)?;
-        for t in contents.tensors {
-            if let Some(&j) = owner.get(&t.name) {
-                return Err(ConvertError::Read(TorchFileError::Tensor {
-                    path: src.clone(),
-                    name: t.name,
-                    message: format!("also in {}", srcs[j].display()),
-                }));
-            }
-            owner.insert(t.name.clone(), i);
-            tensors.push((i, t));
-        }
-        skipped.extend(contents.skipped);
-        archives.push(archive);
-    }
-    // File by file and storage by storage, so each storage is read once.
-    tensors.sort_by(|(i, a), (j, b)| {
-        (i, &a.storage, a.offset, &a.name).cmp(&(j, &b.storage, b.offset, &b.name))
-    });
-    let records: Vec<&TensorRecord> = tensors.iter().map(|(_, t)| t).collect();
-    let header = header(metadata, &records);
-    let write_err = |source| ConvertError::Write {
-        path: dst.to_path_buf(),
-        source,
-    };
+    let mut plan = Plan::open(srcs)?;
     let mut bytes = 0u64;
     fsutil::write_atomic_with(dst, |w| {
+        bytes = plan.write(w, metadata, dst)?;
+        Ok::<_, ConvertError>(())
+    })?;
+    Ok(plan.done(bytes))
+}
+
+/// The state dict of the torch file `src` as the bytes of a `.safetensors` file, in memory (for
+/// small files: a LoRA saved as `.pt`).
+pub fn to_bytes(
+    src: &Path,
+    metadata: serde_json::Map<String, Value>,
+) -> Result<Vec<u8>, ConvertError> {
+    let mut plan = Plan::open(&[src.to_path_buf()])?;
+    let mut out = Vec::new();
+    plan.write(&mut out, metadata, src)?;
+    Ok(out)
+}
+
+/// The open archives and their tensors, in write order.
+struct Plan {
+    archives: Vec<TorchArchive>,
+    tensors: Vec<(usize, TensorRecord)>,
+    skipped: Vec<(String, String)>,
+}
+
+impl Plan {
+    fn open(srcs: &[std::path::PathBuf]) -> Result<Self, ConvertError> {
+        let mut archives = Vec::with_capacity(srcs.len());
+        let mut tensors: Vec<(usize, TensorRecord)> = Vec::new();
+        let mut skipped = Vec::new();
+        let mut owner: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
+        for (i, src) in srcs.iter().enumerate() {
+            let (archive, contents) = TorchArchive::open(src)?;
+            for t in contents.tensors {
+                if let Some(&j) = owner.get(&t.name) {
+                    return Err(ConvertError::Read(TorchFileError::Tensor {
+                        path: src.clone(),
+                        name: t.name,
+                        message: format!("also in {}", srcs[j].display()),
+                    }));
+                }
+                owner.insert(t.name.clone(), i);
+                tensors.push((i, t));
+            }
+            skipped.extend(contents.skipped);
+            archives.push(archive);
+        }
+        // File by file and storage by storage, so each storage is read once.
+        tensors.sort_by(|(i, a), (j, b)| {
+            (i, &a.storage, a.offset, &a.name).cmp(&(j, &b.storage, b.offset, &b.name))
+        });
+        Ok(Self {
+            archives,
+            tensors,
+            skipped,
+        })
+    }
+
+    /// Writes the header and every tensor to `w` (`dst` names it in errors); the bytes of data.
+    fn write(
+        &mut self,
+        w: &mut impl Write,
+        metadata: serde_json::Map<String, Value>,
+        dst: &Path,
+    ) -> Result<u64, ConvertError> {
+        let records: Vec<&TensorRecord> = self.tensors.iter().map(|(_, t)| t).collect();
+        let header = header(metadata, &records);
+        let write_err = |source| ConvertError::Write {
+            path: dst.to_path_buf(),
+            source,
+        };
         w.write_all(&(header.len() as u64).to_le_bytes())
             .map_err(write_err)?;
         w.write_all(&header).map_err(write_err)?;
+        let mut bytes = 0u64;
         let mut current: Option<(usize, String, Vec<u8>)> = None;
-        for (i, t) in &tensors {
-            let archive = &mut archives[*i];
+        for (i, t) in &self.tensors {
+            let archive = &mut self.archives[*i];
             if current
                 .as_ref()
                 .is_none_or(|(j, k, _)| j != i || *k != t.storage)
@@ -105,13 +148,16 @@ pub fn convert_files(
             w.write_all(&data).map_err(write_err)?;
             bytes += data.len() as u64;
         }
-        Ok::<_, ConvertError>(())
-    })?;
-    Ok(Converted {
-        tensors: tensors.len(),
-        bytes,
-        skipped,
-    })
+        Ok(bytes)
+    }
+
+    fn done(self, bytes: u64) -> Converted {
+        Converted {
+            tensors: self.tensors.len(),
+            bytes,
+            skipped: self.skipped,
+        }
+    }
 }
 
 /// The safetensors JSON header for `tensors` in this order, padded to a multiple of 8 bytes.
