@@ -38,7 +38,7 @@ pub fn is_adapter_file(path: &Path) -> bool {
 /// The tensors a safetensors file's header lists (name → shape), or `None` when `path` is not
 /// one. Only the header is read; for a torch file, only its pickle.
 fn header_tensors(path: &Path) -> Option<HashMap<String, Vec<usize>>> {
-    if crate::torch_pickle::is_zip(path) {
+    if crate::torch_pickle::is_torch_file(path) {
         let file = crate::torch_pickle::TorchTensors::open(path).ok()?;
         return Some(
             file.records()
@@ -93,7 +93,7 @@ pub fn inspect_adapter(path: &Path) -> Result<AdapterReport, KohyaError> {
     let file = load_kohya(path, &Device::Cpu)?;
     let size = std::fs::metadata(path).map_or(0, |m| m.len());
     // A torch file (a LoRA saved as `.pt`) is described by its safetensors image.
-    let bytes = if crate::torch_pickle::is_zip(path) {
+    let bytes = if crate::torch_pickle::is_torch_file(path) {
         crate::torch_pickle::to_bytes(path, Default::default()).map_err(|source| {
             KohyaError::Torch {
                 path: path.to_path_buf(),

@@ -453,6 +453,8 @@ fn torch_pickled_embeddings_load_as_a1111_and_diffusers_do() {
         ("learned_embeds.bin", "<dog-tok>"),
         // The original textual-inversion code's layout: `string_to_param` a ParameterDict module.
         ("parameter_dict.pt", "parameter_dict"),
+        // torch's legacy (pre-1.6) format.
+        ("legacy.pt", "legacy"),
     ] {
         let (log, image) = draw(
             dir.path(),
@@ -472,15 +474,6 @@ fn torch_pickled_embeddings_load_as_a1111_and_diffusers_do() {
     assert!(o.status.success(), "{log}");
     assert!(
         log.contains("string_to_param.* [1, 32] F32") && log.contains("dogtok (1 vector(s))"),
-        "{log}"
-    );
-
-    let path = file("legacy.pt");
-    let o = sample_with_embedding(dir.path(), "tiny-sd15", "x", &path);
-    let log = text(&o);
-    assert!(!o.status.success(), "{log}");
-    assert!(
-        log.contains(&path) && log.contains("legacy (pre-1.6) format"),
         "{log}"
     );
 }

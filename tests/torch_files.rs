@@ -8,7 +8,7 @@ mod common;
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use sdtrain::torch_pickle::{self, TorchArchive, TorchFileError};
+use sdtrain::torch_pickle::{self, TorchArchive};
 
 fn torch_file(name: &str) -> std::path::PathBuf {
     common::fixture("torch-files").join(name)
@@ -106,12 +106,32 @@ fn a_pickle_that_would_run_a_command_is_read_as_data() {
 }
 
 #[test]
+fn torchs_legacy_format_reads_as_the_zip_format() {
+    // The same A1111 embedding saved both ways (tests/fixtures/make_torch_embeddings.py).
+    let dir = tempfile::tempdir().unwrap();
+    let emb = common::fixture("torch-embeddings");
+    let (done, legacy) = converted(&emb.join("legacy.pt"), dir.path());
+    let zip = dir.path().join("zip.safetensors");
+    torch_pickle::convert(&emb.join("dogtok.pt"), &zip, Default::default()).unwrap();
+    assert_eq!(safetensors_entries(&legacy), safetensors_entries(&zip));
+    assert_eq!(
+        safetensors_entries(&legacy).keys().collect::<Vec<_>>(),
+        ["string_to_param.*"]
+    );
+    assert!(!done.skipped.is_empty());
+    // Cut anywhere, refused naming the file.
+    let whole = std::fs::read(emb.join("legacy.pt")).unwrap();
+    for cut in (2..whole.len()).step_by(31) {
+        let p = dir.path().join("cut-legacy.pt");
+        std::fs::write(&p, &whole[..cut]).unwrap();
+        let err = TorchArchive::open(&p).expect_err("a cut legacy file read");
+        assert!(err.to_string().contains("cut-legacy.pt"), "{err}");
+    }
+}
+
+#[test]
 fn unreadable_torch_files_are_refused_by_name() {
     let dir = tempfile::tempdir().unwrap();
-    let legacy = common::fixture("torch-embeddings").join("legacy.pt");
-    let err = TorchArchive::open(&legacy).unwrap_err();
-    assert!(matches!(err, TorchFileError::Legacy { .. }), "{err}");
-    assert!(err.to_string().contains("legacy.pt"), "{err}");
 
     // Cut anywhere, the archive is refused with its path named, never a panic.
     let whole = std::fs::read(torch_file("views.pt")).unwrap();
@@ -234,8 +254,9 @@ fn a_torch_file_that_is_not_a_model_is_refused_naming_it() {
     );
     let log = common::cli::text(&o);
     assert_eq!(o.status.code(), Some(2), "{log}");
+    // An embedding (in torch's legacy format) given as a model.
     assert!(
-        log.contains("legacy.pt") && log.contains("legacy format"),
+        log.contains("legacy.pt") && log.contains("not a full Stable Diffusion checkpoint"),
         "{log}"
     );
     let lightning = torch_file("lightning.ckpt");

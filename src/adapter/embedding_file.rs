@@ -252,8 +252,8 @@ fn bundled_key(key: &str) -> Option<(&str, &str)> {
 /// file that bundles exactly one.
 pub fn load_embedding(path: &Path, device: &Device) -> Result<EmbeddingFile, EmbeddingFileError> {
     let bytes = read_bytes(path)?;
-    if let Some(kind) = torch_kind(&bytes) {
-        return load_torch(path, kind, device);
+    if torch_kind(&bytes).is_some() {
+        return load_torch(path, device);
     }
     let reader = reader(path, &bytes, device)?;
     let header_token = SafeTensors::read_metadata(&bytes)
@@ -293,7 +293,7 @@ pub fn load_bundled(
     device: &Device,
 ) -> Result<Vec<EmbeddingFile>, EmbeddingFileError> {
     // A LoRA saved by `torch.save`: its safetensors image, as `load_kohya` reads it.
-    let bytes = if crate::torch_pickle::is_zip(path) {
+    let bytes = if crate::torch_pickle::is_torch_file(path) {
         crate::torch_pickle::to_bytes(path, Default::default()).map_err(|source| {
             KohyaError::Torch {
                 path: path.to_path_buf(),
@@ -352,22 +352,7 @@ pub fn torch_tensors(path: &Path) -> Option<Vec<(String, Vec<usize>, String)>> {
 /// An embedding in PyTorch's format: A1111's `.pt` (the vectors in `string_to_param`, under
 /// `*`) or diffusers' `learned_embeds.bin` (one tensor named for its token). Read by
 /// [`crate::torch_pickle`], which builds data only (no code in the file runs).
-fn load_torch(
-    path: &Path,
-    kind: TorchKind,
-    device: &Device,
-) -> Result<EmbeddingFile, EmbeddingFileError> {
-    let refuse = |message: &str| EmbeddingFileError::Model {
-        path: path.to_path_buf(),
-        message: message.to_string(),
-    };
-    if kind == TorchKind::Legacy {
-        return Err(refuse(
-            "is a PyTorch file in torch's legacy (pre-1.6) format, which sdtrain does not read; \
-             save it again with a newer torch (`torch.save(torch.load(f), f)`) or convert it to \
-             safetensors",
-        ));
-    }
+fn load_torch(path: &Path, device: &Device) -> Result<EmbeddingFile, EmbeddingFileError> {
     // Every tensor of the state dict, nested dicts' keys joined with `.`: A1111's vectors are
     // `string_to_param.*` (a plain dict, or the original code's `ParameterDict` module),
     // diffusers' one tensor is named for its token.

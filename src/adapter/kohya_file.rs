@@ -643,7 +643,7 @@ fn unsupported_hint(keys: &[String]) -> String {
 /// `torch.save` (kohya's `save_model_as = "pt"`/`"ckpt"`) is read as data, never run
 /// ([`crate::torch_pickle`]), through a safetensors image of it in memory.
 pub fn load_kohya(path: &Path, device: &Device) -> Result<KohyaFile, KohyaError> {
-    let bytes = if crate::torch_pickle::is_zip(path) {
+    let bytes = if crate::torch_pickle::is_torch_file(path) {
         crate::torch_pickle::to_bytes(path, Default::default()).map_err(|source| {
             KohyaError::Torch {
                 path: path.to_path_buf(),

@@ -117,7 +117,7 @@ pub fn run(args: &ResizeArgs) -> anyhow::Result<PathBuf> {
     let conv_rank = args.conv_rank.unwrap_or(args.rank);
     let path = &args.lora;
     // A LoRA saved by `torch.save` (kohya's `save_model_as = "pt"`): its safetensors image.
-    let bytes = if crate::torch_pickle::is_zip(path) {
+    let bytes = if crate::torch_pickle::is_torch_file(path) {
         crate::torch_pickle::to_bytes(path, Default::default())
             .with_context(|| format!("cannot read {} as a torch file", path.display()))?
     } else {

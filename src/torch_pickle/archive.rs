@@ -1,6 +1,9 @@
 //! A `torch.save` file (the zip format torch has written since 1.6: `.ckpt`, `.pt`, `.pth`,
 //! diffusers' `.bin`): its state dict as tensor records, and each tensor's bytes.
 //!
+//! torch's legacy format (before 1.6) is read too: five pickles then the raw storages
+//! ([`TorchArchive::open_legacy`]).
+//!
 //! The archive holds `<prefix>/data.pkl` (the pickled object, read by [`super::unpickler`]),
 //! `<prefix>/data/<key>` (one raw storage per key) and `<prefix>/byteorder`. A tensor in the
 //! pickle is a call to one of torch's rebuild functions, which we interpret and never run:
@@ -147,12 +150,6 @@ pub enum TorchFileError {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error(
-        "{}: saved in torch's legacy format (torch before 1.6), which sdtrain does not read; \
-         re-save it with a newer torch (`torch.save(torch.load(path, weights_only=True), path)`)",
-        path.display()
-    )]
-    Legacy { path: PathBuf },
     #[error("{}: not a torch checkpoint: {message}", path.display())]
     NotTorch { path: PathBuf, message: String },
     #[error("{}: cannot read its pickle `{entry}`: {source}", path.display())]
@@ -181,17 +178,29 @@ pub struct Contents {
 /// An open torch zip archive.
 pub struct TorchArchive {
     path: PathBuf,
-    zip: zip::ZipArchive<BufReader<File>>,
-    /// `<prefix>/`, ending in `/` (or empty).
-    prefix: String,
+    backing: Backing,
     big_endian: bool,
+}
+
+/// Where the storages are.
+enum Backing {
+    /// The zip format: `<prefix>data/<key>` entries (`prefix` ends in `/`, or is empty).
+    Zip {
+        zip: zip::ZipArchive<BufReader<File>>,
+        prefix: String,
+    },
+    /// torch's legacy format: the file mapped, each storage's byte range in it.
+    Legacy {
+        map: memmap2::Mmap,
+        storages: std::collections::HashMap<String, std::ops::Range<usize>>,
+    },
 }
 
 impl std::fmt::Debug for TorchArchive {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("TorchArchive")
             .field("path", &self.path)
-            .field("prefix", &self.prefix)
+            .field("big_endian", &self.big_endian)
             .finish()
     }
 }
@@ -204,6 +213,19 @@ pub fn is_zip(path: &Path) -> bool {
         .is_ok_and(|_| &magic == b"PK\x03\x04")
 }
 
+/// Whether `path` is a torch file by its first bytes: a zip archive, or torch's legacy format
+/// (a protocol-2 pickle of its magic number, a 10-byte long: `80 02 8a 0a`).
+pub fn is_torch_file(path: &Path) -> bool {
+    let mut magic = [0u8; 4];
+    File::open(path)
+        .and_then(|mut f| f.read_exact(&mut magic))
+        .is_ok_and(|_| &magic == b"PK\x03\x04" || magic == [0x80, 0x02, 0x8a, 0x0a])
+}
+
+/// torch's legacy magic number (`0x1950a86a20f9469cfc6c`), little-endian, as its first pickle
+/// holds it.
+const LEGACY_MAGIC: [u8; 10] = [0x6c, 0xfc, 0x9c, 0x46, 0xf9, 0x20, 0x6a, 0xa8, 0x50, 0x19];
+
 impl TorchArchive {
     /// Opens `path` and reads its state dict.
     pub fn open(path: &Path) -> Result<(Self, Contents), TorchFileError> {
@@ -211,24 +233,31 @@ impl TorchArchive {
             path: path.to_path_buf(),
             source,
         };
+        let mut head = [0u8; 2];
+        let mut file = File::open(path).map_err(io)?;
+        let n = file.read(&mut head).map_err(io)?;
+        if is_zip(path) {
+            Self::open_zip(path)
+        } else if n == 2 && head[0] == 0x80 {
+            Self::open_legacy(path)
+        } else {
+            Err(TorchFileError::NotTorch {
+                path: path.to_path_buf(),
+                message: "it is not a zip archive (torch.save's format) nor torch's legacy format"
+                    .into(),
+            })
+        }
+    }
+
+    fn open_zip(path: &Path) -> Result<(Self, Contents), TorchFileError> {
         let not = |message: String| TorchFileError::NotTorch {
             path: path.to_path_buf(),
             message,
         };
-        let mut head = [0u8; 2];
-        let mut file = File::open(path).map_err(io)?;
-        let n = file.read(&mut head).map_err(io)?;
-        if !is_zip(path) {
-            // A legacy file starts with a pickle (PROTO 2) of torch's magic number, or is a tar.
-            return Err(if n == 2 && head[0] == 0x80 {
-                TorchFileError::Legacy {
-                    path: path.to_path_buf(),
-                }
-            } else {
-                not("it is not a zip archive (torch.save's format)".into())
-            });
-        }
-        let file = File::open(path).map_err(io)?;
+        let file = File::open(path).map_err(|source| TorchFileError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
         let zip = zip::ZipArchive::new(BufReader::new(file))
             .map_err(|e| not(format!("its zip directory is unreadable: {e}")))?;
         let record = (0..zip.len())
@@ -239,8 +268,7 @@ impl TorchArchive {
         let prefix = record.trim_end_matches("data.pkl").to_string();
         let mut archive = TorchArchive {
             path: path.to_path_buf(),
-            zip,
-            prefix,
+            backing: Backing::Zip { zip, prefix },
             big_endian: false,
         };
         archive.big_endian = archive.read_byteorder()?;
@@ -254,15 +282,109 @@ impl TorchArchive {
         Ok((archive, contents))
     }
 
+    /// torch's legacy format (`torch.save` before 1.6, or `_use_new_zipfile_serialization=False`):
+    /// five pickles one after another (the magic number, the protocol version 1001, `sys_info`
+    /// with the byte order, the object, the list of storage keys), then each storage in that
+    /// list's order as an 8-byte element count and its raw elements (`torch/serialization.py`,
+    /// `_legacy_save`/`_legacy_load`).
+    fn open_legacy(path: &Path) -> Result<(Self, Contents), TorchFileError> {
+        let file = File::open(path).map_err(|source| TorchFileError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        // SAFETY: mapped read-only; sdtrain never writes a file it reads, and every read below
+        // is bounds-checked against the map's length.
+        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|source| TorchFileError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let legacy = |message: String| TorchFileError::NotTorch {
+            path: path.to_path_buf(),
+            message: format!("torch's legacy format: {message}"),
+        };
+        let mut pos = 0usize;
+        let mut next = |what: &str| -> Result<Value, TorchFileError> {
+            let rest = map.get(pos..).unwrap_or_default();
+            let (v, used) = super::unpickler::unpickle_prefix(rest).map_err(|source| {
+                TorchFileError::Pickle {
+                    path: path.to_path_buf(),
+                    entry: what.to_string(),
+                    source,
+                }
+            })?;
+            pos += used;
+            Ok(v)
+        };
+        if next("the magic number")? != Value::BigInt(LEGACY_MAGIC.to_vec()) {
+            return Err(legacy("it does not start with torch's magic number".into()));
+        }
+        if next("the protocol version")? != Value::Int(1001) {
+            return Err(legacy("its protocol version is not 1001".into()));
+        }
+        let sys_info = next("sys_info")?;
+        let little = sys_info
+            .as_mapping()
+            .and_then(|m| m.iter().find(|(k, _)| k.as_str() == Some("little_endian")))
+            .map(|(_, v)| v != &Value::Bool(false))
+            .unwrap_or(true);
+        let value = next("the object")?;
+        let keys = next("the storage keys")?;
+        let contents = state_dict(path, &value)?;
+        let sizes = storage_element_sizes(&value);
+        let mut storages = std::collections::HashMap::new();
+        for key in keys.as_seq().unwrap_or_default() {
+            let key = key
+                .as_str()
+                .ok_or_else(|| legacy("a storage key is not a string".into()))?;
+            let size = *sizes
+                .get(key)
+                .ok_or_else(|| legacy(format!("storage `{key}` is listed but never used")))?;
+            let count = pos
+                .checked_add(8)
+                .and_then(|e| map.get(pos..e))
+                .and_then(|b| <[u8; 8]>::try_from(b).ok())
+                .map(|a| match little {
+                    true => u64::from_le_bytes(a),
+                    false => u64::from_be_bytes(a),
+                })
+                .ok_or_else(|| legacy(format!("the file ends before storage `{key}`")))?;
+            let start = pos + 8;
+            let end = usize::try_from(count)
+                .ok()
+                .and_then(|c| c.checked_mul(size))
+                .and_then(|b| b.checked_add(start))
+                .filter(|&e| e <= map.len())
+                .ok_or_else(|| {
+                    legacy(format!(
+                        "storage `{key}` ({count} elements) runs past the end of the file"
+                    ))
+                })?;
+            storages.insert(key.to_string(), start..end);
+            pos = end;
+        }
+        let archive = TorchArchive {
+            path: path.to_path_buf(),
+            backing: Backing::Legacy { map, storages },
+            big_endian: !little,
+        };
+        Ok((archive, contents))
+    }
+
     pub fn path(&self) -> &Path {
         &self.path
     }
 
     fn read_byteorder(&mut self) -> Result<bool, TorchFileError> {
-        let name = format!("{}byteorder", self.prefix);
-        if self.zip.index_for_name(&name).is_none() {
-            return Ok(false); // written since torch 1.10; before that, little-endian
-        }
+        let name = match &self.backing {
+            Backing::Zip { zip, prefix } => {
+                let name = format!("{prefix}byteorder");
+                if zip.index_for_name(&name).is_none() {
+                    return Ok(false); // written since torch 1.10; before that, little-endian
+                }
+                name
+            }
+            Backing::Legacy { .. } => return Ok(self.big_endian),
+        };
         let bytes = self.read_entry(&name, 64)?;
         match bytes.trim_ascii() {
             b"little" => Ok(false),
@@ -274,21 +396,31 @@ impl TorchArchive {
         }
     }
 
-    /// The whole of entry `name`, refused past `limit` bytes.
+    /// The whole of zip entry `name`, refused past `limit` bytes or past what its compressed
+    /// data can hold (deflate expands at most 1032:1), so a hostile size cannot size an
+    /// allocation.
     fn read_entry(&mut self, name: &str, limit: u64) -> Result<Vec<u8>, TorchFileError> {
         let path = self.path.clone();
         let not = |message: String| TorchFileError::NotTorch {
             path: path.clone(),
             message,
         };
-        let mut entry = self
-            .zip
+        let Backing::Zip { zip, .. } = &mut self.backing else {
+            return Err(not(format!("no entry `{name}` in a legacy file")));
+        };
+        let mut entry = zip
             .by_name(name)
             .map_err(|e| not(format!("entry `{name}`: {e}")))?;
-        if entry.size() > limit {
+        let possible = entry
+            .compressed_size()
+            .saturating_mul(1100)
+            .saturating_add(1 << 16);
+        if entry.size() > limit.min(possible) {
             return Err(not(format!(
-                "entry `{name}` is {} bytes, more than the {limit} expected",
-                entry.size()
+                "entry `{name}` declares {} bytes, more than its {} stored bytes can hold or \
+                 than expected",
+                entry.size(),
+                entry.compressed_size()
             )));
         }
         let mut out = Vec::with_capacity(entry.size() as usize);
@@ -300,8 +432,20 @@ impl TorchArchive {
 
     /// The raw bytes of storage `key` (the whole storage, as stored).
     pub fn storage(&mut self, key: &str) -> Result<Vec<u8>, TorchFileError> {
-        let name = format!("{}data/{key}", self.prefix);
-        self.read_entry(&name, u64::MAX)
+        match &self.backing {
+            Backing::Zip { prefix, .. } => {
+                let name = format!("{prefix}data/{key}");
+                self.read_entry(&name, u64::MAX)
+            }
+            Backing::Legacy { map, storages } => storages
+                .get(key)
+                .and_then(|r| map.get(r.clone()))
+                .map(<[u8]>::to_vec)
+                .ok_or_else(|| TorchFileError::NotTorch {
+                    path: self.path.clone(),
+                    message: format!("torch's legacy format: no storage `{key}`"),
+                }),
+        }
     }
 
     /// `t`'s elements, contiguous and little-endian, cut from `storage` (its storage's bytes).
@@ -379,6 +523,52 @@ fn is_row_major(shape: &[usize], stride: &[usize]) -> bool {
         expect = expect.saturating_mul(n);
     }
     true
+}
+
+/// The element size of every storage the pickle references (legacy files list storages by key
+/// only, so each one's length in bytes needs its type), by key.
+fn storage_element_sizes(v: &Value) -> std::collections::HashMap<String, usize> {
+    fn walk(v: &Value, out: &mut std::collections::HashMap<String, usize>, depth: u32) {
+        if depth > MAX_DEPTH {
+            return;
+        }
+        let mut each = |vs: &mut dyn Iterator<Item = &Value>| {
+            vs.for_each(|v| walk(v, out, depth + 1));
+        };
+        match v {
+            Value::PersistentId(pid) => {
+                if let Some([tag, class, key, ..]) = pid.as_seq() {
+                    let size = class
+                        .as_global()
+                        .and_then(|(_, c)| StoredDtype::from_storage(c))
+                        .map(StoredDtype::size);
+                    if let (Some("storage"), Some(key), Some(size)) =
+                        (tag.as_str(), key.as_str(), size)
+                    {
+                        out.insert(key.to_string(), size);
+                    }
+                }
+            }
+            Value::Tuple(vs) | Value::List(vs) => each(&mut vs.iter()),
+            Value::Dict(ps) => each(&mut ps.iter().flat_map(|(k, v)| [k, v])),
+            Value::Object {
+                callable,
+                args,
+                items,
+                elements,
+                state,
+            } => {
+                each(&mut [callable.as_ref(), args.as_ref()].into_iter());
+                each(&mut items.iter().flat_map(|(k, v)| [k, v]));
+                each(&mut elements.iter());
+                each(&mut state.iter().map(|s| s.as_ref()));
+            }
+            _ => {}
+        }
+    }
+    let mut out = std::collections::HashMap::new();
+    walk(v, &mut out, 0);
+    out
 }
 
 fn key_of(v: &Value) -> Option<&str> {
@@ -575,10 +765,18 @@ fn rebuild(name: &str, function: &str, args: &[Value]) -> Result<TensorRecord, S
         ));
     };
     let pid = pid.as_seq().unwrap_or_default();
-    let [tag, class, key, _location, _numel, ..] = pid else {
+    let [tag, class, key, _location, _numel, rest @ ..] = pid else {
         return Err(
             "its storage reference is not (\"storage\", type, key, location, numel)".into(),
         );
+    };
+    // The legacy format's view of a root storage: (view key, offset in elements, size).
+    let view_offset = match rest.first().and_then(Value::as_seq) {
+        Some([_, off, _]) => off
+            .as_int()
+            .and_then(|i| usize::try_from(i).ok())
+            .ok_or("its storage view's offset is not a size")?,
+        _ => 0,
     };
     if tag.as_str() != Some("storage") {
         return Err("its storage reference is not a `storage` record".into());
@@ -618,6 +816,7 @@ fn rebuild(name: &str, function: &str, args: &[Value]) -> Result<TensorRecord, S
     let offset = offset
         .as_int()
         .and_then(|i| usize::try_from(i).ok())
+        .and_then(|o| o.checked_add(view_offset))
         .ok_or("its storage offset is not a size")?;
     Ok(TensorRecord {
         name: name.to_string(),

@@ -20,7 +20,9 @@ use std::path::Path;
 
 use candle_core::{DType, Device, Tensor};
 
-pub use archive::{is_zip, Contents, StoredDtype, TensorRecord, TorchArchive, TorchFileError};
+pub use archive::{
+    is_torch_file, is_zip, Contents, StoredDtype, TensorRecord, TorchArchive, TorchFileError,
+};
 pub use cache::{cache_dir, converted_copy, converted_copy_of, ConvertedCopy};
 pub use to_safetensors::{convert, convert_files, to_bytes, ConvertError, Converted};
 pub use unpickler::{unpickle, PickleError, Value};

@@ -22,6 +22,8 @@ pub enum Value {
     Bool(bool),
     Int(i64),
     Float(f64),
+    /// An integer wider than 64 bits: its little-endian two's-complement bytes.
+    BigInt(Vec<u8>),
     Str(String),
     Bytes(Vec<u8>),
     Tuple(Vec<Value>),
@@ -128,9 +130,16 @@ struct Machine<'a> {
 
 /// Reads one pickle from `data` up to its `STOP`.
 pub fn unpickle(data: &[u8]) -> Result<Value, PickleError> {
+    unpickle_prefix(data).map(|(v, _)| v)
+}
+
+/// Reads the pickle at the start of `data`: its value and the offset just past its `STOP` (torch's
+/// legacy format writes several pickles one after another, then the raw storages).
+pub fn unpickle_prefix(data: &[u8]) -> Result<(Value, usize), PickleError> {
     // A memo copy may expand the pickle; 64 values per input byte is far above any state dict
-    // (about 1 value per 10 bytes) and bounds the work.
-    let budget = data.len().saturating_mul(64).max(1 << 20);
+    // (about 1 value per 10 bytes) and bounds the work, as does the cap (a Lightning checkpoint
+    // with its optimizer states is about a million values).
+    let budget = data.len().saturating_mul(64).clamp(1 << 20, 1 << 25);
     let mut m = Machine {
         data,
         pos: 0,
@@ -145,7 +154,7 @@ pub fn unpickle(data: &[u8]) -> Result<Value, PickleError> {
         let op = m.byte()?;
         if op == b'.' {
             let top = m.pop(at)?;
-            return Ok(top.value);
+            return Ok((top.value, m.pos));
         }
         m.step(op, at)?;
     }
@@ -413,9 +422,10 @@ impl<'a> Machine<'a> {
     }
 
     fn int(&mut self, bytes: &[u8], at: usize) -> Result<(), PickleError> {
-        // LONG1/LONG4: little-endian two's complement; torch only writes values that fit i64.
+        // LONG1/LONG4: little-endian two's complement. Wider than i64 (torch's legacy magic
+        // number): kept as its bytes.
         if bytes.len() > 8 {
-            return Err(malformed(at, "an integer wider than 64 bits"));
+            return self.leaf(Value::BigInt(bytes.to_vec()), at);
         }
         let mut v: i64 = 0;
         for (i, &b) in bytes.iter().enumerate() {
@@ -658,7 +668,7 @@ pub fn kind(v: &Value) -> &'static str {
     match v {
         Value::None => "None",
         Value::Bool(_) => "bool",
-        Value::Int(_) => "int",
+        Value::Int(_) | Value::BigInt(_) => "int",
         Value::Float(_) => "float",
         Value::Str(_) => "str",
         Value::Bytes(_) => "bytes",
