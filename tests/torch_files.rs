@@ -403,3 +403,113 @@ fn a_lora_saved_as_pt_loads_as_its_safetensors() {
     };
     assert_eq!(resized(&pt, "a.safetensors"), resized(&st, "b.safetensors"));
 }
+
+/// A LONG1 opcode for a non-negative `v`.
+fn long1(v: u64) -> Vec<u8> {
+    let mut b = v.to_le_bytes().to_vec();
+    while b.len() > 1 && b[b.len() - 1] == 0 && b[b.len() - 2] & 0x80 == 0 {
+        b.pop();
+    }
+    if b[b.len() - 1] & 0x80 != 0 {
+        b.push(0);
+    }
+    let mut out = vec![0x8a, b.len() as u8];
+    out.extend(b);
+    out
+}
+
+fn text(s: &str) -> Vec<u8> {
+    let mut out = vec![b'X'];
+    out.extend((s.len() as u32).to_le_bytes());
+    out.extend(s.as_bytes());
+    out
+}
+
+/// `torch.save({"w": t})` by hand, `t` a float32 view (`offset`, `size`, `stride`) of a storage
+/// of `numel` elements, with `{"neg": True}` tensor metadata when `neg`.
+fn hand_made_pt(path: &Path, numel: u64, offset: u64, size: &[u64], stride: &[u64], neg: bool) {
+    use std::io::Write;
+    let mut p = vec![0x80, 2, b'}'];
+    p.extend(text("w"));
+    p.extend(b"ctorch._utils\n_rebuild_tensor_v2\n(");
+    p.push(b'(');
+    p.extend(text("storage"));
+    p.extend(b"ctorch\nFloatStorage\n");
+    p.extend(text("0"));
+    p.extend(text("cpu"));
+    p.extend(long1(numel));
+    p.extend([b't', b'Q']);
+    p.extend(long1(offset));
+    for dims in [size, stride] {
+        p.push(b'(');
+        for &d in dims {
+            p.extend(long1(d));
+        }
+        p.push(b't');
+    }
+    p.push(0x89);
+    p.extend(b"ccollections\nOrderedDict\n)R");
+    if neg {
+        p.push(b'}');
+        p.extend(text("neg"));
+        p.extend([0x88, b's']);
+    }
+    p.extend([b't', b'R', b's', b'.']);
+    let mut z = zip::ZipWriter::new(std::fs::File::create(path).unwrap());
+    let stored =
+        zip::write::SimpleFileOptions::default().compression_method(zip::CompressionMethod::Stored);
+    z.start_file("archive/data.pkl", stored).unwrap();
+    z.write_all(&p).unwrap();
+    z.start_file("archive/data/0", stored).unwrap();
+    z.write_all(&vec![0u8; 4 * numel as usize]).unwrap();
+    z.finish().unwrap();
+}
+
+#[test]
+fn hostile_views_are_refused_without_a_crash() {
+    let dir = tempfile::tempdir().unwrap();
+    let f = dir.path().join("w.pt");
+    let convert = |f: &Path| {
+        torch_pickle::convert(f, &dir.path().join("o.safetensors"), Default::default())
+            .map(|_| ())
+            .map_err(|e| format!("{:#}", anyhow::Error::new(e)))
+    };
+    // The hand-made file itself reads: a 2×2 view of a 4-element storage.
+    hand_made_pt(&f, 4, 0, &[2, 2], &[2, 1], false);
+    convert(&f).unwrap();
+    for (what, offset, size, stride, neg, says) in [
+        // A stride-0 view of one element as 2^40 of them: 4 TiB from 4 bytes.
+        (
+            "stride 0",
+            0,
+            vec![1u64 << 40],
+            vec![0u64],
+            false,
+            "repeats elements",
+        ),
+        // An offset whose byte position overflows.
+        (
+            "offset",
+            (1 << 62) - 1,
+            vec![1],
+            vec![1],
+            false,
+            "overflows",
+        ),
+        (
+            "stride",
+            0,
+            vec![2, 1],
+            vec![(1 << 63) - 1, 1],
+            false,
+            "overflows",
+        ),
+        ("past the end", 3, vec![2], vec![1], false, "reaches past"),
+        // torch's negative bit: the values are to be read negated.
+        ("neg bit", 0, vec![4], vec![1], true, "`neg` bit"),
+    ] {
+        hand_made_pt(&f, 1, offset, &size, &stride, neg);
+        let err = convert(&f).expect_err(what);
+        assert!(err.contains("w.pt") && err.contains(says), "{what}: {err}");
+    }
+}

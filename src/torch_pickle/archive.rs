@@ -31,7 +31,7 @@ use super::unpickler::{kind, unpickle, PickleError, Value, MAX_DEPTH};
 
 /// The most `data.pkl` may hold (a state dict's pickle is well under a megabyte per thousand
 /// tensors; this bounds memory on a hostile file).
-const MAX_PICKLE_BYTES: u64 = 1 << 30;
+const MAX_PICKLE_BYTES: u64 = 1 << 28;
 
 /// A tensor's element type as stored, with its safetensors name.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -47,15 +47,18 @@ pub enum StoredDtype {
     I16,
     I8,
     U8,
+    U16,
+    U32,
+    U64,
     Bool,
 }
 
 impl StoredDtype {
     pub fn size(self) -> usize {
         match self {
-            StoredDtype::F64 | StoredDtype::I64 => 8,
-            StoredDtype::F32 | StoredDtype::I32 => 4,
-            StoredDtype::F16 | StoredDtype::BF16 | StoredDtype::I16 => 2,
+            StoredDtype::F64 | StoredDtype::I64 | StoredDtype::U64 => 8,
+            StoredDtype::F32 | StoredDtype::I32 | StoredDtype::U32 => 4,
+            StoredDtype::F16 | StoredDtype::BF16 | StoredDtype::I16 | StoredDtype::U16 => 2,
             StoredDtype::F8E4M3
             | StoredDtype::F8E5M2
             | StoredDtype::I8
@@ -78,6 +81,9 @@ impl StoredDtype {
             StoredDtype::I16 => "I16",
             StoredDtype::I8 => "I8",
             StoredDtype::U8 => "U8",
+            StoredDtype::U16 => "U16",
+            StoredDtype::U32 => "U32",
+            StoredDtype::U64 => "U64",
             StoredDtype::Bool => "BOOL",
         }
     }
@@ -113,6 +119,9 @@ impl StoredDtype {
             "int16" | "short" => StoredDtype::I16,
             "int8" => StoredDtype::I8,
             "uint8" => StoredDtype::U8,
+            "uint16" => StoredDtype::U16,
+            "uint32" => StoredDtype::U32,
+            "uint64" => StoredDtype::U64,
             "bool" => StoredDtype::Bool,
             _ => return None,
         })
@@ -188,6 +197,8 @@ enum Backing {
     Zip {
         zip: zip::ZipArchive<BufReader<File>>,
         prefix: String,
+        /// The file's length, which bounds what any entry can hold.
+        file_len: u64,
     },
     /// torch's legacy format: the file mapped, each storage's byte range in it.
     Legacy {
@@ -219,7 +230,7 @@ pub fn is_torch_file(path: &Path) -> bool {
     let mut magic = [0u8; 4];
     File::open(path)
         .and_then(|mut f| f.read_exact(&mut magic))
-        .is_ok_and(|_| &magic == b"PK\x03\x04" || magic == [0x80, 0x02, 0x8a, 0x0a])
+        .is_ok_and(|_| &magic == b"PK\x03\x04" || matches!(magic, [0x80, 0x02 | 0x03, 0x8a, 0x0a]))
 }
 
 /// torch's legacy magic number (`0x1950a86a20f9469cfc6c`), little-endian, as its first pickle
@@ -258,6 +269,7 @@ impl TorchArchive {
             path: path.to_path_buf(),
             source,
         })?;
+        let file_len = file.metadata().map(|m| m.len()).unwrap_or(0);
         let zip = zip::ZipArchive::new(BufReader::new(file))
             .map_err(|e| not(format!("its zip directory is unreadable: {e}")))?;
         let record = (0..zip.len())
@@ -268,7 +280,11 @@ impl TorchArchive {
         let prefix = record.trim_end_matches("data.pkl").to_string();
         let mut archive = TorchArchive {
             path: path.to_path_buf(),
-            backing: Backing::Zip { zip, prefix },
+            backing: Backing::Zip {
+                zip,
+                prefix,
+                file_len,
+            },
             big_endian: false,
         };
         archive.big_endian = archive.read_byteorder()?;
@@ -321,12 +337,10 @@ impl TorchArchive {
         if next("the protocol version")? != Value::Int(1001) {
             return Err(legacy("its protocol version is not 1001".into()));
         }
-        let sys_info = next("sys_info")?;
-        let little = sys_info
-            .as_mapping()
-            .and_then(|m| m.iter().find(|(k, _)| k.as_str() == Some("little_endian")))
-            .map(|(_, v)| v != &Value::Bool(false))
-            .unwrap_or(true);
+        // `sys_info` records the saving machine's byte order, but torch writes every storage
+        // (its count and its elements) little-endian whatever the machine, and `_legacy_load`
+        // ignores it.
+        next("sys_info")?;
         let value = next("the object")?;
         let keys = next("the storage keys")?;
         let contents = state_dict(path, &value)?;
@@ -343,10 +357,7 @@ impl TorchArchive {
                 .checked_add(8)
                 .and_then(|e| map.get(pos..e))
                 .and_then(|b| <[u8; 8]>::try_from(b).ok())
-                .map(|a| match little {
-                    true => u64::from_le_bytes(a),
-                    false => u64::from_be_bytes(a),
-                })
+                .map(u64::from_le_bytes)
                 .ok_or_else(|| legacy(format!("the file ends before storage `{key}`")))?;
             let start = pos + 8;
             let end = usize::try_from(count)
@@ -365,7 +376,7 @@ impl TorchArchive {
         let archive = TorchArchive {
             path: path.to_path_buf(),
             backing: Backing::Legacy { map, storages },
-            big_endian: !little,
+            big_endian: false,
         };
         Ok((archive, contents))
     }
@@ -376,7 +387,7 @@ impl TorchArchive {
 
     fn read_byteorder(&mut self) -> Result<bool, TorchFileError> {
         let name = match &self.backing {
-            Backing::Zip { zip, prefix } => {
+            Backing::Zip { zip, prefix, .. } => {
                 let name = format!("{prefix}byteorder");
                 if zip.index_for_name(&name).is_none() {
                     return Ok(false); // written since torch 1.10; before that, little-endian
@@ -405,14 +416,16 @@ impl TorchArchive {
             path: path.clone(),
             message,
         };
-        let Backing::Zip { zip, .. } = &mut self.backing else {
+        let Backing::Zip { zip, file_len, .. } = &mut self.backing else {
             return Err(not(format!("no entry `{name}` in a legacy file")));
         };
+        let file_len = *file_len;
         let mut entry = zip
             .by_name(name)
             .map_err(|e| not(format!("entry `{name}`: {e}")))?;
         let possible = entry
             .compressed_size()
+            .min(file_len)
             .saturating_mul(1100)
             .saturating_add(1 << 16);
         if entry.size() > limit.min(possible) {
@@ -423,7 +436,8 @@ impl TorchArchive {
                 entry.compressed_size()
             )));
         }
-        let mut out = Vec::with_capacity(entry.size() as usize);
+        // Grown as read, never sized from the header alone.
+        let mut out = Vec::with_capacity(entry.size().min(file_len) as usize);
         entry
             .read_to_end(&mut out)
             .map_err(|e| not(format!("entry `{name}`: {e}")))?;
@@ -461,8 +475,15 @@ impl TorchArchive {
             message,
         };
         let n = t.numel();
-        let last = view_extent(t).ok_or_else(|| fail("its view overflows".into()))?;
-        if last.map_or(0, |l| (l + 1) * e) > storage.len() {
+        // The byte just past the last element the view reads (all index math below stays under
+        // it, so none of it can overflow).
+        let reach = match view_extent(t) {
+            Some(None) => Some(0),
+            Some(Some(last)) => last.checked_add(1).and_then(|x| x.checked_mul(e)),
+            None => None,
+        }
+        .ok_or_else(|| fail("its view overflows".into()))?;
+        if reach > storage.len() {
             return Err(fail(format!(
                 "its view (offset {}, shape {:?}, stride {:?}) reaches past its storage `{}` of {} bytes",
                 t.offset,
@@ -472,7 +493,22 @@ impl TorchArchive {
                 storage.len()
             )));
         }
-        let mut out = Vec::with_capacity(n * e);
+        // A view may not read more bytes than its storage holds: a stride-0 view of a short
+        // storage would otherwise turn a few bytes of file into any amount of memory.
+        let len = n
+            .checked_mul(e)
+            .filter(|&b| b <= storage.len())
+            .ok_or_else(|| {
+                fail(format!(
+                    "its view (shape {:?}, stride {:?}) repeats elements into more bytes than its \
+                     storage `{}` holds ({} bytes)",
+                    t.shape,
+                    t.stride,
+                    t.storage,
+                    storage.len()
+                ))
+            })?;
+        let mut out = Vec::with_capacity(len);
         if n > 0 && is_row_major(&t.shape, &t.stride) {
             out.extend_from_slice(&storage[t.offset * e..(t.offset + n) * e]);
         } else if n > 0 {
@@ -581,6 +617,22 @@ fn state_dict(path: &Path, top: &Value) -> Result<Contents, TorchFileError> {
         path: path.to_path_buf(),
         message,
     };
+    // `torch.save(model)`: the module's parameters and buffers.
+    if let (Some(parts), true) = (
+        module_state(top),
+        top.as_mapping().is_none_or(<[_]>::is_empty),
+    ) {
+        let mut contents = Contents {
+            tensors: Vec::new(),
+            skipped: Vec::new(),
+        };
+        for part in parts {
+            flatten(path, part, "", 0, &mut contents)?;
+        }
+        if !contents.tensors.is_empty() {
+            return Ok(contents);
+        }
+    }
     let mut map = top.as_mapping().ok_or_else(|| {
         no(match top {
             Value::Object { callable, .. } => match callable.as_global() {
@@ -758,6 +810,24 @@ fn rebuild(name: &str, function: &str, args: &[Value]) -> Result<TensorRecord, S
             args.len()
         ));
     };
+    // Tensor metadata (`_rebuild_tensor_v2`'s 7th argument, `_v3`'s 8th): torch's negative
+    // and conjugate bits, which say the values are to be read negated; refused, never misread.
+    let metadata = args.get(if function == "_rebuild_tensor_v3" {
+        7
+    } else {
+        6
+    });
+    if let Some(bits) = metadata.and_then(Value::as_mapping) {
+        for (k, v) in bits {
+            if matches!(k.as_str(), Some("neg" | "conj")) && v == &Value::Bool(true) {
+                return Err(format!(
+                    "saved as a view with torch's `{}` bit set; save it again after \
+                     `.resolve_neg()`/`.resolve_conj()`",
+                    k.as_str().unwrap_or_default()
+                ));
+            }
+        }
+    }
     let Value::PersistentId(pid) = storage else {
         return Err(format!(
             "its storage is a {}, not a storage reference",

@@ -13,6 +13,9 @@ use sha2::{Digest, Sha256};
 
 use super::to_safetensors::{convert_files, ConvertError, Converted};
 
+/// Changes whenever the conversion's output could change.
+const CONVERTER_VERSION: &str = "sdtrain torch_pickle 2";
+
 /// A converted copy of a torch file.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ConvertedCopy {
@@ -55,6 +58,8 @@ pub fn converted_copy_of(srcs: &[PathBuf]) -> Result<ConvertedCopy, ConvertError
         ));
     };
     let mut h = Sha256::new();
+    // The reader's version: a copy made by an older reader is made again.
+    h.update(CONVERTER_VERSION.as_bytes());
     for src in srcs {
         let read = |source| {
             ConvertError::Read(super::TorchFileError::Io {

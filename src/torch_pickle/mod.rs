@@ -72,8 +72,9 @@ impl TorchTensors {
     }
 
     /// Tensor `name` on the CPU, in its stored dtype where candle has it (else: `int8` as `i16`,
-    /// `bool` as `u8` 0/1, float8 as `f32`: candle's own float8 conversions are not used, its
-    /// CPU `F8E4M3 → F64` cast never returned in our test); `None` when there is no such tensor.
+    /// `bool` as `u8` 0/1, `uint16` as `u32`, `uint64` as `i64` (saturating), float8 as `f32`:
+    /// candle's own float8 conversions are not used, its CPU `F8E4M3 → F64` cast never returned
+    /// in our test); `None` when there is no such tensor.
     pub fn get(&self, name: &str) -> Result<Option<Tensor>, TorchFileError> {
         let Some(t) = self.records.get(name) else {
             return Ok(None);
@@ -120,6 +121,24 @@ fn to_tensor(t: &TensorRecord, bytes: &[u8]) -> candle_core::Result<Tensor> {
         StoredDtype::I32 => direct(DType::I32),
         StoredDtype::I16 => direct(DType::I16),
         StoredDtype::U8 | StoredDtype::Bool => direct(DType::U8),
+        StoredDtype::U32 => direct(DType::U32),
+        StoredDtype::U16 => {
+            let v: Vec<u32> = bytes
+                .chunks_exact(2)
+                .map(|b| u16::from_le_bytes([b[0], b[1]]) as u32)
+                .collect();
+            Tensor::from_vec(v, shape, cpu)
+        }
+        StoredDtype::U64 => {
+            let v: Vec<i64> = bytes
+                .chunks_exact(8)
+                .map(|b| {
+                    let a: [u8; 8] = b.try_into().unwrap_or_default();
+                    i64::try_from(u64::from_le_bytes(a)).unwrap_or(i64::MAX)
+                })
+                .collect();
+            Tensor::from_vec(v, shape, cpu)
+        }
         StoredDtype::I8 => {
             let v: Vec<i16> = bytes.iter().map(|&b| b as i8 as i16).collect();
             Tensor::from_vec(v, shape, cpu)

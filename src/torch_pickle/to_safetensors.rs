@@ -121,7 +121,12 @@ impl Plan {
         dst: &Path,
     ) -> Result<u64, ConvertError> {
         let records: Vec<&TensorRecord> = self.tensors.iter().map(|(_, t)| t).collect();
-        let header = header(metadata, &records);
+        let src = self
+            .archives
+            .first()
+            .map(|a| a.path().to_path_buf())
+            .unwrap_or_default();
+        let header = header(metadata, &records, &src)?;
         let write_err = |source| ConvertError::Write {
             path: dst.to_path_buf(),
             source,
@@ -161,7 +166,11 @@ impl Plan {
 }
 
 /// The safetensors JSON header for `tensors` in this order, padded to a multiple of 8 bytes.
-fn header(metadata: serde_json::Map<String, Value>, tensors: &[&TensorRecord]) -> Vec<u8> {
+fn header(
+    metadata: serde_json::Map<String, Value>,
+    tensors: &[&TensorRecord],
+    src: &Path,
+) -> Result<Vec<u8>, ConvertError> {
     let mut map = serde_json::Map::new();
     let mut metadata: serde_json::Map<String, Value> = metadata
         .into_iter()
@@ -174,18 +183,24 @@ fn header(metadata: serde_json::Map<String, Value>, tensors: &[&TensorRecord]) -
     map.insert("__metadata__".into(), Value::Object(metadata));
     let mut offset = 0usize;
     for t in tensors {
-        let len = t.byte_len();
+        let end = offset.checked_add(t.byte_len()).ok_or_else(|| {
+            ConvertError::Read(TorchFileError::Tensor {
+                path: src.to_path_buf(),
+                name: t.name.clone(),
+                message: "the tensors' sizes add up past what a file can hold".into(),
+            })
+        })?;
         map.insert(
             t.name.clone(),
             json!({
                 "dtype": t.dtype.safetensors_name(),
                 "shape": t.shape,
-                "data_offsets": [offset, offset + len],
+                "data_offsets": [offset, end],
             }),
         );
-        offset += len;
+        offset = end;
     }
     let mut header = serde_json::to_vec(&Value::Object(map)).unwrap_or_default();
     header.resize(header.len().next_multiple_of(8), b' ');
-    header
+    Ok(header)
 }

@@ -105,16 +105,25 @@ pub enum PickleError {
     Malformed { at: usize, message: String },
     #[error("the pickle nests containers more than {MAX_DEPTH} deep (at byte {0})")]
     TooDeep(usize),
-    #[error("the pickle expands to more than {0} values through its memo")]
+    #[error(
+        "the pickle builds more than {0} values (or their text), more than a checkpoint holds"
+    )]
     TooLarge(usize),
 }
 
-/// A stack slot: a value, how deep it nests, and the memo slot it was stored under (so a later
-/// `SETITEMS` on it also updates what a `GET` of that slot returns).
+/// A stack slot: a value, how deep it nests, and the memo ids it was stored under.
 struct Slot {
     value: Value,
     depth: u32,
-    memo: Option<u32>,
+    memo: Vec<u32>,
+}
+
+/// A memo entry. Python's memo holds a reference, so a `SETITEMS` after the `PUT` shows in a
+/// later `GET`: while the object is on the stack the entry points at its slot (`Live`), and it
+/// is copied (`Frozen`) only when the slot leaves the stack, once.
+enum Memo {
+    Live(usize),
+    Frozen(Value, u32),
 }
 
 struct Machine<'a> {
@@ -122,8 +131,8 @@ struct Machine<'a> {
     pos: usize,
     stack: Vec<Slot>,
     marks: Vec<usize>,
-    memo: HashMap<u32, (Value, u32)>,
-    /// Values still allowed to be copied out of the memo.
+    memo: HashMap<u32, Memo>,
+    /// Units still allowed: one per value built or copied, one per 32 bytes of text.
     budget: usize,
     budget_total: usize,
 }
@@ -136,10 +145,11 @@ pub fn unpickle(data: &[u8]) -> Result<Value, PickleError> {
 /// Reads the pickle at the start of `data`: its value and the offset just past its `STOP` (torch's
 /// legacy format writes several pickles one after another, then the raw storages).
 pub fn unpickle_prefix(data: &[u8]) -> Result<(Value, usize), PickleError> {
-    // A memo copy may expand the pickle; 64 values per input byte is far above any state dict
-    // (about 1 value per 10 bytes) and bounds the work, as does the cap (a Lightning checkpoint
-    // with its optimizer states is about a million values).
-    let budget = data.len().saturating_mul(64).clamp(1 << 20, 1 << 25);
+    // Every value built or copied is charged: 8 units per input byte is far above any state
+    // dict (about one value per 10 bytes, each copied out of the memo once or twice), and the cap
+    // (8 M values, under a GB) is far above an SD checkpoint with its EMA and optimizer states
+    // (SD1.5's `.ckpt` is about 30 000) while bounding what a hostile pickle can allocate.
+    let budget = data.len().saturating_mul(8).clamp(1 << 20, 1 << 23);
     let mut m = Machine {
         data,
         pos: 0,
@@ -153,8 +163,11 @@ pub fn unpickle_prefix(data: &[u8]) -> Result<(Value, usize), PickleError> {
         let at = m.pos;
         let op = m.byte()?;
         if op == b'.' {
-            let top = m.pop(at)?;
-            return Ok((top.value, m.pos));
+            let floor = m.marks.last().copied().unwrap_or(0);
+            return match m.stack.pop() {
+                Some(top) if m.stack.len() >= floor => Ok((top.value, m.pos)),
+                _ => Err(malformed(at, "STOP with an empty stack")),
+            };
         }
         m.step(op, at)?;
     }
@@ -217,15 +230,38 @@ impl<'a> Machine<'a> {
             .map_err(|_| malformed(at, "a string is not UTF-8"))
     }
 
+    /// Pushes a value whose parts are already charged (one unit for it, and its text).
     fn push(&mut self, value: Value, depth: u32, at: usize) -> Result<(), PickleError> {
         if depth > MAX_DEPTH {
             return Err(PickleError::TooDeep(at));
         }
+        self.spend(1 + text_units(&value))?;
         self.stack.push(Slot {
             value,
             depth,
-            memo: None,
+            memo: Vec::new(),
         });
+        Ok(())
+    }
+
+    fn spend(&mut self, units: usize) -> Result<(), PickleError> {
+        self.budget = self
+            .budget
+            .checked_sub(units)
+            .ok_or(PickleError::TooLarge(self.budget_total))?;
+        Ok(())
+    }
+
+    /// A slot leaving the stack (at index `index`): the memo entries that point at it keep a
+    /// copy of its value.
+    fn leave(&mut self, slot: &Slot, index: usize) -> Result<(), PickleError> {
+        for &id in &slot.memo {
+            if matches!(self.memo.get(&id), Some(Memo::Live(i)) if *i == index) {
+                self.charge(&slot.value)?;
+                self.memo
+                    .insert(id, Memo::Frozen(slot.value.clone(), slot.depth));
+            }
+        }
         Ok(())
     }
 
@@ -238,7 +274,12 @@ impl<'a> Machine<'a> {
         if self.stack.len() <= floor {
             return Err(malformed(at, "pop from an empty stack"));
         }
-        self.stack.pop().ok_or_else(|| malformed(at, "empty stack"))
+        let slot = self
+            .stack
+            .pop()
+            .ok_or_else(|| malformed(at, "empty stack"))?;
+        self.leave(&slot, self.stack.len())?;
+        Ok(slot)
     }
 
     fn top(&mut self, at: usize) -> Result<&mut Slot, PickleError> {
@@ -256,36 +297,47 @@ impl<'a> Machine<'a> {
         let mark = self
             .marks
             .pop()
-            .ok_or_else(|| malformed(at, "no MARK to pop to"))?;
-        Ok(self.stack.split_off(mark.min(self.stack.len())))
+            .ok_or_else(|| malformed(at, "no MARK to pop to"))?
+            .min(self.stack.len());
+        let slots = self.stack.split_off(mark);
+        for (k, slot) in slots.iter().enumerate() {
+            self.leave(slot, mark + k)?;
+        }
+        Ok(slots)
     }
 
     fn put(&mut self, id: u32, at: usize) -> Result<(), PickleError> {
+        let index = self.stack.len().wrapping_sub(1);
         let slot = self.top(at)?;
-        slot.memo = Some(id);
-        let entry = (slot.value.clone(), slot.depth);
-        self.charge(&entry.0)?;
-        self.memo.insert(id, entry);
+        if !slot.memo.contains(&id) {
+            slot.memo.push(id);
+        }
+        self.memo.insert(id, Memo::Live(index));
         Ok(())
     }
 
     fn get(&mut self, id: u32, at: usize) -> Result<(), PickleError> {
-        let (value, depth) = self
-            .memo
-            .get(&id)
-            .cloned()
-            .ok_or_else(|| malformed(at, format!("memo slot {id} was never stored")))?;
+        let missing = || malformed(at, format!("memo slot {id} was never stored"));
+        let (value, depth) = match self.memo.get(&id).ok_or_else(missing)? {
+            Memo::Live(i) => {
+                let slot = self.stack.get(*i).ok_or_else(missing)?;
+                (slot.value.clone(), slot.depth)
+            }
+            Memo::Frozen(v, d) => (v.clone(), *d),
+        };
         self.charge(&value)?;
+        // Charged whole above; `push` charges its own unit again, a negligible overcount.
         self.push(value, depth, at)
     }
 
     /// Charges a copy of `v` to the node budget.
     fn charge(&mut self, v: &Value) -> Result<(), PickleError> {
         fn count(v: &Value, left: &mut usize) -> bool {
-            if *left == 0 {
+            let units = 1 + text_units(v);
+            if *left < units {
                 return false;
             }
-            *left -= 1;
+            *left -= units;
             let all = |vs: &[Value], left: &mut usize| vs.iter().all(|v| count(v, left));
             let pairs = |ps: &[(Value, Value)], left: &mut usize| {
                 ps.iter().all(|(k, v)| count(k, left) && count(v, left))
@@ -315,17 +367,6 @@ impl<'a> Machine<'a> {
         } else {
             Err(PickleError::TooLarge(self.budget_total))
         }
-    }
-
-    /// After the top slot changed in place: what its memo slot returns changes with it.
-    fn refresh_memo(&mut self, at: usize) -> Result<(), PickleError> {
-        let slot = self.top(at)?;
-        if let Some(id) = slot.memo {
-            let entry = (slot.value.clone(), slot.depth);
-            self.charge(&entry.0)?;
-            self.memo.insert(id, entry);
-        }
-        Ok(())
     }
 
     fn container(
@@ -364,7 +405,7 @@ impl<'a> Machine<'a> {
         if slot.depth > MAX_DEPTH {
             return Err(PickleError::TooDeep(at));
         }
-        self.refresh_memo(at)
+        Ok(())
     }
 
     /// `APPEND(S)` and `ADDITEMS`: adds elements to the list (or set, or object) on top.
@@ -382,7 +423,7 @@ impl<'a> Machine<'a> {
         if slot.depth > MAX_DEPTH {
             return Err(PickleError::TooDeep(at));
         }
-        self.refresh_memo(at)
+        Ok(())
     }
 
     fn object(&mut self, callable: Slot, args: Slot, at: usize) -> Result<(), PickleError> {
@@ -399,7 +440,9 @@ impl<'a> Machine<'a> {
 
     fn build(&mut self, state: Slot, at: usize) -> Result<(), PickleError> {
         let slot = self.top(at)?;
-        let depth = slot.depth.max(state.depth + 1);
+        // A non-object is wrapped in one, a level deeper.
+        let wraps = !matches!(slot.value, Value::Object { .. });
+        let depth = (slot.depth + u32::from(wraps)).max(state.depth + 1);
         match &mut slot.value {
             Value::Object { state: s, .. } => *s = Some(Box::new(state.value)),
             other => {
@@ -418,7 +461,7 @@ impl<'a> Machine<'a> {
         if depth > MAX_DEPTH {
             return Err(PickleError::TooDeep(at));
         }
-        self.refresh_memo(at)
+        Ok(())
     }
 
     fn int(&mut self, bytes: &[u8], at: usize) -> Result<(), PickleError> {
@@ -663,6 +706,15 @@ impl<'a> Machine<'a> {
     }
 }
 
+/// The units a value's own text costs (32 bytes a unit).
+fn text_units(v: &Value) -> usize {
+    match v {
+        Value::Str(s) => s.len() / 32,
+        Value::Bytes(b) | Value::BigInt(b) => b.len() / 32,
+        _ => 0,
+    }
+}
+
 /// A short name for what a value is, for errors.
 pub fn kind(v: &Value) -> &'static str {
     match v {
@@ -810,6 +862,37 @@ mod tests {
             "{:?}",
             unpickle(&d)
         );
+    }
+
+    #[test]
+    fn copies_of_a_long_string_are_charged_by_length() {
+        // A 100 kB string stored once, then fetched 50 000 times: 5 GB if each copy were free.
+        let mut d = vec![0x80, 2, b'X'];
+        d.extend(100_000u32.to_le_bytes());
+        d.extend(std::iter::repeat_n(b'a', 100_000));
+        d.extend([b'q', 0, b'(']);
+        for _ in 0..50_000 {
+            d.extend([b'h', 0]);
+        }
+        d.extend([b'l', b'.']);
+        assert!(matches!(unpickle(&d), Err(PickleError::TooLarge(_))));
+    }
+
+    #[test]
+    fn a_dict_stored_then_filled_is_fetched_filled_without_copies_per_batch() {
+        // {} PUT 0, then 3 000 SETITEM batches, then GET 0: the GET sees every item, and the
+        // batches cost no copy of the dict (quadratic before: a copy per batch).
+        let mut d = vec![0x80, 2, b'(', b'}', b'q', 0];
+        for i in 0..3_000u32 {
+            d.push(b'J');
+            d.extend(i.to_le_bytes());
+            d.extend([b'N', b's']);
+        }
+        d.extend([b'h', 0, b't', b'.']);
+        let v = unpickle(&d).unwrap();
+        let Value::Tuple(parts) = v else { panic!() };
+        assert_eq!(parts[0].as_mapping().map(<[_]>::len), Some(3_000));
+        assert_eq!(parts[0], parts[1]);
     }
 
     #[test]
