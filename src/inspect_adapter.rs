@@ -93,19 +93,7 @@ pub fn inspect_adapter(path: &Path) -> Result<AdapterReport, KohyaError> {
     let file = load_kohya(path, &Device::Cpu)?;
     let size = std::fs::metadata(path).map_or(0, |m| m.len());
     // A torch file (a LoRA saved as `.pt`) is described by its safetensors image.
-    let bytes = if crate::torch_pickle::is_torch_file(path) {
-        crate::torch_pickle::to_bytes(path, Default::default()).map_err(|source| {
-            KohyaError::Torch {
-                path: path.to_path_buf(),
-                source: Box::new(source),
-            }
-        })?
-    } else {
-        std::fs::read(path).map_err(|source| KohyaError::Read {
-            path: path.to_path_buf(),
-            source,
-        })?
-    };
+    let bytes = crate::adapter::kohya_file::adapter_bytes(path)?;
     let mut dtypes = BTreeMap::new();
     if let Ok((_, meta)) = SafeTensors::read_metadata(&bytes) {
         for info in meta.tensors().values() {

@@ -293,16 +293,7 @@ pub fn load_bundled(
     device: &Device,
 ) -> Result<Vec<EmbeddingFile>, EmbeddingFileError> {
     // A LoRA saved by `torch.save`: its safetensors image, as `load_kohya` reads it.
-    let bytes = if crate::torch_pickle::is_torch_file(path) {
-        crate::torch_pickle::to_bytes(path, Default::default()).map_err(|source| {
-            KohyaError::Torch {
-                path: path.to_path_buf(),
-                source: Box::new(source),
-            }
-        })?
-    } else {
-        read_bytes(path)?
-    };
+    let bytes = super::kohya_file::adapter_bytes(path)?;
     let reader = reader(path, &bytes, device)?;
     bundles(&reader, &reader.names())
 }

@@ -639,23 +639,29 @@ fn unsupported_hint(keys: &[String]) -> String {
     }
 }
 
-/// Reads a kohya LoRA/LoCon file. Tensors are decoded to f32 on `device`. A LoRA saved by
-/// `torch.save` (kohya's `save_model_as = "pt"`/`"ckpt"`) is read as data, never run
-/// ([`crate::torch_pickle`]), through a safetensors image of it in memory.
-pub fn load_kohya(path: &Path, device: &Device) -> Result<KohyaFile, KohyaError> {
-    let bytes = if crate::torch_pickle::is_torch_file(path) {
+/// The bytes of an adapter file as safetensors: the file itself, or for a file `torch.save` wrote
+/// (kohya's `save_model_as = "pt"`), its safetensors image, read as data ([`crate::torch_pickle`]).
+pub fn adapter_bytes(path: &Path) -> Result<Vec<u8>, KohyaError> {
+    if crate::torch_pickle::is_torch_file(path) {
         crate::torch_pickle::to_bytes(path, Default::default()).map_err(|source| {
             KohyaError::Torch {
                 path: path.to_path_buf(),
                 source: Box::new(source),
             }
-        })?
+        })
     } else {
         std::fs::read(path).map_err(|source| KohyaError::Read {
             path: path.to_path_buf(),
             source,
-        })?
-    };
+        })
+    }
+}
+
+/// Reads a kohya LoRA/LoCon file. Tensors are decoded to f32 on `device`. A LoRA saved by
+/// `torch.save` (kohya's `save_model_as = "pt"`/`"ckpt"`) is read as data, never run
+/// ([`crate::torch_pickle`]), through a safetensors image of it in memory.
+pub fn load_kohya(path: &Path, device: &Device) -> Result<KohyaFile, KohyaError> {
+    let bytes = adapter_bytes(path)?;
     let format_err = |source| KohyaError::Format {
         path: path.to_path_buf(),
         source: External(source),

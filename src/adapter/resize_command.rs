@@ -17,7 +17,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
-use anyhow::{bail, Context};
+use anyhow::bail;
 use candle_core::{DType, Device};
 use clap::Args;
 use rayon::prelude::*;
@@ -117,12 +117,7 @@ pub fn run(args: &ResizeArgs) -> anyhow::Result<PathBuf> {
     let conv_rank = args.conv_rank.unwrap_or(args.rank);
     let path = &args.lora;
     // A LoRA saved by `torch.save` (kohya's `save_model_as = "pt"`): its safetensors image.
-    let bytes = if crate::torch_pickle::is_torch_file(path) {
-        crate::torch_pickle::to_bytes(path, Default::default())
-            .with_context(|| format!("cannot read {} as a torch file", path.display()))?
-    } else {
-        std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?
-    };
+    let bytes = super::kohya_file::adapter_bytes(path)?;
     let (_, header) = SafeTensors::read_metadata(&bytes)
         .map_err(|e| anyhow::anyhow!("{} is not a safetensors file: {e}", path.display()))?;
     let mut metadata = header.metadata().clone().unwrap_or_default();

@@ -1,6 +1,7 @@
 //! Where a model comes from: a local diffusers folder, a local single-file `.safetensors`
-//! checkpoint ([`super::single_file`]), or a Hugging Face hub repo id (`org/name[@revision]`)
-//! resolved to a snapshot folder in the standard hub cache.
+//! checkpoint ([`super::single_file`]), a single file `torch.save` wrote (`.ckpt`, `.pt`: read
+//! through its converted copy, [`crate::torch_pickle`]), or a Hugging Face hub repo id
+//! (`org/name[@revision]`) resolved to a snapshot folder in the standard hub cache.
 //!
 //! Cache layout (shared with Python's `huggingface_hub`):
 //! `<cache>/models--org--name/refs/<revision>` holds a commit hash, and
