@@ -160,28 +160,6 @@ fn sdtrain_cached(args: &[&str], cwd: &Path, cache: &Path) -> std::process::Outp
         .unwrap()
 }
 
-fn sample_args<'a>(model: &'a str, out: &'a str) -> Vec<&'a str> {
-    vec![
-        "sample",
-        "--model",
-        model,
-        "--prompt",
-        "a cat",
-        "--width",
-        "64",
-        "--height",
-        "64",
-        "--steps",
-        "4",
-        "--seed",
-        "3",
-        "--precision",
-        "fp32",
-        "--out",
-        out,
-    ]
-}
-
 #[test]
 fn a_ckpt_model_draws_what_its_safetensors_draws() {
     let dir = tempfile::tempdir().unwrap();
@@ -189,7 +167,11 @@ fn a_ckpt_model_draws_what_its_safetensors_draws() {
     let ckpt = torch_file("tiny-sd15.ckpt").display().to_string();
     let st = common::fixture("single-file/tiny-sd15.safetensors");
     let want = common::cli::sample_bytes(dir.path(), st.to_str().unwrap(), "want.png", &[]);
-    let o = sdtrain_cached(&sample_args(&ckpt, "got.png"), dir.path(), &cache);
+    let o = sdtrain_cached(
+        &common::cli::sample_args(&ckpt, "got.png"),
+        dir.path(),
+        &cache,
+    );
     let log = common::cli::text(&o);
     assert!(o.status.success(), "{log}");
     assert!(
@@ -198,7 +180,11 @@ fn a_ckpt_model_draws_what_its_safetensors_draws() {
     );
     assert_eq!(std::fs::read(dir.path().join("got.png")).unwrap(), want);
     // The second run reuses the copy.
-    let o = sdtrain_cached(&sample_args(&ckpt, "again.png"), dir.path(), &cache);
+    let o = sdtrain_cached(
+        &common::cli::sample_args(&ckpt, "again.png"),
+        dir.path(),
+        &cache,
+    );
     let log = common::cli::text(&o);
     assert!(
         o.status.success() && log.contains("read through its converted copy"),
@@ -248,7 +234,7 @@ fn a_torch_file_that_is_not_a_model_is_refused_naming_it() {
     let cache = dir.path().join("cache");
     let legacy = common::fixture("torch-embeddings/legacy.pt");
     let o = sdtrain_cached(
-        &sample_args(legacy.to_str().unwrap(), "x.png"),
+        &common::cli::sample_args(legacy.to_str().unwrap(), "x.png"),
         dir.path(),
         &cache,
     );
@@ -261,7 +247,7 @@ fn a_torch_file_that_is_not_a_model_is_refused_naming_it() {
     );
     let lightning = torch_file("lightning.ckpt");
     let o = sdtrain_cached(
-        &sample_args(lightning.to_str().unwrap(), "x.png"),
+        &common::cli::sample_args(lightning.to_str().unwrap(), "x.png"),
         dir.path(),
         &cache,
     );
@@ -281,7 +267,7 @@ fn an_a1111_vae_pt_is_read_as_its_safetensors_would_be() {
     let model = model.to_str().unwrap();
     let want = common::cli::sample_bytes(dir.path(), model, "want.png", &[]);
     let vae = torch_file("tiny-sd15-vae.pt");
-    let mut args = sample_args(model, "got.png");
+    let mut args = common::cli::sample_args(model, "got.png");
     args.extend(["--vae", vae.to_str().unwrap()]);
     let o = sdtrain_cached(&args, dir.path(), &cache);
     let log = common::cli::text(&o);
@@ -308,7 +294,7 @@ fn a_diffusers_folder_of_bin_weights_draws_what_its_safetensors_draw() {
     std::fs::remove_file(model.join("text_encoder/model.safetensors")).unwrap();
     common::copy_dir(&torch_file("tiny-sd15-bin"), &model);
     let o = sdtrain_cached(
-        &sample_args(model.to_str().unwrap(), "got.png"),
+        &common::cli::sample_args(model.to_str().unwrap(), "got.png"),
         dir.path(),
         &cache,
     );

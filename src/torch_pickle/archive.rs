@@ -568,38 +568,21 @@ fn storage_element_sizes(v: &Value) -> std::collections::HashMap<String, usize> 
         if depth > MAX_DEPTH {
             return;
         }
-        let mut each = |vs: &mut dyn Iterator<Item = &Value>| {
-            vs.for_each(|v| walk(v, out, depth + 1));
-        };
-        match v {
-            Value::PersistentId(pid) => {
-                if let Some([tag, class, key, ..]) = pid.as_seq() {
-                    let size = class
-                        .as_global()
-                        .and_then(|(_, c)| StoredDtype::from_storage(c))
-                        .map(StoredDtype::size);
-                    if let (Some("storage"), Some(key), Some(size)) =
-                        (tag.as_str(), key.as_str(), size)
-                    {
-                        out.insert(key.to_string(), size);
-                    }
+        if let Value::PersistentId(pid) = v {
+            if let Some([tag, class, key, ..]) = pid.as_seq() {
+                let size = class
+                    .as_global()
+                    .and_then(|(_, c)| StoredDtype::from_storage(c))
+                    .map(StoredDtype::size);
+                if let (Some("storage"), Some(key), Some(size)) = (tag.as_str(), key.as_str(), size)
+                {
+                    out.insert(key.to_string(), size);
                 }
             }
-            Value::Tuple(vs) | Value::List(vs) => each(&mut vs.iter()),
-            Value::Dict(ps) => each(&mut ps.iter().flat_map(|(k, v)| [k, v])),
-            Value::Object {
-                callable,
-                args,
-                items,
-                elements,
-                state,
-            } => {
-                each(&mut [callable.as_ref(), args.as_ref()].into_iter());
-                each(&mut items.iter().flat_map(|(k, v)| [k, v]));
-                each(&mut elements.iter());
-                each(&mut state.iter().map(|s| s.as_ref()));
-            }
-            _ => {}
+            return;
+        }
+        for c in v.children() {
+            walk(c, out, depth + 1);
         }
     }
     let mut out = std::collections::HashMap::new();

@@ -86,6 +86,33 @@ impl Value {
         }
     }
 
+    /// The values `self` holds directly (a container's elements, a dict's keys and values, an
+    /// object's callable, arguments, items, elements and state).
+    pub fn children(&self) -> Vec<&Value> {
+        fn pairs(ps: &[(Value, Value)]) -> Vec<&Value> {
+            ps.iter().flat_map(|(k, v)| [k, v]).collect()
+        }
+        match self {
+            Value::Tuple(vs) | Value::List(vs) => vs.iter().collect(),
+            Value::Dict(ps) => pairs(ps),
+            Value::Object {
+                callable,
+                args,
+                items,
+                elements,
+                state,
+            } => {
+                let mut out = vec![callable.as_ref(), args.as_ref()];
+                out.extend(pairs(items));
+                out.extend(elements);
+                out.extend(state.as_deref());
+                out
+            }
+            Value::PersistentId(v) => vec![v.as_ref()],
+            _ => Vec::new(),
+        }
+    }
+
     /// `(module, name)` of a `Global`.
     pub fn as_global(&self) -> Option<(&str, &str)> {
         match self {
@@ -338,29 +365,7 @@ impl<'a> Machine<'a> {
                 return false;
             }
             *left -= units;
-            let all = |vs: &[Value], left: &mut usize| vs.iter().all(|v| count(v, left));
-            let pairs = |ps: &[(Value, Value)], left: &mut usize| {
-                ps.iter().all(|(k, v)| count(k, left) && count(v, left))
-            };
-            match v {
-                Value::Tuple(vs) | Value::List(vs) => all(vs, left),
-                Value::Dict(ps) => pairs(ps, left),
-                Value::Object {
-                    callable,
-                    args,
-                    items,
-                    elements,
-                    state,
-                } => {
-                    count(callable, left)
-                        && count(args, left)
-                        && pairs(items, left)
-                        && all(elements, left)
-                        && state.as_ref().is_none_or(|s| count(s, left))
-                }
-                Value::PersistentId(v) => count(v, left),
-                _ => true,
-            }
+            v.children().into_iter().all(|c| count(c, left))
         }
         if count(v, &mut self.budget) {
             Ok(())

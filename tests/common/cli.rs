@@ -156,11 +156,10 @@ pub fn sample_tiny(
     (text(&o), image::open(dir.join(out)).unwrap().to_rgb8())
 }
 
-/// `sdtrain sample` of `model` (4 DDIM steps at 64×64, "a cat", seed 3, fp32) with `more`
-/// arguments, writing `out` under `dir`; returns the image file's bytes, for byte-for-byte
-/// comparisons. Fails the test when the command fails.
-pub fn sample_bytes(dir: &Path, model: &str, out: &str, more: &[&str]) -> Vec<u8> {
-    let mut args = vec![
+/// The arguments of [`sample_bytes`]'s `sdtrain sample` (4 DDIM steps at 64×64, "a cat", seed
+/// 3, fp32), writing `out`.
+pub fn sample_args<'a>(model: &'a str, out: &'a str) -> Vec<&'a str> {
+    vec![
         "sample",
         "--model",
         model,
@@ -178,7 +177,14 @@ pub fn sample_bytes(dir: &Path, model: &str, out: &str, more: &[&str]) -> Vec<u8
         "fp32",
         "--out",
         out,
-    ];
+    ]
+}
+
+/// `sdtrain sample` of `model` (4 DDIM steps at 64×64, "a cat", seed 3, fp32) with `more`
+/// arguments, writing `out` under `dir`; returns the image file's bytes, for byte-for-byte
+/// comparisons. Fails the test when the command fails.
+pub fn sample_bytes(dir: &Path, model: &str, out: &str, more: &[&str]) -> Vec<u8> {
+    let mut args = sample_args(model, out);
     args.extend_from_slice(more);
     let o = sdtrain(&args, dir);
     assert!(o.status.success(), "{more:?}: {}", text(&o));
