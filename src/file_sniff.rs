@@ -99,8 +99,9 @@ fn not_binary(head: &[u8], len: u64) -> Option<String> {
     if head.first() == Some(&0x80) && head.get(1).is_some_and(|p| (2..=5).contains(p)) {
         return Some(
             "; it is a Python pickle (a PyTorch checkpoint in torch's legacy format, before \
-             1.6) under a `.safetensors` name, which sdtrain does not read: save it again with a \
-             newer torch and convert it rather than renaming it"
+             1.6) under a `.safetensors` name. Give it its `.ckpt`/`.pt` name back (it is then \
+             read as data, nothing in it run), or convert it: `sdtrain convert --model \
+             <file>.ckpt --out <file>.safetensors`"
                 .into(),
         );
     }
