@@ -487,6 +487,13 @@ impl<'a> Machine<'a> {
         self.leaf(Value::Int(v), at)
     }
 
+    /// A memo id written as text (protocol 0's `PUT`/`GET`).
+    fn text_memo_id(&mut self, at: usize) -> Result<u32, PickleError> {
+        let line = self.line()?;
+        line.parse()
+            .map_err(|_| malformed(at, format!("memo id `{line}`")))
+    }
+
     fn text_int(&mut self, at: usize) -> Result<(), PickleError> {
         let line = self.line()?;
         let t = line.trim_end_matches('L');
@@ -684,10 +691,7 @@ impl<'a> Machine<'a> {
                 self.put(id, at)?
             }
             b'p' => {
-                let line = self.line()?;
-                let id = line
-                    .parse()
-                    .map_err(|_| malformed(at, format!("memo id `{line}`")))?;
+                let id = self.text_memo_id(at)?;
                 self.put(id, at)?
             }
             b'h' => {
@@ -699,10 +703,7 @@ impl<'a> Machine<'a> {
                 self.get(id, at)?
             }
             b'g' => {
-                let line = self.line()?;
-                let id = line
-                    .parse()
-                    .map_err(|_| malformed(at, format!("memo id `{line}`")))?;
+                let id = self.text_memo_id(at)?;
                 self.get(id, at)?
             }
             _ => return Err(PickleError::Opcode { op, at }),
