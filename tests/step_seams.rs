@@ -640,6 +640,7 @@ fn kohya_caption_keys_match_kohyas_process_caption() {
             keep_tokens_separator: text("keep_tokens_separator"),
             secondary_separator: text("secondary_separator"),
             wildcard: case["wildcard"].as_bool().unwrap_or(false),
+            random_line: false,
             dropout_every_n_epochs: int("every_n_epochs", 0),
             token_warmup: case["token_warmup_step"].as_f64().map(|steps| TokenWarmup {
                 min: int("token_warmup_min", 1),

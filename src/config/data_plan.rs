@@ -166,6 +166,8 @@ pub enum TextCacheOff {
     Wildcard,
     /// `token_warmup_step` grows the captions step by step.
     TokenWarmup,
+    /// A OneTrainer concept's caption files hold several captions, one drawn each step.
+    CaptionLines,
 }
 
 impl TextCacheDecision {
@@ -207,6 +209,9 @@ impl fmt::Display for TextCacheOff {
             TextCacheOff::TagDropout => "caption_tag_dropout_rate changes captions every step",
             TextCacheOff::Wildcard => "enable_wildcard changes captions every step",
             TextCacheOff::TokenWarmup => "token_warmup_step changes captions step by step",
+            TextCacheOff::CaptionLines => {
+                "caption files of several lines draw one of them every step"
+            }
         })
     }
 }
@@ -431,6 +436,7 @@ fn resolve_kohya_captions(
         keep_tokens_separator: keep,
         secondary_separator: secondary,
         wildcard: file.enable_wildcard.unwrap_or(false),
+        random_line: false,
         dropout_every_n_epochs: every,
         token_warmup: warmup,
     })

@@ -74,6 +74,7 @@ impl DatasetConfigPlan {
                 _ if c.shuffle => Some(TextCacheOff::ShuffleTags),
                 _ if c.tag_dropout > 0.0 => Some(TextCacheOff::TagDropout),
                 _ if c.keys.wildcard => Some(TextCacheOff::Wildcard),
+                _ if c.keys.random_line => Some(TextCacheOff::CaptionLines),
                 _ if c.keys.token_warmup.is_some() => Some(TextCacheOff::TokenWarmup),
                 _ => None,
             }
@@ -693,6 +694,9 @@ fn subset_source(s: &SubsetInput<'_>) -> Result<SubsetSource, ConfigError> {
             "is missing: a subset names its folder of images (or a metadata_file)".into(),
         ));
     };
+    if let Some(c) = onetrainer_concept(s) {
+        return Ok(concept_source(image_dir, c));
+    }
     let ext = match s.chain.text("caption_extension") {
         Some((e, at)) => caption_extension(e).map_err(|why| s.cx.invalid(&at, why))?,
         None => match s.file.caption_extension.as_deref() {
@@ -778,8 +782,45 @@ fn subset_captions(s: &SubsetInput<'_>) -> Result<SubsetCaptions, ConfigError> {
                 0,
             )?,
             token_warmup,
+            random_line: onetrainer_concept(s)
+                .and_then(|c| c.get("random_line"))
+                .and_then(toml::Value::as_bool)
+                .unwrap_or(false),
         },
     })
+}
+
+/// The table a OneTrainer config's concept carries (`super::onetrainer_concepts`), which no
+/// dataset config can hold (its schema refuses the key).
+fn onetrainer_concept<'a>(s: &SubsetInput<'a>) -> Option<&'a toml::Table> {
+    s.chain.levels[0]
+        .0
+        .get(ONETRAINER_CONCEPT)
+        .and_then(toml::Value::as_table)
+}
+
+/// A OneTrainer concept's own subset key (set by `super::onetrainer_concepts` only).
+pub(super) const ONETRAINER_CONCEPT: &str = "onetrainer_concept";
+
+/// A OneTrainer concept's images: its folder, subfolders and prompt source.
+fn concept_source(image_dir: PathBuf, c: &toml::Table) -> SubsetSource {
+    use crate::data::onetrainer_concept::ConceptPrompts;
+    let text = |k: &str| c.get(k).and_then(toml::Value::as_str).unwrap_or_default();
+    let prompts = match text("prompt_source") {
+        "filename" => ConceptPrompts::FileName,
+        "concept" => ConceptPrompts::File {
+            path: PathBuf::from(text("prompt_path")),
+        },
+        _ => ConceptPrompts::Sample,
+    };
+    SubsetSource::Concept {
+        image_dir,
+        recursive: c
+            .get("include_subdirectories")
+            .and_then(toml::Value::as_bool)
+            .unwrap_or(false),
+        prompts,
+    }
 }
 
 #[cfg(test)]

@@ -169,9 +169,25 @@ pub struct TrainPlan {
     /// kohya's `stop_text_encoder_training`: from this (0-based) step on, the text encoders'
     /// group takes no gradients and no updates.
     pub stop_text_encoder_training: Option<usize>,
+    /// OneTrainer's epoch form of it: the text encoders' group trains for this many epochs.
+    pub stop_text_encoder_training_epochs: Option<usize>,
 }
 
 impl TrainPlan {
+    /// The step from which the text encoders' group stops training: kohya's
+    /// `stop_text_encoder_training`, or the first step after OneTrainer's
+    /// `stop_text_encoder_training_epochs` epochs (`steps_in_epoch` counts each epoch's steps),
+    /// whichever comes first.
+    pub fn text_encoder_stop(&self, steps_in_epoch: impl Fn(usize) -> usize) -> Option<usize> {
+        let by_epochs = self
+            .stop_text_encoder_training_epochs
+            .map(|n| (0..n).map(&steps_in_epoch).sum::<usize>());
+        match (self.stop_text_encoder_training, by_epochs) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
     /// How the model is opened if it is a single file.
     pub fn single_file_options(&self) -> crate::model::single_file::SingleFileOptions {
         crate::model::single_file::SingleFileOptions {
@@ -182,7 +198,9 @@ impl TrainPlan {
 
     /// Reads train.json (and the optimizer config it names), applies the `--set` overrides, and
     /// resolves and validates everything.
-    /// A `.toml` is a kohya sd-scripts config file (`super::kohya_config`).
+    /// A `.toml` is a kohya sd-scripts config file (`super::kohya_config`); a `.json` naming
+    /// OneTrainer's `training_method`, `model_type` or `base_model_name` is a OneTrainer config
+    /// (`super::onetrainer_config`).
     pub fn resolve(train_path: &Path, overrides: &[String]) -> Result<TrainPlan, ConfigError> {
         let toml = train_path
             .extension()
@@ -190,7 +208,34 @@ impl TrainPlan {
         if toml {
             return TrainPlan::from_kohya(train_path, overrides);
         }
-        TrainPlan::from_value(read_json(train_path)?, train_path, overrides)
+        let value = read_json(train_path)?;
+        if let Value::Object(obj) = &value {
+            if super::onetrainer_config::is_onetrainer(obj) {
+                return TrainPlan::from_onetrainer(train_path, obj.clone(), overrides);
+            }
+        }
+        TrainPlan::from_value(value, train_path, overrides)
+    }
+
+    /// A OneTrainer config, translated into train.json's keys, an optimizer.json and its
+    /// concepts as dataset subsets, then resolved as train.json is.
+    fn from_onetrainer(
+        path: &Path,
+        obj: serde_json::Map<String, Value>,
+        overrides: &[String],
+    ) -> Result<TrainPlan, ConfigError> {
+        let imp = super::onetrainer_config::import(path, obj, overrides)?;
+        let set_args = imp.set_args.clone();
+        let inline = InlineOptimizer {
+            object: imp.optimizer,
+            warmup_fraction: imp.warmup_fraction,
+        };
+        TrainFile::from_object(imp.train, path, &set_args)
+            .and_then(|mut file| {
+                file.kohya_data = Some(imp.data);
+                Self::from_file(file, path, overrides, Some(&inline))
+            })
+            .map_err(|e| e.blame_set(path, &set_args))
     }
 
     /// A kohya config, translated into train.json's keys, an optimizer.json and kohya's
@@ -354,7 +399,20 @@ impl TrainPlan {
             samples: super::sample_plan::resolve_samples(&file, train_path, ema.is_some(), input)?,
             model_file: super::model_plan::resolve_model_file(&file, train_path, mode, input)?,
             modelspec: super::modelspec_plan::resolve_modelspec(&file, &ctx)?,
-            stop_text_encoder_training: resolve_te_stop(&file, &ctx, te_group, &precision)?,
+            stop_text_encoder_training: resolve_te_stop(
+                "stop_text_encoder_training",
+                file.stop_text_encoder_training,
+                &ctx,
+                te_group,
+                &precision,
+            )?,
+            stop_text_encoder_training_epochs: resolve_te_stop(
+                "stop_text_encoder_training_epochs",
+                file.stop_text_encoder_training_epochs,
+                &ctx,
+                te_group,
+                &precision,
+            )?,
         })
     }
 
@@ -482,13 +540,13 @@ fn check_block_weights(
 /// kohya's `stop_text_encoder_training`: at least 1, with a text encoder group to stop, and not
 /// inside a fused backward pass (which updates each parameter as its gradient completes).
 fn resolve_te_stop(
-    file: &TrainFile,
+    key: &str,
+    value: Option<i64>,
     ctx: &Ctx<'_>,
     te_group: bool,
     precision: &super::PrecisionPlan,
 ) -> Result<Option<usize>, ConfigError> {
-    let key = "stop_text_encoder_training";
-    let Some(n) = ctx.opt_at_least(key, file.stop_text_encoder_training, 1)? else {
+    let Some(n) = ctx.opt_at_least(key, value, 1)? else {
         return Ok(None);
     };
     let why = match () {

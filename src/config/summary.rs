@@ -608,6 +608,27 @@ fn fmt_dataset_config(
             SubsetSource::FineTuning { metadata_file, .. } => {
                 format!("{} (metadata)", metadata_file.display())
             }
+            SubsetSource::Concept {
+                image_dir,
+                recursive,
+                prompts,
+            } => format!(
+                "{}{} (OneTrainer concept, captions {})",
+                image_dir.display(),
+                if *recursive {
+                    " and its subfolders"
+                } else {
+                    ""
+                },
+                match prompts {
+                    crate::data::onetrainer_concept::ConceptPrompts::Sample =>
+                        "in .txt".to_string(),
+                    crate::data::onetrainer_concept::ConceptPrompts::FileName =>
+                        "from file names".to_string(),
+                    crate::data::onetrainer_concept::ConceptPrompts::File { path } =>
+                        format!("from {}", path.display()),
+                }
+            ),
         };
         let c = &s.captions;
         let mut notes = vec![format!("×{}", s.num_repeats)];

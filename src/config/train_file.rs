@@ -73,6 +73,10 @@ pub struct TrainFile {
     /// kohya's (train_db.py): the text encoders stop training after this many steps.
     #[serde(default)]
     pub stop_text_encoder_training: Option<i64>,
+    /// OneTrainer's `text_encoder.stop_training_after` in epochs: the text encoders train for
+    /// the first N epochs.
+    #[serde(default)]
+    pub stop_text_encoder_training_epochs: Option<i64>,
     /// kohya's: keep the newest N epoch saves' weights.
     #[serde(default)]
     pub save_last_n_epochs: Option<i64>,

@@ -32,6 +32,10 @@ pub struct KohyaCaptions {
     pub secondary_separator: Option<String>,
     /// `enable_wildcard`.
     pub wildcard: bool,
+    /// OneTrainer's captions: a caption of several lines trains one of them, drawn each time
+    /// (no `{…|…}` groups, unlike `wildcard`).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub random_line: bool,
     /// `caption_dropout_every_n_epochs` (0: off).
     pub dropout_every_n_epochs: usize,
     /// `token_warmup_min` and `token_warmup_step`, when the step is above 0.
@@ -61,6 +65,7 @@ impl SubsetCaptions {
         self.shuffle
             || self.tag_dropout > 0.0
             || self.keys.wildcard
+            || self.keys.random_line
             || self.keys.token_warmup.is_some()
     }
 }
@@ -148,6 +153,12 @@ fn group_of(after: &str) -> Option<&str> {
     let body = &after[..end];
     let escaped = after[end..].starts_with("}}") || body.contains("{{");
     (end > 0 && !escaped).then_some(body)
+}
+
+/// OneTrainer's step: one of the caption's lines, drawn from `rng`.
+pub fn random_line(caption: &str, rng: &mut impl Rng) -> String {
+    let lines: Vec<&str> = caption.split('\n').collect();
+    lines[rng.random_range(0..lines.len())].to_string()
 }
 
 /// Step 1 with wildcards off: the first line.

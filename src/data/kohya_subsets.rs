@@ -47,6 +47,13 @@ pub enum SubsetSource {
         metadata_file: PathBuf,
         image_dir: Option<PathBuf>,
     },
+    /// A OneTrainer concept: the images in `image_dir` (and below it with `recursive`),
+    /// captioned by its prompt source (`super::onetrainer_concept`).
+    Concept {
+        image_dir: PathBuf,
+        recursive: bool,
+        prompts: super::onetrainer_concept::ConceptPrompts,
+    },
 }
 
 /// One `[[datasets.subsets]]` entry, every setting resolved (subset, then dataset, then
@@ -86,6 +93,7 @@ impl KohyaSubset {
         match &self.source {
             SubsetSource::DreamBooth { image_dir, .. } => image_dir,
             SubsetSource::FineTuning { metadata_file, .. } => metadata_file,
+            SubsetSource::Concept { image_dir, .. } => image_dir,
         }
     }
 
@@ -131,6 +139,11 @@ pub fn scan_subset(subset: &KohyaSubset) -> Result<Vec<ImageRecord>, DataError> 
             metadata_file,
             image_dir,
         } => fine_tuning(subset, metadata_file, image_dir.as_deref())?,
+        SubsetSource::Concept {
+            image_dir,
+            recursive,
+            prompts,
+        } => concept(subset, image_dir, *recursive, prompts)?,
     };
     if records.is_empty() {
         crate::console::say(format_args!(
@@ -177,6 +190,28 @@ fn dreambooth(
         ));
     }
     Ok(records)
+}
+
+/// A OneTrainer concept's images, each with its caption lines.
+fn concept(
+    subset: &KohyaSubset,
+    image_dir: &Path,
+    recursive: bool,
+    prompts: &super::onetrainer_concept::ConceptPrompts,
+) -> Result<Vec<ImageRecord>, DataError> {
+    use super::onetrainer_concept::{caption, caption_lines, images, ConceptPrompts};
+    let options = subset.options();
+    let file = match prompts {
+        ConceptPrompts::File { path } => Some(caption_lines(path)?),
+        _ => None,
+    };
+    images(image_dir, recursive)?
+        .into_iter()
+        .map(|image| {
+            let text = caption(&image, prompts, file.as_deref())?;
+            Ok(subset.record(image, &text, &options))
+        })
+        .collect()
 }
 
 /// One image's entry in a metadata file.

@@ -23,6 +23,7 @@ pub mod kohya_layout;
 pub mod kohya_split;
 pub mod kohya_subsets;
 pub mod mask;
+pub mod onetrainer_concept;
 pub mod prefetch;
 pub mod py_random;
 pub mod rated;

@@ -160,6 +160,12 @@ fn lpw_one(
         w[(idx / chunk) * width + 1 + idx % chunk] = v;
     }
     let w = Tensor::from_vec(w, (1, chunks * width, 1), emb.device())?;
+    // kohya rescales the weighted embeddings to the unweighted ones' mean. With every weight 1
+    // that ratio is 1, except where the mean is exactly 0 (a final layer norm without bias, as
+    // in random-weight models), where kohya's 0/0 would make every sample NaN: it is left out.
+    if weights.iter().all(|&v| v == 1.0) {
+        return emb.to_dtype(dtype);
+    }
     let before = emb.mean_all()?;
     let weighted = emb.broadcast_mul(&w)?;
     let after = weighted.mean_all()?;

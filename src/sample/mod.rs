@@ -19,6 +19,7 @@ pub mod kdpm2_ancestral;
 pub mod kohya_prompts;
 pub mod kohya_weighting;
 pub mod lms;
+pub mod onetrainer_samples;
 pub mod pndm;
 pub mod prompts;
 pub mod sampler;

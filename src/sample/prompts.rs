@@ -19,8 +19,8 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{Map, Value};
 
-use super::kohya_prompts;
 use super::sampler::SamplerKind;
+use super::{kohya_prompts, onetrainer_samples};
 
 /// EveryDream2's `SampleGenerator` defaults.
 pub const DEFAULT_CFGS: [f64; 3] = [7.0, 4.0, 1.01];
@@ -224,6 +224,27 @@ impl SampleSet {
         Ok(set)
     }
 
+    /// OneTrainer's samples: each its own size, seed, steps, scale and scheduler.
+    fn onetrainers(
+        path: &Path,
+        prompts: Result<Vec<SamplePrompt>, String>,
+    ) -> Result<Self, PromptsError> {
+        let bad = |message: String| PromptsError::Invalid {
+            path: path.to_path_buf(),
+            message,
+        };
+        let mut set = Self::defaults(path);
+        set.prompts = prompts.map_err(bad)?;
+        if set.prompts.is_empty() {
+            return Err(bad("holds no enabled OneTrainer sample".into()));
+        }
+        for (i, p) in set.prompts.iter().enumerate() {
+            p.check_weighting()
+                .map_err(|m| bad(format!("sample {i}: {m}")))?;
+        }
+        Ok(set)
+    }
+
     pub fn from_json(path: &Path, text: &str) -> Result<Self, PromptsError> {
         let bad = |message: String| PromptsError::Invalid {
             path: path.to_path_buf(),
@@ -232,11 +253,21 @@ impl SampleSet {
         let root: Value =
             serde_json::from_str(text).map_err(|e| bad(format!("is not valid JSON: {e}")))?;
         if let Some(items) = root.as_array() {
+            if onetrainer_samples::is_onetrainer_list(items) {
+                return Self::onetrainers(path, onetrainer_samples::parse_list(items));
+            }
             return Self::kohyas(path, kohya_prompts::parse_list(items), "entry");
         }
         let obj = root.as_object().ok_or_else(|| {
             bad("must hold a JSON object (EveryDream2's) or a list (kohya's)".into())
         })?;
+        if onetrainer_samples::is_onetrainer_config(obj) {
+            let items = match obj.get("samples") {
+                Some(Value::Array(items)) => items.as_slice(),
+                _ => &[],
+            };
+            return Self::onetrainers(path, onetrainer_samples::parse_list(items));
+        }
         let top = Fields::new(obj, "", path);
         top.only(&[
             "batch_size",

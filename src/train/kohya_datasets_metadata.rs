@@ -73,6 +73,7 @@ fn name_of(s: &KohyaSubset) -> String {
     let path = match &s.source {
         SubsetSource::DreamBooth { image_dir, .. } => image_dir.as_path(),
         SubsetSource::FineTuning { metadata_file, .. } => metadata_file.as_path(),
+        SubsetSource::Concept { image_dir, .. } => image_dir.as_path(),
     };
     base_name(path)
 }
@@ -154,9 +155,12 @@ impl<'a> DatasetImages<'a> {
         let repeats = |items: &mut dyn Iterator<Item = &ImageMeta>| -> i64 {
             items.map(|i| i.multiplier).sum::<f64>().round() as i64
         };
-        let dreambooth = subsets
-            .iter()
-            .all(|s| matches!(s.source, SubsetSource::DreamBooth { .. }));
+        let dreambooth = subsets.iter().all(|s| {
+            matches!(
+                s.source,
+                SubsetSource::DreamBooth { .. } | SubsetSource::Concept { .. }
+            )
+        });
         let side = d
             .resolution
             .unwrap_or_else(|| f.buckets.first().map_or(0, |b| b.width)) as i64;
@@ -242,6 +246,13 @@ impl<'a> DatasetImages<'a> {
                 entry.push(("image_dir".into(), PyValue::Str(base_name(image_dir))));
                 if dreambooth {
                     entry.push(("class_tokens".into(), text(class_tokens)));
+                    entry.push(("is_reg".into(), PyValue::Bool(s.is_reg)));
+                }
+            }
+            SubsetSource::Concept { image_dir, .. } => {
+                entry.push(("image_dir".into(), PyValue::Str(base_name(image_dir))));
+                if dreambooth {
+                    entry.push(("class_tokens".into(), PyValue::None));
                     entry.push(("is_reg".into(), PyValue::Bool(s.is_reg)));
                 }
             }

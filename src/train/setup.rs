@@ -124,6 +124,7 @@ impl<'a> Session<'a> {
         let steps_per_epoch = feed.steps_in(&feed.epoch(data_seed, 0));
         let total_steps = plan.total_steps(|e| feed.steps_in(&feed.epoch(data_seed, e)));
         let mut opt = optimization(plan, &mut model, total_steps, data_seed, &opts.device)?;
+        opt.te_stop = plan.text_encoder_stop(|e| feed.steps_in(&feed.epoch(data_seed, e)));
         let follower = link.as_ref().filter(|l| !l.leads()).map(RankLink::rank);
         opt.dist = link;
         let shape = StartShape {

@@ -85,9 +85,13 @@ fn subset_caption<R: Rng>(
     let keys = &rules.keys;
     let epoch_drops = clock.epoch.is_some_and(|e| keys.drops_epoch(e));
     let caption = if epoch_drops { "" } else { caption };
-    let caption = match keys.wildcard {
-        true => expand_wildcards(caption, &mut StdRng::seed_from_u64(rng.random::<u64>())),
-        false => caption.to_string(),
+    let caption = match (keys.wildcard, keys.random_line) {
+        (true, _) => expand_wildcards(caption, &mut StdRng::seed_from_u64(rng.random::<u64>())),
+        (false, true) => crate::data::kohya_caption::random_line(
+            caption,
+            &mut StdRng::seed_from_u64(rng.random::<u64>()),
+        ),
+        _ => caption.to_string(),
     };
     let warmup = keys.token_warmup;
     let sep = rules.separator.as_str();

@@ -1,0 +1,488 @@
+//! A OneTrainer config's model, training method, precision, objective and saves
+//! (`super::onetrainer_config`), as train.json's keys. The optimizer is
+//! `super::onetrainer_optimizer`'s, the data `super::onetrainer_concepts`'.
+
+use serde_json::{json, Map, Value};
+
+use super::error::ConfigError;
+use super::onetrainer_config::Translation;
+
+/// The model types sdtrain trains, and whether each predicts v.
+const MODEL_TYPES: &[(&str, bool)] = &[
+    ("STABLE_DIFFUSION_15", false),
+    ("STABLE_DIFFUSION_20", true),
+    ("STABLE_DIFFUSION_20_BASE", false),
+    ("STABLE_DIFFUSION_21", true),
+    ("STABLE_DIFFUSION_21_BASE", false),
+    ("STABLE_DIFFUSION_XL_10_BASE", false),
+];
+
+/// Whether the model type is SDXL (two text encoders).
+pub(super) fn is_sdxl(t: &Translation<'_>) -> bool {
+    t.get("model_type").as_str() == Some("STABLE_DIFFUSION_XL_10_BASE")
+}
+
+/// The text-encoder parts of the model type.
+pub(super) fn text_encoders(t: &Translation<'_>) -> &'static [&'static str] {
+    match is_sdxl(t) {
+        true => &["text_encoder", "text_encoder_2"],
+        false => &["text_encoder"],
+    }
+}
+
+/// `model_type`, `base_model_name` and the parts' own model files.
+pub(super) fn model(t: &mut Translation<'_>) -> Result<(), ConfigError> {
+    let ty = t.str("model_type")?.to_string();
+    if !MODEL_TYPES.iter().any(|(m, _)| *m == ty) {
+        let why = match () {
+            _ if ty.contains("INPAINTING") || ty.contains("DEPTH") => {
+                "sdtrain trains text-to-image models, not inpainting or depth models"
+            }
+            _ => "sdtrain trains SD1.x, SD2.x and SDXL",
+        };
+        return Err(t.invalid("model_type", format!("is \"{ty}\": {why}")));
+    }
+    let base = t.str("base_model_name")?.to_string();
+    let model = local_or_hub(t, "base_model_name", &base)?;
+    t.set("model", model, "base_model_name")?;
+    let vae = t.str("vae.model_name")?.to_string();
+    if !vae.is_empty() {
+        let v = local_or_hub(t, "vae.model_name", &vae)?;
+        t.set("vae", v, "vae.model_name")?;
+    }
+    for part in ["unet"].iter().chain(text_encoders(t)) {
+        let at = format!("{part}.model_name");
+        if !t.str(&at)?.is_empty() {
+            return Err(t.invalid(
+                &at,
+                "names a separate file for one part; sdtrain loads every part but the VAE from \
+                 base_model_name"
+                    .into(),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// A model named by a path that exists (made absolute, as OneTrainer opens it from its working
+/// directory) or else a hub id, as written.
+fn local_or_hub(t: &Translation<'_>, field: &str, raw: &str) -> Result<Value, ConfigError> {
+    let path = t.input_path(field, raw)?;
+    Ok(match path.exists() {
+        true => json!(path.to_string_lossy()),
+        false => json!(raw),
+    })
+}
+
+/// Whether the run predicts v: the model type's own, or forced by OneTrainer.
+pub(super) fn predicts_v(t: &Translation<'_>) -> Result<bool, ConfigError> {
+    let ty = t.str("model_type")?;
+    let own = MODEL_TYPES.iter().any(|(m, v)| *m == ty && *v);
+    let fine_tune = t.str("training_method")? == "FINE_TUNE";
+    let forced_v = t.bool("rescale_noise_scheduler_to_zero_terminal_snr")?
+        || (fine_tune && t.bool("force_v_prediction")?);
+    let forced_eps = fine_tune && t.bool("force_epsilon_prediction")?;
+    Ok(forced_v || (own && !forced_eps))
+}
+
+/// Everything but the model and the data: the method, precision, objective, length, optimizer
+/// and saves. Returns the optimizer.json object and the warmup as a fraction of the run.
+pub(super) fn translate(
+    t: &mut Translation<'_>,
+) -> Result<(Map<String, Value>, Option<f64>), ConfigError> {
+    let lrs = super::onetrainer_method::method(t)?;
+    precision(t)?;
+    objective(t)?;
+    length(t)?;
+    saves(t)?;
+    validation(t)?;
+    if t.str("ema")? != "OFF" {
+        return Err(t.invalid(
+            "ema",
+            format!(
+                "is \"{}\": OneTrainer's EMA warms its decay up and saves the EMA weights in \
+                 place of the trained ones; sdtrain's EMA (ema_decay_rate, ema_update_interval) \
+                 saves them beside the trained weights. Set ema to \"OFF\" and give sdtrain's \
+                 keys for it",
+                t.str("ema")?
+            ),
+        ));
+    }
+    if t.bool("cloud.enabled")? {
+        return Err(t.invalid(
+            "cloud.enabled",
+            "is true: sdtrain trains on this machine (copy the binary and the data to the \
+             cloud machine and run it there)"
+                .into(),
+        ));
+    }
+    super::onetrainer_optimizer::optimizer(t, lrs)
+}
+
+/// `train_dtype`, the parts' `weight_dtype`, checkpointing and offloading.
+fn precision(t: &mut Translation<'_>) -> Result<(), ConfigError> {
+    let amp = match t.choice(
+        "train_dtype",
+        &["FLOAT_16", "BFLOAT_16", "FLOAT_32", "TFLOAT_32"],
+    )? {
+        "FLOAT_16" => json!("fp16"),
+        "BFLOAT_16" => json!("bf16"),
+        _ => json!(false),
+    };
+    t.set("amp", amp, "train_dtype")?;
+    let full = t.str("training_method")? == "FINE_TUNE";
+    let dtype_of = |t: &Translation<'_>, part: &str| -> Result<&'static str, ConfigError> {
+        let at = format!("{part}.weight_dtype");
+        Ok(match t.str(&at)? {
+            "FLOAT_32" | "TFLOAT_32" => "f32",
+            "BFLOAT_16" => "bf16",
+            "FLOAT_16" => "fp16",
+            "FLOAT_8" if !full => "fp8",
+            other => {
+                return Err(t.invalid(
+                    &at,
+                    format!(
+                        "is \"{other}\": sdtrain stores weights in FLOAT_32, BFLOAT_16 or \
+                         FLOAT_16{}",
+                        if full {
+                            ""
+                        } else {
+                            ", or a frozen base in FLOAT_8"
+                        }
+                    ),
+                ))
+            }
+        })
+    };
+    let unet = dtype_of(t, "unet")?;
+    if full {
+        let trained_te = text_encoders(t)
+            .iter()
+            .filter(|p| t.bool(&format!("{p}.train")).unwrap_or(false))
+            .map(|p| (p, dtype_of(t, p)))
+            .collect::<Vec<_>>();
+        for (part, dtype) in trained_te {
+            if dtype? != unet {
+                return Err(t.invalid(
+                    &format!("{part}.weight_dtype"),
+                    "differs from unet.weight_dtype: sdtrain stores the trained weights in one \
+                     dtype (weight_dtype)"
+                        .into(),
+                ));
+            }
+        }
+        if unet != "f32" {
+            t.set("weight_dtype", json!(unet), "unet.weight_dtype")?;
+        }
+    } else if unet == "fp8" {
+        t.set("base_weight_dtype", json!("fp8"), "unet.weight_dtype")?;
+    } else if t.str("train_dtype")? != "FLOAT_32" && unet == "f32" {
+        t.differences_note(
+            "the frozen weights are held in the compute dtype (train_dtype), not FLOAT_32 \
+             (unet.weight_dtype)"
+                .into(),
+        );
+    }
+    let checkpointing = t.bool("unet.gradient_checkpointing")?;
+    t.set(
+        "gradient_checkpointing",
+        json!(checkpointing),
+        "unet.gradient_checkpointing",
+    )?;
+    Ok(())
+}
+
+/// The loss, its weighting, the noise and the timesteps.
+fn objective(t: &mut Translation<'_>) -> Result<(), ConfigError> {
+    loss_type(t)?;
+    match t.choice(
+        "loss_weight_fn",
+        &["CONSTANT", "MIN_SNR_GAMMA", "DEBIASED_ESTIMATION"],
+    )? {
+        "MIN_SNR_GAMMA" => {
+            let g = t.f64("loss_weight_strength")?;
+            t.set("min_snr_gamma", json!(g), "loss_weight_fn")?;
+        }
+        "DEBIASED_ESTIMATION" if predicts_v(t)? => {
+            return Err(t.invalid(
+                "loss_weight_fn",
+                "is \"DEBIASED_ESTIMATION\" on a v-prediction run: OneTrainer weighs it \
+                 1/√(SNR+1) there, sdtrain (as kohya) 1/(SNR+1)"
+                    .into(),
+            ))
+        }
+        "DEBIASED_ESTIMATION" => {
+            t.set("debiased_estimation_loss", json!(true), "loss_weight_fn")?
+        }
+        _ => {}
+    }
+    if t.str("loss_scaler")? != "NONE" {
+        return Err(t.invalid(
+            "loss_scaler",
+            format!(
+                "is \"{}\": sdtrain divides the loss by the accumulation and nothing else \
+                 (OneTrainer's NONE)",
+                t.str("loss_scaler")?
+            ),
+        ));
+    }
+    // Always written: sdtrain's own default offset (EveryDream2's 0.02) is not OneTrainer's 0.
+    let offset = t.f64("offset_noise_weight")?;
+    t.set("noise_offset", json!(offset), "offset_noise_weight")?;
+    if t.bool("rescale_noise_scheduler_to_zero_terminal_snr")? {
+        t.set(
+            "zero_terminal_snr",
+            json!(true),
+            "rescale_noise_scheduler_to_zero_terminal_snr",
+        )?;
+    }
+    prediction(t)?;
+    timesteps(t)?;
+    if t.bool("masked_training")? {
+        t.set("masked_training", json!(true), "masked_training")?;
+        let w = t.f64("unmasked_weight")?;
+        t.set("unmasked_weight", json!(w), "unmasked_weight")?;
+        if t.bool("normalize_masked_area_loss")? {
+            let v = json!(true);
+            t.set(
+                "normalize_masked_area_loss",
+                v,
+                "normalize_masked_area_loss",
+            )?;
+        }
+        // OneTrainer applies `unmasked_probability` to inpainting models only.
+    }
+    Ok(())
+}
+
+/// The strengths of OneTrainer's four losses: one of them at 1.
+fn loss_type(t: &mut Translation<'_>) -> Result<(), ConfigError> {
+    let strengths = [
+        ("mse_strength", "mse"),
+        ("mae_strength", "l1"),
+        ("huber_strength", "huber"),
+        ("log_cosh_strength", ""),
+    ];
+    let mut on = Vec::new();
+    for (key, ours) in strengths {
+        let s = t.f64(key)?;
+        if s != 0.0 {
+            on.push((key, ours, s));
+        }
+    }
+    let (key, ours) = match on.as_slice() {
+        [(key, ours, s)] if *s == 1.0 && !ours.is_empty() => (*key, *ours),
+        _ => {
+            let list: Vec<String> = on.iter().map(|(k, _, s)| format!("{k} {s}")).collect();
+            return Err(t.invalid(
+                "mse_strength",
+                format!(
+                    "and the other strengths give {}: sdtrain takes one of MSE, MAE and Huber at \
+                     strength 1 (log-cosh and mixes are not implemented)",
+                    match list.is_empty() {
+                        true => "no loss".to_string(),
+                        false => list.join(", "),
+                    }
+                ),
+            ));
+        }
+    };
+    if ours == "huber" {
+        let d = t.f64("huber_delta")?;
+        if d != 1.0 {
+            return Err(t.invalid(
+                "huber_delta",
+                format!("is {d}: sdtrain's Huber loss has δ = 1"),
+            ));
+        }
+    }
+    t.set("loss_type", json!(ours), key)
+}
+
+/// `force_v_prediction`, `force_epsilon_prediction` (OneTrainer's fine-tunes only) and the
+/// v-prediction that the zero-terminal-SNR rescale forces.
+fn prediction(t: &mut Translation<'_>) -> Result<(), ConfigError> {
+    let ty = t.str("model_type")?;
+    let own_v = MODEL_TYPES.iter().any(|(m, v)| *m == ty && *v);
+    let v = predicts_v(t)?;
+    if v != own_v {
+        let from = match v {
+            true if t.bool("rescale_noise_scheduler_to_zero_terminal_snr")? => {
+                "rescale_noise_scheduler_to_zero_terminal_snr"
+            }
+            true => "force_v_prediction",
+            false => "force_epsilon_prediction",
+        };
+        let p = if v { "v_prediction" } else { "epsilon" };
+        t.set("prediction_type", json!(p), from)?;
+    } else if t.str("training_method")? != "FINE_TUNE"
+        && (t.bool("force_v_prediction")? || t.bool("force_epsilon_prediction")?)
+    {
+        t.differences_note(
+            "nothing: force_v_prediction and force_epsilon_prediction are left alone, as \
+             OneTrainer leaves them outside fine-tunes"
+                .into(),
+        );
+    }
+    Ok(())
+}
+
+/// The noising strengths as a timestep range, and the timestep distribution.
+fn timesteps(t: &mut Translation<'_>) -> Result<(), ConfigError> {
+    // OneTrainer: `int(N · strength)` with N = 1000 for every SD model.
+    let start = (1000.0 * t.f64("min_noising_strength")?).trunc() as i64;
+    let end = (1000.0 * t.f64("max_noising_strength")?).trunc() as i64;
+    if start != 0 {
+        t.set("timestep_start", json!(start), "min_noising_strength")?;
+    }
+    if end != 1000 {
+        t.set("timestep_end", json!(end), "max_noising_strength")?;
+    }
+    let weight = t.f64("noising_weight")?;
+    match t.str("timestep_distribution")? {
+        "UNIFORM" => {}
+        "SIGMOID" if weight == 0.0 => {}
+        "LOGIT_NORMAL" => {
+            let bias = t.f64("noising_bias")?;
+            t.set(
+                "timestep_distribution",
+                json!("logit_normal"),
+                "timestep_distribution",
+            )?;
+            t.set("noising_weight", json!(weight), "noising_weight")?;
+            t.set("noising_bias", json!(bias), "noising_bias")?;
+        }
+        other => {
+            return Err(t.invalid(
+                "timestep_distribution",
+                format!(
+                    "is \"{other}\": sdtrain draws timesteps UNIFORM or LOGIT_NORMAL (SIGMOID \
+                     with noising_weight 0 is uniform)"
+                ),
+            ))
+        }
+    }
+    Ok(())
+}
+
+/// `epochs`, `batch_size`, `gradient_accumulation_steps` and `clip_grad_norm`.
+fn length(t: &mut Translation<'_>) -> Result<(), ConfigError> {
+    for (key, ours) in [
+        ("epochs", "max_epochs"),
+        ("batch_size", "batch_size"),
+        ("gradient_accumulation_steps", "grad_accum"),
+    ] {
+        let v = t.i64(key)?;
+        t.set(ours, json!(v), key)?;
+    }
+    // OneTrainer clips the norm of every trained parameter together: kohya's max_grad_norm.
+    if let Some(n) = t.opt_f64("clip_grad_norm")? {
+        t.set("max_grad_norm", json!(n), "clip_grad_norm")?;
+    }
+    Ok(())
+}
+
+/// OneTrainer's `TimeUnit` interval as sdtrain's: whole epochs, optimizer steps (OneTrainer
+/// counts micro-batches), or minutes.
+pub(super) enum Every {
+    Never,
+    Epochs(i64),
+    Steps(i64),
+    Minutes(f64),
+}
+
+pub(super) fn every(
+    t: &Translation<'_>,
+    n_key: &str,
+    unit_key: &str,
+) -> Result<Every, ConfigError> {
+    let n = t.f64(n_key)?;
+    let unit = t.choice(
+        unit_key,
+        &[
+            "EPOCH", "STEP", "SECOND", "MINUTE", "HOUR", "NEVER", "ALWAYS",
+        ],
+    )?;
+    let accumulation = t.i64("gradient_accumulation_steps")?.max(1) as f64;
+    Ok(match unit {
+        _ if n <= 0.0 && unit != "ALWAYS" => Every::Never,
+        "NEVER" => Every::Never,
+        "EPOCH" => Every::Epochs(n as i64),
+        "STEP" => Every::Steps(((n / accumulation).trunc() as i64).max(1)),
+        "ALWAYS" => Every::Steps(1),
+        "SECOND" => Every::Minutes(n / 60.0),
+        "MINUTE" => Every::Minutes(n),
+        _ => Every::Minutes(n * 60.0),
+    })
+}
+
+/// `output_model_destination`, `output_model_format`, `output_dtype`, `workspace_dir` and the
+/// periodic saves.
+fn saves(t: &mut Translation<'_>) -> Result<(), ConfigError> {
+    let dest = t.str("output_model_destination")?.to_string();
+    let dest_path = t.input_path("output_model_destination", &dest)?;
+    let stem = dest_path
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| "model".into());
+    t.set("project_name", json!(stem), "output_model_destination")?;
+    if let Some(dir) = dest_path.parent() {
+        t.set(
+            "save_ckpt_dir",
+            json!(dir.to_string_lossy()),
+            "output_model_destination",
+        )?;
+    }
+    let workspace = t.str("workspace_dir")?.to_string();
+    let workspace = t.input_path("workspace_dir", &workspace)?;
+    t.set(
+        "output_dir",
+        json!(workspace.to_string_lossy()),
+        "workspace_dir",
+    )?;
+    super::onetrainer_method::output_format(t)?;
+    match every(t, "save_every", "save_every_unit")? {
+        Every::Never => {}
+        Every::Epochs(n) => t.set("save_every_n_epochs", json!(n), "save_every")?,
+        Every::Steps(n) => t.set("save_every_n_steps", json!(n), "save_every")?,
+        Every::Minutes(m) => t.set("ckpt_every_n_minutes", json!(m), "save_every")?,
+    }
+    let skip = t.i64("save_skip_first")?;
+    if skip != 0 {
+        match t.str("save_every_unit")? {
+            "EPOCH" => t.set("save_ckpts_from_n_epochs", json!(skip), "save_skip_first")?,
+            unit => {
+                return Err(t.invalid(
+                    "save_skip_first",
+                    format!(
+                        "is {skip} with save_every_unit \"{unit}\": sdtrain delays epoch saves \
+                         only (save_ckpts_from_n_epochs)"
+                    ),
+                ))
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `validation`, `validate_after` and its unit: how often the validation concepts'
+/// (`super::onetrainer_concepts`) loss is measured.
+fn validation(t: &mut Translation<'_>) -> Result<(), ConfigError> {
+    if !t.bool("validation")? {
+        return Ok(());
+    }
+    match every(t, "validate_after", "validate_after_unit")? {
+        Every::Epochs(1) => {}
+        Every::Steps(n) => t.set("validation_every_n_steps", json!(n), "validate_after")?,
+        _ => {
+            return Err(t.invalid(
+                "validate_after",
+                "sdtrain validates at the end of every epoch (validate_after 1 EPOCH) or every \
+                 N steps (unit STEP)"
+                    .into(),
+            ))
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,383 @@
+//! `sdtrain --config onetrainer.json`: a OneTrainer config, written by OneTrainer's own code
+//! (tests/fixtures/make_onetrainer_configs.py, from its built-in presets), trains what it says,
+//! read with OneTrainer's defaults. The translation is checked end to end against a train.json,
+//! an optimizer.json and a dataset config written by hand with the same meaning (the two runs
+//! save the same weights bit for bit); then the text encoders' epoch stop, samples from
+//! OneTrainer's samples file, the concepts' prompt sources, and the refusals.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::cli::{demo_data, sdtrain, sdtrain_ok, sdtrain_refused, text};
+use common::fixture;
+
+/// The OneTrainer fixtures and a copy of the demo images (`data/`) in `dir`, as OneTrainer's
+/// working directory holds them.
+fn workspace(dir: &Path) {
+    for f in [
+        "sd15-lora.json",
+        "sd15-finetune-export.json",
+        "sd15-embedding.json",
+        "concepts.json",
+        "samples.json",
+    ] {
+        std::fs::copy(fixture("onetrainer").join(f), dir.join(f)).unwrap();
+    }
+    common::copy_dir(&demo_data(), &dir.join("data"));
+}
+
+fn model_arg() -> String {
+    format!("base_model_name={}", fixture("tiny-sd15").display())
+}
+
+/// The newest file in `dir` whose name ends with `suffix`.
+fn saved(dir: &Path, suffix: &str) -> PathBuf {
+    let mut found: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.to_string_lossy().ends_with(suffix))
+        .collect();
+    found.sort();
+    found
+        .pop()
+        .unwrap_or_else(|| panic!("no *{suffix} in {}", dir.display()))
+}
+
+/// The hand translation of sd15-lora.json (with a cosine schedule, f32 and no samples):
+/// OneTrainer's values for every key where sdtrain's own defaults differ.
+fn hand_translation(dir: &Path) -> PathBuf {
+    let aspects: Vec<[i64; 2]> = vec![[64, 64], [128, 64], [64, 128]];
+    let train = serde_json::json!({
+        "model": fixture("tiny-sd15"),
+        "dataset_config": "ds.toml",
+        "output_dir": dir.join("hand"),
+        "project_name": "tiny-lora",
+        "resolution": 64,
+        "enable_bucket": true,
+        "aspects": aspects,
+        "cache_latents": true,
+        "batch_size": 2,
+        "grad_accum": 1,
+        "max_epochs": 2,
+        "max_grad_norm": 1.0,
+        "amp": false,
+        "gradient_checkpointing": true,
+        "loss_type": "mse",
+        "noise_offset": 0.0,
+        "cond_dropout": 0.0,
+        "mode": "lora",
+        "adapter": {"rank": 4, "alpha": 2.0, "save_dtype": "fp32"},
+        "optimizer_config": "opt.json",
+    });
+    let optimizer = serde_json::json!({
+        "base": {"optimizer": "adamw", "lr": 3e-4, "betas": [0.9, 0.999], "epsilon": 1e-8,
+                 "weight_decay": 0.01, "lr_scheduler": "cosine", "lr_warmup_steps": 2,
+                 "lr_decay_steps": 16},
+    });
+    let ds = format!(
+        "[[datasets]]\n[[datasets.subsets]]\nimage_dir = {:?}\nnum_repeats = 2\n\
+         caption_extension = \".txt\"\nflip_aug = true\nshuffle_caption = true\n\
+         keep_tokens = 1\ncaption_dropout_rate = 0.0\n",
+        dir.join("data").display().to_string()
+    );
+    std::fs::write(dir.join("ds.toml"), ds).unwrap();
+    std::fs::write(dir.join("opt.json"), optimizer.to_string()).unwrap();
+    let path = dir.join("hand.json");
+    std::fs::write(&path, train.to_string()).unwrap();
+    path
+}
+
+/// OneTrainer's SD1.5 LoRA preset trains as its hand translation does, bit for bit. Catches a
+/// OneTrainer default not applied (sdtrain's own 0.02 noise offset or 0.04 caption dropout, its
+/// automatic warmup or 1.5× decay, an alpha or rank lost), the warmup not divided as OneTrainer
+/// divides it, the concept's repeats, flip or tag shuffle dropped, or other buckets.
+#[test]
+fn a_onetrainer_lora_config_trains_as_its_translation_does() {
+    let d = tempfile::tempdir().unwrap();
+    workspace(d.path());
+    let cfg = d.path().join("sd15-lora.json");
+    let log = sdtrain_ok(
+        &cfg,
+        d.path(),
+        &[
+            "--set",
+            &model_arg(),
+            "--set",
+            "train_dtype=FLOAT_32",
+            "--set",
+            "learning_rate_scheduler=COSINE",
+            "--set",
+            "sample_after_unit=NEVER",
+        ],
+    );
+    assert!(log.contains("backup_after"), "the no-effect note: {log}");
+    assert!(log.contains("unlike OneTrainer"), "the differences: {log}");
+    let ot = common::f32_tensors(&saved(&d.path().join("models"), "-tiny-lora.safetensors"));
+    let hand = hand_translation(d.path());
+    sdtrain_ok(&hand, d.path(), &[]);
+    let run = std::fs::read_dir(d.path().join("hand"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.is_dir())
+        .unwrap();
+    let theirs = common::f32_tensors(&run.join("tiny-lora.safetensors"));
+    assert_eq!(ot.len(), theirs.len());
+    assert!(ot.len() > 100, "{}", ot.len());
+    for (k, v) in &theirs {
+        assert_eq!(ot.get(k), Some(v), "{k}");
+    }
+}
+
+/// A text encoder that OneTrainer stops after one epoch (`stop_training_after` 1, unit EPOCH)
+/// trains in epoch 1 and not after; the UNet trains on. Saves every epoch in the original
+/// single-file layout (`save_every` 1 EPOCH, ORIGINAL_SINGLE_FILE), captions from file names
+/// (prompt source "filename"). Catches the stop not applied, applied a step off, or applied to
+/// the UNet.
+#[test]
+fn the_text_encoders_stop_after_their_epochs() {
+    let d = tempfile::tempdir().unwrap();
+    workspace(d.path());
+    let cfg = d.path().join("sd15-finetune-export.json");
+    let log = sdtrain_ok(
+        &cfg,
+        d.path(),
+        &[
+            "--set",
+            &model_arg(),
+            "--set",
+            "train_dtype=FLOAT_32",
+            "--set",
+            "epochs=3",
+            "--set",
+            "learning_rate=1e-4",
+            "--set",
+            "save_every=1",
+            "--set",
+            "save_every_unit=EPOCH",
+        ],
+    );
+    assert!(log.contains("concepts[0]: 8 images"), "{log}");
+    let models = d.path().join("models");
+    let first = common::f32_tensors(&saved(&models, "-epoch-0001.safetensors"));
+    let second = common::f32_tensors(&saved(&models, "-epoch-0002.safetensors"));
+    let last = common::f32_tensors(&saved(&models, "-final.safetensors"));
+    let moved = |a: &std::collections::HashMap<String, Vec<f32>>,
+                 b: &std::collections::HashMap<String, Vec<f32>>,
+                 prefix: &str| {
+        a.iter()
+            .filter(|(k, _)| k.starts_with(prefix))
+            .any(|(k, v)| b.get(k) != Some(v))
+    };
+    let te = "cond_stage_model.";
+    let unet = "model.diffusion_model.";
+    assert!(
+        !moved(&first, &second, te),
+        "the text encoder trained in epoch 2"
+    );
+    assert!(
+        !moved(&second, &last, te),
+        "the text encoder trained in epoch 3"
+    );
+    assert!(moved(&first, &second, unet) && moved(&second, &last, unet));
+    let plan = std::fs::read_to_string(
+        std::fs::read_dir(d.path().join("workspace/run"))
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .next()
+            .unwrap()
+            .join("plan.json"),
+    )
+    .unwrap();
+    assert!(
+        plan.contains("\"stop_text_encoder_training_epochs\": 1"),
+        "{plan}"
+    );
+}
+
+/// OneTrainer's samples file (`sample_definition_file_name`) is drawn at the start and after
+/// every epoch, each entry at its own size, seed, steps and scheduler; its prompts are read as
+/// A1111's, and a random-weight model's unweighted prompt draws (kohya's rescale of the mean
+/// left out where it is 0/0). Catches the samples file not read, or NaN samples.
+#[test]
+fn onetrainers_samples_are_drawn() {
+    let d = tempfile::tempdir().unwrap();
+    workspace(d.path());
+    let cfg = d.path().join("sd15-lora.json");
+    let log = sdtrain_ok(
+        &cfg,
+        d.path(),
+        &[
+            "--set",
+            &model_arg(),
+            "--set",
+            "train_dtype=FLOAT_32",
+            "--set",
+            "epochs=1",
+            "--set",
+            "sample_after=1",
+            "--set",
+            "sample_after_unit=EPOCH",
+        ],
+    );
+    assert!(!log.contains("NaN"), "{log}");
+    let run = std::fs::read_dir(d.path().join("workspace/run"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .next()
+        .unwrap();
+    let grids: Vec<_> = std::fs::read_dir(run.join("samples"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with("-grid.png"))
+        .collect();
+    assert_eq!(
+        grids.len(),
+        2,
+        "before training and after epoch 1: {grids:?}\n{log}"
+    );
+}
+
+/// A concept's several caption lines are drawn one per sample (OneTrainer's), which turns the
+/// text-encoder cache off; a one-line concept keeps it. The concept's prompt file (`concept`)
+/// captions every image.
+#[test]
+fn caption_lines_and_the_concept_prompt_file() {
+    let d = tempfile::tempdir().unwrap();
+    workspace(d.path());
+    std::fs::write(d.path().join("prompts.txt"), "a shape\n\nsks shape\n").unwrap();
+    let concepts = serde_json::json!([{
+        "__version": 2, "path": "data", "balancing": 1.0,
+        "text": {"prompt_source": "concept", "prompt_path": "prompts.txt"},
+    }]);
+    std::fs::write(d.path().join("c2.json"), concepts.to_string()).unwrap();
+    let cfg = d.path().join("sd15-lora.json");
+    let base = [
+        "--set".to_string(),
+        model_arg(),
+        "--set".into(),
+        "train_dtype=FLOAT_32".into(),
+        "--set".into(),
+        "concept_file_name=c2.json".into(),
+        "--set".into(),
+        "text_encoder.train=false".into(),
+    ];
+    let args: Vec<&str> = base.iter().map(String::as_str).collect();
+    let out = sdtrain(
+        &[
+            &["--config", cfg.to_str().unwrap(), "--cpu", "--dry-run"],
+            &args[..],
+        ]
+        .concat(),
+        d.path(),
+    );
+    let log = text(&out);
+    assert!(out.status.success(), "{log}");
+    assert!(log.contains("captions from"), "{log}");
+    assert!(log.contains("several lines draw one"), "{log}");
+    std::fs::write(d.path().join("prompts.txt"), "sks shape\n").unwrap();
+    let out = sdtrain(
+        &[
+            &["--config", cfg.to_str().unwrap(), "--cpu", "--dry-run"],
+            &args[..],
+        ]
+        .concat(),
+        d.path(),
+    );
+    let log = text(&out);
+    assert!(log.contains("text cache     on"), "{log}");
+}
+
+/// What sdtrain cannot do as OneTrainer does is refused, naming the key and why, before
+/// anything loads.
+#[test]
+fn what_sdtrain_cannot_do_is_refused_by_name() {
+    let d = tempfile::tempdir().unwrap();
+    workspace(d.path());
+    let cfg = d.path().join("sd15-lora.json");
+    let bad = serde_json::json!([{"path": "data", "balancing": 1.5}]);
+    std::fs::write(d.path().join("frac.json"), bad.to_string()).unwrap();
+    let cases = [
+        ("ema=GPU", "`ema`"),
+        ("learning_rate_scheduler=REX", "`learning_rate_scheduler`"),
+        ("mae_strength=0.5", "`mse_strength`"),
+        (
+            "timestep_distribution=HEAVY_TAIL",
+            "`timestep_distribution`",
+        ),
+        ("model_type=STABLE_DIFFUSION_15_INPAINTING", "`model_type`"),
+        ("optimizer.optimizer=ADEMAMIX", "`optimizer.optimizer`"),
+        ("layer_filter=attn", "`layer_filter`"),
+        ("resolution=512,768", "`resolution`"),
+        ("concept_file_name=frac.json", "balancing`"),
+        ("concept_file_name=missing.json", "`concept_file_name`"),
+        ("lerning_rate=1", "did you mean `learning_rate`"),
+        (
+            "perturbation_noise_weight=0.1",
+            "`perturbation_noise_weight`",
+        ),
+        ("loss_weight_fn=P2", "`loss_weight_fn`"),
+    ];
+    for (set, expect) in cases {
+        let model = model_arg();
+        let log = sdtrain_refused(&cfg, d.path(), &["--set", &model, "--set", set]);
+        assert!(log.contains(expect), "--set {set}: {log}");
+    }
+    // A file of an older OneTrainer, which OneTrainer itself migrates when it opens it.
+    let mut old: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&cfg).unwrap()).unwrap();
+    old["__version"] = serde_json::json!(9);
+    let old_cfg = d.path().join("old.json");
+    std::fs::write(&old_cfg, old.to_string()).unwrap();
+    let log = sdtrain_refused(&old_cfg, d.path(), &[]);
+    assert!(
+        log.contains("`__version`") && log.contains("older OneTrainer"),
+        "{log}"
+    );
+}
+
+/// OneTrainer's schedule numbers: a warmup above 1 counts micro-batches (divided by the
+/// accumulation), at most 1 is a fraction of the run; `learning_rate_scaler` multiplies the
+/// rates by the square root of the batch; clip skip counts from 1. Catches the warmup taken as
+/// optimizer steps, the scaler's square root missed, or clip skip off by one.
+#[test]
+fn schedule_numbers_are_onetrainers() {
+    let d = tempfile::tempdir().unwrap();
+    workspace(d.path());
+    let cfg = d.path().join("sd15-lora.json");
+    let model = model_arg();
+    let log = sdtrain_ok(
+        &cfg,
+        d.path(),
+        &[
+            "--dry-run",
+            "--set",
+            &model,
+            "--set",
+            "gradient_accumulation_steps=2",
+            "--set",
+            "learning_rate_warmup_steps=9",
+            "--set",
+            "batch_size=4",
+            "--set",
+            "learning_rate_scaler=BATCH",
+            "--set",
+            "text_encoder_layer_skip=1",
+        ],
+    );
+    assert!(log.contains("warmup 4,"), "9 micro-batches over 2: {log}");
+    assert!(log.contains("lr 6e-4"), "3e-4 · √4: {log}");
+    assert!(log.contains("clip_skip      2"), "{log}");
+    let log = sdtrain_ok(
+        &cfg,
+        d.path(),
+        &[
+            "--dry-run",
+            "--set",
+            &model,
+            "--set",
+            "learning_rate_warmup_steps=0.5",
+        ],
+    );
+    assert!(log.contains("warmup 0.5 of the run's steps"), "{log}");
+}
