@@ -158,6 +158,16 @@ fn the_text_encoders_stop_after_their_epochs() {
         ],
     );
     assert!(log.contains("concepts[0]: 8 images"), "{log}");
+    let dry = sdtrain_ok(
+        &cfg,
+        d.path(),
+        &["--dry-run", "--set", &model_arg(), "--set", "epochs=3"],
+    );
+    assert!(
+        dry.contains("trained (every layer); stops after 1 epoch"),
+        "{dry}"
+    );
+    assert!(dry.contains("captions from file names"), "{dry}");
     let models = d.path().join("models");
     let first = common::f32_tensors(&saved(&models, "-epoch-0001.safetensors"));
     let second = common::f32_tensors(&saved(&models, "-epoch-0002.safetensors"));
@@ -298,7 +308,7 @@ fn what_sdtrain_cannot_do_is_refused_by_name() {
     let bad = serde_json::json!([{"path": "data", "balancing": 1.5}]);
     std::fs::write(d.path().join("frac.json"), bad.to_string()).unwrap();
     let cases = [
-        ("ema=GPU", "`ema`"),
+        ("ema=ON", "`ema`"),
         ("learning_rate_scheduler=REX", "`learning_rate_scheduler`"),
         ("mae_strength=0.5", "`mse_strength`"),
         (
@@ -380,4 +390,86 @@ fn schedule_numbers_are_onetrainers() {
         ],
     );
     assert!(log.contains("warmup 0.5 of the run's steps"), "{log}");
+}
+
+/// Each optimizer as OneTrainer's UI writes it when picked (its table of defaults, with
+/// settings the optimizer does not take, which OneTrainer's `create.py` does not pass either)
+/// is taken, with OneTrainer's values. Catches a setting of another optimizer refused, or a
+/// picked value (Prodigy's `decouple`, CAME's weight decay) lost.
+#[test]
+fn optimizers_as_onetrainers_ui_writes_them_are_taken() {
+    let d = tempfile::tempdir().unwrap();
+    workspace(d.path());
+    let cfg = d.path().join("sd15-lora.json");
+    let picked: serde_json::Map<String, serde_json::Value> = serde_json::from_str(
+        &std::fs::read_to_string(fixture("onetrainer/ui-optimizers.json")).unwrap(),
+    )
+    .unwrap();
+    let expect = [
+        (
+            "ADAMW",
+            "adamw lr 3e-4, betas (0.9, 0.999), epsilon 1e-8, weight_decay 0.01",
+        ),
+        ("ADAMW_8BIT", "adamw8bit lr 3e-4"),
+        (
+            "ADAM",
+            "adamw lr 3e-4, betas (0.9, 0.999), epsilon 1e-8, weight_decay 0;",
+        ),
+        ("LION", "lion lr 3e-4, betas (0.9, 0.99)"),
+        ("ADAFACTOR", "adafactor"),
+        ("PRODIGY", "prodigy"),
+        ("CAME", "came"),
+        ("DADAPT_ADAM", "dadapt_adam"),
+        ("SCHEDULE_FREE_ADAMW", "adamw_schedulefree"),
+    ];
+    assert_eq!(picked.len(), expect.len());
+    for (name, shown) in expect {
+        let set = format!("optimizer={}", picked[name]);
+        let model = model_arg();
+        let log = sdtrain_ok(
+            &cfg,
+            d.path(),
+            &["--dry-run", "--set", &model, "--set", &set],
+        );
+        assert!(log.contains(shown), "{name}: {log}");
+        if name == "PRODIGY" {
+            assert!(log.contains("slice_p"), "the note: {log}");
+        }
+    }
+}
+
+/// OneTrainer's EMA (`ema` CPU) keeps an average with its decay warm-up, saved beside the
+/// trained LoRA. Catches the warm-up not carried into the plan, or the EMA file not saved.
+#[test]
+fn onetrainers_ema_is_kept_and_saved() {
+    let d = tempfile::tempdir().unwrap();
+    workspace(d.path());
+    let cfg = d.path().join("sd15-lora.json");
+    let log = sdtrain_ok(
+        &cfg,
+        d.path(),
+        &[
+            "--set",
+            &model_arg(),
+            "--set",
+            "train_dtype=FLOAT_32",
+            "--set",
+            "epochs=1",
+            "--set",
+            "sample_after_unit=NEVER",
+            "--set",
+            "ema=CPU",
+            "--set",
+            "ema_update_step_interval=1",
+        ],
+    );
+    assert!(log.contains("ema: decay 0.999 every 1 steps"), "{log}");
+    saved(&d.path().join("models"), "-tiny-lora-ema.safetensors");
+    let run = std::fs::read_dir(d.path().join("workspace/run"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .next()
+        .unwrap();
+    let plan = std::fs::read_to_string(run.join("plan.json")).unwrap();
+    assert!(plan.contains("\"warmup\": true"), "{plan}");
 }

@@ -40,6 +40,10 @@ pub struct EmaPlan {
     pub decay: EmaDecay,
     pub update_interval: usize,
     pub device: EmaDevice,
+    /// `ema_decay_warmup` (OneTrainer's): the decay after k optimizer steps is
+    /// `min(k/(9 + k), decay)`.
+    #[serde(default)]
+    pub warmup: bool,
 }
 
 impl EmaPlan {
@@ -114,6 +118,7 @@ pub fn resolve_ema(f: &TrainFile, file: &Path) -> Result<Option<EmaPlan>, Config
             for (field, set) in [
                 ("ema_update_interval", f.ema_update_interval.is_some()),
                 ("ema_device", f.ema_device.is_some()),
+                ("ema_decay_warmup", f.ema_decay_warmup == Some(true)),
             ] {
                 if set {
                     return Err(invalid(
@@ -131,6 +136,7 @@ pub fn resolve_ema(f: &TrainFile, file: &Path) -> Result<Option<EmaPlan>, Config
         decay,
         update_interval,
         device,
+        warmup: f.ema_decay_warmup.unwrap_or(false),
     }))
 }
 

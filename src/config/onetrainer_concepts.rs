@@ -227,6 +227,12 @@ fn subset(t: &Translation<'_>, c: &Concept) -> Result<toml::Table, ConfigError> 
 /// dataset id).
 fn concept_dir(t: &Translation<'_>, c: &Concept) -> Result<PathBuf, ConfigError> {
     let raw = c.text("path");
+    if raw.trim().is_empty() {
+        return Err(t.invalid(
+            &c.field("path"),
+            "is empty: a concept names its folder of images".into(),
+        ));
+    }
     let dir = t.input_path(&c.field("path"), raw)?;
     if !dir.is_dir() {
         return Err(t.invalid(
@@ -480,6 +486,12 @@ pub(super) fn samples(t: &mut Translation<'_>) -> Result<(), ConfigError> {
     )?;
     // OneTrainer's samples start at step 0, before any training.
     t.set("sample_at_first", json!(true), "sample_after")?;
+    if t.str("ema")? != "OFF" {
+        // OneTrainer samples the EMA weights, and the trained ones too with non_ema_sampling.
+        t.set("ema_sample_ema_model", json!(true), "ema")?;
+        let both = t.bool("non_ema_sampling")?;
+        t.set("ema_sample_nonema_model", json!(both), "non_ema_sampling")?;
+    }
     match when {
         Every::Epochs(n) => t.set("sample_every_n_epochs", json!(n), "sample_after")?,
         Every::Steps(n) => t.set("sample_every_n_steps", json!(n), "sample_after")?,

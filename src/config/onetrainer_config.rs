@@ -241,6 +241,8 @@ pub(super) struct Translation<'a> {
     no_effect: BTreeSet<String>,
     /// Where sdtrain's numbers differ from OneTrainer's.
     differences: std::cell::RefCell<Vec<String>>,
+    /// Other things the run should say about the file.
+    remarks: std::cell::RefCell<Vec<String>>,
 }
 
 impl<'a> Translation<'a> {
@@ -263,6 +265,7 @@ impl<'a> Translation<'a> {
             origin: HashMap::new(),
             no_effect: BTreeSet::new(),
             differences: Default::default(),
+            remarks: Default::default(),
         };
         let mut own = Map::new();
         for (key, value) in file {
@@ -295,6 +298,14 @@ impl<'a> Translation<'a> {
 
     pub fn invalid(&self, field: &str, message: String) -> ConfigError {
         invalid(self.path, field, message)
+    }
+
+    /// A note about the file that is not a difference.
+    pub fn remark(&self, text: String) {
+        let mut r = self.remarks.borrow_mut();
+        if !r.contains(&text) {
+            r.push(text);
+        }
     }
 
     /// Notes where sdtrain's numbers will differ from OneTrainer's ("unlike OneTrainer, …").
@@ -506,6 +517,9 @@ impl<'a> Translation<'a> {
                 list.join(", "),
                 if list.len() == 1 { "changes" } else { "change" }
             ));
+        }
+        for r in self.remarks.borrow().iter() {
+            crate::console::say(format_args!("note: {}: {r}", self.path.display()));
         }
         for d in self.differences.borrow().iter() {
             crate::console::say(format_args!(

@@ -31,6 +31,16 @@ pub(super) fn method(t: &mut Translation<'_>) -> Result<(f64, f64), ConfigError>
     if method == "LORA" {
         adapter(t)?;
     } else {
+        if !t.str("layer_filter")?.trim().is_empty() {
+            return Err(t.invalid(
+                "layer_filter",
+                format!(
+                    "is \"{}\" in a fine-tune, which trains only the layers it names; sdtrain's \
+                     fine-tune trains every UNet weight (set layer_filter to \"\")",
+                    t.str("layer_filter")?
+                ),
+            ));
+        }
         t.set("mode", json!("full"), "training_method")?;
     }
     let unet = t.bool("unet.train")?;
@@ -202,7 +212,31 @@ fn adapter(t: &mut Translation<'_>) -> Result<(), ConfigError> {
                 .into(),
         ));
     }
+    t.refuse_unless_default("lora_weight_dtype", "sdtrain's adapter weights are f32")?;
+    preset_label(t, &filter)?;
     let dora = t.bool("lora_decompose")?;
+    if dora {
+        t.refuse_unless_default(
+            "lora_decompose_output_axis",
+            "sdtrain's DoRA normalizes per input channel, the form A1111 and ComfyUI load",
+        )?;
+    }
+    if peft == "LOKR" {
+        for (key, why) in [
+            (
+                "lokr_decompose_both",
+                "sdtrain's LoKr decomposes the second factor only",
+            ),
+            ("lokr_use_tucker", "Tucker decomposition is not implemented"),
+            ("lokr_weight_decompose", "LoKr with DoRA is not implemented"),
+            (
+                "lokr_full_matrix",
+                "sdtrain's LoKr decomposes the second factor",
+            ),
+        ] {
+            t.refuse_unless_default(key, why)?;
+        }
+    }
     let mode = match (peft.as_str(), filter.as_str(), dora) {
         ("LORA", "attentions", false) => "lora",
         ("LORA", "", false) => "locon",
@@ -260,6 +294,33 @@ fn adapter(t: &mut Translation<'_>) -> Result<(), ConfigError> {
     Ok(())
 }
 
+/// OneTrainer's `layer_filter_preset` is its UI's label: picking a preset writes its patterns
+/// into `layer_filter`, which alone its training reads. A label that disagrees with the filter
+/// (a built-in preset's "attn-mlp" beside an empty filter) is said, since the run follows the
+/// filter as OneTrainer's does.
+fn preset_label(t: &Translation<'_>, filter: &str) -> Result<(), ConfigError> {
+    let label = t.str("layer_filter_preset")?;
+    let expected = match label {
+        "full" => "",
+        "attn-mlp" => "attentions",
+        "attn-only" => "attn",
+        _ => return Ok(()),
+    };
+    if filter != expected {
+        t.remark(format!(
+            "layer_filter_preset \"{label}\" is OneTrainer's UI label, and its \
+             training, like sdtrain's, adapts the layers layer_filter names (\"{filter}\"{}); \
+             set layer_filter to \"{expected}\" for what the label says",
+            if filter.is_empty() {
+                ": every layer"
+            } else {
+                ""
+            }
+        ));
+    }
+    Ok(())
+}
+
 /// The `embedding` object: the placeholder, its vector count and how they start.
 fn embedding(t: &mut Translation<'_>) -> Result<(), ConfigError> {
     t.set("mode", json!("textual_inversion"), "training_method")?;
@@ -272,6 +333,14 @@ fn embedding(t: &mut Translation<'_>) -> Result<(), ConfigError> {
     t.refuse_unless_default(
         "embedding.is_output_embedding",
         "output embeddings are not implemented",
+    )?;
+    t.refuse_unless_default(
+        "preserve_embedding_norm",
+        "sdtrain does not rescale trained embedding vectors",
+    )?;
+    t.refuse_unless_default(
+        "embedding_weight_dtype",
+        "sdtrain's embedding vectors are f32",
     )?;
     t.refuse_unless_default(
         "embedding.stop_training_after_unit",
@@ -366,6 +435,13 @@ fn full_format(t: &mut Translation<'_>, format: &str, dtype: &str) -> Result<(),
     };
     let v: Value = json!(if single { "safetensors" } else { "diffusers" });
     t.set("save_ckpt_format", v, "output_model_format")?;
+    if !single {
+        t.remark(
+            "the DIFFUSERS model is saved in the run folder (`final/` under workspace_dir's run), \
+             not at output_model_destination"
+                .into(),
+        );
+    }
     match (single, dtype) {
         (true, "BFLOAT_16") => {
             return Err(t.invalid(

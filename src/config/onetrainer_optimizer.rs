@@ -64,11 +64,132 @@ fn fallbacks(ot: &str) -> Value {
     }
 }
 
-/// Settings of OneTrainer's optimizer object that change nothing here (how torch runs the step,
-/// logging), or that sdtrain's optimizers do their own way.
+/// The settings OneTrainer's `create.py` passes to each optimizer; it reads no other field of the
+/// optimizer object (the UI keeps them for other optimizers), and neither does sdtrain.
+fn passed(ot: &str) -> &'static [&'static str] {
+    const ADAM: &[&str] = &[
+        "beta1",
+        "beta2",
+        "eps",
+        "weight_decay",
+        "amsgrad",
+        "foreach",
+        "maximize",
+        "capturable",
+        "differentiable",
+        "fused",
+        "stochastic_rounding",
+        "fused_back_pass",
+    ];
+    const BNB: &[&str] = &[
+        "beta1",
+        "beta2",
+        "eps",
+        "weight_decay",
+        "min_8bit_size",
+        "percentile_clipping",
+        "block_wise",
+        "is_paged",
+    ];
+    match ot {
+        "ADAMW" | "ADAM" => ADAM,
+        "ADAMW_8BIT" | "ADAM_8BIT" | "LION_8BIT" => BNB,
+        "LION" => &["beta1", "beta2", "weight_decay", "use_triton"],
+        "ADAFACTOR" => &[
+            "eps",
+            "eps2",
+            "clip_threshold",
+            "decay_rate",
+            "beta1",
+            "weight_decay",
+            "scale_parameter",
+            "relative_step",
+            "warmup_init",
+            "stochastic_rounding",
+            "fused_back_pass",
+        ],
+        "CAME" => &[
+            "beta1",
+            "beta2",
+            "beta3",
+            "eps",
+            "eps2",
+            "weight_decay",
+            "stochastic_rounding",
+            "use_cautious",
+            "fused_back_pass",
+        ],
+        "PRODIGY" => &[
+            "beta1",
+            "beta2",
+            "beta3",
+            "eps",
+            "weight_decay",
+            "decouple",
+            "use_bias_correction",
+            "safeguard_warmup",
+            "d0",
+            "d_coef",
+            "growth_rate",
+            "fsdp_in_use",
+            "slice_p",
+        ],
+        "DADAPT_ADAM" => &[
+            "beta1",
+            "beta2",
+            "eps",
+            "weight_decay",
+            "log_every",
+            "decouple",
+            "use_bias_correction",
+            "d0",
+            "growth_rate",
+            "fsdp_in_use",
+        ],
+        "DADAPT_LION" => &[
+            "beta1",
+            "beta2",
+            "weight_decay",
+            "log_every",
+            "d0",
+            "fsdp_in_use",
+        ],
+        "DADAPT_SGD" => &[
+            "momentum",
+            "weight_decay",
+            "log_every",
+            "d0",
+            "growth_rate",
+            "fsdp_in_use",
+        ],
+        "DADAPT_ADAN" => &[
+            "beta1",
+            "beta2",
+            "beta3",
+            "eps",
+            "weight_decay",
+            "no_prox",
+            "log_every",
+            "d0",
+            "growth_rate",
+        ],
+        "SCHEDULE_FREE_ADAMW" => &[
+            "beta1",
+            "beta2",
+            "eps",
+            "weight_decay",
+            "r",
+            "weight_lr_power",
+            "foreach",
+        ],
+        _ => &[],
+    }
+}
+
+/// Settings OneTrainer passes that change nothing here (how torch runs the step, logging), or
+/// that sdtrain's optimizers do their own way (its 8-bit state is always block-wise; bf16
+/// weights always round stochastically).
 const NO_EFFECT: &[&str] = &[
-    "__version",
-    "optimizer",
     "fused",
     "foreach",
     "capturable",
@@ -123,7 +244,7 @@ pub(super) fn optimizer(
     if lrs.1 != lrs.0 {
         optimizer.insert("text_encoder_overrides".into(), json!({"lr": lrs.1}));
     }
-    if t.bool("optimizer.fused_back_pass")? {
+    if passed(&ot).contains(&"fused_back_pass") && t.bool("optimizer.fused_back_pass")? {
         t.set(
             "fused_backward_pass",
             json!(true),
@@ -146,7 +267,8 @@ fn settings(
     let adafactor = ot == "ADAFACTOR";
     for (key, value) in fields {
         let at = format!("optimizer.{key}");
-        if NO_EFFECT.contains(&key.as_str()) || value.is_null() || t.is_default(&at) {
+        let read = passed(ot).contains(&key.as_str()) && !NO_EFFECT.contains(&key.as_str());
+        if !read || value.is_null() || t.is_default(&at) {
             continue;
         }
         let shown = value.to_string();
@@ -241,7 +363,10 @@ fn settings(
                 ));
             }
             ("PRODIGY" | "DADAPT_ADAM" | "DADAPT_ADAN", "d_coef") if same(&value, &json!(1.0)) => {}
-            ("ADAMW_8BIT" | "LION_8BIT", "percentile_clipping") if same(&value, &json!(100)) => {}
+            ("ADAMW_8BIT" | "ADAM_8BIT" | "LION_8BIT", "percentile_clipping")
+                if same(&value, &json!(100)) => {}
+            // `optimizer` reads it.
+            (_, "fused_back_pass") => {}
             _ => {
                 return refuse(&format!(
                     "not a setting sdtrain's {} takes (docs/OPTIMIZERS.md lists them)",

@@ -96,18 +96,7 @@ pub(super) fn translate(
     length(t)?;
     saves(t)?;
     validation(t)?;
-    if t.str("ema")? != "OFF" {
-        return Err(t.invalid(
-            "ema",
-            format!(
-                "is \"{}\": OneTrainer's EMA warms its decay up and saves the EMA weights in \
-                 place of the trained ones; sdtrain's EMA (ema_decay_rate, ema_update_interval) \
-                 saves them beside the trained weights. Set ema to \"OFF\" and give sdtrain's \
-                 keys for it",
-                t.str("ema")?
-            ),
-        ));
-    }
+    ema(t)?;
     if t.bool("cloud.enabled")? {
         return Err(t.invalid(
             "cloud.enabled",
@@ -117,6 +106,32 @@ pub(super) fn translate(
         ));
     }
     super::onetrainer_optimizer::optimizer(t, lrs)
+}
+
+/// `ema`, `ema_decay` and `ema_update_step_interval`: sdtrain's EMA with OneTrainer's decay
+/// warm-up, on the training device (GPU) or the host (CPU).
+fn ema(t: &mut Translation<'_>) -> Result<(), ConfigError> {
+    let device = match t.choice("ema", &["OFF", "GPU", "CPU"])? {
+        "OFF" => return Ok(()),
+        "GPU" => "device",
+        _ => "cpu",
+    };
+    let decay = t.f64("ema_decay")?;
+    let interval = t.i64("ema_update_step_interval")?;
+    t.set("ema_decay_rate", json!(decay), "ema_decay")?;
+    t.set(
+        "ema_update_interval",
+        json!(interval),
+        "ema_update_step_interval",
+    )?;
+    t.set("ema_device", json!(device), "ema")?;
+    t.set("ema_decay_warmup", json!(true), "ema")?;
+    t.differences_note(
+        "the EMA weights are saved beside the trained ones (`-ema` files and folders), where \
+         OneTrainer saves them in their place"
+            .into(),
+    );
+    Ok(())
 }
 
 /// `train_dtype`, the parts' `weight_dtype`, checkpointing and offloading.
@@ -318,9 +333,9 @@ fn prediction(t: &mut Translation<'_>) -> Result<(), ConfigError> {
     } else if t.str("training_method")? != "FINE_TUNE"
         && (t.bool("force_v_prediction")? || t.bool("force_epsilon_prediction")?)
     {
-        t.differences_note(
-            "nothing: force_v_prediction and force_epsilon_prediction are left alone, as \
-             OneTrainer leaves them outside fine-tunes"
+        t.remark(
+            "force_v_prediction and force_epsilon_prediction are left alone, as OneTrainer \
+             leaves them outside fine-tunes"
                 .into(),
         );
     }
@@ -421,13 +436,19 @@ pub(super) fn every(
 fn saves(t: &mut Translation<'_>) -> Result<(), ConfigError> {
     let dest = t.str("output_model_destination")?.to_string();
     let dest_path = t.input_path("output_model_destination", &dest)?;
+    // OneTrainer writes into an existing folder as `<folder>/<timestamp>.safetensors`.
+    let into_folder = dest_path.is_dir();
     let stem = dest_path
         .file_stem()
         .map(|s| s.to_string_lossy().into_owned())
-        .filter(|s| !s.is_empty())
+        .filter(|s| !s.is_empty() && !into_folder)
         .unwrap_or_else(|| "model".into());
     t.set("project_name", json!(stem), "output_model_destination")?;
-    if let Some(dir) = dest_path.parent() {
+    let folder = match into_folder {
+        true => Some(dest_path.as_path()),
+        false => dest_path.parent(),
+    };
+    if let Some(dir) = folder {
         t.set(
             "save_ckpt_dir",
             json!(dir.to_string_lossy()),

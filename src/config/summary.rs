@@ -328,7 +328,16 @@ impl super::TrainPlan {
             (true, true) => "trained (every layer)".to_string(),
             (true, false) => format!("trained ({freeze})"),
         };
-        row(f, "text encoder", &te)?;
+        let stop = match (
+            self.stop_text_encoder_training,
+            self.stop_text_encoder_training_epochs,
+        ) {
+            (Some(s), Some(e)) => format!("; stops after {s} steps or {e} epochs, the earlier"),
+            (Some(s), None) => format!("; stops after {s} steps"),
+            (None, Some(e)) => format!("; stops after {e} epoch{}", if e == 1 { "" } else { "s" }),
+            (None, None) => String::new(),
+        };
+        row(f, "text encoder", &format!("{te}{stop}"))?;
         let source = self
             .optimizer
             .source

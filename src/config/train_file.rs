@@ -439,6 +439,9 @@ pub struct TrainFile {
     /// EveryDream2's EMA decay per update; setting it (or `ema_strength_target`) turns EMA on.
     #[serde(default)]
     pub ema_decay_rate: Option<f64>,
+    /// OneTrainer's EMA decay warm-up: `min(k/(9 + k), ema_decay_rate)` after k steps.
+    #[serde(default)]
+    pub ema_decay_warmup: Option<bool>,
     /// The share of the starting weights left in the EMA at the end of the run; overrides
     /// `ema_decay_rate`.
     #[serde(default)]

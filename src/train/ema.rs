@@ -42,6 +42,8 @@ pub type Result<T> = std::result::Result<T, EmaError>;
 /// An f32 copy of each trainable parameter, by name, on its own device.
 pub struct Ema {
     decay: f64,
+    /// OneTrainer's warm-up: the decay after k steps is `min(k/(9 + k), decay)`.
+    warmup: bool,
     interval: usize,
     device: Device,
     names: Vec<String>,
@@ -74,6 +76,7 @@ impl Ema {
         };
         let decay = plan.decay_for_run(total_steps);
         let mut ema = Self::new(params, decay, plan.update_interval, &device)?;
+        ema.warmup = plan.warmup;
         if let Some(f) = resumed {
             if !f.is_file() {
                 bail!(
@@ -115,6 +118,7 @@ impl Ema {
             .collect::<Result<_>>()?;
         Ok(Self {
             decay,
+            warmup: false,
             interval: interval.max(1),
             device: device.clone(),
             names: params.iter().map(|(n, _)| n.clone()).collect(),
@@ -131,10 +135,20 @@ impl Ema {
         steps > 0 && steps.is_multiple_of(self.interval)
     }
 
+    /// The decay of the update after `steps` completed optimizer steps: the decay, or with
+    /// the warm-up OneTrainer's `min((1 + n)/(10 + n), decay)` with `n = steps − 1`
+    /// (`EMAModule.step`).
+    pub fn decay_at(&self, steps: usize) -> f64 {
+        match self.warmup {
+            true => (steps as f64 / (9.0 + steps as f64)).min(self.decay),
+            false => self.decay,
+        }
+    }
+
     /// `ema ← d·ema + (1 − d)·param` for each parameter, in `params`' order (the order `new`
-    /// was given).
-    pub fn update(&mut self, params: &[Var]) -> Result<()> {
-        let d = self.decay;
+    /// was given), after `steps` completed optimizer steps ([`Ema::decay_at`]).
+    pub fn update(&mut self, params: &[Var], steps: usize) -> Result<()> {
+        let d = self.decay_at(steps);
         for ((e, p), name) in self.values.iter_mut().zip(params).zip(&self.names) {
             let p = to_f32_on(p.as_tensor(), &self.device, name)?;
             let wrap = |source| EmaError::Tensor {
@@ -292,6 +306,31 @@ mod tests {
         Ema::new(&[("p".into(), v.clone())], decay, interval, &Device::Cpu).unwrap()
     }
 
+    /// OneTrainer's warm-up (`EMAModule.step`: `min((1 + n)/(10 + n), decay)` with
+    /// `n = global_step // accumulation`, 0 at the first update): 0.1 at the first step, 5/14
+    /// at the fifth, then the decay itself. Catches `n` counted from 1 (2/11 first) or the cap
+    /// missing.
+    #[test]
+    fn warmup_follows_onetrainers_decay() {
+        let v = var(&[2.0f32]);
+        let mut ema = ema_of(&v, 0.999, 1);
+        assert_eq!(ema.decay_at(1), 0.999, "off without the warm-up");
+        ema.warmup = true;
+        assert!((ema.decay_at(1) - 0.1).abs() < 1e-15);
+        assert!((ema.decay_at(5) - 5.0 / 14.0).abs() < 1e-15);
+        assert!((ema.decay_at(1000) - 1000.0 / 1009.0).abs() < 1e-15);
+        assert_eq!(ema.decay_at(100_000), 0.999);
+        v.set(&Tensor::new(&[0.5f32], &Device::Cpu).unwrap())
+            .unwrap();
+        ema.update(std::slice::from_ref(&v), 1).unwrap();
+        ema.update(std::slice::from_ref(&v), 2).unwrap();
+        let first = 0.1 * 2.0 + 0.9 * 0.5;
+        close(
+            &vals(&ema.values()[0]),
+            &[2.0 / 11.0 * first + 9.0 / 11.0 * 0.5],
+        );
+    }
+
     /// Catches a swapped `d` and `1 − d`, a missing `(1 − d)·param` term, or a start that is not
     /// the parameter's value at creation.
     #[test]
@@ -301,7 +340,7 @@ mod tests {
         let mut ema = ema_of(&v, d, 1);
         v.set(&Tensor::new(&p, &Device::Cpu).unwrap()).unwrap();
         for k in 1..=5 {
-            ema.update(std::slice::from_ref(&v)).unwrap();
+            ema.update(std::slice::from_ref(&v), 1).unwrap();
             let dk = d.powi(k);
             let want: Vec<f64> = e0
                 .iter()
@@ -321,7 +360,7 @@ mod tests {
         let mut ema = ema_of(&v, 0.5, 1);
         for (p, want) in [(4.0f32, 2.0), (8.0, 5.0), (2.0, 3.5)] {
             v.set(&Tensor::new(&[p], &Device::Cpu).unwrap()).unwrap();
-            ema.update(std::slice::from_ref(&v)).unwrap();
+            ema.update(std::slice::from_ref(&v), 1).unwrap();
             close(&vals(&ema.values()[0]), &[want]);
         }
     }
@@ -353,7 +392,7 @@ mod tests {
         let mut ema = ema_of(&v, 0.5, 1);
         v.set(&Tensor::new(&[8.0f32], &Device::Cpu).unwrap())
             .unwrap();
-        ema.update(std::slice::from_ref(&v)).unwrap(); // 6
+        ema.update(std::slice::from_ref(&v), 1).unwrap(); // 6
         let seen = ema
             .with_weights(std::slice::from_ref(&v), || Ok(vals(v.as_tensor())))
             .unwrap();
@@ -376,7 +415,7 @@ mod tests {
             .unwrap();
         close(&vals(&ema.values()[0]), &[5.0, 7.0]);
         // The next update moves from the loaded start: 0.5·5 + 0.5·1.
-        ema.update(std::slice::from_ref(&v)).unwrap();
+        ema.update(std::slice::from_ref(&v), 1).unwrap();
         close(&vals(&ema.values()[0]), &[3.0, 4.5]);
         let err = ema.start_from(|_| None).unwrap_err();
         assert_eq!(err.to_string(), "p: is not in the model");
@@ -393,7 +432,7 @@ mod tests {
         let mut ema = ema_of(&v, 0.3, 1);
         v.set(&Tensor::new(&[0.7f32, -0.9], &Device::Cpu).unwrap())
             .unwrap();
-        ema.update(std::slice::from_ref(&v)).unwrap();
+        ema.update(std::slice::from_ref(&v), 1).unwrap();
         ema.save(&path).unwrap();
         let mut other = ema_of(&var(&[0.0, 0.0]), 0.3, 1);
         other.load(&path).unwrap();

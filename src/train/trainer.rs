@@ -461,7 +461,7 @@ impl Session<'_> {
         if let Some(ema) = &mut self.extras.ema {
             // After the update the step applied; a skipped step leaves the EMA as it is.
             if report.applied && ema.due(out.steps) {
-                ema.update(&self.opt.params)
+                ema.update(&self.opt.params, out.steps)
                     .with_context(|| format!("EMA update at step {}", out.steps))?;
             }
         }
