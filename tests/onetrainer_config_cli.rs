@@ -305,7 +305,7 @@ fn what_sdtrain_cannot_do_is_refused_by_name() {
     let d = tempfile::tempdir().unwrap();
     workspace(d.path());
     let cfg = d.path().join("sd15-lora.json");
-    let bad = serde_json::json!([{"path": "data", "balancing": 1.5}]);
+    let bad = serde_json::json!([{"path": "data", "balancing": -1.0}]);
     std::fs::write(d.path().join("frac.json"), bad.to_string()).unwrap();
     let cases = [
         ("ema=ON", "`ema`"),
@@ -472,4 +472,43 @@ fn onetrainers_ema_is_kept_and_saved() {
         .unwrap();
     let plan = std::fs::read_to_string(run.join("plan.json")).unwrap();
     assert!(plan.contains("\"warmup\": true"), "{plan}");
+}
+
+/// OneTrainer's balancing: REPEATS 0.5 trains half of a concept's 8 images each epoch, SAMPLES 6
+/// six of another concept of the same folder (both are trained, as OneTrainer trains two
+/// concepts of one folder). Catches the fraction rounded to a whole repeat, SAMPLES taken as
+/// repeats, or the second concept dropped as a kohya duplicate.
+#[test]
+fn balancing_sets_each_concepts_samples_per_epoch() {
+    let d = tempfile::tempdir().unwrap();
+    workspace(d.path());
+    let concepts = serde_json::json!([
+        {"__version": 2, "path": "data", "balancing": 0.5},
+        {"__version": 2, "path": "data", "seed": 5, "balancing": 6,
+         "balancing_strategy": "SAMPLES", "text": {"prompt_source": "filename"}},
+    ]);
+    std::fs::write(d.path().join("frac.json"), concepts.to_string()).unwrap();
+    let cfg = d.path().join("sd15-lora.json");
+    let log = sdtrain_ok(
+        &cfg,
+        d.path(),
+        &[
+            "--set",
+            &model_arg(),
+            "--set",
+            "train_dtype=FLOAT_32",
+            "--set",
+            "concept_file_name=frac.json",
+            "--set",
+            "sample_after_unit=NEVER",
+            "--set",
+            "epochs=1",
+        ],
+    );
+    assert!(
+        log.contains("× 0.5 repeats") && log.contains("× 0.75 repeats"),
+        "{log}"
+    );
+    assert!(log.contains("10 samples/epoch"), "{log}");
+    assert!(log.contains("fractional repeats"), "the difference: {log}");
 }

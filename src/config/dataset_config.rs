@@ -804,7 +804,7 @@ pub(super) const ONETRAINER_CONCEPT: &str = "onetrainer_concept";
 
 /// A OneTrainer concept's images: its folder, subfolders and prompt source.
 fn concept_source(image_dir: PathBuf, c: &toml::Table) -> SubsetSource {
-    use crate::data::onetrainer_concept::ConceptPrompts;
+    use crate::data::onetrainer_concept::{ConceptBalancing, ConceptPrompts};
     let text = |k: &str| c.get(k).and_then(toml::Value::as_str).unwrap_or_default();
     let prompts = match text("prompt_source") {
         "filename" => ConceptPrompts::FileName,
@@ -813,6 +813,10 @@ fn concept_source(image_dir: PathBuf, c: &toml::Table) -> SubsetSource {
         },
         _ => ConceptPrompts::Sample,
     };
+    let balancing = c
+        .get("balancing")
+        .and_then(|v| v.as_float().or_else(|| v.as_integer().map(|i| i as f64)))
+        .unwrap_or(1.0);
     SubsetSource::Concept {
         image_dir,
         recursive: c
@@ -820,6 +824,10 @@ fn concept_source(image_dir: PathBuf, c: &toml::Table) -> SubsetSource {
             .and_then(toml::Value::as_bool)
             .unwrap_or(false),
         prompts,
+        balancing: match text("balancing_strategy") {
+            "SAMPLES" => ConceptBalancing::Samples(balancing),
+            _ => ConceptBalancing::Repeats(balancing),
+        },
     }
 }
 

@@ -150,6 +150,30 @@ fn prompt_source(
         "include_subdirectories".into(),
         toml::Value::Boolean(recursive),
     );
+    let strategy = c.text("balancing_strategy");
+    let balancing = c.number("balancing");
+    if !matches!(strategy, "REPEATS" | "SAMPLES") || balancing.is_nan() || balancing < 0.0 {
+        return Err(t.invalid(
+            &c.field("balancing"),
+            format!(
+                "is {balancing} ({strategy}): a number ≥ 0 of repeats (REPEATS) or of samples \
+                 (SAMPLES) each epoch"
+            ),
+        ));
+    }
+    if balancing.fract() != 0.0 || strategy == "SAMPLES" {
+        t.differences_note(
+            "a concept's fractional repeats (or SAMPLES balancing) draw that share of its images \
+             at random each epoch (EveryDream2's fractional multiply.txt), where OneTrainer takes \
+             them in file order"
+                .into(),
+        );
+    }
+    table.insert(
+        "balancing_strategy".into(),
+        toml::Value::String(strategy.into()),
+    );
+    table.insert("balancing".into(), toml::Value::Float(balancing));
     let source = c.text("text.prompt_source");
     let field = c.field("text.prompt_source");
     let io = |e: crate::data::DataError| t.invalid(&field, e.to_string());
@@ -206,7 +230,12 @@ fn subset(t: &Translation<'_>, c: &Concept) -> Result<toml::Table, ConfigError> 
         super::dataset_config::ONETRAINER_CONCEPT.into(),
         toml::Value::Table(prompt_source(t, c, &dir)?),
     );
-    table.insert("num_repeats".into(), toml::Value::Integer(repeats(t, c)?));
+    // A whole number of repeats is kohya's num_repeats (its metadata shows it); the image
+    // multipliers come from the balancing itself (`crate::data::onetrainer_concept`).
+    let b = c.number("balancing");
+    if c.text("balancing_strategy") == "REPEATS" && b.fract() == 0.0 {
+        table.insert("num_repeats".into(), toml::Value::Integer(b as i64));
+    }
     if c.number("loss_weight") != 1.0 {
         return Err(t.invalid(
             &c.field("loss_weight"),
@@ -245,22 +274,6 @@ fn concept_dir(t: &Translation<'_>, c: &Concept) -> Result<PathBuf, ConfigError>
         ));
     }
     Ok(dir)
-}
-
-/// `balancing` under the REPEATS strategy, a whole number of repeats.
-fn repeats(t: &Translation<'_>, c: &Concept) -> Result<i64, ConfigError> {
-    let b = c.number("balancing");
-    if c.text("balancing_strategy") != "REPEATS" || b.fract() != 0.0 || b < 1.0 {
-        return Err(t.invalid(
-            &c.field("balancing"),
-            format!(
-                "is {b} ({}): sdtrain repeats every image of a concept a whole number of times \
-                 each epoch (balancing_strategy REPEATS, balancing 1, 2, …)",
-                c.text("balancing_strategy")
-            ),
-        ));
-    }
-    Ok(b as i64)
 }
 
 /// The concept's `image` settings: the flip is taken, the crop jitter noted, any other

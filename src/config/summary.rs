@@ -621,6 +621,7 @@ fn fmt_dataset_config(
                 image_dir,
                 recursive,
                 prompts,
+                ..
             } => format!(
                 "{}{} (OneTrainer concept, captions {})",
                 image_dir.display(),
@@ -640,7 +641,16 @@ fn fmt_dataset_config(
             ),
         };
         let c = &s.captions;
-        let mut notes = vec![format!("×{}", s.num_repeats)];
+        let repeats = match &s.source {
+            SubsetSource::Concept { balancing, .. } => match balancing {
+                crate::data::onetrainer_concept::ConceptBalancing::Repeats(r) => format!("×{r}"),
+                crate::data::onetrainer_concept::ConceptBalancing::Samples(n) => {
+                    format!("{n} samples an epoch")
+                }
+            },
+            _ => format!("×{}", s.num_repeats),
+        };
+        let mut notes = vec![repeats];
         if s.is_reg {
             notes.push(format!(
                 "regularization, loss × {}",

@@ -53,6 +53,7 @@ pub enum SubsetSource {
         image_dir: PathBuf,
         recursive: bool,
         prompts: super::onetrainer_concept::ConceptPrompts,
+        balancing: super::onetrainer_concept::ConceptBalancing,
     },
 }
 
@@ -143,7 +144,8 @@ pub fn scan_subset(subset: &KohyaSubset) -> Result<Vec<ImageRecord>, DataError> 
             image_dir,
             recursive,
             prompts,
-        } => concept(subset, image_dir, *recursive, prompts)?,
+            balancing,
+        } => concept(subset, image_dir, *recursive, prompts, *balancing)?,
     };
     if records.is_empty() {
         crate::console::say(format_args!(
@@ -198,6 +200,7 @@ fn concept(
     image_dir: &Path,
     recursive: bool,
     prompts: &super::onetrainer_concept::ConceptPrompts,
+    balancing: super::onetrainer_concept::ConceptBalancing,
 ) -> Result<Vec<ImageRecord>, DataError> {
     use super::onetrainer_concept::{caption, caption_lines, images, ConceptPrompts};
     let options = subset.options();
@@ -205,11 +208,15 @@ fn concept(
         ConceptPrompts::File { path } => Some(caption_lines(path)?),
         _ => None,
     };
-    images(image_dir, recursive)?
+    let images = images(image_dir, recursive)?;
+    let multiplier = balancing.multiplier(images.len());
+    images
         .into_iter()
         .map(|image| {
             let text = caption(&image, prompts, file.as_deref())?;
-            Ok(subset.record(image, &text, &options))
+            let mut record = subset.record(image, &text, &options);
+            record.multiplier = multiplier;
+            Ok(record)
         })
         .collect()
 }

@@ -30,6 +30,27 @@ pub enum ConceptPrompts {
     File { path: PathBuf },
 }
 
+/// How many samples of the concept an epoch holds (OneTrainer's `balancing` and its strategy).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[serde(rename_all = "snake_case", tag = "strategy", content = "balancing")]
+pub enum ConceptBalancing {
+    /// REPEATS: each image `balancing` times (a fraction: that share of the images, drawn each
+    /// epoch, as EveryDream2's `multiply.txt`).
+    Repeats(f64),
+    /// SAMPLES: `balancing` samples of the concept in all, spread evenly over its images.
+    Samples(f64),
+}
+
+impl ConceptBalancing {
+    /// Each image's multiplier in a concept of `images` images.
+    pub fn multiplier(self, images: usize) -> f64 {
+        match self {
+            ConceptBalancing::Repeats(r) => r,
+            ConceptBalancing::Samples(n) => n / images.max(1) as f64,
+        }
+    }
+}
+
 /// The concept's images, sorted by path.
 pub fn images(dir: &Path, recursive: bool) -> Result<Vec<PathBuf>, DataError> {
     let mut out = super::kohya_layout::subset_images(dir)?;
@@ -90,6 +111,13 @@ pub fn caption(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn balancing_gives_each_image_its_share() {
+        assert_eq!(ConceptBalancing::Repeats(1.5).multiplier(10), 1.5);
+        assert_eq!(ConceptBalancing::Samples(25.0).multiplier(10), 2.5);
+        assert_eq!(ConceptBalancing::Samples(3.0).multiplier(0), 3.0);
+    }
 
     #[test]
     fn captions_follow_the_prompt_source_and_subfolders_are_read_when_asked() {

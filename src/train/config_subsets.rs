@@ -42,7 +42,12 @@ pub(super) fn load_subsets(
     let mut seen: Vec<(usize, PathBuf)> = Vec::new();
     for subset in &config.subsets {
         let place = (subset.dataset, subset.location().to_path_buf());
-        if seen.contains(&place) {
+        // OneTrainer trains two concepts of one folder both (their seeds or settings differ).
+        let concept = matches!(
+            subset.source,
+            crate::data::kohya_subsets::SubsetSource::Concept { .. }
+        );
+        if seen.contains(&place) && !concept {
             crate::console::say(format_args!(
                 "warning: dataset config {}: {} repeats an earlier subset's {}, not used (as kohya)",
                 config.file.display(),
@@ -53,6 +58,13 @@ pub(super) fn load_subsets(
         }
         seen.push(place);
         let records = scan_subset(subset)?;
+        // A OneTrainer concept's balancing may be a fraction (its images' multiplier).
+        let repeats = match subset.source {
+            crate::data::kohya_subsets::SubsetSource::Concept { .. } => {
+                records.first().map_or(1.0, |r| r.multiplier)
+            }
+            _ => subset.num_repeats as f64,
+        };
         crate::console::say(format_args!(
             "{}{}: {} image{} × {} repeat{} from {}",
             subset.name,
@@ -63,8 +75,8 @@ pub(super) fn load_subsets(
             },
             records.len(),
             if records.len() == 1 { "" } else { "s" },
-            subset.num_repeats,
-            if subset.num_repeats == 1 { "" } else { "s" },
+            repeats,
+            if repeats == 1.0 { "" } else { "s" },
             subset.location().display()
         ));
         if per_dataset.len() <= subset.dataset {
