@@ -409,9 +409,15 @@ impl<'a> Translation<'a> {
 
     pub fn i64(&self, path: &str) -> Result<i64, ConfigError> {
         match self.get(path) {
+            // Python's `int()` of a whole float, within the range a float holds exactly.
             Value::Number(n) => n
                 .as_i64()
-                .or_else(|| n.as_f64().filter(|f| f.fract() == 0.0).map(|f| f as i64))
+                .or_else(|| {
+                    n.as_f64()
+                        .filter(|f| f.fract() == 0.0 && f.abs() <= 9_007_199_254_740_992.0)
+                        .map(|f| f as i64)
+                })
+                .filter(|i| i.unsigned_abs() <= 1 << 53)
                 .ok_or_else(|| self.invalid(path, format!("must be an integer (got {n})"))),
             v => Err(self.invalid(path, format!("must be an integer (got {v})"))),
         }

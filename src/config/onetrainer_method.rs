@@ -111,7 +111,11 @@ fn text_conditioning(t: &mut Translation<'_>) -> Result<(), ConfigError> {
     let skip = t.i64("text_encoder_layer_skip")?;
     if skip > 0 {
         // OneTrainer counts the layers skipped; A1111's and sdtrain's clip_skip counts from 1.
-        t.set("clip_skip", json!(skip + 1), "text_encoder_layer_skip")?;
+        t.set(
+            "clip_skip",
+            json!(skip.saturating_add(1)),
+            "text_encoder_layer_skip",
+        )?;
     }
     let dropout = t.f64("text_encoder.dropout_probability")?;
     t.set(
@@ -155,7 +159,7 @@ fn text_encoder_training(t: &mut Translation<'_>) -> Result<bool, ConfigError> {
             let ga = t.i64("gradient_accumulation_steps")?.max(1);
             t.set(
                 "stop_text_encoder_training",
-                json!(n as i64 / ga + 1),
+                json!((n as i64 / ga).saturating_add(1)),
                 "text_encoder.stop_training_after",
             )?;
         }
