@@ -512,3 +512,49 @@ fn balancing_sets_each_concepts_samples_per_epoch() {
     assert!(log.contains("10 samples/epoch"), "{log}");
     assert!(log.contains("fractional repeats"), "the difference: {log}");
 }
+
+/// A concept's `loss_weight` multiplies its samples' loss, as OneTrainer's
+/// `losses *= loss_weight`: at weight 0.5 the first step's loss (the same draws) is exactly half.
+/// Catches the weight dropped, squared, or applied to the gradient but not the logged loss.
+#[test]
+fn a_concepts_loss_weight_scales_its_loss() {
+    let d = tempfile::tempdir().unwrap();
+    workspace(d.path());
+    let cfg = d.path().join("sd15-lora.json");
+    let first_loss = |weight: f64, name: &str| -> f64 {
+        let concepts = serde_json::json!([
+            {"__version": 2, "path": "data", "balancing": 1.0, "loss_weight": weight},
+        ]);
+        std::fs::write(d.path().join(format!("{name}.json")), concepts.to_string()).unwrap();
+        let concept_arg = format!("concept_file_name={name}.json");
+        let workspace_arg = format!("workspace_dir=ws-{name}");
+        sdtrain_ok(
+            &cfg,
+            d.path(),
+            &[
+                "--set",
+                &model_arg(),
+                "--set",
+                "train_dtype=FLOAT_32",
+                "--set",
+                &concept_arg,
+                "--set",
+                &workspace_arg,
+                "--set",
+                "sample_after_unit=NEVER",
+                "--set",
+                "epochs=1",
+            ],
+        );
+        let run = std::fs::read_dir(d.path().join(format!("ws-{name}")))
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .next()
+            .unwrap();
+        common::cli::step_losses(&run)[0]
+    };
+    let whole = first_loss(1.0, "whole");
+    let half = first_loss(0.5, "half");
+    assert!(whole > 0.0);
+    assert_eq!(half, whole * 0.5, "{half} vs {whole}");
+}

@@ -577,6 +577,10 @@ fn resolve_subset(
             true => None,
             false => subset_split(s)?,
         },
+        loss_weight: onetrainer_concept(s)
+            .and_then(|c| c.get("loss_weight"))
+            .and_then(|v| v.as_float())
+            .unwrap_or(1.0),
     }))
 }
 

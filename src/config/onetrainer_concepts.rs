@@ -169,6 +169,15 @@ fn prompt_source(
                 .into(),
         );
     }
+    let weight = c.number("loss_weight");
+    let valid = c.get("loss_weight").is_number() && weight.is_finite() && weight >= 0.0;
+    if !valid {
+        return Err(t.invalid(
+            &c.field("loss_weight"),
+            format!("must be a number ≥ 0 (got {})", c.get("loss_weight")),
+        ));
+    }
+    table.insert("loss_weight".into(), toml::Value::Float(weight));
     table.insert(
         "balancing_strategy".into(),
         toml::Value::String(strategy.into()),
@@ -235,15 +244,6 @@ fn subset(t: &Translation<'_>, c: &Concept) -> Result<toml::Table, ConfigError> 
     let b = c.number("balancing");
     if c.text("balancing_strategy") == "REPEATS" && b.fract() == 0.0 {
         table.insert("num_repeats".into(), toml::Value::Integer(b as i64));
-    }
-    if c.number("loss_weight") != 1.0 {
-        return Err(t.invalid(
-            &c.field("loss_weight"),
-            format!(
-                "is {}: sdtrain weighs every training image alike",
-                c.get("loss_weight")
-            ),
-        ));
     }
     image_settings(t, c, &mut table)?;
     text_settings(t, c, &mut table)?;

@@ -651,6 +651,9 @@ fn fmt_dataset_config(
             _ => format!("×{}", s.num_repeats),
         };
         let mut notes = vec![repeats];
+        if s.loss_weight != 1.0 {
+            notes.push(format!("loss × {}", s.loss_weight));
+        }
         if s.is_reg {
             notes.push(format!(
                 "regularization, loss × {}",

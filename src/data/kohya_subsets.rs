@@ -82,6 +82,8 @@ pub struct KohyaSubset {
     /// kohya's validation split of this subset's images (its dataset's `validation_split` and
     /// `validation_seed`); `None` for a regularization subset or a split of 0.
     pub validation: Option<super::kohya_split::SubsetSplit>,
+    /// A OneTrainer concept's `loss_weight` (1 for kohya's subsets).
+    pub loss_weight: f64,
 }
 
 fn inner<S: serde::Serializer>(c: &Arc<SubsetCaptions>, s: S) -> Result<S::Ok, S::Error> {
@@ -105,6 +107,7 @@ impl KohyaSubset {
             cond_dropout: Some(self.caption_dropout),
             subset_captions: Some(self.captions.clone()),
             subset: Some(self.index),
+            loss_weight: self.loss_weight,
             ..ItemOptions::default()
         })
     }

@@ -429,6 +429,7 @@ fn resolve_item(image: &Path, mut cfg: ImageConfig) -> Result<(String, ItemOptio
         prior_loss_weight: None,
         subset_captions: None,
         subset: None,
+        loss_weight: 1.0,
     };
     Ok((caption, options))
 }

@@ -49,6 +49,9 @@ pub struct ItemOptions {
     pub subset_captions: Option<Arc<SubsetCaptions>>,
     /// That subset's place in the config's list (`crate::config::DatasetConfigPlan::subsets`).
     pub subset: Option<usize>,
+    /// The loss weight of the OneTrainer concept the image comes from (its `loss_weight`), with
+    /// `prior_loss_weight`'s on a regularization image; 1 for every other image.
+    pub loss_weight: f64,
 }
 
 impl Default for ItemOptions {
@@ -65,6 +68,7 @@ impl Default for ItemOptions {
             prior_loss_weight: None,
             subset_captions: None,
             subset: None,
+            loss_weight: 1.0,
         }
     }
 }

@@ -237,15 +237,22 @@ pub fn prepare_batch<R: Rng>(
     })
 }
 
-/// Each sample's own loss weight (a regularization image's `prior_loss_weight`), or empty when
-/// every sample weighs 1.
+/// Each sample's own loss weight (a regularization image's `prior_loss_weight`, times a
+/// OneTrainer concept's `loss_weight`), or empty when every sample weighs 1.
 fn sample_weights(samples: &[&SampleData]) -> Vec<f64> {
-    let own: Vec<Option<f64>> = samples
+    let own: Vec<f64> = samples
         .iter()
-        .map(|s| s.options().prior_loss_weight)
+        .map(|s| {
+            let o = s.options();
+            o.prior_loss_weight.unwrap_or(1.0) * o.loss_weight
+        })
         .collect();
-    match own.iter().any(Option::is_some) {
-        true => own.into_iter().map(|w| w.unwrap_or(1.0)).collect(),
+    let weighed = samples.iter().any(|s| {
+        let o = s.options();
+        o.prior_loss_weight.is_some() || o.loss_weight != 1.0
+    });
+    match weighed {
+        true => own,
         false => Vec::new(),
     }
 }
