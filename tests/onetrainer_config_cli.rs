@@ -296,6 +296,27 @@ fn caption_lines_and_the_concept_prompt_file() {
     );
     let log = text(&out);
     assert!(log.contains("text cache     on"), "{log}");
+    // OneTrainer's tag dropout modes are taken (FULL, its default); special tags are refused.
+    let full = serde_json::json!([{
+        "__version": 2, "path": "data", "text": {"tag_dropout_enable": true,
+        "tag_dropout_probability": 0.3, "tag_dropout_mode": "FULL"},
+    }]);
+    std::fs::write(d.path().join("c3.json"), full.to_string()).unwrap();
+    let mut args3 = args.clone();
+    args3[5] = "concept_file_name=c3.json";
+    let out = sdtrain(
+        &[&["--config", cfg.to_str().unwrap(), "--cpu", "--dry-run"], &args3[..]].concat(),
+        d.path(),
+    );
+    let log = text(&out);
+    assert!(out.status.success() && log.contains("tag dropout 0.3"), "{log}");
+    let special = serde_json::json!([{
+        "__version": 2, "path": "data", "text": {"tag_dropout_enable": true,
+        "tag_dropout_probability": 0.3, "tag_dropout_special_tags_mode": "BLACKLIST"},
+    }]);
+    std::fs::write(d.path().join("c3.json"), special.to_string()).unwrap();
+    let log = sdtrain_refused(&cfg, d.path(), &args3);
+    assert!(log.contains("tag_dropout_special_tags_mode"), "{log}");
 }
 
 /// What sdtrain cannot do as OneTrainer does is refused, naming the key and why, before

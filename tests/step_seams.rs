@@ -739,6 +739,7 @@ fn dataset_config_subsets_caption_as_kohya() {
             keep_tokens: int("keep_tokens", 0),
             separator: text("caption_separator").unwrap_or(",".into()),
             tag_dropout: case["tag_dropout"].as_f64().unwrap_or(0.0),
+            tag_dropout_mode: Default::default(),
             keys: KohyaCaptions {
                 keep_tokens_separator: text("keep_tokens_separator"),
                 secondary_separator: text("secondary_separator"),

@@ -35,7 +35,9 @@ use super::dataset_config_schema::{check, Chain, Checked, TomlCtx};
 use super::error::ConfigError;
 use super::regularization_plan::caption_extension;
 use super::train_file::TrainFile;
-use crate::data::kohya_caption::{KohyaCaptions, SubsetCaptions, TokenWarmup, CAPTION_SEPARATOR};
+use crate::data::kohya_caption::{
+    KohyaCaptions, SubsetCaptions, TagDropoutMode, TokenWarmup, CAPTION_SEPARATOR,
+};
 use crate::data::kohya_layout::DEFAULT_CAPTION_EXTENSION;
 use crate::data::kohya_split::SubsetSplit;
 use crate::data::kohya_subsets::{KohyaSubset, SubsetSource};
@@ -773,6 +775,14 @@ fn subset_captions(s: &SubsetInput<'_>) -> Result<SubsetCaptions, ConfigError> {
         keep_tokens: s.count("keep_tokens", f.keep_tags.map(|k| k + 1), 0)?,
         separator,
         tag_dropout: s.fraction("caption_tag_dropout_rate", f.caption_tag_dropout_rate)?,
+        tag_dropout_mode: match onetrainer_concept(s)
+            .and_then(|c| c.get("tag_dropout_mode"))
+            .and_then(toml::Value::as_str)
+        {
+            Some("FULL") => TagDropoutMode::Whole,
+            Some("RANDOM WEIGHTED") => TagDropoutMode::Weighted,
+            _ => TagDropoutMode::PerTag,
+        },
         keys: KohyaCaptions {
             keep_tokens_separator: keep_sep,
             secondary_separator: secondary,

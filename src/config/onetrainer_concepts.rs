@@ -349,17 +349,24 @@ fn text_settings(
     if dropout {
         let mode = c.text("text.tag_dropout_mode");
         let special = c.text("text.tag_dropout_special_tags_mode");
-        if mode != "RANDOM" || special != "NONE" {
+        if special != "NONE" {
+            return Err(t.invalid(
+                &c.field("text.tag_dropout_special_tags_mode"),
+                format!("is \"{special}\": sdtrain's tag dropout has no special tags (NONE)"),
+            ));
+        }
+        if !matches!(mode, "FULL" | "RANDOM" | "RANDOM WEIGHTED") {
             return Err(t.invalid(
                 &c.field("text.tag_dropout_mode"),
-                format!(
-                    "is \"{mode}\" (special tags \"{special}\"): sdtrain drops each tag on its \
-                     own (RANDOM, kohya's caption_tag_dropout_rate), with no special tags"
-                ),
+                format!("is \"{mode}\"; OneTrainer's modes are FULL, RANDOM and RANDOM WEIGHTED"),
             ));
         }
         let p = c.number("text.tag_dropout_probability");
         table.insert("caption_tag_dropout_rate".into(), toml::Value::Float(p));
+        let key = super::dataset_config::ONETRAINER_CONCEPT;
+        if let Some(toml::Value::Table(own)) = table.get_mut(key) {
+            own.insert("tag_dropout_mode".into(), toml::Value::String(mode.into()));
+        }
     }
     for key in ["caps_randomize_enable", "caps_randomize_lowercase"] {
         if c.on(&format!("text.{key}")) {

@@ -56,7 +56,51 @@ pub struct SubsetCaptions {
     pub separator: String,
     /// `caption_tag_dropout_rate`.
     pub tag_dropout: f64,
+    /// How the tag dropout draws (kohya's: each tag on its own).
+    #[serde(skip_serializing_if = "TagDropoutMode::is_per_tag")]
+    pub tag_dropout_mode: TagDropoutMode,
     pub keys: KohyaCaptions,
+}
+
+/// How tags are dropped: kohya's per tag, or OneTrainer's other modes (its `DropTags`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TagDropoutMode {
+    /// Each tag with the rate, on its own (kohya's `caption_tag_dropout_rate`, OneTrainer's
+    /// RANDOM).
+    #[default]
+    PerTag,
+    /// OneTrainer's FULL: one draw per caption, which drops every droppable tag.
+    Whole,
+    /// OneTrainer's RANDOM WEIGHTED: tag i of n (0-based, before the shuffle) with the rate
+    /// times `(i + 1)/n`.
+    Weighted,
+}
+
+impl TagDropoutMode {
+    fn is_per_tag(&self) -> bool {
+        *self == TagDropoutMode::PerTag
+    }
+
+    /// The droppable `tags` after the dropout, drawing from `rng`.
+    pub fn drop_tags(self, tags: &mut Vec<String>, rate: f64, rng: &mut impl Rng) {
+        match self {
+            TagDropoutMode::PerTag => tags.retain(|_| rng.random::<f64>() >= rate),
+            TagDropoutMode::Whole => {
+                if rng.random::<f64>() < rate {
+                    tags.clear();
+                }
+            }
+            TagDropoutMode::Weighted => {
+                let n = tags.len() as f64;
+                let mut i = 0.0;
+                tags.retain(|_| {
+                    i += 1.0;
+                    rng.random::<f64>() >= rate * i / n
+                });
+            }
+        }
+    }
 }
 
 impl SubsetCaptions {
@@ -153,6 +197,39 @@ fn group_of(after: &str) -> Option<&str> {
     let body = &after[..end];
     let escaped = after[end..].starts_with("}}") || body.contains("{{");
     (end > 0 && !escaped).then_some(body)
+}
+
+#[cfg(test)]
+mod dropout_tests {
+    use super::*;
+    use rand::{rngs::StdRng, SeedableRng};
+
+    /// FULL drops all or nothing, RANDOM WEIGHTED drops later tags more often (OneTrainer's
+    /// `p·(i+1)/n`), per tag drops each alike. Catches the modes swapped or the weight reversed.
+    #[test]
+    fn dropout_modes_draw_as_onetrainer() {
+        let tags: Vec<String> = (0..4).map(|i| format!("t{i}")).collect();
+        let mut rng = StdRng::seed_from_u64(3);
+        let (mut whole_kept, mut counts) = (Vec::new(), [0usize; 4]);
+        for _ in 0..4000 {
+            let mut t = tags.clone();
+            TagDropoutMode::Whole.drop_tags(&mut t, 0.5, &mut rng);
+            whole_kept.push(t.len());
+            let mut w = tags.clone();
+            TagDropoutMode::Weighted.drop_tags(&mut w, 0.8, &mut rng);
+            for (i, tag) in tags.iter().enumerate() {
+                counts[i] += usize::from(w.contains(tag));
+            }
+        }
+        assert!(whole_kept.iter().all(|&k| k == 0 || k == 4));
+        let dropped = whole_kept.iter().filter(|&&k| k == 0).count() as f64 / 4000.0;
+        assert!((dropped - 0.5).abs() < 0.03, "{dropped}");
+        // Kept with 1 − 0.8·(i+1)/4: 0.8, 0.6, 0.4, 0.2.
+        for (i, &c) in counts.iter().enumerate() {
+            let want = 1.0 - 0.8 * (i as f64 + 1.0) / 4.0;
+            assert!((c as f64 / 4000.0 - want).abs() < 0.03, "tag {i}: {c}");
+        }
+    }
 }
 
 /// OneTrainer's step: one of the caption's lines, drawn from `rng`.

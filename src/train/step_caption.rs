@@ -14,7 +14,7 @@ use super::step::{CaptionClock, StepSettings};
 use crate::data::augment;
 use crate::data::kohya_caption::{
     expand_wildcards, replace_secondary, replace_secondary_with, split_kept, split_kept_on,
-    SubsetCaptions,
+    SubsetCaptions, TagDropoutMode,
 };
 use crate::data::py_random::PyRandom;
 use crate::data::tag_shuffle::{drop_tags, shuffled_caption, shuffled_tags};
@@ -57,7 +57,13 @@ pub(super) fn step_caption<R: Rng>(
             if let Some(n) = warm(flex.len()) {
                 flex.truncate(n);
             }
-            let flex = shuffled_and_dropped(flex, shuffle, settings.tag_dropout, rng);
+            let flex = shuffled_and_dropped(
+                flex,
+                shuffle,
+                settings.tag_dropout,
+                TagDropoutMode::PerTag,
+                rng,
+            );
             let all: Vec<String> = fixed.into_iter().chain(flex).chain(suffix).collect();
             all.join(", ")
         }
@@ -112,7 +118,13 @@ fn subset_caption<R: Rng>(
         if let Some(n) = warmup.and_then(|w| w.tags_at(flex.len(), clock.step, clock.total_steps)) {
             flex.truncate(n);
         }
-        let flex = shuffled_and_dropped(flex, rules.shuffle, rules.tag_dropout, rng);
+        let flex = shuffled_and_dropped(
+            flex,
+            rules.shuffle,
+            rules.tag_dropout,
+            rules.tag_dropout_mode,
+            rng,
+        );
         let all: Vec<String> = fixed.into_iter().chain(flex).chain(suffix).collect();
         all.join(", ")
     } else {
@@ -136,24 +148,31 @@ fn warmed_up(caption: &str, keep: usize, warm: &dyn Fn(usize) -> Option<usize>) 
 
 /// kohya's middle part: shuffled (a [`PyRandom`] seeded by one draw, as every shuffle here), then
 /// each tag dropped with probability `rate` (one draw seeds the tag draws).
+/// With OneTrainer's RANDOM WEIGHTED the tags are dropped first, by their place in the caption,
+/// then shuffled (its `DropTags` runs before `ShuffleTags`); the draws are the same two.
 fn shuffled_and_dropped<R: Rng>(
     flex: Vec<String>,
     shuffle: bool,
     rate: f64,
+    mode: TagDropoutMode,
     rng: &mut R,
 ) -> Vec<String> {
-    let mut flex = match shuffle {
-        true => {
-            let seed = rng.random::<u32>();
-            shuffled_tags(&flex, 0, &mut PyRandom::new(u64::from(seed)))
+    let shuffle_seed = shuffle.then(|| rng.random::<u32>());
+    let drop_seed = (rate > 0.0).then(|| rng.random::<u64>());
+    let drop = |mut tags: Vec<String>| {
+        if let Some(seed) = drop_seed {
+            mode.drop_tags(&mut tags, rate, &mut StdRng::seed_from_u64(seed));
         }
-        false => flex,
+        tags
     };
-    if rate > 0.0 {
-        let mut tags_rng = StdRng::seed_from_u64(rng.random::<u64>());
-        flex.retain(|_| tags_rng.random::<f64>() >= rate);
+    let shuffled = |tags: Vec<String>| match shuffle_seed {
+        Some(seed) => shuffled_tags(&tags, 0, &mut PyRandom::new(u64::from(seed))),
+        None => tags,
+    };
+    match mode {
+        TagDropoutMode::Weighted => shuffled(drop(flex)),
+        _ => drop(shuffled(flex)),
     }
-    flex
 }
 
 /// A caption without kohya's separator: EveryDream2's shuffle (the main prompt and `keep_tags`
