@@ -31,6 +31,17 @@ fn model_arg() -> String {
     format!("base_model_name={}", fixture("tiny-sd15").display())
 }
 
+/// `sdtrain --config cfg --cpu` on the tiny SD1.5 model in f32, with OneTrainer's `sets`
+/// (`key=value`, as `--set`), which must succeed: its output.
+fn train_ot(cfg: &Path, dir: &Path, sets: &[&str]) -> String {
+    let model = model_arg();
+    let mut args = vec!["--set", model.as_str(), "--set", "train_dtype=FLOAT_32"];
+    for s in sets {
+        args.extend(["--set", s]);
+    }
+    sdtrain_ok(cfg, dir, &args)
+}
+
 /// The newest file in `dir` whose name ends with `suffix`.
 fn saved(dir: &Path, suffix: &str) -> PathBuf {
     let mut found: Vec<PathBuf> = std::fs::read_dir(dir)
@@ -97,19 +108,10 @@ fn a_onetrainer_lora_config_trains_as_its_translation_does() {
     let d = tempfile::tempdir().unwrap();
     workspace(d.path());
     let cfg = d.path().join("sd15-lora.json");
-    let log = sdtrain_ok(
+    let log = train_ot(
         &cfg,
         d.path(),
-        &[
-            "--set",
-            &model_arg(),
-            "--set",
-            "train_dtype=FLOAT_32",
-            "--set",
-            "learning_rate_scheduler=COSINE",
-            "--set",
-            "sample_after_unit=NEVER",
-        ],
+        &["learning_rate_scheduler=COSINE", "sample_after_unit=NEVER"],
     );
     assert!(log.contains("backup_after"), "the no-effect note: {log}");
     assert!(log.contains("unlike OneTrainer"), "the differences: {log}");
@@ -139,21 +141,13 @@ fn the_text_encoders_stop_after_their_epochs() {
     let d = tempfile::tempdir().unwrap();
     workspace(d.path());
     let cfg = d.path().join("sd15-finetune-export.json");
-    let log = sdtrain_ok(
+    let log = train_ot(
         &cfg,
         d.path(),
         &[
-            "--set",
-            &model_arg(),
-            "--set",
-            "train_dtype=FLOAT_32",
-            "--set",
             "epochs=3",
-            "--set",
             "learning_rate=1e-4",
-            "--set",
             "save_every=1",
-            "--set",
             "save_every_unit=EPOCH",
         ],
     );
@@ -214,21 +208,10 @@ fn onetrainers_samples_are_drawn() {
     let d = tempfile::tempdir().unwrap();
     workspace(d.path());
     let cfg = d.path().join("sd15-lora.json");
-    let log = sdtrain_ok(
+    let log = train_ot(
         &cfg,
         d.path(),
-        &[
-            "--set",
-            &model_arg(),
-            "--set",
-            "train_dtype=FLOAT_32",
-            "--set",
-            "epochs=1",
-            "--set",
-            "sample_after=1",
-            "--set",
-            "sample_after_unit=EPOCH",
-        ],
+        &["epochs=1", "sample_after=1", "sample_after_unit=EPOCH"],
     );
     assert!(!log.contains("NaN"), "{log}");
     let run = std::fs::read_dir(d.path().join("workspace/run"))
@@ -305,11 +288,18 @@ fn caption_lines_and_the_concept_prompt_file() {
     let mut args3 = args.clone();
     args3[5] = "concept_file_name=c3.json";
     let out = sdtrain(
-        &[&["--config", cfg.to_str().unwrap(), "--cpu", "--dry-run"], &args3[..]].concat(),
+        &[
+            &["--config", cfg.to_str().unwrap(), "--cpu", "--dry-run"],
+            &args3[..],
+        ]
+        .concat(),
         d.path(),
     );
     let log = text(&out);
-    assert!(out.status.success() && log.contains("tag dropout 0.3"), "{log}");
+    assert!(
+        out.status.success() && log.contains("tag dropout 0.3"),
+        "{log}"
+    );
     let special = serde_json::json!([{
         "__version": 2, "path": "data", "text": {"tag_dropout_enable": true,
         "tag_dropout_probability": 0.3, "tag_dropout_special_tags_mode": "BLACKLIST"},
@@ -466,21 +456,13 @@ fn onetrainers_ema_is_kept_and_saved() {
     let d = tempfile::tempdir().unwrap();
     workspace(d.path());
     let cfg = d.path().join("sd15-lora.json");
-    let log = sdtrain_ok(
+    let log = train_ot(
         &cfg,
         d.path(),
         &[
-            "--set",
-            &model_arg(),
-            "--set",
-            "train_dtype=FLOAT_32",
-            "--set",
             "epochs=1",
-            "--set",
             "sample_after_unit=NEVER",
-            "--set",
             "ema=CPU",
-            "--set",
             "ema_update_step_interval=1",
         ],
     );
@@ -510,19 +492,12 @@ fn balancing_sets_each_concepts_samples_per_epoch() {
     ]);
     std::fs::write(d.path().join("frac.json"), concepts.to_string()).unwrap();
     let cfg = d.path().join("sd15-lora.json");
-    let log = sdtrain_ok(
+    let log = train_ot(
         &cfg,
         d.path(),
         &[
-            "--set",
-            &model_arg(),
-            "--set",
-            "train_dtype=FLOAT_32",
-            "--set",
             "concept_file_name=frac.json",
-            "--set",
             "sample_after_unit=NEVER",
-            "--set",
             "epochs=1",
         ],
     );
@@ -549,21 +524,13 @@ fn a_concepts_loss_weight_scales_its_loss() {
         std::fs::write(d.path().join(format!("{name}.json")), concepts.to_string()).unwrap();
         let concept_arg = format!("concept_file_name={name}.json");
         let workspace_arg = format!("workspace_dir=ws-{name}");
-        sdtrain_ok(
+        train_ot(
             &cfg,
             d.path(),
             &[
-                "--set",
-                &model_arg(),
-                "--set",
-                "train_dtype=FLOAT_32",
-                "--set",
                 &concept_arg,
-                "--set",
                 &workspace_arg,
-                "--set",
                 "sample_after_unit=NEVER",
-                "--set",
                 "epochs=1",
             ],
         );

@@ -224,25 +224,19 @@ impl SampleSet {
         Ok(set)
     }
 
-    /// OneTrainer's samples: each its own size, seed, steps, scale and scheduler.
+    /// OneTrainer's samples: each its own size, seed, steps, scale and scheduler, read in
+    /// A1111's weighting as kohya's are; a file whose samples are all disabled is refused.
     fn onetrainers(
         path: &Path,
         prompts: Result<Vec<SamplePrompt>, String>,
     ) -> Result<Self, PromptsError> {
-        let bad = |message: String| PromptsError::Invalid {
-            path: path.to_path_buf(),
-            message,
-        };
-        let mut set = Self::defaults(path);
-        set.prompts = prompts.map_err(bad)?;
-        if set.prompts.is_empty() {
-            return Err(bad("holds no enabled OneTrainer sample".into()));
+        if matches!(&prompts, Ok(p) if p.is_empty()) {
+            return Err(PromptsError::Invalid {
+                path: path.to_path_buf(),
+                message: "holds no enabled OneTrainer sample".into(),
+            });
         }
-        for (i, p) in set.prompts.iter().enumerate() {
-            p.check_weighting()
-                .map_err(|m| bad(format!("sample {i}: {m}")))?;
-        }
-        Ok(set)
+        Self::kohyas(path, prompts, "sample")
     }
 
     pub fn from_json(path: &Path, text: &str) -> Result<Self, PromptsError> {
