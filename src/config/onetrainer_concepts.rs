@@ -24,15 +24,7 @@ struct Concept {
 
 impl Concept {
     fn get(&self, path: &str) -> &Value {
-        let mut v: Option<&Value> = None;
-        for (i, part) in path.split('.').enumerate() {
-            v = match (i, v) {
-                (0, _) => self.c.get(part),
-                (_, Some(Value::Object(m))) => m.get(part),
-                _ => None,
-            };
-        }
-        v.unwrap_or(&Value::Null)
+        super::onetrainer_config::at_path(&self.c, path).unwrap_or(&Value::Null)
     }
 
     fn field(&self, path: &str) -> String {
@@ -150,39 +142,7 @@ fn prompt_source(
         "include_subdirectories".into(),
         toml::Value::Boolean(recursive),
     );
-    let strategy = c.text("balancing_strategy");
-    let balancing = c.number("balancing");
-    if !matches!(strategy, "REPEATS" | "SAMPLES") || balancing.is_nan() || balancing < 0.0 {
-        return Err(t.invalid(
-            &c.field("balancing"),
-            format!(
-                "is {balancing} ({strategy}): a number ≥ 0 of repeats (REPEATS) or of samples \
-                 (SAMPLES) each epoch"
-            ),
-        ));
-    }
-    if balancing.fract() != 0.0 || strategy == "SAMPLES" {
-        t.differences_note(
-            "a concept's fractional repeats (or SAMPLES balancing) draw that share of its images \
-             at random each epoch (EveryDream2's fractional multiply.txt), where OneTrainer takes \
-             them in file order"
-                .into(),
-        );
-    }
-    let weight = c.number("loss_weight");
-    let valid = c.get("loss_weight").is_number() && weight.is_finite() && weight >= 0.0;
-    if !valid {
-        return Err(t.invalid(
-            &c.field("loss_weight"),
-            format!("must be a number ≥ 0 (got {})", c.get("loss_weight")),
-        ));
-    }
-    table.insert("loss_weight".into(), toml::Value::Float(weight));
-    table.insert(
-        "balancing_strategy".into(),
-        toml::Value::String(strategy.into()),
-    );
-    table.insert("balancing".into(), toml::Value::Float(balancing));
+    balancing(t, c, &mut table)?;
     let source = c.text("text.prompt_source");
     let field = c.field("text.prompt_source");
     let io = |e: crate::data::DataError| t.invalid(&field, e.to_string());
@@ -225,6 +185,44 @@ fn prompt_source(
     };
     table.insert("random_line".into(), toml::Value::Boolean(lines));
     Ok(table)
+}
+
+/// The concept's `balancing` and its strategy, and its `loss_weight`.
+fn balancing(t: &Translation<'_>, c: &Concept, table: &mut toml::Table) -> Result<(), ConfigError> {
+    let strategy = c.text("balancing_strategy");
+    let balancing = c.number("balancing");
+    if !matches!(strategy, "REPEATS" | "SAMPLES") || balancing.is_nan() || balancing < 0.0 {
+        return Err(t.invalid(
+            &c.field("balancing"),
+            format!(
+                "is {balancing} ({strategy}): a number ≥ 0 of repeats (REPEATS) or of samples \
+                 (SAMPLES) each epoch"
+            ),
+        ));
+    }
+    if balancing.fract() != 0.0 || strategy == "SAMPLES" {
+        t.differences_note(
+            "a concept's fractional repeats (or SAMPLES balancing) draw that share of its images \
+             at random each epoch (EveryDream2's fractional multiply.txt), where OneTrainer takes \
+             them in file order"
+                .into(),
+        );
+    }
+    let weight = c.number("loss_weight");
+    let valid = c.get("loss_weight").is_number() && weight.is_finite() && weight >= 0.0;
+    if !valid {
+        return Err(t.invalid(
+            &c.field("loss_weight"),
+            format!("must be a number ≥ 0 (got {})", c.get("loss_weight")),
+        ));
+    }
+    table.insert("loss_weight".into(), toml::Value::Float(weight));
+    table.insert(
+        "balancing_strategy".into(),
+        toml::Value::String(strategy.into()),
+    );
+    table.insert("balancing".into(), toml::Value::Float(balancing));
+    Ok(())
 }
 
 /// One concept as a dataset subset (kohya's subset keys).

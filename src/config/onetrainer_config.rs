@@ -186,6 +186,16 @@ pub(super) fn same(a: &Value, b: &Value) -> bool {
     }
 }
 
+/// The value at a dotted path (`unet.learning_rate`) of a OneTrainer object.
+pub(super) fn at_path<'a>(root: &'a Map<String, Value>, path: &str) -> Option<&'a Value> {
+    let mut parts = path.split('.');
+    let mut v = root.get(parts.next()?)?;
+    for part in parts {
+        v = v.as_object()?.get(part)?;
+    }
+    Some(v)
+}
+
 /// `file` over `defaults`, object by object, as OneTrainer's `from_dict` fills a config: a key
 /// the file leaves out keeps its default.
 fn merged(defaults: &Map<String, Value>, file: &Map<String, Value>) -> Map<String, Value> {
@@ -348,28 +358,12 @@ impl<'a> Translation<'a> {
 
     /// The value at a dotted path (`unet.learning_rate`); `Null` when absent.
     pub fn get(&self, path: &str) -> &Value {
-        let mut v: Option<&Value> = None;
-        for (i, part) in path.split('.').enumerate() {
-            v = match (i, v) {
-                (0, _) => self.config.get(part),
-                (_, Some(Value::Object(m))) => m.get(part),
-                _ => None,
-            };
-        }
-        v.unwrap_or(&Value::Null)
+        at_path(&self.config, path).unwrap_or(&Value::Null)
     }
 
     /// OneTrainer's default at a dotted path.
     pub fn default_of(&self, path: &str) -> &'static Value {
-        let mut v: Option<&'static Value> = None;
-        for (i, part) in path.split('.').enumerate() {
-            v = match (i, v) {
-                (0, _) => default_section("train").get(part),
-                (_, Some(Value::Object(m))) => m.get(part),
-                _ => None,
-            };
-        }
-        v.unwrap_or(&Value::Null)
+        at_path(default_section("train"), path).unwrap_or(&Value::Null)
     }
 
     /// Whether the key holds OneTrainer's default.

@@ -216,31 +216,7 @@ fn adapter(t: &mut Translation<'_>) -> Result<(), ConfigError> {
                 .into(),
         ));
     }
-    t.refuse_unless_default("lora_weight_dtype", "sdtrain's adapter weights are f32")?;
-    preset_label(t, &filter)?;
-    let dora = t.bool("lora_decompose")?;
-    if dora {
-        t.refuse_unless_default(
-            "lora_decompose_output_axis",
-            "sdtrain's DoRA normalizes per input channel, the form A1111 and ComfyUI load",
-        )?;
-    }
-    if peft == "LOKR" {
-        for (key, why) in [
-            (
-                "lokr_decompose_both",
-                "sdtrain's LoKr decomposes the second factor only",
-            ),
-            ("lokr_use_tucker", "Tucker decomposition is not implemented"),
-            ("lokr_weight_decompose", "LoKr with DoRA is not implemented"),
-            (
-                "lokr_full_matrix",
-                "sdtrain's LoKr decomposes the second factor",
-            ),
-        ] {
-            t.refuse_unless_default(key, why)?;
-        }
-    }
+    let dora = adapter_refusals(t, &peft, &filter)?;
     let mode = match (peft.as_str(), filter.as_str(), dora) {
         ("LORA", "attentions", false) => "lora",
         ("LORA", "", false) => "locon",
@@ -296,6 +272,37 @@ fn adapter(t: &mut Translation<'_>) -> Result<(), ConfigError> {
             .insert("init_from".into(), json!(p.to_string_lossy()));
     }
     Ok(())
+}
+
+/// What a LoRA's settings ask that sdtrain cannot do, refused; whether it is DoRA
+/// (`lora_decompose`).
+fn adapter_refusals(t: &Translation<'_>, peft: &str, filter: &str) -> Result<bool, ConfigError> {
+    t.refuse_unless_default("lora_weight_dtype", "sdtrain's adapter weights are f32")?;
+    preset_label(t, filter)?;
+    let dora = t.bool("lora_decompose")?;
+    if dora {
+        t.refuse_unless_default(
+            "lora_decompose_output_axis",
+            "sdtrain's DoRA normalizes per input channel, the form A1111 and ComfyUI load",
+        )?;
+    }
+    if peft == "LOKR" {
+        for (key, why) in [
+            (
+                "lokr_decompose_both",
+                "sdtrain's LoKr decomposes the second factor only",
+            ),
+            ("lokr_use_tucker", "Tucker decomposition is not implemented"),
+            ("lokr_weight_decompose", "LoKr with DoRA is not implemented"),
+            (
+                "lokr_full_matrix",
+                "sdtrain's LoKr decomposes the second factor",
+            ),
+        ] {
+            t.refuse_unless_default(key, why)?;
+        }
+    }
+    Ok(dora)
 }
 
 /// OneTrainer's `layer_filter_preset` is its UI's label: picking a preset writes its patterns

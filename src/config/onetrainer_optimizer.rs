@@ -284,45 +284,11 @@ fn settings(
                 base.insert("weight_decay".into(), value);
             }
             (_, "beta1" | "beta2" | "beta3") => {
-                let i = match key.as_str() {
-                    "beta1" => 0,
-                    "beta2" => 1,
-                    _ => 2,
-                };
-                if adafactor && i == 0 {
-                    nested(base, "adafactor", "beta1", value);
-                    continue;
-                }
-                let betas = base.entry("betas").or_insert_with(|| json!([0.9, 0.999]));
-                if let Value::Array(b) = betas {
-                    while b.len() <= i {
-                        b.push(Value::Null);
-                    }
-                    b[i] = value;
-                    if b.iter().any(Value::is_null) {
-                        return refuse("a beta is set without the one before it");
-                    }
+                if !set_beta(base, adafactor, &key, value) {
+                    return refuse("a beta is set without the one before it");
                 }
             }
-            ("ADAFACTOR", "eps" | "eps2") => {
-                let i = usize::from(key == "eps2");
-                let entry = base.entry("adafactor").or_insert_with(|| json!({}));
-                if let Value::Object(m) = entry {
-                    let eps = m.entry("eps").or_insert_with(|| json!([1e-30, 1e-3]));
-                    if let Value::Array(e) = eps {
-                        e[i] = value;
-                    }
-                }
-            }
-            ("CAME", "eps" | "eps2") => {
-                let i = usize::from(key == "eps2");
-                let entry = base
-                    .entry("came")
-                    .or_insert_with(|| json!({"eps": [1e-30, 1e-16]}));
-                if let Some(Value::Array(e)) = entry.get_mut("eps") {
-                    e[i] = value;
-                }
-            }
+            ("ADAFACTOR" | "CAME", "eps" | "eps2") => set_eps_pair(base, ot, &key, value),
             (_, "eps") => {
                 base.insert("epsilon".into(), value);
             }
@@ -376,6 +342,47 @@ fn settings(
         }
     }
     Ok(())
+}
+
+/// OneTrainer's `beta1`/`beta2`/`beta3` into optimizer.json's `betas` (Adafactor's `beta1` into
+/// its own section); false when a later beta comes without the ones before it.
+fn set_beta(base: &mut Map<String, Value>, adafactor: bool, key: &str, value: Value) -> bool {
+    let i = match key {
+        "beta1" => 0,
+        "beta2" => 1,
+        _ => 2,
+    };
+    if adafactor && i == 0 {
+        if let Value::Object(m) = base.entry("adafactor").or_insert_with(|| json!({})) {
+            m.insert("beta1".into(), value);
+        }
+        return true;
+    }
+    let betas = base.entry("betas").or_insert_with(|| json!([0.9, 0.999]));
+    match betas {
+        Value::Array(b) => {
+            while b.len() <= i {
+                b.push(Value::Null);
+            }
+            b[i] = value;
+            !b.iter().any(Value::is_null)
+        }
+        _ => false,
+    }
+}
+
+/// Adafactor's and CAME's `eps` and `eps2`: the two ends of their `eps` pair.
+fn set_eps_pair(base: &mut Map<String, Value>, ot: &str, key: &str, value: Value) {
+    let (section, pair) = match ot {
+        "ADAFACTOR" => ("adafactor", json!([1e-30, 1e-3])),
+        _ => ("came", json!([1e-30, 1e-16])),
+    };
+    let entry = base.entry(section).or_insert_with(|| json!({}));
+    if let Value::Object(m) = entry {
+        if let Value::Array(e) = m.entry("eps").or_insert(pair) {
+            e[usize::from(key == "eps2")] = value;
+        }
+    }
 }
 
 /// `learning_rate_scheduler` and its warmup and cycles; the warmup as a fraction of the run when
