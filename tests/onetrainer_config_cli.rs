@@ -398,9 +398,13 @@ fn schedule_numbers_are_onetrainers() {
             &model,
             "--set",
             "learning_rate_warmup_steps=0.5",
+            // A number, which OneTrainer takes for its text `resolution` (`str(value)`).
+            "--set",
+            "resolution=128",
         ],
     );
     assert!(log.contains("warmup 0.5 of the run's steps"), "{log}");
+    assert!(log.contains("resolution     128 px"), "{log}");
 }
 
 /// Each optimizer as OneTrainer's UI writes it when picked (its table of defaults, with
@@ -545,4 +549,48 @@ fn a_concepts_loss_weight_scales_its_loss() {
     let half = first_loss(0.5, "half");
     assert!(whole > 0.0);
     assert_eq!(half, whole * 0.5, "{half} vs {whole}");
+}
+
+/// OneTrainer's own built-in presets for SD1.5, SD2.x and SDXL (tests/fixtures/onetrainer/
+/// presets, copied from its `training_presets/`), read as its UI loads them, all translate; its
+/// inpainting and SD3 presets are refused by `model_type`. Catches a key of OneTrainer's presets
+/// that sdtrain refuses or misreads.
+#[test]
+fn onetrainers_own_presets_translate() {
+    let d = tempfile::tempdir().unwrap();
+    workspace(d.path());
+    std::fs::create_dir_all(d.path().join("training_concepts")).unwrap();
+    std::fs::copy(
+        d.path().join("concepts.json"),
+        d.path().join("training_concepts/concepts.json"),
+    )
+    .unwrap();
+    let presets = fixture("onetrainer/presets");
+    let mut names: Vec<String> = std::fs::read_dir(&presets)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    assert_eq!(names.len(), 17, "{names:?}");
+    let mut translated = 0;
+    for name in &names {
+        let model = match name.as_str() {
+            n if n.starts_with("sd_2") => "tiny-sd21",
+            n if n.starts_with("sdxl") => "tiny-sdxl",
+            _ => "tiny-sd15",
+        };
+        let model_arg = format!("base_model_name={}", fixture(model).display());
+        let cfg = presets.join(name);
+        let refused = name.contains("inpaint") || name.starts_with("sd_3");
+        let args = ["--set", model_arg.as_str(), "--set", "resolution=64"];
+        if refused {
+            let log = sdtrain_refused(&cfg, d.path(), &args);
+            assert!(log.contains("`model_type`"), "{name}: {log}");
+        } else {
+            let log = sdtrain_ok(&cfg, d.path(), &[&["--dry-run"], &args[..]].concat());
+            assert!(log.contains("mode "), "{name}: {log}");
+            translated += 1;
+        }
+    }
+    assert_eq!(translated, 10);
 }

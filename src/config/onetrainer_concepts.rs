@@ -379,7 +379,11 @@ fn text_settings(
 
 /// `resolution`, `aspect_ratio_bucketing` and `latent_caching`.
 fn data_keys(t: &mut Translation<'_>) -> Result<(), ConfigError> {
-    let raw = t.str("resolution")?.trim().to_string();
+    // OneTrainer's `resolution` is a text, which it makes of a number too (`str(value)`).
+    let raw = match t.get("resolution") {
+        Value::Number(n) => n.to_string(),
+        _ => t.str("resolution")?.trim().to_string(),
+    };
     let resolution: i64 = raw.parse().map_err(|_| {
         t.invalid(
             "resolution",
