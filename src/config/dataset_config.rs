@@ -838,6 +838,10 @@ fn concept_source(image_dir: PathBuf, c: &toml::Table) -> SubsetSource {
             .and_then(toml::Value::as_bool)
             .unwrap_or(false),
         prompts,
+        lowercase: c
+            .get("lowercase")
+            .and_then(toml::Value::as_bool)
+            .unwrap_or(false),
         balancing: match text("balancing_strategy") {
             "SAMPLES" => ConceptBalancing::Samples(balancing),
             _ => ConceptBalancing::Repeats(balancing),

@@ -175,7 +175,10 @@ fn prompt_source(
         ConceptPrompts::Sample => {
             let mut any = false;
             for image in images(dir, recursive).map_err(io)? {
-                if caption(&image, &prompts, None).map_err(io)?.contains('\n') {
+                if caption(&image, &prompts, None, false)
+                    .map_err(io)?
+                    .contains('\n')
+                {
                     any = true;
                     break;
                 }
@@ -366,12 +369,20 @@ fn text_settings(
             own.insert("tag_dropout_mode".into(), toml::Value::String(mode.into()));
         }
     }
-    for key in ["caps_randomize_enable", "caps_randomize_lowercase"] {
-        if c.on(&format!("text.{key}")) {
-            return Err(t.invalid(
-                &c.field(&format!("text.{key}")),
-                "is true: sdtrain does not change the case of captions".into(),
-            ));
+    let caps =
+        c.on("text.caps_randomize_enable") && c.number("text.caps_randomize_probability") > 0.0;
+    if caps {
+        return Err(t.invalid(
+            &c.field("text.caps_randomize_enable"),
+            "is true: sdtrain does not change the case of single tags (caps_randomize_lowercase, \
+             the whole caption lower-cased, it does)"
+                .into(),
+        ));
+    }
+    if c.on("text.caps_randomize_lowercase") {
+        let key = super::dataset_config::ONETRAINER_CONCEPT;
+        if let Some(toml::Value::Table(own)) = table.get_mut(key) {
+            own.insert("lowercase".into(), toml::Value::Boolean(true));
         }
     }
     Ok(())

@@ -54,6 +54,9 @@ pub enum SubsetSource {
         recursive: bool,
         prompts: super::onetrainer_concept::ConceptPrompts,
         balancing: super::onetrainer_concept::ConceptBalancing,
+        /// `caps_randomize_lowercase`: every caption lower-cased, as OneTrainer's
+        /// `CapitalizeTags` does first.
+        lowercase: bool,
     },
 }
 
@@ -148,7 +151,10 @@ pub fn scan_subset(subset: &KohyaSubset) -> Result<Vec<ImageRecord>, DataError> 
             recursive,
             prompts,
             balancing,
-        } => concept(subset, image_dir, *recursive, prompts, *balancing)?,
+            lowercase,
+        } => concept(
+            subset, image_dir, *recursive, prompts, *balancing, *lowercase,
+        )?,
     };
     if records.is_empty() {
         crate::console::say(format_args!(
@@ -204,6 +210,7 @@ fn concept(
     recursive: bool,
     prompts: &super::onetrainer_concept::ConceptPrompts,
     balancing: super::onetrainer_concept::ConceptBalancing,
+    lowercase: bool,
 ) -> Result<Vec<ImageRecord>, DataError> {
     use super::onetrainer_concept::{caption, caption_lines, images, ConceptPrompts};
     let options = subset.options();
@@ -216,7 +223,7 @@ fn concept(
     images
         .into_iter()
         .map(|image| {
-            let text = caption(&image, prompts, file.as_deref())?;
+            let text = caption(&image, prompts, file.as_deref(), lowercase)?;
             let mut record = subset.record(image, &text, &options);
             record.multiplier = multiplier;
             Ok(record)

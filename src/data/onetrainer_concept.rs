@@ -86,8 +86,22 @@ pub fn caption_lines(path: &Path) -> Result<String, DataError> {
 }
 
 /// The caption (or captions, one per line) of `image`; `concept_file` is the `concept` source's
-/// file, read once by the caller.
+/// file, read once by the caller. `lowercase` (`caps_randomize_lowercase`) lower-cases it, as
+/// OneTrainer's `CapitalizeTags` does before anything else.
 pub fn caption(
+    image: &Path,
+    prompts: &ConceptPrompts,
+    concept_file: Option<&str>,
+    lowercase: bool,
+) -> Result<String, DataError> {
+    let text = caption_as_written(image, prompts, concept_file)?;
+    Ok(match lowercase {
+        true => text.to_lowercase(),
+        false => text,
+    })
+}
+
+fn caption_as_written(
     image: &Path,
     prompts: &ConceptPrompts,
     concept_file: Option<&str>,
@@ -144,19 +158,32 @@ mod tests {
 
         let sample = ConceptPrompts::Sample;
         assert_eq!(
-            caption(&root.join("a.png"), &sample, None).unwrap(),
+            caption(&root.join("a.png"), &sample, None, false).unwrap(),
             "first\nsecond"
         );
-        assert_eq!(caption(&root.join("b.jpg"), &sample, None).unwrap(), "");
-        assert_eq!(caption(&root.join("sub/c.png"), &sample, None).unwrap(), "");
+        assert_eq!(
+            caption(&root.join("b.jpg"), &sample, None, false).unwrap(),
+            ""
+        );
+        assert_eq!(
+            caption(&root.join("sub/c.png"), &sample, None, false).unwrap(),
+            ""
+        );
         let name = ConceptPrompts::FileName;
-        assert_eq!(caption(&root.join("b.jpg"), &name, None).unwrap(), "b");
+        assert_eq!(
+            caption(&root.join("b.jpg"), &name, None, false).unwrap(),
+            "b"
+        );
         let file = ConceptPrompts::File {
             path: root.join("p.txt"),
         };
         assert_eq!(
-            caption(&root.join("a.png"), &file, Some("x\ny")).unwrap(),
+            caption(&root.join("a.png"), &file, Some("x\ny"), false).unwrap(),
             "x\ny"
+        );
+        assert_eq!(
+            caption(&root.join("a.png"), &file, Some("SKS Shape\nÉtÉ"), true).unwrap(),
+            "sks shape\nété"
         );
     }
 }
