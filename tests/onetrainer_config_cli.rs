@@ -42,6 +42,15 @@ fn train_ot(cfg: &Path, dir: &Path, sets: &[&str]) -> String {
     sdtrain_ok(cfg, dir, &args)
 }
 
+/// The first run folder in `dir` (a OneTrainer config's `workspace_dir`).
+fn only_run(dir: &Path) -> PathBuf {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.is_dir())
+        .unwrap_or_else(|| panic!("no run folder in {}", dir.display()))
+}
+
 /// The newest file in `dir` whose name ends with `suffix`.
 fn saved(dir: &Path, suffix: &str) -> PathBuf {
     let mut found: Vec<PathBuf> = std::fs::read_dir(dir)
@@ -118,11 +127,7 @@ fn a_onetrainer_lora_config_trains_as_its_translation_does() {
     let ot = common::f32_tensors(&saved(&d.path().join("models"), "-tiny-lora.safetensors"));
     let hand = hand_translation(d.path());
     sdtrain_ok(&hand, d.path(), &[]);
-    let run = std::fs::read_dir(d.path().join("hand"))
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .find(|p| p.is_dir())
-        .unwrap();
+    let run = only_run(&d.path().join("hand"));
     let theirs = common::f32_tensors(&run.join("tiny-lora.safetensors"));
     assert_eq!(ot.len(), theirs.len());
     assert!(ot.len() > 100, "{}", ot.len());
@@ -184,15 +189,8 @@ fn the_text_encoders_stop_after_their_epochs() {
         "the text encoder trained in epoch 3"
     );
     assert!(moved(&first, &second, unet) && moved(&second, &last, unet));
-    let plan = std::fs::read_to_string(
-        std::fs::read_dir(d.path().join("workspace/run"))
-            .unwrap()
-            .map(|e| e.unwrap().path())
-            .next()
-            .unwrap()
-            .join("plan.json"),
-    )
-    .unwrap();
+    let plan = std::fs::read_to_string(only_run(&d.path().join("workspace/run")).join("plan.json"))
+        .unwrap();
     assert!(
         plan.contains("\"stop_text_encoder_training_epochs\": 1"),
         "{plan}"
@@ -214,11 +212,7 @@ fn onetrainers_samples_are_drawn() {
         &["epochs=1", "sample_after=1", "sample_after_unit=EPOCH"],
     );
     assert!(!log.contains("NaN"), "{log}");
-    let run = std::fs::read_dir(d.path().join("workspace/run"))
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .next()
-        .unwrap();
+    let run = only_run(&d.path().join("workspace/run"));
     let grids: Vec<_> = std::fs::read_dir(run.join("samples"))
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
@@ -472,11 +466,7 @@ fn onetrainers_ema_is_kept_and_saved() {
     );
     assert!(log.contains("ema: decay 0.999 every 1 steps"), "{log}");
     saved(&d.path().join("models"), "-tiny-lora-ema.safetensors");
-    let run = std::fs::read_dir(d.path().join("workspace/run"))
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .next()
-        .unwrap();
+    let run = only_run(&d.path().join("workspace/run"));
     let plan = std::fs::read_to_string(run.join("plan.json")).unwrap();
     assert!(plan.contains("\"warmup\": true"), "{plan}");
 }
@@ -538,11 +528,7 @@ fn a_concepts_loss_weight_scales_its_loss() {
                 "epochs=1",
             ],
         );
-        let run = std::fs::read_dir(d.path().join(format!("ws-{name}")))
-            .unwrap()
-            .map(|e| e.unwrap().path())
-            .next()
-            .unwrap();
+        let run = only_run(&d.path().join(format!("ws-{name}")));
         common::cli::step_losses(&run)[0]
     };
     let whole = first_loss(1.0, "whole");
