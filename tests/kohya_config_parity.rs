@@ -50,53 +50,124 @@ fn every_option_of_kohyas_parsers_has_a_rule() {
     );
 }
 
+/// A kohya option as a TOML value: floats stay floats (a float warmup is a fraction of the
+/// run), texts quoted, lists of texts.
+fn toml_value(v: &serde_json::Value) -> String {
+    match v {
+        serde_json::Value::Number(n) if n.is_f64() => format!("{:?}", n.as_f64().unwrap()),
+        serde_json::Value::Array(items) => {
+            let items: Vec<String> = items.iter().map(toml_value).collect();
+            format!("[{}]", items.join(", "))
+        }
+        serde_json::Value::String(s) => format!("{:?}", s),
+        other => other.to_string(),
+    }
+}
+
 /// Catches the decay not over the run (sdtrain's automatic 1.5×), a float warmup not taken as
 /// a fraction (or rounded up), `constant_with_warmup` without its warmup, and the cycles or
-/// power dropped.
+/// power dropped; and for the newer schedules (reference/kohya_schedules.json): kohya's cycles
+/// not halved for cosine_with_min_lr, `min_lr` not divided by the learning rate, the
+/// warmup_stable_decay decay length or ramps dropped, a fractional `lr_decay_steps` not taken
+/// of the run, inverse_sqrt's timescale, `lr_end`, a cosine's `num_cycles`, and a min ratio
+/// applied where kohya ignores it (linear).
 #[test]
 fn each_steps_learning_rate_is_kohyas() {
-    let reference = common::reference_json("reference/kohya_config.json");
-    for case in reference["schedules"].as_array().unwrap() {
-        let c = &case["case"];
-        let mut body = format!(
-            "learning_rate = {}\nlr_scheduler = {}\nlr_warmup_steps = {}\nmax_train_steps = {}\n",
-            case["lr"], c["lr_scheduler"], c["lr_warmup_steps"], c["max_train_steps"]
-        );
-        for key in ["lr_scheduler_num_cycles", "lr_scheduler_power"] {
-            if let Some(v) = c.get(key) {
-                body.push_str(&format!("{key} = {v}\n"));
+    let mut kinds = std::collections::BTreeSet::new();
+    for file in [
+        "reference/kohya_config.json",
+        "reference/kohya_schedules.json",
+    ] {
+        let reference = common::reference_json(file);
+        for case in reference["schedules"].as_array().unwrap() {
+            let c = &case["case"];
+            let mut body = format!("learning_rate = {}\n", case["lr"]);
+            for (key, value) in c.as_object().unwrap() {
+                body.push_str(&format!("{key} = {}\n", toml_value(value)));
+            }
+            let dir = tempfile::tempdir().unwrap();
+            let p = plan(dir.path(), &body);
+            let total = c["max_train_steps"].as_u64().unwrap();
+            let r = p.optimizer.unet.schedule.resolve(total);
+            kinds.insert(r.kind.name());
+            let s = LrSchedule {
+                kind: r.kind,
+                warmup_steps: r.warmup_steps as usize,
+                decay_steps: r.decay_steps as usize,
+                num_cycles: r.num_cycles,
+                power: r.power,
+                shape: r.shape,
+            };
+            let lr = p.optimizer.unet.lr;
+            s.validate(lr).unwrap_or_else(|e| panic!("{c}: {e}"));
+            for (step, want) in case["lrs"].as_array().unwrap().iter().enumerate() {
+                let want = want.as_f64().unwrap();
+                let got = s.lr_at(lr, step);
+                assert!(
+                    (got - want).abs() <= 1e-12 + 1e-9 * want.abs(),
+                    "{c}: step {step}: {got} vs kohya's {want}"
+                );
             }
         }
-        if let Some(f) = c["lr_warmup_steps"]
-            .as_f64()
-            .filter(|_| c["lr_warmup_steps"].is_f64())
-        {
-            // TOML must see a float: 0.3, not 0.3 written as an int.
-            body = body.replace(
-                &format!("lr_warmup_steps = {}", c["lr_warmup_steps"]),
-                &format!("lr_warmup_steps = {f:?}"),
-            );
-        }
+    }
+    assert!(kinds.len() >= 8, "{kinds:?}");
+}
+
+/// What kohya fails on is refused, naming the option and kohya's reason.
+#[test]
+fn a_schedule_kohya_cannot_build_is_refused_with_its_reason() {
+    for (body, field, words) in [
+        ("lr_scheduler = \"cosine_with_min_lr\"", "lr_scheduler", "min_lr"),
+        (
+            "lr_scheduler = \"cosine_with_min_lr\"\nlr_scheduler_args = [\"min_lr_rate=0.1\"]",
+            "lr_scheduler_args",
+            "multiple values",
+        ),
+        (
+            "lr_scheduler = \"cosine_with_min_lr\"\nlr_scheduler_min_lr_ratio = 0.1\nlr_scheduler_args = [\"min_lr=1e-7\"]",
+            "lr_scheduler_args",
+            "Only one",
+        ),
+        ("lr_scheduler = \"warmup_stable_decay\"", "lr_decay_steps", "never decays"),
+        (
+            "lr_scheduler = \"warmup_stable_decay\"\nlr_decay_steps = 3\nlr_scheduler_args = [\"decay_type='exp'\"]",
+            "lr_scheduler_args",
+            "1-sqrt",
+        ),
+        (
+            "lr_scheduler = \"linear\"\nlr_scheduler_args = [\"power=2\"]",
+            "lr_scheduler_args",
+            "no other settings",
+        ),
+        (
+            "lr_scheduler = \"inverse_sqrt\"\nlr_scheduler_args = [\"timescale=3\"]",
+            "lr_scheduler_args",
+            "lr_scheduler_timescale",
+        ),
+        ("lr_scheduler = \"piecewise_constant\"", "lr_scheduler", "step_rules"),
+        ("lr_scheduler = \"cosine_warmup_with_min_lr\"", "lr_scheduler", "num_decay_steps"),
+        ("lr_scheduler = \"adafactor:1e-3\"", "lr_scheduler", "relative-step"),
+        (
+            "lr_scheduler = \"cosine\"\nlr_scheduler_type = \"CosineAnnealingLR\"",
+            "lr_scheduler_type",
+            "Python",
+        ),
+    ] {
         let dir = tempfile::tempdir().unwrap();
-        let p = plan(dir.path(), &body);
-        let total = c["max_train_steps"].as_u64().unwrap();
-        let r = p.optimizer.unet.schedule.resolve(total);
-        let s = LrSchedule {
-            kind: r.kind,
-            warmup_steps: r.warmup_steps as usize,
-            decay_steps: r.decay_steps as usize,
-            num_cycles: r.num_cycles,
-            power: r.power,
-        };
-        let lr = p.optimizer.unet.lr;
-        for (step, want) in case["lrs"].as_array().unwrap().iter().enumerate() {
-            let want = want.as_f64().unwrap();
-            let got = s.lr_at(lr, step);
-            assert!(
-                (got - want).abs() <= 1e-12 + 1e-9 * want.abs(),
-                "{c}: step {step}: {got} vs kohya's {want}"
-            );
-        }
+        let images = dir.path().join("img").join("1_x");
+        std::fs::create_dir_all(&images).unwrap();
+        let text = format!(
+            "pretrained_model_name_or_path = {:?}\ntrain_data_dir = {:?}\n{body}\n",
+            common::fixture("tiny-sd15").display().to_string(),
+            dir.path().join("img").display().to_string()
+        );
+        let path = dir.path().join("k.toml");
+        std::fs::write(&path, text).unwrap();
+        let err = TrainPlan::resolve(&path, &[])
+            .err()
+            .unwrap_or_else(|| panic!("{body}: accepted"))
+            .to_string();
+        assert!(err.contains(field) && err.contains(words), "{body}: {err}");
     }
 }
 

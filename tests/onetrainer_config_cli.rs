@@ -314,7 +314,10 @@ fn what_sdtrain_cannot_do_is_refused_by_name() {
     std::fs::write(d.path().join("frac.json"), bad.to_string()).unwrap();
     let cases = [
         ("ema=ON", "`ema`"),
-        ("learning_rate_scheduler=REX", "`learning_rate_scheduler`"),
+        (
+            "learning_rate_scheduler=ADAFACTOR",
+            "`learning_rate_scheduler`",
+        ),
         ("mae_strength=0.5", "`mse_strength`"),
         (
             "timestep_distribution=HEAVY_TAIL",
@@ -399,6 +402,39 @@ fn schedule_numbers_are_onetrainers() {
     );
     assert!(log.contains("warmup 0.5 of the run's steps"), "{log}");
     assert!(log.contains("resolution     128 px"), "{log}");
+    // OneTrainer's smooth restarts, cos(2π·c·p), are twice as many half waves; its min factor
+    // floors them; its REX is REX.
+    for (scheduler, expect) in [
+        (
+            "COSINE_WITH_RESTARTS",
+            "cosine_with_min_lr schedule, warmup 2, decay the run's steps, 3 cycles, floor 0.1",
+        ),
+        (
+            "COSINE_WITH_HARD_RESTARTS",
+            "cosine_with_restarts schedule, warmup 2, decay the run's steps, 1.5 cycles, floor 0.1",
+        ),
+        (
+            "REX",
+            "rex schedule, warmup 2, decay the run's steps, floor 0.1",
+        ),
+    ] {
+        let log = sdtrain_ok(
+            &cfg,
+            d.path(),
+            &[
+                "--dry-run",
+                "--set",
+                &model,
+                "--set",
+                &format!("learning_rate_scheduler={scheduler}"),
+                "--set",
+                "learning_rate_cycles=1.5",
+                "--set",
+                "learning_rate_min_factor=0.1",
+            ],
+        );
+        assert!(log.contains(expect), "{scheduler}: {log}");
+    }
 }
 
 /// Each optimizer as OneTrainer's UI writes it when picked (its table of defaults, with

@@ -83,9 +83,11 @@ pub(super) fn optimizer(
     for (key, value) in optimizer_args(t)? {
         optimizer_arg(t, kind, &mut base, &key, value)?;
     }
-    let lr = t.take_f64("learning_rate")?;
-    base.insert("lr".into(), json!(lr.unwrap_or(defaults::LEARNING_RATE)));
-    let lengths = schedule(t, kind, &mut base)?;
+    let lr = t
+        .take_f64("learning_rate")?
+        .unwrap_or(defaults::LEARNING_RATE);
+    base.insert("lr".into(), json!(lr));
+    let lengths = super::kohya_schedule::schedule(t, kind, lr, &mut base)?;
     let mut optimizer = Map::new();
     optimizer.insert("base".into(), Value::Object(base));
     if mode.is_none() {
@@ -268,92 +270,6 @@ fn optimizer_arg(
             "not an argument sdtrain's {kind} takes (docs/OPTIMIZERS.md lists them)"
         ))),
     }
-}
-
-/// `lr_scheduler`, its warmup, cycles and power.
-fn schedule(
-    t: &mut Translation<'_>,
-    kind: &str,
-    base: &mut Map<String, Value>,
-) -> Result<RunLengths, ConfigError> {
-    let name = t
-        .take_str("lr_scheduler")?
-        .unwrap_or_else(|| "constant".into());
-    let warmup = t.take("lr_warmup_steps");
-    let cycles = t.take_i64("lr_scheduler_num_cycles")?;
-    let power = t.take_f64("lr_scheduler_power")?;
-    if let Some(d) = t
-        .take("lr_decay_steps")
-        .filter(|v| !super::kohya_config::is_off(v))
-    {
-        return Err(t.invalid(
-            "lr_decay_steps",
-            format!("is {d}: kohya reads it for warmup_stable_decay, which sdtrain does not have"),
-        ));
-    }
-    if kind == "adamw_schedulefree" {
-        // kohya gives a schedule-free optimizer a dummy scheduler: no schedule, no warmup.
-        base.insert("lr_scheduler".into(), json!("constant"));
-        base.insert("lr_warmup_steps".into(), json!(0));
-        return Ok(RunLengths::default());
-    }
-    let ours = match name.as_str() {
-        "constant" | "constant_with_warmup" => "constant",
-        n @ ("linear" | "cosine" | "cosine_with_restarts" | "polynomial") => n,
-        other => {
-            return Err(t.invalid(
-                "lr_scheduler",
-                format!(
-                    "is \"{other}\"; sdtrain has kohya's constant, constant_with_warmup, linear, \
-                     cosine, cosine_with_restarts and polynomial"
-                ),
-            ))
-        }
-    };
-    base.insert("lr_scheduler".into(), json!(ours));
-    let mut lengths = RunLengths::default();
-    let steps = match &warmup {
-        None => 0,
-        Some(Value::Number(n)) if n.is_i64() => n.as_i64().unwrap_or(0),
-        Some(Value::Number(n)) => {
-            let f = n.as_f64().unwrap_or(-1.0);
-            if !(0.0..1.0).contains(&f) {
-                return Err(t.invalid(
-                    "lr_warmup_steps",
-                    format!("is {f}: a float is a fraction of the run, at least 0 and below 1"),
-                ));
-            }
-            lengths.warmup_fraction = Some(f);
-            0
-        }
-        Some(v) => {
-            return Err(t.invalid(
-                "lr_warmup_steps",
-                format!("must be a number of steps, or a fraction of the run (got {v})"),
-            ))
-        }
-    };
-    let warms = steps > 0 || lengths.warmup_fraction.is_some_and(|f| f > 0.0);
-    if name == "constant" && warms {
-        return Err(t.invalid(
-            "lr_warmup_steps",
-            "is set with lr_scheduler \"constant\", which kohya refuses (\"constant does not \
-             require num_warmup_steps\"); use \"constant_with_warmup\""
-                .into(),
-        ));
-    }
-    base.insert("lr_warmup_steps".into(), json!(steps));
-    // kohya passes each only to the schedule that takes it (and always has both, at 1).
-    match (ours, cycles, power) {
-        ("cosine_with_restarts", Some(c), _) => {
-            base.insert("lr_scheduler_num_cycles".into(), json!(c));
-        }
-        ("polynomial", _, Some(p)) => {
-            base.insert("lr_scheduler_power".into(), json!(p));
-        }
-        _ => {}
-    }
-    Ok(lengths)
 }
 
 /// A full fine-tune's text encoder: trained only with `train_text_encoder` (fine_tune.py,

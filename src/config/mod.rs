@@ -21,6 +21,7 @@ mod kohya_config_keys;
 mod kohya_datasets;
 mod kohya_network;
 mod kohya_optimizer;
+mod kohya_schedule;
 mod layout_plan;
 mod loss_plan;
 mod mask_plan;

@@ -410,12 +410,14 @@ fn schedule(
         "LINEAR" => "linear",
         "COSINE" => "cosine",
         "COSINE_WITH_HARD_RESTARTS" => "cosine_with_restarts",
-        "COSINE_WITH_RESTARTS" => {
+        // cos(2π·c·p): cosine_with_min_lr's half waves are twice OneTrainer's cycles.
+        "COSINE_WITH_RESTARTS" => "cosine_with_min_lr",
+        "REX" => "rex",
+        "ADAFACTOR" => {
             return Err(t.invalid(
                 "learning_rate_scheduler",
-                "is \"COSINE_WITH_RESTARTS\", OneTrainer's smooth cosine wave, which sdtrain \
-                 does not have; its COSINE_WITH_HARD_RESTARTS (kohya's and diffusers' \
-                 cosine_with_restarts) it has"
+                "is \"ADAFACTOR\", Adafactor's own relative-step schedule, which sdtrain does \
+                 not have; use ADAFACTOR with relative_step off and another schedule"
                     .into(),
             ))
         }
@@ -423,32 +425,38 @@ fn schedule(
             return Err(t.invalid(
                 "learning_rate_scheduler",
                 format!(
-                    "is \"{other}\"; sdtrain has CONSTANT, LINEAR, COSINE and \
-                     COSINE_WITH_HARD_RESTARTS"
+                    "is \"{other}\"; sdtrain has CONSTANT, LINEAR, COSINE, COSINE_WITH_RESTARTS, \
+                     COSINE_WITH_HARD_RESTARTS and REX"
                 ),
             ))
         }
     };
     base.insert("lr_scheduler".into(), json!(ours));
-    if name != "CONSTANT" {
-        t.refuse_unless_default("learning_rate_min_factor", "sdtrain's schedules decay to 0")?;
-    }
-    if ours == "cosine_with_restarts" {
-        let cycles = t.f64("learning_rate_cycles")?;
-        if cycles.fract() != 0.0 || cycles < 1.0 {
+    // OneTrainer floors every schedule but CONSTANT: min + (1 − min)·λ.
+    let min_factor = t.f64("learning_rate_min_factor")?;
+    if name != "CONSTANT" && min_factor != 0.0 {
+        if !(0.0..=1.0).contains(&min_factor) {
             return Err(t.invalid(
-                "learning_rate_cycles",
-                format!(
-                    "is {cycles}: sdtrain's restarts take a whole number of cycles, at least 1"
-                ),
+                "learning_rate_min_factor",
+                format!("is {min_factor}: sdtrain takes a floor from 0 to 1 of the learning rate"),
             ));
         }
-        base.insert("lr_scheduler_num_cycles".into(), json!(cycles as i64));
-    } else {
-        t.refuse_unless_default(
-            "learning_rate_cycles",
-            "only COSINE_WITH_HARD_RESTARTS takes cycles",
-        )?;
+        base.insert("lr_scheduler_min_lr_ratio".into(), json!(min_factor));
+    }
+    // Only the restarts read the cycles; OneTrainer ignores them elsewhere.
+    if name.starts_with("COSINE_WITH_") {
+        let cycles = t.f64("learning_rate_cycles")?;
+        if !(cycles.is_finite() && cycles > 0.0) {
+            return Err(t.invalid(
+                "learning_rate_cycles",
+                format!("is {cycles}: the restarts need a number of cycles above 0"),
+            ));
+        }
+        let ours_cycles = match name {
+            "COSINE_WITH_RESTARTS" => cycles * 2.0,
+            _ => cycles,
+        };
+        base.insert("lr_scheduler_num_cycles".into(), json!(ours_cycles));
     }
     // OneTrainer's `create_lr_scheduler`: above 1, micro-batches over the accumulation;
     // up to 1, a fraction of the run.

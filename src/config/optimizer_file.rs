@@ -67,12 +67,34 @@ pub struct GroupFile {
     pub lr_warmup_steps: Option<i64>,
     #[serde(default)]
     pub lr_decay_steps: Option<i64>,
-    /// `cosine_with_restarts`' cycles (kohya's `lr_scheduler_num_cycles`; default 1).
+    /// `cosine_with_restarts`' cycles (kohya's `lr_scheduler_num_cycles`; default 1), and
+    /// `cosine_with_min_lr`'s and `warmup_stable_decay`'s half cosines.
     #[serde(default)]
-    pub lr_scheduler_num_cycles: Option<i64>,
+    pub lr_scheduler_num_cycles: Option<f64>,
     /// polynomial's power (kohya's `lr_scheduler_power`, diffusers' `power`; default 1).
     #[serde(default)]
     pub lr_scheduler_power: Option<f64>,
+    /// polynomial's end lr (diffusers' `lr_end`; default 1e-7).
+    #[serde(default)]
+    pub lr_scheduler_lr_end: Option<f64>,
+    /// The floor of the decaying schedules as a fraction of `lr` (kohya's
+    /// `lr_scheduler_min_lr_ratio`, OneTrainer's `learning_rate_min_factor`).
+    #[serde(default)]
+    pub lr_scheduler_min_lr_ratio: Option<f64>,
+    /// inverse_sqrt's timescale (kohya's `lr_scheduler_timescale`).
+    #[serde(default)]
+    pub lr_scheduler_timescale: Option<i64>,
+    /// warmup_stable_decay's final decay: steps, or a fraction (below 1) of the run (kohya's
+    /// `lr_decay_steps`).
+    #[serde(default)]
+    pub lr_wsd_decay_steps: Option<f64>,
+    /// warmup_stable_decay's warmup: `linear`, `cosine` or `1-sqrt` (transformers'
+    /// `warmup_type`).
+    #[serde(default)]
+    pub lr_wsd_warmup_type: Option<String>,
+    /// warmup_stable_decay's decay (transformers' `decay_type`; default `cosine`).
+    #[serde(default)]
+    pub lr_wsd_decay_type: Option<String>,
     /// Checked to have two entries during resolution, with a better message than serde's.
     #[serde(default)]
     pub betas: Option<Vec<f64>>,

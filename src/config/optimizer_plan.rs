@@ -242,9 +242,7 @@ impl Default for EstimatorPlan {
 
 /// LR schedules (diffusers' `get_scheduler` names), each with a linear warmup from 0: the
 /// optimizer's own enum, so the plan and the schedule cannot drift apart.
-pub use crate::optim::ScheduleKind;
-
-const SCHEDULE_NAMES: &str = "constant, linear, cosine, polynomial, cosine_with_restarts";
+pub use crate::optim::{Ramp, ScheduleKind, ScheduleShape};
 
 /// A warmup or decay length: a number of steps, or automatic (decided by the training length).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -286,10 +284,15 @@ pub struct ScheduleSpec {
     pub kind: ScheduleKind,
     pub warmup_steps: StepCount,
     pub decay_steps: StepCount,
-    /// `cosine_with_restarts`' cycles (1 for the other kinds).
-    pub num_cycles: u32,
+    /// `cosine_with_restarts`' cycles, `cosine_with_min_lr`'s and `warmup_stable_decay`'s half
+    /// cosines (1 for the other kinds).
+    pub num_cycles: f64,
     /// polynomial's power (1 for the other kinds).
     pub power: f64,
+    /// warmup_stable_decay's final decay (`lr_wsd_decay_steps`); `Steps(0)` for the other kinds.
+    pub decay_phase: StepCount,
+    /// The other kinds' settings; `shape.decay_phase_steps` is set by [`Self::resolve`].
+    pub shape: ScheduleShape,
 }
 
 /// A schedule with every length a number.
@@ -298,8 +301,9 @@ pub struct ResolvedSchedule {
     pub kind: ScheduleKind,
     pub warmup_steps: u64,
     pub decay_steps: u64,
-    pub num_cycles: u32,
+    pub num_cycles: f64,
     pub power: f64,
+    pub shape: ScheduleShape,
 }
 
 impl ScheduleSpec {
@@ -314,6 +318,8 @@ impl ScheduleSpec {
         let of_run = |f: f64| ((total_steps as f64) * f).floor() as u64;
         let decay_steps = match self.decay_steps {
             StepCount::Steps(n) => n,
+            // warmup_stable_decay's decay is the run's last steps, so it ends with the run.
+            StepCount::Auto if self.kind == ScheduleKind::WarmupStableDecay => total_steps,
             StepCount::Auto => auto_decay,
             StepCount::Run => total_steps,
             StepCount::RunFraction(f) => of_run(f),
@@ -323,13 +329,16 @@ impl ScheduleSpec {
             (StepCount::Run, _) => total_steps,
             (StepCount::RunFraction(f), _) => of_run(f),
             (StepCount::Auto, ScheduleKind::Constant) => 0,
-            (
-                StepCount::Auto,
-                ScheduleKind::Linear
-                | ScheduleKind::Cosine
-                | ScheduleKind::Polynomial
-                | ScheduleKind::CosineWithRestarts,
-            ) => auto_decay / AUTO_WARMUP_DIVISOR,
+            (StepCount::Auto, _) => auto_decay / AUTO_WARMUP_DIVISOR,
+        };
+        let shape = ScheduleShape {
+            decay_phase_steps: match self.decay_phase {
+                StepCount::Steps(n) => n,
+                StepCount::Run => decay_steps,
+                StepCount::RunFraction(f) => of_run(f),
+                StepCount::Auto => 0,
+            },
+            ..self.shape
         };
         ResolvedSchedule {
             kind: self.kind,
@@ -337,6 +346,7 @@ impl ScheduleSpec {
             decay_steps,
             num_cycles: self.num_cycles,
             power: self.power,
+            shape,
         }
     }
 }
@@ -372,11 +382,28 @@ impl fmt::Display for ParamGroupPlan {
             self.schedule.warmup_steps,
             self.schedule.decay_steps
         )?;
-        if self.schedule.kind == ScheduleKind::CosineWithRestarts {
-            write!(f, ", {} cycles", self.schedule.num_cycles)?;
+        let s = &self.schedule;
+        if s.kind.takes_cycles() {
+            write!(f, ", {} cycles", s.num_cycles)?;
         }
-        if self.schedule.kind == ScheduleKind::Polynomial {
-            write!(f, ", power {}", self.schedule.power)?;
+        if s.kind == ScheduleKind::Polynomial {
+            write!(f, ", power {}", s.power)?;
+            if s.shape.lr_end != crate::optim::LrSchedule::POLYNOMIAL_LR_END {
+                write!(f, ", end lr {:e}", s.shape.lr_end)?;
+            }
+        }
+        if s.kind.takes_min_lr() && s.shape.min_lr_ratio > 0.0 {
+            write!(f, ", floor {} of the lr", s.shape.min_lr_ratio)?;
+        }
+        if let (ScheduleKind::InverseSqrt, Some(t)) = (s.kind, s.shape.timescale) {
+            write!(f, ", timescale {t}")?;
+        }
+        if s.kind == ScheduleKind::WarmupStableDecay {
+            write!(
+                f,
+                ", {} warmup, {} decay over {}",
+                s.shape.warmup_ramp, s.shape.decay_ramp, s.decay_phase
+            )?;
         }
         Ok(())
     }
@@ -463,8 +490,14 @@ struct CheckedGroup {
     schedule: Option<ScheduleKind>,
     warmup: Option<StepCount>,
     decay: Option<StepCount>,
-    num_cycles: Option<u32>,
+    num_cycles: Option<f64>,
     power: Option<f64>,
+    min_lr_ratio: Option<f64>,
+    timescale: Option<u64>,
+    decay_phase: Option<StepCount>,
+    warmup_ramp: Option<Ramp>,
+    decay_ramp: Option<Ramp>,
+    lr_end: Option<f64>,
     betas: Option<(f64, f64, Option<f64>)>,
     epsilon: Option<f64>,
     weight_decay: Option<f64>,
@@ -583,37 +616,88 @@ fn merge(
                 .unwrap_or(ScheduleKind::Constant),
             warmup_steps: own.warmup.or(parent.warmup).unwrap_or(StepCount::Auto),
             decay_steps: own.decay.or(parent.decay).unwrap_or(StepCount::Auto),
-            num_cycles: own.num_cycles.or(parent.num_cycles).unwrap_or(1),
+            num_cycles: own.num_cycles.or(parent.num_cycles).unwrap_or(1.0),
             power: own
                 .power
                 .or(parent.power)
                 .unwrap_or(crate::optim::LrSchedule::POLYNOMIAL_POWER),
+            decay_phase: own
+                .decay_phase
+                .or(parent.decay_phase)
+                .unwrap_or(StepCount::Steps(0)),
+            shape: merged_shape(own, parent),
         },
     };
-    if own.power.is_some() && plan.schedule.kind != ScheduleKind::Polynomial {
+    check_schedule_keys(own, plan.schedule.kind, file, section)?;
+    if plan.schedule.kind == ScheduleKind::WarmupStableDecay
+        && plan.schedule.decay_phase == StepCount::Steps(0)
+    {
         return Err(invalid(
             file,
-            &format!("{section}.lr_scheduler_power"),
-            &format!(
-                "is the power of \"polynomial\", but this section's lr_scheduler is \"{}\"; \
-                 remove it or set lr_scheduler",
-                plan.schedule.kind.name()
-            ),
-        ));
-    }
-    if own.num_cycles.is_some() && plan.schedule.kind != ScheduleKind::CosineWithRestarts {
-        return Err(invalid(
-            file,
-            &format!("{section}.lr_scheduler_num_cycles"),
-            &format!(
-                "is the number of cycles of \"cosine_with_restarts\", but this section's \
-                 lr_scheduler is \"{}\"; remove it or set lr_scheduler",
-                plan.schedule.kind.name()
-            ),
+            &format!("{section}.lr_wsd_decay_steps"),
+            "is not set: warmup_stable_decay needs the length of its final decay, in steps or \
+             as a fraction (below 1) of the run",
         ));
     }
     check_schedule(optimizer, &plan.schedule, file, section)?;
     Ok(plan)
+}
+
+/// The schedule settings `own` over `parent` over the defaults.
+fn merged_shape(own: &CheckedGroup, parent: &CheckedGroup) -> ScheduleShape {
+    let d = ScheduleShape::default();
+    ScheduleShape {
+        min_lr_ratio: own
+            .min_lr_ratio
+            .or(parent.min_lr_ratio)
+            .unwrap_or(d.min_lr_ratio),
+        timescale: own.timescale.or(parent.timescale),
+        decay_phase_steps: 0,
+        warmup_ramp: own
+            .warmup_ramp
+            .or(parent.warmup_ramp)
+            .unwrap_or(d.warmup_ramp),
+        decay_ramp: own.decay_ramp.or(parent.decay_ramp).unwrap_or(d.decay_ramp),
+        lr_end: own.lr_end.or(parent.lr_end).unwrap_or(d.lr_end),
+    }
+}
+
+/// A schedule setting a section writes must belong to the section's schedule (`kind`, its own
+/// or inherited): anything else is a mistake the user should hear about.
+fn check_schedule_keys(
+    own: &CheckedGroup,
+    kind: ScheduleKind,
+    file: &Path,
+    section: &str,
+) -> Result<(), ConfigError> {
+    use ScheduleKind as K;
+    let keys: [(&str, bool, bool, &str); 7] = [
+        ("lr_scheduler_power", own.power.is_some(), kind == K::Polynomial, "the power of \"polynomial\""),
+        ("lr_scheduler_lr_end", own.lr_end.is_some(), kind == K::Polynomial, "the end lr of \"polynomial\""),
+        ("lr_scheduler_num_cycles", own.num_cycles.is_some(), kind.takes_cycles(), "the cycles of cosine_with_restarts, cosine_with_min_lr and warmup_stable_decay"),
+        ("lr_scheduler_min_lr_ratio", own.min_lr_ratio.is_some(), kind.takes_min_lr(), "the floor of linear, cosine, cosine_with_restarts, cosine_with_min_lr, rex and warmup_stable_decay"),
+        ("lr_scheduler_timescale", own.timescale.is_some(), kind == K::InverseSqrt, "the timescale of \"inverse_sqrt\""),
+        ("lr_wsd_decay_steps", own.decay_phase.is_some(), kind == K::WarmupStableDecay, "the decay of \"warmup_stable_decay\""),
+        ("lr_wsd_warmup_type", own.warmup_ramp.is_some() || own.decay_ramp.is_some(), kind == K::WarmupStableDecay, "a ramp of \"warmup_stable_decay\""),
+    ];
+    for (key, written, fits, what) in keys {
+        if written && !fits {
+            let key = match (key, own.warmup_ramp) {
+                ("lr_wsd_warmup_type", None) => "lr_wsd_decay_type",
+                _ => key,
+            };
+            return Err(invalid(
+                file,
+                &format!("{section}.{key}"),
+                &format!(
+                    "is {what}, but this section's lr_scheduler is \"{}\"; remove it or set \
+                     lr_scheduler",
+                    kind.name()
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// The group's betas for its optimizer: two numbers, or three for dadapt_adan (which needs a
@@ -722,15 +806,59 @@ fn check_group(g: &GroupFile, section: &str, file: &Path) -> Result<CheckedGroup
             n => StepCount::Steps(n),
         }),
         num_cycles: match g.lr_scheduler_num_cycles {
-            Some(n) if !(1..=100_000).contains(&n) => {
+            Some(n) if !(n > 0.0 && n <= 100_000.0) => {
                 return Err(invalid(
                     file,
                     &field("lr_scheduler_num_cycles"),
-                    &format!("must be a whole number of cycles from 1 to 100000 (got {n})"),
+                    &format!("must be a number of cycles above 0, at most 100000 (got {n})"),
                 ))
             }
-            n => n.map(|n| n as u32),
+            n => n,
         },
+        lr_end: match g.lr_scheduler_lr_end {
+            Some(x) if !(x.is_finite() && x >= 0.0) => {
+                return Err(invalid(
+                    file,
+                    &field("lr_scheduler_lr_end"),
+                    &format!("must be 0 or more (got {x})"),
+                ))
+            }
+            x => x,
+        },
+        min_lr_ratio: match g.lr_scheduler_min_lr_ratio {
+            Some(x) if !(0.0..=1.0).contains(&x) => {
+                return Err(invalid(
+                    file,
+                    &field("lr_scheduler_min_lr_ratio"),
+                    &format!("must be from 0 to 1, a fraction of lr (got {x})"),
+                ))
+            }
+            x => x,
+        },
+        timescale: match g.lr_scheduler_timescale {
+            Some(n) if n < 1 => {
+                return Err(invalid(
+                    file,
+                    &field("lr_scheduler_timescale"),
+                    &format!("must be at least 1 step (got {n})"),
+                ))
+            }
+            n => n.map(|n| n.unsigned_abs()),
+        },
+        decay_phase: g
+            .lr_wsd_decay_steps
+            .map(|x| wsd_decay_steps(x, file, &field("lr_wsd_decay_steps")))
+            .transpose()?,
+        warmup_ramp: g
+            .lr_wsd_warmup_type
+            .as_deref()
+            .map(|x| ramp(x, file, &field("lr_wsd_warmup_type")))
+            .transpose()?,
+        decay_ramp: g
+            .lr_wsd_decay_type
+            .as_deref()
+            .map(|x| ramp(x, file, &field("lr_wsd_decay_type")))
+            .transpose()?,
         power: match g.lr_scheduler_power {
             Some(p) if !(p.is_finite() && p > 0.0) => {
                 return Err(invalid(
@@ -882,24 +1010,50 @@ fn parse_optimizer(name: &str, file: &Path, field: &str) -> Result<OptimizerKind
     }
 }
 
+/// `lr_wsd_decay_steps`: whole steps, or a fraction of the run below 1 (kohya's rule).
+fn wsd_decay_steps(x: f64, file: &Path, field: &str) -> Result<StepCount, ConfigError> {
+    match x {
+        x if x > 0.0 && x < 1.0 => Ok(StepCount::RunFraction(x)),
+        x if x >= 1.0 && x.fract() == 0.0 && x <= u32::MAX as f64 => Ok(StepCount::Steps(x as u64)),
+        x => Err(invalid(
+            file,
+            field,
+            &format!(
+                "must be a whole number of steps (at least 1), or a fraction of the run above 0 \
+                 and below 1 (got {x})"
+            ),
+        )),
+    }
+}
+
+fn ramp(name: &str, file: &Path, field: &str) -> Result<Ramp, ConfigError> {
+    Ramp::parse(name).ok_or_else(|| {
+        invalid(
+            file,
+            field,
+            &format!("is \"{name}\": allowed are linear, cosine and 1-sqrt"),
+        )
+    })
+}
+
 fn parse_schedule(name: &str, file: &Path, field: &str) -> Result<ScheduleKind, ConfigError> {
     match name.to_ascii_lowercase().as_str() {
-        "constant" => Ok(ScheduleKind::Constant),
-        "linear" => Ok(ScheduleKind::Linear),
-        "cosine" => Ok(ScheduleKind::Cosine),
-        "polynomial" => Ok(ScheduleKind::Polynomial),
-        "cosine_with_restarts" => Ok(ScheduleKind::CosineWithRestarts),
         "constant_with_warmup" => Err(invalid(
             file,
             field,
             "is \"constant_with_warmup\": use \"constant\" with lr_warmup_steps (every sdtrain \
              schedule has a warmup)",
         )),
-        _ => Err(invalid(
-            file,
-            field,
-            &format!("is \"{name}\": unknown lr_scheduler; allowed: {SCHEDULE_NAMES}"),
-        )),
+        lower => lower.parse().map_err(|_| {
+            invalid(
+                file,
+                field,
+                &format!(
+                    "is \"{name}\": unknown lr_scheduler; allowed: {}",
+                    ScheduleKind::names()
+                ),
+            )
+        }),
     }
 }
 
@@ -1255,17 +1409,17 @@ mod tests {
                 p.unet.schedule.num_cycles,
                 p.text_encoder.schedule.num_cycles
             ),
-            (3, 3)
+            (3.0, 3.0)
         );
         assert!(p.unet.to_string().ends_with(", 3 cycles"), "{}", p.unet);
         let r = p.unet.schedule.resolve(100);
-        assert_eq!((r.warmup_steps, r.decay_steps, r.num_cycles), (3, 150, 3));
+        assert_eq!((r.warmup_steps, r.decay_steps, r.num_cycles), (3, 150, 3.0));
         let p = plan(
             json!({"base": {"lr_scheduler": "cosine_with_restarts"}}),
             None,
         )
         .unwrap();
-        assert_eq!(p.unet.schedule.num_cycles, 1);
+        assert_eq!(p.unet.schedule.num_cycles, 1.0);
         for (v, says) in [
             (
                 json!({"base": {"lr_scheduler": "cosine", "lr_scheduler_num_cycles": 2}}),
@@ -1273,7 +1427,7 @@ mod tests {
             ),
             (
                 json!({"base": {"lr_scheduler": "cosine_with_restarts", "lr_scheduler_num_cycles": 0}}),
-                "from 1",
+                "above 0",
             ),
         ] {
             let msg = plan(v.clone(), None).unwrap_err().to_string();
@@ -1290,8 +1444,10 @@ mod tests {
             kind,
             warmup_steps: warmup,
             decay_steps: decay,
-            num_cycles: 1,
+            num_cycles: 1.0,
             power: 1.0,
+            decay_phase: StepCount::Steps(0),
+            shape: ScheduleShape::default(),
         };
         let r = spec(ScheduleKind::Cosine, StepCount::Auto, StepCount::Auto).resolve(1000);
         assert_eq!((r.warmup_steps, r.decay_steps), (30, 1500));

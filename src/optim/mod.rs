@@ -91,7 +91,7 @@ pub use group::{GroupOptimizer, Pass, StateView};
 pub use lion::{Lion, LionParams};
 pub use prodigy::{Prodigy, ProdigyParams};
 pub use rule::{ParamState, Shares, StepEstimate, StepScalars, UpdateRule};
-pub use schedule::{LrSchedule, ScheduleError, ScheduleKind};
+pub use schedule::{LrSchedule, Ramp, ScheduleError, ScheduleKind, ScheduleShape};
 pub use schedulefree::{AdamWScheduleFree, ScheduleFreeParams};
 
 /// Errors from the optimizers and their state files.

@@ -1,5 +1,7 @@
 //! Learning-rate schedules with linear warmup, as diffusers' `get_scheduler`
-//! (src/diffusers/optimization.py, diffusers 0.42.1). A schedule is a pure function of the step.
+//! (src/diffusers/optimization.py, diffusers 0.42.1), transformers' (the newer kinds kohya
+//! sd-scripts reaches through `transformers.optimization`, transformers 5.23) and OneTrainer's
+//! (modules/util/lr_scheduler_util.py). A schedule is a pure function of the step.
 //!
 //! `lr_at(base, s)` is the lr of optimizer update number `s`, counting from 0. diffusers wraps a
 //! `LambdaLR`, whose multiplier at scheduler step `s` is `λ(s)`; the training loop calls
@@ -7,24 +9,49 @@
 //! warmup `w > 0` the first update therefore uses lr 0, exactly as in diffusers and EveryDream2.
 //!
 //! With `w` = `warmup_steps`, `d` = `decay_steps` (total steps, warmup included, as diffusers'
-//! `num_training_steps`):
+//! `num_training_steps`), `p = (s − w) / max(1, d − w)` the progress after the warmup, `n` =
+//! `num_cycles` and `r` = `min_lr_ratio` (default 0), where `floor(λ) = r + (1 − r)·λ`:
 //!
 //! ```text
-//! s < w:        λ = s / max(1, w)                                   (every kind)
+//! s < w:        λ = s / max(1, w)                  (every kind but warmup_stable_decay)
 //! constant:     λ = 1                                   (diffusers constant_with_warmup)
-//! linear:       λ = max(0, (d − s) / max(1, d − w))
-//! cosine:       λ = max(0, ½·(1 + cos(π·p))),  p = min(1, (s − w) / max(1, d − w))
+//! linear:       λ = floor(max(0, (d − s) / max(1, d − w)))
+//! cosine:       λ = floor(max(0, ½·(1 + cos(π·min(1, p)))))
 //! polynomial:   lr = (base − lr_end)·(1 − (s − w)/(d − w))^power + lr_end   for s ≤ d,
 //!               lr = lr_end                                                  for s > d,
-//!               lr_end = 1e-7, power = 1.0
+//!               lr_end = 1e-7 unless set, power = 1.0 unless set
 //! cosine_with_restarts (n cycles, diffusers' `get_cosine_with_hard_restarts_schedule_with_warmup`):
-//!               p = (s − w) / max(1, d − w);  λ = 0 for p ≥ 1,
-//!               else λ = max(0, ½·(1 + cos(π·((n·p) mod 1))))
+//!               λ = floor(0) for p ≥ 1,
+//!               else λ = floor(max(0, ½·(1 + cos(π·((n·p) mod 1)))))
+//! cosine_with_min_lr (transformers' `get_cosine_with_min_lr_schedule_with_warmup` with
+//!               `num_cycles = n/2`, as kohya passes its `lr_scheduler_num_cycles`: n = 1 is one
+//!               half cosine from base to r·base, n = 2 goes down and back up):
+//!               λ = max(0, floor(½·(1 + cos(π·n·min(1, p)))))
+//! rex (OneTrainer's REX, arXiv 2107.04197):
+//!               λ = floor((1 − p) / (0.1 + 0.9·(1 − p))) for p < 1, floor(0) after
+//! inverse_sqrt (transformers' `get_inverse_sqrt_schedule`): t = timescale, or w, or 10000
+//!               without a warmup: λ = 1 / √((s + t − w) / t)
+//! warmup_stable_decay (transformers' `get_wsd_schedule`): D = decay_phase_steps, the stable
+//!               phase is d − w − D steps:
+//!               s < w:          λ = max(0, r + (1 − r)·up(s / max(1, w)))
+//!               s < d − D:      λ = 1
+//!               s < d:          λ = max(0, r + (1 − r)·down((s − d + D) / max(1, D)))
+//!               after:          λ = r
+//!               up: linear p, cosine ½·(1 − cos(π·p)), 1-sqrt 1 − √(1 − p);
+//!               down: linear 1 − p, cosine ½·(1 + cos(π·n·p)), 1-sqrt 1 − √p
 //! ```
 //!
-//! Deliberate differences from diffusers, each an edge case:
-//! - cosine clamps `p` at 1, so the lr stays 0 after `d`. diffusers' half-cosine keeps going
-//!   (`cos(π·p)` for `p > 1`), so its lr climbs back toward `base` if training runs past `d`.
+//! OneTrainer's schedules are these with its `learning_rate_min_factor` as `r`: its LINEAR,
+//! COSINE, COSINE_WITH_HARD_RESTARTS and REX are `linear`, `cosine`, `cosine_with_restarts`
+//! and `rex`, and its COSINE_WITH_RESTARTS (a smooth wave, `cos(2π·c·p)`) is
+//! `cosine_with_min_lr` with n = 2c.
+//!
+//! Deliberate differences from the references, each past the end of the schedule (`s > d`) or
+//! an edge case:
+//! - cosine and cosine_with_min_lr clamp `p` at 1, so the lr stays at its floor after `d`.
+//!   diffusers' and transformers' cosines keep going (`cos(π·p)` for `p > 1`), so their lr
+//!   climbs back toward `base` if training runs past `d`. OneTrainer's restarts hold the value
+//!   of step `d − 1` after `d`, sdtrain holds the floor.
 //! - polynomial with `d == w` gives `lr_end` at `s == d`; diffusers divides by zero there.
 //! - `base == 0` gives 0 for every kind; diffusers' polynomial refuses `base <= lr_end`.
 //!   [`LrSchedule::validate`] rejects that, and `d <= w` for the decaying kinds, up front.
@@ -35,9 +62,10 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
-/// The schedule shapes. Each has a linear warmup from 0 over `warmup_steps`.
+/// The schedule shapes. Each has a linear warmup from 0 over `warmup_steps` (warmup_stable_decay
+/// its own).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
+#[serde(rename_all = "snake_case")]
 pub enum ScheduleKind {
     /// diffusers `constant_with_warmup`.
     Constant,
@@ -49,17 +77,30 @@ pub enum ScheduleKind {
     Polynomial,
     /// diffusers `cosine_with_restarts`: `num_cycles` whole cosines (each from the base lr to 0)
     /// over `decay_steps`, then 0.
-    #[serde(rename = "cosine_with_restarts")]
     CosineWithRestarts,
+    /// transformers' `cosine_with_min_lr`: `num_cycles` half cosines (kohya's unit) from the
+    /// base lr to `min_lr_ratio` of it and back.
+    CosineWithMinLr,
+    /// OneTrainer's REX: a reflected exponential decay to 0 at `decay_steps`.
+    Rex,
+    /// transformers' `inverse_sqrt`: 1/√ of the steps over a timescale; never reaches 0.
+    InverseSqrt,
+    /// transformers' `warmup_stable_decay`: warm up, hold, then decay over the last
+    /// `decay_phase_steps`.
+    WarmupStableDecay,
 }
 
 impl ScheduleKind {
-    pub const ALL: [ScheduleKind; 5] = [
+    pub const ALL: [ScheduleKind; 9] = [
         ScheduleKind::Constant,
         ScheduleKind::Linear,
         ScheduleKind::Cosine,
         ScheduleKind::Polynomial,
         ScheduleKind::CosineWithRestarts,
+        ScheduleKind::CosineWithMinLr,
+        ScheduleKind::Rex,
+        ScheduleKind::InverseSqrt,
+        ScheduleKind::WarmupStableDecay,
     ];
 
     /// The name used in optimizer.json (`lr_scheduler`).
@@ -70,18 +111,44 @@ impl ScheduleKind {
             ScheduleKind::Cosine => "cosine",
             ScheduleKind::Polynomial => "polynomial",
             ScheduleKind::CosineWithRestarts => "cosine_with_restarts",
+            ScheduleKind::CosineWithMinLr => "cosine_with_min_lr",
+            ScheduleKind::Rex => "rex",
+            ScheduleKind::InverseSqrt => "inverse_sqrt",
+            ScheduleKind::WarmupStableDecay => "warmup_stable_decay",
         }
     }
 
-    /// Whether the lr decays over `decay_steps` (everything but constant).
+    /// Every name, comma-separated, for messages.
+    pub fn names() -> String {
+        Self::ALL.map(Self::name).join(", ")
+    }
+
+    /// Whether the lr follows `decay_steps` (everything but constant and inverse_sqrt).
     pub fn decays(self) -> bool {
-        match self {
-            ScheduleKind::Constant => false,
+        !matches!(self, ScheduleKind::Constant | ScheduleKind::InverseSqrt)
+    }
+
+    /// Whether `num_cycles` shapes it.
+    pub fn takes_cycles(self) -> bool {
+        matches!(
+            self,
+            ScheduleKind::CosineWithRestarts
+                | ScheduleKind::CosineWithMinLr
+                | ScheduleKind::WarmupStableDecay
+        )
+    }
+
+    /// Whether `min_lr_ratio` floors it.
+    pub fn takes_min_lr(self) -> bool {
+        matches!(
+            self,
             ScheduleKind::Linear
-            | ScheduleKind::Cosine
-            | ScheduleKind::Polynomial
-            | ScheduleKind::CosineWithRestarts => true,
-        }
+                | ScheduleKind::Cosine
+                | ScheduleKind::CosineWithRestarts
+                | ScheduleKind::CosineWithMinLr
+                | ScheduleKind::Rex
+                | ScheduleKind::WarmupStableDecay
+        )
     }
 }
 
@@ -102,10 +169,95 @@ impl FromStr for ScheduleKind {
     }
 }
 
+/// How warmup_stable_decay rises and falls (transformers' `warmup_type` and `decay_type`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Ramp {
+    #[serde(rename = "linear")]
+    Linear,
+    #[serde(rename = "cosine")]
+    Cosine,
+    #[serde(rename = "1-sqrt")]
+    OneMinusSqrt,
+}
+
+impl Ramp {
+    pub const ALL: [Ramp; 3] = [Ramp::Linear, Ramp::Cosine, Ramp::OneMinusSqrt];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Ramp::Linear => "linear",
+            Ramp::Cosine => "cosine",
+            Ramp::OneMinusSqrt => "1-sqrt",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Ramp> {
+        Self::ALL.into_iter().find(|r| r.name() == s)
+    }
+
+    /// The warmup's rise at progress `p` in [0, 1).
+    fn up(self, p: f64) -> f64 {
+        match self {
+            Ramp::Linear => p,
+            Ramp::Cosine => 0.5 * (1.0 - (PI * p).cos()),
+            Ramp::OneMinusSqrt => 1.0 - (1.0 - p).sqrt(),
+        }
+    }
+
+    /// The decay's fall at progress `p` in [0, 1); a cosine runs `half_waves` half cosines.
+    fn down(self, p: f64, half_waves: f64) -> f64 {
+        match self {
+            Ramp::Linear => 1.0 - p,
+            Ramp::Cosine => 0.5 * (1.0 + (PI * half_waves * p).cos()),
+            Ramp::OneMinusSqrt => 1.0 - p.sqrt(),
+        }
+    }
+}
+
+impl fmt::Display for Ramp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The settings only some kinds read (each names its kinds); the defaults leave every kind as
+/// diffusers has it.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct ScheduleShape {
+    /// The floor as a fraction of the base lr (kohya's `lr_scheduler_min_lr_ratio`,
+    /// OneTrainer's `learning_rate_min_factor`): linear, cosine, cosine_with_restarts,
+    /// cosine_with_min_lr, rex, warmup_stable_decay.
+    pub min_lr_ratio: f64,
+    /// inverse_sqrt's timescale; `None`: the warmup, or 10000 without one (transformers).
+    pub timescale: Option<u64>,
+    /// warmup_stable_decay: the steps of the final decay.
+    pub decay_phase_steps: u64,
+    /// warmup_stable_decay's rise.
+    pub warmup_ramp: Ramp,
+    /// warmup_stable_decay's fall.
+    pub decay_ramp: Ramp,
+    /// polynomial's end lr (diffusers' `lr_end`).
+    pub lr_end: f64,
+}
+
+impl Default for ScheduleShape {
+    fn default() -> Self {
+        ScheduleShape {
+            min_lr_ratio: 0.0,
+            timescale: None,
+            decay_phase_steps: 0,
+            warmup_ramp: Ramp::Linear,
+            decay_ramp: Ramp::Cosine,
+            lr_end: LrSchedule::POLYNOMIAL_LR_END,
+        }
+    }
+}
+
 /// Schedule errors, found before training starts.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum ScheduleError {
-    #[error("unknown lr_scheduler `{0}`: allowed are constant, linear, cosine, polynomial, cosine_with_restarts")]
+    #[error("unknown lr_scheduler `{0}`: allowed are {names}", names = ScheduleKind::names())]
     UnknownKind(String),
     #[error("lr {0} must be finite and >= 0")]
     BadLr(f64),
@@ -115,12 +267,20 @@ pub enum ScheduleError {
         warmup: usize,
         decay: usize,
     },
-    #[error("lr_scheduler cosine_with_restarts needs at least 1 cycle (got {0})")]
-    NoCycles(u32),
+    #[error("lr_scheduler {kind} needs a number of cycles greater than 0 (got {cycles})")]
+    NoCycles { kind: ScheduleKind, cycles: f64 },
     #[error("lr_scheduler polynomial decays to {lr_end:e}, so lr ({lr:e}) must be greater")]
     PolynomialLrTooSmall { lr: f64, lr_end: f64 },
     #[error("lr_scheduler_power {0} must be a number greater than 0")]
     BadPower(f64),
+    #[error("lr_scheduler_min_lr_ratio {0} must be from 0 to 1")]
+    BadMinLr(f64),
+    #[error("lr_scheduler_lr_end {0} must be 0 or more")]
+    BadLrEnd(f64),
+    #[error("lr_scheduler_timescale must be at least 1 step")]
+    BadTimescale,
+    #[error("lr_scheduler warmup_stable_decay: its decay ({decay} steps) must be at least 1 step and at most the schedule's {total} steps")]
+    BadDecayPhase { decay: u64, total: usize },
 }
 
 /// A learning-rate schedule. See the module docs for the formulas.
@@ -133,12 +293,15 @@ pub struct LrSchedule {
     /// cosine) or `POLYNOMIAL_LR_END` (polynomial). Unused by constant.
     pub decay_steps: usize,
     /// cosine_with_restarts' cycles (diffusers' `num_cycles`, kohya's
-    /// `lr_scheduler_num_cycles`; default 1); unused by the other kinds.
-    pub num_cycles: u32,
+    /// `lr_scheduler_num_cycles`; default 1), cosine_with_min_lr's and warmup_stable_decay's
+    /// half cosines; unused by the other kinds.
+    pub num_cycles: f64,
     /// polynomial's power (diffusers' `power`, kohya's `lr_scheduler_power`; default 1, a
     /// linear decay to `POLYNOMIAL_LR_END`); unused by the other kinds.
     #[serde(default = "default_power")]
     pub power: f64,
+    #[serde(default)]
+    pub shape: ScheduleShape,
 }
 
 fn default_power() -> f64 {
@@ -150,9 +313,12 @@ impl LrSchedule {
     pub const POLYNOMIAL_LR_END: f64 = 1e-7;
     /// diffusers' `get_scheduler` default `power`.
     pub const POLYNOMIAL_POWER: f64 = 1.0;
+    /// transformers' inverse_sqrt timescale without a warmup.
+    pub const INVERSE_SQRT_TIMESCALE: u64 = 10_000;
 
-    /// Checks what diffusers would reject or what makes the schedule degenerate.
+    /// Checks what the references would reject or what makes the schedule degenerate.
     pub fn validate(&self, base_lr: f64) -> Result<(), ScheduleError> {
+        let shape = &self.shape;
         if !base_lr.is_finite() || base_lr < 0.0 {
             return Err(ScheduleError::BadLr(base_lr));
         }
@@ -163,16 +329,39 @@ impl LrSchedule {
                 decay: self.decay_steps,
             });
         }
-        if self.kind == ScheduleKind::CosineWithRestarts && self.num_cycles == 0 {
-            return Err(ScheduleError::NoCycles(self.num_cycles));
+        if self.kind.takes_cycles() && !(self.num_cycles.is_finite() && self.num_cycles > 0.0) {
+            return Err(ScheduleError::NoCycles {
+                kind: self.kind,
+                cycles: self.num_cycles,
+            });
         }
         if !(self.power.is_finite() && self.power > 0.0) {
             return Err(ScheduleError::BadPower(self.power));
         }
-        if self.kind == ScheduleKind::Polynomial && base_lr <= Self::POLYNOMIAL_LR_END {
+        if !(0.0..=1.0).contains(&shape.min_lr_ratio) {
+            return Err(ScheduleError::BadMinLr(shape.min_lr_ratio));
+        }
+        if !(shape.lr_end.is_finite() && shape.lr_end >= 0.0) {
+            return Err(ScheduleError::BadLrEnd(shape.lr_end));
+        }
+        if shape.timescale == Some(0) {
+            return Err(ScheduleError::BadTimescale);
+        }
+        if self.kind == ScheduleKind::Polynomial && base_lr <= shape.lr_end {
             return Err(ScheduleError::PolynomialLrTooSmall {
                 lr: base_lr,
-                lr_end: Self::POLYNOMIAL_LR_END,
+                lr_end: shape.lr_end,
+            });
+        }
+        // A decay longer than the schedule's stable part starts inside the warmup's span, as
+        // transformers' arithmetic has it; longer than the whole schedule it cannot start.
+        let phase = shape.decay_phase_steps;
+        if self.kind == ScheduleKind::WarmupStableDecay
+            && (phase == 0 || phase > self.decay_steps as u64)
+        {
+            return Err(ScheduleError::BadDecayPhase {
+                decay: phase,
+                total: self.decay_steps,
             });
         }
         Ok(())
@@ -187,43 +376,110 @@ impl LrSchedule {
         if base_lr == 0.0 {
             return 0.0;
         }
+        if self.kind == ScheduleKind::WarmupStableDecay {
+            return base_lr * self.stable_decay_factor(step);
+        }
+        let (s, w) = (step as i64, self.warmup_steps as i64);
+        if s < w {
+            return base_lr * (s as f64 / w.max(1) as f64);
+        }
+        match self.kind {
+            ScheduleKind::Constant => base_lr,
+            ScheduleKind::Polynomial => self.polynomial(base_lr, step),
+            ScheduleKind::InverseSqrt => {
+                let t = self.shape.timescale.unwrap_or(match w {
+                    0 => Self::INVERSE_SQRT_TIMESCALE,
+                    w => w as u64,
+                }) as i64;
+                base_lr * (1.0 / ((s + t - w) as f64 / t as f64).sqrt())
+            }
+            _ => base_lr * self.floored(self.decay_factor(step)),
+        }
+    }
+
+    /// `r + (1 − r)·λ` (OneTrainer's `apply_min_factor`; exactly `λ` when `r` is 0).
+    fn floored(&self, factor: f64) -> f64 {
+        let r = self.shape.min_lr_ratio;
+        if r == 0.0 {
+            return factor;
+        }
+        r + (1.0 - r) * factor
+    }
+
+    /// λ after the warmup of the kinds [`Self::floored`] floors, before the floor.
+    fn decay_factor(&self, step: usize) -> f64 {
         let (s, w, d) = (
             step as i64,
             self.warmup_steps as i64,
             self.decay_steps as i64,
         );
-        if s < w {
-            return base_lr * (s as f64 / w.max(1) as f64);
-        }
         let span = (d - w).max(1) as f64;
+        let progress = (s - w) as f64 / span;
         match self.kind {
-            ScheduleKind::Constant => base_lr,
-            ScheduleKind::Linear => {
-                let progress = (d - s) as f64 / span;
-                base_lr * progress.max(0.0)
-            }
+            ScheduleKind::Linear => ((d - s) as f64 / span).max(0.0),
             ScheduleKind::Cosine => {
-                let progress = ((s - w) as f64 / span).min(1.0);
-                base_lr * (0.5 * (1.0 + (PI * 0.5 * 2.0 * progress).cos())).max(0.0)
-            }
-            ScheduleKind::Polynomial => {
-                let lr_end = Self::POLYNOMIAL_LR_END;
-                if s > d || d == w {
-                    return base_lr * (lr_end / base_lr);
-                }
-                let pct_remaining = 1.0 - (s - w) as f64 / (d - w) as f64;
-                let decay = (base_lr - lr_end) * pct_remaining.powf(self.power) + lr_end;
-                base_lr * (decay / base_lr)
+                (0.5 * (1.0 + (PI * 0.5 * 2.0 * progress.min(1.0)).cos())).max(0.0)
             }
             ScheduleKind::CosineWithRestarts => {
-                let progress = (s - w) as f64 / span;
                 if progress >= 1.0 {
                     return 0.0;
                 }
-                let phase = (f64::from(self.num_cycles) * progress) % 1.0;
-                base_lr * (0.5 * (1.0 + (PI * phase).cos())).max(0.0)
+                let phase = (self.num_cycles * progress) % 1.0;
+                (0.5 * (1.0 + (PI * phase).cos())).max(0.0)
             }
+            ScheduleKind::CosineWithMinLr => {
+                0.5 * (1.0 + (PI * self.num_cycles * progress.min(1.0)).cos())
+            }
+            ScheduleKind::Rex => {
+                if progress >= 1.0 {
+                    return 0.0;
+                }
+                (1.0 - progress) / ((1.0 - 0.9) + 0.9 * (1.0 - progress))
+            }
+            ScheduleKind::Constant
+            | ScheduleKind::Polynomial
+            | ScheduleKind::InverseSqrt
+            | ScheduleKind::WarmupStableDecay => 1.0,
         }
+    }
+
+    fn polynomial(&self, base_lr: f64, step: usize) -> f64 {
+        let (s, w, d) = (
+            step as i64,
+            self.warmup_steps as i64,
+            self.decay_steps as i64,
+        );
+        let lr_end = self.shape.lr_end;
+        if s > d || d == w {
+            return base_lr * (lr_end / base_lr);
+        }
+        let pct_remaining = 1.0 - (s - w) as f64 / (d - w) as f64;
+        let decay = (base_lr - lr_end) * pct_remaining.powf(self.power) + lr_end;
+        base_lr * (decay / base_lr)
+    }
+
+    /// warmup_stable_decay's λ, warmup included (transformers' `_get_wsd_scheduler_lambda`).
+    fn stable_decay_factor(&self, step: usize) -> f64 {
+        let shape = &self.shape;
+        let r = shape.min_lr_ratio;
+        let (s, w, d) = (
+            step as u64,
+            self.warmup_steps as u64,
+            self.decay_steps as u64,
+        );
+        let phase = shape.decay_phase_steps;
+        let decay_from = d.saturating_sub(phase);
+        let factor = if s < w {
+            shape.warmup_ramp.up(s as f64 / w.max(1) as f64)
+        } else if s < decay_from {
+            return 1.0;
+        } else if s < d {
+            let p = (s - decay_from) as f64 / phase.max(1) as f64;
+            shape.decay_ramp.down(p, self.num_cycles)
+        } else {
+            return r;
+        };
+        (factor * (1.0 - r) + r).max(0.0)
     }
 }
 
@@ -237,8 +493,9 @@ mod tests {
             kind,
             warmup_steps,
             decay_steps,
-            num_cycles: 1,
+            num_cycles: 1.0,
             power: LrSchedule::POLYNOMIAL_POWER,
+            shape: ScheduleShape::default(),
         }
     }
 
@@ -366,6 +623,56 @@ mod tests {
         ));
         assert!(sched(Linear, 0, 10).validate(f64::NAN).is_err());
         assert!(sched(Linear, 0, 10).validate(-1.0).is_err());
+    }
+
+    #[test]
+    fn validate_rejects_the_newer_settings_out_of_range() {
+        let with = |kind, f: &dyn Fn(&mut LrSchedule)| {
+            let mut s = sched(kind, 2, 10);
+            f(&mut s);
+            s.validate(1e-4)
+        };
+        assert_eq!(
+            with(CosineWithMinLr, &|s| s.num_cycles = 0.0),
+            Err(ScheduleError::NoCycles {
+                kind: CosineWithMinLr,
+                cycles: 0.0
+            })
+        );
+        assert_eq!(
+            with(Rex, &|s| s.shape.min_lr_ratio = 1.5),
+            Err(ScheduleError::BadMinLr(1.5))
+        );
+        assert_eq!(
+            with(InverseSqrt, &|s| s.shape.timescale = Some(0)),
+            Err(ScheduleError::BadTimescale)
+        );
+        assert_eq!(
+            with(WarmupStableDecay, &|_| {}),
+            Err(ScheduleError::BadDecayPhase {
+                decay: 0,
+                total: 10
+            })
+        );
+        assert!(with(WarmupStableDecay, &|s| s.shape.decay_phase_steps = 11).is_err());
+        assert!(with(WarmupStableDecay, &|s| s.shape.decay_phase_steps = 10).is_ok());
+        // inverse_sqrt needs no decay length.
+        assert!(sched(InverseSqrt, 5, 0).validate(1e-4).is_ok());
+        let ramps: Vec<String> = Ramp::ALL
+            .iter()
+            .map(|r| serde_json::to_string(r).unwrap())
+            .collect();
+        assert_eq!(ramps, ["\"linear\"", "\"cosine\"", "\"1-sqrt\""]);
+    }
+
+    /// A save point written before the newer settings existed (whole cycles, no `shape`) reads
+    /// as the same schedule.
+    #[test]
+    fn an_older_saved_schedule_still_reads() {
+        let old = r#"{"kind":"cosine_with_restarts","warmup_steps":3,"decay_steps":20,"num_cycles":2,"power":1.0}"#;
+        let s: LrSchedule = serde_json::from_str(old).unwrap();
+        assert_eq!(s.num_cycles, 2.0);
+        assert_eq!(s.shape, ScheduleShape::default());
     }
 
     // Cross-check against diffusers 0.42.1 / torch 2.15, made with python3 and tests/fixtures/requirements.txt:

@@ -248,6 +248,7 @@ fn lr_schedule(spec: &ScheduleSpec, total_steps: u64) -> LrSchedule {
         decay_steps: resolved.decay_steps as usize,
         num_cycles: resolved.num_cycles,
         power: resolved.power,
+        shape: resolved.shape,
     }
 }
 
@@ -432,8 +433,10 @@ mod lr_scale_tests {
                 kind: ScheduleKind::Constant,
                 warmup_steps: StepCount::Auto,
                 decay_steps: StepCount::Auto,
-                num_cycles: 1,
+                num_cycles: 1.0,
                 power: 1.0,
+                decay_phase: StepCount::Steps(0),
+                shape: Default::default(),
             },
             adafactor: Default::default(),
             estimator: Default::default(),
