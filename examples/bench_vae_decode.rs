@@ -67,7 +67,8 @@ fn main() -> Result<()> {
         device: device.clone(),
         train_unet: false,
         train_text_encoders: false,
-        fp8_base: false,
+        fp8_unet: false,
+        fp8_text_encoders: false,
     };
     let heap_before_load = counting_alloc::live_bytes();
     let vae = load_vae(files, &opts)?;

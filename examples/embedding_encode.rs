@@ -30,7 +30,8 @@ fn main() -> anyhow::Result<()> {
         device: Device::Cpu,
         train_unet: false,
         train_text_encoders: false,
-        fp8_base: false,
+        fp8_unet: false,
+        fp8_text_encoders: false,
     };
     let mut sd = StableDiffusion::load(layout, &opts)?;
     let widths: Vec<usize> = sd

@@ -53,7 +53,8 @@ fn main() -> anyhow::Result<()> {
         device: Device::Cpu,
         train_unet: false,
         train_text_encoders: false,
-        fp8_base: false,
+        fp8_unet: false,
+        fp8_text_encoders: false,
         trained_dtype: candle_core::DType::F32,
     };
     let mut sd = StableDiffusion::load(layout, &opts)?;

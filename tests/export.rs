@@ -34,7 +34,8 @@ fn load(dir: &Path, train_unet: bool, train_text_encoders: bool) -> StableDiffus
         device: Device::Cpu,
         train_unet,
         train_text_encoders,
-        fp8_base: false,
+        fp8_unet: false,
+        fp8_text_encoders: false,
         trained_dtype: DType::F32,
     };
     StableDiffusion::load(layout, &opts).unwrap()

@@ -19,6 +19,10 @@ use sdtrain::model::unet::AddedConditions;
 const FIXTURES: [&str; 3] = ["tiny-sd15", "tiny-sd21", "tiny-sdxl"];
 
 fn load(fixture: &str, dtype: DType, fp8_base: bool) -> StableDiffusion {
+    load_parts(fixture, dtype, fp8_base, fp8_base)
+}
+
+fn load_parts(fixture: &str, dtype: DType, fp8_unet: bool, fp8_te: bool) -> StableDiffusion {
     let layout = ModelLayout::read(&common::fixture(fixture), None).unwrap();
     let opts = LoadOptions {
         dtype,
@@ -27,7 +31,8 @@ fn load(fixture: &str, dtype: DType, fp8_base: bool) -> StableDiffusion {
         train_unet: false,
         train_text_encoders: false,
         trained_dtype: DType::F32,
-        fp8_base,
+        fp8_unet,
+        fp8_text_encoders: fp8_te,
     };
     StableDiffusion::load(layout, &opts).unwrap()
 }
@@ -75,6 +80,56 @@ fn an_fp8_base_moves_the_output_a_few_percent() {
         assert!(
             e_fp8 > 1.5 * e_bf16,
             "{fixture}: fp8 {e_fp8} vs bf16 {e_bf16}: is the base quantised?"
+        );
+    }
+}
+
+/// kohya's `fp8_base_unet` (`base_weight_dtype: "fp8_unet"`): the text encoders' outputs are
+/// the compute dtype's exactly, the UNet's are the fp8 base's exactly. Catches the text
+/// encoders quantised too, or the UNet left out.
+#[test]
+fn an_fp8_unet_keeps_the_text_encoders_in_the_compute_dtype() {
+    for fixture in ["tiny-sd15", "tiny-sdxl"] {
+        let amp = load_parts(fixture, DType::BF16, false, false);
+        let fp8 = load_parts(fixture, DType::BF16, true, true);
+        let unet_only = load_parts(fixture, DType::BF16, true, false);
+        let encode = |sd: &StableDiffusion| {
+            let c = sd.encode_prompts(&["a photo of a red cube"], 0).unwrap();
+            c.context.to_dtype(DType::F32).unwrap()
+        };
+        let (te_amp, te_fp8, te_unet_only) = (encode(&amp), encode(&fp8), encode(&unet_only));
+        assert_eq!(
+            common::max_abs_diff(&te_unet_only, &te_amp),
+            0.0,
+            "{fixture}"
+        );
+        assert!(common::max_abs_diff(&te_fp8, &te_amp) > 0.0, "{fixture}");
+        // The UNet on the same conditioning: the fp8 base's, not the compute dtype's.
+        let on = |sd: &StableDiffusion| {
+            let cond = amp.encode_prompts(&["a photo of a red cube"], 0).unwrap();
+            let c = sd.unet.config.in_channels;
+            let x = common::randn(&[1, c, 8, 8], 5)
+                .to_dtype(DType::BF16)
+                .unwrap();
+            let t = Tensor::new(&[500f32], &Device::Cpu).unwrap();
+            let added = cond.pooled.as_ref().map(|p| AddedConditions {
+                text_embeds: p.clone(),
+                time_ids: Tensor::new(&[[64f32, 64., 0., 0., 64., 64.]], &Device::Cpu)
+                    .unwrap()
+                    .to_dtype(DType::BF16)
+                    .unwrap(),
+            });
+            sd.unet
+                .forward(&x, &t, &cond.context, added.as_ref())
+                .unwrap()
+                .to_dtype(DType::F32)
+                .unwrap()
+        };
+        let (u_amp, u_fp8, u_unet_only) = (on(&amp), on(&fp8), on(&unet_only));
+        assert_eq!(common::max_abs_diff(&u_unet_only, &u_fp8), 0.0, "{fixture}");
+        assert!(
+            common::max_abs_diff(&u_unet_only, &u_amp) > 0.0,
+            "{fixture}"
         );
     }
 }

@@ -616,3 +616,32 @@ fn onetrainers_own_presets_translate() {
     }
     assert_eq!(translated, 10);
 }
+
+/// OneTrainer's FLOAT_8 weights: the UNet alone (kohya's fp8_base_unet), or with the text
+/// encoders. Catches a FLOAT_8 UNet taken as an fp8 text encoder too, and the reverse.
+#[test]
+fn a_float8_unet_keeps_its_text_encoder_in_the_compute_dtype_unless_it_is_float8_too() {
+    let d = tempfile::tempdir().unwrap();
+    workspace(d.path());
+    let cfg = d.path().join("sd15-lora.json");
+    let model = model_arg();
+    for (te, expect) in [
+        ("FLOAT_16", "frozen UNet fp8"),
+        ("FLOAT_8", "frozen base fp8"),
+    ] {
+        let log = sdtrain_ok(
+            &cfg,
+            d.path(),
+            &[
+                "--dry-run",
+                "--set",
+                &model,
+                "--set",
+                "unet.weight_dtype=FLOAT_8",
+                "--set",
+                &format!("text_encoder.weight_dtype={te}"),
+            ],
+        );
+        assert!(log.contains(expect), "{te}: {log}");
+    }
+}

@@ -25,7 +25,8 @@ fn load(name: &str, dtype: DType, train: bool) -> StableDiffusion {
         device: Device::Cpu,
         train_unet: train,
         train_text_encoders: train,
-        fp8_base: false,
+        fp8_unet: false,
+        fp8_text_encoders: false,
         trained_dtype: candle_core::DType::F32,
     };
     StableDiffusion::load(layout, &opts).unwrap()

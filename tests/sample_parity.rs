@@ -151,7 +151,8 @@ fn load(fixture: &str) -> StableDiffusion {
         device: Device::Cpu,
         train_unet: false,
         train_text_encoders: false,
-        fp8_base: false,
+        fp8_unet: false,
+        fp8_text_encoders: false,
         trained_dtype: candle_core::DType::F32,
     };
     StableDiffusion::load(layout, &opts).unwrap()
@@ -261,7 +262,8 @@ fn bf16_sampling_stays_near_the_f32_reference() {
         device: Device::Cpu,
         train_unet: false,
         train_text_encoders: false,
-        fp8_base: false,
+        fp8_unet: false,
+        fp8_text_encoders: false,
         trained_dtype: candle_core::DType::F32,
     };
     let sd = StableDiffusion::load(layout, &opts).unwrap();

@@ -65,7 +65,8 @@ fn opts() -> LoadOptions {
         device: Device::Cpu,
         train_unet: false,
         train_text_encoders: false,
-        fp8_base: false,
+        fp8_unet: false,
+        fp8_text_encoders: false,
         trained_dtype: candle_core::DType::F32,
     }
 }

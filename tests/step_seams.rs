@@ -91,7 +91,8 @@ fn model_with(name: &str, mode: TrainMode, dropout: f64, base: Base) -> Model {
         device: Device::Cpu,
         train_unet: full,
         train_text_encoders: full,
-        fp8_base: base == Base::Fp8,
+        fp8_unet: base == Base::Fp8,
+        fp8_text_encoders: base == Base::Fp8,
         trained_dtype: candle_core::DType::F32,
     };
     let mut sd = StableDiffusion::load(layout.clone(), &opts).unwrap();

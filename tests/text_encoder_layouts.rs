@@ -49,7 +49,8 @@ fn opts(trainable: bool) -> LoadOptions {
         device: Device::Cpu,
         train_unet: false,
         train_text_encoders: trainable,
-        fp8_base: false,
+        fp8_unet: false,
+        fp8_text_encoders: false,
         trained_dtype: candle_core::DType::F32,
     }
 }

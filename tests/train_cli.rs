@@ -58,7 +58,8 @@ fn check_trained(fixture: &str, extra: serde_json::Value) {
         device: Device::Cpu,
         train_unet: false,
         train_text_encoders: false,
-        fp8_base: false,
+        fp8_unet: false,
+        fp8_text_encoders: false,
         trained_dtype: candle_core::DType::F32,
     };
     StableDiffusion::load(layout, &opts).unwrap();

@@ -118,7 +118,8 @@ fn into_model(args: &MergeArgs, model: &str, ratios: &[f64]) -> anyhow::Result<P
         device: Device::Cpu,
         train_unet: true,
         train_text_encoders: true,
-        fp8_base: false,
+        fp8_unet: false,
+        fp8_text_encoders: false,
     };
     let mut sd = StableDiffusion::load(layout.clone(), &opts)
         .with_context(|| format!("--model `{model}`"))?;

@@ -500,8 +500,18 @@ impl<'a> Translation<'a> {
             (false, true) => self.set("weight_dtype", json!("fp16"), "full_fp16")?,
             (false, false) => {}
         }
-        if self.take_bool("fp8_base")? {
-            self.set("base_weight_dtype", json!("fp8"), "fp8_base")?;
+        // sdxl_train.py's per-block rates: train.json's key checks them.
+        if let Some(rates) = self.take("block_lr").filter(|v| !is_off(v)) {
+            self.set("block_lr", rates, "block_lr")?;
+        }
+        // fp8_base_unet wins: kohya keeps the text encoders in the compute dtype with it.
+        match (
+            self.take_bool("fp8_base")?,
+            self.take_bool("fp8_base_unet")?,
+        ) {
+            (_, true) => self.set("base_weight_dtype", json!("fp8_unet"), "fp8_base_unet")?,
+            (true, false) => self.set("base_weight_dtype", json!("fp8"), "fp8_base")?,
+            (false, false) => {}
         }
         self.resume()?;
         self.states_kept()?;

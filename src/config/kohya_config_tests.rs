@@ -94,6 +94,26 @@ fn precision_length_and_saves() {
     assert_eq!((p.max_epochs, p.max_steps), (Some(3), None));
     let p = resolve("network_module = 'networks.lora'\nfp8_base = true").unwrap();
     assert_eq!(p.precision.base_weight_dtype, BaseWeightDtype::Fp8);
+    // fp8_base_unet wins over fp8_base, as in kohya's train_network.py.
+    for both in ["", "fp8_base = true\n"] {
+        let p = resolve(&format!(
+            "network_module = 'networks.lora'\n{both}fp8_base_unet = true"
+        ))
+        .unwrap();
+        assert_eq!(p.precision.base_weight_dtype, BaseWeightDtype::Fp8Unet);
+    }
+    // sdxl_train.py's block_lr, as text; an adapter config's is refused by train.json's rule.
+    let rates = vec!["1e-5"; 23].join(",");
+    let p = resolve(&format!("block_lr = '{rates}'")).unwrap();
+    assert_eq!(p.block_lr, Some(vec![1e-5; 23]));
+    let e = resolve(&format!(
+        "network_module = 'networks.lora'\nblock_lr = '{rates}'"
+    ))
+    .unwrap_err();
+    assert!(
+        e.contains("block_lr") && e.contains("full fine-tune"),
+        "{e}"
+    );
     let p = resolve("network_module = 'networks.lora'\nsave_precision = 'bf16'").unwrap();
     assert_eq!(
         p.adapter.unwrap().save_dtype,

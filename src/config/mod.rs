@@ -7,6 +7,7 @@
 
 mod adapter_blocks;
 mod adapter_file;
+mod block_lr_plan;
 mod ctx;
 mod data_plan;
 mod dataset_config;

@@ -190,7 +190,20 @@ fn precision(t: &mut Translation<'_>) -> Result<(), ConfigError> {
             t.set("weight_dtype", json!(unet), "unet.weight_dtype")?;
         }
     } else if unet == "fp8" {
-        t.set("base_weight_dtype", json!("fp8"), "unet.weight_dtype")?;
+        // The text encoders in fp8 too, or (kohya's fp8_base_unet) in the compute dtype.
+        let encoders = text_encoders(t);
+        let all = encoders.iter().all(|p| matches!(dtype_of(t, p), Ok("fp8")));
+        let base = if all { "fp8" } else { "fp8_unet" };
+        t.set("base_weight_dtype", json!(base), "unet.weight_dtype")?;
+    } else if text_encoders(t)
+        .iter()
+        .any(|p| matches!(dtype_of(t, p), Ok("fp8")))
+    {
+        t.differences_note(
+            "the text encoders are held in the compute dtype, not FLOAT_8: sdtrain stores a \
+             frozen text encoder in fp8 only beside an fp8 UNet (text_encoder.weight_dtype)"
+                .into(),
+        );
     } else if t.str("train_dtype")? != "FLOAT_32" && unet == "f32" {
         t.differences_note(
             "the frozen weights are held in the compute dtype (train_dtype), not FLOAT_32 \

@@ -171,6 +171,9 @@ pub struct TrainPlan {
     pub stop_text_encoder_training: Option<usize>,
     /// OneTrainer's epoch form of it: the text encoders' group trains for this many epochs.
     pub stop_text_encoder_training_epochs: Option<usize>,
+    /// kohya's `block_lr`: an SDXL full fine-tune's 23 per-block learning rates
+    /// (`block_lr_plan`), which replace the UNet group's `lr`.
+    pub block_lr: Option<Vec<f64>>,
 }
 
 impl TrainPlan {
@@ -412,6 +415,12 @@ impl TrainPlan {
                 &ctx,
                 te_group,
                 &precision,
+            )?,
+            block_lr: super::block_lr_plan::resolve_block_lr(
+                file.block_lr.as_ref(),
+                mode,
+                train_unet,
+                &ctx,
             )?,
         })
     }

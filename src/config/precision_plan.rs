@@ -50,6 +50,10 @@ pub enum BaseWeightDtype {
     /// (`nn::fp8`), dequantised to the compute dtype where a layer uses them; norms, biases and
     /// embeddings stay in the compute dtype.
     Fp8,
+    /// The UNet's as [`Self::Fp8`], the text encoders' in the compute dtype (kohya's
+    /// `fp8_base_unet`).
+    #[serde(rename = "fp8_unet")]
+    Fp8Unet,
 }
 
 impl BaseWeightDtype {
@@ -57,7 +61,18 @@ impl BaseWeightDtype {
         match self {
             Self::Amp => "amp",
             Self::Fp8 => "fp8",
+            Self::Fp8Unet => "fp8_unet",
         }
+    }
+
+    /// Whether the frozen UNet is stored in fp8.
+    pub fn fp8_unet(self) -> bool {
+        self != Self::Amp
+    }
+
+    /// Whether the frozen text encoders are stored in fp8.
+    pub fn fp8_text_encoders(self) -> bool {
+        self == Self::Fp8
     }
 }
 
@@ -212,20 +227,22 @@ fn resolve_base_weight_dtype(
     };
     let b = match s.to_ascii_lowercase().as_str() {
         "fp8" | "float8" | "e4m3" | "fp8_e4m3" | "float8_e4m3fn" => BaseWeightDtype::Fp8,
+        "fp8_unet" => BaseWeightDtype::Fp8Unet,
         "amp" | "default" => BaseWeightDtype::Amp,
         _ => {
             return Err(invalid(
                 file,
                 "base_weight_dtype",
                 format!(
-                    "is \"{s}\"; use \"fp8\" (e4m3 with a scale per output channel) or \
+                    "is \"{s}\"; use \"fp8\" (e4m3 with a scale per output channel), \
+                     \"fp8_unet\" (the UNet in fp8, the text encoders in the compute dtype) or \
                      \"amp\" (the compute dtype, the default)"
                 ),
             ))
         }
     };
     match mode {
-        TrainMode::Full if b == BaseWeightDtype::Fp8 => Err(invalid(
+        TrainMode::Full if b != BaseWeightDtype::Amp => Err(invalid(
             file,
             "base_weight_dtype",
             format!(

@@ -501,6 +501,10 @@ impl super::TrainPlan {
         let base = match self.precision.base_weight_dtype {
             super::BaseWeightDtype::Amp => "",
             super::BaseWeightDtype::Fp8 => "; frozen base fp8 (e4m3, a scale per output channel)",
+            super::BaseWeightDtype::Fp8Unet => {
+                "; frozen UNet fp8 (e4m3, a scale per output channel), text encoders in the \
+                 compute dtype"
+            }
         };
         format!("amp {amp}; gradient checkpointing {ckpt}{weights}{base}{fused}")
     }

@@ -77,6 +77,9 @@ pub struct TrainFile {
     /// the first N epochs.
     #[serde(default)]
     pub stop_text_encoder_training_epochs: Option<i64>,
+    /// kohya's sdxl_train.py `block_lr`: 23 learning rates, one per SDXL UNet block.
+    #[serde(default)]
+    pub block_lr: Option<Value>,
     /// kohya's: keep the newest N epoch saves' weights.
     #[serde(default)]
     pub save_last_n_epochs: Option<i64>,

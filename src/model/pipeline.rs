@@ -79,9 +79,11 @@ pub struct LoadOptions {
     pub device: Device,
     pub train_unet: bool,
     pub train_text_encoders: bool,
-    /// Store the frozen UNet's and text encoders' Linear and Conv2d weights in fp8 (e4m3 with a
-    /// scale per output channel, `nn::fp8`); the VAE and trainable components are never stored so.
-    pub fp8_base: bool,
+    /// Store the frozen UNet's Linear and Conv2d weights in fp8 (e4m3 with a scale per output
+    /// channel, `nn::fp8`); the VAE and trainable components are never stored so.
+    pub fp8_unet: bool,
+    /// The same for the frozen text encoders.
+    pub fp8_text_encoders: bool,
 }
 
 /// One text encoder and the tokenizer that feeds it.
@@ -353,7 +355,8 @@ pub fn component_weights(
         device: device.clone(),
         train_unet: false,
         train_text_encoders: false,
-        fp8_base: false,
+        fp8_unet: false,
+        fp8_text_encoders: false,
         trained_dtype: dtype,
     };
     weights(files, &opts, false)
@@ -386,7 +389,12 @@ fn weights(
             trainable,
         ),
     };
-    w.set_fp8_base(opts.fp8_base && !trainable && files.component != Component::Vae);
+    let fp8 = match files.component {
+        Component::Unet => opts.fp8_unet,
+        Component::Vae => false,
+        _ => opts.fp8_text_encoders,
+    };
+    w.set_fp8_base(fp8 && !trainable);
     Ok(w)
 }
 

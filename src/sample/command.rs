@@ -408,7 +408,8 @@ fn load_model(args: &SampleArgs, device: &Device, dtype: DType) -> anyhow::Resul
         device: device.clone(),
         train_unet: false,
         train_text_encoders: false,
-        fp8_base: false,
+        fp8_unet: false,
+        fp8_text_encoders: false,
         trained_dtype: candle_core::DType::F32,
     };
     let mut sd = StableDiffusion::load(layout, &opts)?;

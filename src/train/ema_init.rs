@@ -59,7 +59,8 @@ fn model_values(plan: &TrainPlan, source: &str) -> anyhow::Result<HashMap<String
         device: Device::Cpu,
         train_unet: true,
         train_text_encoders: plan.train_text_encoder,
-        fp8_base: false,
+        fp8_unet: false,
+        fp8_text_encoders: false,
     };
     let sd = StableDiffusion::load(layout, &load)?;
     let mut values: HashMap<String, Tensor> = sd

@@ -174,7 +174,7 @@ fn settings(f: &RunFacts<'_>, m: &mut BTreeMap<String, String>) {
     let none_if = |off: bool, v: String| if off { "None".to_string() } else { v };
     let (loss, huber) = loss_type(o.loss.loss_type);
     let adapter = p.adapter.as_ref();
-    let fp8 = p.precision.base_weight_dtype == crate::config::BaseWeightDtype::Fp8;
+    let fp8 = p.precision.base_weight_dtype;
     let mut put = |k: &str, v: String| {
         m.insert(k.to_string(), v);
     };
@@ -291,8 +291,14 @@ fn settings(f: &RunFacts<'_>, m: &mut BTreeMap<String, String>) {
     put("ss_huber_schedule", kind.to_string());
     put("ss_huber_c", c);
     put("ss_huber_scale", scale);
-    put("ss_fp8_base", py_bool(fp8));
-    put("ss_fp8_base_unet", "False".into());
+    put(
+        "ss_fp8_base",
+        py_bool(fp8 == crate::config::BaseWeightDtype::Fp8),
+    );
+    put(
+        "ss_fp8_base_unet",
+        py_bool(fp8 == crate::config::BaseWeightDtype::Fp8Unet),
+    );
 }
 
 /// kohya's `loss_type` name (`l2`, `l1`, `huber` for its pseudo-Huber, `smooth_l1`), or

@@ -25,7 +25,7 @@ use std::fmt;
 
 use super::checkpoint_choice::CheckpointDecision;
 use super::sampling_memory::{decode_bytes, unet_bytes, RoundShape, SamplingRound};
-use crate::config::{TrainMode, TrainPlan};
+use crate::config::{BaseWeightDtype, TrainMode, TrainPlan};
 use crate::model::unet::{block_widths, CheckpointedBlocks, UnetConfig};
 use crate::precision::{Amp, WeightDtype};
 
@@ -149,8 +149,10 @@ pub fn plan_memory(
         checkpointed_width: 0.0,
         all_checkpointed: false,
         fused: plan.precision.fused_backward_pass,
-        fp8_base: plan.mode != TrainMode::Full
-            && plan.precision.base_weight_dtype == crate::config::BaseWeightDtype::Fp8,
+        fp8_base: match plan.mode {
+            TrainMode::Full => BaseWeightDtype::Amp,
+            _ => plan.precision.base_weight_dtype,
+        },
         batch: largest.batch,
         latent_px: largest.pixels as f64 / 64.0,
         accumulating: plan.grad_accum > 1,
@@ -195,7 +197,11 @@ pub fn plan_memory(
             WeightDtype::F32 => String::new(),
             w if shape.full => format!(", trained weights {}", w.name()),
             _ => String::new(),
-        } + if shape.fp8_base { ", fp8 base" } else { "" }
+        } + match shape.fp8_base {
+            BaseWeightDtype::Amp => "",
+            BaseWeightDtype::Fp8 => ", fp8 base",
+            BaseWeightDtype::Fp8Unet => ", fp8 UNet",
+        }
     );
     out.checkpointing = decision;
     out.card = card.clone();
@@ -233,8 +239,9 @@ struct RunTerms {
     all_checkpointed: bool,
     /// `fused_backward_pass`: each gradient dropped once its parameter is updated.
     fused: bool,
-    /// `base_weight_dtype: "fp8"`: frozen layer weights in one byte each.
-    fp8_base: bool,
+    /// `base_weight_dtype`: frozen layer weights in one byte each ("fp8" the UNet's and text
+    /// encoders', "fp8_unet" the UNet's).
+    fp8_base: BaseWeightDtype,
     batch: usize,
     /// Latent pixels of the largest bucket.
     latent_px: f64,
@@ -347,24 +354,34 @@ impl RunTerms {
     /// ends). On the CPU, SD1.5 LoRA at 256 px in f32: plan 1.53 GiB + the process's 0.15
     /// against a measured peak of 1.55 GiB (docs/BENCHMARKS.md).
     fn frozen_bytes(&self, census: &Census, compute: f64, unet: bool, te: bool) -> f64 {
-        let (mut all, mut layers, mut rows) = (0u64, 0u64, 0u64);
-        if unet {
-            all += census.unet;
-            layers += census.unet_layers;
-            rows += census.unet_layer_rows;
-        }
-        if te {
-            all += census.text_encoders;
-            layers += census.text_encoder_layers;
-            rows += census.text_encoder_layer_rows;
-        }
-        if !self.fp8_base || layers == 0 {
-            return compute * all as f64;
-        }
-        compute * (all - layers) as f64
-            + layers as f64
-            + 4.0 * rows as f64
-            + compute * census.largest_layer as f64
+        let component = |on: bool, fp8: bool, all: u64, layers: u64, rows: u64| match (on, fp8) {
+            (false, _) => (0.0, 0),
+            (true, false) => (compute * all as f64, 0),
+            (true, true) => (
+                compute * (all - layers) as f64 + layers as f64 + 4.0 * rows as f64,
+                layers,
+            ),
+        };
+        let (unet_bytes, unet_fp8) = component(
+            unet,
+            self.fp8_base.fp8_unet(),
+            census.unet,
+            census.unet_layers,
+            census.unet_layer_rows,
+        );
+        let (te_bytes, te_fp8) = component(
+            te,
+            self.fp8_base.fp8_text_encoders(),
+            census.text_encoders,
+            census.text_encoder_layers,
+            census.text_encoder_layer_rows,
+        );
+        // The dequantised copy of the largest fp8 layer the op running uses.
+        let copy = match unet_fp8 + te_fp8 {
+            0 => 0.0,
+            _ => compute * census.largest_layer as f64,
+        };
+        unet_bytes + te_bytes + copy
     }
 
     /// The gradient term: every trained parameter's gradient (two buffers while micro-batches
@@ -733,7 +750,7 @@ mod tests {
             trained: 10,
             ..Census::default()
         };
-        let weights = |fp8_base: bool, te_cached: bool, full: bool| {
+        let weights = |fp8_base: BaseWeightDtype, te_cached: bool, full: bool| {
             RunTerms {
                 full,
                 fp8_base,
@@ -744,12 +761,17 @@ mod tests {
             .weights
         };
         let adapters = 4.0 * 10.0 + 2.0 * 10.0; // f32 adapters and their bf16 casts
-        assert_eq!(weights(false, false, false), 2.0 * 1500.0 + adapters);
+        use BaseWeightDtype::{Amp as Off, Fp8, Fp8Unet};
+        assert_eq!(weights(Off, false, false), 2.0 * 1500.0 + adapters);
         let fp8 = 2.0 * 200.0 + 1300.0 + 4.0 * 50.0 + 2.0 * 50.0;
-        assert_eq!(weights(true, false, false), fp8 + adapters);
+        assert_eq!(weights(Fp8, false, false), fp8 + adapters);
         let fp8_cached = 2.0 * 100.0 + 900.0 + 4.0 * 30.0 + 2.0 * 50.0;
-        assert_eq!(weights(true, true, false), fp8_cached + adapters);
-        assert_eq!(weights(true, true, true), weights(false, true, true));
+        assert_eq!(weights(Fp8, true, false), fp8_cached + adapters);
+        assert_eq!(weights(Fp8, true, true), weights(Off, true, true));
+        // kohya's fp8_base_unet: the text encoders stay in the compute dtype.
+        let fp8_unet = 2.0 * 100.0 + 900.0 + 4.0 * 30.0 + 2.0 * 500.0 + 2.0 * 50.0;
+        assert_eq!(weights(Fp8Unet, false, false), fp8_unet + adapters);
+        assert_eq!(weights(Fp8Unet, true, false), fp8_cached + adapters);
     }
 
     /// A sampling round: what stays (weights without the step's AMP copies, the optimizer
@@ -820,7 +842,7 @@ mod tests {
             checkpointed_width: 0.0,
             all_checkpointed: false,
             fused: false,
-            fp8_base: false,
+            fp8_base: BaseWeightDtype::Amp,
             batch: 1,
             latent_px: 0.0,
             accumulating: false,

@@ -3,6 +3,7 @@
 pub mod accumulate;
 mod adapter_blocks;
 pub mod adapters;
+mod block_lr;
 mod cache_share;
 mod caches;
 pub mod checkpoint_choice;

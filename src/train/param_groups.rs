@@ -351,6 +351,14 @@ pub(super) fn param_groups(
             (a.params(false), a.params(true), unet_plan, te_plan)
         }
     };
+    // kohya's `block_lr` (a full fine-tune): blocks at 0 leave the group, the others scale it.
+    let (unet_params, block_scale) = match (&plan.block_lr, adapters) {
+        (Some(rates), None) => {
+            let (kept, scale) = super::block_lr::by_block(sd, unet_params, rates, unet_plan.lr)?;
+            (kept, Some(scale))
+        }
+        _ => (unet_params, None),
+    };
     let mut groups = Vec::new();
     // `disable_unet_training`: the UNet is frozen and has no group.
     if plan.train_unet {
@@ -360,13 +368,20 @@ pub(super) fn param_groups(
                  nothing to train (adapter.down_lr_weight, mid_lr_weight, up_lr_weight)"
             );
         }
-        groups.push(Group::new(
-            "unet",
-            unet_params,
-            &unet_plan,
-            shape,
-            adapters.and_then(|a| a.lr_scale(false)),
-        )?);
+        let lr_scale: Option<super::adapter_blocks::LrScale<'_>> = match &block_scale {
+            Some(scale) => Some(Box::new(move |name: &str| {
+                scale.get(name).copied().unwrap_or(1.0)
+            })),
+            None => adapters.and_then(|a| a.lr_scale(false)),
+        };
+        groups.push(
+            Group::new("unet", unet_params, &unet_plan, shape, lr_scale).with_context(|| {
+                match block_scale {
+                    Some(_) => "block_lr",
+                    None => "the UNet's parameters",
+                }
+            })?,
+        );
     }
     if !te_params.is_empty() {
         groups.push(Group::new(

@@ -213,7 +213,8 @@ pub(super) fn start(
         device: device.clone(),
         train_unet: false,
         train_text_encoders: false,
-        fp8_base: false,
+        fp8_unet: false,
+        fp8_text_encoders: false,
         trained_dtype: candle_core::DType::F32,
     };
     let clip_skip = plan.objective.clip_skip_layers;

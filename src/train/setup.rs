@@ -28,7 +28,7 @@ use super::samples;
 use super::trainer::{Extras, Model, Outputs, Position, RunOptions, Session};
 use super::validation::Validation;
 use crate::config::{
-    BaseWeightDtype, CheckpointChoice, DataPlan, RegularizationPlan, RunShape, TrainMode, TrainPlan,
+    CheckpointChoice, DataPlan, RegularizationPlan, RunShape, TrainMode, TrainPlan,
 };
 use crate::data::regularization::{add_regularization, RegularizationSummary};
 use crate::data::{load_source, undersized, DataSource, ImageMeta, LoadedDataset};
@@ -771,10 +771,11 @@ fn load_model(
         train_unet: full && plan.train_unet,
         train_text_encoders: full && plan.train_text_encoder,
         trained_dtype: plan.precision.weight_dtype.dtype(),
-        fp8_base: plan.precision.base_weight_dtype == BaseWeightDtype::Fp8,
+        fp8_unet: plan.precision.base_weight_dtype.fp8_unet(),
+        fp8_text_encoders: plan.precision.base_weight_dtype.fp8_text_encoders(),
     };
     let mut sd = StableDiffusion::load(layout.clone(), &load)?;
-    if load.fp8_base {
+    if load.fp8_unet {
         describe_fp8_base(&mut sd, amp);
     }
     merge_base_weights(&mut sd, plan, &opts.device)?;

@@ -279,7 +279,8 @@ pub fn load_f32(
         device: Device::Cpu,
         train_unet: false,
         train_text_encoders: false,
-        fp8_base: false,
+        fp8_unet: false,
+        fp8_text_encoders: false,
     };
     sdtrain::model::pipeline::StableDiffusion::load(layout, &opts).unwrap()
 }
