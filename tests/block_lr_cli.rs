@@ -135,3 +135,36 @@ fn a_block_lr_that_cannot_apply_is_refused() {
         );
     }
 }
+
+/// A learning-rate-free optimizer sizes its step for the whole group: rates of their own are
+/// refused, rates that only switch blocks off (0 or the UNet's lr) are taken.
+#[test]
+fn block_rates_beside_a_learning_rate_free_optimizer_only_switch_blocks() {
+    for (rates, ok) in [(vec![1.0, 0.5, 0.0], false), (vec![1.0, 1.0, 0.0], true)] {
+        let tmp = tempfile::tempdir().unwrap();
+        std::fs::write(
+            tmp.path().join("optimizer.json"),
+            serde_json::json!({"base": {"optimizer": "prodigy"}}).to_string(),
+        )
+        .unwrap();
+        let block_lr: Vec<f64> = (0..23).map(|i| rates[i % 3]).collect();
+        let cfg = write_config(
+            tmp.path(),
+            "tiny-sdxl",
+            &demo_data(),
+            serde_json::json!({"mode": "full", "lr": 1.0, "block_lr": block_lr,
+                               "optimizer_config": "optimizer.json"}),
+        );
+        // The accepted one trains (no per-parameter rate to refuse).
+        let args = match ok {
+            true => vec!["--config", cfg.to_str().unwrap(), "--cpu"],
+            false => vec!["--config", cfg.to_str().unwrap(), "--cpu", "--dry-run"],
+        };
+        let out = sdtrain(&args, tmp.path());
+        let log = text(&out);
+        assert_eq!(out.status.success(), ok, "{rates:?}: {log}");
+        if !ok {
+            assert!(log.contains("block_lr") && log.contains("prodigy"), "{log}");
+        }
+    }
+}

@@ -145,6 +145,11 @@ fn a_schedule_kohya_cannot_build_is_refused_with_its_reason() {
             "lr_scheduler_timescale",
         ),
         ("lr_scheduler = \"piecewise_constant\"", "lr_scheduler", "step_rules"),
+        (
+            "lr_scheduler = \"cosine_with_min_lr\"\nlearning_rate = 1e-4\nlr_scheduler_args = [\"min_lr=1e-3\"]",
+            "lr_scheduler_args",
+            "above learning_rate",
+        ),
         ("lr_scheduler = \"cosine_warmup_with_min_lr\"", "lr_scheduler", "num_decay_steps"),
         ("lr_scheduler = \"adafactor:1e-3\"", "lr_scheduler", "relative-step"),
         (

@@ -8,6 +8,7 @@ use serde_json::Value;
 
 use super::ctx::Ctx;
 use super::error::ConfigError;
+use super::optimizer_plan::ParamGroupPlan;
 use super::plan::TrainMode;
 
 /// How many rates `block_lr` holds (kohya's `UNET_NUM_BLOCKS_FOR_BLOCK_LR`).
@@ -18,6 +19,7 @@ pub(super) fn resolve_block_lr(
     raw: Option<&Value>,
     mode: TrainMode,
     train_unet: bool,
+    unet: &ParamGroupPlan,
     ctx: &Ctx<'_>,
 ) -> Result<Option<Vec<f64>>, ConfigError> {
     let Some(raw) = raw.filter(|v| !v.is_null()) else {
@@ -69,6 +71,17 @@ pub(super) fn resolve_block_lr(
     }
     if rates.iter().all(|r| *r == 0.0) {
         return bad("is 0 for every block, so the UNet would train nothing".into());
+    }
+    let switches_only = rates.iter().all(|r| *r == 0.0 || *r == unet.lr);
+    if !switches_only && !unet.optimizer.scales_per_parameter() {
+        return bad(format!(
+            "gives the blocks their own learning rates, but optimizer \"{}\" (base in the \
+             optimizer config) computes its step size for the whole group; use adamw, adamw8bit, \
+             lion, lion8bit, adafactor or came, or rates of 0 and the UNet's lr ({:e}) only \
+             (which switch blocks off)",
+            unet.optimizer.name(),
+            unet.lr
+        ));
     }
     Ok(Some(rates))
 }

@@ -45,7 +45,8 @@ fn accepted_args(name: &str) -> &'static [&'static str] {
 /// The arguments kohya passes to the schedule by name, which `lr_scheduler_args` may not repeat.
 fn passed_by_kohya(name: &str) -> &'static [&'static str] {
     match name {
-        "constant_with_warmup" | "linear" | "cosine" => &["num_warmup_steps", "num_training_steps"],
+        "constant_with_warmup" => &["num_warmup_steps"],
+        "linear" | "cosine" => &["num_warmup_steps", "num_training_steps"],
         "inverse_sqrt" => &["num_warmup_steps", "timescale"],
         "cosine_with_restarts" => &["num_warmup_steps", "num_training_steps", "num_cycles"],
         "polynomial" => &["num_warmup_steps", "num_training_steps", "power"],
@@ -301,7 +302,19 @@ fn min_ratio(
                 .into(),
         )),
         (Some(r), None) => Ok(r),
-        (None, Some(v)) => Ok(v.as_f64().unwrap_or(0.0) / learning_rate),
+        (None, Some(v)) => {
+            let ratio = v.as_f64().unwrap_or(0.0) / learning_rate;
+            match (0.0..=1.0).contains(&ratio) {
+                true => Ok(ratio),
+                false => Err(t.invalid(
+                    "lr_scheduler_args",
+                    format!(
+                        "`min_lr={v}` is above learning_rate ({learning_rate:e}): the floor \
+                         must be at most the rate it decays from"
+                    ),
+                )),
+            }
+        }
         (None, None) => Err(t.invalid(
             "lr_scheduler",
             "is \"cosine_with_min_lr\" without a minimum, which transformers refuses (\"One of \

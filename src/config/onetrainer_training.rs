@@ -195,6 +195,14 @@ fn precision(t: &mut Translation<'_>) -> Result<(), ConfigError> {
         let all = encoders.iter().all(|p| matches!(dtype_of(t, p), Ok("fp8")));
         let base = if all { "fp8" } else { "fp8_unet" };
         t.set("base_weight_dtype", json!(base), "unet.weight_dtype")?;
+        let some = encoders.iter().any(|p| matches!(dtype_of(t, p), Ok("fp8")));
+        if some && !all {
+            t.differences_note(
+                "the text encoders are held in the compute dtype, not FLOAT_8: sdtrain stores \
+                 them in fp8 only all together (text_encoder.weight_dtype)"
+                    .into(),
+            );
+        }
     } else if text_encoders(t)
         .iter()
         .any(|p| matches!(dtype_of(t, p), Ok("fp8")))

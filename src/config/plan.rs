@@ -302,6 +302,13 @@ impl TrainPlan {
         let mode = resolve_mode(file.mode.as_deref(), &ctx)?;
         let train_text_encoder = !file.disable_textenc_training.unwrap_or(false);
         let train_unet = resolve_train_unet(&file, &ctx, mode, train_text_encoder)?;
+        let block_lr = super::block_lr_plan::resolve_block_lr(
+            file.block_lr.as_ref(),
+            mode,
+            train_unet,
+            &optimizer.unet,
+            &ctx,
+        )?;
         let adapter = resolve_adapter(&file, &ctx, mode, train_text_encoder)?.map(|mut a| {
             a.train_unet = train_unet;
             a
@@ -416,12 +423,7 @@ impl TrainPlan {
                 te_group,
                 &precision,
             )?,
-            block_lr: super::block_lr_plan::resolve_block_lr(
-                file.block_lr.as_ref(),
-                mode,
-                train_unet,
-                &ctx,
-            )?,
+            block_lr,
         })
     }
 

@@ -279,7 +279,7 @@ pub enum ScheduleError {
     BadLrEnd(f64),
     #[error("lr_scheduler_timescale must be at least 1 step")]
     BadTimescale,
-    #[error("lr_scheduler warmup_stable_decay: its decay ({decay} steps) must be at least 1 step and at most the schedule's {total} steps")]
+    #[error("lr_scheduler warmup_stable_decay: its decay (lr_wsd_decay_steps; kohya's lr_decay_steps) is {decay} steps, and must be at least 1 step and at most the schedule's {total} steps")]
     BadDecayPhase { decay: u64, total: usize },
 }
 

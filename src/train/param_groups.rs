@@ -368,6 +368,9 @@ pub(super) fn param_groups(
                  nothing to train (adapter.down_lr_weight, mid_lr_weight, up_lr_weight)"
             );
         }
+        // Rates of 0 and the group's own only switch blocks off: nothing to scale (which the
+        // learning-rate-free optimizers could not do).
+        let block_scale = block_scale.filter(|s| s.values().any(|x| *x != 1.0));
         let lr_scale: Option<super::adapter_blocks::LrScale<'_>> = match &block_scale {
             Some(scale) => Some(Box::new(move |name: &str| {
                 scale.get(name).copied().unwrap_or(1.0)

@@ -296,7 +296,9 @@ impl Mismatch {
     fn with_hint(self) -> String {
         match self.names {
             true => format!(
-                "{}: was it saved by a run with another mode or adapter?",
+                "{}: was it saved by a run with another mode or adapter (or, for a full \
+                 fine-tune, other blocks at 0 in block_lr, or other text-encoder layers \
+                 frozen)?",
                 self.detail
             ),
             false => self.detail,
