@@ -11,7 +11,6 @@ mod common;
 use std::path::Path;
 
 use sdtrain::config::TrainPlan;
-use sdtrain::optim::LrSchedule;
 
 fn plan(dir: &Path, body: &str) -> TrainPlan {
     let images = dir.join("img").join("1_x");
@@ -90,14 +89,7 @@ fn each_steps_learning_rate_is_kohyas() {
             let total = c["max_train_steps"].as_u64().unwrap();
             let r = p.optimizer.unet.schedule.resolve(total);
             kinds.insert(r.kind.name());
-            let s = LrSchedule {
-                kind: r.kind,
-                warmup_steps: r.warmup_steps as usize,
-                decay_steps: r.decay_steps as usize,
-                num_cycles: r.num_cycles,
-                power: r.power,
-                shape: r.shape,
-            };
+            let s = r.lr_schedule();
             let lr = p.optimizer.unet.lr;
             s.validate(lr).unwrap_or_else(|e| panic!("{c}: {e}"));
             for (step, want) in case["lrs"].as_array().unwrap().iter().enumerate() {

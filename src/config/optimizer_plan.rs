@@ -306,6 +306,20 @@ pub struct ResolvedSchedule {
     pub shape: ScheduleShape,
 }
 
+impl ResolvedSchedule {
+    /// The optimizer's schedule of these lengths and settings.
+    pub fn lr_schedule(&self) -> crate::optim::LrSchedule {
+        crate::optim::LrSchedule {
+            kind: self.kind,
+            warmup_steps: self.warmup_steps as usize,
+            decay_steps: self.decay_steps as usize,
+            num_cycles: self.num_cycles,
+            power: self.power,
+            shape: self.shape,
+        }
+    }
+}
+
 impl ScheduleSpec {
     /// Fixes the automatic lengths for a run of `total_steps` scheduler steps, as EveryDream2
     /// (train.py/optimizers.py) does:

@@ -241,15 +241,7 @@ impl Group {
 
 /// `spec` resolved for a run of `total_steps` (automatic warmup and decay lengths).
 fn lr_schedule(spec: &ScheduleSpec, total_steps: u64) -> LrSchedule {
-    let resolved = spec.resolve(total_steps);
-    LrSchedule {
-        kind: resolved.kind,
-        warmup_steps: resolved.warmup_steps as usize,
-        decay_steps: resolved.decay_steps as usize,
-        num_cycles: resolved.num_cycles,
-        power: resolved.power,
-        shape: resolved.shape,
-    }
+    spec.resolve(total_steps).lr_schedule()
 }
 
 /// What a resumed run's learning rates do when its length changed from `saved_total` steps
