@@ -504,6 +504,24 @@ fn loss_and_noise_keys_refuse_what_would_be_ignored_or_ambiguous() {
             "timestep_distribution",
         ),
         (
+            json!({"timestep_distribution": "cos_map", "noising_bias": 0.1}),
+            "noising_bias",
+        ),
+        (
+            json!({"timestep_distribution": "heavy_tail", "noising_weight": 1.8}),
+            "noising_weight",
+        ),
+        (
+            json!({"timestep_distribution": "beta", "noising_bias": 0.0}),
+            "noising_bias",
+        ),
+        (
+            json!({"timestep_distribution": "inverted_parabola", "noising_weight": 100.0,
+                   "noising_bias": 2.0}),
+            "timestep_distribution",
+        ),
+        (json!({"timestep_shift": 0.0}), "timestep_shift"),
+        (
             json!({"embedding_perturbation": -1.0}),
             "embedding_perturbation",
         ),

@@ -39,6 +39,8 @@ fn each_loss_and_noise_group_changes_the_loss() {
         serde_json::json!({"embedding_perturbation": 2.0}),
         serde_json::json!({"min_timestep": 900}),
         serde_json::json!({"timestep_distribution": "logit_normal", "noising_bias": 2.0}),
+        serde_json::json!({"timestep_distribution": "cos_map"}),
+        serde_json::json!({"timestep_shift": 3.0}),
     ];
     for g in groups {
         let l = with(g.clone());

@@ -320,7 +320,7 @@ fn what_sdtrain_cannot_do_is_refused_by_name() {
         ),
         ("mae_strength=0.5", "`mse_strength`"),
         (
-            "timestep_distribution=HEAVY_TAIL",
+            "timestep_distribution=EXPONENTIAL",
             "`timestep_distribution`",
         ),
         ("model_type=STABLE_DIFFUSION_15_INPAINTING", "`model_type`"),
@@ -644,4 +644,76 @@ fn a_float8_unet_keeps_its_text_encoder_in_the_compute_dtype_unless_it_is_float8
         );
         assert!(log.contains(expect), "{te}: {log}");
     }
+}
+
+/// OneTrainer's timestep distributions and `timestep_shift` are taken with the parameters
+/// OneTrainer reads for each (BETA's raised to 1e-4 as OneTrainer raises them), and the dry run
+/// says so. Catches a distribution read as another, a bias passed where OneTrainer ignores it
+/// (refused by the plan), or a shift dropped.
+#[test]
+fn onetrainers_timestep_distributions_and_shift_are_taken() {
+    let d = tempfile::tempdir().unwrap();
+    workspace(d.path());
+    let cfg = d.path().join("sd15-lora.json");
+    let model = model_arg();
+    let cases: [(&[&str], &str); 5] = [
+        (
+            &[
+                "timestep_distribution=HEAVY_TAIL",
+                "noising_weight=0.5",
+                "noising_bias=0.3",
+            ],
+            "heavy-tailed timesteps (s 0.5)",
+        ),
+        (
+            &[
+                "timestep_distribution=BETA",
+                "noising_weight=0.6",
+                "noising_bias=0",
+            ],
+            "beta timesteps (α 0.6, β 0.0001)",
+        ),
+        (
+            &[
+                "timestep_distribution=COS_MAP",
+                "noising_weight=2",
+                "timestep_shift=3",
+            ],
+            "cos-map timesteps, timestep shift 3",
+        ),
+        (
+            &[
+                "timestep_distribution=SIGMOID",
+                "noising_weight=4",
+                "noising_bias=-0.1",
+            ],
+            "sigmoid timesteps (weight 4, bias -0.1)",
+        ),
+        (
+            &[
+                "timestep_distribution=INVERTED_PARABOLA",
+                "noising_weight=3",
+            ],
+            "inverted-parabola timesteps (weight 3, bias 0)",
+        ),
+    ];
+    for (sets, expect) in cases {
+        let mut args = vec!["--dry-run", "--set", model.as_str()];
+        for s in sets {
+            args.extend(["--set", s]);
+        }
+        let log = sdtrain_ok(&cfg, d.path(), &args);
+        assert!(log.contains(expect), "{sets:?}: {log}");
+    }
+    // A heavy tail whose map is no longer monotone is refused naming OneTrainer's key.
+    let args = [
+        "--set",
+        model.as_str(),
+        "--set",
+        "timestep_distribution=HEAVY_TAIL",
+        "--set",
+        "noising_weight=3",
+    ];
+    let log = sdtrain_refused(&cfg, d.path(), &args);
+    assert!(log.contains("noising_weight"), "{log}");
 }

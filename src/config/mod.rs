@@ -49,6 +49,7 @@ mod sf_came_plan;
 mod strict;
 mod summary;
 mod te_freeze_plan;
+mod timestep_plan;
 mod train_file;
 mod validation_plan;
 

@@ -8,6 +8,7 @@ use serde::Serialize;
 use super::ctx::Ctx;
 use super::error::ConfigError;
 use super::loss_plan::{resolve_loss, LossPlan};
+use super::timestep_plan::{resolve_distribution, resolve_shift};
 use super::train_file::TrainFile;
 use crate::diffusion::objective::OffsetVariant;
 use crate::diffusion::perturbation::InputPerturbation;
@@ -34,8 +35,10 @@ pub struct ObjectivePlan {
     /// `num_train_timesteps` once the model is loaded.
     pub timestep_start: usize,
     pub timestep_end: usize,
-    /// How timesteps are drawn from the range (uniform, or OneTrainer's logit-normal).
+    /// How timesteps are drawn from the range (uniform, or one of OneTrainer's).
     pub timestep_distribution: TimestepDistribution,
+    /// OneTrainer's `timestep_shift` (1 leaves timesteps in place).
+    pub timestep_shift: f64,
     /// Noise offset: this fraction of a per-channel constant is added to the noise, in [0, 1]
     /// (`zero_frequency_noise_ratio`, or kohya's `noise_offset`).
     pub zero_frequency_noise_ratio: f64,
@@ -112,7 +115,8 @@ pub(super) fn resolve_objective(
     Ok(ObjectivePlan {
         timestep_start: start as usize,
         timestep_end: end as usize,
-        timestep_distribution: resolve_distribution(file, ctx)?,
+        timestep_distribution: resolve_distribution(file, ctx, start as u32, end as u32)?,
+        timestep_shift: resolve_shift(file, ctx)?,
         loss: resolve_loss(file, ctx)?,
         input_perturbation: resolve_input_perturbation(file, ctx)?,
         embedding_perturbation: non_negative(
@@ -267,58 +271,6 @@ fn timestep_key<'k>(
         (Some(a), _) => Ok((ed2.0, Some(a))),
         (None, Some(b)) => Ok((kohya.0, Some(b))),
         (None, None) => Ok((ed2.0, None)),
-    }
-}
-
-/// `timestep_distribution` (OneTrainer's `UNIFORM`/`LOGIT_NORMAL`, any case) with
-/// `noising_weight` (scale − 1, > −1) and `noising_bias`.
-fn resolve_distribution(
-    file: &TrainFile,
-    ctx: &Ctx<'_>,
-) -> Result<TimestepDistribution, ConfigError> {
-    let name = file
-        .timestep_distribution
-        .as_deref()
-        .unwrap_or("uniform")
-        .to_ascii_lowercase();
-    match name.as_str() {
-        "uniform" => {
-            for (key, set) in [
-                ("noising_weight", file.noising_weight.is_some()),
-                ("noising_bias", file.noising_bias.is_some()),
-            ] {
-                if set {
-                    return Err(ctx.invalid(
-                        key,
-                        "shapes the logit_normal timestep_distribution; the distribution is \
-                         uniform"
-                            .to_string(),
-                    ));
-                }
-            }
-            Ok(TimestepDistribution::Uniform)
-        }
-        "logit_normal" => {
-            let weight = file.noising_weight.unwrap_or(0.0);
-            if !(weight.is_finite() && weight > -1.0) {
-                return Err(ctx.invalid(
-                    "noising_weight",
-                    format!("must be above -1 (the normal's deviation is noising_weight + 1; got {weight})"),
-                ));
-            }
-            let bias = file.noising_bias.unwrap_or(0.0);
-            if !bias.is_finite() {
-                return Err(ctx.invalid("noising_bias", format!("must be finite (got {bias})")));
-            }
-            Ok(TimestepDistribution::LogitNormal {
-                bias,
-                scale: weight + 1.0,
-            })
-        }
-        other => Err(ctx.invalid(
-            "timestep_distribution",
-            format!("is \"{other}\"; it must be \"uniform\" or \"logit_normal\""),
-        )),
     }
 }
 

@@ -104,7 +104,7 @@ pub(super) const KEYS: &[(&str, Rule)] = &[
     ("timestep_distribution", Code),
     ("noising_weight", Code),
     ("noising_bias", Code),
-    ("timestep_shift", Refused("sdtrain does not shift SD timesteps")),
+    ("timestep_shift", Code),
     ("dynamic_timestep_shifting", OtherModel),
     ("unet", Code),
     ("prior", OtherModel),

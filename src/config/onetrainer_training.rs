@@ -375,28 +375,48 @@ fn timesteps(t: &mut Translation<'_>) -> Result<(), ConfigError> {
         t.set("timestep_end", json!(end), "max_noising_strength")?;
     }
     let weight = t.f64("noising_weight")?;
-    match t.str("timestep_distribution")? {
-        "UNIFORM" => {}
-        "SIGMOID" if weight == 0.0 => {}
-        "LOGIT_NORMAL" => {
-            let bias = t.f64("noising_bias")?;
-            t.set(
-                "timestep_distribution",
-                json!("logit_normal"),
-                "timestep_distribution",
-            )?;
-            t.set("noising_weight", json!(weight), "noising_weight")?;
-            t.set("noising_bias", json!(bias), "noising_bias")?;
-        }
+    let bias = t.f64("noising_bias")?;
+    let shift = t.opt_f64("timestep_shift")?.unwrap_or(1.0);
+    let mut kind = t.str("timestep_distribution")?.to_string();
+    if kind == "SIGMOID" && weight == 0.0 && shift == 1.0 {
+        // Every weight 0.5: uniform (the default of OneTrainer's configs before version 3).
+        kind = "UNIFORM".to_string();
+    }
+    // Each distribution with the keys OneTrainer reads for it (src/config/timestep_plan.rs).
+    let (name, weight, bias) = match kind.as_str() {
+        "UNIFORM" => (None, None, None),
+        "COS_MAP" => (Some("cos_map"), None, None),
+        "HEAVY_TAIL" => (Some("heavy_tail"), Some(weight), None),
+        "LOGIT_NORMAL" => (Some("logit_normal"), Some(weight), Some(bias)),
+        "SIGMOID" => (Some("sigmoid"), Some(weight), Some(bias)),
+        "INVERTED_PARABOLA" => (Some("inverted_parabola"), Some(weight), Some(bias)),
+        // OneTrainer raises both parameters to at least 1e-4.
+        "BETA" => (Some("beta"), Some(weight.max(1e-4)), Some(bias.max(1e-4))),
         other => {
             return Err(t.invalid(
                 "timestep_distribution",
                 format!(
-                    "is \"{other}\": sdtrain draws timesteps UNIFORM or LOGIT_NORMAL (SIGMOID \
-                     with noising_weight 0 is uniform)"
+                    "is \"{other}\": OneTrainer's distributions are UNIFORM, LOGIT_NORMAL, \
+                     HEAVY_TAIL, BETA, COS_MAP, SIGMOID and INVERTED_PARABOLA"
                 ),
             ))
         }
+    };
+    if let Some(name) = name {
+        t.set(
+            "timestep_distribution",
+            json!(name),
+            "timestep_distribution",
+        )?;
+    }
+    if let Some(w) = weight {
+        t.set("noising_weight", json!(w), "noising_weight")?;
+    }
+    if let Some(b) = bias {
+        t.set("noising_bias", json!(b), "noising_bias")?;
+    }
+    if shift != 1.0 {
+        t.set("timestep_shift", json!(shift), "timestep_shift")?;
     }
     Ok(())
 }

@@ -547,10 +547,27 @@ impl super::ObjectivePlan {
         if self.loss.debiased_estimation {
             parts.push("debiased estimation".to_string());
         }
-        if let TimestepDistribution::LogitNormal { bias, scale } = self.timestep_distribution {
-            parts.push(format!(
+        match self.timestep_distribution {
+            TimestepDistribution::Uniform => {}
+            TimestepDistribution::LogitNormal { bias, scale } => parts.push(format!(
                 "logit-normal timesteps (bias {bias}, scale {scale})"
-            ));
+            )),
+            TimestepDistribution::HeavyTail { scale } => {
+                parts.push(format!("heavy-tailed timesteps (s {scale})"))
+            }
+            TimestepDistribution::Beta { alpha, beta } => {
+                parts.push(format!("beta timesteps (α {alpha}, β {beta})"))
+            }
+            TimestepDistribution::CosMap => parts.push("cos-map timesteps".to_string()),
+            TimestepDistribution::Sigmoid { weight, bias } => {
+                parts.push(format!("sigmoid timesteps (weight {weight}, bias {bias})"))
+            }
+            TimestepDistribution::InvertedParabola { weight, bias } => parts.push(format!(
+                "inverted-parabola timesteps (weight {weight}, bias {bias})"
+            )),
+        }
+        if self.timestep_shift != 1.0 {
+            parts.push(format!("timestep shift {}", self.timestep_shift));
         }
         if let Some(p) = self.input_perturbation {
             let random = if p.random_strength {

@@ -385,13 +385,17 @@ pub struct TrainFile {
     pub min_timestep: Option<i64>,
     #[serde(default)]
     pub max_timestep: Option<i64>,
-    /// OneTrainer's `"uniform"` or `"logit_normal"`, with its `noising_weight`/`noising_bias`.
+    /// OneTrainer's timestep distributions (`"uniform"`, `"logit_normal"`, `"heavy_tail"`,
+    /// `"beta"`, `"cos_map"`, `"sigmoid"`, `"inverted_parabola"`), shaped by its
+    /// `noising_weight`/`noising_bias`, and its `timestep_shift`.
     #[serde(default)]
     pub timestep_distribution: Option<String>,
     #[serde(default)]
     pub noising_weight: Option<f64>,
     #[serde(default)]
     pub noising_bias: Option<f64>,
+    #[serde(default)]
+    pub timestep_shift: Option<f64>,
     /// EveryDream2: noise of deviation p/√dim added to the text conditioning in training.
     #[serde(default)]
     pub embedding_perturbation: Option<f64>,

@@ -33,7 +33,7 @@ use super::loss::{LossConfig, LossError, LossInputs};
 use super::noise_schedule::{NoiseSchedule, ScheduleError};
 use super::perturbation::{embedding_seed, perturb_embeddings, perturbed_noise, InputPerturbation};
 use super::pyramid_noise::{PyramidNoise, PyramidStyle};
-use super::timesteps::TimestepDistribution;
+use super::timesteps::{TimestepDistribution, TimestepRange};
 use crate::model::family::PredictionType;
 
 #[derive(Debug, thiserror::Error)]
@@ -43,6 +43,10 @@ pub enum ObjectiveError {
          timestep_end, and timestep_end at most the model's num_train_timesteps ({n})"
     )]
     TimestepRange { start: u32, end: u32, n: usize },
+    #[error("timestep_shift is {0}; it must be a finite number > 0")]
+    Shift(f64),
+    #[error("timestep_distribution {0}")]
+    Distribution(String),
     #[error("zero_frequency_noise_ratio is {0}; it must be a finite number ≥ 0")]
     NoiseRatio(f64),
     #[error("min_snr_gamma is {0}; it must be a finite number > 0")]
@@ -89,6 +93,8 @@ impl ObjectiveError {
     pub fn is_usage(&self) -> bool {
         match self {
             ObjectiveError::TimestepRange { .. }
+            | ObjectiveError::Shift(_)
+            | ObjectiveError::Distribution(_)
             | ObjectiveError::NoiseRatio(_)
             | ObjectiveError::SnrGamma(_)
             | ObjectiveError::DebiasedAtZeroSnr { .. }
@@ -115,6 +121,16 @@ pub fn sample_timesteps<R: Rng + ?Sized>(
 ) -> Result<Vec<u32>, ObjectiveError> {
     check_timestep_range(start, end, num_train_timesteps)?;
     Ok((0..batch).map(|_| rng.random_range(start..end)).collect())
+}
+
+/// Where the objective draws its timesteps.
+fn timestep_range(config: &ObjectiveConfig, schedule: &NoiseSchedule) -> TimestepRange {
+    TimestepRange {
+        start: config.timestep_start,
+        end: config.timestep_end,
+        num_train: schedule.num_train_timesteps() as u32,
+        shift: config.timestep_shift,
+    }
 }
 
 fn check_timestep_range(start: u32, end: u32, n: usize) -> Result<(), ObjectiveError> {
@@ -309,6 +325,8 @@ pub struct ObjectiveConfig {
     pub timestep_start: u32,
     pub timestep_end: u32,
     pub timestep_distribution: TimestepDistribution,
+    /// OneTrainer's `timestep_shift` (1 leaves timesteps in place).
+    pub timestep_shift: f64,
     pub zero_frequency_noise_ratio: f64,
     /// kohya's variations of the noise offset's strength.
     pub offset_variant: OffsetVariant,
@@ -329,6 +347,7 @@ impl ObjectiveConfig {
             timestep_start: 0,
             timestep_end: num_train_timesteps as u32,
             timestep_distribution: TimestepDistribution::Uniform,
+            timestep_shift: 1.0,
             zero_frequency_noise_ratio: 0.0,
             offset_variant: OffsetVariant::default(),
             pyramid: None,
@@ -441,6 +460,14 @@ impl Objective {
             config.timestep_end,
             schedule.num_train_timesteps(),
         )?;
+        if !(config.timestep_shift.is_finite() && config.timestep_shift > 0.0) {
+            return Err(ObjectiveError::Shift(config.timestep_shift));
+        }
+        let range = timestep_range(&config, &schedule);
+        config
+            .timestep_distribution
+            .check(&range)
+            .map_err(ObjectiveError::Distribution)?;
         check_noise_ratio(config.zero_frequency_noise_ratio)?;
         if let Some(g) = config.loss.min_snr_gamma {
             if !g.is_finite() || g <= 0.0 {
@@ -507,6 +534,7 @@ impl Objective {
             self.config.timestep_end,
             self.schedule.num_train_timesteps(),
         )?;
+        let range = timestep_range(&self.config, &self.schedule);
         let mut noise = Vec::with_capacity(b);
         let mut input_noise = Vec::with_capacity(b);
         let mut timesteps = Vec::with_capacity(b);
@@ -534,11 +562,7 @@ impl Objective {
                 DType::F32,
                 x0.device(),
             )?;
-            timesteps.push(self.config.timestep_distribution.draw(
-                rng,
-                self.config.timestep_start,
-                self.config.timestep_end,
-            ));
+            timesteps.push(self.config.timestep_distribution.draw(rng, &range));
             if let Some(ip) = self.config.input_perturbation {
                 let strength = ip.strength(rng);
                 let xi = sample_noise(rng, (1, c, h, w), 0.0, DType::F32, x0.device())?;

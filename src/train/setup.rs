@@ -879,6 +879,7 @@ pub(super) fn build_objective(plan: &TrainPlan, layout: &ModelLayout) -> anyhow:
             timestep_start: o.timestep_start as u32,
             timestep_end: o.timestep_end as u32,
             timestep_distribution: o.timestep_distribution,
+            timestep_shift: o.timestep_shift,
             zero_frequency_noise_ratio: o.zero_frequency_noise_ratio,
             offset_variant: o.offset_variant,
             pyramid: o.pyramid_noise,
