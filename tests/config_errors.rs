@@ -522,6 +522,24 @@ fn loss_and_noise_keys_refuse_what_would_be_ignored_or_ambiguous() {
         ),
         (json!({"timestep_shift": 0.0}), "timestep_shift"),
         (
+            json!({"loss_type": "mse", "mae_strength": 0.5}),
+            "loss_type",
+        ),
+        (json!({"mse_strength": 0.0}), "mse_strength"),
+        (json!({"mae_strength": -1.0}), "mae_strength"),
+        (json!({"huber_delta": 0.5}), "huber_delta"),
+        (
+            json!({"loss_type": "huber", "huber_delta": 0.0}),
+            "huber_delta",
+        ),
+        (
+            json!({"mse_strength": 1.0, "huber_delta": 2.0}),
+            "huber_delta",
+        ),
+        (json!({"mae_strength": 0.5, "huber_c": 0.2}), "huber_c"),
+        (json!({"p2_loss_gamma": 0.0}), "p2_loss_gamma"),
+        (json!({"loss_scaler": "global_batch"}), "loss_scaler"),
+        (
             json!({"embedding_perturbation": -1.0}),
             "embedding_perturbation",
         ),

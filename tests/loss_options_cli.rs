@@ -41,6 +41,9 @@ fn each_loss_and_noise_group_changes_the_loss() {
         serde_json::json!({"timestep_distribution": "logit_normal", "noising_bias": 2.0}),
         serde_json::json!({"timestep_distribution": "cos_map"}),
         serde_json::json!({"timestep_shift": 3.0}),
+        serde_json::json!({"mae_strength": 0.5}),
+        serde_json::json!({"loss_type": "log_cosh"}),
+        serde_json::json!({"p2_loss_gamma": 1.0}),
     ];
     for g in groups {
         let l = with(g.clone());
@@ -56,6 +59,28 @@ fn each_loss_and_noise_group_changes_the_loss() {
         with(serde_json::json!({"ip_noise_gamma": 0.5}))
     );
     assert_eq!(with(serde_json::json!({"loss_type": "l2"})), plain);
+    // One plain loss at strength 1 is that loss; OneTrainer's loss_scaler multiplies the loss
+    // by the batch size (2 here) or the accumulation.
+    assert_eq!(
+        with(serde_json::json!({"mse_strength": 0.0, "mae_strength": 1.0})),
+        with(serde_json::json!({"loss_type": "l1"}))
+    );
+    let batch = |scaler: &str| {
+        with(serde_json::json!({"batch_size": 2, "grad_accum": 3, "loss_scaler": scaler}))
+    };
+    let none = batch("none");
+    for (scaler, factor) in [
+        ("batch", 2.0),
+        ("gradient_accumulation", 3.0),
+        ("both", 6.0),
+    ] {
+        let l = batch(scaler);
+        // The logged loss is the f32 losses' mean: equal up to their rounding.
+        assert!(
+            (l / (factor * none) - 1.0).abs() < 1e-6,
+            "{scaler}: {l} vs {none}"
+        );
+    }
 }
 
 #[test]

@@ -318,7 +318,7 @@ fn what_sdtrain_cannot_do_is_refused_by_name() {
             "learning_rate_scheduler=ADAFACTOR",
             "`learning_rate_scheduler`",
         ),
-        ("mae_strength=0.5", "`mse_strength`"),
+        ("mse_strength=0", "`mse_strength`"),
         (
             "timestep_distribution=EXPONENTIAL",
             "`timestep_distribution`",
@@ -334,7 +334,6 @@ fn what_sdtrain_cannot_do_is_refused_by_name() {
             "perturbation_noise_weight=0.1",
             "`perturbation_noise_weight`",
         ),
-        ("loss_weight_fn=P2", "`loss_weight_fn`"),
     ];
     for (set, expect) in cases {
         let model = model_arg();
@@ -716,4 +715,36 @@ fn onetrainers_timestep_distributions_and_shift_are_taken() {
     ];
     let log = sdtrain_refused(&cfg, d.path(), &args);
     assert!(log.contains("noising_weight"), "{log}");
+}
+
+/// OneTrainer's weighted sum of losses with its Huber δ, its P2 weighting and its loss scaler
+/// are taken, and the dry run says so. Catches a strength dropped, δ ignored, P2's γ not read,
+/// or a scaler left out.
+#[test]
+fn onetrainers_loss_sum_p2_and_scaler_are_taken() {
+    let d = tempfile::tempdir().unwrap();
+    workspace(d.path());
+    let cfg = d.path().join("sd15-lora.json");
+    let model = model_arg();
+    let sets = [
+        "mae_strength=0.5",
+        "huber_strength=0.2",
+        "huber_delta=0.5",
+        "log_cosh_strength=0.1",
+        "loss_weight_fn=P2",
+        "loss_weight_strength=0.7",
+        "loss_scaler=GLOBAL_BOTH",
+    ];
+    let mut args = vec!["--dry-run", "--set", model.as_str()];
+    for s in &sets {
+        args.extend(["--set", s]);
+    }
+    let log = sdtrain_ok(&cfg, d.path(), &args);
+    assert!(
+        log.contains(
+            "1·mse + 0.5·mae + 0.1·log-cosh + 0.2·huber (δ 0.5) (OneTrainer), P2 weighting γ \
+             0.7, loss_scaler both"
+        ),
+        "{log}"
+    );
 }

@@ -1,14 +1,17 @@
 //! [`LossPlan`]: the loss keys of train.json resolved: `loss_type` in EveryDream2's and kohya's
 //! meanings, kohya's Huber schedule and debiased estimation. Formulas: `crate::diffusion::loss`.
 //!
-//! `"huber"` is EveryDream2's (torch `huber_loss`, δ = 1); kohya's scheduled Huber is
-//! `"pseudo_huber"`. The Huber-schedule keys are refused beside any other loss type, where they
+//! `"huber"` is EveryDream2's (torch `huber_loss`, δ = 1 unless `huber_delta` says otherwise);
+//! kohya's scheduled Huber is `"pseudo_huber"`. OneTrainer's weighted sum of losses comes from
+//! its strength keys ([`super::loss_mix_plan`]), its P2 weighting from `p2_loss_gamma`, and its
+//! `loss_scaler` multiplies the loss. The Huber-schedule keys are refused beside any other loss type, where they
 //! would do nothing.
 
 use serde::Serialize;
 
 use super::ctx::Ctx;
 use super::error::ConfigError;
+use super::loss_mix_plan::{huber_or_log_cosh, mix_given, resolve_mix};
 use super::mask_plan::{resolve_mask, MaskPlan};
 use super::train_file::TrainFile;
 use crate::diffusion::loss::{HuberSchedule, HuberScheduleKind, LossType, VPredScaling};
@@ -17,7 +20,32 @@ use crate::diffusion::loss::{HuberSchedule, HuberScheduleKind, LossType, VPredSc
 pub const KOHYA_HUBER_C: f64 = 0.1;
 
 const LOSS_TYPES: &str = "\"mse\", \"huber\", \"mse_huber\", \"huber_mse\" (EveryDream2), \
-                          \"l2\", \"l1\", \"pseudo_huber\", \"smooth_l1\" (kohya)";
+                          \"l2\", \"l1\", \"pseudo_huber\", \"smooth_l1\" (kohya), \"log_cosh\" \
+                          (OneTrainer)";
+
+/// OneTrainer's `loss_scaler`: the loss is multiplied by the batch size, the accumulation
+/// steps, both, or nothing. sdtrain's `batch_size` already counts every rank's samples, so
+/// OneTrainer's `GLOBAL_` forms are these.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LossScaler {
+    None,
+    Batch,
+    GradientAccumulation,
+    Both,
+}
+
+impl LossScaler {
+    /// The factor for a run of `batch_size` × `grad_accum` samples per step.
+    pub fn factor(self, batch_size: usize, grad_accum: usize) -> f64 {
+        match self {
+            Self::None => 1.0,
+            Self::Batch => batch_size as f64,
+            Self::GradientAccumulation => grad_accum as f64,
+            Self::Both => (batch_size * grad_accum) as f64,
+        }
+    }
+}
 
 /// The loss function and its weighting.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
@@ -30,6 +58,9 @@ pub struct LossPlan {
     pub v_pred: VPredScaling,
     /// Masked loss, when on.
     pub mask: Option<MaskPlan>,
+    /// OneTrainer's P2 weighting γ.
+    pub p2_gamma: Option<f64>,
+    pub scaler: LossScaler,
 }
 
 pub(super) fn resolve_loss(file: &TrainFile, ctx: &Ctx<'_>) -> Result<LossPlan, ConfigError> {
@@ -40,23 +71,30 @@ pub(super) fn resolve_loss(file: &TrainFile, ctx: &Ctx<'_>) -> Result<LossPlan, 
         ("huber_scale", file.huber_scale.is_some()),
     ];
     let set_huber_key = huber_keys.iter().find(|(_, set)| *set).map(|(k, _)| *k);
-    let loss_type = match name {
-        "mse" | "l2" => LossType::Mse,
-        "huber" => LossType::Huber,
-        "mse_huber" => LossType::MseHuber,
-        "huber_mse" => LossType::HuberMse,
-        "l1" => LossType::L1,
-        "pseudo_huber" => LossType::PseudoHuber(huber_schedule(file, ctx)?),
-        "smooth_l1" => LossType::SmoothL1(huber_schedule(file, ctx)?),
-        other => {
+    let loss_type = match (name, mix_given(file)) {
+        (_, Some(key)) if file.loss_type.is_some() => {
             return Err(ctx.invalid(
                 "loss_type",
-                format!("is \"{other}\"; it must be one of {LOSS_TYPES}"),
+                format!(
+                    "is \"{name}\" but {key} is given too: write loss_type, or OneTrainer's \
+                     strengths (mse_strength, mae_strength, huber_strength, log_cosh_strength)"
+                ),
             ))
         }
+        (_, Some(_)) => resolve_mix(file, ctx)?,
+        ("huber" | "log_cosh", None) => huber_or_log_cosh(name, file, ctx)?,
+        (_, None) if file.huber_delta.is_some() => {
+            return Err(ctx.invalid(
+                "huber_delta",
+                format!("shapes the Huber loss; loss_type is \"{name}\""),
+            ))
+        }
+        (name, None) => plain_loss(name, file, ctx)?,
     };
-    if let (Some(key), LossType::Mse | LossType::L1 | LossType::MseHuber | LossType::HuberMse) =
-        (set_huber_key, loss_type)
+    if let (
+        Some(key),
+        LossType::Mse | LossType::L1 | LossType::MseHuber | LossType::HuberMse | LossType::Mix(_),
+    ) = (set_huber_key, loss_type)
     {
         return Err(ctx.invalid(
             key,
@@ -92,6 +130,45 @@ pub(super) fn resolve_loss(file: &TrainFile, ctx: &Ctx<'_>) -> Result<LossPlan, 
             like_v,
         },
         mask: resolve_mask(file, ctx)?,
+        p2_gamma: ctx.opt_positive("p2_loss_gamma", file.p2_loss_gamma, "greater than 0")?,
+        scaler: match file
+            .loss_scaler
+            .as_deref()
+            .map(str::to_ascii_lowercase)
+            .as_deref()
+        {
+            None | Some("none") => LossScaler::None,
+            Some("batch") => LossScaler::Batch,
+            Some("gradient_accumulation") => LossScaler::GradientAccumulation,
+            Some("both") => LossScaler::Both,
+            Some(other) => {
+                return Err(ctx.invalid(
+                    "loss_scaler",
+                    format!(
+                        "is \"{other}\"; it must be \"none\", \"batch\", \
+                         \"gradient_accumulation\" or \"both\""
+                    ),
+                ))
+            }
+        },
+    })
+}
+
+/// EveryDream2's and kohya's loss types but `huber` (with its δ).
+fn plain_loss(name: &str, file: &TrainFile, ctx: &Ctx<'_>) -> Result<LossType, ConfigError> {
+    Ok(match name {
+        "mse" | "l2" => LossType::Mse,
+        "mse_huber" => LossType::MseHuber,
+        "huber_mse" => LossType::HuberMse,
+        "l1" => LossType::L1,
+        "pseudo_huber" => LossType::PseudoHuber(huber_schedule(file, ctx)?),
+        "smooth_l1" => LossType::SmoothL1(huber_schedule(file, ctx)?),
+        other => {
+            return Err(ctx.invalid(
+                "loss_type",
+                format!("is \"{other}\"; it must be one of {LOSS_TYPES}"),
+            ))
+        }
     })
 }
 

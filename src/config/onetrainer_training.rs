@@ -233,11 +233,15 @@ fn objective(t: &mut Translation<'_>) -> Result<(), ConfigError> {
     loss_type(t)?;
     match t.choice(
         "loss_weight_fn",
-        &["CONSTANT", "MIN_SNR_GAMMA", "DEBIASED_ESTIMATION"],
+        &["CONSTANT", "MIN_SNR_GAMMA", "DEBIASED_ESTIMATION", "P2"],
     )? {
         "MIN_SNR_GAMMA" => {
             let g = t.f64("loss_weight_strength")?;
             t.set("min_snr_gamma", json!(g), "loss_weight_fn")?;
+        }
+        "P2" => {
+            let g = t.f64("loss_weight_strength")?;
+            t.set("p2_loss_gamma", json!(g), "loss_weight_fn")?;
         }
         "DEBIASED_ESTIMATION" if predicts_v(t)? => {
             return Err(t.invalid(
@@ -252,16 +256,7 @@ fn objective(t: &mut Translation<'_>) -> Result<(), ConfigError> {
         }
         _ => {}
     }
-    if t.str("loss_scaler")? != "NONE" {
-        return Err(t.invalid(
-            "loss_scaler",
-            format!(
-                "is \"{}\": sdtrain divides the loss by the accumulation and nothing else \
-                 (OneTrainer's NONE)",
-                t.str("loss_scaler")?
-            ),
-        ));
-    }
+    loss_scaler(t)?;
     // Always written: sdtrain's own default offset (EveryDream2's 0.02) is not OneTrainer's 0.
     let offset = t.f64("offset_noise_weight")?;
     t.set("noise_offset", json!(offset), "offset_noise_weight")?;
@@ -291,48 +286,47 @@ fn objective(t: &mut Translation<'_>) -> Result<(), ConfigError> {
     Ok(())
 }
 
-/// The strengths of OneTrainer's four losses: one of them at 1.
+/// The strengths of OneTrainer's four losses and its Huber δ, as train.json takes them (a
+/// single loss at strength 1 reads as that loss: src/config/loss_mix_plan.rs).
 fn loss_type(t: &mut Translation<'_>) -> Result<(), ConfigError> {
-    let strengths = [
-        ("mse_strength", "mse"),
-        ("mae_strength", "l1"),
-        ("huber_strength", "huber"),
-        ("log_cosh_strength", ""),
-    ];
-    let mut on = Vec::new();
-    for (key, ours) in strengths {
+    let mut huber = false;
+    for key in [
+        "mse_strength",
+        "mae_strength",
+        "huber_strength",
+        "log_cosh_strength",
+    ] {
         let s = t.f64(key)?;
-        if s != 0.0 {
-            on.push((key, ours, s));
-        }
+        huber |= key == "huber_strength" && s != 0.0;
+        t.set(key, json!(s), key)?;
     }
-    let (key, ours) = match on.as_slice() {
-        [(key, ours, s)] if *s == 1.0 && !ours.is_empty() => (*key, *ours),
-        _ => {
-            let list: Vec<String> = on.iter().map(|(k, _, s)| format!("{k} {s}")).collect();
-            return Err(t.invalid(
-                "mse_strength",
-                format!(
-                    "and the other strengths give {}: sdtrain takes one of MSE, MAE and Huber at \
-                     strength 1 (log-cosh and mixes are not implemented)",
-                    match list.is_empty() {
-                        true => "no loss".to_string(),
-                        false => list.join(", "),
-                    }
-                ),
-            ));
-        }
-    };
-    if ours == "huber" {
+    if huber {
         let d = t.f64("huber_delta")?;
-        if d != 1.0 {
-            return Err(t.invalid(
-                "huber_delta",
-                format!("is {d}: sdtrain's Huber loss has δ = 1"),
-            ));
-        }
+        t.set("huber_delta", json!(d), "huber_delta")?;
     }
-    t.set("loss_type", json!(ours), key)
+    Ok(())
+}
+
+/// OneTrainer's `loss_scaler`; its `GLOBAL_` forms are the plain ones on one card (OneTrainer's
+/// `multi_gpu` is refused), and sdtrain's `batch_size` counts every rank's samples.
+fn loss_scaler(t: &mut Translation<'_>) -> Result<(), ConfigError> {
+    let ours = match t.choice(
+        "loss_scaler",
+        &[
+            "NONE",
+            "BATCH",
+            "GLOBAL_BATCH",
+            "GRADIENT_ACCUMULATION",
+            "BOTH",
+            "GLOBAL_BOTH",
+        ],
+    )? {
+        "BATCH" | "GLOBAL_BATCH" => "batch",
+        "GRADIENT_ACCUMULATION" => "gradient_accumulation",
+        "BOTH" | "GLOBAL_BOTH" => "both",
+        _ => return Ok(()),
+    };
+    t.set("loss_scaler", json!(ours), "loss_scaler")
 }
 
 /// `force_v_prediction`, `force_epsilon_prediction` (OneTrainer's fine-tunes only) and the

@@ -543,9 +543,27 @@ impl super::ObjectivePlan {
             LossType::L1 => "l1".to_string(),
             LossType::PseudoHuber(s) => format!("pseudo_huber (kohya), {s:?}"),
             LossType::SmoothL1(s) => format!("smooth_l1 (kohya), {s:?}"),
+            LossType::Mix(m) => {
+                let mut terms = Vec::new();
+                for (s, name) in [(m.mse, "mse"), (m.mae, "mae"), (m.log_cosh, "log-cosh")] {
+                    if s != 0.0 {
+                        terms.push(format!("{s}·{name}"));
+                    }
+                }
+                if m.huber != 0.0 {
+                    terms.push(format!("{}·huber (δ {})", m.huber, m.huber_delta));
+                }
+                format!("{} (OneTrainer)", terms.join(" + "))
+            }
         }];
         if self.loss.debiased_estimation {
             parts.push("debiased estimation".to_string());
+        }
+        if let Some(g) = self.loss.p2_gamma {
+            parts.push(format!("P2 weighting γ {g}"));
+        }
+        if self.loss.scaler != super::loss_plan::LossScaler::None {
+            parts.push(format!("loss_scaler {:?}", self.loss.scaler).to_lowercase());
         }
         match self.timestep_distribution {
             TimestepDistribution::Uniform => {}

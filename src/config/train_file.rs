@@ -350,6 +350,24 @@ pub struct TrainFile {
     pub huber_c: Option<f64>,
     #[serde(default)]
     pub huber_scale: Option<f64>,
+    /// OneTrainer's weighted sum of losses: the strengths of MSE (1 when left out), MAE, Huber
+    /// (with `huber_delta`) and log-cosh.
+    #[serde(default)]
+    pub mse_strength: Option<f64>,
+    #[serde(default)]
+    pub mae_strength: Option<f64>,
+    #[serde(default)]
+    pub huber_strength: Option<f64>,
+    #[serde(default)]
+    pub huber_delta: Option<f64>,
+    #[serde(default)]
+    pub log_cosh_strength: Option<f64>,
+    /// OneTrainer's P2 loss weighting γ.
+    #[serde(default)]
+    pub p2_loss_gamma: Option<f64>,
+    /// OneTrainer's `loss_scaler`: `"none"`, `"batch"`, `"gradient_accumulation"`, `"both"`.
+    #[serde(default)]
+    pub loss_scaler: Option<String>,
     /// kohya's debiased estimation loss weighting.
     #[serde(default)]
     pub debiased_estimation_loss: Option<bool>,

@@ -11,6 +11,11 @@
 //!   `get_model_prediction_and_target`, whose `loss_mse.mean() + loss_huber.mean()` is this mean,
 //!   as both terms have the same shape);
 //! - `l1`: `|d|` (kohya);
+//! - a weighted sum (OneTrainer's `mse_strength`, `mae_strength`, `huber_strength` with
+//!   `huber_delta`, `log_cosh_strength`: `modules/modelSetup/mixin/ModelSetupDiffusionLossMixin.py`):
+//!   `a·d² + b·|d| + h·huber_δ(d) + g·log cosh(d)`, with torch's `huber_loss(δ)` (`½d²` for
+//!   `|d| < δ`, else `δ(|d| − ½δ)`) and `log cosh d = |d| + ln(1 + e^(−2|d|)) − ln 2` (OneTrainer's
+//!   `d + softplus(−2d) − ln 2`, the same function written so it cannot overflow);
 //! - `pseudo_huber`: `2c(√(d² + c²) − c)` and `smooth_l1`: `2(√(d² + c²) − c)` with a threshold
 //!   `c` per sample from kohya's `huber_schedule` (kohya sd-scripts `library/train_util.py`
 //!   `conditional_loss` and `get_huber_threshold_if_needed`):
@@ -22,11 +27,16 @@
 //! The weights `w_i` multiply: min-SNR-γ (see [`super::objective`]), kohya's debiased
 //! estimation (`custom_train_functions.py` `apply_debiased_estimation`, after arXiv 2310.08442):
 //! `1/√SNR'` for an ε target and `1/(SNR' + 1)` for a v target, with `SNR' = min(SNR, 1000)`,
+//! OneTrainer's P2 weighting `(1 + SNR'')^(−γ)` with `SNR'' = SNR` for an ε target and `SNR + 1`
+//! for a v target (its `__p2_loss_weight`; Choi et al., arXiv 2204.00227, with k = 1),
 //! and each sample's own weight (`prior_loss_weight` for a regularization image, 1 for the
 //! others: kohya's `loss_weights`, applied before its SNR weights, which is the same product).
 //! kohya's two v-prediction scalings, with `s = SNR'/(SNR' + 1)` (`get_snr_scale`):
 //! `scale_v_pred_loss_like_noise_pred` multiplies a v-prediction loss by `s`, and
 //! `v_pred_like_loss` `v` adds `v·loss/s` to an ε-prediction loss (a weight `1 + v/s`).
+//!
+//! The loss is then multiplied by `scale` (OneTrainer's `loss_scaler`: the batch size, the
+//! accumulation steps, both, or 1).
 //!
 //! The mask `m` `[B, 1, h, w]` (latent size) is clamped to `[unmasked_weight, 1]`, and with
 //! `normalize` each sample's loss is divided by its clamped mask's mean (OneTrainer
@@ -107,6 +117,18 @@ pub enum LossType {
     L1,
     PseudoHuber(HuberSchedule),
     SmoothL1(HuberSchedule),
+    /// OneTrainer's weighted sum of losses.
+    Mix(LossMix),
+}
+
+/// The strengths of OneTrainer's four losses (0 leaves one out) and its Huber δ.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct LossMix {
+    pub mse: f64,
+    pub mae: f64,
+    pub huber: f64,
+    pub huber_delta: f64,
+    pub log_cosh: f64,
 }
 
 /// The loss mask's settings.
@@ -139,6 +161,10 @@ pub struct LossConfig {
     pub v_pred: VPredScaling,
     /// How a sample's loss mask weighs it, when the batch carries masks.
     pub mask: MaskWeighting,
+    /// OneTrainer's P2 weighting γ (`None` is off).
+    pub p2_gamma: Option<f64>,
+    /// The loss is multiplied by this (OneTrainer's `loss_scaler`; 1 is off).
+    pub scale: f64,
 }
 
 impl LossConfig {
@@ -153,6 +179,8 @@ impl LossConfig {
                 unmasked_weight: 0.0,
                 normalize: false,
             },
+            p2_gamma: None,
+            scale: 1.0,
         }
     }
 }
@@ -217,6 +245,25 @@ pub fn debiased_weights(
         .collect()
 }
 
+/// Per-sample P2 weights (module header).
+pub fn p2_weights(
+    schedule: &NoiseSchedule,
+    timesteps: &[u32],
+    prediction_type: PredictionType,
+    gamma: f64,
+) -> Result<Vec<f64>, ScheduleError> {
+    timesteps
+        .iter()
+        .map(|&t| {
+            let snr = match prediction_type {
+                PredictionType::Epsilon => schedule.snr(t)?,
+                PredictionType::VPrediction => schedule.snr(t)? + 1.0,
+            };
+            Ok((1.0 + snr).powf(-gamma))
+        })
+        .collect()
+}
+
 /// kohya's `get_snr_scale`: `SNR'/(SNR' + 1)` with `SNR' = min(SNR, 1000)`.
 fn snr_scale(schedule: &NoiseSchedule, t: u32) -> Result<f64, ScheduleError> {
     let snr = schedule.snr(t)?.min(DEBIASED_SNR_CAP);
@@ -266,6 +313,51 @@ fn huber1(d: &Tensor) -> candle_core::Result<Tensor> {
     (q.sqr()?.affine(0.5, 0.0)? + (a - q)?)?.contiguous()
 }
 
+/// torch's `huber_loss` with `delta`: `½q² + δ(|d| − q)` with `q = min(|d|, δ)`.
+fn huber_delta(d: &Tensor, delta: f64) -> candle_core::Result<Tensor> {
+    let a = d.abs()?;
+    let q = a.minimum(delta as f32)?;
+    q.sqr()?.affine(0.5, 0.0)? + (a - q)?.affine(delta, 0.0)?
+}
+
+/// `log cosh d` as `|d| + ln(1 + e^(−2|d|)) − ln 2` (module header).
+fn log_cosh(d: &Tensor) -> candle_core::Result<Tensor> {
+    let a = d.abs()?;
+    let tail = a.affine(-2.0, 0.0)?.exp()?.affine(1.0, 1.0)?.log()?;
+    (a + tail)?.affine(1.0, -std::f64::consts::LN_2)
+}
+
+impl LossMix {
+    /// The weighted sum per element (module header); no term when every strength is 0.
+    fn per_element(&self, d: &Tensor) -> candle_core::Result<Tensor> {
+        let mut sum: Option<Tensor> = None;
+        let mut add = |term: Tensor, strength: f64| -> candle_core::Result<()> {
+            let term = term.affine(strength, 0.0)?;
+            sum = Some(match sum.take() {
+                Some(s) => (s + term)?,
+                None => term,
+            });
+            Ok(())
+        };
+        if self.mse != 0.0 {
+            add(d.sqr()?, self.mse)?;
+        }
+        if self.mae != 0.0 {
+            add(d.abs()?, self.mae)?;
+        }
+        if self.huber != 0.0 {
+            add(huber_delta(d, self.huber_delta)?, self.huber)?;
+        }
+        if self.log_cosh != 0.0 {
+            add(log_cosh(d)?, self.log_cosh)?;
+        }
+        match sum {
+            Some(s) => Ok(s),
+            None => d.zeros_like(),
+        }
+    }
+}
+
 /// `2(√(d² + c²) − c)` with `c` `[B, 1, …]`.
 fn soft_l1(d: &Tensor, c: &Tensor) -> candle_core::Result<Tensor> {
     let root = d.sqr()?.broadcast_add(&c.sqr()?)?.sqrt()?;
@@ -305,6 +397,7 @@ impl LossType {
                 let c = column(&s.thresholds(schedule, timesteps)?, d)?;
                 soft_l1(d, &c)?
             }
+            Self::Mix(m) => m.per_element(d)?,
         })
     }
 }
@@ -321,8 +414,8 @@ pub struct LossInputs<'a> {
 }
 
 impl LossConfig {
-    /// The per-sample weights `w_i` (min-SNR, kohya's v-prediction scalings and debiased
-    /// estimation), `None` when all are off.
+    /// The per-sample weights `w_i` (min-SNR, kohya's v-prediction scalings, debiased
+    /// estimation and P2), `None` when all are off.
     pub fn sample_weights(
         &self,
         schedule: &NoiseSchedule,
@@ -348,11 +441,28 @@ impl LossConfig {
         if self.debiased_estimation {
             fold(debiased_weights(schedule, timesteps, prediction_type)?);
         }
+        if let Some(gamma) = self.p2_gamma {
+            fold(p2_weights(schedule, timesteps, prediction_type, gamma)?);
+        }
         Ok(w)
     }
 
     /// `L` (module header): a 0-d f32 tensor that back-propagates into `pred`.
     pub fn loss(
+        &self,
+        schedule: &NoiseSchedule,
+        prediction_type: PredictionType,
+        inputs: &LossInputs<'_>,
+    ) -> Result<Tensor, LossError> {
+        let loss = self.unscaled(schedule, prediction_type, inputs)?;
+        if self.scale == 1.0 {
+            return Ok(loss);
+        }
+        Ok(loss.affine(self.scale, 0.0)?)
+    }
+
+    /// `L` before `scale`.
+    fn unscaled(
         &self,
         schedule: &NoiseSchedule,
         prediction_type: PredictionType,
@@ -453,6 +563,29 @@ mod tests {
         let d = Tensor::new(&[0.5f32, -2.0, 1.0, 0.0], &Device::Cpu).unwrap();
         let h = huber1(&d).unwrap().to_vec1::<f32>().unwrap();
         assert_eq!(h, vec![0.125, 1.5, 0.5, 0.0]);
+    }
+
+    /// log cosh stays finite far out (OneTrainer's `d + softplus(−2d)` form, written with
+    /// `e^(2|d|)`, would overflow) and its gradient is tanh d.
+    #[test]
+    fn log_cosh_is_finite_far_out_and_its_gradient_is_tanh() {
+        let v = candle_core::Var::new(&[0.0f32, 0.5, -3.0, 200.0], &Device::Cpu).unwrap();
+        let l = log_cosh(v.as_tensor()).unwrap();
+        let vals = l.to_vec1::<f32>().unwrap();
+        let want = [
+            0.0f64,
+            0.5f64.cosh().ln(),
+            3.0f64.cosh().ln(),
+            200.0 - 2f64.ln(),
+        ];
+        for (a, b) in vals.iter().zip(want) {
+            assert!((*a as f64 - b).abs() < 1e-5, "{vals:?}");
+        }
+        let g = l.sum_all().unwrap().backward().unwrap();
+        let g = g.get(v.as_tensor()).unwrap().to_vec1::<f32>().unwrap();
+        for (a, d) in g.iter().zip([0.0f64, 0.5, -3.0, 200.0]) {
+            assert!((*a as f64 - d.tanh()).abs() < 1e-6, "{g:?}");
+        }
     }
 
     #[test]

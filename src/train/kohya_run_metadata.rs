@@ -302,7 +302,7 @@ fn settings(f: &RunFacts<'_>, m: &mut BTreeMap<String, String>) {
 }
 
 /// kohya's `loss_type` name (`l2`, `l1`, `huber` for its pseudo-Huber, `smooth_l1`), or
-/// EveryDream2's for its own losses; and the Huber schedule when one applies.
+/// EveryDream2's for its own losses (`onetrainer_mix` for OneTrainer's weighted sum); and the Huber schedule when one applies.
 fn loss_type(t: LossType) -> (&'static str, Option<HuberSchedule>) {
     match t {
         LossType::Mse => ("l2", None),
@@ -312,6 +312,7 @@ fn loss_type(t: LossType) -> (&'static str, Option<HuberSchedule>) {
         LossType::Huber => ("huber_everydream2", None),
         LossType::MseHuber => ("mse_huber", None),
         LossType::HuberMse => ("huber_mse", None),
+        LossType::Mix(_) => ("onetrainer_mix", None),
     }
 }
 

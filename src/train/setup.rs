@@ -872,6 +872,8 @@ pub(super) fn build_objective(plan: &TrainPlan, layout: &ModelLayout) -> anyhow:
             Some(m) => m.weighting,
             None => LossConfig::mse().mask,
         },
+        p2_gamma: o.loss.p2_gamma,
+        scale: o.loss.scaler.factor(plan.batch_size, plan.grad_accum),
     };
     Ok(Objective::new(
         schedule,
