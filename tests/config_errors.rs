@@ -540,6 +540,18 @@ fn loss_and_noise_keys_refuse_what_would_be_ignored_or_ambiguous() {
         (json!({"p2_loss_gamma": 0.0}), "p2_loss_gamma"),
         (json!({"loss_scaler": "global_batch"}), "loss_scaler"),
         (
+            json!({"generalized_offset_noise": true, "zero_frequency_noise_ratio": 0.0}),
+            "generalized_offset_noise",
+        ),
+        (
+            json!({"generalized_offset_noise": true, "zero_terminal_snr": true}),
+            "generalized_offset_noise",
+        ),
+        (
+            json!({"perturbation_noise_weight": -0.1}),
+            "perturbation_noise_weight",
+        ),
+        (
             json!({"embedding_perturbation": -1.0}),
             "embedding_perturbation",
         ),

@@ -44,6 +44,7 @@ fn each_loss_and_noise_group_changes_the_loss() {
         serde_json::json!({"mae_strength": 0.5}),
         serde_json::json!({"loss_type": "log_cosh"}),
         serde_json::json!({"p2_loss_gamma": 1.0}),
+        serde_json::json!({"perturbation_noise_weight": 0.3}),
     ];
     for g in groups {
         let l = with(g.clone());
@@ -59,6 +60,11 @@ fn each_loss_and_noise_group_changes_the_loss() {
         with(serde_json::json!({"ip_noise_gamma": 0.5}))
     );
     assert_eq!(with(serde_json::json!({"loss_type": "l2"})), plain);
+    // Generalized offset noise scales the offset by ψ_t: not the plain offset.
+    let offset = serde_json::json!({"zero_frequency_noise_ratio": 0.5});
+    let mut generalized = offset.clone();
+    generalized["generalized_offset_noise"] = true.into();
+    assert_ne!(with(offset), with(generalized));
     // One plain loss at strength 1 is that loss; OneTrainer's loss_scaler multiplies the loss
     // by the batch size (2 here) or the accumulation.
     assert_eq!(

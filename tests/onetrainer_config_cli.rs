@@ -330,10 +330,6 @@ fn what_sdtrain_cannot_do_is_refused_by_name() {
         ("concept_file_name=frac.json", "balancing`"),
         ("concept_file_name=missing.json", "`concept_file_name`"),
         ("lerning_rate=1", "did you mean `learning_rate`"),
-        (
-            "perturbation_noise_weight=0.1",
-            "`perturbation_noise_weight`",
-        ),
     ];
     for (set, expect) in cases {
         let model = model_arg();
@@ -717,11 +713,11 @@ fn onetrainers_timestep_distributions_and_shift_are_taken() {
     assert!(log.contains("noising_weight"), "{log}");
 }
 
-/// OneTrainer's weighted sum of losses with its Huber δ, its P2 weighting and its loss scaler
-/// are taken, and the dry run says so. Catches a strength dropped, δ ignored, P2's γ not read,
-/// or a scaler left out.
+/// OneTrainer's weighted sum of losses with its Huber δ, its P2 weighting, its loss scaler, its
+/// generalized offset noise and perturbation noise are taken, and the dry run says so. Catches a
+/// strength dropped, δ ignored, P2's γ not read, or a scaler or noise option left out.
 #[test]
-fn onetrainers_loss_sum_p2_and_scaler_are_taken() {
+fn onetrainers_loss_and_noise_options_are_taken() {
     let d = tempfile::tempdir().unwrap();
     workspace(d.path());
     let cfg = d.path().join("sd15-lora.json");
@@ -734,6 +730,9 @@ fn onetrainers_loss_sum_p2_and_scaler_are_taken() {
         "loss_weight_fn=P2",
         "loss_weight_strength=0.7",
         "loss_scaler=GLOBAL_BOTH",
+        "offset_noise_weight=0.1",
+        "generalized_offset_noise=true",
+        "perturbation_noise_weight=0.05",
     ];
     let mut args = vec!["--dry-run", "--set", model.as_str()];
     for s in &sets {
@@ -743,7 +742,7 @@ fn onetrainers_loss_sum_p2_and_scaler_are_taken() {
     assert!(
         log.contains(
             "1·mse + 0.5·mae + 0.1·log-cosh + 0.2·huber (δ 0.5) (OneTrainer), P2 weighting γ \
-             0.7, loss_scaler both"
+             0.7, loss_scaler both, generalized offset noise (ψ_t), perturbation noise 0.05"
         ),
         "{log}"
     );

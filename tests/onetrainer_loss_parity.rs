@@ -2,14 +2,23 @@
 //! onetrainer_loss_reference.py, its docstring has the rerun command and the commit; expected
 //! numbers in tests/fixtures/reference/onetrainer_losses.json):
 //! - its weighted sum of MSE, MAE, Huber (with `huber_delta`) and log-cosh, its P2 and min-SNR
-//!   weights (ε and v prediction) and its `loss_scaler`, as the loss of a fixed batch.
+//!   weights (ε and v prediction) and its `loss_scaler`, as the loss of a fixed batch;
+//! - its generalized offset noise's ψ schedule, and how its noise is composed from its draws
+//!   (`main + ψ_t·w·offset + w_p·perturbation`), which sdtrain's objective then follows: the
+//!   offset scaled by ψ of the sample's own timestep, the perturbation in the target too.
 
 mod common;
 
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
+use rand::{rngs::StdRng, SeedableRng};
 use sdtrain::config::LossScaler;
+use sdtrain::diffusion::generalized_offset::psi_schedule;
 use sdtrain::diffusion::loss::{LossConfig, LossInputs, LossMix, LossType};
 use sdtrain::diffusion::noise_schedule::NoiseSchedule;
+use sdtrain::diffusion::objective::{
+    sample_noise, sample_noise_offset, NoiseOffset, Objective, ObjectiveConfig, OffsetVariant,
+};
+use sdtrain::diffusion::timesteps::TimestepRange;
 use serde_json::Value;
 
 fn reference() -> Value {
@@ -92,4 +101,111 @@ fn losses_weights_and_scaler_match_onetrainer() {
         assert!(rel < 2e-6, "{c}: ours {ours}, OneTrainer {want}");
     }
     println!("OneTrainer losses: worst rel err {worst:.1e}");
+}
+
+#[test]
+fn psi_schedule_matches_onetrainer() {
+    let r = reference();
+    let want = common::floats(&r["psi"]);
+    let ours = psi_schedule(schedule("epsilon").alphas_cumprod());
+    assert_eq!(ours.len(), want.len());
+    let worst = ours
+        .iter()
+        .zip(&want)
+        .map(|(a, b)| (a - b).abs() / b.abs())
+        .fold(0.0f64, f64::max);
+    // OneTrainer starts from the f32 betas diffusers keeps; sdtrain from its f64 ᾱ.
+    assert!(worst < 1e-5, "worst rel err {worst:.1e}");
+}
+
+/// OneTrainer's noise is `main + ψ_t·w·offset + w_p·perturbation` for its recorded draws (the
+/// formula sdtrain's objective follows; checked on sdtrain's own draws below).
+#[test]
+fn onetrainers_noise_is_composed_as_sdtrain_composes_it() {
+    let r = reference();
+    let psi = common::floats(&r["psi"]);
+    let t: Vec<usize> = common::floats(&r["inputs"]["timesteps"])
+        .iter()
+        .map(|&t| t as usize)
+        .collect();
+    let shape = common::floats(&r["inputs"]["shape"]);
+    let (c, plane) = (shape[1] as usize, (shape[2] * shape[3]) as usize);
+    for case in r["noise"].as_array().unwrap() {
+        let w = case["offset_noise_weight"].as_f64().unwrap();
+        let wp = case["perturbation_noise_weight"].as_f64().unwrap();
+        let generalized = case["generalized_offset_noise"].as_bool().unwrap();
+        let (main, offset, pert) = (
+            common::floats(&case["main"]),
+            common::floats(&case["offset"]),
+            common::floats(&case["perturbation"]),
+        );
+        for (k, got) in common::floats(&case["noise"]).iter().enumerate() {
+            let (sample, channel) = (k / (c * plane), (k / plane) % c);
+            let scale = if generalized { psi[t[sample]] } else { 1.0 };
+            let mut want = main[k];
+            if w > 0.0 {
+                want += scale * w * offset[sample * c + channel];
+            }
+            if wp > 0.0 {
+                want += wp * pert[k];
+            }
+            assert!((got - want).abs() < 1e-6, "{case}: {k}: {got} vs {want}");
+        }
+    }
+}
+
+/// sdtrain's objective: each sample's offset scaled by ψ of its own timestep (drawn before its
+/// noise), and the perturbation noise in the noisy input and the ε target alike. Catches ψ
+/// left out or read at another timestep, and a perturbation that misses the target.
+#[test]
+fn the_objective_scales_the_offset_by_psi_and_perturbs_the_target() {
+    let s = schedule("epsilon");
+    let psi = psi_schedule(s.alphas_cumprod());
+    let (ratio, wp) = (0.3, 0.2);
+    let cfg = ObjectiveConfig {
+        zero_frequency_noise_ratio: ratio,
+        generalized_offset_noise: true,
+        perturbation_noise_weight: wp,
+        ..ObjectiveConfig::plain(1000)
+    };
+    let obj = Objective::new(s.clone(), cfg.clone()).unwrap();
+    let dims = (1, 4, 3, 3);
+    let x0 = Tensor::zeros((4, 4, 3, 3), DType::F32, &Device::Cpu).unwrap();
+    let seeds = [3u64, 4, 5, 6];
+    let mut rngs: Vec<StdRng> = seeds.iter().map(|&s| StdRng::seed_from_u64(s)).collect();
+    let batch = obj.noise_per_sample(&mut rngs, &x0).unwrap();
+    let range = TimestepRange::unshifted(0, 1000, 1000);
+    for (i, &seed) in seeds.iter().enumerate() {
+        // The same sample's draws: its timestep, its noise with the plain offset (ψ = 1) and
+        // without, then its perturbation.
+        let draw = |psi_t: f32, ratio: f64| {
+            let mut rng = StdRng::seed_from_u64(seed);
+            let t = cfg.timestep_distribution.draw(&mut rng, &range);
+            let offset = NoiseOffset {
+                ratio,
+                variant: OffsetVariant::default(),
+                channel_means: &[],
+                psi: psi_t,
+            };
+            let n = sample_noise_offset(&mut rng, dims, &offset, None, DType::F32, &Device::Cpu)
+                .unwrap();
+            let xi = sample_noise(&mut rng, dims, 0.0, DType::F32, &Device::Cpu).unwrap();
+            (t, n, xi)
+        };
+        let (t, plain, xi) = draw(1.0, ratio);
+        assert_eq!(t, batch.timesteps[i]);
+        let (_, main, _) = draw(1.0, 0.0);
+        let p = psi[t as usize];
+        let want = (&main + ((plain - &main).unwrap() * p).unwrap() + (xi * wp).unwrap()).unwrap();
+        let got = batch.target.get(i).unwrap().unsqueeze(0).unwrap();
+        let err = (got - want)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        assert!(err < 1e-6, "sample {i} (t {t}, ψ {p}): {err}");
+    }
 }

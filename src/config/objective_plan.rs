@@ -55,6 +55,10 @@ pub struct ObjectivePlan {
     pub input_perturbation: Option<InputPerturbation>,
     /// EveryDream2's `embedding_perturbation` (0 is off).
     pub embedding_perturbation: f64,
+    /// OneTrainer's generalized offset noise: the noise offset scaled by `ψ_t`.
+    pub generalized_offset_noise: bool,
+    /// OneTrainer's `perturbation_noise_weight` (0 is off).
+    pub perturbation_noise_weight: f64,
     /// EveryDream2's `train_sampler`: the scheduler class the training noise comes from.
     pub train_sampler: TrainSampler,
     /// Train on the schedule rescaled to zero terminal SNR (arXiv 2305.08891); `zero_terminal_snr`
@@ -134,6 +138,13 @@ pub(super) fn resolve_objective(
                 )
             })?,
         },
+        generalized_offset_noise: generalized_offset(file, ctx, zero_frequency_noise_ratio)?,
+        perturbation_noise_weight: non_negative(
+            ctx,
+            "perturbation_noise_weight",
+            file.perturbation_noise_weight,
+        )?
+        .unwrap_or(0.0),
         zero_frequency_noise_ratio,
         offset_variant: offset_variant(file, ctx, zero_frequency_noise_ratio)?,
         min_snr_gamma,
@@ -150,6 +161,22 @@ pub(super) fn resolve_objective(
         clip_skip: clip_skip as usize,
         clip_skip_layers: clip_skip.max(1) as usize - 1,
     })
+}
+
+/// OneTrainer's `generalized_offset_noise`: it scales the noise offset, so it needs one, and
+/// its ψ schedule is not finite with zero terminal SNR.
+fn generalized_offset(file: &TrainFile, ctx: &Ctx<'_>, offset: f64) -> Result<bool, ConfigError> {
+    if !file.generalized_offset_noise.unwrap_or(false) {
+        return Ok(false);
+    }
+    let why = if offset == 0.0 {
+        "scales the noise offset, which is 0 (set noise_offset or zero_frequency_noise_ratio)"
+    } else if file.zero_terminal_snr.or(file.enable_zero_terminal_snr) == Some(true) {
+        "divides by α_t, which zero terminal SNR makes 0 at the last timestep; turn one of them off"
+    } else {
+        return Ok(true);
+    };
+    Err(ctx.invalid("generalized_offset_noise", why.to_string()))
 }
 
 /// The noise offset: EveryDream2's `zero_frequency_noise_ratio` (default 0.02) or kohya's

@@ -260,6 +260,16 @@ fn objective(t: &mut Translation<'_>) -> Result<(), ConfigError> {
     // Always written: sdtrain's own default offset (EveryDream2's 0.02) is not OneTrainer's 0.
     let offset = t.f64("offset_noise_weight")?;
     t.set("noise_offset", json!(offset), "offset_noise_weight")?;
+    // OneTrainer scales an offset of 0 by ψ to no effect.
+    if t.bool("generalized_offset_noise")? && offset > 0.0 {
+        let v = json!(true);
+        t.set("generalized_offset_noise", v, "generalized_offset_noise")?;
+    }
+    let perturbation = t.f64("perturbation_noise_weight")?;
+    if perturbation > 0.0 {
+        let v = json!(perturbation);
+        t.set("perturbation_noise_weight", v, "perturbation_noise_weight")?;
+    }
     if t.bool("rescale_noise_scheduler_to_zero_terminal_snr")? {
         t.set(
             "zero_terminal_snr",

@@ -595,6 +595,15 @@ impl super::ObjectivePlan {
             };
             parts.push(format!("input perturbation {}{random}", p.gamma));
         }
+        if self.generalized_offset_noise {
+            parts.push("generalized offset noise (ψ_t)".to_string());
+        }
+        if self.perturbation_noise_weight > 0.0 {
+            parts.push(format!(
+                "perturbation noise {}",
+                self.perturbation_noise_weight
+            ));
+        }
         if self.embedding_perturbation > 0.0 {
             parts.push(format!(
                 "embedding perturbation {}",

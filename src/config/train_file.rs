@@ -414,6 +414,12 @@ pub struct TrainFile {
     pub noising_bias: Option<f64>,
     #[serde(default)]
     pub timestep_shift: Option<f64>,
+    /// OneTrainer's generalized offset noise (the noise offset scaled by ψ_t).
+    #[serde(default)]
+    pub generalized_offset_noise: Option<bool>,
+    /// OneTrainer's perturbation noise, added to the noise itself.
+    #[serde(default)]
+    pub perturbation_noise_weight: Option<f64>,
     /// EveryDream2: noise of deviation p/√dim added to the text conditioning in training.
     #[serde(default)]
     pub embedding_perturbation: Option<f64>,

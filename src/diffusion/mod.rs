@@ -2,6 +2,7 @@
 //! losses and their weighting, and the
 //! seeded host noise that training and sampling draw.
 
+pub mod generalized_offset;
 pub mod loss;
 pub mod noise;
 pub mod noise_schedule;

@@ -29,6 +29,7 @@ use rand::Rng;
 use rand_distr::StandardNormal;
 use serde::Serialize;
 
+use super::generalized_offset::psi_schedule;
 use super::loss::{LossConfig, LossError, LossInputs};
 use super::noise_schedule::{NoiseSchedule, ScheduleError};
 use super::perturbation::{embedding_seed, perturb_embeddings, perturbed_noise, InputPerturbation};
@@ -47,6 +48,11 @@ pub enum ObjectiveError {
     Shift(f64),
     #[error("timestep_distribution {0}")]
     Distribution(String),
+    #[error(
+        "generalized_offset_noise: its ψ schedule divides by α_t, which is 0 at the last \
+         timestep of a zero-terminal-SNR schedule; turn one of them off"
+    )]
+    GeneralizedOffset,
     #[error("zero_frequency_noise_ratio is {0}; it must be a finite number ≥ 0")]
     NoiseRatio(f64),
     #[error("min_snr_gamma is {0}; it must be a finite number > 0")]
@@ -95,6 +101,7 @@ impl ObjectiveError {
             ObjectiveError::TimestepRange { .. }
             | ObjectiveError::Shift(_)
             | ObjectiveError::Distribution(_)
+            | ObjectiveError::GeneralizedOffset
             | ObjectiveError::NoiseRatio(_)
             | ObjectiveError::SnrGamma(_)
             | ObjectiveError::DebiasedAtZeroSnr { .. }
@@ -192,6 +199,7 @@ pub fn sample_noise_with<R: Rng + ?Sized>(
         ratio: zero_frequency_noise_ratio,
         variant: OffsetVariant::default(),
         channel_means: &[],
+        psi: 1.0,
     };
     sample_noise_offset(rng, dims, &offset, pyramid, dtype, device)
 }
@@ -202,6 +210,8 @@ pub struct NoiseOffset<'a> {
     pub ratio: f64,
     pub variant: OffsetVariant,
     pub channel_means: &'a [f32],
+    /// Generalized offset noise's `ψ_t` of the sample's timestep (1 for the plain offset).
+    pub psi: f32,
 }
 
 /// [`sample_noise_with`] with kohya's offset variations: the random strength is drawn after the
@@ -234,7 +244,7 @@ pub fn sample_noise_offset<R: Rng + ?Sized>(
         };
         scales
             .iter()
-            .map(|s| s * rng.sample::<f32, _>(StandardNormal))
+            .map(|s| offset.psi * s * rng.sample::<f32, _>(StandardNormal))
             .collect()
     } else {
         Vec::new()
@@ -338,6 +348,12 @@ pub struct ObjectiveConfig {
     pub input_perturbation: Option<InputPerturbation>,
     /// EveryDream2's `embedding_perturbation` `p` (training only; 0 is off).
     pub embedding_perturbation: f64,
+    /// OneTrainer's generalized offset noise: the offset scaled by `ψ_t`
+    /// ([`super::generalized_offset`]).
+    pub generalized_offset_noise: bool,
+    /// OneTrainer's `perturbation_noise_weight`: this much more standard normal noise, in the
+    /// input and the target alike (0 is off).
+    pub perturbation_noise_weight: f64,
 }
 
 impl ObjectiveConfig {
@@ -354,6 +370,8 @@ impl ObjectiveConfig {
             loss: LossConfig::mse(),
             input_perturbation: None,
             embedding_perturbation: 0.0,
+            generalized_offset_noise: false,
+            perturbation_noise_weight: 0.0,
         }
     }
 }
@@ -412,6 +430,8 @@ pub struct Objective {
     schedule: NoiseSchedule,
     prediction_type: PredictionType,
     config: ObjectiveConfig,
+    /// `ψ_t` of generalized offset noise, when it is on and there is an offset.
+    psi: Option<Vec<f64>>,
 }
 
 fn check_non_negative(what: &'static str, value: f64) -> Result<(), ObjectiveError> {
@@ -486,10 +506,25 @@ impl Objective {
         {
             return Err(ObjectiveError::DebiasedAtZeroSnr { t: last });
         }
+        check_non_negative(
+            "perturbation_noise_weight",
+            config.perturbation_noise_weight,
+        )?;
+        let psi = match config.generalized_offset_noise && config.zero_frequency_noise_ratio > 0.0 {
+            true => {
+                let psi = psi_schedule(schedule.alphas_cumprod());
+                if psi.iter().any(|p| !p.is_finite()) {
+                    return Err(ObjectiveError::GeneralizedOffset);
+                }
+                Some(psi)
+            }
+            false => None,
+        };
         Ok(Self {
             prediction_type: schedule.prediction_type(),
             schedule,
             config,
+            psi,
         })
     }
 
@@ -549,12 +584,23 @@ impl Objective {
             None => Vec::new(),
         };
         for (i, rng) in rngs.iter_mut().enumerate() {
+            // Generalized offset noise scales the offset by ψ of the sample's timestep, which is
+            // then drawn first; otherwise it is drawn after the noise.
+            let early = self
+                .psi
+                .as_ref()
+                .map(|_| self.config.timestep_distribution.draw(rng, &range));
+            let psi = match (&self.psi, early) {
+                (Some(psi), Some(t)) => psi.get(t as usize).copied().unwrap_or(1.0) as f32,
+                _ => 1.0,
+            };
             let offset = NoiseOffset {
                 ratio: self.config.zero_frequency_noise_ratio,
                 variant: self.config.offset_variant,
                 channel_means: means.get(i * c..(i + 1) * c).unwrap_or(&[]),
+                psi,
             };
-            let n = sample_noise_offset(
+            let mut n = sample_noise_offset(
                 rng,
                 (1, c, h, w),
                 &offset,
@@ -562,7 +608,14 @@ impl Objective {
                 DType::F32,
                 x0.device(),
             )?;
-            timesteps.push(self.config.timestep_distribution.draw(rng, &range));
+            if self.config.perturbation_noise_weight > 0.0 {
+                let xi = sample_noise(rng, (1, c, h, w), 0.0, DType::F32, x0.device())?;
+                n = (n + xi.affine(self.config.perturbation_noise_weight, 0.0)?)?;
+            }
+            timesteps.push(match early {
+                Some(t) => t,
+                None => self.config.timestep_distribution.draw(rng, &range),
+            });
             if let Some(ip) = self.config.input_perturbation {
                 let strength = ip.strength(rng);
                 let xi = sample_noise(rng, (1, c, h, w), 0.0, DType::F32, x0.device())?;

@@ -888,6 +888,8 @@ pub(super) fn build_objective(plan: &TrainPlan, layout: &ModelLayout) -> anyhow:
             loss,
             input_perturbation: o.input_perturbation,
             embedding_perturbation: o.embedding_perturbation,
+            generalized_offset_noise: o.generalized_offset_noise,
+            perturbation_noise_weight: o.perturbation_noise_weight,
         },
     )?)
 }
