@@ -105,6 +105,7 @@ fn main() -> anyhow::Result<()> {
         rank_dropout: 0.0,
         module_dropout: 0.0,
         blocks: None,
+        layer_filter: None,
         scale_weight_norms: None,
     };
     let adapters = attach_with(&mut sd, mode, plan, 0)?;

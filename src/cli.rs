@@ -412,6 +412,10 @@ pub fn exit_code(err: &anyhow::Error) -> ExitCode {
             || e.downcast_ref::<crate::model::vae_source::VaeSourceError>()
                 .is_some_and(crate::model::vae_source::VaeSourceError::is_usage)
             || e.is::<crate::adapter::block_weights::BlockError>()
+            || matches!(
+                e.downcast_ref::<crate::adapter::AttachError>(),
+                Some(crate::adapter::AttachError::FilterUnmatched { .. })
+            )
             || e.is::<crate::train::weighted_captions::CaptionWeightError>()
             || e.downcast_ref::<crate::adapter::merge::MergeError>()
                 .is_some_and(|m| !matches!(m, crate::adapter::merge::MergeError::Candle(_)))

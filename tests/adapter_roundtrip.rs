@@ -38,6 +38,7 @@ fn plan(init_from: Option<PathBuf>, save_dtype: SaveDtype) -> AdapterPlan {
         rank_dropout: 0.0,
         module_dropout: 0.0,
         blocks: None,
+        layer_filter: None,
         scale_weight_norms: None,
     }
 }

@@ -89,6 +89,7 @@ fn plan(init_from: PathBuf) -> AdapterPlan {
         rank_dropout: 0.0,
         module_dropout: 0.0,
         blocks: None,
+        layer_filter: None,
         scale_weight_norms: None,
     }
 }

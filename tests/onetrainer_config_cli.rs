@@ -325,7 +325,6 @@ fn what_sdtrain_cannot_do_is_refused_by_name() {
         ),
         ("model_type=STABLE_DIFFUSION_15_INPAINTING", "`model_type`"),
         ("optimizer.optimizer=ADEMAMIX", "`optimizer.optimizer`"),
-        ("layer_filter=attn", "`layer_filter`"),
         ("resolution=512,768", "`resolution`"),
         ("concept_file_name=frac.json", "balancing`"),
         ("concept_file_name=missing.json", "`concept_file_name`"),
@@ -746,4 +745,40 @@ fn onetrainers_loss_and_noise_options_are_taken() {
         ),
         "{log}"
     );
+}
+
+/// OneTrainer's "attn-only" preset (`layer_filter` "attn") trains the UNet's attention
+/// projections alone, its text encoder whole. Catches the filter dropped in the translation or
+/// applied to the text encoder.
+#[test]
+fn a_onetrainer_layer_filter_picks_the_unet_layers() {
+    let d = tempfile::tempdir().unwrap();
+    workspace(d.path());
+    let cfg = d.path().join("sd15-lora.json");
+    train_ot(
+        &cfg,
+        d.path(),
+        &[
+            "layer_filter=attn",
+            "layer_filter_preset=attn-only",
+            "sample_after_unit=NEVER",
+            "epochs=1",
+        ],
+    );
+    let file = saved(&d.path().join("models"), "-tiny-lora.safetensors");
+    let names: Vec<String> = common::f32_tensors(&file)
+        .into_keys()
+        .filter_map(|k| k.strip_suffix(".lora_down.weight").map(str::to_string))
+        .collect();
+    let unet: Vec<&String> = names
+        .iter()
+        .filter(|n| n.starts_with("lora_unet_"))
+        .collect();
+    assert!(!unet.is_empty());
+    for n in &unet {
+        assert!(n.contains("_attn1_") || n.contains("_attn2_"), "{n}");
+    }
+    assert!(names
+        .iter()
+        .any(|n| n.starts_with("lora_te_") && n.ends_with("_mlp_fc1")));
 }

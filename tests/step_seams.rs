@@ -52,6 +52,7 @@ fn adapter_plan(dropout: f64) -> AdapterPlan {
         rank_dropout: 0.0,
         module_dropout: 0.0,
         blocks: None,
+        layer_filter: None,
         scale_weight_norms: None,
     }
 }

@@ -22,6 +22,7 @@ use candle_core::Device;
 use rand::{rngs::StdRng, SeedableRng};
 
 use super::factors::Algo;
+use super::layer_filter::LayerFilter;
 use super::lora::{AdapterComponent, LoraKind, LoraModule, LoraShape, ModuleAlgo};
 use crate::model::clip::ClipTextModel;
 use crate::model::unet::UNet2DConditionModel;
@@ -82,6 +83,15 @@ pub enum AttachError {
         component: AdapterComponent,
         mode: AdapterMode,
     },
+    #[error(
+        "adapter.layer_filter: {patterns:?} match no UNet layer that the {mode:?} mode adapts \
+         (paths such as `{example}`; conv_in, conv_out and the time embedding are never adapted)"
+    )]
+    FilterUnmatched {
+        patterns: Vec<String>,
+        mode: AdapterMode,
+        example: String,
+    },
     #[error("cannot create the adapter for `{path}`")]
     Create {
         path: String,
@@ -129,6 +139,44 @@ pub fn unet_target(path: &str, g: &LayerGeometry, spec: &AdapterSpec) -> Option<
             }
         }
     }
+}
+
+/// [`unet_target`] narrowed by OneTrainer's layer filter (`None`: no filter).
+pub fn unet_target_in(
+    path: &str,
+    g: &LayerGeometry,
+    spec: &AdapterSpec,
+    filter: Option<&LayerFilter>,
+) -> Option<(usize, f64)> {
+    if filter.is_some_and(|f| !f.matches(path)) {
+        return None;
+    }
+    unet_target(path, g, spec)
+}
+
+/// Refuses a layer filter with a pattern that matches none of the layers `spec.mode` adapts in
+/// the UNet (OneTrainer raises an error for a filter that matches no module).
+pub fn check_layer_filter(
+    unet: &mut UNet2DConditionModel,
+    spec: &AdapterSpec,
+    filter: &LayerFilter,
+) -> Result<(), AttachError> {
+    let mut targets = Vec::new();
+    unet.visit_layers(&mut |layer| {
+        let (path, g, _, _) = layer_info(&layer);
+        if unet_target(&path, &g, spec).is_some() {
+            targets.push(path);
+        }
+    });
+    let unmatched = filter.unmatched(targets.iter().map(String::as_str));
+    if unmatched.is_empty() {
+        return Ok(());
+    }
+    Err(AttachError::FilterUnmatched {
+        patterns: unmatched,
+        mode: spec.mode,
+        example: targets.first().cloned().unwrap_or_default(),
+    })
 }
 
 /// The `(rank, alpha)` a text-encoder layer gets, or `None`.

@@ -23,6 +23,7 @@ pub mod factors;
 pub mod kohya_file;
 pub mod kohya_meta;
 pub mod kohya_names;
+pub mod layer_filter;
 pub mod lora;
 pub mod max_norm;
 pub mod merge;

@@ -13,6 +13,7 @@ use super::error::ConfigError;
 use super::plan::TrainMode;
 use super::strict::{known_keys, Section};
 use crate::adapter::block_weights::BlockSettings;
+use crate::adapter::layer_filter::LayerFilter;
 
 /// `adapter: {…}` as written.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -94,6 +95,12 @@ pub struct AdapterFile {
     /// Weights at or below it are 0, and their blocks get no adapters.
     #[serde(default)]
     pub block_lr_zero_threshold: Option<f64>,
+    /// OneTrainer's layer filter: the UNet layers to adapt, by path, as a list of patterns or its
+    /// comma-separated string, and whether they are regular expressions.
+    #[serde(default)]
+    pub layer_filter: Option<Value>,
+    #[serde(default)]
+    pub layer_filter_regex: Option<bool>,
 }
 
 /// The saved adapter file's dtype.
@@ -140,6 +147,8 @@ pub struct AdapterPlan {
     pub module_dropout: f64,
     /// kohya's block-wise ranks and learning-rate weights (`None`: every block alike).
     pub blocks: Option<BlockSettings>,
+    /// OneTrainer's layer filter over the UNet's adapted layers (`None`: all of them).
+    pub layer_filter: Option<LayerFilter>,
 }
 
 /// kohya's LoRA+ ratios as resolved: each group's is its own key, else `loraplus_lr_ratio`.
@@ -360,7 +369,46 @@ pub fn resolve_adapter(
         rank_dropout,
         module_dropout,
         blocks,
+        layer_filter: resolve_layer_filter(a).map_err(|(k, m)| invalid(k, m))?,
     })
+}
+
+/// `layer_filter` (a list of patterns, or OneTrainer's comma-separated string; empty patterns
+/// match every layer, so a filter of only those is no filter) and `layer_filter_regex`.
+fn resolve_layer_filter(a: &AdapterFile) -> Result<Option<LayerFilter>, (&'static str, String)> {
+    let regex = a.layer_filter_regex.unwrap_or(false);
+    let patterns: Vec<String> = match &a.layer_filter {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::String(s)) => s.split(',').map(str::to_string).collect(),
+        Some(Value::Array(items)) => items
+            .iter()
+            .map(|v| match v {
+                Value::String(s) => Ok(s.clone()),
+                other => Err((
+                    "layer_filter",
+                    format!("must hold strings (patterns of layer paths); found {other}"),
+                )),
+            })
+            .collect::<Result<_, _>>()?,
+        Some(other) => {
+            return Err((
+                "layer_filter",
+                format!("must be a list of patterns or a comma-separated string (got {other})"),
+            ))
+        }
+    };
+    if patterns.iter().all(|p| p.trim().is_empty()) {
+        if a.layer_filter_regex == Some(true) {
+            return Err((
+                "layer_filter_regex",
+                "is true but layer_filter gives no pattern".to_string(),
+            ));
+        }
+        return Ok(None);
+    }
+    LayerFilter::new(&patterns, regex)
+        .map(Some)
+        .map_err(|e| ("layer_filter", e))
 }
 
 /// The LoRA+ keys (kohya's `networks/lora.py`, and LyCORIS's kohya network alike:

@@ -209,38 +209,34 @@ fn adapter(t: &mut Translation<'_>) -> Result<(), ConfigError> {
         .choice("peft_type", &["LORA", "LOHA", "LOKR"])?
         .to_string();
     let filter = t.str("layer_filter")?.trim().to_string();
-    if t.bool("layer_filter_regex")? && !filter.is_empty() {
-        return Err(t.invalid(
-            "layer_filter_regex",
-            "is true: sdtrain adapts fixed sets of layers (layer_filter \"\" or \"attentions\")"
-                .into(),
-        ));
-    }
+    let regex = t.bool("layer_filter_regex")?;
     let dora = adapter_refusals(t, &peft, &filter)?;
-    let mode = match (peft.as_str(), filter.as_str(), dora) {
-        ("LORA", "attentions", false) => "lora",
-        ("LORA", "", false) => "locon",
-        ("LORA", "", true) => "dora",
-        ("LOHA", "", _) => "loha",
-        ("LOKR", "", _) => "lokr",
-        _ => {
-            return Err(t.invalid(
-                "layer_filter",
-                format!(
-                    "is \"{filter}\" with peft_type \"{peft}\"{}: sdtrain's adapters cover \
-                     every layer (OneTrainer's \"full\" preset, layer_filter \"\"), or, for a \
-                     plain LoRA, the attention blocks (\"attn-mlp\", layer_filter \
-                     \"attentions\")",
-                    if dora { " and lora_decompose" } else { "" }
-                ),
-            ))
-        }
+    // Every pattern empty is OneTrainer's "full" preset; "attentions" alone ("attn-mlp") is
+    // kohya's plain LoRA; any other filter narrows the LoCon targets (sdtrain's layer_filter).
+    let every = filter.split(',').all(|p| p.trim().is_empty());
+    let mode = match (peft.as_str(), dora) {
+        ("LORA", false) if filter == "attentions" && !regex => "lora",
+        ("LORA", false) => "locon",
+        ("LORA", true) => "dora",
+        ("LOHA", _) => "loha",
+        _ => "lokr",
     };
-    if filter.is_empty() {
+    if !every && mode != "lora" {
+        t.adapter.insert("layer_filter".into(), json!(filter));
+        if regex {
+            t.adapter.insert("layer_filter_regex".into(), json!(true));
+        }
+    }
+    if mode != "lora" {
         t.differences_note(format!(
             "the {mode} adapters leave out conv_in, conv_out and the time embedding's linear \
-             layers (sdtrain's {mode} covers the transformer blocks and resnets, as kohya's and \
-             LyCORIS's)"
+             layers{} (sdtrain's {mode} covers the transformer blocks and resnets, as kohya's \
+             and LyCORIS's)",
+            if every {
+                ""
+            } else {
+                " even where layer_filter matches them"
+            }
         ));
     }
     t.set("mode", json!(mode), "peft_type")?;

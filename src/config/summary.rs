@@ -224,6 +224,14 @@ impl TrainPlan {
             }
             None => base,
         };
+        let base = match self.adapter.as_ref().and_then(|a| a.layer_filter.as_ref()) {
+            Some(f) => format!(
+                "{base}; UNet layers matching {} {:?} (layer_filter)",
+                if f.regex { "regex" } else { "any of" },
+                f.patterns
+            ),
+            None => base,
+        };
         match &self.embedding {
             Some(e) => format!(
                 "{base}; with the token `{}` as {} vector(s) (pivotal tuning, bundled in the file)",

@@ -5,9 +5,10 @@
 use std::cell::RefCell;
 use std::sync::Arc;
 
-use crate::adapter::attach::{attach_selected, unet_target, AdapterSpec, LayerGeometry};
+use crate::adapter::attach::{attach_selected, unet_target_in, AdapterSpec, LayerGeometry};
 use crate::adapter::block_weights::BlockTable;
 use crate::adapter::kohya_names::{KohyaComponent, KohyaNaming};
+use crate::adapter::layer_filter::LayerFilter;
 use crate::adapter::{AdapterComponent, AdapterMode, LoraKind, LoraModule};
 use crate::config::AdapterPlan;
 use crate::model::unet::UNet2DConditionModel;
@@ -34,17 +35,17 @@ pub(super) fn resolve_table(
     Ok(Some(table))
 }
 
-/// The UNet's adapters on the mode's targets, each at its block's rank and alpha (an alpha of 0
+/// The UNet's adapters on the mode's targets (narrowed by the layer filter), each at its block's rank and alpha (an alpha of 0
 /// is the rank, as kohya's); a block of rank 0 gets none.
 pub(super) fn attach_unet_blocks(
     unet: &mut UNet2DConditionModel,
-    spec: &AdapterSpec,
+    (spec, filter): (&AdapterSpec, Option<&LayerFilter>),
     naming: &KohyaNaming,
     table: &BlockTable,
 ) -> anyhow::Result<Vec<Arc<LoraModule>>> {
     let failure = RefCell::new(None);
     let select = |path: &str, g: &LayerGeometry| {
-        unet_target(path, g, spec)?;
+        unet_target_in(path, g, spec, filter)?;
         let name = match naming.module_name(KohyaComponent::Unet, path) {
             Ok(n) => n,
             Err(e) => {

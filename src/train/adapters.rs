@@ -8,6 +8,7 @@ use std::sync::Arc;
 use anyhow::Context;
 use candle_core::{DType, Var};
 
+use crate::adapter::attach::{attach_selected, unet_target_in};
 use crate::adapter::block_weights::BlockTable;
 use crate::adapter::factors;
 use crate::adapter::kohya_file::{
@@ -16,7 +17,7 @@ use crate::adapter::kohya_file::{
 };
 use crate::adapter::kohya_names::{KohyaComponent, KohyaNaming};
 use crate::adapter::{
-    attach_text_encoder, attach_unet, kohya_naming, AdapterComponent, AdapterMode, AdapterSpec,
+    attach_text_encoder, kohya_naming, AdapterComponent, AdapterMode, AdapterSpec, LayerGeometry,
     LoraModule,
 };
 use crate::config::{AdapterPlan, SaveDtype, TrainMode, TrainPlan};
@@ -93,12 +94,16 @@ pub fn attach_with(
     let naming = kohya_naming(sd);
     let sdxl = sd.family() == ModelFamily::Sdxl;
     let blocks = super::adapter_blocks::resolve_table(&a, spec.mode, sdxl)?;
+    let filter = a.layer_filter.clone();
+    if let (Some(f), true) = (&filter, a.train_unet) {
+        crate::adapter::attach::check_layer_filter(&mut sd.unet, &spec, f)?;
+    }
     let (modules, a) = match (&a.init_from, a.dim_from_weights) {
         (Some(path), true) => {
             let ranks = file_ranks(path, &candle_core::Device::Cpu)
                 .with_context(|| format!("adapter.init_from {}", path.display()))?;
             let parts = (a.train_unet, a.train_text_encoder);
-            let modules = attach_file_ranks(sd, &spec, &naming, &ranks, parts)?;
+            let modules = attach_file_ranks(sd, &spec, &naming, &ranks, parts, filter.as_ref())?;
             let a = plan_of_file(a, &ranks);
             (modules, a)
         }
@@ -106,10 +111,18 @@ pub fn attach_with(
             // kohya's network_train_text_encoder_only: no UNet adapters at all.
             let mut modules = match (&blocks, a.train_unet) {
                 (_, false) => Vec::new(),
-                (Some(table), true) => {
-                    super::adapter_blocks::attach_unet_blocks(&mut sd.unet, &spec, &naming, table)?
+                (Some(table), true) => super::adapter_blocks::attach_unet_blocks(
+                    &mut sd.unet,
+                    (&spec, filter.as_ref()),
+                    &naming,
+                    table,
+                )?,
+                (None, true) => {
+                    let select = |path: &str, g: &LayerGeometry| {
+                        unet_target_in(path, g, &spec, filter.as_ref())
+                    };
+                    attach_selected(&mut sd.unet, AdapterComponent::Unet, &spec, &select)?
                 }
-                (None, true) => attach_unet(&mut sd.unet, &spec)?,
             };
             if a.train_text_encoder {
                 let comps = [
@@ -184,14 +197,15 @@ fn attach_file_ranks(
     naming: &KohyaNaming,
     ranks: &FileRanks,
     (unet, text_encoders): (bool, bool),
+    filter: Option<&crate::adapter::layer_filter::LayerFilter>,
 ) -> anyhow::Result<Vec<std::sync::Arc<crate::adapter::lora::LoraModule>>> {
-    use crate::adapter::attach::{attach_selected, text_encoder_target, unet_target};
+    use crate::adapter::attach::text_encoder_target;
     let of = |component: AdapterComponent, path: &str| {
         let name = naming.module_name(kohya_component(component), path).ok()?;
         ranks.get(&name).map(|&(r, alpha, _)| (r, alpha))
     };
     let unet_select = |path: &str, g: &_| {
-        unet_target(path, g, spec).and_then(|_| of(AdapterComponent::Unet, path))
+        unet_target_in(path, g, spec, filter).and_then(|_| of(AdapterComponent::Unet, path))
     };
     let holds = |comp: AdapterComponent| {
         let prefix = format!("{}_", naming.prefix(kohya_component(comp)));

@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::fmt;
 
-use crate::adapter::attach::{text_encoder_target, unet_target, AdapterSpec, LayerGeometry};
+use crate::adapter::attach::{text_encoder_target, unet_target_in, AdapterSpec, LayerGeometry};
 use crate::adapter::block_weights::BlockTable;
 use crate::adapter::factors;
 use crate::adapter::kohya_names::{KohyaComponent, KohyaNaming};
@@ -269,7 +269,8 @@ fn unet_shapes(
         .filter_map(|(name, w)| {
             let path = name.strip_suffix(".weight")?;
             let g = geometry(w)?;
-            let (mut rank, _) = unet_target(path, &g, &spec)?;
+            let filter = plan.adapter.as_ref().and_then(|a| a.layer_filter.as_ref());
+            let (mut rank, _) = unet_target_in(path, &g, &spec, filter)?;
             if let Some((naming, table)) = blocks {
                 let name = naming.module_name(KohyaComponent::Unet, path).ok()?;
                 let conv3x3 = w.len() == 4 && w[2] > 1;

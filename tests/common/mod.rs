@@ -215,6 +215,7 @@ pub fn lycoris_plan(
         rank_dropout: 0.0,
         module_dropout: 0.0,
         blocks: None,
+        layer_filter: None,
         scale_weight_norms: None,
     }
 }
