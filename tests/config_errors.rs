@@ -552,6 +552,14 @@ fn loss_and_noise_keys_refuse_what_would_be_ignored_or_ambiguous() {
             "perturbation_noise_weight",
         ),
         (
+            json!({"masked_prior_preservation_weight": 0.5}),
+            "masked_prior_preservation_weight",
+        ),
+        (
+            json!({"masked_loss": true, "masked_prior_preservation_weight": -1.0}),
+            "masked_prior_preservation_weight",
+        ),
+        (
             json!({"embedding_perturbation": -1.0}),
             "embedding_perturbation",
         ),

@@ -199,6 +199,7 @@ fn onetrainer_mask_weighting_matches_masked_losses() {
             mask: MaskWeighting {
                 unmasked_weight: c["unmasked_weight"].as_f64().unwrap(),
                 normalize: c["normalize"].as_bool().unwrap(),
+                prior_preservation: 0.0,
             },
             ..LossConfig::mse()
         };

@@ -125,3 +125,50 @@ fn an_unreadable_mask_file_is_named() {
         text(&out)
     );
 }
+
+/// OneTrainer's masked prior preservation on a LoRA: the first step's adapters add nothing
+/// (their `up` starts at zero), so its prior term is 0 and its loss the plain masked loss; after
+/// one update the prior (the model without its adapters) differs from the prediction, and the
+/// second step's loss grows. Catches the prior predicted with the adapters on (its term stays
+/// 0), the term left out, or one added inside the mask. A full fine-tune is refused.
+#[test]
+fn masked_prior_preservation_pulls_toward_the_model_without_adapters() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = masked_data(&tmp.path().join("data"), 255, 0);
+    let lora = |extra: serde_json::Value| {
+        let mut cfg = serde_json::json!({"mode": "lora", "lr": 0.05, "masked_loss": true,
+                                         "adapter": {"rank": 4, "alpha": 4}});
+        cfg.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        cfg
+    };
+    let (plain, _) = run(
+        &tmp.path().join("plain"),
+        &data,
+        lora(serde_json::json!({})),
+    );
+    let (prior, _) = run(
+        &tmp.path().join("prior"),
+        &data,
+        lora(serde_json::json!({"masked_prior_preservation_weight": 1.0})),
+    );
+    assert!(
+        (prior[0] - plain[0]).abs() <= 1e-6 * plain[0],
+        "{prior:?} vs {plain:?}"
+    );
+    assert!(prior[1] > plain[1] * (1.0 + 1e-6), "{prior:?} vs {plain:?}");
+
+    let cfg = write_config(
+        &tmp.path().join("plain"),
+        "tiny-sd15",
+        &data,
+        serde_json::json!({"masked_loss": true, "masked_prior_preservation_weight": 1.0}),
+    );
+    let out = sdtrain(
+        &["--config", cfg.to_str().unwrap(), "--cpu", "--dry-run"],
+        tmp.path(),
+    );
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(text(&out).contains("masked_prior_preservation_weight"));
+}

@@ -713,7 +713,8 @@ fn onetrainers_timestep_distributions_and_shift_are_taken() {
 }
 
 /// OneTrainer's weighted sum of losses with its Huber δ, its P2 weighting, its loss scaler, its
-/// generalized offset noise and perturbation noise are taken, and the dry run says so. Catches a
+/// masked prior preservation, generalized offset noise and perturbation noise are taken, and
+/// the dry run says so. Catches a
 /// strength dropped, δ ignored, P2's γ not read, or a scaler or noise option left out.
 #[test]
 fn onetrainers_loss_and_noise_options_are_taken() {
@@ -732,6 +733,8 @@ fn onetrainers_loss_and_noise_options_are_taken() {
         "offset_noise_weight=0.1",
         "generalized_offset_noise=true",
         "perturbation_noise_weight=0.05",
+        "masked_training=true",
+        "masked_prior_preservation_weight=0.5",
     ];
     let mut args = vec!["--dry-run", "--set", model.as_str()];
     for s in &sets {
@@ -741,7 +744,8 @@ fn onetrainers_loss_and_noise_options_are_taken() {
     assert!(
         log.contains(
             "1·mse + 0.5·mae + 0.1·log-cosh + 0.2·huber (δ 0.5) (OneTrainer), P2 weighting γ \
-             0.7, loss_scaler both, generalized offset noise (ψ_t), perturbation noise 0.05"
+             0.7, loss_scaler both, masked prior preservation 0.5, generalized offset noise \
+             (ψ_t), perturbation noise 0.05"
         ),
         "{log}"
     );

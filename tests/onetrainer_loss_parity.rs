@@ -5,7 +5,9 @@
 //!   weights (ε and v prediction) and its `loss_scaler`, as the loss of a fixed batch;
 //! - its generalized offset noise's ψ schedule, and how its noise is composed from its draws
 //!   (`main + ψ_t·w·offset + w_p·perturbation`), which sdtrain's objective then follows: the
-//!   offset scaled by ψ of the sample's own timestep, the perturbation in the target too.
+//!   offset scaled by ψ of the sample's own timestep, the perturbation in the target too;
+//! - its masked prior preservation (`masked_losses_with_prior`), MSE and MAE, with and without
+//!   normalising.
 
 mod common;
 
@@ -13,7 +15,7 @@ use candle_core::{DType, Device, Tensor};
 use rand::{rngs::StdRng, SeedableRng};
 use sdtrain::config::LossScaler;
 use sdtrain::diffusion::generalized_offset::psi_schedule;
-use sdtrain::diffusion::loss::{LossConfig, LossInputs, LossMix, LossType};
+use sdtrain::diffusion::loss::{LossConfig, LossInputs, LossMix, LossType, MaskWeighting};
 use sdtrain::diffusion::noise_schedule::NoiseSchedule;
 use sdtrain::diffusion::objective::{
     sample_noise, sample_noise_offset, NoiseOffset, Objective, ObjectiveConfig, OffsetVariant,
@@ -207,5 +209,59 @@ fn the_objective_scales_the_offset_by_psi_and_perturbs_the_target() {
             .to_scalar::<f32>()
             .unwrap();
         assert!(err < 1e-6, "sample {i} (t {t}, ψ {p}): {err}");
+    }
+}
+
+#[test]
+fn masked_prior_preservation_matches_onetrainer() {
+    let r = reference();
+    let x = &r["inputs"];
+    let shape: Vec<usize> = common::floats(&x["shape"])
+        .iter()
+        .map(|&d| d as usize)
+        .collect();
+    let (pred, target) = (tensor(&x["pred"], &shape), tensor(&x["target"], &shape));
+    let timesteps: Vec<u32> = common::floats(&x["timesteps"])
+        .iter()
+        .map(|&t| t as u32)
+        .collect();
+    let m = &r["masked_prior"];
+    let prior = tensor(&m["prior"], &shape);
+    let mask_shape: Vec<usize> = common::floats(&m["mask_shape"])
+        .iter()
+        .map(|&d| d as usize)
+        .collect();
+    let mask = tensor(&m["mask"], &mask_shape);
+    let s = schedule("epsilon");
+    for c in m["cases"].as_array().unwrap() {
+        let cfg = LossConfig {
+            loss_type: match c["loss"].as_str().unwrap() {
+                "mse" => LossType::Mse,
+                _ => LossType::L1,
+            },
+            mask: MaskWeighting {
+                unmasked_weight: c["unmasked_weight"].as_f64().unwrap(),
+                normalize: c["normalize"].as_bool().unwrap(),
+                prior_preservation: c["masked_prior_preservation_weight"].as_f64().unwrap(),
+            },
+            ..LossConfig::mse()
+        };
+        let inputs = LossInputs {
+            pred: &pred,
+            target: &target,
+            timesteps: &timesteps,
+            mask: Some(&mask),
+            sample_weights: None,
+        };
+        let ours = cfg
+            .loss_with_prior(&s, s.prediction_type(), &inputs, Some(&prior))
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap() as f64;
+        let want = c["value"].as_f64().unwrap();
+        assert!(
+            (ours - want).abs() <= 2e-6 * want.abs(),
+            "{c}: ours {ours}, OneTrainer {want}"
+        );
     }
 }

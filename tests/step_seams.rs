@@ -161,6 +161,7 @@ fn settings<'a>(m: &'a Model, ck: Option<&'a Checkpointing>) -> StepSettings<'a>
         checkpointing: ck,
         text_cache: None,
         unmasked_probability: None,
+        prior_adapters: None,
     }
 }
 

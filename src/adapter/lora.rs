@@ -74,6 +74,8 @@ pub struct LoraModule {
     /// The wrapped layer's weight shape, `[out, in]` or `[out, in, k, k]`.
     pub weight_dims: Vec<usize>,
     training: AtomicBool,
+    /// Off for a prior prediction: the layer computes its base alone.
+    bypassed: AtomicBool,
     rng: Mutex<StdRng>,
     /// The dropout stream's seed: [`LoraModule::begin_step`] restarts the stream from it.
     dropout_seed: u64,
@@ -221,6 +223,7 @@ impl LoraModule {
             kind: shape.kind,
             weight_dims,
             training: AtomicBool::new(false),
+            bypassed: AtomicBool::new(false),
             rng: Mutex::new(StdRng::seed_from_u64(dropout_seed)),
             dropout_seed,
             extra_dropout: std::sync::OnceLock::new(),
@@ -354,6 +357,12 @@ impl LoraModule {
 
     pub fn is_training(&self) -> bool {
         self.training.load(Ordering::Relaxed)
+    }
+
+    /// Takes the module out of its layer's forward (`true`) or puts it back: OneTrainer's prior
+    /// model, the base without its adapters.
+    pub fn set_bypassed(&self, on: bool) {
+        self.bypassed.store(on, Ordering::Relaxed)
     }
 
     /// The inverted-dropout mask for `h`: each element 0 with probability `p`, else `1/(1-p)`,
@@ -505,6 +514,10 @@ impl LoraModule {
 }
 
 impl LayerAdapter for LoraModule {
+    fn active(&self) -> bool {
+        !self.bypassed.load(Ordering::Relaxed)
+    }
+
     fn delta(&self, x: &Tensor) -> Result<Tensor> {
         self.delta_any(x, None)
     }

@@ -64,6 +64,27 @@ pub fn set_training(modules: &[Arc<LoraModule>], on: bool) {
     }
 }
 
+/// The modules taken out of their layers' forwards while it lives (a prior prediction: the
+/// model without its adapters); they are put back when it drops, on an error too.
+pub struct Bypassed<'a>(&'a [Arc<LoraModule>]);
+
+impl<'a> Bypassed<'a> {
+    pub fn new(modules: &'a [Arc<LoraModule>]) -> Self {
+        for m in modules {
+            m.set_bypassed(true)
+        }
+        Self(modules)
+    }
+}
+
+impl Drop for Bypassed<'_> {
+    fn drop(&mut self) {
+        for m in self.0 {
+            m.set_bypassed(false)
+        }
+    }
+}
+
 /// How kohya files name this model's modules: diffusers paths for SD1/SD2, LDM block names laid
 /// out from the UNet's own config for SDXL.
 pub fn kohya_naming(sd: &StableDiffusion) -> KohyaNaming {

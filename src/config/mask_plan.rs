@@ -52,6 +52,10 @@ pub(super) fn resolve_mask(
                 "normalize_masked_area_loss",
                 file.normalize_masked_area_loss.is_some(),
             ),
+            (
+                "masked_prior_preservation_weight",
+                file.masked_prior_preservation_weight.is_some(),
+            ),
         ];
         if let Some((key, _)) = weighting_keys.iter().find(|(_, set)| *set) {
             return Err(ctx.invalid(
@@ -72,6 +76,16 @@ pub(super) fn resolve_mask(
         weighting: MaskWeighting {
             unmasked_weight: ctx.fraction("unmasked_weight", file.unmasked_weight, 0.0)?,
             normalize: file.normalize_masked_area_loss.unwrap_or(false),
+            prior_preservation: match file.masked_prior_preservation_weight {
+                None => 0.0,
+                Some(p) if p.is_finite() && p >= 0.0 => p,
+                Some(p) => {
+                    return Err(ctx.invalid(
+                        "masked_prior_preservation_weight",
+                        format!("must be 0 or more (got {p}); 0 is off"),
+                    ))
+                }
+            },
         },
         unmasked_probability: ctx.fraction(
             "unmasked_probability",

@@ -130,7 +130,7 @@ pub(super) const KEYS: &[(&str, Rule)] = &[
     ("unmasked_probability", Code),
     ("unmasked_weight", Code),
     ("normalize_masked_area_loss", Code),
-    ("masked_prior_preservation_weight", Refused("the prior preservation of masked-out areas is not implemented")),
+    ("masked_prior_preservation_weight", Code),
     ("custom_conditioning_image", Refused("conditioning images are for inpainting models, which sdtrain does not train")),
     ("layer_filter", Code),
     ("layer_filter_preset", OtherModel),

@@ -291,6 +291,16 @@ fn objective(t: &mut Translation<'_>) -> Result<(), ConfigError> {
                 "normalize_masked_area_loss",
             )?;
         }
+        // OneTrainer's prior model is its LoRA method's alone; it ignores the weight elsewhere.
+        let prior = t.f64("masked_prior_preservation_weight")?;
+        if prior > 0.0 && t.str("training_method")? == "LORA" {
+            let v = json!(prior);
+            t.set(
+                "masked_prior_preservation_weight",
+                v,
+                "masked_prior_preservation_weight",
+            )?;
+        }
         // OneTrainer applies `unmasked_probability` to inpainting models only.
     }
     Ok(())

@@ -355,6 +355,8 @@ impl TrainPlan {
         check_fused_optimizers(&optimizer, precision.fused_backward_pass, train_path)?;
         check_loraplus(adapter.as_ref(), &optimizer, train_path)?;
         check_block_weights(adapter.as_ref(), &optimizer, train_unet, train_path)?;
+        let objective = resolve_objective(&file, &ctx)?;
+        check_prior_preservation(&objective, adapter.is_some(), &precision, &ctx)?;
         Ok(TrainPlan {
             train_config: train_path.to_path_buf(),
             overrides: overrides.to_vec(),
@@ -396,7 +398,7 @@ impl TrainPlan {
             log_step: ctx.at_least("log_step", file.log_step, DEFAULT_LOG_STEP, 1)?,
             tensorboard: resolve_log_with(&file, &ctx)?,
             data: resolve_data(&file, &ctx, text_encoder_trains, dataset_config)?,
-            objective: resolve_objective(&file, &ctx)?,
+            objective,
             train_text_encoder,
             train_unet,
             text_encoder_freeze,
@@ -455,6 +457,34 @@ impl TrainPlan {
             _ => run_dir.to_path_buf(),
         }
     }
+}
+
+/// OneTrainer's masked prior preservation predicts with the model's adapters taken out, so it
+/// needs adapters (OneTrainer's LoRA method); its extra forward is not one a fused backward pass
+/// can follow.
+fn check_prior_preservation(
+    objective: &ObjectivePlan,
+    adapters: bool,
+    precision: &super::PrecisionPlan,
+    ctx: &Ctx<'_>,
+) -> Result<(), ConfigError> {
+    let on = objective
+        .loss
+        .mask
+        .is_some_and(|m| m.weighting.prior_preservation > 0.0);
+    let why = match (on, adapters, precision.fused_backward_pass) {
+        (false, ..) => return Ok(()),
+        (true, false, _) => {
+            "needs an adapter mode (lora, locon, loha, lokr, dora): the prior is the model's \
+             prediction without its adapters"
+        }
+        (true, true, true) => {
+            "is not implemented beside fused_backward_pass (its prior prediction is a second \
+             forward the fused update would count); turn one off"
+        }
+        (true, true, false) => return Ok(()),
+    };
+    Err(ctx.invalid("masked_prior_preservation_weight", why.to_string()))
 }
 
 /// LoRA+ with an optimizer that has no per-parameter learning rate is refused, naming the key,

@@ -603,6 +603,16 @@ impl super::ObjectivePlan {
             };
             parts.push(format!("input perturbation {}{random}", p.gamma));
         }
+        if let Some(m) = self
+            .loss
+            .mask
+            .filter(|m| m.weighting.prior_preservation > 0.0)
+        {
+            parts.push(format!(
+                "masked prior preservation {}",
+                m.weighting.prior_preservation
+            ));
+        }
         if self.generalized_offset_noise {
             parts.push("generalized offset noise (ψ_t)".to_string());
         }

@@ -414,6 +414,9 @@ pub struct TrainFile {
     pub noising_bias: Option<f64>,
     #[serde(default)]
     pub timestep_shift: Option<f64>,
+    /// OneTrainer's masked prior preservation (LoRA-family modes with masked loss).
+    #[serde(default)]
+    pub masked_prior_preservation_weight: Option<f64>,
     /// OneTrainer's generalized offset noise (the noise offset scaled by ψ_t).
     #[serde(default)]
     pub generalized_offset_noise: Option<bool>,

@@ -41,7 +41,10 @@
 //! The mask `m` `[B, 1, h, w]` (latent size) is clamped to `[unmasked_weight, 1]`, and with
 //! `normalize` each sample's loss is divided by its clamped mask's mean (OneTrainer
 //! `modules/util/loss/masked_loss.py`; kohya's `apply_masked_loss` is `unmasked_weight = 0`
-//! without normalising).
+//! without normalising). With OneTrainer's masked prior preservation `p` and a prior
+//! prediction `q` (the model's without its adapters), `p·(1 − m) ⊙ ℓ(pred − q)` is added, divided
+//! by the mean of `1 − m` when normalising (`masked_losses_with_prior`; where that mean is 0,
+//! OneTrainer's division gives NaN and sdtrain's term is 0).
 
 use candle_core::{DType, Tensor};
 use serde::Serialize;
@@ -139,6 +142,9 @@ pub struct MaskWeighting {
     /// Divide each sample's loss by its clamped mask's mean (OneTrainer's
     /// `normalize_masked_area_loss`).
     pub normalize: bool,
+    /// OneTrainer's `masked_prior_preservation_weight` `p` (0 is off): outside the mask the
+    /// prediction is also pulled toward the model's own prediction without its adapters.
+    pub prior_preservation: f64,
 }
 
 /// kohya's loss scalings between ε and v prediction (module header).
@@ -178,6 +184,7 @@ impl LossConfig {
             mask: MaskWeighting {
                 unmasked_weight: 0.0,
                 normalize: false,
+                prior_preservation: 0.0,
             },
             p2_gamma: None,
             scale: 1.0,
@@ -454,7 +461,19 @@ impl LossConfig {
         prediction_type: PredictionType,
         inputs: &LossInputs<'_>,
     ) -> Result<Tensor, LossError> {
-        let loss = self.unscaled(schedule, prediction_type, inputs)?;
+        self.loss_with_prior(schedule, prediction_type, inputs, None)
+    }
+
+    /// [`Self::loss`] with a prior prediction for masked prior preservation (module header);
+    /// `None`, or no mask, or a weight of 0 leave it out.
+    pub fn loss_with_prior(
+        &self,
+        schedule: &NoiseSchedule,
+        prediction_type: PredictionType,
+        inputs: &LossInputs<'_>,
+        prior: Option<&Tensor>,
+    ) -> Result<Tensor, LossError> {
+        let loss = self.unscaled(schedule, prediction_type, inputs, prior)?;
         if self.scale == 1.0 {
             return Ok(loss);
         }
@@ -467,6 +486,7 @@ impl LossConfig {
         schedule: &NoiseSchedule,
         prediction_type: PredictionType,
         inputs: &LossInputs<'_>,
+        prior: Option<&Tensor>,
     ) -> Result<Tensor, LossError> {
         let (pred, target) = (inputs.pred, inputs.target);
         if pred.dims() != target.dims() || pred.rank() == 0 {
@@ -488,6 +508,14 @@ impl LossConfig {
         let mut elem = self.loss_type.per_element(&d, schedule, inputs.timesteps)?;
         if let Some(mask) = inputs.mask {
             elem = self.apply_mask(&elem, mask)?;
+            if let Some(q) = prior.filter(|_| self.mask.prior_preservation > 0.0) {
+                let dq =
+                    crate::nn::sub_const(&pred.to_dtype(DType::F32)?, &q.to_dtype(DType::F32)?)?;
+                let lq = self
+                    .loss_type
+                    .per_element(&dq, schedule, inputs.timesteps)?;
+                elem = (elem + self.apply_prior_mask(&lq, mask)?)?;
+            }
         }
         let mut weights = self.sample_weights(schedule, prediction_type, inputs.timesteps)?;
         if let Some(own) = inputs.sample_weights {
@@ -510,6 +538,31 @@ impl LossConfig {
         let w: Vec<f32> = weights.iter().map(|&w| w as f32).collect();
         let w = Tensor::from_vec(w, batch, pred.device())?;
         Ok((per_sample * w)?.mean_all()?)
+    }
+
+    /// `p·(1 − clamp(m)) ⊙ ℓ_q`, divided by the per-sample mean of `1 − clamp(m)` when
+    /// normalising (0 where that mean is 0). The mask is a constant.
+    fn apply_prior_mask(&self, elem: &Tensor, mask: &Tensor) -> Result<Tensor, LossError> {
+        let dims = elem.dims();
+        let w = self.mask.unmasked_weight as f32;
+        let outside = mask
+            .detach()
+            .to_dtype(DType::F32)?
+            .to_device(elem.device())?
+            .clamp(w, 1f32)?
+            .affine(-1.0, 1.0)?;
+        let out = elem
+            .broadcast_mul(&outside)?
+            .affine(self.mask.prior_preservation, 0.0)?;
+        if !self.mask.normalize {
+            return Ok(out);
+        }
+        let mean = outside
+            .flatten_from(1)?
+            .mean_keepdim(1)?
+            .reshape((dims[0], 1, 1, 1))?
+            .maximum(f32::MIN_POSITIVE)?;
+        Ok(out.broadcast_div(&mean)?)
     }
 
     /// `clamp(m, unmasked_weight, 1) ⊙ ℓ`, divided by the clamped mask's per-sample mean when
@@ -563,6 +616,36 @@ mod tests {
         let d = Tensor::new(&[0.5f32, -2.0, 1.0, 0.0], &Device::Cpu).unwrap();
         let h = huber1(&d).unwrap().to_vec1::<f32>().unwrap();
         assert_eq!(h, vec![0.125, 1.5, 0.5, 0.0]);
+    }
+
+    /// A sample whose mask is all ones has nothing outside it: its normalised prior term is 0
+    /// (OneTrainer's division gives NaN there), and the loss is the plain masked loss.
+    #[test]
+    fn a_prior_outside_an_all_ones_mask_adds_nothing() {
+        let dev = Device::Cpu;
+        let pred = Tensor::new(&[[[[0.5f32, -1.0], [2.0, 0.0]]]], &dev).unwrap();
+        let target = pred.zeros_like().unwrap();
+        let prior = pred.affine(-1.0, 0.3).unwrap();
+        let mask = pred.ones_like().unwrap();
+        let mut cfg = LossConfig::mse();
+        cfg.mask = MaskWeighting {
+            unmasked_weight: 0.1,
+            normalize: true,
+            prior_preservation: 2.0,
+        };
+        let inputs = LossInputs {
+            pred: &pred,
+            target: &target,
+            timesteps: &[10],
+            mask: Some(&mask),
+            sample_weights: None,
+        };
+        let with = cfg
+            .loss_with_prior(&sd(), PredictionType::Epsilon, &inputs, Some(&prior))
+            .unwrap();
+        let without = cfg.loss(&sd(), PredictionType::Epsilon, &inputs).unwrap();
+        assert_eq!(scalar(&with), scalar(&without));
+        assert!(scalar(&with).is_finite());
     }
 
     /// log cosh stays finite far out (OneTrainer's `d + softplus(−2d)` form, written with

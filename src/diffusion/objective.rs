@@ -672,6 +672,17 @@ impl Objective {
 
     /// The loss of the UNet output `pred` for `batch` ([`super::loss`]).
     pub fn loss(&self, pred: &Tensor, batch: &NoisedBatch) -> Result<Tensor, ObjectiveError> {
+        self.loss_with_prior(pred, batch, None)
+    }
+
+    /// [`Self::loss`] with the prior prediction of masked prior preservation
+    /// (`crate::diffusion::loss`).
+    pub fn loss_with_prior(
+        &self,
+        pred: &Tensor,
+        batch: &NoisedBatch,
+        prior: Option<&Tensor>,
+    ) -> Result<Tensor, ObjectiveError> {
         let inputs = LossInputs {
             pred,
             target: &batch.target,
@@ -680,10 +691,17 @@ impl Objective {
             sample_weights: (!batch.sample_weights.is_empty())
                 .then_some(batch.sample_weights.as_slice()),
         };
-        Ok(self
-            .config
-            .loss
-            .loss(&self.schedule, self.prediction_type, &inputs)?)
+        Ok(self.config.loss.loss_with_prior(
+            &self.schedule,
+            self.prediction_type,
+            &inputs,
+            prior,
+        )?)
+    }
+
+    /// Whether the loss reads a prior prediction (masked prior preservation is on).
+    pub fn wants_prior(&self) -> bool {
+        self.config.loss.mask.prior_preservation > 0.0
     }
 }
 

@@ -89,7 +89,7 @@ impl Conv2d {
             Some(r) => super::add_maybe_const(&y, r),
             None => Ok(y),
         };
-        let Some(a) = &self.adapter else {
+        let Some(a) = self.adapter.as_ref().filter(|a| a.active()) else {
             return plus(self.base_forward(x)?);
         };
         if self.is_frozen() && super::frozen::supported(x) {

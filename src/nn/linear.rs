@@ -76,7 +76,7 @@ impl Linear {
     /// layer runs the GEGLU inside its op and keeps only `p` (`nn::geglu_low_rank`); otherwise
     /// the GEGLU is its own op ([`super::geglu_layer`]) before [`Self::forward_add`].
     pub fn forward_geglu_add(&self, p: &Tensor, residual: &Tensor) -> Result<Tensor> {
-        if let Some(a) = &self.adapter {
+        if let Some(a) = self.adapter.as_ref().filter(|a| a.active()) {
             if self.is_frozen() && super::frozen::supported(p) && super::fused_op::use_fused(p) {
                 let base = super::FrozenBase::Linear {
                     w: self.base_weight(),
@@ -95,7 +95,8 @@ impl Linear {
     /// takes the norm inside its op and keeps only `x` (`nn::low_rank_input`); otherwise the
     /// norm's output is a tensor of the graph, made once for the layers that share it.
     pub fn forward_normed(&self, n: &super::Normed<'_>) -> Result<Tensor> {
-        if let (Some(a), Some(input)) = (&self.adapter, n.derived()) {
+        if let (Some(a), Some(input)) = (self.adapter.as_ref().filter(|a| a.active()), n.derived())
+        {
             if a.derives_inputs() && self.is_frozen() && super::frozen::supported(n.x) {
                 let base = super::FrozenBase::Linear {
                     w: self.base_weight(),
@@ -114,7 +115,7 @@ impl Linear {
             Some(r) => super::add_maybe_const(&y, r),
             None => Ok(y),
         };
-        let Some(a) = &self.adapter else {
+        let Some(a) = self.adapter.as_ref().filter(|a| a.active()) else {
             return plus(self.base_forward(x)?);
         };
         if self.is_frozen() && super::frozen::supported(x) {

@@ -103,6 +103,12 @@ pub trait LayerAdapter: std::fmt::Debug + Send + Sync {
         false
     }
 
+    /// Whether the adapter takes part in the forward; a layer whose adapter is off computes its
+    /// base alone (a prior prediction of the model without its adapters).
+    fn active(&self) -> bool {
+        true
+    }
+
     /// [`LayerAdapter::forward_frozen`] on a linear whose input is `input(a)` (GEGLU, a frozen
     /// LayerNorm), given `a` (and the input's `value` where the caller computed it for several
     /// layers): one op that computes the input again in its backward instead of keeping it (see

@@ -93,6 +93,9 @@ pub struct StepSettings<'a> {
     /// `Some` when masked loss is on: the chance a sample ignores its mask (OneTrainer's
     /// `unmasked_probability`), one draw per sample.
     pub unmasked_probability: Option<f64>,
+    /// The adapters a prior prediction takes out (masked prior preservation), when the
+    /// objective wants one.
+    pub prior_adapters: Option<&'a [std::sync::Arc<crate::adapter::LoraModule>]>,
 }
 
 /// What one training sample brings to a step: decoded pixels, or its cached VAE posterior.
@@ -357,6 +360,27 @@ pub fn forward_loss(
         // Left over from a micro-batch that failed part-way: not this one's.
         drop(ck.take_grads()?);
     }
+    // OneTrainer's prior model: the same batch through the model without its adapters, before
+    // the prediction that trains (and so before its graph exists).
+    let prior = match (settings.prior_adapters, &batch.noised.mask) {
+        (Some(adapters), Some(_)) if settings.objective.wants_prior() => {
+            let _off = crate::adapter::Bypassed::new(adapters);
+            Some(predict(sd, batch, settings)?.detach())
+        }
+        _ => None,
+    };
+    let pred = predict(sd, batch, settings)?;
+    Ok(settings
+        .objective
+        .loss_with_prior(&pred, &batch.noised, prior.as_ref())?)
+}
+
+/// The UNet's prediction for one prepared micro-batch: text conditioning → UNet.
+fn predict(
+    sd: &StableDiffusion,
+    batch: &PreparedBatch,
+    settings: &StepSettings<'_>,
+) -> anyhow::Result<Tensor> {
     let device = batch.noised.noisy.device().clone();
     let prompts: Vec<&str> = batch.captions.iter().map(String::as_str).collect();
     let cond = match settings.text_cache {
@@ -395,11 +419,9 @@ pub fn forward_loss(
         .objective
         .perturb_context(&context, &batch.noised)?
         .to_dtype(settings.compute_dtype)?;
-    let pred = sd
+    Ok(sd
         .unet
-        .forward(&batch.noised.noisy, &t, &context, added.as_ref())?;
-    let loss = settings.objective.loss(&pred, &batch.noised)?;
-    Ok(loss)
+        .forward(&batch.noised.noisy, &t, &context, added.as_ref())?)
 }
 
 /// Forward and backward for one prepared micro-batch. The loss is multiplied by `weight` (the

@@ -94,6 +94,11 @@ impl Model {
             checkpointing: self.checkpointing.as_ref(),
             text_cache: self.text_cache.as_ref(),
             unmasked_probability: plan.objective.loss.mask.map(|m| m.unmasked_probability),
+            prior_adapters: self
+                .adapters
+                .as_ref()
+                .filter(|_| self.objective.wants_prior())
+                .map(|a| a.modules.as_slice()),
         }
     }
 

@@ -335,6 +335,8 @@ impl Validation {
             train_text_encoder: false,
             // Every validation sample keeps its mask.
             unmasked_probability: settings.unmasked_probability.map(|_| 0.0),
+            // OneTrainer's validation loss has no prior term.
+            prior_adapters: None,
             ..*settings
         };
         let micro = self.batch_size.unwrap_or(micro);
