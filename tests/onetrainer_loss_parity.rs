@@ -39,6 +39,21 @@ fn tensor(v: &Value, shape: &[usize]) -> Tensor {
     Tensor::from_vec(data, shape, &Device::Cpu).unwrap()
 }
 
+/// The reference's fixed batch: its shape, predictions, targets and timesteps.
+fn inputs(r: &Value) -> (Vec<usize>, Tensor, Tensor, Vec<u32>) {
+    let x = &r["inputs"];
+    let shape: Vec<usize> = common::floats(&x["shape"])
+        .iter()
+        .map(|&d| d as usize)
+        .collect();
+    let (pred, target) = (tensor(&x["pred"], &shape), tensor(&x["target"], &shape));
+    let timesteps: Vec<u32> = common::floats(&x["timesteps"])
+        .iter()
+        .map(|&t| t as u32)
+        .collect();
+    (shape, pred, target, timesteps)
+}
+
 /// The case's loss as train.json would give it: the mix, P2 or min-SNR, and the scaler for
 /// OneTrainer's batch 3 × accumulation 2.
 fn config(c: &Value) -> LossConfig {
@@ -70,16 +85,7 @@ fn config(c: &Value) -> LossConfig {
 #[test]
 fn losses_weights_and_scaler_match_onetrainer() {
     let r = reference();
-    let x = &r["inputs"];
-    let shape: Vec<usize> = common::floats(&x["shape"])
-        .iter()
-        .map(|&d| d as usize)
-        .collect();
-    let (pred, target) = (tensor(&x["pred"], &shape), tensor(&x["target"], &shape));
-    let timesteps: Vec<u32> = common::floats(&x["timesteps"])
-        .iter()
-        .map(|&t| t as u32)
-        .collect();
+    let (_, pred, target, timesteps) = inputs(&r);
     let cases = r["losses"].as_array().unwrap();
     assert_eq!(cases.len(), 25);
     let mut worst: f64 = 0.0;
@@ -215,16 +221,7 @@ fn the_objective_scales_the_offset_by_psi_and_perturbs_the_target() {
 #[test]
 fn masked_prior_preservation_matches_onetrainer() {
     let r = reference();
-    let x = &r["inputs"];
-    let shape: Vec<usize> = common::floats(&x["shape"])
-        .iter()
-        .map(|&d| d as usize)
-        .collect();
-    let (pred, target) = (tensor(&x["pred"], &shape), tensor(&x["target"], &shape));
-    let timesteps: Vec<u32> = common::floats(&x["timesteps"])
-        .iter()
-        .map(|&t| t as u32)
-        .collect();
+    let (shape, pred, target, timesteps) = inputs(&r);
     let m = &r["masked_prior"];
     let prior = tensor(&m["prior"], &shape);
     let mask_shape: Vec<usize> = common::floats(&m["mask_shape"])
