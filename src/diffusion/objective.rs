@@ -5,17 +5,21 @@
 //!    seeded), plus EveryDream2's noise offset (`zero_frequency_noise_ratio`, after
 //!    crosslabs.org/blog/diffusion-with-offset-noise): `ε += r · n₂` with `n₂ ~ N(0, I)` of shape
 //!    `[B, C, 1, 1]`, i.e. one constant per sample and channel (EveryDream2 `train.py`
-//!    `get_noise`);
+//!    `get_noise`), the offset scaled by `ψ_t` with OneTrainer's generalized offset noise
+//!    ([`super::generalized_offset`]), and `w·ξ` more with its perturbation noise;
 //! 2. timesteps in `[timestep_start, timestep_end)`, one per sample, uniform (EveryDream2
-//!    `get_timesteps`, `torch.randint(start, end)`) or logit-normal ([`super::timesteps`]);
+//!    `get_timesteps`, `torch.randint(start, end)`) or one of OneTrainer's distributions, with
+//!    its timestep shift ([`super::timesteps`]);
 //! 3. `x_t = √ᾱ_t·x₀ + √(1−ᾱ_t)·ε` (with input perturbation, `ε + γ·ξ` there:
 //!    [`super::perturbation`]), and the target `ε` or `v = √ᾱ_t·ε − √(1−ᾱ_t)·x₀`
 //!    ([`NoiseSchedule`]);
 //! 4. the loss `L = (1/B) Σ_i w_i · mean_{c,h,w} ℓ(pred_i − target_i)`, in f32 ([`super::loss`]:
 //!    MSE by default, EveryDream2's Huber mixes, kohya's scheduled pseudo-Huber, a loss mask).
 //!
-//! Each sample draws, from its own generator and in this order: its noise, its timestep, the
-//! input perturbation's strength and noise (when on), and its embedding-noise seed (when on).
+//! Each sample draws, from its own generator and in this order: its noise (the perturbation
+//! noise last, when on), its timestep, the input perturbation's strength and noise (when on),
+//! and its embedding-noise seed (when on). With generalized offset noise the timestep comes
+//! first, since `ψ_t` scales the offset.
 //!
 //! Min-SNR-γ weighting (Hang et al., arXiv 2303.09556, Section 3.4 and 4.2), as in diffusers'
 //! `examples/text_to_image/train_text_to_image.py` with `training_utils.compute_snr`:
