@@ -556,6 +556,14 @@ fn loss_and_noise_keys_refuse_what_would_be_ignored_or_ambiguous() {
             "masked_prior_preservation_weight",
         ),
         (
+            json!({"debiased_estimation_style": "onetrainer"}),
+            "debiased_estimation_style",
+        ),
+        (
+            json!({"debiased_estimation_loss": true, "debiased_estimation_style": "ot"}),
+            "debiased_estimation_style",
+        ),
+        (
             json!({"masked_loss": true, "masked_prior_preservation_weight": -1.0}),
             "masked_prior_preservation_weight",
         ),

@@ -1,8 +1,9 @@
 //! OneTrainer's loss options against OneTrainer's own code (tests/fixtures/
 //! onetrainer_loss_reference.py, its docstring has the rerun command and the commit; expected
 //! numbers in tests/fixtures/reference/onetrainer_losses.json):
-//! - its weighted sum of MSE, MAE, Huber (with `huber_delta`) and log-cosh, its P2 and min-SNR
-//!   weights (ε and v prediction) and its `loss_scaler`, as the loss of a fixed batch;
+//! - its weighted sum of MSE, MAE, Huber (with `huber_delta`) and log-cosh, its P2, min-SNR and
+//!   debiased-estimation weights (ε and v prediction) and its `loss_scaler`, as the loss of a
+//!   fixed batch;
 //! - its generalized offset noise's ψ schedule, and how its noise is composed from its draws
 //!   (`main + ψ_t·w·offset + w_p·perturbation`), which sdtrain's objective then follows: the
 //!   offset scaled by ψ of the sample's own timestep, the perturbation in the target too;
@@ -77,6 +78,8 @@ fn config(c: &Value) -> LossConfig {
         }),
         min_snr_gamma: (weight_fn == "MIN_SNR_GAMMA").then_some(strength),
         p2_gamma: (weight_fn == "P2").then_some(strength),
+        debiased_estimation: weight_fn == "DEBIASED_ESTIMATION",
+        debiased_v_sqrt: true,
         scale: scaler.factor(3, 2),
         ..LossConfig::mse()
     }
@@ -87,7 +90,7 @@ fn losses_weights_and_scaler_match_onetrainer() {
     let r = reference();
     let (_, pred, target, timesteps) = inputs(&r);
     let cases = r["losses"].as_array().unwrap();
-    assert_eq!(cases.len(), 25);
+    assert_eq!(cases.len(), 35);
     let mut worst: f64 = 0.0;
     for c in cases {
         let s = schedule(c["prediction_type"].as_str().unwrap());

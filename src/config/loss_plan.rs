@@ -53,6 +53,8 @@ pub struct LossPlan {
     pub loss_type: LossType,
     /// kohya's `debiased_estimation_loss`.
     pub debiased_estimation: bool,
+    /// OneTrainer's `1/√(SNR + 1)` for a v target (`debiased_estimation_style` `"onetrainer"`).
+    pub debiased_v_sqrt: bool,
     /// kohya's `scale_v_pred_loss_like_noise_pred` and `v_pred_like_loss` (checked against the
     /// model's prediction type when it is loaded).
     pub v_pred: VPredScaling,
@@ -125,6 +127,7 @@ pub(super) fn resolve_loss(file: &TrainFile, ctx: &Ctx<'_>) -> Result<LossPlan, 
     Ok(LossPlan {
         loss_type,
         debiased_estimation: file.debiased_estimation_loss.unwrap_or(false),
+        debiased_v_sqrt: debiased_style(file, ctx)?,
         v_pred: VPredScaling {
             like_noise: file.scale_v_pred_loss_like_noise_pred.unwrap_or(false),
             like_v,
@@ -152,6 +155,31 @@ pub(super) fn resolve_loss(file: &TrainFile, ctx: &Ctx<'_>) -> Result<LossPlan, 
             }
         },
     })
+}
+
+/// `debiased_estimation_style`: `"kohya"` (the default) or `"onetrainer"`, beside
+/// `debiased_estimation_loss`; whether a v target takes OneTrainer's `1/√(SNR + 1)`.
+fn debiased_style(file: &TrainFile, ctx: &Ctx<'_>) -> Result<bool, ConfigError> {
+    let Some(style) = file.debiased_estimation_style.as_deref() else {
+        return Ok(false);
+    };
+    if !file.debiased_estimation_loss.unwrap_or(false) {
+        return Err(ctx.invalid(
+            "debiased_estimation_style",
+            "shapes debiased_estimation_loss, which is off".to_string(),
+        ));
+    }
+    match style.to_ascii_lowercase().as_str() {
+        "kohya" => Ok(false),
+        "onetrainer" => Ok(true),
+        other => Err(ctx.invalid(
+            "debiased_estimation_style",
+            format!(
+                "is \"{other}\"; it must be \"kohya\" (1/(SNR+1) for v-prediction) or \
+                 \"onetrainer\" (1/√(SNR+1))"
+            ),
+        )),
+    }
 }
 
 /// EveryDream2's and kohya's loss types but `huber` (with its δ).

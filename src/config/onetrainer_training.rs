@@ -243,16 +243,11 @@ fn objective(t: &mut Translation<'_>) -> Result<(), ConfigError> {
             let g = t.f64("loss_weight_strength")?;
             t.set("p2_loss_gamma", json!(g), "loss_weight_fn")?;
         }
-        "DEBIASED_ESTIMATION" if predicts_v(t)? => {
-            return Err(t.invalid(
-                "loss_weight_fn",
-                "is \"DEBIASED_ESTIMATION\" on a v-prediction run: OneTrainer weighs it \
-                 1/√(SNR+1) there, sdtrain (as kohya) 1/(SNR+1)"
-                    .into(),
-            ))
-        }
         "DEBIASED_ESTIMATION" => {
-            t.set("debiased_estimation_loss", json!(true), "loss_weight_fn")?
+            t.set("debiased_estimation_loss", json!(true), "loss_weight_fn")?;
+            // OneTrainer's weight for a v target is 1/√(SNR+1), kohya's 1/(SNR+1).
+            let v = json!("onetrainer");
+            t.set("debiased_estimation_style", v, "loss_weight_fn")?
         }
         _ => {}
     }

@@ -565,7 +565,10 @@ impl super::ObjectivePlan {
             }
         }];
         if self.loss.debiased_estimation {
-            parts.push("debiased estimation".to_string());
+            parts.push(match self.loss.debiased_v_sqrt {
+                true => "debiased estimation (OneTrainer's 1/√(SNR+1) for v)".to_string(),
+                false => "debiased estimation".to_string(),
+            });
         }
         if let Some(g) = self.loss.p2_gamma {
             parts.push(format!("P2 weighting γ {g}"));

@@ -371,6 +371,10 @@ pub struct TrainFile {
     /// kohya's debiased estimation loss weighting.
     #[serde(default)]
     pub debiased_estimation_loss: Option<bool>,
+    /// Whose debiased weight a v-prediction model takes: `"kohya"` (1/(SNR+1)) or
+    /// `"onetrainer"` (1/√(SNR+1)).
+    #[serde(default)]
+    pub debiased_estimation_style: Option<String>,
     /// Masked loss from `<stem>-masklabel.png` beside each image: kohya's name …
     #[serde(default)]
     pub masked_loss: Option<bool>,

@@ -26,7 +26,8 @@
 //!
 //! The weights `w_i` multiply: min-SNR-γ (see [`super::objective`]), kohya's debiased
 //! estimation (`custom_train_functions.py` `apply_debiased_estimation`, after arXiv 2310.08442):
-//! `1/√SNR'` for an ε target and `1/(SNR' + 1)` for a v target, with `SNR' = min(SNR, 1000)`,
+//! `1/√SNR'` for an ε target and `1/(SNR' + 1)` for a v target, with `SNR' = min(SNR, 1000)`
+//! (OneTrainer's `__debiased_estimation_weight` takes `1/√(SNR' + 1)` for a v target),
 //! OneTrainer's P2 weighting `(1 + SNR'')^(−γ)` with `SNR'' = SNR` for an ε target and `SNR + 1`
 //! for a v target (its `__p2_loss_weight`; Choi et al., arXiv 2204.00227, with k = 1),
 //! and each sample's own weight (`prior_loss_weight` for a regularization image, 1 for the
@@ -163,6 +164,8 @@ pub struct LossConfig {
     pub min_snr_gamma: Option<f64>,
     /// kohya's `debiased_estimation_loss`.
     pub debiased_estimation: bool,
+    /// OneTrainer's debiased weight for a v target, `1/√(SNR' + 1)` (kohya's `1/(SNR' + 1)`).
+    pub debiased_v_sqrt: bool,
     /// kohya's v-prediction scalings.
     pub v_pred: VPredScaling,
     /// How a sample's loss mask weighs it, when the batch carries masks.
@@ -180,6 +183,7 @@ impl LossConfig {
             loss_type: LossType::Mse,
             min_snr_gamma: None,
             debiased_estimation: false,
+            debiased_v_sqrt: false,
             v_pred: VPredScaling::default(),
             mask: MaskWeighting {
                 unmasked_weight: 0.0,
@@ -239,6 +243,7 @@ pub fn debiased_weights(
     schedule: &NoiseSchedule,
     timesteps: &[u32],
     prediction_type: PredictionType,
+    v_sqrt: bool,
 ) -> Result<Vec<f64>, ScheduleError> {
     timesteps
         .iter()
@@ -246,6 +251,7 @@ pub fn debiased_weights(
             let snr = schedule.snr(t)?.min(DEBIASED_SNR_CAP);
             Ok(match prediction_type {
                 PredictionType::Epsilon => 1.0 / snr.sqrt(),
+                PredictionType::VPrediction if v_sqrt => 1.0 / (snr + 1.0).sqrt(),
                 PredictionType::VPrediction => 1.0 / (snr + 1.0),
             })
         })
@@ -446,7 +452,12 @@ impl LossConfig {
             fold(ws);
         }
         if self.debiased_estimation {
-            fold(debiased_weights(schedule, timesteps, prediction_type)?);
+            fold(debiased_weights(
+                schedule,
+                timesteps,
+                prediction_type,
+                self.debiased_v_sqrt,
+            )?);
         }
         if let Some(gamma) = self.p2_gamma {
             fold(p2_weights(schedule, timesteps, prediction_type, gamma)?);
@@ -765,11 +776,11 @@ mod tests {
     #[test]
     fn debiased_weights_cap_the_snr() {
         let s = sd();
-        let w = debiased_weights(&s, &[0, 999], PredictionType::Epsilon).unwrap();
+        let w = debiased_weights(&s, &[0, 999], PredictionType::Epsilon, false).unwrap();
         assert!((w[0] - 1.0 / 1000f64.sqrt()).abs() < 1e-12);
         let snr = s.snr(999).unwrap();
         assert!((w[1] - 1.0 / snr.sqrt()).abs() < 1e-12);
-        let v = debiased_weights(&s, &[999], PredictionType::VPrediction).unwrap();
+        let v = debiased_weights(&s, &[999], PredictionType::VPrediction, false).unwrap();
         assert!((v[0] - 1.0 / (snr + 1.0)).abs() < 1e-12);
     }
 }

@@ -867,6 +867,7 @@ pub(super) fn build_objective(plan: &TrainPlan, layout: &ModelLayout) -> anyhow:
         loss_type: o.loss.loss_type,
         min_snr_gamma: o.min_snr_gamma,
         debiased_estimation: o.loss.debiased_estimation,
+        debiased_v_sqrt: o.loss.debiased_v_sqrt,
         v_pred: o.loss.v_pred,
         mask: match o.loss.mask {
             Some(m) => m.weighting,
